@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv with Python >= 3.11 (3.12 preferred) and install seqjax with its test extra.
+# Re-running is cheap: the install is skipped while pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  for cand in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 python3.11 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      echo "$cand"; return
+    fi
+  done
+  echo "setup.sh: no Python >= 3.11 found; set PYTHON=/path/to/python3.12" >&2
+  exit 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  "$(find_python)" -m venv .venv
+fi
+stamp=.venv/.seqjax-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+  echo "$want" > "$stamp"
+fi

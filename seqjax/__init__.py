@@ -1,0 +1,1 @@
+"""seqjax: a JAX language-model training stack that is careful about how sequences are cut, packed and batched."""

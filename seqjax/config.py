@@ -1,0 +1,455 @@
+"""The typed config tree: YAML files in ``configs/`` plus dotted ``key=value`` overrides.
+
+Why dataclasses and not a config library: the tree is small, every key needs a
+type, a range and a help line, and errors must name the key, the value and what
+is allowed (with a "did you mean" on typos) *before* any work starts. Plain
+dataclasses with per-field metadata do that in one readable file and add no
+dependency.
+
+Every field may carry metadata:
+
+- ``choices``: the allowed values;
+- ``min`` / ``max``: an inclusive numeric range;
+- ``help``: one line for the README and for error messages.
+
+Cross-field rules (``n_heads`` divisible by ``n_kv_heads``, ...) live in each
+section's ``check`` method. ``load_config`` runs every check, so a config that
+loads is a config that can run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DATA_DIR_ENV = "SEQJAX_DATA_DIR"
+
+
+class ConfigError(ValueError):
+    """A config key, value or file is wrong. The message says which and what is allowed."""
+
+
+def _f(default, help: str, **meta):
+    """A dataclass field with its help line and validation metadata."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class RunConfig:
+    dir: str = _f("runs/default", "where a run writes its config, metrics, checkpoints and plots")
+    seed: int = _f(0, "the one seed: data order, initialization and sampling derive from it", min=0)
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass
+class TokenizerConfig:
+    path: str | None = _f(None, "an existing tokenizer.json to load instead of training one")
+    vocab_size: int = _f(8192, "BPE vocabulary size, special tokens included", min=1)
+    min_frequency: int = _f(2, "a pair must occur this often to be merged", min=1)
+    special_tokens: list[str] = _f(["<|endoftext|>"], "special tokens; the first is end-of-text")
+
+    def check(self) -> None:
+        if not self.special_tokens:
+            raise ConfigError("tokenizer.special_tokens: got [], expected at least the end-of-text token")
+        if self.vocab_size <= len(self.special_tokens):
+            raise ConfigError(
+                f"tokenizer.vocab_size: got {self.vocab_size}, expected more than the "
+                f"{len(self.special_tokens)} special tokens {self.special_tokens}"
+            )
+
+
+STRATEGIES = (
+    "window",
+    "random_offset",
+    "sequential",
+    "random_window",
+    "concat_chunk",
+    "block",
+    "pack",
+    "length_grouped",
+)
+PACKERS = (
+    "greedy",
+    "first_fit",
+    "best_fit",
+    "best_fit_decreasing",
+    "fill",
+    "grain_first_fit",
+    "grain_best_fit",
+    "grain_concat_split",
+)
+
+
+@dataclass
+class DataConfig:
+    dir: str | None = _f(
+        None, f"folder holding the corpus (default: ${DATA_DIR_ENV}); for wikitext2 it holds wikitext-2/ and wikitext-2-raw/"
+    )
+    cache_dir: str = _f(".cache/seqjax", "where the tokenizer and token store are built and reused")
+    corpus: str = _f("wikitext2", "text source", choices=("wikitext2", "text", "jsonl"))
+    variant: str = _f("tokens", "WikiText-2 variant: word-level (tokens, with <unk>) or raw", choices=("tokens", "raw"))
+    train_files: list[str] = _f([], "for corpus text/jsonl: the training files")
+    valid_files: list[str] = _f([], "for corpus text/jsonl: the validation files")
+    test_files: list[str] = _f([], "for corpus text/jsonl: the test files")
+    workers: int = _f(0, "tokenizer/store build processes (0: one per core)", min=0)
+
+    strategy: str = _f("pack", "how the token stream is cut into rows", choices=STRATEGIES)
+    seq_len: int = _f(256, "tokens per row (model inputs)", min=2)
+    stride: int | None = _f(None, "window: distance between window starts (default: seq_len)", min=1)
+    batch_size: int = _f(16, "rows per global batch (all processes together)", min=1)
+    shuffle: bool = _f(True, "shuffle rows each epoch")
+    cross_document_attention: bool = _f(
+        False, "concat_chunk/window: one segment per row (HF/GPT-2) instead of one per document piece"
+    )
+    break_mode: str = _f("none", "block: fairseq TokenBlockDataset break mode", choices=("none", "complete", "complete_doc", "eos"))
+    packer: str = _f("best_fit", "pack: the packing algorithm", choices=PACKERS)
+    pack_buffer: int = _f(1024, "pack: documents considered at once by first_fit/best_fit", min=1)
+    overlong: str = _f("split", "pack: documents longer than a row", choices=("drop", "truncate", "split", "error"))
+    max_segments_per_row: int | None = _f(None, "pack: cap on segments in one row", min=1)
+    bucket_lengths: list[int] = _f([], "length_grouped: padded row lengths (default: powers of two up to seq_len)")
+    mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch", min=1)
+
+    def check(self) -> None:
+        if self.corpus != "wikitext2" and not self.train_files:
+            raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={self.corpus!r}")
+        for length in self.bucket_lengths:
+            if not 2 <= length <= self.seq_len:
+                raise ConfigError(f"data.bucket_lengths: got {length}, expected values in [2, data.seq_len={self.seq_len}]")
+
+    @property
+    def resolved_stride(self) -> int:
+        return self.seq_len if self.stride is None else self.stride
+
+
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int | None = _f(None, "embedding rows (default: the tokenizer's vocabulary size)", min=2)
+    d_model: int = _f(256, "residual width", min=1)
+    n_layers: int = _f(4, "Transformer blocks", min=1)
+    n_heads: int = _f(4, "query heads", min=1)
+    n_kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (default: n_heads)", min=1)
+    d_ff: int = _f(768, "SwiGLU hidden width", min=1)
+    max_seq_len: int = _f(1024, "longest sequence the model accepts", min=1)
+    rope_theta: float = _f(10000.0, "RoPE base frequency", min=1.0)
+    tie_embeddings: bool = _f(True, "share the token embedding with the LM head")
+    param_dtype: str = _f("float32", "parameter storage dtype", choices=DTYPES)
+    compute_dtype: str = _f("float32", "matmul/activation dtype (softmax and loss stay float32)", choices=DTYPES)
+    attention: str = _f("auto", "attention backend", choices=ATTENTION_BACKENDS)
+    init_std: float = _f(0.02, "std of the normal init (residual projections scaled by 1/sqrt(2*n_layers))", min=0.0)
+
+    def check(self) -> None:
+        kv = self.kv_heads
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.n_heads: got {self.n_heads}, expected a divisor of model.d_model={self.d_model}")
+        if self.n_heads % kv:
+            raise ConfigError(f"model.n_kv_heads: got {kv}, expected a divisor of model.n_heads={self.n_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(1000, "optimizer steps", min=1)
+    lr: float = _f(3e-3, "peak learning rate", min=0.0)
+    schedule: str = _f("cosine", "learning-rate schedule after warmup", choices=("cosine", "constant", "linear"))
+    warmup_steps: int = _f(100, "linear warmup steps from 0 to lr", min=0)
+    min_lr_ratio: float = _f(0.1, "floor of the decay, as a fraction of lr", min=0.0, max=1.0)
+    b1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
+    b2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
+    eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
+    weight_decay: float = _f(0.1, "decoupled weight decay (not on norms, biases)", min=0.0)
+    decay_embeddings: bool = _f(False, "apply weight decay to the embeddings too")
+    grad_clip: float | None = _f(1.0, "global-norm clipping threshold (null: off)", min=0.0)
+    grad_accum: int = _f(1, "micro-batches per step (data.batch_size is split between them)", min=1)
+    z_loss: float = _f(0.0, "z-loss coefficient on log(Z)^2", min=0.0)
+    checkpoint_every: int = _f(200, "steps between checkpoints (one is also written at the end)", min=1)
+    keep_checkpoints: int = _f(3, "newest checkpoints kept", min=1)
+    async_checkpoint: bool = _f(True, "write checkpoints in the background")
+    eval_every: int = _f(200, "steps between validation runs (0: only at the end)", min=0)
+    eval_batches: int | None = _f(None, "cap on validation batches during training (null: whole split)", min=1)
+    log_every: int = _f(10, "steps between progress-bar updates", min=1)
+    nonfinite: str = _f("stop", "on a NaN/inf loss: stop the run, or skip the update", choices=("stop", "skip"))
+
+    def check(self) -> None:
+        if self.warmup_steps > self.steps:
+            raise ConfigError(f"train.warmup_steps: got {self.warmup_steps}, expected at most train.steps={self.steps}")
+
+
+@dataclass
+class MeshConfig:
+    data: int = _f(-1, "data-parallel axis size (-1: the remaining devices)", min=-1)
+    fsdp: int = _f(1, "fully-sharded data-parallel axis size (-1: the remaining devices)", min=-1)
+    tensor: int = _f(1, "tensor-parallel axis size (-1: the remaining devices)", min=-1)
+
+    def check(self) -> None:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            if size == 0:
+                raise ConfigError(f"mesh.{name}: got 0, expected a positive size or -1")
+        if list(sizes.values()).count(-1) > 1:
+            raise ConfigError(f"mesh: got {sizes}, expected at most one axis set to -1")
+
+
+@dataclass
+class DistributedConfig:
+    coordinator_address: str | None = _f(None, "host:port of process 0 for multi-host runs (env: SEQJAX_COORDINATOR)")
+    num_processes: int | None = _f(None, "processes in a multi-host run (env: SEQJAX_NUM_PROCESSES)", min=1)
+    process_id: int | None = _f(None, "this process's index (env: SEQJAX_PROCESS_ID)", min=0)
+
+    def check(self) -> None:
+        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+            raise ConfigError(
+                f"dist.process_id: got {self.process_id}, expected less than dist.num_processes={self.num_processes}"
+            )
+
+
+@dataclass
+class EvalConfig:
+    split: str = _f("valid", "split to score", choices=("valid", "test"))
+    mode: str = _f("sliding", "evaluation protocol", choices=("blocks", "sliding", "documents"))
+    context: int | None = _f(None, "tokens of context per window (default: data.seq_len)", min=2)
+    stride: int | None = _f(None, "sliding: new tokens scored per window (default: context // 2)", min=1)
+    batch_size: int = _f(8, "windows per evaluation batch", min=1)
+
+    def check(self) -> None:
+        if self.context is not None and self.stride is not None and self.stride > self.context:
+            raise ConfigError(f"eval.stride: got {self.stride}, expected at most eval.context={self.context}")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    dist: DistributedConfig = field(default_factory=DistributedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def check(self) -> None:
+        """Run every section's own rules, then the rules that span sections."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).check()
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len: got {self.data.seq_len}, expected at most model.max_seq_len={self.model.max_seq_len}"
+            )
+        if self.data.batch_size % self.train.grad_accum:
+            raise ConfigError(
+                f"train.grad_accum: got {self.train.grad_accum}, expected a divisor of data.batch_size={self.data.batch_size}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the resolved config as YAML, atomically, so a run's folder always holds a loadable one."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_yaml())
+        os.replace(tmp, path)
+        return path
+
+    def data_dir(self) -> Path | None:
+        """The corpus folder: ``data.dir`` if set, else ``$SEQJAX_DATA_DIR``, else None."""
+        value = self.data.dir or os.environ.get(DATA_DIR_ENV)
+        return Path(value).expanduser() if value else None
+
+
+# ---------------------------------------------------------------------------
+# Loading and overriding
+
+
+def _type_name(tp: Any) -> str:
+    if _is_optional(tp):
+        return f"{_type_name(_strip_optional(tp))} or null"
+    origin = typing.get_origin(tp)
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0]
+
+
+def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> Any:
+    """Check ``value`` against the field type and metadata; return it in the field's type."""
+    if value is None:
+        if _is_optional(tp):
+            return None
+        raise ConfigError(f"{key}: got null, expected {_type_name(tp)}")
+    base = _strip_optional(tp) if _is_optional(tp) else tp
+    origin = typing.get_origin(base)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: got {value!r}, expected {_type_name(base)}")
+        (item_tp,) = typing.get_args(base)
+        return [_coerce(f"{key}[{i}]", v, item_tp, {}) for i, v in enumerate(value)]
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: got {value!r}, expected true or false")
+    elif base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: got {value!r}, expected an integer")
+    elif base is float:
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: got {value!r}, expected a number")
+        value = float(value)
+    elif base is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: got {value!r}, expected a string")
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{key}: got {value!r}, expected one of {', '.join(map(str, meta['choices']))}")
+    if "min" in meta and value < meta["min"]:
+        raise ConfigError(f"{key}: got {value!r}, expected at least {meta['min']}")
+    if "max" in meta and value > meta["max"]:
+        raise ConfigError(f"{key}: got {value!r}, expected at most {meta['max']}")
+    return value
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the tree, for help and typo suggestions."""
+    keys = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            keys += [prefix + name] + all_keys(tp, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else "; run with --help-config to list the keys"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in values:
+        if name not in fields:
+            raise _unknown_key(prefix + name)
+    kwargs = {}
+    for name, f in fields.items():
+        tp = hints[name]
+        key = prefix + name
+        if dataclasses.is_dataclass(tp):
+            sub = values.get(name) or {}
+            if not isinstance(sub, dict):
+                raise ConfigError(f"{key}: got {sub!r}, expected a mapping of {tp.__name__} keys")
+            kwargs[name] = _build(tp, sub, key + ".")
+        elif name in values:
+            kwargs[name] = _coerce(key, values[name], tp, f.metadata)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise _unknown_key(key)
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``data.seq_len=512`` -> ("data.seq_len", 512); the value is read as YAML (so 1e-3, true, null, [1,2] work)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, for example data.seq_len=512")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: the key before '=' is empty")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML config (or start from defaults), apply dotted overrides, validate everything."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found (expected a YAML file such as configs/wikitext2_cpu.yaml)")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from err
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r}: expected a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded or {}
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+    try:
+        config = _build(Config, tree, "")
+    except ConfigError as err:
+        where = f" (in {path})" if path is not None else ""
+        raise ConfigError(f"{err}{where}") from None
+    config.check()
+    return config
+
+
+def describe_keys() -> str:
+    """A table of every key, its type, default and help line (``--help-config``)."""
+    lines = []
+    defaults = Config()
+
+    def walk(cls, obj, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, getattr(obj, f.name), prefix + f.name + ".")
+                continue
+            allowed = f" one of {list(f.metadata['choices'])}" if "choices" in f.metadata else ""
+            lines.append(
+                f"{prefix + f.name:32s} {_type_name(tp):18s} default={getattr(obj, f.name)!r}{allowed}  {f.metadata.get('help', '')}"
+            )
+
+    walk(Config, defaults, "")
+    return "\n".join(lines)

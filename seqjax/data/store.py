@@ -1,0 +1,220 @@
+"""The token store: one split as a flat, memory-mapped token array plus document and line offsets.
+
+Layout of a store folder (one per split)::
+
+    tokens.bin        the stream, uint16 when the vocabulary fits, else uint32
+    doc_offsets.npy   int64 [n_docs + 1]
+    line_offsets.npy  int64 [n_lines + 1]
+    manifest.json     dtype, counts, eot_id, vocab_size, tokenizer and source hashes
+
+The stream is ``EOT, doc_0, EOT, doc_1, EOT, ..., doc_{n-1}, EOT``: one
+end-of-text token before the first document and one after every document.
+Document ``i`` is ``tokens[doc_offsets[i]:doc_offsets[i+1]]`` and *ends with*
+its EOT; the token just before it is always an EOT. So:
+
+- ``doc_offsets[0] == 1`` and ``doc_offsets[-1] == len(tokens)``;
+- the sequence a packer trains on, ``[EOT] + text + [EOT]``, is the contiguous
+  slice ``tokens[doc_offsets[i] - 1 : doc_offsets[i + 1]]``: the model learns
+  how articles start and that they end;
+- every token after position 0 has context, so evaluation scores
+  ``len(tokens) - 1`` tokens in every mode (the ``predicted_tokens`` count).
+
+``line_offsets`` are token boundaries of the text's lines (each line was
+tokenized on its own, so line boundaries are token boundaries). Every document
+boundary is a line boundary; each document's closing EOT belongs to its last
+line. fairseq's block break modes are defined on lines.
+
+Why one flat array: every chunking strategy becomes index arithmetic on
+offsets (vectorized numpy, O(n)), reads are zero-copy slices of a memmap, and
+many processes can share the pages.
+
+Writes are atomic: files go to a temporary sibling folder that is renamed into
+place only when complete, so a killed build never leaves a store that looks
+complete, and an existing store is never half-overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class StoreError(ValueError):
+    """A store is missing, incomplete, or does not match the tokenizer asked for."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 halves the memory and bandwidth whenever the ids fit."""
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+@dataclass
+class TokenStore:
+    """A read-only view of one split. Build with :func:`write_store` / open with :meth:`open`."""
+
+    tokens: np.ndarray
+    doc_offsets: np.ndarray
+    line_offsets: np.ndarray
+    eot_id: int
+    vocab_size: int
+    manifest: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- construction -----------------------------------------------------
+
+    @classmethod
+    def from_documents(
+        cls,
+        docs: list[np.ndarray] | list[list[int]],
+        eot_id: int,
+        vocab_size: int,
+        lines: list[list[int]] | None = None,
+    ) -> "TokenStore":
+        """An in-memory store from token lists (text only, no EOT). For tests and small corpora.
+
+        ``lines``, if given, holds for each document the token lengths of its
+        lines (summing to the document's length); by default a document is one line.
+        """
+        dtype = token_dtype(vocab_size)
+        pieces = [np.asarray([eot_id], dtype)]
+        doc_offsets = [1]
+        line_offsets = [1]
+        for i, doc in enumerate(docs):
+            doc = np.asarray(doc, dtype)
+            pieces += [doc, np.asarray([eot_id], dtype)]
+            doc_offsets.append(doc_offsets[-1] + len(doc) + 1)
+            lengths = list(lines[i]) if lines is not None else [len(doc)]
+            if sum(lengths) != len(doc):
+                raise StoreError(f"document {i}: line lengths {lengths} do not sum to its length {len(doc)}")
+            lengths[-1] += 1  # the closing EOT belongs to the last line
+            for n in lengths:
+                line_offsets.append(line_offsets[-1] + n)
+        tokens = np.concatenate(pieces)
+        return cls(
+            tokens=tokens,
+            doc_offsets=np.asarray(doc_offsets, np.int64),
+            line_offsets=np.asarray(line_offsets, np.int64),
+            eot_id=int(eot_id),
+            vocab_size=int(vocab_size),
+        )
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "TokenStore":
+        """Memory-map a finished store folder; refuse one without a manifest (an interrupted build)."""
+        path = Path(path)
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            raise StoreError(f"no complete token store at {path} (missing {MANIFEST}); run python -m seqjax.prepare")
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise StoreError(
+                f"token store {path} has format_version {manifest.get('format_version')}, expected {FORMAT_VERSION}; rebuild it"
+            )
+        tokens = np.memmap(path / "tokens.bin", dtype=np.dtype(manifest["dtype"]), mode="r")
+        return cls(
+            tokens=tokens,
+            doc_offsets=np.load(path / "doc_offsets.npy"),
+            line_offsets=np.load(path / "line_offsets.npy"),
+            eot_id=int(manifest["eot_id"]),
+            vocab_size=int(manifest["vocab_size"]),
+            manifest=manifest,
+            path=path,
+        )
+
+    # -- queries ----------------------------------------------------------
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the stream, separators included."""
+        return len(self.tokens)
+
+    @property
+    def predicted_tokens(self) -> int:
+        """Tokens that have context: every text token plus each document's closing EOT."""
+        return len(self.tokens) - 1
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        """Length of each document, its closing EOT included."""
+        return np.diff(self.doc_offsets)
+
+    def doc(self, i: int) -> np.ndarray:
+        """Document ``i`` with its closing EOT (no leading EOT)."""
+        return self.tokens[self.doc_offsets[i] : self.doc_offsets[i + 1]]
+
+    def doc_with_context(self, i: int) -> np.ndarray:
+        """``[EOT] + text + [EOT]``: the sequence a per-document strategy trains and scores on."""
+        return self.tokens[self.doc_offsets[i] - 1 : self.doc_offsets[i + 1]]
+
+    def validate(self) -> None:
+        """Check the layout invariants above; a store that breaks them is refused, not used."""
+        where = f" ({self.path})" if self.path else ""
+        n = len(self.tokens)
+        d, l = self.doc_offsets, self.line_offsets
+        if n == 0 or self.num_docs < 1:
+            raise StoreError(f"token store{where} is empty: it holds no documents")
+        if d[0] != 1 or d[-1] != n or np.any(np.diff(d) < 1):
+            raise StoreError(f"token store{where}: doc_offsets must rise from 1 to {n}")
+        if l[0] != 1 or l[-1] != n or np.any(np.diff(l) < 1):
+            raise StoreError(f"token store{where}: line_offsets must rise from 1 to {n}")
+        if not np.all(np.isin(d, l)):
+            raise StoreError(f"token store{where}: every document boundary must be a line boundary")
+        if self.tokens[0] != self.eot_id or np.any(self.tokens[d[1:] - 1] != self.eot_id):
+            raise StoreError(f"token store{where}: documents must be separated by eot_id={self.eot_id}")
+
+
+def write_store(path: str | os.PathLike, store: TokenStore, manifest: dict[str, Any]) -> TokenStore:
+    """Write ``store`` to ``path`` atomically and return it opened from disk.
+
+    The files are written into a temporary folder beside ``path`` and renamed
+    into place last; an existing store at ``path`` is replaced only then.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        dtype = token_dtype(store.vocab_size)
+        np.asarray(store.tokens, dtype).tofile(tmp / "tokens.bin")
+        np.save(tmp / "doc_offsets.npy", np.asarray(store.doc_offsets, np.int64))
+        np.save(tmp / "line_offsets.npy", np.asarray(store.line_offsets, np.int64))
+        full = {
+            **manifest,
+            "format_version": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "eot_id": store.eot_id,
+            "vocab_size": store.vocab_size,
+            "num_tokens": store.num_tokens,
+            "num_docs": store.num_docs,
+            "num_lines": len(store.line_offsets) - 1,
+        }
+        # The manifest is the completion marker, so it is written last.
+        (tmp / MANIFEST).write_text(json.dumps(full, indent=2))
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return TokenStore.open(path)
