@@ -24,3 +24,20 @@ def wikitext() -> Path:
     if path is None:
         pytest.skip(f"WikiText-2 not found: set {DATA_DIR_ENV} to the folder holding wikitext-2/ (CI sets it)")
     return path
+
+
+@pytest.fixture(scope="session")
+def wikitext_config(wikitext, tmp_path_factory):
+    """A config pointing at WikiText-2 with a session-private cache and a small vocabulary (fast to train)."""
+    from seqjax.config import load_config
+
+    cache = tmp_path_factory.mktemp("wikitext_cache")
+    return load_config(None, [f"data.dir={wikitext}", f"data.cache_dir={cache}", "tokenizer.vocab_size=2048"])
+
+
+@pytest.fixture(scope="session")
+def wikitext_prepared(wikitext_config):
+    """Tokenizer and token stores for all three WikiText-2 splits, built once per test session."""
+    from seqjax.data.build import prepare
+
+    return prepare(wikitext_config)
