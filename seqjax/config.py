@@ -191,6 +191,9 @@ class TrainConfig:
     eval_batches: int | None = _f(None, "cap on validation batches during training (null: whole split)", min=1)
     log_every: int = _f(10, "steps between progress-bar updates", min=1)
     nonfinite: str = _f("stop", "on a NaN/inf loss: stop the run, or skip the update", choices=("stop", "skip"))
+    peak_flops: float | None = _f(
+        None, "peak FLOP/s per device for MFU (null: a table of known accelerators; CPU: MFU is null)", min=0.0
+    )
 
     def check(self) -> None:
         if self.warmup_steps > self.steps:
