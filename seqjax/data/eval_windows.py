@@ -1,0 +1,184 @@
+"""Evaluation windows: the three perplexity protocols as batch-contract rows whose ``weights`` say what each row scores.
+
+A *unit* is a run of tokens scored on its own: the whole split's stream
+(``blocks``, ``sliding``) or one article ``[EOT] + text + [EOT]``
+(``documents``, ``store.doc_with_context(i)``). A window reads ``context``
+input tokens ``u[a : a + context]`` and predicts the next ones
+``u[a + 1 : a + context + 1]``; its ``weights`` mark only the targets it is
+responsible for, so that across all windows
+
+    every predicted token of the split is scored exactly once.
+
+**The first-token rule.** The first token of every unit is context only,
+never a target: it is always the ``<|endoftext|>`` that opens the stream or
+the article. So every text token, the first word of an article included, is
+predicted from at least that one token, and every mode scores exactly
+``store.predicted_tokens == len(store.tokens) - 1`` tokens (each text token
+plus each article's closing EOT).
+
+The modes:
+
+- ``blocks``: non-overlapping windows of ``context`` over the stream, as
+  HF ``run_clm`` evaluates. (run_clm never scores the first token of a block;
+  here it is scored, with one token of context, so nothing is skipped.)
+- ``sliding``: windows ``stride`` apart over the stream, each scoring only the
+  targets the previous window did not reach (the first window scores all of
+  its own), as in HF's "perplexity of fixed-length models" guide. Every scored
+  token after the first window has at least ``context - stride`` tokens of
+  context. ``stride == context`` is exactly ``blocks``.
+- ``documents``: each article scored on its own with disjoint rolling windows;
+  the last window of an article is moved back to end at the article's end, so
+  its new tokens get a full window of context (lm-evaluation-harness's
+  ``loglikelihood_rolling`` wikitext protocol).
+
+Documents see each other only if asked: by default a stream window gives each
+article piece its own segment id (positions restart at the article's opening
+EOT), so an article is never conditioned on the one before it, the same
+isolation the packed training rows have. ``cross_document_attention=True``
+gives each window one segment (the HF/GPT-2 convention).
+
+Window bounds are computed for all windows at once (vectorized numpy, a few
+small int64 arrays); rows are materialized a batch at a time, always
+``[batch_size, context]``, the last batch padded with weight-0 rows, so a
+jitted scorer compiles once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from seqjax.data.store import TokenStore
+
+MODES = ("blocks", "sliding", "documents")
+
+
+@dataclass(frozen=True)
+class EvalWindows:
+    """Window bounds for one split and protocol; all positions are indices into ``store.tokens``.
+
+    Window ``w`` reads inputs from ``starts[w]``, may not read past the last
+    token of its unit ``ends[w]``, and scores the targets at stream positions
+    ``lo[w] < p <= hi[w]``.
+    """
+
+    store: TokenStore
+    mode: str
+    context: int
+    stride: int
+    starts: np.ndarray
+    ends: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    cross_document_attention: bool = False
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def scored_tokens(self) -> int:
+        return int(np.sum(self.hi - self.lo))
+
+    def num_batches(self, batch_size: int) -> int:
+        return -(-len(self) // batch_size)
+
+    def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """The batch-contract rows of windows ``index`` ([len(index), context] each)."""
+        index = np.asarray(index, np.int64)
+        offsets = np.arange(self.context, dtype=np.int64)[None, :]
+        input_pos = self.starts[index, None] + offsets
+        target_pos = input_pos + 1
+        valid = target_pos <= self.ends[index, None]
+        last = len(self.store.tokens) - 1
+        tokens = np.asarray(self.store.tokens)
+        inputs = np.where(valid, tokens[np.minimum(input_pos, last)], 0).astype(np.int32)
+        targets = np.where(valid, tokens[np.minimum(target_pos, last)], 0).astype(np.int32)
+        scored = valid & (target_pos > self.lo[index, None]) & (target_pos <= self.hi[index, None])
+
+        if self.cross_document_attention:
+            segment_ids = valid.astype(np.int32)
+        else:
+            # An input belongs to the article of the token it predicts, so the EOT between two
+            # articles is the first (context-only) token of the second one's segment.
+            doc = np.searchsorted(self.store.doc_offsets, target_pos, side="right")
+            segment_ids = np.where(valid, doc - doc[:, :1] + 1, 0).astype(np.int32)
+        new_segment = np.ones_like(valid)
+        new_segment[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+        segment_start = np.maximum.accumulate(np.where(new_segment, offsets, 0), axis=1)
+        positions = np.where(valid, offsets - segment_start, 0).astype(np.int32)
+        return {
+            "inputs": inputs,
+            "targets": targets,
+            "segment_ids": segment_ids,
+            "positions": positions,
+            "weights": scored.astype(np.float32),
+        }
+
+    def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        """Rows in window order, ``batch_size`` at a time; the last batch is padded with empty rows."""
+        for begin in range(0, len(self), batch_size):
+            index = np.arange(begin, min(begin + batch_size, len(self)))
+            batch = self.rows(index)
+            missing = batch_size - len(index)
+            if missing:
+                batch = {k: np.concatenate([v, np.zeros((missing, self.context), v.dtype)]) for k, v in batch.items()}
+            yield batch
+
+
+def _unit_windows(
+    unit_start: np.ndarray, unit_end: np.ndarray, context: int, stride: int, right_align_last: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Windows over each unit ``tokens[unit_start[u] : unit_end[u] + 1]`` (vectorized over units).
+
+    Window ``k`` of a unit starts ``k * stride`` in and scores the targets after
+    the previous window's last one, up to its own last target (or the unit's end).
+    """
+    predicted = unit_end - unit_start  # targets at unit offsets 1 .. predicted
+    count = 1 + np.maximum(0, -(-(predicted - context) // stride))
+    unit = np.repeat(np.arange(len(unit_start)), count)
+    k = np.arange(len(unit)) - np.repeat(np.cumsum(count) - count, count)
+    n = predicted[unit]
+    begin = k * stride
+    hi = np.minimum(begin + context, n)
+    lo = np.where(k == 0, 0, np.minimum(begin - stride + context, n))
+    if right_align_last:
+        is_last = k == count[unit] - 1
+        begin = np.where(is_last, np.maximum(0, n - context), begin)
+    base = unit_start[unit]
+    return base + begin, unit_end[unit], base + lo, base + hi
+
+
+def resolve_stride(mode: str, context: int, stride: int | None) -> int:
+    """Check the window settings and return the stride in use (``context`` except in ``sliding``)."""
+    if mode not in MODES:
+        raise ValueError(f"eval.mode: got {mode!r}, expected one of {', '.join(MODES)}")
+    if context < 1:
+        raise ValueError(f"eval.context: got {context}, expected at least 1")
+    if mode != "sliding":
+        return context
+    stride = context // 2 if stride is None else stride
+    if not 1 <= stride <= context:
+        raise ValueError(f"eval.stride: got {stride}, expected 1 .. eval.context={context}")
+    return stride
+
+
+def eval_windows(
+    store: TokenStore,
+    mode: str,
+    context: int,
+    stride: int | None = None,
+    *,
+    cross_document_attention: bool = False,
+) -> EvalWindows:
+    """The windows of ``mode`` over ``store``; ``stride`` matters to ``sliding`` only (default ``context // 2``)."""
+    stride = resolve_stride(mode, context, stride)
+    if mode == "documents":
+        unit_start = np.asarray(store.doc_offsets[:-1], np.int64) - 1
+        unit_end = np.asarray(store.doc_offsets[1:], np.int64) - 1
+    else:
+        unit_start = np.zeros(1, np.int64)
+        unit_end = np.asarray([len(store.tokens) - 1], np.int64)
+    starts, ends, lo, hi = _unit_windows(unit_start, unit_end, context, stride, right_align_last=mode == "documents")
+    return EvalWindows(store, mode, context, stride, starts, ends, lo, hi, cross_document_attention)
