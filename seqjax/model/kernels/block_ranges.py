@@ -1,0 +1,126 @@
+"""Which (query block, key block) tiles of a packed row can hold an allowed pair, computed once per forward.
+
+Under contract 2 (DESIGN.md) query i sees key j iff ``segment_ids[i] == segment_ids[j] != 0`` and ``j <= i``.
+So a real query i sees only keys in ``[first(i), i]``, where ``first(i)`` is the first index of i's segment, and
+a real key j is seen only by queries in ``[j, last(j)]``. Reducing those intervals over a tile gives a
+contiguous range of tiles per block: for each query block the key blocks ``[kv_lo, kv_hi)`` its loop visits,
+and for each key block the query blocks ``[q_lo, q_hi)`` the dK/dV loop visits. Blocks outside the ranges hold
+no allowed pair, so packing leaves them empty and the kernel never loads them; an all-padding block gets the
+empty range and costs nothing.
+
+The ranges depend only on ``segment_ids`` and the block sizes, not on the layer, so a model computes one
+:class:`BlockMetadata` per forward (``block_metadata(segment_ids, block_sizes)``) and passes it to every layer's
+``flash_attention(..., metadata=...)``; it is a pytree, so it crosses ``jit``/``scan``/``remat`` boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile shapes of the three passes; each a power of two >= 16 (Triton's smallest dot tile).
+
+    The forward pass tiles queries by ``block_q`` and keys by ``block_k``; the backward passes (dQ, and
+    dK/dV) both use ``block_q_bwd`` x ``block_k_bwd``. ``num_warps``/``num_stages`` go to Triton and are
+    ignored in interpret mode.
+    """
+
+    block_q: int = 128
+    block_k: int = 64
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"BlockSizes.{name}: got {size}, expected a power of two >= 16")
+
+    @property
+    def multiple(self) -> int:
+        """The padded sequence length is a multiple of this (every block size divides it)."""
+        return max(self.block_q, self.block_k, self.block_q_bwd, self.block_k_bwd)
+
+    def padded_length(self, seq_len: int) -> int:
+        return -(-seq_len // self.multiple) * self.multiple
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockMetadata:
+    """Per-block visiting ranges for one batch of segment ids (all [B, n_blocks] int32, end exclusive).
+
+    ``fwd_kv``: for each forward query block (``block_q``), the key blocks (``block_k``) ``[lo, hi)``.
+    ``dq_kv``: the same for the dQ pass's tiles (``block_q_bwd`` x ``block_k_bwd``).
+    ``dkv_q``: for each backward key block (``block_k_bwd``), the query blocks (``block_q_bwd``) ``[lo, hi)``.
+    Each is stacked as [..., 2] = (lo, hi). ``seq_len`` is the padded length they were computed for.
+    """
+
+    fwd_kv: jax.Array
+    dq_kv: jax.Array
+    dkv_q: jax.Array
+    seq_len: int = dataclasses.field(metadata=dict(static=True))
+    block_sizes: BlockSizes = dataclasses.field(metadata=dict(static=True))
+
+
+def segment_extents(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(first, last) [B, T]: the first and last index in the row holding the same segment id as each position.
+
+    Computed by a stable sort, so it is right even if an id recurs non-contiguously (the contract says
+    segments are contiguous runs; then these are simply each segment's start and end).
+    """
+    t = segment_ids.shape[-1]
+    order = jnp.argsort(segment_ids, axis=-1, stable=True)
+    sorted_ids = jnp.take_along_axis(segment_ids, order, axis=-1)
+    index = jnp.broadcast_to(jnp.arange(t), sorted_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(sorted_ids[:, :1], bool), sorted_ids[:, 1:] != sorted_ids[:, :-1]], -1)
+    ends = jnp.concatenate([starts[:, 1:], jnp.ones_like(starts[:, :1])], -1)
+    group_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    group_end = jax.lax.cummin(jnp.where(ends, index, t - 1), axis=1, reverse=True)
+    first_sorted = jnp.take_along_axis(order, group_start, axis=-1)
+    last_sorted = jnp.take_along_axis(order, group_end, axis=-1)
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(first_sorted, inverse, -1), jnp.take_along_axis(last_sorted, inverse, -1)
+
+
+def _ranges(real: jax.Array, lo: jax.Array, hi: jax.Array, block_rows: int, block_cols: int) -> jax.Array:
+    """Per row-block [lo, hi) in column blocks, from per-position inclusive intervals [lo, hi] of real positions."""
+    b, t = real.shape
+    big = jnp.iinfo(jnp.int32).max
+    lo = jnp.where(real, lo, big).reshape(b, t // block_rows, block_rows).min(-1)
+    hi = jnp.where(real, hi, -1).reshape(b, t // block_rows, block_rows).max(-1)
+    empty = hi < 0
+    ranges = jnp.stack([lo // block_cols, hi // block_cols + 1], axis=-1)
+    return jnp.where(empty[..., None], 0, ranges).astype(jnp.int32)
+
+
+def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes | None = None) -> BlockMetadata:
+    """Visiting ranges for ``segment_ids`` [B, T] (T any length: padded here as the kernel pads it)."""
+    block_sizes = block_sizes or BlockSizes()
+    t = segment_ids.shape[-1]
+    padded = block_sizes.padded_length(t)
+    segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
+    first, last = segment_extents(segment_ids)
+    index = jnp.broadcast_to(jnp.arange(padded, dtype=jnp.int32), segment_ids.shape)
+    real = segment_ids != 0
+    bs = block_sizes
+    return BlockMetadata(
+        fwd_kv=_ranges(real, first, index, bs.block_q, bs.block_k),
+        dq_kv=_ranges(real, first, index, bs.block_q_bwd, bs.block_k_bwd),
+        dkv_q=_ranges(real, index, last, bs.block_k_bwd, bs.block_q_bwd),
+        seq_len=padded,
+        block_sizes=block_sizes,
+    )
+
+
+def visited_blocks(ranges: jax.Array, n_cols: int) -> jax.Array:
+    """Boolean [B, n_rows, n_cols]: True for the tiles a kernel loop visits under ``ranges`` [B, n_rows, 2]."""
+    col = jnp.arange(n_cols)
+    return (col >= ranges[..., :1]) & (col < ranges[..., 1:])

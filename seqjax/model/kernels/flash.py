@@ -1,0 +1,302 @@
+"""Flash attention for segment-masked causal attention in Pallas, skipping the tiles packing leaves empty.
+
+Three ``pallas_call`` passes joined by ``jax.custom_vjp``, in the FlashAttention-2 arrangement:
+
+- forward: one program per (query block, batch row, query head); it streams key blocks through an online
+  softmax (base-2 exponentials, float32 accumulators) and saves the log-sum-exp for the backward pass;
+- dQ: one program per (query block, row, query head), streaming key blocks again;
+- dK/dV: one program per (key block, row, key/value head), streaming query blocks of every query head that
+  shares this kv head (GQA), so dK/dV are summed in registers with no atomics and no extra reduction.
+
+Every loop visits only the ranges in :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`; the mask inside
+a visited tile is contract 2's :func:`seqjax.model.attention.segment_mask`. Fully masked queries (segment 0)
+give zero output and zero gradients.
+
+The kernels lower through Pallas's Triton backend on NVIDIA GPUs (``interpret=False``), and run in Pallas's
+interpreter anywhere else (``interpret=True``), which is how CI checks their numerics on a CPU. ``interpret=None``
+chooses: compiled on a GPU, interpreted elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, block_metadata
+
+LOG2_E = math.log2(math.e)
+# A finite stand-in for -inf: masked logits and the running max start here, so no exp2(-inf - -inf) = NaN.
+MASKED = -1e30
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret: bool | None = None,
+    block_sizes: BlockSizes | None = None,
+    metadata: BlockMetadata | None = None,
+) -> jax.Array:
+    """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D] with Hkv dividing H.
+
+    ``segment_ids`` [B, T] int: contract 2 (0 = padding). ``scale`` defaults to D**-0.5. T need not be a
+    multiple of the block sizes: the kernel pads with segment 0 (which costs no tile) and slices back.
+    ``metadata``: precomputed :func:`block_metadata` for these segment ids and ``block_sizes`` — compute it
+    once per forward and pass it to every layer; computed here when omitted.
+    """
+    _check_inputs(q, k, v, segment_ids)
+    b, t, h, d = q.shape
+    scale = float(d**-0.5 if scale is None else scale)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if metadata is None:
+        metadata = block_metadata(segment_ids, block_sizes)
+    elif block_sizes is not None and block_sizes != metadata.block_sizes:
+        raise ValueError(f"metadata was computed for {metadata.block_sizes}, not block_sizes={block_sizes}")
+    block_sizes = metadata.block_sizes
+    padded = block_sizes.padded_length(t)
+    if metadata.seq_len != padded or metadata.fwd_kv.shape[0] != b:
+        raise ValueError(
+            f"metadata is for batch {metadata.fwd_kv.shape[0]} and padded length {metadata.seq_len}, "
+            f"but the inputs have batch {b} and padded length {padded} (T={t})"
+        )
+    pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
+    segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
+    out = _flash(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale, bool(interpret))
+    return out[:, :t]
+
+
+def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"expected q [B,T,H,D] and k, v [B,T,Hkv,D]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    b, t, h, d = q.shape
+    if k.shape[:2] != (b, t) or k.shape[3] != d:
+        raise ValueError(f"k/v {k.shape} must share batch, length and head_dim with q {q.shape}")
+    if h % k.shape[2]:
+        raise ValueError(f"query heads {h} must be a multiple of key/value heads {k.shape[2]}")
+    if segment_ids.shape != (b, t):
+        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(b, t)}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two >= 16 (64, 128 and 256 are the tuned sizes)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype {x.dtype}: expected bfloat16, float16 or float32")
+
+
+def _tile_mask(seg_q, seg_k, q_start, k_start):
+    """Contract 2's mask for one tile: [block_q, block_k] bool, from the one definition in attention.py."""
+    from seqjax.model.attention import segment_mask  # attention.py dispatches here: import at call time
+
+    q_index = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_q.shape[0]), 1)
+    k_index = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_k.shape[0]), 1)
+    return segment_mask(seg_q[None], seg_k[None], q_index=q_index, kv_index=k_index)[0]
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False):
+    """Tile matmul with float32 accumulation; float32 tiles stay exact (no TF32) so tests can be tight."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+
+
+def _log2_probs(q, k, seg_q, seg_k, q_start, k_start, qk_scale):
+    """Scaled logits in log2 units and the tile mask; masked logits are MASKED."""
+    mask = _tile_mask(seg_q, seg_k, q_start, k_start)
+    s = _dot(q, k, trans_b=True) * qk_scale
+    return jnp.where(mask, s, MASKED), mask
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+
+def _forward_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_k):
+    i = pl.program_id(0)
+    block_q, d = q_ref.shape
+    q = q_ref[...]
+    seg_q = seg_q_ref[...]
+    q_start = i * block_q
+
+    def visit(j, carry):
+        acc, m, l = carry
+        keys = pl.ds(j * block_k, block_k)
+        s, mask = _log2_probs(q, k_ref[keys, :], seg_q, seg_k_ref[keys], q_start, j * block_k, qk_scale)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
+        correction = jnp.exp2(m - m_new)
+        v = v_ref[keys, :]
+        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, m_new, l * correction + p.sum(axis=-1)
+
+    init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), MASKED, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(ranges_ref[i, 0], ranges_ref[i, 1], visit, init)
+    empty = l == 0.0  # padding queries, and queries of tiles with no allowed key: zeros, not NaN
+    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, 0.0, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interpret: bool):
+    """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T] (float32) the backward pass reuses."""
+    b, t, h, d = q.shape
+    group = h // k.shape[2]
+    bs = metadata.block_sizes
+    n_q = t // bs.block_q
+    kernel = functools.partial(_forward_kernel, qk_scale=scale * LOG2_E, block_k=bs.block_k)
+    return pl.pallas_call(
+        kernel,
+        grid=(n_q, b, h),
+        in_specs=[
+            pl.BlockSpec((None, n_q, 2), lambda i, r, hd: (r, 0, 0)),
+            pl.BlockSpec((None, bs.block_q), lambda i, r, hd: (r, i)),
+            pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
+            pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, i, hd, 0)),
+            pl.BlockSpec((None, t, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
+            pl.BlockSpec((None, t, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, i, hd, 0)),
+            pl.BlockSpec((None, None, bs.block_q), lambda i, r, hd: (r, hd, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="seqjax_flash_forward",
+    )(metadata.fwd_kv, segment_ids, segment_ids, q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, block_k):
+    i = pl.program_id(0)
+    block_q, d = q_ref.shape
+    q, do, seg_q = q_ref[...], do_ref[...], seg_q_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+
+    def visit(j, dq):
+        keys = pl.ds(j * block_k, block_k)
+        k, v = k_ref[keys, :], v_ref[keys, :]
+        s, mask = _log2_probs(q, k, seg_q, seg_k_ref[keys], i * block_q, j * block_k, scale * LOG2_E)
+        p = jnp.where(mask, jnp.exp2(s - lse[:, None]), 0.0)
+        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq = jax.lax.fori_loop(ranges_ref[i, 0], ranges_ref[i, 1], visit, jnp.zeros((block_q, d), jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(
+    ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, block_q
+):
+    j = pl.program_id(0)
+    block_k, d = k_ref.shape
+    group = q_ref.shape[1]
+    k, v, seg_k = k_ref[...], v_ref[...], seg_k_ref[...]
+    lo, hi = ranges_ref[j, 0], ranges_ref[j, 1]
+
+    def visit_head(g, carry):
+        def visit(i, carry):
+            dk, dv = carry
+            queries = pl.ds(i * block_q, block_q)
+            q, do = q_ref[queries, g, :], do_ref[queries, g, :]
+            s, mask = _log2_probs(q, k, seg_q_ref[queries], seg_k, i * block_q, j * block_k, scale * LOG2_E)
+            p = jnp.where(mask, jnp.exp2(s - lse_ref[g, queries][:, None]), 0.0)
+            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+            ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, queries][:, None])
+            return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
+
+        return jax.lax.fori_loop(lo, hi, visit, carry)
+
+    zeros = jnp.zeros((block_k, d), jnp.float32)
+    dk, dv = jax.lax.fori_loop(0, group, visit_head, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, out, lse, do):
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    group = h // hkv
+    bs = metadata.block_sizes
+    bq, bk = bs.block_q_bwd, bs.block_k_bwd
+    # delta_i = sum_d out_i * dout_i: the softmax-backward row term, one fused XLA reduction.
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+    params = plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    full_row = lambda r, hd: (r, 0, hd, 0)  # noqa: E731  (index maps read better inline)
+
+    n_q = t // bq
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, block_k=bk),
+        grid=(n_q, b, h),
+        in_specs=[
+            pl.BlockSpec((None, n_q, 2), lambda i, r, hd: (r, 0, 0)),
+            pl.BlockSpec((None, bq), lambda i, r, hd: (r, i)),
+            pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
+            pl.BlockSpec((None, bq, None, d), lambda i, r, hd: (r, i, hd, 0)),
+            pl.BlockSpec((None, t, None, d), lambda i, r, hd: full_row(r, hd // group)),
+            pl.BlockSpec((None, t, None, d), lambda i, r, hd: full_row(r, hd // group)),
+            pl.BlockSpec((None, bq, None, d), lambda i, r, hd: (r, i, hd, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, r, hd: (r, hd, i)),
+            pl.BlockSpec((None, None, bq), lambda i, r, hd: (r, hd, i)),
+        ],
+        out_specs=pl.BlockSpec((None, bq, None, d), lambda i, r, hd: (r, i, hd, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="seqjax_flash_dq",
+    )(metadata.dq_kv, segment_ids, segment_ids, q, k, v, do, lse, delta)
+
+    n_k = t // bk
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=scale, block_q=bq),
+        grid=(n_k, b, hkv),
+        in_specs=[
+            pl.BlockSpec((None, n_k, 2), lambda j, r, hd: (r, 0, 0)),
+            pl.BlockSpec((None, t), lambda j, r, hd: (r, 0)),
+            pl.BlockSpec((None, bk), lambda j, r, hd: (r, j)),
+            pl.BlockSpec((None, t, group, d), lambda j, r, hd: full_row(r, hd)),
+            pl.BlockSpec((None, bk, None, d), lambda j, r, hd: (r, j, hd, 0)),
+            pl.BlockSpec((None, bk, None, d), lambda j, r, hd: (r, j, hd, 0)),
+            pl.BlockSpec((None, t, group, d), lambda j, r, hd: full_row(r, hd)),
+            pl.BlockSpec((None, group, t), lambda j, r, hd: (r, hd, 0)),
+            pl.BlockSpec((None, group, t), lambda j, r, hd: (r, hd, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bk, None, d), lambda j, r, hd: (r, j, hd, 0)),
+            pl.BlockSpec((None, bk, None, d), lambda j, r, hd: (r, j, hd, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params,
+        interpret=interpret,
+        name="seqjax_flash_dkv",
+    )(metadata.dkv_q, segment_ids, segment_ids, q, k, v, do, lse, delta)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------- custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q, k, v, segment_ids, metadata, scale, interpret):
+    return _forward(q, k, v, segment_ids, metadata, scale, interpret)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, metadata, scale, interpret):
+    out, lse = _forward(q, k, v, segment_ids, metadata, scale, interpret)
+    return out, (q, k, v, segment_ids, metadata, out, lse)
+
+
+def _flash_bwd(scale, interpret, residuals, do):
+    q, k, v, segment_ids, metadata, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, segment_ids, metadata, scale, interpret, out, lse, do)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
