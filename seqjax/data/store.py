@@ -35,6 +35,7 @@ complete, and an existing store is never half-overwritten.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -112,8 +113,12 @@ class TokenStore:
         )
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "TokenStore":
-        """Memory-map a finished store folder; refuse one without a manifest (an interrupted build)."""
+    def open(cls, path: str | os.PathLike, *, tokenizer_hash: str | None = None) -> "TokenStore":
+        """Memory-map a finished store folder; refuse one without a manifest (an interrupted build).
+
+        With ``tokenizer_hash``, also refuse a store built by any other
+        tokenizer: its ids would mean different text, silently.
+        """
         path = Path(path)
         manifest_path = path / MANIFEST
         if not manifest_path.is_file():
@@ -122,6 +127,12 @@ class TokenStore:
         if manifest.get("format_version") != FORMAT_VERSION:
             raise StoreError(
                 f"token store {path} has format_version {manifest.get('format_version')}, expected {FORMAT_VERSION}; rebuild it"
+            )
+        built_with = manifest.get("tokenizer_hash")
+        if tokenizer_hash is not None and built_with != tokenizer_hash:
+            raise StoreError(
+                f"token store {path} was built with tokenizer {str(built_with)[:12]}, but the tokenizer in use is "
+                f"{tokenizer_hash[:12]}; refusing it. Rebuild the store with this tokenizer (python -m seqjax.prepare)"
             )
         tokens = np.memmap(path / "tokens.bin", dtype=np.dtype(manifest["dtype"]), mode="r")
         return cls(
@@ -180,41 +191,120 @@ class TokenStore:
             raise StoreError(f"token store{where}: documents must be separated by eot_id={self.eot_id}")
 
 
-def write_store(path: str | os.PathLike, store: TokenStore, manifest: dict[str, Any]) -> TokenStore:
-    """Write ``store`` to ``path`` atomically and return it opened from disk.
-
-    The files are written into a temporary folder beside ``path`` and renamed
-    into place last; an existing store at ``path`` is replaced only then.
-    """
-    path = Path(path)
+def _staging_dir(path: Path) -> Path:
+    """A fresh hidden folder beside ``path``; leftovers of builds whose process is gone are removed first."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    for old in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = old.name.split(".")[-3]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _publish(tmp: Path, path: Path, doc_offsets, line_offsets, dtype: np.dtype, num_tokens: int,
+             eot_id: int, vocab_size: int, manifest: dict[str, Any]) -> TokenStore:
+    """Finish a staging folder whose ``tokens.bin`` is written, and rename it into place.
+
+    The manifest is the completion marker, so it is written last; an existing
+    store at ``path`` is replaced only by the final renames.
+    """
+    np.save(tmp / "doc_offsets.npy", np.asarray(doc_offsets, np.int64))
+    np.save(tmp / "line_offsets.npy", np.asarray(line_offsets, np.int64))
+    full = {
+        **manifest,
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "eot_id": int(eot_id),
+        "vocab_size": int(vocab_size),
+        "num_tokens": int(num_tokens),
+        "num_docs": len(doc_offsets) - 1,
+        "num_lines": len(line_offsets) - 1,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(full, indent=2))
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return TokenStore.open(path)
+
+
+def write_store(path: str | os.PathLike, store: TokenStore, manifest: dict[str, Any]) -> TokenStore:
+    """Write an in-memory ``store`` to ``path`` atomically and return it opened from disk."""
+    path = Path(path)
+    tmp = _staging_dir(path)
     try:
         dtype = token_dtype(store.vocab_size)
         np.asarray(store.tokens, dtype).tofile(tmp / "tokens.bin")
-        np.save(tmp / "doc_offsets.npy", np.asarray(store.doc_offsets, np.int64))
-        np.save(tmp / "line_offsets.npy", np.asarray(store.line_offsets, np.int64))
-        full = {
-            **manifest,
-            "format_version": FORMAT_VERSION,
-            "dtype": dtype.name,
-            "eot_id": store.eot_id,
-            "vocab_size": store.vocab_size,
-            "num_tokens": store.num_tokens,
-            "num_docs": store.num_docs,
-            "num_lines": len(store.line_offsets) - 1,
-        }
-        # The manifest is the completion marker, so it is written last.
-        (tmp / MANIFEST).write_text(json.dumps(full, indent=2))
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        return _publish(tmp, path, store.doc_offsets, store.line_offsets, dtype, store.num_tokens,
+                        store.eot_id, store.vocab_size, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return TokenStore.open(path)
+
+
+class StoreWriter:
+    """Streams documents into a staging folder beside ``path``; :meth:`commit` publishes the store atomically.
+
+    Memory stays at one document's tokens plus the offsets, so a corpus larger
+    than RAM can be written. Use it as a context manager: leaving the block
+    with an exception (or a kill) leaves no folder at ``path``, only a hidden
+    staging folder that the next build removes.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, eot_id: int, vocab_size: int):
+        self.path = Path(path)
+        self.eot_id = int(eot_id)
+        self.vocab_size = int(vocab_size)
+        self.dtype = token_dtype(vocab_size)
+        self._tmp = _staging_dir(self.path)
+        self._file = open(self._tmp / "tokens.bin", "wb")
+        self._file.write(np.asarray([self.eot_id], self.dtype).tobytes())
+        self.num_tokens = 1
+        self.doc_offsets = [1]
+        self.line_offsets = [1]
+
+    def add_document(self, lines: list[list[int]]) -> None:
+        """Append one document given as the token ids of each of its lines (text only; the EOT is added)."""
+        lengths = [len(ids) for ids in lines]
+        if not lengths or min(lengths) == 0:
+            raise StoreError(f"document {len(self.doc_offsets) - 1}: every line needs at least one token, got lengths {lengths}")
+        lengths[-1] += 1  # the closing EOT belongs to the last line
+        count = sum(lengths)
+        flat = np.fromiter(itertools.chain(itertools.chain.from_iterable(lines), (self.eot_id,)), self.dtype, count=count)
+        self._file.write(flat.tobytes())
+        ends = itertools.accumulate(lengths, initial=self.num_tokens)
+        next(ends)  # the start, recorded by the previous document
+        self.line_offsets.extend(ends)
+        self.num_tokens += count
+        self.doc_offsets.append(self.num_tokens)
+
+    def commit(self, manifest: dict[str, Any]) -> TokenStore:
+        """Finish the files, publish the folder at ``path`` and return the store opened from disk."""
+        self._file.close()
+        return _publish(self._tmp, self.path, self.doc_offsets, self.line_offsets, self.dtype, self.num_tokens,
+                        self.eot_id, self.vocab_size, manifest)
+
+    def abort(self) -> None:
+        self._file.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()

@@ -1,0 +1,141 @@
+"""Byte-level BPE with HF ``tokenizers``: train on the train split, save ``tokenizer.json``, load, encode, decode.
+
+Choices and why:
+
+- **Byte level, no normalizer, no prefix space**: every string maps to bytes
+  and back, so ``decode(encode(text)) == text`` exactly (raw files, random
+  Unicode); bits-per-byte is then measured on the real bytes.
+- **Lines are token boundaries**: text is encoded one line at a time (each
+  line with its ``\\n``), and the saved tokenizer splits at ``\\n`` first, so
+  any program loading ``tokenizer.json`` tokenizes text exactly like the store.
+  fairseq-style block modes and evaluation are defined on lines.
+- **Special tokens** come first in the vocabulary; the first is end-of-text.
+  In the word-level WikiText-2 variant ``<unk>`` is added as one more special
+  token, so it stays one token instead of ``<``, ``unk``, ``>``.
+- The tokenizer's identity is the SHA-256 of its ``tokenizer.json``: token
+  stores record it and are refused under any other tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from seqjax.data.corpus import split_lines
+
+BYTE_ALPHABET = 256
+WORD_LEVEL_UNK = "<unk>"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be trained or loaded as asked. The message says which setting and why."""
+
+
+class Tokenizer:
+    """A loaded ``tokenizer.json`` plus the facts seqjax needs: end-of-text id, vocabulary size, hash."""
+
+    def __init__(self, path: str | os.PathLike, eot_token: str):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise TokenizerError(f"tokenizer.path: {str(self.path)!r} not found (expected a tokenizer.json file)")
+        data = self.path.read_bytes()
+        try:
+            self._hf = HFTokenizer.from_str(data.decode("utf-8"))
+        except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+            raise TokenizerError(f"tokenizer.path: {str(self.path)!r} is not a valid tokenizer.json ({err})") from None
+        self.hash = hashlib.sha256(data).hexdigest()
+        eot_id = self._hf.token_to_id(eot_token)
+        if eot_id is None:
+            raise TokenizerError(
+                f"tokenizer {self.path}: has no token {eot_token!r}; expected tokenizer.special_tokens[0] to be its end-of-text token"
+            )
+        self.eot_token = eot_token
+        self.eot_id = int(eot_id)
+        self.vocab_size = int(self._hf.get_vocab_size(with_added_tokens=True))
+
+    def encode_lines(self, lines: Sequence[str]) -> list[list[int]]:
+        """Token ids of each line; lines are encoded independently, in parallel (Rust threads)."""
+        return [e.ids for e in self._hf.encode_batch_fast(list(lines), add_special_tokens=False)]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, line by line, exactly as the token store holds them."""
+        return [i for ids in self.encode_lines(split_lines(text)) for i in ids]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; special tokens are kept as their text so that round trips are exact."""
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id}, hash={self.hash[:12]})"
+
+
+def special_tokens_for(special_tokens: Sequence[str], word_level: bool) -> list[str]:
+    """The configured special tokens, plus ``<unk>`` for the word-level WikiText-2 variant."""
+    tokens = list(special_tokens)
+    if word_level and WORD_LEVEL_UNK not in tokens:
+        tokens.append(WORD_LEVEL_UNK)
+    return tokens
+
+
+def check_vocab_size(vocab_size: int, special_tokens: Sequence[str]) -> None:
+    """A byte-level BPE needs all 256 bytes plus the special tokens before it can merge anything."""
+    need = BYTE_ALPHABET + len(special_tokens)
+    if vocab_size < need:
+        raise TokenizerError(
+            f"tokenizer.vocab_size: got {vocab_size}, expected at least {need} "
+            f"({BYTE_ALPHABET} byte tokens + {len(special_tokens)} special tokens {list(special_tokens)})"
+        )
+
+
+def _training_pieces(lines: Iterable[str], special_tokens: Sequence[str]) -> Iterator[str]:
+    """Lines cut around special-token text, as encoding will see them, so no merge is wasted on ``<unk>``'s pieces."""
+    pattern = re.compile("|".join(re.escape(t) for t in special_tokens))
+    for line in lines:
+        yield from (piece for piece in pattern.split(line) if piece)
+
+
+def new_tokenizer() -> HFTokenizer:
+    """An untrained byte-level BPE with the seqjax pipeline (split at newlines, then GPT-2 byte-level rules)."""
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split("\n", behavior="merged_with_previous"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def train_tokenizer(
+    lines: Iterable[str],
+    path: str | os.PathLike,
+    *,
+    vocab_size: int,
+    special_tokens: Sequence[str],
+    min_frequency: int = 2,
+    num_lines: int | None = None,
+) -> Tokenizer:
+    """Train on ``lines``, write ``tokenizer.json`` atomically to ``path``, and load it back."""
+    check_vocab_size(vocab_size, special_tokens)
+    hf = new_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    hf.train_from_iterator(_training_pieces(lines, special_tokens), trainer, length=num_lines)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    hf.save(str(tmp))
+    os.replace(tmp, path)
+    return Tokenizer(path, special_tokens[0])
