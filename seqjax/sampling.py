@@ -1,0 +1,68 @@
+"""Choosing the next token from logits: temperature, top-k and nucleus (top-p) filtering, greedy at temperature 0.
+
+The settings are traced arrays, not static arguments, so one compiled decode
+step serves every temperature, top-k and top-p. Filters only ever remove
+tokens ranked below the most likely one, so the argmax always survives:
+``top_p -> 0`` or ``top_k = 1`` leaves only it, which is exactly greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"--temperature: got {self.temperature}, expected 0 (greedy) or more")
+        if self.top_k < 0:
+            raise ValueError(f"--top_k: got {self.top_k}, expected 0 (off) or a positive count")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ValueError(f"--top_p: got {self.top_p}, expected a probability in [0, 1]")
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {
+            "temperature": jnp.float32(self.temperature),
+            "top_k": jnp.int32(self.top_k),
+            "top_p": jnp.float32(self.top_p),
+        }
+
+
+def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Set to -inf every logit outside the top ``top_k`` (0: all) and outside the nucleus of mass ``top_p``.
+
+    The nucleus is the smallest set of most likely tokens whose probability
+    reaches ``top_p``; the most likely token is always in it.
+    """
+    vocab = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    rank = jnp.arange(vocab)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    k = jnp.where(top_k > 0, top_k, vocab)
+    keep_sorted = (rank < k) & ((mass_before < top_p) | (rank == 0))
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def sample(
+    logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
+    """Next token ids [B] from logits [B, V] (float32)."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1)
+    # Temperature first, then the filters on the tempered distribution (as HF generate orders them).
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    drawn = jax.random.categorical(key, filter_logits(scaled, top_k, top_p), axis=-1)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
