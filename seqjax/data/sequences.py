@@ -1,0 +1,132 @@
+"""Cutting the token stream into rows: windows, random offsets, sequential streams, concatenate-and-chunk, blocks.
+
+Each function returns the spans of one epoch as ``(starts, lengths)``: span
+``r`` is the sequence ``tokens[starts[r] : starts[r] + lengths[r]]``, which
+gives ``lengths[r] - 1`` inputs and targets (so a full row of ``seq_len``
+inputs reads ``seq_len + 1`` tokens). All of it is index arithmetic on the
+store's offsets: vectorized numpy, no token is read here.
+
+Stream positions: the store's stream is ``EOT d0 EOT d1 ... EOT``; position
+``p`` is predicted (is a target) by a span that holds both ``p - 1`` and ``p``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from seqjax.data.batching import DataError, ragged_arange
+
+# HF run_clm applies group_texts through datasets.map(batched=True), whose
+# default batch holds 1000 examples: each batch's remainder is dropped on its own.
+HF_MAP_BATCH = 1000
+
+
+def chunk_spans(n_tokens: int, seq_len: int, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Non-overlapping chunks of ``seq_len`` predictions starting at ``offset``; the last may be shorter.
+
+    Chunk ``j`` reads ``tokens[offset + j*seq_len : offset + (j+1)*seq_len + 1]``:
+    consecutive chunks share one token, so every position after ``offset`` is
+    predicted exactly once (d2l's random partitioning, without dropping the tail).
+    """
+    starts = np.arange(offset, n_tokens - 1, seq_len, dtype=np.int64)
+    return starts, np.minimum(seq_len + 1, n_tokens - starts)
+
+
+def window_spans(n_tokens: int, seq_len: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every full window of ``seq_len + 1`` tokens whose start is a multiple of ``stride``."""
+    starts = np.arange(0, n_tokens - seq_len, stride, dtype=np.int64)
+    return starts, np.full(len(starts), seq_len + 1, np.int64)
+
+
+def sequential_spans(n_tokens: int, seq_len: int, batch_size: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """d2l sequential partitioning: ``batch_size`` contiguous streams, row ``b`` of batch ``k+1`` continues row ``b`` of batch ``k``.
+
+    After ``offset``, the stream's inputs are cut into ``batch_size`` equal
+    parts of ``S`` tokens; batch ``k`` row ``b`` reads inputs
+    ``offset + b*S + k*seq_len`` onward. Spans are returned in batch-major order.
+    """
+    stream = (n_tokens - offset - 1) // batch_size
+    n_batches = stream // seq_len
+    k, b = np.divmod(np.arange(n_batches * batch_size, dtype=np.int64), batch_size)
+    starts = offset + b * stream + k * seq_len
+    return starts, np.full(len(starts), seq_len + 1, np.int64)
+
+
+def random_window_spans(n_tokens: int, seq_len: int, batch_size: int, seed: int, steps: range) -> tuple[np.ndarray, np.ndarray]:
+    """The CS336 loader: each step draws ``batch_size`` window starts uniformly, with replacement, from ``(seed, step)``."""
+    starts = np.concatenate(
+        [np.random.default_rng([seed, step]).integers(0, n_tokens - seq_len, size=batch_size) for step in steps]
+    ).astype(np.int64)
+    return starts, np.full(len(starts), seq_len + 1, np.int64)
+
+
+def concat_chunk_spans(doc_offsets: np.ndarray, n_tokens: int, block: int, group_docs: int = HF_MAP_BATCH) -> tuple[np.ndarray, np.ndarray]:
+    """HF run_clm group_texts, row for row, in O(n): blocks of ``block`` tokens, each map batch's remainder dropped.
+
+    The examples are the stream cut at each document's opening EOT (``[EOT] + text``,
+    the last one keeping the closing EOT); group_texts concatenates each batch of
+    ``group_docs`` examples and cuts it into ``block``-token rows.
+    """
+    example_starts = np.asarray(doc_offsets[:-1], np.int64) - 1
+    group_starts = example_starts[::group_docs]
+    group_ends = np.append(group_starts[1:], n_tokens)
+    per_group = (group_ends - group_starts) // block
+    owner, j = ragged_arange(per_group)
+    starts = group_starts[owner] + j * block
+    return starts, np.full(len(starts), block, np.int64)
+
+
+def _line_units(line_offsets: np.ndarray, seq_len: int) -> np.ndarray:
+    """Boundaries of lines, with lines longer than ``seq_len`` tokens cut into ``seq_len``-token units."""
+    lengths = np.diff(line_offsets)
+    owner, j = ragged_arange(-(-lengths // seq_len))
+    return np.append(line_offsets[:-1][owner] + j * seq_len, line_offsets[-1])
+
+
+def block_spans(line_offsets: np.ndarray, doc_offsets: np.ndarray, n_tokens: int, seq_len: int, break_mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """fairseq TokenBlockDataset's break modes, with blocks of at most ``seq_len`` predicted tokens.
+
+    - ``none``: the stream cut every ``seq_len`` tokens (the last block may be short);
+    - ``complete``: as many whole lines as fit, crossing documents;
+    - ``complete_doc``: as many whole lines as fit, never crossing a document;
+    - ``eos``: one line per block.
+
+    A block of lines ``[a, b)`` predicts exactly their tokens and reads the one
+    token before them as context (the EOT, at a document's start). fairseq lets
+    a line longer than the block size overflow its block; rows here have a fixed
+    width, so such a line is cut into ``seq_len``-token pieces instead.
+    """
+    if break_mode == "none":
+        return chunk_spans(n_tokens, seq_len)
+    bounds = _line_units(line_offsets, seq_len)
+    if break_mode == "eos":
+        cut = np.arange(len(bounds))
+    else:
+        barriers = doc_offsets if break_mode == "complete_doc" else doc_offsets[-1:]
+        cut = _next_fit(bounds, seq_len, np.searchsorted(bounds, barriers))
+    first, last = bounds[cut[:-1]], bounds[cut[1:]]
+    return first - 1, last - first + 1
+
+
+def _next_fit(bounds: np.ndarray, capacity: int, barrier_index: np.ndarray) -> np.ndarray:
+    """Indices into ``bounds`` where next-fit blocks of at most ``capacity`` tokens end; never past a barrier.
+
+    One binary search per block (not per line): O(blocks * log n).
+    """
+    cut = [0]
+    barrier_index = np.asarray(barrier_index)
+    while cut[-1] < len(bounds) - 1:
+        i = cut[-1]
+        fit = int(np.searchsorted(bounds, bounds[i] + capacity, "right")) - 1
+        barrier = int(barrier_index[np.searchsorted(barrier_index, i, "right")])
+        cut.append(min(fit, barrier))
+    return np.asarray(cut, np.int64)
+
+
+def check_fits(n_tokens: int, seq_len: int, strategy: str) -> None:
+    if n_tokens < seq_len + 1:
+        raise DataError(
+            f"data.strategy={strategy}: the token store holds {n_tokens} tokens, fewer than one row needs "
+            f"(data.seq_len + 1 = {seq_len + 1}); use a smaller data.seq_len or more data"
+        )
+
