@@ -1,0 +1,119 @@
+"""The typed config: YAML + dotted overrides, and an error that names key, value and what is allowed for every mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from seqjax import cli
+from seqjax.config import DATA_DIR_ENV, Config, ConfigError, all_keys, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_CONFIG = REPO / "configs" / "wikitext2_cpu.yaml"
+
+
+def test_overrides_are_typed_and_win_over_the_file():
+    config = load_config(
+        CPU_CONFIG,
+        ["data.seq_len=64", "train.lr=1e-3", "data.shuffle=false", "model.n_kv_heads=null", "data.bucket_lengths=[8, 16]",
+         "run.dir=/tmp/somewhere"],
+    )
+    assert config.data.seq_len == 64 and isinstance(config.data.seq_len, int)
+    assert config.train.lr == 1e-3 and isinstance(config.train.lr, float)
+    assert config.data.shuffle is False
+    assert config.model.n_kv_heads is None
+    assert config.data.bucket_lengths == [8, 16]
+    assert config.run.dir == "/tmp/somewhere"
+    # keys the override did not touch keep the file's values, the rest the defaults
+    assert config.model.d_model == 256 and config.data.batch_size == 16
+    assert config.train.z_loss == Config().train.z_loss
+
+
+def test_every_shipped_config_loads():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("data.seq_lne=64", "unknown config key 'data.seq_lne'; did you mean data.seq_len?"),
+        ("trian.steps=5", "unknown config key 'trian'; did you mean train?"),
+        ("zzzz=1", "unknown config key 'zzzz'; run with --help-config"),
+        ("data.seq_len.x=1", "unknown config key 'data.seq_len.x'"),
+        ("data.seq_len=abc", "data.seq_len: got 'abc', expected an integer"),
+        ("data.seq_len=2.5", "data.seq_len: got 2.5, expected an integer"),
+        ("data.shuffle=3", "data.shuffle: got 3, expected true or false"),
+        ("train.lr=fast", "train.lr: got 'fast', expected a number"),
+        ("data.train_files=a.txt", "data.train_files: got 'a.txt', expected list of str"),
+        ("data.seq_len=null", "data.seq_len: got null, expected int"),
+        ("data.seq_len=1", "data.seq_len: got 1, expected at least 2"),
+        ("train.b1=1.5", "train.b1: got 1.5, expected at most 1.0"),
+        ("data.strategy=shuffle", "data.strategy: got 'shuffle', expected one of window, random_offset"),
+        ("model.n_heads=3", "model.n_heads: got 3, expected a divisor of model.d_model=256"),
+        ("data.seq_len=1024", "data.seq_len: got 1024, expected at most model.max_seq_len=512"),
+        ("train.grad_accum=3", "train.grad_accum: got 3, expected a divisor of data.batch_size=16"),
+        ("tokenizer.vocab_size=1", "tokenizer.vocab_size: got 1, expected more than the 1 special tokens"),
+        ("data.corpus=jsonl", "data.train_files: got [], expected at least one file for data.corpus='jsonl'"),
+        ("seq_len", "override 'seq_len': expected key=value"),
+    ],
+)
+def test_bad_override_names_key_value_and_what_is_allowed(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(CPU_CONFIG, [override])
+    assert expected in str(err.value)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file .*nope.yaml' not found"):
+        load_config(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml' is not valid YAML"):
+        load_config(broken)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping of sections, got list"):
+        load_config(listing)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("data:\n  seqlen: 5\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'data.seqlen'; did you mean data.seq_len\? \(in .*typo.yaml\)"):
+        load_config(typo)
+    section = tmp_path / "section.yaml"
+    section.write_text("data: 5\n")
+    with pytest.raises(ConfigError, match="data: got 5, expected a mapping of DataConfig keys"):
+        load_config(section)
+
+
+def test_cli_exits_with_the_message_before_any_work(capsys):
+    p = cli.parser("seqjax.test", "test")
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse(p, ["--config", str(CPU_CONFIG), "data.seq_lne=5"])
+    assert exit_.value.code == 2
+    assert "config error: unknown config key 'data.seq_lne'; did you mean data.seq_len?" in capsys.readouterr().err
+
+
+def test_help_config_lists_every_key(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse(cli.parser("seqjax.test", "test"), ["--help-config"])
+    assert exit_.value.code == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    leaves = {k for k in all_keys() if "." in k}
+    assert leaves <= listed
+
+
+def test_resolved_config_is_printed_and_saved_and_loads_back(tmp_path, capsys):
+    config = load_config(CPU_CONFIG, ["data.seq_len=64", "train.lr=3e-4", "data.train_files=[a.txt]"])
+    saved = cli.announce(config, tmp_path / "out")
+    assert saved == tmp_path / "out" / "config.yaml"
+    assert "seq_len: 64" in capsys.readouterr().out
+    assert load_config(saved) == config
+
+
+def test_data_dir_comes_from_the_key_then_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "env"))
+    assert load_config(None).data_dir() == tmp_path / "env"
+    assert load_config(None, [f"data.dir={tmp_path / 'key'}"]).data_dir() == tmp_path / "key"
+    monkeypatch.delenv(DATA_DIR_ENV)
+    assert load_config(None).data_dir() is None
