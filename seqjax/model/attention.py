@@ -4,12 +4,33 @@ Query i may attend to key j iff ``segment_ids[i] == segment_ids[j] != 0`` and
 ``j <= i`` (index order inside a row). Everything that needs the mask (the
 reference attention, the kernels' tests, the loss tests) calls
 :func:`segment_mask`; nothing else spells it out.
+
+:func:`attention` is the one entry point the model calls; it checks shapes and
+dispatches to a backend (``model.attention``):
+
+=========  =====================================================================
+backend    what runs
+=========  =====================================================================
+xla        :func:`reference_attention`: einsum + float32 softmax, any platform
+cudnn      ``jax.nn.dot_product_attention(implementation="cudnn")`` with the dense
+           segment mask; GPU only, bfloat16/float16 only (cuDNN takes no segment ids)
+pallas     ``seqjax.model.kernels.flash.flash_attention`` (GPU; interpret mode elsewhere)
+splash     ``seqjax.model.kernels.splash.splash_attention`` (TPU)
+auto       GPU: pallas, else cudnn, else xla; TPU: splash, else xla; CPU: xla.
+           Every fallback is logged with its reason.
+=========  =====================================================================
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
 
 
 def segment_mask(
@@ -50,20 +71,152 @@ def reference_attention(
 
     Fully masked rows (padding queries) give zeros, never NaN.
     """
-    b, t, h, d = q.shape
+    return masked_attention(q, k, v, segment_mask(segment_ids), scale=scale)
+
+
+def masked_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float | None = None,
+) -> jax.Array:
+    """Attention under an explicit boolean mask [B, Tq, Tk] (from :func:`segment_mask`), softmax in float32.
+
+    q: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D]. The reference path and the KV-cache
+    decode (queries against a longer cache) share this one softmax, so a fully
+    masked row gives zeros in both.
+    """
+    b, tq, h, d = q.shape
     hkv = k.shape[2]
     if h % hkv:
         raise ValueError(f"query heads {h} must be a multiple of key/value heads {hkv}")
     scale = d**-0.5 if scale is None else scale
     group = h // hkv
-    qg = q.reshape(b, t, hkv, group, d)
+    qg = q.reshape(b, tq, hkv, group, d)
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = segment_mask(segment_ids)[:, None, None, :, :]
-    logits = jnp.where(mask, logits, -jnp.inf)
+    logits = jnp.where(mask[:, None, None, :, :], logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.exp(logits - row_max)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    return out.reshape(b, tq, h, d).astype(q.dtype)
+
+
+BACKENDS = ("xla", "cudnn", "pallas", "splash")
+_KERNELS = {"pallas": ("seqjax.model.kernels.flash", "flash_attention"),
+            "splash": ("seqjax.model.kernels.splash", "splash_attention")}
+_HALF = (jnp.bfloat16, jnp.float16)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    backend: str = "xla",
+    scale: float | None = None,
+) -> jax.Array:
+    """Segment-masked causal self-attention (contract 2) on the chosen backend.
+
+    q: [B, T, H, D]; k, v: [B, T, Hkv, D] with Hkv dividing H (grouped-query);
+    segment_ids: [B, T] int (0 = padding). Returns [B, T, H, D] in q's dtype;
+    padding queries give zeros. ``scale`` defaults to D**-0.5. Shapes are checked
+    at trace time; ``backend="auto"`` is resolved by :func:`resolve_backend`.
+    """
+    check_attention_inputs(q, k, v, segment_ids)
+    name = resolve_backend(backend, q.dtype)
+    return _implementation(name)(q, k, v, segment_ids, scale=scale)
+
+
+def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
+    """Raise ValueError naming the argument and the expected shape/dtype, before any work."""
+    if q.ndim != 4:
+        raise ValueError(f"attention: q has shape {q.shape}, expected [batch, seq, heads, head_dim]")
+    b, t, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k has shape {k.shape} but v has {v.shape}; expected the same [B, T, Hkv, D]")
+    if k.ndim != 4 or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
+        raise ValueError(f"attention: k/v have shape {k.shape}, expected [{b}, {t}, kv_heads, {d}] to match q {q.shape}")
+    if h % k.shape[2]:
+        raise ValueError(f"attention: {h} query heads is not a multiple of {k.shape[2]} key/value heads")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if segment_ids.shape != (b, t):
+        raise ValueError(f"attention: segment_ids has shape {segment_ids.shape}, expected [{b}, {t}] to match q {q.shape}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"attention: segment_ids dtype is {segment_ids.dtype}, expected an integer type")
+
+
+def resolve_backend(backend: str, dtype=jnp.float32) -> str:
+    """Turn ``auto`` into the fastest backend this platform can run for ``dtype``; check explicit names.
+
+    GPU prefers the Pallas flash kernel (it skips the blocks packing leaves
+    empty), then cuDNN (half precision only, dense mask), then XLA. TPU prefers
+    splash. CPU runs XLA. Each fallback logs why, once per trace.
+    """
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")
+        return backend
+    platform = jax.default_backend()
+    if platform == "gpu":
+        reason = _kernel_missing("pallas")
+        if reason is None:
+            return "pallas"
+        if jnp.dtype(dtype) in map(jnp.dtype, _HALF):
+            log.warning("attention auto: using cudnn, not pallas (%s)", reason)
+            return "cudnn"
+        log.warning("attention auto: using xla (pallas unavailable: %s; cudnn needs bfloat16/float16, got %s)",
+                    reason, jnp.dtype(dtype).name)
+        return "xla"
+    if platform == "tpu":
+        reason = _kernel_missing("splash")
+        if reason is None:
+            return "splash"
+        log.warning("attention auto: using xla, not splash (%s)", reason)
+        return "xla"
+    log.info("attention auto: using xla on platform %s (the kernels need a GPU or TPU)", platform)
+    return "xla"
+
+
+def _kernel_missing(backend: str) -> str | None:
+    """None when the backend's kernel imports, else why not."""
+    try:
+        _load_kernel(backend)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def _load_kernel(backend: str) -> Callable:
+    """Import a kernel lazily, so the model works without it and a missing one fails with a clear message."""
+    module, name = _KERNELS[backend]
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise RuntimeError(f"model.attention={backend!r} needs {module}.{name}, which is not available: {err}") from err
+    return fn
+
+
+def _cudnn_attention(q, k, v, segment_ids, *, scale=None):
+    """cuDNN fused attention with the segment mask passed densely ([B, 1, T, T]); padding rows zeroed after."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"model.attention='cudnn' needs a GPU; this platform is {jax.default_backend()} (use xla or auto)")
+    if q.dtype not in map(jnp.dtype, _HALF):
+        raise ValueError(f"model.attention='cudnn' needs bfloat16 or float16 inputs, got {q.dtype} (set model.compute_dtype)")
+    mask = segment_mask(segment_ids)[:, None, :, :]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
+    return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
+def _implementation(name: str) -> Callable:
+    if name == "xla":
+        return reference_attention
+    if name == "cudnn":
+        return _cudnn_attention
+    return _load_kernel(name)

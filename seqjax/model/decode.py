@@ -1,0 +1,131 @@
+"""KV-cache decoding: one prefill over the prompts, then one jitted step per generated token.
+
+    cache_logits, cache = prefill(model, inputs, positions, segment_ids, max_len=prompt_len + new_tokens)
+    for _ in range(new_tokens):
+        token = sample(logits)                    # [B]
+        logits, cache = decode_step(model, token, cache)
+
+Both return next-token logits [B, V] (float32). Every array in the cache has
+a fixed shape ([B, max_len, ...]), and the write position is a traced scalar,
+so ``decode_step`` compiles once for a (model, batch, max_len) and never again
+per token. Attention over the cache uses :func:`segment_mask` with row indices
+(contract 2): slots not written yet carry segment id 0 and are never attended.
+
+Prompts of different lengths go right-padded in one batch (see
+:func:`prompt_batch`): padding slots keep segment id 0, every row continues its
+own last segment at its own next position, and generated tokens of all rows
+are written to the same slot (prompt_len + step) — a row's padding gap is
+simply masked. Decoding past ``max_len`` slots yields NaN logits (loud, not a
+silently overwritten cache): size ``max_len`` as prompt length + new tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from seqjax.model.transformer import KVCache, TransformerLM
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeCache:
+    """Decoding state: the per-layer KV cache plus, per row, the position and segment id of the next token."""
+
+    kv: KVCache
+    positions: jax.Array  # [B] int32
+    segment_ids: jax.Array  # [B] int32
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.segment_ids.shape[1]
+
+
+def prompt_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Right-pad token lists into (inputs, positions, segment_ids), int32 [B, max prompt length]; one segment each."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompt_batch: expected at least one prompt, each with at least one token")
+    length = max(len(p) for p in prompts)
+    inputs = np.full((len(prompts), length), pad_id, np.int32)
+    segment_ids = np.zeros_like(inputs)
+    positions = np.zeros_like(inputs)
+    for row, prompt in enumerate(prompts):
+        inputs[row, : len(prompt)] = prompt
+        segment_ids[row, : len(prompt)] = 1
+        positions[row, : len(prompt)] = np.arange(len(prompt))
+    return inputs, positions, segment_ids
+
+
+def prefill(
+    model: TransformerLM,
+    inputs,
+    positions=None,
+    segment_ids=None,
+    *,
+    max_len: int,
+) -> tuple[jax.Array, DecodeCache]:
+    """Run the prompts [B, T] once, filling a cache of ``max_len`` slots; return (next-token logits [B, V], cache).
+
+    positions/segment_ids default to one segment per row starting at 0 (no
+    padding). The logits are those of each row's last non-padding token.
+    """
+    inputs = jnp.asarray(inputs, jnp.int32)
+    if segment_ids is None:
+        segment_ids = jnp.ones_like(inputs)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(inputs.shape[-1], dtype=jnp.int32), inputs.shape)
+    model.check_batch(inputs, positions, segment_ids)
+    t = inputs.shape[1]
+    if not t <= max_len <= model.cfg.max_seq_len:
+        raise ValueError(
+            f"prefill: max_len={max_len}, expected between the prompt length {t} and model.max_seq_len={model.cfg.max_seq_len}"
+        )
+    graphdef, state = nnx.split(model)
+    return _prefill_fn()(graphdef, state, inputs, jnp.asarray(positions, jnp.int32),
+                         jnp.asarray(segment_ids, jnp.int32), max_len)
+
+
+def decode_step(model: TransformerLM, tokens, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+    """Append one token per row ([B] int) to the cache; return (next-token logits [B, V], cache).
+
+    Compiled once per (model structure, B, max_len); later calls reuse it.
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.shape != cache.positions.shape:
+        raise ValueError(f"decode_step: tokens has shape {tokens.shape}, expected {cache.positions.shape} (one per row)")
+    graphdef, state = nnx.split(model)
+    return _step_fn()(graphdef, state, tokens, cache)
+
+
+@functools.cache
+def _prefill_fn():
+    def run(graphdef, state, inputs, positions, segment_ids, max_len):
+        model = nnx.merge(graphdef, state)
+        kv = KVCache.empty(model.cfg, inputs.shape[0], max_len)
+        logits, kv = model(inputs, positions=positions, segment_ids=segment_ids, cache=kv)
+        t = inputs.shape[1]
+        last = t - 1 - jnp.argmax((segment_ids != 0)[:, ::-1], axis=1)  # each row's last real token
+        take = lambda a: jnp.take_along_axis(a, last[:, None], axis=1)[:, 0]  # noqa: E731
+        logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        return logits, DecodeCache(kv, take(positions) + 1, take(segment_ids))
+
+    return jax.jit(run, static_argnums=(0, 5))
+
+
+@functools.cache
+def _step_fn():
+    def run(graphdef, state, tokens, cache: DecodeCache):
+        model = nnx.merge(graphdef, state)
+        overflow = cache.kv.length >= cache.max_len
+        logits, kv = model(tokens[:, None], positions=cache.positions[:, None],
+                           segment_ids=cache.segment_ids[:, None], cache=cache.kv)
+        logits = jnp.where(overflow, jnp.nan, logits[:, 0])
+        return logits, DecodeCache(kv, cache.positions + 1, cache.segment_ids)
+
+    return jax.jit(run, static_argnums=0)

@@ -1,0 +1,272 @@
+"""The decoder-only Transformer LM (Flax NNX): pre-norm blocks, RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Packing is what this model is careful about: RoPE reads the batch's
+``positions`` (0 at each segment's first token) and every attention call gets
+``segment_ids``, so a token in a packed row sees exactly what it would see if
+its document ran alone (tests/test_model_isolation.py proves it).
+
+Parameters are plain ``nnx.Param`` arrays with descriptive names and an
+``axes`` metadata tuple of logical axis names, so sharding rules can match
+either. Shapes (V vocab, D d_model, H heads, K kv heads, Dh head_dim, F d_ff):
+
+==========================  ==============  ===========================
+path                        shape           axes
+==========================  ==============  ===========================
+embed.embedding             [V, D]          (vocab, embed)
+blocks.i.attn_norm.scale    [D]             (embed,)
+blocks.i.attn.wq            [D, H, Dh]      (embed, heads, head_dim)
+blocks.i.attn.wk, .wv       [D, K, Dh]      (embed, kv_heads, head_dim)
+blocks.i.attn.wo            [H, Dh, D]      (heads, head_dim, embed)
+blocks.i.mlp_norm.scale     [D]             (embed,)
+blocks.i.mlp.w_gate, w_up   [D, F]          (embed, ff)
+blocks.i.mlp.w_down         [F, D]          (ff, embed)
+final_norm.scale            [D]             (embed,)
+lm_head.kernel (untied)     [D, V]          (embed, vocab)
+==========================  ==============  ===========================
+
+Initialization follows GPT-2 / CS336: every matrix ~ N(0, init_std); the two
+projections that write into the residual stream (``wo``, ``w_down``) use
+init_std / sqrt(2 * n_layers) so the residual's variance does not grow with
+depth; norm scales start at 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from seqjax.config import Config, ModelConfig
+from seqjax.model.attention import attention, masked_attention, segment_mask
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype, axes: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, computed in float32 whatever the compute dtype (bf16 squares lose too much)."""
+
+    def __init__(self, dim: int, *, dtype, eps: float = 1e-6):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of x [B, T, H, Dh] at ``positions`` [B, T] ("rotate half" layout), in float32.
+
+    Driven by the batch's positions rather than the row index, so each packed
+    segment is rotated as if it started the row.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, half]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of every layer for incremental decoding (see seqjax.model.decode).
+
+    keys/values: one [B, S, K, Dh] array per layer; segment_ids: [B, S], 0 on
+    slots not written yet (contract 2 then masks them); length: int32 scalar,
+    the slot the next call writes first. Queries at slot i attend to slots
+    j <= i with their own segment id, by :func:`segment_mask` with row indices.
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    segment_ids: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> "KVCache":
+        dtype = jnp.dtype(cfg.compute_dtype)
+        shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
+        return cls(zeros, zeros, jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with grouped-query option; RoPE on q and k; backend from ``model.attention``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        pdt = jnp.dtype(cfg.param_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.wq = _param(rngs, (d, h, dh), cfg.init_std, pdt, ("embed", "heads", "head_dim"))
+        self.wk = _param(rngs, (d, kv, dh), cfg.init_std, pdt, ("embed", "kv_heads", "head_dim"))
+        self.wv = _param(rngs, (d, kv, dh), cfg.init_std, pdt, ("embed", "kv_heads", "head_dim"))
+        self.wo = _param(rngs, (h, dh, d), out_std, pdt, ("heads", "head_dim", "embed"))
+        self.rope_theta = cfg.rope_theta
+        self.backend = cfg.attention
+
+    def __call__(self, x, positions, segment_ids, kv: tuple | None = None):
+        """x [B, T, D] -> [B, T, D]. With ``kv`` = (k_cache, v_cache, cache_segment_ids, start), the new
+        keys/values are written at slots start.. and the queries attend over the whole cache; returns
+        (out, (k_cache, v_cache)) then."""
+        dt = x.dtype
+        q = rope(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), positions, self.rope_theta)
+        k = rope(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), positions, self.rope_theta)
+        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        if kv is None:
+            o = attention(q, k, v, segment_ids, backend=self.backend)
+        else:
+            k_cache, v_cache, cache_segment_ids, start = kv
+            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
+            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
+            q_index = start + jnp.arange(x.shape[1])[None, :]
+            kv_index = jnp.arange(k_cache.shape[1])[None, :]
+            mask = segment_mask(segment_ids, cache_segment_ids, q_index, kv_index)
+            o = masked_attention(q, k_cache.astype(dt), v_cache.astype(dt), mask)
+        out = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt))
+        return out if kv is None else (out, (k_cache, v_cache))
+
+
+class SwiGLU(nnx.Module):
+    """w_down(silu(x w_gate) * (x w_up))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, pdt = cfg.d_model, cfg.d_ff, jnp.dtype(cfg.param_dtype)
+        self.w_gate = _param(rngs, (d, f), cfg.init_std, pdt, ("embed", "ff"))
+        self.w_up = _param(rngs, (d, f), cfg.init_std, pdt, ("embed", "ff"))
+        self.w_down = _param(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers), pdt, ("ff", "embed"))
+
+    def __call__(self, x):
+        dt = x.dtype
+        gate = jax.nn.silu(x @ self.w_gate[...].astype(dt))
+        return (gate * (x @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, dtype=pdt)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, dtype=pdt)
+        self.mlp = SwiGLU(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, segment_ids, kv=None):
+        a = self.attn(self.attn_norm(x), positions, segment_ids, kv)
+        a, new_kv = (a, None) if kv is None else a
+        x = x + a
+        x = x + self.mlp(self.mlp_norm(x))
+        return x if kv is None else (x, new_kv)
+
+
+class _HashableModelConfig(ModelConfig):
+    """The model's config, hashable so it can sit in the static graph definition that jit keys on."""
+
+    def __hash__(self) -> int:
+        return hash(dataclasses.astuple(self))
+
+
+class TransformerLM(nnx.Module):
+    """Decoder-only LM. ``model(inputs, positions=..., segment_ids=...)`` -> float32 logits [B, T, V].
+
+    inputs, positions, segment_ids: int [B, T] (contract 1). Shape errors
+    (mismatched fields, T > max_seq_len) raise at trace time. Token ids outside
+    [0, vocab_size) raise ValueError when ``inputs`` is concrete (an eager
+    call); under jit they cannot be checked for free, so the embedding lookup
+    turns them into NaN instead of a silently clamped row.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.vocab_size is None:
+            raise ValueError("model.vocab_size is null: pass vocab_size (the tokenizer's) to build_model")
+        cfg.check()
+        self.cfg = cfg = _HashableModelConfig(**dataclasses.asdict(cfg))
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=pdt,
+                               embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+        self.embed.embedding.set_metadata(axes=("vocab", "embed"))
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, dtype=pdt)
+        self.lm_head = None if cfg.tie_embeddings else _param(
+            rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
+
+    def __call__(self, inputs, *, positions, segment_ids, cache: KVCache | None = None):
+        """Logits [B, T, V] float32; with ``cache`` (decode), returns (logits, updated cache)."""
+        self.check_batch(inputs, positions, segment_ids)
+        return self.from_embeddings(self.embed_tokens(inputs), positions=positions,
+                                    segment_ids=segment_ids, cache=cache)
+
+    def embed_tokens(self, inputs) -> jax.Array:
+        """Token ids [B, T] -> embeddings [B, T, D] in the compute dtype; out-of-range ids give NaN rows."""
+        v = self.cfg.vocab_size
+        ids = jnp.where((inputs >= 0) & (inputs < v), inputs, v)  # v is out of bounds -> filled with NaN
+        table = self.embed.embedding[...]
+        return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.cfg.compute_dtype)
+
+    def from_embeddings(self, x, *, positions, segment_ids, cache: KVCache | None = None):
+        """The blocks and head applied to embeddings x [B, T, D] (the input of the first block)."""
+        if cache is None:
+            for block in self.blocks:
+                x = block(x, positions, segment_ids)
+        else:
+            start = cache.length
+            seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32), start, axis=1)
+            keys, values = [], []
+            for block, k, v in zip(self.blocks, cache.keys, cache.values):
+                x, (k, v) = block(x, positions, segment_ids, (k, v, seg, start))
+                keys.append(k)
+                values.append(v)
+            cache = KVCache(tuple(keys), tuple(values), seg, start + x.shape[1])
+        x = self.final_norm(x)
+        head = self.embed.embedding[...].T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+        return logits if cache is None else (logits, cache)
+
+    def check_batch(self, inputs, positions, segment_ids) -> None:
+        """Shape checks at trace time; value checks only when the inputs are concrete (no device sync under jit)."""
+        shape = jnp.shape(inputs)
+        if len(shape) != 2:
+            raise ValueError(f"inputs has shape {shape}, expected [batch, seq_len]")
+        for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
+            if jnp.shape(arr) != shape:
+                raise ValueError(f"{name} has shape {jnp.shape(arr)}, expected {shape} (the shape of inputs)")
+        for name, arr in (("inputs", inputs), ("positions", positions), ("segment_ids", segment_ids)):
+            if not jnp.issubdtype(jnp.result_type(arr), jnp.integer):
+                raise ValueError(f"{name} has dtype {jnp.result_type(arr)}, expected an integer type")
+        if shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if not isinstance(inputs, jax.core.Tracer):
+            ids = np.asarray(inputs)
+            bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
+            if bad.size:
+                raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})"
+                                 f" ({bad.size} such ids in inputs)")
+
+
+def build_model(config: Config | ModelConfig, vocab_size: int | None = None, *, rngs: nnx.Rngs) -> TransformerLM:
+    """A TransformerLM from a loaded Config (or its ModelConfig) in one call.
+
+    ``vocab_size`` (usually the tokenizer's) fills ``model.vocab_size`` when that
+    is null and overrides it otherwise.
+    """
+    cfg = config.model if isinstance(config, Config) else config
+    if vocab_size is not None:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+    return TransformerLM(cfg, rngs=rngs)
+
+
+def param_count(model: TransformerLM) -> dict[str, int]:
+    """Parameters: total, embedding (token table, plus the LM head when untied) and non_embedding."""
+    sizes = {".".join(map(str, path)): int(np.prod(v.shape)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    embedding = sum(n for name, n in sizes.items() if name.startswith(("embed.", "lm_head")))
+    total = sum(sizes.values())
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
