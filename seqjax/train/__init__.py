@@ -1,0 +1,1 @@
+"""Training: optimizer, train step, checkpoints, sharding, metrics and the ``python -m seqjax.train`` loop."""

@@ -1,0 +1,291 @@
+"""``python -m seqjax.train``: config -> data -> sharded model and optimizer -> steps, checkpoints, metrics.
+
+Everything a run produces lives in ``run.dir``: ``config.yaml`` (resolved,
+with the tokenizer's vocabulary size filled in, so a checkpoint can be loaded
+without the tokenizer), ``metrics.jsonl``, ``checkpoints/``, ``loss.png``,
+``summary.json`` and, with tensorboardX installed, ``tensorboard/``.
+
+Starting a run in a ``run.dir`` that holds checkpoints resumes from the newest
+readable one: parameters, optimizer state, RNG and the data iterator's
+position come back, so the steps after it are the ones an uninterrupted run
+would have taken (tests/test_resume.py compares the losses exactly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from seqjax.config import Config
+from seqjax.train import sharding
+from seqjax.train.checkpoint import Checkpointer
+from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
+from seqjax.train.metrics import MetricsLog, plot_losses, unigram_perplexity
+from seqjax.train.optimizer import build_optimizer
+
+SUMMARY_FILE = "summary.json"
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step produced a NaN/inf loss or gradient and ``train.nonfinite`` is ``stop``."""
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived; a checkpoint of the last finished step was written."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+        self.signum = signum
+
+
+class StopRequest:
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (a step is never cut in half).
+
+    A second SIGINT interrupts at once, for a user who does not want to wait.
+    Multi-host runs leave SIGTERM to JAX's preemption notifier (see
+    :func:`_should_stop`), so the handlers are only installed for one process.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.signum: int | None = None
+        self.enabled = enabled
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after this step, then exiting", file=sys.stderr)
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _with_vocab(config: Config, vocab_size: int) -> Config:
+    if config.model.vocab_size is not None:
+        return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))
+
+
+def _validation(model, store, config: Config, mesh, step: int, primary: bool) -> dict[str, Any]:
+    from seqjax.eval import evaluate
+
+    result = evaluate(model, store, config, mesh=mesh, max_batches=config.train.eval_batches, progress=primary)
+    val_loss = result["nll_sum"] / result["tokens"]
+    return {
+        "step": step,
+        "val_loss": val_loss,
+        "val_perplexity": math.exp(val_loss),
+        "val_tokens": result["tokens"],
+        "val_complete": result["complete"],
+        "val_word_perplexity": result["word_perplexity"],
+        "val_bits_per_byte": result["bits_per_byte"],
+    }
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Run (or resume) training for ``train.steps`` steps; return the summary also written to summary.json."""
+    from seqjax.data.build import prepare
+    from seqjax.data.pipeline import build_pipeline
+    from seqjax.model import build_model
+    from seqjax.train.step import make_train_step
+
+    wall_start = time.perf_counter()
+    sharding.initialize_distributed(config.dist)
+    process_index, process_count = jax.process_index(), jax.process_count()
+    primary = process_index == 0
+    run_dir = Path(config.run.dir)
+    tc = config.train
+
+    prepared = prepare(config, splits=("train", config.eval.split))
+    train_store, valid_store = prepared.stores["train"], prepared.stores[config.eval.split]
+    config = _with_vocab(config, prepared.tokenizer.vocab_size)
+    if primary:
+        from seqjax.cli import announce
+
+        announce(config, run_dir)
+    unigram = unigram_perplexity(train_store.tokens, valid_store.tokens, config.model.vocab_size)
+
+    mesh = sharding.build_mesh(config.mesh)
+    sharding.check_batch_fits(config.data.batch_size, mesh, tc.grad_accum)
+    model = build_model(config, rngs=nnx.Rngs(config.run.seed))
+    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+    param_shardings = sharding.param_shardings(param_state, mesh)
+    params = sharding.place(param_state.to_pure_dict(), param_shardings)
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    del model, param_state
+
+    tx, schedule = build_optimizer(tc)
+    # Every step's learning rate up front: one small computation instead of eager ops in the loop.
+    learning_rates = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(tc.steps + 1)))
+    replicated = sharding.replicated(mesh)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings, transform_non_params=lambda _: replicated
+    )
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    rng = sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated)
+
+    data_iterator = iter(build_pipeline(config, train_store, process_index=process_index, process_count=process_count))
+    checkpoints = Checkpointer(run_dir, tc)
+    start_step, tokens_seen = 0, 0
+    restored = checkpoints.restore_latest(params, opt_state, rng, data_iterator)
+    if restored is not None:
+        params, opt_state, rng = restored.params, restored.opt_state, restored.rng
+        start_step, tokens_seen = restored.step, int(restored.meta["tokens_seen"])
+        print(f"resuming from {run_dir / 'checkpoints' / str(start_step)} (step {start_step})", file=sys.stderr)
+
+    batch_sharding = sharding.batch_sharding(mesh)
+    step_fn = jax.jit(
+        make_train_step(graphdef, rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss),
+        in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        out_shardings=(param_shardings, opt_shardings, replicated),
+        donate_argnums=(0, 1),
+    )
+    peak = peak_flops_per_device(override=tc.peak_flops)
+    log = MetricsLog(run_dir, resume_step=start_step, enabled=primary)
+    if primary:
+        print(
+            f"{num_params:,} parameters; mesh {dict(mesh.shape)}; {process_count} process(es); "
+            f"unigram {config.eval.split} perplexity {unigram:.1f}",
+            file=sys.stderr,
+        )
+
+    def save(step: int) -> None:
+        checkpoints.save(step, params, opt_state, rng, data_iterator, {"tokens_seen": tokens_seen})
+
+    def validation(step: int) -> dict[str, Any]:
+        row = _validation(nnx.merge(graphdef, params, rest), valid_store, config, mesh, step, primary)
+        log.write(row, prefix="valid")
+        return row
+
+    last_val: dict[str, Any] | None = None
+    train_seconds, train_tokens = 0.0, 0
+    bar = tqdm(total=tc.steps, initial=start_step, desc="train", unit="step", disable=not primary, file=sys.stderr)
+    try:
+        with StopRequest(enabled=process_count == 1) as stop, bar:
+            last = time.perf_counter()
+            for step in range(start_step + 1, tc.steps + 1):
+                local = next(data_iterator)
+                batch = sharding.global_batch(local, batch_sharding, process_count)
+                new_params, new_opt_state, m = step_fn(params, opt_state, batch)
+                m = jax.device_get(m)
+                now = time.perf_counter()
+                seconds, last = now - last, now
+                finite = bool(m["finite"])
+                if not finite and tc.nonfinite == "stop":
+                    checkpoints.wait()
+                    kept = checkpoints.latest_step()
+                    raise NonFiniteLoss(
+                        f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {step}; "
+                        f"stopping without saving it. Last good checkpoint: "
+                        + (f"step {kept} in {run_dir / 'checkpoints'}" if kept is not None else "none")
+                        + ". Lower train.lr or set train.nonfinite=skip."
+                    )
+                params, opt_state = new_params, new_opt_state
+                tokens = int(m["tokens"])
+                tokens_seen += tokens
+                if step > start_step + 1:  # the first step of a process includes compilation
+                    train_seconds += seconds
+                    train_tokens += tokens
+                tokens_per_s = tokens / seconds
+                row = {
+                    "step": step,
+                    "loss": float(m["loss"]),
+                    "learning_rate": float(learning_rates[step]),
+                    "grad_norm": float(m["grad_norm"]),
+                    "tokens_per_s": tokens_per_s,
+                    "mfu": mfu(tokens_per_s, flops_per_token(config.model, batch["inputs"].shape[1], num_params,
+                                                             config.model.vocab_size), jax.device_count(), peak),
+                    "tokens_seen": tokens_seen,
+                    "padding_fraction": 1.0 - tokens / batch["inputs"].size,
+                    "seconds": seconds,
+                }
+                if tc.z_loss:
+                    row["objective"] = float(m["objective"])
+                if not finite:
+                    row["skipped"] = True
+                log.write(row)
+                bar.update(1)
+                if step % tc.log_every == 0 or step == tc.steps:
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+                if step % tc.checkpoint_every == 0 or step == tc.steps:
+                    save(step)
+                if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                    last_val = validation(step)
+                    last = time.perf_counter()  # evaluation time is not training throughput
+                if _should_stop(stop, step, process_count):
+                    save(step)
+                    checkpoints.wait()
+                    raise Interrupted(stop.signum or signal.SIGTERM, step)
+        checkpoints.wait()
+    finally:
+        checkpoints.close()
+        log.close()
+
+    summary = {
+        "run_dir": str(run_dir),
+        "steps": tc.steps,
+        "resumed_from": start_step,
+        "parameters": num_params,
+        "devices": jax.device_count(),
+        "processes": process_count,
+        "tokens_seen": tokens_seen,
+        "tokens_per_s": train_tokens / train_seconds if train_seconds else None,
+        "wall_seconds": time.perf_counter() - wall_start,
+        "final_train_loss": row["loss"] if start_step < tc.steps else None,
+        "val_loss": last_val and last_val["val_loss"],
+        "val_perplexity": last_val and last_val["val_perplexity"],
+        "val_word_perplexity": last_val and last_val["val_word_perplexity"],
+        "unigram_perplexity": unigram,
+        "eval": dataclasses.asdict(config.eval),
+    }
+    if primary:
+        plot_losses(run_dir)
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _should_stop(stop: StopRequest, step: int, process_count: int) -> bool:
+    """Single process: a signal arrived. Multi-host: JAX's preemption sync point, so all processes stop at one step."""
+    if process_count > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.reached_preemption_sync_point(step)
+    return stop.signum is not None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from seqjax.cli import parse, parser
+
+    p = parser("python -m seqjax.train", "Train a language model; resumes when run.dir already holds checkpoints.")
+    _, config = parse(p, argv)
+    try:
+        summary = train(config)
+    except NonFiniteLoss as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Interrupted as err:
+        print(str(err), file=sys.stderr)
+        return 128 + err.signum
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,114 @@
+"""Where a run's numbers go: metrics.jsonl (one line per step, plus validation lines), TensorBoard, a PNG.
+
+metrics.jsonl is the record the resume test compares, so a resumed run first
+cuts the file back to the restored step: lines a killed run wrote after its
+last checkpoint are replaced by the resumed run's identical recomputation,
+never duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+def unigram_perplexity(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int) -> float:
+    """Perplexity of a unigram model (train token frequencies, add-one smoothed) on ``eval_tokens``.
+
+    The baseline a language model must beat: it knows how common each token is
+    but nothing about context. Both arrays are token streams in the store
+    layout; the first token has no context and is not scored (as in eval), so
+    ``len(eval_tokens) - 1`` tokens are predicted.
+    """
+    counts = np.bincount(np.asarray(train_tokens[1:], np.int64), minlength=vocab_size).astype(np.float64) + 1.0
+    log_probs = np.log(counts) - np.log(counts.sum())
+    scored = np.asarray(eval_tokens[1:], np.int64)
+    return float(np.exp(-log_probs[scored].mean()))
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every complete line of a run's metrics.jsonl (a line cut short by a kill is ignored)."""
+    path = Path(run_dir) / METRICS_FILE
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+class MetricsLog:
+    """Appends rows to metrics.jsonl and, when tensorboardX is installed, to TensorBoard event files.
+
+    Only one process of a multi-host run writes (``enabled``).
+    """
+
+    def __init__(self, run_dir: str | Path, resume_step: int, enabled: bool = True):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.tensorboard = None
+        if not enabled:
+            return
+        kept = [row for row in read_metrics(self.run_dir) if row.get("step", 0) <= resume_step]
+        path = self.run_dir / METRICS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        self.file = path.open("a")
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            return
+        self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1)
+
+    def write(self, row: dict[str, Any], prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self.tensorboard.add_scalar(f"{prefix}/{key}", value, row["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def plot_losses(run_dir: str | Path) -> Path:
+    """loss.png: training loss per step and validation loss at each evaluation (log-scale y)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r and r["loss"] is not None and math.isfinite(r["loss"])]
+    valid = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(run_dir) / PLOT_FILE
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
