@@ -59,6 +59,10 @@ class Tokenizer:
         self.eot_id = int(eot_id)
         self.vocab_size = int(self._hf.get_vocab_size(with_added_tokens=True))
 
+    def token_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry (e.g. ``<unk>``), or None if the vocabulary lacks it."""
+        return self._hf.token_to_id(token)
+
     def encode_lines(self, lines: Sequence[str]) -> list[list[int]]:
         """Token ids of each line; lines are encoded independently, in parallel (Rust threads)."""
         return [e.ids for e in self._hf.encode_batch_fast(list(lines), add_special_tokens=False)]
