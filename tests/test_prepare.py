@@ -1,0 +1,105 @@
+"""``python -m seqjax.prepare`` end to end: a small text corpus, a JSONL corpus, and WikiText-2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from corpus_factory import make_text_corpus
+
+from seqjax.config import load_config
+from seqjax.data.corpus import count_words, read_text, split_lines, wikitext_articles
+from seqjax.data.tokenizer import Tokenizer
+from seqjax.prepare import main
+
+REPO = Path(__file__).resolve().parents[1]
+SUMMARY_KEYS = {"documents", "tokens", "bytes", "words", "tokens_per_word", "seconds", "skipped_empty", "reused"}
+
+
+def run_cli(capsys, args):
+    assert main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    return out, json.loads(out[-1])
+
+
+def test_cli_on_a_text_corpus_prints_saves_and_reuses(tmp_path, capsys):
+    overrides = make_text_corpus(tmp_path / "corpus", tmp_path / "cache")
+    out, summary = run_cli(capsys, overrides)
+    assert "# resolved config" in out
+    assert set(summary) == {"train", "valid", "test"}
+    for split, docs in {"train": 3, "valid": 2, "test": 1}.items():
+        entry = summary[split]
+        assert SUMMARY_KEYS <= set(entry) and entry["documents"] == docs and entry["reused"] is False
+        assert entry["tokens_per_word"] == round(entry["tokens"] / entry["words"], 4)
+    assert summary["train"]["skipped_empty"] == 1
+    assert summary["valid"]["words"] == count_words("the cat and the dog .\n") + count_words("last line has no newline")
+    assert summary["valid"]["bytes"] == len("the cat and the dog .\nlast line has no newline")
+    config = load_config(None, overrides)
+    assert load_config(tmp_path / "cache" / "prepare.yaml") == config
+    assert load_config(Path(summary["test"]["store"]).parent / "config.yaml") == config
+    _, again = run_cli(capsys, overrides)
+    assert all(entry["reused"] for entry in again.values())
+    assert {s: e["tokens"] for s, e in again.items()} == {s: e["tokens"] for s, e in summary.items()}
+
+
+def test_cli_on_a_jsonl_corpus(tmp_path, capsys):
+    for split, texts in {"train": ["alpha beta\ngamma\n", "", "delta"], "valid": ["beta gamma"], "test": ["alpha\n", " "]}.items():
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    args = ["data.corpus=jsonl", f"data.dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=270",
+            "data.train_files=[train.jsonl]", "data.valid_files=[valid.jsonl]", "data.test_files=[test.jsonl]", "--splits", "valid,test"]
+    _, summary = run_cli(capsys, args)
+    assert list(summary) == ["valid", "test"]
+    assert (summary["valid"]["documents"], summary["test"]["documents"], summary["test"]["skipped_empty"]) == (1, 1, 1)
+    # tokens = every text token + one closing end-of-text per document
+    manifest = json.loads((Path(summary["test"]["store"]) / "manifest.json").read_text())
+    tokenizer = Tokenizer(manifest["tokenizer_path"], "<|endoftext|>")
+    assert summary["test"]["tokens"] == len(tokenizer.encode("alpha\n")) + 1
+    assert summary["valid"]["tokens"] == len(tokenizer.encode("beta gamma")) + 1
+
+
+def test_cli_errors_exit_2_with_the_message(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["data.corpus=text", "data.train_files=[missing.txt]", f"data.cache_dir={tmp_path}"])
+    assert exit_.value.code == 2
+    assert "data.train_files: 'missing.txt' not found. Looked in:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["data.seq_lne=3"])
+    assert exit_.value.code == 2 and "did you mean data.seq_len?" in capsys.readouterr().err
+
+
+WORDS = {"train": 2_088_628, "valid": 217_646, "test": 245_569}
+
+
+def test_cli_on_wikitext2_prints_the_published_counts(wikitext_prepared, wikitext_config):
+    """The session fixture built the stores; the CLI, run as a user runs it, finds and reuses them."""
+    args = ["--config", str(REPO / "configs" / "wikitext2_cpu.yaml"), f"data.dir={wikitext_config.data.dir}",
+            f"data.cache_dir={wikitext_config.data.cache_dir}", f"tokenizer.vocab_size={wikitext_config.tokenizer.vocab_size}"]
+    proc = subprocess.run([sys.executable, "-m", "seqjax.prepare", *args], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {s: e["documents"] for s, e in summary.items()} == {"train": 600, "valid": 60, "test": 60}
+    assert {s: e["words"] for s, e in summary.items()} == WORDS
+    assert all(e["reused"] for e in summary.values())
+    for split, store in wikitext_prepared.stores.items():
+        assert summary[split]["tokens"] == store.predicted_tokens
+        assert summary[split]["bytes"] == (Path(wikitext_config.data.dir) / "wikitext-2" / f"wiki.{split}.tokens").stat().st_size
+
+
+def test_wikitext2_store_decodes_back_to_its_articles_line_by_line(wikitext_prepared, wikitext):
+    tokenizer, store = wikitext_prepared.tokenizer, wikitext_prepared.stores["valid"]
+    articles = wikitext_articles(read_text(wikitext / "wikitext-2" / "wiki.valid.tokens"))
+    lines = [line for article in articles for line in split_lines(article)]
+    assert store.num_docs == len(articles) and len(store.line_offsets) - 1 == len(lines)
+    for i, article in enumerate(articles):
+        assert tokenizer.decode(store.doc(i)[:-1]) == article
+    bounds = store.line_offsets
+    for j in (0, 1, 2, len(lines) // 2, len(lines) - 1):
+        piece = store.tokens[bounds[j] : bounds[j + 1]]
+        if bounds[j + 1] in store.doc_offsets:
+            piece = piece[:-1]  # the closing EOT belongs to the last line
+        assert tokenizer.decode(piece) == lines[j]
