@@ -166,7 +166,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     config = load_config(config_file, list(overrides))
     model = build_model(config, rngs=nnx.Rngs(config.run.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    target = _abstract(params.to_pure_dict())
+    target = _abstract(nnx.to_pure_dict(params))
     manager = ocp.CheckpointManager(checkpoints, options=ocp.CheckpointManagerOptions(read_only=True))
     try:
         steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)

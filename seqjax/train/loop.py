@@ -131,7 +131,7 @@ def train(config: Config) -> dict[str, Any]:
     model = build_model(config, rngs=nnx.Rngs(config.run.seed))
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     param_shardings = sharding.param_shardings(param_state, mesh)
-    params = sharding.place(param_state.to_pure_dict(), param_shardings)
+    params = sharding.place(nnx.to_pure_dict(param_state), param_shardings)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     del model, param_state
 

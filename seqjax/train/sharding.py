@@ -97,7 +97,7 @@ def param_shardings(param_state: nnx.State, mesh: Mesh) -> dict:
         param_state,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
-    return specs.to_pure_dict()
+    return nnx.to_pure_dict(specs)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -70,7 +70,7 @@ def make_train_step(
         (grads, objective, nll_sum, weight_sum), _ = jax.lax.scan(accumulate, init, micro_batches(batch, grad_accum))
         denom = jnp.where(weight_sum > 0, weight_sum, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         loss = nll_sum / denom
