@@ -103,3 +103,15 @@ def test_wikitext2_store_decodes_back_to_its_articles_line_by_line(wikitext_prep
         if bounds[j + 1] in store.doc_offsets:
             piece = piece[:-1]  # the closing EOT belongs to the last line
         assert tokenizer.decode(piece) == lines[j]
+
+
+def test_raw_variant_prepares_valid_and_test_with_an_existing_tokenizer(wikitext_prepared, wikitext_config, capsys):
+    """wiki.train.raw is not shipped, so the raw splits use the tokenizer trained on the word-level train split."""
+    args = [f"data.dir={wikitext_config.data.dir}", f"data.cache_dir={wikitext_config.data.cache_dir}", "data.variant=raw",
+            f"tokenizer.path={wikitext_prepared.tokenizer.path}", "--splits", "valid,test"]
+    _, summary = run_cli(capsys, args)
+    raw = Path(wikitext_config.data.dir) / "wikitext-2-raw"
+    for split in ("valid", "test"):
+        assert summary[split]["documents"] == 60 and summary[split]["words"] == WORDS[split]
+        assert summary[split]["bytes"] == (raw / f"wiki.{split}.raw").stat().st_size
+    assert "/wikitext2-raw/" in summary["valid"]["store"]

@@ -152,20 +152,21 @@ def _reusable(path: Path, build_key: dict[str, Any]) -> bool:
     return manifest.get("build_key") == build_key
 
 
-def _encoded_documents(tokenizer: Tokenizer, documents: list[str], desc: str) -> Iterator[list[list[int]]]:
+def _encoded_documents(tokenizer: Tokenizer, documents: list[str], sizes: list[int], desc: str) -> Iterator[list[list[int]]]:
     """Each document as the token ids of its lines, encoded in parallel chunks with a byte progress bar."""
-    total = sum(len(d.encode("utf-8")) for d in documents)
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, mininterval=0.5) as bar:
-        batch: list[list[str]] = []
-        for doc in documents + [None]:
-            if doc is not None:
-                batch.append(split_lines(doc))
-            if batch and (doc is None or sum(map(len, batch)) >= ENCODE_CHUNK_LINES):
-                ids = iter(tokenizer.encode_lines([line for lines in batch for line in lines]))
-                for lines in batch:
-                    yield [next(ids) for _ in lines]
-                    bar.update(sum(len(line.encode("utf-8")) for line in lines))
-                batch = []
+    with tqdm(total=sum(sizes), desc=desc, unit="B", unit_scale=True, file=sys.stderr, mininterval=0.5) as bar:
+        start = 0
+        while start < len(documents):
+            batch, num_lines, stop = [], 0, start
+            while stop < len(documents) and (not batch or num_lines < ENCODE_CHUNK_LINES):
+                batch.append(split_lines(documents[stop]))
+                num_lines += len(batch[-1])
+                stop += 1
+            ids = iter(tokenizer.encode_lines([line for lines in batch for line in lines]))
+            for lines in batch:
+                yield [next(ids) for _ in lines]
+            bar.update(sum(sizes[start:stop]))
+            start = stop
 
 
 def build_store(path: Path, tokenizer: Tokenizer, split: SplitText, build_key: dict[str, Any], sources: list[dict]) -> TokenStore:
@@ -174,13 +175,14 @@ def build_store(path: Path, tokenizer: Tokenizer, split: SplitText, build_key: d
     if not docs:
         raise CorpusError(f"split {split.name}: no non-empty documents in {', '.join(map(str, split.sources))}")
     start = time.perf_counter()
+    sizes = [len(d.encode("utf-8")) for d in docs]
     with StoreWriter(path, eot_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size) as writer:
-        for lines in _encoded_documents(tokenizer, docs, f"tokenize {split.name}"):
+        for lines in _encoded_documents(tokenizer, docs, sizes, f"tokenize {split.name}"):
             writer.add_document(lines)
         stats = {
             "documents": len(docs),
             "skipped_empty": split.skipped_empty,
-            "bytes": sum(len(d.encode("utf-8")) for d in docs),
+            "bytes": sum(sizes),
             "words": sum(count_words(d) for d in docs),
             "lines": sum(count_lines(d) for d in docs),
         }
