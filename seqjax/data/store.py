@@ -198,7 +198,9 @@ def _staging_dir(path: Path) -> Path:
         pid = old.name.split(".")[-3]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp's private 0700 would hide a shared cache from other users
+    return tmp
 
 
 def _alive(pid: int) -> bool:
