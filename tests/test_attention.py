@@ -1,0 +1,120 @@
+"""Attention dispatch: segment isolation at the attention level, GQA, backend choice and its errors."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqjax.model import attention as attn
+from seqjax.model.attention import attention, resolve_backend
+
+T, H, HKV, D = 16, 4, 2, 16
+
+
+def qkv(seed: int, b: int = 1, t: int = T, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (b, t, H, D), dtype), jax.random.normal(kk, (b, t, HKV, D), dtype),
+            jax.random.normal(kv, (b, t, HKV, D), dtype))
+
+
+def segments_from_lengths(lengths: list[int], t: int) -> np.ndarray:
+    ids = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [np.zeros(t - sum(lengths))])
+    return ids.astype(np.int32)[None]
+
+
+packings = st.lists(st.integers(1, 6), min_size=1, max_size=5).map(
+    lambda lengths: [n for i, n in enumerate(lengths) if sum(lengths[: i + 1]) <= T] or [T]
+)
+xla_attention = jax.jit(lambda q, k, v, s: attention(q, k, v, s, backend="xla"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=packings, seed=st.integers(0, 2**16))
+def test_each_segment_attends_as_if_alone_and_padding_gives_zeros(lengths, seed):
+    q, k, v = qkv(seed)
+    segment_ids = segments_from_lengths(lengths, T)
+    out = np.asarray(xla_attention(q, k, v, segment_ids))
+    start = 0
+    for n in lengths:
+        piece = slice(start, start + n)
+        alone_ids = segments_from_lengths([n], T)
+        pad = lambda a: jnp.pad(a[:, piece], ((0, 0), (0, T - n), (0, 0), (0, 0)))  # noqa: E731
+        alone = np.asarray(xla_attention(pad(q), pad(k), pad(v), alone_ids))[:, :n]
+        np.testing.assert_allclose(out[:, piece], alone, rtol=1e-5, atol=1e-6)
+        start += n
+    assert (out[:, start:] == 0).all()
+
+
+def test_grouped_query_equals_multi_head_with_repeated_kv_heads():
+    q, k, v = qkv(0, b=2)
+    segment_ids = np.concatenate([segments_from_lengths([5, 11], T), segments_from_lengths([3, 4, 2], T)])
+    repeat = lambda a: jnp.repeat(a, H // HKV, axis=2)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(xla_attention(q, k, v, segment_ids)),
+                               np.asarray(xla_attention(q, repeat(k), repeat(v), segment_ids)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, k, v, s: (q[0], k, v, s), r"q has shape \(16, 4, 16\), expected \[batch, seq, heads, head_dim\]"),
+        (lambda q, k, v, s: (q, k[:, :8], v[:, :8], s), r"k/v have shape \(1, 8, 2, 16\), expected \[1, 16, kv_heads, 16\]"),
+        (lambda q, k, v, s: (q, k, v[..., :4], s), "k has shape .* but v has"),
+        (lambda q, k, v, s: (q[:, :, :3], k, v, s), "3 query heads is not a multiple of 2"),
+        (lambda q, k, v, s: (q, k, v.astype(jnp.bfloat16), s), "dtypes differ"),
+        (lambda q, k, v, s: (q, k, v, s[:, :8]), r"segment_ids has shape \(1, 8\), expected \[1, 16\]"),
+        (lambda q, k, v, s: (q, k, v, s.astype(np.float32)), "segment_ids dtype is float32"),
+    ],
+)
+def test_bad_shapes_and_dtypes_fail_at_trace_time(change, message):
+    args = change(*qkv(0), segments_from_lengths([T], T))
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(lambda: attention(*args, backend="xla"))
+
+
+def test_unknown_backend_and_cudnn_off_gpu_are_refused():
+    with pytest.raises(ValueError, match="model.attention: got 'flash', expected one of auto, xla"):
+        attention(*qkv(0), segments_from_lengths([T], T), backend="flash")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="'cudnn' needs a GPU"):
+            attention(*qkv(0), segments_from_lengths([T], T), backend="cudnn")
+
+
+def test_a_missing_kernel_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(attn._KERNELS, "pallas", ("seqjax.model.kernels.not_there", "flash_attention"))
+    with pytest.raises(RuntimeError, match="model.attention='pallas' needs seqjax.model.kernels.not_there.flash_attention"):
+        attention(*qkv(0), segments_from_lengths([T], T), backend="pallas")
+
+
+def test_auto_picks_xla_on_cpu():
+    if jax.default_backend() == "cpu":
+        assert resolve_backend("auto") == "xla"
+
+
+@pytest.mark.parametrize("dtype, expected", [(jnp.bfloat16, "cudnn"), (jnp.float32, "xla")])
+def test_auto_on_a_gpu_without_the_kernel_falls_back_and_says_why(monkeypatch, caplog, dtype, expected):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setitem(attn._KERNELS, "pallas", ("seqjax.model.kernels.not_there", "flash_attention"))
+    with caplog.at_level(logging.WARNING, logger="seqjax.model.attention"):
+        assert resolve_backend("auto", dtype) == expected
+    assert "not_there" in caplog.text
+
+
+def test_auto_on_a_gpu_with_the_kernel_picks_pallas(monkeypatch):
+    pytest.importorskip("seqjax.model.kernels.flash")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_backend("auto", jnp.bfloat16) == "pallas"
+
+
+def test_pallas_backend_matches_xla_through_the_dispatch():
+    """The dispatch hands the kernel the same arguments (interpret mode off a GPU); numerics are D's tests."""
+    pytest.importorskip("seqjax.model.kernels.flash")
+    q, k, v = qkv(1)
+    segment_ids = segments_from_lengths([6, 7], T)
+    np.testing.assert_allclose(np.asarray(attention(q, k, v, segment_ids, backend="pallas", scale=0.3)),
+                               np.asarray(attention(q, k, v, segment_ids, backend="xla", scale=0.3)), rtol=1e-4, atol=1e-4)
