@@ -30,7 +30,10 @@ many processes can share the pages.
 
 Writes are atomic: files go to a temporary sibling folder that is renamed into
 place only when complete, so a killed build never leaves a store that looks
-complete, and an existing store is never half-overwritten.
+complete, and an existing store is never half-overwritten. :class:`StoreWriter`
+streams documents to disk (prepare uses it); :func:`write_store` writes an
+in-memory store. ``TokenStore.open(path, tokenizer_hash=...)`` refuses a store
+built by another tokenizer.
 """
 
 from __future__ import annotations
