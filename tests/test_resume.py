@@ -1,0 +1,100 @@
+"""Exact resumption: SIGKILL, SIGTERM and a corrupt latest checkpoint all end with the reference run's losses.
+
+Every run is the CLI in a subprocess on the tiny corpus (tests/test_train_support.py).
+Losses are compared exactly (float32, CPU, same program): a repeated or
+skipped batch, or any state not restored, changes them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_train_support import (  # noqa: F401 - fixtures
+    REFERENCE_STEPS,
+    REPO,
+    assert_ok,
+    cli_env,
+    reference,
+    run_cli,
+    tiny_overrides,
+    tiny_root,
+    train_losses,
+)
+
+from seqjax.train.metrics import read_metrics
+
+
+def start_and_signal(overrides: list[str], run_dir: Path, at_step: int, signum: int) -> subprocess.Popen:
+    """Start the CLI, send ``signum`` once metrics.jsonl shows ``at_step``, and wait for the process to end."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "seqjax.train", *overrides],
+        cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if max(train_losses(run_dir), default=0) >= at_step:
+            proc.send_signal(signum)
+            break
+        time.sleep(0.002)
+    proc.stderr_text = proc.communicate(timeout=240)[1]
+    return proc
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_sigkill_then_restart_reproduces_every_loss(reference, tiny_root, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_root, run_dir)
+    proc = start_and_signal(overrides, run_dir, at_step=25, signum=signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    killed_at = max(train_losses(run_dir))
+    assert 25 <= killed_at < REFERENCE_STEPS, "the kill must land mid-run"
+    assert max(checkpoint_steps(run_dir)) < killed_at  # some steps after the last checkpoint are recomputed
+
+    resumed = run_cli(overrides)
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stderr
+    assert train_losses(run_dir) == reference
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, REFERENCE_STEPS + 1))  # no duplicated lines
+    reference_rows = [r for r in read_metrics(tiny_root / "reference") if "loss" in r]
+    assert [r["tokens_seen"] for r in rows] == [r["tokens_seen"] for r in reference_rows]
+
+
+def test_sigterm_saves_a_checkpoint_then_exits_and_resumes(reference, tiny_root, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_root, run_dir, **{"train.checkpoint_every": 1000})
+    proc = start_and_signal(overrides, run_dir, at_step=25, signum=signal.SIGTERM)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr_text[-3000:]
+    stopped_at = max(train_losses(run_dir))
+    assert stopped_at < REFERENCE_STEPS
+    assert checkpoint_steps(run_dir) == [stopped_at]  # the only checkpoint is the one SIGTERM wrote
+    assert f"after step {stopped_at}" in proc.stderr_text
+
+    assert_ok(run_cli(overrides))
+    assert train_losses(run_dir) == reference
+
+
+def test_a_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(reference, tiny_root, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_root / "reference", run_dir)
+    steps = checkpoint_steps(run_dir)
+    latest, previous = steps[-1], steps[-2]
+    for f in (run_dir / "checkpoints" / str(latest) / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    proc = run_cli(tiny_overrides(tiny_root, run_dir))
+    assert_ok(proc)
+    assert f"checkpoints/{latest} is unreadable" in proc.stderr
+    assert f"resuming from {run_dir / 'checkpoints' / str(previous)}" in proc.stderr
+    assert (run_dir / "checkpoints_corrupt" / str(latest)).is_dir()
+    assert train_losses(run_dir) == reference
+    assert latest in checkpoint_steps(run_dir)  # rewritten by the resumed run
