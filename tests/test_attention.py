@@ -118,3 +118,13 @@ def test_pallas_backend_matches_xla_through_the_dispatch():
     segment_ids = segments_from_lengths([6, 7], T)
     np.testing.assert_allclose(np.asarray(attention(q, k, v, segment_ids, backend="pallas", scale=0.3)),
                                np.asarray(attention(q, k, v, segment_ids, backend="xla", scale=0.3)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+def test_cudnn_backend_matches_xla_in_bfloat16():
+    q, k, v = qkv(2, b=2, t=128, dtype=jnp.bfloat16)
+    segment_ids = np.concatenate([segments_from_lengths([40, 60], 128), segments_from_lengths([128], 128)])
+    run = lambda backend: np.asarray(jax.jit(lambda *a: attention(*a, backend=backend))(q, k, v, segment_ids), np.float32)  # noqa: E731
+    cudnn, xla = run("cudnn"), run("xla")
+    np.testing.assert_allclose(cudnn, xla, rtol=2e-2, atol=2e-2)
+    assert (cudnn[0, 100:] == 0).all()  # padding rows zeroed

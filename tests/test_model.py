@@ -229,3 +229,25 @@ def test_out_of_vocabulary_ids_raise_eagerly_and_give_nan_under_jit(model, forwa
     inputs[0, 2] = -1
     logits = np.asarray(forward(inputs, positions, segment_ids))
     assert np.isnan(logits[0, 2]).all()  # loud (NaN spreads through the row's matmuls), never a silent clamp
+
+
+def test_rope_rotates_by_the_batch_positions_and_scores_depend_on_distance_only():
+    from seqjax.model.transformer import rope
+
+    # head_dim 2: one frequency (theta**0 = 1), so position p rotates (1, 0) to (cos p, sin p)
+    x = jnp.tile(jnp.asarray([1.0, 0.0]), (1, 3, 1, 1))
+    positions = jnp.asarray([[0, 2, 5]])
+    np.testing.assert_allclose(np.asarray(rope(x, positions, 10000.0))[0, :, 0],
+                               np.stack([np.cos([0, 2, 5]), np.sin([0, 2, 5])], -1), atol=1e-6)
+    q, k = jax.random.normal(jax.random.key(0), (2, 1, 2, 1, 16))
+    score = lambda i, j: float(jnp.sum(rope(q, jnp.asarray([[i, i]]), 1e4)[0, 0] * rope(k, jnp.asarray([[j, j]]), 1e4)[0, 0]))  # noqa: E731
+    assert score(7, 3) == pytest.approx(score(4, 0), rel=1e-4)  # a segment may start anywhere: only i - j matters
+    assert score(7, 3) != pytest.approx(score(7, 0), rel=1e-3)
+
+
+def test_the_model_reads_positions_from_the_batch(forward):
+    inputs, positions, segment_ids = pack(random_docs([12], np.random.default_rng(2)), T)
+    shuffled = positions.copy()
+    shuffled[0, :12] = np.random.default_rng(0).permutation(12)
+    assert not np.allclose(np.asarray(forward(inputs, positions, segment_ids)),
+                           np.asarray(forward(inputs, shuffled, segment_ids)), atol=1e-4)
