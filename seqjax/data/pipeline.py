@@ -206,7 +206,8 @@ def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, p
     ds = grain.MapDataset.range(len(starts))[process_index::process_count]
     if d.shuffle:
         ds = ds.shuffle(seed=config.run.seed)
-    ds = ds.repeat(num_epochs).map(sequence).to_iter_dataset()
+    # In-memory data: Grain recommends no reader threads (they only contend for the GIL).
+    ds = ds.repeat(num_epochs).map(sequence).to_iter_dataset(grain.ReadOptions(num_threads=0))
     length_struct = {"inputs": d.seq_len, "targets": d.seq_len}
     if d.packer == "grain_concat_split":
         ds = gx.ConcatThenSplitIterDataset(ds, length_struct=length_struct)
@@ -214,7 +215,32 @@ def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, p
         packer = gx.FirstFitPackIterDataset if d.packer == "grain_first_fit" else gx.BestFitPackIterDataset
         ds = packer(ds, length_struct=length_struct, num_packing_bins=d.pack_buffer, seed=config.run.seed,
                     shuffle_bins=d.shuffle, max_sequences_per_bin=d.max_segments_per_row)
-    return ds.map(from_grain_packed)
+    return _JsonStateIterDataset(ds.map(from_grain_packed))
+
+
+def _tuples(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {k: _tuples(v) for k, v in state.items()}
+    return tuple(_tuples(v) for v in state) if isinstance(state, (list, tuple)) else state
+
+
+class _JsonStateIterDataset(grain.IterDataset):
+    """Grain's ConcatThenSplit keeps tuples in its state and compares them with ``==``; a JSON
+    checkpoint turns them into lists. Restoring them as tuples makes the state survive JSON."""
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _JsonStateIterator(iter(self._parent))
+
+
+class _JsonStateIterator(grain.DatasetIterator):
+    def __next__(self):
+        return next(self._parent)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(_tuples(state))
 
 
 # ---------------------------------------------------------------------------
