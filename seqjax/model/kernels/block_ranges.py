@@ -43,6 +43,19 @@ class BlockSizes:
             if size < 16 or size & (size - 1):
                 raise ValueError(f"BlockSizes.{name}: got {size}, expected a power of two >= 16")
 
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> BlockSizes:
+        """Starting tiles per head_dim: the float32 accumulators (block_q x head_dim) must fit in registers.
+
+        FlashAttention-2's Triton settings; untuned on this code until a GPU run sweeps them
+        (scripts/bench_attention.py --block-q/--block-k).
+        """
+        if head_dim <= 64:
+            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4, num_stages=3)
+        if head_dim <= 128:
+            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=8, num_stages=2)
+        return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8, num_stages=1)
+
     @property
     def multiple(self) -> int:
         """The padded sequence length is a multiple of this (every block size divides it)."""
@@ -101,9 +114,11 @@ def _ranges(real: jax.Array, lo: jax.Array, hi: jax.Array, block_rows: int, bloc
     return jnp.where(empty[..., None], 0, ranges).astype(jnp.int32)
 
 
-def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes | None = None) -> BlockMetadata:
-    """Visiting ranges for ``segment_ids`` [B, T] (T any length: padded here as the kernel pads it)."""
-    block_sizes = block_sizes or BlockSizes()
+def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes) -> BlockMetadata:
+    """Visiting ranges for ``segment_ids`` [B, T] (T any length: padded here as the kernel pads it).
+
+    Use the block sizes the kernel will use: ``BlockSizes.for_head_dim(head_dim)`` unless you pass your own.
+    """
     t = segment_ids.shape[-1]
     padded = block_sizes.padded_length(t)
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))

@@ -25,9 +25,14 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
 
 from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, block_metadata
+
+# Why the fuser import above: jax registers the tracing-context flag ``pallas_fuser_disable_nested_fuse`` when
+# that module is first imported, which a pallas_call otherwise does lazily while it runs. The flag changes the
+# jit cache key, so the first jitted function that ran this kernel (a whole train step) would compile twice.
 
 LOG2_E = math.log2(math.e)
 # A finite stand-in for -inf: masked logits and the running max start here, so no exp2(-inf - -inf) = NaN.
@@ -50,8 +55,9 @@ def flash_attention(
 
     ``segment_ids`` [B, T] int: contract 2 (0 = padding). ``scale`` defaults to D**-0.5. T need not be a
     multiple of the block sizes: the kernel pads with segment 0 (which costs no tile) and slices back.
-    ``metadata``: precomputed :func:`block_metadata` for these segment ids and ``block_sizes`` — compute it
-    once per forward and pass it to every layer; computed here when omitted.
+    ``block_sizes`` defaults to ``BlockSizes.for_head_dim(D)``. ``metadata``: precomputed
+    :func:`block_metadata` for these segment ids and block sizes — compute it once per forward and pass it to
+    every layer; computed here when omitted.
     """
     _check_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
@@ -59,7 +65,7 @@ def flash_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if metadata is None:
-        metadata = block_metadata(segment_ids, block_sizes)
+        metadata = block_metadata(segment_ids, block_sizes or BlockSizes.for_head_dim(d))
     elif block_sizes is not None and block_sizes != metadata.block_sizes:
         raise ValueError(f"metadata was computed for {metadata.block_sizes}, not block_sizes={block_sizes}")
     block_sizes = metadata.block_sizes

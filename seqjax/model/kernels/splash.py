@@ -1,0 +1,79 @@
+"""Segment-masked causal attention on TPU through Pallas splash attention.
+
+Splash takes segment ids natively (``SegmentIds(q, kv)``) and skips the tiles of its *static* mask (here the
+causal triangle); the segment part is checked per tile. Its segment rule is plain equality, so padding
+(segment 0) would attend to padding; contract 2 says padding attends to nothing, so padding rows are zeroed
+after the kernel. That also zeroes every gradient path through them: a real query never sees a padding key
+(different ids), so padding keys only feed padding queries, whose outputs are discarded.
+
+Splash has an interpreter mode, which is how this wrapper is tested on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+
+def splash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    scale: float | None = None,
+    interpret: bool | None = None,
+    block_size: int = 128,
+) -> jax.Array:
+    """q: [B, T, H, D]; k, v: [B, T, Hkv, D] (Hkv divides H); segment_ids [B, T] (0 = padding) -> [B, T, H, D].
+
+    T is padded internally (with segment 0) to a multiple of ``block_size``. ``interpret=None`` runs the
+    compiled kernel on a TPU and the interpreter elsewhere.
+    """
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != d or h % hkv:
+        raise ValueError(f"expected q [B,T,H,D] and k, v [B,T,Hkv,D] with Hkv | H; got {q.shape}, {k.shape}, {v.shape}")
+    if segment_ids.shape != (b, t):
+        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(b, t)}")
+    if block_size % 128:
+        raise ValueError(f"block_size {block_size}: splash tiles must be multiples of 128 (TPU lanes)")
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    scale = d**-0.5 if scale is None else scale
+    padded = -(-t // block_size) * block_size
+    segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
+
+    def heads_first(x):  # [B, T, H, D] -> [B, H, padded, D], splash's layout
+        return jnp.pad(x, ((0, 0), (0, padded - t), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    kernel = _kernel(h, padded, block_size, bool(interpret))
+    ids = splash.SegmentIds(q=segment_ids, kv=segment_ids)
+    out = jax.vmap(kernel)(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v), ids)
+    out = out.transpose(0, 2, 1, 3)[:, :t]
+    return jnp.where(segment_ids[:, :t, None, None] != 0, out, 0).astype(q.dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(heads: int, seq_len: int, block_size: int, interpret: bool):
+    """The splash kernel for a causal mask of this shape (mask preprocessing runs in NumPy: build it once).
+
+    Built under ``ensure_compile_time_eval`` so its mask tables are concrete arrays, safe to cache even when the
+    first call happens inside a ``jit`` trace.
+    """
+    mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+    blocks = splash.BlockSizes(
+        block_q=block_size,
+        block_kv=block_size,
+        block_kv_compute=block_size,
+        block_q_dkv=block_size,
+        block_kv_dkv=block_size,
+        block_kv_dkv_compute=block_size,
+        block_q_dq=block_size,
+        block_kv_dq=block_size,
+    )
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)

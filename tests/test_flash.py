@@ -1,0 +1,254 @@
+"""The Pallas flash kernel against contract 2's reference, in Pallas interpret mode (the CPU path CI runs).
+
+Shapes are fixed per test so each jitted check compiles once; hypothesis varies only the packing (segment ids),
+which the kernel reads as data. T=72 is not a multiple of the 16-token test blocks, so every example also
+exercises the internal padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqjax.model.attention import reference_attention, segment_mask
+from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata, visited_blocks
+from seqjax.model.kernels.flash import flash_attention
+
+SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+
+
+@st.composite
+def packed_row(draw, length: int) -> np.ndarray:
+    """One row of segment ids: documents 1, 2, ... then an optional padding tail (0)."""
+    kind = draw(st.sampled_from(["many_short", "one_long", "single_tokens", "mixed"]))
+    pad = draw(st.one_of(st.just(0), st.integers(1, max(1, length // 3)), st.just(length)))
+    body = length - pad
+    if kind == "one_long":
+        lengths = [body]
+    elif kind == "single_tokens":
+        lengths = [1] * body
+    else:
+        top = 8 if kind == "many_short" else max(body, 1)
+        lengths = draw(st.lists(st.integers(1, top), min_size=1, max_size=length))
+    ids = np.repeat(np.arange(1, len(lengths) + 1), lengths)[:body]
+    return np.concatenate([ids, np.zeros(length - len(ids), int)]).astype(np.int32)
+
+
+def packed_batch(batch: int, length: int):
+    return st.lists(packed_row(length), min_size=batch, max_size=batch).map(np.stack)
+
+
+def random_qkv(shape, kv_heads, dtype, seed=0):
+    """q, k, v and an output cotangent, drawn with NumPy (no jitted RNG to compile)."""
+    b, t, h, d = shape
+    rng = np.random.default_rng(seed)
+    draw = lambda heads: jnp.asarray(rng.standard_normal((b, t, heads, d)), dtype)  # noqa: E731
+    return draw(h), draw(kv_heads), draw(kv_heads), draw(h)
+
+
+def output_and_grads(attend):
+    """jit(q, k, v, segment_ids, cotangent) -> (out, (dq, dk, dv)) for an attention function."""
+
+    def run(q, k, v, segment_ids, cotangent):
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segment_ids), q, k, v)
+        return out, vjp(cotangent)
+
+    return jax.jit(run)
+
+
+def assert_close(actual, expected, tol, what):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert np.isfinite(actual).all(), f"{what}: non-finite values"
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def check_against_reference(flash_fn, q, k, v, segment_ids, cotangent, tol):
+    out, grads = flash_fn(q, k, v, segment_ids, cotangent)
+    ref_out, ref_grads = REFERENCE(q, k, v, segment_ids, cotangent)
+    assert_close(out, ref_out, tol, "output")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(got, want, tol, name)
+    padding = np.asarray(segment_ids) == 0  # contract 2: padding sees nothing, so exact zeros, never NaN
+    assert not np.asarray(out, np.float32)[padding].any()
+    for name, grad in zip(("dq", "dk", "dv"), grads):
+        assert not np.asarray(grad, np.float32)[padding].any(), f"{name} nonzero on padding"
+
+
+REFERENCE = output_and_grads(reference_attention)
+FLASH_SMALL = output_and_grads(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL, interpret=True))
+F32_QKV = random_qkv((2, 72, 4, 16), kv_heads=2, dtype=jnp.float32)  # GQA: 2 query heads per kv head
+
+
+@settings(max_examples=15, deadline=None)
+@given(segment_ids=packed_batch(2, 72))
+def test_matches_reference_float32_over_packings(segment_ids):
+    q, k, v, cotangent = F32_QKV
+    check_against_reference(FLASH_SMALL, q, k, v, jnp.asarray(segment_ids), cotangent, tol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[64], [16, 16, 16, 16], [5, 1, 1, 30, 20], [40]],  # one doc; block-aligned docs; ragged + tail; mostly padding
+)
+def test_matches_reference_bfloat16_head_dim_64(lengths):
+    """T=64 (a block multiple), head_dim 64, 4 query heads sharing one kv head; bf16 tolerance."""
+    rows = np.zeros((2, 64), np.int32)
+    for row, order in zip(rows, (lengths, lengths[::-1])):  # the second row packs the same docs reversed
+        row[: sum(order)] = np.repeat(np.arange(1, len(order) + 1), order)
+    segment_ids = jnp.asarray(rows)
+    q, k, v, cotangent = random_qkv((2, 64, 4, 64), kv_heads=1, dtype=jnp.bfloat16, seed=1)
+    check_against_reference(FLASH_SMALL, q, k, v, segment_ids, cotangent, tol=3e-2)
+
+
+def test_shared_metadata_gives_the_same_result_and_is_checked():
+    """A model computes BlockMetadata once per forward and passes it to every layer."""
+    q, k, v, _ = F32_QKV
+    segment_ids = jnp.asarray(np.repeat(np.arange(1, 5), 18)[None].repeat(2, 0).astype(np.int32))
+    metadata = block_metadata(segment_ids, SMALL)
+    shared = jax.jit(lambda q, m: flash_attention(q, k, v, segment_ids, metadata=m, interpret=True))(q, metadata)
+    np.testing.assert_allclose(shared, reference_attention(q, k, v, segment_ids), atol=2e-5)
+    with pytest.raises(ValueError, match="metadata was computed for"):
+        flash_attention(q, k, v, segment_ids, metadata=metadata, block_sizes=BlockSizes(), interpret=True)
+    with pytest.raises(ValueError, match="padded length"):
+        flash_attention(q[:, :40], k[:, :40], v[:, :40], segment_ids[:, :40], metadata=metadata, interpret=True)
+
+
+def test_bad_inputs_raise_before_work():
+    q, k, v, _ = F32_QKV
+    segment_ids = jnp.ones((2, 72), jnp.int32)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        wide = jnp.zeros((2, 72, 4, 24))
+        flash_attention(wide, wide, wide, segment_ids)
+    with pytest.raises(ValueError, match="multiple of key/value heads 3"):
+        flash_attention(q, jnp.concatenate([k, k[:, :, :1]], 2), jnp.concatenate([v, v[:, :, :1]], 2), segment_ids)
+    with pytest.raises(ValueError, match="segment_ids"):
+        flash_attention(q, k, v, segment_ids[:, :10])
+    with pytest.raises(ValueError, match="power of two"):
+        BlockSizes(block_q=48)
+
+
+# ------------------------------------------------------------------------------------------- block skipping
+
+
+SEGMENT_MASK = jax.jit(segment_mask)
+BLOCK_METADATA = jax.jit(block_metadata, static_argnums=1)
+
+
+def needed_tiles(segment_ids: np.ndarray, block_rows: int, block_cols: int, by_key: bool) -> np.ndarray:
+    """[B, n_rows, n_cols] bool: tiles holding at least one allowed (query, key) pair, from segment_mask."""
+    mask = np.asarray(SEGMENT_MASK(jnp.asarray(segment_ids)))  # [B, query, key]
+    if by_key:
+        mask = mask.transpose(0, 2, 1)
+    b, t, _ = mask.shape
+    return mask.reshape(b, t // block_rows, block_rows, t // block_cols, block_cols).any(axis=(2, 4))
+
+
+def tightest_cover(tiles: np.ndarray) -> np.ndarray:
+    """The contiguous [lo, hi) per row of tiles that covers every needed tile; (0, 0) when none is."""
+    any_tile = tiles.any(-1)
+    lo = np.where(any_tile, tiles.argmax(-1), 0)
+    hi = np.where(any_tile, tiles.shape[-1] - tiles[..., ::-1].argmax(-1), 0)
+    return np.stack([lo, hi], -1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), length=st.sampled_from([5, 100]))
+def test_visited_tiles_are_the_tightest_cover_of_allowed_pairs(data, length):
+    """Every tile with an allowed pair is visited (superset), and the ranges are no wider than needed."""
+    blocks = BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
+    segment_ids = data.draw(packed_batch(2, length))
+    metadata = BLOCK_METADATA(jnp.asarray(segment_ids), blocks)
+    padded = np.pad(segment_ids, ((0, 0), (0, metadata.seq_len - length)))
+    for ranges, rows, cols, by_key in (
+        (metadata.fwd_kv, blocks.block_q, blocks.block_k, False),
+        (metadata.dq_kv, blocks.block_q_bwd, blocks.block_k_bwd, False),
+        (metadata.dkv_q, blocks.block_k_bwd, blocks.block_q_bwd, True),
+    ):
+        needed = needed_tiles(padded, rows, cols, by_key)
+        columns = np.arange(needed.shape[-1])
+        visited = (columns >= np.asarray(ranges)[..., :1]) & (columns < np.asarray(ranges)[..., 1:])
+        assert not (needed & ~visited).any(), "a tile with an allowed pair is skipped"
+        np.testing.assert_array_equal(np.asarray(ranges), tightest_cover(needed))
+
+
+def test_packed_rows_visit_far_fewer_tiles_than_the_causal_triangle():
+    """Eight 16-token documents in a 128-token row: only the 8 diagonal tiles, not 36; padding costs nothing."""
+    packed = np.repeat(np.arange(1, 9), 16)[None].astype(np.int32)
+    one_doc = np.ones((1, 128), np.int32)
+    half_padding = np.concatenate([np.ones(64, np.int32), np.zeros(64, np.int32)])[None]
+    count = lambda ids: int(visited_blocks(block_metadata(jnp.asarray(ids), SMALL).fwd_kv, 8).sum())  # noqa: E731
+    assert count(one_doc) == 36  # the causal triangle of 8 x 8 tiles
+    assert count(packed) == 8
+    assert count(half_padding) == 10  # the 4 x 4 triangle of the real half; padding query blocks visit nothing
+    dkv = block_metadata(jnp.asarray(half_padding), SMALL).dkv_q
+    assert not np.asarray(dkv)[0, 4:].any()  # padding key blocks run no dK/dV loop either
+
+
+# ------------------------------------------------------------------------------------------- training-like
+
+
+def test_sgd_on_an_attention_layer_matches_xla():
+    """A few SGD steps of a one-layer attention regressor give the same losses with the kernel as with XLA."""
+    b, t, width, heads, head_dim = 2, 40, 32, 2, 16
+    keys = jax.random.split(jax.random.key(3), 6)
+    x = jax.random.normal(keys[0], (b, t, width))
+    y = jax.random.normal(keys[1], (b, t, width))
+    segment_ids = jnp.asarray(np.stack([np.repeat([1, 2, 3, 0], 10), np.repeat([1, 1, 2, 2], 10)]).astype(np.int32))
+    params0 = {n: 0.2 * jax.random.normal(kk, (width, heads * head_dim)) for n, kk in zip("qkvo", keys[2:])}
+
+    def train(attend):
+        def loss_fn(params):
+            def heads_of(name):
+                return (x @ params[name]).reshape(b, t, heads, head_dim)
+
+            o = attend(heads_of("q"), heads_of("k"), heads_of("v"), segment_ids).reshape(b, t, -1)
+            err = (o @ params["o"].T - y) ** 2 * (segment_ids != 0)[..., None]
+            return err.mean()
+
+        @jax.jit
+        def step(params):
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+        params, losses = params0, []
+        for _ in range(4):
+            params, loss = step(params)
+            losses.append(float(loss))
+        return losses
+
+    xla = train(reference_attention)
+    pallas = train(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL, interpret=True))
+    assert xla[-1] < xla[0]  # the steps do train
+    np.testing.assert_allclose(pallas, xla, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- GPU lowering
+
+
+@pytest.mark.parametrize(("head_dim", "dtype"), [(128, jnp.bfloat16), (256, jnp.float16)])
+def test_lowers_to_triton_for_h100(head_dim, dtype):
+    """Without a GPU, check that forward, dQ and dK/dV pass Pallas's Triton lowering (AOT, abstract H100)."""
+    mesh = jax.sharding.AbstractMesh(
+        (1,),
+        ("x",),
+        (jax.sharding.AxisType.Explicit,),
+        abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda"),
+    )
+    q = jax.ShapeDtypeStruct((1, 200, 6, head_dim), dtype)  # T not a block multiple; 3 query heads per kv head
+    kv = jax.ShapeDtypeStruct((1, 200, 2, head_dim), dtype)
+    segment_ids = jax.ShapeDtypeStruct((1, 200), jnp.int32)
+
+    def loss(q, k, v, s):
+        return flash_attention(q, k, v, s, interpret=False).astype(jnp.float32).sum()
+
+    with pytest.warns(DeprecationWarning), jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, segment_ids).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
+    for kernel in ("seqjax_flash_forward", "seqjax_flash_dq", "seqjax_flash_dkv"):
+        assert kernel in text
