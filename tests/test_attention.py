@@ -111,13 +111,23 @@ def test_auto_on_a_gpu_with_the_kernel_picks_pallas(monkeypatch):
     assert resolve_backend("auto", jnp.bfloat16) == "pallas"
 
 
-def test_pallas_backend_matches_xla_through_the_dispatch():
-    """The dispatch hands the kernel the same arguments (interpret mode off a GPU); numerics are D's tests."""
-    pytest.importorskip("seqjax.model.kernels.flash")
+def test_kernel_backends_receive_the_batch_and_scale(monkeypatch):
+    """The dispatch hands a kernel q, k, v, segment_ids and scale untouched (kernel numerics are D's tests)."""
+    calls = []
+
+    def fake_kernel(q, k, v, segment_ids, *, scale=None):
+        calls.append((q, k, v, segment_ids, scale))
+        return q
+
+    monkeypatch.setattr(attn, "_load_kernel", lambda name: fake_kernel)
     q, k, v = qkv(1)
     segment_ids = segments_from_lengths([6, 7], T)
-    np.testing.assert_allclose(np.asarray(attention(q, k, v, segment_ids, backend="pallas", scale=0.3)),
-                               np.asarray(attention(q, k, v, segment_ids, backend="xla", scale=0.3)), rtol=1e-4, atol=1e-4)
+    for backend in ("pallas", "splash"):
+        assert attention(q, k, v, segment_ids, backend=backend, scale=0.3) is q
+    assert len(calls) == 2
+    for got in calls:
+        assert got[0] is q and got[1] is k and got[2] is v and got[4] == 0.3
+        np.testing.assert_array_equal(got[3], segment_ids)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
