@@ -23,6 +23,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_STEPS = 60
+# A persistent XLA cache shared by the session's subprocesses: a restarted run reuses the compiled step.
+_JAX_CACHE: list[Path] = []
 
 
 def tiny_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
@@ -72,6 +74,10 @@ def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_") or k == "SEQJAX_DATA_DIR"}
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(REPO)
+    if _JAX_CACHE:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(_JAX_CACHE[0])
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env.update(extra)
@@ -108,6 +114,7 @@ def tiny_root(tmp_path_factory) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / "valid.jsonl").exists():
             write_corpus(root)
+    _JAX_CACHE[:] = [root / "jax_cache"]
     return root
 
 

@@ -1,0 +1,96 @@
+"""Meshes: the sharding rules, the -1 fill, and the same losses on 8 forced host devices as on one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_train_support import (  # noqa: F401 - fixtures
+    REPO,
+    cli_env,
+    reference,
+    tiny_overrides,
+    tiny_root,
+    train_losses,
+)
+
+from seqjax.config import ConfigError, load_config
+from seqjax.train.sharding import distributed_settings, mesh_shape, param_spec
+
+
+def mesh_of(data=1, fsdp=1, tensor=1):
+    return SimpleNamespace(shape={"data": data, "fsdp": fsdp, "tensor": tensor})
+
+
+def test_minus_one_fills_the_remaining_devices_and_bad_sizes_are_refused():
+    def shape(data, fsdp, tensor, devices):
+        return mesh_shape(load_config(None, [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"]).mesh, devices)
+
+    assert shape(-1, 1, 1, 8) == (8, 1, 1)
+    assert shape(2, -1, 2, 8) == (2, 2, 2)
+    assert shape(2, 4, 1, 8) == (2, 4, 1)
+    with pytest.raises(ConfigError, match=r"mesh.data=2, mesh.fsdp=2, mesh.tensor=1: data x fsdp x tensor = 4, expected the 8"):
+        shape(2, 2, 1, 8)
+    with pytest.raises(ConfigError, match="do not divide the 8 devices"):
+        shape(-1, 3, 1, 8)
+
+
+def test_tensor_parallel_splits_heads_and_ff_and_fsdp_the_largest_free_dimension():
+    mesh = mesh_of(fsdp=2, tensor=4)
+    assert param_spec((64, 8, 16), ("embed", "heads", "head_dim"), mesh) == P("fsdp", "tensor", None)
+    assert param_spec((8, 16, 64), ("heads", "head_dim", "embed"), mesh) == P("tensor", None, "fsdp")
+    assert param_spec((64, 256), ("embed", "ff"), mesh) == P("fsdp", "tensor")
+    assert param_spec((256, 64), ("ff", "embed"), mesh) == P("tensor", "fsdp")
+    assert param_spec((1000, 64), ("vocab", "embed"), mesh) == P("fsdp", None)  # embeddings: fsdp only
+    assert param_spec((64,), ("embed",), mesh) == P("fsdp")
+    # Two kv heads cannot be split four ways: that dimension stays whole, fsdp still applies.
+    assert param_spec((64, 2, 16), ("embed", "kv_heads", "head_dim"), mesh) == P("fsdp", None, None)
+    assert param_spec((63,), ("embed",), mesh) == P(None)  # nothing divides: replicated
+    assert param_spec((64, 8, 16), ("embed", "heads", "head_dim"), mesh_of(data=8)) == P(None, None, None)
+
+
+def test_distributed_settings_come_from_config_or_environment(monkeypatch):
+    dist = load_config(None, []).dist
+    monkeypatch.setenv("SEQJAX_COORDINATOR", "10.0.0.1:1234")
+    monkeypatch.setenv("SEQJAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("SEQJAX_PROCESS_ID", "3")
+    assert distributed_settings(dist) == ("10.0.0.1:1234", 4, 3)
+    dist = load_config(None, ["dist.process_id=1", "dist.num_processes=4"]).dist
+    assert distributed_settings(dist) == ("10.0.0.1:1234", 4, 1)
+    monkeypatch.setenv("SEQJAX_PROCESS_ID", "two")
+    with pytest.raises(ConfigError, match="SEQJAX_PROCESS_ID='two'"):
+        distributed_settings(load_config(None, []).dist)
+
+
+MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]
+
+SCRIPT = """
+import json, sys
+from seqjax.config import load_config
+from seqjax.train.loop import train
+base = json.loads(sys.argv[1])
+for data, fsdp, tensor in json.loads(sys.argv[2]):
+    overrides = base + [f"run.dir={sys.argv[3]}/mesh_{data}_{fsdp}_{tensor}",
+                        f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"]
+    train(load_config(None, overrides))
+"""
+
+
+def test_meshes_on_8_devices_match_one_device(reference, tiny_root, tmp_path):
+    steps = 20
+    base = [o for o in tiny_overrides(tiny_root, tmp_path, **{"train.steps": steps}) if not o.startswith("run.dir=")]
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(base), json.dumps(MESHES), str(tmp_path)],
+        cwd=REPO, env=cli_env(devices=8), capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for data, fsdp, tensor in MESHES:
+        assert f"mesh {{'data': {data}, 'fsdp': {fsdp}, 'tensor': {tensor}}}" in proc.stderr
+        losses = train_losses(tmp_path / f"mesh_{data}_{fsdp}_{tensor}")
+        assert sorted(losses) == list(range(1, steps + 1))
+        for step, loss in losses.items():
+            assert loss == pytest.approx(reference[step], rel=1e-5), (data, fsdp, tensor, step)
