@@ -54,6 +54,13 @@ def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
         packing.check_overlong(store.doc_lengths, d.seq_len, d.overlong)
     else:
         sequences.check_fits(store.num_tokens, d.seq_len, d.strategy)
+    # sequential streams must hold one row each even after the largest random offset (seq_len - 1)
+    if d.strategy == "sequential" and (store.num_tokens - d.seq_len) // d.batch_size < d.seq_len:
+        raise DataError(
+            f"data.batch_size={d.batch_size} is larger than one epoch of data: data.strategy=sequential needs "
+            f"{d.batch_size} streams of at least data.seq_len={d.seq_len} tokens after a random offset, "
+            f"the store holds {store.num_tokens} tokens"
+        )
 
 
 def bucket_lengths(config: Config) -> np.ndarray:
@@ -132,7 +139,8 @@ class EpochPlanner:
                 plan = RowPlan.from_spans(starts, lengths, d.batch_size, d.seq_len).take(rows)
                 plan.widths = widths
         if plan.num_rows == 0:
-            raise DataError(f"data.strategy={d.strategy}: the store gives no rows at data.seq_len={d.seq_len}")
+            why = " (data.overlong=drop dropped every document)" if d.overlong == "drop" and d.strategy in ("pack", "length_grouped") else ""
+            raise DataError(f"data.strategy={d.strategy}: the store gives no rows at data.seq_len={d.seq_len}{why}")
         return plan
 
 
