@@ -1,0 +1,60 @@
+"""Two local processes joined by jax.distributed (4 CPU devices each) train like one process.
+
+Each process reads only its own rows (build_pipeline's process_index /
+process_count) and the global batch is stitched with
+make_array_from_process_local_data; losses must match the single-process
+reference to 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+from test_train_support import (  # noqa: F401 - fixtures
+    REPO,
+    cli_env,
+    reference,
+    tiny_overrides,
+    tiny_root,
+    train_losses,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_with_four_devices_each_match_one_process(reference, tiny_root, tmp_path):
+    steps = 20
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_root, run_dir, **{"train.steps": steps, "mesh.data": 4, "mesh.fsdp": 2})
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "seqjax.train", *overrides],
+            cwd=REPO,
+            env=cli_env(devices=4, SEQJAX_COORDINATOR=coordinator, SEQJAX_NUM_PROCESSES="2", SEQJAX_PROCESS_ID=str(i)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        errors = [p.communicate(timeout=400)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, err in zip(procs, errors):
+        assert p.returncode == 0, err[-4000:]
+    assert "mesh {'data': 4, 'fsdp': 2, 'tensor': 1}; 2 process(es)" in errors[0]
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, steps + 1))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
