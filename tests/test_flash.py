@@ -81,7 +81,7 @@ def check_against_reference(flash_fn, q, k, v, segment_ids, cotangent, tol):
 
 REFERENCE = output_and_grads(reference_attention)
 FLASH_SMALL = output_and_grads(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL, interpret=True))
-F32_QKV = random_qkv((2, 72, 4, 16), kv_heads=2, dtype=jnp.float32)  # GQA: 2 query heads per kv head
+F32_QKV = random_qkv((2, 72, 4, 12), kv_heads=2, dtype=jnp.float32)  # GQA (2 q heads per kv head); D padded to 16
 
 
 @settings(max_examples=15, deadline=None)
@@ -121,9 +121,8 @@ def test_shared_metadata_gives_the_same_result_and_is_checked():
 def test_bad_inputs_raise_before_work():
     q, k, v, _ = F32_QKV
     segment_ids = jnp.ones((2, 72), jnp.int32)
-    with pytest.raises(ValueError, match="head_dim 24"):
-        wide = jnp.zeros((2, 72, 4, 24))
-        flash_attention(wide, wide, wide, segment_ids)
+    with pytest.raises(ValueError, match="dtype int32"):
+        flash_attention(q.astype(jnp.int32), k, v, segment_ids)
     with pytest.raises(ValueError, match="multiple of key/value heads 3"):
         flash_attention(q, jnp.concatenate([k, k[:, :, :1]], 2), jnp.concatenate([v, v[:, :, :1]], 2), segment_ids)
     with pytest.raises(ValueError, match="segment_ids"):

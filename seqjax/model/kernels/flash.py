@@ -54,8 +54,10 @@ def flash_attention(
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D] with Hkv dividing H.
 
     ``segment_ids`` [B, T] int: contract 2 (0 = padding). ``scale`` defaults to D**-0.5. T need not be a
-    multiple of the block sizes: the kernel pads with segment 0 (which costs no tile) and slices back.
-    ``block_sizes`` defaults to ``BlockSizes.for_head_dim(D)``. ``metadata``: precomputed
+    multiple of the block sizes: the kernel pads with segment 0 (which costs no tile) and slices back. D is
+    zero-padded to a power of two >= 16 (Triton's tile rule; zero columns change no logit, and their output
+    columns are dropped); 64, 128 and 256 need no padding. ``block_sizes`` defaults to
+    ``BlockSizes.for_head_dim(D)``. ``metadata``: precomputed
     :func:`block_metadata` for these segment ids and block sizes — compute it once per forward and pass it to
     every layer; computed here when omitted.
     """
@@ -75,10 +77,10 @@ def flash_attention(
             f"metadata is for batch {metadata.fwd_kv.shape[0]} and padded length {metadata.seq_len}, "
             f"but the inputs have batch {b} and padded length {padded} (T={t})"
         )
-    pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
+    pad = ((0, 0), (0, padded - t), (0, 0), (0, max(16, pl.next_power_of_2(d)) - d))
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
     out = _flash(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale, bool(interpret))
-    return out[:, :t]
+    return out[:, :t, :, :d]
 
 
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
@@ -91,8 +93,6 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
         raise ValueError(f"query heads {h} must be a multiple of key/value heads {k.shape[2]}")
     if segment_ids.shape != (b, t):
         raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(b, t)}")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head_dim {d} must be a power of two >= 16 (64, 128 and 256 are the tuned sizes)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"{name} dtype {x.dtype}: expected bfloat16, float16 or float32")
