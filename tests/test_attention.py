@@ -130,6 +130,20 @@ def test_kernel_backends_receive_the_batch_and_scale(monkeypatch):
         np.testing.assert_array_equal(got[3], segment_ids)
 
 
+def test_cudnn_path_passes_the_segment_mask_densely(monkeypatch):
+    """Off a GPU: the same call with XLA's implementation of dot_product_attention checks mask and padding plumbing."""
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation, **kw: real(*a, implementation="xla", **kw))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q, k, v = qkv(4, b=2, dtype=jnp.bfloat16)
+    segment_ids = np.concatenate([segments_from_lengths([5, 7], T), segments_from_lengths([T], T)])
+    dense = np.asarray(attention(q, k, v, segment_ids, backend="cudnn"), np.float32)
+    np.testing.assert_allclose(dense, np.asarray(xla_attention(q, k, v, segment_ids), np.float32), rtol=2e-2, atol=2e-2)
+    assert (dense[0, 12:] == 0).all()
+    with pytest.raises(ValueError, match="needs bfloat16 or float16 inputs, got float32"):
+        attention(*qkv(0), segment_ids[:1], backend="cudnn")
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
 def test_cudnn_backend_matches_xla_in_bfloat16():
     q, k, v = qkv(2, b=2, t=128, dtype=jnp.bfloat16)
