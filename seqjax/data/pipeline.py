@@ -52,7 +52,7 @@ def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
         raise ConfigError("data.max_segments_per_row: Grain's concat-then-split cannot cap segments; unset it or pick another packer")
     if d.strategy in ("pack", "length_grouped"):
         packing.check_overlong(store.doc_lengths, d.seq_len, d.overlong)
-    else:
+    elif d.strategy in ("window", "random_window", "concat_chunk"):  # full rows only; the others pad a short tail
         sequences.check_fits(store.num_tokens, d.seq_len, d.strategy)
     # sequential streams must hold one row each even after the largest random offset (seq_len - 1)
     if d.strategy == "sequential" and (store.num_tokens - d.seq_len) // d.batch_size < d.seq_len:

@@ -1,0 +1,150 @@
+"""Packers and length-grouped batches: what each promises about documents, rows and padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqjax.data.batching import DataError, length_grouped_order
+from seqjax.data.pipeline import bucket_lengths
+from test_pipeline_helpers import assert_contract, config, epoch_batches, predicted_counts, stores
+
+FAST = settings(max_examples=20, deadline=None)
+OURS = ["greedy", "first_fit", "best_fit", "best_fit_decreasing", "fill"]
+
+
+def epoch_segments(cfg, store, epoch=0):
+    try:
+        batches = epoch_batches(cfg, store, epoch)
+    except DataError as err:
+        assert "larger than one epoch" in str(err) or "dropped every document" in str(err)
+        return None, None
+    rows = [assert_contract({k: v[r : r + 1] for k, v in b.items()}, store) for b in batches for r in range(b["inputs"].shape[0])]
+    return batches, [[(s, m) for _, s, m in row] for row in rows]
+
+
+def expected_counts(store, seq_len: int, overlong: str) -> np.ndarray:
+    """Targets per stream position when each document predicts its tokens once, after the overlong policy."""
+    counts = np.zeros(store.num_tokens, np.int64)
+    for first, end in zip(store.doc_offsets[:-1], store.doc_offsets[1:]):
+        if end - first > seq_len and overlong == "drop":
+            continue
+        counts[first : first + seq_len if overlong == "truncate" else end] = 1
+    return counts
+
+
+@pytest.mark.parametrize("packer", OURS)
+@FAST
+@given(store=stores(max_docs=15), seq_len=st.integers(2, 12), batch_size=st.integers(1, 3),
+       overlong=st.sampled_from(["drop", "truncate", "split"]), cap=st.sampled_from([None, 1, 2]), epoch=st.integers(0, 1))
+def test_packers_place_every_document_once_within_capacity(packer, store, seq_len, batch_size, overlong, cap, epoch):
+    if packer == "fill" and cap is not None:
+        return  # refused by config checks (tested in test_pipeline)
+    overrides = [f"data.packer={packer}", f"data.overlong={overlong}", "data.pack_buffer=4"]
+    if cap is not None:
+        overrides.append(f"data.max_segments_per_row={cap}")
+    batches, rows = epoch_segments(config("pack", seq_len, batch_size, *overrides), store, epoch)
+    if rows is None:
+        return
+    found = [(0, s, m) for row in rows for s, m in row]
+    np.testing.assert_array_equal(predicted_counts(found, store.num_tokens), expected_counts(store, seq_len, overlong))
+    for row in rows:
+        assert sum(m - 1 for _, m in row) <= seq_len
+        if cap is not None:
+            assert len(row) <= cap
+    if packer == "fill":  # every row full except the epoch's last real one
+        used = sorted(sum(m - 1 for _, m in row) for row in rows if row)
+        assert all(u == seq_len for u in used[1:])
+
+
+def reference_fit(weights: list[int], capacity: int, buffer: int, best: bool, decreasing: bool) -> list[list[int]]:
+    """First/best fit over buffers, written the plain way: rows as lists of item indices in placement order."""
+    rows = []
+    for first in range(0, len(weights), buffer):
+        chunk = list(range(first, min(first + buffer, len(weights))))
+        if decreasing:
+            chunk.sort(key=lambda i: -weights[i])
+        open_rows: list[tuple[list[int], list[int]]] = []  # (items, [free])
+        for i in chunk:
+            fits = [r for r in open_rows if r[1][0] >= weights[i]]
+            if not fits:
+                open_rows.append(([], [capacity]))
+                fits = [open_rows[-1]]
+            row = min(fits, key=lambda r: r[1][0]) if best else fits[0]
+            row[0].append(i)
+            row[1][0] -= weights[i]
+        rows += [items for items, _ in open_rows]
+    return rows
+
+
+def reference_greedy(weights: list[int], capacity: int) -> list[list[int]]:
+    rows, used = [[]], 0
+    for i, w in enumerate(weights):
+        if used + w > capacity:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += w
+    return rows
+
+
+@pytest.mark.parametrize("packer", ["greedy", "first_fit", "best_fit", "best_fit_decreasing"])
+@FAST
+@given(store=stores(max_docs=15), seq_len=st.integers(2, 12), buffer=st.integers(1, 6))
+def test_packers_match_their_definitions(packer, store, seq_len, buffer):
+    cfg = config("pack", seq_len, 1, f"data.packer={packer}", "data.shuffle=false", "data.overlong=split", f"data.pack_buffer={buffer}")
+    _, rows = epoch_segments(cfg, store)
+    items = [(s, m) for row in sorted(rows, key=lambda r: r[0][0] if r else -1) for s, m in row]
+    items.sort()  # with shuffle off, items are the documents' pieces in stream order
+    index = {item: i for i, item in enumerate(items)}
+    weights = [m - 1 for _, m in items]
+    got = [[index[item] for item in row] for row in rows if row]
+    if packer == "greedy":
+        expect = reference_greedy(weights, seq_len)
+    else:
+        expect = reference_fit(weights, seq_len, buffer, best=packer != "first_fit", decreasing=packer == "best_fit_decreasing")
+    assert got == expect
+
+
+@FAST
+@given(store=stores(max_docs=25), seq_len=st.integers(2, 16), batch_size=st.integers(1, 3), mult=st.integers(1, 3))
+def test_length_grouped_sorts_mega_batches_and_pads_to_buckets(store, seq_len, batch_size, mult):
+    cfg = config("length_grouped", seq_len, batch_size, f"data.mega_batch_mult={mult}", "data.overlong=split")
+    batches, rows = epoch_segments(cfg, store)
+    if rows is None:
+        return
+    buckets = bucket_lengths(cfg).tolist()
+    found = [(0, s, m) for row in rows for s, m in row]
+    np.testing.assert_array_equal(predicted_counts(found, store.num_tokens), expected_counts(store, seq_len, "split"))
+    assert all(len(row) <= 1 for row in rows)  # one document (piece) per row
+    longest = [max((m - 1 for row in rows[k * batch_size : (k + 1) * batch_size] for _, m in row), default=0)
+               for k in range(len(batches))]
+    for batch, top in zip(batches, longest):
+        width = batch["inputs"].shape[1]
+        assert width == min(b for b in buckets if b >= top)  # the smallest bucket that holds the batch
+    assert longest[0] == max(longest)  # the longest batch first: an out-of-memory shows at step 0
+    assert len({b["inputs"].shape[1] for b in batches}) <= len(buckets)
+
+
+@FAST
+@given(weights=st.lists(st.integers(1, 40), min_size=1, max_size=60), batch_size=st.integers(1, 4), mult=st.integers(1, 3))
+def test_length_grouped_order_sorts_each_mega_batch(weights, batch_size, mult):
+    weights = np.asarray(weights)
+    buckets = np.asarray([4, 16, 40])
+    rows, widths = length_grouped_order(weights, batch_size, mult, buckets)
+    assert sorted(rows[rows >= 0].tolist()) == list(range(len(weights)))  # a permutation, each row once
+    batches = rows.reshape(-1, batch_size)
+    # undo "longest batch first": some position j restores mega-batches sorted longest first
+    restored = [np.concatenate([*batches[1 : j + 1], batches[0], *batches[j + 1 :]]) for j in range(len(batches))]
+    mega = batch_size * mult
+
+    def sorted_mega_batches(order):
+        real = order[order >= 0]
+        return all(np.all(np.diff(weights[real[i : i + mega]]) <= 0) for i in range(0, len(real), mega))
+
+    assert any(sorted_mega_batches(order) for order in restored)
+    tops = [weights[b[b >= 0]].max() for b in batches]
+    assert tops[0] == max(tops)
+    np.testing.assert_array_equal(widths, [buckets[np.searchsorted(buckets, t)] for t in tops])
