@@ -15,9 +15,11 @@ Prompts of different lengths go right-padded in one batch (see
 :func:`prompt_batch`): padding slots keep segment id 0, every row continues its
 own last segment at its own next position, and generated tokens of all rows
 are written to the same slot (prompt_len + step) — a row's padding gap is
-simply masked. Cache attention always runs the XLA path (:func:`masked_attention`): a
-step has one query per row, where the training kernels have nothing to skip. Decoding past ``max_len`` slots yields NaN logits (loud, not a
-silently overwritten cache): size ``max_len`` as prompt length + new tokens.
+simply masked. Cache attention always runs the XLA path
+(:func:`masked_attention`): a step has one query per row, where the training
+kernels have nothing to skip. Decoding past ``max_len`` slots yields NaN
+logits (loud, not a silently overwritten cache): size ``max_len`` as prompt
+length + new tokens.
 """
 
 from __future__ import annotations
