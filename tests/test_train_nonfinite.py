@@ -1,0 +1,35 @@
+"""A NaN/inf loss stops the run naming the step and keeps the last good checkpoint; nonfinite=skip skips instead.
+
+A learning rate of 1e30 makes the first update push the weights to ~1e30, so
+step 2's activations overflow float32: a reliable, data-independent NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+from test_train_support import assert_ok, run_cli, tiny_overrides, tiny_root  # noqa: F401 - fixtures
+
+from seqjax.train.metrics import read_metrics
+
+EXPLODE = {"train.lr": 1e30, "train.warmup_steps": 0, "train.checkpoint_every": 1, "train.steps": 4}
+
+
+def test_a_nonfinite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tiny_root, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(tiny_overrides(tiny_root, run_dir, **EXPLODE))
+    assert proc.returncode == 1
+    assert "non-finite loss" in proc.stderr and "at step 2" in proc.stderr
+    assert f"Last good checkpoint: step 1 in {run_dir / 'checkpoints'}" in proc.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]  # the bad step is not logged as a result
+
+
+def test_nonfinite_skip_skips_the_update_and_carries_on(tiny_root, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(tiny_overrides(tiny_root, run_dir, **EXPLODE, **{"train.nonfinite": "skip"}))
+    assert_ok(proc)
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert math.isfinite(rows[0]["loss"]) and "skipped" not in rows[0]
+    assert all(r.get("skipped") for r in rows[1:])
