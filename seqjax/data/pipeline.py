@@ -106,7 +106,7 @@ class EpochPlanner:
     def spans(self, epoch: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         d, n = self.data, self.store.num_tokens
         if d.strategy == "random_offset":
-            return sequences.chunk_spans(n, d.seq_len, int(rng.integers(d.seq_len)))
+            return sequences.chunk_spans(n, d.seq_len, int(rng.integers(min(d.seq_len, n - 1))))  # leave a token to predict
         if d.strategy == "sequential":
             return sequences.sequential_spans(n, d.seq_len, d.batch_size, int(rng.integers(d.seq_len)))
         if d.strategy == "random_window":
