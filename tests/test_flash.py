@@ -1,4 +1,4 @@
-"""The Pallas flash kernel against contract 2's reference, in Pallas interpret mode (the CPU path CI runs).
+"""The Pallas flash kernel against contract 2's reference: interpret mode on a CPU (CI), the Triton kernel on a GPU.
 
 Shapes are fixed per test so each jitted check compiles once; hypothesis varies only the packing (segment ids),
 which the kernel reads as data. T=72 is not a multiple of the 16-token test blocks, so every example also
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqjax.model.attention import reference_attention, segment_mask
-from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata, visited_blocks
+from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata, full_blocks, visited_blocks
 from seqjax.model.kernels.flash import flash_attention
 
 SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
@@ -80,7 +80,7 @@ def check_against_reference(flash_fn, q, k, v, segment_ids, cotangent, tol):
 
 
 REFERENCE = output_and_grads(reference_attention)
-FLASH_SMALL = output_and_grads(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL, interpret=True))
+FLASH_SMALL = output_and_grads(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL))
 F32_QKV = random_qkv((2, 72, 4, 12), kv_heads=2, dtype=jnp.float32)  # GQA (2 q heads per kv head); D padded to 16
 
 
@@ -110,12 +110,12 @@ def test_shared_metadata_gives_the_same_result_and_is_checked():
     q, k, v, _ = F32_QKV
     segment_ids = jnp.asarray(np.repeat(np.arange(1, 5), 18)[None].repeat(2, 0).astype(np.int32))
     metadata = block_metadata(segment_ids, SMALL)
-    shared = jax.jit(lambda q, m: flash_attention(q, k, v, segment_ids, metadata=m, interpret=True))(q, metadata)
+    shared = jax.jit(lambda q, m: flash_attention(q, k, v, segment_ids, metadata=m))(q, metadata)
     np.testing.assert_allclose(shared, reference_attention(q, k, v, segment_ids), atol=2e-5)
     with pytest.raises(ValueError, match="metadata was computed for"):
-        flash_attention(q, k, v, segment_ids, metadata=metadata, block_sizes=BlockSizes(), interpret=True)
+        flash_attention(q, k, v, segment_ids, metadata=metadata, block_sizes=BlockSizes())
     with pytest.raises(ValueError, match="padded length"):
-        flash_attention(q[:, :40], k[:, :40], v[:, :40], segment_ids[:, :40], metadata=metadata, interpret=True)
+        flash_attention(q[:, :40], k[:, :40], v[:, :40], segment_ids[:, :40], metadata=metadata)
 
 
 def test_bad_inputs_raise_before_work():
@@ -138,27 +138,34 @@ SEGMENT_MASK = jax.jit(segment_mask)
 BLOCK_METADATA = jax.jit(block_metadata, static_argnums=1)
 
 
-def needed_tiles(segment_ids: np.ndarray, block_rows: int, block_cols: int, by_key: bool) -> np.ndarray:
-    """[B, n_rows, n_cols] bool: tiles holding at least one allowed (query, key) pair, from segment_mask."""
+def tiles(segment_ids: np.ndarray, block_rows: int, block_cols: int, by_key: bool) -> tuple[np.ndarray, np.ndarray]:
+    """([B, n_rows, n_cols] tiles with any allowed pair, tiles with every pair allowed), from segment_mask."""
     mask = np.asarray(SEGMENT_MASK(jnp.asarray(segment_ids)))  # [B, query, key]
     if by_key:
         mask = mask.transpose(0, 2, 1)
     b, t, _ = mask.shape
-    return mask.reshape(b, t // block_rows, block_rows, t // block_cols, block_cols).any(axis=(2, 4))
+    blocked = mask.reshape(b, t // block_rows, block_rows, t // block_cols, block_cols)
+    return blocked.any(axis=(2, 4)), blocked.all(axis=(2, 4))
 
 
-def tightest_cover(tiles: np.ndarray) -> np.ndarray:
+def tightest_cover(needed: np.ndarray) -> np.ndarray:
     """The contiguous [lo, hi) per row of tiles that covers every needed tile; (0, 0) when none is."""
-    any_tile = tiles.any(-1)
-    lo = np.where(any_tile, tiles.argmax(-1), 0)
-    hi = np.where(any_tile, tiles.shape[-1] - tiles[..., ::-1].argmax(-1), 0)
+    any_tile = needed.any(-1)
+    lo = np.where(any_tile, needed.argmax(-1), 0)
+    hi = np.where(any_tile, needed.shape[-1] - needed[..., ::-1].argmax(-1), 0)
     return np.stack([lo, hi], -1)
+
+
+def between(ranges: np.ndarray, lo: int, hi: int, n_cols: int) -> np.ndarray:
+    columns = np.arange(n_cols)
+    return (columns >= ranges[..., lo : lo + 1]) & (columns < ranges[..., hi : hi + 1])
 
 
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), length=st.sampled_from([5, 100]))
-def test_visited_tiles_are_the_tightest_cover_of_allowed_pairs(data, length):
-    """Every tile with an allowed pair is visited (superset), and the ranges are no wider than needed."""
+def test_visited_tiles_are_the_tightest_cover_and_unmasked_tiles_are_full(data, length):
+    """Every tile with an allowed pair is visited, the ranges are no wider than needed, and a tile the kernel
+    runs without a mask really has every pair allowed."""
     blocks = BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
     segment_ids = data.draw(packed_batch(2, length))
     metadata = BLOCK_METADATA(jnp.asarray(segment_ids), blocks)
@@ -168,11 +175,12 @@ def test_visited_tiles_are_the_tightest_cover_of_allowed_pairs(data, length):
         (metadata.dq_kv, blocks.block_q_bwd, blocks.block_k_bwd, False),
         (metadata.dkv_q, blocks.block_k_bwd, blocks.block_q_bwd, True),
     ):
-        needed = needed_tiles(padded, rows, cols, by_key)
-        columns = np.arange(needed.shape[-1])
-        visited = (columns >= np.asarray(ranges)[..., :1]) & (columns < np.asarray(ranges)[..., 1:])
-        assert not (needed & ~visited).any(), "a tile with an allowed pair is skipped"
-        np.testing.assert_array_equal(np.asarray(ranges), tightest_cover(needed))
+        ranges = np.asarray(ranges)
+        needed, full = tiles(padded, rows, cols, by_key)
+        assert (np.diff(ranges, axis=-1) >= 0).all(), "ranges must be ordered lo <= full_lo <= full_hi <= hi"
+        assert not (needed & ~between(ranges, 0, 3, needed.shape[-1])).any(), "a tile with an allowed pair is skipped"
+        np.testing.assert_array_equal(ranges[..., [0, 3]], tightest_cover(needed))
+        assert not (between(ranges, 1, 2, needed.shape[-1]) & ~full).any(), "an unmasked tile has a masked pair"
 
 
 def test_packed_rows_visit_far_fewer_tiles_than_the_causal_triangle():
@@ -180,11 +188,16 @@ def test_packed_rows_visit_far_fewer_tiles_than_the_causal_triangle():
     packed = np.repeat(np.arange(1, 9), 16)[None].astype(np.int32)
     one_doc = np.ones((1, 128), np.int32)
     half_padding = np.concatenate([np.ones(64, np.int32), np.zeros(64, np.int32)])[None]
-    count = lambda ids: int(visited_blocks(block_metadata(jnp.asarray(ids), SMALL).fwd_kv, 8).sum())  # noqa: E731
-    assert count(one_doc) == 36  # the causal triangle of 8 x 8 tiles
+
+    def count(ids, which=visited_blocks):
+        return int(which(BLOCK_METADATA(jnp.asarray(ids), SMALL).fwd_kv, 8).sum())
+
+    assert count(one_doc) == 36  # the causal triangle of 8 x 8 tiles ...
+    assert count(one_doc, full_blocks) == 28  # ... of which all but the diagonal run without a mask
     assert count(packed) == 8
+    assert count(packed, full_blocks) == 0
     assert count(half_padding) == 10  # the 4 x 4 triangle of the real half; padding query blocks visit nothing
-    dkv = block_metadata(jnp.asarray(half_padding), SMALL).dkv_q
+    dkv = BLOCK_METADATA(jnp.asarray(half_padding), SMALL).dkv_q
     assert not np.asarray(dkv)[0, 4:].any()  # padding key blocks run no dK/dV loop either
 
 
@@ -221,7 +234,7 @@ def test_sgd_on_an_attention_layer_matches_xla():
         return losses
 
     xla = train(reference_attention)
-    pallas = train(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL, interpret=True))
+    pallas = train(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL))
     assert xla[-1] < xla[0]  # the steps do train
     np.testing.assert_allclose(pallas, xla, rtol=1e-5)
 

@@ -68,12 +68,16 @@ class BlockSizes:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockMetadata:
-    """Per-block visiting ranges for one batch of segment ids (all [B, n_blocks] int32, end exclusive).
+    """Per-block visiting ranges for one batch of segment ids: int32 [B, n_blocks, 4], column blocks.
 
-    ``fwd_kv``: for each forward query block (``block_q``), the key blocks (``block_k``) ``[lo, hi)``.
+    Each row is ``(lo, full_lo, full_hi, hi)`` with ``lo <= full_lo <= full_hi <= hi``: the loop visits
+    ``[lo, hi)``; tiles in ``[full_lo, full_hi)`` have every pair allowed (one segment, wholly below the
+    diagonal), so the kernel skips building the mask there; the tiles either side are masked.
+
+    ``fwd_kv``: for each forward query block (``block_q``), key blocks (``block_k``).
     ``dq_kv``: the same for the dQ pass's tiles (``block_q_bwd`` x ``block_k_bwd``).
-    ``dkv_q``: for each backward key block (``block_k_bwd``), the query blocks (``block_q_bwd``) ``[lo, hi)``.
-    Each is stacked as [..., 2] = (lo, hi). ``seq_len`` is the padded length they were computed for.
+    ``dkv_q``: for each backward key block (``block_k_bwd``), query blocks (``block_q_bwd``).
+    ``seq_len`` is the padded length they were computed for.
     """
 
     fwd_kv: jax.Array
@@ -103,15 +107,35 @@ def segment_extents(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.take_along_axis(first_sorted, inverse, -1), jnp.take_along_axis(last_sorted, inverse, -1)
 
 
-def _ranges(real: jax.Array, lo: jax.Array, hi: jax.Array, block_rows: int, block_cols: int) -> jax.Array:
-    """Per row-block [lo, hi) in column blocks, from per-position inclusive intervals [lo, hi] of real positions."""
+def run_extents(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(start, end) [B, T]: the first and last index of the contiguous run of equal ids holding each position."""
+    t = segment_ids.shape[-1]
+    index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+    change = segment_ids[:, 1:] != segment_ids[:, :-1]
+    starts = jnp.concatenate([jnp.ones_like(change[:, :1]), change], -1)
+    ends = jnp.concatenate([change, jnp.ones_like(change[:, :1])], -1)
+    return (jax.lax.cummax(jnp.where(starts, index, 0), axis=1),
+            jax.lax.cummin(jnp.where(ends, index, t - 1), axis=1, reverse=True))
+
+
+def _ranges(real, lo, hi, full, full_lo, full_hi, block_rows: int, block_cols: int) -> jax.Array:
+    """(lo, full_lo, full_hi, hi) per row block, in column blocks.
+
+    ``lo``/``hi`` [B, T]: the inclusive column interval each real position needs; the visited range covers
+    them all. ``full`` [B, n_rows]: whether the row block lies in one real run; ``full_lo``/``full_hi``
+    [B, n_rows]: the inclusive column interval every row of the block may see; the full tiles lie inside it.
+    """
     b, t = real.shape
     big = jnp.iinfo(jnp.int32).max
-    lo = jnp.where(real, lo, big).reshape(b, t // block_rows, block_rows).min(-1)
+    lo = jnp.where(real, lo, big).reshape(b, t // block_rows, block_rows).min(-1) // block_cols
     hi = jnp.where(real, hi, -1).reshape(b, t // block_rows, block_rows).max(-1)
     empty = hi < 0
-    ranges = jnp.stack([lo // block_cols, hi // block_cols + 1], axis=-1)
-    return jnp.where(empty[..., None], 0, ranges).astype(jnp.int32)
+    lo, hi = jnp.where(empty, 0, lo), jnp.where(empty, 0, hi // block_cols + 1)
+    first_full = jnp.clip(-(-full_lo // block_cols), lo, hi)
+    end_full = jnp.clip((full_hi + 1) // block_cols, first_full, hi)
+    none = ~full | (end_full <= first_full)
+    first_full, end_full = jnp.where(none, hi, first_full), jnp.where(none, hi, end_full)
+    return jnp.stack([lo, first_full, end_full, hi], axis=-1).astype(jnp.int32)
 
 
 def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes) -> BlockMetadata:
@@ -123,19 +147,39 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes) -> BlockMeta
     padded = block_sizes.padded_length(t)
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
     first, last = segment_extents(segment_ids)
+    run_start, run_end = run_extents(segment_ids)
     index = jnp.broadcast_to(jnp.arange(padded, dtype=jnp.int32), segment_ids.shape)
     real = segment_ids != 0
+
+    def by_queries(bq: int, bk: int) -> jax.Array:
+        # A query block in one run sees in full every key from the run's start up to the block's first query.
+        q_start = index[:, ::bq]
+        one_run = (run_start[:, bq - 1 :: bq] <= q_start) & real[:, ::bq]
+        return _ranges(real, first, index, one_run, run_start[:, ::bq], q_start, bq, bk)
+
+    def by_keys(bk: int, bq: int) -> jax.Array:
+        # A key block in one run is seen in full by every query from the block's last key to the run's end.
+        k_end = index[:, bk - 1 :: bk]
+        one_run = (run_end[:, ::bk] >= k_end) & real[:, ::bk]
+        return _ranges(real, index, last, one_run, k_end, run_end[:, ::bk], bk, bq)
+
     bs = block_sizes
     return BlockMetadata(
-        fwd_kv=_ranges(real, first, index, bs.block_q, bs.block_k),
-        dq_kv=_ranges(real, first, index, bs.block_q_bwd, bs.block_k_bwd),
-        dkv_q=_ranges(real, index, last, bs.block_k_bwd, bs.block_q_bwd),
+        fwd_kv=by_queries(bs.block_q, bs.block_k),
+        dq_kv=by_queries(bs.block_q_bwd, bs.block_k_bwd),
+        dkv_q=by_keys(bs.block_k_bwd, bs.block_q_bwd),
         seq_len=padded,
         block_sizes=block_sizes,
     )
 
 
 def visited_blocks(ranges: jax.Array, n_cols: int) -> jax.Array:
-    """Boolean [B, n_rows, n_cols]: True for the tiles a kernel loop visits under ``ranges`` [B, n_rows, 2]."""
+    """Boolean [B, n_rows, n_cols]: True for the tiles a kernel loop visits under ``ranges`` [B, n_rows, 4]."""
     col = jnp.arange(n_cols)
-    return (col >= ranges[..., :1]) & (col < ranges[..., 1:])
+    return (col >= ranges[..., :1]) & (col < ranges[..., 3:])
+
+
+def full_blocks(ranges: jax.Array, n_cols: int) -> jax.Array:
+    """Boolean [B, n_rows, n_cols]: True for the visited tiles the kernel runs without a mask."""
+    col = jnp.arange(n_cols)
+    return (col >= ranges[..., 1:2]) & (col < ranges[..., 2:3])

@@ -8,9 +8,10 @@ Three ``pallas_call`` passes joined by ``jax.custom_vjp``, in the FlashAttention
 - dK/dV: one program per (key block, row, key/value head), streaming query blocks of every query head that
   shares this kv head (GQA), so dK/dV are summed in registers with no atomics and no extra reduction.
 
-Every loop visits only the ranges in :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`; the mask inside
-a visited tile is contract 2's :func:`seqjax.model.attention.segment_mask`. Fully masked queries (segment 0)
-give zero output and zero gradients.
+Every loop visits only the ranges in :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`; tiles inside
+one document and below the diagonal run without a mask, the edge tiles apply contract 2's
+:func:`seqjax.model.attention.segment_mask`. Fully masked queries (segment 0) give zero output and zero
+gradients.
 
 The kernels lower through Pallas's Triton backend on NVIDIA GPUs (``interpret=False``), and run in Pallas's
 interpreter anywhere else (``interpret=True``), which is how CI checks their numerics on a CPU. ``interpret=None``
@@ -113,11 +114,34 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
-def _log2_probs(q, k, seg_q, seg_k, q_start, k_start, qk_scale):
-    """Scaled logits in log2 units and the tile mask; masked logits are MASKED."""
-    mask = _tile_mask(seg_q, seg_k, q_start, k_start)
+def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool):
+    """Scaled logits of one tile in log2 units, and its mask (None on a full tile, where every pair is allowed).
+
+    Masked logits become MASKED; callers also zero their probabilities, so a row with no allowed key so far
+    (running max still MASKED) adds nothing.
+    """
     s = _dot(q, k, trans_b=True) * qk_scale
+    if not masked:
+        return s, None
+    mask = _tile_mask(seg_q, seg_k, q_start, k_start)
     return jnp.where(mask, s, MASKED), mask
+
+
+def _exp2(x, mask):
+    p = jnp.exp2(x)
+    return p if mask is None else jnp.where(mask, p, 0.0)
+
+
+def _visit_tiles(ranges_ref, row, step, carry):
+    """One block's loop over its ranges (lo, full_lo, full_hi, hi): masked edge, unmasked full tiles, masked edge.
+
+    ``step(masked)`` returns the fori_loop body; splitting the loop keeps the mask arithmetic off the bulk of a
+    long document's tiles, as FlashAttention-2 does for the causal diagonal.
+    """
+    lo, full_lo, full_hi, hi = (ranges_ref[row, c] for c in range(4))
+    carry = jax.lax.fori_loop(lo, full_lo, step(True), carry)
+    carry = jax.lax.fori_loop(full_lo, full_hi, step(False), carry)
+    return jax.lax.fori_loop(full_hi, hi, step(True), carry)
 
 
 # ---------------------------------------------------------------------------------------------- forward
@@ -126,23 +150,24 @@ def _log2_probs(q, k, seg_q, seg_k, q_start, k_start, qk_scale):
 def _forward_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_k):
     i = pl.program_id(0)
     block_q, d = q_ref.shape
-    q = q_ref[...]
-    seg_q = seg_q_ref[...]
-    q_start = i * block_q
+    q, seg_q = q_ref[...], seg_q_ref[...]
 
-    def visit(j, carry):
-        acc, m, l = carry
-        keys = pl.ds(j * block_k, block_k)
-        s, mask = _log2_probs(q, k_ref[keys, :], seg_q, seg_k_ref[keys], q_start, j * block_k, qk_scale)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
-        correction = jnp.exp2(m - m_new)
-        v = v_ref[keys, :]
-        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
-        return acc, m_new, l * correction + p.sum(axis=-1)
+    def step(masked):
+        def visit(j, carry):
+            acc, m, l = carry
+            keys = pl.ds(j * block_k, block_k)
+            s, mask = _log2_logits(q, k_ref[keys, :], seg_q, seg_k_ref[keys], i * block_q, j * block_k, qk_scale, masked)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = _exp2(s - m_new[:, None], mask)
+            correction = jnp.exp2(m - m_new)
+            v = v_ref[keys, :]
+            acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
+            return acc, m_new, l * correction + p.sum(axis=-1)
+
+        return visit
 
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), MASKED, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(ranges_ref[i, 0], ranges_ref[i, 1], visit, init)
+    acc, m, l = _visit_tiles(ranges_ref, i, step, init)
     empty = l == 0.0  # padding queries, and queries of tiles with no allowed key: zeros, not NaN
     o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, 0.0, m + jnp.log2(jnp.where(empty, 1.0, l)))
@@ -159,7 +184,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
         kernel,
         grid=(n_q, b, h),
         in_specs=[
-            pl.BlockSpec((None, n_q, 2), lambda i, r, hd: (r, 0, 0)),
+            pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
             pl.BlockSpec((None, bs.block_q), lambda i, r, hd: (r, i)),
             pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
             pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, i, hd, 0)),
@@ -186,15 +211,18 @@ def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, ls
     q, do, seg_q = q_ref[...], do_ref[...], seg_q_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
 
-    def visit(j, dq):
-        keys = pl.ds(j * block_k, block_k)
-        k, v = k_ref[keys, :], v_ref[keys, :]
-        s, mask = _log2_probs(q, k, seg_q, seg_k_ref[keys], i * block_q, j * block_k, scale * LOG2_E)
-        p = jnp.where(mask, jnp.exp2(s - lse[:, None]), 0.0)
-        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+    def step(masked):
+        def visit(j, dq):
+            keys = pl.ds(j * block_k, block_k)
+            k, v = k_ref[keys, :], v_ref[keys, :]
+            s, mask = _log2_logits(q, k, seg_q, seg_k_ref[keys], i * block_q, j * block_k, scale * LOG2_E, masked)
+            p = _exp2(s - lse[:, None], mask)
+            ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+            return dq + _dot(ds.astype(k.dtype), k)
 
-    dq = jax.lax.fori_loop(ranges_ref[i, 0], ranges_ref[i, 1], visit, jnp.zeros((block_q, d), jnp.float32))
+        return visit
+
+    dq = _visit_tiles(ranges_ref, i, step, jnp.zeros((block_q, d), jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -205,20 +233,22 @@ def _dkv_kernel(
     block_k, d = k_ref.shape
     group = q_ref.shape[1]
     k, v, seg_k = k_ref[...], v_ref[...], seg_k_ref[...]
-    lo, hi = ranges_ref[j, 0], ranges_ref[j, 1]
 
     def visit_head(g, carry):
-        def visit(i, carry):
-            dk, dv = carry
-            queries = pl.ds(i * block_q, block_q)
-            q, do = q_ref[queries, g, :], do_ref[queries, g, :]
-            s, mask = _log2_probs(q, k, seg_q_ref[queries], seg_k, i * block_q, j * block_k, scale * LOG2_E)
-            p = jnp.where(mask, jnp.exp2(s - lse_ref[g, queries][:, None]), 0.0)
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, queries][:, None])
-            return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
+        def step(masked):
+            def visit(i, carry):
+                dk, dv = carry
+                queries = pl.ds(i * block_q, block_q)
+                q, do = q_ref[queries, g, :], do_ref[queries, g, :]
+                s, mask = _log2_logits(q, k, seg_q_ref[queries], seg_k, i * block_q, j * block_k, scale * LOG2_E, masked)
+                p = _exp2(s - lse_ref[g, queries][:, None], mask)
+                dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+                ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, queries][:, None])
+                return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
 
-        return jax.lax.fori_loop(lo, hi, visit, carry)
+            return visit
+
+        return _visit_tiles(ranges_ref, j, step, carry)
 
     zeros = jnp.zeros((block_k, d), jnp.float32)
     dk, dv = jax.lax.fori_loop(0, group, visit_head, (zeros, zeros))
@@ -242,7 +272,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
         functools.partial(_dq_kernel, scale=scale, block_k=bk),
         grid=(n_q, b, h),
         in_specs=[
-            pl.BlockSpec((None, n_q, 2), lambda i, r, hd: (r, 0, 0)),
+            pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
             pl.BlockSpec((None, bq), lambda i, r, hd: (r, i)),
             pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
             pl.BlockSpec((None, bq, None, d), lambda i, r, hd: (r, i, hd, 0)),
@@ -264,7 +294,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
         functools.partial(_dkv_kernel, scale=scale, block_q=bq),
         grid=(n_k, b, hkv),
         in_specs=[
-            pl.BlockSpec((None, n_k, 2), lambda j, r, hd: (r, 0, 0)),
+            pl.BlockSpec((None, n_k, 4), lambda j, r, hd: (r, 0, 0)),
             pl.BlockSpec((None, t), lambda j, r, hd: (r, 0)),
             pl.BlockSpec((None, bk), lambda j, r, hd: (r, j)),
             pl.BlockSpec((None, t, group, d), lambda j, r, hd: full_row(r, hd)),
