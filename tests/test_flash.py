@@ -122,8 +122,8 @@ def test_bad_inputs_raise_before_work():
     q, k, v, _ = F32_QKV
     segment_ids = jnp.ones((2, 72), jnp.int32)
     with pytest.raises(ValueError, match="dtype int32"):
-        flash_attention(q.astype(jnp.int32), k, v, segment_ids)
-    with pytest.raises(ValueError, match="multiple of key/value heads 3"):
+        flash_attention(q.astype(jnp.int32), k.astype(jnp.int32), v.astype(jnp.int32), segment_ids)
+    with pytest.raises(ValueError, match="not a multiple of 3 key/value heads"):
         flash_attention(q, jnp.concatenate([k, k[:, :, :1]], 2), jnp.concatenate([v, v[:, :, :1]], 2), segment_ids)
     with pytest.raises(ValueError, match="segment_ids"):
         flash_attention(q, k, v, segment_ids[:, :10])

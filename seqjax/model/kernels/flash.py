@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
 
+from seqjax.model.attention import check_attention_inputs, segment_mask
 from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, block_metadata
 
 # Why the fuser import above: jax registers the tracing-context flag ``pallas_fuser_disable_nested_fuse`` when
@@ -85,24 +86,13 @@ def flash_attention(
 
 
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"expected q [B,T,H,D] and k, v [B,T,Hkv,D]; got q {q.shape}, k {k.shape}, v {v.shape}")
-    b, t, h, d = q.shape
-    if k.shape[:2] != (b, t) or k.shape[3] != d:
-        raise ValueError(f"k/v {k.shape} must share batch, length and head_dim with q {q.shape}")
-    if h % k.shape[2]:
-        raise ValueError(f"query heads {h} must be a multiple of key/value heads {k.shape[2]}")
-    if segment_ids.shape != (b, t):
-        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(b, t)}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {x.dtype}: expected bfloat16, float16 or float32")
+    check_attention_inputs(q, k, v, segment_ids)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash_attention: dtype {q.dtype}, expected bfloat16, float16 or float32")
 
 
 def _tile_mask(seg_q, seg_k, q_start, k_start):
     """Contract 2's mask for one tile: [block_q, block_k] bool, from the one definition in attention.py."""
-    from seqjax.model.attention import segment_mask  # attention.py dispatches here: import at call time
-
     q_index = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_q.shape[0]), 1)
     k_index = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_k.shape[0]), 1)
     return segment_mask(seg_q[None], seg_k[None], q_index=q_index, kv_index=k_index)[0]

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from seqjax.model.attention import check_attention_inputs
+
 
 def splash_attention(
     q: jax.Array,
@@ -33,12 +35,8 @@ def splash_attention(
     T is padded internally (with segment 0) to a multiple of ``block_size``. ``interpret=None`` runs the
     compiled kernel on a TPU and the interpreter elsewhere.
     """
+    check_attention_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
-    hkv = k.shape[2]
-    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != d or h % hkv:
-        raise ValueError(f"expected q [B,T,H,D] and k, v [B,T,Hkv,D] with Hkv | H; got {q.shape}, {k.shape}, {v.shape}")
-    if segment_ids.shape != (b, t):
-        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(b, t)}")
     if block_size % 128:
         raise ValueError(f"block_size {block_size}: splash tiles must be multiples of 128 (TPU lanes)")
     if interpret is None:
