@@ -87,10 +87,12 @@ def _with_vocab(config: Config, vocab_size: int) -> Config:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))
 
 
-def _validation(model, store, config: Config, mesh, step: int, primary: bool) -> dict[str, Any]:
+def _validation(model, store, config: Config, mesh, step: int, primary: bool, final: bool) -> dict[str, Any]:
+    """Validation with the eval CLI's code; capped at train.eval_batches during training, whole split at the end."""
     from seqjax.eval import evaluate
 
-    result = evaluate(model, store, config, mesh=mesh, max_batches=config.train.eval_batches, progress=primary)
+    max_batches = None if final else config.train.eval_batches
+    result = evaluate(model, store, config, mesh=mesh, max_batches=max_batches, progress=primary)
     val_loss = result["nll_sum"] / result["tokens"]
     return {
         "step": step,
@@ -174,7 +176,8 @@ def train(config: Config) -> dict[str, Any]:
         checkpoints.save(step, params, opt_state, rng, data_iterator, {"tokens_seen": tokens_seen})
 
     def validation(step: int) -> dict[str, Any]:
-        row = _validation(nnx.merge(graphdef, params, rest), valid_store, config, mesh, step, primary)
+        final = step == tc.steps
+        row = _validation(nnx.merge(graphdef, params, rest), valid_store, config, mesh, step, primary, final)
         log.write(row, prefix="valid")
         return row
 
