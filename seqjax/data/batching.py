@@ -86,12 +86,10 @@ class RowPlan:
 
     def take(self, rows: np.ndarray) -> "RowPlan":
         """The rows ``rows`` in that order; ``-1`` makes an empty (all padding) row."""
-        rows = np.asarray(rows, np.int64)
-        counts = np.where(rows >= 0, np.diff(self.row_ptr)[rows], 0)
-        owner, j = ragged_arange(counts)
-        piece = self.row_ptr[rows][owner] + j
+        starts, lengths, row_of_piece = self.pieces(rows)
+        counts = np.bincount(row_of_piece, minlength=len(rows))
         width = int(self.widths[0]) if len(self.widths) else 0
-        return RowPlan.from_rows(self.starts[piece], self.lengths[piece], exclusive_cumsum(counts), self.batch_size, width)
+        return RowPlan.from_rows(starts, lengths, exclusive_cumsum(counts), self.batch_size, width)
 
     def split_at(self, boundaries: np.ndarray) -> "RowPlan":
         """Split every piece at the stream positions in ``boundaries`` (sorted) that fall strictly inside it.
@@ -113,19 +111,21 @@ class RowPlan:
         row_ptr = exclusive_cumsum(cuts + 1)[self.row_ptr]
         return RowPlan(starts, ends - starts + 1, row_ptr, self.batch_size, self.widths)
 
-    def batch_rows(self, k: int, process_index: int = 0, process_count: int = 1) -> range:
-        """Rows of global batch ``k`` that process ``process_index`` reads: a contiguous slice."""
+    def batch_rows(self, batches: np.ndarray, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        """Rows of global batches ``batches`` that process ``process_index`` reads: a contiguous slice of each."""
         local = self.batch_size // process_count
-        first = k * self.batch_size + process_index * local
-        return range(first, first + local)
+        first = np.asarray(batches, np.int64)[:, None] * self.batch_size + process_index * local
+        return (first + np.arange(local)).reshape(-1)
 
-    def pieces(self, rows: range) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(starts, lengths, row_of_piece)`` for a range of rows (rows past the end are empty)."""
-        lo = min(rows.start, self.num_rows)
-        hi = min(rows.stop, self.num_rows)
-        a, b = self.row_ptr[lo], self.row_ptr[hi]
-        row_of_piece = np.repeat(np.arange(hi - lo), np.diff(self.row_ptr[lo : hi + 1]))
-        return self.starts[a:b], self.lengths[a:b], row_of_piece
+    def pieces(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(starts, lengths, row_of_piece)`` of rows ``rows``; a row ``-1`` or past the end is empty."""
+        rows = np.asarray(rows, np.int64)
+        valid = (rows >= 0) & (rows < self.num_rows)
+        safe = np.where(valid, rows, 0)
+        counts = np.where(valid, self.row_ptr[safe + 1] - self.row_ptr[safe], 0)
+        owner, j = ragged_arange(counts)
+        piece = self.row_ptr[safe][owner] + j
+        return self.starts[piece], self.lengths[piece], owner
 
 
 def coverage(plan: RowPlan, n_tokens: int) -> np.ndarray:
@@ -143,31 +143,32 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
     Pieces are given in row order, and in order inside a row; each gets the next
     segment id of its row (1, 2, ...), positions restart at 0, and the row is
     right-padded with segment id 0 and weight 0.
+
+    Speed: every prediction is computed once in row-major order and written
+    with one boolean-mask assignment per field (rows are filled from column 0),
+    so the cost is a few linear numpy passes over the batch.
     """
     starts = np.asarray(starts, np.int64)
     predicted = np.asarray(lengths, np.int64) - 1
-    piece_first = exclusive_cumsum(predicted)[:-1]
-    n_pieces = len(starts)
+    per_row = np.bincount(row_of_piece, weights=predicted, minlength=n_rows).astype(np.int64)
+    if n_rows and per_row.max() > width:
+        raise AssertionError(f"a row holds {per_row.max()} predictions, more than its width {width}")
     first_piece_of_row = np.searchsorted(row_of_piece, np.arange(n_rows), "left")
-    column0 = piece_first - piece_first[first_piece_of_row[row_of_piece]] if n_pieces else piece_first
-    segment = np.arange(n_pieces) - first_piece_of_row[row_of_piece] + 1 if n_pieces else piece_first
-    owner, position = ragged_arange(predicted)
-    row = row_of_piece[owner]
-    column = column0[owner] + position
-    if len(column) and column.max() >= width:
-        raise AssertionError(f"a row holds {column.max() + 1} predictions, more than its width {width}")
-    source = starts[owner] + position
-    out = {
-        "inputs": np.zeros((n_rows, width), np.int32),
-        "targets": np.zeros((n_rows, width), np.int32),
-        "segment_ids": np.zeros((n_rows, width), np.int32),
-        "positions": np.zeros((n_rows, width), np.int32),
-    }
-    out["inputs"][row, column] = tokens[source]
-    out["targets"][row, column] = tokens[source + 1]
-    out["segment_ids"][row, column] = segment[owner]
-    out["positions"][row, column] = position
-    out["weights"] = (out["segment_ids"] > 0).astype(np.float32)
+    segment = np.arange(len(starts)) - first_piece_of_row[row_of_piece] + 1
+    position = np.arange(int(per_row.sum()), dtype=np.int64) - np.repeat(exclusive_cumsum(predicted)[:-1], predicted)
+    source = position + np.repeat(starts, predicted)
+    tokens = np.asarray(tokens)  # a plain view of a memmap: cheaper fancy indexing
+    filled = np.arange(width) < per_row[:, None]
+    out = {}
+    for key, values in (
+        ("inputs", tokens[source]),
+        ("targets", tokens[source + 1]),
+        ("segment_ids", np.repeat(segment, predicted)),
+        ("positions", position),
+    ):
+        out[key] = np.zeros((n_rows, width), np.int32)
+        out[key][filled] = values
+    out["weights"] = filled.astype(np.float32)
     return out
 
 

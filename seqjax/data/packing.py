@@ -90,6 +90,12 @@ def fit(weights: np.ndarray, capacity: int, max_segments: int | None, buffer: in
         opened = 0
         for placed, i in enumerate(idx):
             w = weights[i]
+            rank[i] = first + placed
+            if w == capacity:  # a full item can share no row: open one without searching
+                free[opened], count[opened] = 0, 1
+                row[i] = rows_before + opened
+                opened += 1
+                continue
             ok = (free[:opened] >= w) & (count[:opened] < cap)
             if best:
                 r = int(np.argmin(np.where(ok, free[:opened], capacity + 1))) if opened else 0
@@ -101,7 +107,6 @@ def fit(weights: np.ndarray, capacity: int, max_segments: int | None, buffer: in
             free[r] -= w
             count[r] += 1
             row[i] = rows_before + r
-            rank[i] = first + placed
         rows_before += opened
     return row, rank
 

@@ -144,15 +144,38 @@ class EpochPlanner:
         return plan
 
 
+# Batches are built this many token slots at a time: numpy's per-call overhead dominates a single batch.
+BUILD_SLOTS = 1 << 20
+
+
 def epoch_dataset(planner: EpochPlanner, epoch: int, process_index: int, process_count: int) -> grain.MapDataset:
-    """Random access to this process's batches of one epoch: ``ds[k]`` is its slice of global batch ``k``."""
+    """Random access to this process's batches of one epoch: ``ds[k]`` is its slice of global batch ``k``.
+
+    Consecutive batches are built together (a group of about ``BUILD_SLOTS``
+    tokens) and the last group is kept, so sequential reads cost one
+    vectorized build per group while any ``k`` can still be read directly.
+    """
     plan = planner.plan(epoch)
     tokens = planner.store.tokens
+    local = plan.batch_size // process_count
+    group = max(1, BUILD_SLOTS // (local * int(plan.widths.max())))
+    cache: dict[int, dict[str, np.ndarray]] = {}
+
+    def build(g: int) -> dict[str, np.ndarray]:
+        batches = np.arange(g * group, min((g + 1) * group, plan.num_batches))
+        rows = plan.batch_rows(batches, process_index, process_count)
+        width = int(plan.widths[batches].max())
+        return contract_batch(tokens, *plan.pieces(rows), len(rows), width)
 
     def batch(k: int) -> dict[str, np.ndarray]:
-        rows = plan.batch_rows(k, process_index, process_count)
-        starts, lengths, row_of_piece = plan.pieces(rows)
-        return contract_batch(tokens, starts, lengths, row_of_piece, len(rows), int(plan.widths[k]))
+        g, i = divmod(k, group)
+        built = cache.get(g)
+        if built is None:  # (a race between reader threads only builds a group twice)
+            built = build(g)
+            cache.clear()
+            cache[g] = built
+        width = int(plan.widths[k])
+        return {key: value[i * local : (i + 1) * local, :width] for key, value in built.items()}
 
     return grain.MapDataset.range(plan.num_batches).map(batch)
 
