@@ -79,7 +79,13 @@ def check_against_reference(flash_fn, q, k, v, segment_ids, cotangent, tol):
         assert not np.asarray(grad, np.float32)[padding].any(), f"{name} nonzero on padding"
 
 
-REFERENCE = output_and_grads(reference_attention)
+def exact_reference(q, k, v, segment_ids):
+    """The reference with float32 matmuls kept exact: on a GPU, XLA's default would use TF32."""
+    with jax.default_matmul_precision("highest"):
+        return reference_attention(q, k, v, segment_ids)
+
+
+REFERENCE = output_and_grads(exact_reference)
 FLASH_SMALL = output_and_grads(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL))
 F32_QKV = random_qkv((2, 72, 4, 12), kv_heads=2, dtype=jnp.float32)  # GQA (2 q heads per kv head); D padded to 16
 
@@ -233,8 +239,9 @@ def test_sgd_on_an_attention_layer_matches_xla():
             losses.append(float(loss))
         return losses
 
-    xla = train(reference_attention)
-    pallas = train(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL))
+    with jax.default_matmul_precision("highest"):  # a GPU would otherwise run the projections in TF32
+        xla = train(reference_attention)
+        pallas = train(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL))
     assert xla[-1] < xla[0]  # the steps do train
     np.testing.assert_allclose(pallas, xla, rtol=1e-5)
 
