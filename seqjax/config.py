@@ -115,7 +115,7 @@ class DataConfig:
     )
     break_mode: str = _f("none", "block: fairseq TokenBlockDataset break mode", choices=("none", "complete", "complete_doc", "eos"))
     packer: str = _f("best_fit", "pack: the packing algorithm", choices=PACKERS)
-    pack_buffer: int = _f(1024, "pack: documents considered at once by first_fit/best_fit", min=1)
+    pack_buffer: int = _f(1024, "pack: rows open at once in first_fit/best_fit (best_fit_decreasing sorts windows of this many documents; grain_*: bins)", min=1)
     overlong: str = _f("split", "pack: documents longer than a row", choices=("drop", "truncate", "split", "error"))
     max_segments_per_row: int | None = _f(None, "pack: cap on segments in one row", min=1)
     bucket_lengths: list[int] = _f([], "length_grouped: padded row lengths (default: powers of two up to seq_len)")

@@ -59,23 +59,30 @@ def test_packers_place_every_document_once_within_capacity(packer, store, seq_le
         assert all(u == seq_len for u in used[1:])
 
 
-def reference_fit(weights: list[int], capacity: int, buffer: int, best: bool, decreasing: bool) -> list[list[int]]:
-    """First/best fit over buffers, written the plain way: rows as lists of item indices in placement order."""
-    rows = []
-    for first in range(0, len(weights), buffer):
-        chunk = list(range(first, min(first + buffer, len(weights))))
-        if decreasing:
-            chunk.sort(key=lambda i: -weights[i])
-        open_rows: list[tuple[list[int], list[int]]] = []  # (items, [free])
-        for i in chunk:
-            fits = [r for r in open_rows if r[1][0] >= weights[i]]
-            if not fits:
-                open_rows.append(([], [capacity]))
-                fits = [open_rows[-1]]
-            row = min(fits, key=lambda r: r[1][0]) if best else fits[0]
-            row[0].append(i)
-            row[1][0] -= weights[i]
-        rows += [items for items, _ in open_rows]
+def reference_fit(weights: list[int], capacity: int, open_rows: int, best: bool, decreasing: bool) -> list[list[int]]:
+    """Online first/best fit with a bounded set of open rows, written the plain way: rows of item indices."""
+    order = list(range(len(weights)))
+    if decreasing:
+        order = [i for w in range(0, len(order), open_rows) for i in sorted(order[w : w + open_rows], key=lambda i: -weights[i])]
+    rows: list[list[int]] = []
+    slots: list[list[int]] = []  # [row, free]
+    for i in order:
+        if weights[i] == capacity:
+            rows.append([i])
+            continue
+        fits = [s for s in slots if s[1] >= weights[i]]
+        if fits:
+            slot = min(fits, key=lambda s: s[1]) if best else fits[0]
+        else:
+            if len(slots) < open_rows:
+                slots.append([0, 0])
+                slot = slots[-1]
+            else:
+                slot = min(slots, key=lambda s: s[1])  # close the fullest open row
+            rows.append([])
+            slot[:] = [len(rows) - 1, capacity]
+        rows[slot[0]].append(i)
+        slot[1] -= weights[i]
     return rows
 
 

@@ -9,7 +9,7 @@ The packers return, for items in the order given, the row each one goes to;
 :func:`rows_from_assignment` turns that into a row plan. ``greedy`` and
 ``fill`` are vectorized (one binary search per row / one sort); ``first_fit``
 and the ``best_fit`` family place one item at a time, but each placement is a
-single numpy scan over the rows open in the current buffer.
+single numpy scan over the (at most ``pack_buffer``) rows open at the time.
 """
 
 from __future__ import annotations
@@ -70,44 +70,52 @@ def greedy(weights: np.ndarray, capacity: int, max_segments: int | None) -> np.n
     return row
 
 
-def fit(weights: np.ndarray, capacity: int, max_segments: int | None, buffer: int, best: bool, decreasing: bool) -> tuple[np.ndarray, np.ndarray]:
-    """First-fit or best-fit over consecutive buffers of ``buffer`` items; rows close when their buffer ends.
+def fit(weights: np.ndarray, capacity: int, max_segments: int | None, open_rows: int, best: bool, decreasing: bool) -> tuple[np.ndarray, np.ndarray]:
+    """First-fit or best-fit, online, with at most ``open_rows`` rows open at once.
 
-    Returns each item's row and its placement rank (items of a row are laid out
-    in placement order; with ``decreasing`` that is longest first).
+    Each item goes to the first open row it fits (first-fit) or to the one it
+    leaves fullest (best-fit); when none fits and ``open_rows`` are open, the
+    fullest row is closed to make room. An item that fills a row alone never
+    occupies a slot. With ``decreasing``, each window of ``open_rows`` items is
+    sorted longest first before placement (best-fit decreasing over a buffer).
+    Returns each item's row (rows numbered in opening order) and its placement
+    rank (the order of items inside a row).
     """
     n = len(weights)
+    order = np.arange(n)
+    if decreasing:
+        window = order // open_rows
+        order = np.lexsort((-weights, window))
     row = np.empty(n, np.int64)
     rank = np.empty(n, np.int64)
     cap = n + 1 if max_segments is None else max_segments
-    rows_before = 0
-    for first in range(0, n, buffer):
-        idx = np.arange(first, min(first + buffer, n))
-        if decreasing:
-            idx = idx[np.argsort(-weights[idx], kind="stable")]
-        free = np.empty(len(idx), np.int64)
-        count = np.zeros(len(idx), np.int64)
-        opened = 0
-        for placed, i in enumerate(idx):
-            w = weights[i]
-            rank[i] = first + placed
-            if w == capacity:  # a full item can share no row: open one without searching
-                free[opened], count[opened] = 0, 1
-                row[i] = rows_before + opened
-                opened += 1
-                continue
-            ok = (free[:opened] >= w) & (count[:opened] < cap)
-            if best:
-                r = int(np.argmin(np.where(ok, free[:opened], capacity + 1))) if opened else 0
+    free = np.zeros(open_rows, np.int64)
+    count = np.zeros(open_rows, np.int64)
+    slot_row = np.zeros(open_rows, np.int64)
+    used = next_row = 0
+    for placed, i in enumerate(order.tolist()):
+        w = int(weights[i])
+        rank[i] = placed
+        if w == capacity:  # a full item shares no row: give it one without searching
+            row[i], next_row = next_row, next_row + 1
+            continue
+        ok = free[:used] >= w
+        if max_segments is not None:
+            ok &= count[:used] < cap
+        if best:
+            r = int(np.argmin(np.where(ok, free[:used], capacity + 1))) if used else 0
+        else:
+            r = int(np.argmax(ok)) if used else 0
+        if not used or not ok[r]:
+            if used < open_rows:
+                r, used = used, used + 1
             else:
-                r = int(np.argmax(ok)) if opened else 0
-            if not opened or not ok[r]:
-                r, opened = opened, opened + 1
-                free[r] = capacity
-            free[r] -= w
-            count[r] += 1
-            row[i] = rows_before + r
-        rows_before += opened
+                r = int(np.argmin(free))  # close the fullest open row
+            slot_row[r], next_row = next_row, next_row + 1
+            free[r], count[r] = capacity, 0
+        free[r] -= w
+        count[r] += 1
+        row[i] = slot_row[r]
     return row, rank
 
 
@@ -134,7 +142,7 @@ def fill(starts: np.ndarray, lengths: np.ndarray, capacity: int):
     return rows_from_assignment(piece_starts, np.diff(cuts) + 1, row)
 
 
-def pack(starts: np.ndarray, lengths: np.ndarray, packer: str, capacity: int, max_segments: int | None, buffer: int):
+def pack(starts: np.ndarray, lengths: np.ndarray, packer: str, capacity: int, max_segments: int | None, open_rows: int):
     """Dispatch to a seqjax packer; returns the CSR rows."""
     weights = lengths - 1
     if packer == "greedy":
@@ -142,5 +150,5 @@ def pack(starts: np.ndarray, lengths: np.ndarray, packer: str, capacity: int, ma
     if packer == "fill":
         return fill(starts, lengths, capacity)
     best = packer in ("best_fit", "best_fit_decreasing")
-    row, rank = fit(weights, capacity, max_segments, buffer, best=best, decreasing=packer == "best_fit_decreasing")
+    row, rank = fit(weights, capacity, max_segments, open_rows, best=best, decreasing=packer == "best_fit_decreasing")
     return rows_from_assignment(starts, lengths, row, rank)

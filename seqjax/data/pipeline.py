@@ -320,8 +320,10 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
     else:
         planner = EpochPlanner(config, store)
         plan = planner.plan(epoch)
-        for batch in epoch_dataset(planner, epoch, 0, 1):
-            pass
+        batches = iter(EpochsIterDataset(functools.partial(epoch_dataset, planner, process_index=0, process_count=1)))
+        batches.set_state({"epoch": epoch, "batch": 0})
+        for _ in range(plan.num_batches):  # the training path: sequential reads, one build per group
+            next(batches)
         seconds = time.perf_counter() - t0
         segs = plan.segments_per_row
         row_width = np.repeat(plan.widths, d.batch_size)[: plan.num_rows]
