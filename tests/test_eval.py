@@ -1,0 +1,131 @@
+"""evaluate(): exact perplexity arithmetic, agreement of the protocols, and counts that match prepare's summary."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from seqjax.config import load_config
+from seqjax.data.store import TokenStore
+from seqjax.eval import evaluate
+from seqjax.model import build_model
+
+VOCAB = 40
+EOT = 0
+
+
+class UniformLM(nnx.Module):
+    """Logits that say nothing: every token has probability 1 / vocab.
+
+    The logits are a (zero) parameter, not a constant, so XLA cannot fold the whole evaluation at compile time.
+    """
+
+    def __init__(self, vocab: int):
+        self.bias = nnx.Param(jnp.zeros((vocab,), jnp.float32))
+
+    def __call__(self, inputs, *, positions, segment_ids):
+        return jnp.broadcast_to(self.bias[...], inputs.shape + self.bias.shape)
+
+
+def small_store(seed: int = 0, doc_lengths=(7, 0, 12, 3, 9)) -> TokenStore:
+    rng = np.random.default_rng(seed)
+    return TokenStore.from_documents([rng.integers(1, VOCAB, n) for n in doc_lengths], eot_id=EOT, vocab_size=VOCAB)
+
+
+def config(*overrides: str):
+    return load_config(None, ["model.max_seq_len=64", "data.seq_len=8", "eval.batch_size=4", *overrides])
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg = load_config(None, ["model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.d_ff=32",
+                             "model.max_seq_len=64", "data.seq_len=8", "model.attention=xla",
+                             "model.init_std=0.5"])
+    return build_model(cfg, vocab_size=VOCAB, rngs=nnx.Rngs(3))
+
+
+@pytest.mark.parametrize("mode", ["blocks", "sliding", "documents"])
+def test_uniform_logits_give_the_vocabulary_size(mode):
+    store = small_store()
+    result = evaluate(UniformLM(VOCAB), store, config(f"eval.mode={mode}", "eval.stride=3"), words=11, bytes=50,
+                      progress=False)
+    assert result["tokens"] == store.predicted_tokens
+    assert result["nll_sum"] == pytest.approx(store.predicted_tokens * math.log(VOCAB), rel=1e-6)
+    assert result["token_perplexity"] == pytest.approx(VOCAB, rel=1e-6)
+    assert result["word_perplexity"] == pytest.approx(VOCAB ** (store.predicted_tokens / 11), rel=1e-5)
+    assert result["bits_per_byte"] == pytest.approx(store.predicted_tokens * math.log2(VOCAB) / 50, rel=1e-6)
+
+
+def direct_document_nll(model, store: TokenStore) -> float:
+    """Each article [EOT] + text + [EOT] as one whole row (no windows), summed: the reference the protocols must match."""
+    units = [np.asarray(store.doc_with_context(i), np.int64) for i in range(store.num_docs)]
+    width = max(len(u) for u in units) - 1
+    inputs, targets, segment_ids = (np.zeros((len(units), width), np.int32) for _ in range(3))
+    for row, unit in enumerate(units):
+        n = len(unit) - 1
+        inputs[row, :n], targets[row, :n], segment_ids[row, :n] = unit[:-1], unit[1:], 1
+    positions = np.broadcast_to(np.arange(width, dtype=np.int32), inputs.shape)
+    logits = np.asarray(model(inputs, positions=positions, segment_ids=segment_ids), np.float64)
+    logp = np.take_along_axis(logits - np.log(np.exp(logits).sum(-1, keepdims=True)), targets[..., None], -1)[..., 0]
+    return float(-(logp * segment_ids).sum())
+
+
+def test_modes_agree_when_the_context_covers_the_split(tiny_model):
+    store = small_store()
+    context = store.predicted_tokens  # one window holds the whole split: every article is seen whole
+    reference = direct_document_nll(tiny_model, store)
+    for mode in ("blocks", "sliding", "documents"):
+        result = evaluate(tiny_model, store, config(f"eval.mode={mode}", f"eval.context={context}", "eval.stride=5"),
+                          progress=False)
+        assert result["tokens"] == store.predicted_tokens
+        assert result["nll_sum"] == pytest.approx(reference, rel=1e-5), mode
+
+
+def test_short_contexts_change_the_score_but_stride_equal_to_context_is_blocks(tiny_model):
+    store = small_store()
+    blocks = evaluate(tiny_model, store, config("eval.mode=blocks", "eval.context=4"), progress=False)
+    sliding = evaluate(tiny_model, store, config("eval.mode=sliding", "eval.context=4", "eval.stride=4"), progress=False)
+    assert sliding["nll_sum"] == blocks["nll_sum"]
+    overlapping = evaluate(tiny_model, store, config("eval.mode=sliding", "eval.context=4", "eval.stride=1"),
+                           progress=False)
+    assert overlapping["tokens"] == blocks["tokens"]
+    assert overlapping["nll_sum"] != pytest.approx(blocks["nll_sum"], rel=1e-4)  # the windows really differ
+
+
+def test_documents_mode_matches_full_forward_passes_per_article(tiny_model):
+    store = small_store(seed=1, doc_lengths=(20, 5, 14))
+    result = evaluate(tiny_model, store, config("eval.mode=documents", "eval.context=32"), progress=False)
+    assert result["nll_sum"] == pytest.approx(direct_document_nll(tiny_model, store), rel=1e-5)
+
+
+def test_deterministic_and_a_partial_run_says_so(tiny_model):
+    store = small_store()
+    cfg = config("eval.mode=sliding", "eval.context=4", "eval.stride=2", "eval.batch_size=2")
+    first = evaluate(tiny_model, store, cfg, words=10, bytes=40, progress=False)
+    second = evaluate(tiny_model, store, cfg, words=10, bytes=40, progress=False)
+    assert first["nll_sum"] == second["nll_sum"] and first["complete"]
+    partial = evaluate(tiny_model, store, cfg, max_batches=2, words=10, bytes=40, progress=False)
+    assert not partial["complete"] and partial["windows"] == 4
+    assert 0 < partial["tokens"] < first["tokens"] and partial["word_perplexity"] is None
+
+
+@pytest.mark.slow
+def test_counts_match_the_prepare_summary(wikitext_prepared, wikitext_config):
+    """Every protocol scores the tokens prepare counted; words and bytes are the split text's (from the manifest)."""
+    vocab = wikitext_prepared.tokenizer.vocab_size
+    for split in ("valid", "test"):
+        store, summary = wikitext_prepared.stores[split], wikitext_prepared.summary[split]
+        for mode in ("blocks", "documents"):
+            cfg = load_config(None, [f"eval.mode={mode}", "eval.context=1024", "eval.batch_size=16"])
+            result = evaluate(UniformLM(vocab), store, cfg, progress=False)
+            assert result["split"] == split
+            assert (result["tokens"], result["words"], result["bytes"]) == (
+                summary["tokens"], summary["words"], summary["bytes"])
+            assert result["token_perplexity"] == pytest.approx(vocab, rel=1e-5)
+            assert result["word_perplexity"] == pytest.approx(vocab ** (summary["tokens"] / summary["words"]), rel=1e-4)
+    assert wikitext_prepared.summary["test"]["words"] == 245_569  # the word-level test split's count in the literature
