@@ -158,14 +158,19 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
     position = np.arange(int(per_row.sum()), dtype=np.int64) - np.repeat(exclusive_cumsum(predicted)[:-1], predicted)
     source = position + np.repeat(starts, predicted)
     tokens = np.asarray(tokens)  # a plain view of a memmap: cheaper fancy indexing
+    fields = {
+        "inputs": tokens[source],
+        "targets": tokens[source + 1],
+        "segment_ids": np.repeat(segment.astype(np.int32), predicted),
+        "positions": position,
+    }
+    if len(position) == n_rows * width:  # every row full (the common case): a reshape, no mask
+        out = {key: values.astype(np.int32).reshape(n_rows, width) for key, values in fields.items()}
+        out["weights"] = np.ones((n_rows, width), np.float32)
+        return out
     filled = np.arange(width) < per_row[:, None]
     out = {}
-    for key, values in (
-        ("inputs", tokens[source]),
-        ("targets", tokens[source + 1]),
-        ("segment_ids", np.repeat(segment, predicted)),
-        ("positions", position),
-    ):
+    for key, values in fields.items():
         out[key] = np.zeros((n_rows, width), np.int32)
         out[key][filled] = values
     out["weights"] = filled.astype(np.float32)
