@@ -148,24 +148,27 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
     with one boolean-mask assignment per field (rows are filled from column 0),
     so the cost is a few linear numpy passes over the batch.
     """
-    starts = np.asarray(starts, np.int64)
-    predicted = np.asarray(lengths, np.int64) - 1
+    # int32 index arithmetic whenever the stream allows it: np.repeat and friends run ~10x faster than on int64
+    index = np.int32 if len(tokens) < np.iinfo(np.int32).max else np.int64
+    starts = np.asarray(starts, index)
+    predicted = (np.asarray(lengths) - 1).astype(np.int32)
     per_row = np.bincount(row_of_piece, weights=predicted, minlength=n_rows).astype(np.int64)
     if n_rows and per_row.max() > width:
         raise AssertionError(f"a row holds {per_row.max()} predictions, more than its width {width}")
     first_piece_of_row = np.searchsorted(row_of_piece, np.arange(n_rows), "left")
-    segment = np.arange(len(starts)) - first_piece_of_row[row_of_piece] + 1
-    position = np.arange(int(per_row.sum()), dtype=np.int64) - np.repeat(exclusive_cumsum(predicted)[:-1], predicted)
+    segment = (np.arange(len(starts)) - first_piece_of_row[row_of_piece] + 1).astype(np.int32)
+    piece_first = exclusive_cumsum(predicted)[:-1].astype(index)
+    position = np.arange(int(per_row.sum()), dtype=index) - np.repeat(piece_first, predicted)
     source = position + np.repeat(starts, predicted)
     tokens = np.asarray(tokens)  # a plain view of a memmap: cheaper fancy indexing
     fields = {
         "inputs": tokens[source],
         "targets": tokens[source + 1],
-        "segment_ids": np.repeat(segment.astype(np.int32), predicted),
+        "segment_ids": np.repeat(segment, predicted),
         "positions": position,
     }
     if len(position) == n_rows * width:  # every row full (the common case): a reshape, no mask
-        out = {key: values.astype(np.int32).reshape(n_rows, width) for key, values in fields.items()}
+        out = {key: np.asarray(values, np.int32).reshape(n_rows, width) for key, values in fields.items()}
         out["weights"] = np.ones((n_rows, width), np.float32)
         return out
     filled = np.arange(width) < per_row[:, None]
