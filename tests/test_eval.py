@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -129,3 +130,24 @@ def test_counts_match_the_prepare_summary(wikitext_prepared, wikitext_config):
             assert result["token_perplexity"] == pytest.approx(vocab, rel=1e-5)
             assert result["word_perplexity"] == pytest.approx(vocab ** (summary["tokens"] / summary["words"]), rel=1e-4)
     assert wikitext_prepared.summary["test"]["words"] == 245_569  # the word-level test split's count in the literature
+
+
+@pytest.mark.slow
+def test_eval_cli_prints_one_json_object_last(wikitext_prepared, wikitext_config, tmp_path, monkeypatch, capsys):
+    """``--run DIR --split test key=value``: the overrides reach evaluate; the checkpoint loader is stood in for."""
+    from seqjax import eval as eval_cli
+
+    saved = wikitext_config.save(tmp_path / "config.yaml")
+    lm = UniformLM(wikitext_prepared.tokenizer.vocab_size)
+    monkeypatch.setattr("seqjax.train.checkpoint.load_for_inference",
+                        lambda path, overrides: (load_config(saved, overrides), lm))
+    eval_cli.main(["--run", str(tmp_path), "--split", "test", "eval.mode=sliding", "eval.context=512", "eval.stride=256"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    summary = wikitext_prepared.summary["test"]
+    assert (result["split"], result["mode"], result["context"], result["stride"]) == ("test", "sliding", 512, 256)
+    assert (result["tokens"], result["words"], result["bytes"]) == (summary["tokens"], summary["words"], summary["bytes"])
+    assert result["bits_per_byte"] == pytest.approx(summary["tokens"] * math.log2(lm.bias.shape[0]) / summary["bytes"])
+
+    with pytest.raises(SystemExit):
+        eval_cli.main(["--run", str(tmp_path), "eval.mode=chunks"])
+    assert "eval.mode" in capsys.readouterr().err

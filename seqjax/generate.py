@@ -1,0 +1,149 @@
+"""Text generation from a trained run: ``python -m seqjax.generate --run DIR --prompt "..."``.
+
+Decoding uses the KV cache of :mod:`seqjax.model.decode`: one prefill over
+all prompts, then one jitted step per new token (compiled once; the sampling
+settings are traced values, so they never recompile either). A batch of
+prompts of different lengths goes right-padded in one prefill; each row
+continues at its own next position and padding slots are masked by their
+segment id 0.
+
+Every prompt is preceded by ``<|endoftext|>``, the token every training
+sequence and every evaluation unit starts with, so an article's opening is
+generated in the setting the model learned it (an empty prompt generates
+from that token alone). A row stops at its first end-of-text; the loop stops
+when every row has, or after ``--max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from seqjax.sampling import SamplingConfig, sample
+
+_sample = jax.jit(sample)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # the new tokens, without the end-of-text that stopped them
+    stopped: bool  # True: ended at end-of-text; False: ran out of max_new_tokens
+
+
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    eot_id: int | None,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(temperature=0.0),
+    seed: int = 0,
+) -> list[Generation]:
+    """Continue each token list in ``prompts`` (each already starting with its context) by up to ``max_new_tokens``.
+
+    A row stops at its first ``eot_id`` (None: never; every row gets ``max_new_tokens``).
+    """
+    from seqjax.model.decode import decode_step, prefill, prompt_batch
+
+    if max_new_tokens < 1:
+        raise ValueError(f"--max_new_tokens: got {max_new_tokens}, expected at least 1")
+    inputs, positions, segment_ids = prompt_batch(prompts)
+    max_len = inputs.shape[1] + max_new_tokens
+    if max_len > model.cfg.max_seq_len:
+        raise ValueError(
+            f"--max_new_tokens: the longest prompt ({inputs.shape[1]} tokens) plus {max_new_tokens} new tokens is "
+            f"{max_len}, more than model.max_seq_len={model.cfg.max_seq_len}"
+        )
+    settings = sampling.arrays()
+    key = jax.random.key(seed)
+    logits, cache = prefill(model, inputs, positions, segment_ids, max_len=max_len)
+    new = np.zeros((len(prompts), max_new_tokens), np.int64)
+    done = np.zeros(len(prompts), bool)
+    length = np.full(len(prompts), max_new_tokens)
+    for step in range(max_new_tokens):
+        token = _sample(logits, jax.random.fold_in(key, step), **settings)
+        new[:, step] = np.asarray(token)
+        ended = ~done & (new[:, step] == eot_id) if eot_id is not None else done
+        length[ended] = step
+        done |= ended
+        if done.all() or step == max_new_tokens - 1:
+            break
+        logits, cache = decode_step(model, token, cache)
+    return [Generation(new[row, : length[row]].tolist(), bool(done[row])) for row in range(len(prompts))]
+
+
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
+    """``--prompt`` plus one prompt per non-empty line of ``--prompts FILE``."""
+    prompts = [] if prompt is None else [prompt]
+    if prompts_file is not None:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise ValueError(f"--prompts {prompts_file!r}: no such file (expected one prompt per line)")
+        prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("expected --prompt TEXT or --prompts FILE with at least one non-empty line")
+    return prompts
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    from seqjax.cli import parser
+    from seqjax.data.build import prepare
+    from seqjax.eval import add_checkpoint_args, load_checkpoint, parse_args
+
+    p = parser("python -m seqjax.generate", "Continue prompts with a trained model (last line: one JSON object).")
+    add_checkpoint_args(p)
+    p.add_argument("--prompt", help="text to continue ('' starts a new article)")
+    p.add_argument("--prompts", metavar="FILE", help="a file with one prompt per line, generated as one batch")
+    p.add_argument("--max_new_tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass to keep (1: off)")
+    p.add_argument("--top_k", type=int, default=0, help="most likely tokens to keep (0: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: run.seed)")
+    args = parse_args(p, argv)
+    try:
+        texts = read_prompts(args.prompt, args.prompts)
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        config, model = load_checkpoint(args, args.overrides)
+        tokenizer = prepare(config, splits=()).tokenizer  # the run's tokenizer, reused from the cache
+    except (ValueError, FileNotFoundError) as err:
+        p.exit(2, f"{p.prog}: error: {err}\n")
+    seed = config.run.seed if args.seed is None else args.seed
+    start = time.perf_counter()
+    outputs = generate(
+        model,
+        [[tokenizer.eot_id] + tokenizer.encode(text) for text in texts],
+        eot_id=tokenizer.eot_id,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+    )
+    seconds = time.perf_counter() - start
+    samples = []
+    for text, out in zip(texts, outputs):
+        completion = tokenizer.decode(out.tokens)
+        print(f"--- {text!r}\n{text}{completion}\n", file=sys.stderr)
+        samples.append({"prompt": text, "completion": completion, "new_tokens": len(out.tokens), "stopped_at_eot": out.stopped})
+    new_tokens = sum(s["new_tokens"] for s in samples)
+    result = {
+        "samples": samples,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": seed,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(new_tokens / seconds, 1) if seconds > 0 else None,
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
