@@ -38,7 +38,8 @@ def document_items(doc_offsets: np.ndarray, order: np.ndarray, seq_len: int, ove
     """``(starts, lengths)`` of the sequences of documents ``order`` after the overlong policy.
 
     ``split`` cuts a long document into pieces of ``seq_len`` predictions, each
-    its own sequence (the piece reads the token before it as context).
+    its own sequence (the piece reads the token before it as context);
+    ``keep`` leaves documents whole (the ``fill`` packer splits them itself).
     """
     starts = np.asarray(doc_offsets[:-1], np.int64)[order] - 1
     weights = np.diff(doc_offsets)[order]
