@@ -18,8 +18,6 @@ import numpy as np
 
 from seqjax.data.batching import DataError, exclusive_cumsum, ragged_arange
 
-OVERLONG = ("drop", "truncate", "split", "error")
-
 
 def check_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> None:
     """Under ``error``, refuse the store before any work, naming the first overlong document."""
