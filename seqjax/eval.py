@@ -37,14 +37,13 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from seqjax.config import Config, ConfigError, describe_keys
 from seqjax.data.eval_windows import EvalWindows, eval_windows, resolve_stride
 from seqjax.data.store import TokenStore
-
-BATCH_AXES = ("data", "fsdp")  # mesh axes the evaluation batch is split over (seqjax.config.MeshConfig names)
+from seqjax.train import sharding
 
 
 def eval_context(config: Config) -> int:
@@ -79,34 +78,35 @@ def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array]
 
 
 class _Placement:
-    """Where batches go: one device, or split over the mesh's data axes (every process builds the same global batch)."""
+    """Where batches go: one device, or rows split over the mesh's ``data x fsdp`` axes.
 
-    def __init__(self, mesh: Mesh | None):
-        if mesh is None and jax.device_count() > 1:
-            mesh = jax.make_mesh((jax.device_count(),), ("data",))
-            self.replicate_model = True
-        else:
-            self.replicate_model = False
+    Every process builds the same global batch (the windows are a pure
+    function of the store and config), so each device's rows are cut from it.
+    Without a mesh and with several devices, the model is replicated over the
+    mesh ``config.mesh`` describes.
+    """
+
+    def __init__(self, mesh: Mesh | None, config: Config):
+        self.replicate_model = mesh is None and jax.device_count() > 1
+        if self.replicate_model:
+            mesh = sharding.build_mesh(config.mesh)
         self.mesh = mesh
-        axes = tuple(a for a in mesh.axis_names if a in BATCH_AXES) if mesh is not None else ()
-        self.shards = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        self.batch = NamedSharding(mesh, PartitionSpec(axes or None)) if mesh is not None else None
+        self.shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES) if mesh is not None else 1
 
     def batch_size(self, requested: int) -> int:
         """``requested`` rounded up to a multiple of the batch shards."""
         return -(-requested // self.shards) * self.shards
 
     def state(self, state: nnx.State) -> nnx.State:
-        if self.replicate_model:
-            return jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
-        return state
+        if not self.replicate_model:
+            return state
+        return sharding.place(state, jax.tree.map(lambda _: sharding.replicated(self.mesh), state))
 
     def put(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        if self.batch is None:
-            return {k: jax.device_put(v) for k, v in batch.items()}
-        return {
-            k: jax.make_array_from_callback(v.shape, self.batch, lambda index, v=v: v[index]) for k, v in batch.items()
-        }
+        if self.mesh is None:
+            return jax.device_put(batch)
+        rows = sharding.batch_sharding(self.mesh)
+        return sharding.place(batch, {k: rows for k in batch})
 
 
 def _per(count: float | None, nll_sum: float, scale: float = 1.0) -> float | None:
@@ -135,7 +135,7 @@ def evaluate(
     which need the whole split, are null.
     """
     windows = windows_for(store, config)
-    placement = _Placement(mesh)
+    placement = _Placement(mesh, config)
     batch_size = placement.batch_size(config.eval.batch_size)
     total = windows.num_batches(batch_size)
     n_batches = total if max_batches is None else min(max_batches, total)

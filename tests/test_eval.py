@@ -42,12 +42,14 @@ def config(*overrides: str):
     return load_config(None, ["model.max_seq_len=64", "data.seq_len=8", "eval.batch_size=4", *overrides])
 
 
+def load_tiny_config():
+    return load_config(None, ["model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.d_ff=32",
+                              "model.max_seq_len=64", "data.seq_len=8", "model.attention=xla", "model.init_std=0.5"])
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
-    cfg = load_config(None, ["model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.d_ff=32",
-                             "model.max_seq_len=64", "data.seq_len=8", "model.attention=xla",
-                             "model.init_std=0.5"])
-    return build_model(cfg, vocab_size=VOCAB, rngs=nnx.Rngs(3))
+    return build_model(load_tiny_config(), vocab_size=VOCAB, rngs=nnx.Rngs(3))
 
 
 @pytest.mark.parametrize("mode", ["blocks", "sliding", "documents"])
@@ -151,3 +153,37 @@ def test_eval_cli_prints_one_json_object_last(wikitext_prepared, wikitext_config
     with pytest.raises(SystemExit):
         eval_cli.main(["--run", str(tmp_path), "eval.mode=chunks"])
     assert "eval.mode" in capsys.readouterr().err
+
+
+SHARDED_RUN = """
+import json, sys
+sys.path.insert(0, "tests")
+import jax
+from flax import nnx
+from test_eval import VOCAB, config, small_store
+from seqjax.eval import evaluate
+from seqjax.model import build_model
+assert jax.device_count() == 2
+from test_eval import load_tiny_config
+model = build_model(load_tiny_config(), vocab_size=VOCAB, rngs=nnx.Rngs(3))
+result = evaluate(model, small_store(), config("eval.mode=sliding", "eval.context=6", "eval.stride=2", "eval.batch_size=3"),
+                  progress=False)
+print(json.dumps(result))
+"""
+
+
+@pytest.mark.slow
+def test_two_devices_give_the_one_device_result(tiny_model):
+    """The batch is split over two (forced host) devices; the odd eval.batch_size is rounded up to fit them."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", SHARDED_RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sharded = json.loads(out.stdout.strip().splitlines()[-1])
+    single = evaluate(tiny_model, small_store(), config("eval.mode=sliding", "eval.context=6", "eval.stride=2",
+                                                        "eval.batch_size=3"), progress=False)
+    assert sharded["tokens"] == single["tokens"]
+    assert sharded["nll_sum"] == pytest.approx(single["nll_sum"], rel=1e-5)
