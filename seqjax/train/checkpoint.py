@@ -125,6 +125,10 @@ class Checkpointer:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(dst, ignore_errors=True)
             shutil.move(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"seqjax: checkpoint {step} set aside")
         self.manager.reload()
 
     def latest_step(self) -> int | None:
