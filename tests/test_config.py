@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from seqjax import cli
 from seqjax.config import DATA_DIR_ENV, Config, ConfigError, all_keys, load_config
@@ -26,7 +27,9 @@ def test_overrides_are_typed_and_win_over_the_file():
     assert config.data.bucket_lengths == [8, 16]
     assert config.run.dir == "/tmp/somewhere"
     # keys the override did not touch keep the file's values, the rest the defaults
-    assert config.model.d_model == 256 and config.data.batch_size == 16
+    in_file = yaml.safe_load(CPU_CONFIG.read_text())
+    assert config.model.d_model == in_file["model"]["d_model"] != Config().model.d_model
+    assert config.data.batch_size == in_file["data"]["batch_size"]
     assert config.train.z_loss == Config().train.z_loss
 
 
