@@ -161,9 +161,15 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
     position = np.arange(int(per_row.sum()), dtype=index) - np.repeat(piece_first, predicted)
     source = position + np.repeat(starts, predicted)
     tokens = np.asarray(tokens)  # a plain view of a memmap: cheaper fancy indexing
+    inputs = tokens[source]
+    # inside a piece the target is the next input; only each piece's last target is read from the stream
+    targets = np.empty_like(inputs)
+    targets[:-1] = inputs[1:]
+    piece_last = exclusive_cumsum(predicted)[1:] - 1
+    targets[piece_last[predicted > 0]] = tokens[(starts + predicted)[predicted > 0]]
     fields = {
-        "inputs": tokens[source],
-        "targets": tokens[source + 1],
+        "inputs": inputs,
+        "targets": targets,
         "segment_ids": np.repeat(segment, predicted),
         "positions": position,
     }
