@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/wikitext2_cpu.yaml")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
-    p.add_argument("--repeats", type=int, default=3, help="best of this many timed epochs per strategy (a shared machine is noisy)")
+    p.add_argument("--repeats", type=int, default=5, help="best of this many timed epochs per strategy (a shared machine is noisy)")
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.batch_size=16")
     args = p.parse_args(argv)
