@@ -16,11 +16,11 @@ from itertools import islice
 import numpy as np
 
 from seqjax.cli import parse, parser
-from seqjax.data.batching import FIELDS, DataError
+from seqjax.data.batching import FIELDS
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser("python -m seqjax.data", __doc__.splitlines()[0])
+    p = parser("python -m seqjax.data", "What the configured sequence strategy makes of a split: epoch statistics as JSON, optionally a dump of batches.")
     p.add_argument("--split", default="train", choices=("train", "valid", "test"), help="which split's store to cut")
     p.add_argument("--dump", metavar="FILE.npz", help="write the first --batches batches here")
     p.add_argument("--batches", type=int, default=1, help="how many batches --dump writes")
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pipeline = build_pipeline(config, store)
         stats = epoch_stats(config, store)
-    except (DataError, ValueError) as err:
+    except ValueError as err:  # DataError and ConfigError: bad input, said before any batch is built
         p.exit(2, f"{p.prog}: {err}\n")
     if args.dump:
         batches = list(islice(iter(pipeline), args.batches))
