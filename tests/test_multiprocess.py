@@ -29,10 +29,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_with_four_devices_each_match_one_process(reference, tiny_root, tmp_path):
-    steps = 20
-    run_dir = tmp_path / "run"
-    overrides = tiny_overrides(tiny_root, run_dir, **{"train.steps": steps, "mesh.data": 4, "mesh.fsdp": 2})
+def launch(overrides: list[str]) -> list[str]:
+    """Run the CLI as two jax.distributed processes with 4 CPU devices each; return their stderr."""
     coordinator = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
@@ -53,8 +51,21 @@ def test_two_processes_with_four_devices_each_match_one_process(reference, tiny_
                 p.kill()
     for p, err in zip(procs, errors):
         assert p.returncode == 0, err[-4000:]
-    assert "mesh {'data': 4, 'fsdp': 2, 'tensor': 1}; 2 process(es)" in errors[0]
+    return errors
+
+
+def test_two_processes_with_four_devices_each_match_one_process_and_resume(reference, tiny_root, tmp_path):
+    """10 steps, then a second launch to 20 that resumes from the checkpoint both processes wrote."""
+    run_dir = tmp_path / "run"
+    mesh = {"mesh.data": 4, "mesh.fsdp": 2}
+    first = launch(tiny_overrides(tiny_root, run_dir, **mesh, **{"train.steps": 10}))
+    assert "mesh {'data': 4, 'fsdp': 2, 'tensor': 1}; 2 process(es)" in first[0]
+    data_states = sorted(p.name for p in (run_dir / "checkpoints" / "10" / "data").glob("process_*.json"))
+    assert data_states == ["process_0-of-2.json", "process_1-of-2.json"]  # each process saved its own position
+
+    second = launch(tiny_overrides(tiny_root, run_dir, **mesh, **{"train.steps": 20}))
+    assert all("resuming from" in err for err in second)
     losses = train_losses(run_dir)
-    assert sorted(losses) == list(range(1, steps + 1))
+    assert sorted(losses) == list(range(1, 21))
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step
