@@ -121,18 +121,17 @@ def evaluate(
     mesh: Mesh | None = None,
     max_batches: int | None = None,
     split: str | None = None,
-    words: int | None = None,
-    bytes: int | None = None,
+    word_count: int | None = None,
+    byte_count: int | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Score ``store`` with ``model`` under ``config.eval``; returns the figures as a JSON-ready dict.
 
-    ``words`` / ``bytes`` count the split's text; they default to the counts
-    ``prepare`` wrote in the store's manifest (``stats``), the same numbers its
-    summary prints. With
-    ``max_batches`` only a prefix of the windows is scored (training's quick
-    validation): ``complete`` is then false and the word and byte figures,
-    which need the whole split, are null.
+    ``word_count`` / ``byte_count`` count the split's text; they default to
+    the counts ``prepare`` wrote in the store's manifest (``stats``), the
+    numbers its summary prints. With ``max_batches`` only a prefix of the
+    windows is scored (training's quick validation): ``complete`` is then
+    false and the word and byte figures, which need the whole split, are null.
     """
     windows = windows_for(store, config)
     placement = _Placement(mesh, config)
@@ -147,26 +146,28 @@ def evaluate(
     start = time.perf_counter()
     batches = windows.batches(batch_size)
     bar = tqdm(total=n_batches, desc=f"eval {windows.mode}", unit="batch", disable=not progress, file=sys.stderr)
+    pending = None  # the previous batch's sum: read after the next batch is dispatched, so host and device overlap
     with bar:
         for _ in range(n_batches):
             batch = next(batches)
             batch_nll, _ = _score(graphdef, state, placement.put(batch))
-            nll_sum += float(batch_nll)
+            if pending is not None:
+                nll_sum += float(pending)
+            pending = batch_nll
             tokens += int(batch["weights"].sum())
             bar.update()
+        if pending is not None:
+            nll_sum += float(pending)
     seconds = time.perf_counter() - start
 
     complete = n_batches == total
     if complete and tokens != store.predicted_tokens:
         raise RuntimeError(f"scored {tokens} tokens, expected every predicted token ({store.predicted_tokens}) once")
-    if complete:
-        stats = store.manifest.get("stats", {})
-        words = words if words is not None else stats.get("words")
-        bytes = bytes if bytes is not None else stats.get("bytes")
-    else:
-        words = bytes = None
+    stats = store.manifest.get("stats", {})
+    words = (word_count if word_count is not None else stats.get("words")) if complete else None
+    n_bytes = (byte_count if byte_count is not None else stats.get("bytes")) if complete else None
     per_word = _per(words, nll_sum)
-    per_byte = _per(bytes, nll_sum, math.log(2))
+    per_byte = _per(n_bytes, nll_sum, math.log(2))
     return {
         "split": split or store.manifest.get("split") or config.eval.split,
         "mode": windows.mode,
@@ -177,7 +178,7 @@ def evaluate(
         "windows": min(len(windows), n_batches * batch_size),
         "tokens": tokens,
         "words": words,
-        "bytes": bytes,
+        "bytes": n_bytes,
         "nll_sum": nll_sum,
         "token_perplexity": math.exp(nll_sum / tokens) if tokens else None,
         "word_perplexity": None if per_word is None else math.exp(per_word),
@@ -233,10 +234,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p.exit(2, f"{p.prog}: error: {err}\n")
     split = config.eval.split
     prepared = prepare(config, splits=(split,))
-    summary = prepared.summary[split]
-    result = evaluate(
-        model, prepared.stores[split], config, split=split, words=summary["words"], bytes=summary["bytes"]
-    )
+    result = evaluate(model, prepared.stores[split], config, split=split)
     print(json.dumps(result), flush=True)
     return result
 

@@ -55,7 +55,7 @@ def tiny_model():
 @pytest.mark.parametrize("mode", ["blocks", "sliding", "documents"])
 def test_uniform_logits_give_the_vocabulary_size(mode):
     store = small_store()
-    result = evaluate(UniformLM(VOCAB), store, config(f"eval.mode={mode}", "eval.stride=3"), words=11, bytes=50,
+    result = evaluate(UniformLM(VOCAB), store, config(f"eval.mode={mode}", "eval.stride=3"), word_count=11, byte_count=50,
                       progress=False)
     assert result["tokens"] == store.predicted_tokens
     assert result["nll_sum"] == pytest.approx(store.predicted_tokens * math.log(VOCAB), rel=1e-6)
@@ -109,10 +109,10 @@ def test_documents_mode_matches_full_forward_passes_per_article(tiny_model):
 def test_deterministic_and_a_partial_run_says_so(tiny_model):
     store = small_store()
     cfg = config("eval.mode=sliding", "eval.context=4", "eval.stride=2", "eval.batch_size=2")
-    first = evaluate(tiny_model, store, cfg, words=10, bytes=40, progress=False)
-    second = evaluate(tiny_model, store, cfg, words=10, bytes=40, progress=False)
+    first = evaluate(tiny_model, store, cfg, word_count=10, byte_count=40, progress=False)
+    second = evaluate(tiny_model, store, cfg, word_count=10, byte_count=40, progress=False)
     assert first["nll_sum"] == second["nll_sum"] and first["complete"]
-    partial = evaluate(tiny_model, store, cfg, max_batches=2, words=10, bytes=40, progress=False)
+    partial = evaluate(tiny_model, store, cfg, max_batches=2, word_count=10, byte_count=40, progress=False)
     assert not partial["complete"] and partial["windows"] == 4
     assert 0 < partial["tokens"] < first["tokens"] and partial["word_perplexity"] is None
 

@@ -1,0 +1,79 @@
+"""The BENCHMARKS.md perplexity table: a trained run scored on valid and test under all three protocols.
+
+    python scripts/eval_table.py --run runs/wikitext2_cpu [key=value ...]
+
+Prints a markdown table (every figure with its unit and protocol, the
+literature's figures below it labelled as references) and, last, one JSON
+object with every result. ``key=value`` overrides apply to all six runs
+(e.g. ``eval.context=256 eval.stride=128``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from seqjax.cli import parser  # noqa: E402
+from seqjax.data.build import prepare  # noqa: E402
+from seqjax.data.eval_windows import MODES  # noqa: E402
+from seqjax.eval import add_checkpoint_args, eval_context, evaluate, load_checkpoint, parse_args  # noqa: E402
+
+SPLITS = ("valid", "test")
+
+# Published word-level WikiText-2 perplexities: references for scale, not claims about seqjax.
+REFERENCES = [
+    ("AWD-LSTM (Merity et al., 2017), word-level vocabulary", {"valid": 68.6, "test": 65.8}),
+    ("GPT-2 117M zero-shot (Radford et al., 2019), BPE scored per word", {"test": 29.41}),
+]
+
+
+def fmt(value, digits: int) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+def table(results: list[dict], label: str) -> str:
+    lines = [
+        "| model | split | mode | context / stride | tokens | words | token ppl | word ppl | bits/byte |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {label} | {r['split']} | {r['mode']} | {r['context']} / {r['stride']} | {r['tokens']:,} | "
+            f"{r['words']:,} | {fmt(r['token_perplexity'], 2)} | {fmt(r['word_perplexity'], 2)} | "
+            f"{fmt(r['bits_per_byte'], 4)} |"
+        )
+    for name, figures in REFERENCES:
+        for split, value in figures.items():
+            lines.append(f"| *reference:* {name} | {split} | (paper) | – | – | – | – | {value} | – |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = parser("python scripts/eval_table.py", "valid and test perplexity in all three units and protocols")
+    add_checkpoint_args(p)
+    args = parse_args(p, None)
+    try:
+        config, model = load_checkpoint(args, args.overrides)
+        eval_context(config)
+    except (ValueError, FileNotFoundError) as err:
+        p.exit(2, f"{p.prog}: error: {err}\n")
+    prepared = prepare(config, splits=SPLITS)
+    results = []
+    for split in SPLITS:
+        for mode in MODES:
+            cfg = dataclasses.replace(config, eval=dataclasses.replace(config.eval, split=split, mode=mode))
+            result = evaluate(model, prepared.stores[split], cfg, split=split)
+            print(json.dumps(result), file=sys.stderr, flush=True)
+            results.append(result)
+    label = f"seqjax {Path(args.run or args.checkpoint).name}"
+    print(table(results, label))
+    print(json.dumps({"run": args.run or args.checkpoint, "variant": config.data.variant,
+                      "vocab_size": prepared.tokenizer.vocab_size, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
