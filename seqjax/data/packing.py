@@ -14,6 +14,8 @@ single numpy scan over the (at most ``pack_buffer``) rows open at the time.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from seqjax.data.batching import DataError, exclusive_cumsum, ragged_arange
@@ -56,17 +58,18 @@ def document_items(doc_offsets: np.ndarray, order: np.ndarray, seq_len: int, ove
 
 
 def greedy(weights: np.ndarray, capacity: int, max_segments: int | None) -> np.ndarray:
-    """Next-fit (lmms-engine): fill the current row in order, start a new one when the next item does not fit."""
-    ends = exclusive_cumsum(weights)
-    row = np.empty(len(weights), np.int64)
-    i, r = 0, 0
-    while i < len(weights):
-        j = int(np.searchsorted(ends, ends[i] + capacity, "right")) - 1
-        if max_segments is not None:
-            j = min(j, i + max_segments)
-        row[i:j] = r
-        i, r = j, r + 1
-    return row
+    """Next-fit (lmms-engine): fill the current row in order, start a new one when the next item does not fit.
+
+    One binary search per row over the items' running sum (Python's bisect on a
+    list: numpy's per-call overhead would dominate these scalar searches).
+    """
+    ends = exclusive_cumsum(weights).tolist()
+    cuts = [0]
+    while cuts[-1] < len(weights):
+        i = cuts[-1]
+        j = bisect.bisect_right(ends, ends[i] + capacity) - 1
+        cuts.append(j if max_segments is None else min(j, i + max_segments))
+    return np.repeat(np.arange(len(cuts) - 1), np.diff(cuts))
 
 
 def fit(weights: np.ndarray, capacity: int, max_segments: int | None, open_rows: int, best: bool, decreasing: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -91,6 +94,8 @@ def fit(weights: np.ndarray, capacity: int, max_segments: int | None, open_rows:
     free = np.zeros(open_rows, np.int64)
     count = np.zeros(open_rows, np.int64)
     slot_row = np.zeros(open_rows, np.int64)
+    # best-fit: open rows that can still take an item, as a sorted list of (free, slot): one bisect per item
+    candidates: list[tuple[int, int]] = []
     used = next_row = 0
     for placed, i in enumerate(order.tolist()):
         w = int(weights[i])
@@ -98,23 +103,28 @@ def fit(weights: np.ndarray, capacity: int, max_segments: int | None, open_rows:
         if w == capacity:  # a full item shares no row: give it one without searching
             row[i], next_row = next_row, next_row + 1
             continue
-        ok = free[:used] >= w
-        if max_segments is not None:
-            ok &= count[:used] < cap
         if best:
-            r = int(np.argmin(np.where(ok, free[:used], capacity + 1))) if used else 0
+            k = bisect.bisect_left(candidates, (w, -1))
+            r = candidates.pop(k)[1] if k < len(candidates) else -1
         else:
-            r = int(np.argmax(ok)) if used else 0
-        if not used or not ok[r]:
+            ok = free[:used] >= w
+            if max_segments is not None:
+                ok &= count[:used] < cap
+            r = int(np.argmax(ok)) if used and ok.any() else -1
+        if r < 0:
             if used < open_rows:
                 r, used = used, used + 1
             else:
                 r = int(np.argmin(free))  # close the fullest open row
+                if best and (int(free[r]), r) in candidates:
+                    candidates.remove((int(free[r]), r))
             slot_row[r], next_row = next_row, next_row + 1
             free[r], count[r] = capacity, 0
         free[r] -= w
         count[r] += 1
         row[i] = slot_row[r]
+        if best and free[r] > 0 and count[r] < cap:
+            bisect.insort(candidates, (int(free[r]), r))
     return row, rank
 
 

@@ -12,6 +12,8 @@ Stream positions: the store's stream is ``EOT d0 EOT d1 ... EOT``; position
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from seqjax.data.batching import DataError, ragged_arange
@@ -111,14 +113,15 @@ def block_spans(line_offsets: np.ndarray, doc_offsets: np.ndarray, n_tokens: int
 def _next_fit(bounds: np.ndarray, capacity: int, barrier_index: np.ndarray) -> np.ndarray:
     """Indices into ``bounds`` where next-fit blocks of at most ``capacity`` tokens end; never past a barrier.
 
-    One binary search per block (not per line): O(blocks * log n).
+    One binary search per block (not per line): O(blocks * log n), with Python's
+    bisect on lists since numpy's per-call overhead dominates scalar searches.
     """
+    positions, barriers = bounds.tolist(), np.asarray(barrier_index).tolist()
     cut = [0]
-    barrier_index = np.asarray(barrier_index)
-    while cut[-1] < len(bounds) - 1:
+    while cut[-1] < len(positions) - 1:
         i = cut[-1]
-        fit = int(np.searchsorted(bounds, bounds[i] + capacity, "right")) - 1
-        barrier = int(barrier_index[np.searchsorted(barrier_index, i, "right")])
+        fit = bisect.bisect_right(positions, positions[i] + capacity) - 1
+        barrier = barriers[bisect.bisect_right(barriers, i)]
         cut.append(min(fit, barrier))
     return np.asarray(cut, np.int64)
 
