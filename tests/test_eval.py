@@ -100,12 +100,6 @@ def test_short_contexts_change_the_score_but_stride_equal_to_context_is_blocks(t
     assert overlapping["nll_sum"] != pytest.approx(blocks["nll_sum"], rel=1e-4)  # the windows really differ
 
 
-def test_documents_mode_matches_full_forward_passes_per_article(tiny_model):
-    store = small_store(seed=1, doc_lengths=(20, 5, 14))
-    result = evaluate(tiny_model, store, config("eval.mode=documents", "eval.context=32"), progress=False)
-    assert result["nll_sum"] == pytest.approx(direct_document_nll(tiny_model, store), rel=1e-5)
-
-
 def test_deterministic_and_a_partial_run_says_so(tiny_model):
     store = small_store()
     cfg = config("eval.mode=sliding", "eval.context=4", "eval.stride=2", "eval.batch_size=2")

@@ -61,8 +61,10 @@ def test_filter_keeps_the_smallest_nucleus_within_the_top_k(seed, top_p, top_k):
     n = int(kept.sum())
     assert kept[order[:n]].all()  # the kept tokens are the n most likely
     k = top_k or VOCAB
-    nucleus = int(np.searchsorted(np.cumsum(probs), top_p - 1e-6)) + 1  # smallest prefix with mass >= top_p
-    assert n == min(k, nucleus)
+    mass = np.cumsum(probs.astype(np.float64))
+    # The smallest prefix with mass >= top_p, up to float32 rounding of the running sum at the boundary.
+    smallest = [min(k, int(np.searchsorted(mass, top_p + eps)) + 1) for eps in (-1e-5, 1e-5)]
+    assert smallest[0] <= n <= smallest[1]
 
 
 def test_changing_settings_does_not_recompile():
