@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from seqjax.config import Config
+from seqjax.config import Config, ConfigError
 from seqjax.train import sharding
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
@@ -119,6 +119,8 @@ def train(config: Config) -> dict[str, Any]:
     run_dir = Path(config.run.dir)
     tc = config.train
 
+    mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work
+    sharding.check_batch_fits(config.data.batch_size, mesh, tc.grad_accum)
     prepared = prepare(config, splits=("train", config.eval.split))
     train_store, valid_store = prepared.stores["train"], prepared.stores[config.eval.split]
     config = _with_vocab(config, prepared.tokenizer.vocab_size)
@@ -128,8 +130,6 @@ def train(config: Config) -> dict[str, Any]:
         announce(config, run_dir)
     unigram = unigram_perplexity(train_store.tokens, valid_store.tokens, config.model.vocab_size)
 
-    mesh = sharding.build_mesh(config.mesh)
-    sharding.check_batch_fits(config.data.batch_size, mesh, tc.grad_accum)
     model = build_model(config, rngs=nnx.Rngs(config.run.seed))
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     param_shardings = sharding.param_shardings(param_state, mesh)
@@ -279,11 +279,17 @@ def _should_stop(stop: StopRequest, step: int, process_count: int) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from seqjax.cli import parse, parser
+    from seqjax.data.batching import DataError
+    from seqjax.data.corpus import CorpusError
+    from seqjax.data.store import StoreError
+    from seqjax.data.tokenizer import TokenizerError
 
     p = parser("python -m seqjax.train", "Train a language model; resumes when run.dir already holds checkpoints.")
     _, config = parse(p, argv)
     try:
         summary = train(config)
+    except (ConfigError, CorpusError, DataError, StoreError, TokenizerError) as err:  # bad input: message, no traceback
+        p.exit(2, f"{p.prog}: error: {err}\n")
     except NonFiniteLoss as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
