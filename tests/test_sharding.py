@@ -94,3 +94,13 @@ def test_meshes_on_8_devices_match_one_device(reference, tiny_root, tmp_path):
         assert sorted(losses) == list(range(1, steps + 1))
         for step, loss in losses.items():
             assert loss == pytest.approx(reference[step], rel=1e-5), (data, fsdp, tensor, step)
+
+
+def test_a_mesh_that_does_not_fit_the_devices_stops_the_cli_before_any_data_work(tmp_path, capsys):
+    from seqjax.train.loop import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([f"run.dir={tmp_path / 'run'}", "data.dir=/nonexistent", "mesh.data=3"])
+    assert exit_info.value.code == 2
+    assert "mesh.data=3, mesh.fsdp=1, mesh.tensor=1: data x fsdp x tensor = 3, expected the 1 available devices" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
