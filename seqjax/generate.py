@@ -117,14 +117,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
         p.exit(2, f"{p.prog}: error: {err}\n")
     seed = config.run.seed if args.seed is None else args.seed
     start = time.perf_counter()
-    outputs = generate(
-        model,
-        [[tokenizer.eot_id] + tokenizer.encode(text) for text in texts],
-        eot_id=tokenizer.eot_id,
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        seed=seed,
-    )
+    try:  # generate() checks the lengths before any decoding
+        outputs = generate(
+            model,
+            [[tokenizer.eot_id] + tokenizer.encode(text) for text in texts],
+            eot_id=tokenizer.eot_id,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            seed=seed,
+        )
+    except ValueError as err:
+        p.exit(2, f"{p.prog}: error: {err}\n")
     seconds = time.perf_counter() - start
     samples = []
     for text, out in zip(texts, outputs):
