@@ -72,6 +72,48 @@ def greedy(weights: np.ndarray, capacity: int, max_segments: int | None) -> np.n
     return np.repeat(np.arange(len(cuts) - 1), np.diff(cuts))
 
 
+class _BestSlots:
+    """Open rows that can take more, as a sorted list of ``(free, slot)``: the tightest fit is one bisect."""
+
+    def __init__(self, size: int):
+        self.items: list[tuple[int, int]] = []
+        self.listed = [0] * size
+
+    def find(self, w: int) -> int:
+        k = bisect.bisect_left(self.items, (w, -1))
+        return self.items[k][1] if k < len(self.items) else -1
+
+    def set(self, slot: int, free: int) -> None:
+        if self.listed[slot]:
+            self.items.pop(bisect.bisect_left(self.items, (self.listed[slot], slot)))
+        if free:
+            bisect.insort(self.items, (free, slot))
+        self.listed[slot] = free
+
+
+class _FirstSlots:
+    """A max-segment-tree over slots: the first slot with enough room is one O(log n) descent."""
+
+    def __init__(self, size: int):
+        self.size = 1 << max(0, (size - 1).bit_length())
+        self.tree = [0] * (2 * self.size)
+
+    def find(self, w: int) -> int:
+        tree, i = self.tree, 1
+        if tree[1] < w:
+            return -1
+        while i < self.size:
+            i = 2 * i if tree[2 * i] >= w else 2 * i + 1
+        return i - self.size
+
+    def set(self, slot: int, free: int) -> None:
+        tree, i = self.tree, slot + self.size
+        tree[i] = free
+        while i > 1:
+            i //= 2
+            tree[i] = max(tree[2 * i], tree[2 * i + 1])
+
+
 def fit(weights: np.ndarray, capacity: int, max_segments: int | None, open_rows: int, best: bool, decreasing: bool) -> tuple[np.ndarray, np.ndarray]:
     """First-fit or best-fit, online, with at most ``open_rows`` rows open at once.
 
@@ -81,50 +123,35 @@ def fit(weights: np.ndarray, capacity: int, max_segments: int | None, open_rows:
     occupies a slot. With ``decreasing``, each window of ``open_rows`` items is
     sorted longest first before placement (best-fit decreasing over a buffer).
     Returns each item's row (rows numbered in opening order) and its placement
-    rank (the order of items inside a row).
+    rank (the order of items inside a row). Each placement is O(log open_rows).
     """
     n = len(weights)
     order = np.arange(n)
     if decreasing:
-        window = order // open_rows
-        order = np.lexsort((-weights, window))
+        order = np.lexsort((-weights, order // open_rows))
     row = np.empty(n, np.int64)
     rank = np.empty(n, np.int64)
     cap = n + 1 if max_segments is None else max_segments
-    free = np.zeros(open_rows, np.int64)
-    count = np.zeros(open_rows, np.int64)
-    slot_row = np.zeros(open_rows, np.int64)
-    # best-fit: open rows that can still take an item, as a sorted list of (free, slot): one bisect per item
-    candidates: list[tuple[int, int]] = []
+    free, count, slot_row = [0] * open_rows, [0] * open_rows, [0] * open_rows
+    slots = _BestSlots(open_rows) if best else _FirstSlots(open_rows)  # rows that can still take an item
     used = next_row = 0
-    for placed, i in enumerate(order.tolist()):
-        w = int(weights[i])
+    for placed, (i, w) in enumerate(zip(order.tolist(), weights[order].tolist())):
         rank[i] = placed
         if w == capacity:  # a full item shares no row: give it one without searching
             row[i], next_row = next_row, next_row + 1
             continue
-        if best:
-            k = bisect.bisect_left(candidates, (w, -1))
-            r = candidates.pop(k)[1] if k < len(candidates) else -1
-        else:
-            ok = free[:used] >= w
-            if max_segments is not None:
-                ok &= count[:used] < cap
-            r = int(np.argmax(ok)) if used and ok.any() else -1
+        r = slots.find(w)
         if r < 0:
             if used < open_rows:
                 r, used = used, used + 1
             else:
-                r = int(np.argmin(free))  # close the fullest open row
-                if best and (int(free[r]), r) in candidates:
-                    candidates.remove((int(free[r]), r))
+                r = min(range(open_rows), key=free.__getitem__)  # close the fullest open row
             slot_row[r], next_row = next_row, next_row + 1
             free[r], count[r] = capacity, 0
         free[r] -= w
         count[r] += 1
         row[i] = slot_row[r]
-        if best and free[r] > 0 and count[r] < cap:
-            bisect.insort(candidates, (int(free[r]), r))
+        slots.set(r, free[r] if count[r] < cap else 0)
     return row, rank
 
 
