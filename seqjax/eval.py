@@ -43,6 +43,7 @@ from tqdm import tqdm
 from seqjax.config import Config, ConfigError, describe_keys
 from seqjax.data.eval_windows import EvalWindows, eval_windows, resolve_stride
 from seqjax.data.store import TokenStore
+from seqjax.model.loss import lm_loss
 from seqjax.train import sharding
 
 
@@ -69,8 +70,6 @@ def windows_for(store: TokenStore, config: Config) -> EvalWindows:
 @functools.partial(jax.jit, static_argnums=0)
 def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Summed nll (nats) and summed weight of one batch, both float32 (contract 3 via ``lm_loss``)."""
-    from seqjax.model.loss import lm_loss
-
     model = nnx.merge(graphdef, state)
     logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
     _, aux = lm_loss(logits, batch["targets"], batch["weights"])

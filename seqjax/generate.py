@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from seqjax.model.decode import decode_step, prefill, prompt_batch
 from seqjax.sampling import SamplingConfig, sample
 
 _sample = jax.jit(sample)
@@ -51,8 +52,6 @@ def generate(
 
     A row stops at its first ``eot_id`` (None: never; every row gets ``max_new_tokens``).
     """
-    from seqjax.model.decode import decode_step, prefill, prompt_batch
-
     if max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens: got {max_new_tokens}, expected at least 1")
     inputs, positions, segment_ids = prompt_batch(prompts)
@@ -71,7 +70,8 @@ def generate(
     for step in range(max_new_tokens):
         token = _sample(logits, jax.random.fold_in(key, step), **settings)
         new[:, step] = np.asarray(token)
-        ended = ~done & (new[:, step] == eot_id) if eot_id is not None else done
+        hit = new[:, step] == eot_id if eot_id is not None else np.zeros_like(done)
+        ended = ~done & hit
         length[ended] = step
         done |= ended
         if done.all() or step == max_new_tokens - 1:
