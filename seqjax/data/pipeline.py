@@ -145,7 +145,7 @@ class EpochPlanner:
 
 
 # Batches are built this many token slots at a time: numpy's per-call overhead dominates a single batch.
-BUILD_SLOTS = 1 << 20
+BUILD_SLOTS = 1 << 18
 
 
 def epoch_dataset(planner: EpochPlanner, epoch: int, process_index: int, process_count: int) -> grain.MapDataset:
