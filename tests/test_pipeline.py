@@ -178,3 +178,21 @@ def test_epoch_stats_match_the_batches():
     assert stats["documents_truncated"] == sum(n + 1 > 8 for n in lengths) and stats["documents_split"] == 0
     segs = np.concatenate([b["segment_ids"].max(axis=1) for b in batches])
     assert stats["segments_per_row_max"] == segs.max()
+
+
+@pytest.mark.parametrize("strategy,overrides", [("pack", ["data.packer=greedy"]), ("length_grouped", []), ("random_offset", [])])
+def test_building_batches_in_groups_changes_nothing(monkeypatch, strategy, overrides):
+    import seqjax.data.pipeline as pipeline
+
+    store = positional_store([7, 1, 12, 30, 3, 9, 4, 15, 2, 22, 6, 11] * 2)
+    cfg = config(strategy, 6, 4, *overrides)
+    whole = list(islice(iter(build_pipeline(cfg, store, process_index=1, process_count=2)), 30))
+    for slots in (1, 3 * 2 * 6):  # one batch per group; three batches per group
+        monkeypatch.setattr(pipeline, "BUILD_SLOTS", slots)
+        fresh = iter(build_pipeline(cfg, store, process_index=1, process_count=2))
+        resumed = iter(build_pipeline(cfg, store, process_index=1, process_count=2))
+        resumed.set_state({"epoch": 0, "batch": 7})  # straight into the middle of a group
+        pairs = [*zip(range(30), fresh), *zip(range(7, 30), resumed)]
+        for k, batch in pairs:
+            for key in batch:
+                np.testing.assert_array_equal(batch[key], whole[k][key])
