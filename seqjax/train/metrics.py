@@ -88,7 +88,7 @@ class MetricsLog:
 
 
 def plot_losses(run_dir: str | Path) -> Path:
-    """loss.png: training loss per step and validation loss at each evaluation (log-scale y)."""
+    """loss.png: training loss per step and validation loss at each evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,7 +104,6 @@ def plot_losses(run_dir: str | Path) -> Path:
         ax.plot(*zip(*valid), "o-", label="validation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
-    ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
