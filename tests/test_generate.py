@@ -33,10 +33,13 @@ def model():
 PROMPTS = [[START, 5, 9, 2], [START], [START, 7, 7, 3, 11, 30, 4, 8]]
 
 
+WIDTH = 16
+forward = nnx.jit(lambda m, ids, pos, seg: m(ids, positions=pos, segment_ids=seg))
+
+
 def greedy_by_full_forward(model, prompt: list[int], eot_id: int | None, max_new_tokens: int) -> list[int]:
     """The reference: re-run the whole sequence (no cache) for every new token and take the argmax."""
-    width = len(prompt) + max_new_tokens  # one padded shape, so the forward pass compiles once
-    forward = nnx.jit(lambda m, ids, pos, seg: m(ids, positions=pos, segment_ids=seg))
+    width = WIDTH  # one padded shape for every prompt and step, so the forward pass compiles once
     seq = list(prompt)
     for _ in range(max_new_tokens):
         ids, seg = np.zeros((1, width), np.int32), np.zeros((1, width), np.int32)
