@@ -83,6 +83,7 @@ class EpochPlanner:
         self.store = store
         self.seed = config.run.seed
         self.document_ends = np.asarray(store.doc_offsets, np.int64) - 1  # EOT positions: segment boundaries
+        self._plans: dict[int, RowPlan] = {}
 
     def rng(self, epoch: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, epoch])
@@ -114,8 +115,14 @@ class EpochPlanner:
             return sequences.random_window_spans(n, d.seq_len, d.batch_size, self.seed, steps)
         return self.static_spans
 
-    @functools.lru_cache(maxsize=2)
     def plan(self, epoch: int) -> RowPlan:
+        """The epoch's plan, kept for the current and the previous epoch (an iterator and a resume may both ask)."""
+        if epoch not in self._plans:
+            self._plans = {e: p for e, p in self._plans.items() if e == epoch - 1}
+            self._plans[epoch] = self._plan(epoch)
+        return self._plans[epoch]
+
+    def _plan(self, epoch: int) -> RowPlan:
         d = self.data
         rng = self.rng(epoch)
         if d.strategy in SPAN_STRATEGIES:
