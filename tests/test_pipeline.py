@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from seqjax.config import ConfigError, PACKERS
 from seqjax.data.batching import DataError
 from seqjax.data.pipeline import EpochPlanner, build_pipeline, epoch_stats
-from test_pipeline_helpers import assert_contract, config, epoch_batches, positional_store, predicted_counts, stores
+from test_pipeline_helpers import EOT, assert_contract, config, epoch_batches, positional_store, predicted_counts, stores
 
 # (strategy, overrides, rows may hold padding, segments may cross documents)
 CASES = [
@@ -159,6 +159,17 @@ def test_bad_input_is_refused_before_iteration():
         config("pack", 4, 1, "data.packer=worst_fit")
     with pytest.raises(ConfigError, match="data.seq_len"):
         config("pack", 1, 1)
+
+
+def test_an_empty_store_is_refused():
+    from seqjax.data.store import StoreError, TokenStore
+
+    with pytest.raises(StoreError, match="empty"):  # the store refuses to exist...
+        TokenStore.from_documents([], EOT, 10)
+    empty = object.__new__(TokenStore)  # ...and the pipeline refuses one built around that check
+    empty.tokens, empty.doc_offsets, empty.line_offsets = np.zeros(0, np.uint16), np.zeros(1, np.int64), np.zeros(1, np.int64)
+    with pytest.raises(DataError, match="empty"):
+        build_pipeline(config("pack", 4, 1), empty)
 
 
 def test_epoch_stats_match_the_batches():
