@@ -103,8 +103,7 @@ def reference_greedy(weights: list[int], capacity: int) -> list[list[int]]:
 def test_packers_match_their_definitions(packer, store, seq_len, buffer):
     cfg = config("pack", seq_len, 1, f"data.packer={packer}", "data.shuffle=false", "data.overlong=split", f"data.pack_buffer={buffer}")
     _, rows = epoch_segments(cfg, store)
-    items = [(s, m) for row in sorted(rows, key=lambda r: r[0][0] if r else -1) for s, m in row]
-    items.sort()  # with shuffle off, items are the documents' pieces in stream order
+    items = sorted(item for row in rows for item in row)  # with shuffle off, the documents' pieces in stream order
     index = {item: i for i, item in enumerate(items)}
     weights = [m - 1 for _, m in items]
     got = [[index[item] for item in row] for row in rows if row]
