@@ -21,6 +21,7 @@ CASES = [
     ("window", ["data.cross_document_attention=true"], False, True),
     ("random_offset", [], True, False),
     ("sequential", ["data.cross_document_attention=true"], False, True),
+    ("sequential", [], False, False),
     ("random_window", [], False, False),
     ("concat_chunk", [], False, False),
     ("concat_chunk", ["data.cross_document_attention=true"], False, True),
