@@ -105,11 +105,28 @@ def _validation(model, store, config: Config, mesh, step: int, primary: bool, fi
     }
 
 
+def _sharded_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State, dict, dict]:
+    """(graphdef, non-Param state, params as a pure dict placed on the mesh, their shardings)."""
+    from seqjax.model import build_model
+
+    model = build_model(config, rngs=nnx.Rngs(config.run.seed))
+    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+    param_shardings = sharding.param_shardings(param_state, mesh)
+    return graphdef, rest, sharding.place(nnx.to_pure_dict(param_state), param_shardings), param_shardings
+
+
+def _sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, param_shardings: dict, replicated):
+    """AdamW's state created directly on the mesh: moments sharded like their parameters, counters replicated."""
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings, transform_non_params=lambda _: replicated
+    )
+    return jax.jit(tx.init, out_shardings=opt_shardings)(params), opt_shardings
+
+
 def train(config: Config) -> dict[str, Any]:
     """Run (or resume) training for ``train.steps`` steps; return the summary also written to summary.json."""
     from seqjax.data.build import prepare
     from seqjax.data.pipeline import build_pipeline
-    from seqjax.model import build_model
     from seqjax.train.step import make_train_step
 
     wall_start = time.perf_counter()
@@ -130,21 +147,13 @@ def train(config: Config) -> dict[str, Any]:
         announce(config, run_dir)
     unigram = unigram_perplexity(train_store.tokens, valid_store.tokens, config.model.vocab_size)
 
-    model = build_model(config, rngs=nnx.Rngs(config.run.seed))
-    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
-    param_shardings = sharding.param_shardings(param_state, mesh)
-    params = sharding.place(nnx.to_pure_dict(param_state), param_shardings)
+    graphdef, rest, params, param_shardings = _sharded_model(config, mesh)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    del model, param_state
-
     tx, schedule = build_optimizer(tc)
     # Every step's learning rate up front: one small computation instead of eager ops in the loop.
     learning_rates = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(tc.steps + 1)))
     replicated = sharding.replicated(mesh)
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings, transform_non_params=lambda _: replicated
-    )
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    opt_state, opt_shardings = _sharded_optimizer_state(tx, params, param_shardings, replicated)
     rng = sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated)
 
     data_iterator = iter(build_pipeline(config, train_store, process_index=process_index, process_count=process_count))
