@@ -53,3 +53,35 @@ def test_tiny_model_training_with_pallas_matches_xla():
         pallas = sgd_losses("pallas", batch)
     assert xla[-1] < xla[0]
     np.testing.assert_allclose(pallas, xla, rtol=2e-5)
+
+
+def test_block_metadata_is_computed_once_per_forward_and_shared_by_every_layer(monkeypatch):
+    """A 3-layer pallas model traces block_metadata once (in the model), never in the kernel, and its logits
+    equal the xla model's (same seed, so the same parameters)."""
+    from seqjax.model import transformer
+    from seqjax.model.kernels import flash
+
+    calls = {"model": 0, "kernel": 0}
+
+    def counting(where, fn):
+        def wrapped(*args, **kwargs):
+            calls[where] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(transformer, "block_metadata", counting("model", transformer.block_metadata))
+    monkeypatch.setattr(flash, "block_metadata", counting("kernel", flash.block_metadata))
+    batch = packed_batch(np.random.default_rng(1))
+
+    def logits(backend):
+        model = build_model(load_config(None, [*TINY, "model.n_layers=3", f"model.attention={backend}"]), VOCAB,
+                            rngs=nnx.Rngs(0))
+        return np.asarray(nnx.jit(lambda m: m(batch["inputs"], positions=batch["positions"],
+                                              segment_ids=batch["segment_ids"]))(model))
+
+    with jax.default_matmul_precision("highest"):
+        pallas = logits("pallas")
+        assert calls == {"model": 1, "kernel": 0}
+        xla = logits("xla")
+    assert calls == {"model": 1, "kernel": 0}
+    np.testing.assert_allclose(pallas, xla, rtol=2e-5, atol=2e-5)

@@ -19,16 +19,27 @@ splash     ``seqjax.model.kernels.splash.splash_attention`` (TPU)
 auto       GPU: pallas, else cudnn, else xla; TPU: splash, else xla; CPU: xla.
            Every fallback is logged with its reason.
 =========  =====================================================================
+
+On several devices the kernels (opaque custom calls to XLA's partitioner,
+which could only run them by gathering q/k/v onto every device) run once per
+device shard under ``jax.shard_map``: rows split over the mesh's batch axes
+(``data``, ``fsdp``) and heads over ``tensor``, as seqjax.train.sharding lays
+them out. The mesh is the one ``jax.set_mesh`` made current, else the one the
+arguments' shardings live on (what ``jax.jit(..., in_shardings=...)`` gives).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from seqjax.train.sharding import BATCH_AXES
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +121,7 @@ BACKENDS = ("xla", "cudnn", "pallas", "splash")
 _KERNELS = {"pallas": ("seqjax.model.kernels.flash", "flash_attention"),
             "splash": ("seqjax.model.kernels.splash", "splash_attention")}
 _HALF = (jnp.bfloat16, jnp.float16)
+HEAD_AXIS = "tensor"  # the mesh axis seqjax.train.sharding splits attention heads over
 
 
 def attention(
@@ -120,6 +132,7 @@ def attention(
     *,
     backend: str = "xla",
     scale: float | None = None,
+    metadata=None,
 ) -> jax.Array:
     """Segment-masked causal self-attention (contract 2) on the chosen backend.
 
@@ -127,10 +140,53 @@ def attention(
     segment_ids: [B, T] int (0 = padding). Returns [B, T, H, D] in q's dtype;
     padding queries give zeros. ``scale`` defaults to D**-0.5. Shapes are checked
     at trace time; ``backend="auto"`` is resolved by :func:`resolve_backend`.
+    ``metadata``: the pallas kernel's ``BlockMetadata`` for these segment ids,
+    computed once per forward by the caller (other backends ignore it).
     """
     check_attention_inputs(q, k, v, segment_ids)
     name = resolve_backend(backend, q.dtype)
-    return _implementation(name)(q, k, v, segment_ids, scale=scale)
+    if name not in _KERNELS:
+        return _implementation(name)(q, k, v, segment_ids, scale=scale)
+    kernel = _load_kernel(name)
+    extra = {"metadata": metadata} if name == "pallas" and metadata is not None else {}
+
+    def run(q, k, v, segment_ids, extra):
+        return kernel(q, k, v, segment_ids, scale=scale, **extra)
+
+    layout = _device_layout(q, k, segment_ids)
+    if layout is None:
+        return run(q, k, v, segment_ids, extra)
+    mesh, rows, heads = layout
+    per_head, per_row = P(rows, None, heads, None), P(rows)
+    return jax.shard_map(run, mesh=mesh, in_specs=(per_head, per_head, per_head, per_row, per_row),
+                         out_specs=per_head, check_vma=False)(q, k, v, segment_ids, extra)
+
+
+def _device_layout(q: jax.Array, k: jax.Array, segment_ids: jax.Array):
+    """(mesh, row axes, head axis) to run a kernel per device shard, or None when one call on the whole batch will do.
+
+    Rows split over the batch axes (those of size > 1 that the batch divides
+    by); heads over ``tensor`` when it divides both H and Hkv (GQA groups stay
+    whole). Axes already manual (inside an outer shard_map) are left alone.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        mesh = jax.typeof(segment_ids).sharding.mesh
+    if mesh.empty:
+        return None
+    sizes = dict(mesh.shape)
+    usable = [a for a in sizes if a not in mesh.manual_axes and sizes[a] > 1]
+    rows = tuple(a for a in BATCH_AXES if a in usable)
+    ways = math.prod(sizes[a] for a in rows)
+    if q.shape[0] % ways:
+        log.warning("attention: batch of %d rows does not split over mesh axes %s (%d ways); "
+                    "the kernel runs unsplit and XLA may gather its inputs", q.shape[0], rows, ways)
+        rows, ways = (), 1
+    t = sizes.get(HEAD_AXIS, 1)
+    heads = HEAD_AXIS if HEAD_AXIS in usable and q.shape[2] % t == 0 and k.shape[2] % t == 0 else None
+    if not rows and heads is None:
+        return None
+    return mesh, rows or None, heads
 
 
 def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
@@ -215,8 +271,5 @@ def _cudnn_attention(q, k, v, segment_ids, *, scale=None):
 
 
 def _implementation(name: str) -> Callable:
-    if name == "xla":
-        return reference_attention
-    if name == "cudnn":
-        return _cudnn_attention
-    return _load_kernel(name)
+    """The in-tree backends (the kernels are loaded by :func:`_load_kernel`)."""
+    return reference_attention if name == "xla" else _cudnn_attention

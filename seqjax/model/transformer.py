@@ -3,7 +3,7 @@
 Packing is what this model is careful about: RoPE reads the batch's
 ``positions`` (0 at each segment's first token) and every attention call gets
 ``segment_ids``, so a token in a packed row sees exactly what it would see if
-its document ran alone (tests/test_model_isolation.py proves it).
+its document ran alone (tests/test_model.py proves it).
 
 Parameters are plain ``nnx.Param`` arrays with descriptive names and an
 ``axes`` metadata tuple of logical axis names, so sharding rules can match
@@ -41,7 +41,8 @@ import numpy as np
 from flax import nnx
 
 from seqjax.config import Config, ModelConfig
-from seqjax.model.attention import attention, masked_attention, segment_mask
+from seqjax.model.attention import attention, masked_attention, resolve_backend, segment_mask
+from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata  # plain JAX; the Pallas kernels stay lazy
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype, axes: tuple[str, ...]) -> nnx.Param:
@@ -113,16 +114,16 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
         self.backend = cfg.attention
 
-    def __call__(self, x, positions, segment_ids, kv: tuple | None = None):
+    def __call__(self, x, positions, segment_ids, kv: tuple | None = None, metadata=None):
         """x [B, T, D] -> [B, T, D]. With ``kv`` = (k_cache, v_cache, cache_segment_ids, start), the new
         keys/values are written at slots start.. and the queries attend over the whole cache; returns
-        (out, (k_cache, v_cache)) then."""
+        (out, (k_cache, v_cache)) then. ``metadata``: the pallas kernel's block ranges, shared by all layers."""
         dt = x.dtype
         q = rope(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), positions, self.rope_theta)
         k = rope(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), positions, self.rope_theta)
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
         if kv is None:
-            o = attention(q, k, v, segment_ids, backend=self.backend)
+            o = attention(q, k, v, segment_ids, backend=self.backend, metadata=metadata)
         else:
             k_cache, v_cache, cache_segment_ids, start = kv
             k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
@@ -160,8 +161,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, dtype=pdt)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, kv=None):
-        a = self.attn(self.attn_norm(x), positions, segment_ids, kv)
+    def __call__(self, x, positions, segment_ids, kv=None, metadata=None):
+        a = self.attn(self.attn_norm(x), positions, segment_ids, kv, metadata)
         a, new_kv = (a, None) if kv is None else a
         x = x + a
         x = x + self.mlp(self.mlp_norm(x))
@@ -215,8 +216,9 @@ class TransformerLM(nnx.Module):
     def from_embeddings(self, x, *, positions, segment_ids, cache: KVCache | None = None):
         """The blocks and head applied to embeddings x [B, T, D] (the input of the first block)."""
         if cache is None:
+            metadata = self.attention_metadata(segment_ids)
             for block in self.blocks:
-                x = block(x, positions, segment_ids)
+                x = block(x, positions, segment_ids, metadata=metadata)
         else:
             start = cache.length
             seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32), start, axis=1)
@@ -230,6 +232,17 @@ class TransformerLM(nnx.Module):
         head = self.embed.embedding[...].T if self.lm_head is None else self.lm_head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
         return logits if cache is None else (logits, cache)
+
+    def attention_metadata(self, segment_ids):
+        """The pallas kernel's block ranges for this batch, or None for the other backends.
+
+        They depend only on the segment ids, so they are computed once per forward and
+        handed to every layer (explicitly, rather than trusting XLA to merge per-layer
+        copies across remat or scan boundaries).
+        """
+        if resolve_backend(self.cfg.attention, self.cfg.compute_dtype) != "pallas":
+            return None
+        return block_metadata(segment_ids, BlockSizes.for_head_dim(self.cfg.head_dim))
 
     def check_batch(self, inputs, positions, segment_ids) -> None:
         """Shape checks at trace time; value checks only when the inputs are concrete (no device sync under jit)."""
