@@ -100,10 +100,10 @@ class DataConfig:
     cache_dir: str = _f(".cache/seqjax", "where the tokenizer and token store are built and reused")
     corpus: str = _f("wikitext2", "text source", choices=("wikitext2", "text", "jsonl"))
     variant: str = _f("tokens", "WikiText-2 variant: word-level (tokens, with <unk>) or raw", choices=("tokens", "raw"))
-    train_files: list[str] = _f([], "for corpus text/jsonl: the training files")
-    valid_files: list[str] = _f([], "for corpus text/jsonl: the validation files")
-    test_files: list[str] = _f([], "for corpus text/jsonl: the test files")
-    workers: int = _f(0, "tokenizer/store build processes (0: one per core)", min=0)
+    train_files: list[str] = _f([], "for corpus text/jsonl: the training files or folders")
+    valid_files: list[str] = _f([], "for corpus text/jsonl: the validation files or folders")
+    test_files: list[str] = _f([], "for corpus text/jsonl: the test files or folders")
+    workers: int = _f(0, "tokenizer threads for the store build (0: one per core)", min=0)
 
     strategy: str = _f("pack", "how the token stream is cut into rows", choices=STRATEGIES)
     seq_len: int = _f(256, "tokens per row (model inputs)", min=2)
@@ -111,7 +111,9 @@ class DataConfig:
     batch_size: int = _f(16, "rows per global batch (all processes together)", min=1)
     shuffle: bool = _f(True, "shuffle rows each epoch")
     cross_document_attention: bool = _f(
-        False, "concat_chunk/window: one segment per row (HF/GPT-2) instead of one per document piece"
+        False,
+        "stream strategies and the blocks/sliding evaluation windows: one segment per row (HF/GPT-2) "
+        "instead of one per document piece",
     )
     break_mode: str = _f("none", "block: fairseq TokenBlockDataset break mode", choices=("none", "complete", "complete_doc", "eos"))
     packer: str = _f("best_fit", "pack: the packing algorithm", choices=PACKERS)
