@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import platform
 import statistics

@@ -282,11 +282,6 @@ class Config:
         os.replace(tmp, path)
         return path
 
-    def data_dir(self) -> Path | None:
-        """The corpus folder: ``data.dir`` if set, else ``$SEQJAX_DATA_DIR``, else None."""
-        value = self.data.dir or os.environ.get(DATA_DIR_ENV)
-        return Path(value).expanduser() if value else None
-
 
 # ---------------------------------------------------------------------------
 # Loading and overriding
