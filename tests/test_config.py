@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from seqjax import cli
-from seqjax.config import DATA_DIR_ENV, Config, ConfigError, all_keys, load_config
+from seqjax.config import Config, ConfigError, all_keys, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "configs" / "wikitext2_cpu.yaml"
@@ -114,11 +114,3 @@ def test_resolved_config_is_printed_and_saved_and_loads_back(tmp_path, capsys):
     assert saved == tmp_path / "out" / "config.yaml"
     assert "seq_len: 64" in capsys.readouterr().out
     assert load_config(saved) == config
-
-
-def test_data_dir_comes_from_the_key_then_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "env"))
-    assert load_config(None).data_dir() == tmp_path / "env"
-    assert load_config(None, [f"data.dir={tmp_path / 'key'}"]).data_dir() == tmp_path / "key"
-    monkeypatch.delenv(DATA_DIR_ENV)
-    assert load_config(None).data_dir() is None
