@@ -104,3 +104,4 @@ def test_a_mesh_that_does_not_fit_the_devices_stops_the_cli_before_any_data_work
     assert exit_info.value.code == 2
     assert "mesh.data=3, mesh.fsdp=1, mesh.tensor=1: data x fsdp x tensor = 3, expected the 1 available devices" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+

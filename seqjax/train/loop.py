@@ -82,9 +82,19 @@ class StopRequest:
 
 
 def _with_vocab(config: Config, vocab_size: int) -> Config:
-    if config.model.vocab_size is not None:
-        return config
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))
+    """Fill model.vocab_size from the tokenizer; a larger one (padded rows) is fine, a smaller one is refused.
+
+    A smaller embedding would only show up as NaN losses under jit, where
+    out-of-range ids cannot raise, so it is stopped here, before any work.
+    """
+    if config.model.vocab_size is None:
+        return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))
+    if config.model.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: got {config.model.vocab_size}, expected at least the tokenizer's {vocab_size} "
+            "(or null to take it from the tokenizer)"
+        )
+    return config
 
 
 def _validation(model, store, config: Config, mesh, step: int, primary: bool, final: bool) -> dict[str, Any]:

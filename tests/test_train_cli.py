@@ -1,0 +1,17 @@
+"""Bad input to python -m seqjax.train that only shows once the tokenizer is known."""
+
+from __future__ import annotations
+
+import pytest
+from test_train_support import tiny_overrides, tiny_root  # noqa: F401 - fixtures
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(tiny_root, tmp_path, capsys):
+    """Out-of-range ids cannot raise under jit (they give NaN), so the CLI refuses the config up front."""
+    from seqjax.train.loop import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(tiny_overrides(tiny_root, tmp_path / "run", **{"model.vocab_size": 100}))
+    assert exit_info.value.code == 2
+    assert "model.vocab_size: got 100, expected at least the tokenizer's 300" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
