@@ -50,6 +50,7 @@ from typing import Iterator
 
 import numpy as np
 
+from seqjax.data.batching import positions_from_segments
 from seqjax.data.store import TokenStore
 
 MODES = ("blocks", "sliding", "documents")
@@ -104,15 +105,11 @@ class EvalWindows:
             # articles is the first (context-only) token of the second one's segment.
             doc = np.searchsorted(self.store.doc_offsets, target_pos, side="right")
             segment_ids = np.where(valid, doc - doc[:, :1] + 1, 0).astype(np.int32)
-        new_segment = np.ones_like(valid)
-        new_segment[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-        segment_start = np.maximum.accumulate(np.where(new_segment, offsets, 0), axis=1)
-        positions = np.where(valid, offsets - segment_start, 0).astype(np.int32)
         return {
             "inputs": inputs,
             "targets": targets,
             "segment_ids": segment_ids,
-            "positions": positions,
+            "positions": positions_from_segments(segment_ids),
             "weights": scored.astype(np.float32),
         }
 
