@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from seqjax.files import write_text_atomic
+
 DATA_DIR_ENV = "SEQJAX_DATA_DIR"
 
 
@@ -275,12 +277,7 @@ class Config:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the resolved config as YAML, atomically, so a run's folder always holds a loadable one."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_yaml())
-        os.replace(tmp, path)
-        return path
+        return write_text_atomic(path, self.to_yaml())
 
 
 # ---------------------------------------------------------------------------

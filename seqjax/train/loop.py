@@ -29,6 +29,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from seqjax.config import Config, ConfigError
+from seqjax.files import write_text_atomic
 from seqjax.train import sharding
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
@@ -283,7 +284,7 @@ def train(config: Config) -> dict[str, Any]:
     }
     if primary:
         plot_losses(run_dir)
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
     return summary
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from seqjax.files import write_text_atomic
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
@@ -59,9 +61,8 @@ class MetricsLog:
         if not enabled:
             return
         kept = [row for row in read_metrics(self.run_dir) if row.get("step", 0) <= resume_step]
-        path = self.run_dir / METRICS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        # Cut back to the resumed step atomically: a kill here must not lose the run's history.
+        path = write_text_atomic(self.run_dir / METRICS_FILE, "".join(json.dumps(row) + "\n" for row in kept))
         self.file = path.open("a")
         try:
             from tensorboardX import SummaryWriter
