@@ -41,3 +41,19 @@ def wikitext_prepared(wikitext_config):
     from seqjax.data.build import prepare
 
     return prepare(wikitext_config)
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    """A tiny JSONL corpus and its cache, shared by the training tests (see test_train_support.py)."""
+    from test_train_support import make_tiny_root
+
+    return make_tiny_root(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_root) -> dict[int, float]:
+    """The per-step losses of one uninterrupted tiny run, the yardstick of the resume, mesh and multi-process tests."""
+    from test_train_support import reference_losses
+
+    return reference_losses(tiny_root)

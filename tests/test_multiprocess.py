@@ -13,14 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from test_train_support import (  # noqa: F401 - fixtures
-    REPO,
-    cli_env,
-    reference,
-    tiny_overrides,
-    tiny_root,
-    train_losses,
-)
+from test_train_support import REPO, cli_env, tiny_overrides, train_losses
 
 
 def free_port() -> int:

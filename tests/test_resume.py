@@ -14,15 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from test_train_support import (  # noqa: F401 - fixtures
+from test_train_support import (
     REFERENCE_STEPS,
     REPO,
     assert_ok,
     cli_env,
-    reference,
     run_cli,
     tiny_overrides,
-    tiny_root,
     train_losses,
 )
 

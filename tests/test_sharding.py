@@ -9,14 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_train_support import (  # noqa: F401 - fixtures
-    REPO,
-    cli_env,
-    reference,
-    tiny_overrides,
-    tiny_root,
-    train_losses,
-)
+from test_train_support import REPO, cli_env, tiny_overrides, train_losses
 
 from seqjax.config import ConfigError, load_config
 from seqjax.train.sharding import distributed_settings, mesh_shape, param_spec

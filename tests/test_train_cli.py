@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_train_support import tiny_overrides, tiny_root  # noqa: F401 - fixtures
+from test_train_support import tiny_overrides
 
 
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(tiny_root, tmp_path, capsys):

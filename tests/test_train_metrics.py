@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 import pytest
-from test_train_support import reference, tiny_root  # noqa: F401 - fixtures
 
 from seqjax.config import ConfigError, load_config
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device

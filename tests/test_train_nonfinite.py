@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from test_train_support import assert_ok, run_cli, tiny_overrides, tiny_root  # noqa: F401 - fixtures
+from test_train_support import assert_ok, run_cli, tiny_overrides
 
 from seqjax.train.metrics import read_metrics
 

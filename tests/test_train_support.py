@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_STEPS = 60
@@ -105,10 +104,9 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDERR:\n{proc.stderr[-4000:]}"
 
 
-@pytest.fixture(scope="session")
-def tiny_root(tmp_path_factory) -> Path:
+def make_tiny_root(base: Path) -> Path:
     """The corpus and cache folder shared by all training tests (created once, under a file lock)."""
-    root = tmp_path_factory.getbasetemp() / "train_tiny"
+    root = base / "train_tiny"
     root.mkdir(exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -118,8 +116,7 @@ def tiny_root(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
-def reference(tiny_root) -> dict[int, float]:
+def reference_losses(tiny_root: Path) -> dict[int, float]:
     """Losses of one uninterrupted single-device 60-step run (computed once per session)."""
     run_dir = tiny_root / "reference"
     with open(tiny_root / ".reference.lock", "w") as lock:
