@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from seqjax.config import PACKERS, load_config  # noqa: E402
 from seqjax.data.build import prepare  # noqa: E402
-from seqjax.data.pipeline import epoch_stats  # noqa: E402
 from seqjax.data.sequences import HF_MAP_BATCH  # noqa: E402
+from seqjax.data.stats import epoch_stats  # noqa: E402
 
 CASES = [
     ("window", []),

@@ -30,13 +30,10 @@ from typing import Any
 
 import yaml
 
+from seqjax.errors import ConfigError
 from seqjax.files import write_text_atomic
 
 DATA_DIR_ENV = "SEQJAX_DATA_DIR"
-
-
-class ConfigError(ValueError):
-    """A config key, value or file is wrong. The message says which and what is allowed."""
 
 
 def _f(default, help: str, **meta):
@@ -92,6 +89,8 @@ PACKERS = (
     "grain_best_fit",
     "grain_concat_split",
 )
+# Packers that cannot honour data.max_segments_per_row: fill splits documents to fill every row.
+PACKERS_WITHOUT_SEGMENT_CAP = ("fill", "grain_concat_split")
 
 
 @dataclass
@@ -128,6 +127,12 @@ class DataConfig:
     def check(self) -> None:
         if self.corpus != "wikitext2" and not self.train_files:
             raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={self.corpus!r}")
+        if self.strategy == "pack" and self.packer in PACKERS_WITHOUT_SEGMENT_CAP and self.max_segments_per_row is not None:
+            what = "fills every row" if self.packer == "fill" else "is Grain's concat-then-split, which"
+            raise ConfigError(
+                f"data.max_segments_per_row: got {self.max_segments_per_row}, expected null: packer {self.packer} "
+                f"{what} cannot cap segments; unset it or pick another packer"
+            )
         for length in self.bucket_lengths:
             if not 2 <= length <= self.seq_len:
                 raise ConfigError(f"data.bucket_lengths: got {length}, expected values in [2, data.seq_len={self.seq_len}]")

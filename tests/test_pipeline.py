@@ -10,10 +10,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import ConfigError, PACKERS
-from seqjax.data.batching import DataError
-from seqjax.data.pipeline import EpochPlanner, build_pipeline, epoch_stats
-from test_pipeline_helpers import EOT, assert_contract, config, epoch_batches, positional_store, predicted_counts, stores
+from seqjax.config import PACKERS, ConfigError
+from seqjax.data.pipeline import build_pipeline
+from seqjax.data.plan import EpochPlanner
+from seqjax.data.stats import epoch_stats
+from seqjax.errors import DataError
+from test_pipeline_helpers import (
+    EOT,
+    assert_contract,
+    config,
+    epoch_batches,
+    positional_store,
+    predicted_counts,
+    stores,
+)
 
 # (strategy, overrides, rows may hold padding, segments may cross documents)
 CASES = [
@@ -127,7 +137,7 @@ def test_process_shards_are_disjoint_slices_that_cover_each_global_batch(strateg
 
 @pytest.mark.parametrize("packer", ["grain_first_fit", "grain_best_fit", "grain_concat_split"])
 def test_grain_packers_shard_documents_disjointly(packer):
-    from seqjax.data.pipeline import grain_packed
+    from seqjax.data.grain_packing import grain_packed
 
     store = positional_store([7, 1, 12, 30, 3, 9, 4, 15, 2, 22, 6, 11])
     cfg = config("pack", 8, 2, f"data.packer={packer}")
@@ -194,13 +204,13 @@ def test_epoch_stats_match_the_batches():
 
 @pytest.mark.parametrize("strategy,overrides", [("pack", ["data.packer=greedy"]), ("length_grouped", []), ("random_offset", [])])
 def test_building_batches_in_groups_changes_nothing(monkeypatch, strategy, overrides):
-    import seqjax.data.pipeline as pipeline
+    import seqjax.data.epochs as epochs
 
     store = positional_store([7, 1, 12, 30, 3, 9, 4, 15, 2, 22, 6, 11] * 2)
     cfg = config(strategy, 6, 4, *overrides)
     whole = list(islice(iter(build_pipeline(cfg, store, process_index=1, process_count=2)), 30))
     for slots in (1, 3 * 2 * 6):  # one batch per group; three batches per group
-        monkeypatch.setattr(pipeline, "BUILD_SLOTS", slots)
+        monkeypatch.setattr(epochs, "BUILD_SLOTS", slots)
         fresh = iter(build_pipeline(cfg, store, process_index=1, process_count=2))
         resumed = iter(build_pipeline(cfg, store, process_index=1, process_count=2))
         resumed.set_state({"epoch": 0, "batch": 7})  # straight into the middle of a group

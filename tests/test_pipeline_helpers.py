@@ -14,7 +14,8 @@ import numpy as np
 from hypothesis import strategies as st
 
 from seqjax.config import load_config
-from seqjax.data.pipeline import EpochPlanner, build_pipeline
+from seqjax.data.pipeline import build_pipeline
+from seqjax.data.plan import EpochPlanner
 from seqjax.data.store import TokenStore
 
 EOT = 0
@@ -79,7 +80,7 @@ def segments(batch: dict[str, np.ndarray], store: TokenStore) -> list[tuple[int,
 
 def assert_contract(batch: dict[str, np.ndarray], store: TokenStore, *, width: int | None = None, cross_documents: bool = True,
                     padding: bool = True) -> list[tuple[int, int, int]]:
-    """DESIGN.md contract 1 on one batch; returns its segments."""
+    """docs/design.md, contract 1 on one batch; returns its segments."""
     assert set(batch) == {"inputs", "targets", "segment_ids", "positions", "weights"}
     shape = batch["inputs"].shape
     if width is not None:

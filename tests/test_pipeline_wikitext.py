@@ -10,8 +10,9 @@ import pytest
 
 from seqjax.config import load_config
 from seqjax.data.__main__ import main
-from seqjax.data.batching import FIELDS
-from seqjax.data.pipeline import build_pipeline, epoch_stats
+from seqjax.data.contract import FIELDS
+from seqjax.data.pipeline import build_pipeline
+from seqjax.data.stats import epoch_stats
 
 
 def wikitext_overrides(wikitext_config) -> list[str]:

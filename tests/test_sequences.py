@@ -8,9 +8,17 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.data.batching import DataError
 from seqjax.data.pipeline import build_pipeline
-from test_pipeline_helpers import EOT, assert_contract, config, epoch_batches, positional_store, predicted_counts, stores
+from seqjax.errors import DataError
+from test_pipeline_helpers import (
+    EOT,
+    assert_contract,
+    config,
+    epoch_batches,
+    positional_store,
+    predicted_counts,
+    stores,
+)
 
 FAST = settings(max_examples=25, deadline=None)
 

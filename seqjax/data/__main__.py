@@ -16,7 +16,7 @@ from itertools import islice
 import numpy as np
 
 from seqjax.cli import parse, parser
-from seqjax.data.batching import FIELDS
+from seqjax.data.contract import FIELDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     print(config.to_yaml(), flush=True)
 
     from seqjax.data.build import prepare
-    from seqjax.data.pipeline import build_pipeline, epoch_stats
+    from seqjax.data.pipeline import build_pipeline
+    from seqjax.data.stats import epoch_stats
 
     store = prepare(config, splits=(args.split,)).stores[args.split]
     try:

@@ -30,15 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from seqjax.config import DATA_DIR_ENV, Config
+from seqjax.errors import CorpusError
 
 SPLITS = ("train", "valid", "test")
 
 WIKITEXT_FOLDERS = {"tokens": "wikitext-2", "raw": "wikitext-2-raw"}
 WIKITEXT_ARCHIVES = {"tokens": "wikitext-2-v1.zip", "raw": "wikitext-2-raw-v1.zip"}
-
-
-class CorpusError(ValueError):
-    """A corpus file is missing or unreadable. The message names the file and what to do."""
 
 
 @dataclass

@@ -50,7 +50,8 @@ from typing import Iterator
 
 import numpy as np
 
-from seqjax.data.batching import positions_from_segments
+from seqjax.data.contract import contract_batch
+from seqjax.data.rows import RowPlan
 from seqjax.data.store import TokenStore
 
 MODES = ("blocks", "sliding", "documents")
@@ -86,32 +87,25 @@ class EvalWindows:
         return -(-len(self) // batch_size)
 
     def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
-        """The batch-contract rows of windows ``index`` ([len(index), context] each)."""
-        index = np.asarray(index, np.int64)
-        offsets = np.arange(self.context, dtype=np.int64)[None, :]
-        input_pos = self.starts[index, None] + offsets
-        target_pos = input_pos + 1
-        valid = target_pos <= self.ends[index, None]
-        last = len(self.store.tokens) - 1
-        tokens = np.asarray(self.store.tokens)
-        inputs = np.where(valid, tokens[np.minimum(input_pos, last)], 0).astype(np.int32)
-        targets = np.where(valid, tokens[np.minimum(target_pos, last)], 0).astype(np.int32)
-        scored = valid & (target_pos > self.lo[index, None]) & (target_pos <= self.hi[index, None])
+        """The batch-contract rows of windows ``index`` ([len(index), context] each), by the one contract builder.
 
-        if self.cross_document_attention:
-            segment_ids = valid.astype(np.int32)
-        else:
+        Each window is one stream span, split into a segment per article unless
+        ``cross_document_attention``; the weights then keep only the targets the
+        window is responsible for (stream positions ``lo < p <= hi``).
+        """
+        index = np.asarray(index, np.int64)
+        starts = self.starts[index]
+        predicted = np.minimum(self.context, self.ends[index] - starts)  # a window never reads past its unit
+        plan = RowPlan.from_spans(starts, predicted + 1, batch_size=max(len(index), 1), width=self.context)
+        if not self.cross_document_attention:
             # An input belongs to the article of the token it predicts, so the EOT between two
             # articles is the first (context-only) token of the second one's segment.
-            doc = np.searchsorted(self.store.doc_offsets, target_pos, side="right")
-            segment_ids = np.where(valid, doc - doc[:, :1] + 1, 0).astype(np.int32)
-        return {
-            "inputs": inputs,
-            "targets": targets,
-            "segment_ids": segment_ids,
-            "positions": positions_from_segments(segment_ids),
-            "weights": scored.astype(np.float32),
-        }
+            plan = plan.split_at(np.asarray(self.store.doc_offsets, np.int64) - 1)
+        row_of_piece = np.repeat(np.arange(plan.num_rows), plan.segments_per_row)
+        batch = contract_batch(self.store.tokens, plan.starts, plan.lengths, row_of_piece, len(index), self.context)
+        target_pos = starts[:, None] + 1 + np.arange(self.context)[None, :]
+        batch["weights"] *= (target_pos > self.lo[index, None]) & (target_pos <= self.hi[index, None])
+        return batch
 
     def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Rows in window order, ``batch_size`` at a time; the last batch is padded with empty rows."""

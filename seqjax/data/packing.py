@@ -18,7 +18,8 @@ import bisect
 
 import numpy as np
 
-from seqjax.data.batching import DataError, exclusive_cumsum, ragged_arange
+from seqjax.data.arrays import exclusive_cumsum, ragged_arange
+from seqjax.errors import DataError
 
 
 def check_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> None:

@@ -50,12 +50,10 @@ from typing import Any
 
 import numpy as np
 
+from seqjax.errors import StoreError
+
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-
-
-class StoreError(ValueError):
-    """A store is missing, incomplete, or does not match the tokenizer asked for."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

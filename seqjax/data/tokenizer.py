@@ -28,13 +28,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from seqjax.data.corpus import split_lines
+from seqjax.errors import TokenizerError
 
 BYTE_ALPHABET = 256
 WORD_LEVEL_UNK = "<unk>"
-
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be trained or loaded as asked. The message says which setting and why."""
 
 
 class Tokenizer:

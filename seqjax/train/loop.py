@@ -299,7 +299,7 @@ def _should_stop(stop: StopRequest, step: int, process_count: int) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from seqjax.cli import parse, parser
-    from seqjax.data.batching import DataError
+    from seqjax.errors import DataError
     from seqjax.data.corpus import CorpusError
     from seqjax.data.store import StoreError
     from seqjax.data.tokenizer import TokenizerError

@@ -1,0 +1,37 @@
+"""Vectorized numpy helpers shared by the sequence, packing, plan and contract code (a leaf: it imports only numpy).
+
+They replace the nested Python loops that cutting a stream into rows would
+otherwise need; each docstring shows what it computes on a small input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    """``[2, 3, 1]`` -> ``[0, 2, 5, 6]``: where each item starts, plus the total (int64, one longer than ``x``)."""
+    out = np.zeros(len(x) + 1, np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+def ragged_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For counts ``[2, 3]``: owners ``[0, 0, 1, 1, 1]`` and offsets ``[0, 1, 0, 1, 2]`` (the vectorized nested loop)."""
+    counts = np.asarray(counts, np.int64)
+    owner = np.repeat(np.arange(len(counts)), counts)
+    offset = np.arange(len(owner), dtype=np.int64) - np.repeat(exclusive_cumsum(counts)[:-1], counts)
+    return owner, offset
+
+
+def positions_from_segments(segment_ids: np.ndarray) -> np.ndarray:
+    """Position of each token inside its (contiguous) segment, restarting at 0; 0 on padding.
+
+    ``[[1, 1, 1, 2, 2, 0]]`` -> ``[[0, 1, 2, 0, 1, 0]]``.
+    """
+    segment_ids = np.asarray(segment_ids)
+    index = np.broadcast_to(np.arange(segment_ids.shape[-1]), segment_ids.shape)
+    starts_here = np.ones(segment_ids.shape, bool)
+    starts_here[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    segment_start = np.maximum.accumulate(np.where(starts_here, index, 0), axis=-1)
+    return np.where(segment_ids > 0, index - segment_start, 0).astype(np.int32)

@@ -1,0 +1,79 @@
+"""What one epoch of the configured strategy gives: rows, padding, coverage, segments, and how fast its batches build.
+
+``python -m seqjax.data`` prints :func:`epoch_stats`; BENCHMARKS.md's sequence
+tables come from it (scripts/bench_data.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import numpy as np
+
+from seqjax.config import Config
+from seqjax.data import strategies
+from seqjax.data.epochs import EpochsIterDataset, epoch_dataset
+from seqjax.data.grain_packing import grain_packed
+from seqjax.data.plan import EpochPlanner
+from seqjax.data.rows import RowPlan, coverage
+from seqjax.data.store import TokenStore
+
+
+def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, Any]:
+    """What one epoch gives: rows, padding, coverage, segments, and how fast its batches are built (tokens/s)."""
+    strategies.check(config, store)
+    d = config.data
+    t0 = time.perf_counter()
+    if strategies.uses_grain_packer(d):
+        batches = list(grain_packed(config, store, num_epochs=1).batch(d.batch_size, drop_remainder=False))
+        seconds = time.perf_counter() - t0
+        segs = np.concatenate([b["segment_ids"].max(axis=1) for b in batches])
+        real = int(sum(b["weights"].sum() for b in batches))
+        slots = sum(b["weights"].size for b in batches)
+        dropped = store.predicted_tokens - real
+        counts = {"documents_truncated": None, "documents_split": None}
+        rows, n_batches = len(segs), len(batches)
+    else:
+        planner = EpochPlanner(config, store)
+        plan = planner.plan(epoch)
+        batches = iter(EpochsIterDataset(functools.partial(epoch_dataset, planner, process_index=0, process_count=1)))
+        batches.set_state({"epoch": epoch, "batch": 0})
+        for _ in range(plan.num_batches):  # the training path: sequential reads, one build per group
+            next(batches)
+        seconds = time.perf_counter() - t0
+        segs = plan.segments_per_row
+        row_width = np.repeat(plan.widths, d.batch_size)[: plan.num_rows]
+        slots = int(row_width[segs > 0].sum())  # the empty rows that complete the last batch are not padding of a row
+        segs = segs[segs > 0]
+        real = int((plan.lengths - 1).sum())
+        counts, dropped = document_coverage(plan, store)
+        rows, n_batches = int(len(segs)), plan.num_batches
+    return {
+        "strategy": strategies.label(d),
+        "rows": rows,
+        "seq_len": d.seq_len,
+        "real_tokens": real,
+        "padding_fraction": 1.0 - real / slots if slots else 0.0,
+        "tokens_dropped": int(dropped),
+        **counts,
+        "segments_per_row_mean": float(segs.mean()) if len(segs) else 0.0,
+        "segments_per_row_max": int(segs.max()) if len(segs) else 0,
+        "batches_per_epoch": n_batches,
+        "tokens_per_s": real / seconds if seconds > 0 else float("inf"),
+    }
+
+
+def document_coverage(plan: RowPlan, store: TokenStore) -> tuple[dict[str, int], int]:
+    """Documents cut across rows or left partly unpredicted, and stream tokens never predicted this epoch."""
+    covered = coverage(plan, store.num_tokens)[1:] > 0
+    doc_of = np.searchsorted(store.doc_offsets, np.arange(1, store.num_tokens), "right") - 1
+    predicted = np.bincount(doc_of, weights=covered, minlength=store.num_docs)
+    truncated = int(np.sum((predicted > 0) & (predicted < store.doc_lengths)))
+    pieces = plan.split_at(np.asarray(store.doc_offsets) - 1)
+    piece_doc = np.searchsorted(store.doc_offsets, pieces.starts + 1, "right") - 1
+    piece_row = np.repeat(np.arange(pieces.num_rows), pieces.segments_per_row)
+    pairs = np.unique(np.stack([piece_doc, piece_row]), axis=1)
+    split = int(np.sum(np.bincount(pairs[0], minlength=store.num_docs) > 1))
+    return {"documents_truncated": truncated, "documents_split": split}, int((~covered).sum())

@@ -1,0 +1,138 @@
+"""The table of sequence strategies (``data.strategy``): what each one cuts, and the properties the pipeline relies on.
+
+Every other module asks this table instead of testing strategy names:
+
+==============  ==========================  =========  =========  ====  ==========================
+strategy        rows come from              per epoch  shuffles   pads  store must hold
+==============  ==========================  =========  =========  ====  ==========================
+window          windows every ``stride``    no         yes        no    one full row
+random_offset   chunks after a random       yes        yes        yes   a token to predict
+                offset
+sequential      ``batch_size`` streams      yes        no         no    a row per stream
+random_window   windows drawn per step      yes        no         no    one full row
+concat_chunk    HF group_texts blocks       no         yes        no    one full row
+block           fairseq token blocks        no         yes        yes   a token to predict
+pack            documents, packed           (plan)     yes        yes   documents within overlong
+length_grouped  one document per row        (plan)     yes        yes   documents within overlong
+==============  ==========================  =========  =========  ====  ==========================
+
+"per epoch": the spans change every epoch (a new offset or draw), so they are
+recomputed; otherwise they are computed once and only their order changes.
+"shuffles": ``data.shuffle`` permutes the rows; sequential and random_window
+keep their own order (continuity, or draws that are already random).
+"pads": a row may hold fewer than ``seq_len`` predictions; the strategies that
+never pad give full rows only (tests/test_pipeline.py checks both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from seqjax.config import Config, ConfigError, DataConfig
+from seqjax.data import packing, sequences
+from seqjax.data.store import TokenStore
+from seqjax.errors import DataError
+
+# (store, data config, run.seed, epoch, the epoch's rng) -> (starts, lengths)
+SpanFn = Callable[[TokenStore, DataConfig, int, int, np.random.Generator], tuple[np.ndarray, np.ndarray]]
+
+GRAIN_PACKERS = ("grain_first_fit", "grain_best_fit", "grain_concat_split")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One ``data.strategy``: how it cuts the store and what the pipeline may assume about its rows."""
+
+    spans: SpanFn | None  # stream strategies: one span per row; None: rows are whole documents (data.overlong applies)
+    per_epoch: bool  # the spans differ every epoch, so they are recomputed
+    shuffles: bool  # data.shuffle permutes the rows
+    pads: bool  # a row may hold fewer than seq_len predictions
+    needs_full_row: bool  # the store must hold one row of seq_len + 1 tokens
+    has_epochs: bool = True  # False: random_window draws with replacement; an "epoch" is only a number of steps
+
+    @property
+    def documents(self) -> bool:
+        return self.spans is None
+
+
+def random_window_steps(store: TokenStore, d: DataConfig) -> int:
+    """random_window has no epochs; one 'epoch' is as many steps as read the stream's tokens once."""
+    return max(1, (store.num_tokens - 1) // (d.batch_size * d.seq_len))
+
+
+def _window(store, d, seed, epoch, rng):
+    return sequences.window_spans(store.num_tokens, d.seq_len, d.resolved_stride)
+
+
+def _random_offset(store, d, seed, epoch, rng):
+    n = store.num_tokens
+    return sequences.chunk_spans(n, d.seq_len, int(rng.integers(min(d.seq_len, n - 1))))  # leave a token to predict
+
+
+def _sequential(store, d, seed, epoch, rng):
+    return sequences.sequential_spans(store.num_tokens, d.seq_len, d.batch_size, int(rng.integers(d.seq_len)))
+
+
+def _random_window(store, d, seed, epoch, rng):
+    steps = random_window_steps(store, d)
+    return sequences.random_window_spans(store.num_tokens, d.seq_len, d.batch_size, seed,
+                                         range(epoch * steps, (epoch + 1) * steps))
+
+
+def _concat_chunk(store, d, seed, epoch, rng):
+    return sequences.concat_chunk_spans(store.doc_offsets, store.num_tokens, d.seq_len + 1)
+
+
+def _block(store, d, seed, epoch, rng):
+    return sequences.block_spans(store.line_offsets, store.doc_offsets, store.num_tokens, d.seq_len, d.break_mode)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "window": Strategy(_window, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
+    "random_offset": Strategy(_random_offset, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
+    "sequential": Strategy(_sequential, per_epoch=True, shuffles=False, pads=False, needs_full_row=False),
+    "random_window": Strategy(_random_window, per_epoch=True, shuffles=False, pads=False, needs_full_row=True,
+                              has_epochs=False),
+    "concat_chunk": Strategy(_concat_chunk, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
+    "block": Strategy(_block, per_epoch=False, shuffles=True, pads=True, needs_full_row=False),
+    "pack": Strategy(None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
+    "length_grouped": Strategy(None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
+}
+
+
+def uses_grain_packer(d: DataConfig) -> bool:
+    """``pack`` with one of Grain's packers: Grain's own iterator, not a row plan (seqjax.data.grain_packing)."""
+    return d.strategy == "pack" and d.packer in GRAIN_PACKERS
+
+
+def label(d: DataConfig) -> str:
+    """The strategy as reports name it: ``window``, ``pack/best_fit``, ..."""
+    return f"pack/{d.packer}" if d.strategy == "pack" else d.strategy
+
+
+def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
+    """What the store must hold for the configured strategy, checked before any work (the config checked itself).
+
+    A message names the key, the value and what would fit, e.g. ``data.strategy=window:
+    the token store holds 5 tokens, fewer than one row needs (data.seq_len + 1 = 9)``.
+    """
+    d = config.data
+    if store.num_docs < 1 or store.predicted_tokens < 1:
+        raise DataError("the token store is empty: it holds no tokens to predict")
+    if d.batch_size % process_count:
+        raise ConfigError(f"data.batch_size: got {d.batch_size}, expected a multiple of the process count {process_count}")
+    strategy = STRATEGIES[d.strategy]
+    if strategy.documents:
+        packing.check_overlong(store.doc_lengths, d.seq_len, d.overlong)
+    if strategy.needs_full_row:
+        sequences.check_fits(store.num_tokens, d.seq_len, d.strategy)
+    # sequential streams must hold one row each even after the largest random offset (seq_len - 1)
+    if d.strategy == "sequential" and (store.num_tokens - d.seq_len) // d.batch_size < d.seq_len:
+        raise DataError(
+            f"data.batch_size={d.batch_size} is larger than one epoch of data: data.strategy=sequential needs "
+            f"{d.batch_size} streams of at least data.seq_len={d.seq_len} tokens after a random offset, "
+            f"the store holds {store.num_tokens} tokens"
+        )
