@@ -1,6 +1,6 @@
 """Text generation from a trained run: ``python -m seqjax.generate --run DIR --prompt "..."``.
 
-Decoding uses the KV cache of :mod:`seqjax.model.decode`: one prefill over
+Decoding is :func:`seqjax.model.decode.generate`, with a KV cache: one prefill over
 all prompts, then one jitted step per new token (compiled once; the sampling
 settings are traced values, so they never recompile either). A batch of
 prompts of different lengths goes right-padded in one prefill; each row
@@ -19,66 +19,12 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import jax
-import numpy as np
-from flax import nnx
-
-from seqjax.model.decode import decode_step, prefill, prompt_batch
-from seqjax.sampling import SamplingConfig, sample
-
-_sample = jax.jit(sample)
-
-
-@dataclass
-class Generation:
-    tokens: list[int]  # the new tokens, without the end-of-text that stopped them
-    stopped: bool  # True: ended at end-of-text; False: ran out of max_new_tokens
-
-
-def generate(
-    model: nnx.Module,
-    prompts: Sequence[Sequence[int]],
-    *,
-    eot_id: int | None,
-    max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(temperature=0.0),
-    seed: int = 0,
-) -> list[Generation]:
-    """Continue each token list in ``prompts`` (each already starting with its context) by up to ``max_new_tokens``.
-
-    A row stops at its first ``eot_id`` (None: never; every row gets ``max_new_tokens``).
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"--max_new_tokens: got {max_new_tokens}, expected at least 1")
-    inputs, positions, segment_ids = prompt_batch(prompts)
-    max_len = inputs.shape[1] + max_new_tokens
-    if max_len > model.cfg.max_seq_len:
-        raise ValueError(
-            f"--max_new_tokens: the longest prompt ({inputs.shape[1]} tokens) plus {max_new_tokens} new tokens is "
-            f"{max_len}, more than model.max_seq_len={model.cfg.max_seq_len}"
-        )
-    settings = sampling.arrays()
-    key = jax.random.key(seed)
-    logits, cache = prefill(model, inputs, positions, segment_ids, max_len=max_len)
-    new = np.zeros((len(prompts), max_new_tokens), np.int64)
-    done = np.zeros(len(prompts), bool)
-    length = np.full(len(prompts), max_new_tokens)
-    for step in range(max_new_tokens):
-        token = _sample(logits, jax.random.fold_in(key, step), **settings)
-        new[:, step] = np.asarray(token)
-        hit = new[:, step] == eot_id if eot_id is not None else np.zeros_like(done)
-        ended = ~done & hit
-        length[ended] = step
-        done |= ended
-        if done.all() or step == max_new_tokens - 1:
-            break
-        logits, cache = decode_step(model, token, cache)
-    return [Generation(new[row, : length[row]].tolist(), bool(done[row])) for row in range(len(prompts))]
-
+from seqjax.errors import UsageError
+from seqjax.model.decode import generate
+from seqjax.model.sampling import SamplingConfig
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     """``--prompt`` plus one prompt per non-empty line of ``--prompts FILE``."""
@@ -86,10 +32,10 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     if prompts_file is not None:
         path = Path(prompts_file)
         if not path.is_file():
-            raise ValueError(f"--prompts {prompts_file!r}: no such file (expected one prompt per line)")
+            raise UsageError(f"--prompts {prompts_file!r}: no such file (expected one prompt per line)")
         prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
-        raise ValueError("expected --prompt TEXT or --prompts FILE with at least one non-empty line")
+        raise UsageError("expected --prompt TEXT or --prompts FILE with at least one non-empty line")
     return prompts
 
 

@@ -9,8 +9,9 @@ import pytest
 from flax import nnx
 
 from seqjax.config import load_config
-from seqjax.generate import generate, read_prompts
-from seqjax.sampling import SamplingConfig
+from seqjax.generate import read_prompts
+from seqjax.model.decode import generate
+from seqjax.model.sampling import SamplingConfig
 
 VOCAB = 48
 START = 0  # the token each prompt opens with (the end-of-text of a real tokenizer)

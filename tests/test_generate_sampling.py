@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.sampling import SamplingConfig, filter_logits, sample
+from seqjax.model.sampling import SamplingConfig, filter_logits, sample
 
 VOCAB = 37
 BATCH = 64  # one shape everywhere: each jitted function compiles once for the whole file

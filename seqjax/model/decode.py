@@ -1,10 +1,12 @@
 """KV-cache decoding: one prefill over the prompts, then one jitted step per generated token.
 
-    cache_logits, cache = prefill(model, inputs, positions, segment_ids, max_len=prompt_len + new_tokens)
+    inputs, positions, segment_ids = prompt_batch(prompts)    # right-padded, [B, T]
+    logits, cache = prefill(model, inputs, positions, segment_ids, max_len=T + new_tokens)
     for _ in range(new_tokens):
-        token = sample(logits)                    # [B]
+        token = jnp.argmax(logits, axis=-1)                    # [B]; or seqjax.model.sampling.sample
         logits, cache = decode_step(model, token, cache)
 
+:func:`generate` is that loop with sampling and a stop at end-of-text.
 Both return next-token logits [B, V] (float32). Every array in the cache has
 a fixed shape ([B, max_len, ...]), and the write position is a traced scalar,
 so ``decode_step`` compiles once for a (model, batch, max_len) and never again
@@ -33,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from seqjax.errors import UsageError
+from seqjax.model.sampling import SamplingConfig, sample
 from seqjax.model.transformer import KVCache, TransformerLM
 
 
@@ -111,7 +115,7 @@ def _prefill_fn():
     def run(graphdef, state, inputs, positions, segment_ids, max_len):
         model = nnx.merge(graphdef, state)
         kv = KVCache.empty(model.cfg, inputs.shape[0], max_len)
-        logits, kv = model(inputs, positions=positions, segment_ids=segment_ids, cache=kv)
+        logits, kv = model.decode(inputs, positions=positions, segment_ids=segment_ids, cache=kv)
         t = inputs.shape[1]
         last = t - 1 - jnp.argmax((segment_ids != 0)[:, ::-1], axis=1)  # each row's last real token
         take = lambda a: jnp.take_along_axis(a, last[:, None], axis=1)[:, 0]  # noqa: E731
@@ -126,9 +130,61 @@ def _step_fn():
     def run(graphdef, state, tokens, cache: DecodeCache):
         model = nnx.merge(graphdef, state)
         overflow = cache.kv.length >= cache.max_len
-        logits, kv = model(tokens[:, None], positions=cache.positions[:, None],
-                           segment_ids=cache.segment_ids[:, None], cache=cache.kv)
+        logits, kv = model.decode(tokens[:, None], positions=cache.positions[:, None],
+                                  segment_ids=cache.segment_ids[:, None], cache=cache.kv)
         logits = jnp.where(overflow, jnp.nan, logits[:, 0])
         return logits, DecodeCache(kv, cache.positions + 1, cache.segment_ids)
 
     return jax.jit(run, static_argnums=0)
+
+
+_sample = jax.jit(sample)
+
+
+@dataclasses.dataclass
+class Generation:
+    """One row's continuation."""
+
+    tokens: list[int]  # the new tokens, without the end-of-text that stopped them
+    stopped: bool  # True: ended at end-of-text; False: ran out of max_new_tokens
+
+
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    eot_id: int | None,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(temperature=0.0),
+    seed: int = 0,
+) -> list[Generation]:
+    """Continue each token list in ``prompts`` (each already starting with its context) by up to ``max_new_tokens``.
+
+    A row stops at its first ``eot_id`` (None: never; every row gets ``max_new_tokens``).
+    """
+    if max_new_tokens < 1:
+        raise UsageError(f"--max_new_tokens: got {max_new_tokens}, expected at least 1")
+    inputs, positions, segment_ids = prompt_batch(prompts)
+    max_len = inputs.shape[1] + max_new_tokens
+    if max_len > model.cfg.max_seq_len:
+        raise UsageError(
+            f"--max_new_tokens: the longest prompt ({inputs.shape[1]} tokens) plus {max_new_tokens} new tokens is "
+            f"{max_len}, more than model.max_seq_len={model.cfg.max_seq_len}"
+        )
+    settings = sampling.arrays()
+    key = jax.random.key(seed)
+    logits, cache = prefill(model, inputs, positions, segment_ids, max_len=max_len)
+    new = np.zeros((len(prompts), max_new_tokens), np.int64)
+    done = np.zeros(len(prompts), bool)
+    length = np.full(len(prompts), max_new_tokens)
+    for step in range(max_new_tokens):
+        token = _sample(logits, jax.random.fold_in(key, step), **settings)
+        new[:, step] = np.asarray(token)
+        hit = new[:, step] == eot_id if eot_id is not None else np.zeros_like(done)
+        ended = ~done & hit
+        length[ended] = step
+        done |= ended
+        if done.all() or step == max_new_tokens - 1:
+            break
+        logits, cache = decode_step(model, token, cache)
+    return [Generation(new[row, : length[row]].tolist(), bool(done[row])) for row in range(len(prompts))]

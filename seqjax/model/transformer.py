@@ -78,6 +78,22 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class LayerCache:
+    """One layer's view of the KV cache: what :meth:`Attention.decode` reads, and returns with its keys and values written.
+
+    keys/values: [B, S, K, Dh]; segment_ids: [B, S] for every slot, the ones
+    this call writes included (0 on slots not written yet, which contract 2
+    then masks); start: int32 scalar, the slot the call's first token goes to.
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    segment_ids: jax.Array
+    start: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class KVCache:
     """Keys and values of every layer for incremental decoding (see seqjax.model.decode).
 
@@ -114,26 +130,40 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta
         self.backend = cfg.attention
 
-    def __call__(self, x, positions, segment_ids, kv: tuple | None = None, metadata=None):
-        """x [B, T, D] -> [B, T, D]. With ``kv`` = (k_cache, v_cache, cache_segment_ids, start), the new
-        keys/values are written at slots start.. and the queries attend over the whole cache; returns
-        (out, (k_cache, v_cache)) then. ``metadata``: the pallas kernel's block ranges, shared by all layers."""
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, metadata=None) -> jax.Array:
+        """x [B, T, D] -> [B, T, D], attending within each segment (contract 2) on the configured backend.
+
+        ``metadata``: the pallas kernel's block ranges, computed once per forward and shared by all layers.
+        """
+        q, k, v = self._qkv(x, positions)
+        return self._out(attention(q, k, v, segment_ids, backend=self.backend, metadata=metadata))
+
+    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+               cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+        """Write this call's keys/values at slots ``cache.start..`` and attend over the whole cache; (out, cache).
+
+        Always the XLA path (:func:`masked_attention`): a decode step has one query per row, where the
+        training kernels have nothing to skip.
+        """
+        q, k, v = self._qkv(x, positions)
+        keys = jax.lax.dynamic_update_slice_in_dim(cache.keys, k.astype(cache.keys.dtype), cache.start, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(cache.values, v.astype(cache.values.dtype), cache.start, axis=1)
+        q_index = cache.start + jnp.arange(x.shape[1])[None, :]
+        kv_index = jnp.arange(keys.shape[1])[None, :]
+        mask = segment_mask(segment_ids, cache.segment_ids, q_index, kv_index)
+        o = masked_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask)
+        return self._out(o), dataclasses.replace(cache, keys=keys, values=values)
+
+    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries [B, T, H, Dh] and keys [B, T, K, Dh] rotated to ``positions``, values [B, T, K, Dh]."""
         dt = x.dtype
         q = rope(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), positions, self.rope_theta)
         k = rope(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), positions, self.rope_theta)
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
-        if kv is None:
-            o = attention(q, k, v, segment_ids, backend=self.backend, metadata=metadata)
-        else:
-            k_cache, v_cache, cache_segment_ids, start = kv
-            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
-            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
-            q_index = start + jnp.arange(x.shape[1])[None, :]
-            kv_index = jnp.arange(k_cache.shape[1])[None, :]
-            mask = segment_mask(segment_ids, cache_segment_ids, q_index, kv_index)
-            o = masked_attention(q, k_cache.astype(dt), v_cache.astype(dt), mask)
-        out = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(dt))
-        return out if kv is None else (out, (k_cache, v_cache))
+        return q, k, v
+
+    def _out(self, o: jax.Array) -> jax.Array:
+        return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))
 
 
 class SwiGLU(nnx.Module):
@@ -161,12 +191,16 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, dtype=pdt)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, segment_ids, kv=None, metadata=None):
-        a = self.attn(self.attn_norm(x), positions, segment_ids, kv, metadata)
-        a, new_kv = (a, None) if kv is None else a
-        x = x + a
-        x = x + self.mlp(self.mlp_norm(x))
-        return x if kv is None else (x, new_kv)
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, metadata=None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, metadata)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+               cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+        """The same block over the KV cache (see :meth:`Attention.decode`); returns (x, the layer's updated cache)."""
+        attended, cache = self.attn.decode(self.attn_norm(x), positions, segment_ids, cache)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x)), cache
 
 
 class _HashableModelConfig(ModelConfig):
@@ -189,6 +223,8 @@ class TransformerLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if cfg.vocab_size is None:
             raise ValueError("model.vocab_size is null: pass vocab_size (the tokenizer's) to build_model")
+        if cfg.max_seq_len is None:
+            raise ValueError("model.max_seq_len is null: build the model with build_model(config), which resolves it")
         cfg.check()
         self.cfg = cfg = _HashableModelConfig(**dataclasses.asdict(cfg))
         pdt = jnp.dtype(cfg.param_dtype)
@@ -200,11 +236,28 @@ class TransformerLM(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else _param(
             rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
 
-    def __call__(self, inputs, *, positions, segment_ids, cache: KVCache | None = None):
-        """Logits [B, T, V] float32; with ``cache`` (decode), returns (logits, updated cache)."""
+    def __call__(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """Logits [B, T, V] float32 for a batch (contract 1): the training and evaluation forward pass."""
         self.check_batch(inputs, positions, segment_ids)
-        return self.from_embeddings(self.embed_tokens(inputs), positions=positions,
-                                    segment_ids=segment_ids, cache=cache)
+        return self.from_embeddings(self.embed_tokens(inputs), positions=positions, segment_ids=segment_ids)
+
+    def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
+               cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Logits [B, T, V] float32 for ``inputs`` written into ``cache`` at slots ``cache.length..``; (logits, cache).
+
+        A prefill passes the prompts (T tokens), a decode step one token per row (T = 1);
+        seqjax.model.decode wraps both.
+        """
+        self.check_batch(inputs, positions, segment_ids)
+        x = self.embed_tokens(inputs)
+        start = cache.length
+        seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32), start, axis=1)
+        layers = []
+        for block, keys, values in zip(self.blocks, cache.keys, cache.values):
+            x, layer = block.decode(x, positions, segment_ids, LayerCache(keys, values, seg, start))
+            layers.append(layer)
+        cache = KVCache(tuple(c.keys for c in layers), tuple(c.values for c in layers), seg, start + inputs.shape[1])
+        return self.logits(x), cache
 
     def embed_tokens(self, inputs) -> jax.Array:
         """Token ids [B, T] -> embeddings [B, T, D] in the compute dtype; out-of-range ids give NaN rows."""
@@ -213,25 +266,18 @@ class TransformerLM(nnx.Module):
         table = self.embed.embedding[...]
         return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.cfg.compute_dtype)
 
-    def from_embeddings(self, x, *, positions, segment_ids, cache: KVCache | None = None):
-        """The blocks and head applied to embeddings x [B, T, D] (the input of the first block)."""
-        if cache is None:
-            metadata = self.attention_metadata(segment_ids)
-            for block in self.blocks:
-                x = block(x, positions, segment_ids, metadata=metadata)
-        else:
-            start = cache.length
-            seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32), start, axis=1)
-            keys, values = [], []
-            for block, k, v in zip(self.blocks, cache.keys, cache.values):
-                x, (k, v) = block(x, positions, segment_ids, (k, v, seg, start))
-                keys.append(k)
-                values.append(v)
-            cache = KVCache(tuple(keys), tuple(values), seg, start + x.shape[1])
+    def from_embeddings(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """The blocks and head applied to embeddings x [B, T, D] (the input of the first block); logits [B, T, V]."""
+        metadata = self.attention_metadata(segment_ids)
+        for block in self.blocks:
+            x = block(x, positions, segment_ids, metadata=metadata)
+        return self.logits(x)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: the last block's output [B, T, D] -> float32 logits [B, T, V]."""
         x = self.final_norm(x)
         head = self.embed.embedding[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
-        return logits if cache is None else (logits, cache)
+        return jnp.einsum("btd,dv->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
 
     def attention_metadata(self, segment_ids):
         """The pallas kernel's block ranges for this batch, or None for the other backends.
@@ -272,6 +318,8 @@ def build_model(config: Config | ModelConfig, vocab_size: int | None = None, *, 
     is null and overrides it otherwise.
     """
     cfg = config.model if isinstance(config, Config) else config
+    if isinstance(config, Config) and cfg.max_seq_len is None:  # null: follows the sequences the config feeds it
+        cfg = dataclasses.replace(cfg, max_seq_len=config.max_seq_len)
     if vocab_size is not None:
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     return TransformerLM(cfg, rngs=rngs)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from seqjax.errors import UsageError
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -24,11 +26,11 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"--temperature: got {self.temperature}, expected 0 (greedy) or more")
+            raise UsageError(f"--temperature: got {self.temperature}, expected 0 (greedy) or more")
         if self.top_k < 0:
-            raise ValueError(f"--top_k: got {self.top_k}, expected 0 (off) or a positive count")
+            raise UsageError(f"--top_k: got {self.top_k}, expected 0 (off) or a positive count")
         if not 0.0 <= self.top_p <= 1.0:
-            raise ValueError(f"--top_p: got {self.top_p}, expected a probability in [0, 1]")
+            raise UsageError(f"--top_p: got {self.top_p}, expected a probability in [0, 1]")
 
     def arrays(self) -> dict[str, jax.Array]:
         return {
