@@ -40,11 +40,11 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from seqjax import sharding
 from seqjax.config import Config, ConfigError, describe_keys
 from seqjax.data.eval_windows import EvalWindows, eval_windows, resolve_stride
 from seqjax.data.store import TokenStore
 from seqjax.model.loss import lm_loss
-from seqjax.train import sharding
 
 
 def eval_context(config: Config) -> int:

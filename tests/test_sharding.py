@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 from jax.sharding import PartitionSpec as P
-from test_train_support import REPO, cli_env, tiny_overrides, train_losses
 
 from seqjax.config import ConfigError, load_config
-from seqjax.train.sharding import distributed_settings, mesh_shape, param_spec
+from seqjax.sharding import mesh_shape, param_spec
+from seqjax.train.distributed import distributed_settings
+from test_train_support import REPO, cli_env, tiny_overrides, train_losses
 
 
 def mesh_of(data=1, fsdp=1, tensor=1):

@@ -1,4 +1,4 @@
-"""Segment-masked causal attention: the one mask definition (DESIGN.md contract 2) and the reference path.
+"""Segment-masked causal attention: the one mask definition (docs/design.md, contract 2) and the reference path.
 
 Query i may attend to key j iff ``segment_ids[i] == segment_ids[j] != 0`` and
 ``j <= i`` (index order inside a row). Everything that needs the mask (the
@@ -23,7 +23,7 @@ auto       GPU: pallas, else cudnn, else xla; TPU: splash, else xla; CPU: xla.
 On several devices the kernels (opaque custom calls to XLA's partitioner,
 which could only run them by gathering q/k/v onto every device) run once per
 device shard under ``jax.shard_map``: rows split over the mesh's batch axes
-(``data``, ``fsdp``) and heads over ``tensor``, as seqjax.train.sharding lays
+(``data``, ``fsdp``) and heads over ``tensor``, as seqjax.sharding lays
 them out. The mesh is the one ``jax.set_mesh`` made current, else the one the
 arguments' shardings live on (what ``jax.jit(..., in_shardings=...)`` gives).
 """
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from seqjax.train.sharding import BATCH_AXES
+from seqjax.sharding import BATCH_AXES, HEAD_AXIS
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,6 @@ BACKENDS = ("xla", "cudnn", "pallas", "splash")
 _KERNELS = {"pallas": ("seqjax.model.kernels.flash", "flash_attention"),
             "splash": ("seqjax.model.kernels.splash", "splash_attention")}
 _HALF = (jnp.bfloat16, jnp.float16)
-HEAD_AXIS = "tensor"  # the mesh axis seqjax.train.sharding splits attention heads over
 
 
 def attention(

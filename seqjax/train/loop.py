@@ -28,10 +28,11 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+from seqjax import sharding
 from seqjax.config import Config, ConfigError
 from seqjax.files import write_text_atomic
-from seqjax.train import sharding
 from seqjax.train.checkpoint import Checkpointer
+from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
 from seqjax.train.metrics import MetricsLog, plot_losses, unigram_perplexity
 from seqjax.train.optimizer import build_optimizer
@@ -141,7 +142,7 @@ def train(config: Config) -> dict[str, Any]:
     from seqjax.train.step import make_train_step
 
     wall_start = time.perf_counter()
-    sharding.initialize_distributed(config.dist)
+    initialize_distributed(config.dist)
     process_index, process_count = jax.process_index(), jax.process_count()
     primary = process_index == 0
     run_dir = Path(config.run.dir)

@@ -1,4 +1,9 @@
-"""Device mesh, sharding rules and multi-host start-up.
+"""The device mesh and how arrays lie on it: axis names, the mesh from ``mesh.*``, parameter and batch shardings.
+
+It sits below the model (it imports only the config): the model's attention
+reads :data:`BATCH_AXES` and :data:`HEAD_AXIS` to run its kernels once per
+device shard, and training and evaluation place parameters and batches with
+the rules here.
 
 The mesh has three named axes:
 
@@ -14,8 +19,8 @@ expressed as ``NamedSharding``s handed to ``jax.jit``; XLA's partitioner
 inserts the collectives, so every mesh computes the same function (the
 sharding tests check the losses agree to 1e-5 across meshes).
 
-Multi-host: every process runs the same program. :func:`initialize_distributed`
-joins them through ``jax.distributed``; each process reads only its own rows
+Multi-host: every process runs the same program (seqjax.train.distributed
+joins them); each process reads only its own rows
 (``build_pipeline(process_index=..., process_count=...)``) and
 :func:`global_batch` stitches the per-process rows into one global array.
 """
@@ -23,25 +28,23 @@ joins them through ``jax.distributed``; each process reads only its own rows
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from seqjax.config import ConfigError, DistributedConfig, MeshConfig
+from seqjax.config import MeshConfig
+from seqjax.errors import ConfigError
 
 AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp")  # batch rows are split over these
+HEAD_AXIS = "tensor"  # attention heads (and d_ff) are split over this one
 
 # Logical axis names (the ``axes`` metadata of the model's nnx.Params) split by the tensor axis.
 TENSOR_AXES = ("heads", "kv_heads", "ff")
-
-ENV_COORDINATOR = "SEQJAX_COORDINATOR"
-ENV_NUM_PROCESSES = "SEQJAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "SEQJAX_PROCESS_ID"
 
 
 def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
@@ -77,11 +80,11 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str, ...] | None, mesh: Mesh)
     dimension it divides. Anything left is replicated.
     """
     spec: list[Any] = [None] * len(shape)
-    tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+    tensor, fsdp = mesh.shape[HEAD_AXIS], mesh.shape["fsdp"]
     if tensor > 1:
         for dim, name in enumerate(axes or ()):
             if name in TENSOR_AXES and shape[dim] % tensor == 0:
-                spec[dim] = "tensor"
+                spec[dim] = HEAD_AXIS
                 break
     if fsdp > 1:
         free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % fsdp == 0]
@@ -134,57 +137,10 @@ def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, process_
 
 def check_batch_fits(batch_size: int, mesh: Mesh, grad_accum: int) -> None:
     """Each micro-batch's rows must split evenly over data x fsdp."""
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    ways = math.prod(mesh.shape[a] for a in BATCH_AXES)
     micro = batch_size // grad_accum
     if micro % ways:
         raise ConfigError(
             f"data.batch_size={batch_size} / train.grad_accum={grad_accum} = {micro} rows per micro-batch, "
             f"expected a multiple of mesh data x fsdp = {ways}"
         )
-
-
-def distributed_settings(dist: DistributedConfig) -> tuple[str | None, int | None, int | None]:
-    """(coordinator, num_processes, process_id) from config keys, falling back to SEQJAX_* environment variables."""
-
-    def pick(value, env, cast):
-        if value is not None:
-            return value
-        raw = os.environ.get(env)
-        if raw is None or raw == "":
-            return None
-        try:
-            return cast(raw)
-        except ValueError:
-            raise ConfigError(f"environment {env}={raw!r}: expected an integer") from None
-
-    return (
-        pick(dist.coordinator_address, ENV_COORDINATOR, str),
-        pick(dist.num_processes, ENV_NUM_PROCESSES, int),
-        pick(dist.process_id, ENV_PROCESS_ID, int),
-    )
-
-
-def initialize_distributed(dist: DistributedConfig) -> bool:
-    """Join a multi-process run when a coordinator is configured; return whether one was joined.
-
-    Must run before anything touches a JAX device. CPU processes exchange
-    collectives through gloo (the default CPU client has none across
-    processes); the setting is ignored by GPU/TPU backends.
-    """
-    coordinator, num_processes, process_id = distributed_settings(dist)
-    if coordinator is None:
-        if num_processes not in (None, 1):
-            raise ConfigError(
-                f"dist.num_processes={num_processes} but no coordinator: set dist.coordinator_address or {ENV_COORDINATOR}"
-            )
-        return False
-    if num_processes is None or process_id is None:
-        raise ConfigError(
-            f"dist.coordinator_address={coordinator!r} needs dist.num_processes and dist.process_id "
-            f"(or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})"
-        )
-    if process_id >= num_processes:
-        raise ConfigError(f"dist.process_id={process_id}: expected less than dist.num_processes={num_processes}")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes, process_id)
-    return True
