@@ -10,19 +10,22 @@ object with every result. ``key=value`` overrides apply to all six runs
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seqjax.cli import parser  # noqa: E402
+from seqjax import cli  # noqa: E402
 from seqjax.data.build import prepare  # noqa: E402
 from seqjax.data.eval_windows import MODES  # noqa: E402
-from seqjax.eval import add_checkpoint_args, eval_context, evaluate, load_checkpoint, parse_args  # noqa: E402
+from seqjax.evaluate import evaluate  # noqa: E402
 
 SPLITS = ("valid", "test")
+log = logging.getLogger("seqjax.eval_table")
 
 # Published word-level WikiText-2 perplexities: references for scale, not claims about seqjax.
 REFERENCES = [
@@ -52,22 +55,22 @@ def table(results: list[dict], label: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = parser("python scripts/eval_table.py", "valid and test perplexity in all three units and protocols")
-    add_checkpoint_args(p)
-    args = parse_args(p, None)
-    try:
-        config, model = load_checkpoint(args, args.overrides)
-        eval_context(config)
-    except (ValueError, FileNotFoundError) as err:
-        p.exit(2, f"{p.prog}: error: {err}\n")
+def main() -> int:
+    p = cli.parser("python scripts/eval_table.py", "valid and test perplexity in all three units and protocols")
+    cli.add_checkpoint_args(p)
+    cli.run(p, None, score_all)
+    return 0
+
+
+def score_all(args: argparse.Namespace) -> None:
+    config, model = cli.load_checkpoint(args)
     prepared = prepare(config, splits=SPLITS)
     results = []
     for split in SPLITS:
         for mode in MODES:
             cfg = dataclasses.replace(config, eval=dataclasses.replace(config.eval, split=split, mode=mode))
             result = evaluate(model, prepared.stores[split], cfg, split=split)
-            print(json.dumps(result), file=sys.stderr, flush=True)
+            log.info("%s", json.dumps(result))
             results.append(result)
     label = f"seqjax {Path(args.run or args.checkpoint).name}"
     print(table(results, label))
@@ -76,4 +79,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -43,13 +43,22 @@ def _f(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+
+
 @dataclass
 class RunConfig:
     dir: str = _f("runs/default", "where a run writes its config, metrics, checkpoints and plots")
     seed: int = _f(0, "the one seed: data order, initialization and sampling derive from it", min=0)
+    trackers: list[str] = _f(
+        ["jsonl"], f"where training metrics go, some of {', '.join(TRACKERS)} (metrics.jsonl is always written)"
+    )
+    wandb_project: str = _f("seqjax", "the Weights & Biases project, when run.trackers has wandb")
 
     def check(self) -> None:
-        pass
+        for i, name in enumerate(self.trackers):
+            if name not in TRACKERS:
+                raise ConfigError(f"run.trackers[{i}]: got {name!r}, expected one of {', '.join(TRACKERS)}")
 
 
 @dataclass
@@ -154,7 +163,10 @@ class ModelConfig:
     n_heads: int = _f(4, "query heads", min=1)
     n_kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (default: n_heads)", min=1)
     d_ff: int = _f(768, "SwiGLU hidden width", min=1)
-    max_seq_len: int = _f(1024, "longest sequence the model accepts", min=1)
+    max_seq_len: int | None = _f(
+        None, "longest sequence the model accepts (null: follows data.seq_len, or eval.context when longer)",
+        min=1,
+    )
     rope_theta: float = _f(10000.0, "RoPE base frequency", min=1.0)
     tie_embeddings: bool = _f(True, "share the token embedding with the LM head")
     param_dtype: str = _f("float32", "parameter storage dtype", choices=DTYPES)
@@ -206,7 +218,10 @@ class TrainConfig:
 
     def check(self) -> None:
         if self.warmup_steps > self.steps:
-            raise ConfigError(f"train.warmup_steps: got {self.warmup_steps}, expected at most train.steps={self.steps}")
+            raise ConfigError(
+                f"train.warmup_steps: got {self.warmup_steps}, expected at most train.steps={self.steps}; "
+                f"a shorter run needs a shorter warmup too, e.g. train.warmup_steps={self.steps // 10}"
+            )
 
 
 @dataclass
@@ -246,8 +261,7 @@ class EvalConfig:
     batch_size: int = _f(8, "windows per evaluation batch", min=1)
 
     def check(self) -> None:
-        if self.context is not None and self.stride is not None and self.stride > self.context:
-            raise ConfigError(f"eval.stride: got {self.stride}, expected at most eval.context={self.context}")
+        pass  # eval.context and eval.stride default to data.seq_len: Config.check relates them
 
 
 @dataclass
@@ -261,14 +275,32 @@ class Config:
     dist: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    @property
+    def eval_context(self) -> int:
+        """Tokens of context per evaluation window: ``eval.context``, else ``data.seq_len``."""
+        return self.eval.context or self.data.seq_len
+
+    @property
+    def max_seq_len(self) -> int:
+        """``model.max_seq_len``, or when null the longest sequence this config feeds the model.
+
+        A null limit follows the data (``data.seq_len``, or ``eval.context`` when
+        longer), so a tool that builds no model never has to agree with it.
+        """
+        return self.model.max_seq_len or max(self.data.seq_len, self.eval_context)
+
     def check(self) -> None:
         """Run every section's own rules, then the rules that span sections."""
         for f in dataclasses.fields(self):
             getattr(self, f.name).check()
-        if self.data.seq_len > self.model.max_seq_len:
-            raise ConfigError(
-                f"data.seq_len: got {self.data.seq_len}, expected at most model.max_seq_len={self.model.max_seq_len}"
-            )
+        limit = self.model.max_seq_len
+        if limit is not None and self.data.seq_len > limit:
+            raise ConfigError(f"data.seq_len: got {self.data.seq_len}, expected at most model.max_seq_len={limit}")
+        if limit is not None and self.eval_context > limit:
+            raise ConfigError(f"eval.context: got {self.eval_context}, expected at most model.max_seq_len={limit}")
+        stride_used = self.eval.mode == "sliding" or self.eval.context is not None  # else the stride is ignored
+        if stride_used and self.eval.stride is not None and self.eval.stride > self.eval_context:
+            raise ConfigError(f"eval.stride: got {self.eval.stride}, expected at most eval.context={self.eval_context}")
         if self.data.batch_size % self.train.grad_accum:
             raise ConfigError(
                 f"train.grad_accum: got {self.train.grad_accum}, expected a divisor of data.batch_size={self.data.batch_size}"
@@ -434,6 +466,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
         raise ConfigError(f"{err}{where}") from None
     config.check()
     return config
+
+
+def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yaml") -> Path:
+    """Print the resolved config (stdout, where a tool's results go) and save it beside the outputs it produced."""
+    print("# resolved config", flush=True)
+    print(config.to_yaml(), flush=True)
+    return config.save(Path(out_dir) / name)
 
 
 def describe_keys() -> str:

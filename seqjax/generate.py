@@ -16,15 +16,22 @@ when every row has, or after ``--max_new_tokens``.
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
+from seqjax import cli
+from seqjax.data.build import prepare
 from seqjax.errors import UsageError
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
+
+log = logging.getLogger("seqjax.generate")  # by name: run as __main__ too
+
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     """``--prompt`` plus one prompt per non-empty line of ``--prompts FILE``."""
@@ -39,13 +46,9 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     return prompts
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    from seqjax.cli import parser
-    from seqjax.data.build import prepare
-    from seqjax.eval import add_checkpoint_args, load_checkpoint, parse_args
-
-    p = parser("python -m seqjax.generate", "Continue prompts with a trained model (last line: one JSON object).")
-    add_checkpoint_args(p)
+def main(argv: Sequence[str] | None = None) -> int:
+    p = cli.parser("python -m seqjax.generate", "Continue prompts with a trained model (last line: one JSON object).")
+    cli.add_checkpoint_args(p)
     p.add_argument("--prompt", help="text to continue ('' starts a new article)")
     p.add_argument("--prompts", metavar="FILE", help="a file with one prompt per line, generated as one batch")
     p.add_argument("--max_new_tokens", type=int, default=100)
@@ -53,33 +56,33 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass to keep (1: off)")
     p.add_argument("--top_k", type=int, default=0, help="most likely tokens to keep (0: off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: run.seed)")
-    args = parse_args(p, argv)
-    try:
-        texts = read_prompts(args.prompt, args.prompts)
-        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-        config, model = load_checkpoint(args, args.overrides)
-        tokenizer = prepare(config, splits=()).tokenizer  # the run's tokenizer, reused from the cache
-    except (ValueError, FileNotFoundError) as err:
-        p.exit(2, f"{p.prog}: error: {err}\n")
+    cli.run(p, argv, continue_prompts)
+    return 0
+
+
+def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
+    """Every request is checked (prompts, sampling, checkpoint, lengths) before the first token is decoded."""
+    texts = read_prompts(args.prompt, args.prompts)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    config, model = cli.load_checkpoint(args)
+    tokenizer = prepare(config, splits=()).tokenizer  # the run's tokenizer, reused from the cache
     seed = config.run.seed if args.seed is None else args.seed
     start = time.perf_counter()
-    try:  # generate() checks the lengths before any decoding
-        outputs = generate(
-            model,
-            [[tokenizer.eot_id] + tokenizer.encode(text) for text in texts],
-            eot_id=tokenizer.eot_id,
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            seed=seed,
-        )
-    except ValueError as err:
-        p.exit(2, f"{p.prog}: error: {err}\n")
+    outputs = generate(
+        model,
+        [[tokenizer.eot_id] + tokenizer.encode(text) for text in texts],
+        eot_id=tokenizer.eot_id,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+    )
     seconds = time.perf_counter() - start
     samples = []
     for text, out in zip(texts, outputs):
         completion = tokenizer.decode(out.tokens)
-        print(f"--- {text!r}\n{text}{completion}\n", file=sys.stderr)
-        samples.append({"prompt": text, "completion": completion, "new_tokens": len(out.tokens), "stopped_at_eot": out.stopped})
+        log.info("--- %r\n%s%s", text, text, completion)
+        samples.append({"prompt": text, "completion": completion, "new_tokens": len(out.tokens),
+                        "stopped_at_eot": out.stopped})
     new_tokens = sum(s["new_tokens"] for s in samples)
     result = {
         "samples": samples,
@@ -95,4 +98,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from seqjax import cli
-from seqjax.config import Config, ConfigError, all_keys, load_config
+from seqjax.config import Config, ConfigError, all_keys, announce, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "configs" / "wikitext2_cpu.yaml"
@@ -110,7 +110,7 @@ def test_help_config_lists_every_key(capsys):
 
 def test_resolved_config_is_printed_and_saved_and_loads_back(tmp_path, capsys):
     config = load_config(CPU_CONFIG, ["data.seq_len=64", "train.lr=3e-4", "data.train_files=[a.txt]"])
-    saved = cli.announce(config, tmp_path / "out")
+    saved = announce(config, tmp_path / "out")
     assert saved == tmp_path / "out" / "config.yaml"
     assert "seq_len: 64" in capsys.readouterr().out
     assert load_config(saved) == config

@@ -12,7 +12,7 @@ from flax import nnx
 
 from seqjax.config import load_config
 from seqjax.data.store import TokenStore
-from seqjax.eval import evaluate
+from seqjax.evaluate import evaluate
 from seqjax.model import build_model
 
 VOCAB = 40
@@ -154,7 +154,7 @@ sys.path.insert(0, "tests")
 import jax
 from flax import nnx
 from test_eval import VOCAB, config, small_store
-from seqjax.eval import evaluate
+from seqjax.evaluate import evaluate
 from seqjax.model import build_model
 assert jax.device_count() == 2
 from test_eval import load_tiny_config

@@ -64,8 +64,10 @@ MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]
 
 SCRIPT = """
 import json, sys
+from seqjax.cli import configure_logging
 from seqjax.config import load_config
 from seqjax.train.loop import train
+configure_logging()  # train() logs the mesh line checked below; a library caller chooses where logs go
 base = json.loads(sys.argv[1])
 for data, fsdp, tensor in json.loads(sys.argv[2]):
     overrides = base + [f"run.dir={sys.argv[3]}/mesh_{data}_{fsdp}_{tensor}",
@@ -91,7 +93,7 @@ def test_meshes_on_8_devices_match_one_device(reference, tiny_root, tmp_path):
 
 
 def test_a_mesh_that_does_not_fit_the_devices_stops_the_cli_before_any_data_work(tmp_path, capsys):
-    from seqjax.train.loop import main
+    from seqjax.train.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([f"run.dir={tmp_path / 'run'}", "data.dir=/nonexistent", "mesh.data=3"])

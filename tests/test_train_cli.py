@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+
 from test_train_support import tiny_overrides
 
 
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(tiny_root, tmp_path, capsys):
     """Out-of-range ids cannot raise under jit (they give NaN), so the CLI refuses the config up front."""
-    from seqjax.train.loop import main
+    from seqjax.train.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(tiny_overrides(tiny_root, tmp_path / "run", **{"model.vocab_size": 100}))

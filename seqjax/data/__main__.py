@@ -9,43 +9,52 @@ padded to the widest of them).
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import sys
 from itertools import islice
+from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 
-from seqjax.cli import parse, parser
+from seqjax import cli
+from seqjax.data.build import prepare
 from seqjax.data.contract import FIELDS
+from seqjax.data.pipeline import build_pipeline
+from seqjax.data.stats import epoch_stats
+
+log = logging.getLogger("seqjax.data")  # by name: this module runs as __main__
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = parser("python -m seqjax.data", "What the configured sequence strategy makes of a split: epoch statistics as JSON, optionally a dump of batches.")
+def main(argv: Sequence[str] | None = None) -> int:
+    p = cli.parser("python -m seqjax.data",
+                   "What the configured sequence strategy makes of a split: epoch statistics as JSON, "
+                   "optionally a dump of batches.")
     p.add_argument("--split", default="train", choices=("train", "valid", "test"), help="which split's store to cut")
     p.add_argument("--dump", metavar="FILE.npz", help="write the first --batches batches here")
     p.add_argument("--batches", type=int, default=1, help="how many batches --dump writes")
-    args, config = parse(p, argv)
+    cli.run(p, argv, describe)
+    return 0
+
+
+def describe(args: argparse.Namespace) -> dict[str, Any]:
+    """Check, build the pipeline, optionally dump its first batches, and print the epoch's statistics."""
+    config = cli.load(args)
     print("# resolved config", flush=True)
     print(config.to_yaml(), flush=True)
-
-    from seqjax.data.build import prepare
-    from seqjax.data.pipeline import build_pipeline
-    from seqjax.data.stats import epoch_stats
-
     store = prepare(config, splits=(args.split,)).stores[args.split]
-    try:
-        pipeline = build_pipeline(config, store)
-        stats = epoch_stats(config, store)
-    except ValueError as err:  # DataError and ConfigError: bad input, said before any batch is built
-        p.exit(2, f"{p.prog}: {err}\n")
+    pipeline = build_pipeline(config, store)  # checks the store against the config before any batch is built
+    stats = epoch_stats(config, store)
     if args.dump:
         batches = list(islice(iter(pipeline), args.batches))
         width = max(b["inputs"].shape[1] for b in batches)
         arrays = {k: np.stack([np.pad(b[k], ((0, 0), (0, width - b[k].shape[1]))) for b in batches]) for k in FIELDS}
-        np.savez(args.dump, **arrays)
-        print(f"# wrote {len(batches)} batches to {args.dump}", flush=True)
+        np.savez(Path(args.dump), **arrays)
+        log.info("wrote %d batches to %s", len(batches), args.dump)
     print(json.dumps(stats), flush=True)
-    return 0
+    return stats
 
 
 if __name__ == "__main__":

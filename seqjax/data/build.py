@@ -28,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -40,9 +41,20 @@ from typing import Any
 from tqdm import tqdm
 
 from seqjax.config import Config
-from seqjax.data.corpus import SPLITS, CorpusError, SplitText, count_lines, count_words, find_sources, read_split, split_lines
+from seqjax.data.corpus import (
+    SPLITS,
+    CorpusError,
+    SplitText,
+    count_lines,
+    count_words,
+    find_sources,
+    read_split,
+    split_lines,
+)
 from seqjax.data.store import MANIFEST, StoreWriter, TokenStore
 from seqjax.data.tokenizer import Tokenizer, check_vocab_size, special_tokens_for, train_tokenizer
+
+log = logging.getLogger(__name__)
 
 # Bump when the way text becomes a store changes, so old caches are rebuilt rather than trusted.
 BUILDER_VERSION = 1
@@ -77,10 +89,6 @@ def corpus_key(config: Config) -> str:
     if d.corpus == "wikitext2":
         return f"wikitext2-{d.variant}"
     return f"{d.corpus}-{_digest([d.train_files, d.valid_files, d.test_files])[:12]}"
-
-
-def _log(message: str) -> None:
-    print(f"[prepare] {message}", file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -125,7 +133,7 @@ def obtain_tokenizer(config: Config, train_sha256: list[str] | None, read_train:
             return Tokenizer(path, specials[0])
         train: SplitText = read_train()
         lines = [line for doc in train.documents for line in split_lines(doc)]
-        _log(f"training a {config.tokenizer.vocab_size}-token byte-level BPE on {len(lines):,} train lines")
+        log.info("training a %d-token byte-level BPE on %s train lines", config.tokenizer.vocab_size, f"{len(lines):,}")
         start = time.perf_counter()
         tokenizer = train_tokenizer(
             lines,
@@ -136,7 +144,7 @@ def obtain_tokenizer(config: Config, train_sha256: list[str] | None, read_train:
             num_lines=len(lines),
         )
         (folder / "recipe.json").write_text(json.dumps(recipe, indent=2))
-        _log(f"tokenizer {tokenizer.hash[:12]} trained in {time.perf_counter() - start:.1f}s -> {path}")
+        log.info("tokenizer %s trained in %.1fs -> %s", tokenizer.hash[:12], time.perf_counter() - start, path)
         return tokenizer
 
 
@@ -259,11 +267,12 @@ def prepare(config: Config, splits: Sequence[str] = SPLITS) -> Prepared:
             if reused:
                 store = TokenStore.open(path, tokenizer_hash=tokenizer.hash)
             else:
-                _log(f"{split}: building the token store at {path}")
+                log.info("%s: building the token store at %s", split, path)
                 store = build_store(path, tokenizer, text_of(split), build_key, records[split])
         texts.pop(split, None)
         stores[split] = store
         summary[split] = summarize(store, time.perf_counter() - start, reused)
-        _log(f"{split}: {'reused' if reused else 'built'} {summary[split]['documents']} documents, {summary[split]['tokens']:,} tokens")
+        log.info("%s: %s %d documents, %s tokens", split, "reused" if reused else "built", summary[split]["documents"],
+                 f"{summary[split]['tokens']:,}")
     return Prepared(tokenizer=tokenizer, stores=stores, summary=summary, root=root)
 

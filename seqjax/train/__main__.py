@@ -1,7 +1,42 @@
-"""``python -m seqjax.train --config configs/X.yaml [key=value ...]``"""
+"""``python -m seqjax.train --config configs/X.yaml [key=value ...]``: train, or resume when ``run.dir`` holds checkpoints.
 
+Exit codes: 0 done (the last stdout line is the run's JSON summary); 2 bad
+input, before any work (:func:`seqjax.cli.run`); 1 a non-finite loss under
+``train.nonfinite=stop``; 128 + N stopped by signal N after writing a
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
 import sys
+from typing import Sequence
 
-from seqjax.train.loop import main
+from seqjax import cli
+from seqjax.train.loop import Interrupted, NonFiniteLoss, train
 
-sys.exit(main())
+log = logging.getLogger("seqjax.train")  # by name: this module runs as __main__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = cli.parser("python -m seqjax.train", "Train a language model; resumes when run.dir already holds checkpoints.")
+    return cli.run(p, argv, run_training)
+
+
+def run_training(args: argparse.Namespace) -> int:
+    try:
+        summary = train(cli.load(args))
+    except NonFiniteLoss as err:
+        log.error("%s", err)
+        return 1
+    except Interrupted as err:
+        log.warning("%s", err)
+        return 128 + err.signum
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

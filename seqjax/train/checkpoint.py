@@ -6,7 +6,7 @@ A checkpoint is one step folder under ``<run.dir>/checkpoints/`` with five items
 - ``rng``: the run's PRNG key (saved so stochastic layers resume their stream);
 - ``data``: the Grain iterator state, one JSON file per process (Grain's own
   orbax handler), so the next batch after a restore is the one that would
-  have come next: none repeated, none skipped (DESIGN.md contract 4);
+  have come next: none repeated, none skipped (docs/design.md, contract 4);
 - ``meta``: JSON with the step and the running counters (tokens_seen).
 
 orbax writes a step into a temporary folder and renames it when every item is
@@ -18,21 +18,28 @@ used instead.
 
 from __future__ import annotations
 
+import logging
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable, TypeVar
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 from grain.checkpoint import CheckpointRestore, CheckpointSave
+from jax.experimental import multihost_utils
 
 from seqjax.config import Config, ConfigError, TrainConfig, load_config
+from seqjax.errors import CheckpointError
+from seqjax.model import build_model
 
 CHECKPOINTS = "checkpoints"
 CORRUPT = "checkpoints_corrupt"
 CONFIG_FILE = "config.yaml"
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,6 +59,25 @@ def _abstract(tree: Any) -> Any:
 def _like(target: Any, restored: Any) -> Any:
     """Give restored leaves the target's tree structure (orbax returns optax's NamedTuples as plain tuples)."""
     return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(restored))
+
+
+def newest_readable(steps: Iterable[int], restore: Callable[[int], T],
+                    unreadable: Callable[[int, Exception], None]) -> tuple[int, T] | None:
+    """``(step, restore(step))`` for the first step, newest first, that restores; None when none does.
+
+    Each step that fails is handed to ``unreadable`` (which reports it, and may
+    move it aside) before the next older one is tried.
+    """
+    for step in sorted(steps, reverse=True):
+        try:
+            return step, restore(step)
+        except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is skipped, and said so
+            unreadable(step, err)
+    return None
+
+
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
 
 
 class Checkpointer:
@@ -88,46 +114,41 @@ class Checkpointer:
 
         ``data_iterator`` is set to the saved position in place.
         """
-        for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                out = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        params=ocp.args.StandardRestore(_abstract(params)),
-                        opt_state=ocp.args.StandardRestore(_abstract(opt_state)),
-                        rng=ocp.args.StandardRestore(_abstract({"key": rng})),
-                        data=CheckpointRestore(data_iterator),
-                        meta=ocp.args.JsonRestore(),
-                    ),
-                )
-            except Exception as err:  # noqa: BLE001 - any unreadable checkpoint is skipped, and said so
-                self._set_aside(step, err)
-                continue
-            return Restored(
-                step=step,
-                params=_like(params, out["params"]),
-                opt_state=_like(opt_state, out["opt_state"]),
-                rng=out["rng"]["key"],
-                meta=dict(out["meta"]),
+
+        def restore(step: int) -> dict[str, Any]:
+            return self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(_abstract(params)),
+                    opt_state=ocp.args.StandardRestore(_abstract(opt_state)),
+                    rng=ocp.args.StandardRestore(_abstract({"key": rng})),
+                    data=CheckpointRestore(data_iterator),
+                    meta=ocp.args.JsonRestore(),
+                ),
             )
-        return None
+
+        found = newest_readable(self.manager.all_steps(), restore, self._set_aside)
+        if found is None:
+            return None
+        step, out = found
+        return Restored(
+            step=step,
+            params=_like(params, out["params"]),
+            opt_state=_like(opt_state, out["opt_state"]),
+            rng=out["rng"]["key"],
+            meta=dict(out["meta"]),
+        )
 
     def _set_aside(self, step: int, err: Exception) -> None:
         src = self.run_dir / CHECKPOINTS / str(step)
         dst = self.run_dir / CORRUPT / str(step)
-        print(
-            f"checkpoint {src} is unreadable ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-            f"moving it to {dst} and trying the previous one",
-            file=sys.stderr,
-            flush=True,
-        )
+        log.warning("checkpoint %s is unreadable (%s); moving it to %s and trying the previous one",
+                    src, _first_line(err), dst)
         if jax.process_index() == 0:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(dst, ignore_errors=True)
             shutil.move(src, dst)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"seqjax: checkpoint {step} set aside")
         self.manager.reload()
 
@@ -162,29 +183,27 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     different ``model.attention`` backend for inference); only the parameters
     are read, on the default device.
     """
-    from flax import nnx
-
-    from seqjax.model import build_model
-
     config_file, checkpoints, step = _locate(path)
     config = load_config(config_file, list(overrides))
     model = build_model(config, rngs=nnx.Rngs(config.run.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     target = _abstract(nnx.to_pure_dict(params))
     manager = ocp.CheckpointManager(checkpoints, options=ocp.CheckpointManagerOptions(read_only=True))
+    errors = []
+
+    def unreadable(candidate: int, err: Exception) -> None:
+        errors.append(f"step {candidate}: {_first_line(err)}")
+        log.warning("checkpoint %s is unreadable; trying an older one", checkpoints / str(candidate))
+
     try:
-        steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
+        steps = [step] if step is not None else manager.all_steps()
         if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {checkpoints}")
-        errors = []
-        for candidate in steps:
-            try:
-                out = manager.restore(candidate, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-            except Exception as err:  # noqa: BLE001 - fall back to an older step, and say so
-                errors.append(f"step {candidate}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
-                print(f"checkpoint {checkpoints / str(candidate)} is unreadable; trying an older one", file=sys.stderr)
-                continue
-            return config, nnx.merge(graphdef, _like(target, out["params"]), rest)
-        raise FileNotFoundError(f"no readable checkpoint in {checkpoints}: " + "; ".join(errors))
+            raise CheckpointError(f"no complete checkpoint in {checkpoints}")
+        found = newest_readable(
+            steps, lambda s: manager.restore(s, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))),
+            unreadable)
+        if found is None:
+            raise CheckpointError(f"no readable checkpoint in {checkpoints}: " + "; ".join(errors))
+        return config, nnx.merge(graphdef, _like(target, found[1]["params"]), rest)
     finally:
         manager.close()

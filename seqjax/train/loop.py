@@ -1,9 +1,10 @@
-"""``python -m seqjax.train``: config -> data -> sharded model and optimizer -> steps, checkpoints, metrics.
+"""Training, the library behind ``python -m seqjax.train``: config -> data -> sharded model and optimizer -> steps.
 
 Everything a run produces lives in ``run.dir``: ``config.yaml`` (resolved,
 with the tokenizer's vocabulary size filled in, so a checkpoint can be loaded
 without the tokenizer), ``metrics.jsonl``, ``checkpoints/``, ``loss.png``,
-``summary.json`` and, with tensorboardX installed, ``tensorboard/``.
+``summary.json`` and, when ``run.trackers`` asks for them, ``tensorboard/`` or a
+wandb run.
 
 Starting a run in a ``run.dir`` that holds checkpoints resumes from the newest
 readable one: parameters, optimizer state, RNG and the data iterator's
@@ -15,29 +16,38 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from seqjax import sharding
-from seqjax.config import Config, ConfigError
+from seqjax.config import Config, ConfigError, announce
+from seqjax.data.build import prepare
+from seqjax.data.pipeline import build_pipeline
+from seqjax.evaluate import evaluate
 from seqjax.files import write_text_atomic
+from seqjax.model import build_model
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
-from seqjax.train.metrics import MetricsLog, plot_losses, unigram_perplexity
+from seqjax.train.metrics import MetricsLog, check_trackers, plot_losses, unigram_perplexity
 from seqjax.train.optimizer import build_optimizer
+from seqjax.train.step import make_train_step
 
 SUMMARY_FILE = "summary.json"
+
+logger = logging.getLogger(__name__)  # (``log`` in train() is the run's MetricsLog)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -69,7 +79,7 @@ class StopRequest:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after this step, then exiting", file=sys.stderr)
+        logger.warning("%s: saving a checkpoint after this step, then exiting", signal.Signals(signum).name)
 
     def __enter__(self):
         if not self.enabled:
@@ -101,8 +111,6 @@ def _with_vocab(config: Config, vocab_size: int) -> Config:
 
 def _validation(model, store, config: Config, mesh, step: int, primary: bool, final: bool) -> dict[str, Any]:
     """Validation with the eval CLI's code; capped at train.eval_batches during training, whole split at the end."""
-    from seqjax.eval import evaluate
-
     max_batches = None if final else config.train.eval_batches
     result = evaluate(model, store, config, mesh=mesh, max_batches=max_batches, progress=primary)
     val_loss = result["nll_sum"] / result["tokens"]
@@ -119,8 +127,6 @@ def _validation(model, store, config: Config, mesh, step: int, primary: bool, fi
 
 def _sharded_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State, dict, dict]:
     """(graphdef, non-Param state, params as a pure dict placed on the mesh, their shardings)."""
-    from seqjax.model import build_model
-
     model = build_model(config, rngs=nnx.Rngs(config.run.seed))
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
     param_shardings = sharding.param_shardings(param_state, mesh)
@@ -137,11 +143,8 @@ def _sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, par
 
 def train(config: Config) -> dict[str, Any]:
     """Run (or resume) training for ``train.steps`` steps; return the summary also written to summary.json."""
-    from seqjax.data.build import prepare
-    from seqjax.data.pipeline import build_pipeline
-    from seqjax.train.step import make_train_step
-
     wall_start = time.perf_counter()
+    check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
     initialize_distributed(config.dist)
     process_index, process_count = jax.process_index(), jax.process_count()
     primary = process_index == 0
@@ -154,8 +157,6 @@ def train(config: Config) -> dict[str, Any]:
     train_store, valid_store = prepared.stores["train"], prepared.stores[config.eval.split]
     config = _with_vocab(config, prepared.tokenizer.vocab_size)
     if primary:
-        from seqjax.cli import announce
-
         announce(config, run_dir)
     unigram = unigram_perplexity(train_store.tokens, valid_store.tokens, config.model.vocab_size)
 
@@ -175,7 +176,7 @@ def train(config: Config) -> dict[str, Any]:
     if restored is not None:
         params, opt_state, rng = restored.params, restored.opt_state, restored.rng
         start_step, tokens_seen = restored.step, int(restored.meta["tokens_seen"])
-        print(f"resuming from {run_dir / 'checkpoints' / str(start_step)} (step {start_step})", file=sys.stderr)
+        logger.info("resuming from %s (step %d)", run_dir / "checkpoints" / str(start_step), start_step)
 
     batch_sharding = sharding.batch_sharding(mesh)
     step_fn = jax.jit(
@@ -185,13 +186,12 @@ def train(config: Config) -> dict[str, Any]:
         donate_argnums=(0, 1),
     )
     peak = peak_flops_per_device(override=tc.peak_flops)
-    log = MetricsLog(run_dir, resume_step=start_step, enabled=primary)
+    log = MetricsLog(run_dir, resume_step=start_step, enabled=primary, trackers=config.run.trackers, config=config)
     if primary:
-        print(
-            f"{num_params:,} parameters; mesh {dict(mesh.shape)}; {process_count} process(es); "
-            f"unigram {config.eval.split} perplexity {unigram:.1f}",
-            file=sys.stderr,
-        )
+        logger.info("%s parameters; mesh %s; %d process(es); unigram %s perplexity %.1f",
+                    f"{num_params:,}", dict(mesh.shape), process_count, config.eval.split, unigram)
+    # Where stderr is a file (SLURM, Kubernetes), the progress bar is no reading matter: log a plain line too.
+    plain_progress = primary and not sys.stderr.isatty()
 
     def save(step: int) -> None:
         checkpoints.save(step, params, opt_state, rng, data_iterator, {"tokens_seen": tokens_seen})
@@ -252,6 +252,8 @@ def train(config: Config) -> dict[str, Any]:
                 bar.update(1)
                 if step % tc.log_every == 0 or step == tc.steps:
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+                    if plain_progress:
+                        logger.info("step %d/%d: loss %.4f, %.0f tokens/s", step, tc.steps, row["loss"], tokens_per_s)
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     save(step)
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
@@ -292,30 +294,5 @@ def train(config: Config) -> dict[str, Any]:
 def _should_stop(stop: StopRequest, step: int, process_count: int) -> bool:
     """Single process: a signal arrived. Multi-host: JAX's preemption sync point, so all processes stop at one step."""
     if process_count > 1:
-        from jax.experimental import multihost_utils
-
         return multihost_utils.reached_preemption_sync_point(step)
     return stop.signum is not None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from seqjax.cli import parse, parser
-    from seqjax.errors import DataError
-    from seqjax.data.corpus import CorpusError
-    from seqjax.data.store import StoreError
-    from seqjax.data.tokenizer import TokenizerError
-
-    p = parser("python -m seqjax.train", "Train a language model; resumes when run.dir already holds checkpoints.")
-    _, config = parse(p, argv)
-    try:
-        summary = train(config)
-    except (ConfigError, CorpusError, DataError, StoreError, TokenizerError) as err:  # bad input: message, no traceback
-        p.exit(2, f"{p.prog}: error: {err}\n")
-    except NonFiniteLoss as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except Interrupted as err:
-        print(str(err), file=sys.stderr)
-        return 128 + err.signum
-    print(json.dumps(summary))
-    return 0

@@ -1,4 +1,8 @@
-"""Where a run's numbers go: metrics.jsonl (one line per step, plus validation lines), TensorBoard, a PNG.
+"""Where a run's numbers go: metrics.jsonl (one line per step, plus validation lines), the trackers, a PNG.
+
+``run.trackers`` chooses the trackers: ``jsonl`` (always on), ``tensorboard``
+(needs ``seqjax[tensorboard]``) and ``wandb`` (needs ``seqjax[wandb]``). One
+that is asked for but not installed stops the run before any work.
 
 metrics.jsonl is the record the resume test compares, so a resumed run first
 cuts the file back to the restored step: lines a killed run wrote after its
@@ -8,13 +12,17 @@ never duplicated.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
+from seqjax.config import Config
+from seqjax.errors import ConfigError
 from seqjax.files import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
@@ -48,52 +56,111 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-class MetricsLog:
-    """Appends rows to metrics.jsonl and, when tensorboardX is installed, to TensorBoard event files.
+# What each tracker needs installed (None: nothing beyond seqjax), and the extra that installs it.
+TRACKERS = {"jsonl": None, "tensorboard": "tensorboardX", "wandb": "wandb"}
 
-    Only one process of a multi-host run writes (``enabled``).
+
+def check_trackers(names: Sequence[str]) -> None:
+    """Refuse, before any work, a tracker in ``run.trackers`` whose package is not installed."""
+    for name in names:
+        module = TRACKERS[name]
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"run.trackers: {name!r} needs the {module} package, which is not installed; "
+                f"pip install 'seqjax[{name}]' or drop it from run.trackers"
+            )
+
+
+class _TensorBoard:
+    """Scalars to TensorBoard event files under ``<run.dir>/tensorboard``."""
+
+    def __init__(self, run_dir: Path, resume_step: int, config: Config | None):
+        # optional dependency (seqjax[tensorboard]), imported only when asked for
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+
+    def write(self, row: dict[str, Any], prefix: str) -> None:
+        for key, value in _scalars(row):
+            self.writer.add_scalar(f"{prefix}/{key}", value, row["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    """Scalars to Weights & Biases: one wandb run per ``run.dir`` (a resumed seqjax run continues it)."""
+
+    def __init__(self, run_dir: Path, resume_step: int, config: Config | None):
+        # optional dependency (seqjax[wandb]), imported only when asked for
+        import wandb
+
+        run_id = hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:16]  # the same folder, the same run
+        self.run = wandb.init(project=config.run.wandb_project if config else "seqjax", name=run_dir.name, id=run_id,
+                              resume="allow", dir=str(run_dir), config=config.to_dict() if config else None)
+
+    def write(self, row: dict[str, Any], prefix: str) -> None:
+        self.run.log({f"{prefix}/{key}": value for key, value in _scalars(row)}, step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+_TRACKER_CLASSES = {"tensorboard": _TensorBoard, "wandb": _Wandb}
+
+
+def _scalars(row: dict[str, Any]):
+    """The finite numbers of a row, without its step (the trackers' x axis)."""
+    for key, value in row.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            yield key, value
+
+
+class MetricsLog:
+    """Appends rows to metrics.jsonl (always) and to the other trackers ``run.trackers`` names.
+
+    Only one process of a multi-host run writes (``enabled``). ``config`` (the
+    resolved config) goes to the trackers that record it (wandb).
     """
 
-    def __init__(self, run_dir: str | Path, resume_step: int, enabled: bool = True):
+    def __init__(self, run_dir: str | Path, resume_step: int, enabled: bool = True, trackers: Sequence[str] = ("jsonl",),
+                 config: Config | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
-        self.tensorboard = None
+        self.trackers: list[Any] = []
         if not enabled:
             return
         kept = [row for row in read_metrics(self.run_dir) if row.get("step", 0) <= resume_step]
         # Cut back to the resumed step atomically: a kill here must not lose the run's history.
         path = write_text_atomic(self.run_dir / METRICS_FILE, "".join(json.dumps(row) + "\n" for row in kept))
         self.file = path.open("a")
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            return
-        self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1)
+        check_trackers(trackers)
+        self.trackers = [_TRACKER_CLASSES[name](self.run_dir, resume_step, config)
+                         for name in dict.fromkeys(trackers) if name != "jsonl"]
 
     def write(self, row: dict[str, Any], prefix: str = "train") -> None:
         if not self.enabled:
             return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tensorboard is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self.tensorboard.add_scalar(f"{prefix}/{key}", value, row["step"])
+        for tracker in self.trackers:
+            tracker.write(row, prefix)
 
     def close(self) -> None:
         if not self.enabled:
             return
         self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def plot_losses(run_dir: str | Path) -> Path:
     """loss.png: training loss per step and validation loss at each evaluation."""
+    # matplotlib takes over half a second to import and is needed once, at the end of a run
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     rows = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r and r["loss"] is not None and math.isfinite(r["loss"])]

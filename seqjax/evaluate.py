@@ -1,0 +1,176 @@
+"""Perplexity on a split, in the units and protocols the literature uses (the library behind ``python -m seqjax.eval``).
+
+One figure, three units, all from the same summed negative log-likelihood
+(nats) over the scored tokens:
+
+- ``token_perplexity = exp(nll_sum / tokens)``: per token of *this* tokenizer
+  (what HF's scripts report; not comparable across vocabularies);
+- ``word_perplexity = exp(nll_sum / words)``: words are whitespace-separated
+  words plus one end-of-line per line (245,569 for the word-level WikiText-2
+  test split), the normalization of word-level papers (AWD-LSTM, GPT-2);
+- ``bits_per_byte = nll_sum / (bytes * ln 2)``: over the UTF-8 bytes of the
+  text scored; independent of any tokenizer.
+
+The protocol (``eval.mode`` = blocks / sliding / documents, ``eval.context``,
+``eval.stride``) decides which context each token is scored with; see
+:mod:`seqjax.data.eval_windows`, which also states the first-token rule
+(each unit's opening ``<|endoftext|>`` is context only). Every protocol scores
+every predicted token once, so ``tokens`` is the same in all three.
+
+Contract 3: per-batch sums come back from the device in float32 and are
+accumulated on the host in float64; perplexity is exp(total / count), never
+an average of per-batch perplexities. Training's periodic validation calls
+:func:`evaluate`, so a number logged during training and one printed here
+mean the same thing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from tqdm import tqdm
+
+from seqjax import sharding
+from seqjax.config import Config
+from seqjax.data.eval_windows import EvalWindows, eval_windows
+from seqjax.data.store import TokenStore
+from seqjax.model.loss import lm_loss
+
+
+def windows_for(store: TokenStore, config: Config) -> EvalWindows:
+    """The evaluation windows ``config.eval`` asks for (``eval.context`` defaults to ``data.seq_len``)."""
+    return eval_windows(
+        store,
+        config.eval.mode,
+        config.eval_context,
+        config.eval.stride,
+        cross_document_attention=config.data.cross_document_attention,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Summed nll (nats) and summed weight of one batch, both float32 (contract 3 via ``lm_loss``)."""
+    model = nnx.merge(graphdef, state)
+    logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    _, aux = lm_loss(logits, batch["targets"], batch["weights"])
+    return aux["nll_sum"], aux["weight_sum"]
+
+
+class _Placement:
+    """Where batches go: one device, or rows split over the mesh's ``data x fsdp`` axes.
+
+    Every process builds the same global batch (the windows are a pure
+    function of the store and config), so each device's rows are cut from it.
+    Without a mesh and with several devices, the model is replicated over the
+    mesh ``config.mesh`` describes.
+    """
+
+    def __init__(self, mesh: Mesh | None, config: Config):
+        self.replicate_model = mesh is None and jax.device_count() > 1
+        if self.replicate_model:
+            mesh = sharding.build_mesh(config.mesh)
+        self.mesh = mesh
+        self.shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES) if mesh is not None else 1
+
+    def batch_size(self, requested: int) -> int:
+        """``requested`` rounded up to a multiple of the batch shards."""
+        return -(-requested // self.shards) * self.shards
+
+    def state(self, state: nnx.State) -> nnx.State:
+        if not self.replicate_model:
+            return state
+        return sharding.place(state, jax.tree.map(lambda _: sharding.replicated(self.mesh), state))
+
+    def put(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if self.mesh is None:
+            return jax.device_put(batch)
+        rows = sharding.batch_sharding(self.mesh)
+        return sharding.place(batch, {k: rows for k in batch})
+
+
+def _per(count: float | None, nll_sum: float, scale: float = 1.0) -> float | None:
+    return None if not count else nll_sum / (count * scale)
+
+
+def evaluate(
+    model: nnx.Module,
+    store: TokenStore,
+    config: Config,
+    *,
+    mesh: Mesh | None = None,
+    max_batches: int | None = None,
+    split: str | None = None,
+    word_count: int | None = None,
+    byte_count: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score ``store`` with ``model`` under ``config.eval``; returns the figures as a JSON-ready dict.
+
+    ``word_count`` / ``byte_count`` count the split's text; they default to
+    the counts ``prepare`` wrote in the store's manifest (``stats``), the
+    numbers its summary prints. With ``max_batches`` only a prefix of the
+    windows is scored (training's quick validation): ``complete`` is then
+    false and the word and byte figures, which need the whole split, are null.
+    """
+    windows = windows_for(store, config)
+    placement = _Placement(mesh, config)
+    batch_size = placement.batch_size(config.eval.batch_size)
+    total = windows.num_batches(batch_size)
+    n_batches = total if max_batches is None else min(max_batches, total)
+    graphdef, state = nnx.split(model)
+    state = placement.state(state)
+
+    nll_sum = 0.0
+    tokens = 0
+    start = time.perf_counter()
+    batches = windows.batches(batch_size)
+    bar = tqdm(total=n_batches, desc=f"eval {windows.mode}", unit="batch", disable=not progress, file=sys.stderr)
+    pending = None  # the previous batch's sum: read after the next batch is dispatched, so host and device overlap
+    with bar:
+        for _ in range(n_batches):
+            batch = next(batches)
+            batch_nll, _ = _score(graphdef, state, placement.put(batch))
+            if pending is not None:
+                nll_sum += float(pending)
+            pending = batch_nll
+            tokens += int(batch["weights"].sum())
+            bar.update()
+        if pending is not None:
+            nll_sum += float(pending)
+    seconds = time.perf_counter() - start
+
+    complete = n_batches == total
+    if complete and tokens != store.predicted_tokens:
+        raise RuntimeError(f"scored {tokens} tokens, expected every predicted token ({store.predicted_tokens}) once")
+    stats = store.manifest.get("stats", {})
+    words = (word_count if word_count is not None else stats.get("words")) if complete else None
+    n_bytes = (byte_count if byte_count is not None else stats.get("bytes")) if complete else None
+    per_word = _per(words, nll_sum)
+    per_byte = _per(n_bytes, nll_sum, math.log(2))
+    return {
+        "split": split or store.manifest.get("split") or config.eval.split,
+        "mode": windows.mode,
+        "context": windows.context,
+        "stride": windows.stride,
+        "cross_document_attention": windows.cross_document_attention,
+        "complete": complete,
+        "windows": min(len(windows), n_batches * batch_size),
+        "tokens": tokens,
+        "words": words,
+        "bytes": n_bytes,
+        "nll_sum": nll_sum,
+        "token_perplexity": math.exp(nll_sum / tokens) if tokens else None,
+        "word_perplexity": None if per_word is None else math.exp(per_word),
+        "bits_per_byte": per_byte,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
+    }
