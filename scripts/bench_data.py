@@ -46,7 +46,10 @@ CASES = [
 
 def name(strategy: str, extra: list[str]) -> str:
     """``block/eos``, ``pack/best_fit``, ``concat_chunk/cross_document_attention``."""
-    parts = [value if value not in ("true", "false") else key.split(".")[-1] for key, value in (e.split("=", 1) for e in extra)]
+    parts = [
+        value if value not in ("true", "false") else key.split(".")[-1]
+        for key, value in (e.split("=", 1) for e in extra)
+    ]
     return "/".join([strategy, *parts])
 
 
@@ -69,15 +72,25 @@ def bench_hf(store, seq_len: int) -> dict:
         rows += len(hf_group_texts({"input_ids": documents[i : i + HF_MAP_BATCH]}, seq_len + 1)["input_ids"])
     seconds = time.perf_counter() - start
     real = rows * seq_len
-    return {"strategy": "hf_group_texts", "name": "hf_group_texts", "rows": rows, "seq_len": seq_len, "real_tokens": real, "padding_fraction": 0.0,
-            "tokens_dropped": store.predicted_tokens - real, "tokens_per_s": real / seconds}
+    return {
+        "strategy": "hf_group_texts",
+        "name": "hf_group_texts",
+        "rows": rows,
+        "seq_len": seq_len,
+        "real_tokens": real,
+        "padding_fraction": 0.0,
+        "tokens_dropped": store.predicted_tokens - real,
+        "tokens_per_s": real / seconds,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/wikitext2_cpu.yaml")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
-    p.add_argument("--repeats", type=int, default=5, help="best of this many timed epochs per strategy (a shared machine is noisy)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="best of this many timed epochs per strategy (a shared machine is noisy)"
+    )
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.batch_size=16")
     args = p.parse_args(argv)
@@ -101,9 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     targets = {}
     for seq_len in args.seq_lens:
         grain_ff = find(seq_len, "pack/grain_first_fit")["tokens_per_s"]
-        ours = [r for r in results if r["seq_len"] == seq_len and "grain" not in r["name"] and r["name"] != "hf_group_texts"]
+        ours = [
+            r for r in results if r["seq_len"] == seq_len and "grain" not in r["name"] and r["name"] != "hf_group_texts"
+        ]
         speedup = {r["name"]: r["tokens_per_s"] / grain_ff for r in ours}
-        padding = {name: find(seq_len, name)["padding_fraction"] for name in ("pack/fill", "concat_chunk", "pack/best_fit", "pack/grain_best_fit")}
+        padding = {
+            name: find(seq_len, name)["padding_fraction"]
+            for name in ("pack/fill", "concat_chunk", "pack/best_fit", "pack/grain_best_fit")
+        }
         targets[str(seq_len)] = {
             "speedup_vs_grain_first_fit": speedup,
             "below_10x": sorted(name for name, x in speedup.items() if x < 10),

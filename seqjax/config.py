@@ -105,7 +105,8 @@ PACKERS_WITHOUT_SEGMENT_CAP = ("fill", "grain_concat_split")
 @dataclass
 class DataConfig:
     dir: str | None = _f(
-        None, f"folder holding the corpus (default: ${DATA_DIR_ENV}); for wikitext2 it holds wikitext-2/ and wikitext-2-raw/"
+        None,
+        f"folder holding the corpus (default: ${DATA_DIR_ENV}); for wikitext2 it holds wikitext-2/ and wikitext-2-raw/",
     )
     cache_dir: str = _f(".cache/seqjax", "where the tokenizer and token store are built and reused")
     corpus: str = _f("wikitext2", "text source", choices=("wikitext2", "text", "jsonl"))
@@ -125,9 +126,16 @@ class DataConfig:
         "stream strategies and the blocks/sliding evaluation windows: one segment per row (HF/GPT-2) "
         "instead of one per document piece",
     )
-    break_mode: str = _f("none", "block: fairseq TokenBlockDataset break mode", choices=("none", "complete", "complete_doc", "eos"))
+    break_mode: str = _f(
+        "none", "block: fairseq TokenBlockDataset break mode", choices=("none", "complete", "complete_doc", "eos")
+    )
     packer: str = _f("best_fit", "pack: the packing algorithm", choices=PACKERS)
-    pack_buffer: int = _f(1024, "pack: rows open at once in first_fit/best_fit (best_fit_decreasing sorts windows of this many documents; grain_*: bins)", min=1)
+    pack_buffer: int = _f(
+        1024,
+        "pack: rows open at once in first_fit/best_fit (best_fit_decreasing sorts windows of this many documents; "
+        "grain_*: bins)",
+        min=1,
+    )
     overlong: str = _f("split", "pack: documents longer than a row", choices=("drop", "truncate", "split", "error"))
     max_segments_per_row: int | None = _f(None, "pack: cap on segments in one row", min=1)
     bucket_lengths: list[int] = _f([], "length_grouped: padded row lengths (default: powers of two up to seq_len)")
@@ -136,7 +144,11 @@ class DataConfig:
     def check(self) -> None:
         if self.corpus != "wikitext2" and not self.train_files:
             raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={self.corpus!r}")
-        if self.strategy == "pack" and self.packer in PACKERS_WITHOUT_SEGMENT_CAP and self.max_segments_per_row is not None:
+        if (
+            self.strategy == "pack"
+            and self.packer in PACKERS_WITHOUT_SEGMENT_CAP
+            and self.max_segments_per_row is not None
+        ):
             what = "fills every row" if self.packer == "fill" else "is Grain's concat-then-split, which"
             raise ConfigError(
                 f"data.max_segments_per_row: got {self.max_segments_per_row}, expected null: packer {self.packer} "
@@ -144,7 +156,9 @@ class DataConfig:
             )
         for length in self.bucket_lengths:
             if not 2 <= length <= self.seq_len:
-                raise ConfigError(f"data.bucket_lengths: got {length}, expected values in [2, data.seq_len={self.seq_len}]")
+                raise ConfigError(
+                    f"data.bucket_lengths: got {length}, expected values in [2, data.seq_len={self.seq_len}]"
+                )
 
     @property
     def resolved_stride(self) -> int:
@@ -303,7 +317,8 @@ class Config:
             raise ConfigError(f"eval.stride: got {self.eval.stride}, expected at most eval.context={self.eval_context}")
         if self.data.batch_size % self.train.grad_accum:
             raise ConfigError(
-                f"train.grad_accum: got {self.train.grad_accum}, expected a divisor of data.batch_size={self.data.batch_size}"
+                f"train.grad_accum: got {self.train.grad_accum}, "
+                f"expected a divisor of data.batch_size={self.data.batch_size}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -448,7 +463,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} not found (expected a YAML file such as configs/wikitext2_cpu.yaml)")
+            raise ConfigError(
+                f"config file {str(path)!r} not found (expected a YAML file such as configs/wikitext2_cpu.yaml)"
+            )
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as err:
@@ -489,7 +506,8 @@ def describe_keys() -> str:
                 continue
             allowed = f" one of {list(f.metadata['choices'])}" if "choices" in f.metadata else ""
             lines.append(
-                f"{prefix + f.name:32s} {_type_name(tp):18s} default={getattr(obj, f.name)!r}{allowed}  {f.metadata.get('help', '')}"
+                f"{prefix + f.name:32s} {_type_name(tp):18s} default={getattr(obj, f.name)!r}{allowed}  "
+                f"{f.metadata.get('help', '')}"
             )
 
     walk(Config, defaults, "")

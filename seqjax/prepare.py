@@ -23,7 +23,9 @@ from seqjax.data.corpus import SPLITS
 def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser("python -m seqjax.prepare",
                    "Train or load the tokenizer and build (or reuse) the token store of each split.")
-    p.add_argument("--splits", default=",".join(SPLITS), help="comma-separated splits to prepare (default: %(default)s)")
+    p.add_argument(
+        "--splits", default=",".join(SPLITS), help="comma-separated splits to prepare (default: %(default)s)"
+    )
     cli.run(p, argv, build)
     return 0
 

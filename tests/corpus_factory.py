@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 SPLIT_DOCS = {
-    "train": ["the cat sat on the mat .\nthe dog sat too .\n", "a second document\nwith two lines\n", "   \n", "naïve café 🙂\n"],
+    "train": [
+        "the cat sat on the mat .\nthe dog sat too .\n",
+        "a second document\nwith two lines\n",
+        "   \n",
+        "naïve café 🙂\n",
+    ],
     "valid": ["the cat and the dog .\n", "last line has no newline"],
     "test": ["one more document .\n"],
 }

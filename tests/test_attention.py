@@ -63,7 +63,10 @@ def test_grouped_query_equals_multi_head_with_repeated_kv_heads():
     "change, message",
     [
         (lambda q, k, v, s: (q[0], k, v, s), r"q has shape \(16, 4, 16\), expected \[batch, seq, heads, head_dim\]"),
-        (lambda q, k, v, s: (q, k[:, :8], v[:, :8], s), r"k/v have shape \(1, 8, 2, 16\), expected \[1, 16, kv_heads, 16\]"),
+        (
+            lambda q, k, v, s: (q, k[:, :8], v[:, :8], s),
+            r"k/v have shape \(1, 8, 2, 16\), expected \[1, 16, kv_heads, 16\]",
+        ),
         (lambda q, k, v, s: (q, k, v[..., :4], s), "k has shape .* but v has"),
         (lambda q, k, v, s: (q[:, :, :3], k, v, s), "3 query heads is not a multiple of 2"),
         (lambda q, k, v, s: (q, k, v.astype(jnp.bfloat16), s), "dtypes differ"),
@@ -87,7 +90,9 @@ def test_unknown_backend_and_cudnn_off_gpu_are_refused():
 
 def test_a_missing_kernel_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(attn._KERNELS, "pallas", ("seqjax.model.kernels.not_there", "flash_attention"))
-    with pytest.raises(RuntimeError, match="model.attention='pallas' needs seqjax.model.kernels.not_there.flash_attention"):
+    with pytest.raises(
+        RuntimeError, match="model.attention='pallas' needs seqjax.model.kernels.not_there.flash_attention"
+    ):
         attention(*qkv(0), segments_from_lengths([T], T), backend="pallas")
 
 
@@ -133,7 +138,9 @@ def test_kernel_backends_receive_the_batch_and_scale(monkeypatch):
 def test_cudnn_path_passes_the_segment_mask_densely(monkeypatch):
     """Off a GPU: the same call with XLA's implementation of dot_product_attention checks mask and padding plumbing."""
     real = jax.nn.dot_product_attention
-    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation, **kw: real(*a, implementation="xla", **kw))
+    monkeypatch.setattr(
+        jax.nn, "dot_product_attention", lambda *a, implementation, **kw: real(*a, implementation="xla", **kw)
+    )
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     q, k, v = qkv(4, b=2, dtype=jnp.bfloat16)
     segment_ids = np.concatenate([segments_from_lengths([5, 7], T), segments_from_lengths([T], T)])
@@ -148,7 +155,10 @@ def test_cudnn_path_passes_the_segment_mask_densely(monkeypatch):
 def test_cudnn_backend_matches_xla_in_bfloat16():
     q, k, v = qkv(2, b=2, t=128, dtype=jnp.bfloat16)
     segment_ids = np.concatenate([segments_from_lengths([40, 60], 128), segments_from_lengths([128], 128)])
-    run = lambda backend: np.asarray(jax.jit(lambda *a: attention(*a, backend=backend))(q, k, v, segment_ids), np.float32)  # noqa: E731
+
+    def run(backend):
+        return np.asarray(jax.jit(lambda *a: attention(*a, backend=backend))(q, k, v, segment_ids), np.float32)
+
     cudnn, xla = run("cudnn"), run("xla")
     np.testing.assert_allclose(cudnn, xla, rtol=2e-2, atol=2e-2)
     assert (cudnn[0, 100:] == 0).all()  # padding rows zeroed
@@ -174,7 +184,8 @@ def compare(fn, place, in_shardings=None):
     args = [place(a) for a in (q, k, v, segment_ids)]
     fwd = jax.jit(fn, in_shardings=in_shardings).lower(*args).compile()
     grad = jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)), in_shardings=in_shardings).lower(*args).compile()
-    want = [reference_attention(q, k, v, segment_ids)] + list(jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v, segment_ids))
+    reference_grad = jax.grad(loss(reference_attention), argnums=(0, 1, 2))
+    want = [reference_attention(q, k, v, segment_ids)] + list(reference_grad(q, k, v, segment_ids))
     got = [fwd(*args)] + list(grad(*args))
     hlo = fwd.as_text() + grad.as_text()
     return {"error": max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(got, want)),
@@ -192,7 +203,8 @@ results["pallas"] = compare(lambda q, k, v, s: attention(q, k, v, s, backend="pa
 mesh = jax.make_mesh((1, 2, 2), axes, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 heads = NamedSharding(mesh, P("fsdp", None, "tensor"))
 with jax.set_mesh(mesh):
-    results["context_layout"] = repr(_device_layout(q, k, segment_ids)[1:])  # host arrays: the mesh comes from the context
+    # host arrays: the mesh comes from the context
+    results["context_layout"] = repr(_device_layout(q, k, segment_ids)[1:])
     results["splash"] = compare(lambda q, k, v, s: attention(q, k, v, s, backend="splash"),
                                 lambda a: jax.device_put(a, heads if a.ndim == 4 else NamedSharding(mesh, P("fsdp"))))
 print(json.dumps(results))

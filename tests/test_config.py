@@ -1,4 +1,4 @@
-"""The typed config: YAML + dotted overrides, and an error that names key, value and what is allowed for every mistake."""
+"""The typed config: YAML + dotted overrides, and for every mistake an error naming key, value and what is allowed."""
 
 from __future__ import annotations
 
@@ -17,8 +17,14 @@ CPU_CONFIG = REPO / "configs" / "wikitext2_cpu.yaml"
 def test_overrides_are_typed_and_win_over_the_file():
     config = load_config(
         CPU_CONFIG,
-        ["data.seq_len=64", "train.lr=1e-3", "data.shuffle=false", "model.n_kv_heads=null", "data.bucket_lengths=[8, 16]",
-         "run.dir=/tmp/somewhere"],
+        [
+            "data.seq_len=64",
+            "train.lr=1e-3",
+            "data.shuffle=false",
+            "model.n_kv_heads=null",
+            "data.bucket_lengths=[8, 16]",
+            "run.dir=/tmp/somewhere",
+        ],
     )
     assert config.data.seq_len == 64 and isinstance(config.data.seq_len, int)
     assert config.train.lr == 1e-3 and isinstance(config.train.lr, float)
@@ -83,7 +89,9 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(listing)
     typo = tmp_path / "typo.yaml"
     typo.write_text("data:\n  seqlen: 5\n")
-    with pytest.raises(ConfigError, match=r"unknown config key 'data.seqlen'; did you mean data.seq_len\? \(in .*typo.yaml\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'data.seqlen'; did you mean data.seq_len\? \(in .*typo.yaml\)"
+    ):
         load_config(typo)
     section = tmp_path / "section.yaml"
     section.write_text("data: 5\n")

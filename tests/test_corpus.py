@@ -152,7 +152,11 @@ def test_jsonl_source_reads_the_text_field_and_skips_empty_documents(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "line, expected", [("{not json", "docs.jsonl:2: not valid JSON"), ('{"txt": "x"}', 'docs.jsonl:2: expected an object with a string field "text"')]
+    "line, expected",
+    [
+        ("{not json", "docs.jsonl:2: not valid JSON"),
+        ('{"txt": "x"}', 'docs.jsonl:2: expected an object with a string field "text"'),
+    ],
 )
 def test_bad_jsonl_line_names_file_and_line(tmp_path, line, expected):
     path = tmp_path / "docs.jsonl"

@@ -54,8 +54,14 @@ def tiny_model():
 @pytest.mark.parametrize("mode", ["blocks", "sliding", "documents"])
 def test_uniform_logits_give_the_vocabulary_size(mode):
     store = small_store()
-    result = evaluate(UniformLM(VOCAB), store, config(f"eval.mode={mode}", "eval.stride=3"), word_count=11, byte_count=50,
-                      progress=False)
+    result = evaluate(
+        UniformLM(VOCAB),
+        store,
+        config(f"eval.mode={mode}", "eval.stride=3"),
+        word_count=11,
+        byte_count=50,
+        progress=False,
+    )
     assert result["tokens"] == store.predicted_tokens
     assert result["nll_sum"] == pytest.approx(store.predicted_tokens * math.log(VOCAB), rel=1e-6)
     assert result["token_perplexity"] == pytest.approx(VOCAB, rel=1e-6)
@@ -64,7 +70,7 @@ def test_uniform_logits_give_the_vocabulary_size(mode):
 
 
 def direct_document_nll(model, store: TokenStore) -> float:
-    """Each article [EOT] + text + [EOT] as one whole row (no windows), summed: the reference the protocols must match."""
+    """Each article [EOT] + text + [EOT] as one whole row (no windows), summed: what the protocols must match."""
     units = [np.asarray(store.doc_with_context(i), np.int64) for i in range(store.num_docs)]
     width = max(len(u) for u in units) - 1
     inputs, targets, segment_ids = (np.zeros((len(units), width), np.int32) for _ in range(3))
@@ -91,7 +97,9 @@ def test_modes_agree_when_the_context_covers_the_split(tiny_model):
 def test_short_contexts_change_the_score_but_stride_equal_to_context_is_blocks(tiny_model):
     store = small_store()
     blocks = evaluate(tiny_model, store, config("eval.mode=blocks", "eval.context=4"), progress=False)
-    sliding = evaluate(tiny_model, store, config("eval.mode=sliding", "eval.context=4", "eval.stride=4"), progress=False)
+    sliding = evaluate(
+        tiny_model, store, config("eval.mode=sliding", "eval.context=4", "eval.stride=4"), progress=False
+    )
     assert sliding["nll_sum"] == blocks["nll_sum"]
     overlapping = evaluate(tiny_model, store, config("eval.mode=sliding", "eval.context=4", "eval.stride=1"),
                            progress=False)
@@ -136,11 +144,17 @@ def test_eval_cli_prints_one_json_object_last(wikitext_prepared, wikitext_config
     lm = UniformLM(wikitext_prepared.tokenizer.vocab_size)
     monkeypatch.setattr("seqjax.train.checkpoint.load_for_inference",
                         lambda path, overrides: (load_config(saved, overrides), lm))
-    eval_cli.main(["--run", str(tmp_path), "--split", "test", "eval.mode=sliding", "eval.context=512", "eval.stride=256"])
+    eval_cli.main(
+        ["--run", str(tmp_path), "--split", "test", "eval.mode=sliding", "eval.context=512", "eval.stride=256"]
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     summary = wikitext_prepared.summary["test"]
     assert (result["split"], result["mode"], result["context"], result["stride"]) == ("test", "sliding", 512, 256)
-    assert (result["tokens"], result["words"], result["bytes"]) == (summary["tokens"], summary["words"], summary["bytes"])
+    assert (result["tokens"], result["words"], result["bytes"]) == (
+        summary["tokens"],
+        summary["words"],
+        summary["bytes"],
+    )
     assert result["bits_per_byte"] == pytest.approx(summary["tokens"] * math.log2(lm.bias.shape[0]) / summary["bytes"])
 
     with pytest.raises(SystemExit):
@@ -159,8 +173,8 @@ from seqjax.model import build_model
 assert jax.device_count() == 2
 from test_eval import load_tiny_config
 model = build_model(load_tiny_config(), vocab_size=VOCAB, rngs=nnx.Rngs(3))
-result = evaluate(model, small_store(), config("eval.mode=sliding", "eval.context=6", "eval.stride=2", "eval.batch_size=3"),
-                  progress=False)
+cfg = config("eval.mode=sliding", "eval.context=6", "eval.stride=2", "eval.batch_size=3")
+result = evaluate(model, small_store(), cfg, progress=False)
 print(json.dumps(result))
 """
 

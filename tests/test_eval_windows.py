@@ -1,4 +1,4 @@
-"""Evaluation windows: every predicted token scored exactly once, in every mode, with the context each protocol promises."""
+"""Evaluation windows: every predicted token scored once, in every mode, with the context each protocol promises."""
 
 from __future__ import annotations
 

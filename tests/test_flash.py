@@ -269,7 +269,9 @@ def test_lowers_to_triton_for_h100(head_dim, dtype):
 
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
         warnings.simplefilter("ignore", DeprecationWarning)  # the Triton lowering is deprecated in jax 0.11
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, segment_ids).lower(lowering_platforms=("cuda",))
+        lowered = (
+            jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, segment_ids).lower(lowering_platforms=("cuda",))
+        )
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3
     for kernel in ("seqjax_flash_forward", "seqjax_flash_dq", "seqjax_flash_dkv"):

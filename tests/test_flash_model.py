@@ -33,7 +33,9 @@ def sgd_losses(backend: str, batch: dict, steps: int = 3) -> list[float]:
     @jax.jit
     def step(state):
         def loss_fn(state):
-            logits = nnx.merge(graphdef, state)(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+            logits = nnx.merge(graphdef, state)(
+                batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"]
+            )
             return lm_loss(logits, batch["targets"], batch["weights"])[0]
 
         loss, grads = jax.value_and_grad(loss_fn)(state)

@@ -1,4 +1,4 @@
-"""Sampling: greedy at temperature 0, top_p -> 0 and top_k = 1 collapse to greedy, the filters keep what they promise."""
+"""Sampling: greedy at temperature 0, top_p -> 0 and top_k = 1 are greedy, the filters keep what they promise."""
 
 from __future__ import annotations
 

@@ -40,8 +40,9 @@ def test_bfloat16_logits_are_scored_in_float32():
     targets = jnp.zeros((2, 3), jnp.int32)
     loss, _ = lm_loss(logits, targets, jnp.ones((2, 3)))
     assert loss.dtype == jnp.float32
-    np.testing.assert_allclose(float(loss), numpy_nll(np.asarray(logits.astype(jnp.float32)), np.zeros((2, 3), int)).mean(),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        float(loss), numpy_nll(np.asarray(logits.astype(jnp.float32)), np.zeros((2, 3), int)).mean(), rtol=1e-6
+    )
 
 
 def test_zero_weights_give_zero_loss_and_finite_zero_gradients():

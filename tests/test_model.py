@@ -1,4 +1,4 @@
-"""TransformerLM: packed segments are isolated (logits, gradients, loss), shapes/dtypes, init, compile counts, bad input."""
+"""TransformerLM: packed segments are isolated (logits, gradients, loss); shapes, dtypes, init, compiles, bad input."""
 
 from __future__ import annotations
 
@@ -150,7 +150,9 @@ def test_shapes_dtypes_and_finite_logits(compute_dtype, tie):
     cfg = tiny_config(f"model.compute_dtype={compute_dtype}", f"model.tie_embeddings={str(tie).lower()}")
     m = build_model(cfg, VOCAB, rngs=nnx.Rngs(1))
     inputs, positions, segment_ids = pack(random_docs([7, 9], np.random.default_rng(0)), 16)
-    logits = m(jnp.tile(inputs, (3, 1)), positions=jnp.tile(positions, (3, 1)), segment_ids=jnp.tile(segment_ids, (3, 1)))
+    logits = m(
+        jnp.tile(inputs, (3, 1)), positions=jnp.tile(positions, (3, 1)), segment_ids=jnp.tile(segment_ids, (3, 1))
+    )
     chex.assert_shape(logits, (3, 16, VOCAB))
     chex.assert_type(logits, jnp.float32)
     chex.assert_tree_all_finite(logits)
@@ -240,7 +242,10 @@ def test_rope_rotates_by_the_batch_positions_and_scores_depend_on_distance_only(
     np.testing.assert_allclose(np.asarray(rope(x, positions, 10000.0))[0, :, 0],
                                np.stack([np.cos([0, 2, 5]), np.sin([0, 2, 5])], -1), atol=1e-6)
     q, k = jax.random.normal(jax.random.key(0), (2, 1, 2, 1, 16))
-    score = lambda i, j: float(jnp.sum(rope(q, jnp.asarray([[i, i]]), 1e4)[0, 0] * rope(k, jnp.asarray([[j, j]]), 1e4)[0, 0]))  # noqa: E731
+
+    def score(i, j):
+        return float(jnp.sum(rope(q, jnp.asarray([[i, i]]), 1e4)[0, 0] * rope(k, jnp.asarray([[j, j]]), 1e4)[0, 0]))
+
     assert score(7, 3) == pytest.approx(score(4, 0), rel=1e-4)  # a segment may start anywhere: only i - j matters
     assert score(7, 3) != pytest.approx(score(7, 0), rel=1e-3)
 

@@ -45,7 +45,9 @@ def test_cached_decode_equals_full_forward_and_compiles_once(model):
     seqs = [list(p) for p in prompts]
     for step in range(new_tokens):
         for row, seq in enumerate(seqs):
-            np.testing.assert_allclose(np.asarray(logits[row]), full_forward_next_logits(model, seq), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(logits[row]), full_forward_next_logits(model, seq), rtol=1e-5, atol=1e-5
+            )
         tokens = rng.integers(0, VOCAB, len(seqs))  # any continuation, not only greedy
         for seq, token in zip(seqs, tokens):
             seq.append(int(token))

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from test_train_support import REPO, cli_env, tiny_overrides, train_losses
 
 

@@ -59,8 +59,13 @@ def tiny_model(**overrides):
 def test_decay_mask_skips_norms_biases_and_embeddings_unless_asked(decay_embeddings):
     _, model = tiny_model(**{"model.tie_embeddings": False})
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    flat = {"/".join(map(str, path)): m for path, m in
-            ((tuple(getattr(k, "key", k) for k in p), m) for p, m in jax.tree_util.tree_leaves_with_path(decay_mask(params, decay_embeddings)))}
+    flat = {
+        "/".join(map(str, path)): m
+        for path, m in (
+            (tuple(getattr(k, "key", k) for k in p), m)
+            for p, m in jax.tree_util.tree_leaves_with_path(decay_mask(params, decay_embeddings))
+        )
+    }
     assert flat["blocks/0/attn/wq"] and flat["blocks/0/mlp/w_down"] and flat["lm_head"]
     assert not flat["blocks/0/attn_norm/scale"] and not flat["final_norm/scale"]
     assert flat["embed/embedding"] is decay_embeddings
@@ -69,7 +74,9 @@ def test_decay_mask_skips_norms_biases_and_embeddings_unless_asked(decay_embeddi
 
 
 def test_weight_decay_leaves_masked_parameters_alone():
-    config = load_config(None, ["train.lr=0.1", "train.weight_decay=0.5", "train.warmup_steps=0", "train.schedule=constant"])
+    config = load_config(
+        None, ["train.lr=0.1", "train.weight_decay=0.5", "train.warmup_steps=0", "train.schedule=constant"]
+    )
     tx, _ = build_optimizer(config.train)
     params = {"embed": {"embedding": jnp.ones((3, 2))}, "norm": {"scale": jnp.ones((2,))}, "w": jnp.ones((2, 2))}
     zero_grads = jax.tree.map(jnp.zeros_like, params)

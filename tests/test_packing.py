@@ -21,7 +21,11 @@ def epoch_segments(cfg, store, epoch=0):
     except DataError as err:
         assert "larger than one epoch" in str(err) or "dropped every document" in str(err)
         return None, None
-    rows = [assert_contract({k: v[r : r + 1] for k, v in b.items()}, store) for b in batches for r in range(b["inputs"].shape[0])]
+    rows = [
+        assert_contract({k: v[r : r + 1] for k, v in b.items()}, store)
+        for b in batches
+        for r in range(b["inputs"].shape[0])
+    ]
     return batches, [[(s, m) for _, s, m in row] for row in rows]
 
 
@@ -37,8 +41,14 @@ def expected_counts(store, seq_len: int, overlong: str) -> np.ndarray:
 
 @pytest.mark.parametrize("packer", OURS)
 @FAST
-@given(store=stores(max_docs=15), seq_len=st.integers(2, 12), batch_size=st.integers(1, 3),
-       overlong=st.sampled_from(["drop", "truncate", "split"]), cap=st.sampled_from([None, 1, 2]), epoch=st.integers(0, 1))
+@given(
+    store=stores(max_docs=15),
+    seq_len=st.integers(2, 12),
+    batch_size=st.integers(1, 3),
+    overlong=st.sampled_from(["drop", "truncate", "split"]),
+    cap=st.sampled_from([None, 1, 2]),
+    epoch=st.integers(0, 1),
+)
 def test_packers_place_every_document_once_within_capacity(packer, store, seq_len, batch_size, overlong, cap, epoch):
     if packer == "fill" and cap is not None:
         return  # refused by config checks (tested in test_pipeline)
@@ -63,7 +73,11 @@ def reference_fit(weights: list[int], capacity: int, open_rows: int, best: bool,
     """Online first/best fit with a bounded set of open rows, written the plain way: rows of item indices."""
     order = list(range(len(weights)))
     if decreasing:
-        order = [i for w in range(0, len(order), open_rows) for i in sorted(order[w : w + open_rows], key=lambda i: -weights[i])]
+        order = [
+            i
+            for w in range(0, len(order), open_rows)
+            for i in sorted(order[w : w + open_rows], key=lambda i: -weights[i])
+        ]
     rows: list[list[int]] = []
     slots: list[list[int]] = []  # [row, free]
     for i in order:
@@ -101,7 +115,15 @@ def reference_greedy(weights: list[int], capacity: int) -> list[list[int]]:
 @FAST
 @given(store=stores(max_docs=15), seq_len=st.integers(2, 12), buffer=st.integers(1, 6))
 def test_packers_match_their_definitions(packer, store, seq_len, buffer):
-    cfg = config("pack", seq_len, 1, f"data.packer={packer}", "data.shuffle=false", "data.overlong=split", f"data.pack_buffer={buffer}")
+    cfg = config(
+        "pack",
+        seq_len,
+        1,
+        f"data.packer={packer}",
+        "data.shuffle=false",
+        "data.overlong=split",
+        f"data.pack_buffer={buffer}",
+    )
     _, rows = epoch_segments(cfg, store)
     items = sorted(item for row in rows for item in row)  # with shuffle off, the documents' pieces in stream order
     index = {item: i for i, item in enumerate(items)}
@@ -110,7 +132,9 @@ def test_packers_match_their_definitions(packer, store, seq_len, buffer):
     if packer == "greedy":
         expect = reference_greedy(weights, seq_len)
     else:
-        expect = reference_fit(weights, seq_len, buffer, best=packer != "first_fit", decreasing=packer == "best_fit_decreasing")
+        expect = reference_fit(
+            weights, seq_len, buffer, best=packer != "first_fit", decreasing=packer == "best_fit_decreasing"
+        )
     assert got == expect
 
 
@@ -135,7 +159,9 @@ def test_length_grouped_sorts_mega_batches_and_pads_to_buckets(store, seq_len, b
 
 
 @FAST
-@given(weights=st.lists(st.integers(1, 40), min_size=1, max_size=60), batch_size=st.integers(1, 4), mult=st.integers(1, 3))
+@given(
+    weights=st.lists(st.integers(1, 40), min_size=1, max_size=60), batch_size=st.integers(1, 4), mult=st.integers(1, 3)
+)
 def test_length_grouped_order_sorts_each_mega_batch(weights, batch_size, mult):
     weights = np.asarray(weights)
     buckets = np.asarray([4, 16, 40])

@@ -46,7 +46,9 @@ CASES = [
     ("pack", ["data.packer=greedy", "data.max_segments_per_row=1", "data.overlong=truncate"], True, False),
 ]
 # Grain's packers are much slower per batch: fewer examples, same checks.
-GRAIN_CASES = [("pack", [f"data.packer={p}", "data.pack_buffer=5"], True, False) for p in PACKERS if p.startswith("grain")]
+GRAIN_CASES = [
+    ("pack", [f"data.packer={p}", "data.pack_buffer=5"], True, False) for p in PACKERS if p.startswith("grain")
+]
 
 
 def ids(cases):
@@ -77,13 +79,17 @@ def check_epoch_contract(strategy, overrides, padding, crosses, store, seq_len, 
     try:
         batches = epoch_batches(cfg, store)
     except DataError as err:  # a store too small for this batch must say so, before iterating
-        assert any(why in str(err) for why in ("larger than one epoch", "fewer than one row needs", "dropped every document"))
+        assert any(
+            why in str(err) for why in ("larger than one epoch", "fewer than one row needs", "dropped every document")
+        )
         return
     buckets = set(EpochPlanner(cfg, store).plan(0).widths.tolist())
     for batch in batches:
         assert batch["inputs"].shape[0] == batch_size
         width = None if strategy == "length_grouped" else seq_len
-        found = assert_contract(batch, store, width=width, cross_documents=crosses, padding=padding or batch is batches[-1])
+        found = assert_contract(
+            batch, store, width=width, cross_documents=crosses, padding=padding or batch is batches[-1]
+        )
         assert batch["inputs"].shape[1] in buckets
         if "max_segments_per_row=2" in overrides:
             assert batch["segment_ids"].max() <= 2
@@ -120,7 +126,9 @@ def test_epochs_are_reshuffled_and_seed_matters():
     other_seed = epoch_batches(config("pack", 8, 2, "data.packer=best_fit", seed=1), store, 0)
     key = lambda bs: np.concatenate([b["inputs"] for b in bs]).tobytes()  # noqa: E731
     assert key(first) != key(second) and key(first) != key(other_seed)
-    counts = [predicted_counts([s for b in bs for s in assert_contract(b, store)], store.num_tokens) for bs in (first, second)]
+    counts = [
+        predicted_counts([s for b in bs for s in assert_contract(b, store)], store.num_tokens) for bs in (first, second)
+    ]
     np.testing.assert_array_equal(counts[0], counts[1])  # a new order, the same tokens
 
 
@@ -178,7 +186,11 @@ def test_an_empty_store_is_refused():
     with pytest.raises(StoreError, match="empty"):  # the store refuses to exist...
         TokenStore.from_documents([], EOT, 10)
     empty = object.__new__(TokenStore)  # ...and the pipeline refuses one built around that check
-    empty.tokens, empty.doc_offsets, empty.line_offsets = np.zeros(0, np.uint16), np.zeros(1, np.int64), np.zeros(1, np.int64)
+    empty.tokens, empty.doc_offsets, empty.line_offsets = (
+        np.zeros(0, np.uint16),
+        np.zeros(1, np.int64),
+        np.zeros(1, np.int64),
+    )
     with pytest.raises(DataError, match="empty"):
         build_pipeline(config("pack", 4, 1), empty)
 
@@ -202,7 +214,9 @@ def test_epoch_stats_match_the_batches():
     assert stats["segments_per_row_max"] == segs.max()
 
 
-@pytest.mark.parametrize("strategy,overrides", [("pack", ["data.packer=greedy"]), ("length_grouped", []), ("random_offset", [])])
+@pytest.mark.parametrize(
+    "strategy,overrides", [("pack", ["data.packer=greedy"]), ("length_grouped", []), ("random_offset", [])]
+)
 def test_building_batches_in_groups_changes_nothing(monkeypatch, strategy, overrides):
     import seqjax.data.epochs as epochs
 

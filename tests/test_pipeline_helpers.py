@@ -1,4 +1,4 @@
-"""Shared helpers for the data-pipeline tests: synthetic stores whose tokens name their stream position, and the contract check.
+"""Helpers for the data-pipeline tests: synthetic stores whose tokens name their stream position; the contract check.
 
 In these stores the token at stream position ``p`` is ``p`` itself (EOT is
 0), so any segment of a batch can be mapped back to the exact stream slice it
@@ -47,7 +47,13 @@ def stores(draw, max_docs: int = 12, max_len: int = 30, with_lines: bool = False
 def config(strategy: str, seq_len: int, batch_size: int, *overrides: str, seed: int = 0):
     return load_config(
         None,
-        [f"data.strategy={strategy}", f"data.seq_len={seq_len}", f"data.batch_size={batch_size}", f"run.seed={seed}", *overrides],
+        [
+            f"data.strategy={strategy}",
+            f"data.seq_len={seq_len}",
+            f"data.batch_size={batch_size}",
+            f"run.seed={seed}",
+            *overrides,
+        ],
     )
 
 
@@ -78,8 +84,14 @@ def segments(batch: dict[str, np.ndarray], store: TokenStore) -> list[tuple[int,
     return out
 
 
-def assert_contract(batch: dict[str, np.ndarray], store: TokenStore, *, width: int | None = None, cross_documents: bool = True,
-                    padding: bool = True) -> list[tuple[int, int, int]]:
+def assert_contract(
+    batch: dict[str, np.ndarray],
+    store: TokenStore,
+    *,
+    width: int | None = None,
+    cross_documents: bool = True,
+    padding: bool = True,
+) -> list[tuple[int, int, int]]:
     """docs/design.md, contract 1 on one batch; returns its segments."""
     assert set(batch) == {"inputs", "targets", "segment_ids", "positions", "weights"}
     shape = batch["inputs"].shape

@@ -18,14 +18,35 @@ from seqjax.data.stats import epoch_stats
 def wikitext_overrides(wikitext_config) -> list[str]:
     """Point at the session's prepared cache so prepare() reuses it."""
     d = wikitext_config.data
-    return [f"data.dir={d.dir}", f"data.cache_dir={d.cache_dir}", f"tokenizer.vocab_size={wikitext_config.tokenizer.vocab_size}"]
+    return [
+        f"data.dir={d.dir}",
+        f"data.cache_dir={d.cache_dir}",
+        f"tokenizer.vocab_size={wikitext_config.tokenizer.vocab_size}",
+    ]
 
 
-@pytest.mark.parametrize("strategy,extra", [("pack", ["data.packer=best_fit"]), ("concat_chunk", []), ("length_grouped", []),
-                                            ("sequential", []), ("block", ["data.break_mode=complete_doc"])])
+@pytest.mark.parametrize(
+    "strategy,extra",
+    [
+        ("pack", ["data.packer=best_fit"]),
+        ("concat_chunk", []),
+        ("length_grouped", []),
+        ("sequential", []),
+        ("block", ["data.break_mode=complete_doc"]),
+    ],
+)
 def test_real_store_batches_keep_the_contract(wikitext_prepared, wikitext_config, strategy, extra):
     store = wikitext_prepared.stores["train"]
-    cfg = load_config(None, [*wikitext_overrides(wikitext_config), f"data.strategy={strategy}", "data.seq_len=128", "data.batch_size=8", *extra])
+    cfg = load_config(
+        None,
+        [
+            *wikitext_overrides(wikitext_config),
+            f"data.strategy={strategy}",
+            "data.seq_len=128",
+            "data.batch_size=8",
+            *extra,
+        ],
+    )
     tokens = np.asarray(store.tokens)
     for batch in islice(iter(build_pipeline(cfg, store)), 3):
         assert set(batch) == set(FIELDS) and batch["inputs"].shape[0] == 8
@@ -38,11 +59,29 @@ def test_real_store_batches_keep_the_contract(wikitext_prepared, wikitext_config
 
 def test_data_cli_prints_stats_and_dumps_batches(wikitext_prepared, wikitext_config, tmp_path, capsys):
     dump = tmp_path / "batches.npz"
-    args = [*wikitext_overrides(wikitext_config), "data.strategy=pack", "data.packer=fill", "data.seq_len=256", "data.batch_size=4"]
+    args = [
+        *wikitext_overrides(wikitext_config),
+        "data.strategy=pack",
+        "data.packer=fill",
+        "data.seq_len=256",
+        "data.batch_size=4",
+    ]
     assert main([*args, "--dump", str(dump), "--batches", "2"]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("strategy", "rows", "seq_len", "real_tokens", "padding_fraction", "tokens_dropped", "documents_truncated",
-                "documents_split", "segments_per_row_mean", "segments_per_row_max", "batches_per_epoch", "tokens_per_s"):
+    for key in (
+        "strategy",
+        "rows",
+        "seq_len",
+        "real_tokens",
+        "padding_fraction",
+        "tokens_dropped",
+        "documents_truncated",
+        "documents_split",
+        "segments_per_row_mean",
+        "segments_per_row_max",
+        "batches_per_epoch",
+        "tokens_per_s",
+    ):
         assert key in stats
     store = wikitext_prepared.stores["train"]
     assert stats["real_tokens"] == store.predicted_tokens and stats["tokens_dropped"] == 0  # fill loses nothing

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from corpus_factory import make_text_corpus
 
+from corpus_factory import make_text_corpus
 from seqjax.config import load_config
 from seqjax.data.corpus import count_words, read_text, split_lines, wikitext_articles
 from seqjax.data.tokenizer import Tokenizer
@@ -47,10 +47,23 @@ def test_cli_on_a_text_corpus_prints_saves_and_reuses(tmp_path, capsys):
 
 
 def test_cli_on_a_jsonl_corpus(tmp_path, capsys):
-    for split, texts in {"train": ["alpha beta\ngamma\n", "", "delta"], "valid": ["beta gamma"], "test": ["alpha\n", " "]}.items():
+    for split, texts in {
+        "train": ["alpha beta\ngamma\n", "", "delta"],
+        "valid": ["beta gamma"],
+        "test": ["alpha\n", " "],
+    }.items():
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    args = ["data.corpus=jsonl", f"data.dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=270",
-            "data.train_files=[train.jsonl]", "data.valid_files=[valid.jsonl]", "data.test_files=[test.jsonl]", "--splits", "valid,test"]
+    args = [
+        "data.corpus=jsonl",
+        f"data.dir={tmp_path}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "tokenizer.vocab_size=270",
+        "data.train_files=[train.jsonl]",
+        "data.valid_files=[valid.jsonl]",
+        "data.test_files=[test.jsonl]",
+        "--splits",
+        "valid,test",
+    ]
     _, summary = run_cli(capsys, args)
     assert list(summary) == ["valid", "test"]
     assert (summary["valid"]["documents"], summary["test"]["documents"], summary["test"]["skipped_empty"]) == (1, 1, 1)
@@ -76,8 +89,13 @@ WORDS = {"train": 2_088_628, "valid": 217_646, "test": 245_569}
 
 def test_cli_on_wikitext2_prints_the_published_counts(wikitext_prepared, wikitext_config):
     """The session fixture built the stores; the CLI, run as a user runs it, finds and reuses them."""
-    args = ["--config", str(REPO / "configs" / "wikitext2_cpu.yaml"), f"data.dir={wikitext_config.data.dir}",
-            f"data.cache_dir={wikitext_config.data.cache_dir}", f"tokenizer.vocab_size={wikitext_config.tokenizer.vocab_size}"]
+    args = [
+        "--config",
+        str(REPO / "configs" / "wikitext2_cpu.yaml"),
+        f"data.dir={wikitext_config.data.dir}",
+        f"data.cache_dir={wikitext_config.data.cache_dir}",
+        f"tokenizer.vocab_size={wikitext_config.tokenizer.vocab_size}",
+    ]
     proc = subprocess.run([sys.executable, "-m", "seqjax.prepare", *args], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -87,7 +105,10 @@ def test_cli_on_wikitext2_prints_the_published_counts(wikitext_prepared, wikitex
     assert all(e["reused"] for e in summary.values())
     for split, store in wikitext_prepared.stores.items():
         assert summary[split]["tokens"] == store.predicted_tokens
-        assert summary[split]["bytes"] == (Path(wikitext_config.data.dir) / "wikitext-2" / f"wiki.{split}.tokens").stat().st_size
+        assert (
+            summary[split]["bytes"]
+            == (Path(wikitext_config.data.dir) / "wikitext-2" / f"wiki.{split}.tokens").stat().st_size
+        )
 
 
 def test_wikitext2_store_decodes_back_to_its_articles_line_by_line(wikitext_prepared, wikitext):
@@ -107,8 +128,14 @@ def test_wikitext2_store_decodes_back_to_its_articles_line_by_line(wikitext_prep
 
 def test_raw_variant_prepares_valid_and_test_with_an_existing_tokenizer(wikitext_prepared, wikitext_config, capsys):
     """wiki.train.raw is not shipped, so the raw splits use the tokenizer trained on the word-level train split."""
-    args = [f"data.dir={wikitext_config.data.dir}", f"data.cache_dir={wikitext_config.data.cache_dir}", "data.variant=raw",
-            f"tokenizer.path={wikitext_prepared.tokenizer.path}", "--splits", "valid,test"]
+    args = [
+        f"data.dir={wikitext_config.data.dir}",
+        f"data.cache_dir={wikitext_config.data.cache_dir}",
+        "data.variant=raw",
+        f"tokenizer.path={wikitext_prepared.tokenizer.path}",
+        "--splits",
+        "valid,test",
+    ]
     _, summary = run_cli(capsys, args)
     raw = Path(wikitext_config.data.dir) / "wikitext-2-raw"
     for split in ("valid", "test"):

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from seqjax.train.metrics import read_metrics
 from test_train_support import (
     REFERENCE_STEPS,
     REPO,
@@ -23,8 +24,6 @@ from test_train_support import (
     tiny_overrides,
     train_losses,
 )
-
-from seqjax.train.metrics import read_metrics
 
 
 def start_and_signal(overrides: list[str], run_dir: Path, at_step: int, signum: int) -> subprocess.Popen:

@@ -30,7 +30,9 @@ def all_segments(batches, store, **kw):
 @FAST
 @given(store=stores(), seq_len=st.integers(2, 9), batch_size=st.integers(1, 3), seed=st.integers(0, 5),
        cross=st.booleans(), epoch=st.integers(0, 2))
-def test_random_offset_predicts_every_token_after_the_offset_exactly_once(store, seq_len, batch_size, seed, cross, epoch):
+def test_random_offset_predicts_every_token_after_the_offset_exactly_once(
+    store, seq_len, batch_size, seed, cross, epoch
+):
     cfg = config("random_offset", seq_len, batch_size, f"data.cross_document_attention={str(cross).lower()}", seed=seed)
     try:
         batches = epoch_batches(cfg, store, epoch)
@@ -46,7 +48,9 @@ def test_random_offset_predicts_every_token_after_the_offset_exactly_once(store,
 @FAST
 @given(store=stores(), seq_len=st.integers(2, 9), stride=st.integers(1, 10))
 def test_window_reads_every_full_window_at_the_stride(store, seq_len, stride):
-    cfg = config("window", seq_len, 1, f"data.stride={stride}", "data.cross_document_attention=true", "data.shuffle=false")
+    cfg = config(
+        "window", seq_len, 1, f"data.stride={stride}", "data.cross_document_attention=true", "data.shuffle=false"
+    )
     try:
         batches = epoch_batches(cfg, store)
     except DataError:
@@ -66,7 +70,9 @@ def test_sequential_rows_continue_across_batches(store, seq_len, batch_size, see
         return
     starts = np.array([[s for _, r, s, _ in all_segments([b], store, padding=False)] for b in batches])
     assert starts.shape == (len(batches), batch_size)  # one full segment per row
-    np.testing.assert_array_equal(np.diff(starts, axis=0), seq_len)  # row b of batch k+1 starts where row b of batch k ended
+    np.testing.assert_array_equal(
+        np.diff(starts, axis=0), seq_len
+    )  # row b of batch k+1 starts where row b of batch k ended
     if batch_size > 1:
         stream = np.diff(starts[0])
         assert np.all(stream == stream[0]) and stream[0] >= len(batches) * seq_len  # equal, disjoint streams
@@ -107,7 +113,9 @@ def hf_rows(store, block_size: int) -> list[list[int]]:
 
 
 def concat_rows(store, seq_len: int, cross: bool) -> list[list[int]]:
-    cfg = config("concat_chunk", seq_len, 1, "data.shuffle=false", f"data.cross_document_attention={str(cross).lower()}")
+    cfg = config(
+        "concat_chunk", seq_len, 1, "data.shuffle=false", f"data.cross_document_attention={str(cross).lower()}"
+    )
     batches = epoch_batches(cfg, store)
     for b in batches:
         assert_contract(b, store, padding=False, cross_documents=cross)
@@ -158,9 +166,15 @@ def reference_blocks(store, seq_len: int, mode: str) -> list[tuple[int, int]]:
 
 
 @FAST
-@given(store=stores(with_lines=True), seq_len=st.integers(2, 12), mode=st.sampled_from(["none", "complete", "complete_doc", "eos"]))
+@given(
+    store=stores(with_lines=True),
+    seq_len=st.integers(2, 12),
+    mode=st.sampled_from(["none", "complete", "complete_doc", "eos"]),
+)
 def test_block_modes_equal_their_definitions(store, seq_len, mode):
-    cfg = config("block", seq_len, 1, f"data.break_mode={mode}", "data.shuffle=false", "data.cross_document_attention=true")
+    cfg = config(
+        "block", seq_len, 1, f"data.break_mode={mode}", "data.shuffle=false", "data.cross_document_attention=true"
+    )
     batches = epoch_batches(cfg, store)
     found = [(s + 1, s + m) for _, _, s, m in all_segments(batches, store)]
     assert found == reference_blocks(store, seq_len, mode)

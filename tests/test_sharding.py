@@ -22,12 +22,16 @@ def mesh_of(data=1, fsdp=1, tensor=1):
 
 def test_minus_one_fills_the_remaining_devices_and_bad_sizes_are_refused():
     def shape(data, fsdp, tensor, devices):
-        return mesh_shape(load_config(None, [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"]).mesh, devices)
+        return mesh_shape(
+            load_config(None, [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"]).mesh, devices
+        )
 
     assert shape(-1, 1, 1, 8) == (8, 1, 1)
     assert shape(2, -1, 2, 8) == (2, 2, 2)
     assert shape(2, 4, 1, 8) == (2, 4, 1)
-    with pytest.raises(ConfigError, match=r"mesh.data=2, mesh.fsdp=2, mesh.tensor=1: data x fsdp x tensor = 4, expected the 8"):
+    with pytest.raises(
+        ConfigError, match=r"mesh.data=2, mesh.fsdp=2, mesh.tensor=1: data x fsdp x tensor = 4, expected the 8"
+    ):
         shape(2, 2, 1, 8)
     with pytest.raises(ConfigError, match="do not divide the 8 devices"):
         shape(-1, 3, 1, 8)
@@ -98,6 +102,9 @@ def test_a_mesh_that_does_not_fit_the_devices_stops_the_cli_before_any_data_work
     with pytest.raises(SystemExit) as exit_info:
         main([f"run.dir={tmp_path / 'run'}", "data.dir=/nonexistent", "mesh.data=3"])
     assert exit_info.value.code == 2
-    assert "mesh.data=3, mesh.fsdp=1, mesh.tensor=1: data x fsdp x tensor = 3, expected the 1 available devices" in capsys.readouterr().err
+    assert (
+        "mesh.data=3, mesh.fsdp=1, mesh.tensor=1: data x fsdp x tensor = 3, expected the 1 available devices"
+        in capsys.readouterr().err
+    )
     assert not (tmp_path / "run").exists()
 

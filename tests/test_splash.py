@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_flash import check_against_reference, output_and_grads, random_qkv
 
 from seqjax.model.kernels.splash import splash_attention
+from test_flash import check_against_reference, output_and_grads, random_qkv
 
 SPLASH = output_and_grads(lambda q, k, v, s: splash_attention(q, k, v, s, interpret=True))
 

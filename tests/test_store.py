@@ -9,10 +9,10 @@ import textwrap
 
 import numpy as np
 import pytest
-from corpus_factory import make_text_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from corpus_factory import make_text_corpus
 from seqjax.config import load_config
 from seqjax.data import build
 from seqjax.data.build import prepare
@@ -31,7 +31,10 @@ def test_streamed_store_equals_the_in_memory_layout(tmp_path_factory, docs):
             writer.add_document(lines)
         on_disk = writer.commit({"note": "x"})
     in_memory = TokenStore.from_documents(
-        [sum(lines, []) for lines in docs], eot_id=0, vocab_size=10, lines=[[len(l) for l in lines] for lines in docs]
+        [sum(lines, []) for lines in docs],
+        eot_id=0,
+        vocab_size=10,
+        lines=[[len(line) for line in lines] for lines in docs],
     )
     for name in ("tokens", "doc_offsets", "line_offsets"):
         np.testing.assert_array_equal(getattr(on_disk, name), getattr(in_memory, name))
@@ -67,10 +70,14 @@ def test_validate_refuses_a_broken_layout(tokens, docs, lines, message):
 def test_open_refuses_an_incomplete_store_a_foreign_tokenizer_and_an_old_format(tmp_path):
     with pytest.raises(StoreError, match="missing manifest.json"):
         TokenStore.open(tmp_path / "nothing")
-    store = write_store(tmp_path / "s", TokenStore.from_documents([[3, 4]], eot_id=0, vocab_size=10), {"tokenizer_hash": "a" * 64})
+    store = write_store(
+        tmp_path / "s", TokenStore.from_documents([[3, 4]], eot_id=0, vocab_size=10), {"tokenizer_hash": "a" * 64}
+    )
     before = {p.name: p.read_bytes() for p in store.path.iterdir()}
     assert TokenStore.open(store.path, tokenizer_hash="a" * 64).num_docs == 1
-    with pytest.raises(StoreError, match="built with tokenizer aaaaaaaaaaaa, but the tokenizer in use is bbbbbbbbbbbb; refusing"):
+    with pytest.raises(
+        StoreError, match="built with tokenizer aaaaaaaaaaaa, but the tokenizer in use is bbbbbbbbbbbb; refusing"
+    ):
         TokenStore.open(store.path, tokenizer_hash="b" * 64)
     assert {p.name: p.read_bytes() for p in store.path.iterdir()} == before  # refusing changed nothing
     manifest = json.loads((store.path / MANIFEST).read_text())

@@ -56,7 +56,9 @@ def test_special_tokens_come_first_and_unk_stays_one_token(small):
 
 
 def test_vocab_must_hold_the_bytes_and_the_special_tokens(tmp_path):
-    with pytest.raises(TokenizerError, match=r"tokenizer.vocab_size: got 257, expected at least 258 \(256 byte tokens \+ 2 special"):
+    with pytest.raises(
+        TokenizerError, match=r"tokenizer.vocab_size: got 257, expected at least 258 \(256 byte tokens \+ 2 special"
+    ):
         train_tokenizer(SAMPLE, tmp_path / "t.json", vocab_size=257, special_tokens=[EOT, "<unk>"])
     assert not (tmp_path / "t.json").exists()
 

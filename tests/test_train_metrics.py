@@ -29,8 +29,12 @@ def test_flops_per_token_follows_the_documented_formula():
     model = load_config(None, ["model.d_model=64", "model.n_layers=3", "model.n_heads=4"]).model
     # tied: the embedding table is the LM head, so every parameter counts
     assert flops_per_token(model, 128, num_params=10_000, vocab_size=50) == 6 * 10_000 + 12 * 3 * 4 * 16 * 128
-    untied = load_config(None, ["model.d_model=64", "model.n_layers=3", "model.n_heads=4", "model.tie_embeddings=false"]).model
-    assert flops_per_token(untied, 128, num_params=10_000, vocab_size=50) == 6 * (10_000 - 50 * 64) + 12 * 3 * 4 * 16 * 128
+    untied = load_config(
+        None, ["model.d_model=64", "model.n_layers=3", "model.n_heads=4", "model.tie_embeddings=false"]
+    ).model
+    assert (
+        flops_per_token(untied, 128, num_params=10_000, vocab_size=50) == 6 * (10_000 - 50 * 64) + 12 * 3 * 4 * 16 * 128
+    )
     assert mfu(1000.0, 1e9, num_devices=2, peak=1e12) == pytest.approx(0.5)
     assert mfu(1000.0, 1e9, num_devices=2, peak=None) is None
 

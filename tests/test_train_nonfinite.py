@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import math
 
-from test_train_support import assert_ok, run_cli, tiny_overrides
-
 from seqjax.train.metrics import read_metrics
+from test_train_support import assert_ok, run_cli, tiny_overrides
 
 EXPLODE = {"train.lr": 1e30, "train.warmup_steps": 0, "train.checkpoint_every": 1, "train.steps": 4}
 

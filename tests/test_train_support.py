@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_STEPS = 60
 # A persistent XLA cache shared by the session's subprocesses: a restarted run reuses the compiled step.

@@ -17,7 +17,7 @@ def exclusive_cumsum(x: np.ndarray) -> np.ndarray:
 
 
 def ragged_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For counts ``[2, 3]``: owners ``[0, 0, 1, 1, 1]`` and offsets ``[0, 1, 0, 1, 2]`` (the vectorized nested loop)."""
+    """The vectorized nested loop: counts ``[2, 3]`` give owners ``[0, 0, 1, 1, 1]`` and offsets ``[0, 1, 0, 1, 2]``."""
     counts = np.asarray(counts, np.int64)
     owner = np.repeat(np.arange(len(counts)), counts)
     offset = np.arange(len(owner), dtype=np.int64) - np.repeat(exclusive_cumsum(counts)[:-1], counts)

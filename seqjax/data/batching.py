@@ -1,4 +1,4 @@
-"""Length-grouped batches: rows of similar length together, padded to a few bucket widths (``data.strategy=length_grouped``).
+"""Length-grouped batches (``data.strategy=length_grouped``): rows of similar length together, a few padded widths.
 
 One document per row wastes slots on padding unless rows of similar length
 share a batch, and a jitted step recompiles for every new width unless the
@@ -20,7 +20,9 @@ def bucket_lengths(config: Config) -> np.ndarray:
     return np.unique(np.asarray([*chosen, d.seq_len], np.int64))
 
 
-def length_grouped_order(weights: np.ndarray, batch_size: int, mega_batch_mult: int, buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def length_grouped_order(
+    weights: np.ndarray, batch_size: int, mega_batch_mult: int, buckets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """HF's LengthGroupedSampler idea on already shuffled rows, with padded widths from a fixed set of buckets.
 
     Mega-batches of ``mega_batch_mult * batch_size`` rows are each sorted

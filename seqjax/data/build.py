@@ -160,7 +160,9 @@ def _reusable(path: Path, build_key: dict[str, Any]) -> bool:
     return manifest.get("build_key") == build_key
 
 
-def _encoded_documents(tokenizer: Tokenizer, documents: list[str], sizes: list[int], desc: str) -> Iterator[list[list[int]]]:
+def _encoded_documents(
+    tokenizer: Tokenizer, documents: list[str], sizes: list[int], desc: str
+) -> Iterator[list[list[int]]]:
     """Each document as the token ids of its lines, encoded in parallel chunks with a byte progress bar."""
     with tqdm(total=sum(sizes), desc=desc, unit="B", unit_scale=True, file=sys.stderr, mininterval=0.5) as bar:
         start = 0
@@ -177,7 +179,9 @@ def _encoded_documents(tokenizer: Tokenizer, documents: list[str], sizes: list[i
             start = stop
 
 
-def build_store(path: Path, tokenizer: Tokenizer, split: SplitText, build_key: dict[str, Any], sources: list[dict]) -> TokenStore:
+def build_store(
+    path: Path, tokenizer: Tokenizer, split: SplitText, build_key: dict[str, Any], sources: list[dict]
+) -> TokenStore:
     """Tokenize ``split`` once into a store at ``path`` (atomically) and return it opened."""
     docs = split.documents
     if not docs:

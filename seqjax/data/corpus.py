@@ -120,7 +120,9 @@ def _wikitext_file(config: Config, split: str) -> Path:
 def _listed_files(config: Config, split: str) -> list[Path]:
     entries = getattr(config.data, f"{split}_files")
     if not entries:
-        raise CorpusError(f"data.{split}_files: got [], expected at least one file for data.corpus={config.data.corpus!r}")
+        raise CorpusError(
+            f"data.{split}_files: got [], expected at least one file for data.corpus={config.data.corpus!r}"
+        )
     suffix = ".txt" if config.data.corpus == "text" else ".jsonl"
     files: list[Path] = []
     for entry in entries:
@@ -203,7 +205,9 @@ def jsonl_documents(path: Path, text: str) -> list[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise CorpusError(f"{path}:{number}: not valid JSON ({err.msg}); expected one {{\"text\": ...}} object per line") from None
+            raise CorpusError(
+                f'{path}:{number}: not valid JSON ({err.msg}); expected one {{"text": ...}} object per line'
+            ) from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise CorpusError(f"{path}:{number}: expected an object with a string field \"text\", got {line[:80]!r}")
         docs.append(record["text"])

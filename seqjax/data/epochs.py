@@ -1,4 +1,4 @@
-"""An epoch as a random-access Grain dataset, and epochs chained into one iterator whose state is ``{"epoch", "batch"}``.
+"""An epoch as a random-access Grain dataset, and the epochs chained into one iterator with state ``{epoch, batch}``.
 
 ``epoch_dataset(planner, epoch, ...)[k]`` is this process's slice of global
 batch ``k`` of that epoch, built from the epoch's plan by the one contract

@@ -1,4 +1,4 @@
-"""Grain's own packers (``data.packer=grain_first_fit|grain_best_fit|grain_concat_split``), for comparison with seqjax's.
+"""Grain's own packers (``data.packer=grain_first_fit|grain_best_fit|grain_concat_split``), to compare with seqjax's.
 
 They are Grain ``IterDataset`` transforms over a shuffled, repeated dataset of
 documents, so their batches are not a row plan and their iterator state is
@@ -29,7 +29,10 @@ def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, p
 
     def sequence(i: int) -> dict[str, np.ndarray]:
         s, m = starts[i], lengths[i]
-        return {"inputs": np.asarray(tokens[s : s + m - 1], np.int32), "targets": np.asarray(tokens[s + 1 : s + m], np.int32)}
+        return {
+            "inputs": np.asarray(tokens[s : s + m - 1], np.int32),
+            "targets": np.asarray(tokens[s + 1 : s + m], np.int32),
+        }
 
     ds = grain.MapDataset.range(len(starts))[process_index::process_count]
     if d.shuffle:

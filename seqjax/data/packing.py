@@ -30,12 +30,15 @@ def check_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> None
     if len(over):
         i = int(over[0])
         raise DataError(
-            f"data.overlong=error: document {i} predicts {int(doc_lengths[i])} tokens, more than data.seq_len={seq_len} "
+            f"data.overlong=error: document {i} predicts {int(doc_lengths[i])} tokens, "
+            f"more than data.seq_len={seq_len} "
             f"({len(over)} documents are too long); choose data.overlong=drop, truncate or split"
         )
 
 
-def document_items(doc_offsets: np.ndarray, order: np.ndarray, seq_len: int, overlong: str) -> tuple[np.ndarray, np.ndarray]:
+def document_items(
+    doc_offsets: np.ndarray, order: np.ndarray, seq_len: int, overlong: str
+) -> tuple[np.ndarray, np.ndarray]:
     """``(starts, lengths)`` of the sequences of documents ``order`` after the overlong policy.
 
     ``split`` cuts a long document into pieces of ``seq_len`` predictions, each
@@ -115,7 +118,9 @@ class _FirstSlots:
             tree[i] = max(tree[2 * i], tree[2 * i + 1])
 
 
-def fit(weights: np.ndarray, capacity: int, max_segments: int | None, open_rows: int, best: bool, decreasing: bool) -> tuple[np.ndarray, np.ndarray]:
+def fit(
+    weights: np.ndarray, capacity: int, max_segments: int | None, open_rows: int, best: bool, decreasing: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """First-fit or best-fit, online, with at most ``open_rows`` rows open at once.
 
     Each item goes to the first open row it fits (first-fit) or to the one it

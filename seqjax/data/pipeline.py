@@ -33,7 +33,9 @@ from seqjax.data.store import TokenStore
 from seqjax.errors import DataError
 
 
-def build_pipeline(config: Config, store: TokenStore, *, process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
+def build_pipeline(
+    config: Config, store: TokenStore, *, process_index: int = 0, process_count: int = 1
+) -> grain.IterDataset:
     """An infinite ``grain.IterDataset`` of this process's batches: dicts of the five contract arrays.
 
     Local shape ``[data.batch_size // process_count, L]`` (``L = data.seq_len``,
@@ -55,7 +57,8 @@ def build_pipeline(config: Config, store: TokenStore, *, process_index: int = 0,
     if first.num_rows < d.batch_size and strategies.STRATEGIES[d.strategy].has_epochs:
         raise DataError(
             f"data.batch_size={d.batch_size} is larger than one epoch of data: data.strategy={d.strategy} gives "
-            f"{first.num_rows} rows of data.seq_len={d.seq_len} from {store.num_tokens} tokens in {store.num_docs} documents"
+            f"{first.num_rows} rows of data.seq_len={d.seq_len} "
+            f"from {store.num_tokens} tokens in {store.num_docs} documents"
         )
     return EpochsIterDataset(functools.partial(epoch_dataset, planner, process_index=process_index,
                                                process_count=process_count))

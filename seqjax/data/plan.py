@@ -59,12 +59,16 @@ class EpochPlanner:
         rng = self.rng(epoch)
         plan = self._document_rows(rng) if self.strategy.documents else self._span_rows(epoch, rng)
         if plan.num_rows == 0:
-            why = " (data.overlong=drop dropped every document)" if d.overlong == "drop" and self.strategy.documents else ""
+            why = (
+                " (data.overlong=drop dropped every document)"
+                if d.overlong == "drop" and self.strategy.documents
+                else ""
+            )
             raise DataError(f"data.strategy={d.strategy}: the store gives no rows at data.seq_len={d.seq_len}{why}")
         return plan
 
     def _span_rows(self, epoch: int, rng: np.random.Generator) -> RowPlan:
-        """One span per row; shuffled when the strategy allows; one segment per document piece unless asked otherwise."""
+        """One span per row, shuffled where the strategy allows, one segment per document piece unless asked not to."""
         d = self.data
         starts, lengths = self.spans(epoch, rng)
         plan = RowPlan.from_spans(starts, lengths, d.batch_size, d.seq_len)

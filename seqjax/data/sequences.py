@@ -42,7 +42,7 @@ def window_spans(n_tokens: int, seq_len: int, stride: int) -> tuple[np.ndarray, 
 
 
 def sequential_spans(n_tokens: int, seq_len: int, batch_size: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """d2l sequential partitioning: ``batch_size`` contiguous streams, row ``b`` of batch ``k+1`` continues row ``b`` of batch ``k``.
+    """d2l sequential partitioning: ``batch_size`` contiguous streams; each row continues its row of the batch before.
 
     After ``offset``, the stream's inputs are cut into ``batch_size`` equal
     parts of ``S`` tokens; batch ``k`` row ``b`` reads inputs
@@ -55,15 +55,19 @@ def sequential_spans(n_tokens: int, seq_len: int, batch_size: int, offset: int) 
     return starts, np.full(len(starts), seq_len + 1, np.int64)
 
 
-def random_window_spans(n_tokens: int, seq_len: int, batch_size: int, seed: int, steps: range) -> tuple[np.ndarray, np.ndarray]:
-    """The CS336 loader: each step draws ``batch_size`` window starts uniformly, with replacement, from ``(seed, step)``."""
+def random_window_spans(
+    n_tokens: int, seq_len: int, batch_size: int, seed: int, steps: range
+) -> tuple[np.ndarray, np.ndarray]:
+    """The CS336 loader: each step draws ``batch_size`` window starts uniformly (with replacement) from its seed."""
     starts = np.concatenate(
         [np.random.default_rng([seed, step]).integers(0, n_tokens - seq_len, size=batch_size) for step in steps]
     ).astype(np.int64)
     return starts, np.full(len(starts), seq_len + 1, np.int64)
 
 
-def concat_chunk_spans(doc_offsets: np.ndarray, n_tokens: int, block: int, group_docs: int = HF_MAP_BATCH) -> tuple[np.ndarray, np.ndarray]:
+def concat_chunk_spans(
+    doc_offsets: np.ndarray, n_tokens: int, block: int, group_docs: int = HF_MAP_BATCH
+) -> tuple[np.ndarray, np.ndarray]:
     """HF run_clm group_texts, row for row, in O(n): blocks of ``block`` tokens, each map batch's remainder dropped.
 
     The examples are the stream cut at each document's opening EOT (``[EOT] + text``,
@@ -86,7 +90,9 @@ def _line_units(line_offsets: np.ndarray, seq_len: int) -> np.ndarray:
     return np.append(line_offsets[:-1][owner] + j * seq_len, line_offsets[-1])
 
 
-def block_spans(line_offsets: np.ndarray, doc_offsets: np.ndarray, n_tokens: int, seq_len: int, break_mode: str) -> tuple[np.ndarray, np.ndarray]:
+def block_spans(
+    line_offsets: np.ndarray, doc_offsets: np.ndarray, n_tokens: int, seq_len: int, break_mode: str
+) -> tuple[np.ndarray, np.ndarray]:
     """fairseq TokenBlockDataset's break modes, with blocks of at most ``seq_len`` predicted tokens.
 
     - ``none``: the stream cut every ``seq_len`` tokens (the last block may be short);

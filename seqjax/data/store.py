@@ -128,7 +128,8 @@ class TokenStore:
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("format_version") != FORMAT_VERSION:
             raise StoreError(
-                f"token store {path} has format_version {manifest.get('format_version')}, expected {FORMAT_VERSION}; rebuild it"
+                f"token store {path} has format_version {manifest.get('format_version')}, "
+                f"expected {FORMAT_VERSION}; rebuild it"
             )
         built_with = manifest.get("tokenizer_hash")
         if tokenizer_hash is not None and built_with != tokenizer_hash:
@@ -180,14 +181,14 @@ class TokenStore:
         """Check the layout invariants above; a store that breaks them is refused, not used."""
         where = f" ({self.path})" if self.path else ""
         n = len(self.tokens)
-        d, l = self.doc_offsets, self.line_offsets
+        d, lines = self.doc_offsets, self.line_offsets
         if n == 0 or self.num_docs < 1:
             raise StoreError(f"token store{where} is empty: it holds no documents")
         if d[0] != 1 or d[-1] != n or np.any(np.diff(d) < 1):
             raise StoreError(f"token store{where}: doc_offsets must rise from 1 to {n}")
-        if l[0] != 1 or l[-1] != n or np.any(np.diff(l) < 1):
+        if lines[0] != 1 or lines[-1] != n or np.any(np.diff(lines) < 1):
             raise StoreError(f"token store{where}: line_offsets must rise from 1 to {n}")
-        if not np.all(np.isin(d, l)):
+        if not np.all(np.isin(d, lines)):
             raise StoreError(f"token store{where}: every document boundary must be a line boundary")
         if self.tokens[0] != self.eot_id or np.any(self.tokens[d[1:] - 1] != self.eot_id):
             raise StoreError(f"token store{where}: documents must be separated by eot_id={self.eot_id}")
@@ -286,10 +287,14 @@ class StoreWriter:
         """Append one document given as the token ids of each of its lines (text only; the EOT is added)."""
         lengths = [len(ids) for ids in lines]
         if not lengths or min(lengths) == 0:
-            raise StoreError(f"document {len(self.doc_offsets) - 1}: every line needs at least one token, got lengths {lengths}")
+            raise StoreError(
+                f"document {len(self.doc_offsets) - 1}: every line needs at least one token, got lengths {lengths}"
+            )
         lengths[-1] += 1  # the closing EOT belongs to the last line
         count = sum(lengths)
-        flat = np.fromiter(itertools.chain(itertools.chain.from_iterable(lines), (self.eot_id,)), self.dtype, count=count)
+        flat = np.fromiter(
+            itertools.chain(itertools.chain.from_iterable(lines), (self.eot_id,)), self.dtype, count=count
+        )
         self._file.write(flat.tobytes())
         ends = itertools.accumulate(lengths, initial=self.num_tokens)
         next(ends)  # the start, recorded by the previous document

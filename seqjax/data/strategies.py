@@ -123,7 +123,9 @@ def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
     if store.num_docs < 1 or store.predicted_tokens < 1:
         raise DataError("the token store is empty: it holds no tokens to predict")
     if d.batch_size % process_count:
-        raise ConfigError(f"data.batch_size: got {d.batch_size}, expected a multiple of the process count {process_count}")
+        raise ConfigError(
+            f"data.batch_size: got {d.batch_size}, expected a multiple of the process count {process_count}"
+        )
     strategy = STRATEGIES[d.strategy]
     if strategy.documents:
         packing.check_overlong(store.doc_lengths, d.seq_len, d.overlong)

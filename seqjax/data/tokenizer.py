@@ -50,7 +50,8 @@ class Tokenizer:
         eot_id = self._hf.token_to_id(eot_token)
         if eot_id is None:
             raise TokenizerError(
-                f"tokenizer {self.path}: has no token {eot_token!r}; expected tokenizer.special_tokens[0] to be its end-of-text token"
+                f"tokenizer {self.path}: has no token {eot_token!r}; "
+                "expected tokenizer.special_tokens[0] to be its end-of-text token"
             )
         self.eot_token = eot_token
         self.eot_id = int(eot_id)
@@ -73,7 +74,9 @@ class Tokenizer:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id}, hash={self.hash[:12]})"
+        return (
+            f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id}, hash={self.hash[:12]})"
+        )
 
 
 def special_tokens_for(special_tokens: Sequence[str], word_level: bool) -> list[str]:

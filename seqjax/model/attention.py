@@ -196,13 +196,17 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     if k.shape != v.shape:
         raise ValueError(f"attention: k has shape {k.shape} but v has {v.shape}; expected the same [B, T, Hkv, D]")
     if k.ndim != 4 or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
-        raise ValueError(f"attention: k/v have shape {k.shape}, expected [{b}, {t}, kv_heads, {d}] to match q {q.shape}")
+        raise ValueError(
+            f"attention: k/v have shape {k.shape}, expected [{b}, {t}, kv_heads, {d}] to match q {q.shape}"
+        )
     if h % k.shape[2]:
         raise ValueError(f"attention: {h} query heads is not a multiple of {k.shape[2]} key/value heads")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if segment_ids.shape != (b, t):
-        raise ValueError(f"attention: segment_ids has shape {segment_ids.shape}, expected [{b}, {t}] to match q {q.shape}")
+        raise ValueError(
+            f"attention: segment_ids has shape {segment_ids.shape}, expected [{b}, {t}] to match q {q.shape}"
+        )
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"attention: segment_ids dtype is {segment_ids.dtype}, expected an integer type")
 
@@ -261,9 +265,13 @@ def _load_kernel(backend: str) -> Callable:
 def _cudnn_attention(q, k, v, segment_ids, *, scale=None):
     """cuDNN fused attention with the segment mask passed densely ([B, 1, T, T]); padding rows zeroed after."""
     if jax.default_backend() != "gpu":
-        raise ValueError(f"model.attention='cudnn' needs a GPU; this platform is {jax.default_backend()} (use xla or auto)")
+        raise ValueError(
+            f"model.attention='cudnn' needs a GPU; this platform is {jax.default_backend()} (use xla or auto)"
+        )
     if q.dtype not in map(jnp.dtype, _HALF):
-        raise ValueError(f"model.attention='cudnn' needs bfloat16 or float16 inputs, got {q.dtype} (set model.compute_dtype)")
+        raise ValueError(
+            f"model.attention='cudnn' needs bfloat16 or float16 inputs, got {q.dtype} (set model.compute_dtype)"
+        )
     mask = segment_mask(segment_ids)[:, None, :, :]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
     return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)

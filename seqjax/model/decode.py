@@ -91,7 +91,8 @@ def prefill(
     t = inputs.shape[1]
     if not t <= max_len <= model.cfg.max_seq_len:
         raise ValueError(
-            f"prefill: max_len={max_len}, expected between the prompt length {t} and model.max_seq_len={model.cfg.max_seq_len}"
+            f"prefill: max_len={max_len}, expected between the prompt length {t} "
+            f"and model.max_seq_len={model.cfg.max_seq_len}"
         )
     graphdef, state = nnx.split(model)
     return _prefill_fn()(graphdef, state, inputs, jnp.asarray(positions, jnp.int32),
@@ -105,7 +106,9 @@ def decode_step(model: TransformerLM, tokens, cache: DecodeCache) -> tuple[jax.A
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.shape != cache.positions.shape:
-        raise ValueError(f"decode_step: tokens has shape {tokens.shape}, expected {cache.positions.shape} (one per row)")
+        raise ValueError(
+            f"decode_step: tokens has shape {tokens.shape}, expected {cache.positions.shape} (one per row)"
+        )
     graphdef, state = nnx.split(model)
     return _step_fn()(graphdef, state, tokens, cache)
 

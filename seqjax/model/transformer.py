@@ -79,7 +79,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerCache:
-    """One layer's view of the KV cache: what :meth:`Attention.decode` reads, and returns with its keys and values written.
+    """One layer's view of the KV cache: what :meth:`Attention.decode` reads, and returns with its new keys and values.
 
     keys/values: [B, S, K, Dh]; segment_ids: [B, S] for every slot, the ones
     this call writes included (0 on slots not written yet, which contract 2
@@ -327,7 +327,9 @@ def build_model(config: Config | ModelConfig, vocab_size: int | None = None, *, 
 
 def param_count(model: TransformerLM) -> dict[str, int]:
     """Parameters: total, embedding (token table, plus the LM head when untied) and non_embedding."""
-    sizes = {".".join(map(str, path)): int(np.prod(v.shape)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    sizes = {
+        ".".join(map(str, path)): int(np.prod(v.shape)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
     embedding = sum(n for name, n in sizes.items() if name.startswith(("embed.", "lm_head")))
     total = sum(sizes.values())
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding}

@@ -1,4 +1,4 @@
-"""``python -m seqjax.train --config configs/X.yaml [key=value ...]``: train, or resume when ``run.dir`` holds checkpoints.
+"""``python -m seqjax.train --config FILE [key=value ...]``: train, or resume when ``run.dir`` holds checkpoints.
 
 Exit codes: 0 done (the last stdout line is the run's JSON summary); 2 bad
 input, before any work (:func:`seqjax.cli.run`); 1 a non-finite loss under

@@ -51,7 +51,8 @@ def initialize_distributed(dist: DistributedConfig) -> bool:
     if coordinator is None:
         if num_processes not in (None, 1):
             raise ConfigError(
-                f"dist.num_processes={num_processes} but no coordinator: set dist.coordinator_address or {ENV_COORDINATOR}"
+                f"dist.num_processes={num_processes} but no coordinator: "
+                f"set dist.coordinator_address or {ENV_COORDINATOR}"
             )
         return False
     if num_processes is None or process_id is None:

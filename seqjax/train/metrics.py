@@ -123,8 +123,14 @@ class MetricsLog:
     resolved config) goes to the trackers that record it (wandb).
     """
 
-    def __init__(self, run_dir: str | Path, resume_step: int, enabled: bool = True, trackers: Sequence[str] = ("jsonl",),
-                 config: Config | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        resume_step: int,
+        enabled: bool = True,
+        trackers: Sequence[str] = ("jsonl",),
+        config: Config | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.trackers: list[Any] = []
