@@ -1,4 +1,4 @@
-"""The LM loss (DESIGN.md contract 3): weights-weighted next-token cross-entropy in float32.
+"""The LM loss (docs/design.md, contract 3): weights-weighted next-token cross-entropy in float32.
 
     loss = sum(weights * nll) / sum(weights)
 

@@ -1,6 +1,6 @@
 """One optimizer step: gradients summed over micro-batches, divided once by the global weight sum.
 
-DESIGN.md contract 3: ``loss = sum(weights * nll) / sum(weights)`` over the
+docs/design.md, contract 3: ``loss = sum(weights * nll) / sum(weights)`` over the
 *global* batch. With gradient accumulation the micro-batches generally hold
 different numbers of scored tokens (packing, padding, eval-style weights), so
 averaging per-micro-batch means (what ``optax.MultiSteps`` does) would weight
