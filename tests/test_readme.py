@@ -1,0 +1,113 @@
+"""Every command example in the README runs: each ``python -m seqjax.*`` (and eval_table) line of its bash blocks.
+
+Each line runs in a subprocess, in a fresh working folder that holds
+``configs/`` and ``scripts/`` (links to the repo's) and ``runs/wikitext2_cpu``
+(a link to the session's tiny trained run), so relative paths work as
+written. To finish in seconds, a line is adapted, and only like this:
+
+1. The setup prefix (``bash scripts/setup.sh &&``) and leading ``VAR=value``
+   settings are dropped: the interpreter is this one; the multi-host
+   variables would need four hosts, so that line runs as one process.
+2. ``python`` / ``.venv/bin/python`` becomes this interpreter; a trailing
+   ``# comment`` and ``[key=value ...]`` placeholders are dropped.
+3. A ``--config`` tool reads the tiny JSONL corpus (:data:`TINY_DATA`, put
+   before the line's own overrides, so those still apply), and a training
+   run gets a tiny model and two steps (:data:`TINY_TRAIN`, put after them).
+4. ``--max_new_tokens 100`` becomes 8 (the tiny model accepts 64 tokens) and
+   the tiny corpus's validation file stands in for a test split.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_train_support import REPO, cli_env
+
+README = REPO / "README.md"
+TOOL = re.compile(r"python -m seqjax\.|scripts/eval_table\.py")
+
+
+def readme_commands() -> list[str]:
+    """The tool commands of the README's ```bash blocks, continuation lines joined."""
+    commands, in_bash, pending = [], False, ""
+    for line in README.read_text().splitlines():
+        if line.startswith("```"):
+            in_bash = line.strip() == "```bash"
+            continue
+        if not in_bash:
+            continue
+        line = pending + line.strip()
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        if TOOL.search(line) and "pytest" not in line:
+            commands.append(line)
+    return commands
+
+
+def tiny_data(root: Path) -> list[str]:
+    return [
+        "data.corpus=jsonl",
+        f"data.train_files=[{root / 'train.jsonl'}]",
+        f"data.valid_files=[{root / 'valid.jsonl'}]",
+        f"data.test_files=[{root / 'valid.jsonl'}]",  # the tiny corpus's stand-in for a test split
+        f"data.cache_dir={root / 'cache'}",
+        "tokenizer.vocab_size=300",
+    ]
+
+
+TINY_TRAIN = [
+    "model.vocab_size=null", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=null",
+    "model.d_ff=64", "model.attention=xla", "model.compute_dtype=float32",
+    "data.batch_size=8", "train.steps=2", "train.warmup_steps=0", "train.checkpoint_every=2", "train.eval_every=0",
+    "eval.batch_size=8",
+]
+
+
+def adapt(command: str, root: Path) -> list[str]:
+    """The argv that runs ``command`` on the tiny corpus (the rules in the module docstring)."""
+    command = command.split(" #")[0].split("&&")[-1]
+    words = [w for w in shlex.split(command) if w != "[key=value" and w != "...]"]
+    while "=" in words[0] and not words[0].startswith("-"):  # VAR=value before the command
+        words.pop(0)
+    assert words[0].endswith("python"), command
+    argv = [sys.executable, *words[1:]]
+    if "--config" in argv:
+        at = argv.index("--config") + 2
+        extra_after = TINY_TRAIN if "seqjax.train" in argv else []
+        argv = [*argv[:at], *tiny_data(root), *argv[at:], *extra_after]
+    elif "--run" in argv:
+        argv += [f"data.test_files=[{root / 'valid.jsonl'}]"]
+    if "--max_new_tokens" in argv:
+        argv[argv.index("--max_new_tokens") + 1] = "8"
+    return argv
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_has_an_example_of_every_tool():
+    for tool in ("seqjax.prepare", "seqjax.data", "seqjax.train", "seqjax.eval", "seqjax.generate", "eval_table.py"):
+        assert any(tool + " " in command for command in COMMANDS), tool
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(dict.fromkeys(COMMANDS)), ids=lambda c: c.split("python")[-1][:70])
+def test_readme_example_runs(command, tiny_root, reference, tmp_path):
+    work = tmp_path / "work"
+    (work / "runs").mkdir(parents=True)
+    for name in ("configs", "scripts"):
+        (work / name).symlink_to(REPO / name)
+    (work / "runs" / "wikitext2_cpu").symlink_to(tiny_root / "reference")  # the session's trained tiny run
+    (work / "prompts.txt").write_text("the cat\na dog ran\n")
+    argv = adapt(command, tiny_root)
+    proc = subprocess.run(argv, cwd=work, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{shlex.join(argv)}\nexit {proc.returncode}\nSTDERR:\n{proc.stderr[-3000:]}"
+    assert proc.stdout.strip(), "every tool prints its results on stdout"
