@@ -122,3 +122,31 @@ def test_resolved_config_is_printed_and_saved_and_loads_back(tmp_path, capsys):
     assert saved == tmp_path / "out" / "config.yaml"
     assert "seq_len: 64" in capsys.readouterr().out
     assert load_config(saved) == config
+
+
+def test_a_short_run_is_told_how_to_shorten_the_warmup():
+    with pytest.raises(ConfigError, match=r"train.warmup_steps: got 70, expected at most train.steps=24; .*"
+                                          r"e.g. train.warmup_steps=2"):
+        load_config(CPU_CONFIG, ["train.steps=24"])
+
+
+def test_max_seq_len_follows_the_data_unless_set():
+    """The README's data example needs no model limit; an explicit limit is still enforced, eval.context included."""
+    from flax import nnx
+
+    from seqjax.model import build_model
+
+    config = load_config(CPU_CONFIG, ["data.strategy=pack", "data.packer=fill", "data.seq_len=512"])
+    assert config.model.max_seq_len is None and config.max_seq_len == 512
+    assert load_config(CPU_CONFIG, ["eval.context=600"]).max_seq_len == 600
+    small = load_config(None, ["data.seq_len=8", "model.d_model=8", "model.n_heads=2", "model.n_layers=1"])
+    assert build_model(small, vocab_size=16, rngs=nnx.Rngs(0)).cfg.max_seq_len == 8
+    with pytest.raises(ConfigError, match="eval.context: got 256, expected at most model.max_seq_len=128"):
+        load_config(CPU_CONFIG, ["model.max_seq_len=128", "eval.context=256"])
+
+
+@pytest.mark.parametrize("packer", ["fill", "grain_concat_split"])
+def test_packers_that_cannot_cap_segments_refuse_max_segments_per_row(packer):
+    with pytest.raises(ConfigError, match=f"data.max_segments_per_row: got 2, expected null: packer {packer}"):
+        load_config(None, ["data.strategy=pack", f"data.packer={packer}", "data.max_segments_per_row=2"])
+    load_config(None, ["data.strategy=window", f"data.packer={packer}", "data.max_segments_per_row=2"])  # not packing

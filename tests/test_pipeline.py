@@ -10,10 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import PACKERS, ConfigError
+from seqjax.config import PACKERS, STRATEGIES, ConfigError
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.stats import epoch_stats
+from seqjax.data.strategies import STRATEGIES as STRATEGY_TABLE
 from seqjax.errors import DataError
 from test_pipeline_helpers import (
     EOT,
@@ -232,3 +233,15 @@ def test_building_batches_in_groups_changes_nothing(monkeypatch, strategy, overr
         for k, batch in pairs:
             for key in batch:
                 np.testing.assert_array_equal(batch[key], whole[k][key])
+
+
+def test_the_strategy_table_lists_every_configured_strategy():
+    assert tuple(STRATEGY_TABLE) == STRATEGIES
+
+
+@pytest.mark.parametrize("strategy", [name for name, strategy in STRATEGY_TABLE.items() if not strategy.pads])
+def test_strategies_the_table_says_never_pad_fill_every_row(strategy):
+    store = positional_store([7, 1, 12, 30, 3, 9, 4, 15, 2, 22, 6, 11] * 3)
+    for cross in ("true", "false"):
+        stats = epoch_stats(config(strategy, 6, 2, f"data.cross_document_attention={cross}"), store)
+        assert stats["rows"] > 0 and stats["padding_fraction"] == 0.0, (strategy, cross)

@@ -11,6 +11,7 @@ import pytest
 from seqjax.config import ConfigError, load_config
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
 from seqjax.train.metrics import MetricsLog, read_metrics, unigram_perplexity
+from test_train_support import tiny_overrides
 
 
 def test_unigram_perplexity_is_exp_of_the_smoothed_frequency_cross_entropy():
@@ -74,3 +75,71 @@ def test_load_for_inference_from_a_run_dir_and_from_a_step_folder(reference, tin
     assert any(not np.array_equal(a, b) for a, b in zip(latest, early))  # different steps, different weights
     with pytest.raises(ConfigError, match="expected a run directory"):
         load_for_inference(tmp_path)
+
+
+class _Recorder:
+    """Stands in for a tracker package: records every call made on it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def record(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            return self
+
+        return record
+
+
+def test_metrics_go_to_the_trackers_run_trackers_names_and_jsonl_always(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    board, wandb_run = _Recorder(), _Recorder()
+    monkeypatch.setitem(sys.modules, "tensorboardX", types.SimpleNamespace(SummaryWriter=lambda *a, **k: board))
+    wandb = types.SimpleNamespace(init=lambda **kwargs: wandb_run.calls.append(("init", (), kwargs)) or wandb_run)
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())  # both "installed"
+    config = load_config(None, ["run.wandb_project=lm"])
+    log = MetricsLog(tmp_path, resume_step=0, trackers=["tensorboard", "wandb"], config=config)
+    log.write({"step": 1, "loss": 2.5, "mfu": None, "skipped": True})
+    log.write({"step": 1, "val_loss": 2.0}, prefix="valid")
+    log.close()
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.5, "mfu": None, "skipped": True},
+                                      {"step": 1, "val_loss": 2.0}]
+    scalars = [args for name, args, _ in board.calls if name == "add_scalar"]
+    assert scalars == [("train/loss", 2.5, 1), ("valid/val_loss", 2.0, 1)]  # numbers only, no step, no bools
+    init = wandb_run.calls[0][2]
+    assert init["project"] == "lm" and init["resume"] == "allow" and init["config"]["run"]["wandb_project"] == "lm"
+    assert [kw["step"] for name, _, kw in wandb_run.calls if name == "log"] == [1, 1]
+    assert wandb_run.calls[-1][0] == "finish" and board.calls[-1][0] == "close"
+
+
+def test_a_tracker_that_is_not_installed_is_refused_before_any_work(tiny_root, tmp_path, monkeypatch, capsys):
+    from seqjax.train.__main__ import main
+
+    real = __import__("importlib.util").util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "tensorboardX" else real(name))
+    with pytest.raises(SystemExit) as exit_:
+        main(tiny_overrides(tiny_root, tmp_path / "run", **{"run.trackers": "[jsonl,tensorboard]"}))
+    assert exit_.value.code == 2
+    assert "run.trackers: 'tensorboard' needs the tensorboardX package" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="run.trackers\\[1\\]: got 'tb', expected one of jsonl, tensorboard, wandb"):
+        load_config(None, ["run.trackers=[jsonl,tb]"])
+
+
+def test_newest_readable_tries_steps_newest_first_and_reports_each_unreadable_one():
+    from seqjax.train.checkpoint import newest_readable
+
+    unreadable = []
+
+    def restore(step):
+        if step > 20:
+            raise OSError(f"step {step} is truncated")
+        return f"state {step}"
+
+    found = newest_readable([10, 30, 20, 40], restore, lambda step, err: unreadable.append((step, str(err))))
+    assert found == (20, "state 20")
+    assert unreadable == [(40, "step 40 is truncated"), (30, "step 30 is truncated")]
+    assert newest_readable([30, 40], restore, lambda step, err: None) is None
