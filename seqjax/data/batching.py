@@ -14,7 +14,10 @@ from seqjax.config import Config
 
 
 def bucket_lengths(config: Config) -> np.ndarray:
-    """length_grouped widths: ``data.bucket_lengths`` or powers of two, always with ``seq_len`` as the last."""
+    """length_grouped widths: ``data.bucket_lengths`` or powers of two, always with ``seq_len`` as the last.
+
+    ``data.seq_len=100`` and no buckets give ``[2, 4, 8, 16, 32, 64, 100]``.
+    """
     d = config.data
     chosen = d.bucket_lengths or [1 << k for k in range(1, d.seq_len.bit_length()) if 1 << k < d.seq_len]
     return np.unique(np.asarray([*chosen, d.seq_len], np.int64))
@@ -31,6 +34,9 @@ def length_grouped_order(
     order (``-1``: an empty row filling the last batch) and each batch's width,
     the smallest bucket holding its longest row, so jit sees at most
     ``len(buckets)`` shapes.
+
+    Rows of weights ``[3, 9, 4, 1, 7]`` in batches of 2, mega-batches of 2 rows,
+    buckets ``[2, 4, 8, 16]``: rows ``[1, 0 | 2, 3 | 4, -1]``, widths ``[16, 4, 8]``.
     """
     n = len(weights)
     mega = np.arange(n) // (batch_size * mega_batch_mult)
