@@ -1,6 +1,7 @@
 """The table of sequence strategies (``data.strategy``): what each one cuts, and the properties the pipeline relies on.
 
-Every other module asks this table instead of testing strategy names:
+The other modules ask this table rather than test strategy names (only the
+planner tells the two document strategies apart, where it packs or groups):
 
 ==============  ==========================  =========  =========  ====  ==========================
 strategy        rows come from              per epoch  shuffles   pads  store must hold
@@ -21,7 +22,9 @@ recomputed; otherwise they are computed once and only their order changes.
 "shuffles": ``data.shuffle`` permutes the rows; sequential and random_window
 keep their own order (continuity, or draws that are already random).
 "pads": a row may hold fewer than ``seq_len`` predictions; the strategies that
-never pad give full rows only (tests/test_pipeline.py checks both).
+never pad give full rows only (tests/test_pipeline.py checks it). "documents
+within overlong": under ``data.overlong=error`` no document may be longer than
+a row.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Strategy:
     pads: bool  # a row may hold fewer than seq_len predictions
     needs_full_row: bool  # the store must hold one row of seq_len + 1 tokens
     has_epochs: bool = True  # False: random_window draws with replacement; an "epoch" is only a number of steps
+    check_store: Callable[[TokenStore, DataConfig], None] | None = None  # what else the store must hold
 
     @property
     def documents(self) -> bool:
@@ -90,10 +94,21 @@ def _block(store, d, seed, epoch, rng):
     return sequences.block_spans(store.line_offsets, store.doc_offsets, store.num_tokens, d.seq_len, d.break_mode)
 
 
+def _streams_fit(store: TokenStore, d: DataConfig) -> None:
+    """sequential: each of the batch_size streams holds a row even after the largest random offset (seq_len - 1)."""
+    if (store.num_tokens - d.seq_len) // d.batch_size < d.seq_len:
+        raise DataError(
+            f"data.batch_size={d.batch_size} is larger than one epoch of data: data.strategy=sequential needs "
+            f"{d.batch_size} streams of at least data.seq_len={d.seq_len} tokens after a random offset, "
+            f"the store holds {store.num_tokens} tokens"
+        )
+
+
 STRATEGIES: dict[str, Strategy] = {
     "window": Strategy(_window, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
     "random_offset": Strategy(_random_offset, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
-    "sequential": Strategy(_sequential, per_epoch=True, shuffles=False, pads=False, needs_full_row=False),
+    "sequential": Strategy(_sequential, per_epoch=True, shuffles=False, pads=False, needs_full_row=False,
+                           check_store=_streams_fit),
     "random_window": Strategy(_random_window, per_epoch=True, shuffles=False, pads=False, needs_full_row=True,
                               has_epochs=False),
     "concat_chunk": Strategy(_concat_chunk, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
@@ -131,10 +146,5 @@ def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
         packing.check_overlong(store.doc_lengths, d.seq_len, d.overlong)
     if strategy.needs_full_row:
         sequences.check_fits(store.num_tokens, d.seq_len, d.strategy)
-    # sequential streams must hold one row each even after the largest random offset (seq_len - 1)
-    if d.strategy == "sequential" and (store.num_tokens - d.seq_len) // d.batch_size < d.seq_len:
-        raise DataError(
-            f"data.batch_size={d.batch_size} is larger than one epoch of data: data.strategy=sequential needs "
-            f"{d.batch_size} streams of at least data.seq_len={d.seq_len} tokens after a random offset, "
-            f"the store holds {store.num_tokens} tokens"
-        )
+    if strategy.check_store is not None:
+        strategy.check_store(store, d)
