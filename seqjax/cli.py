@@ -43,6 +43,10 @@ T = TypeVar("T")
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The shared flags; ``prog`` names the tool in messages (its console script's name when run as one)."""
+    invoked = Path(sys.argv[0]).name
+    if invoked.startswith("seqjax-"):  # seqjax-train, ...: name the tool as the user typed it
+        prog = invoked
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", metavar="FILE", help="YAML config, for example configs/wikitext2_cpu.yaml")
     p.add_argument("--help-config", action="store_true", help="list every config key with its type and default")
