@@ -56,14 +56,14 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-# What each tracker needs installed (None: nothing beyond seqjax), and the extra that installs it.
-TRACKERS = {"jsonl": None, "tensorboard": "tensorboardX", "wandb": "wandb"}
+# The package each of config.TRACKERS needs (None: nothing beyond seqjax); the extra seqjax[<tracker>] installs it.
+TRACKER_PACKAGES = {"jsonl": None, "tensorboard": "tensorboardX", "wandb": "wandb"}
 
 
 def check_trackers(names: Sequence[str]) -> None:
     """Refuse, before any work, a tracker in ``run.trackers`` whose package is not installed."""
     for name in names:
-        module = TRACKERS[name]
+        module = TRACKER_PACKAGES[name]
         if module is not None and importlib.util.find_spec(module) is None:
             raise ConfigError(
                 f"run.trackers: {name!r} needs the {module} package, which is not installed; "
