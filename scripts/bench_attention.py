@@ -29,8 +29,9 @@ Implementations (what a user would otherwise pick, side by side):
   kvax        kvax's Triton kernel (segment ids + positions, block masks that skip empty tiles);
   tokamax     tokamax's Pallas Mosaic GPU kernel with k_start masks (per-query first allowed key) and causal;
   mgpu_fa3    JAX's bundled Pallas Mosaic GPU FlashAttention-3 (warp-specialized, wgmma + TMA), causal, no
-              segments: what Mosaic GPU reaches on dense rows (its causal backward is not implemented, so it
-              records forward only).
+              segments, float16: what Mosaic GPU reaches on dense rows (forward only: its causal backward is
+              not implemented). On the H100 of 2026-11-23 its causal output disagreed with every other
+              kernel (rel_err_vs_flash 6-21), so its times are not comparable; kept for the next jax.
 The peers are imported only when asked for; one that does not import is recorded with the reason. Three shims
 let the released peers import on this jax, none of which touches their kernels: kvax 0.1.0 reads a type alias
 ``jax.experimental.shard_map.Specs`` that jax 0.11 dropped (set to ``typing.Any``) and calls
@@ -236,6 +237,7 @@ def kvax_implementation(scale: float):
                 jax_triton.cdiv = lambda a, b: -(-a // b)
             import kvax.ops as kvax_ops
             from kvax.utils import attention_specs
+            from kvax.utils.common import get_default_flash_attention_params as kvax_defaults
     except Exception as err:  # noqa: BLE001  (a peer that does not import is a result to record)
         raise Unavailable(f"kvax does not import: {type(err).__name__}: {err}") from err
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1), ("data",))
@@ -246,7 +248,10 @@ def kvax_implementation(scale: float):
         pos = jnp.arange(s.shape[1])[None, :] - segment_starts(s)
         with warnings.catch_warnings(), attention_specs(**specs):
             warnings.simplefilter("ignore", DeprecationWarning)
-            masks = kvax_ops.create_attention_mask(pos, ids, pos, ids, calc_bwd_mask=True, mesh=mesh)
+            # kvax 0.1.0 reads bwd_params without filling in its default when calc_bwd_mask=True: pass both.
+            masks = kvax_ops.create_attention_mask(
+                pos, ids, pos, ids, fwd_params=kvax_defaults(backward=False), bwd_params=kvax_defaults(backward=True),
+                calc_bwd_mask=True, mesh=mesh)
         return ids, pos, masks
 
     def attend(q, k, v, aux):
@@ -254,6 +259,8 @@ def kvax_implementation(scale: float):
         with warnings.catch_warnings(), attention_specs(**specs):
             warnings.simplefilter("ignore", DeprecationWarning)
             return kvax_ops.flash_attention(q, k, v, pos, ids, pos, ids, masks, scale=scale,
+                                            fwd_params=kvax_defaults(backward=False),
+                                            bwd_params=kvax_defaults(backward=True),
                                             assume_sequential_positions=True, mesh=mesh)
 
     return prepare, attend

@@ -413,9 +413,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", default=None, help="comma-separated stages to run (default: " + ",".join(DEFAULT_STAGES)
                    + "; opt-in: " + ",".join(OPTIONAL_STAGES) + ")")
     p.add_argument("--skip", default="", help="comma-separated stages to leave out")
-    p.add_argument("--attn-grid", default="128:1024,4096,8192,16384 64:1024,8192",
+    p.add_argument("--attn-grid", default="128:1024,8192,16384 64:8192",
                    help="attention stage: space-separated head_dim:T,T,... groups")
-    p.add_argument("--attn-impls", default="flash,cudnn,cudnn_mask,bundled,kvax,tokamax,mgpu_fa3")
+    p.add_argument("--attn-impls", default="flash,cudnn,cudnn_mask,bundled,kvax,tokamax",
+                   help="attention stage's implementations (bench_attention.py --impls; mgpu_fa3 is opt-in)")
     p.add_argument("--backends", default="xla,cudnn,pallas", help="throughput stage's attention backends")
     p.add_argument("--train-steps", type=int, default=30, help="timed steps per loop mode in the throughput stage")
     p.add_argument("--train-variants", default="",
