@@ -224,13 +224,21 @@ class TrainConfig:
     async_checkpoint: bool = _f(True, "write checkpoints in the background")
     eval_every: int = _f(200, "steps between validation runs (0: only at the end)", min=0)
     eval_batches: int | None = _f(None, "cap on validation batches during training (null: whole split)", min=1)
-    log_every: int = _f(10, "steps between progress-bar updates", min=1)
+    log_every: int = _f(
+        10, "steps between fetches of the step metrics from the device (one host sync per window) and log lines", min=1
+    )
+    prefetch: int = _f(2, "batches built and put on the device ahead of the step (0: build each in the loop)", min=0)
+    profile: list[int] = _f(
+        [], "a jax.profiler trace of [start_step, num_steps] into run.dir/profile (TensorBoard/Perfetto); [] = off"
+    )
     nonfinite: str = _f("stop", "on a NaN/inf loss: stop the run, or skip the update", choices=("stop", "skip"))
     peak_flops: float | None = _f(
         None, "peak FLOP/s per device for MFU (null: a table of known accelerators; CPU: MFU is null)", min=0.0
     )
 
     def check(self) -> None:
+        if self.profile and (len(self.profile) != 2 or self.profile[0] < 1 or self.profile[1] < 1):
+            raise ConfigError(f"train.profile: got {self.profile}, expected [start_step, num_steps], both >= 1, or []")
         if self.warmup_steps > self.steps:
             raise ConfigError(
                 f"train.warmup_steps: got {self.warmup_steps}, expected at most train.steps={self.steps}; "

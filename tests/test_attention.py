@@ -151,6 +151,7 @@ def test_cudnn_path_passes_the_segment_mask_densely(monkeypatch):
         attention(*qkv(0), segment_ids[:1], backend="cudnn")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
 def test_cudnn_backend_matches_xla_in_bfloat16():
     q, k, v = qkv(2, b=2, t=128, dtype=jnp.bfloat16)

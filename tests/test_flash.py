@@ -113,13 +113,23 @@ def test_matches_reference_bfloat16_head_dim_64(lengths):
     check_against_reference(FLASH_SMALL, q, k, v, segment_ids, cotangent, tol=3e-2)
 
 
+def test_each_pass_may_use_its_own_tiles():
+    """Forward 16x32, dK/dV 32 keys x 16 queries, dQ 32 queries x 16 keys: the ranges of each pass follow its tiles."""
+    blocks = BlockSizes(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=32, block_q_dq=32, block_k_dq=16)
+    assert blocks.multiple == 32 and BlockSizes(block_q_bwd=32).block_q_dq == 32  # dQ defaults to the dK/dV tiles
+    segment_ids = jnp.asarray(np.stack([np.repeat([1, 2, 3, 0], [20, 7, 40, 5]), np.ones(72, int)]).astype(np.int32))
+    q, k, v, cotangent = F32_QKV
+    flash = output_and_grads(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=blocks))
+    check_against_reference(flash, q, k, v, segment_ids, cotangent, tol=2e-5)
+
+
 def test_shared_metadata_gives_the_same_result_and_is_checked():
     """A model computes BlockMetadata once per forward and passes it to every layer."""
     q, k, v, _ = F32_QKV
     segment_ids = jnp.asarray(np.repeat(np.arange(1, 5), 18)[None].repeat(2, 0).astype(np.int32))
     metadata = block_metadata(segment_ids, SMALL)
     shared = jax.jit(lambda q, m: flash_attention(q, k, v, segment_ids, metadata=m))(q, metadata)
-    np.testing.assert_allclose(shared, reference_attention(q, k, v, segment_ids), atol=2e-5)
+    np.testing.assert_allclose(shared, exact_reference(q, k, v, segment_ids), atol=2e-5)
     with pytest.raises(ValueError, match="metadata was computed for"):
         flash_attention(q, k, v, segment_ids, metadata=metadata, block_sizes=BlockSizes())
     with pytest.raises(ValueError, match="padded length"):

@@ -15,6 +15,7 @@ would have taken (tests/test_resume.py compares the losses exactly).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -41,8 +42,17 @@ from seqjax.model import build_model
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
-from seqjax.train.metrics import MetricsLog, check_trackers, plot_losses, unigram_perplexity
+from seqjax.train.metrics import (
+    MetricsLog,
+    StepWindow,
+    check_trackers,
+    peak_memory_bytes,
+    plot_losses,
+    unigram_perplexity,
+)
 from seqjax.train.optimizer import build_optimizer
+from seqjax.train.prefetch import DevicePrefetch
+from seqjax.train.profiling import ProfileWindow
 from seqjax.train.step import make_train_step
 
 SUMMARY_FILE = "summary.json"
@@ -193,8 +203,8 @@ def train(config: Config) -> dict[str, Any]:
     # Where stderr is a file (SLURM, Kubernetes), the progress bar is no reading matter: log a plain line too.
     plain_progress = primary and not sys.stderr.isatty()
 
-    def save(step: int) -> None:
-        checkpoints.save(step, params, opt_state, rng, data_iterator, {"tokens_seen": tokens_seen})
+    def save(step: int, position) -> None:
+        checkpoints.save(step, params, opt_state, rng, position, {"tokens_seen": tokens_seen})
 
     def validation(step: int) -> dict[str, Any]:
         final = step == tc.steps
@@ -202,69 +212,86 @@ def train(config: Config) -> dict[str, Any]:
         log.write(row, prefix="valid")
         return row
 
+    to_device = functools.partial(sharding.global_batch, sharding=batch_sharding, process_count=process_count)
+    flops_per_tok = functools.partial(flops_per_token, config.model, num_params=num_params,
+                                      vocab_size=config.model.vocab_size)
+    window = StepWindow()
+    profiler = ProfileWindow(tc.profile, run_dir / "profile")
     last_val: dict[str, Any] | None = None
-    train_seconds, train_tokens = 0.0, 0
+    row: dict[str, Any] = {}
+
+    def flush(step: int) -> None:
+        """Fetch the window's step metrics in one host sync, then check, count and log each step."""
+        nonlocal tokens_seen, row
+        fetched, seconds = window.fetch()
+        for (s, length, rows_), m in zip(window.steps, fetched):
+            if not bool(m["finite"]) and tc.nonfinite == "stop":
+                checkpoints.wait()
+                kept = checkpoints.latest_step()
+                raise NonFiniteLoss(
+                    f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {s}; "
+                    f"stopping without saving it. Last good checkpoint: "
+                    + (f"step {kept} in {run_dir / 'checkpoints'}" if kept is not None else "none")
+                    + ". Lower train.lr or set train.nonfinite=skip."
+                )
+            tokens = int(m["tokens"])
+            tokens_seen += tokens
+            window.count(tokens, seconds, first=s == start_step + 1)
+            tokens_per_s = tokens / seconds
+            row = {
+                "step": s,
+                "loss": float(m["loss"]),
+                "learning_rate": float(learning_rates[s]),
+                "grad_norm": float(m["grad_norm"]),
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu(tokens_per_s, flops_per_tok(length), jax.device_count(), peak),
+                "tokens_seen": tokens_seen,
+                "padding_fraction": 1.0 - tokens / (rows_ * length),
+                "seconds": seconds,
+            }
+            if tc.z_loss:
+                row["objective"] = float(m["objective"])
+            if not bool(m["finite"]):
+                row["skipped"] = True
+            log.write(row)
+        window.clear()
+        bar.update(step - bar.n)
+        if row:
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
+        if plain_progress and row and (step % tc.log_every == 0 or step == tc.steps):
+            logger.info("step %d/%d: loss %.4f, %.0f tokens/s", step, tc.steps, row["loss"], row["tokens_per_s"])
+
     bar = tqdm(total=tc.steps, initial=start_step, desc="train", unit="step", disable=not primary, file=sys.stderr)
+    prefetch = DevicePrefetch(data_iterator, to_device, depth=tc.prefetch)
     try:
-        with StopRequest(enabled=process_count == 1) as stop, bar:
-            last = time.perf_counter()
+        with StopRequest(enabled=process_count == 1) as stop, bar, prefetch:
+            window.restart()
             for step in range(start_step + 1, tc.steps + 1):
-                local = next(data_iterator)
-                batch = sharding.global_batch(local, batch_sharding, process_count)
-                new_params, new_opt_state, m = step_fn(params, opt_state, batch)
-                m = jax.device_get(m)
-                now = time.perf_counter()
-                seconds, last = now - last, now
-                finite = bool(m["finite"])
-                if not finite and tc.nonfinite == "stop":
-                    checkpoints.wait()
-                    kept = checkpoints.latest_step()
-                    raise NonFiniteLoss(
-                        f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {step}; "
-                        f"stopping without saving it. Last good checkpoint: "
-                        + (f"step {kept} in {run_dir / 'checkpoints'}" if kept is not None else "none")
-                        + ". Lower train.lr or set train.nonfinite=skip."
-                    )
-                params, opt_state = new_params, new_opt_state
-                tokens = int(m["tokens"])
-                tokens_seen += tokens
-                if step > start_step + 1:  # the first step of a process includes compilation
-                    train_seconds += seconds
-                    train_tokens += tokens
-                tokens_per_s = tokens / seconds
-                row = {
-                    "step": step,
-                    "loss": float(m["loss"]),
-                    "learning_rate": float(learning_rates[step]),
-                    "grad_norm": float(m["grad_norm"]),
-                    "tokens_per_s": tokens_per_s,
-                    "mfu": mfu(tokens_per_s, flops_per_token(config.model, batch["inputs"].shape[1], num_params,
-                                                             config.model.vocab_size), jax.device_count(), peak),
-                    "tokens_seen": tokens_seen,
-                    "padding_fraction": 1.0 - tokens / batch["inputs"].size,
-                    "seconds": seconds,
-                }
-                if tc.z_loss:
-                    row["objective"] = float(m["objective"])
-                if not finite:
-                    row["skipped"] = True
-                log.write(row)
-                bar.update(1)
-                if step % tc.log_every == 0 or step == tc.steps:
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-                    if plain_progress:
-                        logger.info("step %d/%d: loss %.4f, %.0f tokens/s", step, tc.steps, row["loss"], tokens_per_s)
-                if step % tc.checkpoint_every == 0 or step == tc.steps:
-                    save(step)
-                if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                profiler.before(step)
+                batch, position = next(prefetch)
+                params, opt_state, m = step_fn(params, opt_state, batch)
+                # No host sync here: the metrics stay on the device until the window is flushed, so the host
+                # runs ahead and dispatches the next step while this one computes.
+                window.add(step, m, batch["inputs"].shape)
+                profiler.after(step, m)
+                checkpoint = step % tc.checkpoint_every == 0 or step == tc.steps
+                evaluate = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
+                stopping = _should_stop(stop, step, process_count)
+                # The first step is flushed alone: its time is mostly compilation, kept out of throughput.
+                if (step == start_step + 1 or step % tc.log_every == 0 or checkpoint or evaluate or stopping
+                        or step == tc.steps):
+                    flush(step)  # before any save: a non-finite step must never reach a checkpoint
+                if checkpoint or stopping:
+                    save(step, position)
+                if evaluate:
                     last_val = validation(step)
-                    last = time.perf_counter()  # evaluation time is not training throughput
-                if _should_stop(stop, step, process_count):
-                    save(step)
+                    window.restart()  # evaluation time is not training throughput
+                if stopping:
                     checkpoints.wait()
                     raise Interrupted(stop.signum or signal.SIGTERM, step)
         checkpoints.wait()
     finally:
+        profiler.close()
         checkpoints.close()
         log.close()
 
@@ -276,12 +303,16 @@ def train(config: Config) -> dict[str, Any]:
         "devices": jax.device_count(),
         "processes": process_count,
         "tokens_seen": tokens_seen,
-        "tokens_per_s": train_tokens / train_seconds if train_seconds else None,
+        "tokens_per_s": window.tokens_per_s(),
+        "step_time_s": window.median_step_seconds(),
+        "mfu": window.mfu(flops_per_tok(config.data.seq_len), jax.device_count(), peak),
+        "peak_memory_bytes": peak_memory_bytes(),
         "wall_seconds": time.perf_counter() - wall_start,
-        "final_train_loss": row["loss"] if start_step < tc.steps else None,
+        "final_train_loss": row.get("loss"),
         "val_loss": last_val and last_val["val_loss"],
         "val_perplexity": last_val and last_val["val_perplexity"],
         "val_word_perplexity": last_val and last_val["val_word_perplexity"],
+        "val_bits_per_byte": last_val and last_val["val_bits_per_byte"],
         "unigram_perplexity": unigram,
         "eval": dataclasses.asdict(config.eval),
     }
@@ -296,3 +327,4 @@ def _should_stop(stop: StopRequest, step: int, process_count: int) -> bool:
     if process_count > 1:
         return multihost_utils.reached_preemption_sync_point(step)
     return stop.signum is not None
+

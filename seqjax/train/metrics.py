@@ -16,9 +16,11 @@ import hashlib
 import importlib.util
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from seqjax.config import Config
@@ -185,3 +187,64 @@ def plot_losses(run_dir: str | Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+class StepWindow:
+    """The steps dispatched since the last host sync, and the throughput of the windows flushed so far.
+
+    The loop adds each step's metrics (device arrays) without waiting for them;
+    :meth:`fetch` brings the whole window to the host in one ``device_get``
+    (the one CPU-GPU sync point per ``train.log_every`` steps) and gives each
+    step the window's mean wall time. Throughput leaves out the first step of a
+    process (compilation) and any time the loop restarts the window after
+    (validation).
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, int]] = []  # (step, row length, rows) per dispatched step
+        self._metrics: list[Any] = []
+        self._start = time.perf_counter()
+        self.train_seconds = 0.0
+        self.train_tokens = 0
+        self.step_seconds: list[float] = []
+
+    def restart(self) -> None:
+        self._start = time.perf_counter()
+
+    def add(self, step: int, metrics: Any, shape: tuple[int, ...]) -> None:
+        self.steps.append((step, shape[1], shape[0]))
+        self._metrics.append(metrics)
+
+    def fetch(self) -> tuple[list[dict[str, Any]], float]:
+        """(host metrics per step, mean seconds per step over the window); blocks until the window ran."""
+        fetched = jax.device_get(self._metrics)
+        now = time.perf_counter()
+        seconds = (now - self._start) / max(len(fetched), 1)
+        self._start = now
+        return fetched, seconds
+
+    def count(self, tokens: int, seconds: float, first: bool) -> None:
+        if not first:
+            self.train_seconds += seconds
+            self.train_tokens += tokens
+            self.step_seconds.append(seconds)
+
+    def clear(self) -> None:
+        self.steps, self._metrics = [], []
+
+    def tokens_per_s(self) -> float | None:
+        return self.train_tokens / self.train_seconds if self.train_seconds else None
+
+    def median_step_seconds(self) -> float | None:
+        return float(np.median(self.step_seconds)) if self.step_seconds else None
+
+    def mfu(self, flops_per_token: float, num_devices: int, peak: float | None) -> float | None:
+        rate = self.tokens_per_s()
+        return None if rate is None or peak is None else rate * flops_per_token / (num_devices * peak)
+
+
+def peak_memory_bytes() -> int | None:
+    """The largest peak of device memory in use over this process's devices (None where unreported, e.g. CPU)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    peaks = [p for p in peaks if p is not None]
+    return max(peaks) if peaks else None

@@ -23,11 +23,15 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile shapes of the three passes; each a power of two >= 16 (Triton's smallest dot tile).
+    """Tile shapes and Triton launch settings of the three passes; each block a power of two >= 16.
 
-    The forward pass tiles queries by ``block_q`` and keys by ``block_k``; the backward passes (dQ, and
-    dK/dV) both use ``block_q_bwd`` x ``block_k_bwd``. ``num_warps``/``num_stages`` go to Triton and are
-    ignored in interpret mode.
+    - forward: ``block_q`` queries per program, streaming ``block_k`` keys per step;
+    - dK/dV: ``block_k_bwd`` keys per program, streaming ``block_q_bwd`` queries per step;
+    - dQ: ``block_q_dq`` queries per program, streaming ``block_k_dq`` keys per step (default: the dK/dV
+      pass's ``block_q_bwd`` x ``block_k_bwd``).
+
+    ``num_warps``/``num_stages`` go to Triton for the forward pass, ``num_warps_bwd``/``num_stages_bwd`` for the
+    two backward passes (default: the forward's); all four are ignored in interpret mode.
     """
 
     block_q: int = 128
@@ -36,30 +40,40 @@ class BlockSizes:
     block_k_bwd: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    block_q_dq: int | None = None
+    block_k_dq: int | None = None
+    num_warps_bwd: int | None = None
+    num_stages_bwd: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+        for name, default in (("block_q_dq", self.block_q_bwd), ("block_k_dq", self.block_k_bwd),
+                              ("num_warps_bwd", self.num_warps), ("num_stages_bwd", self.num_stages)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)  # frozen: resolved once, so equal settings compare equal
+        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq"):
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
                 raise ValueError(f"BlockSizes.{name}: got {size}, expected a power of two >= 16")
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> BlockSizes:
-        """Starting tiles per head_dim: the float32 accumulators (block_q x head_dim) must fit in registers.
+        """Tiles per head_dim, from the block-size sweep on an H100 (BENCHMARKS.md, scripts/gpu_suite.py sweep).
 
-        FlashAttention-2's Triton settings; untuned on this code until a GPU run sweeps them
-        (scripts/bench_attention.py --block-q/--block-k).
+        The float32 accumulators (block_q x head_dim) must fit in registers, and the backward passes keep
+        more tiles live than the forward, so they use smaller tiles with 4 warps.
         """
         if head_dim <= 64:
-            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4, num_stages=3)
+            return cls(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4, num_stages=3,
+                       num_warps_bwd=4, num_stages_bwd=3)
         if head_dim <= 128:
-            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=8, num_stages=2)
+            return cls(block_q=128, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=8, num_stages=3,
+                       num_warps_bwd=4, num_stages_bwd=3)
         return cls(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=32, num_warps=8, num_stages=1)
 
     @property
     def multiple(self) -> int:
         """The padded sequence length is a multiple of this (every block size divides it)."""
-        return max(self.block_q, self.block_k, self.block_q_bwd, self.block_k_bwd)
+        return max(self.block_q, self.block_k, self.block_q_bwd, self.block_k_bwd, self.block_q_dq, self.block_k_dq)
 
     def padded_length(self, seq_len: int) -> int:
         return -(-seq_len // self.multiple) * self.multiple
@@ -75,7 +89,7 @@ class BlockMetadata:
     diagonal), so the kernel skips building the mask there; the tiles either side are masked.
 
     ``fwd_kv``: for each forward query block (``block_q``), key blocks (``block_k``).
-    ``dq_kv``: the same for the dQ pass's tiles (``block_q_bwd`` x ``block_k_bwd``).
+    ``dq_kv``: the same for the dQ pass's tiles (``block_q_dq`` x ``block_k_dq``).
     ``dkv_q``: for each backward key block (``block_k_bwd``), query blocks (``block_q_bwd``).
     ``seq_len`` is the padded length they were computed for.
     """
@@ -166,7 +180,7 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes) -> BlockMeta
     bs = block_sizes
     return BlockMetadata(
         fwd_kv=by_queries(bs.block_q, bs.block_k),
-        dq_kv=by_queries(bs.block_q_bwd, bs.block_k_bwd),
+        dq_kv=by_queries(bs.block_q_dq, bs.block_k_dq),
         dkv_q=by_keys(bs.block_k_bwd, bs.block_q_bwd),
         seq_len=padded,
         block_sizes=block_sizes,

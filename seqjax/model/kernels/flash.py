@@ -137,8 +137,20 @@ def _visit_tiles(ranges_ref, row, step, carry):
 # ---------------------------------------------------------------------------------------------- forward
 
 
+def _query_block():
+    """This program's query block. Programs launch in grid order, so the last query blocks (the longest rows of
+    a causal triangle) go first and the short ones fill in at the end: less idle tail on the last wave."""
+    return pl.num_programs(0) - 1 - pl.program_id(0)
+
+
+def _reversed(n: int):
+    """Index map of the query-block grid axis matching :func:`_query_block`."""
+    return lambda i: n - 1 - i
+
+
+
 def _forward_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_k):
-    i = pl.program_id(0)
+    i = _query_block()
     block_q, d = q_ref.shape
     q, seg_q = q_ref[...], seg_q_ref[...]
 
@@ -169,21 +181,22 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
     group = h // k.shape[2]
     bs = metadata.block_sizes
     n_q = t // bs.block_q
+    rev = _reversed(n_q)
     kernel = functools.partial(_forward_kernel, qk_scale=scale * LOG2_E, block_k=bs.block_k)
     return pl.pallas_call(
         kernel,
         grid=(n_q, b, h),
         in_specs=[
             pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
-            pl.BlockSpec((None, bs.block_q), lambda i, r, hd: (r, i)),
+            pl.BlockSpec((None, bs.block_q), lambda i, r, hd: (r, rev(i))),
             pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
-            pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, i, hd, 0)),
+            pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
             pl.BlockSpec((None, t, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
             pl.BlockSpec((None, t, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, i, hd, 0)),
-            pl.BlockSpec((None, None, bs.block_q), lambda i, r, hd: (r, hd, i)),
+            pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
+            pl.BlockSpec((None, None, bs.block_q), lambda i, r, hd: (r, hd, rev(i))),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
@@ -196,7 +209,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
 
 
 def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, block_k):
-    i = pl.program_id(0)
+    i = _query_block()
     block_q, d = q_ref.shape
     q, do, seg_q = q_ref[...], do_ref[...], seg_q_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
@@ -251,28 +264,30 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
     hkv = k.shape[2]
     group = h // hkv
     bs = metadata.block_sizes
-    bq, bk = bs.block_q_bwd, bs.block_k_bwd
+    bq, bk = bs.block_q_bwd, bs.block_k_bwd  # the dK/dV pass
+    bq_dq, bk_dq = bs.block_q_dq, bs.block_k_dq
     # delta_i = sum_d out_i * dout_i: the softmax-backward row term, one fused XLA reduction.
     delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
-    params = plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    params = plgpu.CompilerParams(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd)
     full_row = lambda r, hd: (r, 0, hd, 0)  # noqa: E731  (index maps read better inline)
 
-    n_q = t // bq
+    n_q = t // bq_dq
+    rev = _reversed(n_q)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, block_k=bk),
+        functools.partial(_dq_kernel, scale=scale, block_k=bk_dq),
         grid=(n_q, b, h),
         in_specs=[
             pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
-            pl.BlockSpec((None, bq), lambda i, r, hd: (r, i)),
+            pl.BlockSpec((None, bq_dq), lambda i, r, hd: (r, rev(i))),
             pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
-            pl.BlockSpec((None, bq, None, d), lambda i, r, hd: (r, i, hd, 0)),
+            pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
             pl.BlockSpec((None, t, None, d), lambda i, r, hd: full_row(r, hd // group)),
             pl.BlockSpec((None, t, None, d), lambda i, r, hd: full_row(r, hd // group)),
-            pl.BlockSpec((None, bq, None, d), lambda i, r, hd: (r, i, hd, 0)),
-            pl.BlockSpec((None, None, bq), lambda i, r, hd: (r, hd, i)),
-            pl.BlockSpec((None, None, bq), lambda i, r, hd: (r, hd, i)),
+            pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
+            pl.BlockSpec((None, None, bq_dq), lambda i, r, hd: (r, hd, rev(i))),
+            pl.BlockSpec((None, None, bq_dq), lambda i, r, hd: (r, hd, rev(i))),
         ],
-        out_specs=pl.BlockSpec((None, bq, None, d), lambda i, r, hd: (r, i, hd, 0)),
+        out_specs=pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params,
         interpret=interpret,

@@ -1,0 +1,467 @@
+"""Everything that needs a GPU, from one command: GPU tests, the attention grid, Levanter's shape, training
+throughput per attention backend, a profiler trace, and the GPU recipe's perplexity. One JSON summary + logs.
+
+    python3 scripts/gpu_suite.py --out /tmp/suite                  # on a machine with one NVIDIA GPU
+    python3 scripts/gpu_suite.py --out /tmp/suite --dry-run        # CPU: every stage at toy size (CI runs this)
+
+Made for a bare GPU machine with no network: it installs the wheels found in ``--wheels`` (default ``.whl/``:
+grain and its needs, kvax, tokamax, ...) with ``pip --no-index --no-deps`` into ``OUT/site``, installs seqjax
+there the same way, and runs every stage as a subprocess with that ``PYTHONPATH``, its own time limit and its own
+log (``OUT/<stage>.log``). A stage that fails or runs out of time is recorded and the suite goes on. The whole run
+keeps within ``--budget-s`` (default 530 s, under 9 minutes); a stage that would not fit is skipped and says so.
+
+Stages, in order (``--only``/``--skip`` pick):
+
+  setup       install the carried wheels and seqjax (no dependencies, no index)
+  env         GPU, driver, package versions; which peers (kvax, tokamax) import, and why not
+  tests       ``pytest`` on the GPU, compiled: the ``gpu``-marked tests (kernel + three gradients over hypothesis
+              packings in bf16 and float32, cudnn, ``auto`` -> pallas, 50 bf16 steps pallas vs xla) and the
+              kernel's interpret-mode tests, here compiled
+  attention   scripts/bench_attention.py over dense, packed and varlen rows, T = 1k..16k, D = 64 and 128
+  levanter    Levanter's shape: B=1, S=8192, 32/8 heads, D=128, 256-token documents
+  throughput  scripts/bench_train.py on configs/gpt2_small.yaml, one process per backend (xla, cudnn, pallas):
+              tokens/s, step time, MFU, peak memory, for the old per-step-sync loop and the current one
+  profile     ``python -m seqjax.train`` on gpt2_small with ``train.profile``: a trace of 5 steps
+  recipe      ``python -m seqjax.train --config configs/wikitext2_gpu.yaml`` for ``--recipe-steps`` steps:
+              validation perplexity as tokens, words and bits per byte
+  sweep       (opt-in) the flash kernel's block sizes at T=8k, D=128
+  ncu         (opt-in) Nsight Compute's view of the forward kernel at T=8k, D=128
+
+``OUT/summary.json`` holds every stage's status, time and figures, and the issue's targets checked against
+them; the last lines printed are a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_STAGES = ("setup", "env", "tests", "attention", "levanter", "throughput", "profile", "recipe")
+OPTIONAL_STAGES = ("sweep", "ncu")
+PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
+         "tokamax", "torch", "transformers")
+# A toy model and corpus for --dry-run: every stage's plumbing runs on a CPU in seconds.
+TINY_MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64", "model.max_seq_len=64",
+              "model.vocab_size=null", "model.compute_dtype=float32", "model.attention=xla", "tokenizer.vocab_size=300",
+              "data.seq_len=32", "data.batch_size=8", "train.grad_accum=1", "eval.context=32", "eval.stride=16",
+              "eval.batch_size=8", "train.eval_batches=2", "train.warmup_steps=1"]
+
+
+@dataclass
+class Stage:
+    name: str
+    budget_s: float  # the stage's own time limit (the suite's remaining budget may cut it shorter)
+    run: Callable[["Suite"], dict]
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.out = args.out.resolve()
+        self.dry = args.dry_run
+        self.deadline = time.monotonic() + args.budget_s
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
+        self.env.update(PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), SEQJAX_DATA_DIR=str(args.data),
+                        JAX_COMPILATION_CACHE_DIR=str(self.out / "jax_cache"))
+        if self.dry:
+            self.env["JAX_PLATFORMS"] = "cpu"
+        self.summary: dict[str, Any] = {
+            "suite": "gpu", "dry_run": self.dry, "command": " ".join(["python3", *sys.argv]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "budget_s": args.budget_s, "stages": {},
+        }
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def call(self, name: str, argv: list[str], timeout: float, cwd: Path = REPO) -> tuple[int | None, str]:
+        """Run argv with the suite's environment; stdout+stderr go to OUT/<name>.log. (returncode or None, stdout)."""
+        log = self.out / f"{name}.log"
+        timeout = max(1.0, min(timeout, self.remaining()))
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(argv)}\n")
+            f.flush()
+            proc = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=subprocess.PIPE, stderr=f, text=True)
+            try:
+                stdout, _ = proc.communicate(timeout=timeout)
+                code: int | None = proc.returncode
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, _ = proc.communicate()
+                code = None
+                f.write(f"\n# killed after {timeout:.0f} s (stage or suite time limit)\n")
+            f.write(stdout)
+        return code, stdout
+
+    def python(self, *args: str) -> list[str]:
+        return [sys.executable, *args]
+
+    def tiny_corpus(self) -> list[str]:
+        """Overrides pointing any config at a toy JSONL corpus under OUT (dry run)."""
+        root = self.out / "tiny_corpus"
+        if not root.exists():
+            root.mkdir(parents=True)
+            words = "the cat sat on a mat while dog ran far away to big small red blue green house tree".split()
+            for split, docs in (("train", 300), ("valid", 30)):
+                lines = [json.dumps({"text": " ".join(words[(i * 7 + j) % len(words)] for j in range(5 + i % 40))})
+                         for i in range(docs)]
+                (root / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+        return ["data.corpus=jsonl", f"data.train_files=[{root / 'train.jsonl'}]",
+                f"data.valid_files=[{root / 'valid.jsonl'}]", f"data.cache_dir={self.out / 'cache'}", *TINY_MODEL]
+
+
+def last_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def status(code: int | None) -> str:
+    return "timeout" if code is None else ("ok" if code == 0 else f"failed (exit {code})")
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+def stage_setup(s: Suite) -> dict:
+    site = s.out / "site"
+    wheels = sorted(glob.glob(str(s.args.wheels / "*.whl")))
+    result: dict[str, Any] = {"wheels": [Path(w).name for w in wheels], "site": str(site)}
+    if s.dry:
+        return {**result, "status": "ok", "note": "dry run: nothing installed; seqjax is imported from the checkout"}
+    pip = s.python("-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+                   "--upgrade", "--target", str(site))
+    code = 0
+    if wheels:
+        code, _ = s.call("setup", [*pip, *wheels], 120)
+    seqjax_code, _ = s.call("setup", [*pip, "--no-build-isolation", str(REPO)], 120)
+    # seqjax from the installed copy when it installed (the checkout otherwise, which is the same code).
+    s.env["PYTHONPATH"] = os.pathsep.join([str(site)] if seqjax_code == 0 else [str(site), str(REPO)])
+    return {**result, "status": status(code), "seqjax_installed": seqjax_code == 0}
+
+
+ENV_PROBE = textwrap.dedent("""
+    import importlib, importlib.metadata as md, json, warnings
+    import jax
+    out = {"backend": jax.default_backend(), "devices": [d.device_kind for d in jax.devices()], "versions": {}}
+    for name in %r:
+        try:
+            out["versions"][name] = md.version(name)
+        except md.PackageNotFoundError:
+            out["versions"][name] = None
+    out["imports"] = {}
+    for name, module in (("grain", "grain"), ("kvax", "kvax.ops"),
+                         ("tokamax", "tokamax._src.ops.attention.pallas_mosaic_gpu")):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                importlib.import_module(module)
+            out["imports"][name] = "ok"
+        except Exception as err:
+            out["imports"][name] = f"{type(err).__name__}: {err}"[:300]
+    print(json.dumps(out))
+""") % (PEERS,)
+
+
+def stage_env(s: Suite) -> dict:
+    code, stdout = s.call("env", s.python("-c", ENV_PROBE), 90)
+    result = last_json(stdout) or {}
+    if shutil.which("nvidia-smi"):
+        _, smi = s.call("env", ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                                "--format=csv,noheader"], 30)
+        result["nvidia_smi"] = smi.strip()
+    if not s.dry and result.get("backend") != "gpu":
+        return {**result, "status": "failed (no GPU visible to JAX)"}
+    return {**result, "status": status(code)}
+
+
+def stage_tests(s: Suite) -> dict:
+    junit = s.out / "tests.xml"
+    files = ["tests/test_gpu.py", "tests/test_attention.py"]
+    argv = s.python("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={junit}", "-rfEs",
+                    *files)
+    code, stdout = s.call("tests", argv, 240)
+    result: dict[str, Any] = {"status": status(code), "files": files}
+    if junit.exists():
+        import xml.etree.ElementTree as ET
+
+        suite = ET.parse(junit).getroot()
+        suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+        result.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
+        result["failed_tests"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                                  if c.find("failure") is not None or c.find("error") is not None]
+    result["tail"] = stdout.strip().splitlines()[-1:] if stdout.strip() else []
+    return result
+
+
+def bench_attention(s: Suite, name: str, args: list[str], budget: float) -> dict:
+    jsonl = s.out / f"{name}.jsonl"
+    argv = s.python("scripts/bench_attention.py", f"--out={jsonl}", *(["--smoke"] if s.dry else []), *args)
+    code, stdout = s.call(name, argv, budget)
+    records = [r for r in json_lines(stdout) if "impl" in r]
+    keep = ("impl", "input", "seq_len", "head_dim", "heads", "kv_heads", "rows", "documents", "fwd_ms", "fwd_bwd_ms",
+            "fwd_tflops", "fwd_bwd_tflops", "prep_ms", "rel_err_vs_flash", "error", "block_sizes",
+            "fwd_tiles_visited", "fwd_tiles_causal_triangle")
+    return {"status": status(code), "records": [{k: r[k] for k in keep if k in r} for r in records]}
+
+
+def stage_attention(s: Suite) -> dict:
+    """One bench_attention run per head dim of ``--attn-grid`` ('128:1024,8192 64:1024'), records merged."""
+    if s.dry:
+        return bench_attention(s, "attention", [], 240)
+    results = [bench_attention(s, "attention", ["--seq-lens", seq_lens, "--head-dims", head_dim, "--impls",
+                                                s.args.attn_impls, "--iters", "5", "--repeats", "3"], 300)
+               for head_dim, seq_lens in (group.split(":") for group in s.args.attn_grid.split())]
+    worst = next((r["status"] for r in results if r["status"] != "ok"), "ok")
+    return {"status": worst, "records": [rec for r in results for rec in r["records"]]}
+
+
+def stage_levanter(s: Suite) -> dict:
+    return bench_attention(s, "levanter", ["--levanter", "--impls", "flash,cudnn_mask,kvax,tokamax", "--iters", "5",
+                                           "--repeats", "3"], 90)
+
+
+def stage_sweep(s: Suite) -> dict:
+    args = [] if s.dry else ["--seq-lens", "8192", "--head-dims", s.args.sweep_head_dims, "--inputs", "dense,packed"]
+    return bench_attention(s, "sweep", [*args, "--sweep", s.args.sweep_configs], 300)
+
+
+def stage_throughput(s: Suite) -> dict:
+    backends = ["xla"] if s.dry else s.args.backends.split(",")
+    # argparse takes the options first, then the key=value overrides as one group.
+    options = ["--config", "configs/gpt2_small.yaml", *(["--steps", "3", "--warmup", "1"] if s.dry
+                                                        else ["--steps", str(s.args.train_steps)])]
+    overrides = [f"run.dir={s.out / 'runs' / 'bench_train'}", *(s.tiny_corpus() if s.dry else [])]
+    results, codes = {}, []
+    variants = [v.split() for v in s.args.train_variants.split(";")] if s.args.train_variants else [[]]
+    for backend in backends:
+        for variant in variants:
+            code, stdout = s.call("throughput", s.python("scripts/bench_train.py", *options, *overrides, *variant,
+                                                         f"model.attention={backend}"), 150)
+            codes.append(code)
+            key = " ".join([backend, *variant])
+            results[key] = last_json(stdout) if code == 0 else {"error": status(code)}
+    worst = next((c for c in codes if c != 0), 0)
+    return {"status": status(worst), "backends": results}
+
+
+def train_cli(s: Suite, name: str, config: str, overrides: list[str], budget: float) -> dict:
+    run_dir = s.out / "runs" / name
+    argv = s.python("-m", "seqjax.train", "--config", config, f"run.dir={run_dir}", *overrides)
+    code, stdout = s.call(name, argv, budget)
+    summary = last_json(stdout) if code == 0 else None
+    return {"status": status(code), "run_dir": str(run_dir), "summary": summary}
+
+
+def stage_profile(s: Suite) -> dict:
+    if s.dry:
+        overrides = [*s.tiny_corpus(), "train.steps=6", "train.profile=[3,2]", "train.eval_every=0"]
+    else:
+        overrides = ["train.steps=30", "train.warmup_steps=10", "train.profile=[21,5]", "train.eval_every=0",
+                     "train.checkpoint_every=1000", "model.attention=pallas"]
+    result = train_cli(s, "profile", "configs/gpt2_small.yaml", overrides, 150)
+    traces = sorted(Path(result["run_dir"], "profile").rglob("*.xplane.pb"))
+    result["traces"] = [{"path": str(t.relative_to(s.out)), "bytes": t.stat().st_size} for t in traces]
+    if result["status"] == "ok" and not traces:
+        result["status"] = "failed (no trace written)"
+    return result
+
+
+def stage_recipe(s: Suite) -> dict:
+    if s.dry:
+        overrides = [*s.tiny_corpus(), "train.steps=4", "train.eval_every=0"]
+    else:
+        # To its end when the time left allows, else to the step budget that fits (minus compile and evaluation).
+        fits = int((s.remaining() - s.args.recipe_overhead_s) / s.args.recipe_step_s) // 100 * 100
+        steps = min(s.args.recipe_steps, fits)
+        if steps < 200:
+            return {"status": "skipped", "reason": f"{s.remaining():.0f} s left: too little for 200 recipe steps"}
+        overrides = [f"train.steps={steps}", f"train.warmup_steps={min(200, steps // 10)}",
+                     f"train.eval_every={max(steps // 4, 1)}", f"train.checkpoint_every={steps}"]
+    result = train_cli(s, "recipe", "configs/wikitext2_gpu.yaml", overrides, 10_000)
+    result["overrides"] = overrides
+    summary = result.get("summary") or {}
+    result["validation"] = {k: summary.get(k) for k in ("val_perplexity", "val_word_perplexity", "val_bits_per_byte",
+                                                         "tokens_per_s", "mfu", "wall_seconds", "steps")}
+    return result
+
+
+NCU_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+    from seqjax.model.kernels.flash import flash_attention
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(x, (2, 8192, 16, 128), jnp.bfloat16) for x in ks)
+    s = jnp.ones((2, 8192), jnp.int32)
+    f = jax.jit(lambda q, k, v: flash_attention(q, k, v, s))
+    jax.block_until_ready(f(q, k, v)); jax.block_until_ready(f(q, k, v))
+""")
+
+
+def stage_ncu(s: Suite) -> dict:
+    if s.dry or not shutil.which("ncu"):
+        return {"status": "skipped", "reason": "dry run" if s.dry else "ncu not on PATH"}
+    script = s.out / "ncu_flash.py"
+    script.write_text(NCU_SCRIPT)
+    argv = ["ncu", "--kernel-name", "regex:seqjax_flash", "--launch-count", "2", "--section", "SpeedOfLight",
+            "--section", "Occupancy", "--section", "LaunchStats", "--section", "ComputeWorkloadAnalysis",
+            "--section", "MemoryWorkloadAnalysis", sys.executable, str(script)]
+    code, stdout = s.call("ncu", argv, 150)
+    (s.out / "ncu.txt").write_text(stdout)
+    return {"status": status(code), "report": "ncu.txt"}
+
+
+STAGES = {stage.name: stage for stage in (
+    Stage("setup", 240, stage_setup), Stage("env", 90, stage_env), Stage("tests", 240, stage_tests),
+    Stage("attention", 240, stage_attention), Stage("levanter", 90, stage_levanter),
+    Stage("sweep", 150, stage_sweep), Stage("ncu", 150, stage_ncu),
+    Stage("throughput", 360, stage_throughput), Stage("profile", 150, stage_profile),
+    Stage("recipe", 10_000, stage_recipe),
+)}
+
+
+# ------------------------------------------------------------------------------------------------ targets
+
+
+def _pick(records, **match) -> dict | None:
+    return next((r for r in records if all(r.get(k) == v for k, v in match.items()) and "error" not in r), None)
+
+
+def targets(summary: dict) -> list[dict]:
+    """The issue's H100 targets, each with the measured figure (None when its stage did not produce it)."""
+    stages = summary["stages"]
+    grid = (stages.get("attention") or {}).get("records", [])
+    rows: list[dict] = []
+
+    def add(name, value, goal, ok):
+        rows.append({"target": name, "measured": value, "goal": goal, "met": None if value is None else bool(ok)})
+
+    dense = _pick(grid, impl="flash", input="dense", seq_len=8192, head_dim=128)
+    add("dense causal D=128 T=8k forward TFLOP/s", dense and round(dense["fwd_tflops"], 1), ">= 450",
+        dense and dense["fwd_tflops"] >= 450)
+    add("dense causal D=128 T=8k fwd+bwd TFLOP/s", dense and round(dense["fwd_bwd_tflops"], 1), ">= 350",
+        dense and dense["fwd_bwd_tflops"] >= 350)
+    for head_dim in (128, 64):
+        packed = _pick(grid, impl="flash", input="packed", seq_len=8192, head_dim=head_dim)
+        if packed is None:
+            continue
+        for peer, goal, better in (("varlen", "<= 1.25x ideal varlen", lambda r: r <= 1.25),
+                                   ("bundled", ">= 4x faster than bundled mha", lambda r: r <= 0.25),
+                                   ("cudnn_mask", "faster than cuDNN + dense segment mask", lambda r: r < 1.0),
+                                   ("kvax", "no slower than kvax", lambda r: r <= 1.0)):
+            other = (_pick(grid, impl="flash", input="varlen", seq_len=8192, head_dim=head_dim) if peer == "varlen"
+                     else _pick(grid, impl=peer, input="packed", seq_len=8192, head_dim=head_dim))
+            for key in ("fwd_bwd_ms", "fwd_ms"):
+                ratio = None if other is None else packed[key] / other[key]
+                add(f"packed T=8k D={head_dim} {key}: flash / {peer}", ratio and round(ratio, 3), goal,
+                    ratio is not None and better(ratio))
+    backends = (stages.get("throughput") or {}).get("backends") or {}
+    pallas = next((r for name, r in backends.items() if name.split()[0] == "pallas"), {})
+    mfu = ((pallas.get("loops") or {}).get("async") or {}).get("mfu")
+    add("gpt2_small MFU, bf16, pallas", mfu and round(mfu, 3), ">= 0.45", mfu is not None and mfu >= 0.45)
+    return rows
+
+
+def print_table(summary: dict) -> None:
+    print("\nstage        status                 seconds")
+    for name, result in summary["stages"].items():
+        print(f"{name:<12} {str(result.get('status')):<22} {result.get('seconds', 0):7.1f}")
+    for row in summary.get("targets", []):
+        mark = {True: "met", False: "MISSED", None: "n/a"}[row["met"]]
+        print(f"{mark:>6}  {row['target']}: {row['measured']} (goal {row['goal']})")
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gpu_suite", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for summary.json and the logs (created)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: checks every stage's plumbing (CI)")
+    p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="wheels to install with --no-deps")
+    p.add_argument("--data", type=Path, default=Path(os.environ.get("SEQJAX_DATA_DIR", REPO.parent / "shared/data")),
+                   help="the folder holding wikitext-2/ (default: $SEQJAX_DATA_DIR, else ../shared/data)")
+    p.add_argument("--budget-s", type=float, default=530.0, help="the whole suite's time limit in seconds")
+    p.add_argument("--only", default=None, help="comma-separated stages to run (default: " + ",".join(DEFAULT_STAGES)
+                   + "; opt-in: " + ",".join(OPTIONAL_STAGES) + ")")
+    p.add_argument("--skip", default="", help="comma-separated stages to leave out")
+    p.add_argument("--attn-grid", default="128:1024,8192,16384 64:8192",
+                   help="attention stage: space-separated head_dim:T,T,... groups")
+    p.add_argument("--attn-impls", default="flash,cudnn,cudnn_mask,bundled,kvax,tokamax",
+                   help="attention stage's implementations (bench_attention.py --impls; mgpu_fa3 is opt-in)")
+    p.add_argument("--backends", default="xla,cudnn,pallas", help="throughput stage's attention backends")
+    p.add_argument("--train-steps", type=int, default=30, help="timed steps per loop mode in the throughput stage")
+    p.add_argument("--train-variants", default="",
+                   help="';'-separated sets of space-separated overrides; each backend runs once per set")
+    p.add_argument("--sweep-configs", default="default num_stages=4 block_k=128,num_stages=2",
+                   help="sweep stage: space-separated BlockSizes changes (see bench_attention.py --sweep)")
+    p.add_argument("--sweep-head-dims", default="128")
+    p.add_argument("--recipe-steps", type=int, default=3000, help="steps of configs/wikitext2_gpu.yaml (its end)")
+    p.add_argument("--recipe-step-s", type=float, default=0.03,
+                   help="seconds per recipe step, to fit the step budget to the time left (0.025 on an H100)")
+    p.add_argument("--recipe-overhead-s", type=float, default=45.0,
+                   help="recipe seconds besides its steps: start, compilation, validations")
+    args = p.parse_args(argv)
+    names = args.only.split(",") if args.only else list(DEFAULT_STAGES)
+    unknown = [n for n in names + [n for n in args.skip.split(",") if n] if n not in STAGES]
+    if unknown:
+        p.error(f"unknown stage(s) {', '.join(unknown)}; expected among {', '.join(STAGES)}")
+    args.stages = [n for n in names if n not in args.skip.split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    suite = Suite(args)
+    for name in args.stages:
+        if suite.remaining() < 5:
+            suite.summary["stages"][name] = {"status": "skipped", "reason": "the suite's time budget is spent"}
+            continue
+        print(f"[gpu_suite] {name} ({suite.remaining():.0f} s left)", file=sys.stderr, flush=True)
+        start = time.monotonic()
+        try:
+            result = STAGES[name].run(suite)
+        except Exception as err:  # noqa: BLE001  (one broken stage must not lose the others' results)
+            result = {"status": f"failed ({type(err).__name__}: {err})"}
+        result["seconds"] = round(time.monotonic() - start, 1)
+        suite.summary["stages"][name] = result
+        (suite.out / "summary.json").write_text(json.dumps(suite.summary, indent=1))
+    suite.summary["targets"] = targets(suite.summary)
+    suite.summary["seconds"] = round(args.budget_s - suite.remaining(), 1)
+    (suite.out / "summary.json").write_text(json.dumps(suite.summary, indent=1))
+    print_table(suite.summary)
+    failed = [n for n, r in suite.summary["stages"].items() if r.get("status") not in ("ok", "skipped")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

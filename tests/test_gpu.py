@@ -1,0 +1,99 @@
+"""On an NVIDIA GPU, compiled (not interpreted): the flash kernel and its three gradients against contract 2's
+reference at the kernel's real tile sizes, ``auto`` picking pallas, and bf16 training with pallas tracking xla.
+
+Skipped without a GPU; ``scripts/gpu_suite.py`` runs them (``pytest -m gpu``) on the GPU machine. The CPU suite
+checks the same kernel's numerics in Pallas interpret mode (tests/test_flash.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from seqjax.model.attention import resolve_backend
+from seqjax.model.kernels.flash import flash_attention
+from test_flash import check_against_reference, output_and_grads, packed_batch, random_qkv
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (scripts/gpu_suite.py)")]
+
+# Default block sizes (BlockSizes.for_head_dim): the tiles a model runs. T=500 is not a tile multiple, so every
+# example also pads; 8 query heads share 2 kv heads (GQA).
+FLASH = output_and_grads(lambda q, k, v, s: flash_attention(q, k, v, s))
+CASES = {(dtype, d): random_qkv((2, 500, 8, d), kv_heads=2, dtype=dtype, seed=d)
+         for dtype, d in ((jnp.float32, 64), (jnp.bfloat16, 64), (jnp.bfloat16, 128))}
+# float32 tiles run exact (no TF32), so float32 is tight; bf16 operands round at 2^-8.
+TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype, head_dim", list(CASES), ids=["float32-64", "bfloat16-64", "bfloat16-128"])
+@settings(max_examples=6, deadline=None)
+@given(segment_ids=packed_batch(2, 500))
+def test_compiled_kernel_and_gradients_match_the_reference_over_packings(dtype, head_dim, segment_ids):
+    q, k, v, cotangent = CASES[(dtype, head_dim)]
+    check_against_reference(FLASH, q, k, v, jnp.asarray(segment_ids), cotangent, tol=TOLERANCE[dtype])
+
+
+def test_long_packed_rows_match_the_reference_in_bfloat16():
+    """T=4096 with documents of 1..1500 tokens: many full tiles skip the mask, many edge tiles apply it."""
+    rng = np.random.default_rng(0)
+    rows = np.zeros((2, 4096), np.int32)
+    for row in rows:
+        lengths = np.cumsum(rng.integers(1, 1500, size=16))
+        row[:] = np.searchsorted(lengths, np.arange(4096), side="right") + 1
+    rows[1, 3000:] = 0  # a padding tail
+    q, k, v, cotangent = random_qkv((2, 4096, 4, 128), kv_heads=4, dtype=jnp.bfloat16, seed=3)
+    check_against_reference(FLASH, q, k, v, jnp.asarray(rows), cotangent, tol=3e-2)
+
+
+def test_auto_picks_pallas_on_a_gpu():
+    assert resolve_backend("auto", jnp.bfloat16) == "pallas"
+    assert resolve_backend("auto", jnp.float32) == "pallas"
+
+
+def test_fifty_bf16_training_steps_with_pallas_track_xla():
+    """The same 4-layer model, data and AdamW, 50 steps each: per-step losses agree within bf16 tolerance."""
+    from flax import nnx
+
+    from seqjax.config import load_config
+    from seqjax.model import build_model
+    from seqjax.train.optimizer import build_optimizer
+    from seqjax.train.step import make_train_step
+
+    overrides = ["model.d_model=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=512",
+                 "model.max_seq_len=512", "model.compute_dtype=bfloat16", "train.steps=50", "train.warmup_steps=5",
+                 "train.lr=3e-3"]
+    rng = np.random.default_rng(0)
+    vocab, rows, length = 512, 8, 512
+    seg = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        lengths = np.cumsum(rng.integers(16, 300, size=32))
+        seg[r] = np.searchsorted(lengths, np.arange(length), side="right") + 1
+    starts = np.concatenate([np.ones((rows, 1), bool), seg[:, 1:] != seg[:, :-1]], 1)
+    pos = np.arange(length) - np.maximum.accumulate(np.where(starts, np.arange(length), 0), axis=1)
+    # A learnable stream: each document repeats a short random pattern, so the loss falls well within 50 steps.
+    tokens = rng.integers(0, vocab, (rows, length + 1))
+    tokens[:, 8:] = tokens[:, :-8]
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg, "positions": pos,
+             "weights": np.ones((rows, length), np.float32)}
+    batch = {k: jnp.asarray(v, jnp.float32 if k == "weights" else jnp.int32) for k, v in batch.items()}
+
+    def losses(backend: str) -> np.ndarray:
+        config = load_config(None, [*overrides, f"model.attention={backend}"])
+        model = build_model(config, vocab, rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        tx, _ = build_optimizer(config.train)
+        step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=1, z_loss=0.0))
+        opt_state, out = tx.init(params), []
+        for _ in range(50):
+            params, opt_state, m = step(params, opt_state, batch)
+            out.append(m["loss"])
+        return np.asarray(jax.device_get(out))
+
+    xla, pallas = losses("xla"), losses("pallas")
+    assert xla[-1] < 0.7 * xla[0], "the test's data should be learnable"
+    np.testing.assert_allclose(pallas, xla, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,47 @@
+"""The loop's host-side scheduling (prefetch depth, metrics fetched once per log window) changes no number,
+and ``train.profile`` writes a trace.
+
+The reference run uses the defaults (2 batches prefetched, metrics fetched every 10 steps); these runs build
+each batch in the loop and fetch every step's metrics at once (the behaviour before the loop stopped syncing
+per step), or fetch in odd windows that straddle the checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from seqjax.train.metrics import read_metrics
+from test_train_support import assert_ok, run_cli, tiny_overrides, train_losses
+
+
+@pytest.mark.parametrize("prefetch, log_every", [(0, 1), (3, 7)])
+def test_prefetch_and_log_windows_leave_every_loss_and_count_unchanged(reference, tiny_root, tmp_path, prefetch,
+                                                                      log_every):
+    run_dir = tmp_path / "run"
+    extra = {"train.steps": 20, "train.prefetch": prefetch, "train.log_every": log_every}
+    assert_ok(run_cli(tiny_overrides(tiny_root, run_dir, **extra)))
+    losses = train_losses(run_dir)
+    assert losses == {step: reference[step] for step in range(1, 21)}
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    reference_rows = [r for r in read_metrics(tiny_root / "reference") if "loss" in r][:20]
+    assert [r["tokens_seen"] for r in rows] == [r["tokens_seen"] for r in reference_rows]
+    assert [r["grad_norm"] for r in rows] == [r["grad_norm"] for r in reference_rows]
+
+
+def test_profile_window_writes_a_trace_and_the_summary_reports_step_time(tiny_root, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(tiny_overrides(tiny_root, run_dir, **{"train.steps": 8, "train.profile": "[3,2]"}))
+    assert_ok(proc)
+    traces = list((run_dir / "profile").rglob("*.xplane.pb"))
+    assert traces, f"no trace under {run_dir / 'profile'}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["step_time_s"] > 0 and summary["tokens_per_s"] > 0
+    assert "peak_memory_bytes" in summary and summary["mfu"] is None  # no trustworthy peak on a CPU
+
+
+def test_a_bad_profile_window_is_refused_before_any_work(tiny_root, tmp_path):
+    proc = run_cli(tiny_overrides(tiny_root, tmp_path / "run", **{"train.profile": "[3]"}))
+    assert proc.returncode == 2
+    assert "train.profile: got [3], expected [start_step, num_steps]" in proc.stderr
