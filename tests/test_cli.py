@@ -10,7 +10,6 @@ from corpus_factory import make_text_corpus
 from seqjax import cli
 from seqjax.config import load_config
 from seqjax.errors import ConfigError, CorpusError, DataError, SeqjaxError, StoreError, TokenizerError
-from test_train_support import assert_ok, run_cli, tiny_overrides
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) seqjax[\w.]*: ")
 
@@ -87,10 +86,3 @@ def test_messages_share_one_format_and_the_level_flag_filters_them(tmp_path, cap
     assert "seqjax.data.build" not in capsys.readouterr().err
     cli.configure_logging("INFO")  # leave the process as the other tests expect it
 
-
-def test_training_logs_a_plain_line_every_log_every_steps_when_stderr_is_not_a_terminal(tiny_root, tmp_path):
-    # the reference run's warmup and schedule: its compiled step is reused from the session's cache
-    proc = run_cli(tiny_overrides(tiny_root, tmp_path / "run", **{"train.steps": 6, "train.log_every": 3}))
-    assert_ok(proc)  # the subprocess's stderr is a pipe, as under SLURM
-    steps = re.findall(r"seqjax\.train\.loop: step (\d+)/6: loss \d+\.\d+, \d+ tokens/s", proc.stderr)
-    assert steps == ["3", "6"]

@@ -71,7 +71,7 @@ TINY_TRAIN = [
     "model.vocab_size=null", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=null",
     "model.d_ff=64", "model.attention=xla", "model.compute_dtype=float32",
     "data.batch_size=8", "train.steps=2", "train.warmup_steps=0", "train.checkpoint_every=2", "train.eval_every=0",
-    "eval.batch_size=8",
+    "train.log_every=1", "eval.batch_size=8",
 ]
 
 
@@ -123,3 +123,6 @@ def test_readme_example_runs(command, tiny_root, reference, tmp_path):
     proc = subprocess.run(argv, cwd=work, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{shlex.join(argv)}\nexit {proc.returncode}\nSTDERR:\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip(), "every tool prints its results on stdout"
+    if "seqjax.train" in argv:
+        # stderr is a pipe here, as under SLURM: besides the progress bar, a plain line every train.log_every steps
+        assert re.findall(r"seqjax\.train\.loop: step (\d+)/2: loss \d+\.\d+, \d+ tokens/s", proc.stderr) == ["1", "2"]
