@@ -346,7 +346,8 @@ def case_record(args, impl, kind, seq_len, head_dim, blocks, interpret) -> dict[
         metadata = block_metadata(segs, blocks)
         n_q, n_k = metadata.fwd_kv.shape[1], metadata.seq_len // blocks.block_k
         triangle = sum(min(n_k, -(-(i + 1) * blocks.block_q // blocks.block_k)) for i in range(n_q)) * rows
-        record.update(block_sizes=dataclasses.asdict(blocks), fwd_tiles_visited=int(visited_blocks(metadata.fwd_kv, n_k).sum()),
+        record.update(block_sizes=dataclasses.asdict(blocks),
+                      fwd_tiles_visited=int(visited_blocks(metadata.fwd_kv, n_k).sum()),
                       fwd_tiles_unmasked=int(full_blocks(metadata.fwd_kv, n_k).sum()),
                       fwd_tiles_causal_triangle=triangle)
     try:

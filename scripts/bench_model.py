@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from seqjax.cli import parser, parse
+from seqjax.cli import parse, parser
 from seqjax.model import build_model, param_count
 from seqjax.model.attention import resolve_backend
 from seqjax.model.loss import lm_loss
@@ -116,7 +116,8 @@ def main(argv=None) -> dict:
     batch = packed_batch(config.data.batch_size, config.data.seq_len, vocab, args.mean_doc_len, config.run.seed)
     counts = param_count(build_model(config.model, rngs=nnx.Rngs(0)))
     result = {
-        "machine": f"{jax.default_backend()}: {jax.devices()[0].device_kind}; host {platform.machine()}, {os.cpu_count()} cores",
+        "machine": (f"{jax.default_backend()}: {jax.devices()[0].device_kind}; "
+                    f"host {platform.machine()}, {os.cpu_count()} cores"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python scripts/bench_model.py", *sys.argv[1:]] if argv is None else argv),
         "jax": jax.__version__,
@@ -124,7 +125,8 @@ def main(argv=None) -> dict:
                                                       "vocab_size", "compute_dtype", "param_dtype")},
         "params": counts,
         "batch": {"rows": config.data.batch_size, "seq_len": config.data.seq_len,
-                  "scored_tokens": int(batch["weights"].sum()), "segments": int(sum(len(set(r) - {0}) for r in batch["segment_ids"]))},
+                  "scored_tokens": int(batch["weights"].sum()),
+                  "segments": int(sum(len(set(r) - {0}) for r in batch["segment_ids"]))},
         "results": [bench_backend(config, name, batch, args.repeats, config.run.seed) for name in backends],
     }
     print(json.dumps(result))

@@ -10,7 +10,7 @@ Prefetching reads the data iterator ahead of the loop, so the iterator's own
 state is ahead of the last batch trained on. Each item therefore carries the
 iterator state *after its own batch*; a checkpoint saves the state of the last
 batch the loop consumed (:class:`IteratorPosition`), and a resumed run replays
-nothing and skips nothing (DESIGN.md contract 4).
+nothing and skips nothing (docs/design.md, contract 4).
 """
 
 from __future__ import annotations

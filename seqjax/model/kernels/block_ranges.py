@@ -1,6 +1,6 @@
 """Which (query block, key block) tiles of a packed row can hold an allowed pair, computed once per forward.
 
-Under contract 2 (DESIGN.md) query i sees key j iff ``segment_ids[i] == segment_ids[j] != 0`` and ``j <= i``.
+Under contract 2 (docs/design.md) query i sees key j iff ``segment_ids[i] == segment_ids[j] != 0`` and ``j <= i``.
 So a real query i sees only keys in ``[first(i), i]``, where ``first(i)`` is the first index of i's segment, and
 a real key j is seen only by queries in ``[j, last(j)]``. Reducing those intervals over a tile gives a
 contiguous range of tiles per block: for each query block the key blocks ``[kv_lo, kv_hi)`` its loop visits,

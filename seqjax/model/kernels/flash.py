@@ -156,23 +156,25 @@ def _forward_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref
 
     def step(masked):
         def visit(j, carry):
-            acc, m, l = carry
+            acc, m, row_sum = carry
             keys = pl.ds(j * block_k, block_k)
-            s, mask = _log2_logits(q, k_ref[keys, :], seg_q, seg_k_ref[keys], i * block_q, j * block_k, qk_scale, masked)
+            s, mask = _log2_logits(q, k_ref[keys, :], seg_q, seg_k_ref[keys], i * block_q, j * block_k, qk_scale,
+                                   masked)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = _exp2(s - m_new[:, None], mask)
             correction = jnp.exp2(m - m_new)
             v = v_ref[keys, :]
             acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
-            return acc, m_new, l * correction + p.sum(axis=-1)
+            return acc, m_new, row_sum * correction + p.sum(axis=-1)
 
         return visit
 
-    init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), MASKED, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-    acc, m, l = _visit_tiles(ranges_ref, i, step, init)
-    empty = l == 0.0  # padding queries, and queries of tiles with no allowed key: zeros, not NaN
-    o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, 0.0, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    rows = jnp.zeros((block_q,), jnp.float32)
+    init = (jnp.zeros((block_q, d), jnp.float32), jnp.full_like(rows, MASKED), rows)
+    acc, m, row_sum = _visit_tiles(ranges_ref, i, step, init)
+    empty = row_sum == 0.0  # padding queries, and queries of tiles with no allowed key: zeros, not NaN
+    o_ref[...] = (acc / jnp.where(empty, 1.0, row_sum)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, 0.0, m + jnp.log2(jnp.where(empty, 1.0, row_sum)))
 
 
 def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interpret: bool):
@@ -208,7 +210,8 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, block_k):
+def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale,
+               block_k):
     i = _query_block()
     block_q, d = q_ref.shape
     q, do, seg_q = q_ref[...], do_ref[...], seg_q_ref[...]
@@ -243,7 +246,8 @@ def _dkv_kernel(
                 dk, dv = carry
                 queries = pl.ds(i * block_q, block_q)
                 q, do = q_ref[queries, g, :], do_ref[queries, g, :]
-                s, mask = _log2_logits(q, k, seg_q_ref[queries], seg_k, i * block_q, j * block_k, scale * LOG2_E, masked)
+                s, mask = _log2_logits(q, k, seg_q_ref[queries], seg_k, i * block_q, j * block_k, scale * LOG2_E,
+                                       masked)
                 p = _exp2(s - lse_ref[g, queries][:, None], mask)
                 dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
                 ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, queries][:, None])
