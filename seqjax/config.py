@@ -193,6 +193,12 @@ class ModelConfig:
         "the MLP); evaluation and generation never drop",
         min=0.0,
     )
+    token_dropout: float = _f(
+        0.0,
+        "training only: the chance that a token's whole input embedding is zeroed (the rest scaled up), a data "
+        "augmentation that small corpora such as WikiText-2 need",
+        min=0.0,
+    )
     attention_dropout: float = _f(
         0.0,
         "training only: dropout rate on the attention probabilities; only the xla backend has it (auto then picks "
@@ -201,7 +207,7 @@ class ModelConfig:
     )
 
     def check(self) -> None:
-        for name in ("dropout", "attention_dropout"):
+        for name in ("dropout", "token_dropout", "attention_dropout"):
             rate = getattr(self, name)
             if not rate < 1.0:
                 raise ConfigError(f"model.{name}: got {rate}, expected a rate in [0, 1) (1 would drop everything)")

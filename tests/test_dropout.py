@@ -34,7 +34,7 @@ from test_train_support import REPO, cli_env, tiny_overrides, train_losses
 VOCAB = 64
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
         "model.max_seq_len=32", "model.attention=xla", "data.seq_len=32", "train.steps=10", "train.warmup_steps=0"]
-DROPOUT = {"model.dropout": 0.1, "model.attention_dropout": 0.1}
+DROPOUT = {"model.dropout": 0.1, "model.token_dropout": 0.1, "model.attention_dropout": 0.1}
 
 
 def tiny(*overrides: str):
@@ -83,7 +83,7 @@ def test_at_rate_zero_a_training_step_is_the_step_without_dropout_bit_for_bit():
 
 def test_dropout_changes_the_training_loss_but_not_evaluation_or_generation():
     plain_config, plain = tiny()
-    drop_config, dropped = tiny("model.dropout=0.3", "model.attention_dropout=0.2")
+    drop_config, dropped = tiny("model.dropout=0.3", "model.token_dropout=0.1", "model.attention_dropout=0.2")
     for a, b in zip(jax.tree.leaves(nnx.state(plain, nnx.Param)), jax.tree.leaves(nnx.state(dropped, nnx.Param))):
         np.testing.assert_array_equal(a, b)  # dropout takes no parameters and no initializer keys
 
@@ -103,10 +103,12 @@ def test_dropout_changes_the_training_loss_but_not_evaluation_or_generation():
 
 
 @settings(max_examples=6, deadline=None)
-@given(rate=st.floats(0.05, 0.9), attention_rate=st.sampled_from([0.0, 0.3]), seed=st.integers(0, 2**31 - 1))
-def test_without_a_key_the_forward_ignores_the_rates_and_with_one_it_drops(rate, attention_rate, seed):
+@given(rate=st.floats(0.05, 0.9), token_rate=st.sampled_from([0.0, 0.2]), attention_rate=st.sampled_from([0.0, 0.3]),
+       seed=st.integers(0, 2**31 - 1))
+def test_without_a_key_the_forward_ignores_the_rates_and_with_one_it_drops(rate, token_rate, attention_rate, seed):
     _, plain = tiny()
-    _, dropped = tiny(f"model.dropout={rate}", f"model.attention_dropout={attention_rate}")
+    _, dropped = tiny(f"model.dropout={rate}", f"model.token_dropout={token_rate}",
+                      f"model.attention_dropout={attention_rate}")
     b = batch(rows=2)
     fields = {"positions": b["positions"], "segment_ids": b["segment_ids"]}
     np.testing.assert_array_equal(dropped(b["inputs"], **fields), plain(b["inputs"], **fields))
@@ -114,6 +116,20 @@ def test_without_a_key_the_forward_ignores_the_rates_and_with_one_it_drops(rate,
     trained = dropped(b["inputs"], **fields, dropout_key=key)
     assert not np.array_equal(trained, plain(b["inputs"], **fields))
     np.testing.assert_array_equal(trained, dropped(b["inputs"], **fields, dropout_key=key))  # a key is one mask
+
+
+def test_token_dropout_zeroes_whole_token_embeddings_and_scales_the_rest():
+    rate = 0.4
+    _, model = tiny(f"model.token_dropout={rate}")
+    b = batch(rows=3)
+    fields = {"positions": b["positions"], "segment_ids": b["segment_ids"]}
+    key = jax.random.key(7)
+    # The model's first key goes to token dropout: one keep/drop draw per token, shared by its D features.
+    keep = jax.random.bernoulli(jax.random.split(key, 3)[0], 1.0 - rate, (*b["inputs"].shape, 1))
+    assert 0 < float(keep.mean()) < 1
+    embeddings = model.embed_tokens(b["inputs"]) * keep / (1.0 - rate)
+    want = model.from_embeddings(embeddings, **fields)
+    np.testing.assert_allclose(model(b["inputs"], **fields, dropout_key=key), want, rtol=1e-5, atol=1e-6)
 
 
 def test_rates_out_of_range_and_attention_dropout_on_a_kernel_are_refused():

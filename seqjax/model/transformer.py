@@ -25,7 +25,8 @@ lm_head.kernel (untied)     [D, V]          (embed, vocab)
 ==========================  ==============  ===========================
 
 Dropout (``model.dropout`` on the embeddings and on each residual branch,
-``model.attention_dropout`` on the attention probabilities) happens only when
+``model.token_dropout`` on whole token embeddings, ``model.attention_dropout``
+on the attention probabilities) happens only when
 the caller passes a ``dropout_key``: the train step does, from (run.seed,
 step); evaluation and generation do not, so they are deterministic. Each
 layer takes its own key from it with ``jax.random.split``, and every mask is
@@ -289,6 +290,7 @@ class TransformerLM(nnx.Module):
                                embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
         self.embed.embedding.set_metadata(axes=("vocab", "embed"))
         self.embed_dropout = nnx.Dropout(cfg.dropout)
+        self.token_dropout = nnx.Dropout(cfg.token_dropout, broadcast_dims=(-1,))  # one draw per token: [B, T, 1]
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, dtype=pdt)
         self.lm_head = None if cfg.tie_embeddings else _param(
@@ -301,8 +303,8 @@ class TransformerLM(nnx.Module):
         ``dropout_key``: the training step's key, which turns dropout on; None (evaluation) is deterministic.
         """
         self.check_batch(inputs, positions, segment_ids)
-        embed_key, blocks_key = _keys(dropout_key, 2)
-        x = _drop(self.embed_dropout, self.embed_tokens(inputs), embed_key)
+        token_key, embed_key, blocks_key = _keys(dropout_key, 3)
+        x = _drop(self.embed_dropout, _drop(self.token_dropout, self.embed_tokens(inputs), token_key), embed_key)
         return self.from_embeddings(x, positions=positions, segment_ids=segment_ids, dropout_key=blocks_key)
 
     def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
