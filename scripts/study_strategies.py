@@ -8,7 +8,10 @@
 **Held fixed.** The model, AdamW and the shape of its schedule (warmup the same
 fraction of each run, cosine to the same floor), rows per batch, the seeds, and
 the budget of *target tokens*: tokens with a non-zero loss weight. Only the
-strategy changes (``STRATEGIES``).
+strategy changes (``STRATEGIES``). ``key=value`` overrides apply to every run;
+``train.steps``, ``warmup_steps``, ``eval_every`` and ``checkpoint_every`` are
+set per run from the budget. The GPU scale adds ``model.dropout=0.1``: its
+budget is several epochs.
 
 **The budget.** For each strategy and seed, the number of steps is the first
 at which that strategy's own batches reach ``--target-tokens``. They are read
@@ -110,8 +113,10 @@ class Scale:
     overrides: tuple[str, ...] = ()
 
 
-# The CPU scale: 8 strategies x 3 seeds on 2 cores. Per run, about 300k target tokens (~150 steps of 16 x 128,
-# ~0.1 epoch) and 8 of the 60 articles of each split: a short-budget comparison, chosen to fit ~30 minutes.
+# The CPU scale: 8 strategies x 3 seeds on 2 cores, aiming at ~30 minutes. Per run, 300k target tokens (~147 steps
+# of 16 x 128, 0.1 epoch: a short-budget comparison) and 8 of the 60 articles of each split. At the 5,107 tokens/s
+# BENCHMARKS.md measured for wikitext2_cpu, training alone is ~59 s a run, ~24 min for 24; evaluation and
+# compilation come on top. The whole study's time is not measured yet.
 SCALES = {
     "cpu": Scale("configs/wikitext2_cpu.yaml", seeds=3, target_tokens=300_000, eval_docs=8, points=4),
     # wikitext2_gpu for 16M target tokens (~500 steps of 64 x 512, ~6 epochs): dropout 0.1 against overfitting.
@@ -529,6 +534,7 @@ def plot(document: dict, path: Path) -> Path:
     valid = document.get("eval_articles", {}).get("valid")
     where = f"{len(valid['articles'])} of {valid['of']} valid articles" if valid else "valid"
     ax.set_xlabel("target tokens trained")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
     ax.set_ylabel(f"word perplexity ({where}, documents)")
     ax.set_yscale("log")
     ax.set_title(f"Validation word perplexity by strategy ({document['settings']['target_tokens']:,}-token budget)")
