@@ -26,11 +26,11 @@ lm_head.kernel (untied)     [D, V]          (embed, vocab)
 
 Dropout (``model.dropout`` on the embeddings and on each residual branch,
 ``model.token_dropout`` on whole token embeddings, ``model.attention_dropout``
-on the attention probabilities) happens only when
-the caller passes a ``dropout_key``: the train step does, from (run.seed,
-step); evaluation and generation do not, so they are deterministic. Each
-layer takes its own key from it with ``jax.random.split``, and every mask is
-drawn for the whole global batch, so the bits do not depend on the mesh.
+on the attention probabilities) happens only when the caller passes a
+``dropout_key``: the train step does, from (run.seed, step); evaluation and
+generation do not, so they are deterministic. Each layer takes its own key
+from it with ``jax.random.split``, and every mask is drawn for the whole
+global batch, so the bits do not depend on the mesh.
 
 Initialization follows GPT-2 / CS336: every matrix ~ N(0, init_std); the two
 projections that write into the residual stream (``wo``, ``w_down``) use
