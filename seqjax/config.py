@@ -187,8 +187,36 @@ class ModelConfig:
     compute_dtype: str = _f("float32", "matmul/activation dtype (softmax and loss stay float32)", choices=DTYPES)
     attention: str = _f("auto", "attention backend", choices=ATTENTION_BACKENDS)
     init_std: float = _f(0.02, "std of the normal init (residual projections scaled by 1/sqrt(2*n_layers))", min=0.0)
+    dropout: float = _f(
+        0.0,
+        "training only: dropout rate on the token embeddings and on each residual branch (after attention, after "
+        "the MLP); evaluation and generation never drop",
+        min=0.0,
+    )
+    token_dropout: float = _f(
+        0.0,
+        "training only: the chance that a token's whole input embedding is zeroed (the rest scaled up), a data "
+        "augmentation that small corpora such as WikiText-2 need",
+        min=0.0,
+    )
+    attention_dropout: float = _f(
+        0.0,
+        "training only: dropout rate on the attention probabilities; only the xla backend has it (auto then picks "
+        "xla), so pallas, cudnn and splash refuse it",
+        min=0.0,
+    )
 
     def check(self) -> None:
+        for name in ("dropout", "token_dropout", "attention_dropout"):
+            rate = getattr(self, name)
+            if not rate < 1.0:
+                raise ConfigError(f"model.{name}: got {rate}, expected a rate in [0, 1) (1 would drop everything)")
+        if self.attention_dropout and self.attention not in ("xla", "auto"):
+            raise ConfigError(
+                f"model.attention_dropout: got {self.attention_dropout}, expected 0 with "
+                f"model.attention={self.attention!r}: only the xla backend drops attention probabilities "
+                "(set model.attention=xla, or model.attention_dropout=0 and use model.dropout)"
+            )
         kv = self.kv_heads
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.n_heads: got {self.n_heads}, expected a divisor of model.d_model={self.d_model}")

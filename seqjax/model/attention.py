@@ -77,12 +77,16 @@ def reference_attention(
     segment_ids: jax.Array,
     *,
     scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """Plain XLA attention, softmax in float32. q: [B, T, H, D]; k, v: [B, T, Hkv, D]; Hkv divides H.
 
-    Fully masked rows (padding queries) give zeros, never NaN.
+    Fully masked rows (padding queries) give zeros, never NaN. With a ``dropout_key``, attention
+    probabilities are dropped at ``dropout_rate`` (training only; see :func:`masked_attention`).
     """
-    return masked_attention(q, k, v, segment_mask(segment_ids), scale=scale)
+    return masked_attention(q, k, v, segment_mask(segment_ids), scale=scale, dropout_rate=dropout_rate,
+                            dropout_key=dropout_key)
 
 
 def masked_attention(
@@ -92,12 +96,16 @@ def masked_attention(
     mask: jax.Array,
     *,
     scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """Attention under an explicit boolean mask [B, Tq, Tk] (from :func:`segment_mask`), softmax in float32.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D]. The reference path and the KV-cache
     decode (queries against a longer cache) share this one softmax, so a fully
-    masked row gives zeros in both.
+    masked row gives zeros in both. With a ``dropout_key`` (training), each
+    probability is zeroed with chance ``dropout_rate`` and the rest scaled by
+    1 / (1 - rate); without one (evaluation, decoding) nothing is dropped.
     """
     b, tq, h, d = q.shape
     hkv = k.shape[2]
@@ -113,6 +121,9 @@ def masked_attention(
     weights = jnp.exp(logits - row_max)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(denom == 0, 1.0, denom)
+    if dropout_key is not None and dropout_rate:
+        keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, probs.shape)
+        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, tq, h, d).astype(q.dtype)
 
@@ -132,6 +143,8 @@ def attention(
     backend: str = "xla",
     scale: float | None = None,
     metadata=None,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
 ) -> jax.Array:
     """Segment-masked causal self-attention (contract 2) on the chosen backend.
 
@@ -141,8 +154,16 @@ def attention(
     at trace time; ``backend="auto"`` is resolved by :func:`resolve_backend`.
     ``metadata``: the pallas kernel's ``BlockMetadata`` for these segment ids,
     computed once per forward by the caller (other backends ignore it).
+    ``dropout_rate`` / ``dropout_key``: attention-probability dropout (training), which only
+    the xla backend implements: ``auto`` then runs xla, and any other backend refuses it rather
+    than silently not dropping. Without a key (evaluation), ``auto`` keeps its fastest kernel.
     """
     check_attention_inputs(q, k, v, segment_ids)
+    if dropout_key is not None and dropout_rate:
+        if backend not in ("xla", "auto"):
+            raise ValueError(f"attention dropout needs model.attention=xla (or auto), got {backend!r}")
+        return reference_attention(q, k, v, segment_ids, scale=scale, dropout_rate=dropout_rate,
+                                   dropout_key=dropout_key)
     name = resolve_backend(backend, q.dtype)
     if name not in _KERNELS:
         return _implementation(name)(q, k, v, segment_ids, scale=scale)

@@ -24,6 +24,14 @@ final_norm.scale            [D]             (embed,)
 lm_head.kernel (untied)     [D, V]          (embed, vocab)
 ==========================  ==============  ===========================
 
+Dropout (``model.dropout`` on the embeddings and on each residual branch,
+``model.token_dropout`` on whole token embeddings, ``model.attention_dropout``
+on the attention probabilities) happens only when the caller passes a
+``dropout_key``: the train step does, from (run.seed, step); evaluation and
+generation do not, so they are deterministic. Each layer takes its own key
+from it with ``jax.random.split``, and every mask is drawn for the whole
+global batch, so the bits do not depend on the mesh.
+
 Initialization follows GPT-2 / CS336: every matrix ~ N(0, init_std); the two
 projections that write into the residual stream (``wo``, ``w_down``) use
 init_std / sqrt(2 * n_layers) so the residual's variance does not grow with
@@ -47,6 +55,16 @@ from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata  # plai
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype, axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+
+
+def _keys(key: jax.Array | None, n: int) -> tuple[jax.Array | None, ...]:
+    """``n`` independent dropout keys from ``key``, or ``n`` Nones when there is none (no dropout)."""
+    return (None,) * n if key is None else tuple(jax.random.split(key, n))
+
+
+def _drop(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Array:
+    """``x`` through a dropout layer: masked with ``key`` (training), unchanged without one."""
+    return layer(x, deterministic=key is None, rngs=key)
 
 
 @jax.custom_vjp
@@ -158,14 +176,21 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (h, dh, d), out_std, pdt, ("heads", "head_dim", "embed"))
         self.rope_theta = cfg.rope_theta
         self.backend = cfg.attention
+        self.attention_dropout = cfg.attention_dropout
+        self.dropout = nnx.Dropout(cfg.dropout)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, metadata=None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, metadata=None,
+                 dropout_key: jax.Array | None = None) -> jax.Array:
         """x [B, T, D] -> [B, T, D], attending within each segment (contract 2) on the configured backend.
 
         ``metadata``: the pallas kernel's block ranges, computed once per forward and shared by all layers.
+        ``dropout_key``: drop attention probabilities and the branch's output (training); None: no dropout.
         """
+        probs_key, out_key = _keys(dropout_key, 2)
         q, k, v = self._qkv(x, positions)
-        return self._out(attention(q, k, v, segment_ids, backend=self.backend, metadata=metadata))
+        o = attention(q, k, v, segment_ids, backend=self.backend, metadata=metadata,
+                      dropout_rate=self.attention_dropout, dropout_key=probs_key)
+        return _drop(self.dropout, self._out(o), out_key)
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                cache: LayerCache) -> tuple[jax.Array, LayerCache]:
@@ -203,15 +228,17 @@ class SwiGLU(nnx.Module):
         self.w_gate = _param(rngs, (d, f), cfg.init_std, pdt, ("embed", "ff"))
         self.w_up = _param(rngs, (d, f), cfg.init_std, pdt, ("embed", "ff"))
         self.w_down = _param(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers), pdt, ("ff", "embed"))
+        self.dropout = nnx.Dropout(cfg.dropout)
 
-    def __call__(self, x):
+    def __call__(self, x, dropout_key: jax.Array | None = None):
         dt = x.dtype
         gate = jax.nn.silu(x @ self.w_gate[...].astype(dt))
-        return (gate * (x @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
+        out = (gate * (x @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
+        return _drop(self.dropout, out, dropout_key)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); each branch ends in its dropout."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
@@ -220,9 +247,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, dtype=pdt)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, metadata=None) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, metadata)
-        return x + self.mlp(self.mlp_norm(x))
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, metadata=None,
+                 dropout_key: jax.Array | None = None) -> jax.Array:
+        attn_key, mlp_key = _keys(dropout_key, 2)
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, metadata, dropout_key=attn_key)
+        return x + self.mlp(self.mlp_norm(x), dropout_key=mlp_key)
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                cache: LayerCache) -> tuple[jax.Array, LayerCache]:
@@ -260,15 +289,23 @@ class TransformerLM(nnx.Module):
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=pdt,
                                embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
         self.embed.embedding.set_metadata(axes=("vocab", "embed"))
+        self.embed_dropout = nnx.Dropout(cfg.dropout)
+        self.token_dropout = nnx.Dropout(cfg.token_dropout, broadcast_dims=(-1,))  # one draw per token: [B, T, 1]
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, dtype=pdt)
         self.lm_head = None if cfg.tie_embeddings else _param(
             rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
 
-    def __call__(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """Logits [B, T, V] float32 for a batch (contract 1): the training and evaluation forward pass."""
+    def __call__(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
+                 dropout_key: jax.Array | None = None) -> jax.Array:
+        """Logits [B, T, V] float32 for a batch (contract 1): the training and evaluation forward pass.
+
+        ``dropout_key``: the training step's key, which turns dropout on; None (evaluation) is deterministic.
+        """
         self.check_batch(inputs, positions, segment_ids)
-        return self.from_embeddings(self.embed_tokens(inputs), positions=positions, segment_ids=segment_ids)
+        token_key, embed_key, blocks_key = _keys(dropout_key, 3)
+        x = _drop(self.embed_dropout, _drop(self.token_dropout, self.embed_tokens(inputs), token_key), embed_key)
+        return self.from_embeddings(x, positions=positions, segment_ids=segment_ids, dropout_key=blocks_key)
 
     def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                cache: KVCache) -> tuple[jax.Array, KVCache]:
@@ -295,11 +332,12 @@ class TransformerLM(nnx.Module):
         table = self.embed.embedding[...]
         return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.cfg.compute_dtype)
 
-    def from_embeddings(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def from_embeddings(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
+                        dropout_key: jax.Array | None = None) -> jax.Array:
         """The blocks and head applied to embeddings x [B, T, D] (the input of the first block); logits [B, T, V]."""
         metadata = self.attention_metadata(segment_ids)
-        for block in self.blocks:
-            x = block(x, positions, segment_ids, metadata=metadata)
+        for block, key in zip(self.blocks, _keys(dropout_key, len(self.blocks))):
+            x = block(x, positions, segment_ids, metadata=metadata, dropout_key=key)
         return self.logits(x)
 
     def logits(self, x: jax.Array) -> jax.Array:

@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -151,8 +151,14 @@ def _sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, par
     return jax.jit(tx.init, out_shardings=opt_shardings)(params), opt_shardings
 
 
-def train(config: Config) -> dict[str, Any]:
-    """Run (or resume) training for ``train.steps`` steps; return the summary also written to summary.json."""
+def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Run (or resume) training for ``train.steps`` steps; return the summary also written to summary.json.
+
+    ``validate(model, step)``, when given, replaces the built-in validation (every ``train.eval_every``
+    steps and at the end). It returns the row logged under "valid", with at least ``val_loss``,
+    ``val_perplexity``, ``val_word_perplexity`` and ``val_bits_per_byte``, which the summary reports.
+    scripts/study_strategies.py scores a fixed subset of articles this way.
+    """
     wall_start = time.perf_counter()
     check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
     initialize_distributed(config.dist)
@@ -191,7 +197,7 @@ def train(config: Config) -> dict[str, Any]:
     batch_sharding = sharding.batch_sharding(mesh)
     step_fn = jax.jit(
         make_train_step(graphdef, rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss),
-        in_shardings=(param_shardings, opt_shardings, batch_sharding),
+        in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated),
         out_shardings=(param_shardings, opt_shardings, replicated),
         donate_argnums=(0, 1),
     )
@@ -207,8 +213,11 @@ def train(config: Config) -> dict[str, Any]:
         checkpoints.save(step, params, opt_state, rng, position, {"tokens_seen": tokens_seen})
 
     def validation(step: int) -> dict[str, Any]:
-        final = step == tc.steps
-        row = _validation(nnx.merge(graphdef, params, rest), valid_store, config, mesh, step, primary, final)
+        model = nnx.merge(graphdef, params, rest)
+        if validate is not None:
+            row = {"step": step, **validate(model, step)}
+        else:
+            row = _validation(model, valid_store, config, mesh, step, primary, final=step == tc.steps)
         log.write(row, prefix="valid")
         return row
 
@@ -269,7 +278,7 @@ def train(config: Config) -> dict[str, Any]:
             for step in range(start_step + 1, tc.steps + 1):
                 profiler.before(step)
                 batch, position = next(prefetch)
-                params, opt_state, m = step_fn(params, opt_state, batch)
+                params, opt_state, m = step_fn(params, opt_state, batch, rng, step)  # rng, step: dropout's key
                 # No host sync here: the metrics stay on the device until the window is flushed, so the host
                 # runs ahead and dispatches the next step while this one computes.
                 window.add(step, m, batch["inputs"].shape)

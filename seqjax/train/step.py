@@ -12,6 +12,14 @@ big batch (tested).
 Micro-batch ``j`` takes rows ``j, j + k, j + 2k, ...`` of the global batch:
 with rows sharded contiguously over ``data x fsdp`` every device keeps its
 own rows in every micro-batch, so splitting needs no communication.
+
+Dropout (``model.dropout``) needs random bits that exact resume, other meshes
+and other process counts reproduce. Micro-batch ``j`` of step ``s`` uses the
+key :func:`dropout_key` ``(run key, s, j)``, and the model draws each mask for
+the whole global micro-batch inside this jitted step: XLA partitions the
+generation (JAX's threefry is partitionable), so each device computes its
+own rows' bits, the same bits on 1 device or 8, in 1 process or 2. No device
+or process index enters, and a resumed run draws the steps' keys again.
 """
 
 from __future__ import annotations
@@ -27,6 +35,19 @@ from seqjax.model.loss import lm_loss
 
 Batch = dict[str, jax.Array]
 
+# The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...; dropout keys
+# come from a copy folded with this tag first, so no mask ever reuses an initializer's key.
+DROPOUT_STREAM = 0x64726F70  # "drop"
+
+
+def dropout_key(rng: jax.Array, step, micro) -> jax.Array:
+    """The dropout key of micro-batch ``micro`` of step ``step``: a pure function of (run key, step, micro).
+
+    ``rng`` is the run's key data (``jax.random.key_data(jax.random.key(run.seed))``, saved in checkpoints).
+    """
+    stream = jax.random.fold_in(jax.random.wrap_key_data(rng), DROPOUT_STREAM)
+    return jax.random.fold_in(jax.random.fold_in(stream, step), micro)
+
 
 def micro_batches(batch: Batch, k: int) -> Batch:
     """[B, L] fields -> [k, B / k, L]; micro-batch j holds rows j, j + k, ..."""
@@ -39,35 +60,40 @@ def micro_batches(batch: Batch, k: int) -> Batch:
 
 def make_train_step(
     graphdef: nnx.GraphDef, rest: Any, tx: optax.GradientTransformation, *, grad_accum: int, z_loss: float
-) -> Callable[[Any, Any, Batch], tuple[Any, Any, dict[str, jax.Array]]]:
-    """``step(params, opt_state, batch) -> (params, opt_state, metrics)``, pure and jittable.
+) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
+    """``step(params, opt_state, batch, rng=None, step=0) -> (params, opt_state, metrics)``, pure and jittable.
 
     ``graphdef``/``rest`` come from ``nnx.split(model, nnx.Param, ...)``;
-    ``params`` is the Param state as a pure dict. ``metrics`` holds ``loss``
+    ``params`` is the Param state as a pure dict. ``rng`` (the run's key data)
+    and ``step`` (the step's number) seed dropout; with ``rng=None`` nothing is
+    dropped, whatever ``model.dropout`` says. ``metrics`` holds ``loss``
     (the contract-3 cross-entropy), ``objective`` (plus z-loss), ``grad_norm``
     (before clipping), ``weight_sum``, ``tokens`` (non-padding
     input tokens of the global batch) and ``finite``.
     """
 
-    def summed_objective(params, micro: Batch):
+    def summed_objective(params, micro: Batch, key):
         model = nnx.merge(graphdef, params, rest)
-        logits = model(micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"])
+        logits = model(micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"],
+                       dropout_key=key)
         loss, aux = lm_loss(logits, micro["targets"], micro["weights"], z_loss=z_loss)
         # lm_loss is a mean over this micro-batch's weights; times their sum it is a sum again.
         return loss * aux["weight_sum"], aux
 
     value_and_grad = jax.value_and_grad(summed_objective, has_aux=True)
 
-    def step(params, opt_state, batch: Batch):
-        def accumulate(carry, micro):
+    def step(params, opt_state, batch: Batch, rng=None, step=0):
+        def accumulate(carry, xs):
+            micro, index = xs
             grads, objective, nll, weights = carry
-            (obj, aux), g = value_and_grad(params, micro)
+            (obj, aux), g = value_and_grad(params, micro, None if rng is None else dropout_key(rng, step, index))
             grads = jax.tree.map(jnp.add, grads, g)
             return (grads, objective + obj, nll + aux["nll_sum"], weights + aux["weight_sum"]), None
 
         zero = jnp.zeros((), jnp.float32)
         init = (jax.tree.map(jnp.zeros_like, params), zero, zero, zero)
-        (grads, objective, nll_sum, weight_sum), _ = jax.lax.scan(accumulate, init, micro_batches(batch, grad_accum))
+        xs = (micro_batches(batch, grad_accum), jnp.arange(grad_accum))
+        (grads, objective, nll_sum, weight_sum), _ = jax.lax.scan(accumulate, init, xs)
         denom = jnp.where(weight_sum > 0, weight_sum, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         grad_norm = optax.tree.norm(grads)
