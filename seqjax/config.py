@@ -19,6 +19,7 @@ loads is a config that can run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -537,9 +538,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read a YAML config (or start from defaults), apply dotted overrides, validate everything."""
-    tree: dict[str, Any] = {}
+def load_config(
+    path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (), base: dict[str, Any] | None = None
+) -> Config:
+    """Read a YAML config (or start from ``base``, a tree of section mappings, or the defaults), apply dotted
+    overrides, validate everything."""
+    tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
