@@ -11,8 +11,9 @@ Every prompt is preceded by ``<|endoftext|>``, the token every training
 sequence and every evaluation unit starts with, so an article's opening is
 generated in the setting the model learned it (an empty prompt generates
 from that token alone); a model with a beginning-of-text token
-(``tokenizer.bos_token``, e.g. an imported Llama's ``<s>``) gets that instead. A row stops at its first end-of-text; the loop stops
-when every row has, or after ``--max_new_tokens``.
+(``tokenizer.bos_token``, e.g. an imported Llama's ``<s>``) gets that instead.
+A row stops at its first end-of-text; the loop stops when every row has, or
+after ``--max_new_tokens``.
 """
 
 from __future__ import annotations
