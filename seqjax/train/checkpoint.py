@@ -180,7 +180,7 @@ def save_params(run_dir: str | Path, step: int, params: Any, meta: dict[str, Any
     return folder / str(step)
 
 
-def _locate(path: str | Path) -> tuple[Path, Path, int | None]:
+def locate(path: str | Path) -> tuple[Path, Path, int | None]:
     """(config.yaml, checkpoints folder, step or None for the latest) for a run dir or a step folder."""
     path = Path(path).absolute()
     if (path / CHECKPOINTS).is_dir():
@@ -201,7 +201,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     pointing at the run folder's own ``tokenizer.json`` when it has one; only the
     parameters are read, on the default device.
     """
-    config_file, checkpoints, step = _locate(path)
+    config_file, checkpoints, step = locate(path)
     config = load_config(config_file, list(overrides))
     own_tokenizer = config_file.parent / TOKENIZER_FILE
     if own_tokenizer.is_file() and not any(o.startswith("tokenizer.path=") for o in overrides):
