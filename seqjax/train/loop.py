@@ -166,6 +166,9 @@ def _sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, par
 def train(config: Config) -> dict[str, Any]:
     """Run (or resume) training for ``train.steps`` steps; return the summary also written to summary.json."""
     wall_start = time.perf_counter()
+    if config.eval.mode == "lm_eval":
+        raise ConfigError("eval.mode: got 'lm_eval' for training's validation, expected blocks, sliding or documents "
+                          "(lm_eval scores raw pages with seqjax.eval after training)")
     check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
     initialize_distributed(config.dist)
     process_index, process_count = jax.process_index(), jax.process_count()
