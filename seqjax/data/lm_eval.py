@@ -112,6 +112,21 @@ class LmEvalDocs:
     tokens: int  # tokens scored: every token of every detokenized page
 
 
+def rolling_windows(encoded: list[list[int]], prefix_id: int, vocab_size: int, context: int) -> EvalWindows:
+    """The harness's rolling windows over each token list, as seqjax evaluation windows (step 4).
+
+    For ``[10 .. 18]``, prefix 1 and context 4 the three windows read
+    ``[1 10 11 12]``, ``[13 14 15 16]``, ``[14 15 16 17]`` and score
+    ``10 11 12 13``, ``14 15 16 17`` and ``18``.
+    """
+    stream = TokenStore.from_documents(encoded, eot_id=prefix_id, vocab_size=vocab_size)
+    offsets = np.asarray(stream.doc_offsets, np.int64)
+    unit_start, unit_end = offsets[:-1] - 1, offsets[1:] - 2
+    starts, ends, lo, hi = unit_windows(unit_start, unit_end, context, context, right_align_last=True)
+    # one segment per window: a window never leaves its unit (ends), so no page sees another
+    return EvalWindows(stream, MODE, context, context, starts, ends, lo, hi, cross_document_attention=True)
+
+
 def lm_eval_docs(pages: list[str], tokenizer: Tokenizer, context: int) -> LmEvalDocs:
     """Encode each detokenized page and lay out the rolling windows of ``context`` tokens (steps 2 to 4).
 
@@ -120,15 +135,9 @@ def lm_eval_docs(pages: list[str], tokenizer: Tokenizer, context: int) -> LmEval
     ending at its page's last token (the prefix after it is never read or scored).
     """
     encoded = [tokenizer.encode_text(wikitext_detokenize(page)) for page in pages]
-    stream = TokenStore.from_documents(encoded, eot_id=tokenizer.bos_id, vocab_size=tokenizer.vocab_size)
-    offsets = np.asarray(stream.doc_offsets, np.int64)
-    unit_start, unit_end = offsets[:-1] - 1, offsets[1:] - 2
-    starts, ends, lo, hi = unit_windows(unit_start, unit_end, context, context, right_align_last=True)
-    # one segment per window: a window never leaves its unit (ends), so no page sees another
-    windows = EvalWindows(stream, MODE, context, context, starts, ends, lo, hi, cross_document_attention=True)
     return LmEvalDocs(
         pages=pages,
-        windows=windows,
+        windows=rolling_windows(encoded, tokenizer.bos_id, tokenizer.vocab_size, context),
         words=sum(harness_words(page) for page in pages),
         bytes=sum(len(page.encode("utf-8")) for page in pages),
         tokens=sum(len(ids) for ids in encoded),
