@@ -110,8 +110,12 @@ def check_shapes(config: Config, source: Source) -> None:
     ours, theirs = _shapes(config), _shapes(source.model)
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):
-            fields = "model.vocab_size" if name.startswith(("embed.", "lm_head")) else (
-                "model.d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff, tie_embeddings")
+            if name not in ours or name not in theirs:
+                fields = "model.tie_embeddings"
+            elif name.startswith(("embed.", "lm_head")):
+                fields = "model.vocab_size (and d_model)"
+            else:
+                fields = "model.d_model, n_layers, n_heads, n_kv_heads, head_dim and d_ff"
             raise ConfigError(
                 f"train.init_from: {source.path} has {name} of shape {theirs.get(name, 'none (tied embeddings)')}, "
                 f"but the config's model gives {ours.get(name, 'none (tied embeddings)')}; "
