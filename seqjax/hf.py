@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,6 +42,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
+from tqdm import tqdm
 
 from seqjax.config import Config, load_config
 from seqjax.errors import CheckpointError
@@ -184,18 +186,22 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
 def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
     """The folder's tensors as seqjax parameters (``nnx.to_pure_dict`` layout), cast to ``dtype``."""
     handles: dict[Path, Any] = {}
+    bar = tqdm(total=len(hf.weight_map), desc=f"read {hf.path.name}", unit="tensor", file=sys.stderr)
 
     def read(name: str) -> np.ndarray:
         file = hf.weight_map[name]
         try:
             if file not in handles:
                 handles[file] = safe_open(file, framework="numpy")
-            return handles[file].get_tensor(name)
+            tensor = handles[file].get_tensor(name)
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{file}: cannot read tensor {name} ({err})") from None
+        bar.update()
+        return tensor
 
     source = str(hf.path / (INDEX if (hf.path / INDEX).is_file() else WEIGHTS))
-    return params_from_hf(read, hf.weight_map, hf.model, source, DTYPES[dtype])
+    with bar:
+        return params_from_hf(read, hf.weight_map, hf.model, source, DTYPES[dtype])
 
 
 def run_config(hf: HFFolder, overrides: Sequence[str] = (), tokenizer_path: Path | None = None,
@@ -287,12 +293,14 @@ def write_folder(out: str | os.PathLike, cfg: Any, params: dict[str, Any], *, to
     tensors = {name: t.astype(DTYPES[dtype]) for name, t in to_hf(params, cfg).items()}
     groups = _shards(tensors, max_shard_bytes)
     files = []
+    log.info("writing %d tensors (%s, %.1f MB) to %s in %d file(s)", len(tensors), dtype,
+             sum(t.nbytes for t in tensors.values()) / 1e6, out, len(groups))
     if len(groups) == 1:
         save_file(groups[0], str(out / WEIGHTS), metadata={"format": "pt"})
         files.append(WEIGHTS)
     else:
         weight_map = {}
-        for i, group in enumerate(groups, start=1):
+        for i, group in enumerate(tqdm(groups, desc="write shards", unit="shard", file=sys.stderr), start=1):
             name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
             save_file(group, str(out / name), metadata={"format": "pt"})
             weight_map.update({tensor: name for tensor in group})
