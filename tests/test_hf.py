@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 
 from hf_support import llama_tensors, tiny_tokenizer, write_llama_folder
 from seqjax import hf
-from seqjax.config import RopeScalingConfig, load_config
+from seqjax.config import ConfigError, RopeScalingConfig, load_config
 from seqjax.errors import CheckpointError
 from seqjax.model import build_model
 from seqjax.model.transformer import rope_frequencies
@@ -284,3 +284,22 @@ def test_the_model_reads_head_dim_norm_eps_and_rope_scaling_from_its_config():
         assert not np.allclose(changed, reference, atol=1e-4), change
     wide = build_model(load_config(None, TINY + ["model.head_dim=16"]), 300, rngs=nnx.Rngs(0))
     assert wide.blocks[0].attn.wq.shape == (32, 4, 16) and wide.blocks[0].attn.wo.shape == (4, 16, 32)
+
+
+def test_the_new_model_fields_have_defaults_of_todays_model_and_rules_that_name_the_key(tmp_path):
+    config = load_config(None, TINY)
+    assert (config.model.head_dim, config.model.norm_eps, config.model.rope_scaling.type) == (8, 1e-6, "none")
+    assert load_config(None, TINY + ["model.head_dim=12"]).model.head_dim == 12  # any even width, 32 / 4 or not
+    with pytest.raises(ConfigError, match="model.head_dim: got 7, expected an even number"):
+        load_config(None, TINY + ["model.head_dim=7"])
+    with pytest.raises(ConfigError, match="model.n_heads: got 3, expected a divisor of model.d_model=32 "
+                                          r"\(or set model.head_dim\)"):
+        load_config(None, TINY + ["model.n_heads=3", "model.n_kv_heads=1"])
+    with pytest.raises(ConfigError, match="model.rope_scaling.type: got 'yarn', expected one of none, llama3"):
+        load_config(None, TINY + ["model.rope_scaling.type=yarn"])
+    with pytest.raises(ConfigError, match="model.rope_scaling.high_freq_factor: got 1.0, expected more than "
+                                          "model.rope_scaling.low_freq_factor=2.0"):
+        load_config(None, TINY + ["model.rope_scaling.type=llama3", "model.rope_scaling.low_freq_factor=2.0",
+                                  "model.rope_scaling.high_freq_factor=1.0"])
+    scaled = load_config(None, TINY + ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=32.0"])
+    assert load_config(scaled.save(tmp_path / "config.yaml")) == scaled  # the nested section survives YAML
