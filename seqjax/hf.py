@@ -44,7 +44,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 from tqdm import tqdm
 
-from seqjax.config import Config, load_config
+from seqjax.config import Config, ModelConfig, load_config
 from seqjax.errors import CheckpointError
 from seqjax.files import write_text_atomic
 from seqjax.model import build_model
@@ -71,7 +71,7 @@ class HFFolder:
 
     path: Path
     config_json: dict[str, Any]
-    model: Any  # seqjax.config.ModelConfig
+    model: ModelConfig
     weight_map: dict[str, Path]
     tokenizer: Path
     eos_token: str
@@ -276,10 +276,10 @@ def _tokenizer_with_opening_token(tokenizer_json: Path, bos: str) -> str:
     return hf.to_str()
 
 
-def write_folder(out: str | os.PathLike, cfg: Any, params: dict[str, Any], *, tokenizer_json: Path, eos_token: str,
-                 bos_token: str | None, dtype: str = "float32", max_shard_bytes: int = DEFAULT_SHARD_BYTES
-                 ) -> dict[str, Any]:
-    """Write an HF Llama folder for ``cfg`` (a ModelConfig) and ``params``; returns what was written.
+def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any], *, tokenizer_json: Path,
+                 eos_token: str, bos_token: str | None, dtype: str = "float32",
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+    """Write an HF Llama folder for ``cfg`` and ``params``; returns what was written.
 
     Tensors are cast to ``dtype`` and written by ``safetensors`` with the
     ``{"format": "pt"}`` metadata transformers expects, in one file or in

@@ -35,12 +35,16 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=6
         "data.seq_len=16", "model.max_seq_len=64"]
 
 
+@nnx.jit  # one compile per model instead of one per eager op: the tests build many small models
+def _forward(model, inputs, positions, segment_ids):
+    return model(inputs, positions=positions, segment_ids=segment_ids)
+
+
 def logits(model, inputs, positions=None, segment_ids=None):
     inputs = np.asarray(inputs, np.int32)
     positions = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape) if positions is None else positions
     segment_ids = np.ones_like(inputs) if segment_ids is None else segment_ids
-    return np.asarray(model(inputs, positions=np.asarray(positions, np.int32),
-                            segment_ids=np.asarray(segment_ids, np.int32)))
+    return np.asarray(_forward(model, inputs, np.asarray(positions, np.int32), np.asarray(segment_ids, np.int32)))
 
 
 def same_model(a, b) -> bool:
