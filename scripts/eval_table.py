@@ -1,6 +1,7 @@
 """The BENCHMARKS.md perplexity table: a trained run scored on valid and test under all three protocols.
 
     python scripts/eval_table.py --run runs/wikitext2_cpu [key=value ...]
+    python scripts/eval_table.py --hf hf/llama data.variant=raw      # raw WikiText-2: the lm_eval protocol too
 
 Prints a markdown table (every figure with its unit and protocol, the
 literature's figures below it labelled as references) and, last, one JSON
@@ -22,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from seqjax import cli  # noqa: E402
 from seqjax.data.build import prepare  # noqa: E402
 from seqjax.data.eval_windows import MODES  # noqa: E402
-from seqjax.evaluate import evaluate  # noqa: E402
+from seqjax.data.lm_eval import MODE as LM_EVAL  # noqa: E402
+from seqjax.data.lm_eval import read_lm_eval_split  # noqa: E402
+from seqjax.evaluate import evaluate, evaluate_lm_eval  # noqa: E402
 
 SPLITS = ("valid", "test")
 log = logging.getLogger("seqjax.eval_table")
@@ -45,7 +48,8 @@ def table(results: list[dict], label: str) -> str:
     ]
     for r in results:
         lines.append(
-            f"| {label} | {r['split']} | {r['mode']} | {r['context']} / {r['stride']} | {r['tokens']:,} | "
+            f"| {label} | {r['split']} | {r['mode']} | {r['context']} / {r.get('stride', r['context'])} | "
+            f"{r['tokens']:,} | "
             f"{r['words']:,} | {fmt(r['token_perplexity'], 2)} | {fmt(r['word_perplexity'], 2)} | "
             f"{fmt(r['bits_per_byte'], 4)} |"
         )
@@ -72,9 +76,15 @@ def score_all(args: argparse.Namespace) -> None:
             result = evaluate(model, prepared.stores[split], cfg, split=split)
             log.info("%s", json.dumps(result))
             results.append(result)
-    label = f"seqjax {Path(args.run or args.checkpoint).name}"
+        if (config.data.corpus, config.data.variant) == ("wikitext2", "raw"):  # the harness's task reads raw pages
+            cfg = dataclasses.replace(config, eval=dataclasses.replace(config.eval, split=split, mode=LM_EVAL))
+            docs = read_lm_eval_split(cfg, split, prepared.tokenizer)
+            results.append(evaluate_lm_eval(model, docs, cfg, split=split))
+            log.info("%s", json.dumps(results[-1]))
+    source = args.run or args.checkpoint or args.hf
+    label = f"seqjax {Path(source).name}"
     print(table(results, label))
-    print(json.dumps({"run": args.run or args.checkpoint, "variant": config.data.variant,
+    print(json.dumps({"run": source, "variant": config.data.variant,
                       "vocab_size": prepared.tokenizer.vocab_size, "results": results}))
 
 

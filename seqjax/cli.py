@@ -125,14 +125,16 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    """``--run DIR`` or ``--checkpoint DIR``: the config comes from there, so ``--config`` is refused."""
+    """``--run DIR``, ``--checkpoint DIR`` or ``--hf DIR``: the config comes from there, so ``--config`` is refused."""
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--run", metavar="DIR", help="a training run folder (its newest readable checkpoint)")
     where.add_argument("--checkpoint", metavar="DIR", help="one checkpoint folder")
+    where.add_argument("--hf", metavar="DIR",
+                       help="a Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json), read directly")
 
 
 def load_checkpoint(args: argparse.Namespace, overrides: Sequence[str] | None = None):
-    """(config, model with trained weights) from ``--run`` or ``--checkpoint``, with the key=value overrides.
+    """(config, model with trained weights) from ``--run``, ``--checkpoint`` or ``--hf``, with the overrides.
 
     Raises a SeqjaxError (exit 2 inside :func:`run`) for ``--config``, a missing
     folder, or a folder without a readable checkpoint.
@@ -142,7 +144,13 @@ def load_checkpoint(args: argparse.Namespace, overrides: Sequence[str] | None = 
 
     if args.config:
         raise UsageError("--config: the configuration comes from the checkpoint; pass key=value overrides instead")
+    overrides = list(args.overrides if overrides is None else overrides)
+    if getattr(args, "hf", None):
+        # safetensors and the HF mapping: only --hf pays for them
+        from seqjax import hf
+
+        return hf.load(args.hf, overrides)
     path = args.run or args.checkpoint
     if not Path(path).is_dir():
         raise UsageError(f"{'--run' if args.run else '--checkpoint'} {path!r}: no such folder")
-    return checkpoint.load_for_inference(path, list(args.overrides if overrides is None else overrides))
+    return checkpoint.load_for_inference(path, overrides)

@@ -19,6 +19,7 @@ loads is a config that can run.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -67,6 +68,11 @@ class TokenizerConfig:
     vocab_size: int = _f(8192, "BPE vocabulary size, special tokens included", min=1)
     min_frequency: int = _f(2, "a pair must occur this often to be merged", min=1)
     special_tokens: list[str] = _f(["<|endoftext|>"], "special tokens; the first is end-of-text")
+    bos_token: str | None = _f(
+        None,
+        "the token that opens every prompt and lm_eval window (Llama's <s> or <|begin_of_text|>); "
+        "null: the end-of-text token, which opens every sequence seqjax trains on",
+    )
 
     def check(self) -> None:
         if not self.special_tokens:
@@ -167,6 +173,32 @@ class DataConfig:
 
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
 DTYPES = ("float32", "bfloat16")
+ROPE_SCALING_TYPES = ("none", "llama3")
+
+
+@dataclass(frozen=True)  # hashable: the model keeps it as static graph data
+class RopeScalingConfig:
+    """How RoPE's frequencies are stretched for contexts longer than pretraining's (Llama 3.1's ``rope_scaling``).
+
+    ``llama3`` keeps the high frequencies (wavelengths below
+    original_max_position_embeddings / high_freq_factor), divides the low ones
+    (wavelengths above original_max_position_embeddings / low_freq_factor) by
+    ``factor``, and interpolates smoothly in between.
+    """
+
+    type: str = _f("none", "none: plain RoPE; llama3: Llama 3.1's frequency scaling", choices=ROPE_SCALING_TYPES)
+    factor: float = _f(8.0, "llama3: how much the low frequencies are slowed", min=1.0)
+    low_freq_factor: float = _f(1.0, "llama3: wavelengths above original / low_freq_factor are divided by factor",
+                                min=0.0)
+    high_freq_factor: float = _f(4.0, "llama3: wavelengths below original / high_freq_factor are kept", min=0.0)
+    original_max_position_embeddings: int = _f(8192, "llama3: the context length of pretraining", min=1)
+
+    def check(self) -> None:
+        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(
+                f"model.rope_scaling.high_freq_factor: got {self.high_freq_factor}, expected more than "
+                f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (and both above 0)"
+            )
 
 
 @dataclass
@@ -176,12 +208,20 @@ class ModelConfig:
     n_layers: int = _f(4, "Transformer blocks", min=1)
     n_heads: int = _f(4, "query heads", min=1)
     n_kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (default: n_heads)", min=1)
+    head_dim: int | None = _f(
+        None, "width of each attention head (null: d_model // n_heads, filled in when the config is checked)", min=2
+    )
     d_ff: int = _f(768, "SwiGLU hidden width", min=1)
     max_seq_len: int | None = _f(
         None, "longest sequence the model accepts (null: follows data.seq_len, or eval.context when longer)",
         min=1,
     )
     rope_theta: float = _f(10000.0, "RoPE base frequency", min=1.0)
+    rope_scaling: RopeScalingConfig = field(
+        default_factory=RopeScalingConfig,
+        metadata={"help": "RoPE frequency scaling for long contexts: model.rope_scaling.type and its factors"},
+    )
+    norm_eps: float = _f(1e-6, "RMSNorm epsilon (Llama checkpoints use 1e-5)", min=0.0)
     tie_embeddings: bool = _f(True, "share the token embedding with the LM head")
     param_dtype: str = _f("float32", "parameter storage dtype", choices=DTYPES)
     compute_dtype: str = _f("float32", "matmul/activation dtype (softmax and loss stay float32)", choices=DTYPES)
@@ -207,6 +247,7 @@ class ModelConfig:
     )
 
     def check(self) -> None:
+        """The model's own rules; a null ``head_dim`` becomes d_model // n_heads here, so every reader sees an int."""
         for name in ("dropout", "token_dropout", "attention_dropout"):
             rate = getattr(self, name)
             if not rate < 1.0:
@@ -218,18 +259,22 @@ class ModelConfig:
                 "(set model.attention=xla, or model.attention_dropout=0 and use model.dropout)"
             )
         kv = self.kv_heads
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"model.n_heads: got {self.n_heads}, expected a divisor of model.d_model={self.d_model}")
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ConfigError(
+                    f"model.n_heads: got {self.n_heads}, expected a divisor of model.d_model={self.d_model} "
+                    "(or set model.head_dim)"
+                )
+            self.head_dim = self.d_model // self.n_heads
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim: got {self.head_dim}, expected an even number (RoPE rotates pairs)")
         if self.n_heads % kv:
             raise ConfigError(f"model.n_kv_heads: got {kv}, expected a divisor of model.n_heads={self.n_heads}")
+        self.rope_scaling.check()
 
     @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
 
 @dataclass
@@ -247,6 +292,11 @@ class TrainConfig:
     grad_clip: float | None = _f(1.0, "global-norm clipping threshold (null: off)", min=0.0)
     grad_accum: int = _f(1, "micro-batches per step (data.batch_size is split between them)", min=1)
     z_loss: float = _f(0.0, "z-loss coefficient on log(Z)^2", min=0.0)
+    init_from: str | None = _f(
+        None,
+        "start from these weights: a seqjax run or checkpoint folder, or a Hugging Face Llama folder "
+        "(parameters only; optimizer, step and data position start fresh; the tokenizer comes with them)",
+    )
     checkpoint_every: int = _f(200, "steps between checkpoints (one is also written at the end)", min=1)
     keep_checkpoints: int = _f(3, "newest checkpoints kept", min=1)
     async_checkpoint: bool = _f(True, "write checkpoints in the background")
@@ -302,11 +352,20 @@ class DistributedConfig:
             )
 
 
+EVAL_MODES = ("blocks", "sliding", "documents", "lm_eval")
+
+
 @dataclass
 class EvalConfig:
     split: str = _f("valid", "split to score", choices=("valid", "test"))
-    mode: str = _f("sliding", "evaluation protocol", choices=("blocks", "sliding", "documents"))
-    context: int | None = _f(None, "tokens of context per window (default: data.seq_len)", min=2)
+    mode: str = _f(
+        "sliding",
+        "evaluation protocol; lm_eval: the lm-evaluation-harness wikitext task (raw WikiText-2, its detokenizer)",
+        choices=EVAL_MODES,
+    )
+    context: int | None = _f(
+        None, "tokens of context per window (default: data.seq_len; lm_eval: the model's max_seq_len)", min=2
+    )
     stride: int | None = _f(None, "sliding: new tokens scored per window (default: context // 2)", min=1)
     batch_size: int = _f(8, "windows per evaluation batch", min=1)
 
@@ -327,8 +386,16 @@ class Config:
 
     @property
     def eval_context(self) -> int:
-        """Tokens of context per evaluation window: ``eval.context``, else ``data.seq_len``."""
-        return self.eval.context or self.data.seq_len
+        """Tokens of context per evaluation window: ``eval.context``, else ``data.seq_len``.
+
+        The lm_eval protocol, like the harness, defaults to the model's own limit
+        (``model.max_seq_len``, when set).
+        """
+        if self.eval.context:
+            return self.eval.context
+        if self.eval.mode == "lm_eval" and self.model.max_seq_len:
+            return self.model.max_seq_len
+        return self.data.seq_len
 
     @property
     def max_seq_len(self) -> int:
@@ -351,6 +418,12 @@ class Config:
         stride_used = self.eval.mode == "sliding" or self.eval.context is not None  # else the stride is ignored
         if stride_used and self.eval.stride is not None and self.eval.stride > self.eval_context:
             raise ConfigError(f"eval.stride: got {self.eval.stride}, expected at most eval.context={self.eval_context}")
+        if self.eval.mode == "lm_eval" and (self.data.corpus, self.data.variant) != ("wikitext2", "raw"):
+            got = self.data.corpus if self.data.corpus != "wikitext2" else f"wikitext2 {self.data.variant}"
+            raise ConfigError(
+                f"eval.mode: got 'lm_eval' on data.corpus={got}, expected data.corpus=wikitext2 with "
+                "data.variant=raw (the harness's wikitext task scores wikitext-2-raw-v1)"
+            )
         if self.data.batch_size % self.train.grad_accum:
             raise ConfigError(
                 f"train.grad_accum: got {self.train.grad_accum}, "
@@ -493,9 +566,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read a YAML config (or start from defaults), apply dotted overrides, validate everything."""
-    tree: dict[str, Any] = {}
+def load_config(
+    path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (), base: dict[str, Any] | None = None
+) -> Config:
+    """Read a YAML config (or start from ``base``, a tree of section mappings, or the defaults), apply dotted
+    overrides, validate everything."""
+    tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -538,6 +614,8 @@ def describe_keys() -> str:
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             if dataclasses.is_dataclass(tp):
+                if prefix:  # a section inside a section (model.rope_scaling) gets a line of its own
+                    lines.append(f"{prefix + f.name:32s} {'section':18s} {f.metadata.get('help', '')}")
                 walk(tp, getattr(obj, f.name), prefix + f.name + ".")
                 continue
             allowed = f" one of {list(f.metadata['choices'])}" if "choices" in f.metadata else ""

@@ -2,7 +2,8 @@
 
 The last stdout line is one JSON object: tokens, words, bytes, ``nll_sum``
 and the perplexity in all three units under the ``eval.*`` protocol (see
-:mod:`seqjax.evaluate`, which does the work).
+:mod:`seqjax.evaluate`, which does the work); ``eval.mode=lm_eval`` adds the
+harness's byte_perplexity. ``--hf DIR`` scores a Hugging Face folder directly.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any, Sequence
 
 from seqjax import cli
 from seqjax.data.build import prepare
-from seqjax.evaluate import evaluate
+from seqjax.data.lm_eval import MODE as LM_EVAL
+from seqjax.data.lm_eval import read_lm_eval_split
+from seqjax.evaluate import evaluate, evaluate_lm_eval
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,8 +33,12 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     overrides = list(args.overrides) + ([f"eval.split={args.split}"] if args.split else [])
     config, model = cli.load_checkpoint(args, overrides)
     split = config.eval.split
-    prepared = prepare(config, splits=(split,))
-    result = evaluate(model, prepared.stores[split], config, split=split)
+    if config.eval.mode == LM_EVAL:  # raw pages with the model's tokenizer, no token store
+        docs = read_lm_eval_split(config, split, prepare(config, splits=()).tokenizer)
+        result = evaluate_lm_eval(model, docs, config, split=split)
+    else:
+        prepared = prepare(config, splits=(split,))
+        result = evaluate(model, prepared.stores[split], config, split=split)
     print(json.dumps(result), flush=True)
     return result
 

@@ -12,7 +12,9 @@ One figure, three units, all from the same summed negative log-likelihood
   text scored; independent of any tokenizer.
 
 The protocol (``eval.mode`` = blocks / sliding / documents, ``eval.context``,
-``eval.stride``) decides which context each token is scored with; see
+``eval.stride``) decides which context each token is scored with
+(``lm_eval``, the harness's wikitext task on raw pages, is
+:func:`evaluate_lm_eval`); see
 :mod:`seqjax.data.eval_windows`, which also states the first-token rule
 (each unit's opening ``<|endoftext|>`` is context only). Every protocol scores
 every predicted token once, so ``tokens`` is the same in all three.
@@ -39,8 +41,10 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from seqjax import sharding
-from seqjax.config import Config
+from seqjax.config import Config, ConfigError
 from seqjax.data.eval_windows import EvalWindows, eval_windows
+from seqjax.data.lm_eval import MODE as LM_EVAL
+from seqjax.data.lm_eval import LmEvalDocs
 from seqjax.data.store import TokenStore
 from seqjax.model.loss import lm_loss
 
@@ -101,27 +105,9 @@ def _per(count: float | None, nll_sum: float, scale: float = 1.0) -> float | Non
     return None if not count else nll_sum / (count * scale)
 
 
-def evaluate(
-    model: nnx.Module,
-    store: TokenStore,
-    config: Config,
-    *,
-    mesh: Mesh | None = None,
-    max_batches: int | None = None,
-    split: str | None = None,
-    word_count: int | None = None,
-    byte_count: int | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Score ``store`` with ``model`` under ``config.eval``; returns the figures as a JSON-ready dict.
-
-    ``word_count`` / ``byte_count`` count the split's text; they default to
-    the counts ``prepare`` wrote in the store's manifest (``stats``), the
-    numbers its summary prints. With ``max_batches`` only a prefix of the
-    windows is scored (training's quick validation): ``complete`` is then
-    false and the word and byte figures, which need the whole split, are null.
-    """
-    windows = windows_for(store, config)
+def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh: Mesh | None,
+                   max_batches: int | None, progress: bool) -> tuple[float, int, int, int, float]:
+    """(nll_sum, tokens scored, batches scored, batches in all, seconds) of ``windows`` under ``model``."""
     placement = _Placement(mesh, config)
     batch_size = placement.batch_size(config.eval.batch_size)
     total = windows.num_batches(batch_size)
@@ -146,9 +132,37 @@ def evaluate(
             bar.update()
         if pending is not None:
             nll_sum += float(pending)
-    seconds = time.perf_counter() - start
+    return nll_sum, tokens, n_batches * batch_size, total, time.perf_counter() - start
 
-    complete = n_batches == total
+
+def evaluate(
+    model: nnx.Module,
+    store: TokenStore,
+    config: Config,
+    *,
+    mesh: Mesh | None = None,
+    max_batches: int | None = None,
+    split: str | None = None,
+    word_count: int | None = None,
+    byte_count: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Score ``store`` with ``model`` under ``config.eval``; returns the figures as a JSON-ready dict.
+
+    ``word_count`` / ``byte_count`` count the split's text; they default to
+    the counts ``prepare`` wrote in the store's manifest (``stats``), the
+    numbers its summary prints. With ``max_batches`` only a prefix of the
+    windows is scored (training's quick validation): ``complete`` is then
+    false and the word and byte figures, which need the whole split, are null.
+    ``eval.mode=lm_eval`` reads raw text, not a store: see :func:`evaluate_lm_eval`.
+    """
+    if config.eval.mode == LM_EVAL:
+        raise ConfigError("eval.mode: got 'lm_eval', which scores raw WikiText-2 pages with seqjax.eval, not a token "
+                          "store; expected blocks, sliding or documents here")
+    windows = windows_for(store, config)
+    nll_sum, tokens, rows, total_batches, seconds = _score_windows(model, windows, config, mesh, max_batches,
+                                                                   progress)
+    complete = rows >= len(windows)
     if complete and tokens != store.predicted_tokens:
         raise RuntimeError(f"scored {tokens} tokens, expected every predicted token ({store.predicted_tokens}) once")
     stats = store.manifest.get("stats", {})
@@ -163,7 +177,7 @@ def evaluate(
         "stride": windows.stride,
         "cross_document_attention": windows.cross_document_attention,
         "complete": complete,
-        "windows": min(len(windows), n_batches * batch_size),
+        "windows": min(len(windows), rows),
         "tokens": tokens,
         "words": words,
         "bytes": n_bytes,
@@ -171,6 +185,36 @@ def evaluate(
         "token_perplexity": math.exp(nll_sum / tokens) if tokens else None,
         "word_perplexity": None if per_word is None else math.exp(per_word),
         "bits_per_byte": per_byte,
+        "seconds": round(seconds, 3),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
+    }
+
+
+def evaluate_lm_eval(model: nnx.Module, docs: LmEvalDocs, config: Config, *, split: str,
+                     mesh: Mesh | None = None, progress: bool = True) -> dict[str, Any]:
+    """The lm-evaluation-harness ``wikitext`` figures of ``docs`` (:mod:`seqjax.data.lm_eval`), by its definitions.
+
+    word_perplexity = exp(nll / words), byte_perplexity = exp(nll / bytes) and
+    bits_per_byte = nll / (bytes ln 2), with words and bytes counted on the
+    original pages; token_perplexity is seqjax's, over the tokens scored.
+    """
+    nll_sum, tokens, _, _, seconds = _score_windows(model, docs.windows, config, mesh, None, progress)
+    if tokens != docs.tokens:
+        raise RuntimeError(f"scored {tokens} tokens, expected every token of every page ({docs.tokens}) once")
+    return {
+        "split": split,
+        "mode": LM_EVAL,
+        "context": docs.windows.context,
+        "documents": len(docs.pages),
+        "windows": len(docs.windows),
+        "tokens": tokens,
+        "words": docs.words,
+        "bytes": docs.bytes,
+        "nll_sum": nll_sum,
+        "token_perplexity": math.exp(nll_sum / tokens) if tokens else None,
+        "word_perplexity": math.exp(nll_sum / docs.words),
+        "byte_perplexity": math.exp(nll_sum / docs.bytes),
+        "bits_per_byte": nll_sum / (docs.bytes * math.log(2)),
         "seconds": round(seconds, 3),
         "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
     }

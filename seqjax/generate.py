@@ -10,8 +10,10 @@ segment id 0.
 Every prompt is preceded by ``<|endoftext|>``, the token every training
 sequence and every evaluation unit starts with, so an article's opening is
 generated in the setting the model learned it (an empty prompt generates
-from that token alone). A row stops at its first end-of-text; the loop stops
-when every row has, or after ``--max_new_tokens``.
+from that token alone); a model with a beginning-of-text token
+(``tokenizer.bos_token``, e.g. an imported Llama's ``<s>``) gets that instead.
+A row stops at its first end-of-text; the loop stops when every row has, or
+after ``--max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     outputs = generate(
         model,
-        [[tokenizer.eot_id] + tokenizer.encode(text) for text in texts],
+        [[tokenizer.bos_id] + tokenizer.encode(text) for text in texts],
         eot_id=tokenizer.eot_id,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,

@@ -8,7 +8,7 @@ ones before it, never from a later one):
     data        seqjax.data.*                       text -> token store -> contract batches
     sharding    seqjax.sharding                     mesh axes and placement rules
     model       seqjax.model.*                      the Transformer, attention, loss, decoding
-    train/eval  seqjax.train.*, seqjax.evaluate     libraries that run a model on data
+    train/eval  seqjax.train.*, seqjax.evaluate     libraries that run a model on data; seqjax.hf, HF folders
     cli         seqjax.cli and every __main__/CLI   flags, logging, exit codes
 
 ``seqjax.sharding`` sits below the model because attention runs its kernels
@@ -31,9 +31,9 @@ STAGES = [
     ("data", ("seqjax.data",)),
     ("sharding", ("seqjax.sharding",)),
     ("model", ("seqjax.model",)),
-    ("train/eval", ("seqjax.train", "seqjax.evaluate")),
+    ("train/eval", ("seqjax.train", "seqjax.evaluate", "seqjax.hf")),
     ("cli", ("seqjax.cli", "seqjax.prepare", "seqjax.eval", "seqjax.generate", "seqjax.data.__main__",
-             "seqjax.train.__main__")),
+             "seqjax.train.__main__", "seqjax.export", "seqjax.import_hf", "seqjax.import")),
 ]
 
 

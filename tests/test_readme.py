@@ -18,6 +18,12 @@ line is adapted, and only like this:
 4. Generation gets ``--max_new_tokens 8`` (the tiny model accepts 64 tokens;
    the default is 100), and the tiny corpus's validation file stands in for
    a test split.
+5. ``hf/llama`` is a tiny random Hugging Face Llama folder the session builds
+   (:func:`hf_support.write_llama_folder`, shaped like :data:`TINY_TRAIN`'s
+   model, so the fine-tuning line's overrides match it), and a line that
+   reads ``runs/llama`` (all but the import itself) gets a link to the
+   session's import of it. The lines that score raw WikiText-2 with it read
+   the real raw splits (``$SEQJAX_DATA_DIR``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_support import write_llama_folder
+from seqjax.config import DATA_DIR_ENV
 from test_train_support import REPO, cli_env
 
 README = REPO / "README.md"
@@ -105,22 +113,41 @@ DISTINCT = list(_first.values())
 
 
 def test_the_readme_has_an_example_of_every_tool():
-    for tool in ("seqjax.prepare", "seqjax.data", "seqjax.train", "seqjax.eval", "seqjax.generate", "eval_table.py"):
+    for tool in ("seqjax.prepare", "seqjax.data", "seqjax.train", "seqjax.eval", "seqjax.generate", "eval_table.py",
+                 "seqjax.export", "seqjax.import"):
         assert any(tool + " " in command for command in COMMANDS), tool
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> tuple[Path, Path]:
+    """(a tiny random HF Llama folder, its seqjax import), built once for the README's HF lines."""
+    from seqjax import import_hf
+
+    root = tmp_path_factory.mktemp("readme_hf")
+    folder = write_llama_folder(root / "llama", num_key_value_heads=4)  # TINY_TRAIN's model: n_kv_heads null
+    assert import_hf.main([str(folder), "--out", str(root / "imported"), "model.attention=xla"]) == 0
+    return folder, root / "imported"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", DISTINCT, ids=lambda c: c.split("python")[-1][:70])
-def test_readme_example_runs(command, tiny_root, reference, tmp_path):
+def test_readme_example_runs(command, tiny_root, reference, tiny_llama, tmp_path):
     work = tmp_path / "work"
     (work / "runs").mkdir(parents=True)
     for name in ("configs", "scripts"):
         (work / name).symlink_to(REPO / name)
+    (work / "hf").mkdir()
+    (work / "hf" / "llama").symlink_to(tiny_llama[0])
+    if re.search(r"runs/llama(?=[\s/]|$)", command) and "seqjax.import" not in command:
+        (work / "runs" / "llama").symlink_to(tiny_llama[1])
     if "--run" in command:  # only readers: a training line must never write into the shared run
         (work / "runs" / "wikitext2_cpu").symlink_to(tiny_root / "reference")
     (work / "prompts.txt").write_text("the cat\na dog ran\n")
     argv = adapt(command, tiny_root)
-    proc = subprocess.run(argv, cwd=work, env=cli_env(), capture_output=True, text=True, timeout=120)
+    env = cli_env()
+    if env.get(DATA_DIR_ENV):  # the lines on real WikiText-2 run in the work folder: a relative path would move
+        env[DATA_DIR_ENV] = str(Path(env[DATA_DIR_ENV]).resolve())
+    proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{shlex.join(argv)}\nexit {proc.returncode}\nSTDERR:\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip(), "every tool prints its results on stdout"
     if "seqjax.train" in argv:

@@ -117,7 +117,7 @@ def obtain_tokenizer(config: Config, train_sha256: list[str] | None, read_train:
     """Load ``tokenizer.path``, or the cached tokenizer trained on these train files, or train it now."""
     specials = special_tokens(config)
     if config.tokenizer.path:
-        return Tokenizer(Path(config.tokenizer.path).expanduser(), specials[0])
+        return Tokenizer(Path(config.tokenizer.path).expanduser(), specials[0], config.tokenizer.bos_token)
     recipe = {
         "builder_version": BUILDER_VERSION,
         "corpus": config.data.corpus,

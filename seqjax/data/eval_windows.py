@@ -118,7 +118,7 @@ class EvalWindows:
             yield batch
 
 
-def _unit_windows(
+def unit_windows(
     unit_start: np.ndarray, unit_end: np.ndarray, context: int, stride: int, right_align_last: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Windows over each unit ``tokens[unit_start[u] : unit_end[u] + 1]`` (vectorized over units).
@@ -171,5 +171,5 @@ def eval_windows(
     else:
         unit_start = np.zeros(1, np.int64)
         unit_end = np.asarray([len(store.tokens) - 1], np.int64)
-    starts, ends, lo, hi = _unit_windows(unit_start, unit_end, context, stride, right_align_last=mode == "documents")
+    starts, ends, lo, hi = unit_windows(unit_start, unit_end, context, stride, right_align_last=mode == "documents")
     return EvalWindows(store, mode, context, stride, starts, ends, lo, hi, cross_document_attention)

@@ -37,7 +37,7 @@ WORD_LEVEL_UNK = "<unk>"
 class Tokenizer:
     """A loaded ``tokenizer.json`` plus the facts seqjax needs: end-of-text id, vocabulary size, hash."""
 
-    def __init__(self, path: str | os.PathLike, eot_token: str):
+    def __init__(self, path: str | os.PathLike, eot_token: str, bos_token: str | None = None):
         self.path = Path(path)
         if not self.path.is_file():
             raise TokenizerError(f"tokenizer.path: {str(self.path)!r} not found (expected a tokenizer.json file)")
@@ -55,6 +55,13 @@ class Tokenizer:
             )
         self.eot_token = eot_token
         self.eot_id = int(eot_id)
+        # What opens a prompt or an lm_eval window: a Llama tokenizer's BOS, else the end-of-text token.
+        self.bos_id = self.eot_id
+        if bos_token is not None:
+            bos_id = self._hf.token_to_id(bos_token)
+            if bos_id is None:
+                raise TokenizerError(f"tokenizer {self.path}: has no token {bos_token!r} (tokenizer.bos_token)")
+            self.bos_id = int(bos_id)
         self.vocab_size = int(self._hf.get_vocab_size(with_added_tokens=True))
 
     def token_id(self, token: str) -> int | None:
@@ -68,6 +75,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, line by line, exactly as the token store holds them."""
         return [i for ids in self.encode_lines(split_lines(text)) for i in ids]
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` encoded as one string, without special tokens (as HF's ``encode`` with
+        ``add_special_tokens=False``, which the lm-evaluation-harness uses); may differ from :meth:`encode`
+        at line starts for tokenizers that do not split at newlines (SentencePiece's ``▁``, Llama 3's ``\n\n``)."""
+        return self._hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special tokens are kept as their text so that round trips are exact."""

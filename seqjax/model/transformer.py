@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from seqjax.config import Config, ModelConfig
+from seqjax.config import Config, ModelConfig, RopeScalingConfig
 from seqjax.model.attention import attention, masked_attention, resolve_backend, segment_mask
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata  # plain JAX; the Pallas kernels stay lazy
 
@@ -109,14 +109,34 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None = None) -> jax.Array:
+    """The ``head_dim // 2`` rotation frequencies theta^(-i / half), float32, stretched as ``scaling`` asks.
+
+    ``llama3`` (Llama 3.1): with wavelength w = 2 pi / f and L the pretraining
+    context, a frequency with w < L / high_freq_factor is kept, one with
+    w > L / low_freq_factor is divided by ``factor``, and one in between is
+    mixed from both by s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor):
+    (1 - s) f / factor + s f.
+    """
+    half = head_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None or scaling.type == "none":
+        return inv_freq
+    wavelength = 2 * math.pi / inv_freq
+    context = scaling.original_max_position_embeddings
+    slowed = inv_freq / scaling.factor
+    mix = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    scaled = jnp.where(wavelength > context / scaling.low_freq_factor, slowed, (1 - mix) * slowed + mix * inv_freq)
+    return jnp.where(wavelength < context / scaling.high_freq_factor, inv_freq, scaled)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScalingConfig | None = None) -> jax.Array:
     """Rotary embedding of x [B, T, H, Dh] at ``positions`` [B, T] ("rotate half" layout), in float32.
 
     Driven by the batch's positions rather than the row index, so each packed
-    segment is rotated as if it started the row.
+    segment is rotated as if it started the row. ``scaling``: see :func:`rope_frequencies`.
     """
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, half]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -175,6 +195,7 @@ class Attention(nnx.Module):
         self.wv = _param(rngs, (d, kv, dh), cfg.init_std, pdt, ("embed", "kv_heads", "head_dim"))
         self.wo = _param(rngs, (h, dh, d), out_std, pdt, ("heads", "head_dim", "embed"))
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
         self.backend = cfg.attention
         self.attention_dropout = cfg.attention_dropout
         self.dropout = nnx.Dropout(cfg.dropout)
@@ -211,8 +232,10 @@ class Attention(nnx.Module):
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [B, T, H, Dh] and keys [B, T, K, Dh] rotated to ``positions``, values [B, T, K, Dh]."""
         dt = x.dtype
-        q = rope(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), positions, self.rope_theta)
-        k = rope(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), positions, self.rope_theta)
+        q = rope(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), positions, self.rope_theta,
+                 self.rope_scaling)
+        k = rope(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), positions, self.rope_theta,
+                 self.rope_scaling)
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
         return q, k, v
 
@@ -242,9 +265,9 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pdt = jnp.dtype(cfg.param_dtype)
-        self.attn_norm = RMSNorm(cfg.d_model, dtype=pdt)
+        self.attn_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, dtype=pdt)
+        self.mlp_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, metadata=None,
@@ -267,6 +290,11 @@ class _HashableModelConfig(ModelConfig):
     def __hash__(self) -> int:
         return hash(dataclasses.astuple(self))
 
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "_HashableModelConfig":
+        """A copy of ``cfg`` (field by field, so the rope_scaling section stays a dataclass)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+
 
 class TransformerLM(nnx.Module):
     """Decoder-only LM. ``model(inputs, positions=..., segment_ids=...)`` -> float32 logits [B, T, V].
@@ -283,8 +311,9 @@ class TransformerLM(nnx.Module):
             raise ValueError("model.vocab_size is null: pass vocab_size (the tokenizer's) to build_model")
         if cfg.max_seq_len is None:
             raise ValueError("model.max_seq_len is null: build the model with build_model(config), which resolves it")
+        cfg = _HashableModelConfig.of(cfg)
         cfg.check()
-        self.cfg = cfg = _HashableModelConfig(**dataclasses.asdict(cfg))
+        self.cfg = cfg
         pdt = jnp.dtype(cfg.param_dtype)
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=pdt,
                                embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
@@ -292,7 +321,7 @@ class TransformerLM(nnx.Module):
         self.embed_dropout = nnx.Dropout(cfg.dropout)
         self.token_dropout = nnx.Dropout(cfg.token_dropout, broadcast_dims=(-1,))  # one draw per token: [B, T, 1]
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, dtype=pdt)
+        self.final_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else _param(
             rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
 

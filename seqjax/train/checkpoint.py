@@ -37,6 +37,8 @@ from seqjax.model import build_model
 CHECKPOINTS = "checkpoints"
 CORRUPT = "checkpoints_corrupt"
 CONFIG_FILE = "config.yaml"
+# The run's own copy of its tokenizer: a run folder copied to another machine still has it.
+TOKENIZER_FILE = "tokenizer.json"
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,7 +165,22 @@ class Checkpointer:
         self.manager.close()
 
 
-def _locate(path: str | Path) -> tuple[Path, Path, int | None]:
+def save_params(run_dir: str | Path, step: int, params: Any, meta: dict[str, Any]) -> Path:
+    """Write a checkpoint of parameters only (what seqjax.import writes), synchronously; returns its folder.
+
+    :func:`load_for_inference` and ``train.init_from`` read it; training cannot
+    resume from it (no optimizer state), so a fine-tune starts in another run.dir.
+    """
+    folder = Path(run_dir).absolute() / CHECKPOINTS
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(folder, options=options) as manager:
+        manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                   meta=ocp.args.JsonSave({**meta, "step": step})), force=True)
+        manager.wait_until_finished()
+    return folder / str(step)
+
+
+def locate(path: str | Path) -> tuple[Path, Path, int | None]:
     """(config.yaml, checkpoints folder, step or None for the latest) for a run dir or a step folder."""
     path = Path(path).absolute()
     if (path / CHECKPOINTS).is_dir():
@@ -180,11 +197,15 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     """(config, model with trained weights) from a run dir (its newest readable checkpoint) or a step folder.
 
     The config is the run's saved ``config.yaml`` (plus ``overrides``, e.g. a
-    different ``model.attention`` backend for inference); only the parameters
-    are read, on the default device.
+    different ``model.attention`` backend for inference), with ``tokenizer.path``
+    pointing at the run folder's own ``tokenizer.json`` when it has one; only the
+    parameters are read, on the default device.
     """
-    config_file, checkpoints, step = _locate(path)
+    config_file, checkpoints, step = locate(path)
     config = load_config(config_file, list(overrides))
+    own_tokenizer = config_file.parent / TOKENIZER_FILE
+    if own_tokenizer.is_file() and not any(o.startswith("tokenizer.path=") for o in overrides):
+        config.tokenizer.path = str(own_tokenizer)  # the run's copy, wherever the run folder now is
     model = build_model(config, rngs=nnx.Rngs(config.run.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     target = _abstract(nnx.to_pure_dict(params))

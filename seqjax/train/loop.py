@@ -1,8 +1,9 @@
 """Training, the library behind ``python -m seqjax.train``: config -> data -> sharded model and optimizer -> steps.
 
 Everything a run produces lives in ``run.dir``: ``config.yaml`` (resolved,
-with the tokenizer's vocabulary size filled in, so a checkpoint can be loaded
-without the tokenizer), ``metrics.jsonl``, ``checkpoints/``, ``loss.png``,
+with the tokenizer's vocabulary size filled in), ``tokenizer.json`` (its own
+copy, which the saved config points to, so the folder stands alone on another
+machine), ``metrics.jsonl``, ``checkpoints/``, ``loss.png``,
 ``summary.json`` and, when ``run.trackers`` asks for them, ``tensorboard/`` or a
 wandb run.
 
@@ -10,6 +11,8 @@ Starting a run in a ``run.dir`` that holds checkpoints resumes from the newest
 readable one: parameters, optimizer state, RNG and the data iterator's
 position come back, so the steps after it are the ones an uninterrupted run
 would have taken (tests/test_resume.py compares the losses exactly).
+``train.init_from`` starts a new run from another model's parameters
+(:mod:`seqjax.train.init_from`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from seqjax.data.pipeline import build_pipeline
 from seqjax.evaluate import evaluate
 from seqjax.files import write_text_atomic
 from seqjax.model import build_model
-from seqjax.train.checkpoint import Checkpointer
+from seqjax.train import init_from
+from seqjax.train.checkpoint import TOKENIZER_FILE, Checkpointer
 from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
 from seqjax.train.metrics import (
@@ -119,6 +123,14 @@ def _with_vocab(config: Config, vocab_size: int) -> Config:
     return config
 
 
+def _keep_tokenizer(config: Config, tokenizer_path: Path, run_dir: Path, primary: bool) -> Config:
+    """Copy the tokenizer into run.dir and point the config at the copy, so the run folder stands alone."""
+    own = run_dir / TOKENIZER_FILE
+    if primary and Path(tokenizer_path).resolve() != own.resolve():
+        write_text_atomic(own, Path(tokenizer_path).read_text(encoding="utf-8"))
+    return dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer, path=str(own)))
+
+
 def _validation(model, store, config: Config, mesh, step: int, primary: bool, final: bool) -> dict[str, Any]:
     """Validation with the eval CLI's code; capped at train.eval_batches during training, whole split at the end."""
     max_batches = None if final else config.train.eval_batches
@@ -160,6 +172,9 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     scripts/study_strategies.py scores a fixed subset of articles this way.
     """
     wall_start = time.perf_counter()
+    if config.eval.mode == "lm_eval":
+        raise ConfigError("eval.mode: got 'lm_eval' for training's validation, expected blocks, sliding or documents "
+                          "(lm_eval scores raw pages with seqjax.eval after training)")
     check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
     initialize_distributed(config.dist)
     process_index, process_count = jax.process_index(), jax.process_count()
@@ -169,14 +184,22 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
 
     mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work
     sharding.check_batch_fits(config.data.batch_size, mesh, tc.grad_accum)
+    source = None
+    if tc.init_from:  # the source's tokenizer and vocabulary; shapes checked before any data work
+        source = init_from.locate(tc.init_from)
+        config = init_from.adopt(config, source)
     prepared = prepare(config, splits=("train", config.eval.split))
     train_store, valid_store = prepared.stores["train"], prepared.stores[config.eval.split]
     config = _with_vocab(config, prepared.tokenizer.vocab_size)
+    config = _keep_tokenizer(config, prepared.tokenizer.path, run_dir, primary)
     if primary:
         announce(config, run_dir)
     unigram = unigram_perplexity(train_store.tokens, valid_store.tokens, config.model.vocab_size)
 
     graphdef, rest, params, param_shardings = _sharded_model(config, mesh)
+    if source is not None:
+        params = sharding.place(init_from.load_params(source, config.model.param_dtype), param_shardings)
+        logger.info("parameters from %s (optimizer, step and data position start fresh)", source.path)
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     tx, schedule = build_optimizer(tc)
     # Every step's learning rate up front: one small computation instead of eager ops in the loop.

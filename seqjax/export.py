@@ -1,0 +1,61 @@
+"""``python -m seqjax.export --run DIR --out HF_DIR [--dtype bfloat16]``: a seqjax model as a Hugging Face Llama folder.
+
+The folder loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)``
+and ``AutoTokenizer.from_pretrained(HF_DIR)`` (see :mod:`seqjax.hf` for its
+files). ``--checkpoint STEP_DIR`` exports one step, ``--hf DIR`` re-exports an
+HF folder (to change its dtype or shard size). The last stdout line is one
+JSON object: the files, shards, dtype, parameters and bytes written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from flax import nnx
+
+from seqjax import cli, hf
+from seqjax.data.build import prepare
+from seqjax.errors import UsageError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = cli.parser("python -m seqjax.export", "Write a trained model as a Hugging Face Llama folder (safetensors).")
+    cli.add_checkpoint_args(p)
+    p.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (new or empty)")
+    p.add_argument("--dtype", choices=tuple(hf.DTYPES), default="float32", help="tensor dtype (default: %(default)s)")
+    p.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_SHARD_BYTES, metavar="N",
+                   help="cut model.safetensors into shards of at most N bytes, with an index (default: 5 GiB)")
+    cli.run(p, argv, export)
+    return 0
+
+
+def export(args: argparse.Namespace) -> dict[str, Any]:
+    """Refuse a folder that already holds a model, load the checkpoint, write the HF folder, print the JSON line."""
+    out = Path(args.out)
+    taken = [name for name in (hf.CONFIG_JSON, hf.WEIGHTS, hf.INDEX) if (out / name).exists()]
+    if taken:
+        raise UsageError(f"--out {args.out}: already holds {', '.join(taken)}; choose a new or empty folder")
+    if args.max_shard_bytes < 1:
+        raise UsageError(f"--max-shard-bytes: got {args.max_shard_bytes}, expected a positive number of bytes")
+    config, model = cli.load_checkpoint(args)
+    tokenizer = prepare(config, splits=()).tokenizer  # the run's own tokenizer.json (or its cached one)
+    result = hf.write_folder(
+        out,
+        model.cfg,
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+        tokenizer_json=tokenizer.path,
+        eos_token=tokenizer.eot_token,
+        bos_token=config.tokenizer.bos_token,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_bytes,
+    )
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

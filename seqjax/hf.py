@@ -1,0 +1,334 @@
+"""Hugging Face model folders: read one as a seqjax model, write a seqjax model as one (the libraries behind
+``python -m seqjax.import`` / ``seqjax.export``, ``--hf`` on eval and generate, and ``train.init_from``).
+
+A folder holds what ``transformers`` writes and reads:
+
+    config.json                      LlamaConfig's fields (seqjax.model.llama maps them, and refuses the rest)
+    model.safetensors                the tensors, or shards model-0000i-of-0000n.safetensors with
+    model.safetensors.index.json       their weight_map (tensor name -> shard file)
+    tokenizer.json                   the fast tokenizer (HF ``tokenizers``), which seqjax loads as it is
+    tokenizer_config.json            tokenizer class, bos/eos tokens, model_max_length
+    special_tokens_map.json          bos/eos tokens
+    generation_config.json           bos/eos ids for transformers' generate()
+
+Tensors go through the ``safetensors`` library in both directions; reading
+opens each shard lazily, so only one tensor at a time is held in its stored
+dtype. Nothing is downloaded: the folder must be on disk.
+
+Example::
+
+    hf = read_folder("llama-tiny")           # config.json checked, shards located, tokenizer found
+    params = read_params(hf)                 # {"embed": {"embedding": [V, D]}, "blocks": {0: ...}, ...}
+    write_folder("out", hf.model, params, tokenizer_json=hf.tokenizer, eos_token=hf.eos_token,
+                 bos_token=hf.bos_token, dtype="bfloat16")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
+from tqdm import tqdm
+
+from seqjax.config import Config, ModelConfig, load_config
+from seqjax.errors import CheckpointError
+from seqjax.files import write_text_atomic
+from seqjax.model import build_model
+from seqjax.model.llama import from_hf as params_from_hf
+from seqjax.model.llama import hf_config, model_config_from_hf, to_hf
+from seqjax.model.transformer import TransformerLM
+
+CONFIG_JSON = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+GENERATION_CONFIG = "generation_config.json"
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(jnp.bfloat16)}
+DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default shard size (5 GB)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HFFolder:
+    """A checked HF folder: its config, where each tensor lives, and its tokenizer."""
+
+    path: Path
+    config_json: dict[str, Any]
+    model: ModelConfig
+    weight_map: dict[str, Path]
+    tokenizer: Path
+    eos_token: str
+    bos_token: str | None
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """A folder with a config.json and no seqjax checkpoints/ (a seqjax run has config.yaml instead)."""
+    path = Path(path)
+    return (path / CONFIG_JSON).is_file() and not (path / "checkpoints").is_dir()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: not a readable JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the index or the single file."""
+    index = path / INDEX
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: expected a non-empty weight_map of tensor name -> shard file")
+        files = {}
+        for name, file in weight_map.items():
+            shard = path / str(file)
+            if not shard.is_file():
+                raise CheckpointError(f"{index}: weight_map puts {name} in {file}, which is missing from {path}")
+            files[name] = shard
+        return files
+    single = path / WEIGHTS
+    if not single.is_file():
+        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f" (found {', '.join(others)}: save the model with safe_serialization=True)" if others else ""
+        raise CheckpointError(f"{path}: expected {WEIGHTS} or {INDEX} with its shards{hint}")
+    try:
+        with safe_open(single, framework="numpy") as f:
+            return {name: single for name in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{single}: not a readable safetensors file ({err})") from None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with its content."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _special_tokens(path: Path, config_json: dict[str, Any], tokenizer: HFTokenizer) -> tuple[str, str | None]:
+    """(eos, bos) from tokenizer_config.json / special_tokens_map.json, else config.json's ids."""
+    found: dict[str, str | None] = {"eos": None, "bos": None}
+    for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
+        if (path / name).is_file():
+            data = _read_json(path / name)
+            for kind in found:
+                found[kind] = found[kind] or _token_text(data.get(f"{kind}_token"))
+    for kind in found:
+        token_id = config_json.get(f"{kind}_token_id")
+        if isinstance(token_id, list):  # Llama 3.1 instruct lists several end tokens; the first ends text
+            token_id = token_id[0] if token_id else None
+        if found[kind] is None and isinstance(token_id, int):
+            found[kind] = tokenizer.id_to_token(token_id)
+    for kind, token in found.items():
+        if token is not None and tokenizer.token_to_id(token) is None:
+            raise CheckpointError(f"{path / TOKENIZER}: has no token {token!r}, the folder's {kind}_token")
+    if found["eos"] is None:
+        raise CheckpointError(
+            f"{path}: no eos_token in {TOKENIZER_CONFIG} or {SPECIAL_TOKENS_MAP} and no eos_token_id in "
+            f"{CONFIG_JSON}; seqjax needs the end-of-text token"
+        )
+    return found["eos"], found["bos"]
+
+
+def read_folder(path: str | os.PathLike) -> HFFolder:
+    """Check an HF folder without reading its tensors: config.json, the shards, the tokenizer and its special tokens.
+
+    Every problem is a CheckpointError naming the file and the field.
+    """
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such folder (expected a Hugging Face model folder holding {CONFIG_JSON})")
+    if not (path / CONFIG_JSON).is_file():
+        raise CheckpointError(f"{path}: no {CONFIG_JSON}; expected a Hugging Face model folder")
+    config_json = _read_json(path / CONFIG_JSON)
+    model = model_config_from_hf(config_json, str(path / CONFIG_JSON))
+    weight_map = _weight_map(path)
+    tokenizer = path / TOKENIZER
+    if not tokenizer.is_file():
+        slow = " (it has tokenizer.model: save a fast tokenizer, e.g. LlamaTokenizerFast)" if (
+            path / "tokenizer.model").is_file() else ""
+        raise CheckpointError(f"{path}: no {TOKENIZER}{slow}; seqjax reads the fast tokenizer's tokenizer.json")
+    try:
+        hf_tokenizer = HFTokenizer.from_file(str(tokenizer))
+    except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+        raise CheckpointError(f"{tokenizer}: not a valid tokenizer.json ({err})") from None
+    eos, bos = _special_tokens(path, config_json, hf_tokenizer)
+    vocab = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab > model.vocab_size:
+        raise CheckpointError(
+            f"{tokenizer}: {vocab} tokens, but {CONFIG_JSON} vocab_size is {model.vocab_size} (too few embedding rows)"
+        )
+    return HFFolder(path, config_json, model, weight_map, tokenizer, eos, bos)
+
+
+def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
+    """The folder's tensors as seqjax parameters (``nnx.to_pure_dict`` layout), cast to ``dtype``."""
+    handles: dict[Path, Any] = {}
+    bar = tqdm(total=len(hf.weight_map), desc=f"read {hf.path.name}", unit="tensor", file=sys.stderr)
+
+    def read(name: str) -> np.ndarray:
+        file = hf.weight_map[name]
+        try:
+            if file not in handles:
+                handles[file] = safe_open(file, framework="numpy")
+            tensor = handles[file].get_tensor(name)
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file}: cannot read tensor {name} ({err})") from None
+        bar.update()
+        return tensor
+
+    source = str(hf.path / (INDEX if (hf.path / INDEX).is_file() else WEIGHTS))
+    with bar:
+        return params_from_hf(read, hf.weight_map, hf.model, source, DTYPES[dtype])
+
+
+def run_config(hf: HFFolder, overrides: Sequence[str] = (), tokenizer_path: Path | None = None,
+               run_dir: Path | None = None) -> Config:
+    """A seqjax Config for the folder's model: its model section, its tokenizer, raw WikiText-2 as the data.
+
+    ``data.seq_len`` is capped at the model's limit; the overrides apply on top.
+    """
+    model = {k: v for k, v in vars(hf.model).items() if k != "rope_scaling"}
+    model["rope_scaling"] = vars(hf.model.rope_scaling)
+    base = {
+        "model": model,
+        "tokenizer": {
+            "path": str(tokenizer_path or hf.tokenizer),
+            "special_tokens": [hf.eos_token],
+            "bos_token": hf.bos_token,
+        },
+        "data": {"variant": "raw", "seq_len": min(Config().data.seq_len, hf.model.max_seq_len)},
+    }
+    if run_dir is not None:
+        base["run"] = {"dir": str(run_dir)}
+    return load_config(None, list(overrides), base=base)
+
+
+def model_with_params(config: Config, params: dict[str, Any]) -> TransformerLM:
+    """The model ``config`` describes, holding ``params`` (a pure dict): built abstractly, so nothing random
+    is initialized and then thrown away."""
+    abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(config.run.seed)))
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    return nnx.merge(graphdef, state, rest)
+
+
+def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[Config, TransformerLM]:
+    """(config, model with the folder's weights): what ``--hf DIR`` on eval and generate reads."""
+    hf = read_folder(path)
+    config = run_config(hf, overrides)
+    return config, model_with_params(config, read_params(hf, config.model.param_dtype))
+
+
+# ---------------------------------------------------------------------------
+# Writing
+
+
+def _shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+    """Tensors in name order, cut into groups of at most ``max_bytes`` (a larger single tensor gets its own)."""
+    groups: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensors[name]
+        size += nbytes
+    return groups
+
+
+def _tokenizer_with_opening_token(tokenizer_json: Path, bos: str) -> str:
+    """The tokenizer.json text, with a post-processor that opens encodings with ``bos`` when it has none.
+
+    seqjax trains every sequence as ``[EOT] + text``, so transformers' default
+    ``tokenizer(text)`` (add_special_tokens=True) should give that too; a
+    tokenizer that already adds its own tokens (Llama's) is left as it is.
+    """
+    hf = HFTokenizer.from_file(str(tokenizer_json))
+    if hf.post_processor is None:
+        bos_id = hf.token_to_id(bos)
+        hf.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    return hf.to_str()
+
+
+def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any], *, tokenizer_json: Path,
+                 eos_token: str, bos_token: str | None, dtype: str = "float32",
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+    """Write an HF Llama folder for ``cfg`` and ``params``; returns what was written.
+
+    Tensors are cast to ``dtype`` and written by ``safetensors`` with the
+    ``{"format": "pt"}`` metadata transformers expects, in one file or in
+    shards of at most ``max_shard_bytes`` with an index.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    bos = bos_token or eos_token
+    hf_tok = HFTokenizer.from_file(str(tokenizer_json))
+    bos_id, eos_id = hf_tok.token_to_id(bos), hf_tok.token_to_id(eos_token)
+    tensors = {name: t.astype(DTYPES[dtype]) for name, t in to_hf(params, cfg).items()}
+    groups = _shards(tensors, max_shard_bytes)
+    files = []
+    log.info("writing %d tensors (%s, %.1f MB) to %s in %d file(s)", len(tensors), dtype,
+             sum(t.nbytes for t in tensors.values()) / 1e6, out, len(groups))
+    if len(groups) == 1:
+        save_file(groups[0], str(out / WEIGHTS), metadata={"format": "pt"})
+        files.append(WEIGHTS)
+    else:
+        weight_map = {}
+        for i, group in enumerate(tqdm(groups, desc="write shards", unit="shard", file=sys.stderr), start=1):
+            name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            save_file(group, str(out / name), metadata={"format": "pt"})
+            weight_map.update({tensor: name for tensor in group})
+            files.append(name)
+        total = sum(t.nbytes for t in tensors.values())
+        write_text_atomic(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                  indent=2))
+        files.append(INDEX)
+    write_text_atomic(out / CONFIG_JSON, json.dumps(
+        hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype), indent=2))
+    write_text_atomic(out / TOKENIZER, _tokenizer_with_opening_token(tokenizer_json, bos))
+    special = {"bos_token": bos, "eos_token": eos_token}
+    if hf_tok.token_to_id("<unk>") is not None:
+        special["unk_token"] = "<unk>"
+    write_text_atomic(out / SPECIAL_TOKENS_MAP, json.dumps(special, indent=2))
+    write_text_atomic(out / TOKENIZER_CONFIG, json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": cfg.max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    write_text_atomic(out / GENERATION_CONFIG, json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2))
+    files += [CONFIG_JSON, TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG]
+    return {
+        "out": str(out),
+        "files": files,
+        "shards": len(groups),
+        "dtype": dtype,
+        "parameters": int(sum(math.prod(t.shape) for t in tensors.values())),
+        "bytes": int(sum(t.nbytes for t in tensors.values())),
+    }

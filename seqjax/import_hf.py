@@ -1,0 +1,77 @@
+"""``python -m seqjax.import HF_DIR --out DIR [key=value ...]``: a Hugging Face Llama folder as a seqjax run folder.
+
+``DIR`` then holds what a training run leaves for inference: ``config.yaml``
+(the model's fields, its tokenizer, raw WikiText-2 as the data), its own
+``tokenizer.json`` and ``checkpoints/0`` (orbax, parameters only), so
+``seqjax.eval --run DIR``, ``seqjax.generate --run DIR``, ``seqjax.export --run
+DIR`` and ``train.init_from=DIR`` all read it. Nothing is downloaded; a field
+or tensor seqjax cannot compute is refused before anything is written
+(:mod:`seqjax.model.llama` lists them). The last stdout line is one JSON object.
+
+(The module is ``import_hf`` because ``import`` is a Python keyword;
+``python -m seqjax.import`` runs it through ``seqjax/import.py``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from seqjax import cli, hf
+from seqjax.config import announce
+from seqjax.errors import UsageError
+from seqjax.train.checkpoint import CHECKPOINTS, CONFIG_FILE, TOKENIZER_FILE, save_params
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = cli.parser("python -m seqjax.import", "Turn a Hugging Face Llama folder into a seqjax run folder.")
+    # HF_DIR shares the positional slot with the key=value overrides (cli.parser's): the one word without '='
+    p.usage = "%(prog)s HF_DIR --out DIR [key=value ...]"
+    p.add_argument("--out", required=True, metavar="DIR", help="the run folder to write (new or empty)")
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and not words[0].startswith("-"):
+        words.append(words.pop(0))  # argparse cannot split one positional slot by flags: HF_DIR joins the overrides
+    cli.run(p, words, import_folder)
+    return 0
+
+
+def import_folder(args: argparse.Namespace) -> dict[str, Any]:
+    """Check everything (folder, fields, tensors, overrides) before writing, then tokenizer, checkpoint, config."""
+    if args.config:
+        raise UsageError("--config: the configuration comes from HF_DIR/config.json; pass key=value overrides")
+    folders = [word for word in args.overrides if "=" not in word]
+    if len(folders) != 1:
+        raise UsageError(f"expected one HF_DIR (a Hugging Face model folder), got {folders or 'none'}")
+    overrides = [word for word in args.overrides if "=" in word]
+    out = Path(args.out)
+    taken = [name for name in (CONFIG_FILE, CHECKPOINTS) if (out / name).exists()]
+    if taken:
+        raise UsageError(f"--out {args.out}: already holds {', '.join(taken)}; choose a new or empty folder")
+    start = time.perf_counter()
+    folder = hf.read_folder(folders[0])
+    config = hf.run_config(folder, overrides, tokenizer_path=out / TOKENIZER_FILE, run_dir=out)
+    params = hf.read_params(folder, config.model.param_dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(folder.tokenizer, out / TOKENIZER_FILE)
+    save_params(out, 0, params, {"tokens_seen": 0, "imported_from": str(folder.path.resolve())})
+    announce(config, out)  # last: a folder with config.yaml is a complete import
+    result = {
+        "out": str(out),
+        "source": str(folder.path),
+        "model": {k: v for k, v in vars(config.model).items() if k != "rope_scaling"}
+        | {"rope_scaling": config.model.rope_scaling.type},
+        "tensors": len(folder.weight_map),
+        "shards": len(set(folder.weight_map.values())),
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""``train.init_from``: the starting weights of a fine-tune, from a seqjax run or step folder or an HF Llama folder.
+
+Only the parameters come from there: the optimizer state, the step and the
+data position start fresh, as in any new run. The tokenizer comes with the
+weights (their ids mean nothing under another), so the run's
+``tokenizer.path``, end-of-text and beginning-of-text tokens are the
+source's, and ``model.vocab_size`` is the source's when the config leaves it
+null.
+
+Everything is checked before any work (no corpus is read, no model built):
+the source must be readable, and the parameter shapes of the configured model
+must equal the source's one by one, so a vocabulary or shape mismatch is a
+ConfigError naming both shapes. Fields that change the function but not the
+shapes (``rope_theta``, ``rope_scaling``, ``norm_eps``) may differ on purpose
+(stretching a model's context is a fine-tune); each difference is logged.
+
+Example: ``seqjax.train --config runs/llama-tiny/config.yaml run.dir=runs/ft train.init_from=runs/llama-tiny``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from seqjax import hf
+from seqjax.config import Config, ConfigError, ModelConfig, load_config
+from seqjax.data.build import prepare
+from seqjax.model import build_model
+from seqjax.train import checkpoint
+
+log = logging.getLogger(__name__)
+# Fields that leave every shape alone but change what the model computes.
+FUNCTION_FIELDS = ("rope_theta", "rope_scaling", "norm_eps")
+
+
+@dataclass
+class Source:
+    """Where the weights are and what comes with them."""
+
+    path: Path
+    model: ModelConfig  # the source's, max_seq_len and vocab_size resolved
+    tokenizer: dict[str, Any]  # the run's tokenizer section: path, special_tokens, bos_token
+    folder: hf.HFFolder | None = None  # for an HF source
+
+
+def locate(path: str) -> Source:
+    """Read what the source says about itself (configs and tokenizer location only; no tensors)."""
+    where = Path(path).expanduser()
+    if not where.exists():
+        raise ConfigError(
+            f"train.init_from: {path!r} not found (expected a seqjax run or step folder, or an HF model folder)"
+        )
+    if hf.is_hf_folder(where):
+        folder = hf.read_folder(where)
+        tokenizer = {"path": str(folder.tokenizer), "special_tokens": [folder.eos_token], "bos_token": folder.bos_token}
+        return Source(where, folder.model, tokenizer, folder)
+    try:
+        config_file, _, _ = checkpoint.locate(where)
+    except ConfigError as err:
+        raise ConfigError(f"train.init_from: {err}, or a Hugging Face Llama folder (config.json)") from None
+    source = load_config(config_file)
+    own = config_file.parent / checkpoint.TOKENIZER_FILE
+    tokenizer = dataclasses.asdict(source.tokenizer)
+    if own.is_file():
+        tokenizer["path"] = str(own)
+    elif not tokenizer["path"]:  # a run from before runs kept their tokenizer: the one its config trains (cached)
+        tokenizer["path"] = str(prepare(source, splits=()).tokenizer.path)
+    model = dataclasses.replace(source.model, max_seq_len=source.max_seq_len)
+    if model.vocab_size is None:
+        raise ConfigError(f"train.init_from: {config_file} has model.vocab_size null; expected a trained run's config")
+    return Source(where, model, tokenizer)
+
+
+def adopt(config: Config, source: Source) -> Config:
+    """``config`` with the source's tokenizer (and vocabulary when null), after checking every parameter shape.
+
+    A ``tokenizer.path`` set to another file is refused: the weights only mean
+    something under their own tokenizer.
+    """
+    given = config.tokenizer.path
+    if given and Path(given).expanduser().read_bytes() != Path(source.tokenizer["path"]).read_bytes():
+        raise ConfigError(
+            f"tokenizer.path: got {given!r}, but train.init_from={str(source.path)!r} comes with its own tokenizer "
+            f"{source.tokenizer['path']}; leave tokenizer.path null"
+        )
+    tokenizer = dataclasses.replace(config.tokenizer, **source.tokenizer)
+    model = config.model
+    if model.vocab_size is None:
+        model = dataclasses.replace(model, vocab_size=source.model.vocab_size)
+    config = dataclasses.replace(config, tokenizer=tokenizer, model=model)
+    check_shapes(config, source)
+    return config
+
+
+def _shapes(cfg: Config | ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each parameter's path and shape, without allocating it."""
+    model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def check_shapes(config: Config, source: Source) -> None:
+    """Refuse a configured model whose parameters do not have the source's shapes, naming both."""
+    ours, theirs = _shapes(config), _shapes(source.model)
+    for name in sorted(set(ours) | set(theirs)):
+        if ours.get(name) != theirs.get(name):
+            if name not in ours or name not in theirs:
+                fields = "model.tie_embeddings"
+            elif name.startswith(("embed.", "lm_head")):
+                fields = "model.vocab_size (and d_model)"
+            else:
+                fields = "model.d_model, n_layers, n_heads, n_kv_heads, head_dim and d_ff"
+            raise ConfigError(
+                f"train.init_from: {source.path} has {name} of shape {theirs.get(name, 'none (tied embeddings)')}, "
+                f"but the config's model gives {ours.get(name, 'none (tied embeddings)')}; "
+                f"make {fields} match the source"
+            )
+    for field in FUNCTION_FIELDS:
+        if getattr(config.model, field) != getattr(source.model, field):
+            log.warning("fine-tuning with model.%s=%s where %s used %s", field, getattr(config.model, field),
+                        source.path, getattr(source.model, field))
+
+
+def load_params(source: Source, dtype: str) -> dict[str, Any]:
+    """The source's parameters as a pure dict (``nnx.to_pure_dict`` layout), numpy arrays of ``dtype``."""
+    if source.folder is not None:
+        return hf.read_params(source.folder, dtype)
+    _, model = checkpoint.load_for_inference(source.path)
+    return _cast(nnx.to_pure_dict(nnx.state(model, nnx.Param)), jnp.dtype(dtype))
+
+
+def _cast(tree: Any, dtype: np.dtype) -> Any:
+    if isinstance(tree, dict):
+        return {k: _cast(v, dtype) for k, v in tree.items()}
+    return np.asarray(tree).astype(dtype)

@@ -1,0 +1,108 @@
+"""train.init_from and the self-contained run folder: a fine-tune starts from the given weights, with their tokenizer.
+
+The runs are subprocesses on the tiny JSONL corpus (test_train_support), so
+they share its compiled-step cache with the other training tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from hf_support import write_llama_folder
+from seqjax import hf
+from seqjax.config import ConfigError, load_config
+from seqjax.data.build import prepare
+from seqjax.data.pipeline import build_pipeline
+from seqjax.model.loss import lm_loss
+from seqjax.train import init_from
+from seqjax.train.checkpoint import load_for_inference
+from seqjax.train.loop import train
+from test_train_support import REPO, assert_ok, cli_env, run_cli, tiny_overrides, train_losses
+
+# The tiny HF Llama's shape, as model.* overrides (tiny_overrides' own model is also 32 wide, 2 layers, 4 heads).
+LLAMA_MODEL = {"model.n_kv_heads": 2, "model.norm_eps": 1e-5, "model.max_seq_len": 128, "model.tie_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_root, tmp_path_factory):
+    return write_llama_folder(tmp_path_factory.mktemp("hf") / "llama")
+
+
+def test_step_zero_loss_of_an_init_from_run_equals_the_imported_models_loss_on_that_batch(llama, tiny_root, tmp_path):
+    run_dir = tmp_path / "ft"
+    overrides = tiny_overrides(tiny_root, run_dir, **LLAMA_MODEL, **{"train.steps": 2, "train.warmup_steps": 0,
+                                                                    "train.init_from": llama})
+    assert_ok(run_cli(overrides))
+    first_loss = train_losses(run_dir)[1]
+
+    saved = load_config(run_dir / "config.yaml")
+    assert saved.tokenizer.path == str(run_dir / "tokenizer.json")  # the source's tokenizer, kept by the run
+    assert (run_dir / "tokenizer.json").read_bytes() == (llama / "tokenizer.json").read_bytes()
+    assert saved.model.vocab_size == 300 and saved.train.init_from == str(llama)
+    store = prepare(saved, splits=("train",)).stores["train"]
+    batch = next(iter(build_pipeline(saved, store)))
+    _, model = hf.load(llama, ["model.attention=xla"])
+    logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+    loss, _ = lm_loss(logits, batch["targets"], batch["weights"])
+    assert first_loss == pytest.approx(float(loss), rel=1e-5)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == 0 and sorted(train_losses(run_dir)) == [1, 2]  # step and optimizer fresh
+
+
+def test_a_vocabulary_or_shape_mismatch_is_refused_before_any_work(llama, tiny_root, tmp_path):
+    cache = tmp_path / "cache"
+    base = tiny_overrides(tiny_root, tmp_path / "run", **LLAMA_MODEL, **{"train.init_from": llama,
+                                                                         "data.cache_dir": cache})
+    with pytest.raises(ConfigError, match=r"train.init_from: .*llama has embed.embedding of shape \(300, 32\), but "
+                                          r"the config.s model gives \(512, 32\); make model.vocab_size"):
+        train(load_config(None, base + ["model.vocab_size=512"]))
+    with pytest.raises(ConfigError, match=r"has blocks.0.attn.wk of shape \(32, 2, 8\), but the config's model "
+                                          r"gives \(32, 4, 8\)"):
+        train(load_config(None, base + ["model.n_kv_heads=4"]))
+    with pytest.raises(ConfigError, match=r"has lm_head of shape \(32, 300\), but the config's model gives none "
+                                          r".*model.tie_embeddings"):
+        train(load_config(None, base + ["model.tie_embeddings=true"]))
+    with pytest.raises(ConfigError, match="tokenizer.path: got .* comes with its own tokenizer"):
+        other = tmp_path / "other.json"
+        other.write_text((llama / "tokenizer.json").read_text().replace("mat", "rug", 1))
+        train(load_config(None, base + [f"tokenizer.path={other}"]))
+    assert not cache.exists() and not (tmp_path / "run").exists()  # no tokenizing, no run folder
+
+
+def test_init_from_a_seqjax_run_takes_its_weights_and_tokenizer(reference, tiny_root):
+    source = init_from.locate(str(tiny_root / "reference"))
+    assert source.tokenizer["path"] == str(tiny_root / "reference" / "tokenizer.json")
+    config = init_from.adopt(load_config(None, tiny_overrides(tiny_root, tiny_root / "unused")), source)
+    params = init_from.load_params(source, "float32")
+    _, trained = load_for_inference(tiny_root / "reference")
+    assert config.model.vocab_size == trained.cfg.vocab_size
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(nnx.to_pure_dict(nnx.state(trained, nnx.Param)))):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ConfigError, match=r"has blocks.0.mlp.w_down of shape \(64, 32\), but the config's "
+                                          r"model gives \(96, 32\)"):
+        init_from.adopt(dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=96)), source)
+
+
+def test_a_copied_run_folder_evaluates_and_generates_without_the_corpus_or_cache(reference, tiny_root, tmp_path):
+    copy = tmp_path / "elsewhere" / "run"
+    shutil.copytree(tiny_root / "reference", copy)
+    saved = yaml.safe_load((copy / "config.yaml").read_text())
+    assert saved["tokenizer"]["path"].endswith("reference/tokenizer.json")  # the run's own copy
+    gone = tmp_path / "no-cache"
+    proc = subprocess.run(
+        [sys.executable, "-m", "seqjax.generate", "--run", str(copy), "--prompt", "the cat", "--max_new_tokens", "4",
+         f"data.cache_dir={gone}", "data.train_files=[/nonexistent/train.jsonl]"],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["samples"][0]["new_tokens"] > 0
+    assert not gone.exists()
