@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from seqjax import cli  # noqa: E402
 from seqjax.data.build import prepare  # noqa: E402
 from seqjax.data.eval_windows import MODES  # noqa: E402
 from seqjax.evaluate import evaluate  # noqa: E402
+from seqjax.files import json_text  # noqa: E402
 
 SPLITS = ("valid", "test")
 log = logging.getLogger("seqjax.eval_table")
@@ -64,17 +64,18 @@ def main() -> int:
 
 def score_all(args: argparse.Namespace) -> None:
     config, model = cli.load_checkpoint(args)
+    cli.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the stores are built
     prepared = prepare(config, splits=SPLITS)
     results = []
     for split in SPLITS:
         for mode in MODES:
             cfg = dataclasses.replace(config, eval=dataclasses.replace(config.eval, split=split, mode=mode))
             result = evaluate(model, prepared.stores[split], cfg, split=split)
-            log.info("%s", json.dumps(result))
+            log.info("%s", json_text(result))
             results.append(result)
     label = f"seqjax {Path(args.run or args.checkpoint).name}"
     print(table(results, label))
-    print(json.dumps({"run": args.run or args.checkpoint, "variant": config.data.variant,
+    print(json_text({"run": args.run or args.checkpoint, "variant": config.data.variant,
                       "vocab_size": prepared.tokenizer.vocab_size, "results": results}))
 
 

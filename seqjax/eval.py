@@ -8,13 +8,13 @@ and the perplexity in all three units under the ``eval.*`` protocol (see
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Sequence
 
 from seqjax import cli
 from seqjax.data.build import prepare
 from seqjax.evaluate import evaluate
+from seqjax.files import json_text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,10 +29,11 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     """Load the checkpoint, prepare the split's store (reused from the cache), evaluate, print the JSON line."""
     overrides = list(args.overrides) + ([f"eval.split={args.split}"] if args.split else [])
     config, model = cli.load_checkpoint(args, overrides)
+    cli.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the store is built
     split = config.eval.split
     prepared = prepare(config, splits=(split,))
     result = evaluate(model, prepared.stores[split], config, split=split)
-    print(json.dumps(result), flush=True)
+    print(json_text(result), flush=True)
     return result
 
 
