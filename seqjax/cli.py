@@ -156,10 +156,9 @@ def trained_tokenizer(args: argparse.Namespace, config: Config):
     tokenizer of the right size but not the run's own (the checkpoint records
     its hash) would give meaningless numbers, so it is refused too.
     """
-    # the data layer loads the tokenizers library: only the CLIs that read a trained run need it here
+    # the tokenizers library and orbax take a second to import: only the CLIs that read a trained run need them
     from seqjax.data.build import prepare
-    # orbax and flax take about a second to import (as in load_checkpoint)
-    from seqjax.train import checkpoint
+    from seqjax.train import checkpoint  # (orbax, as in load_checkpoint)
 
     tokenizer = prepare(config, splits=()).tokenizer
     vocab = config.model.vocab_size

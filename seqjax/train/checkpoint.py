@@ -40,6 +40,7 @@ previous checkpoint is untouched and resumable.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import os
@@ -521,8 +522,9 @@ class Checkpointer:
                 raise
             log.debug("closing the checkpoint manager after a failed write", exc_info=True)
         finally:
-            if not self._failed_once:  # after a failed write, orbax's leftovers are collected as the run exits
-                self._quiet.__exit__()
+            if self._failed_once:  # orbax's orphaned tasks report at garbage collection: collect them while quiet
+                gc.collect()
+            self._quiet.__exit__()
 
 
 # ---------------------------------------------------------------------------
