@@ -210,6 +210,10 @@ def _data_state(saved: Saved, process_index: int, process_count: int) -> dict[st
     return first if "epoch" in first else None
 
 
+def _likely_causes_first(changes: list[ConfigChange]) -> list[ConfigChange]:
+    return sorted(changes, key=lambda c: c.kind == "exact")  # stable: config order within each group
+
+
 def plan_resume(saved: Saved, config: Config, templates: dict[str, Any], identity: dict[str, Any],
                 process_index: int, process_count: int) -> tuple[list[ConfigChange], dict[str, Any] | None,
                                                               dict[str, Any] | None]:
@@ -242,7 +246,9 @@ def plan_resume(saved: Saved, config: Config, templates: dict[str, Any], identit
                     for line in array_differences(saved.arrays[item], array_table(templates[item]))]
     if wrong_arrays:
         shown = "; ".join(wrong_arrays[:4]) + (f"; and {len(wrong_arrays) - 4} more" if len(wrong_arrays) > 4 else "")
-        keys = ", ".join(str(c) for c in changes if c.kind != "exact") or "no config key (the code changed?)"
+        # Every change is listed, the likely causes first: optimizer keys (train.grad_clip, train.nonfinite) change
+        # the state's tree too.
+        keys = "; ".join(map(str, _likely_causes_first(changes))) or "no config key (the code changed?)"
         raise CheckpointMismatchError(
             f"{where} does not fit this config, which changed {keys}. Its arrays differ: {shown}. "
             "Nothing was moved: resume with the checkpoint's values, or start a new run.dir"
@@ -585,7 +591,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
         wrong = array_differences(saved.arrays["params"], array_table(target))
         if wrong:
             changes = resume_changes(saved.config, config) if saved.config is not None else []
-            keys = ", ".join(str(c) for c in changes if c.kind != "exact") or "no config key"
+            keys = "; ".join(map(str, _likely_causes_first(changes))) or "no config key"
             raise CheckpointMismatchError(
                 f"checkpoint {checkpoints / str(candidate)} does not fit the model asked for ({keys}): its "
                 f"parameters differ: {'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''}"
