@@ -295,36 +295,36 @@ def _raised_in_orbax(tb: Any) -> bool:
     return False
 
 
-class _QuietOrbax:
+class _QuietOrbax(logging.Filter):
     """While a run checkpoints, orbax's noise about a failed write stays off stderr (kept at DEBUG).
 
     A failed background write makes orbax log one traceback per thread, and
     TensorStore callbacks that finish after orbax closed its event loop raise
     unraisable errors; :class:`Checkpointer` reports the failure once, as one
-    line, from what the records say.
+    line, from what the records say. A filter on the two loggers, and the
+    unraisable hook, for as long as the checkpointer is open.
     """
-
-    def __init__(self):
-        self.messages: list[str] = []  # orbax's error messages, for that one line
-        self._filter = logging.Filter()
-        self._filter.filter = self._keep
-        self._previous_hook = sys.unraisablehook
 
     LOGGERS = ("absl", "asyncio")  # orbax logs through absl; its event loops' orphaned tasks through asyncio
 
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []  # orbax's error messages, for that one line
+        self._previous_hook = sys.unraisablehook
+
     def __enter__(self) -> _QuietOrbax:
         for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self._filter)
+            logging.getLogger(name).addFilter(self)
         sys.unraisablehook = self._unraisable
         return self
 
     def __exit__(self, *exc) -> None:
         for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self._filter)
+            logging.getLogger(name).removeFilter(self)
         if sys.unraisablehook == self._unraisable:
             sys.unraisablehook = self._previous_hook
 
-    def _keep(self, record: logging.LogRecord) -> bool:
+    def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
         if record.name == "absl" and "orbax" in record.pathname:
