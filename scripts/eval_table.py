@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from seqjax.data.eval_windows import MODES  # noqa: E402
 from seqjax.data.lm_eval import MODE as LM_EVAL  # noqa: E402
 from seqjax.data.lm_eval import read_lm_eval_split  # noqa: E402
 from seqjax.evaluate import evaluate, evaluate_lm_eval  # noqa: E402
+from seqjax.files import json_text  # noqa: E402
 
 SPLITS = ("valid", "test")
 log = logging.getLogger("seqjax.eval_table")
@@ -68,23 +68,24 @@ def main() -> int:
 
 def score_all(args: argparse.Namespace) -> None:
     config, model = cli.load_checkpoint(args)
+    cli.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the stores are built
     prepared = prepare(config, splits=SPLITS)
     results = []
     for split in SPLITS:
         for mode in MODES:
             cfg = dataclasses.replace(config, eval=dataclasses.replace(config.eval, split=split, mode=mode))
             result = evaluate(model, prepared.stores[split], cfg, split=split)
-            log.info("%s", json.dumps(result))
+            log.info("%s", json_text(result))
             results.append(result)
         if (config.data.corpus, config.data.variant) == ("wikitext2", "raw"):  # the harness's task reads raw pages
             cfg = dataclasses.replace(config, eval=dataclasses.replace(config.eval, split=split, mode=LM_EVAL))
             docs = read_lm_eval_split(cfg, split, prepared.tokenizer)
             results.append(evaluate_lm_eval(model, docs, cfg, split=split))
-            log.info("%s", json.dumps(results[-1]))
+            log.info("%s", json_text(results[-1]))
     source = args.run or args.checkpoint or args.hf
     label = f"seqjax {Path(source).name}"
     print(table(results, label))
-    print(json.dumps({"run": source, "variant": config.data.variant,
+    print(json_text({"run": source, "variant": config.data.variant,
                       "vocab_size": prepared.tokenizer.vocab_size, "results": results}))
 
 

@@ -154,3 +154,33 @@ def load_checkpoint(args: argparse.Namespace, overrides: Sequence[str] | None = 
     if not Path(path).is_dir():
         raise UsageError(f"{'--run' if args.run else '--checkpoint'} {path!r}: no such folder")
     return checkpoint.load_for_inference(path, overrides)
+
+
+def trained_tokenizer(args: argparse.Namespace, config: Config):
+    """The tokenizer ``config`` names (reused from the cache), refused unless it is the one the model can read.
+
+    Checked before any token store is built: token ids beyond the model's
+    vocabulary cannot raise under jit, they only turn the loss into NaN. A
+    tokenizer of the right size but not the run's own (the checkpoint records
+    its hash) would give meaningless numbers, so it is refused too.
+    """
+    # the tokenizers library and orbax take a second to import: only the CLIs that read a trained run need them
+    from seqjax.data.build import prepare
+    from seqjax.train import checkpoint  # (orbax, as in load_checkpoint)
+
+    tokenizer = prepare(config, splits=()).tokenizer
+    vocab = config.model.vocab_size
+    where = args.run or args.checkpoint or getattr(args, "hf", None)
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise ConfigError(
+            f"tokenizer {tokenizer.path}: {tokenizer.vocab_size} tokens, more than the model.vocab_size={vocab} "
+            f"of {where}; expected the tokenizer the run was trained with (drop the tokenizer.* overrides)"
+        )
+    # An HF folder records no training tokenizer hash; its own tokenizer.json is what --hf reads.
+    trained = None if getattr(args, "hf", None) else checkpoint.trained_tokenizer_hash(where)
+    if trained is not None and trained != tokenizer.hash:
+        raise ConfigError(
+            f"tokenizer {tokenizer.path} (sha256 {tokenizer.hash[:12]}) is not the one {where} was trained with "
+            f"(sha256 {trained[:12]}); expected that tokenizer (drop the tokenizer.* overrides)"
+        )
+    return tokenizer

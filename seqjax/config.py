@@ -10,7 +10,9 @@ Every field may carry metadata:
 
 - ``choices``: the allowed values;
 - ``min`` / ``max``: an inclusive numeric range;
-- ``help``: one line for the README and for error messages.
+- ``help``: one line for the README and for error messages;
+- ``resume``: what changing the key does to a run resumed from a checkpoint
+  (:data:`RESUME_KINDS`); keys without it keep exact resume.
 
 Cross-field rules (``n_heads`` divisible by ``n_kv_heads``, ...) live in each
 section's ``check`` method. ``load_config`` runs every check, so a config that
@@ -22,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -46,11 +49,21 @@ def _f(default, help: str, **meta):
 
 TRACKERS = ("jsonl", "tensorboard", "wandb")
 
+# What a key changed between a checkpoint and its resume does (field metadata ``resume``; see resume_changes):
+# "exact": the steps after the checkpoint are still the ones the old config would have taken (bookkeeping,
+#   evaluation, mesh, backends), or the change only takes effect from the next update on (optimizer settings);
+# "data": the batches change (order, rows, tokens): refused unless train.allow_config_change, and then the
+#   data restarts at the next epoch boundary;
+# "model": the function the parameters compute changes (shapes are checked against the checkpoint itself):
+#   refused unless train.allow_config_change.
+RESUME_KINDS = ("exact", "data", "model")
+DATA, MODEL = "data", "model"
+
 
 @dataclass
 class RunConfig:
     dir: str = _f("runs/default", "where a run writes its config, metrics, checkpoints and plots")
-    seed: int = _f(0, "the one seed: data order, initialization and sampling derive from it", min=0)
+    seed: int = _f(0, "the one seed: data order, initialization and sampling derive from it", min=0, resume=DATA)
     trackers: list[str] = _f(
         ["jsonl"], f"where training metrics go, some of {', '.join(TRACKERS)} (metrics.jsonl is always written)"
     )
@@ -64,6 +77,8 @@ class RunConfig:
 
 @dataclass
 class TokenizerConfig:
+    # The tokenizer's effect on a resumed run is judged by its hash (the checkpoint records it), not by these keys:
+    # a tokenizer.path that moved but holds the same file changes nothing.
     path: str | None = _f(None, "an existing tokenizer.json to load instead of training one")
     vocab_size: int = _f(8192, "BPE vocabulary size, special tokens included", min=1)
     min_frequency: int = _f(2, "a pair must occur this often to be merged", min=1)
@@ -122,30 +137,37 @@ class DataConfig:
     test_files: list[str] = _f([], "for corpus text/jsonl: the test files or folders")
     workers: int = _f(0, "tokenizer threads for the store build (0: one per core)", min=0)
 
-    strategy: str = _f("pack", "how the token stream is cut into rows", choices=STRATEGIES)
-    seq_len: int = _f(256, "tokens per row (model inputs)", min=2)
-    stride: int | None = _f(None, "window: distance between window starts (default: seq_len)", min=1)
-    batch_size: int = _f(16, "rows per global batch (all processes together)", min=1)
-    shuffle: bool = _f(True, "shuffle rows each epoch")
+    # How rows are cut: any change gives other batches, so a resume under it is refused unless allowed. (Which
+    # text and tokenizer the rows come from is judged by the train store's identity, which checkpoints record.)
+    strategy: str = _f("pack", "how the token stream is cut into rows", choices=STRATEGIES, resume=DATA)
+    seq_len: int = _f(256, "tokens per row (model inputs)", min=2, resume=DATA)
+    stride: int | None = _f(None, "window: distance between window starts (default: seq_len)", min=1, resume=DATA)
+    batch_size: int = _f(16, "rows per global batch (all processes together)", min=1, resume=DATA)
+    shuffle: bool = _f(True, "shuffle rows each epoch", resume=DATA)
     cross_document_attention: bool = _f(
         False,
         "stream strategies and the blocks/sliding evaluation windows: one segment per row (HF/GPT-2) "
         "instead of one per document piece",
+        resume=DATA,
     )
     break_mode: str = _f(
-        "none", "block: fairseq TokenBlockDataset break mode", choices=("none", "complete", "complete_doc", "eos")
+        "none", "block: fairseq TokenBlockDataset break mode", choices=("none", "complete", "complete_doc", "eos"),
+        resume=DATA,
     )
-    packer: str = _f("best_fit", "pack: the packing algorithm", choices=PACKERS)
+    packer: str = _f("best_fit", "pack: the packing algorithm", choices=PACKERS, resume=DATA)
     pack_buffer: int = _f(
         1024,
         "pack: rows open at once in first_fit/best_fit (best_fit_decreasing sorts windows of this many documents; "
         "grain_*: bins)",
         min=1,
+        resume=DATA,
     )
-    overlong: str = _f("split", "pack: documents longer than a row", choices=("drop", "truncate", "split", "error"))
-    max_segments_per_row: int | None = _f(None, "pack: cap on segments in one row", min=1)
-    bucket_lengths: list[int] = _f([], "length_grouped: padded row lengths (default: powers of two up to seq_len)")
-    mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch", min=1)
+    overlong: str = _f("split", "pack: documents longer than a row", choices=("drop", "truncate", "split", "error"),
+                       resume=DATA)
+    max_segments_per_row: int | None = _f(None, "pack: cap on segments in one row", min=1, resume=DATA)
+    bucket_lengths: list[int] = _f([], "length_grouped: padded row lengths (default: powers of two up to seq_len)",
+                                   resume=DATA)
+    mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch", min=1, resume=DATA)
 
     def check(self) -> None:
         if self.corpus != "wikitext2" and not self.train_files:
@@ -186,12 +208,16 @@ class RopeScalingConfig:
     ``factor``, and interpolates smoothly in between.
     """
 
-    type: str = _f("none", "none: plain RoPE; llama3: Llama 3.1's frequency scaling", choices=ROPE_SCALING_TYPES)
-    factor: float = _f(8.0, "llama3: how much the low frequencies are slowed", min=1.0)
+    # Each of these changes the function the model computes, so a resume under a change is a model change.
+    type: str = _f("none", "none: plain RoPE; llama3: Llama 3.1's frequency scaling", choices=ROPE_SCALING_TYPES,
+                   resume=MODEL)
+    factor: float = _f(8.0, "llama3: how much the low frequencies are slowed", min=1.0, resume=MODEL)
     low_freq_factor: float = _f(1.0, "llama3: wavelengths above original / low_freq_factor are divided by factor",
-                                min=0.0)
-    high_freq_factor: float = _f(4.0, "llama3: wavelengths below original / high_freq_factor are kept", min=0.0)
-    original_max_position_embeddings: int = _f(8192, "llama3: the context length of pretraining", min=1)
+                                min=0.0, resume=MODEL)
+    high_freq_factor: float = _f(4.0, "llama3: wavelengths below original / high_freq_factor are kept", min=0.0,
+                                 resume=MODEL)
+    original_max_position_embeddings: int = _f(8192, "llama3: the context length of pretraining", min=1,
+                                               resume=MODEL)
 
     def check(self) -> None:
         if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
@@ -203,28 +229,32 @@ class RopeScalingConfig:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int | None = _f(None, "embedding rows (default: the tokenizer's vocabulary size)", min=2)
-    d_model: int = _f(256, "residual width", min=1)
-    n_layers: int = _f(4, "Transformer blocks", min=1)
-    n_heads: int = _f(4, "query heads", min=1)
-    n_kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (default: n_heads)", min=1)
+    # Keys that change parameter shapes are marked too, though a checkpoint's own array shapes are what decides.
+    vocab_size: int | None = _f(None, "embedding rows (default: the tokenizer's vocabulary size)", min=2, resume=MODEL)
+    d_model: int = _f(256, "residual width", min=1, resume=MODEL)
+    n_layers: int = _f(4, "Transformer blocks", min=1, resume=MODEL)
+    n_heads: int = _f(4, "query heads", min=1, resume=MODEL)
+    n_kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (default: n_heads)", min=1,
+                                resume=MODEL)
     head_dim: int | None = _f(
-        None, "width of each attention head (null: d_model // n_heads, filled in when the config is checked)", min=2
+        None, "width of each attention head (null: d_model // n_heads, filled in when the config is checked)", min=2,
+        resume=MODEL,
     )
-    d_ff: int = _f(768, "SwiGLU hidden width", min=1)
+    d_ff: int = _f(768, "SwiGLU hidden width", min=1, resume=MODEL)
     max_seq_len: int | None = _f(
         None, "longest sequence the model accepts (null: follows data.seq_len, or eval.context when longer)",
         min=1,
     )
-    rope_theta: float = _f(10000.0, "RoPE base frequency", min=1.0)
+    rope_theta: float = _f(10000.0, "RoPE base frequency", min=1.0, resume=MODEL)
     rope_scaling: RopeScalingConfig = field(
         default_factory=RopeScalingConfig,
         metadata={"help": "RoPE frequency scaling for long contexts: model.rope_scaling.type and its factors"},
     )
-    norm_eps: float = _f(1e-6, "RMSNorm epsilon (Llama checkpoints use 1e-5)", min=0.0)
-    tie_embeddings: bool = _f(True, "share the token embedding with the LM head")
-    param_dtype: str = _f("float32", "parameter storage dtype", choices=DTYPES)
-    compute_dtype: str = _f("float32", "matmul/activation dtype (softmax and loss stay float32)", choices=DTYPES)
+    norm_eps: float = _f(1e-6, "RMSNorm epsilon (Llama checkpoints use 1e-5)", min=0.0, resume=MODEL)
+    tie_embeddings: bool = _f(True, "share the token embedding with the LM head", resume=MODEL)
+    param_dtype: str = _f("float32", "parameter storage dtype", choices=DTYPES, resume=MODEL)
+    compute_dtype: str = _f("float32", "matmul/activation dtype (softmax and loss stay float32)", choices=DTYPES,
+                            resume=MODEL)
     attention: str = _f("auto", "attention backend", choices=ATTENTION_BACKENDS)
     init_std: float = _f(0.02, "std of the normal init (residual projections scaled by 1/sqrt(2*n_layers))", min=0.0)
     dropout: float = _f(
@@ -310,6 +340,12 @@ class TrainConfig:
         [], "a jax.profiler trace of [start_step, num_steps] into run.dir/profile (TensorBoard/Perfetto); [] = off"
     )
     nonfinite: str = _f("stop", "on a NaN/inf loss: stop the run, or skip the update", choices=("stop", "skip"))
+    allow_config_change: bool = _f(
+        False,
+        "resume a checkpoint under a config that changes the batches (data.*, run.seed, the tokenizer or the "
+        "training text) or the model's function (model.rope_theta, compute_dtype, ...); the data then restarts "
+        "at the next epoch boundary; parameter shapes must still match",
+    )
     peak_flops: float | None = _f(
         None, "peak FLOP/s per device for MFU (null: a table of known accelerators; CPU: MFU is null)", min=0.0
     )
@@ -491,6 +527,8 @@ def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> An
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: got {value!r}, expected a number")
         value = float(value)
+        if not math.isfinite(value):  # YAML reads nan, .inf and 1e999 as floats; no key means anything by them
+            raise ConfigError(f"{key}: got {value!r}, expected a finite number")
     elif base is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: got {value!r}, expected a string")
@@ -585,16 +623,40 @@ def load_config(
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r}: expected a mapping of sections, got {type(loaded).__name__}")
         tree = loaded or {}
+    from_file = copy.deepcopy(tree)
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(tree, key, value)
+        try:
+            _set_dotted(tree, key, value)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (from the command line: {item})") from None
     try:
         config = _build(Config, tree, "")
     except ConfigError as err:
-        where = f" (in {path})" if path is not None else ""
-        raise ConfigError(f"{err}{where}") from None
+        raise ConfigError(f"{err}{_source_of_error(path, from_file, overrides)}") from None
     config.check()
     return config
+
+
+def _source_of_error(path: Path | None, from_file: dict[str, Any], overrides: typing.Sequence[str]) -> str:
+    """Where a bad value came from: " (in FILE)" or " (from the command line: key=value)".
+
+    The file alone is built first; if it is fine, the overrides are applied
+    one at a time and the first that breaks the build is named. (Only on the
+    error path: a config that loads is built once.)
+    """
+    tree = copy.deepcopy(from_file)
+    try:
+        _build(Config, tree, "")
+    except ConfigError:
+        return f" (in {path})" if path is not None else ""
+    for item in overrides:
+        _set_dotted(tree, *parse_override(item))
+        try:
+            _build(Config, tree, "")
+        except ConfigError:
+            return f" (from the command line: {item})"
+    return ""
 
 
 def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yaml") -> Path:
@@ -626,3 +688,69 @@ def describe_keys() -> str:
 
     walk(Config, defaults, "")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Comparing a checkpoint's config with the config it is resumed under
+
+# Not compared: the switch that allows the others to change.
+_NOT_COMPARED = ("train.allow_config_change",)
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """One leaf key whose value differs between a checkpoint's config and the current one."""
+
+    key: str
+    old: Any
+    new: Any
+    kind: str  # one of RESUME_KINDS
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.old!r} -> {self.new!r}"
+
+
+def _field_metadata(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, typing.Mapping[str, Any]]]:
+    """Every dotted leaf key -> (its default, its field metadata)."""
+    out = {}
+    defaults = cls()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_field_metadata(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = (getattr(defaults, f.name), f.metadata)
+    return out
+
+
+def _flatten(tree: typing.Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for name, value in tree.items():
+        if isinstance(value, typing.Mapping):
+            out.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = value
+    return out
+
+
+def resume_changes(saved: typing.Mapping[str, Any], current: Config) -> list[ConfigChange]:
+    """The keys whose values differ between ``saved`` (a checkpoint's config, as a dict) and ``current``.
+
+    Each change carries its kind (field metadata ``resume``, default
+    ``exact``). A key the saved config lacks (added to seqjax since) is
+    compared with its default; a key it has that no longer exists is ignored.
+    For example, a run checkpointed with ``data.batch_size=16`` and resumed
+    with ``data.batch_size=8 train.steps=900`` gives
+    ``[ConfigChange("data.batch_size", 16, 8, "data"), ConfigChange("train.steps", 1000, 900, "exact")]``.
+    """
+    old, new = _flatten(saved), _flatten(current.to_dict())
+    changes = []
+    for key, (default, meta) in _field_metadata().items():
+        if key in _NOT_COMPARED:
+            continue
+        before, after = old.get(key, default), new[key]
+        if isinstance(before, list) and isinstance(after, list):
+            before = list(before)
+        if before != after:
+            changes.append(ConfigChange(key, before, after, meta.get("resume", "exact")))
+    return changes

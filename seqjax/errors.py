@@ -1,8 +1,9 @@
 """The errors that mean "the input is wrong": one base, so every CLI turns them into one line and exit code 2.
 
 ``SeqjaxError`` is the base of the config, corpus, tokenizer, store and data
-errors, and of two the CLIs add: an unreadable checkpoint and an impossible
-command-line request.
+errors, of the run's own (a run.dir another run holds, a checkpoint that does
+not fit the config it is loaded under), and of two the CLIs add: an
+unreadable checkpoint and an impossible command-line request.
 
 Each is a ``ValueError`` (bad input is a bad value) and a :class:`SeqjaxError`,
 the one type :func:`seqjax.cli.run` catches. A message names the key, file or
@@ -39,6 +40,17 @@ class DataError(SeqjaxError):
 
 class CheckpointError(SeqjaxError):
     """A run or checkpoint folder holds no readable checkpoint (seqjax.train.checkpoint)."""
+
+
+class CheckpointMismatchError(SeqjaxError):
+    """A complete checkpoint does not fit the config it is loaded under: the message lists the differing keys.
+
+    Nothing is moved or deleted: the checkpoint is fine, the request is not.
+    """
+
+
+class RunDirInUseError(SeqjaxError):
+    """Another training run holds the lock on ``run.dir``; the message names its host, PID and start time."""
 
 
 class UsageError(SeqjaxError):

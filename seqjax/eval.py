@@ -9,7 +9,6 @@ harness's byte_perplexity. ``--hf DIR`` scores a Hugging Face folder directly.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Sequence
 
@@ -18,6 +17,7 @@ from seqjax.data.build import prepare
 from seqjax.data.lm_eval import MODE as LM_EVAL
 from seqjax.data.lm_eval import read_lm_eval_split
 from seqjax.evaluate import evaluate, evaluate_lm_eval
+from seqjax.files import json_text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +32,7 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     """Load the checkpoint, prepare the split's store (reused from the cache), evaluate, print the JSON line."""
     overrides = list(args.overrides) + ([f"eval.split={args.split}"] if args.split else [])
     config, model = cli.load_checkpoint(args, overrides)
+    cli.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the store is built
     split = config.eval.split
     if config.eval.mode == LM_EVAL:  # raw pages with the model's tokenizer, no token store
         docs = read_lm_eval_split(config, split, prepare(config, splits=()).tokenizer)
@@ -39,7 +40,7 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     else:
         prepared = prepare(config, splits=(split,))
         result = evaluate(model, prepared.stores[split], config, split=split)
-    print(json.dumps(result), flush=True)
+    print(json_text(result), flush=True)
     return result
 
 

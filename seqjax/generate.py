@@ -19,7 +19,6 @@ after ``--max_new_tokens``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -27,8 +26,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from seqjax import cli
-from seqjax.data.build import prepare
 from seqjax.errors import UsageError
+from seqjax.files import json_text
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
 
@@ -67,7 +66,7 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     texts = read_prompts(args.prompt, args.prompts)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     config, model = cli.load_checkpoint(args)
-    tokenizer = prepare(config, splits=()).tokenizer  # the run's tokenizer, reused from the cache
+    tokenizer = cli.trained_tokenizer(args, config)  # the run's tokenizer, reused from the cache
     seed = config.run.seed if args.seed is None else args.seed
     start = time.perf_counter()
     outputs = generate(
@@ -95,7 +94,7 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(seconds, 3),
         "tokens_per_second": round(new_tokens / seconds, 1) if seconds > 0 else None,
     }
-    print(json.dumps(result), flush=True)
+    print(json_text(result), flush=True)
     return result
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from seqjax import cli
 from seqjax.config import Config, ConfigError, all_keys, announce, load_config
@@ -66,6 +68,9 @@ def test_every_shipped_config_loads():
         ("tokenizer.vocab_size=1", "tokenizer.vocab_size: got 1, expected more than the 1 special tokens"),
         ("data.corpus=jsonl", "data.train_files: got [], expected at least one file for data.corpus='jsonl'"),
         ("seq_len", "override 'seq_len': expected key=value"),
+        ("train.lr=nan", "train.lr: got nan, expected a finite number"),
+        ("train.lr=inf", "train.lr: got inf, expected a finite number"),
+        ("train.grad_clip=.inf", "train.grad_clip: got inf, expected a finite number"),
     ],
 )
 def test_bad_override_names_key_value_and_what_is_allowed(override, expected):
@@ -150,3 +155,56 @@ def test_packers_that_cannot_cap_segments_refuse_max_segments_per_row(packer):
     with pytest.raises(ConfigError, match=f"data.max_segments_per_row: got 2, expected null: packer {packer}"):
         load_config(None, ["data.strategy=pack", f"data.packer={packer}", "data.max_segments_per_row=2"])
     load_config(None, ["data.strategy=window", f"data.packer={packer}", "data.max_segments_per_row=2"])  # not packing
+
+
+def test_an_error_names_where_the_value_came_from_the_command_line_or_the_file(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(CPU_CONFIG, ["train.lr=1e-3", "data.seq_len=abc"])
+    assert str(err.value) == "data.seq_len: got 'abc', expected an integer (from the command line: data.seq_len=abc)"
+    with pytest.raises(ConfigError, match=r"unknown config key 'data.seq_lne'.* \(from the command line: "):
+        load_config(CPU_CONFIG, ["data.seq_lne=5"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"train.lr: got 'fast', expected a number \(in .*bad.yaml\)$"):
+        load_config(bad, ["data.seq_len=64"])
+    assert load_config(bad, ["train.lr=1e-3"]).train.lr == 1e-3  # a command line that fixes the file wins
+
+
+LEAVES = [k for k in all_keys() if "." in k and k != "train.allow_config_change"]
+
+
+@given(st.sets(st.sampled_from(LEAVES), max_size=12))
+@settings(max_examples=40, deadline=None)
+def test_resume_changes_lists_exactly_the_changed_keys_each_with_its_kind(changed):
+    """A checkpoint's config (a dict) differs from the current one in ``changed``: exactly those keys come back."""
+    import dataclasses
+
+    from seqjax.config import RESUME_KINDS, resume_changes
+
+    current = Config()
+    saved = current.to_dict()
+    for key in changed:
+        section, name = key.split(".")
+        saved[section][name] = "the checkpoint's value"
+    found = {c.key: c for c in resume_changes(saved, current)}
+    assert set(found) == changed
+    for key, change in found.items():
+        section, name = key.split(".")
+        field = {f.name: f for f in dataclasses.fields(getattr(current, section))}[name]
+        assert change.kind == field.metadata.get("resume", "exact") and change.kind in RESUME_KINDS
+        assert change.old == "the checkpoint's value" and change.new == getattr(getattr(current, section), name)
+
+
+def test_the_keys_that_change_the_batches_or_the_model_are_marked():
+    from seqjax.config import resume_changes
+
+    saved = Config().to_dict()
+    saved["data"]["batch_size"], saved["run"]["seed"], saved["model"]["d_ff"] = 32, 7, 64
+    saved["train"]["steps"], saved["mesh"]["data"], saved["eval"]["mode"] = 5, 2, "blocks"
+    saved["train"]["allow_config_change"] = True  # the switch itself is never a change
+    kinds = {c.key: c.kind for c in resume_changes(saved, Config())}
+    assert kinds == {"data.batch_size": "data", "run.seed": "data", "model.d_ff": "model", "train.steps": "exact",
+                     "mesh.data": "exact", "eval.mode": "exact"}
+    # A key the checkpoint's config predates is compared with its default.
+    del saved["data"]["shuffle"]
+    assert "data.shuffle" not in {c.key for c in resume_changes(saved, Config())}

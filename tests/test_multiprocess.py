@@ -1,20 +1,26 @@
-"""Two local processes joined by jax.distributed (4 CPU devices each) train like one process.
+"""Two local processes joined by jax.distributed (4 CPU devices each) train like one process, share one lock on
+run.dir, stop together on a SIGTERM sent to one of them, and resume as a single process.
 
 Each process reads only its own rows (build_pipeline's process_index /
 process_count) and the global batch is stitched with
 make_array_from_process_local_data; losses must match the single-process
-reference to 1e-5 relative.
+reference to 1e-5 relative, before and after the elastic resume.
 """
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from test_train_support import REPO, cli_env, tiny_overrides, train_losses
+from seqjax.errors import RunDirInUseError
+from seqjax.train.rundir import LOCK_FILE, RunLock
+from test_train_support import REPO, assert_ok, checkpoint_steps, cli_env, run_cli, tiny_overrides, train_losses
 
 
 def free_port() -> int:
@@ -23,10 +29,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(overrides: list[str]) -> list[str]:
-    """Run the CLI as two jax.distributed processes with 4 CPU devices each; return their stderr."""
+def launch(overrides: list[str]) -> list[subprocess.Popen]:
+    """Start the CLI as two jax.distributed processes with 4 CPU devices each."""
     coordinator = f"127.0.0.1:{free_port()}"
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, "-m", "seqjax.train", *overrides],
             cwd=REPO,
@@ -37,29 +43,50 @@ def launch(overrides: list[str]) -> list[str]:
         )
         for i in range(2)
     ]
+
+
+def wait_for(condition, procs, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert all(p.poll() is None for p in procs), f"a process ended while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_two_processes_share_the_lock_stop_together_on_sigterm_and_resume_as_one(reference, tiny_root, tmp_path):
+    """SIGTERM reaches one process; JAX's preemption sync point makes both save the same step and exit. The run then
+    resumes in one process on 4 devices (8 before) and matches the single-process reference."""
+    run_dir = tmp_path / "run"
+    procs = launch(tiny_overrides(tiny_root, run_dir, **{"mesh.data": 4, "mesh.fsdp": 2, "train.log_every": 1,
+                                                         "train.checkpoint_every": 1000}))
     try:
-        errors = [p.communicate(timeout=400)[1] for p in procs]
+        def locked_by_process_0():
+            text = (run_dir / LOCK_FILE).read_text() if (run_dir / LOCK_FILE).exists() else ""
+            return text.endswith("\n") and json.loads(text)["pid"] == procs[0].pid
+
+        wait_for(locked_by_process_0, procs, "process 0 to lock run.dir")
+        with pytest.raises(RunDirInUseError, match=f"PID {procs[0].pid}"):  # another job, here: refused
+            RunLock(run_dir).__enter__()
+        wait_for(lambda: max(train_losses(run_dir), default=0) >= 5, procs, "step 5")
+        procs[1].send_signal(signal.SIGTERM)
+        errors = [p.communicate(timeout=300)[1] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, err in zip(procs, errors):
-        assert p.returncode == 0, err[-4000:]
-    return errors
-
-
-def test_two_processes_with_four_devices_each_match_one_process_and_resume(reference, tiny_root, tmp_path):
-    """10 steps, then a second launch to 20 that resumes from the checkpoint both processes wrote."""
-    run_dir = tmp_path / "run"
-    mesh = {"mesh.data": 4, "mesh.fsdp": 2}
-    first = launch(tiny_overrides(tiny_root, run_dir, **mesh, **{"train.steps": 10}))
-    assert "mesh {'data': 4, 'fsdp': 2, 'tensor': 1}; 2 process(es)" in first[0]
-    data_states = sorted(p.name for p in (run_dir / "checkpoints" / "10" / "data").glob("process_*.json"))
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, errors[1][-3000:]
+    assert "mesh {'data': 4, 'fsdp': 2, 'tensor': 1}; 2 process(es)" in errors[0]
+    (stopped,) = checkpoint_steps(run_dir)  # one checkpoint, written by both at the same step
+    assert all(f"stopped by SIGTERM after step {stopped}" in err for err in errors)
+    assert max(train_losses(run_dir)) == stopped < 30
+    data_states = sorted(p.name for p in (run_dir / "checkpoints" / str(stopped) / "data").glob("process_*.json"))
     assert data_states == ["process_0-of-2.json", "process_1-of-2.json"]  # each process saved its own position
 
-    second = launch(tiny_overrides(tiny_root, run_dir, **mesh, **{"train.steps": 20}))
-    assert all("resuming from" in err for err in second)
+    resumed = run_cli(tiny_overrides(tiny_root, run_dir, **{"train.steps": 30}), devices=4)
+    assert_ok(resumed)
+    assert (f"elastic resume: checkpoint {stopped} was written by 2 process(es) on 8 device(s), now 1 on 4"
+            in resumed.stderr)
     losses = train_losses(run_dir)
-    assert sorted(losses) == list(range(1, 21))
+    assert sorted(losses) == list(range(1, 31))
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step

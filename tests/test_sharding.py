@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from seqjax.config import ConfigError, load_config
 from seqjax.sharding import mesh_shape, param_spec
 from seqjax.train.distributed import distributed_settings
-from test_train_support import REPO, cli_env, tiny_overrides, train_losses
+from test_train_support import REPO, assert_ok, cli_env, run_cli, tiny_overrides, train_losses
 
 
 def mesh_of(data=1, fsdp=1, tensor=1):
@@ -80,7 +80,8 @@ for data, fsdp, tensor in json.loads(sys.argv[2]):
 """
 
 
-def test_meshes_on_8_devices_match_one_device(reference, tiny_root, tmp_path):
+def test_meshes_on_8_devices_match_one_device_and_resume_on_4(reference, tiny_root, tmp_path):
+    """Three meshes over 8 forced host devices; then the 8-way data-parallel run continues on 4 devices."""
     steps = 20
     base = [o for o in tiny_overrides(tiny_root, tmp_path, **{"train.steps": steps}) if not o.startswith("run.dir=")]
     proc = subprocess.run(
@@ -95,6 +96,17 @@ def test_meshes_on_8_devices_match_one_device(reference, tiny_root, tmp_path):
         for step, loss in losses.items():
             assert loss == pytest.approx(reference[step], rel=1e-5), (data, fsdp, tensor, step)
 
+    run_dir = tmp_path / "mesh_8_1_1"
+    resumed = run_cli([*base, f"run.dir={run_dir}", "train.steps=30"], devices=4)  # mesh.data=-1: all 4
+    assert_ok(resumed)
+    elastic = f"elastic resume: checkpoint {steps} was written by 1 process(es) on 8 device(s), now 1 on 4"
+    assert elastic in resumed.stderr
+    assert "mesh {'data': 4, 'fsdp': 1, 'tensor': 1}" in resumed.stderr
+    losses = train_losses(run_dir)
+    assert sorted(losses) == list(range(1, 31))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), ("resumed on 4 devices", step)
+
 
 def test_a_mesh_that_does_not_fit_the_devices_stops_the_cli_before_any_data_work(tmp_path, capsys):
     from seqjax.train.__main__ import main
@@ -107,4 +119,5 @@ def test_a_mesh_that_does_not_fit_the_devices_stops_the_cli_before_any_data_work
         in capsys.readouterr().err
     )
     assert not (tmp_path / "run").exists()
+
 

@@ -16,3 +16,14 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_before_trainin
     assert exit_info.value.code == 2
     assert "model.vocab_size: got 100, expected at least the tokenizer's 300" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_vocabulary_check_runs_before_any_token_store_is_built(tiny_root, tmp_path, capsys):
+    from seqjax.train.__main__ import main
+
+    cache = tmp_path / "cache"
+    with pytest.raises(SystemExit) as exit_info:
+        main(tiny_overrides(tiny_root, tmp_path / "run", **{"model.vocab_size": 100, "data.cache_dir": cache}))
+    assert exit_info.value.code == 2
+    assert "model.vocab_size: got 100, expected at least the tokenizer's" in capsys.readouterr().err
+    assert (cache / "tokenizers").is_dir() and not (cache / "stores").exists()

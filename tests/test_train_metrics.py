@@ -59,6 +59,34 @@ def test_metrics_log_cuts_lines_after_the_resumed_step(tmp_path):
     assert read_metrics(tmp_path) == rows[:3] + [{"step": 4, "loss": 40.0}]
 
 
+def test_a_new_run_moves_an_old_metrics_log_aside_and_never_cuts_it(tmp_path, caplog):
+    old = "".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(1, 8))
+    (tmp_path / "metrics.jsonl").write_text(old)
+    log = MetricsLog(tmp_path, resume_step=0)  # no checkpoint to resume: a new run
+    log.write({"step": 1, "loss": 9.0})
+    log.close()
+    (aside,) = tmp_path.glob("metrics.*.jsonl")
+    assert aside.read_text() == old
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 9.0}]
+    assert f"moved to {aside.name}" in caplog.text
+
+
+def test_a_resume_puts_back_the_checkpoints_own_row_and_reports_a_cut_line(tmp_path, caplog):
+    """A kill cut step 10's line short; checkpoint 10 kept that row, so the history loses nothing."""
+    rows = [{"step": s, "loss": float(s)} for s in range(1, 10)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 10, "lo')
+    log = MetricsLog(tmp_path, resume_step=10, checkpoint_row={"step": 10, "loss": 10.0})
+    log.note({"step": 10, "event": "resume", "config_changes": {}})
+    log.write({"step": 11, "loss": float("nan"), "skipped": True})  # JSON has no NaN: written as null
+    log.close()
+    assert "line(s) 10 were cut short" in caplog.text and "had no row for step 10" in caplog.text
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text
+    assert read_metrics(tmp_path) == rows + [{"step": 10, "loss": 10.0}, {"step": 10, "event": "resume",
+                                                                          "config_changes": {}},
+                                             {"step": 11, "loss": None, "skipped": True}]
+
+
 def test_load_for_inference_from_a_run_dir_and_from_a_step_folder(reference, tiny_root, tmp_path):
     import jax
     from flax import nnx

@@ -6,6 +6,7 @@ step 2's activations overflow float32: a reliable, data-independent NaN.
 
 from __future__ import annotations
 
+import json
 import math
 
 from seqjax.train.metrics import read_metrics
@@ -31,4 +32,12 @@ def test_nonfinite_skip_skips_the_update_and_carries_on(tiny_root, tmp_path):
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert math.isfinite(rows[0]["loss"]) and "skipped" not in rows[0]
-    assert all(r.get("skipped") for r in rows[1:])
+    assert all(r.get("skipped") and r["grad_norm"] is None for r in rows[1:])  # a NaN is written as null
+    # Strict JSON everywhere: Python's json would otherwise write NaN, which other readers reject.
+    for text in [*(run_dir / "metrics.jsonl").read_text().splitlines(), (run_dir / "summary.json").read_text(),
+                 proc.stdout.strip().splitlines()[-1]]:
+        json.loads(text, parse_constant=reject)
+
+
+def reject(constant: str):
+    raise ValueError(f"{constant} is not JSON")

@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,30 @@ def reference_losses(tiny_root: Path) -> dict[int, float]:
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1))
     return losses
+
+
+def start_cli(overrides: list[str], **env) -> subprocess.Popen:
+    """The training CLI started in the background (stderr piped, stdout dropped)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "seqjax.train", *overrides],
+        cwd=REPO, env=cli_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file under ``folder`` with its size, modification time and contents: equal snapshots, untouched files.
+
+    ``run.lock`` is left out: it describes the last run that took the lock, refused ones included.
+    """
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "run.lock"}
+
+
+def copy_reference(tiny_root: Path, to: Path) -> Path:
+    """A private copy of the finished 60-step reference run, to resume or damage."""
+    shutil.copytree(tiny_root / "reference", to)
+    return to

@@ -8,6 +8,7 @@ tokens ranked below the most likely one, so the argmax always survives:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -25,8 +26,9 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UsageError(f"--temperature: got {self.temperature}, expected 0 (greedy) or more")
+        # NaN fails no comparison, so each range is written as what is allowed (a NaN temperature samples garbage).
+        if not (0 <= self.temperature < math.inf):
+            raise UsageError(f"--temperature: got {self.temperature}, expected a finite number, 0 (greedy) or more")
         if self.top_k < 0:
             raise UsageError(f"--top_k: got {self.top_k}, expected 0 (off) or a positive count")
         if not 0.0 <= self.top_p <= 1.0:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
 import signal
@@ -40,10 +39,10 @@ from seqjax.config import Config, ConfigError, announce
 from seqjax.data.build import prepare
 from seqjax.data.pipeline import build_pipeline
 from seqjax.evaluate import evaluate
-from seqjax.files import write_text_atomic
+from seqjax.files import json_text, write_text_atomic
 from seqjax.model import build_model
 from seqjax.train import init_from
-from seqjax.train.checkpoint import TOKENIZER_FILE, Checkpointer
+from seqjax.train.checkpoint import TOKENIZER_FILE, Checkpointer, Restored
 from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
 from seqjax.train.metrics import (
@@ -57,6 +56,7 @@ from seqjax.train.metrics import (
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.prefetch import DevicePrefetch
 from seqjax.train.profiling import ProfileWindow
+from seqjax.train.rundir import RunLock
 from seqjax.train.step import make_train_step
 
 SUMMARY_FILE = "summary.json"
@@ -123,12 +123,11 @@ def _with_vocab(config: Config, vocab_size: int) -> Config:
     return config
 
 
-def _keep_tokenizer(config: Config, tokenizer_path: Path, run_dir: Path, primary: bool) -> Config:
-    """Copy the tokenizer into run.dir and point the config at the copy, so the run folder stands alone."""
+def _keep_tokenizer(tokenizer_path: Path, run_dir: Path) -> None:
+    """Copy the tokenizer into run.dir (the saved config points there), so the run folder stands alone."""
     own = run_dir / TOKENIZER_FILE
-    if primary and Path(tokenizer_path).resolve() != own.resolve():
-        write_text_atomic(own, Path(tokenizer_path).read_text(encoding="utf-8"))
-    return dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer, path=str(own)))
+    if tokenizer_path.resolve() != own.resolve():
+        write_text_atomic(own, tokenizer_path.read_text(encoding="utf-8"))
 
 
 def _validation(model, store, config: Config, mesh, step: int, primary: bool, final: bool) -> dict[str, Any]:
@@ -166,6 +165,9 @@ def _sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, par
 def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run (or resume) training for ``train.steps`` steps; return the summary also written to summary.json.
 
+    The run holds the lock on ``run.dir`` from before any work to the end
+    (:class:`~seqjax.train.rundir.RunLock`): a second run there is refused.
+
     ``validate(model, step)``, when given, replaces the built-in validation (every ``train.eval_every``
     steps and at the end). It returns the row logged under "valid", with at least ``val_loss``,
     ``val_perplexity``, ``val_word_perplexity`` and ``val_bits_per_byte``, which the summary reports.
@@ -177,23 +179,43 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
                           "(lm_eval scores raw pages with seqjax.eval after training)")
     check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
     initialize_distributed(config.dist)
+    mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work
+    sharding.check_batch_fits(config.data.batch_size, mesh, config.train.grad_accum)
+    with RunLock(config.run.dir, jax.process_index(), jax.process_count()):
+        return _train(config, mesh, wall_start, validate)
+
+
+def _resume_row(restored: Restored, config: Config) -> dict[str, Any]:
+    """The metrics.jsonl row that marks a resume: what changed since the checkpoint, and where the data went on."""
+    was = restored.meta
+    row: dict[str, Any] = {"step": restored.step, "event": "resume",
+                           "config_changes": {c.key: [c.old, c.new] for c in restored.changes}}
+    for key, now in (("processes", jax.process_count()), ("devices", jax.device_count())):
+        if was.get(key, now) != now:
+            row[key] = [was[key], now]
+    if restored.data_restart is not None:
+        row["data_restart"] = restored.data_restart
+    return row
+
+
+def _train(config: Config, mesh, wall_start: float, validate) -> dict[str, Any]:
     process_index, process_count = jax.process_index(), jax.process_count()
     primary = process_index == 0
     run_dir = Path(config.run.dir)
     tc = config.train
 
-    mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work
-    sharding.check_batch_fits(config.data.batch_size, mesh, tc.grad_accum)
     source = None
     if tc.init_from:  # the source's tokenizer and vocabulary; shapes checked before any data work
         source = init_from.locate(tc.init_from)
         config = init_from.adopt(config, source)
+    # The tokenizer first: a model vocabulary too small for it is refused before any store is built.
+    config = _with_vocab(config, prepare(config, splits=()).tokenizer.vocab_size)
     prepared = prepare(config, splits=("train", config.eval.split))
     train_store, valid_store = prepared.stores["train"], prepared.stores[config.eval.split]
-    config = _with_vocab(config, prepared.tokenizer.vocab_size)
-    config = _keep_tokenizer(config, prepared.tokenizer.path, run_dir, primary)
-    if primary:
-        announce(config, run_dir)
+    # The run keeps its own copy of the tokenizer (written once the resume is accepted, with config.yaml).
+    tokenizer_source = Path(prepared.tokenizer.path)
+    config = dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer,
+                                                                       path=str(run_dir / TOKENIZER_FILE)))
     unigram = unigram_perplexity(train_store.tokens, valid_store.tokens, config.model.vocab_size)
 
     graphdef, rest, params, param_shardings = _sharded_model(config, mesh)
@@ -209,13 +231,39 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     rng = sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated)
 
     data_iterator = iter(build_pipeline(config, train_store, process_index=process_index, process_count=process_count))
+    # What the batches are cut from; a checkpoint records it, so a resume on other text or another tokenizer is seen.
+    identity = {"tokenizer": prepared.tokenizer.hash,
+                "sources": [s["sha256"] for s in train_store.manifest.get("sources", [])]}
     checkpoints = Checkpointer(run_dir, tc)
-    start_step, tokens_seen = 0, 0
-    restored = checkpoints.restore_latest(params, opt_state, rng, data_iterator)
+    start_step, tokens_seen, restored = 0, 0, None
+    try:
+        restored = checkpoints.restore_latest(params, opt_state, rng, config, identity)
+        if restored is not None and restored.step > tc.steps:
+            raise ConfigError(f"train.steps: got {tc.steps}, expected at least {restored.step}, the step of the "
+                              f"newest checkpoint in {checkpoints.directory} (raise it to continue the run)")
+    except BaseException:
+        checkpoints.close()
+        raise
     if restored is not None:
         params, opt_state, rng = restored.params, restored.opt_state, restored.rng
         start_step, tokens_seen = restored.step, int(restored.meta["tokens_seen"])
-        logger.info("resuming from %s (step %d)", run_dir / "checkpoints" / str(start_step), start_step)
+        if restored.data_state is not None:
+            data_iterator.set_state(restored.data_state)
+        logger.info("resuming from %s (step %d)", checkpoints.directory / str(start_step), start_step)
+        if restored.changes:
+            logger.warning("config changes since checkpoint %d: %s", start_step,
+                           "; ".join(map(str, restored.changes)))
+        if restored.data_restart is not None:
+            logger.warning("the data restarts at %s of the new config (train.allow_config_change), not where "
+                           "checkpoint %d stopped (%s)", restored.data_restart["to"], start_step,
+                           restored.data_restart["from"])
+        was = (restored.meta.get("processes"), restored.meta.get("devices"))
+        if None not in was and was != (process_count, jax.device_count()):
+            logger.info("elastic resume: checkpoint %d was written by %d process(es) on %d device(s), now %d on %d",
+                        start_step, *was, process_count, jax.device_count())
+    if primary:  # after the resume was accepted: a refused one leaves config.yaml and tokenizer.json as they were
+        _keep_tokenizer(tokenizer_source, run_dir)
+        announce(config, run_dir)
 
     batch_sharding = sharding.batch_sharding(mesh)
     step_fn = jax.jit(
@@ -225,7 +273,10 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
         donate_argnums=(0, 1),
     )
     peak = peak_flops_per_device(override=tc.peak_flops)
-    log = MetricsLog(run_dir, resume_step=start_step, enabled=primary, trackers=config.run.trackers, config=config)
+    log = MetricsLog(run_dir, resume_step=start_step, enabled=primary, trackers=config.run.trackers, config=config,
+                     checkpoint_row=restored.meta.get("row") if restored else None)
+    if restored is not None:
+        log.note(_resume_row(restored, config))
     if primary:
         logger.info("%s parameters; mesh %s; %d process(es); unigram %s perplexity %.1f",
                     f"{num_params:,}", dict(mesh.shape), process_count, config.eval.split, unigram)
@@ -233,7 +284,9 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     plain_progress = primary and not sys.stderr.isatty()
 
     def save(step: int, position) -> None:
-        checkpoints.save(step, params, opt_state, rng, position, {"tokens_seen": tokens_seen})
+        meta = {"tokens_seen": tokens_seen, "row": row if row.get("step") == step else None,
+                "processes": process_count, "devices": jax.device_count(), "data_identity": identity}
+        checkpoints.save(step, params, opt_state, rng, position, meta, config.to_dict())
 
     def validation(step: int) -> dict[str, Any]:
         model = nnx.merge(graphdef, params, rest)
@@ -287,6 +340,7 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
                 row["skipped"] = True
             log.write(row)
         window.clear()
+        checkpoints.check()  # a background save that failed stops the run here, not one interval later
         bar.update(step - bar.n)
         if row:
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
@@ -350,7 +404,7 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     }
     if primary:
         plot_losses(run_dir)
-        write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
+        write_text_atomic(run_dir / SUMMARY_FILE, json_text(summary, indent=2))
     return summary
 
 

@@ -7,7 +7,12 @@ that is asked for but not installed stops the run before any work.
 metrics.jsonl is the record the resume test compares, so a resumed run first
 cuts the file back to the restored step: lines a killed run wrote after its
 last checkpoint are replaced by the resumed run's identical recomputation,
-never duplicated.
+never duplicated. It is cut only when a resume happens: a run that starts
+from step 0 in a folder holding an old metrics.jsonl moves it aside
+(``metrics.<time>.jsonl``). A line cut short by a kill is reported, and a
+missing row of the checkpoint's own step is restored from the checkpoint.
+Besides step rows, a resume writes one ``{"step": s, "event": "resume", ...}``
+row saying what changed (config keys, processes, devices, a data restart).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -25,10 +31,12 @@ import numpy as np
 
 from seqjax.config import Config
 from seqjax.errors import ConfigError
-from seqjax.files import write_text_atomic
+from seqjax.files import json_text, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+
+log = logging.getLogger(__name__)
 
 
 def unigram_perplexity(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int) -> float:
@@ -47,15 +55,19 @@ def unigram_perplexity(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every complete line of a run's metrics.jsonl (a line cut short by a kill is ignored)."""
-    path = Path(run_dir) / METRICS_FILE
-    rows = []
+    return _read_rows(Path(run_dir) / METRICS_FILE)[0]
+
+
+def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """(the rows of every complete line, the 1-based numbers of lines that are not JSON: cut short by a kill)."""
+    rows, cut = [], []
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
-                continue
-    return rows
+                cut.append(number)
+    return rows, cut
 
 
 # The package each of config.TRACKERS needs (None: nothing beyond seqjax); the extra seqjax[<tracker>] installs it.
@@ -132,15 +144,36 @@ class MetricsLog:
         enabled: bool = True,
         trackers: Sequence[str] = ("jsonl",),
         config: Config | None = None,
+        checkpoint_row: dict[str, Any] | None = None,
     ):
+        """``resume_step`` 0 starts a new log; above 0 the log is cut back to it (``checkpoint_row``: that step's
+        row as the checkpoint kept it, put back if the file lost it)."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.trackers: list[Any] = []
         if not enabled:
             return
-        kept = [row for row in read_metrics(self.run_dir) if row.get("step", 0) <= resume_step]
+        path = self.run_dir / METRICS_FILE
+        rows, cut = _read_rows(path)
+        if resume_step == 0:
+            if path.exists() and (rows or cut):  # a new run in an old folder: keep the old history, not cut it
+                aside = path.with_name(f"metrics.{time.strftime('%Y%m%dT%H%M%S')}.jsonl")
+                path.rename(aside)
+                log.warning("%s holds %d rows but no checkpoint to resume: it was moved to %s and a new log started",
+                            path, len(rows), aside.name)
+            kept = []
+        else:
+            if cut:
+                log.warning("%s: line(s) %s were cut short (a kill while writing) and are dropped", path,
+                            ", ".join(map(str, cut)))
+            kept = [row for row in rows if row.get("step", 0) <= resume_step]
+            if checkpoint_row and not any(r.get("step") == resume_step and "loss" in r for r in kept):
+                at = sum(1 for r in kept if r.get("step", 0) < resume_step)
+                kept.insert(at, checkpoint_row)
+                log.warning("%s had no row for step %d, the checkpoint's own; it was restored from the checkpoint",
+                            path, resume_step)
         # Cut back to the resumed step atomically: a kill here must not lose the run's history.
-        path = write_text_atomic(self.run_dir / METRICS_FILE, "".join(json.dumps(row) + "\n" for row in kept))
+        path = write_text_atomic(path, "".join(json_text(row) + "\n" for row in kept))
         self.file = path.open("a")
         check_trackers(trackers)
         self.trackers = [_TRACKER_CLASSES[name](self.run_dir, resume_step, config)
@@ -149,10 +182,16 @@ class MetricsLog:
     def write(self, row: dict[str, Any], prefix: str = "train") -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.note(row)
         for tracker in self.trackers:
             tracker.write(row, prefix)
+
+    def note(self, row: dict[str, Any]) -> None:
+        """A row for metrics.jsonl only (an event such as a resume; no tracker plots it). NaN is written as null."""
+        if not self.enabled:
+            return
+        self.file.write(json_text(row) + "\n")
+        self.file.flush()
 
     def close(self) -> None:
         if not self.enabled:

@@ -1,0 +1,57 @@
+"""eval and generate refuse, with one line and exit code 2, what cannot work with a trained run: a tokenizer the
+model cannot read (too many tokens, or not the run's own), shapes that do not fit the checkpoint, a NaN
+temperature; nothing is scored, and no traceback from orbax's threads reaches stderr."""
+
+from __future__ import annotations
+
+import pytest
+
+from seqjax.config import load_config
+from seqjax.data.build import prepare
+from test_train_support import tiny_overrides
+
+
+def other_tokenizer(tiny_root, tmp_path, vocab_size: int) -> str:
+    """A tokenizer trained on the tiny corpus with another vocabulary size (the tiny corpus caps it at 329)."""
+    config = load_config(None, tiny_overrides(tiny_root, tmp_path / "unused", **{
+        "tokenizer.vocab_size": vocab_size, "data.cache_dir": tmp_path / f"cache{vocab_size}"}))
+    return str(prepare(config, splits=()).tokenizer.path)
+
+
+def exits_2(main, argv: list[str], capfd) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err
+    (line,) = [line for line in err.splitlines() if " ERROR " in line]
+    return line
+
+
+def test_eval_refuses_a_tokenizer_with_more_tokens_than_the_model_or_not_the_runs_own(reference, tiny_root,
+                                                                                     tmp_path, capfd):
+    from seqjax.eval import main
+
+    run = str(tiny_root / "reference")
+    bigger = other_tokenizer(tiny_root, tmp_path, 400)
+    line = exits_2(main, ["--run", run, f"tokenizer.path={bigger}"], capfd)
+    assert f"tokenizer {bigger}: 329 tokens, more than the model.vocab_size=300 of {run}" in line
+    same_size = other_tokenizer(tiny_root, tmp_path, 280)
+    line = exits_2(main, ["--run", run, f"tokenizer.path={same_size}"], capfd)
+    assert f"is not the one {run} was trained with" in line
+
+
+def test_eval_refuses_a_model_size_the_checkpoint_does_not_have_with_one_line(reference, tiny_root, capfd):
+    from seqjax.eval import main
+
+    line = exits_2(main, ["--run", str(tiny_root / "reference"), "model.vocab_size=1000"], capfd)
+    assert "does not fit the model asked for (model.vocab_size: 300 -> 1000)" in line
+    assert "embed/embedding: checkpoint (300, 32) float32, now (1000, 32) float32" in line
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top_p", "nan")])
+def test_generate_refuses_a_sampling_setting_that_is_not_a_finite_number(reference, tiny_root, capfd, flag, value):
+    from seqjax.generate import main
+
+    line = exits_2(main, ["--run", str(tiny_root / "reference"), "--prompt", "the", flag, value], capfd)
+    assert f"{flag}: got {value}, expected" in line
