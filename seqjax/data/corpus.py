@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import io
 import json
 import os
 import zlib
@@ -256,20 +255,38 @@ def wikitext_articles(text: str) -> list[str]:
     return ["".join(lines[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _open_stream(path: Path) -> io.BufferedIOBase:
-    """The file's bytes, decompressed on the fly for ``.gz`` and ``.zst``."""
+def _raw_lines(path: Path) -> Iterator[bytes]:
+    """The file's lines as bytes, decompressed on the fly for ``.gz`` and ``.zst``."""
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.name.endswith(".zst"):
-        try:
-            # optional: only .zst corpora need it (pip install -e '.[zst]')
-            import zstandard
-        except ImportError:
-            raise CorpusError(
-                f"{path}: reading .zst files needs the zstandard package; pip install -e '.[zst]'"
-            ) from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
+        with gzip.open(path, "rb") as stream:
+            yield from stream
+    elif path.name.endswith(".zst"):
+        yield from _zstd_lines(path)
+    else:
+        with open(path, "rb") as stream:
+            yield from stream
+
+
+def _zstd_lines(path: Path) -> Iterator[bytes]:
+    try:
+        # optional: only .zst corpora need it (pip install -e '.[zst]')
+        import zstandard
+    except ImportError:
+        raise CorpusError(f"{path}: reading .zst files needs the zstandard package; pip install -e '.[zst]'") from None
+    decompressor, pending = zstandard.ZstdDecompressor().decompressobj(), b""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            text = decompressor.decompress(block)
+            while decompressor.eof and decompressor.unused_data:  # the next of several concatenated frames
+                rest, decompressor = decompressor.unused_data, zstandard.ZstdDecompressor().decompressobj()
+                text += decompressor.decompress(rest)
+            lines = (pending + text).split(b"\n")
+            pending = lines.pop()
+            yield from (line + b"\n" for line in lines)
+    if not decompressor.eof:  # a stream reader would just stop: a cut file must not pass for a short one
+        raise zstandard.ZstdError("the file ends inside a frame")
+    if pending:
+        yield pending
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
@@ -287,9 +304,8 @@ def jsonl_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """The ``text_field`` of each JSON line, streamed; a bad line raises with the file and line number."""
     number = 0
     try:
-        with _open_stream(path) as stream:
-            for number, raw in enumerate(stream, start=1):
-                yield _jsonl_record(path, number, raw, text_field)
+        for number, raw in enumerate(_raw_lines(path), start=1):
+            yield _jsonl_record(path, number, raw, text_field)
     except _stream_errors() as err:
         kind = "gzip" if path.name.endswith(".gz") else "zstd" if path.name.endswith(".zst") else "file"
         raise CorpusError(

@@ -34,15 +34,14 @@ from typing import Callable
 
 import numpy as np
 
-from seqjax.config import Config, ConfigError, DataConfig
+from seqjax.config import GRAIN_PACKERS, Config, ConfigError, DataConfig
 from seqjax.data import packing, sequences
 from seqjax.data.store import TokenStore
-from seqjax.errors import DataError
+from seqjax.errors import DataError, StoreError
 
 # (store, data config, run.seed, epoch, the epoch's rng) -> (starts, lengths)
 SpanFn = Callable[[TokenStore, DataConfig, int, int, np.random.Generator], tuple[np.ndarray, np.ndarray]]
 
-GRAIN_PACKERS = ("grain_first_fit", "grain_best_fit", "grain_concat_split")
 
 
 @dataclass(frozen=True)
@@ -137,6 +136,14 @@ def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
     d = config.data
     if store.num_docs < 1 or store.predicted_tokens < 1:
         raise DataError("the token store is empty: it holds no tokens to predict")
+    vocab = config.model.vocab_size or store.vocab_size
+    if store.max_id >= vocab:
+        where = f"token store {store.path}" if store.path else "the token store"
+        raise StoreError(
+            f"{where} holds token id {store.max_id}, outside the vocabulary of {vocab} "
+            f"({'model.vocab_size' if config.model.vocab_size else 'its tokenizer'}): the model would read past its "
+            "embedding. Rebuild the store with the model's tokenizer (python -m seqjax.prepare) or fix model.vocab_size"
+        )
     if d.batch_size % process_count:
         raise ConfigError(
             f"data.batch_size: got {d.batch_size}, expected a multiple of the process count {process_count}"
