@@ -6,7 +6,6 @@ tables come from it (scripts/bench_data.py).
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -14,7 +13,7 @@ import numpy as np
 
 from seqjax.config import Config
 from seqjax.data import strategies
-from seqjax.data.epochs import EpochsIterDataset, epoch_dataset
+from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.rows import RowPlan, coverage
@@ -38,7 +37,7 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
     else:
         planner = EpochPlanner(config, store)
         plan = planner.plan(epoch)
-        batches = iter(EpochsIterDataset(functools.partial(epoch_dataset, planner, process_index=0, process_count=1)))
+        batches = iter(EpochsIterDataset(planner))
         batches.set_state({"epoch": epoch, "batch": 0})
         for _ in range(plan.num_batches):  # the training path: sequential reads, one build per group
             next(batches)

@@ -214,7 +214,7 @@ class TokenStore:
         self.path = path
         # the mixture's sources, one (name, weight, first document, end document) each; see concat()
         self.sources: list[tuple[str, float, int, int]] = []
-        if not callable(doc_offsets):
+        if manifest is None:  # built in memory: check it now (an opened store was checked when it was built)
             self.validate()
 
     @property
@@ -295,9 +295,11 @@ class TokenStore:
         stream = TokenStream([np.memmap(s / TOKENS, dtype=dtype, mode="r") for s in shards])
         tokens = stream.parts[0] if len(shards) == 1 else stream
 
-        def offsets(name: str) -> Callable[[], np.ndarray]:
-            return lambda: concat_offsets([np.memmap(s / name, dtype=OFFSET_DTYPE, mode="r") for s in shards],
-                                          stream.bases)
+        def offsets(name: str) -> np.ndarray | Callable[[], np.ndarray]:
+            # mapped now (no read, and a later rebuild that removes these files cannot pull them away),
+            # joined into one array only when first used
+            parts = [np.memmap(s / name, dtype=OFFSET_DTYPE, mode="r") for s in shards]
+            return parts[0] if len(parts) == 1 else lambda: concat_offsets(parts, stream.bases)
 
         store = cls(tokens, offsets(DOC_OFFSETS), offsets(LINE_OFFSETS), eot_id=manifest["eot_id"],
                     vocab_size=manifest["vocab_size"], manifest=manifest, path=path)
@@ -336,8 +338,9 @@ class TokenStore:
 
     @property
     def num_docs(self) -> int:
-        if "num_docs" in self.manifest and callable(self._doc_offsets):
-            return int(self.manifest["num_docs"])
+        manifest = getattr(self, "manifest", None) or {}  # (a store made field by field may have none)
+        if "num_docs" in manifest:
+            return int(manifest["num_docs"])
         return len(self.doc_offsets) - 1
 
     @property
@@ -353,8 +356,9 @@ class TokenStore:
     @property
     def max_id(self) -> int:
         """The largest token id in the store: recorded at build time, else read."""
-        if "max_id" in self.manifest:
-            return int(self.manifest["max_id"])
+        manifest = getattr(self, "manifest", None) or {}
+        if "max_id" in manifest:
+            return int(manifest["max_id"])
         return int(np.asarray(self.tokens).max())
 
     @property
