@@ -18,6 +18,7 @@ from seqjax.data import build
 from seqjax.data.build import prepare
 from seqjax.data.store import MANIFEST, ShardWriter, StoreError, StoreWriter, TokenStore, token_dtype, write_store
 
+
 def shard_file(store: TokenStore, name: str, shard: int = 0):
     """A file of one of the store's shards."""
     return store.path / store.manifest["shards"][shard]["name"] / name
