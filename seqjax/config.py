@@ -199,7 +199,7 @@ class DataConfig:
                         f"{key}.train_files: got [], expected at least one file for "
                         f"corpus={source.corpus or self.corpus!r}"
                     )
-                if names.count(names[i]) > 1:
+                if names.index(names[i]) != i:
                     raise ConfigError(f"{key}.name: got {names[i]!r}, expected a name no other source has")
             if not any(source.weight > 0 for source in self.sources):
                 raise ConfigError("data.sources: every weight is 0, expected at least one positive weight")

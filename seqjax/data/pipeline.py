@@ -14,6 +14,9 @@ It reads as four steps, each in its own module:
    chained; its state is ``{"epoch", "batch", "window", "window_batch"}`` (JSON),
    so resuming replays nothing and skips nothing.
 
+A mixture store (``data.sources``) goes to :class:`seqjax.data.mixture.MixtureIterDataset`:
+steps 2-4 for each source, and a schedule that shares each batch's rows out by weight.
+
 Grain's own packers (``packer=grain_*``, :mod:`seqjax.data.grain_packing`) are
 the exception: a Grain ``IterDataset`` transform whose state is Grain's own.
 """
@@ -26,6 +29,7 @@ from seqjax.config import Config, ConfigError
 from seqjax.data import strategies
 from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
+from seqjax.data.mixture import MixtureIterDataset
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.store import TokenStore
 
@@ -49,6 +53,13 @@ def build_pipeline(
     if strategies.uses_grain_packer(d):
         return grain_packed(config, store, process_index=process_index, process_count=process_count).batch(
             local, drop_remainder=True)
+    if store.sources:  # a mixture: every strategy runs within each source, the schedule shares out the rows
+        planners = []
+        for source in store.source_stores:
+            strategies.check(config, source, process_count)
+            planners.append(EpochPlanner(config, source))
+            planners[-1].check_rows(whole_batch=False)
+        return MixtureIterDataset(config, store, planners, process_index, process_count)
     planner = EpochPlanner(config, store)
     planner.check_rows()
     return EpochsIterDataset(planner, process_index, process_count)

@@ -163,8 +163,11 @@ class EpochPlanner:
         plan.widths = widths
         return plan
 
-    def check_rows(self) -> None:
-        """Refuse a strategy that gives no row, or an epoch smaller than a batch, before any work."""
+    def check_rows(self, whole_batch: bool = True) -> None:
+        """Refuse a strategy that gives no row, or (``whole_batch``) an epoch smaller than a batch, before any work.
+
+        A mixture's source only needs rows: the batch draws them from every source.
+        """
         d = self.data
         rows, order = self._epoch(0)
         if rows is not None:
@@ -177,7 +180,7 @@ class EpochPlanner:
             why = " (data.overlong=drop dropped every document)" if d.overlong == "drop" and self.strategy.documents \
                 else ""
             raise DataError(f"data.strategy={d.strategy}: the store gives no rows at data.seq_len={d.seq_len}{why}")
-        if count < d.batch_size and self.strategy.has_epochs:
+        if whole_batch and count < d.batch_size and self.strategy.has_epochs:
             raise DataError(
                 f"data.batch_size={d.batch_size} is larger than one epoch of data: data.strategy={d.strategy} gives "
                 f"{count} rows of data.seq_len={d.seq_len} "

@@ -15,6 +15,7 @@ from seqjax.config import Config
 from seqjax.data import strategies
 from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
+from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.rows import RowPlan, coverage
 from seqjax.data.store import TokenStore
@@ -61,6 +62,45 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         "segments_per_row_max": int(segs.max()) if len(segs) else 0,
         "batches_per_epoch": n_batches,
         "tokens_per_s": real / seconds if seconds > 0 else float("inf"),
+    }
+
+
+def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, Any]:
+    """What ``steps`` batches of a mixture draw from each source: rows and real tokens, against the weights."""
+    d = config.data
+    iterator = iter(build_pipeline(config, store))
+    schedule = iterator.schedule
+    names = [name for name, *_ in store.sources]
+    rows, tokens = np.zeros(len(names), np.int64), np.zeros(len(names), np.int64)
+    real = slots = 0
+    t0 = time.perf_counter()
+    for step in range(steps):
+        batch = next(iterator)
+        per_row = batch["weights"].sum(axis=1).astype(np.int64)
+        sources = schedule.sources(step)
+        rows += np.bincount(sources, minlength=len(names))
+        tokens += np.bincount(sources, weights=per_row, minlength=len(names)).astype(np.int64)
+        real += int(per_row.sum())
+        slots += batch["weights"].size
+    seconds = time.perf_counter() - t0
+    total_weight = sum(w for _, w, *_ in store.sources)
+    return {
+        "strategy": strategies.label(d),
+        "steps": steps,
+        "seq_len": d.seq_len,
+        "real_tokens": real,
+        "padding_fraction": 1.0 - real / slots if slots else 0.0,
+        "tokens_per_s": real / seconds if seconds > 0 else float("inf"),
+        "sources": {
+            name: {
+                "weight": round(w / total_weight, 6),
+                "rows": int(rows[i]),
+                "row_fraction": round(float(rows[i] / rows.sum()), 6),
+                "tokens": int(tokens[i]),
+                "token_fraction": round(float(tokens[i] / max(1, tokens.sum())), 6),
+            }
+            for i, (name, w, *_) in enumerate(store.sources)
+        },
     }
 
 

@@ -214,6 +214,7 @@ class TokenStore:
         self.path = path
         # the mixture's sources, one (name, weight, first document, end document) each; see concat()
         self.sources: list[tuple[str, float, int, int]] = []
+        self.source_stores: list[TokenStore] = []
         if manifest is None:  # built in memory: check it now (an opened store was checked when it was built)
             self.validate()
 
@@ -332,6 +333,7 @@ class TokenStore:
         merged = cls(stream, offsets("doc_offsets"), offsets("line_offsets"), eot_id=stores[0].eot_id,
                      vocab_size=stores[0].vocab_size, manifest=manifest)
         merged.sources = [(n, float(w), int(docs[i]), int(docs[i + 1])) for i, (n, w) in enumerate(zip(names, weights))]
+        merged.source_stores = list(stores)
         return merged
 
     # -- queries ----------------------------------------------------------
