@@ -17,7 +17,7 @@ from seqjax.data.pipeline import build_pipeline
 from seqjax.data.stats import mixture_stats
 from seqjax.data.store import TokenStore
 from test_pipeline import CASES, IDS
-from test_pipeline_helpers import EOT, VOCAB, assert_contract, config
+from test_pipeline_helpers import EOT, VOCAB, assert_contract, assert_resumes_exactly, config
 
 
 def positional_mixture(weights, lengths=(7, 1, 12, 30, 3, 9, 4, 15, 2, 22, 6, 11)):
@@ -82,17 +82,7 @@ def test_a_mixture_resumes_exactly_and_shards_by_process():
     store = positional_mixture([2.0, 1.0, 1.0])
     cfg = config("pack", 8, 4, "data.packer=best_fit", "data.plan_window_tokens=40", seed=5)
     reference = list(islice(iter(build_pipeline(cfg, store)), 50))
-    for step in (0, 9, 31):
-        it = iter(build_pipeline(cfg, store))
-        for _ in range(step):
-            next(it)
-        state = json.loads(json.dumps(it.get_state()))
-        resumed = iter(build_pipeline(cfg, store))
-        resumed.set_state(state)
-        for expect in reference[step : step + 6]:
-            got = next(resumed)
-            for key in expect:
-                np.testing.assert_array_equal(got[key], expect[key])
+    assert_resumes_exactly(cfg, store, reference, steps=(0, 9, 31), check=6)
     shards = [list(islice(iter(build_pipeline(cfg, store, process_index=p, process_count=2)), 50)) for p in (0, 1)]
     for k, batch in enumerate(reference):
         for key in batch:

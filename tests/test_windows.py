@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from itertools import islice
 
 import numpy as np
@@ -12,7 +11,14 @@ from seqjax.data import plan as plan_module
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from test_pipeline import CASES, IDS
-from test_pipeline_helpers import assert_contract, config, epoch_batches, positional_store, predicted_counts
+from test_pipeline_helpers import (
+    assert_contract,
+    assert_resumes_exactly,
+    config,
+    epoch_batches,
+    positional_store,
+    predicted_counts,
+)
 
 LENGTHS = [7, 1, 12, 30, 3, 9, 4, 15, 2, 22, 6, 11] * 4
 WINDOW = "data.plan_window_tokens=60"  # about a dozen windows over this store
@@ -51,18 +57,8 @@ def test_windowed_plans_resume_exactly_and_shard_by_process(strategy, overrides)
     store = positional_store(LENGTHS)
     cfg = config(strategy, 5, 4, *overrides, WINDOW, seed=2)
     reference = list(islice(iter(build_pipeline(cfg, store)), 60))
-    for step in (0, 7, 23, 41):
-        it = iter(build_pipeline(cfg, store))
-        for _ in range(step):
-            next(it)
-        state = json.loads(json.dumps(it.get_state()))
-        for given in (state, {"epoch": state["epoch"], "batch": state["batch"]}):  # with and without the window
-            resumed = iter(build_pipeline(cfg, store))
-            resumed.set_state(given)
-            for expect in reference[step : step + 5]:
-                got = next(resumed)
-                for key in expect:
-                    np.testing.assert_array_equal(got[key], expect[key], err_msg=f"{key} resuming at {step}")
+    without_window = lambda state: [state, {"epoch": state["epoch"], "batch": state["batch"]}]  # noqa: E731
+    assert_resumes_exactly(cfg, store, reference, steps=(0, 7, 23, 41), states=without_window, check=5)
     shards = [list(islice(iter(build_pipeline(cfg, store, process_index=p, process_count=2)), 60)) for p in (0, 1)]
     for k, batch in enumerate(reference):
         for key in batch:

@@ -21,6 +21,12 @@ from seqjax.data.rows import RowPlan, coverage
 from seqjax.data.store import TokenStore
 
 
+def _filled(d, real: int, slots: int) -> dict[str, Any]:
+    """The fields every report starts with: the strategy, the row length, real tokens and the padding they leave."""
+    return {"strategy": strategies.label(d), "seq_len": d.seq_len, "real_tokens": real,
+            "padding_fraction": 1.0 - real / slots if slots else 0.0}
+
+
 def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, Any]:
     """What one epoch gives: rows, padding, coverage, segments, and how fast its batches are built (tokens/s)."""
     strategies.check(config, store)
@@ -51,11 +57,8 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         counts, dropped = document_coverage(plan, store)
         rows, n_batches = int(len(segs)), plan.num_batches
     return {
-        "strategy": strategies.label(d),
+        **_filled(d, real, slots),
         "rows": rows,
-        "seq_len": d.seq_len,
-        "real_tokens": real,
-        "padding_fraction": 1.0 - real / slots if slots else 0.0,
         "tokens_dropped": int(dropped),
         **counts,
         "segments_per_row_mean": float(segs.mean()) if len(segs) else 0.0,
@@ -85,11 +88,8 @@ def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, An
     seconds = time.perf_counter() - t0
     total_weight = sum(w for _, w, *_ in store.sources)
     return {
-        "strategy": strategies.label(d),
+        **_filled(d, real, slots),
         "steps": steps,
-        "seq_len": d.seq_len,
-        "real_tokens": real,
-        "padding_fraction": 1.0 - real / slots if slots else 0.0,
         "tokens_per_s": real / seconds if seconds > 0 else float("inf"),
         "sources": {
             name: {

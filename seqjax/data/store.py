@@ -143,7 +143,12 @@ class TokenStream:
             k = int(self._part_of(np.asarray(start)))
             if stop <= self.ends[k]:  # inside one shard: a view of its memmap
                 return self.parts[k][start - self.bases[k] : stop - self.bases[k]]
-            return self[np.arange(start, stop)]
+            pieces = []  # across shards: each shard's stretch, its shared first EOT once
+            while start < stop:
+                end = min(stop, int(self.ends[k]))
+                pieces.append(self.parts[k][start - self.bases[k] : end - self.bases[k]])
+                start, k = end, k + 1
+            return np.concatenate(pieces)
         index = np.asarray(key)
         if index.ndim == 0:
             i = int(index) + (self._len if int(index) < 0 else 0)
