@@ -7,10 +7,11 @@
    written as ``--files`` parquet files and the same documents as
    ``.jsonl.gz`` files, ``--gb`` of text in all. The first file alone is the
    0.1x corpus. Everything is under ``--work`` and removed at the end unless
-   ``--keep``.
+   ``--keep``; a corpus (and tokenizer) already there is reused.
 2. **prepare** (``python -m seqjax.prepare``, a child process pinned with
-   ``taskset`` to 1 or 2 cores; at 1x on 2 only, unless ``--one-core-full``) on
-   each format at 0.1x and 1x: text MB/s,
+   ``taskset`` to 1 or 2 cores) on each format at 0.1x, and on the parquet
+   corpus at 1x on 2 cores (``--one-core-full``, ``--jsonl-full`` add the
+   other 1x runs): text MB/s,
    tokens/s, and the peak RSS of its process tree (the reader plus its
    tokenizer workers, polled every 50 ms). The tokenizer is trained once
    (``tokenizer.train_bytes``, recorded) and passed by path to every run, so
@@ -24,8 +25,8 @@
    time and peak traced memory (tracemalloc sees numpy's arrays); and the
    pipeline's batch tokens/s over the first ``--batches`` batches.
 
-Prints one JSON object (also written with --out). The machine's load average
-is recorded before and after each run.
+Prints one JSON object (also written with --out, after every run). The
+machine's load average is recorded before and after each run.
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=400, help="batches timed per strategy and store")
     p.add_argument("--hf-full", action="store_true", help="also run the HF path on the 1x corpus (slow)")
     p.add_argument("--one-core-full", action="store_true", help="also run prepare on the 1x corpus on one core (slow)")
+    p.add_argument("--jsonl-full", action="store_true", help="also run prepare on the 1x jsonl.gz corpus (slow)")
     p.add_argument("--keep", action="store_true", help="keep the corpus and stores under --work")
     p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", help=argparse.SUPPRESS)
@@ -274,9 +276,18 @@ def main() -> None:
               "machine": f"{platform.machine()}, {psutil.cpu_count()} cores, {memory:.0f} GiB",
               "python": platform.python_version(), "command": " ".join(sys.argv),
               "train_bytes": args.train_bytes, "load_at_start": load()}
+    def save() -> None:  # after every run: a long benchmark that is stopped keeps what it measured
+        if args.out:
+            args.out.write_text(json.dumps(record, indent=1))
+
     try:
-        wikitext = args.wikitext / "wikitext-2" / "wiki.train.tokens"
-        record["corpus"] = make_corpus(wikitext, work, args.gb, args.file_count, seed=0)
+        corpus_record = work / "corpus.json"
+        if corpus_record.is_file():  # a corpus written by an earlier call with the same --work
+            record["corpus"] = json.loads(corpus_record.read_text())
+        else:
+            wikitext = args.wikitext / "wikitext-2" / "wiki.train.tokens"
+            record["corpus"] = make_corpus(wikitext, work, args.gb, args.file_count, seed=0)
+            corpus_record.write_text(json.dumps(record["corpus"]))
         parquet = sorted(work.glob("part*.parquet"))
         jsonl = sorted(work.glob("part*.jsonl.gz"))
         record["corpus"]["parquet_bytes"] = sum(f.stat().st_size for f in parquet)
@@ -284,32 +295,42 @@ def main() -> None:
         tenth = record["corpus"]["per_file"][0]["bytes"]
 
         # the tokenizer, trained once by prepare on the 0.1x corpus (its time and memory are a row of their own)
-        first = seqjax_run(parquet[:1], "parquet", work / "cache_tok", None, 2, args.train_bytes, keep=True)
-        tokenizer = next((work / "cache_tok" / "tokenizers").rglob("tokenizer.json"))
-        record["tokenizer_and_store_0.1x_parquet_2_cores"] = first
+        found = sorted((work / "cache_tok").rglob("tokenizer.json"))
+        if not found:
+            record["tokenizer_and_store_0.1x_parquet_2_cores"] = seqjax_run(
+                parquet[:1], "parquet", work / "cache_tok", None, 2, args.train_bytes, keep=True)
+            found = sorted((work / "cache_tok").rglob("tokenizer.json"))
+        tokenizer = found[0]
         runs = record["prepare"] = {}
-        for size, n in (("0.1x", 1), ("1x", len(parquet))):
-            for kind, files in (("parquet", parquet[:n]), ("jsonl", jsonl[:n])):
-                for cores in (1, 2) if size == "0.1x" or args.one_core_full else (2,):
-                    key = f"seqjax {kind} {size} {cores} core(s)"
-                    keep = size == "1x" and kind == "parquet" and cores == 2
-                    cache = work / ("cache_1x" if keep else "cache_run")
-                    runs[key] = seqjax_run(files, kind, cache, tokenizer, cores, args.train_bytes, keep)
-                    print(f"# {key}: {runs[key]}", file=sys.stderr)
-        for size, n in (("0.1x", 1), ("1x", len(parquet))) if args.hf_full else (("0.1x", 1),):
-            for kind, files in (("parquet", parquet[:n]), ("jsonl", jsonl[:n])):
-                for cores in (1, 2):
-                    key = f"hf {kind} {size} {cores} core(s)"
-                    text = tenth if size == "0.1x" else record["corpus"]["text_bytes"]
-                    runs[key] = hf_run(files, tokenizer, work, cores, text)
-                    print(f"# {key}: {runs[key]}", file=sys.stderr)
-        # the 1x parquet store was kept: planning and batches on it and on WikiText-2
+
+        def one(key, run):
+            runs[key] = run()
+            print(f"# {key}: {runs[key]}", file=sys.stderr)
+            save()
+
+        # the 1x store first (kept for the planning and batch figures), then 0.1x side by side with HF
+        one("seqjax parquet 1x 2 core(s)",
+            lambda: seqjax_run(parquet, "parquet", work / "cache_1x", tokenizer, 2, args.train_bytes, keep=True))
         config = load_config(None, ["data.corpus=parquet", f"data.train_files=[{','.join(map(str, parquet))}]",
                                     f"data.cache_dir={work / 'cache_1x'}", f"tokenizer.path={tokenizer}"])
         big = prepare(config, splits=("train",)).stores["train"]
         small = prepare(load_config(None, [f"data.dir={args.wikitext}", f"data.cache_dir={work / 'cache_wt'}",
                                            f"tokenizer.path={tokenizer}"]), splits=("train",)).stores["train"]
         record["data"] = data_side({"1x": big, "wikitext2": small}, args.batches)
+        save()
+        for kind, files in (("parquet", parquet[:1]), ("jsonl", jsonl[:1])):
+            for cores in (2, 1):
+                one(f"seqjax {kind} 0.1x {cores} core(s)",
+                    lambda: seqjax_run(files, kind, work / "cache_run", tokenizer, cores, args.train_bytes))
+                one(f"hf {kind} 0.1x {cores} core(s)", lambda: hf_run(files, tokenizer, work, cores, tenth))
+        if args.one_core_full:
+            one("seqjax parquet 1x 1 core(s)",
+                lambda: seqjax_run(parquet, "parquet", work / "cache_run", tokenizer, 1, args.train_bytes))
+        if args.jsonl_full:
+            one("seqjax jsonl 1x 2 core(s)",
+                lambda: seqjax_run(jsonl, "jsonl", work / "cache_run", tokenizer, 2, args.train_bytes))
+        if args.hf_full:
+            one("hf parquet 1x 2 core(s)", lambda: hf_run(parquet, tokenizer, work, 2, record["corpus"]["text_bytes"]))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -198,7 +198,7 @@ def test_two_processes_under_jax_distributed_build_the_store_one_process_builds(
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-3000:]
     # process 0 built shards 0, 2, 4 and process 1 shards 1, 3
-    assert "building 3 of 5 shards" in outputs[0][1] and "building 2 of 5 shards" in outputs[1][1]
+    assert "3 of its 5 shards" in outputs[0][1] and "2 of its 5 shards" in outputs[1][1]
     summary = json.loads(outputs[0][0].strip().splitlines()[-1])
     two = TokenStore.open(summary["train"]["store"])
     alone = prepared(corpus, tmp_path / "alone", "data.shard_bytes=1").stores["train"]

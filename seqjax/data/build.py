@@ -405,7 +405,7 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
             todo = [(n, fs) for n, fs in mine if not _finished_shard(path, n, run, tokenizer.vocab_size)]
             size = sum(file_identity(p)["bytes"] for _, fs in todo for p in fs)
             if todo:
-                log.info("%s: building %d of %d shards of the token store at %s", split, len(todo), len(names), path)
+                log.info("%s: building the token store at %s: %d of its %d shards", split, path, len(todo), len(names))
             with tqdm(total=size, desc=f"tokenize {split}", unit="B", unit_scale=True, file=sys.stderr,
                       mininterval=0.5, disable=not todo) as bar:
                 for name, group in todo:
@@ -493,10 +493,10 @@ def prepare(
     if needs_train:
         check_vocab_size(config.tokenizer.vocab_size, special_tokens(config))
     sources = config.data.resolved_sources()
+    # the files in the order a run needs them: the tokenizer's train files first
+    train_files = {s.name: source_files(s, "train") for s in sources} if needs_train else None
     per_split = {split: _split_sources(sources, split) for split in splits}
     files = {(s.name, split): source_files(s, split) for split in splits for s in per_split[split]}
-    train_files = {s.name: files.get((s.name, "train")) or source_files(s, "train") for s in sources} \
-        if needs_train else None
     workers = config.data.workers or available_cores()
     run = _Run(process_index, process_count, barrier, verify, workers)
 

@@ -71,10 +71,14 @@ class _SourceRows:
     def __init__(self, planner: EpochPlanner):
         self.planner = planner
         self.epoch = self.window = self.row = 0
+        self._last: tuple[tuple[int, int], RowPlan, np.ndarray] | None = None
 
     def _real(self, epoch: int, window: int) -> tuple[RowPlan, np.ndarray]:
-        plan = self.planner.window_plan(epoch, window)
-        return plan, np.flatnonzero(plan.segments_per_row > 0)
+        """The window's plan and its non-empty rows (the rows that complete its last batch are skipped)."""
+        if self._last is None or self._last[0] != (epoch, window):
+            plan = self.planner.window_plan(epoch, window)
+            self._last = ((epoch, window), plan, np.flatnonzero(plan.segments_per_row > 0))
+        return self._last[1], self._last[2]
 
     def take(self, n: int) -> list[tuple[RowPlan, np.ndarray]]:
         """The next ``n`` rows, as (plan, row ids) pieces, and move past them."""

@@ -68,6 +68,7 @@ class EpochPlanner:
             self.doc_bounds = np.unique(np.concatenate([[0], cuts[(cuts > 0) & (cuts < store.num_docs)],
                                                         [store.num_docs]]))
         self._plans: dict[tuple[int, int], RowPlan] = {}
+        self._epochs: dict[int, tuple[Rows | None, np.ndarray]] = {}
 
     def rng(self, epoch: int, window: int | None = None) -> np.random.Generator:
         return np.random.default_rng([self.seed, epoch] if window is None else [self.seed, epoch, window])
@@ -76,9 +77,14 @@ class EpochPlanner:
     def _static_rows(self) -> Rows:
         return self.strategy.rows(self.store, self.data, self.seed, 0, self.rng(0))
 
-    @functools.lru_cache(maxsize=2)
     def _epoch(self, epoch: int) -> tuple[Rows | None, np.ndarray]:
         """The epoch's rows (stream strategies) and its windows' serving order, both from ``(seed, epoch)``."""
+        if epoch not in self._epochs:
+            self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}  # an iterator and a resume
+            self._epochs[epoch] = self._new_epoch(epoch)
+        return self._epochs[epoch]
+
+    def _new_epoch(self, epoch: int) -> tuple[Rows | None, np.ndarray]:
         rng = self.rng(epoch)
         rows = None
         if self.strategy.rows is not None:
