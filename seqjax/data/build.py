@@ -242,10 +242,7 @@ def obtain_tokenizer(config: Config, sources: list[SourceConfig], train_files: d
                 )
                 write_text_atomic(folder / "recipe.json", json.dumps(recipe, indent=2))
                 log.info("tokenizer %s trained in %.1fs -> %s", tokenizer.hash[:12], time.perf_counter() - start, path)
-    run.wait("seqjax-prepare-tokenizer")
-    if not run.main:
-        with _locked(folder):  # a single process elsewhere may be writing it
-            pass
+    run.wait("seqjax-prepare-tokenizer")  # the other processes load what process 0 trained
     return Tokenizer(path, specials[0])
 
 
