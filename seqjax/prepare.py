@@ -62,9 +62,9 @@ def _processes(config) -> dict[str, Any]:
         return single
     # only a multi-host launch pays for importing JAX (seconds): its collectives are the barrier
     import jax
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # (JAX, as above)
 
-    from seqjax.train import distributed
+    from seqjax.train import distributed  # (JAX, as above: it joins the processes)
 
     if not distributed.initialize_distributed(config.dist):
         return single
