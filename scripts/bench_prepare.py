@@ -259,6 +259,8 @@ def main() -> None:
     p.add_argument("--hf-full", action="store_true", help="also run the HF path on the 1x corpus (slow)")
     p.add_argument("--one-core-full", action="store_true", help="also run prepare on the 1x corpus on one core (slow)")
     p.add_argument("--jsonl-full", action="store_true", help="also run prepare on the 1x jsonl.gz corpus (slow)")
+    p.add_argument("--small-only", action="store_true",
+                   help="only the 0.1x parquet runs beside HF's (to repeat them at a quieter moment)")
     p.add_argument("--keep", action="store_true", help="keep the corpus and stores under --work")
     p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", help=argparse.SUPPRESS)
@@ -309,16 +311,17 @@ def main() -> None:
             save()
 
         # the 1x store first (kept for the planning and batch figures), then 0.1x side by side with HF
-        one("seqjax parquet 1x 2 core(s)",
-            lambda: seqjax_run(parquet, "parquet", work / "cache_1x", tokenizer, 2, args.train_bytes, keep=True))
-        config = load_config(None, ["data.corpus=parquet", f"data.train_files=[{','.join(map(str, parquet))}]",
-                                    f"data.cache_dir={work / 'cache_1x'}", f"tokenizer.path={tokenizer}"])
-        big = prepare(config, splits=("train",)).stores["train"]
-        small = prepare(load_config(None, [f"data.dir={args.wikitext}", f"data.cache_dir={work / 'cache_wt'}",
-                                           f"tokenizer.path={tokenizer}"]), splits=("train",)).stores["train"]
-        record["data"] = data_side({"1x": big, "wikitext2": small}, args.batches)
-        save()
-        for kind, files in (("parquet", parquet[:1]), ("jsonl", jsonl[:1])):
+        if not args.small_only:
+            one("seqjax parquet 1x 2 core(s)",
+                lambda: seqjax_run(parquet, "parquet", work / "cache_1x", tokenizer, 2, args.train_bytes, keep=True))
+            config = load_config(None, ["data.corpus=parquet", f"data.train_files=[{','.join(map(str, parquet))}]",
+                                        f"data.cache_dir={work / 'cache_1x'}", f"tokenizer.path={tokenizer}"])
+            big = prepare(config, splits=("train",)).stores["train"]
+            small = prepare(load_config(None, [f"data.dir={args.wikitext}", f"data.cache_dir={work / 'cache_wt'}",
+                                               f"tokenizer.path={tokenizer}"]), splits=("train",)).stores["train"]
+            record["data"] = data_side({"1x": big, "wikitext2": small}, args.batches)
+            save()
+        for kind, files in (("parquet", parquet[:1]), ("jsonl", jsonl[:1]))[: 1 if args.small_only else 2]:
             for cores in (2, 1):
                 one(f"seqjax {kind} 0.1x {cores} core(s)",
                     lambda: seqjax_run(files, kind, work / "cache_run", tokenizer, cores, args.train_bytes))
