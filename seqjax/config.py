@@ -26,6 +26,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -88,6 +89,12 @@ class TokenizerConfig:
         "the token that opens every prompt and lm_eval window (Llama's <s> or <|begin_of_text|>); "
         "null: the end-of-text token, which opens every sequence seqjax trains on",
     )
+    train_bytes: int = _f(
+        1 << 27,
+        "bytes of train-split text the tokenizer trains on, streamed from the start of each train file in turn "
+        "(the whole split when smaller)",
+        min=1,
+    )
 
     def check(self) -> None:
         if not self.special_tokens:
@@ -121,6 +128,28 @@ PACKERS = (
 )
 # Packers that cannot honour data.max_segments_per_row: fill splits documents to fill every row.
 PACKERS_WITHOUT_SEGMENT_CAP = ("fill", "grain_concat_split")
+GRAIN_PACKERS = ("grain_first_fit", "grain_best_fit", "grain_concat_split")
+
+
+CORPORA = ("wikitext2", "text", "jsonl", "parquet", "hf")
+
+
+@dataclass
+class SourceConfig:
+    """One corpus of a mixture (``data.sources``); a null key takes the value of the same ``data.*`` key."""
+
+    name: str = _f("", "the source's name in reports and cache folders (default: source<i>)")
+    weight: float = _f(1.0, "share of the training rows drawn from this source (weights are normalized)", min=0.0)
+    corpus: str | None = _f(None, "text source (null: data.corpus)", choices=CORPORA)
+    variant: str | None = _f(None, "WikiText-2 variant (null: data.variant)", choices=("tokens", "raw"))
+    dir: str | None = _f(None, "folder the file entries are relative to (null: data.dir)")
+    text_field: str | None = _f(None, "jsonl/parquet/hf: the column or key holding the text (null: data.text_field)")
+    train_files: list[str] = _f([], "the training files, folders or globs")
+    valid_files: list[str] = _f([], "the validation files, folders or globs")
+    test_files: list[str] = _f([], "the test files, folders or globs")
+
+    def check(self) -> None:
+        pass  # a source's rules need the data.* values it inherits: DataConfig.check runs them
 
 
 @dataclass
@@ -130,12 +159,27 @@ class DataConfig:
         f"folder holding the corpus (default: ${DATA_DIR_ENV}); for wikitext2 it holds wikitext-2/ and wikitext-2-raw/",
     )
     cache_dir: str = _f(".cache/seqjax", "where the tokenizer and token store are built and reused")
-    corpus: str = _f("wikitext2", "text source", choices=("wikitext2", "text", "jsonl"))
+    corpus: str = _f("wikitext2", "text source", choices=CORPORA)
     variant: str = _f("tokens", "WikiText-2 variant: word-level (tokens, with <unk>) or raw", choices=("tokens", "raw"))
-    train_files: list[str] = _f([], "for corpus text/jsonl: the training files or folders")
-    valid_files: list[str] = _f([], "for corpus text/jsonl: the validation files or folders")
-    test_files: list[str] = _f([], "for corpus text/jsonl: the test files or folders")
-    workers: int = _f(0, "tokenizer threads for the store build (0: one per core)", min=0)
+    train_files: list[str] = _f([], "for corpus text/jsonl/parquet/hf: the training files, folders or globs")
+    valid_files: list[str] = _f([], "for corpus text/jsonl/parquet/hf: the validation files, folders or globs")
+    test_files: list[str] = _f([], "for corpus text/jsonl/parquet/hf: the test files, folders or globs")
+    # The files' content is judged by the train store's identity; which field of them is the text is a key.
+    text_field: str = _f("text", "jsonl/parquet/hf: the key or column holding each document's text", resume=DATA)
+    sources: list[SourceConfig] = _f(
+        [], "a mixture: corpora with weights, each read like data.* (then data.*_files stay empty)", resume=DATA
+    )
+    workers: int = _f(0, "tokenizer processes for the store build (0: one per core)", min=0)
+    shard_bytes: int = _f(
+        1 << 28, "source bytes per store shard: consecutive files are grouped up to this size (a bigger file alone)",
+        min=1,
+    )
+    plan_window_tokens: int = _f(
+        1 << 24,
+        "epochs are planned a window of about this many tokens at a time (windows shuffled, then rows within)",
+        min=1,
+        resume=DATA,
+    )
 
     # How rows are cut: any change gives other batches, so a resume under it is refused unless allowed. (Which
     # text and tokenizer the rows come from is judged by the train store's identity, which checkpoints record.)
@@ -170,7 +214,36 @@ class DataConfig:
     mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch", min=1, resume=DATA)
 
     def check(self) -> None:
-        if self.corpus != "wikitext2" and not self.train_files:
+        if self.sources:
+            for split in ("train", "valid", "test"):
+                if getattr(self, f"{split}_files"):
+                    raise ConfigError(
+                        f"data.{split}_files: got {getattr(self, f'{split}_files')}, expected [] when data.sources is "
+                        "set; list each source's files under its own train_files/valid_files/test_files"
+                    )
+            names = [source.name or f"source{i}" for i, source in enumerate(self.sources)]
+            for i, source in enumerate(self.sources):
+                key = f"data.sources[{i}]"
+                if (source.corpus or self.corpus) != "wikitext2" and not source.train_files:
+                    raise ConfigError(
+                        f"{key}.train_files: got [], expected at least one file for "
+                        f"corpus={source.corpus or self.corpus!r}"
+                    )
+                if names.index(names[i]) != i:
+                    raise ConfigError(f"{key}.name: got {names[i]!r}, expected a name no other source has")
+            if not any(source.weight > 0 for source in self.sources):
+                raise ConfigError("data.sources: every weight is 0, expected at least one positive weight")
+            if self.strategy == "pack" and self.packer in GRAIN_PACKERS:
+                raise ConfigError(
+                    f"data.packer: got {self.packer!r}, expected a seqjax packer with data.sources: Grain's packers "
+                    "run their own iterator, which a mixture cannot draw rows from"
+                )
+            if self.strategy == "sequential":
+                raise ConfigError(
+                    "data.strategy: got 'sequential', expected another strategy with data.sources: sequential's rows "
+                    "continue each other from batch to batch, and a mixture moves rows between sources"
+                )
+        elif self.corpus != "wikitext2" and not self.train_files:
             raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={self.corpus!r}")
         if (
             self.strategy == "pack"
@@ -191,6 +264,29 @@ class DataConfig:
     @property
     def resolved_stride(self) -> int:
         return self.seq_len if self.stride is None else self.stride
+
+    def resolved_sources(self) -> list[SourceConfig]:
+        """Every source with no null left: each of ``data.sources`` filled in from ``data.*``, or the ``data.*`` corpus.
+
+        ``data.corpus=jsonl data.train_files=[a.jsonl]`` gives one source
+        named ``main`` of weight 1; a source that leaves ``corpus`` null reads
+        ``data.corpus``.
+        """
+        if not self.sources:
+            return [SourceConfig(name="main", weight=1.0, corpus=self.corpus, variant=self.variant, dir=self.dir,
+                                 text_field=self.text_field, train_files=list(self.train_files),
+                                 valid_files=list(self.valid_files), test_files=list(self.test_files))]
+        return [
+            dataclasses.replace(
+                source,
+                name=source.name or f"source{i}",
+                corpus=source.corpus or self.corpus,
+                variant=source.variant or self.variant,
+                dir=source.dir if source.dir is not None else self.dir,
+                text_field=source.text_field or self.text_field,
+            )
+            for i, source in enumerate(self.sources)
+        ]
 
 
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
@@ -482,6 +578,8 @@ class Config:
 
 
 def _type_name(tp: Any) -> str:
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
     if _is_optional(tp):
         return f"{_type_name(_strip_optional(tp))} or null"
     origin = typing.get_origin(tp)
@@ -511,6 +609,8 @@ def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> An
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: got {value!r}, expected {_type_name(base)}")
         (item_tp,) = typing.get_args(base)
+        if dataclasses.is_dataclass(item_tp):  # data.sources: a list of mappings, each checked like a section
+            return [_build_item(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
         return [_coerce(f"{key}[{i}]", v, item_tp, {}) for i, v in enumerate(value)]
     if base is bool:
         if not isinstance(value, bool):
@@ -541,19 +641,35 @@ def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> An
     return value
 
 
+def _item_dataclass(tp: Any) -> type | None:
+    """The item type of a ``list[SomeDataclass]`` field (``data.sources``), else None."""
+    if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        return typing.get_args(tp)[0]
+    return None
+
+
+def _build_item(key: str, value: Any, cls: type) -> Any:
+    if not isinstance(value, dict):
+        names = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise ConfigError(f"{key}: got {value!r}, expected a mapping with keys among {names}")
+    return _build(cls, value, key + ".")
+
+
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of the tree, for help and typo suggestions."""
+    """Every dotted leaf key of the tree, for help and typo suggestions (a list item's keys as ``data.sources[].x``)."""
     keys = []
     for name, tp in typing.get_type_hints(cls).items():
         if dataclasses.is_dataclass(tp):
             keys += [prefix + name] + all_keys(tp, f"{prefix}{name}.")
+        elif _item_dataclass(tp) is not None:
+            keys += [prefix + name] + all_keys(_item_dataclass(tp), f"{prefix}{name}[].")
         else:
             keys.append(prefix + name)
     return keys
 
 
 def _unknown_key(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(re.sub(r"\[\d+\]", "[]", key), all_keys(), n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]}?" if close else "; run with --help-config to list the keys"
     return ConfigError(f"unknown config key {key!r}{hint}")
 
@@ -679,6 +795,10 @@ def describe_keys() -> str:
                 if prefix:  # a section inside a section (model.rope_scaling) gets a line of its own
                     lines.append(f"{prefix + f.name:32s} {'section':18s} {f.metadata.get('help', '')}")
                 walk(tp, getattr(obj, f.name), prefix + f.name + ".")
+                continue
+            if _item_dataclass(tp) is not None:
+                lines.append(f"{prefix + f.name:32s} {'list of mappings':18s} default=[]  {f.metadata.get('help', '')}")
+                walk(_item_dataclass(tp), _item_dataclass(tp)(), f"{prefix}{f.name}[].")
                 continue
             allowed = f" one of {list(f.metadata['choices'])}" if "choices" in f.metadata else ""
             lines.append(

@@ -155,7 +155,9 @@ def test_jsonl_source_reads_the_text_field_and_skips_empty_documents(tmp_path):
     "line, expected",
     [
         ("{not json", "docs.jsonl:2: not valid JSON"),
-        ('{"txt": "x"}', 'docs.jsonl:2: expected an object with a string field "text"'),
+        ('{"txt": "x"}', "docs.jsonl:2: no field 'text' \\(keys: 'txt'\\)"),
+        ('{"text": 3}', "docs.jsonl:2: field 'text' is int '3', expected a string"),
+        ("[1, 2]", "docs.jsonl:2: expected a JSON object"),
     ],
 )
 def test_bad_jsonl_line_names_file_and_line(tmp_path, line, expected):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from itertools import islice
 
 import numpy as np
@@ -19,6 +18,7 @@ from seqjax.errors import DataError
 from test_pipeline_helpers import (
     EOT,
     assert_contract,
+    assert_resumes_exactly,
     config,
     epoch_batches,
     positional_store,
@@ -107,17 +107,7 @@ def test_deterministic_and_resumes_exactly_from_any_step(strategy, overrides):
     for a, b in zip(reference, again):
         for key in a:
             np.testing.assert_array_equal(a[key], b[key])
-    for step in (0, 5, 17, 31):
-        it = iter(build_pipeline(cfg, store))
-        for _ in range(step):
-            next(it)
-        state = json.loads(json.dumps(it.get_state()))  # must survive a JSON checkpoint
-        resumed = iter(build_pipeline(cfg, store))
-        resumed.set_state(state)
-        for expect in reference[step : step + 4]:
-            got = next(resumed)
-            for key in expect:
-                np.testing.assert_array_equal(got[key], expect[key], err_msg=f"{key} after resuming at step {step}")
+    assert_resumes_exactly(cfg, store, reference, steps=(0, 5, 17, 31))
 
 
 def test_epochs_are_reshuffled_and_seed_matters():

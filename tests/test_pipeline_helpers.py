@@ -8,6 +8,7 @@ checked against positions, not just values.
 
 from __future__ import annotations
 
+import json
 from itertools import islice
 
 import numpy as np
@@ -64,6 +65,23 @@ def epoch_batches(cfg, store, epoch: int = 0, **shard) -> list[dict[str, np.ndar
     skip = sum(planner.plan(e).num_batches for e in range(epoch))
     n = planner.plan(epoch).num_batches
     return list(islice(iter(pipeline), skip, skip + n))
+
+
+def assert_resumes_exactly(cfg, store, reference, steps, states=lambda state: [state], check=4) -> None:
+    """Stopped after each of ``steps`` and resumed from its JSON state (or the states ``states`` derives from it),
+    a fresh pipeline gives the next ``check`` batches of ``reference``, the uninterrupted run."""
+    for step in steps:
+        it = iter(build_pipeline(cfg, store))
+        for _ in range(step):
+            next(it)
+        state = json.loads(json.dumps(it.get_state()))  # must survive a JSON checkpoint
+        for given in states(state):
+            resumed = iter(build_pipeline(cfg, store))
+            resumed.set_state(given)
+            for expect in reference[step : step + check]:
+                got = next(resumed)
+                for key in expect:
+                    np.testing.assert_array_equal(got[key], expect[key], err_msg=f"{key} resuming at step {step}")
 
 
 def segments(batch: dict[str, np.ndarray], store: TokenStore) -> list[tuple[int, int, int]]:

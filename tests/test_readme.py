@@ -24,10 +24,17 @@ line is adapted, and only like this:
    reads ``runs/llama`` (all but the import itself) gets a link to the
    session's import of it. The lines that score raw WikiText-2 with it read
    the real raw splits (``$SEQJAX_DATA_DIR``).
+6. The other corpus kinds' examples read ``corpus/`` in the working folder,
+   where the tiny corpus's training documents are written as parquet files,
+   a folder of JSONL files keyed ``content``, and an HF ``save_to_disk``
+   folder (:func:`write_corpus_kinds`). A line that sets ``data.sources``
+   gets the tiny corpus's settings without its file lists (a mixture lists
+   its files per source).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -63,16 +70,35 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def tiny_data(root: Path) -> list[str]:
-    return [
-        "data.corpus=jsonl",
+def tiny_data(root: Path, files: bool = True) -> list[str]:
+    listed = [
         f"data.train_files=[{root / 'train.jsonl'}]",
         f"data.valid_files=[{root / 'valid.jsonl'}]",
         f"data.test_files=[{root / 'valid.jsonl'}]",  # the tiny corpus's stand-in for a test split
+    ]
+    return [
+        "data.corpus=jsonl",
+        *(listed if files else []),
         f"data.cache_dir={root / 'cache'}",
         "tokenizer.vocab_size=300",
         "data.seq_len=64",
     ]
+
+
+def write_corpus_kinds(folder: Path, root: Path) -> None:
+    """The tiny corpus's training documents as corpus/parquet/train-*.parquet, corpus/jsonl/ and corpus/hf/train."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [json.loads(line)["text"] for line in (root / "train.jsonl").read_text().splitlines() if line.strip()]
+    for name in ("parquet", "jsonl", "hf"):
+        (folder / name).mkdir(parents=True)
+    half = len(docs) // 2
+    for i, part in enumerate((docs[:half], docs[half:])):
+        pq.write_table(pa.table({"text": part}), folder / "parquet" / f"train-{i}.parquet")
+        (folder / "jsonl" / f"part-{i}.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in part))
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(folder / "hf" / "train"))
 
 
 TINY_TRAIN = [
@@ -94,7 +120,8 @@ def adapt(command: str, root: Path) -> list[str]:
     if "--config" in argv:
         at = argv.index("--config") + 2
         extra_after = TINY_TRAIN if "seqjax.train" in argv else []
-        argv = [*argv[:at], *tiny_data(root), *argv[at:], *extra_after]
+        mixture = any(a.startswith("data.sources=") for a in argv)
+        argv = [*argv[:at], *tiny_data(root, files=not mixture), *argv[at:], *extra_after]
     elif "--run" in argv:
         argv += [f"data.test_files=[{root / 'valid.jsonl'}]"]
     if "--max_new_tokens" in argv:
@@ -143,6 +170,8 @@ def test_readme_example_runs(command, tiny_root, reference, tiny_llama, tmp_path
     if "--run" in command:  # only readers: a training line must never write into the shared run
         (work / "runs" / "wikitext2_cpu").symlink_to(tiny_root / "reference")
     (work / "prompts.txt").write_text("the cat\na dog ran\n")
+    if "corpus/" in command:
+        write_corpus_kinds(work / "corpus", tiny_root)
     argv = adapt(command, tiny_root)
     env = cli_env()
     if env.get(DATA_DIR_ENV):  # the lines on real WikiText-2 run in the work folder: a relative path would move

@@ -16,7 +16,13 @@ from corpus_factory import make_text_corpus
 from seqjax.config import load_config
 from seqjax.data import build
 from seqjax.data.build import prepare
-from seqjax.data.store import MANIFEST, StoreError, StoreWriter, TokenStore, token_dtype, write_store
+from seqjax.data.store import MANIFEST, ShardWriter, StoreError, StoreWriter, TokenStore, token_dtype, write_store
+
+
+def shard_file(store: TokenStore, name: str, shard: int = 0):
+    """A file of one of the store's shards."""
+    return store.path / store.manifest["shards"][shard]["name"] / name
+
 
 _line = st.lists(st.integers(1, 9), min_size=1, max_size=4)
 _doc = st.lists(_line, min_size=1, max_size=4)
@@ -47,9 +53,9 @@ def test_dtype_follows_the_vocabulary(tmp_path):
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
     big = write_store(tmp_path / "big", TokenStore.from_documents([[70_000, 5]], eot_id=1, vocab_size=70_001), {})
     assert big.tokens.dtype == np.uint32 and list(big.doc(0)) == [70_000, 5, 1]
-    assert (tmp_path / "big" / "tokens.bin").stat().st_size == 4 * 4
+    assert shard_file(big, "tokens.bin").stat().st_size == 4 * 4
     small = write_store(tmp_path / "small", TokenStore.from_documents([[7, 5]], eot_id=1, vocab_size=10), {})
-    assert small.tokens.dtype == np.uint16 and (tmp_path / "small" / "tokens.bin").stat().st_size == 4 * 2
+    assert small.tokens.dtype == np.uint16 and shard_file(small, "tokens.bin").stat().st_size == 4 * 2
 
 
 @pytest.mark.parametrize(
@@ -73,16 +79,16 @@ def test_open_refuses_an_incomplete_store_a_foreign_tokenizer_and_an_old_format(
     store = write_store(
         tmp_path / "s", TokenStore.from_documents([[3, 4]], eot_id=0, vocab_size=10), {"tokenizer_hash": "a" * 64}
     )
-    before = {p.name: p.read_bytes() for p in store.path.iterdir()}
+    before = {p: p.read_bytes() for p in store.path.rglob("*") if p.is_file()}
     assert TokenStore.open(store.path, tokenizer_hash="a" * 64).num_docs == 1
     with pytest.raises(
         StoreError, match="built with tokenizer aaaaaaaaaaaa, but the tokenizer in use is bbbbbbbbbbbb; refusing"
     ):
         TokenStore.open(store.path, tokenizer_hash="b" * 64)
-    assert {p.name: p.read_bytes() for p in store.path.iterdir()} == before  # refusing changed nothing
+    assert {p: p.read_bytes() for p in store.path.rglob("*") if p.is_file()} == before  # refusing changed nothing
     manifest = json.loads((store.path / MANIFEST).read_text())
     (store.path / MANIFEST).write_text(json.dumps({**manifest, "format_version": 0}))
-    with pytest.raises(StoreError, match="format_version 0, expected 1"):
+    with pytest.raises(StoreError, match="format_version 0, expected 2"):
         TokenStore.open(store.path)
 
 
@@ -148,7 +154,7 @@ def _no_builds(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a store was rebuilt although nothing changed")
 
-    monkeypatch.setattr(build, "build_store", refuse)
+    monkeypatch.setattr(build, "build_shard", refuse)
     monkeypatch.setattr(build, "train_tokenizer", refuse)
 
 
@@ -215,10 +221,10 @@ def test_a_failed_rebuild_keeps_the_previous_store(corpus, monkeypatch):
     old_tokens = np.array(first.stores["valid"].tokens)
     (root / "valid" / "000.txt").write_text("changed\n")
 
-    def fail(self, lines):
+    def fail(self, *chunk):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(StoreWriter, "add_document", fail)
+    monkeypatch.setattr(ShardWriter, "add_chunk", fail)
     with pytest.raises(KeyboardInterrupt):
         prepare(config)
     monkeypatch.undo()

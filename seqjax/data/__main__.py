@@ -1,7 +1,9 @@
 """``python -m seqjax.data --config FILE [key=value ...]``: what the configured strategy makes of the training split.
 
 Prints the resolved config, then as its last line one JSON object with the
-epoch's statistics (rows, padding, coverage, segments, tokens/s). With
+epoch's statistics (rows, padding, coverage, segments, tokens/s); for a
+mixture (``data.sources``), the rows and tokens each source gave over
+``--steps`` batches beside its weight: the realized proportions. With
 ``--dump FILE.npz --batches N`` it also writes the first N batches with every
 contract field, stacked as ``[N, batch, L]`` (length_grouped batches are
 padded to the widest of them).
@@ -23,7 +25,7 @@ from seqjax import cli
 from seqjax.data.build import prepare
 from seqjax.data.contract import FIELDS
 from seqjax.data.pipeline import build_pipeline
-from seqjax.data.stats import epoch_stats
+from seqjax.data.stats import epoch_stats, mixture_stats
 
 log = logging.getLogger("seqjax.data")  # by name: this module runs as __main__
 
@@ -35,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--split", default="train", choices=("train", "valid", "test"), help="which split's store to cut")
     p.add_argument("--dump", metavar="FILE.npz", help="write the first --batches batches here")
     p.add_argument("--batches", type=int, default=1, help="how many batches --dump writes")
+    p.add_argument("--steps", type=int, default=256,
+                   help="a mixture (data.sources): batches its realized proportions are counted over")
     cli.run(p, argv, describe)
     return 0
 
@@ -46,7 +50,7 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
     print(config.to_yaml(), flush=True)
     store = prepare(config, splits=(args.split,)).stores[args.split]
     pipeline = build_pipeline(config, store)  # checks the store against the config before any batch is built
-    stats = epoch_stats(config, store)
+    stats = mixture_stats(config, store, args.steps) if store.sources else epoch_stats(config, store)
     if args.dump:
         batches = list(islice(iter(pipeline), args.batches))
         width = max(b["inputs"].shape[1] for b in batches)

@@ -3,24 +3,43 @@
 Cache layout under ``data.cache_dir``::
 
     tokenizers/<recipe>/tokenizer.json     trained tokenizers, keyed by what they were trained from
-    stores/<tokenizer hash>/<corpus>/      one folder per tokenizer and corpus, so several coexist
-        train/ valid/ test/                token stores (see seqjax.data.store)
+    stores/<tokenizer hash>/<corpus>/      one folder per tokenizer and corpus (one per source of a mixture)
+        train/ valid/ test/                sharded token stores (see seqjax.data.store)
+        damaged/                           shards found damaged, set aside before they were rebuilt
         config.yaml                        the resolved config of the last prepare run
 
-Each store's manifest records a *build key*: the tokenizer's SHA-256, the
-SHA-256 of every source file, the corpus settings and the builder version. A
-store is reused when its key equals the key the current config and files give
-(hashing ~13 MB of WikiText-2 takes milliseconds, so reuse stays well under a
-second); otherwise it is rebuilt in a staging folder and swapped in atomically.
+**Streaming, bounded memory.** A split's files are cut into shards (consecutive
+files up to ``data.shard_bytes`` of source each). A shard's documents stream
+from the reader in chunks to a pool of tokenizer processes
+(:mod:`seqjax.data.encoding`) and on to the shard writer, so memory holds a
+few chunks, never the corpus. The tokenizer trains on a streamed sample of
+``tokenizer.train_bytes`` of the train split.
+
+**Reuse.** A shard's name carries a key: the tokenizer's hash, the corpus
+settings and each of its source files' path, size and modification time. A
+store is reused when its manifest names the shards the current files give;
+re-validating a large cache therefore reads no source file. ``verify=True``
+(``prepare --verify``) also re-hashes every source file against the hash
+recorded at build time.
+
+**Integrity.** On reuse every file's size is checked against the manifest,
+and its checksum too: on every reuse for stores up to
+:data:`VERIFY_EVERY_REUSE_BYTES`, once (recorded in the manifest, and again
+whenever a file's modification time changes) for larger ones, and always under
+``verify``. A damaged shard is reported, set aside in ``damaged/`` and rebuilt;
+the other shards are kept. A shard whose build was killed left only a hidden
+staging folder, so a re-run builds exactly the shards that are missing.
+
+**Processes.** Under a multi-host launch (``process_count > 1``, with a
+``barrier`` that all processes reach), process ``p`` builds shards ``p, p + P,
+...``, and after a barrier process 0 writes the manifest; the store is the same
+as one process builds. Without one, a file lock per folder lets several
+independent processes call prepare at once: one builds, the others wait and reuse.
 
 Tokenizer mismatch policy: inside this cache the folder is keyed by the
-tokenizer hash, so prepare never uses a store with another tokenizer's ids; a
-store whose manifest disagrees is rebuilt, because prepare owns those folders.
-A store opened by path elsewhere goes through ``TokenStore.open(path,
+tokenizer hash, so prepare never uses a store with another tokenizer's ids. A
+store opened by path elsewhere goes through ``TokenStore.open(path,
 tokenizer_hash=...)``, which *refuses* a mismatch and changes nothing.
-
-Builds take a file lock per folder, so several processes (one per host or per
-test worker) may call prepare at once: one builds, the others wait and reuse.
 """
 
 from __future__ import annotations
@@ -33,38 +52,49 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from tqdm import tqdm
 
-from seqjax.config import Config
-from seqjax.data.corpus import (
-    SPLITS,
-    CorpusError,
-    SplitText,
-    count_lines,
-    count_words,
-    find_sources,
-    read_split,
-    split_lines,
+from seqjax.config import Config, SourceConfig
+from seqjax.data.corpus import SPLITS, file_documents, source_files, split_lines
+from seqjax.data.encoding import available_cores, encode_in_order
+from seqjax.data.store import (
+    MANIFEST,
+    ShardWriter,
+    TokenStore,
+    publish,
+    read_manifest,
+    read_shard,
+    shard_problems,
 )
-from seqjax.data.store import MANIFEST, StoreWriter, TokenStore
 from seqjax.data.tokenizer import Tokenizer, check_vocab_size, special_tokens_for, train_tokenizer
+from seqjax.errors import CorpusError, StoreError
+from seqjax.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
 # Bump when the way text becomes a store changes, so old caches are rebuilt rather than trusted.
-BUILDER_VERSION = 1
-# Lines per encode_batch call: large enough to keep the Rust threads busy, small enough for a live progress bar.
-ENCODE_CHUNK_LINES = 4096
+BUILDER_VERSION = 2
+# Characters of text per encoding task: large enough to amortize the hand-off, small enough for bounded memory.
+CHUNK_CHARS = 1 << 22
+# A shard with less source than this is encoded in this process: starting worker processes would cost more.
+POOL_MIN_BYTES = 1 << 23
+# Stores up to this size are checksummed on every reuse (xxh3 reads several GB/s); larger ones once, recorded.
+VERIFY_EVERY_REUSE_BYTES = 1 << 30
 
 
 @dataclass
 class Prepared:
-    """What :func:`prepare` returns: the tokenizer, one opened store per split, and the summary printed by the CLI."""
+    """What :func:`prepare` returns: the tokenizer, one opened store per split, and the summary printed by the CLI.
+
+    For a mixture (``data.sources``), each split's store holds every source's
+    documents one source after another (``store.sources`` says whose are whose).
+    """
 
     tokenizer: Tokenizer
     stores: dict[str, TokenStore]
@@ -72,23 +102,67 @@ class Prepared:
     root: Path
 
 
-def file_record(path: Path) -> dict[str, Any]:
-    """A source file's identity: content hash and size (the path is kept for people, not compared)."""
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {"path": str(path.resolve()), "bytes": path.stat().st_size, "sha256": digest}
+@dataclass
+class _Run:
+    """What one prepare call shares between its steps: who this process is, and how to wait for the others."""
+
+    process_index: int = 0
+    process_count: int = 1
+    barrier: Callable[[str], None] | None = None
+    verify: bool = False
+    workers: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.process_index == 0
+
+    def wait(self, name: str) -> None:
+        if self.process_count > 1:
+            self.barrier(name)
+
+
+@dataclass
+class _Counts:
+    documents: int = 0
+    skipped_empty: int = 0
+    bytes: int = 0
+    words: int = 0
+    lines: int = 0
+    sources: list[dict[str, Any]] = field(default_factory=list)
+
+
+def file_identity(path: Path) -> dict[str, Any]:
+    """What reuse compares for a source: path, size and modification time (a folder: over the files inside)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [p.stat() for p in files]
+    return {"path": str(path.resolve()), "bytes": sum(s.st_size for s in stats),
+            "mtime_ns": max((s.st_mtime_ns for s in stats), default=0)}
+
+
+def content_hash(path: Path) -> str:
+    """xxh3-128 of a source's bytes (a folder: of its files in order), recorded at build, compared by ``verify``."""
+    digest = xxhash.xxh3_128()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        with open(file, "rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def corpus_key(config: Config) -> str:
-    """A folder name for the corpus a config reads: ``wikitext2-tokens``, ``jsonl-<hash of the file lists>``, ..."""
-    d = config.data
-    if d.corpus == "wikitext2":
-        return f"wikitext2-{d.variant}"
-    return f"{d.corpus}-{_digest([d.train_files, d.valid_files, d.test_files])[:12]}"
+def corpus_key(source: SourceConfig | Config) -> str:
+    """A folder name for the corpus a source reads: ``wikitext2-tokens``, ``jsonl-<hash of its settings>``, ..."""
+    if isinstance(source, Config):
+        source = source.data.resolved_sources()[0]
+    if source.corpus == "wikitext2":
+        return f"wikitext2-{source.variant}"
+    settings = [source.train_files, source.valid_files, source.test_files]
+    if source.text_field != "text":
+        settings.append(source.text_field)
+    return f"{source.corpus}-{_digest(settings)[:12]}"
 
 
 @contextmanager
@@ -109,105 +183,257 @@ def _locked(folder: Path) -> Iterator[None]:
 
 def special_tokens(config: Config) -> list[str]:
     """The configured special tokens, plus ``<unk>`` when reading word-level WikiText-2."""
-    word_level = config.data.corpus == "wikitext2" and config.data.variant == "tokens"
+    word_level = any(s.corpus == "wikitext2" and s.variant == "tokens" for s in config.data.resolved_sources())
     return special_tokens_for(config.tokenizer.special_tokens, word_level)
 
 
-def obtain_tokenizer(config: Config, train_sha256: list[str] | None, read_train: Callable[[], SplitText]) -> Tokenizer:
-    """Load ``tokenizer.path``, or the cached tokenizer trained on these train files, or train it now."""
+def train_sample(sources: list[SourceConfig], files: dict[str, list[Path]], budget: int) -> Iterator[str]:
+    """Lines of whole train documents, about ``budget`` bytes of them, streamed.
+
+    The budget is shared between sources by weight, and within a source
+    between its files in turn (what a file leaves unused goes to the files
+    after it), each read from its start: ``budget=100`` over files of 30, 500
+    and 500 bytes reads all of the first and about 35 bytes of each other.
+    """
+    total_weight = sum(s.weight for s in sources) or 1.0
+    for source in sources:
+        left = budget * source.weight / total_weight
+        paths = files[source.name]
+        for i, path in enumerate(paths):
+            quota, taken = left / (len(paths) - i), 0
+            for doc in file_documents(source, path):
+                if taken >= quota:
+                    break
+                if doc.strip():
+                    taken += len(doc.encode("utf-8"))
+                    yield from split_lines(doc)
+            left -= taken
+
+
+def obtain_tokenizer(config: Config, sources: list[SourceConfig], train_files: dict[str, list[Path]] | None,
+                     run: _Run) -> Tokenizer:
+    """Load ``tokenizer.path``, or the cached tokenizer trained on these train files, or train it now (process 0)."""
     specials = special_tokens(config)
     if config.tokenizer.path:
         return Tokenizer(Path(config.tokenizer.path).expanduser(), specials[0], config.tokenizer.bos_token)
     recipe = {
         "builder_version": BUILDER_VERSION,
-        "corpus": config.data.corpus,
-        "train_sha256": train_sha256,
+        "sources": [{"corpus": s.corpus, "text_field": s.text_field, "weight": s.weight,
+                     "files": [file_identity(p) for p in train_files[s.name]]} for s in sources],
+        "train_bytes": config.tokenizer.train_bytes,
         "vocab_size": config.tokenizer.vocab_size,
         "min_frequency": config.tokenizer.min_frequency,
         "special_tokens": specials,
     }
     folder = Path(config.data.cache_dir).expanduser() / "tokenizers" / _digest(recipe)[:16]
     path = folder / "tokenizer.json"
-    with _locked(folder):
-        if path.is_file():
-            return Tokenizer(path, specials[0])
-        train: SplitText = read_train()
-        lines = [line for doc in train.documents for line in split_lines(doc)]
-        log.info("training a %d-token byte-level BPE on %s train lines", config.tokenizer.vocab_size, f"{len(lines):,}")
-        start = time.perf_counter()
-        tokenizer = train_tokenizer(
-            lines,
-            path,
-            vocab_size=config.tokenizer.vocab_size,
-            special_tokens=specials,
-            min_frequency=config.tokenizer.min_frequency,
-            num_lines=len(lines),
-        )
-        (folder / "recipe.json").write_text(json.dumps(recipe, indent=2))
-        log.info("tokenizer %s trained in %.1fs -> %s", tokenizer.hash[:12], time.perf_counter() - start, path)
-        return tokenizer
+    if run.main:
+        with _locked(folder):
+            if not path.is_file():
+                log.info("training a %d-token byte-level BPE on up to %s bytes of the train split",
+                         config.tokenizer.vocab_size, f"{config.tokenizer.train_bytes:,}")
+                start = time.perf_counter()
+                tokenizer = train_tokenizer(
+                    train_sample(sources, train_files, config.tokenizer.train_bytes),
+                    path,
+                    vocab_size=config.tokenizer.vocab_size,
+                    special_tokens=specials,
+                    min_frequency=config.tokenizer.min_frequency,
+                )
+                write_text_atomic(folder / "recipe.json", json.dumps(recipe, indent=2))
+                log.info("tokenizer %s trained in %.1fs -> %s", tokenizer.hash[:12], time.perf_counter() - start, path)
+    run.wait("seqjax-prepare-tokenizer")  # the other processes load what process 0 trained
+    return Tokenizer(path, specials[0])
 
 
 # ---------------------------------------------------------------------------
-# Stores
+# Shards
 
 
-def _reusable(path: Path, build_key: dict[str, Any]) -> bool:
+def plan_shards(identities: list[dict[str, Any]], shard_bytes: int) -> list[list[int]]:
+    """Consecutive files grouped into shards of up to ``shard_bytes`` of source (a larger file alone).
+
+    Sizes ``[5, 5, 20, 1]`` with ``shard_bytes=10`` give ``[[0, 1], [2], [3]]``:
+    the same plan whoever builds it, so one process and many build one store.
+    """
+    shards: list[list[int]] = []
+    size = 0
+    for i, identity in enumerate(identities):
+        if not shards or size + identity["bytes"] > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += identity["bytes"]
+    return shards
+
+
+def _documents(source: SourceConfig, files: list[Path], counts: _Counts) -> Iterator[list[str]]:
+    """The non-empty documents of ``files`` in chunks of about CHUNK_CHARS characters (empty ones are counted)."""
+    chunk, size = [], 0
+    for path in files:
+        for doc in file_documents(source, path):
+            if not doc.strip():
+                counts.skipped_empty += 1
+                continue
+            chunk.append(doc)
+            size += len(doc)
+            if size >= CHUNK_CHARS:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], tokenizer: Tokenizer,
+                workers: int, bar: tqdm) -> dict[str, Any]:
+    """Tokenize ``files`` into the shard ``path/name`` (atomically); returns its record."""
+    counts = _Counts()
+    source_bytes = sum(file_identity(p)["bytes"] for p in files)
+    use = workers if source_bytes >= POOL_MIN_BYTES else 1
+    with ShardWriter(path, name, eot_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size) as writer:
+        for chunk in encode_in_order(tokenizer, _documents(source, files, counts), use):
+            writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths)
+            counts.documents += len(chunk.doc_lengths)
+            counts.bytes += chunk.bytes
+            counts.words += chunk.words
+            counts.lines += chunk.lines
+            bar.update(chunk.bytes)
+        if counts.documents == 0:
+            raise CorpusError(f"{', '.join(map(str, files))}: no non-empty documents "
+                              f"({counts.skipped_empty} empty or whitespace-only)")
+        sources = [{**file_identity(p), "xxh3": content_hash(p)} for p in files]
+        stats = {k: getattr(counts, k) for k in ("documents", "skipped_empty", "bytes", "words", "lines")}
+        return writer.commit({"sources": sources, "stats": stats})
+
+
+def _set_aside(path: Path, shards: list[str], why: list[str]) -> None:
+    """Move damaged or stale shards of the store at ``path`` to ``damaged/`` and drop its manifest; say so."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for name in shards:
+        dest = path.parent / "damaged" / f"{path.name}-{name}-{stamp}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if (path / name).exists():
+            os.replace(path / name, dest)
+        log.warning("token store %s: %s; set aside in %s, rebuilding it", path, "; ".join(why), dest)
+    (path / MANIFEST).unlink(missing_ok=True)
+
+
+def _stale_sources(shard: dict[str, Any]) -> list[str]:
+    """Sources of a shard whose content no longer hashes as at build time (``verify``)."""
+    stale = []
+    for record in shard.get("sources", []):
+        source = Path(record["path"])
+        if not source.exists() or content_hash(source) != record["xxh3"]:
+            stale.append(f"source {source} changed since the build (same size and time, other content)")
+    return stale
+
+
+def _reuse(path: Path, build_key: dict[str, Any], run: _Run) -> bool:
+    """Process 0: whether the store at ``path`` can be reused as it is; damaged shards are set aside."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
+        manifest = read_manifest(path)
+    except StoreError:
         return False
-    return manifest.get("build_key") == build_key
+    if manifest.get("build_key") != build_key:
+        return False
+    total = sum(f["bytes"] for shard in manifest["shards"] for f in shard["files"].values())
+    stamps = {f"{shard['name']}/{name}": _stamp(path / shard["name"] / name)
+              for shard in manifest["shards"] for name in shard["files"]}
+    checksums = run.verify or total <= VERIFY_EVERY_REUSE_BYTES or manifest.get("verified") != stamps
+    damaged: dict[str, list[str]] = {}
+    for shard in manifest["shards"]:
+        problems = shard_problems(path, shard, checksums=checksums, vocab_size=manifest["vocab_size"])
+        if run.verify and not problems:
+            problems = _stale_sources(shard)
+        if problems:
+            damaged[shard["name"]] = problems
+    if damaged:
+        _set_aside(path, list(damaged), [p for ps in damaged.values() for p in ps])
+        return False
+    if checksums and total > VERIFY_EVERY_REUSE_BYTES:  # verified once: later reuses trust unchanged files
+        write_text_atomic(path / MANIFEST, json.dumps({**manifest, "verified": stamps}, indent=2))
+    return True
 
 
-def _encoded_documents(
-    tokenizer: Tokenizer, documents: list[str], sizes: list[int], desc: str
-) -> Iterator[list[list[int]]]:
-    """Each document as the token ids of its lines, encoded in parallel chunks with a byte progress bar."""
-    with tqdm(total=sum(sizes), desc=desc, unit="B", unit_scale=True, file=sys.stderr, mininterval=0.5) as bar:
-        start = 0
-        while start < len(documents):
-            batch, num_lines, stop = [], 0, start
-            while stop < len(documents) and (not batch or num_lines < ENCODE_CHUNK_LINES):
-                batch.append(split_lines(documents[stop]))
-                num_lines += len(batch[-1])
-                stop += 1
-            ids = iter(tokenizer.encode_lines([line for lines in batch for line in lines]))
-            for lines in batch:
-                yield [next(ids) for _ in lines]
-            bar.update(sum(sizes[start:stop]))
-            start = stop
+def _stamp(file: Path) -> list[int] | None:
+    try:
+        stat = file.stat()
+    except OSError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns]
 
 
-def build_store(
-    path: Path, tokenizer: Tokenizer, split: SplitText, build_key: dict[str, Any], sources: list[dict]
-) -> TokenStore:
-    """Tokenize ``split`` once into a store at ``path`` (atomically) and return it opened."""
-    docs = split.documents
-    if not docs:
-        raise CorpusError(f"split {split.name}: no non-empty documents in {', '.join(map(str, split.sources))}")
-    start = time.perf_counter()
-    sizes = [len(d.encode("utf-8")) for d in docs]
-    with StoreWriter(path, eot_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size) as writer:
-        for lines in _encoded_documents(tokenizer, docs, sizes, f"tokenize {split.name}"):
-            writer.add_document(lines)
-        stats = {
-            "documents": len(docs),
-            "skipped_empty": split.skipped_empty,
-            "bytes": sum(sizes),
-            "words": sum(count_words(d) for d in docs),
-            "lines": sum(count_lines(d) for d in docs),
-        }
-        manifest = {
-            "split": split.name,
-            "build_key": build_key,
-            "tokenizer_hash": tokenizer.hash,
-            "tokenizer_path": str(tokenizer.path.resolve()),
-            "sources": sources,
-            "stats": stats,
-            "build_seconds": round(time.perf_counter() - start, 3),
-        }
-        return writer.commit(manifest)
+def _finished_shard(path: Path, name: str, run: _Run, vocab_size: int) -> bool:
+    """A shard an earlier (perhaps killed) build finished: present and whole; a damaged one is set aside."""
+    record = read_shard(path, name)
+    if record is None:
+        return False
+    problems = shard_problems(path, record, checksums=True, vocab_size=vocab_size)
+    if run.verify and not problems:
+        problems = _stale_sources(record)
+    if problems:
+        _set_aside(path, [name], problems)
+        return False
+    return True
+
+
+def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path], tokenizer: Tokenizer,
+                  config: Config, run: _Run) -> tuple[TokenStore, bool]:
+    """The store of one source's split at ``path``: reused, completed or built; returns it opened and if reused."""
+    identities = [file_identity(p) for p in files]
+    corpus = {"corpus": source.corpus, "text_field": source.text_field,
+              "variant": source.variant if source.corpus == "wikitext2" else None}
+    names = []
+    for i, group in enumerate(plan_shards(identities, config.data.shard_bytes)):
+        key = _digest({"builder_version": BUILDER_VERSION, "tokenizer_hash": tokenizer.hash, **corpus,
+                       "files": [identities[j] for j in group]})
+        names.append((f"shard-{i:05d}-{key[:12]}", [files[j] for j in group]))
+    build_key = {"builder_version": BUILDER_VERSION, "tokenizer_hash": tokenizer.hash, **corpus,
+                 "shards": [name for name, _ in names]}
+    lock = _locked(path.parent) if run.process_count == 1 else nullcontext()
+    with lock:
+        reused = _reuse(path, build_key, run) if run.main else False
+        run.wait(f"seqjax-prepare-reuse-{path}")
+        if run.process_count > 1:
+            reused = _manifest_key(path) == build_key
+        if not reused:
+            start = time.perf_counter()
+            mine = [(n, fs) for i, (n, fs) in enumerate(names) if i % run.process_count == run.process_index]
+            todo = [(n, fs) for n, fs in mine if not _finished_shard(path, n, run, tokenizer.vocab_size)]
+            size = sum(file_identity(p)["bytes"] for _, fs in todo for p in fs)
+            if todo:
+                log.info("%s: building the token store at %s: %d of its %d shards", split, path, len(todo), len(names))
+            with tqdm(total=size, desc=f"tokenize {split}", unit="B", unit_scale=True, file=sys.stderr,
+                      mininterval=0.5, disable=not todo) as bar:
+                for name, group in todo:
+                    build_shard(path, name, source, group, tokenizer, run.workers, bar)
+            run.wait(f"seqjax-prepare-shards-{path}")
+            if run.main:
+                _publish(path, names, build_key, split, tokenizer, time.perf_counter() - start)
+            run.wait(f"seqjax-prepare-manifest-{path}")
+    return TokenStore.open(path, tokenizer_hash=tokenizer.hash), reused
+
+
+def _manifest_key(path: Path) -> dict[str, Any] | None:
+    try:
+        return read_manifest(path).get("build_key")
+    except StoreError:
+        return None
+
+
+def _publish(path: Path, names: list[tuple[str, list[Path]]], build_key: dict[str, Any], split: str,
+             tokenizer: Tokenizer, seconds: float) -> None:
+    records = []
+    for name, files in names:
+        record = read_shard(path, name)
+        if record is None:
+            raise StoreError(f"token store {path}: shard {name} (from {files[0]}) is missing after every process "
+                             "finished; run python -m seqjax.prepare again to build it")
+        records.append(record)
+    stats = {k: sum(r["stats"][k] for r in records) for k in records[0]["stats"]}
+    manifest = {"split": split, "build_key": build_key, "tokenizer_hash": tokenizer.hash,
+                "tokenizer_path": str(tokenizer.path.resolve()), "stats": stats, "build_seconds": round(seconds, 3)}
+    publish(path, records, manifest, eot_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size)
 
 
 def summarize(store: TokenStore, seconds: float, reused: bool) -> dict[str, Any]:
@@ -223,60 +449,76 @@ def summarize(store: TokenStore, seconds: float, reused: bool) -> dict[str, Any]
         "skipped_empty": stats["skipped_empty"],
         "lines": stats["lines"],
         "reused": reused,
+        "shards": len(store.manifest.get("shards", [])),
         "store": str(store.path),
     }
 
 
-def prepare(config: Config, splits: Sequence[str] = SPLITS) -> Prepared:
+def _split_sources(sources: list[SourceConfig], split: str) -> list[SourceConfig]:
+    """The sources that hold ``split``: all for train; for valid/test those that list files (WikiText-2 always)."""
+    if split == "train" or len(sources) == 1:
+        return sources
+    found = [s for s in sources if s.corpus == "wikitext2" or getattr(s, f"{split}_files")]
+    if not found:
+        raise CorpusError(f"data.sources: no source lists {split}_files (expected at least one, or a wikitext2 source)")
+    return found
+
+
+def prepare(
+    config: Config,
+    splits: Sequence[str] = SPLITS,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    barrier: Callable[[str], None] | None = None,
+    verify: bool = False,
+) -> Prepared:
     """Tokenizer and token stores for ``splits``: reused when nothing changed, else (re)built atomically.
 
     Every input is checked before any work: unknown splits, missing files, and
     a vocabulary too small for the byte alphabet plus the special tokens.
+    Under a multi-host launch give ``process_index``, ``process_count`` and a
+    ``barrier(name)`` that returns once every process has called it.
     """
     splits = list(dict.fromkeys(splits))
     unknown = [s for s in splits if s not in SPLITS]
     if unknown:
         raise CorpusError(f"splits: got {unknown}, expected some of {', '.join(SPLITS)}")
+    if process_count > 1 and barrier is None:
+        raise StoreError(f"prepare with process_count={process_count} needs a barrier shared by the processes")
     needs_train = not config.tokenizer.path
     if needs_train:
         check_vocab_size(config.tokenizer.vocab_size, special_tokens(config))
-    sources = {s: find_sources(config, s) for s in SPLITS if s in splits or (s == "train" and needs_train)}
-    records = {s: [file_record(p) for p in paths] for s, paths in sources.items()}
-    if config.data.workers:
-        os.environ.setdefault("RAYON_NUM_THREADS", str(config.data.workers))  # tokenizers' Rust thread pool
+    sources = config.data.resolved_sources()
+    # the files in the order a run needs them: the tokenizer's train files first
+    train_files = {s.name: source_files(s, "train") for s in sources} if needs_train else None
+    per_split = {split: _split_sources(sources, split) for split in splits}
+    files = {(s.name, split): source_files(s, split) for split in splits for s in per_split[split]}
+    workers = config.data.workers or available_cores()
+    run = _Run(process_index, process_count, barrier, verify, workers)
 
-    texts: dict[str, SplitText] = {}
-
-    def text_of(split: str) -> SplitText:
-        if split not in texts:
-            texts[split] = read_split(config, split, sources[split])
-        return texts[split]
-
-    train_sha256 = [r["sha256"] for r in records["train"]] if needs_train else None
-    tokenizer = obtain_tokenizer(config, train_sha256, lambda: text_of("train"))
-    root = Path(config.data.cache_dir).expanduser() / "stores" / tokenizer.hash[:16] / corpus_key(config)
+    tokenizer = obtain_tokenizer(config, sources, train_files, run)
+    base = Path(config.data.cache_dir).expanduser() / "stores" / tokenizer.hash[:16]
     stores, summary = {}, {}
     for split in splits:
         start = time.perf_counter()
-        build_key = {
-            "builder_version": BUILDER_VERSION,
-            "tokenizer_hash": tokenizer.hash,
-            "corpus": config.data.corpus,
-            "variant": config.data.variant if config.data.corpus == "wikitext2" else None,
-            "sources_sha256": [r["sha256"] for r in records[split]],
-        }
-        path = root / split
-        with _locked(root):
-            reused = _reusable(path, build_key)
-            if reused:
-                store = TokenStore.open(path, tokenizer_hash=tokenizer.hash)
-            else:
-                log.info("%s: building the token store at %s", split, path)
-                store = build_store(path, tokenizer, text_of(split), build_key, records[split])
-        texts.pop(split, None)
-        stores[split] = store
-        summary[split] = summarize(store, time.perf_counter() - start, reused)
-        log.info("%s: %s %d documents, %s tokens", split, "reused" if reused else "built", summary[split]["documents"],
-                 f"{summary[split]['tokens']:,}")
+        built, entries = [], {}
+        for source in per_split[split]:
+            path = base / corpus_key(source) / split
+            store, reused = prepare_store(path, source, split, files[(source.name, split)], tokenizer, config, run)
+            built.append((source, store))
+            entries[source.name] = summarize(store, time.perf_counter() - start, reused)
+            log.info("%s: %s %s %d documents, %s tokens in %d shard(s)", split, source.name,
+                     "reused" if reused else "built", entries[source.name]["documents"],
+                     f"{entries[source.name]['tokens']:,}", entries[source.name]["shards"])
+        if len(sources) == 1:
+            stores[split], summary[split] = built[0][1], entries[sources[0].name]
+            continue
+        stores[split] = TokenStore.concat([s for _, s in built], [src.name for src, _ in built],
+                                          [src.weight for src, _ in built])
+        total = summarize(stores[split], time.perf_counter() - start, all(e["reused"] for e in entries.values()))
+        total["shards"] = sum(e["shards"] for e in entries.values())
+        total["store"] = str(base)
+        summary[split] = {**total, "sources": entries}
+    root = base / corpus_key(sources[0]) if len(sources) == 1 else base
     return Prepared(tokenizer=tokenizer, stores=stores, summary=summary, root=root)
-

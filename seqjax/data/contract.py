@@ -54,7 +54,9 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
     piece_first = exclusive_cumsum(predicted)[:-1].astype(index)
     position = np.arange(int(per_row.sum()), dtype=index) - np.repeat(piece_first, predicted)
     source = position + np.repeat(starts, predicted)
-    tokens = np.asarray(tokens)  # a plain view of a memmap: cheaper fancy indexing
+    if isinstance(tokens, np.ndarray):
+        tokens = np.asarray(tokens)  # a plain view of a memmap: cheaper fancy indexing
+    # (else a TokenStream over several shards, indexed the same way without being read whole)
     inputs = tokens[source]
     # inside a piece the target is the next input; only each piece's last target is read from the stream
     targets = np.empty_like(inputs)

@@ -1,41 +1,68 @@
-"""Text sources -> documents: WikiText-2 articles, plain-text files, JSONL records.
+"""Text sources -> documents: WikiText-2 articles, plain-text files, JSONL (plain, .gz, .zst), parquet, HF datasets.
 
 A *document* is the unit the rest of seqjax respects: the store separates
 documents with end-of-text tokens, packers give each piece its own segment, and
 ``cross_document_attention`` is defined on them. So the reader's one job is to
 find document boundaries exactly and lose nothing:
 
-- **WikiText-2** (``data.corpus=wikitext2``, both variants): a split file is cut
+- **WikiText-2** (``corpus=wikitext2``, both variants): a split file is cut
   into its articles. An article starts at a `` = Title = `` line that stands
   between blank lines (section headings are `` = = Section = = ``); the article
   takes the blank line before its title with it, so joining the articles gives
   back the file byte for byte. The standard splits hold 600 / 60 / 60 articles.
-- **Plain text** (``data.corpus=text``): one document per file. Files are the
+- **Plain text** (``corpus=text``): one document per file. Files are the
   one boundary a plain-text corpus states for sure (a blank line may be a
   paragraph break inside a document); corpora with many documents per file
-  should use JSONL. A folder entry means every ``*.txt`` file under it.
-- **JSONL** (``data.corpus=jsonl``): one ``{"text": ...}`` object per line, one
-  document each; blank lines are ignored.
+  should use JSONL or parquet.
+- **JSONL** (``corpus=jsonl``): one object per line, the document in its
+  ``text_field`` key; blank lines are ignored. ``.jsonl.gz`` and ``.jsonl.zst``
+  are decompressed as they stream (``.zst`` needs the ``zst`` extra).
+- **Parquet** (``corpus=parquet``): one document per row of the string
+  column ``text_field``, read with pyarrow one row group at a time.
+- **HF datasets** (``corpus=hf``, the ``hf`` extra): a folder written by
+  ``Dataset.save_to_disk``, or local data files (json/jsonl, parquet, csv,
+  txt, arrow) that ``datasets.load_dataset`` streams (``streaming=True``).
+  Nothing is downloaded: the library runs offline.
 
-Empty and whitespace-only documents are skipped and counted. Every file is
-read as strict UTF-8; an invalid byte stops the run with the file and byte
-offset.
+Every reader streams: a file is never read whole except WikiText-2 splits and
+plain-text documents (each is one document). A split's entries are files,
+folders (every file of the corpus's kinds under it) or globs. Empty and
+whitespace-only documents are skipped and counted by the caller. Bad input
+names the file, the line or row, and what was expected.
 """
 
 from __future__ import annotations
 
+import glob
+import gzip
 import json
 import os
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seqjax.config import DATA_DIR_ENV, Config
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from seqjax.config import DATA_DIR_ENV, Config, SourceConfig
 from seqjax.errors import CorpusError
 
 SPLITS = ("train", "valid", "test")
 
 WIKITEXT_FOLDERS = {"tokens": "wikitext-2", "raw": "wikitext-2-raw"}
 WIKITEXT_ARCHIVES = {"tokens": "wikitext-2-v1.zip", "raw": "wikitext-2-raw-v1.zip"}
+# What a folder entry lists, per corpus kind (an hf folder written by save_to_disk is itself the entry).
+SUFFIXES = {
+    "text": (".txt",),
+    "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst"),
+    "parquet": (".parquet",),
+    "hf": (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".parquet", ".csv", ".txt", ".arrow"),
+}
+# datasets.load_dataset's packaged builder for each kind of local data file
+HF_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
+               ".arrow": "arrow"}
+HF_BATCH = 1000  # rows per batch read from a datasets source
 
 
 @dataclass
@@ -80,23 +107,28 @@ def count_words(text: str) -> int:
 # Finding and reading files
 
 
-def _bases(config: Config) -> list[tuple[str, Path]]:
+def source_key(source: SourceConfig) -> str:
+    """How messages name a source's keys: ``data`` for the one ``data.*`` corpus, else ``data.sources[<name>]``."""
+    return "data" if source.name == "main" else f"data.sources[{source.name}]"
+
+
+def _bases(source: SourceConfig) -> list[tuple[str, Path]]:
     """The folders a relative corpus path may live in, each with where it came from."""
     bases = []
-    if config.data.dir:
-        bases.append(("data.dir", Path(config.data.dir).expanduser()))
+    if source.dir:
+        bases.append((f"{source_key(source)}.dir", Path(source.dir).expanduser()))
     env = os.environ.get(DATA_DIR_ENV)
     if env and all(Path(env).expanduser() != b for _, b in bases):
         bases.append((f"${DATA_DIR_ENV}", Path(env).expanduser()))
     return bases
 
 
-def _wikitext_file(config: Config, split: str) -> Path:
-    variant = config.data.variant
+def _wikitext_file(source: SourceConfig, split: str) -> Path:
+    variant = source.variant
     folder = WIKITEXT_FOLDERS[variant]
     name = f"wiki.{split}.{variant}"
     looked = []
-    for origin, base in _bases(config):
+    for origin, base in _bases(source):
         for candidate in (base / folder / name, base / name):
             if candidate.is_file():
                 return candidate
@@ -117,39 +149,66 @@ def _wikitext_file(config: Config, split: str) -> Path:
     )
 
 
-def _listed_files(config: Config, split: str) -> list[Path]:
-    entries = getattr(config.data, f"{split}_files")
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``datasets.Dataset.save_to_disk`` (or a DatasetDict's)."""
+    return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
+
+
+def _folder_files(folder: Path, kind: str, key: str) -> list[Path]:
+    if kind == "hf" and is_saved_dataset(folder):
+        return [folder]
+    suffixes = SUFFIXES[kind]
+    inside = sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(suffixes))
+    if not inside:
+        raise CorpusError(f"{key}: folder {folder} holds no {' / '.join('*' + x for x in suffixes)} files")
+    return inside
+
+
+def _is_glob(entry: str) -> bool:
+    return any(c in entry for c in "*?[")
+
+
+def _listed_files(source: SourceConfig, split: str) -> list[Path]:
+    key = f"{source_key(source)}.{split}_files"
+    entries = getattr(source, f"{split}_files")
     if not entries:
-        raise CorpusError(
-            f"data.{split}_files: got [], expected at least one file for data.corpus={config.data.corpus!r}"
-        )
-    suffix = ".txt" if config.data.corpus == "text" else ".jsonl"
+        raise CorpusError(f"{key}: got [], expected at least one file for corpus={source.corpus!r}")
     files: list[Path] = []
     for entry in entries:
         path = Path(entry).expanduser()
-        candidates = [path] if path.is_absolute() else [base / path for _, base in _bases(config)] + [Path.cwd() / path]
+        bases = [] if path.is_absolute() else [base for _, base in _bases(source)] + [Path.cwd()]
+        candidates = [path] if path.is_absolute() else [base / path for base in bases]
+        if _is_glob(entry):
+            for pattern in candidates:
+                matched = sorted(Path(m) for m in glob.glob(str(pattern), recursive=True))
+                if matched:
+                    break
+            else:
+                raise CorpusError(
+                    f"{key}: the glob {entry!r} matches no file. Tried:\n  " + "\n  ".join(map(str, candidates))
+                )
+            for match in matched:
+                files += _folder_files(match, source.corpus, key) if match.is_dir() else [match]
+            continue
         found = next((c for c in candidates if c.exists()), None)
         if found is None:
-            raise CorpusError(
-                f"data.{split}_files: {entry!r} not found. Looked in:\n  " + "\n  ".join(map(str, candidates))
-            )
-        if found.is_dir():
-            inside = sorted(found.rglob(f"*{suffix}"))
-            if not inside:
-                raise CorpusError(f"data.{split}_files: folder {found} holds no *{suffix} files")
-            files += inside
-        else:
-            files.append(found)
+            raise CorpusError(f"{key}: {entry!r} not found. Looked in:\n  " + "\n  ".join(map(str, candidates)))
+        files += _folder_files(found, source.corpus, key) if found.is_dir() else [found]
     return files
 
 
-def find_sources(config: Config, split: str) -> list[Path]:
-    """The files that make up ``split``, or a CorpusError listing every place looked and how to get them."""
+def source_files(source: SourceConfig, split: str) -> list[Path]:
+    """The files (or saved-dataset folders) that make up ``split`` of one resolved source, in reading order."""
     if split not in SPLITS:
         raise CorpusError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
-    if config.data.corpus == "wikitext2":
-        return [_wikitext_file(config, split)]
-    return _listed_files(config, split)
+    if source.corpus == "wikitext2":
+        return [_wikitext_file(source, split)]
+    return _listed_files(source, split)
+
+
+def find_sources(config: Config, split: str) -> list[Path]:
+    """The files of ``split`` of the one ``data.*`` corpus, or a CorpusError listing every place looked."""
+    return source_files(config.data.resolved_sources()[0], split)
 
 
 def read_text(path: Path) -> str:
@@ -196,37 +255,199 @@ def wikitext_articles(text: str) -> list[str]:
     return ["".join(lines[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def jsonl_documents(path: Path, text: str) -> list[str]:
-    """The ``text`` field of each JSON line; a bad line raises with the file and line number."""
-    docs = []
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise CorpusError(
-                f'{path}:{number}: not valid JSON ({err.msg}); expected one {{"text": ...}} object per line'
-            ) from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise CorpusError(f"{path}:{number}: expected an object with a string field \"text\", got {line[:80]!r}")
-        docs.append(record["text"])
-    return docs
+def _raw_lines(path: Path) -> Iterator[bytes]:
+    """The file's lines as bytes, decompressed on the fly for ``.gz`` and ``.zst``."""
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rb") as stream:
+            yield from stream
+    elif path.name.endswith(".zst"):
+        yield from _zstd_lines(path)
+    else:
+        with open(path, "rb") as stream:
+            yield from stream
+
+
+def _zstd_lines(path: Path) -> Iterator[bytes]:
+    try:
+        # optional: only .zst corpora need it (pip install -e '.[zst]')
+        import zstandard
+    except ImportError:
+        raise CorpusError(f"{path}: reading .zst files needs the zstandard package; pip install -e '.[zst]'") from None
+    decompressor, pending = zstandard.ZstdDecompressor().decompressobj(), b""
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            text = decompressor.decompress(block)
+            while decompressor.eof and decompressor.unused_data:  # the next of several concatenated frames
+                rest, decompressor = decompressor.unused_data, zstandard.ZstdDecompressor().decompressobj()
+                text += decompressor.decompress(rest)
+            lines = (pending + text).split(b"\n")
+            pending = lines.pop()
+            yield from (line + b"\n" for line in lines)
+    if not decompressor.eof:  # a stream reader would just stop: a cut file must not pass for a short one
+        raise zstandard.ZstdError("the file ends inside a frame")
+    if pending:
+        yield pending
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    """What a truncated or corrupt compressed stream raises while it is read."""
+    errors: tuple[type[BaseException], ...] = (EOFError, zlib.error, gzip.BadGzipFile)
+    try:
+        # optional: present only with the zst extra; without it no .zst file gets this far
+        import zstandard
+    except ImportError:
+        return errors
+    return (*errors, zstandard.ZstdError)
+
+
+def jsonl_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """The ``text_field`` of each JSON line, streamed; a bad line raises with the file and line number."""
+    number = 0
+    try:
+        for number, raw in enumerate(_raw_lines(path), start=1):
+            yield _jsonl_record(path, number, raw, text_field)
+    except _stream_errors() as err:
+        kind = "gzip" if path.name.endswith(".gz") else "zstd" if path.name.endswith(".zst") else "file"
+        raise CorpusError(
+            f"{path}: line {number + 1}: the {kind} stream is truncated or corrupt ({err}); expected a complete "
+            f"{kind} file (re-copy or re-compress it)"
+        ) from None
+
+
+def _jsonl_record(path: Path, number: int, raw: bytes, text_field: str) -> str | None:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CorpusError(
+            f"{path}:{number}: invalid UTF-8 at byte {err.start} of the line; expected UTF-8 JSON"
+        ) from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise CorpusError(
+            f'{path}:{number}: not valid JSON ({err.msg}); expected one {{"{text_field}": ...}} object per line'
+        ) from None
+    if not isinstance(record, dict):
+        raise CorpusError(f"{path}:{number}: expected a JSON object with a string field {text_field!r}, "
+                          f"got {line[:80]!r}")
+    if text_field not in record:
+        keys = ", ".join(map(repr, list(record)[:8])) or "none"
+        raise CorpusError(f"{path}:{number}: no field {text_field!r} (keys: {keys}); expected data.text_field to "
+                          "name the key holding the text")
+    value = record[text_field]
+    if not isinstance(value, str):
+        raise CorpusError(f"{path}:{number}: field {text_field!r} is {type(value).__name__} {str(value)[:40]!r}, "
+                          "expected a string")
+    return value
+
+
+def parquet_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """The string column ``text_field``, one row group at a time; a bad file, column or row raises naming it."""
+    try:
+        reader = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise CorpusError(f"{path}: not a readable parquet file ({err}); expected a complete parquet file") from None
+    with reader:
+        schema = reader.schema_arrow
+        if text_field not in schema.names:
+            raise CorpusError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); expected "
+                              "data.text_field to name the text column")
+        kind = schema.field(text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+            raise CorpusError(f"{path}: column {text_field!r} has type {kind}, expected a string column")
+        row = 0
+        for group in range(reader.num_row_groups):
+            try:
+                values = reader.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+            except (pa.ArrowException, OSError) as err:
+                raise CorpusError(f"{path}: row group {group} (rows from {row}) is unreadable ({err}); expected a "
+                                  "complete parquet file") from None
+            for j, value in enumerate(values):
+                if value is None:
+                    raise CorpusError(f"{path}: row {row + j}: {text_field!r} is null, expected a string")
+            row += len(values)
+            yield from values
+
+
+def _datasets():
+    """The ``datasets`` library, offline; an optional extra."""
+    # Never reach the network: a local folder or local files are all a source may name.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        # optional and slow to import (pandas, fsspec, ...): only data.corpus=hf needs it
+        import datasets
+    except ImportError:
+        raise CorpusError("data.corpus=hf needs the datasets library; pip install -e '.[hf]'") from None
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def hf_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """Rows of a ``save_to_disk`` folder or of local data files, streamed with the ``datasets`` library."""
+    datasets = _datasets()
+    if is_saved_dataset(path):
+        if (path / "dataset_dict.json").is_file():
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            raise CorpusError(f"{path}: a DatasetDict folder (splits {', '.join(splits)}); expected one split's "
+                              f"folder, e.g. {path / (splits[0] if splits else 'train')}")
+        dataset = datasets.load_from_disk(str(path))
+        if text_field not in dataset.column_names:
+            raise CorpusError(f"{path}: no column {text_field!r} (columns: {', '.join(dataset.column_names)}); "
+                              "expected data.text_field to name the text column")
+        rows = dataset.select_columns([text_field]).to_iterable_dataset()
+    else:
+        builder = next((b for suffix, b in HF_BUILDERS.items() if path.name.endswith((suffix, suffix + ".gz",
+                                                                                      suffix + ".zst"))), None)
+        if builder is None:
+            raise CorpusError(f"{path}: no datasets builder for this file; expected one of "
+                              f"{', '.join(SUFFIXES['hf'])} or a save_to_disk folder")
+        rows = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True)
+    row = 0
+    try:
+        for batch in rows.iter(batch_size=HF_BATCH):
+            if text_field not in batch:
+                raise CorpusError(f"{path}: row {row}: no field {text_field!r} (fields: {', '.join(batch)}); "
+                                  "expected data.text_field to name the text column")
+            values = batch[text_field]
+            for j, value in enumerate(values):
+                if not isinstance(value, str):
+                    raise CorpusError(f"{path}: row {row + j}: {text_field!r} is {type(value).__name__} "
+                                      f"{str(value)[:40]!r}, expected a string")
+            row += len(values)
+            yield from values
+    except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as err:
+        raise CorpusError(f"{path}: unreadable after row {row} ({str(err).splitlines()[0]}); expected a complete "
+                          "data file") from None
+
+
+def file_documents(source: SourceConfig, path: Path) -> Iterator[str]:
+    """Every document of one file of ``source``, empty ones included (the caller skips and counts them)."""
+    kind = source.corpus
+    if kind == "wikitext2":
+        yield from wikitext_articles(read_text(path))
+    elif kind == "text":
+        yield read_text(path)
+    elif kind == "jsonl":
+        yield from (doc for doc in jsonl_documents(path, source.text_field) if doc is not None)
+    elif kind == "parquet":
+        yield from parquet_documents(path, source.text_field)
+    else:
+        yield from hf_documents(path, source.text_field)
 
 
 def read_split(config: Config, split: str, sources: list[Path] | None = None) -> SplitText:
-    """Read ``split`` into documents, skipping (and counting) empty and whitespace-only ones."""
-    sources = find_sources(config, split) if sources is None else sources
+    """Read ``split`` of the one ``data.*`` corpus into memory, skipping (and counting) empty documents.
+
+    For small corpora and tests; prepare streams files with :func:`file_documents` instead.
+    """
+    source = config.data.resolved_sources()[0]
+    sources = source_files(source, split) if sources is None else sources
     result = SplitText(name=split, sources=sources)
     for path in sources:
-        text = read_text(path)
-        if config.data.corpus == "wikitext2":
-            docs = wikitext_articles(text)
-        elif config.data.corpus == "jsonl":
-            docs = jsonl_documents(path, text)
-        else:
-            docs = [text]
-        for doc in docs:
+        for doc in file_documents(source, path):
             if doc.strip():
                 result.documents.append(doc)
             else:

@@ -1,37 +1,44 @@
-"""An epoch as a random-access Grain dataset, and the epochs chained into one iterator with state ``{epoch, batch}``.
+"""A window of an epoch as a random-access Grain dataset, and the windows and epochs chained into one iterator.
 
-``epoch_dataset(planner, epoch, ...)[k]`` is this process's slice of global
-batch ``k`` of that epoch, built from the epoch's plan by the one contract
-builder. :class:`EpochsIterDataset` chains the epochs; its iterator state is
-two integers (JSON, saved in checkpoints), so resuming at any step replays
-nothing and skips nothing.
+``window_dataset(planner, epoch, position, ...)[k]`` is this process's slice
+of global batch ``k`` of the window served at ``position`` of that epoch,
+built from the window's plan by the one contract builder.
+:class:`EpochsIterDataset` chains windows and epochs; its iterator state is
+``{epoch, batch, window, window_batch}`` (JSON, saved in checkpoints):
+``batch`` counts the epoch's batches, ``window`` and ``window_batch`` say
+where they are, so resuming plans one window (O(1) in the corpus size) and
+replays nothing and skips nothing. A state with only ``epoch`` and ``batch``
+(an older checkpoint, or a position chosen by hand) is found by counting
+the epoch's windows.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import grain
 import numpy as np
 
 from seqjax.data.contract import contract_batch
 from seqjax.data.plan import EpochPlanner
+from seqjax.errors import DataError
 
 # Batches are built this many token slots at a time: numpy's per-call overhead dominates a single batch.
 BUILD_SLOTS = 1 << 18
 
 
-def epoch_dataset(planner: EpochPlanner, epoch: int, process_index: int, process_count: int) -> grain.MapDataset:
-    """Random access to this process's batches of one epoch: ``ds[k]`` is its slice of global batch ``k``.
+def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_index: int,
+                   process_count: int) -> grain.MapDataset:
+    """Random access to this process's batches of one window: ``ds[k]`` is its slice of the window's batch ``k``.
 
     Consecutive batches are built together (a group of about ``BUILD_SLOTS``
     tokens) and the last group is kept, so sequential reads cost one
     vectorized build per group while any ``k`` can still be read directly.
     """
-    plan = planner.plan(epoch)
+    plan = planner.window_plan(epoch, position)
     tokens = planner.store.tokens
     local = plan.batch_size // process_count
-    group = max(1, BUILD_SLOTS // (local * int(plan.widths.max())))
+    group = max(1, BUILD_SLOTS // (local * int(plan.widths.max()))) if plan.num_batches else 1
     cache: dict[int, dict[str, np.ndarray]] = {}
 
     def build(g: int) -> dict[str, np.ndarray]:
@@ -54,39 +61,61 @@ def epoch_dataset(planner: EpochPlanner, epoch: int, process_index: int, process
 
 
 class EpochsIterDataset(grain.IterDataset):
-    """Epoch after epoch of a per-epoch ``MapDataset`` factory; state ``{"epoch", "batch"}`` for exact resumption."""
+    """Window after window, epoch after epoch, of a planner; state ``{epoch, batch, window, window_batch}``."""
 
-    def __init__(self, make_epoch: Callable[[int], grain.MapDataset]):
+    def __init__(self, planner: EpochPlanner, process_index: int = 0, process_count: int = 1):
         super().__init__()
-        self._make_epoch = make_epoch
+        self._args = (planner, process_index, process_count)
 
     def __iter__(self) -> "_EpochsIterator":
-        return _EpochsIterator(self._make_epoch)
+        return _EpochsIterator(*self._args)
 
 
 class _EpochsIterator(grain.DatasetIterator):
-    def __init__(self, make_epoch: Callable[[int], grain.MapDataset]):
+    def __init__(self, planner: EpochPlanner, process_index: int, process_count: int):
         super().__init__()
-        self._make_epoch = make_epoch
-        self._epoch, self._batch = 0, 0
-        self._current: tuple[int, grain.MapDataset] | None = None
+        self._planner, self._shard = planner, (process_index, process_count)
+        self._epoch = self._batch = self._window = self._window_batch = 0
+        self._current: tuple[tuple[int, int], grain.MapDataset] | None = None
 
     def _dataset(self) -> grain.MapDataset:
-        if self._current is None or self._current[0] != self._epoch:
-            self._current = (self._epoch, self._make_epoch(self._epoch))
+        key = (self._epoch, self._window)
+        if self._current is None or self._current[0] != key:
+            self._current = (key, window_dataset(self._planner, *key, *self._shard))
         return self._current[1]
 
     def __next__(self) -> dict[str, np.ndarray]:
-        ds = self._dataset()
-        while self._batch >= len(ds):
-            self._epoch, self._batch = self._epoch + 1, 0
+        empty = 0  # windows in a row that gave no batch: a whole epoch of them means none ever will
+        while True:
+            windows = len(self._planner.windows(self._epoch))
+            if self._window >= windows:
+                self._epoch, self._batch, self._window, self._window_batch = self._epoch + 1, 0, 0, 0
+                continue
             ds = self._dataset()
-        item = ds[self._batch]
+            if self._window_batch < len(ds):
+                break
+            empty = empty + 1 if len(ds) == 0 else 0
+            if empty > windows:
+                raise DataError(f"epoch {self._epoch} gives no batch: every window of it is empty")
+            self._window, self._window_batch = self._window + 1, 0
+        item = ds[self._window_batch]
+        self._window_batch += 1
         self._batch += 1
         return item
 
     def get_state(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "batch": self._batch}
+        return {"epoch": self._epoch, "batch": self._batch, "window": self._window,
+                "window_batch": self._window_batch}
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._epoch, self._batch = int(state["epoch"]), int(state["batch"])
+        if "window" in state:
+            self._window, self._window_batch = int(state["window"]), int(state["window_batch"])
+            return
+        self._window, left = 0, self._batch  # find batch k by counting the windows before it
+        while self._window < len(self._planner.windows(self._epoch)):
+            size = self._planner.window_batches(self._epoch, self._window)
+            if left < size:
+                break
+            self._window, left = self._window + 1, left - size
+        self._window_batch = left

@@ -4,15 +4,18 @@ It reads as four steps, each in its own module:
 
 1. **check** (:func:`seqjax.data.strategies.check`): the store can give what the
    config asks for, or a :class:`~seqjax.errors.DataError` says why, before any work;
-2. **plan** (:class:`seqjax.data.plan.EpochPlanner`): each epoch's rows as a
-   :class:`~seqjax.data.rows.RowPlan`, a pure function of ``(run.seed, epoch)``
-   computed with vectorized numpy;
-3. **epoch dataset** (:func:`seqjax.data.epochs.epoch_dataset`): a random-access
-   ``grain.MapDataset`` of *global batch index -> this process's slice of that
+2. **plan** (:class:`seqjax.data.plan.EpochPlanner`): each epoch's rows, a
+   window at a time, as :class:`~seqjax.data.rows.RowPlan` s, a pure function of
+   ``(run.seed, epoch, window)`` computed with vectorized numpy;
+3. **window dataset** (:func:`seqjax.data.epochs.window_dataset`): a random-access
+   ``grain.MapDataset`` of *batch index -> this process's slice of that global
    batch*, built by the one contract builder (:mod:`seqjax.data.contract`);
-4. **iterator** (:class:`seqjax.data.epochs.EpochsIterDataset`): the epochs chained;
-   its state is ``{"epoch", "batch"}`` (JSON), so resuming replays nothing and
-   skips nothing.
+4. **iterator** (:class:`seqjax.data.epochs.EpochsIterDataset`): windows and epochs
+   chained; its state is ``{"epoch", "batch", "window", "window_batch"}`` (JSON),
+   so resuming replays nothing and skips nothing.
+
+A mixture store (``data.sources``) goes to :class:`seqjax.data.mixture.MixtureIterDataset`:
+steps 2-4 for each source, and a schedule that shares each batch's rows out by weight.
 
 Grain's own packers (``packer=grain_*``, :mod:`seqjax.data.grain_packing`) are
 the exception: a Grain ``IterDataset`` transform whose state is Grain's own.
@@ -20,17 +23,15 @@ the exception: a Grain ``IterDataset`` transform whose state is Grain's own.
 
 from __future__ import annotations
 
-import functools
-
 import grain
 
 from seqjax.config import Config, ConfigError
 from seqjax.data import strategies
-from seqjax.data.epochs import EpochsIterDataset, epoch_dataset
+from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
+from seqjax.data.mixture import MixtureIterDataset
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.store import TokenStore
-from seqjax.errors import DataError
 
 
 def build_pipeline(
@@ -52,13 +53,13 @@ def build_pipeline(
     if strategies.uses_grain_packer(d):
         return grain_packed(config, store, process_index=process_index, process_count=process_count).batch(
             local, drop_remainder=True)
+    if store.sources:  # a mixture: every strategy runs within each source, the schedule shares out the rows
+        planners = []
+        for source in store.source_stores:
+            strategies.check(config, source, process_count)
+            planners.append(EpochPlanner(config, source))
+            planners[-1].check_rows(whole_batch=False)
+        return MixtureIterDataset(config, store, planners, process_index, process_count)
     planner = EpochPlanner(config, store)
-    first = planner.plan(0)
-    if first.num_rows < d.batch_size and strategies.STRATEGIES[d.strategy].has_epochs:
-        raise DataError(
-            f"data.batch_size={d.batch_size} is larger than one epoch of data: data.strategy={d.strategy} gives "
-            f"{first.num_rows} rows of data.seq_len={d.seq_len} "
-            f"from {store.num_tokens} tokens in {store.num_docs} documents"
-        )
-    return EpochsIterDataset(functools.partial(epoch_dataset, planner, process_index=process_index,
-                                               process_count=process_count))
+    planner.check_rows()
+    return EpochsIterDataset(planner, process_index, process_count)

@@ -6,7 +6,6 @@ tables come from it (scripts/bench_data.py).
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -14,11 +13,18 @@ import numpy as np
 
 from seqjax.config import Config
 from seqjax.data import strategies
-from seqjax.data.epochs import EpochsIterDataset, epoch_dataset
+from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
+from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.rows import RowPlan, coverage
 from seqjax.data.store import TokenStore
+
+
+def _filled(d, real: int, slots: int) -> dict[str, Any]:
+    """The fields every report starts with: the strategy, the row length, real tokens and the padding they leave."""
+    return {"strategy": strategies.label(d), "seq_len": d.seq_len, "real_tokens": real,
+            "padding_fraction": 1.0 - real / slots if slots else 0.0}
 
 
 def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, Any]:
@@ -38,7 +44,7 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
     else:
         planner = EpochPlanner(config, store)
         plan = planner.plan(epoch)
-        batches = iter(EpochsIterDataset(functools.partial(epoch_dataset, planner, process_index=0, process_count=1)))
+        batches = iter(EpochsIterDataset(planner))
         batches.set_state({"epoch": epoch, "batch": 0})
         for _ in range(plan.num_batches):  # the training path: sequential reads, one build per group
             next(batches)
@@ -51,17 +57,50 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         counts, dropped = document_coverage(plan, store)
         rows, n_batches = int(len(segs)), plan.num_batches
     return {
-        "strategy": strategies.label(d),
+        **_filled(d, real, slots),
         "rows": rows,
-        "seq_len": d.seq_len,
-        "real_tokens": real,
-        "padding_fraction": 1.0 - real / slots if slots else 0.0,
         "tokens_dropped": int(dropped),
         **counts,
         "segments_per_row_mean": float(segs.mean()) if len(segs) else 0.0,
         "segments_per_row_max": int(segs.max()) if len(segs) else 0,
         "batches_per_epoch": n_batches,
         "tokens_per_s": real / seconds if seconds > 0 else float("inf"),
+    }
+
+
+def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, Any]:
+    """What ``steps`` batches of a mixture draw from each source: rows and real tokens, against the weights."""
+    d = config.data
+    iterator = iter(build_pipeline(config, store))
+    schedule = iterator.schedule
+    names = [name for name, *_ in store.sources]
+    rows, tokens = np.zeros(len(names), np.int64), np.zeros(len(names), np.int64)
+    real = slots = 0
+    t0 = time.perf_counter()
+    for step in range(steps):
+        batch = next(iterator)
+        per_row = batch["weights"].sum(axis=1).astype(np.int64)
+        sources = schedule.sources(step)
+        rows += np.bincount(sources, minlength=len(names))
+        tokens += np.bincount(sources, weights=per_row, minlength=len(names)).astype(np.int64)
+        real += int(per_row.sum())
+        slots += batch["weights"].size
+    seconds = time.perf_counter() - t0
+    total_weight = sum(w for _, w, *_ in store.sources)
+    return {
+        **_filled(d, real, slots),
+        "steps": steps,
+        "tokens_per_s": real / seconds if seconds > 0 else float("inf"),
+        "sources": {
+            name: {
+                "weight": round(w / total_weight, 6),
+                "rows": int(rows[i]),
+                "row_fraction": round(float(rows[i] / rows.sum()), 6),
+                "tokens": int(tokens[i]),
+                "token_fraction": round(float(tokens[i] / max(1, tokens.sum())), 6),
+            }
+            for i, (name, w, *_) in enumerate(store.sources)
+        },
     }
 
 

@@ -34,22 +34,36 @@ from typing import Callable
 
 import numpy as np
 
-from seqjax.config import Config, ConfigError, DataConfig
+from seqjax.config import GRAIN_PACKERS, Config, ConfigError, DataConfig
 from seqjax.data import packing, sequences
 from seqjax.data.store import TokenStore
-from seqjax.errors import DataError
+from seqjax.errors import DataError, StoreError
 
-# (store, data config, run.seed, epoch, the epoch's rng) -> (starts, lengths)
-SpanFn = Callable[[TokenStore, DataConfig, int, int, np.random.Generator], tuple[np.ndarray, np.ndarray]]
 
-GRAIN_PACKERS = ("grain_first_fit", "grain_best_fit", "grain_concat_split")
+@dataclass(frozen=True)
+class Rows:
+    """An epoch of a stream strategy as arithmetic: ``count`` rows, and ``spans(lo, hi)`` the spans of rows lo..hi-1.
+
+    Rows are computed a window at a time, so planning never holds a whole
+    epoch's spans (see :mod:`seqjax.data.plan`).
+    """
+
+    count: int
+    spans: Callable[[int, int], tuple[np.ndarray, np.ndarray]]
+
+
+# (store, data config, run.seed, epoch, the epoch's rng) -> the epoch's rows
+RowsFn = Callable[[TokenStore, DataConfig, int, int, np.random.Generator], Rows]
+# (store, data config, first document, end document) -> (starts, lengths) of that window of documents
+WindowSpansFn = Callable[[TokenStore, DataConfig, int, int], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass(frozen=True)
 class Strategy:
     """One ``data.strategy``: how it cuts the store and what the pipeline may assume about its rows."""
 
-    spans: SpanFn | None  # stream strategies: one span per row; None: rows are whole documents (data.overlong applies)
+    rows: RowsFn | None  # stream strategies whose rows are arithmetic: planned in windows of rows
+    window_spans: WindowSpansFn | None  # block: spans of a window of documents; both None: rows are whole documents
     per_epoch: bool  # the spans differ every epoch, so they are recomputed
     shuffles: bool  # data.shuffle permutes the rows
     pads: bool  # a row may hold fewer than seq_len predictions
@@ -59,7 +73,7 @@ class Strategy:
 
     @property
     def documents(self) -> bool:
-        return self.spans is None
+        return self.rows is None and self.window_spans is None
 
 
 def random_window_steps(store: TokenStore, d: DataConfig) -> int:
@@ -67,31 +81,79 @@ def random_window_steps(store: TokenStore, d: DataConfig) -> int:
     return max(1, (store.num_tokens - 1) // (d.batch_size * d.seq_len))
 
 
-def _window(store, d, seed, epoch, rng):
-    return sequences.window_spans(store.num_tokens, d.seq_len, d.resolved_stride)
+def _full(starts: np.ndarray, d: DataConfig) -> tuple[np.ndarray, np.ndarray]:
+    return starts, np.full(len(starts), d.seq_len + 1, np.int64)
 
 
-def _random_offset(store, d, seed, epoch, rng):
+def _window(store, d, seed, epoch, rng) -> Rows:
+    """sequences.window_spans, row by row: row r starts at r * stride."""
+    stride, last = d.resolved_stride, store.num_tokens - d.seq_len
+    return Rows(max(0, -(-last // stride)), lambda lo, hi: _full(np.arange(lo, hi, dtype=np.int64) * stride, d))
+
+
+def _random_offset(store, d, seed, epoch, rng) -> Rows:
+    """sequences.chunk_spans after this epoch's offset: row r starts at offset + r * seq_len."""
     n = store.num_tokens
-    return sequences.chunk_spans(n, d.seq_len, int(rng.integers(min(d.seq_len, n - 1))))  # leave a token to predict
+    offset = int(rng.integers(min(d.seq_len, n - 1)))  # leave a token to predict
+
+    def spans(lo, hi):
+        starts = offset + np.arange(lo, hi, dtype=np.int64) * d.seq_len
+        return starts, np.minimum(d.seq_len + 1, n - starts)
+
+    return Rows(len(range(offset, n - 1, d.seq_len)), spans)
 
 
-def _sequential(store, d, seed, epoch, rng):
-    return sequences.sequential_spans(store.num_tokens, d.seq_len, d.batch_size, int(rng.integers(d.seq_len)))
+def _sequential(store, d, seed, epoch, rng) -> Rows:
+    """sequences.sequential_spans: row r is stream r % batch_size, its (r // batch_size)-th piece."""
+    offset = int(rng.integers(d.seq_len))
+    stream = (store.num_tokens - offset - 1) // d.batch_size
+
+    def spans(lo, hi):
+        k, b = np.divmod(np.arange(lo, hi, dtype=np.int64), d.batch_size)
+        return _full(offset + b * stream + k * d.seq_len, d)
+
+    return Rows(stream // d.seq_len * d.batch_size, spans)
 
 
-def _random_window(store, d, seed, epoch, rng):
-    steps = random_window_steps(store, d)
-    return sequences.random_window_spans(store.num_tokens, d.seq_len, d.batch_size, seed,
-                                         range(epoch * steps, (epoch + 1) * steps))
+def _random_window(store, d, seed, epoch, rng) -> Rows:
+    """sequences.random_window_spans: the draws of step s come from (seed, s), whatever window asks."""
+    steps, b = random_window_steps(store, d), d.batch_size
+
+    def spans(lo, hi):
+        first = epoch * steps + lo // b
+        starts, _ = sequences.random_window_spans(store.num_tokens, d.seq_len, b, seed,
+                                                  range(first, epoch * steps + -(-hi // b)))
+        return _full(starts[lo % b : lo % b + hi - lo], d)
+
+    return Rows(steps * b, spans)
 
 
-def _concat_chunk(store, d, seed, epoch, rng):
-    return sequences.concat_chunk_spans(store.doc_offsets, store.num_tokens, d.seq_len + 1)
+def _concat_chunk(store, d, seed, epoch, rng) -> Rows:
+    """sequences.concat_chunk_spans: each map batch's rows, found by its running row count."""
+    block = d.seq_len + 1
+    group_starts = np.asarray(store.doc_offsets[:-1][:: sequences.HF_MAP_BATCH], np.int64) - 1
+    group_ends = np.append(group_starts[1:], store.num_tokens)
+    per_group = (group_ends - group_starts) // block
+    ends = np.cumsum(per_group)
+
+    def spans(lo, hi):
+        r = np.arange(lo, hi, dtype=np.int64)
+        g = np.searchsorted(ends, r, "right")
+        return _full(group_starts[g] + (r - (ends[g] - per_group[g])) * block, d)
+
+    return Rows(int(ends[-1]) if len(ends) else 0, spans)
 
 
-def _block(store, d, seed, epoch, rng):
-    return sequences.block_spans(store.line_offsets, store.doc_offsets, store.num_tokens, d.seq_len, d.break_mode)
+def _block(store, d, first, end):
+    """sequences.block_spans on the documents first..end-1 (a window never crosses into the next)."""
+    lo, hi = int(store.doc_offsets[first]) - 1, int(store.doc_offsets[end]) - 1  # the window's opening, closing EOT
+    if d.break_mode == "none":
+        starts, lengths = sequences.chunk_spans(hi - lo + 1, d.seq_len)
+        return starts + lo, lengths
+    lines = np.asarray(store.line_offsets)
+    a, b = np.searchsorted(lines, [lo + 1, hi + 1])
+    return sequences.block_spans(lines[a : b + 1], np.asarray(store.doc_offsets[first : end + 1]), hi + 1,
+                                 d.seq_len, d.break_mode)
 
 
 def _streams_fit(store: TokenStore, d: DataConfig) -> None:
@@ -105,16 +167,16 @@ def _streams_fit(store: TokenStore, d: DataConfig) -> None:
 
 
 STRATEGIES: dict[str, Strategy] = {
-    "window": Strategy(_window, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
-    "random_offset": Strategy(_random_offset, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
-    "sequential": Strategy(_sequential, per_epoch=True, shuffles=False, pads=False, needs_full_row=False,
+    "window": Strategy(_window, None, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
+    "random_offset": Strategy(_random_offset, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
+    "sequential": Strategy(_sequential, None, per_epoch=True, shuffles=False, pads=False, needs_full_row=False,
                            check_store=_streams_fit),
-    "random_window": Strategy(_random_window, per_epoch=True, shuffles=False, pads=False, needs_full_row=True,
+    "random_window": Strategy(_random_window, None, per_epoch=True, shuffles=False, pads=False, needs_full_row=True,
                               has_epochs=False),
-    "concat_chunk": Strategy(_concat_chunk, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
-    "block": Strategy(_block, per_epoch=False, shuffles=True, pads=True, needs_full_row=False),
-    "pack": Strategy(None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
-    "length_grouped": Strategy(None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
+    "concat_chunk": Strategy(_concat_chunk, None, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
+    "block": Strategy(None, _block, per_epoch=False, shuffles=True, pads=True, needs_full_row=False),
+    "pack": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
+    "length_grouped": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
 }
 
 
@@ -137,6 +199,14 @@ def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
     d = config.data
     if store.num_docs < 1 or store.predicted_tokens < 1:
         raise DataError("the token store is empty: it holds no tokens to predict")
+    vocab = config.model.vocab_size or store.vocab_size
+    if store.max_id >= vocab:
+        where = f"token store {store.path}" if store.path else "the token store"
+        raise StoreError(
+            f"{where} holds token id {store.max_id}, outside the vocabulary of {vocab} "
+            f"({'model.vocab_size' if config.model.vocab_size else 'its tokenizer'}): the model would read past its "
+            "embedding. Rebuild the store with the model's tokenizer (python -m seqjax.prepare) or fix model.vocab_size"
+        )
     if d.batch_size % process_count:
         raise ConfigError(
             f"data.batch_size: got {d.batch_size}, expected a multiple of the process count {process_count}"

@@ -18,12 +18,16 @@ Choices and why:
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -32,6 +36,7 @@ from seqjax.errors import TokenizerError
 
 BYTE_ALPHABET = 256
 WORD_LEVEL_UNK = "<unk>"
+NEWLINE_SYMBOL = "\u010a"  # how the byte-level alphabet writes b"\n" ("Ċ")
 
 
 class Tokenizer:
@@ -81,6 +86,49 @@ class Tokenizer:
         ``add_special_tokens=False``, which the lm-evaluation-harness uses); may differ from :meth:`encode`
         at line starts for tokenizers that do not split at newlines (SentencePiece's ``▁``, Llama 3's ``\n\n``)."""
         return self._hf.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def splits_at_newlines(self) -> bool:
+        """Whether the pre-tokenizer cuts at every ``\\n`` first (seqjax's own do), so no token spans two lines."""
+        pre = json.loads(self._hf.to_str()).get("pre_tokenizer") or {}
+        first = (pre.get("pretokenizers") or [{}])[0] if pre.get("type") == "Sequence" else pre
+        return (first.get("type") == "Split" and first.get("pattern") == {"String": "\n"}
+                and first.get("behavior") == "MergedWithPrevious" and not first.get("invert"))
+
+    @functools.cached_property
+    def _ends_line(self) -> np.ndarray:
+        """For each id, whether its token ends with a newline, i.e. ends a line (under ``splits_at_newlines``)."""
+        ends = np.zeros(self.vocab_size, bool)
+        for token, i in self._hf.get_vocab(with_added_tokens=False).items():
+            ends[i] = token.endswith(NEWLINE_SYMBOL)
+        return ends
+
+    def encode_documents(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Many documents at once, as the store holds them: (all ids, flat; tokens per document; tokens per line).
+
+        Each document needs at least one token (no empty text). ``["a\\nbc", "d"]``
+        gives the ids of ``a\\n``, ``bc`` and ``d`` one after another, document
+        lengths ``[len(a\\n) + len(bc), len(d)]`` and line lengths ``[len(a\\n),
+        len(bc), len(d)]``, exactly what :meth:`encode` gives line by line.
+        When the tokenizer cuts at newlines itself, whole documents are encoded
+        and line ends are read off the ids (fewer, larger calls); any other
+        tokenizer encodes line by line.
+        """
+        if self.splits_at_newlines:
+            ids = [e.ids for e in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
+            doc_lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
+            flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, count=int(doc_lengths.sum()))
+            ends = self._ends_line[flat]
+            ends[np.cumsum(doc_lengths) - 1] = True  # a document's last line may lack its newline
+            line_lengths = np.diff(np.flatnonzero(ends), prepend=-1)
+            return flat, doc_lengths, line_lengths
+        lines = [split_lines(t) for t in texts]
+        encoded = self.encode_lines([line for doc in lines for line in doc])
+        line_lengths = np.fromiter(map(len, encoded), np.int64, count=len(encoded))
+        per_doc = np.fromiter(map(len, lines), np.int64, count=len(lines))
+        doc_lengths = np.add.reduceat(line_lengths, np.cumsum(per_doc) - per_doc) if len(lines) else per_doc
+        flat = np.fromiter(itertools.chain.from_iterable(encoded), np.int64, count=int(line_lengths.sum()))
+        return flat, doc_lengths, line_lengths
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special tokens are kept as their text so that round trips are exact."""

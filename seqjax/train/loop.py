@@ -233,7 +233,7 @@ def _train(config: Config, mesh, wall_start: float, validate) -> dict[str, Any]:
     data_iterator = iter(build_pipeline(config, train_store, process_index=process_index, process_count=process_count))
     # What the batches are cut from; a checkpoint records it, so a resume on other text or another tokenizer is seen.
     identity = {"tokenizer": prepared.tokenizer.hash,
-                "sources": [s["sha256"] for s in train_store.manifest.get("sources", [])]}
+                "sources": train_store.text_identity}
     checkpoints = Checkpointer(run_dir, tc)
     start_step, tokens_seen, restored = 0, 0, None
     try:
