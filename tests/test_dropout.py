@@ -28,7 +28,7 @@ from seqjax.model.attention import attention
 from seqjax.model.decode import generate
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.step import make_train_step
-from test_multiprocess import launch
+from test_multiprocess import run_two_processes
 from test_train_support import REPO, cli_env, tiny_overrides, train_losses
 
 VOCAB = 64
@@ -210,7 +210,8 @@ def test_resume_with_dropout_on_8_devices_draws_the_masks_of_one_device(dropout_
 def test_two_processes_with_dropout_match_one_process(dropout_runs, tiny_root, tmp_path):
     whole, _ = dropout_runs
     run_dir = tmp_path / "run"
-    launch(tiny_overrides(tiny_root, run_dir, **DROPOUT, **{"mesh.data": 4, "mesh.fsdp": 2, "train.steps": 6}))
+    run_two_processes(tiny_overrides(tiny_root, run_dir, **DROPOUT,
+                                     **{"mesh.data": 4, "mesh.fsdp": 2, "train.steps": 6}))
     losses, expected = train_losses(run_dir), train_losses(whole)
     assert sorted(losses) == list(range(1, 7))
     for step, loss in losses.items():

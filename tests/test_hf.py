@@ -272,6 +272,16 @@ def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path)
     _, direct = hf.load(folder, ["model.attention=xla"])
     ids = random_ids((1, T))
     np.testing.assert_array_equal(logits(model, ids), logits(direct, ids))
+    from seqjax.errors import CheckpointMismatchError
+    from seqjax.train.checkpoint import Checkpointer
+
+    checkpoints = Checkpointer(tmp_path / "run", config.train)  # training there: refused, the import kept
+    try:
+        with pytest.raises(CheckpointMismatchError, match=r"holds parameters only .* train.init_from=.*run"):
+            checkpoints.restore_latest({}, {}, jax.numpy.zeros(2, jax.numpy.uint32), config, {})
+    finally:
+        checkpoints.close()
+    assert load_for_inference(tmp_path / "run")[0].model == config.model
     with pytest.raises(SystemExit) as exit_:  # nothing already written is lost
         import_hf.main([str(folder), "--out", str(tmp_path / "run")])
     assert exit_.value.code == 2

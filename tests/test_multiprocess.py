@@ -45,6 +45,20 @@ def launch(overrides: list[str]) -> list[subprocess.Popen]:
     ]
 
 
+def run_two_processes(overrides: list[str]) -> list[str]:
+    """:func:`launch`, then wait for both to end; both must succeed. Returns their stderr."""
+    procs = launch(overrides)
+    try:
+        errors = [p.communicate(timeout=400)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, err in zip(procs, errors):
+        assert p.returncode == 0, err[-4000:]
+    return errors
+
+
 def wait_for(condition, procs, what: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -69,6 +69,7 @@ CONFIG_FILE = "config.yaml"
 # The run's own copy of its tokenizer: a run folder copied to another machine still has it.
 TOKENIZER_FILE = "tokenizer.json"
 ITEMS_CHECKED = ("params", "opt_state", "rng")  # the arrays whose shapes and dtypes a restore must match
+PARAMS_ONLY = "params_only"  # the meta key of a checkpoint of parameters alone (seqjax.import's)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 MB = 1 << 20
 
@@ -184,8 +185,10 @@ def _os_error_in(message: str) -> str:
     return f"[Errno {found[1]}] {os.strerror(int(found[1]))}" if found else ""
 
 
-def read_saved(step_dir: Path, fallback_config: Path | None = None) -> Saved:
-    """A step folder's config, meta, array table and data positions; raises if any of them is unreadable."""
+def read_saved(step_dir: Path, fallback_config: Path | None = None, items: tuple[str, ...] = ITEMS_CHECKED) -> Saved:
+    """A step folder's config, meta, array table (of ``items``) and data positions; raises if any of them is
+    unreadable. A parameters-only checkpoint (:func:`save_params`) has no data positions: it reads with
+    ``items=("params",)`` and gives none."""
     meta = json.loads((step_dir / "meta" / "metadata").read_text())
     config_file = step_dir / "config" / "metadata"
     if config_file.exists():
@@ -196,9 +199,9 @@ def read_saved(step_dir: Path, fallback_config: Path | None = None) -> Saved:
         except ConfigError:
             config = None
     handler = ocp.StandardCheckpointHandler()
-    arrays = {item: array_table(handler.metadata(epath.Path(step_dir / item)).tree) for item in ITEMS_CHECKED}
+    arrays = {item: array_table(handler.metadata(epath.Path(step_dir / item)).tree) for item in items}
     data_states = {p.name: json.loads(p.read_text()) for p in sorted((step_dir / "data").glob("process_*.json"))}
-    if not data_states:
+    if not data_states and not meta.get(PARAMS_ONLY):
         raise FileNotFoundError(f"{step_dir / 'data'}: no data position (process_*.json)")
     return Saved(int(step_dir.name), step_dir, config, meta, arrays, data_states)
 
@@ -292,6 +295,14 @@ def _next_epoch_boundary(state: dict[str, Any] | None, config: Config) -> dict[s
     if state is not None and "epoch" in state:
         return {"epoch": next_epoch(state), "batch": 0}
     return {"epoch": 0, "batch": 0}
+
+
+def _params_only(step_dir: Path) -> bool:
+    """Whether a step folder is a checkpoint of parameters alone (:func:`save_params`)."""
+    try:
+        return bool(json.loads((step_dir / "meta" / "metadata").read_text()).get(PARAMS_ONLY))
+    except (OSError, ValueError, AttributeError):
+        return False  # unreadable: restore_latest treats it as damage
 
 
 def _dir_bytes(path: Path) -> int:
@@ -499,6 +510,11 @@ class Checkpointer:
         templates = {"params": _abstract(params), "opt_state": _abstract(opt_state),
                      "rng": _abstract({"key": rng})}
         for step in sorted(self.manager.all_steps(), reverse=True):
+            if _params_only(self.directory / str(step)):  # not damage: nothing to resume, and nothing is moved
+                raise CheckpointMismatchError(
+                    f"checkpoint {self.directory / str(step)} holds parameters only (an import); training cannot "
+                    f"resume from it. Nothing was moved: start a new run.dir with train.init_from={self.run_dir}"
+                )
             try:
                 saved = read_saved(self.directory / str(step), self.run_dir / CONFIG_FILE)
             except Exception as err:  # noqa: BLE001 - a step that cannot describe itself is damaged
@@ -567,8 +583,9 @@ def save_params(run_dir: str | Path, step: int, params: Any, meta: dict[str, Any
     folder = Path(run_dir).absolute() / CHECKPOINTS
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
     with ocp.CheckpointManager(folder, options=options) as manager:
+        meta = {**meta, "step": step, PARAMS_ONLY: True}
         manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                                   meta=ocp.args.JsonSave({**meta, "step": step})), force=True)
+                                                   meta=ocp.args.JsonSave(meta)), force=True)
         manager.wait_until_finished()
     return folder / str(step)
 
@@ -627,7 +644,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     errors = []
 
     def restore(candidate: int) -> Any:
-        saved = read_saved(checkpoints / str(candidate), config_file)
+        saved = read_saved(checkpoints / str(candidate), config_file, items=("params",))
         wrong = array_differences(saved.arrays["params"], array_table(target))
         if wrong:
             changes = resume_changes(saved.config, config) if saved.config is not None else []

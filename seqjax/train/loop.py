@@ -181,8 +181,12 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     initialize_distributed(config.dist)
     mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work
     sharding.check_batch_fits(config.data.batch_size, mesh, config.train.grad_accum)
+    source = None
+    if config.train.init_from:  # the source's tokenizer and shapes: a mismatch is refused before run.dir exists
+        source = init_from.locate(config.train.init_from)
+        config = init_from.adopt(config, source)
     with RunLock(config.run.dir, jax.process_index(), jax.process_count()):
-        return _train(config, mesh, wall_start, validate)
+        return _train(config, mesh, wall_start, validate, source)
 
 
 def _resume_row(restored: Restored, config: Config) -> dict[str, Any]:
@@ -198,16 +202,12 @@ def _resume_row(restored: Restored, config: Config) -> dict[str, Any]:
     return row
 
 
-def _train(config: Config, mesh, wall_start: float, validate) -> dict[str, Any]:
+def _train(config: Config, mesh, wall_start: float, validate, source: init_from.Source | None) -> dict[str, Any]:
     process_index, process_count = jax.process_index(), jax.process_count()
     primary = process_index == 0
     run_dir = Path(config.run.dir)
     tc = config.train
 
-    source = None
-    if tc.init_from:  # the source's tokenizer and vocabulary; shapes checked before any data work
-        source = init_from.locate(tc.init_from)
-        config = init_from.adopt(config, source)
     # The tokenizer first: a model vocabulary too small for it is refused before any store is built.
     config = _with_vocab(config, prepare(config, splits=()).tokenizer.vocab_size)
     prepared = prepare(config, splits=("train", config.eval.split))
