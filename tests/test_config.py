@@ -177,7 +177,7 @@ def _get(tree, key):
 
 
 # Every key that holds a value (model.rope_scaling is a section; its fields are the keys).
-LEAVES = [k for k in all_keys() if "." in k and k != "train.allow_config_change"
+LEAVES = [k for k in all_keys() if "." in k and "[]" not in k and k != "train.allow_config_change"
           and not isinstance(_get(Config().to_dict(), k), dict)]
 
 
