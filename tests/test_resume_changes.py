@@ -131,3 +131,22 @@ def test_with_the_override_the_data_restarts_at_the_next_epoch_boundary(referenc
     logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
     loss, _ = lm_loss(logits, batch["targets"], batch["weights"])
     assert train_losses(run_dir)[61] == pytest.approx(float(np.asarray(loss)), rel=1e-5)
+
+
+def test_a_data_restart_moves_a_mixture_source_by_source_to_its_next_epoch():
+    from seqjax.config import load_config
+    from seqjax.train.checkpoint import _next_epoch_boundary
+
+    two = load_config(None, ["data.sources=[{name: a, train_files: [a.txt]}, {name: b, train_files: [b.txt]}]",
+                             "data.corpus=text"])
+    state = {"step": 40, "sources": [{"epoch": 2, "window": 0, "row": 0}, {"epoch": 0, "window": 1, "row": 3}]}
+    assert _next_epoch_boundary(state, two) == {
+        "step": 40, "sources": [{"epoch": 2, "window": 0, "row": 0}, {"epoch": 1, "window": 0, "row": 0}]}
+    one = load_config(None, ["data.sources=[{name: a, train_files: [a.txt]}]", "data.corpus=text"])
+    assert _next_epoch_boundary(state, one) == {"step": 0, "sources": [{"epoch": 0, "window": 0, "row": 0}]}
+    plain = load_config(None, [])
+    assert _next_epoch_boundary(state, plain) == {"epoch": 0, "batch": 0}  # out of a mixture: from the start
+    windowed = {"epoch": 3, "batch": 17, "window": 1, "window_batch": 5}
+    assert _next_epoch_boundary(windowed, plain) == {"epoch": 4, "batch": 0}
+    assert _next_epoch_boundary({"epoch": 3, "batch": 0, "window": 0, "window_batch": 0}, plain) == {"epoch": 3,
+                                                                                                  "batch": 0}
