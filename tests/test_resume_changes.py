@@ -69,14 +69,9 @@ def test_a_new_training_text_is_refused_even_under_the_same_keys(reference, tiny
     (other / "train.jsonl").write_text("\n".join(reversed(lines)) + "\n")
     overrides = tiny_overrides(tiny_root, run_dir, **{"train.steps": 70, "data.cache_dir": tmp_path / "cache",
                                                       "data.train_files": f"[{other / 'train.jsonl'}]",
-                                                      "tokenizer.path": tokenizer_of(tiny_root)})
+                                                      "tokenizer.path": run_dir / "tokenizer.json"})
     line = refused(overrides, capsys)
-    assert "training text (sha256 of each file)" in line and "set train.allow_config_change=true" in line
-
-
-def tokenizer_of(tiny_root) -> str:
-    (path,) = (tiny_root / "cache" / "tokenizers").glob("*/tokenizer.json")
-    return str(path)
+    assert "training text (xxh3 of each file)" in line and "set train.allow_config_change=true" in line
 
 
 def test_changes_that_keep_exact_resume_go_on_with_the_same_losses_and_are_printed(reference, tiny_root, tmp_path):
@@ -119,7 +114,7 @@ def test_with_the_override_the_data_restarts_at_the_next_epoch_boundary(referenc
     assert resume_row["config_changes"]["data.batch_size"] == [16, 8]
     assert resume_row["data_restart"] == {"from": stopped, "to": boundary}
     saved = json.loads((run_dir / "checkpoints" / "62" / "data" / "process_0-of-1.json").read_text())
-    assert saved == {"epoch": boundary["epoch"], "batch": 2}
+    assert (saved["epoch"], saved["batch"]) == (boundary["epoch"], 2)  # (its window keys only save planning)
     assert 60 in checkpoint_steps(run_dir) and train_losses(run_dir)[60] == reference[60]
 
     config = load_config(None, overrides)
