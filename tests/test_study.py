@@ -154,3 +154,11 @@ def test_a_difference_is_called_larger_than_the_spread_only_when_the_seed_ranges
     for a, beaten in claims.items():
         for b in values:
             assert (b in beaten) == (max(values[a]) < min(values[b]))
+
+
+def test_the_committed_study_tables_are_the_report_of_the_committed_json():
+    """BENCHMARKS.md and the README quote docs/benchmarks/study-cpu-*/results.md: it must be what the script makes."""
+    (folder,) = sorted((REPO / "docs" / "benchmarks").glob("study-cpu-*"))
+    document = json.loads((folder / "results.json").read_text())
+    assert study.report(document).strip() == (folder / "results.md").read_text().strip()
+    assert len(document["runs"]) == len(document["settings"]["strategies"]) * document["settings"]["seeds"]
