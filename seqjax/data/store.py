@@ -199,6 +199,25 @@ def concat_offsets(parts: list[np.ndarray], bases: np.ndarray) -> np.ndarray:
 # The store
 
 
+class _LoadedOnFirstUse:
+    """An array attribute that may be set to a zero-argument loader: the first read calls it and keeps the array."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = getattr(obj, self.slot)
+        if callable(value):
+            value = value()
+            setattr(obj, self.slot, value)
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.slot, value)
+
+
 class TokenStore:
     """A read-only view of one split (or of several sources' splits, one after another).
 
@@ -211,8 +230,8 @@ class TokenStore:
     def __init__(self, tokens, doc_offsets, line_offsets, eot_id: int, vocab_size: int,
                  manifest: dict[str, Any] | None = None, path: Path | None = None):
         self.tokens = tokens
-        self._doc_offsets = doc_offsets
-        self._line_offsets = line_offsets
+        self.doc_offsets = doc_offsets
+        self.line_offsets = line_offsets
         self.eot_id = int(eot_id)
         self.vocab_size = int(vocab_size)
         self.manifest = manifest if manifest is not None else {}
@@ -223,25 +242,8 @@ class TokenStore:
         if manifest is None:  # built in memory: check it now (an opened store was checked when it was built)
             self.validate()
 
-    @property
-    def doc_offsets(self) -> np.ndarray:
-        if callable(self._doc_offsets):
-            self._doc_offsets = self._doc_offsets()
-        return self._doc_offsets
-
-    @doc_offsets.setter
-    def doc_offsets(self, value) -> None:
-        self._doc_offsets = value
-
-    @property
-    def line_offsets(self) -> np.ndarray:
-        if callable(self._line_offsets):
-            self._line_offsets = self._line_offsets()
-        return self._line_offsets
-
-    @line_offsets.setter
-    def line_offsets(self, value) -> None:
-        self._line_offsets = value
+    doc_offsets = _LoadedOnFirstUse()
+    line_offsets = _LoadedOnFirstUse()
 
     # -- construction -----------------------------------------------------
 

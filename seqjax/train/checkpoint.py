@@ -189,7 +189,7 @@ def read_saved(step_dir: Path, fallback_config: Path | None = None, items: tuple
     """A step folder's config, meta, array table (of ``items``) and data positions; raises if any of them is
     unreadable. A parameters-only checkpoint (:func:`save_params`) has no data positions: it reads with
     ``items=("params",)`` and gives none."""
-    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    meta = _read_meta(step_dir)
     config_file = step_dir / "config" / "metadata"
     if config_file.exists():
         config = json.loads(config_file.read_text())
@@ -297,10 +297,15 @@ def _next_epoch_boundary(state: dict[str, Any] | None, config: Config) -> dict[s
     return {"epoch": 0, "batch": 0}
 
 
+def _read_meta(step_dir: Path) -> dict[str, Any]:
+    """A step folder's meta item (step, tokens seen, devices, data identity, ...)."""
+    return json.loads((step_dir / "meta" / "metadata").read_text())
+
+
 def _params_only(step_dir: Path) -> bool:
     """Whether a step folder is a checkpoint of parameters alone (:func:`save_params`)."""
     try:
-        return bool(json.loads((step_dir / "meta" / "metadata").read_text()).get(PARAMS_ONLY))
+        return bool(_read_meta(step_dir).get(PARAMS_ONLY))
     except (OSError, ValueError, AttributeError):
         return False  # unreadable: restore_latest treats it as damage
 
@@ -616,7 +621,7 @@ def trained_tokenizer_hash(path: str | Path) -> str | None:
                                                    reverse=True)
     for candidate in steps:
         try:
-            meta = json.loads((checkpoints / str(candidate) / "meta" / "metadata").read_text())
+            meta = _read_meta(checkpoints / str(candidate))
         except (OSError, ValueError):
             continue
         return (meta.get("data_identity") or {}).get("tokenizer")
