@@ -7,6 +7,7 @@ skipped batch, or any state not restored, changes them.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -14,13 +15,17 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from seqjax.train.metrics import read_metrics
 from test_train_support import (
     REFERENCE_STEPS,
     REPO,
     assert_ok,
     cli_env,
+    copy_reference,
     run_cli,
+    snapshot,
     tiny_overrides,
     train_losses,
 )
@@ -82,6 +87,7 @@ def test_sigterm_saves_a_checkpoint_then_exits_and_resumes(reference, tiny_root,
 def test_a_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(reference, tiny_root, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(tiny_root / "reference", run_dir)
+    (run_dir / "summary.json").unlink()  # a run that crashed has none (a finished one is not trained again)
     steps = checkpoint_steps(run_dir)
     latest, previous = steps[-1], steps[-2]
     for f in (run_dir / "checkpoints" / str(latest) / "params").rglob("*"):
@@ -95,3 +101,32 @@ def test_a_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(ref
     assert (run_dir / "checkpoints_corrupt" / str(latest)).is_dir()
     assert train_losses(run_dir) == reference
     assert latest in checkpoint_steps(run_dir)  # rewritten by the resumed run
+
+
+def test_running_a_finished_run_again_says_so_and_changes_nothing(reference, tiny_root, tmp_path):
+    """A scheduler that requeues a finished job must not blank its results (it used to rewrite summary.json)."""
+    run_dir = copy_reference(tiny_root, tmp_path / "run")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] and summary["val_loss"] is not None
+    before = snapshot(run_dir)
+    proc = run_cli(tiny_overrides(tiny_root, run_dir))
+    assert_ok(proc)
+    assert "already finished its 60 steps" in proc.stderr
+    assert snapshot(run_dir) == before
+
+
+def test_a_run_killed_during_its_final_validation_runs_it_on_the_next_start(reference, tiny_root, tmp_path):
+    """The last checkpoint was saved, the final validation never completed: the re-run does it and writes it."""
+    run_dir = copy_reference(tiny_root, tmp_path / "run")
+    reference_summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").unlink()
+    rows = [r for r in read_metrics(run_dir) if "val_loss" not in r]  # the kill came before the valid row
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = run_cli(tiny_overrides(tiny_root, run_dir))
+    assert_ok(proc)
+    assert "final validation never completed: running it now" in proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finished"] and summary["resumed_from"] == REFERENCE_STEPS
+    for key in ("val_loss", "val_perplexity", "val_word_perplexity", "final_train_loss"):
+        assert summary[key] == pytest.approx(reference_summary[key], rel=1e-6), key
+    assert [r["step"] for r in read_metrics(run_dir) if "val_loss" in r] == [REFERENCE_STEPS]

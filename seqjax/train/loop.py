@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import signal
@@ -186,7 +187,29 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
         source = init_from.locate(config.train.init_from)
         config = init_from.adopt(config, source)
     with RunLock(config.run.dir, jax.process_index(), jax.process_count()):
+        finished = finished_summary(Path(config.run.dir), config.train.steps)
+        if finished is not None:
+            # A scheduler that requeues a finished job lands here: its results stay as they are.
+            logger.info("%s already finished its %d steps (its summary.json holds the final validation); "
+                        "nothing to do and nothing rewritten: raise train.steps to continue it", config.run.dir,
+                        config.train.steps)
+            return finished
         return _train(config, mesh, wall_start, validate, source)
+
+
+def finished_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
+    """The summary of a run that reached ``steps`` and completed its final validation, else None.
+
+    A summary without the final validation (a run killed while validating, or one written before the
+    ``finished`` key existed with null losses) does not count: the run is resumed and the validation redone.
+    """
+    try:
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != steps:
+        return None
+    return summary if summary.get("finished") and summary.get("val_loss") is not None else None
 
 
 def _resume_row(restored: Restored, config: Config) -> dict[str, Any]:
@@ -375,6 +398,11 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
                 if stopping:
                     checkpoints.wait()
                     raise Interrupted(stop.signum or signal.SIGTERM, step)
+            if last_val is None and start_step == tc.steps:
+                # Resumed at the last step (the final validation was cut short, or never recorded): redo it.
+                logger.info("step %d was saved but its final validation never completed: running it now",
+                            start_step)
+                last_val = validation(start_step)
         checkpoints.wait()
     finally:
         profiler.close()
@@ -394,13 +422,16 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
         "mfu": window.mfu(flops_per_tok(config.data.seq_len), jax.device_count(), peak),
         "peak_memory_bytes": peak_memory_bytes(),
         "wall_seconds": time.perf_counter() - wall_start,
-        "final_train_loss": row.get("loss"),
+        # A run resumed at its last step took no step: its last train row is the checkpoint's.
+        "final_train_loss": (row or (restored.meta.get("row") or {} if restored else {})).get("loss"),
         "val_loss": last_val and last_val["val_loss"],
         "val_perplexity": last_val and last_val["val_perplexity"],
         "val_word_perplexity": last_val and last_val["val_word_perplexity"],
         "val_bits_per_byte": last_val and last_val["val_bits_per_byte"],
         "unigram_perplexity": unigram,
         "eval": dataclasses.asdict(config.eval),
+        # The final validation completed and is recorded above: a re-run of this command changes nothing.
+        "finished": last_val is not None and bool(last_val.get("val_complete", True)),
     }
     if primary:
         plot_losses(run_dir)
