@@ -12,20 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, Sequence
 
 from flax import nnx
 
 from seqjax import cli, hf
-from seqjax.data.build import prepare
 from seqjax.errors import UsageError
+from seqjax.files import check_new_folder, staged_folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser("python -m seqjax.export", "Write a trained model as a Hugging Face Llama folder (safetensors).")
     cli.add_checkpoint_args(p)
     p.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--dtype", choices=tuple(hf.DTYPES), default="float32", help="tensor dtype (default: %(default)s)")
     p.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_SHARD_BYTES, metavar="N",
                    help="cut model.safetensors into shards of at most N bytes, with an index (default: 5 GiB)")
@@ -34,25 +34,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def export(args: argparse.Namespace) -> dict[str, Any]:
-    """Refuse a folder that already holds a model, load the checkpoint, write the HF folder, print the JSON line."""
-    out = Path(args.out)
-    taken = [name for name in (hf.CONFIG_JSON, hf.WEIGHTS, hf.INDEX) if (out / name).exists()]
-    if taken:
-        raise UsageError(f"--out {args.out}: already holds {', '.join(taken)}; choose a new or empty folder")
+    """Refuse a non-empty --out (unless --overwrite), load the checkpoint, write the HF folder, print the JSON line.
+
+    The folder is written beside --out and renamed into place: a failure leaves --out as it was.
+    """
+    check_new_folder(args.out, overwrite=args.overwrite)
     if args.max_shard_bytes < 1:
         raise UsageError(f"--max-shard-bytes: got {args.max_shard_bytes}, expected a positive number of bytes")
     config, model = cli.load_checkpoint(args)
-    tokenizer = prepare(config, splits=()).tokenizer  # the run's own tokenizer.json (or its cached one)
-    result = hf.write_folder(
-        out,
-        model.cfg,
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-        tokenizer_json=tokenizer.path,
-        eos_token=tokenizer.eot_token,
-        bos_token=config.tokenizer.bos_token,
-        dtype=args.dtype,
-        max_shard_bytes=args.max_shard_bytes,
-    )
+    # The run's own tokenizer, refused unless it is the one the checkpoint was trained with (as eval and generate do).
+    tokenizer = cli.trained_tokenizer(args, config)
+    with staged_folder(args.out, overwrite=args.overwrite) as staging:
+        result = hf.write_folder(
+            staging,
+            model.cfg,
+            nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+            tokenizer_json=tokenizer.path,
+            eos_token=tokenizer.eot_token,
+            bos_token=config.tokenizer.bos_token,
+            dtype=args.dtype,
+            max_shard_bytes=args.max_shard_bytes,
+        )
+    result["out"] = str(args.out)
     print(json.dumps(result), flush=True)
     return result
 

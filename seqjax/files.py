@@ -1,5 +1,8 @@
 """What a run writes: atomic small files, and JSON that is always valid JSON.
 
+Whole folders (an export, an import) are built in a hidden sibling and renamed
+into place by :func:`staged_folder`, so a failure half-way leaves nothing behind.
+
 Atomic writes: a reader, or a run killed mid-write, sees the old file or the
 new one, never half of one. Used for every file a run rewrites in place (the
 resolved config, the metrics log cut back on resume, the run summary).
@@ -11,11 +14,15 @@ through :func:`json_text`, which writes a non-finite number as ``null``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+from seqjax.errors import UsageError
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -52,3 +59,43 @@ def _plain(obj: Any) -> Any:
     if hasattr(obj, "tolist"):
         return finite_or_null(obj.tolist())
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def check_new_folder(out: str | os.PathLike, *, overwrite: bool, flag: str = "--out") -> Path:
+    """``out`` as a Path, or UsageError when it is a file, or a folder with files in it and ``overwrite`` is off."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{flag} {out}: is a file; expected a new or empty folder")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise UsageError(f"{flag} {out}: not empty (holds {shown}); choose a new or empty folder, or pass --overwrite "
+                         "to replace it whole")
+    return out
+
+
+@contextlib.contextmanager
+def staged_folder(out: str | os.PathLike, *, overwrite: bool, flag: str = "--out") -> Iterator[Path]:
+    """Yield a hidden sibling of ``out`` to write into; on success it becomes ``out`` by one rename.
+
+    An exception removes the sibling and leaves ``out`` as it was: a failed export is never half-written.
+    ``out`` must be missing or empty (see :func:`check_new_folder`); with ``overwrite`` a non-empty ``out``
+    is replaced whole, and the old folder is removed only once the new one stands in its place.
+    """
+    out = check_new_folder(out, overwrite=overwrite, flag=flag)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    shutil.rmtree(staging, ignore_errors=True)  # left by a killed earlier attempt of this same process id
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        old = out.with_name(f".{out.name}.{os.getpid()}.replaced")
+        os.replace(out, old)
+    os.replace(staging, out)  # over a missing or empty folder: atomic on POSIX
+    if old is not None:
+        shutil.rmtree(old)

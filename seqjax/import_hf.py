@@ -19,13 +19,13 @@ import json
 import shutil
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from seqjax import cli, hf
 from seqjax.config import announce
 from seqjax.errors import UsageError
-from seqjax.train.checkpoint import CHECKPOINTS, CONFIG_FILE, TOKENIZER_FILE, save_params
+from seqjax.files import check_new_folder, staged_folder
+from seqjax.train.checkpoint import TOKENIZER_FILE, save_params
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # HF_DIR shares the positional slot with the key=value overrides (cli.parser's): the one word without '='
     p.usage = "%(prog)s HF_DIR --out DIR [key=value ...]"
     p.add_argument("--out", required=True, metavar="DIR", help="the run folder to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder whole")
     words = list(sys.argv[1:] if argv is None else argv)
     if words and not words[0].startswith("-"):
         words.append(words.pop(0))  # argparse cannot split one positional slot by flags: HF_DIR joins the overrides
@@ -48,18 +49,16 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
     if len(folders) != 1:
         raise UsageError(f"expected one HF_DIR (a Hugging Face model folder), got {folders or 'none'}")
     overrides = [word for word in args.overrides if "=" in word]
-    out = Path(args.out)
-    taken = [name for name in (CONFIG_FILE, CHECKPOINTS) if (out / name).exists()]
-    if taken:
-        raise UsageError(f"--out {args.out}: already holds {', '.join(taken)}; choose a new or empty folder")
+    out = check_new_folder(args.out, overwrite=args.overwrite)
     start = time.perf_counter()
     folder = hf.read_folder(folders[0])
+    # The config names the final folder; the files are written beside it and renamed into place at the end.
     config = hf.run_config(folder, overrides, tokenizer_path=out / TOKENIZER_FILE, run_dir=out)
     params = hf.read_params(folder, config.model.param_dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(folder.tokenizer, out / TOKENIZER_FILE)
-    save_params(out, 0, params, {"tokens_seen": 0, "imported_from": str(folder.path.resolve())})
-    announce(config, out)  # last: a folder with config.yaml is a complete import
+    with staged_folder(out, overwrite=args.overwrite) as staging:
+        shutil.copyfile(folder.tokenizer, staging / TOKENIZER_FILE)
+        save_params(staging, 0, params, {"tokens_seen": 0, "imported_from": str(folder.path.resolve())})
+        announce(config, staging)
     result = {
         "out": str(out),
         "source": str(folder.path),

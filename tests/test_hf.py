@@ -315,3 +315,53 @@ def test_the_new_model_fields_have_defaults_of_todays_model_and_rules_that_name_
                                   "model.rope_scaling.high_freq_factor=1.0"])
     scaled = load_config(None, TINY + ["model.rope_scaling.type=llama3", "model.rope_scaling.factor=32.0"])
     assert load_config(scaled.save(tmp_path / "config.yaml")) == scaled  # the nested section survives YAML
+
+
+def _refused_cli(main, argv, capsys) -> str:
+    capsys.readouterr()  # what earlier calls printed
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_import_and_export_refuse_a_non_empty_out_folder_and_overwrite_replaces_it_whole(tmp_path, capsys):
+    from seqjax import export, import_hf
+
+    folder = write_llama_folder(tmp_path / "llama")
+    run, exported = tmp_path / "run", tmp_path / "hf"
+    for out in (run, exported):
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    err = _refused_cli(import_hf.main, [str(folder), "--out", str(run)], capsys)
+    assert f"--out {run}: not empty (holds notes.txt)" in err and "--overwrite" in err
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    import_hf.main([str(folder), "--out", str(run), "--overwrite", "model.attention=xla"])
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "tokenizer.json"]
+
+    err = _refused_cli(export.main, ["--run", str(run), "--out", str(exported)], capsys)
+    assert f"--out {exported}: not empty (holds notes.txt)" in err
+    assert (exported / "notes.txt").read_text() == "mine"
+    export.main(["--run", str(run), "--out", str(exported), "--overwrite"])
+    assert (exported / hf.WEIGHTS).is_file() and not (exported / "notes.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "llama", "run"]  # no staging folder left
+    jax.clear_caches()
+
+
+def test_a_failed_export_leaves_nothing_half_written(tmp_path, monkeypatch):
+    from seqjax import export, import_hf
+
+    import_hf.main([str(write_llama_folder(tmp_path / "llama")), "--out", str(tmp_path / "run"),
+                    "model.attention=xla"])
+
+    def fail_half_way(out, *args, **kwargs):
+        (out / hf.CONFIG_JSON).write_text("{}")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf, "write_folder", fail_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        export.main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "run"]
+    jax.clear_caches()
