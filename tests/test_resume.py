@@ -84,15 +84,36 @@ def test_sigterm_saves_a_checkpoint_then_exits_and_resumes(reference, tiny_root,
     assert train_losses(run_dir) == reference
 
 
+def truncate_params(run_dir: Path, step: int) -> None:
+    for f in (run_dir / "checkpoints" / str(step) / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def test_a_second_damaged_copy_of_a_step_is_set_aside_beside_the_first(reference, tiny_root, tmp_path):
+    """Nothing set aside is ever deleted: the second damaged checkpoint 60 goes to checkpoints_corrupt/60.1."""
+    run_dir = copy_reference(tiny_root, tmp_path / "run")
+    corrupt = run_dir / "checkpoints_corrupt"
+    for attempt in range(2):
+        (run_dir / "summary.json").unlink()
+        truncate_params(run_dir, REFERENCE_STEPS)
+        if attempt:
+            first = snapshot(corrupt / str(REFERENCE_STEPS))
+        proc = run_cli(tiny_overrides(tiny_root, run_dir))
+        assert_ok(proc)
+    assert sorted(p.name for p in corrupt.iterdir()) == ["60", "60.1"]
+    assert snapshot(corrupt / "60") == first
+    assert f"moving it to {corrupt / '60.1'}" in proc.stderr
+    assert train_losses(run_dir) == reference
+
+
 def test_a_truncated_latest_checkpoint_is_reported_and_the_previous_one_used(reference, tiny_root, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(tiny_root / "reference", run_dir)
     (run_dir / "summary.json").unlink()  # a run that crashed has none (a finished one is not trained again)
     steps = checkpoint_steps(run_dir)
     latest, previous = steps[-1], steps[-2]
-    for f in (run_dir / "checkpoints" / str(latest) / "params").rglob("*"):
-        if f.is_file() and f.stat().st_size > 1:
-            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    truncate_params(run_dir, latest)
 
     proc = run_cli(tiny_overrides(tiny_root, run_dir))
     assert_ok(proc)

@@ -297,6 +297,15 @@ def _next_epoch_boundary(state: dict[str, Any] | None, config: Config) -> dict[s
     return {"epoch": 0, "batch": 0}
 
 
+def _free_name(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``, ...: the first that does not exist (nothing set aside is replaced)."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
+
+
 def _read_meta(step_dir: Path) -> dict[str, Any]:
     """A step folder's meta item (step, tokens seen, devices, data identity, ...)."""
     return json.loads((step_dir / "meta" / "metadata").read_text())
@@ -548,12 +557,11 @@ class Checkpointer:
 
     def _set_aside(self, step: int, err: Exception) -> None:
         src = self.directory / str(step)
-        dst = self.run_dir / CORRUPT / str(step)
+        dst = _free_name(self.run_dir / CORRUPT / str(step))
         log.warning("checkpoint %s is unreadable (%s); moving it to %s and trying the previous one",
                     src, _first_line(err), dst)
         if jax.process_index() == 0:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(dst, ignore_errors=True)
             shutil.move(src, dst)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"seqjax: checkpoint {step} set aside")
