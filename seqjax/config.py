@@ -720,6 +720,30 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, except that a key given twice in one mapping is an error.
+
+    YAML keeps the last of two equal keys, so a second ``train:`` block appended to a file would
+    silently drop the first one's learning rate and warmup.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        self.flatten_mapping(node)
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} is given twice (lines {seen[key]} and {line}); expected each key "
+                                    "once in its section (YAML would keep only the last)")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load_config(
     path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (), base: dict[str, Any] | None = None
 ) -> Config:
@@ -728,14 +752,20 @@ def load_config(
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a folder (expected a YAML file such as "
+                              "configs/wikitext2_cpu.yaml)")
         if not path.is_file():
             raise ConfigError(
                 f"config file {str(path)!r} not found (expected a YAML file such as configs/wikitext2_cpu.yaml)"
             )
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+        except _DuplicateKey as err:
+            raise ConfigError(f"config file {str(path)!r}: {err}") from None
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from err
+            one_line = " ".join(str(err).split())
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {one_line}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r}: expected a mapping of sections, got {type(loaded).__name__}")
         tree = loaded or {}

@@ -86,8 +86,11 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
     broken = tmp_path / "broken.yaml"
     broken.write_text("data: [unclosed\n")
-    with pytest.raises(ConfigError, match="broken.yaml' is not valid YAML"):
+    with pytest.raises(ConfigError, match="broken.yaml' is not valid YAML") as err:
         load_config(broken)
+    assert "\n" not in str(err.value)  # one line, as every refusal
+    with pytest.raises(ConfigError, match="config file .* is a folder"):
+        load_config(tmp_path)
     listing = tmp_path / "list.yaml"
     listing.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="expected a mapping of sections, got list"):
@@ -102,6 +105,19 @@ def test_file_errors_name_the_file(tmp_path):
     section.write_text("data: 5\n")
     with pytest.raises(ConfigError, match="data: got 5, expected a mapping of DataConfig keys"):
         load_config(section)
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("train:\n  lr: 0.01\n  warmup_steps: 50\ndata:\n  seq_len: 64\ntrain:\n  steps: 10\n", "train", (1, 6)),
+    ("train:\n  lr: 0.01\n  steps: 5\n  lr: 0.02\n", "lr", (2, 4)),
+])
+def test_a_key_given_twice_in_a_yaml_file_is_refused_naming_it_and_both_lines(tmp_path, text, key, lines):
+    """YAML keeps the last of two equal keys: an appended train: block would silently drop the first one's lr."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"twice.yaml': key '{key}' is given twice \(lines {lines[0]} and "
+                                          rf"{lines[1]}\)"):
+        load_config(path)
 
 
 def test_cli_exits_with_the_message_before_any_work(capsys):
