@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import time
 from typing import Any
 
@@ -38,7 +37,6 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from tqdm import tqdm
 
 from seqjax import sharding
 from seqjax.config import Config, ConfigError
@@ -47,6 +45,7 @@ from seqjax.data.lm_eval import MODE as LM_EVAL
 from seqjax.data.lm_eval import LmEvalDocs
 from seqjax.data.store import TokenStore
 from seqjax.model.loss import lm_loss
+from seqjax.progress import progress_bar
 
 
 def windows_for(store: TokenStore, config: Config) -> EvalWindows:
@@ -119,7 +118,7 @@ def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh
     tokens = 0
     start = time.perf_counter()
     batches = windows.batches(batch_size)
-    bar = tqdm(total=n_batches, desc=f"eval {windows.mode}", unit="batch", disable=not progress, file=sys.stderr)
+    bar = progress_bar(total=n_batches, desc=f"eval {windows.mode}", unit="batch", enabled=progress)
     pending = None  # the previous batch's sum: read after the next batch is dispatched, so host and device overlap
     with bar:
         for _ in range(n_batches):

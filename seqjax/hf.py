@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,7 +41,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
-from tqdm import tqdm
 
 from seqjax.config import Config, ModelConfig, load_config
 from seqjax.errors import CheckpointError
@@ -51,6 +49,7 @@ from seqjax.model import build_model
 from seqjax.model.llama import from_hf as params_from_hf
 from seqjax.model.llama import hf_config, model_config_from_hf, to_hf
 from seqjax.model.transformer import TransformerLM
+from seqjax.progress import progress_bar
 
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
@@ -186,7 +185,7 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
 def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
     """The folder's tensors as seqjax parameters (``nnx.to_pure_dict`` layout), cast to ``dtype``."""
     handles: dict[Path, Any] = {}
-    bar = tqdm(total=len(hf.weight_map), desc=f"read {hf.path.name}", unit="tensor", file=sys.stderr)
+    bar = progress_bar(total=len(hf.weight_map), desc=f"read {hf.path.name}", unit="tensor")
 
     def read(name: str) -> np.ndarray:
         file = hf.weight_map[name]
@@ -300,7 +299,7 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
         files.append(WEIGHTS)
     else:
         weight_map = {}
-        for i, group in enumerate(tqdm(groups, desc="write shards", unit="shard", file=sys.stderr), start=1):
+        for i, group in enumerate(progress_bar(iterable=groups, desc="write shards", unit="shard"), start=1):
             name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
             save_file(group, str(out / name), metadata={"format": "pt"})
             weight_map.update({tensor: name for tensor in group})

@@ -3,7 +3,7 @@
 The stages, earliest first (a module may import from its own stage and the
 ones before it, never from a later one):
 
-    base        seqjax.errors, seqjax.files         the error types, atomic writes
+    base        seqjax.errors, .files, .progress    the error types, atomic writes, progress bars
     config      seqjax.config                       the typed config tree
     data        seqjax.data.*                       text -> token store -> contract batches
     sharding    seqjax.sharding                     mesh axes and placement rules
@@ -26,7 +26,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "seqjax"
 
 STAGES = [
-    ("base", ("seqjax", "seqjax.errors", "seqjax.files")),
+    ("base", ("seqjax", "seqjax.errors", "seqjax.files", "seqjax.progress")),
     ("config", ("seqjax.config",)),
     ("data", ("seqjax.data",)),
     ("sharding", ("seqjax.sharding",)),

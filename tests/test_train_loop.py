@@ -9,11 +9,14 @@ per step), or fetch in odd windows that straddle the checkpoints.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
+import yaml
 
 from seqjax.train.metrics import read_metrics
-from test_train_support import assert_ok, run_cli, tiny_overrides, train_losses
+from test_train_support import REPO, assert_ok, cli_env, run_cli, tiny_overrides, train_losses
 
 
 @pytest.mark.parametrize("prefetch, log_every", [(0, 1), (3, 7)])
@@ -45,3 +48,23 @@ def test_a_bad_profile_window_is_refused_before_any_work(tiny_root, tmp_path):
     proc = run_cli(tiny_overrides(tiny_root, tmp_path / "run", **{"train.profile": "[3]"}))
     assert proc.returncode == 2
     assert "train.profile: got [3], expected [start_step, num_steps]" in proc.stderr
+
+
+def test_under_a_scheduler_the_log_is_plain_lines_with_validation_and_the_data_location_is_recorded(tiny_root,
+                                                                                                     tmp_path):
+    """stderr to a file (as under SLURM): no bar redraws, a line per log window and per validation; and the
+    config.yaml the run saves names the data folder it found through $SEQJAX_DATA_DIR."""
+    run_dir, data_dir = tmp_path / "run", tmp_path / "data"
+    data_dir.mkdir()
+    extra = {"train.steps": 20, "train.log_every": 5, "train.eval_every": 10}
+    with open(tmp_path / "stderr.log", "w") as err:
+        proc = subprocess.run([sys.executable, "-m", "seqjax.train", *tiny_overrides(tiny_root, run_dir, **extra)],
+                              cwd=REPO, env=cli_env(SEQJAX_DATA_DIR=str(data_dir)), stdout=subprocess.PIPE,
+                              stderr=err, text=True, timeout=240)
+    assert proc.returncode == 0
+    text = (tmp_path / "stderr.log").read_text()
+    assert "\r" not in text and "%|" not in text  # no progress bar anywhere (train, prepare or eval)
+    assert [line.split(": ", 2)[1] for line in text.splitlines() if ": step " in line and "/20:" in line] == \
+        [f"step {s}/20" for s in (5, 10, 15, 20)]
+    assert sum(": validation loss " in line for line in text.splitlines()) == 2  # steps 10 and 20
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["dir"] == str(data_dir.resolve())

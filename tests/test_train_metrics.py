@@ -171,3 +171,76 @@ def test_newest_readable_tries_steps_newest_first_and_reports_each_unreadable_on
     assert found == (20, "state 20")
     assert unreadable == [(40, "step 40 is truncated"), (30, "step 30 is truncated")]
     assert newest_readable([30, 40], restore, lambda step, err: None) is None
+
+
+def _step_logger(tmp_path, **kwargs):
+    from seqjax.train.metrics import StepLogger
+
+    settings = dict(steps=6, start_step=0, tokens_seen=100, log_every=2, learning_rates=np.linspace(0, 1, 7),
+                    flops_per_token=lambda length: 1e3, peak=None, z_loss=False, nonfinite="stop",
+                    last_good=lambda: "step 0 in somewhere", primary=True)
+    return StepLogger(MetricsLog(tmp_path, resume_step=0), **{**settings, **kwargs})
+
+
+def _metrics(loss: float, tokens: int = 12) -> dict[str, np.ndarray]:
+    finite = math.isfinite(loss)
+    return {"loss": np.float32(loss), "grad_norm": np.float32(1.5 if finite else loss), "tokens": np.int32(tokens),
+            "finite": np.bool_(finite)}
+
+
+def test_step_logger_writes_one_row_per_step_counts_tokens_and_logs_plain_lines_off_a_terminal(tmp_path, caplog):
+    with _step_logger(tmp_path) as steps, caplog.at_level("INFO", logger="seqjax.train.metrics"):
+        assert steps.plain  # pytest's stderr is not a terminal: plain lines instead of a bar
+        for step in (1, 2):
+            steps.add(step, _metrics(3.0 - step), (2, 8))
+            assert steps.due(step)  # the first step alone (compilation), then every log_every
+        steps.flush(2)
+        assert not steps.due(3)
+    steps.log.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and [r["loss"] for r in rows] == [2.0, 1.0]
+    assert rows[1]["tokens_seen"] == 124 and steps.tokens_seen == 124
+    assert rows[0]["learning_rate"] == pytest.approx(1 / 6) and rows[0]["padding_fraction"] == pytest.approx(0.25)
+    assert [r.getMessage() for r in caplog.records if "step 2/6" in r.getMessage()] == [
+        f"step 2/6: loss 1.0000, {rows[1]['tokens_per_s']:.0f} tokens/s"]
+
+
+def test_step_logger_stops_on_a_nonfinite_step_before_logging_it(tmp_path):
+    from seqjax.train.metrics import NonFiniteLoss
+
+    steps = _step_logger(tmp_path)
+    steps.add(1, _metrics(1.0), (2, 8))
+    steps.add(2, _metrics(float("nan")), (2, 8))
+    with pytest.raises(NonFiniteLoss, match=r"non-finite loss nan .* at step 2; .*Last good checkpoint: step 0 in"):
+        steps.flush(2)
+    steps.log.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+def test_step_logger_under_skip_stops_after_a_log_window_of_skipped_steps(tmp_path):
+    from seqjax.train.metrics import NonFiniteLoss
+
+    steps = _step_logger(tmp_path, nonfinite="skip", log_every=3)
+    for step, loss in ((1, float("nan")), (2, float("nan")), (3, 1.0), (4, float("inf")), (5, float("nan"))):
+        steps.add(step, _metrics(loss), (2, 8))
+    steps.flush(5)  # at most two in a row: the odd spike is what skip is for
+    steps.add(6, _metrics(float("nan")), (2, 8))
+    with pytest.raises(NonFiniteLoss, match=r"the last 3 steps \(to step 6\) were all non-finite and skipped"):
+        steps.flush(6)
+    steps.log.close()
+
+
+def test_bars_are_drawn_only_on_a_terminal_and_tqdm_disable_turns_them_off(monkeypatch):
+    import sys
+
+    from seqjax.progress import on_terminal, progress_bar
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    assert on_terminal() and not progress_bar(total=3).disable
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    assert not on_terminal() and progress_bar(total=3).disable
+    monkeypatch.setenv("TQDM_DISABLE", "0")
+    assert on_terminal()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert progress_bar(total=3).disable

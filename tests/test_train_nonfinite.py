@@ -41,3 +41,14 @@ def test_nonfinite_skip_skips_the_update_and_carries_on(tiny_root, tmp_path):
 
 def reject(constant: str):
     raise ValueError(f"{constant} is not JSON")
+
+
+def test_under_skip_a_whole_log_window_of_skipped_steps_stops_the_run(tiny_root, tmp_path):
+    """Every step from 2 on is non-finite: skipping them all would save NaN-free but useless checkpoints forever."""
+    run_dir = tmp_path / "run"
+    proc = run_cli(tiny_overrides(tiny_root, run_dir, **{**EXPLODE, "train.steps": 8, "train.log_every": 3,
+                                                         "train.nonfinite": "skip"}))
+    assert proc.returncode == 1
+    assert "the last 3 steps (to step 4) were all non-finite and skipped" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (run_dir / "summary.json").exists()
+    assert max(r["step"] for r in read_metrics(run_dir)) == 4

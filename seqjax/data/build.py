@@ -49,7 +49,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -58,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
-from tqdm import tqdm
 
 from seqjax.config import Config, SourceConfig
 from seqjax.data.corpus import SPLITS, file_documents, source_files, split_lines
@@ -75,6 +73,7 @@ from seqjax.data.store import (
 from seqjax.data.tokenizer import Tokenizer, check_vocab_size, special_tokens_for, train_tokenizer
 from seqjax.errors import CorpusError, StoreError
 from seqjax.files import write_text_atomic
+from seqjax.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +284,7 @@ def _documents(source: SourceConfig, files: list[Path], counts: _Counts) -> Iter
 
 
 def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], tokenizer: Tokenizer,
-                workers: int, bar: tqdm) -> dict[str, Any]:
+                workers: int, bar: Any) -> dict[str, Any]:
     """Tokenize ``files`` into the shard ``path/name`` (atomically); returns its record."""
     counts = _Counts()
     source_bytes = sum(file_identity(p)["bytes"] for p in files)
@@ -403,8 +402,8 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
             size = sum(file_identity(p)["bytes"] for _, fs in todo for p in fs)
             if todo:
                 log.info("%s: building the token store at %s: %d of its %d shards", split, path, len(todo), len(names))
-            with tqdm(total=size, desc=f"tokenize {split}", unit="B", unit_scale=True, file=sys.stderr,
-                      mininterval=0.5, disable=not todo) as bar:
+            with progress_bar(total=size, desc=f"tokenize {split}", unit="B", unit_scale=True, mininterval=0.5,
+                              enabled=bool(todo)) as bar:
                 for name, group in todo:
                     build_shard(path, name, source, group, tokenizer, run.workers, bar)
             run.wait(f"seqjax-prepare-shards-{path}")

@@ -17,7 +17,8 @@ from typing import Sequence
 from seqjax import cli
 from seqjax.files import json_text
 from seqjax.train.checkpoint import CheckpointWriteError
-from seqjax.train.loop import Interrupted, NonFiniteLoss, train
+from seqjax.train.loop import Interrupted, train
+from seqjax.train.metrics import NonFiniteLoss
 
 log = logging.getLogger("seqjax.train")  # by name: this module runs as __main__
 

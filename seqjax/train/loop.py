@@ -22,8 +22,8 @@ import functools
 import json
 import logging
 import math
+import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,10 +33,9 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
-from tqdm import tqdm
 
 from seqjax import sharding
-from seqjax.config import Config, ConfigError, announce
+from seqjax.config import DATA_DIR_ENV, Config, ConfigError, announce
 from seqjax.data.build import prepare
 from seqjax.data.pipeline import build_pipeline
 from seqjax.evaluate import evaluate
@@ -45,10 +44,10 @@ from seqjax.model import build_model
 from seqjax.train import init_from
 from seqjax.train.checkpoint import TOKENIZER_FILE, Checkpointer, Restored
 from seqjax.train.distributed import initialize_distributed
-from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
+from seqjax.train.flops import flops_per_token, peak_flops_per_device
 from seqjax.train.metrics import (
     MetricsLog,
-    StepWindow,
+    StepLogger,
     check_trackers,
     peak_memory_bytes,
     plot_losses,
@@ -63,10 +62,6 @@ from seqjax.train.step import make_train_step
 SUMMARY_FILE = "summary.json"
 
 logger = logging.getLogger(__name__)  # (``log`` in train() is the run's MetricsLog)
-
-
-class NonFiniteLoss(RuntimeError):
-    """A step produced a NaN/inf loss or gradient and ``train.nonfinite`` is ``stop``."""
 
 
 class Interrupted(Exception):
@@ -212,7 +207,113 @@ def finished_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
     return summary if summary.get("finished") and summary.get("val_loss") is not None else None
 
 
-def _resume_row(restored: Restored, config: Config) -> dict[str, Any]:
+@dataclasses.dataclass
+class _Setup:
+    """What a run builds before its first step: the resolved config, data, sharded state and the compiled step."""
+
+    config: Config
+    run_dir: Path
+    primary: bool
+    tokenizer_source: Path
+    valid_store: Any
+    unigram: float
+    graphdef: nnx.GraphDef
+    rest: nnx.State
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+    num_params: int
+    learning_rates: np.ndarray
+    data_iterator: Any
+    identity: dict[str, Any]
+    step_fn: Callable
+    to_device: Callable
+
+
+def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
+    """Tokenizer and stores, the sharded model and optimizer state, the data iterator and the jitted step."""
+    tc = config.train
+    # The tokenizer first: a model vocabulary too small for it is refused before any store is built.
+    config = _with_data_dir(_with_vocab(config, prepare(config, splits=()).tokenizer.vocab_size))
+    prepared = prepare(config, splits=("train", config.eval.split))
+    train_store, valid_store = prepared.stores["train"], prepared.stores[config.eval.split]
+    # The run keeps its own copy of the tokenizer (written once the resume is accepted, with config.yaml).
+    run_dir = Path(config.run.dir)
+    config = dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer,
+                                                                       path=str(run_dir / TOKENIZER_FILE)))
+    graphdef, rest, params, param_shardings = _sharded_model(config, mesh)
+    if source is not None:
+        params = sharding.place(init_from.load_params(source, config.model.param_dtype), param_shardings)
+        logger.info("parameters from %s (optimizer, step and data position start fresh)", source.path)
+    tx, schedule = build_optimizer(tc)
+    replicated = sharding.replicated(mesh)
+    opt_state, opt_shardings = _sharded_optimizer_state(tx, params, param_shardings, replicated)
+    batch_sharding = sharding.batch_sharding(mesh)
+    process_index, process_count = jax.process_index(), jax.process_count()
+    return _Setup(
+        config=config, run_dir=run_dir, primary=process_index == 0,
+        tokenizer_source=Path(prepared.tokenizer.path), valid_store=valid_store,
+        unigram=unigram_perplexity(train_store.tokens, valid_store.tokens, config.model.vocab_size),
+        graphdef=graphdef, rest=rest, params=params, opt_state=opt_state,
+        rng=sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated),
+        num_params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
+        # Every step's learning rate up front: one small computation instead of eager ops in the loop.
+        learning_rates=np.asarray(jax.jit(jax.vmap(schedule))(np.arange(tc.steps + 1))),
+        data_iterator=iter(build_pipeline(config, train_store, process_index=process_index,
+                                          process_count=process_count)),
+        # What the batches are cut from; a checkpoint records it, so a resume on other text or tokenizer is seen.
+        identity={"tokenizer": prepared.tokenizer.hash, "sources": train_store.text_identity},
+        step_fn=jax.jit(
+            make_train_step(graphdef, rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss),
+            in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated),
+            out_shardings=(param_shardings, opt_shardings, replicated),
+            donate_argnums=(0, 1),
+        ),
+        to_device=functools.partial(sharding.global_batch, sharding=batch_sharding, process_count=process_count),
+    )
+
+
+def _with_data_dir(config: Config) -> Config:
+    """data.dir filled from $SEQJAX_DATA_DIR when unset, so the saved config.yaml finds the corpus again.
+
+    (The eval command run after a train command then needs no environment of its own.)
+    """
+    env = os.environ.get(DATA_DIR_ENV)
+    if config.data.dir is not None or not env:
+        return config
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, dir=str(Path(env).expanduser().resolve())))
+
+
+def _restore(checkpoints: Checkpointer, run: _Setup) -> Restored | None:
+    """Resume from the newest readable checkpoint (None: a new run), and say what the resume changed."""
+    config = run.config
+    try:
+        restored = checkpoints.restore_latest(run.params, run.opt_state, run.rng, config, run.identity)
+        if restored is not None and restored.step > config.train.steps:
+            raise ConfigError(f"train.steps: got {config.train.steps}, expected at least {restored.step}, the step "
+                              f"of the newest checkpoint in {checkpoints.directory} (raise it to continue the run)")
+    except BaseException:
+        checkpoints.close()
+        raise
+    if restored is None:
+        return None
+    step = restored.step
+    if restored.data_state is not None:
+        run.data_iterator.set_state(restored.data_state)
+    logger.info("resuming from %s (step %d)", checkpoints.directory / str(step), step)
+    if restored.changes:
+        logger.warning("config changes since checkpoint %d: %s", step, "; ".join(map(str, restored.changes)))
+    if restored.data_restart is not None:
+        logger.warning("the data restarts at %s of the new config (train.allow_config_change), not where "
+                       "checkpoint %d stopped (%s)", restored.data_restart["to"], step, restored.data_restart["from"])
+    was = (restored.meta.get("processes"), restored.meta.get("devices"))
+    if None not in was and was != (jax.process_count(), jax.device_count()):
+        logger.info("elastic resume: checkpoint %d was written by %d process(es) on %d device(s), now %d on %d",
+                    step, *was, jax.process_count(), jax.device_count())
+    return restored
+
+
+def _resume_row(restored: Restored) -> dict[str, Any]:
     """The metrics.jsonl row that marks a resume: what changed since the checkpoint, and where the data went on."""
     was = restored.meta
     row: dict[str, Any] = {"step": restored.step, "event": "resume",
@@ -225,217 +326,124 @@ def _resume_row(restored: Restored, config: Config) -> dict[str, Any]:
     return row
 
 
+def _validate(run: _Setup, params, mesh, step: int, validate, log: MetricsLog) -> dict[str, Any]:
+    """One validation (the caller's ``validate``, or the built-in one), logged to metrics.jsonl and stderr."""
+    model = nnx.merge(run.graphdef, params, run.rest)
+    if validate is not None:
+        row = {"step": step, **validate(model, step)}
+    else:
+        row = _validation(model, run.valid_store, run.config, mesh, step, run.primary,
+                          final=step == run.config.train.steps)
+    log.write(row, prefix="valid")
+    if run.primary:
+        logger.info("step %d: validation loss %.4f, perplexity %.2f", step, row["val_loss"], row["val_perplexity"])
+    return row
+
+
+def _last_good(checkpoints: Checkpointer) -> str:
+    checkpoints.wait()
+    kept = checkpoints.latest_step()
+    return f"step {kept} in {checkpoints.directory}" if kept is not None else "none"
+
+
 def _train(config: Config, mesh, wall_start: float, validate, source: init_from.Source | None) -> dict[str, Any]:
-    process_index, process_count = jax.process_index(), jax.process_count()
-    primary = process_index == 0
-    run_dir = Path(config.run.dir)
-    tc = config.train
-
-    # The tokenizer first: a model vocabulary too small for it is refused before any store is built.
-    config = _with_vocab(config, prepare(config, splits=()).tokenizer.vocab_size)
-    prepared = prepare(config, splits=("train", config.eval.split))
-    train_store, valid_store = prepared.stores["train"], prepared.stores[config.eval.split]
-    # The run keeps its own copy of the tokenizer (written once the resume is accepted, with config.yaml).
-    tokenizer_source = Path(prepared.tokenizer.path)
-    config = dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer,
-                                                                       path=str(run_dir / TOKENIZER_FILE)))
-    unigram = unigram_perplexity(train_store.tokens, valid_store.tokens, config.model.vocab_size)
-
-    graphdef, rest, params, param_shardings = _sharded_model(config, mesh)
-    if source is not None:
-        params = sharding.place(init_from.load_params(source, config.model.param_dtype), param_shardings)
-        logger.info("parameters from %s (optimizer, step and data position start fresh)", source.path)
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    tx, schedule = build_optimizer(tc)
-    # Every step's learning rate up front: one small computation instead of eager ops in the loop.
-    learning_rates = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(tc.steps + 1)))
-    replicated = sharding.replicated(mesh)
-    opt_state, opt_shardings = _sharded_optimizer_state(tx, params, param_shardings, replicated)
-    rng = sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated)
-
-    data_iterator = iter(build_pipeline(config, train_store, process_index=process_index, process_count=process_count))
-    # What the batches are cut from; a checkpoint records it, so a resume on other text or another tokenizer is seen.
-    identity = {"tokenizer": prepared.tokenizer.hash,
-                "sources": train_store.text_identity}
-    checkpoints = Checkpointer(run_dir, tc)
-    start_step, tokens_seen, restored = 0, 0, None
-    try:
-        restored = checkpoints.restore_latest(params, opt_state, rng, config, identity)
-        if restored is not None and restored.step > tc.steps:
-            raise ConfigError(f"train.steps: got {tc.steps}, expected at least {restored.step}, the step of the "
-                              f"newest checkpoint in {checkpoints.directory} (raise it to continue the run)")
-    except BaseException:
-        checkpoints.close()
-        raise
-    if restored is not None:
-        params, opt_state, rng = restored.params, restored.opt_state, restored.rng
-        start_step, tokens_seen = restored.step, int(restored.meta["tokens_seen"])
-        if restored.data_state is not None:
-            data_iterator.set_state(restored.data_state)
-        logger.info("resuming from %s (step %d)", checkpoints.directory / str(start_step), start_step)
-        if restored.changes:
-            logger.warning("config changes since checkpoint %d: %s", start_step,
-                           "; ".join(map(str, restored.changes)))
-        if restored.data_restart is not None:
-            logger.warning("the data restarts at %s of the new config (train.allow_config_change), not where "
-                           "checkpoint %d stopped (%s)", restored.data_restart["to"], start_step,
-                           restored.data_restart["from"])
-        was = (restored.meta.get("processes"), restored.meta.get("devices"))
-        if None not in was and was != (process_count, jax.device_count()):
-            logger.info("elastic resume: checkpoint %d was written by %d process(es) on %d device(s), now %d on %d",
-                        start_step, *was, process_count, jax.device_count())
-    if primary:  # after the resume was accepted: a refused one leaves config.yaml and tokenizer.json as they were
-        _keep_tokenizer(tokenizer_source, run_dir)
-        announce(config, run_dir)
-
-    batch_sharding = sharding.batch_sharding(mesh)
-    step_fn = jax.jit(
-        make_train_step(graphdef, rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss),
-        in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated),
-        out_shardings=(param_shardings, opt_shardings, replicated),
-        donate_argnums=(0, 1),
-    )
-    peak = peak_flops_per_device(override=tc.peak_flops)
-    log = MetricsLog(run_dir, resume_step=start_step, enabled=primary, trackers=config.run.trackers, config=config,
-                     checkpoint_row=restored.meta.get("row") if restored else None)
-    if restored is not None:
-        log.note(_resume_row(restored, config))
-    if primary:
+    run = _setup(config, mesh, source)
+    config, tc, process_count = run.config, run.config.train, jax.process_count()
+    checkpoints = Checkpointer(run.run_dir, tc)
+    restored = _restore(checkpoints, run)
+    params, opt_state, rng = (restored.params, restored.opt_state, restored.rng) if restored else \
+        (run.params, run.opt_state, run.rng)
+    start_step = restored.step if restored else 0
+    if run.primary:  # after the resume was accepted: a refused one leaves config.yaml and tokenizer.json as they were
+        _keep_tokenizer(run.tokenizer_source, run.run_dir)
+        announce(config, run.run_dir)
         logger.info("%s parameters; mesh %s; %d process(es); unigram %s perplexity %.1f",
-                    f"{num_params:,}", dict(mesh.shape), process_count, config.eval.split, unigram)
-    # Where stderr is a file (SLURM, Kubernetes), the progress bar is no reading matter: log a plain line too.
-    plain_progress = primary and not sys.stderr.isatty()
-
-    def save(step: int, position) -> None:
-        meta = {"tokens_seen": tokens_seen, "row": row if row.get("step") == step else None,
-                "processes": process_count, "devices": jax.device_count(), "data_identity": identity}
-        checkpoints.save(step, params, opt_state, rng, position, meta, config.to_dict())
-
-    def validation(step: int) -> dict[str, Any]:
-        model = nnx.merge(graphdef, params, rest)
-        if validate is not None:
-            row = {"step": step, **validate(model, step)}
-        else:
-            row = _validation(model, valid_store, config, mesh, step, primary, final=step == tc.steps)
-        log.write(row, prefix="valid")
-        return row
-
-    to_device = functools.partial(sharding.global_batch, sharding=batch_sharding, process_count=process_count)
-    flops_per_tok = functools.partial(flops_per_token, config.model, num_params=num_params,
+                    f"{run.num_params:,}", dict(mesh.shape), process_count, config.eval.split, run.unigram)
+    log = MetricsLog(run.run_dir, resume_step=start_step, enabled=run.primary, trackers=config.run.trackers,
+                     config=config, checkpoint_row=restored.meta.get("row") if restored else None)
+    if restored is not None:
+        log.note(_resume_row(restored))
+    peak = peak_flops_per_device(override=tc.peak_flops)
+    flops_per_tok = functools.partial(flops_per_token, config.model, num_params=run.num_params,
                                       vocab_size=config.model.vocab_size)
-    window = StepWindow()
-    profiler = ProfileWindow(tc.profile, run_dir / "profile")
+    steps = StepLogger(log, steps=tc.steps, start_step=start_step, log_every=tc.log_every,
+                       tokens_seen=int(restored.meta["tokens_seen"]) if restored else 0,
+                       learning_rates=run.learning_rates, flops_per_token=flops_per_tok, peak=peak,
+                       z_loss=bool(tc.z_loss), nonfinite=tc.nonfinite, primary=run.primary,
+                       last_good=functools.partial(_last_good, checkpoints))
+    profiler = ProfileWindow(tc.profile, run.run_dir / "profile")
     last_val: dict[str, Any] | None = None
-    row: dict[str, Any] = {}
-
-    def flush(step: int) -> None:
-        """Fetch the window's step metrics in one host sync, then check, count and log each step."""
-        nonlocal tokens_seen, row
-        fetched, seconds = window.fetch()
-        for (s, length, rows_), m in zip(window.steps, fetched):
-            if not bool(m["finite"]) and tc.nonfinite == "stop":
-                checkpoints.wait()
-                kept = checkpoints.latest_step()
-                raise NonFiniteLoss(
-                    f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step {s}; "
-                    f"stopping without saving it. Last good checkpoint: "
-                    + (f"step {kept} in {run_dir / 'checkpoints'}" if kept is not None else "none")
-                    + ". Lower train.lr or set train.nonfinite=skip."
-                )
-            tokens = int(m["tokens"])
-            tokens_seen += tokens
-            window.count(tokens, seconds, first=s == start_step + 1)
-            tokens_per_s = tokens / seconds
-            row = {
-                "step": s,
-                "loss": float(m["loss"]),
-                "learning_rate": float(learning_rates[s]),
-                "grad_norm": float(m["grad_norm"]),
-                "tokens_per_s": tokens_per_s,
-                "mfu": mfu(tokens_per_s, flops_per_tok(length), jax.device_count(), peak),
-                "tokens_seen": tokens_seen,
-                "padding_fraction": 1.0 - tokens / (rows_ * length),
-                "seconds": seconds,
-            }
-            if tc.z_loss:
-                row["objective"] = float(m["objective"])
-            if not bool(m["finite"]):
-                row["skipped"] = True
-            log.write(row)
-        window.clear()
-        checkpoints.check()  # a background save that failed stops the run here, not one interval later
-        bar.update(step - bar.n)
-        if row:
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}", refresh=False)
-        if plain_progress and row and (step % tc.log_every == 0 or step == tc.steps):
-            logger.info("step %d/%d: loss %.4f, %.0f tokens/s", step, tc.steps, row["loss"], row["tokens_per_s"])
-
-    bar = tqdm(total=tc.steps, initial=start_step, desc="train", unit="step", disable=not primary, file=sys.stderr)
-    prefetch = DevicePrefetch(data_iterator, to_device, depth=tc.prefetch)
     try:
-        with StopRequest(enabled=process_count == 1) as stop, bar, prefetch:
-            window.restart()
+        with StopRequest(enabled=process_count == 1) as stop, steps, \
+                DevicePrefetch(run.data_iterator, run.to_device, depth=tc.prefetch) as prefetch:
             for step in range(start_step + 1, tc.steps + 1):
                 profiler.before(step)
                 batch, position = next(prefetch)
-                params, opt_state, m = step_fn(params, opt_state, batch, rng, step)  # rng, step: dropout's key
+                params, opt_state, m = run.step_fn(params, opt_state, batch, rng, step)  # rng, step: dropout's key
                 # No host sync here: the metrics stay on the device until the window is flushed, so the host
                 # runs ahead and dispatches the next step while this one computes.
-                window.add(step, m, batch["inputs"].shape)
+                steps.add(step, m, batch["inputs"].shape)
                 profiler.after(step, m)
                 checkpoint = step % tc.checkpoint_every == 0 or step == tc.steps
-                evaluate = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
+                validating = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
                 stopping = _should_stop(stop, step, process_count)
-                # The first step is flushed alone: its time is mostly compilation, kept out of throughput.
-                if (step == start_step + 1 or step % tc.log_every == 0 or checkpoint or evaluate or stopping
-                        or step == tc.steps):
-                    flush(step)  # before any save: a non-finite step must never reach a checkpoint
+                if steps.due(step) or checkpoint or validating or stopping:
+                    steps.flush(step)  # before any save: a non-finite step must never reach a checkpoint
+                    checkpoints.check()  # a background save that failed stops the run here, not later
                 if checkpoint or stopping:
-                    save(step, position)
-                if evaluate:
-                    last_val = validation(step)
-                    window.restart()  # evaluation time is not training throughput
+                    meta = {"tokens_seen": steps.tokens_seen, "row": steps.last_row or None,
+                            "processes": process_count, "devices": jax.device_count(), "data_identity": run.identity}
+                    checkpoints.save(step, params, opt_state, rng, position, meta, config.to_dict())
+                if validating:
+                    last_val = _validate(run, params, mesh, step, validate, log)
+                    steps.restart()  # validation time is not training throughput
                 if stopping:
                     checkpoints.wait()
                     raise Interrupted(stop.signum or signal.SIGTERM, step)
             if last_val is None and start_step == tc.steps:
                 # Resumed at the last step (the final validation was cut short, or never recorded): redo it.
-                logger.info("step %d was saved but its final validation never completed: running it now",
-                            start_step)
-                last_val = validation(start_step)
+                logger.info("step %d was saved but its final validation never completed: running it now", start_step)
+                last_val = _validate(run, params, mesh, start_step, validate, log)
         checkpoints.wait()
     finally:
         profiler.close()
         checkpoints.close()
         log.close()
+    return _summary(run, steps, restored, last_val, flops_per_tok(config.data.seq_len), peak, wall_start)
 
+
+def _summary(run: _Setup, steps: StepLogger, restored: Restored | None, last_val: dict[str, Any] | None,
+             flops_per_tok: float, peak: float | None, wall_start: float) -> dict[str, Any]:
+    """summary.json: what the run did, its throughput, and the final validation (written by the primary process)."""
+    config, window = run.config, steps.window
+    # A run resumed at its last step took no step: its last train row is the checkpoint's.
+    last_row = steps.last_row or (restored.meta.get("row") if restored else None) or {}
     summary = {
-        "run_dir": str(run_dir),
-        "steps": tc.steps,
-        "resumed_from": start_step,
-        "parameters": num_params,
+        "run_dir": str(run.run_dir),
+        "steps": config.train.steps,
+        "resumed_from": restored.step if restored else 0,
+        "parameters": run.num_params,
         "devices": jax.device_count(),
-        "processes": process_count,
-        "tokens_seen": tokens_seen,
+        "processes": jax.process_count(),
+        "tokens_seen": steps.tokens_seen,
         "tokens_per_s": window.tokens_per_s(),
         "step_time_s": window.median_step_seconds(),
-        "mfu": window.mfu(flops_per_tok(config.data.seq_len), jax.device_count(), peak),
+        "mfu": window.mfu(flops_per_tok, jax.device_count(), peak),
         "peak_memory_bytes": peak_memory_bytes(),
         "wall_seconds": time.perf_counter() - wall_start,
-        # A run resumed at its last step took no step: its last train row is the checkpoint's.
-        "final_train_loss": (row or (restored.meta.get("row") or {} if restored else {})).get("loss"),
+        "final_train_loss": last_row.get("loss"),
         "val_loss": last_val and last_val["val_loss"],
         "val_perplexity": last_val and last_val["val_perplexity"],
         "val_word_perplexity": last_val and last_val["val_word_perplexity"],
         "val_bits_per_byte": last_val and last_val["val_bits_per_byte"],
-        "unigram_perplexity": unigram,
+        "unigram_perplexity": run.unigram,
         "eval": dataclasses.asdict(config.eval),
         # The final validation completed and is recorded above: a re-run of this command changes nothing.
         "finished": last_val is not None and bool(last_val.get("val_complete", True)),
     }
-    if primary:
-        plot_losses(run_dir)
-        write_text_atomic(run_dir / SUMMARY_FILE, json_text(summary, indent=2))
+    if run.primary:
+        plot_losses(run.run_dir)
+        write_text_atomic(run.run_dir / SUMMARY_FILE, json_text(summary, indent=2))
     return summary
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from seqjax.config import Config
 from seqjax.errors import ConfigError
 from seqjax.files import json_text, write_text_atomic
+from seqjax.train.flops import mfu
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -287,3 +288,93 @@ def peak_memory_bytes() -> int | None:
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     peaks = [p for p in peaks if p is not None]
     return max(peaks) if peaks else None
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step produced a NaN/inf loss or gradient under ``train.nonfinite=stop``, or every step of a window did."""
+
+
+class StepLogger:
+    """The loop's one reporter of steps: the window of un-fetched metrics, their rows, the bar, the NaN check.
+
+    ``add`` after each dispatched step (no host sync); ``flush`` fetches the window in one ``device_get``,
+    checks each step (a non-finite one raises :class:`NonFiniteLoss` before anything can save it, under
+    ``nonfinite=stop``; under ``skip`` a window in which every step was skipped stops the run, since nothing
+    is learning), writes a row per step to the metrics log and moves the bar. Where the bar is off
+    (:func:`seqjax.progress.on_terminal`), a plain log line every ``log_every`` steps takes its place.
+    """
+
+    def __init__(self, log: MetricsLog, *, steps: int, start_step: int, tokens_seen: int, log_every: int,
+                 learning_rates: np.ndarray, flops_per_token: Any, peak: float | None, z_loss: bool,
+                 nonfinite: str, last_good: Any, primary: bool = True):
+        """``flops_per_token(row_length)`` for MFU; ``last_good()`` names the newest checkpoint for the NaN message."""
+        from seqjax.progress import on_terminal, progress_bar  # (tqdm: only the loop needs it)
+
+        self.log, self.steps, self.start_step, self.tokens_seen = log, steps, start_step, tokens_seen
+        self.log_every, self.learning_rates, self.flops_per_token = log_every, learning_rates, flops_per_token
+        self.peak, self.z_loss, self.nonfinite, self.last_good = peak, z_loss, nonfinite, last_good
+        self.window = StepWindow()
+        self.last_row: dict[str, Any] = {}
+        self.skipped_in_a_row = 0
+        self.plain = primary and not on_terminal()
+        self.bar = progress_bar(total=steps, initial=start_step, desc="train", unit="step", enabled=primary)
+
+    def __enter__(self) -> StepLogger:
+        self.window.restart()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+    def add(self, step: int, metrics: Any, shape: tuple[int, ...]) -> None:
+        self.window.add(step, metrics, shape)
+
+    def restart(self) -> None:
+        """Time spent since the last flush is not training (validation): leave it out of throughput."""
+        self.window.restart()
+
+    def due(self, step: int) -> bool:
+        """Flush now? Every ``log_every`` steps, at the end, and the first step alone (mostly compilation)."""
+        return step == self.start_step + 1 or step % self.log_every == 0 or step == self.steps
+
+    def flush(self, step: int) -> None:
+        """Fetch the window's metrics in one host sync, then check, count and log each step."""
+        fetched, seconds = self.window.fetch()
+        for (s, length, rows), m in zip(self.window.steps, fetched):
+            self._row(s, length, rows, m, seconds)
+        self.window.clear()
+        self.bar.update(step - self.bar.n)
+        if self.last_row:
+            self.bar.set_postfix(loss=f"{self.last_row['loss']:.3f}",
+                                 tok_s=f"{self.last_row['tokens_per_s']:,.0f}", refresh=False)
+        if self.plain and self.last_row and (step % self.log_every == 0 or step == self.steps):
+            log.info("step %d/%d: loss %.4f, %.0f tokens/s", step, self.steps, self.last_row["loss"],
+                     self.last_row["tokens_per_s"])
+
+    def _row(self, step: int, length: int, rows: int, m: dict[str, Any], seconds: float) -> dict[str, Any]:
+        if not bool(m["finite"]) and self.nonfinite == "stop":
+            raise NonFiniteLoss(f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step "
+                                f"{step}; stopping without saving it. Last good checkpoint: {self.last_good()}. "
+                                "Lower train.lr or set train.nonfinite=skip.")
+        tokens = int(m["tokens"])
+        self.tokens_seen += tokens
+        self.window.count(tokens, seconds, first=step == self.start_step + 1)
+        tokens_per_s = tokens / seconds
+        row = {"step": step, "loss": float(m["loss"]), "learning_rate": float(self.learning_rates[step]),
+               "grad_norm": float(m["grad_norm"]), "tokens_per_s": tokens_per_s,
+               "mfu": mfu(tokens_per_s, self.flops_per_token(length), jax.device_count(), self.peak),
+               "tokens_seen": self.tokens_seen, "padding_fraction": 1.0 - tokens / (rows * length),
+               "seconds": seconds}
+        if self.z_loss:
+            row["objective"] = float(m["objective"])
+        if not bool(m["finite"]):
+            row["skipped"] = True
+        self.log.write(row)
+        self.last_row = row
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if row.get("skipped") else 0
+        if self.skipped_in_a_row >= max(self.log_every, 2):
+            # skip is for the odd spike; a whole log window of them means nothing is being learned
+            raise NonFiniteLoss(f"the last {self.skipped_in_a_row} steps (to step {step}) were all non-finite and "
+                                f"skipped (train.nonfinite=skip): stopping, as nothing is being learned. Last good "
+                                f"checkpoint: {self.last_good()}. Check the data and the initial weights, or lower "
+                                "train.lr.")
