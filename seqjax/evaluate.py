@@ -34,12 +34,12 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from seqjax import sharding
 from seqjax.config import Config, ConfigError
+from seqjax.data.contract import Batch
 from seqjax.data.eval_windows import EvalWindows, eval_windows
 from seqjax.data.lm_eval import MODE as LM_EVAL
 from seqjax.data.lm_eval import LmEvalDocs
@@ -60,7 +60,7 @@ def windows_for(store: TokenStore, config: Config) -> EvalWindows:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
     """Summed nll (nats) and summed weight of one batch, both float32 (contract 3 via ``lm_loss``)."""
     model = nnx.merge(graphdef, state)
     logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
@@ -93,7 +93,7 @@ class _Placement:
             return state
         return sharding.place(state, jax.tree.map(lambda _: sharding.replicated(self.mesh), state))
 
-    def put(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def put(self, batch: Batch) -> Batch:
         if self.mesh is None:
             return jax.device_put(batch)
         rows = sharding.batch_sharding(self.mesh)

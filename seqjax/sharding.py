@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from seqjax.config import MeshConfig
+from seqjax.data.contract import Batch
 from seqjax.errors import ConfigError
 
 AXES = ("data", "fsdp", "tensor")
@@ -126,7 +127,7 @@ def place(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(put, tree, shardings)
 
 
-def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding, process_count: int) -> dict[str, jax.Array]:
+def global_batch(local: Batch, sharding: NamedSharding, process_count: int) -> Batch:
     """One global array per field from this process's rows ([B / process_count, L] each)."""
     out = {}
     for name, rows in local.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import chain, islice
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from seqjax.data.pipeline import build_pipeline
@@ -23,6 +23,14 @@ from test_pipeline_helpers import (
 FAST = settings(max_examples=25, deadline=None)
 
 
+def cuttable_epoch(cfg, store, epoch=0):
+    """The epoch's batches; a store too small for this config is no example of the property (assume)."""
+    try:
+        return epoch_batches(cfg, store, epoch)
+    except DataError:
+        assume(False)
+
+
 def all_segments(batches, store, **kw):
     return [(k, r, start, m) for k, b in enumerate(batches) for (r, start, m) in assert_contract(b, store, **kw)]
 
@@ -34,10 +42,7 @@ def test_random_offset_predicts_every_token_after_the_offset_exactly_once(
     store, seq_len, batch_size, seed, cross, epoch
 ):
     cfg = config("random_offset", seq_len, batch_size, f"data.cross_document_attention={str(cross).lower()}", seed=seed)
-    try:
-        batches = epoch_batches(cfg, store, epoch)
-    except DataError:
-        return
+    batches = cuttable_epoch(cfg, store, epoch)
     counts = predicted_counts([(r, s, m) for _, r, s, m in all_segments(batches, store)], store.num_tokens)
     offset = int(np.argmax(counts > 0)) - 1
     assert 0 <= offset < seq_len
@@ -51,10 +56,7 @@ def test_window_reads_every_full_window_at_the_stride(store, seq_len, stride):
     cfg = config(
         "window", seq_len, 1, f"data.stride={stride}", "data.cross_document_attention=true", "data.shuffle=false"
     )
-    try:
-        batches = epoch_batches(cfg, store)
-    except DataError:
-        return
+    batches = cuttable_epoch(cfg, store)
     found = [(s, m) for _, _, s, m in all_segments(batches, store, padding=False)]
     expect = [(s, seq_len + 1) for s in range(0, store.num_tokens - seq_len, stride)]
     assert found == expect
@@ -64,10 +66,7 @@ def test_window_reads_every_full_window_at_the_stride(store, seq_len, stride):
 @given(store=stores(max_docs=20), seq_len=st.integers(2, 6), batch_size=st.integers(1, 3), seed=st.integers(0, 3))
 def test_sequential_rows_continue_across_batches(store, seq_len, batch_size, seed):
     cfg = config("sequential", seq_len, batch_size, "data.cross_document_attention=true", seed=seed)
-    try:
-        batches = epoch_batches(cfg, store)
-    except DataError:
-        return
+    batches = cuttable_epoch(cfg, store)
     starts = np.array([[s for _, r, s, _ in all_segments([b], store, padding=False)] for b in batches])
     assert starts.shape == (len(batches), batch_size)  # one full segment per row
     np.testing.assert_array_equal(
@@ -178,3 +177,52 @@ def test_block_modes_equal_their_definitions(store, seq_len, mode):
     batches = epoch_batches(cfg, store)
     found = [(s + 1, s + m) for _, _, s, m in all_segments(batches, store)]
     assert found == reference_blocks(store, seq_len, mode)
+
+
+# Reference implementations: each strategy's whole epoch of spans in the plainest form (the planner computes the
+# same rows a window at a time, in seqjax.data.strategies; the test below holds the two equal).
+
+def reference_window_spans(n_tokens, seq_len, stride):
+    starts = list(range(0, n_tokens - seq_len, stride))
+    return starts, [seq_len + 1] * len(starts)
+
+
+def reference_sequential_spans(n_tokens, seq_len, batch_size, offset):
+    stream = (n_tokens - offset - 1) // batch_size
+    starts = [offset + b * stream + k * seq_len for k in range(stream // seq_len) for b in range(batch_size)]
+    return starts, [seq_len + 1] * len(starts)
+
+
+def reference_concat_chunk_spans(doc_offsets, n_tokens, block, group_docs):
+    examples = [int(o) - 1 for o in doc_offsets[:-1]]
+    starts = []
+    for g in range(0, len(examples), group_docs):
+        begin = examples[g]
+        end = examples[g + group_docs] if g + group_docs < len(examples) else n_tokens
+        starts += [begin + j * block for j in range((end - begin) // block)]
+    return starts, [block] * len(starts)
+
+
+@FAST
+@given(store=stores(max_docs=30), seq_len=st.integers(2, 9), batch_size=st.integers(1, 3), stride=st.integers(1, 7),
+       seed=st.integers(0, 3), cut=st.lists(st.floats(0, 1), min_size=2, max_size=2),
+       strategy=st.sampled_from(["window", "sequential", "concat_chunk"]))
+def test_windowed_rows_of_each_stream_strategy_equal_its_whole_epoch_reference(store, seq_len, batch_size, stride,
+                                                                               seed, cut, strategy):
+    from seqjax.data import sequences
+    from seqjax.data.strategies import STRATEGIES
+
+    cfg = config(strategy, seq_len, batch_size, f"data.stride={stride}", seed=seed)
+    assume(store.num_tokens > seq_len + batch_size * (seq_len + 1))
+    rows = STRATEGIES[strategy].rows(store, cfg.data, seed, 0, np.random.default_rng(seed))
+    if strategy == "window":
+        expect = reference_window_spans(store.num_tokens, seq_len, stride)
+    elif strategy == "sequential":
+        offset = int(np.random.default_rng(seed).integers(seq_len))  # the strategy's first draw
+        expect = reference_sequential_spans(store.num_tokens, seq_len, batch_size, offset)
+    else:
+        expect = reference_concat_chunk_spans(store.doc_offsets, store.num_tokens, seq_len + 1, sequences.HF_MAP_BATCH)
+    assert rows.count == len(expect[0])
+    lo, hi = sorted(int(c * rows.count) for c in cut)  # any window of rows, as the planner asks for them
+    starts, lengths = rows.spans(lo, hi)
+    assert starts.tolist() == expect[0][lo:hi] and lengths.tolist() == expect[1][lo:hi]

@@ -7,7 +7,7 @@ from itertools import islice
 import numpy as np
 import pytest
 
-from seqjax.data import plan as plan_module
+from seqjax.data import document_rows
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from test_pipeline import CASES, IDS
@@ -77,8 +77,8 @@ def test_resume_plans_one_window_and_replays_nothing(monkeypatch):
     monkeypatch.setattr(EpochPlanner, "_window_plan", lambda self, e, w: planned.append((e, w)) or window_plan(
         self, e, w))
     built = []
-    contract = plan_module.packing.pack
-    monkeypatch.setattr(plan_module.packing, "pack", lambda *a: built.append(1) or contract(*a))
+    contract = document_rows.pack
+    monkeypatch.setattr(document_rows, "pack", lambda *a: built.append(1) or contract(*a))
     resumed = iter(build_pipeline(cfg, store))
     planned.clear()  # build_pipeline's own check planned the first window served
     resumed.set_state(state)

@@ -2,7 +2,7 @@
 
 Every batch seqjax feeds a model, from every training strategy and every
 evaluation protocol, is a dict of five ``[rows, width]`` arrays, built here
-from stream *pieces* (see :mod:`seqjax.data.rows`). A piece of ``m`` tokens
+from stream *pieces* (see :mod:`seqjax.data.plan`). A piece of ``m`` tokens
 ``x0 .. x(m-1)`` is one sequence: inputs ``x0 .. x(m-2)``, targets
 ``x1 .. x(m-1)``, one segment id, positions from 0.
 
@@ -23,15 +23,31 @@ only renames their fields to the contract's.
 
 from __future__ import annotations
 
+from typing import Any, TypedDict
+
 import numpy as np
 
-from seqjax.data.arrays import exclusive_cumsum, positions_from_segments
+from seqjax.data.ragged import exclusive_cumsum, positions_from_segments
 
-FIELDS = ("inputs", "targets", "segment_ids", "positions", "weights")
+
+class Batch(TypedDict):
+    """Contract 1 (docs/design.md): five arrays of shape [batch, seq_len], numpy on the host, jax.Array on devices.
+
+    Every strategy, evaluation and the train step take and give this one type.
+    """
+
+    inputs: Any  # int32: the token ids the model reads
+    targets: Any  # int32: the token after inputs[b, t] in the same sequence
+    segment_ids: Any  # int32: 1, 2, ... per sequence in the row; 0 on padding
+    positions: Any  # int32: position inside its segment, 0 at each segment's first token
+    weights: Any  # float32: loss weight of targets[b, t]; 0 on padding and on anything not scored
+
+
+FIELDS = tuple(Batch.__annotations__)  # ("inputs", "targets", "segment_ids", "positions", "weights")
 
 
 def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row_of_piece: np.ndarray,
-                   n_rows: int, width: int) -> dict[str, np.ndarray]:
+                   n_rows: int, width: int) -> Batch:
     """The batch contract for rows made of stream pieces: the single definition used by every strategy.
 
     Pieces are given in row order, and in order inside a row; each gets the next
@@ -82,7 +98,7 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
     return out
 
 
-def from_grain_packed(element: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def from_grain_packed(element: dict[str, np.ndarray]) -> Batch:
     """Grain's packers name fields ``<key>_segment_ids`` / ``<key>_positions``; give them the contract's names.
 
     Positions are recomputed from the segment ids so a split continuation

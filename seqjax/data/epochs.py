@@ -19,12 +19,29 @@ from typing import Any
 import grain
 import numpy as np
 
-from seqjax.data.contract import contract_batch
+from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import EpochPlanner
 from seqjax.errors import DataError
 
 # Batches are built this many token slots at a time: numpy's per-call overhead dominates a single batch.
 BUILD_SLOTS = 1 << 18
+
+
+def next_epoch_start(state: dict[str, Any] | None) -> dict[str, Any]:
+    """The iterator state at the start of the next epoch after ``state`` (``state`` itself at an epoch's start).
+
+    ``{"epoch": e, "batch": k, ...}`` becomes ``{"epoch": e + 1, "batch": 0}`` (``e`` itself when ``k = 0``);
+    no state, or one of another iterator, starts at epoch 0. A resume under a config that changes the batches
+    goes on from here: the new config's cut of a whole epoch, never the middle of one.
+    """
+    if state is None or "epoch" not in state:
+        return {"epoch": 0, "batch": 0}
+    return {"epoch": int(state["epoch"]) + started(state), "batch": 0}
+
+
+def started(position: dict[str, Any]) -> bool:
+    """Whether a saved position is past its epoch's first batch (any of the iterators' counters above 0)."""
+    return any(int(position.get(key, 0)) > 0 for key in ("batch", "window", "window_batch", "row"))
 
 
 def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_index: int,
@@ -39,15 +56,15 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
     tokens = planner.store.tokens
     local = plan.batch_size // process_count
     group = max(1, BUILD_SLOTS // (local * int(plan.widths.max()))) if plan.num_batches else 1
-    cache: dict[int, dict[str, np.ndarray]] = {}
+    cache: dict[int, Batch] = {}
 
-    def build(g: int) -> dict[str, np.ndarray]:
+    def build(g: int) -> Batch:
         batches = np.arange(g * group, min((g + 1) * group, plan.num_batches))
         rows = plan.batch_rows(batches, process_index, process_count)
         width = int(plan.widths[batches].max())
         return contract_batch(tokens, *plan.pieces(rows), len(rows), width)
 
-    def batch(k: int) -> dict[str, np.ndarray]:
+    def batch(k: int) -> Batch:
         g, i = divmod(k, group)
         built = cache.get(g)
         if built is None:  # (a race between reader threads only builds a group twice)
@@ -84,7 +101,7 @@ class _EpochsIterator(grain.DatasetIterator):
             self._current = (key, window_dataset(self._planner, *key, *self._shard))
         return self._current[1]
 
-    def __next__(self) -> dict[str, np.ndarray]:
+    def __next__(self) -> Batch:
         empty = 0  # windows in a row that gave no batch: a whole epoch of them means none ever will
         while True:
             windows = len(self._planner.windows(self._epoch))

@@ -50,8 +50,8 @@ from typing import Iterator
 
 import numpy as np
 
-from seqjax.data.contract import contract_batch
-from seqjax.data.rows import RowPlan
+from seqjax.data.contract import Batch, contract_batch
+from seqjax.data.plan import RowPlan
 from seqjax.data.store import TokenStore
 
 MODES = ("blocks", "sliding", "documents")
@@ -86,7 +86,7 @@ class EvalWindows:
     def num_batches(self, batch_size: int) -> int:
         return -(-len(self) // batch_size)
 
-    def rows(self, index: np.ndarray) -> dict[str, np.ndarray]:
+    def rows(self, index: np.ndarray) -> Batch:
         """The batch-contract rows of windows ``index`` ([len(index), context] each), by the one contract builder.
 
         Each window is one stream span, split into a segment per article unless
@@ -107,7 +107,7 @@ class EvalWindows:
         batch["weights"] *= (target_pos > self.lo[index, None]) & (target_pos <= self.hi[index, None])
         return batch
 
-    def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+    def batches(self, batch_size: int) -> Iterator[Batch]:
         """Rows in window order, ``batch_size`` at a time; the last batch is padded with empty rows."""
         for begin in range(0, len(self), batch_size):
             index = np.arange(begin, min(begin + batch_size, len(self)))

@@ -15,7 +15,7 @@ import grain.experimental as gx
 import numpy as np
 
 from seqjax.config import Config
-from seqjax.data import packing
+from seqjax.data import document_rows
 from seqjax.data.contract import from_grain_packed
 from seqjax.data.store import TokenStore
 
@@ -24,7 +24,7 @@ def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, p
                  num_epochs: int | None = None) -> grain.IterDataset:
     """Documents (after the overlong policy) through Grain's FirstFit/BestFit/ConcatThenSplit, as contract rows."""
     d = config.data
-    starts, lengths = packing.document_items(store.doc_offsets, np.arange(store.num_docs), d.seq_len, d.overlong)
+    starts, lengths = document_rows.document_items(store.doc_offsets, np.arange(store.num_docs), d.seq_len, d.overlong)
     tokens = store.tokens
 
     def sequence(i: int) -> dict[str, np.ndarray]:

@@ -29,11 +29,11 @@ import grain
 import numpy as np
 
 from seqjax.config import Config
-from seqjax.data.batching import bucket_lengths
-from seqjax.data.contract import contract_batch
-from seqjax.data.plan import EpochPlanner
-from seqjax.data.rows import RowPlan
+from seqjax.data.contract import Batch, contract_batch
+from seqjax.data.epochs import started
+from seqjax.data.plan import EpochPlanner, RowPlan
 from seqjax.data.store import TokenStore
+from seqjax.data.strategies import batch_widths
 
 # Batches per block of the source schedule: the proportions are exact over each block.
 BLOCK_BATCHES = 16
@@ -107,6 +107,18 @@ class _SourceRows:
         self.epoch, self.window, self.row = int(state["epoch"]), int(state["window"]), int(state["row"])
 
 
+def next_epoch_start(state: dict[str, Any] | None, n_sources: int) -> dict[str, Any]:
+    """The mixture's state with every source at the start of its own next epoch; the step is kept.
+
+    When the number of sources changed, or the run turns into a mixture, every source starts from epoch 0.
+    """
+    saved = state.get("sources") if state is not None else None
+    if saved is not None and len(saved) == n_sources:
+        return {"step": int(state["step"]),
+                "sources": [{"epoch": int(s["epoch"]) + started(s), "window": 0, "row": 0} for s in saved]}
+    return {"step": 0, "sources": [{"epoch": 0, "window": 0, "row": 0} for _ in range(n_sources)]}
+
+
 class MixtureIterDataset(grain.IterDataset):
     """Batches of a mixture store (``TokenStore.concat``), this process's slice of each; state ``{step, sources}``."""
 
@@ -131,10 +143,10 @@ class _MixtureIterator(grain.DatasetIterator):
         self.bases = np.concatenate([[0], ends[:-1] - 1])  # where each source's stream starts in the mixture's
         local = d.batch_size // process_count
         self.slots = slice(process_index * local, (process_index + 1) * local)
-        self.buckets = bucket_lengths(config) if d.strategy == "length_grouped" else np.asarray([d.seq_len])
+        self.buckets = batch_widths(config)
         self.step = 0
 
-    def __next__(self) -> dict[str, np.ndarray]:
+    def __next__(self) -> Batch:
         sources = self.schedule.sources(self.step)
         starts, lengths, rows = [], [], []
         for s, reader in enumerate(self.readers):

@@ -5,7 +5,7 @@ It reads as four steps, each in its own module:
 1. **check** (:func:`seqjax.data.strategies.check`): the store can give what the
    config asks for, or a :class:`~seqjax.errors.DataError` says why, before any work;
 2. **plan** (:class:`seqjax.data.plan.EpochPlanner`): each epoch's rows, a
-   window at a time, as :class:`~seqjax.data.rows.RowPlan` s, a pure function of
+   window at a time, as :class:`~seqjax.data.plan.RowPlan` s, a pure function of
    ``(run.seed, epoch, window)`` computed with vectorized numpy;
 3. **window dataset** (:func:`seqjax.data.epochs.window_dataset`): a random-access
    ``grain.MapDataset`` of *batch index -> this process's slice of that global
@@ -23,10 +23,12 @@ the exception: a Grain ``IterDataset`` transform whose state is Grain's own.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grain
 
 from seqjax.config import Config, ConfigError
-from seqjax.data import strategies
+from seqjax.data import epochs, mixture, strategies
 from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
 from seqjax.data.mixture import MixtureIterDataset
@@ -63,3 +65,15 @@ def build_pipeline(
     planner = EpochPlanner(config, store)
     planner.check_rows()
     return EpochsIterDataset(planner, process_index, process_count)
+
+
+def next_epoch_start(state: dict[str, Any] | None, config: Config) -> dict[str, Any] | None:
+    """Where the pipeline ``config`` builds goes on after a change to the batches: its next epoch's start.
+
+    None for Grain's packers, whose stream (Grain's own state) starts again from its beginning.
+    """
+    if strategies.uses_grain_packer(config.data):
+        return None
+    if config.data.sources:
+        return mixture.next_epoch_start(state, len(config.data.sources))
+    return epochs.next_epoch_start(state)

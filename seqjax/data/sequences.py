@@ -16,7 +16,7 @@ import bisect
 
 import numpy as np
 
-from seqjax.data.arrays import ragged_arange
+from seqjax.data.ragged import ragged_arange
 from seqjax.errors import DataError
 
 # HF run_clm applies group_texts through datasets.map(batched=True), whose
@@ -35,26 +35,6 @@ def chunk_spans(n_tokens: int, seq_len: int, offset: int = 0) -> tuple[np.ndarra
     return starts, np.minimum(seq_len + 1, n_tokens - starts)
 
 
-def window_spans(n_tokens: int, seq_len: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every full window of ``seq_len + 1`` tokens whose start is a multiple of ``stride``."""
-    starts = np.arange(0, n_tokens - seq_len, stride, dtype=np.int64)
-    return starts, np.full(len(starts), seq_len + 1, np.int64)
-
-
-def sequential_spans(n_tokens: int, seq_len: int, batch_size: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """d2l sequential partitioning: ``batch_size`` contiguous streams; each row continues its row of the batch before.
-
-    After ``offset``, the stream's inputs are cut into ``batch_size`` equal
-    parts of ``S`` tokens; batch ``k`` row ``b`` reads inputs
-    ``offset + b*S + k*seq_len`` onward. Spans are returned in batch-major order.
-    """
-    stream = (n_tokens - offset - 1) // batch_size
-    n_batches = stream // seq_len
-    k, b = np.divmod(np.arange(n_batches * batch_size, dtype=np.int64), batch_size)
-    starts = offset + b * stream + k * seq_len
-    return starts, np.full(len(starts), seq_len + 1, np.int64)
-
-
 def random_window_spans(
     n_tokens: int, seq_len: int, batch_size: int, seed: int, steps: range
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -63,24 +43,6 @@ def random_window_spans(
         [np.random.default_rng([seed, step]).integers(0, n_tokens - seq_len, size=batch_size) for step in steps]
     ).astype(np.int64)
     return starts, np.full(len(starts), seq_len + 1, np.int64)
-
-
-def concat_chunk_spans(
-    doc_offsets: np.ndarray, n_tokens: int, block: int, group_docs: int = HF_MAP_BATCH
-) -> tuple[np.ndarray, np.ndarray]:
-    """HF run_clm group_texts, row for row, in O(n): blocks of ``block`` tokens, each map batch's remainder dropped.
-
-    The examples are the stream cut at each document's opening EOT (``[EOT] + text``,
-    the last one keeping the closing EOT); group_texts concatenates each batch of
-    ``group_docs`` examples and cuts it into ``block``-token rows.
-    """
-    example_starts = np.asarray(doc_offsets[:-1], np.int64) - 1
-    group_starts = example_starts[::group_docs]
-    group_ends = np.append(group_starts[1:], n_tokens)
-    per_group = (group_ends - group_starts) // block
-    owner, j = ragged_arange(per_group)
-    starts = group_starts[owner] + j * block
-    return starts, np.full(len(starts), block, np.int64)
 
 
 def _line_units(line_offsets: np.ndarray, seq_len: int) -> np.ndarray:

@@ -16,8 +16,7 @@ from seqjax.data import strategies
 from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
 from seqjax.data.pipeline import build_pipeline
-from seqjax.data.plan import EpochPlanner
-from seqjax.data.rows import RowPlan, coverage
+from seqjax.data.plan import EpochPlanner, RowPlan, coverage
 from seqjax.data.store import TokenStore
 
 

@@ -1,7 +1,7 @@
 """The table of sequence strategies (``data.strategy``): what each one cuts, and the properties the pipeline relies on.
 
-The other modules ask this table rather than test strategy names (only the
-planner tells the two document strategies apart, where it packs or groups):
+The other modules ask this table rather than test strategy names: no module
+but this one compares ``data.strategy`` or ``data.packer`` with a name.
 
 ==============  ==========================  =========  =========  ====  ==========================
 strategy        rows come from              per epoch  shuffles   pads  store must hold
@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from seqjax.config import GRAIN_PACKERS, Config, ConfigError, DataConfig
-from seqjax.data import packing, sequences
+from seqjax.data import document_rows, sequences
 from seqjax.data.store import TokenStore
 from seqjax.errors import DataError, StoreError
 
@@ -56,6 +56,8 @@ class Rows:
 RowsFn = Callable[[TokenStore, DataConfig, int, int, np.random.Generator], Rows]
 # (store, data config, first document, end document) -> (starts, lengths) of that window of documents
 WindowSpansFn = Callable[[TokenStore, DataConfig, int, int], tuple[np.ndarray, np.ndarray]]
+# (item starts, item lengths, config) -> the items arranged into rows (documents kept whole)
+DocumentRowsFn = Callable[[np.ndarray, np.ndarray, Config], document_rows.Arranged]
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,14 @@ class Strategy:
     needs_full_row: bool  # the store must hold one row of seq_len + 1 tokens
     has_epochs: bool = True  # False: random_window draws with replacement; an "epoch" is only a number of steps
     check_store: Callable[[TokenStore, DataConfig], None] | None = None  # what else the store must hold
+    document_rows: DocumentRowsFn | None = None  # pack, length_grouped: whole documents (items) arranged into rows
+    # The arranged rows are shuffled again: packing puts like documents together; a grouped order is the point.
+    reshuffle_rows: bool = False
+    bucket_widths: Callable[[Config], np.ndarray] | None = None  # batches padded to these widths, not all to seq_len
 
     @property
     def documents(self) -> bool:
-        return self.rows is None and self.window_spans is None
+        return self.document_rows is not None
 
 
 def random_window_steps(store: TokenStore, d: DataConfig) -> int:
@@ -86,7 +92,7 @@ def _full(starts: np.ndarray, d: DataConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _window(store, d, seed, epoch, rng) -> Rows:
-    """sequences.window_spans, row by row: row r starts at r * stride."""
+    """Every full window whose start is a multiple of the stride: row r starts at r * stride."""
     stride, last = d.resolved_stride, store.num_tokens - d.seq_len
     return Rows(max(0, -(-last // stride)), lambda lo, hi: _full(np.arange(lo, hi, dtype=np.int64) * stride, d))
 
@@ -104,7 +110,12 @@ def _random_offset(store, d, seed, epoch, rng) -> Rows:
 
 
 def _sequential(store, d, seed, epoch, rng) -> Rows:
-    """sequences.sequential_spans: row r is stream r % batch_size, its (r // batch_size)-th piece."""
+    """d2l sequential partitioning: row r is stream r % batch_size, its (r // batch_size)-th piece.
+
+    After a random offset, the stream's inputs are cut into ``batch_size`` equal parts of ``S`` tokens; batch
+    ``k`` row ``b`` reads inputs ``offset + b*S + k*seq_len`` onward, so each row continues its row of the batch
+    before.
+    """
     offset = int(rng.integers(d.seq_len))
     stream = (store.num_tokens - offset - 1) // d.batch_size
 
@@ -129,7 +140,11 @@ def _random_window(store, d, seed, epoch, rng) -> Rows:
 
 
 def _concat_chunk(store, d, seed, epoch, rng) -> Rows:
-    """sequences.concat_chunk_spans: each map batch's rows, found by its running row count."""
+    """HF run_clm's group_texts, row for row: blocks of seq_len + 1 tokens, each map batch's remainder dropped.
+
+    The examples are the stream cut at each document's opening EOT; group_texts concatenates each batch of
+    ``HF_MAP_BATCH`` examples and cuts it into blocks. Row r is found in its map batch by the running row count.
+    """
     block = d.seq_len + 1
     group_starts = np.asarray(store.doc_offsets[:-1][:: sequences.HF_MAP_BATCH], np.int64) - 1
     group_ends = np.append(group_starts[1:], store.num_tokens)
@@ -175,9 +190,26 @@ STRATEGIES: dict[str, Strategy] = {
                               has_epochs=False),
     "concat_chunk": Strategy(_concat_chunk, None, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
     "block": Strategy(None, _block, per_epoch=False, shuffles=True, pads=True, needs_full_row=False),
-    "pack": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
-    "length_grouped": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
+    "pack": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False,
+                     document_rows=document_rows.packed_rows, reshuffle_rows=True),
+    "length_grouped": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False,
+                               document_rows=document_rows.grouped_rows,
+                               bucket_widths=document_rows.bucket_lengths),
 }
+
+
+def batch_widths(config: Config) -> np.ndarray:
+    """The padded widths a batch of this strategy may have: its buckets, or ``seq_len`` alone."""
+    widths = STRATEGIES[config.data.strategy].bucket_widths
+    return widths(config) if widths is not None else np.asarray([config.data.seq_len])
+
+
+def item_overlong(d: DataConfig) -> str:
+    """The overlong policy applied to documents before they are arranged into rows.
+
+    ``pack`` with the ``fill`` packer splits overlong documents itself (across rows), so they reach it whole.
+    """
+    return "keep" if d.strategy == "pack" and d.packer == "fill" and d.overlong == "split" else d.overlong
 
 
 def uses_grain_packer(d: DataConfig) -> bool:
@@ -213,7 +245,7 @@ def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
         )
     strategy = STRATEGIES[d.strategy]
     if strategy.documents:
-        packing.check_overlong(store.doc_lengths, d.seq_len, d.overlong)
+        document_rows.check_overlong(store.doc_lengths, d.seq_len, d.overlong)
     if strategy.needs_full_row:
         sequences.check_fits(store.num_tokens, d.seq_len, d.strategy)
     if strategy.check_store is not None:

@@ -60,6 +60,7 @@ from grain.checkpoint import CheckpointSave
 from jax.experimental import multihost_utils
 
 from seqjax.config import DATA, Config, ConfigChange, ConfigError, TrainConfig, load_config, resume_changes
+from seqjax.data.pipeline import next_epoch_start
 from seqjax.errors import CheckpointError, CheckpointMismatchError
 from seqjax.model import build_model
 
@@ -268,33 +269,10 @@ def plan_resume(saved: Saved, config: Config, templates: dict[str, Any], identit
         )
     if not any(c.kind == DATA for c in changes):
         return changes, state, None
-    restart = _next_epoch_boundary(state, config)
-    if config.data.packer.startswith("grain_") and config.data.strategy == "pack":
+    restart = next_epoch_start(state, config)
+    if restart is None:
         return changes, None, {"from": state, "to": "the beginning of Grain's stream"}
     return changes, restart, {"from": state, "to": restart}
-
-
-def _next_epoch_boundary(state: dict[str, Any] | None, config: Config) -> dict[str, Any]:
-    """Where the data goes on after a change to the batches: the next epoch boundary, in the new config's terms.
-
-    A plain position ``{"epoch": e, "batch": k}`` becomes ``{"epoch": e + 1, "batch": 0}`` (``e`` itself when
-    k = 0). A mixture's (``{"step", "sources"}``) keeps its step and moves each source to its own next epoch; when
-    the number of sources changed, or the run turns into or out of a mixture, every source starts from epoch 0.
-    """
-    def next_epoch(position: dict[str, Any]) -> int:
-        started = any(int(position.get(key, 0)) > 0 for key in ("batch", "window", "window_batch", "row"))
-        return int(position["epoch"]) + started
-
-    n_sources = len(config.data.sources)
-    if n_sources:
-        saved = state.get("sources") if state is not None else None
-        if saved is not None and len(saved) == n_sources:
-            return {"step": int(state["step"]),
-                    "sources": [{"epoch": next_epoch(s), "window": 0, "row": 0} for s in saved]}
-        return {"step": 0, "sources": [{"epoch": 0, "window": 0, "row": 0} for _ in range(n_sources)]}
-    if state is not None and "epoch" in state:
-        return {"epoch": next_epoch(state), "batch": 0}
-    return {"epoch": 0, "batch": 0}
 
 
 def _free_name(path: Path) -> Path:

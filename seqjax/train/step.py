@@ -31,9 +31,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from seqjax.data.contract import Batch
 from seqjax.model.loss import lm_loss
-
-Batch = dict[str, jax.Array]
 
 # The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...; dropout keys
 # come from a copy folded with this tag first, so no mask ever reuses an initializer's key.

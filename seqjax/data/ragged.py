@@ -1,4 +1,4 @@
-"""Vectorized numpy helpers shared by the sequence, packing, plan and contract code (a leaf: it imports only numpy).
+"""Ragged-array arithmetic without Python loops: where items start, nested aranges, positions in segments.
 
 They replace the nested Python loops that cutting a stream into rows would
 otherwise need; each docstring shows what it computes on a small input.

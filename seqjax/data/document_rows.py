@@ -1,25 +1,53 @@
-"""Packing documents into rows, each document (or piece of one) its own segment.
+"""How whole documents become rows: packed several to a row, or one to a row grouped by length.
 
-A document's sequence is ``[EOT] + text + [EOT]`` (``store.doc_with_context``):
-it predicts ``doc_lengths[i]`` tokens. An *item* is such a sequence, or a piece
-of one after the overlong policy; its *weight* is the number of tokens it
-predicts, and a row holds at most ``seq_len`` of them.
+Two ways to keep documents whole (``data.strategy`` pack and length_grouped),
+one module, because both start from the same *items* and end in the same CSR
+rows (starts, lengths, row_ptr) that :class:`seqjax.data.plan.RowPlan` holds.
 
-The packers return, for items in the order given, the row each one goes to;
-:func:`rows_from_assignment` turns that into a row plan. ``greedy`` and
-``fill`` are vectorized (one binary search per row / one sort); ``first_fit``
-and the ``best_fit`` family place one item at a time, but each placement is a
-single numpy scan over the (at most ``pack_buffer``) rows open at the time.
+Items. A document's sequence is ``[EOT] + text + [EOT]``
+(``store.doc_with_context``): it predicts ``doc_lengths[i]`` tokens. An *item*
+is such a sequence, or a piece of one after the overlong policy; its *weight*
+is the number of tokens it predicts, and a row holds at most ``seq_len`` of them.
+
+Packing (``pack``). The packers return, for items in the order given, the row
+each one goes to; :func:`rows_from_assignment` turns that into CSR rows.
+``greedy`` and ``fill`` are vectorized (one binary search per row / one sort);
+``first_fit`` and the ``best_fit`` family place one item at a time, but each
+placement is a single numpy scan over the (at most ``pack_buffer``) rows open
+at the time. Each item is its own segment: its positions restart at 0, and it
+attends only to itself (contract 2).
+
+Length grouping (``length_grouped``). One document per row wastes slots on
+padding unless rows of similar length share a batch, and a jitted step
+recompiles for every new width unless the widths come from a small fixed set.
+:func:`length_grouped_order` does both; :func:`bucket_lengths` is that set.
+
+:func:`packed_rows` and :func:`grouped_rows` are the two strategies' entries
+in the table of :mod:`seqjax.data.strategies`; both return :class:`Arranged`.
 """
 
 from __future__ import annotations
 
 import bisect
+from typing import NamedTuple
 
 import numpy as np
 
-from seqjax.data.arrays import exclusive_cumsum, ragged_arange
+from seqjax.config import Config
+from seqjax.data.ragged import exclusive_cumsum, ragged_arange
 from seqjax.errors import DataError
+
+
+class Arranged(NamedTuple):
+    """Items arranged into rows, as CSR arrays: the pieces of row ``r`` are ``row_ptr[r]:row_ptr[r + 1]``.
+
+    ``widths``: each global batch's padded width, or None for ``seq_len`` everywhere.
+    """
+
+    starts: np.ndarray
+    lengths: np.ndarray
+    row_ptr: np.ndarray
+    widths: np.ndarray | None = None
 
 
 def check_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> None:
@@ -194,3 +222,61 @@ def pack(starts: np.ndarray, lengths: np.ndarray, packer: str, capacity: int, ma
     best = packer in ("best_fit", "best_fit_decreasing")
     row, rank = fit(weights, capacity, max_segments, open_rows, best=best, decreasing=packer == "best_fit_decreasing")
     return rows_from_assignment(starts, lengths, row, rank)
+
+
+def bucket_lengths(config: Config) -> np.ndarray:
+    """length_grouped widths: ``data.bucket_lengths`` or powers of two, always with ``seq_len`` as the last.
+
+    ``data.seq_len=100`` and no buckets give ``[2, 4, 8, 16, 32, 64, 100]``.
+    """
+    d = config.data
+    chosen = d.bucket_lengths or [1 << k for k in range(1, d.seq_len.bit_length()) if 1 << k < d.seq_len]
+    return np.unique(np.asarray([*chosen, d.seq_len], np.int64))
+
+
+def length_grouped_order(
+    weights: np.ndarray, batch_size: int, mega_batch_mult: int, buckets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """HF's LengthGroupedSampler idea on already shuffled rows, with padded widths from a fixed set of buckets.
+
+    Mega-batches of ``mega_batch_mult * batch_size`` rows are each sorted
+    longest first and cut into batches; the batch with the longest row moves to
+    the front, so an out-of-memory shows at the first step. Returns the row
+    order (``-1``: an empty row filling the last batch) and each batch's width,
+    the smallest bucket holding its longest row, so jit sees at most
+    ``len(buckets)`` shapes.
+
+    Rows of weights ``[3, 9, 4, 1, 7]`` in batches of 2, mega-batches of 2 rows,
+    buckets ``[2, 4, 8, 16]``: rows ``[1, 0 | 2, 3 | 4, -1]``, widths ``[16, 4, 8]``.
+    """
+    n = len(weights)
+    mega = np.arange(n) // (batch_size * mega_batch_mult)
+    order = np.lexsort((-weights, mega))
+    n_batches = -(-n // batch_size)
+    rows = np.full(n_batches * batch_size, -1, np.int64)
+    rows[:n] = order
+    longest = np.zeros(n_batches * batch_size, np.int64)
+    longest[:n] = weights[order]
+    batch_longest = longest.reshape(n_batches, batch_size).max(axis=1)
+    first = int(np.argmax(batch_longest))
+    batch_order = np.concatenate([[first], np.delete(np.arange(n_batches), first)])
+    rows = rows.reshape(n_batches, batch_size)[batch_order].reshape(-1)
+    widths = buckets[np.searchsorted(buckets, batch_longest[batch_order])]
+    return rows, widths
+
+
+def packed_rows(starts: np.ndarray, lengths: np.ndarray, config: Config) -> Arranged:
+    """``data.strategy=pack``: the items, in the order given, packed by ``data.packer``."""
+    d = config.data
+    return Arranged(*pack(starts, lengths, d.packer, d.seq_len, d.max_segments_per_row, d.pack_buffer))
+
+
+def grouped_rows(starts: np.ndarray, lengths: np.ndarray, config: Config) -> Arranged:
+    """``data.strategy=length_grouped``: one item per row, rows of similar length in one batch of a bucket's width.
+
+    Rows ``-1`` from :func:`length_grouped_order` (filling the last batch) are empty rows: no piece.
+    """
+    d = config.data
+    rows, widths = length_grouped_order(lengths - 1, d.batch_size, d.mega_batch_mult, bucket_lengths(config))
+    pieces = rows[rows >= 0]
+    return Arranged(starts[pieces], lengths[pieces], exclusive_cumsum((rows >= 0).astype(np.int64)), widths)
