@@ -25,7 +25,8 @@ from seqjax.config import load_config
 from seqjax.data import build
 from seqjax.data.build import prepare
 from seqjax.data.pipeline import build_pipeline
-from seqjax.data.store import MANIFEST, StoreError, TokenStore, TokenStream
+from seqjax.data.store import MANIFEST, StoreError, TokenStore
+from seqjax.data.stream import TokenStream
 from test_multiprocess import free_port
 from test_pipeline import CASES, IDS
 from test_train_support import REPO, cli_env
@@ -142,17 +143,17 @@ KILL_AFTER_TWO_SHARDS = textwrap.dedent(
     """
     import os, signal, sys
     from seqjax.config import load_config
-    from seqjax.data import build, store
+    from seqjax.data import build, store_writer
     from seqjax.data.build import prepare
 
-    commit, done = store.ShardWriter.commit, []
+    commit, done = store_writer.ShardWriter.commit, []
     def commit_then_die(self, record=None):
         entry = commit(self, record)
         done.append(entry["name"])
         if len(done) == 2:
             os.kill(os.getpid(), signal.SIGKILL)  # as if the machine died between two shards
         return entry
-    store.ShardWriter.commit = commit_then_die
+    store_writer.ShardWriter.commit = commit_then_die
     prepare(load_config(None, sys.argv[1:]), splits=("train",))
     """
 )

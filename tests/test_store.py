@@ -16,7 +16,8 @@ from corpus_factory import make_text_corpus
 from seqjax.config import load_config
 from seqjax.data import build
 from seqjax.data.build import prepare
-from seqjax.data.store import MANIFEST, ShardWriter, StoreError, StoreWriter, TokenStore, token_dtype, write_store
+from seqjax.data.store import MANIFEST, StoreError, TokenStore, token_dtype
+from seqjax.data.store_writer import ShardWriter, StoreWriter, write_store
 
 
 def shard_file(store: TokenStore, name: str, shard: int = 0):
@@ -112,7 +113,7 @@ def test_an_exception_mid_build_leaves_no_store_and_keeps_the_old_one(tmp_path):
 KILL_MID_BUILD = textwrap.dedent(
     """
     import os, signal, sys
-    from seqjax.data.store import StoreWriter
+    from seqjax.data.store_writer import StoreWriter
     writer = StoreWriter(sys.argv[1], eot_id=0, vocab_size=10)
     for _ in range(1000):
         writer.add_document([[1, 2, 3], [4]])

@@ -61,15 +61,8 @@ import xxhash
 from seqjax.config import Config, SourceConfig
 from seqjax.data.corpus import SPLITS, file_documents, source_files, split_lines
 from seqjax.data.encoding import available_cores, encode_in_order
-from seqjax.data.store import (
-    MANIFEST,
-    ShardWriter,
-    TokenStore,
-    publish,
-    read_manifest,
-    read_shard,
-    shard_problems,
-)
+from seqjax.data.store import MANIFEST, TokenStore, read_manifest, shard_problems
+from seqjax.data.store_writer import ShardWriter, publish, read_shard
 from seqjax.data.tokenizer import Tokenizer, check_vocab_size, special_tokens_for, train_tokenizer
 from seqjax.errors import CorpusError, StoreError
 from seqjax.files import write_text_atomic
