@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seqjax import cli  # noqa: E402
+from seqjax import cli, trained  # noqa: E402
 from seqjax.data.build import prepare  # noqa: E402
 from seqjax.data.eval_windows import MODES  # noqa: E402
 from seqjax.data.lm_eval import MODE as LM_EVAL  # noqa: E402
@@ -61,14 +61,14 @@ def table(results: list[dict], label: str) -> str:
 
 def main() -> int:
     p = cli.parser("python scripts/eval_table.py", "valid and test perplexity in all three units and protocols")
-    cli.add_checkpoint_args(p)
+    trained.add_checkpoint_args(p)
     cli.run(p, None, score_all)
     return 0
 
 
 def score_all(args: argparse.Namespace) -> None:
-    config, model = cli.load_checkpoint(args)
-    cli.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the stores are built
+    config, model = trained.load_checkpoint(args)
+    trained.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the stores are built
     prepared = prepare(config, splits=SPLITS)
     results = []
     for split in SPLITS:

@@ -76,8 +76,8 @@ from seqjax.data.tokenizer import Tokenizer
 from seqjax.errors import UsageError
 from seqjax.evaluate import evaluate
 from seqjax.files import write_text_atomic
-from seqjax.train.checkpoint import load_for_inference
 from seqjax.train.flops import flops_per_token
+from seqjax.train.inference import load_for_inference
 from seqjax.train.loop import train
 from seqjax.train.metrics import read_metrics
 

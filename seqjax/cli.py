@@ -31,7 +31,7 @@ from typing import Callable, NoReturn, Sequence, TypeVar
 from tqdm import tqdm
 
 from seqjax.config import Config, ConfigError, describe_keys, load_config
-from seqjax.errors import SeqjaxError, UsageError
+from seqjax.errors import SeqjaxError
 
 EXIT_BAD_INPUT = 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -122,65 +122,3 @@ def configure_logging(level: str = "INFO") -> None:
 
 # ---------------------------------------------------------------------------
 # The CLIs that read a trained run: seqjax.eval, seqjax.generate, scripts/eval_table.py
-
-
-def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    """``--run DIR``, ``--checkpoint DIR`` or ``--hf DIR``: the config comes from there, so ``--config`` is refused."""
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--run", metavar="DIR", help="a training run folder (its newest readable checkpoint)")
-    where.add_argument("--checkpoint", metavar="DIR", help="one checkpoint folder")
-    where.add_argument("--hf", metavar="DIR",
-                       help="a Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json), read directly")
-
-
-def load_checkpoint(args: argparse.Namespace, overrides: Sequence[str] | None = None):
-    """(config, model with trained weights) from ``--run``, ``--checkpoint`` or ``--hf``, with the overrides.
-
-    Raises a SeqjaxError (exit 2 inside :func:`run`) for ``--config``, a missing
-    folder, or a folder without a readable checkpoint.
-    """
-    # orbax and flax take about a second to import; only the CLIs that read checkpoints pay for them
-    from seqjax.train import checkpoint
-
-    if args.config:
-        raise UsageError("--config: the configuration comes from the checkpoint; pass key=value overrides instead")
-    overrides = list(args.overrides if overrides is None else overrides)
-    if getattr(args, "hf", None):
-        # safetensors and the HF mapping: only --hf pays for them
-        from seqjax import hf
-
-        return hf.load(args.hf, overrides)
-    path = args.run or args.checkpoint
-    if not Path(path).is_dir():
-        raise UsageError(f"{'--run' if args.run else '--checkpoint'} {path!r}: no such folder")
-    return checkpoint.load_for_inference(path, overrides)
-
-
-def trained_tokenizer(args: argparse.Namespace, config: Config):
-    """The tokenizer ``config`` names (reused from the cache), refused unless it is the one the model can read.
-
-    Checked before any token store is built: token ids beyond the model's
-    vocabulary cannot raise under jit, they only turn the loss into NaN. A
-    tokenizer of the right size but not the run's own (the checkpoint records
-    its hash) would give meaningless numbers, so it is refused too.
-    """
-    # the tokenizers library and orbax take a second to import: only the CLIs that read a trained run need them
-    from seqjax.data.build import prepare
-    from seqjax.train import checkpoint  # (orbax, as in load_checkpoint)
-
-    tokenizer = prepare(config, splits=()).tokenizer
-    vocab = config.model.vocab_size
-    where = args.run or args.checkpoint or getattr(args, "hf", None)
-    if vocab is not None and tokenizer.vocab_size > vocab:
-        raise ConfigError(
-            f"tokenizer {tokenizer.path}: {tokenizer.vocab_size} tokens, more than the model.vocab_size={vocab} "
-            f"of {where}; expected the tokenizer the run was trained with (drop the tokenizer.* overrides)"
-        )
-    # An HF folder records no training tokenizer hash; its own tokenizer.json is what --hf reads.
-    trained = None if getattr(args, "hf", None) else checkpoint.trained_tokenizer_hash(where)
-    if trained is not None and trained != tokenizer.hash:
-        raise ConfigError(
-            f"tokenizer {tokenizer.path} (sha256 {tokenizer.hash[:12]}) is not the one {where} was trained with "
-            f"(sha256 {trained[:12]}); expected that tokenizer (drop the tokenizer.* overrides)"
-        )
-    return tokenizer

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from seqjax import cli
+from seqjax import cli, trained
 from seqjax.data.build import prepare
 from seqjax.data.lm_eval import MODE as LM_EVAL
 from seqjax.data.lm_eval import read_lm_eval_split
@@ -22,7 +22,7 @@ from seqjax.files import json_text
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser("python -m seqjax.eval", "Perplexity of a trained model on a split (last line: one JSON object).")
-    cli.add_checkpoint_args(p)
+    trained.add_checkpoint_args(p)
     p.add_argument("--split", choices=("valid", "test"), help="split to score (default: eval.split)")
     cli.run(p, argv, score)
     return 0
@@ -31,8 +31,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def score(args: argparse.Namespace) -> dict[str, Any]:
     """Load the checkpoint, prepare the split's store (reused from the cache), evaluate, print the JSON line."""
     overrides = list(args.overrides) + ([f"eval.split={args.split}"] if args.split else [])
-    config, model = cli.load_checkpoint(args, overrides)
-    cli.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the store is built
+    config, model = trained.load_checkpoint(args, overrides)
+    trained.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the store is built
     split = config.eval.split
     if config.eval.mode == LM_EVAL:  # raw pages with the model's tokenizer, no token store
         docs = read_lm_eval_split(config, split, prepare(config, splits=()).tokenizer)

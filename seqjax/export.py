@@ -16,14 +16,14 @@ from typing import Any, Sequence
 
 from flax import nnx
 
-from seqjax import cli, hf
+from seqjax import cli, hf, trained
 from seqjax.errors import UsageError
 from seqjax.files import check_new_folder, staged_folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser("python -m seqjax.export", "Write a trained model as a Hugging Face Llama folder (safetensors).")
-    cli.add_checkpoint_args(p)
+    trained.add_checkpoint_args(p)
     p.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--dtype", choices=tuple(hf.DTYPES), default="float32", help="tensor dtype (default: %(default)s)")
@@ -41,9 +41,9 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     check_new_folder(args.out, overwrite=args.overwrite)
     if args.max_shard_bytes < 1:
         raise UsageError(f"--max-shard-bytes: got {args.max_shard_bytes}, expected a positive number of bytes")
-    config, model = cli.load_checkpoint(args)
+    config, model = trained.load_checkpoint(args)
     # The run's own tokenizer, refused unless it is the one the checkpoint was trained with (as eval and generate do).
-    tokenizer = cli.trained_tokenizer(args, config)
+    tokenizer = trained.trained_tokenizer(args, config)
     with staged_folder(args.out, overwrite=args.overwrite) as staging:
         result = hf.write_folder(
             staging,

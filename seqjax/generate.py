@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from seqjax import cli
+from seqjax import cli, trained
 from seqjax.errors import UsageError
 from seqjax.files import json_text
 from seqjax.model.decode import generate
@@ -49,7 +49,7 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser("python -m seqjax.generate", "Continue prompts with a trained model (last line: one JSON object).")
-    cli.add_checkpoint_args(p)
+    trained.add_checkpoint_args(p)
     p.add_argument("--prompt", help="text to continue ('' starts a new article)")
     p.add_argument("--prompts", metavar="FILE", help="a file with one prompt per line, generated as one batch")
     p.add_argument("--max_new_tokens", type=int, default=100)
@@ -65,8 +65,8 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     """Every request is checked (prompts, sampling, checkpoint, lengths) before the first token is decoded."""
     texts = read_prompts(args.prompt, args.prompts)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    config, model = cli.load_checkpoint(args)
-    tokenizer = cli.trained_tokenizer(args, config)  # the run's tokenizer, reused from the cache
+    config, model = trained.load_checkpoint(args)
+    tokenizer = trained.trained_tokenizer(args, config)  # the run's tokenizer, reused from the cache
     seed = config.run.seed if args.seed is None else args.seed
     start = time.perf_counter()
     outputs = generate(

@@ -25,7 +25,8 @@ from seqjax import cli, hf
 from seqjax.config import announce
 from seqjax.errors import UsageError
 from seqjax.files import check_new_folder, staged_folder
-from seqjax.train.checkpoint import TOKENIZER_FILE, save_params
+from seqjax.train.checkpoint import save_params
+from seqjax.train.resume import TOKENIZER_FILE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

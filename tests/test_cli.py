@@ -46,7 +46,7 @@ def test_a_corpus_error_in_evals_prepare_exits_2_without_a_traceback(tmp_path, m
 
     config = load_config(None, ["data.corpus=text", "data.train_files=[nowhere.txt]", f"data.dir={tmp_path}",
                                 f"data.cache_dir={tmp_path / 'cache'}"])
-    monkeypatch.setattr("seqjax.train.checkpoint.load_for_inference", lambda path, overrides: (config, None))
+    monkeypatch.setattr("seqjax.trained.load_for_inference", lambda path, overrides: (config, None))
     with pytest.raises(SystemExit) as exit_:
         eval_cli.main(["--run", str(tmp_path)])
     assert exit_.value.code == 2

@@ -142,7 +142,7 @@ def test_eval_cli_prints_one_json_object_last(wikitext_prepared, wikitext_config
 
     saved = wikitext_config.save(tmp_path / "config.yaml")
     lm = UniformLM(wikitext_prepared.tokenizer.vocab_size)
-    monkeypatch.setattr("seqjax.train.checkpoint.load_for_inference",
+    monkeypatch.setattr("seqjax.trained.load_for_inference",
                         lambda path, overrides: (load_config(saved, overrides), lm))
     eval_cli.main(
         ["--run", str(tmp_path), "--split", "test", "eval.mode=sliding", "eval.context=512", "eval.stride=256"]

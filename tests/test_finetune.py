@@ -25,7 +25,7 @@ from seqjax.data.build import prepare
 from seqjax.data.pipeline import build_pipeline
 from seqjax.model.loss import lm_loss
 from seqjax.train import init_from
-from seqjax.train.checkpoint import load_for_inference
+from seqjax.train.inference import load_for_inference
 from seqjax.train.loop import train
 from test_train_support import REPO, assert_ok, cli_env, run_cli, tiny_overrides, train_losses
 

@@ -101,7 +101,7 @@ def test_generate_cli_prints_json_last(wikitext_prepared, wikitext_config, tmp_p
 
     vocab = wikitext_prepared.tokenizer.vocab_size
     _, lm = tiny_model(vocab)
-    monkeypatch.setattr("seqjax.train.checkpoint.load_for_inference", lambda path, overrides: (wikitext_config, lm))
+    monkeypatch.setattr("seqjax.trained.load_for_inference", lambda path, overrides: (wikitext_config, lm))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The game\nIn 1998 ,\n")
     generate_cli.main(["--run", str(tmp_path), "--prompt", "", "--prompts", str(prompts), "--max_new_tokens", "5",

@@ -263,7 +263,8 @@ def test_a_folder_without_weights_or_tokenizer_is_refused_by_the_import_cli_in_o
 def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path):
     from seqjax import import_hf
     from seqjax.errors import CheckpointMismatchError
-    from seqjax.train.checkpoint import Checkpointer, load_for_inference
+    from seqjax.train.checkpoint import Checkpointer
+    from seqjax.train.inference import load_for_inference
 
     folder = write_llama_folder(tmp_path / "llama", rope_theta=500000.0, head_dim=16)
     import_hf.main([str(folder), "--out", str(tmp_path / "run"), "model.attention=xla"])

@@ -55,3 +55,22 @@ def test_generate_refuses_a_sampling_setting_that_is_not_a_finite_number(referen
 
     line = exits_2(main, ["--run", str(tiny_root / "reference"), "--prompt", "the", flag, value], capfd)
     assert f"{flag}: got {value}, expected" in line
+
+
+def test_export_and_init_from_refuse_a_step_whose_run_tokenizer_was_replaced(reference, tiny_root, tmp_path, capfd):
+    """A resume that retrained the tokenizer leaves older steps trained with the old one: every reader checks."""
+    import shutil
+
+    from seqjax.export import main as export
+    from seqjax.train.__main__ import main as train
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_root / "reference", run)
+    shutil.copyfile(other_tokenizer(tiny_root, tmp_path, 280), run / "tokenizer.json")
+    step = run / "checkpoints" / "60"
+    line = exits_2(export, ["--checkpoint", str(step), "--out", str(tmp_path / "hf")], capfd)
+    assert f"is not the one {step} was trained with" in line and "(the run folder's own tokenizer.json)" in line
+    assert not (tmp_path / "hf").exists()
+    line = exits_2(train, tiny_overrides(tiny_root, tmp_path / "tuned", **{"train.init_from": step}), capfd)
+    assert f"is not the one {step} was trained with" in line and "(train.init_from)" in line
+    assert not (tmp_path / "tuned").exists()

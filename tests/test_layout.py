@@ -5,12 +5,17 @@ ones before it, never from a later one):
 
     base        seqjax.errors, .files, .progress    the error types, atomic writes, progress bars
     config      seqjax.config                       the typed config tree
+    plumbing    seqjax.cli                          what every CLI shares: flags, logging, exit codes
     data        seqjax.data.*                       text -> token store -> contract batches
     sharding    seqjax.sharding                     mesh axes and placement rules
     model       seqjax.model.*                      the Transformer, attention, loss, decoding
     train/eval  seqjax.train.*, seqjax.evaluate     libraries that run a model on data; seqjax.hf, HF folders
-    cli         seqjax.cli and every __main__/CLI   flags, logging, exit codes
+    cli         every __main__/CLI, seqjax.trained  the tools; --run/--checkpoint/--hf for those that read one
 
+
+``seqjax.cli`` sits just above the config: it parses flags into a config and
+turns errors into one line, and imports nothing of data/ or train/ (the CLIs
+that read checkpoints share :mod:`seqjax.trained` instead).
 ``seqjax.sharding`` sits below the model because attention runs its kernels
 per device shard and needs the mesh's axis names; it imports only the config.
 """
@@ -28,11 +33,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "seqjax"
 STAGES = [
     ("base", ("seqjax", "seqjax.errors", "seqjax.files", "seqjax.progress")),
     ("config", ("seqjax.config",)),
+    ("cli plumbing", ("seqjax.cli",)),
     ("data", ("seqjax.data",)),
     ("sharding", ("seqjax.sharding",)),
     ("model", ("seqjax.model",)),
     ("train/eval", ("seqjax.train", "seqjax.evaluate", "seqjax.hf")),
-    ("cli", ("seqjax.cli", "seqjax.prepare", "seqjax.eval", "seqjax.generate", "seqjax.data.__main__",
+    ("cli", ("seqjax.trained", "seqjax.prepare", "seqjax.eval", "seqjax.generate", "seqjax.data.__main__",
              "seqjax.train.__main__", "seqjax.export", "seqjax.import_hf", "seqjax.import")),
 ]
 
@@ -120,12 +126,15 @@ def test_imports_inside_functions_say_why():
 
 
 @pytest.mark.parametrize("importer, statement", [
-    ("seqjax.data", "from .. import cli"),
+    ("seqjax.data", "from .. import trained"),
     ("seqjax.model.attention", "from seqjax.train import loop"),
     ("seqjax.model.attention", "import seqjax.train.loop"),
     ("seqjax.data.sequences", "from seqjax import sharding"),
     ("seqjax.config", "from seqjax.data.store import TokenStore"),
-    ("seqjax.evaluate", "from seqjax.cli import run"),
+    ("seqjax.evaluate", "from seqjax.trained import load_checkpoint"),
+    # inside a function, with a reason given, it is still against the flow
+    ("seqjax.cli", "def load():\n    # slow to import\n    from seqjax.train import checkpoint\n    return checkpoint"),
+    ("seqjax.data.store", "def late():\n    # lazy\n    from seqjax.model import attention\n    return attention"),
 ])
 def test_the_check_catches_an_import_of_a_later_stage(importer, statement):
     sources = package_sources()

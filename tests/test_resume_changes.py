@@ -92,14 +92,14 @@ def test_changes_that_keep_exact_resume_go_on_with_the_same_losses_and_are_print
     assert "steps: 20" in (run_dir / "config.yaml").read_text()
 
 
-def test_with_the_override_the_data_restarts_at_the_next_epoch_boundary(reference, tiny_root, tmp_path):
+def test_with_the_override_the_data_restarts_at_thenext_epoch_start(reference, tiny_root, tmp_path):
     """Checkpoint 60 stopped inside epoch e; the resumed run's first batch is batch 0 of epoch e + 1, cut by the
     new config (rows of 8), and its loss is the checkpoint's model on exactly that batch."""
     from seqjax.config import load_config
     from seqjax.data.build import prepare
     from seqjax.data.pipeline import build_pipeline
     from seqjax.model.loss import lm_loss
-    from seqjax.train.checkpoint import load_for_inference
+    from seqjax.train.inference import load_for_inference
 
     run_dir = copy_reference(tiny_root, tmp_path / "run")
     stopped = json.loads((run_dir / "checkpoints" / "60" / "data" / "process_0-of-1.json").read_text())
@@ -130,18 +130,18 @@ def test_with_the_override_the_data_restarts_at_the_next_epoch_boundary(referenc
 
 def test_a_data_restart_moves_a_mixture_source_by_source_to_its_next_epoch():
     from seqjax.config import load_config
-    from seqjax.train.checkpoint import _next_epoch_boundary
+    from seqjax.data.pipeline import next_epoch_start
 
     two = load_config(None, ["data.sources=[{name: a, train_files: [a.txt]}, {name: b, train_files: [b.txt]}]",
                              "data.corpus=text"])
     state = {"step": 40, "sources": [{"epoch": 2, "window": 0, "row": 0}, {"epoch": 0, "window": 1, "row": 3}]}
-    assert _next_epoch_boundary(state, two) == {
+    assert next_epoch_start(state, two) == {
         "step": 40, "sources": [{"epoch": 2, "window": 0, "row": 0}, {"epoch": 1, "window": 0, "row": 0}]}
     one = load_config(None, ["data.sources=[{name: a, train_files: [a.txt]}]", "data.corpus=text"])
-    assert _next_epoch_boundary(state, one) == {"step": 0, "sources": [{"epoch": 0, "window": 0, "row": 0}]}
+    assert next_epoch_start(state, one) == {"step": 0, "sources": [{"epoch": 0, "window": 0, "row": 0}]}
     plain = load_config(None, [])
-    assert _next_epoch_boundary(state, plain) == {"epoch": 0, "batch": 0}  # out of a mixture: from the start
+    assert next_epoch_start(state, plain) == {"epoch": 0, "batch": 0}  # out of a mixture: from the start
     windowed = {"epoch": 3, "batch": 17, "window": 1, "window_batch": 5}
-    assert _next_epoch_boundary(windowed, plain) == {"epoch": 4, "batch": 0}
-    assert _next_epoch_boundary({"epoch": 3, "batch": 0, "window": 0, "window_batch": 0}, plain) == {"epoch": 3,
+    assert next_epoch_start(windowed, plain) == {"epoch": 4, "batch": 0}
+    assert next_epoch_start({"epoch": 3, "batch": 0, "window": 0, "window_batch": 0}, plain) == {"epoch": 3,
                                                                                                   "batch": 0}

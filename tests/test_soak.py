@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from seqjax.train.checkpoint import TMP_SUFFIX, load_for_inference
+from seqjax.train.checkpoint import TMP_SUFFIX
+from seqjax.train.inference import load_for_inference
 from seqjax.train.metrics import read_metrics
 from test_train_support import assert_ok, checkpoint_steps, run_cli, start_cli, tiny_overrides, train_losses
 

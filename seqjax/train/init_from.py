@@ -20,6 +20,7 @@ Example: ``seqjax.train --config runs/llama-tiny/config.yaml run.dir=runs/ft tra
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +29,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tokenizers import Tokenizer as HFTokenizer
 
 from seqjax import hf
 from seqjax.config import Config, ConfigError, ModelConfig, load_config
 from seqjax.data.build import prepare
 from seqjax.model import build_model
-from seqjax.train import checkpoint
+from seqjax.train import inference
+from seqjax.train.resume import TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
 # Fields that leave every shape alone but change what the model computes.
@@ -62,11 +65,11 @@ def locate(path: str) -> Source:
         tokenizer = {"path": str(folder.tokenizer), "special_tokens": [folder.eos_token], "bos_token": folder.bos_token}
         return Source(where, folder.model, tokenizer, folder)
     try:
-        config_file, _, _ = checkpoint.locate(where)
+        config_file, _, _ = inference.locate(where)
     except ConfigError as err:
         raise ConfigError(f"train.init_from: {err}, or a Hugging Face Llama folder (config.json)") from None
     source = load_config(config_file)
-    own = config_file.parent / checkpoint.TOKENIZER_FILE
+    own = config_file.parent / TOKENIZER_FILE
     tokenizer = dataclasses.asdict(source.tokenizer)
     if own.is_file():
         tokenizer["path"] = str(own)
@@ -75,6 +78,12 @@ def locate(path: str) -> Source:
     model = dataclasses.replace(source.model, max_seq_len=source.max_seq_len)
     if model.vocab_size is None:
         raise ConfigError(f"train.init_from: {config_file} has model.vocab_size null; expected a trained run's config")
+    # The weights only mean something under the tokenizer they were trained with (a step folder of a run whose
+    # tokenizer was rebuilt on resume was not): checked as eval, generate and export check it.
+    data = Path(tokenizer["path"]).read_bytes()
+    vocab = HFTokenizer.from_str(data.decode("utf-8")).get_vocab_size(with_added_tokens=True)
+    inference.check_tokenizer(where, hashlib.sha256(data).hexdigest(), tokenizer["path"], model.vocab_size, vocab,
+                              "train.init_from")
     return Source(where, model, tokenizer)
 
 
@@ -131,7 +140,7 @@ def load_params(source: Source, dtype: str) -> dict[str, Any]:
     """The source's parameters as a pure dict (``nnx.to_pure_dict`` layout), numpy arrays of ``dtype``."""
     if source.folder is not None:
         return hf.read_params(source.folder, dtype)
-    _, model = checkpoint.load_for_inference(source.path)
+    _, model = inference.load_for_inference(source.path)
     return _cast(nnx.to_pure_dict(nnx.state(model, nnx.Param)), jnp.dtype(dtype))
 
 

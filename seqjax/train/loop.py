@@ -42,7 +42,7 @@ from seqjax.evaluate import evaluate
 from seqjax.files import json_text, write_text_atomic
 from seqjax.model import build_model
 from seqjax.train import init_from
-from seqjax.train.checkpoint import TOKENIZER_FILE, Checkpointer, Restored
+from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, peak_flops_per_device
 from seqjax.train.metrics import (
@@ -56,6 +56,7 @@ from seqjax.train.metrics import (
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.prefetch import DevicePrefetch
 from seqjax.train.profiling import ProfileWindow
+from seqjax.train.resume import TOKENIZER_FILE, Restored
 from seqjax.train.rundir import RunLock
 from seqjax.train.step import make_train_step
 

@@ -1,0 +1,137 @@
+"""Reading a trained model for inference: a run folder or one step folder -> (config, model with its weights).
+
+Used by the eval, generate and export CLIs and by ``train.init_from``; only the
+parameters are read, on the default device.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from seqjax.config import Config, ConfigError, load_config, resume_changes
+from seqjax.errors import CheckpointError, CheckpointMismatchError
+from seqjax.model import build_model
+from seqjax.train.resume import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    abstract,
+    array_differences,
+    array_table,
+    first_line,
+    like_target,
+    likely_causes_first,
+    newest_readable,
+    read_meta,
+    read_saved,
+)
+
+log = logging.getLogger(__name__)
+
+
+def locate(path: str | Path) -> tuple[Path, Path, int | None]:
+    """(config.yaml, checkpoints folder, step or None for the latest) for a run dir or a step folder."""
+    path = Path(path).absolute()
+    if (path / CHECKPOINTS).is_dir():
+        return path / CONFIG_FILE, path / CHECKPOINTS, None
+    if path.name.isdigit() and path.parent.name == CHECKPOINTS:
+        return path.parent.parent / CONFIG_FILE, path.parent, int(path.name)
+    raise ConfigError(
+        f"{path}: expected a run directory holding {CHECKPOINTS}/ (a train run.dir) or one checkpoint step folder "
+        f"such as <run.dir>/{CHECKPOINTS}/1000"
+    )
+
+
+def trained_tokenizer_hash(path: str | Path) -> str | None:
+    """The sha256 of the tokenizer a run (or step folder) was trained with, as its newest checkpoint records it.
+
+    None when the folder is not a run or its checkpoints predate the record.
+    """
+    try:
+        _, checkpoints, step = locate(path)
+    except ConfigError:
+        return None
+    steps = [step] if step is not None else sorted((int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()),
+                                                   reverse=True)
+    for candidate in steps:
+        try:
+            meta = read_meta(checkpoints / str(candidate))
+        except (OSError, ValueError):
+            continue
+        return (meta.get("data_identity") or {}).get("tokenizer")
+    return None
+
+
+def check_tokenizer(where: str | Path, tokenizer_hash: str, tokenizer_path: str | Path, vocab_size: int | None,
+                    tokenizer_vocab: int, key: str) -> None:
+    """Refuse a tokenizer a checkpoint's weights cannot be read with: the one place every reader checks it.
+
+    Too many tokens for the model's embedding, or not the tokenizer the checkpoint records it was trained with
+    (a run whose tokenizer was rebuilt on resume keeps older steps trained with the old one). ``key`` names
+    what chose the tokenizer, for the message (``tokenizer.path``, ``train.init_from``, ...).
+    """
+    if vocab_size is not None and tokenizer_vocab > vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer_path}: {tokenizer_vocab} tokens, more than the model.vocab_size={vocab_size} of "
+            f"{where}; expected the tokenizer it was trained with ({key})"
+        )
+    trained = trained_tokenizer_hash(where)
+    if trained is not None and trained != tokenizer_hash:
+        raise ConfigError(
+            f"tokenizer {tokenizer_path} (sha256 {tokenizer_hash[:12]}) is not the one {where} was trained with "
+            f"(sha256 {trained[:12]}); expected that tokenizer ({key})"
+        )
+
+
+def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Any]:
+    """(config, model with trained weights) from a run dir (its newest readable checkpoint) or a step folder.
+
+    The config is the run's saved ``config.yaml`` (plus ``overrides``, e.g. a
+    different ``model.attention`` backend for inference), with ``tokenizer.path``
+    pointing at the run folder's own ``tokenizer.json`` when it has one; only the
+    parameters are read, on the default device. Overrides that change the
+    parameters' shapes (``model.vocab_size=1000``) are refused with the differing
+    keys before any array is read.
+    """
+    config_file, checkpoints, step = locate(path)
+    config = load_config(config_file, list(overrides))
+    own_tokenizer = config_file.parent / TOKENIZER_FILE
+    if own_tokenizer.is_file() and not any(o.startswith("tokenizer.path=") for o in overrides):
+        config.tokenizer.path = str(own_tokenizer)  # the run's copy, wherever the run folder now is
+    model = build_model(config, rngs=nnx.Rngs(config.run.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    target = abstract(nnx.to_pure_dict(params))
+    errors = []
+
+    def restore(candidate: int) -> Any:
+        saved = read_saved(checkpoints / str(candidate), config_file, items=("params",))
+        wrong = array_differences(saved.arrays["params"], array_table(target))
+        if wrong:
+            changes = resume_changes(saved.config, config) if saved.config is not None else []
+            keys = "; ".join(map(str, likely_causes_first(changes))) or "no config key"
+            raise CheckpointMismatchError(
+                f"checkpoint {checkpoints / str(candidate)} does not fit the model asked for ({keys}): its "
+                f"parameters differ: {'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''}"
+            )
+        # Only the params item is read, so no CheckpointManager (which also wants to manage the folder).
+        with ocp.StandardCheckpointer() as reader:
+            return reader.restore(checkpoints / str(candidate) / "params", target)
+
+    def unreadable(candidate: int, err: Exception) -> None:
+        errors.append(f"step {candidate}: {first_line(err)}")
+        log.warning("checkpoint %s is unreadable; trying an older one", checkpoints / str(candidate))
+
+    # A step folder is named by its number only once orbax has committed it (in-progress writes carry a suffix).
+    steps = [step] if step is not None else [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint in {checkpoints}")
+    found = newest_readable(steps, restore, unreadable)
+    if found is None:
+        raise CheckpointError(f"no readable checkpoint in {checkpoints}: " + "; ".join(errors))
+    return config, nnx.merge(graphdef, like_target(target, found[1]), rest)
+

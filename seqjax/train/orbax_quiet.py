@@ -1,0 +1,83 @@
+"""Keeping orbax's own noise off stderr while a damaged or unwritable checkpoint is handled.
+
+A failed background write or a damaged step makes orbax log tracebacks and
+leave coroutines that Python reports at garbage collection ("Exception
+ignored in coroutine ..."): seqjax has already said what happened in one line,
+so those are filtered while the :class:`~seqjax.train.checkpoint.Checkpointer`
+recovers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _from_a_closed_event_loop(unraisable: Any) -> bool:
+    """An exception raised in asyncio by a callback that outlived its event loop (orbax's, after a write failed)."""
+    tb = unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (isinstance(unraisable.exc_value, RuntimeError) and tb is not None
+            and Path(tb.tb_frame.f_code.co_filename).parent.name == "asyncio")
+
+
+def _raised_in_orbax(tb: Any) -> bool:
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class QuietOrbax(logging.Filter):
+    """While a run checkpoints, orbax's noise about a failed write stays off stderr (kept at DEBUG).
+
+    A failed background write makes orbax log one traceback per thread, and
+    TensorStore callbacks that finish after orbax closed its event loop raise
+    unraisable errors; :class:`Checkpointer` reports the failure once, as one
+    line, from what the records say. A filter on the two loggers, and the
+    unraisable hook, for as long as the checkpointer is open.
+    """
+
+    LOGGERS = ("absl", "asyncio")  # orbax logs through absl; its event loops' orphaned tasks through asyncio
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []  # orbax's error messages, for that one line
+        self._previous_hook = sys.unraisablehook
+
+    def __enter__(self) -> QuietOrbax:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        sys.unraisablehook = self._unraisable
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+        if sys.unraisablehook == self._unraisable:
+            sys.unraisablehook = self._previous_hook
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if record.name == "absl" and "orbax" in record.pathname:
+            self.messages.append(record.getMessage().splitlines()[0])
+        elif not (record.name == "asyncio" and record.exc_info and _raised_in_orbax(record.exc_info[2])):
+            return True
+        log.debug("%s: %s", record.name, record.getMessage(), exc_info=record.exc_info)
+        return False
+
+    def _unraisable(self, unraisable: Any) -> None:
+        if _from_a_closed_event_loop(unraisable):
+            log.debug("after a failed write: %r", unraisable.exc_value)
+        else:
+            self._previous_hook(unraisable)
+
+
