@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from seqjax.config import PACKERS, load_config  # noqa: E402
+from seqjax.config import PACKERS  # noqa: E402
+from seqjax.config_load import load_config
 from seqjax.data.build import prepare  # noqa: E402
 from seqjax.data.sequences import HF_MAP_BATCH  # noqa: E402
 from seqjax.data.stats import epoch_stats  # noqa: E402

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_data import hf_group_texts  # noqa: E402
 
-from seqjax.config import load_config  # noqa: E402
+from seqjax.config_load import load_config  # noqa: E402
 from seqjax.data.build import prepare  # noqa: E402
 from seqjax.data.corpus import read_text, wikitext_articles  # noqa: E402
 from seqjax.data.pipeline import build_pipeline  # noqa: E402

@@ -67,7 +67,8 @@ import jax
 import numpy as np
 
 from seqjax import cli
-from seqjax.config import Config, load_config
+from seqjax.config import Config
+from seqjax.config_load import load_config
 from seqjax.data.build import prepare
 from seqjax.data.corpus import count_words
 from seqjax.data.pipeline import build_pipeline

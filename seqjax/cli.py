@@ -30,7 +30,8 @@ from typing import Callable, NoReturn, Sequence, TypeVar
 
 from tqdm import tqdm
 
-from seqjax.config import Config, ConfigError, describe_keys, load_config
+from seqjax.config import Config, ConfigError
+from seqjax.config_load import describe_keys, load_config
 from seqjax.errors import SeqjaxError
 
 EXIT_BAD_INPUT = 2

@@ -42,7 +42,8 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
-from seqjax.config import Config, ModelConfig, load_config
+from seqjax.config import Config, ModelConfig
+from seqjax.config_load import load_config
 from seqjax.errors import CheckpointError
 from seqjax.files import write_text_atomic
 from seqjax.model import build_model

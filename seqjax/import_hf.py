@@ -22,7 +22,7 @@ import time
 from typing import Any, Sequence
 
 from seqjax import cli, hf
-from seqjax.config import announce
+from seqjax.config_load import announce
 from seqjax.errors import UsageError
 from seqjax.files import check_new_folder, staged_folder
 from seqjax.train.checkpoint import save_params

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from seqjax import cli
-from seqjax.config import announce
+from seqjax.config_load import announce
 from seqjax.data.build import prepare
 from seqjax.data.corpus import SPLITS
 

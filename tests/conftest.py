@@ -29,7 +29,7 @@ def wikitext() -> Path:
 @pytest.fixture(scope="session")
 def wikitext_config(wikitext, tmp_path_factory):
     """A config pointing at WikiText-2 with a session-private cache and a small vocabulary (fast to train)."""
-    from seqjax.config import load_config
+    from seqjax.config_load import load_config
 
     cache = tmp_path_factory.mktemp("wikitext_cache")
     return load_config(None, [f"data.dir={wikitext}", f"data.cache_dir={cache}", "tokenizer.vocab_size=2048"])

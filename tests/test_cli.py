@@ -8,7 +8,7 @@ import pytest
 
 from corpus_factory import make_text_corpus
 from seqjax import cli
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.errors import ConfigError, CorpusError, DataError, SeqjaxError, StoreError, TokenizerError
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) seqjax[\w.]*: ")

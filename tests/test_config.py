@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqjax import cli
-from seqjax.config import Config, ConfigError, all_keys, announce, load_config
+from seqjax.config import Config, ConfigError
+from seqjax.config_load import all_keys, announce, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "configs" / "wikitext2_cpu.yaml"
@@ -203,7 +204,8 @@ def test_resume_changes_lists_exactly_the_changed_keys_each_with_its_kind(change
     """A checkpoint's config (a dict) differs from the current one in ``changed``: exactly those keys come back."""
     import dataclasses
 
-    from seqjax.config import RESUME_KINDS, resume_changes
+    from seqjax.config import RESUME_KINDS
+    from seqjax.config_diff import resume_changes
 
     current = Config()
     saved = current.to_dict()
@@ -220,7 +222,7 @@ def test_resume_changes_lists_exactly_the_changed_keys_each_with_its_kind(change
 
 
 def test_the_keys_that_change_the_batches_or_the_model_are_marked():
-    from seqjax.config import resume_changes
+    from seqjax.config_diff import resume_changes
 
     saved = Config().to_dict()
     saved["data"]["batch_size"], saved["run"]["seed"], saved["model"]["d_ff"] = 32, 7, 64

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import DATA_DIR_ENV, load_config
+from seqjax.config import DATA_DIR_ENV
+from seqjax.config_load import load_config
 from seqjax.data.corpus import (
     CorpusError,
     count_lines,

@@ -20,7 +20,8 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import ConfigError, load_config
+from seqjax.config import ConfigError
+from seqjax.config_load import load_config
 from seqjax.data.store import TokenStore
 from seqjax.evaluate import evaluate
 from seqjax.model import build_model

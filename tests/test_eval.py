@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.data.store import TokenStore
 from seqjax.evaluate import evaluate
 from seqjax.model import build_model

@@ -20,7 +20,8 @@ from flax import nnx
 
 from hf_support import write_llama_folder
 from seqjax import hf
-from seqjax.config import ConfigError, load_config
+from seqjax.config import ConfigError
+from seqjax.config_load import load_config
 from seqjax.data.build import prepare
 from seqjax.data.pipeline import build_pipeline
 from seqjax.model.loss import lm_loss

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.generate import read_prompts
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig

@@ -25,7 +25,8 @@ from safetensors.numpy import save_file
 
 from hf_support import llama_tensors, tiny_tokenizer, write_llama_folder
 from seqjax import hf
-from seqjax.config import ConfigError, RopeScalingConfig, load_config
+from seqjax.config import ConfigError, RopeScalingConfig
+from seqjax.config_load import load_config
 from seqjax.errors import CheckpointError
 from seqjax.model import build_model
 from seqjax.model.transformer import rope_frequencies

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.data.build import prepare
 from test_train_support import tiny_overrides
 

@@ -4,7 +4,7 @@ The stages, earliest first (a module may import from its own stage and the
 ones before it, never from a later one):
 
     base        seqjax.errors, .files, .progress    the error types, atomic writes, progress bars
-    config      seqjax.config                       the typed config tree
+    config      seqjax.config, .config_load/_diff   the typed config tree; reading it; comparing two
     plumbing    seqjax.cli                          what every CLI shares: flags, logging, exit codes
     data        seqjax.data.*                       text -> token store -> contract batches
     sharding    seqjax.sharding                     mesh axes and placement rules
@@ -32,7 +32,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "seqjax"
 
 STAGES = [
     ("base", ("seqjax", "seqjax.errors", "seqjax.files", "seqjax.progress")),
-    ("config", ("seqjax.config",)),
+    ("config", ("seqjax.config", "seqjax.config_load", "seqjax.config_diff")),
     ("cli plumbing", ("seqjax.cli",)),
     ("data", ("seqjax.data",)),
     ("sharding", ("seqjax.sharding",)),

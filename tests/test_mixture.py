@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import ConfigError, load_config
+from seqjax.config import ConfigError
+from seqjax.config_load import load_config
 from seqjax.data.build import prepare
 from seqjax.data.mixture import BLOCK_BATCHES, Schedule, shares
 from seqjax.data.pipeline import build_pipeline

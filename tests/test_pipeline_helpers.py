@@ -14,7 +14,7 @@ from itertools import islice
 import numpy as np
 from hypothesis import strategies as st
 
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.store import TokenStore

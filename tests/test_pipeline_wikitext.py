@@ -8,7 +8,7 @@ from itertools import islice
 import numpy as np
 import pytest
 
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.data.__main__ import main
 from seqjax.data.contract import FIELDS
 from seqjax.data.pipeline import build_pipeline

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from corpus_factory import make_text_corpus
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.data.corpus import count_words, read_text, split_lines, wikitext_articles
 from seqjax.data.tokenizer import Tokenizer
 from seqjax.prepare import main

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from seqjax.config import ConfigError, load_config
+from seqjax.config import ConfigError
+from seqjax.config_load import load_config
 from seqjax.sharding import mesh_shape, param_spec
 from seqjax.train.distributed import distributed_settings
 from test_train_support import REPO, assert_ok, cli_env, run_cli, tiny_overrides, train_losses

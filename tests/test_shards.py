@@ -21,7 +21,7 @@ from itertools import islice
 import numpy as np
 import pytest
 
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.data import build
 from seqjax.data.build import prepare
 from seqjax.data.pipeline import build_pipeline

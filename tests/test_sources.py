@@ -13,7 +13,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.data.build import prepare
 from seqjax.data.corpus import CorpusError, find_sources, read_split
 

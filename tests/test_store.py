@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corpus_factory import make_text_corpus
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.data import build
 from seqjax.data.build import prepare
 from seqjax.data.store import MANIFEST, StoreError, TokenStore, token_dtype

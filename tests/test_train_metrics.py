@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from seqjax.config import ConfigError, load_config
+from seqjax.config import ConfigError
+from seqjax.config_load import load_config
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
 from seqjax.train.metrics import MetricsLog, read_metrics, unigram_perplexity
 from test_train_support import tiny_overrides

@@ -13,7 +13,9 @@ from typing import Any
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from seqjax.config import Config, ConfigError, load_config, resume_changes
+from seqjax.config import Config, ConfigError
+from seqjax.config_diff import resume_changes
+from seqjax.config_load import load_config
 from seqjax.errors import CheckpointError, CheckpointMismatchError
 from seqjax.model import build_model
 from seqjax.train.resume import (

@@ -32,7 +32,8 @@ from flax import nnx
 from tokenizers import Tokenizer as HFTokenizer
 
 from seqjax import hf
-from seqjax.config import Config, ConfigError, ModelConfig, load_config
+from seqjax.config import Config, ConfigError, ModelConfig
+from seqjax.config_load import load_config
 from seqjax.data.build import prepare
 from seqjax.model import build_model
 from seqjax.train import inference

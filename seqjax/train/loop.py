@@ -35,7 +35,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from seqjax import sharding
-from seqjax.config import DATA_DIR_ENV, Config, ConfigError, announce
+from seqjax.config import DATA_DIR_ENV, Config, ConfigError
+from seqjax.config_load import announce
 from seqjax.data.build import prepare
 from seqjax.data.pipeline import build_pipeline
 from seqjax.evaluate import evaluate

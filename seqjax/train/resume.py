@@ -22,7 +22,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from seqjax.config import DATA, Config, ConfigChange, ConfigError, load_config, resume_changes
+from seqjax.config import DATA, Config, ConfigError
+from seqjax.config_diff import ConfigChange, resume_changes
+from seqjax.config_load import load_config
 from seqjax.data.pipeline import next_epoch_start
 from seqjax.errors import CheckpointMismatchError
 
