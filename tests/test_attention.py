@@ -96,9 +96,13 @@ def test_a_missing_kernel_is_a_clear_error(monkeypatch):
         attention(*qkv(0), segments_from_lengths([T], T), backend="pallas")
 
 
-def test_auto_picks_xla_on_cpu():
-    if jax.default_backend() == "cpu":
+@pytest.mark.parametrize("platform", ["cpu", "METAL"])
+def test_auto_picks_xla_where_no_kernel_runs_and_says_so(monkeypatch, caplog, platform):
+    """Asserted on every machine: the platform is set here, not read from the one the tests run on."""
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    with caplog.at_level(logging.INFO, logger="seqjax.model.attention"):
         assert resolve_backend("auto") == "xla"
+    assert f"using xla on platform {platform}" in caplog.text
 
 
 @pytest.mark.parametrize("dtype, expected", [(jnp.bfloat16, "cudnn"), (jnp.float32, "xla")])
