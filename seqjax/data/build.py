@@ -44,34 +44,29 @@ tokenizer_hash=...)``, which *refuses* a mismatch and changes nothing.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from seqjax.config import Config, SourceConfig
-from seqjax.data.corpus import SPLITS, file_documents, source_files, split_lines
+from seqjax.data.cache import BUILDER_VERSION, ProcessGroup, content_hash, corpus_key, digest, file_identity, locked
+from seqjax.data.corpus import SPLITS, file_documents, source_files
 from seqjax.data.encoding import available_cores, encode_in_order
 from seqjax.data.store import MANIFEST, TokenStore, read_manifest, shard_problems
 from seqjax.data.store_writer import ShardWriter, publish, read_shard
-from seqjax.data.tokenizer import Tokenizer, check_vocab_size, special_tokens_for, train_tokenizer
+from seqjax.data.tokenizer import Tokenizer, check_vocab_size, obtain_tokenizer, special_tokens
 from seqjax.errors import CorpusError, StoreError
 from seqjax.files import write_text_atomic
 from seqjax.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
-# Bump when the way text becomes a store changes, so old caches are rebuilt rather than trusted.
-BUILDER_VERSION = 2
 # Characters of text per encoding task: large enough to amortize the hand-off, small enough for bounded memory.
 CHUNK_CHARS = 1 << 22
 # A shard with less source than this is encoded in this process: starting worker processes would cost more.
@@ -95,25 +90,6 @@ class Prepared:
 
 
 @dataclass
-class _Run:
-    """What one prepare call shares between its steps: who this process is, and how to wait for the others."""
-
-    process_index: int = 0
-    process_count: int = 1
-    barrier: Callable[[str], None] | None = None
-    verify: bool = False
-    workers: int = 1
-
-    @property
-    def main(self) -> bool:
-        return self.process_index == 0
-
-    def wait(self, name: str) -> None:
-        if self.process_count > 1:
-            self.barrier(name)
-
-
-@dataclass
 class _Counts:
     documents: int = 0
     skipped_empty: int = 0
@@ -121,121 +97,6 @@ class _Counts:
     words: int = 0
     lines: int = 0
     sources: list[dict[str, Any]] = field(default_factory=list)
-
-
-def file_identity(path: Path) -> dict[str, Any]:
-    """What reuse compares for a source: path, size and modification time (a folder: over the files inside)."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    stats = [p.stat() for p in files]
-    return {"path": str(path.resolve()), "bytes": sum(s.st_size for s in stats),
-            "mtime_ns": max((s.st_mtime_ns for s in stats), default=0)}
-
-
-def content_hash(path: Path) -> str:
-    """xxh3-128 of a source's bytes (a folder: of its files in order), recorded at build, compared by ``verify``."""
-    digest = xxhash.xxh3_128()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
-        with open(file, "rb") as f:
-            while block := f.read(1 << 24):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def corpus_key(source: SourceConfig | Config) -> str:
-    """A folder name for the corpus a source reads: ``wikitext2-tokens``, ``jsonl-<hash of its settings>``, ..."""
-    if isinstance(source, Config):
-        source = source.data.resolved_sources()[0]
-    if source.corpus == "wikitext2":
-        return f"wikitext2-{source.variant}"
-    settings = [source.train_files, source.valid_files, source.test_files]
-    if source.text_field != "text":
-        settings.append(source.text_field)
-    return f"{source.corpus}-{_digest(settings)[:12]}"
-
-
-@contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``folder`` (created if needed) while building in it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-# ---------------------------------------------------------------------------
-# Tokenizer
-
-
-def special_tokens(config: Config) -> list[str]:
-    """The configured special tokens, plus ``<unk>`` when reading word-level WikiText-2."""
-    word_level = any(s.corpus == "wikitext2" and s.variant == "tokens" for s in config.data.resolved_sources())
-    return special_tokens_for(config.tokenizer.special_tokens, word_level)
-
-
-def train_sample(sources: list[SourceConfig], files: dict[str, list[Path]], budget: int) -> Iterator[str]:
-    """Lines of whole train documents, about ``budget`` bytes of them, streamed.
-
-    The budget is shared between sources by weight, and within a source
-    between its files in turn (what a file leaves unused goes to the files
-    after it), each read from its start: ``budget=100`` over files of 30, 500
-    and 500 bytes reads all of the first and about 35 bytes of each other.
-    """
-    total_weight = sum(s.weight for s in sources) or 1.0
-    for source in sources:
-        left = budget * source.weight / total_weight
-        paths = files[source.name]
-        for i, path in enumerate(paths):
-            quota, taken = left / (len(paths) - i), 0
-            for doc in file_documents(source, path):
-                if taken >= quota:
-                    break
-                if doc.strip():
-                    taken += len(doc.encode("utf-8"))
-                    yield from split_lines(doc)
-            left -= taken
-
-
-def obtain_tokenizer(config: Config, sources: list[SourceConfig], train_files: dict[str, list[Path]] | None,
-                     run: _Run) -> Tokenizer:
-    """Load ``tokenizer.path``, or the cached tokenizer trained on these train files, or train it now (process 0)."""
-    specials = special_tokens(config)
-    if config.tokenizer.path:
-        return Tokenizer(Path(config.tokenizer.path).expanduser(), specials[0], config.tokenizer.bos_token)
-    recipe = {
-        "builder_version": BUILDER_VERSION,
-        "sources": [{"corpus": s.corpus, "text_field": s.text_field, "weight": s.weight,
-                     "files": [file_identity(p) for p in train_files[s.name]]} for s in sources],
-        "train_bytes": config.tokenizer.train_bytes,
-        "vocab_size": config.tokenizer.vocab_size,
-        "min_frequency": config.tokenizer.min_frequency,
-        "special_tokens": specials,
-    }
-    folder = Path(config.data.cache_dir).expanduser() / "tokenizers" / _digest(recipe)[:16]
-    path = folder / "tokenizer.json"
-    if run.main:
-        with _locked(folder):
-            if not path.is_file():
-                log.info("training a %d-token byte-level BPE on up to %s bytes of the train split",
-                         config.tokenizer.vocab_size, f"{config.tokenizer.train_bytes:,}")
-                start = time.perf_counter()
-                tokenizer = train_tokenizer(
-                    train_sample(sources, train_files, config.tokenizer.train_bytes),
-                    path,
-                    vocab_size=config.tokenizer.vocab_size,
-                    special_tokens=specials,
-                    min_frequency=config.tokenizer.min_frequency,
-                )
-                write_text_atomic(folder / "recipe.json", json.dumps(recipe, indent=2))
-                log.info("tokenizer %s trained in %.1fs -> %s", tokenizer.hash[:12], time.perf_counter() - start, path)
-    run.wait("seqjax-prepare-tokenizer")  # the other processes load what process 0 trained
-    return Tokenizer(path, specials[0])
 
 
 # ---------------------------------------------------------------------------
@@ -320,7 +181,7 @@ def _stale_sources(shard: dict[str, Any]) -> list[str]:
     return stale
 
 
-def _reuse(path: Path, build_key: dict[str, Any], run: _Run) -> bool:
+def _reuse(path: Path, build_key: dict[str, Any], run: ProcessGroup) -> bool:
     """Process 0: whether the store at ``path`` can be reused as it is; damaged shards are set aside."""
     try:
         manifest = read_manifest(path)
@@ -355,7 +216,7 @@ def _stamp(file: Path) -> list[int] | None:
     return [stat.st_size, stat.st_mtime_ns]
 
 
-def _finished_shard(path: Path, name: str, run: _Run, vocab_size: int) -> bool:
+def _finished_shard(path: Path, name: str, run: ProcessGroup, vocab_size: int) -> bool:
     """A shard an earlier (perhaps killed) build finished: present and whole; a damaged one is set aside."""
     record = read_shard(path, name)
     if record is None:
@@ -370,19 +231,19 @@ def _finished_shard(path: Path, name: str, run: _Run, vocab_size: int) -> bool:
 
 
 def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path], tokenizer: Tokenizer,
-                  config: Config, run: _Run) -> tuple[TokenStore, bool]:
+                  config: Config, run: ProcessGroup) -> tuple[TokenStore, bool]:
     """The store of one source's split at ``path``: reused, completed or built; returns it opened and if reused."""
     identities = [file_identity(p) for p in files]
     corpus = {"corpus": source.corpus, "text_field": source.text_field,
               "variant": source.variant if source.corpus == "wikitext2" else None}
     names = []
     for i, group in enumerate(plan_shards(identities, config.data.shard_bytes)):
-        key = _digest({"builder_version": BUILDER_VERSION, "tokenizer_hash": tokenizer.hash, **corpus,
+        key = digest({"builder_version": BUILDER_VERSION, "tokenizer_hash": tokenizer.hash, **corpus,
                        "files": [identities[j] for j in group]})
         names.append((f"shard-{i:05d}-{key[:12]}", [files[j] for j in group]))
     build_key = {"builder_version": BUILDER_VERSION, "tokenizer_hash": tokenizer.hash, **corpus,
                  "shards": [name for name, _ in names]}
-    lock = _locked(path.parent) if run.process_count == 1 else nullcontext()
+    lock = locked(path.parent) if run.process_count == 1 else nullcontext()
     with lock:
         reused = _reuse(path, build_key, run) if run.main else False
         run.wait(f"seqjax-prepare-reuse-{path}")
@@ -487,7 +348,7 @@ def prepare(
     per_split = {split: _split_sources(sources, split) for split in splits}
     files = {(s.name, split): source_files(s, split) for split in splits for s in per_split[split]}
     workers = config.data.workers or available_cores()
-    run = _Run(process_index, process_count, barrier, verify, workers)
+    run = ProcessGroup(process_index, process_count, barrier, verify, workers)
 
     tokenizer = obtain_tokenizer(config, sources, train_files, run)
     base = Path(config.data.cache_dir).expanduser() / "stores" / tokenizer.hash[:16]

@@ -22,8 +22,10 @@ import functools
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -31,8 +33,13 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from seqjax.data.corpus import split_lines
+from seqjax.config import Config, SourceConfig
+from seqjax.data.cache import BUILDER_VERSION, ProcessGroup, digest, file_identity, locked
+from seqjax.data.corpus import file_documents, split_lines
 from seqjax.errors import TokenizerError
+from seqjax.files import write_text_atomic
+
+log = logging.getLogger(__name__)
 
 BYTE_ALPHABET = 256
 WORD_LEVEL_UNK = "<unk>"
@@ -204,3 +211,72 @@ def train_tokenizer(
     hf.save(str(tmp))
     os.replace(tmp, path)
     return Tokenizer(path, special_tokens[0])
+
+
+# ---------------------------------------------------------------------------
+# The tokenizer of a prepare run: given, cached, or trained now
+
+
+def special_tokens(config: Config) -> list[str]:
+    """The configured special tokens, plus ``<unk>`` when reading word-level WikiText-2."""
+    word_level = any(s.corpus == "wikitext2" and s.variant == "tokens" for s in config.data.resolved_sources())
+    return special_tokens_for(config.tokenizer.special_tokens, word_level)
+
+
+def train_sample(sources: list[SourceConfig], files: dict[str, list[Path]], budget: int) -> Iterator[str]:
+    """Lines of whole train documents, about ``budget`` bytes of them, streamed.
+
+    The budget is shared between sources by weight, and within a source
+    between its files in turn (what a file leaves unused goes to the files
+    after it), each read from its start: ``budget=100`` over files of 30, 500
+    and 500 bytes reads all of the first and about 35 bytes of each other.
+    """
+    total_weight = sum(s.weight for s in sources) or 1.0
+    for source in sources:
+        left = budget * source.weight / total_weight
+        paths = files[source.name]
+        for i, path in enumerate(paths):
+            quota, taken = left / (len(paths) - i), 0
+            for doc in file_documents(source, path):
+                if taken >= quota:
+                    break
+                if doc.strip():
+                    taken += len(doc.encode("utf-8"))
+                    yield from split_lines(doc)
+            left -= taken
+
+
+def obtain_tokenizer(config: Config, sources: list[SourceConfig], train_files: dict[str, list[Path]] | None,
+                     run: ProcessGroup) -> Tokenizer:
+    """Load ``tokenizer.path``, or the cached tokenizer trained on these train files, or train it now (process 0)."""
+    specials = special_tokens(config)
+    if config.tokenizer.path:
+        return Tokenizer(Path(config.tokenizer.path).expanduser(), specials[0], config.tokenizer.bos_token)
+    recipe = {
+        "builder_version": BUILDER_VERSION,
+        "sources": [{"corpus": s.corpus, "text_field": s.text_field, "weight": s.weight,
+                     "files": [file_identity(p) for p in train_files[s.name]]} for s in sources],
+        "train_bytes": config.tokenizer.train_bytes,
+        "vocab_size": config.tokenizer.vocab_size,
+        "min_frequency": config.tokenizer.min_frequency,
+        "special_tokens": specials,
+    }
+    folder = Path(config.data.cache_dir).expanduser() / "tokenizers" / digest(recipe)[:16]
+    path = folder / "tokenizer.json"
+    if run.main:
+        with locked(folder):
+            if not path.is_file():
+                log.info("training a %d-token byte-level BPE on up to %s bytes of the train split",
+                         config.tokenizer.vocab_size, f"{config.tokenizer.train_bytes:,}")
+                start = time.perf_counter()
+                tokenizer = train_tokenizer(
+                    train_sample(sources, train_files, config.tokenizer.train_bytes),
+                    path,
+                    vocab_size=config.tokenizer.vocab_size,
+                    special_tokens=specials,
+                    min_frequency=config.tokenizer.min_frequency,
+                )
+                write_text_atomic(folder / "recipe.json", json.dumps(recipe, indent=2))
+                log.info("tokenizer %s trained in %.1fs -> %s", tokenizer.hash[:12], time.perf_counter() - start, path)
+    run.wait("seqjax-prepare-tokenizer")  # the other processes load what process 0 trained
+    return Tokenizer(path, specials[0])

@@ -17,8 +17,9 @@ from typing import Sequence
 from seqjax import cli
 from seqjax.files import json_text
 from seqjax.train.checkpoint import CheckpointWriteError
-from seqjax.train.loop import Interrupted, train
+from seqjax.train.loop import train
 from seqjax.train.metrics import NonFiniteLoss
+from seqjax.train.signals import Interrupted
 
 log = logging.getLogger("seqjax.train")  # by name: this module runs as __main__
 

@@ -32,7 +32,6 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from seqjax import sharding
 from seqjax.config import DATA_DIR_ENV, Config, ConfigError
@@ -59,50 +58,12 @@ from seqjax.train.prefetch import DevicePrefetch
 from seqjax.train.profiling import ProfileWindow
 from seqjax.train.resume import TOKENIZER_FILE, Restored
 from seqjax.train.rundir import RunLock
+from seqjax.train.signals import Interrupted, StopRequest, should_stop
 from seqjax.train.step import make_train_step
 
 SUMMARY_FILE = "summary.json"
 
 logger = logging.getLogger(__name__)  # (``log`` in train() is the run's MetricsLog)
-
-
-class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived; a checkpoint of the last finished step was written."""
-
-    def __init__(self, signum: int, step: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
-        self.signum = signum
-
-
-class StopRequest:
-    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (a step is never cut in half).
-
-    A second SIGINT interrupts at once, for a user who does not want to wait.
-    Multi-host runs leave SIGTERM to JAX's preemption notifier (see
-    :func:`_should_stop`), so the handlers are only installed for one process.
-    """
-
-    def __init__(self, enabled: bool = True):
-        self.signum: int | None = None
-        self.enabled = enabled
-        self._previous = {}
-
-    def _handle(self, signum, frame):
-        if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        logger.warning("%s: saving a checkpoint after this step, then exiting", signal.Signals(signum).name)
-
-    def __enter__(self):
-        if not self.enabled:
-            return self
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def _with_vocab(config: Config, vocab_size: int) -> Config:
@@ -388,7 +349,7 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
                 profiler.after(step, m)
                 checkpoint = step % tc.checkpoint_every == 0 or step == tc.steps
                 validating = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
-                stopping = _should_stop(stop, step, process_count)
+                stopping = should_stop(stop, step, process_count)
                 if steps.due(step) or checkpoint or validating or stopping:
                     steps.flush(step)  # before any save: a non-finite step must never reach a checkpoint
                     checkpoints.check()  # a background save that failed stops the run here, not later
@@ -447,11 +408,3 @@ def _summary(run: _Setup, steps: StepLogger, restored: Restored | None, last_val
         plot_losses(run.run_dir)
         write_text_atomic(run.run_dir / SUMMARY_FILE, json_text(summary, indent=2))
     return summary
-
-
-def _should_stop(stop: StopRequest, step: int, process_count: int) -> bool:
-    """Single process: a signal arrived. Multi-host: JAX's preemption sync point, so all processes stop at one step."""
-    if process_count > 1:
-        return multihost_utils.reached_preemption_sync_point(step)
-    return stop.signum is not None
-

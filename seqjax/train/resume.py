@@ -172,11 +172,8 @@ def plan_resume(saved: Saved, config: Config, templates: dict[str, Any], identit
     is off. ``identity`` is the current run's training data identity
     (tokenizer and source hashes), compared with the checkpoint's.
 
-    With the override and a change to the batches, the data restarts at the
-    next epoch boundary: a checkpoint at ``{"epoch": 3, "batch": 17}`` goes on
-    from ``{"epoch": 4, "batch": 0}`` of the new config (one at
-    ``{"epoch": 3, "batch": 0}`` from that position itself). A position of
-    Grain's own packers has no epochs: their stream restarts from the beginning.
+    With the override and a change to the batches, the data restarts at the next epoch boundary
+    (:func:`seqjax.data.pipeline.next_epoch_start`; the rule is contract 4 in docs/design.md).
     """
     changes = resume_changes(saved.config, config) if saved.config is not None else []
     old_identity = saved.meta.get("data_identity")

@@ -1,0 +1,91 @@
+"""The prepare cache's bookkeeping: what identifies a source file and a corpus, locks, and the process group.
+
+:func:`seqjax.data.build.prepare` keys every cached folder by what made it (the
+layout is in its docstring): a source file by path, size and modification
+time (:func:`file_identity`), a corpus by its settings (:func:`corpus_key`),
+a tokenizer by its training recipe. Folders are built under a file lock
+(:func:`locked`), and a multi-host prepare waits at barriers (:class:`ProcessGroup`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from seqjax.config import Config, SourceConfig
+
+# Bump when the way text becomes a store changes, so old caches are rebuilt rather than trusted.
+BUILDER_VERSION = 2
+
+
+@dataclass
+class ProcessGroup:
+    """What one prepare call shares between its steps: who this process is, and how to wait for the others."""
+
+    process_index: int = 0
+    process_count: int = 1
+    barrier: Callable[[str], None] | None = None
+    verify: bool = False
+    workers: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.process_index == 0
+
+    def wait(self, name: str) -> None:
+        if self.process_count > 1:
+            self.barrier(name)
+
+
+def file_identity(path: Path) -> dict[str, Any]:
+    """What reuse compares for a source: path, size and modification time (a folder: over the files inside)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [p.stat() for p in files]
+    return {"path": str(path.resolve()), "bytes": sum(s.st_size for s in stats),
+            "mtime_ns": max((s.st_mtime_ns for s in stats), default=0)}
+
+
+def content_hash(path: Path) -> str:
+    """xxh3-128 of a source's bytes (a folder: of its files in order), recorded at build, compared by ``verify``."""
+    digest = xxhash.xxh3_128()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        with open(file, "rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def corpus_key(source: SourceConfig | Config) -> str:
+    """A folder name for the corpus a source reads: ``wikitext2-tokens``, ``jsonl-<hash of its settings>``, ..."""
+    if isinstance(source, Config):
+        source = source.data.resolved_sources()[0]
+    if source.corpus == "wikitext2":
+        return f"wikitext2-{source.variant}"
+    settings = [source.train_files, source.valid_files, source.test_files]
+    if source.text_field != "text":
+        settings.append(source.text_field)
+    return f"{source.corpus}-{digest(settings)[:12]}"
+
+
+@contextmanager
+def locked(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (created if needed) while building in it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

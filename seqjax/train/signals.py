@@ -1,0 +1,61 @@
+"""Stopping between steps: SIGINT/SIGTERM on one process, JAX's preemption sync point on many.
+
+A step is never cut in half: a signal sets a flag the loop checks after each
+step, the loop saves a checkpoint of that step and raises :class:`Interrupted`
+(the CLI exits 128 + the signal's number). A second SIGINT interrupts at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+from jax.experimental import multihost_utils
+
+logger = logging.getLogger(__name__)
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived; a checkpoint of the last finished step was written."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}")
+        self.signum = signum
+
+
+class StopRequest:
+    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (a step is never cut in half).
+
+    A second SIGINT interrupts at once, for a user who does not want to wait.
+    Multi-host runs leave SIGTERM to JAX's preemption notifier (see
+    :func:`should_stop`), so the handlers are only installed for one process.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.signum: int | None = None
+        self.enabled = enabled
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        logger.warning("%s: saving a checkpoint after this step, then exiting", signal.Signals(signum).name)
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def should_stop(stop: StopRequest, step: int, process_count: int) -> bool:
+    """Single process: a signal arrived. Multi-host: JAX's preemption sync point, so all processes stop at one step."""
+    if process_count > 1:
+        return multihost_utils.reached_preemption_sync_point(step)
+    return stop.signum is not None
