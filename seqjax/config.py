@@ -287,6 +287,9 @@ class DataConfig:
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALING_TYPES = ("none", "llama3")
+REMAT_POLICIES = ("none", "full", "dots", "names")
+# The activations a block tags with jax.ad_checkpoint.checkpoint_name (model.remat=names keeps those listed).
+REMAT_NAMES = ("q", "k", "v", "attn_out", "mlp_in", "mlp_out")
 
 
 @dataclass(frozen=True)  # hashable: the model keeps it as static graph data
@@ -347,6 +350,23 @@ class ModelConfig:
     compute_dtype: str = _f("float32", "matmul/activation dtype (softmax and loss stay float32)", choices=DTYPES,
                             resume=MODEL)
     attention: str = _f("auto", "attention backend", choices=ATTENTION_BACKENDS)
+    remat: str = _f(
+        "none",
+        "rematerialization of each block in the backward pass: none (keep every activation), full (keep only each "
+        "block's input, recompute the rest), dots (keep the matmul outputs, recompute the rest), names (keep the "
+        "activations model.remat_names lists)",
+        choices=REMAT_POLICIES,
+    )
+    remat_names: list[str] = _f(
+        ["attn_out", "mlp_out"],
+        f"remat=names: the tagged activations to keep, of {list(REMAT_NAMES)}",
+    )
+    loss_chunk_tokens: int = _f(
+        0,
+        "the LM head and the cross-entropy a chunk of this many tokens at a time, inside one custom VJP, so the "
+        "[tokens, vocab] float32 logits never exist whole (0: off, the plain path)",
+        min=0,
+    )
     init_std: float = _f(0.02, "std of the normal init (residual projections scaled by 1/sqrt(2*n_layers))", min=0.0)
     dropout: float = _f(
         0.0,
@@ -392,6 +412,9 @@ class ModelConfig:
         if self.n_heads % kv:
             raise ConfigError(f"model.n_kv_heads: got {kv}, expected a divisor of model.n_heads={self.n_heads}")
         self.rope_scaling.check()
+        unknown = [name for name in self.remat_names if name not in REMAT_NAMES]
+        if unknown:
+            raise ConfigError(f"model.remat_names: got {unknown[0]!r}, expected names from {list(REMAT_NAMES)}")
 
     @property
     def kv_heads(self) -> int:

@@ -46,3 +46,100 @@ def lm_loss(
     denom = jnp.where(weight_sum > 0, weight_sum, 1.0)
     loss = (nll_sum + z_loss * z_loss_sum) / denom
     return loss, {"nll_sum": nll_sum, "weight_sum": weight_sum, "z_loss_sum": z_loss_sum}
+
+
+def chunked_lm_loss(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    chunk_tokens: int,
+    z_loss: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """:func:`lm_loss` of ``hidden`` [B, T, D] @ ``head`` [D, V], without ever building the [B*T, V] logits.
+
+    The tokens are cut into chunks of ``chunk_tokens``; each chunk's logits
+    ([chunk, V], float32: the matmul runs in hidden's dtype with float32
+    accumulation) are made, reduced to their log-normalizer and target logit,
+    and dropped. The backward pass remakes them a chunk at a time (a custom
+    VJP), so peak memory holds one chunk's logits, not all of them: at
+    gpt2_small's 32,768 tokens x 50,304 vocabulary, 6.6 GB of float32 logits
+    become ``chunk_tokens`` x 50,304 x 4 bytes. Same contract (3), same sums,
+    same refusals as :func:`lm_loss`.
+    """
+    b, t, d = hidden.shape
+    if targets.shape != (b, t) or weights.shape != (b, t) or head.shape[0] != d:
+        raise ValueError(f"chunked_lm_loss: hidden {hidden.shape}, head {head.shape}, targets {targets.shape}, "
+                         f"weights {weights.shape}; expected [B, T, D], [D, V], [B, T], [B, T]")
+    n = b * t
+    chunk = max(1, min(chunk_tokens, n))
+    pad = -n % chunk  # padded tokens carry weight 0: never read, never scored
+    x = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, chunk, d)
+    ids = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
+    w = jnp.pad(weights.astype(jnp.float32).reshape(n), (0, pad)).reshape(-1, chunk)
+    nll_sum, z_loss_sum = _chunked_sums(x, head.astype(hidden.dtype), ids, w)
+    weight_sum = jnp.sum(weights.astype(jnp.float32))
+    denom = jnp.where(weight_sum > 0, weight_sum, 1.0)
+    loss = (nll_sum + z_loss * z_loss_sum) / denom
+    return loss, {"nll_sum": nll_sum, "weight_sum": weight_sum, "z_loss_sum": z_loss_sum}
+
+
+def _chunk_stats(x, head, ids, w):
+    """One chunk: x [C, D] -> (log_z [C], target logit [C], logits [C, V]), float32, as lm_loss computes them."""
+    logits = jnp.einsum("cd,dv->cv", x, head, preferred_element_type=jnp.float32)
+    scored = w != 0
+    vocab = logits.shape[-1]
+    safe = jnp.where(scored, ids, 0)
+    safe = jnp.where((safe >= 0) & (safe < vocab), safe, vocab)  # out of range -> NaN, as in lm_loss
+    target = jnp.take_along_axis(logits, safe[:, None], axis=-1, mode="fill", fill_value=jnp.nan)[:, 0]
+    return jax.nn.logsumexp(logits, axis=-1), target, logits
+
+
+@jax.custom_vjp
+def _chunked_sums(x, head, ids, w):
+    """(sum of w * nll, sum of w * log_z^2) over chunks x [N/C, C, D] of tokens."""
+    return _chunked_forward(x, head, ids, w)[0]
+
+
+def _chunked_forward(x, head, ids, w):
+    def body(carry, chunk):
+        xc, idc, wc = chunk
+        log_z, target, _ = _chunk_stats(xc, head, idc, wc)
+        scored = wc != 0
+        nll = jnp.sum(jnp.where(scored, wc * (log_z - target), 0.0))
+        z = jnp.sum(jnp.where(scored, wc * jnp.square(log_z), 0.0))
+        return (carry[0] + nll, carry[1] + z), log_z
+
+    zero = jnp.zeros((), jnp.float32)
+    sums, log_z = jax.lax.scan(body, (zero, zero), (x, ids, w))
+    return sums, log_z
+
+
+def _chunked_sums_fwd(x, head, ids, w):
+    sums, log_z = _chunked_forward(x, head, ids, w)
+    return sums, (x, head, ids, w, log_z)  # log_z [N/C, C] is kept: the backward pass need not redo the reduction
+
+
+def _chunked_sums_bwd(residuals, cotangents):
+    x, head, ids, w, log_z = residuals
+    g_nll, g_z = cotangents
+
+    def body(dhead, chunk):
+        xc, idc, wc, lzc = chunk
+        logits = jnp.einsum("cd,dv->cv", xc, head, preferred_element_type=jnp.float32)
+        probs = jnp.exp(logits - lzc[:, None])
+        scored = (wc != 0)[:, None]
+        onehot = jax.nn.one_hot(jnp.where(wc != 0, idc, -1), logits.shape[-1], dtype=jnp.float32)
+        # d(w * (log_z - logit_t)) = w * (p - onehot); d(w * log_z^2) = w * 2 log_z * p
+        dlogits = jnp.where(scored, wc[:, None] * (g_nll * (probs - onehot) + g_z * 2.0 * lzc[:, None] * probs), 0.0)
+        dlogits = dlogits.astype(xc.dtype)  # the two products below run in the compute dtype, float32 accumulation
+        dx = jnp.einsum("cv,dv->cd", dlogits, head, preferred_element_type=jnp.float32).astype(xc.dtype)
+        dhead = dhead + jnp.einsum("cd,cv->dv", xc, dlogits, preferred_element_type=jnp.float32)
+        return dhead, dx
+
+    dhead, dx = jax.lax.scan(body, jnp.zeros(head.shape, jnp.float32), (x, ids, w, log_z))
+    return dx, dhead.astype(head.dtype), None, None
+
+
+_chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)

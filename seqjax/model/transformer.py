@@ -41,12 +41,15 @@ depth; norm scales start at 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from seqjax.config import Config, ModelConfig, RopeScalingConfig
 from seqjax.model.attention import attention, masked_attention, resolve_backend, segment_mask
@@ -94,6 +97,27 @@ def _head_logits_bwd(residuals, g):
 
 
 head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+
+
+def _call_block(block, x, positions, segment_ids, metadata, key):
+    return block(x, positions, segment_ids, metadata=metadata, dropout_key=key)
+
+
+def _remat_policy(remat: str, names: tuple[str, ...]):
+    """model.remat as a jax.checkpoint policy: what the backward pass keeps (the rest is recomputed)."""
+    if remat == "full":
+        return None  # jax.checkpoint's default: keep nothing but the block's inputs
+    if remat == "dots":
+        return jax.checkpoint_policies.dots_saveable
+    return jax.checkpoint_policies.save_only_these_names(*names)
+
+
+@functools.lru_cache(maxsize=None)
+def _remat_block(remat: str, names: tuple[str, ...]):
+    """``(block, x, positions, segment_ids, metadata, key) -> x`` for one block, rematerialized as model.remat says."""
+    if remat == "none":
+        return _call_block
+    return nnx.remat(_call_block, policy=_remat_policy(remat, names), prevent_cse=True)
 
 
 class RMSNorm(nnx.Module):
@@ -211,7 +235,7 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, positions)
         o = attention(q, k, v, segment_ids, backend=self.backend, metadata=metadata,
                       dropout_rate=self.attention_dropout, dropout_key=probs_key)
-        return _drop(self.dropout, self._out(o), out_key)
+        return _drop(self.dropout, checkpoint_name(self._out(o), "attn_out"), out_key)
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                cache: LayerCache) -> tuple[jax.Array, LayerCache]:
@@ -237,7 +261,8 @@ class Attention(nnx.Module):
         k = rope(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), positions, self.rope_theta,
                  self.rope_scaling)
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
-        return q, k, v
+        # Named for model.remat=names: the backward pass may keep these instead of recomputing them.
+        return checkpoint_name(q, "q"), checkpoint_name(k, "k"), checkpoint_name(v, "v")
 
     def _out(self, o: jax.Array) -> jax.Array:
         return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))
@@ -255,9 +280,10 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x, dropout_key: jax.Array | None = None):
         dt = x.dtype
+        x = checkpoint_name(x, "mlp_in")
         gate = jax.nn.silu(x @ self.w_gate[...].astype(dt))
         out = (gate * (x @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
-        return _drop(self.dropout, out, dropout_key)
+        return _drop(self.dropout, checkpoint_name(out, "mlp_out"), dropout_key)
 
 
 class Block(nnx.Module):
@@ -284,11 +310,16 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), cache
 
 
+def _frozen(value: Any) -> Any:
+    """Lists (model.remat_names) as tuples, at any depth, so the config hashes."""
+    return tuple(map(_frozen, value)) if isinstance(value, (list, tuple)) else value
+
+
 class _HashableModelConfig(ModelConfig):
     """The model's config, hashable so it can sit in the static graph definition that jit keys on."""
 
     def __hash__(self) -> int:
-        return hash(dataclasses.astuple(self))
+        return hash(_frozen(dataclasses.astuple(self)))
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "_HashableModelConfig":
@@ -331,10 +362,21 @@ class TransformerLM(nnx.Module):
 
         ``dropout_key``: the training step's key, which turns dropout on; None (evaluation) is deterministic.
         """
+        return head_logits(*self.features_and_head(inputs, positions=positions, segment_ids=segment_ids,
+                                                   dropout_key=dropout_key))
+
+    def features_and_head(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
+                          dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """The forward pass up to the LM head: (final-normed features [B, T, D], head [D, V]), both compute dtype.
+
+        ``model.loss_chunk_tokens`` takes the loss from here (seqjax.model.loss.chunked_lm_loss), so the whole
+        logits are never built.
+        """
         self.check_batch(inputs, positions, segment_ids)
         token_key, embed_key, blocks_key = _keys(dropout_key, 3)
         x = _drop(self.embed_dropout, _drop(self.token_dropout, self.embed_tokens(inputs), token_key), embed_key)
-        return self.from_embeddings(x, positions=positions, segment_ids=segment_ids, dropout_key=blocks_key)
+        x = self.final_norm(self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=blocks_key))
+        return x, self.head().astype(x.dtype)
 
     def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                cache: KVCache) -> tuple[jax.Array, KVCache]:
@@ -364,16 +406,29 @@ class TransformerLM(nnx.Module):
     def from_embeddings(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                         dropout_key: jax.Array | None = None) -> jax.Array:
         """The blocks and head applied to embeddings x [B, T, D] (the input of the first block); logits [B, T, V]."""
+        return self.logits(self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=dropout_key))
+
+    def hidden(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
+               dropout_key: jax.Array | None = None) -> jax.Array:
+        """The blocks on embeddings x [B, T, D]: the last block's output [B, T, D], before the final norm.
+
+        Under ``model.remat`` each block is one rematerialized unit: its backward pass recomputes what the
+        policy does not keep (:func:`_remat_policy`), trading compute for activation memory.
+        """
         metadata = self.attention_metadata(segment_ids)
+        run = _remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
         for block, key in zip(self.blocks, _keys(dropout_key, len(self.blocks))):
-            x = block(x, positions, segment_ids, metadata=metadata, dropout_key=key)
-        return self.logits(x)
+            x = run(block, x, positions, segment_ids, metadata, key)
+        return x
+
+    def head(self) -> jax.Array:
+        """The LM head [D, V] (the embedding table, transposed, when tied), in its storage dtype."""
+        return self.embed.embedding[...].T if self.lm_head is None else self.lm_head[...]
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: the last block's output [B, T, D] -> float32 logits [B, T, V]."""
         x = self.final_norm(x)
-        head = self.embed.embedding[...].T if self.lm_head is None else self.lm_head[...]
-        return head_logits(x, head.astype(x.dtype))
+        return head_logits(x, self.head().astype(x.dtype))
 
     def attention_metadata(self, segment_ids):
         """The pallas kernel's block ranges for this batch, or None for the other backends.

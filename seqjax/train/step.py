@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 from seqjax.data.contract import Batch
-from seqjax.model.loss import lm_loss
+from seqjax.model.loss import chunked_lm_loss, lm_loss
 
 # The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...; dropout keys
 # come from a copy folded with this tag first, so no mask ever reuses an initializer's key.
@@ -57,6 +57,17 @@ def micro_batches(batch: Batch, k: int) -> Batch:
     return {name: split(x) for name, x in batch.items()}
 
 
+def micro_loss(model, micro: Batch, key, z_loss: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Contract 3's loss of one micro-batch; with ``model.loss_chunk_tokens`` the logits are never built whole."""
+    chunk = model.cfg.loss_chunk_tokens
+    if chunk:
+        features, head = model.features_and_head(micro["inputs"], positions=micro["positions"],
+                                                 segment_ids=micro["segment_ids"], dropout_key=key)
+        return chunked_lm_loss(features, head, micro["targets"], micro["weights"], chunk_tokens=chunk, z_loss=z_loss)
+    logits = model(micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"], dropout_key=key)
+    return lm_loss(logits, micro["targets"], micro["weights"], z_loss=z_loss)
+
+
 def make_train_step(
     graphdef: nnx.GraphDef, rest: Any, tx: optax.GradientTransformation, *, grad_accum: int, z_loss: float
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
@@ -73,9 +84,7 @@ def make_train_step(
 
     def summed_objective(params, micro: Batch, key):
         model = nnx.merge(graphdef, params, rest)
-        logits = model(micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"],
-                       dropout_key=key)
-        loss, aux = lm_loss(logits, micro["targets"], micro["weights"], z_loss=z_loss)
+        loss, aux = micro_loss(model, micro, key, z_loss)
         # lm_loss is a mean over this micro-batch's weights; times their sum it is a sum again.
         return loss * aux["weight_sum"], aux
 
