@@ -160,7 +160,7 @@ def test_the_train_cli_refuses_attention_dropout_on_pallas_in_one_line(tmp_path,
 
 RUNS = """
 import json, sys
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.train.loop import train
 for overrides in json.loads(sys.argv[1]):
     train(load_config(None, overrides))

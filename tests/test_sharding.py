@@ -70,7 +70,7 @@ MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]
 SCRIPT = """
 import json, sys
 from seqjax.cli import configure_logging
-from seqjax.config import load_config
+from seqjax.config_load import load_config
 from seqjax.train.loop import train
 configure_logging()  # train() logs the mesh line checked below; a library caller chooses where logs go
 base = json.loads(sys.argv[1])

@@ -142,7 +142,7 @@ def test_a_large_store_is_verified_once_and_again_when_a_file_changes(corpus, tm
 KILL_AFTER_TWO_SHARDS = textwrap.dedent(
     """
     import os, signal, sys
-    from seqjax.config import load_config
+    from seqjax.config_load import load_config
     from seqjax.data import build, store_writer
     from seqjax.data.build import prepare
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from corpus_factory import make_text_corpus
 from seqjax.config_load import load_config
 from seqjax.data import build
+from seqjax.data import tokenizer as tokenizer_module
 from seqjax.data.build import prepare
 from seqjax.data.store import MANIFEST, StoreError, TokenStore, token_dtype
 from seqjax.data.store_writer import ShardWriter, StoreWriter, write_store
@@ -156,7 +157,7 @@ def _no_builds(monkeypatch):
         raise AssertionError("a store was rebuilt although nothing changed")
 
     monkeypatch.setattr(build, "build_shard", refuse)
-    monkeypatch.setattr(build, "train_tokenizer", refuse)
+    monkeypatch.setattr(tokenizer_module, "train_tokenizer", refuse)
 
 
 def test_second_prepare_reuses_everything(corpus, monkeypatch):

@@ -120,7 +120,9 @@ def test_a_rerun_reuses_scored_runs_scores_a_trained_one_alike_and_refuses_other
     summary = json.loads(rerun.stdout.strip().splitlines()[-1])
     assert (summary["runs"], summary["trained"]) == (16, 1)  # the results still hold every run of --out
     after = json.loads(unscored.read_text())
-    assert after["resumed_from"] == after["steps"] == before["steps"]  # nothing retrained: scored from its checkpoint
+    # nothing retrained (train() leaves a finished run alone): scored from its final checkpoint
+    assert "already finished its" in rerun.stderr
+    assert after["steps"] == before["steps"] and after["final_train_loss"] == before["final_train_loss"]
     assert after["curve"] == before["curve"]
     for protocol, result in before["final"].items():
         assert after["final"][protocol]["nll_sum"] == pytest.approx(result["nll_sum"], rel=1e-6)
