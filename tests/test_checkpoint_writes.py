@@ -19,6 +19,9 @@ import pytest
 from seqjax.train import checkpoint
 from test_train_support import assert_ok, checkpoint_steps, run_cli, tiny_overrides, train_losses
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 Usage = collections.namedtuple("Usage", "total used free")
 
 

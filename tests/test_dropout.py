@@ -187,6 +187,7 @@ def dropout_runs(tiny_root, tmp_path_factory):
     return whole, resumed
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_on_matches_an_uninterrupted_run_exactly(dropout_runs, reference):
     whole, resumed = dropout_runs
     losses = train_losses(whole)
@@ -195,6 +196,7 @@ def test_resume_with_dropout_on_matches_an_uninterrupted_run_exactly(dropout_run
     assert all(losses[s] != reference[s] for s in range(1, 21))  # dropout was on in the loop
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_on_8_devices_draws_the_masks_of_one_device(dropout_runs, tiny_root, tmp_path):
     whole, resumed = dropout_runs
     run_dir = tmp_path / "run"
@@ -208,6 +210,7 @@ def test_resume_with_dropout_on_8_devices_draws_the_masks_of_one_device(dropout_
         assert losses[step] == pytest.approx(expected[step], rel=1e-5), step
 
 
+@pytest.mark.slow
 def test_two_processes_with_dropout_match_one_process(dropout_runs, tiny_root, tmp_path):
     whole, _ = dropout_runs
     run_dir = tmp_path / "run"

@@ -30,6 +30,9 @@ from seqjax.train.inference import load_for_inference
 from seqjax.train.loop import train
 from test_train_support import REPO, assert_ok, cli_env, run_cli, tiny_overrides, train_losses
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 # The tiny HF Llama's shape, as model.* overrides (tiny_overrides' own model is also 32 wide, 2 layers, 4 heads).
 LLAMA_MODEL = {"model.n_kv_heads": 2, "model.norm_eps": 1e-5, "model.max_seq_len": 128, "model.tie_embeddings": False}
 

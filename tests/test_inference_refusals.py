@@ -10,6 +10,9 @@ from seqjax.config_load import load_config
 from seqjax.data.build import prepare
 from test_train_support import tiny_overrides
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 
 def other_tokenizer(tiny_root, tmp_path, vocab_size: int) -> str:
     """A tokenizer trained on the tiny corpus with another vocabulary size (the tiny corpus caps it at 329)."""

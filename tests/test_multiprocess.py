@@ -22,6 +22,9 @@ from seqjax.errors import RunDirInUseError
 from seqjax.train.rundir import LOCK_FILE, RunLock
 from test_train_support import REPO, assert_ok, checkpoint_steps, cli_env, run_cli, tiny_overrides, train_losses
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -30,6 +30,9 @@ from test_train_support import (
     train_losses,
 )
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 
 def start_and_signal(overrides: list[str], run_dir: Path, at_step: int, signum: int) -> subprocess.Popen:
     """Start the CLI, send ``signum`` once metrics.jsonl shows ``at_step``, and wait for the process to end."""

@@ -24,6 +24,9 @@ from test_train_support import (
     train_losses,
 )
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 
 def refused(overrides: list[str], capsys) -> str:
     """Run the training CLI in this process, expect exit code 2, and return its one-line message."""

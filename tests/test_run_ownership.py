@@ -19,6 +19,9 @@ from seqjax.train import rundir
 from seqjax.train.rundir import LOCK_FILE, RunLock
 from test_train_support import REPO, assert_ok, cli_env, run_cli, start_cli, tiny_overrides, train_losses
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 
 def test_a_second_run_on_the_same_run_dir_exits_2_naming_the_holder_and_the_first_finishes_unharmed(
         reference, tiny_root, tmp_path):

@@ -81,6 +81,7 @@ for data, fsdp, tensor in json.loads(sys.argv[2]):
 """
 
 
+@pytest.mark.slow
 def test_meshes_on_8_devices_match_one_device_and_resume_on_4(reference, tiny_root, tmp_path):
     """Three meshes over 8 forced host devices; then the 8-way data-parallel run continues on 4 devices."""
     steps = 20

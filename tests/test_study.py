@@ -20,6 +20,9 @@ from hypothesis import strategies as st
 
 from test_train_support import REPO, cli_env
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 SCRIPT = REPO / "scripts" / "study_strategies.py"
 
 

@@ -6,6 +6,9 @@ import pytest
 
 from test_train_support import tiny_overrides
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(tiny_root, tmp_path, capsys):
     """Out-of-range ids cannot raise under jit (they give NaN), so the CLI refuses the config up front."""

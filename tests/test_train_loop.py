@@ -18,6 +18,9 @@ import yaml
 from seqjax.train.metrics import read_metrics
 from test_train_support import REPO, assert_ok, cli_env, run_cli, tiny_overrides, train_losses
 
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("prefetch, log_every", [(0, 1), (3, 7)])
 def test_prefetch_and_log_windows_leave_every_loss_and_count_unchanged(reference, tiny_root, tmp_path, prefetch,

@@ -88,6 +88,7 @@ def test_a_resume_puts_back_the_checkpoints_own_row_and_reports_a_cut_line(tmp_p
                                              {"step": 11, "loss": None, "skipped": True}]
 
 
+@pytest.mark.slow
 def test_load_for_inference_from_a_run_dir_and_from_a_step_folder(reference, tiny_root, tmp_path):
     import jax
     from flax import nnx

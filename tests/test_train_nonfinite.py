@@ -9,8 +9,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from seqjax.train.metrics import read_metrics
 from test_train_support import assert_ok, run_cli, tiny_overrides
+
+# The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
+pytestmark = pytest.mark.slow
 
 EXPLODE = {"train.lr": 1e30, "train.warmup_steps": 0, "train.checkpoint_every": 1, "train.steps": 4}
 
