@@ -89,7 +89,7 @@ def test_an_unknown_remat_name_is_refused_naming_it():
         load_config(None, TINY + ["model.remat=names", "model.remat_names=[attn]"])
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)  # each example compiles: a few, over the edge cases below
 @given(b=st.integers(1, 3), t=st.integers(1, 12), vocab=st.integers(2, 40), chunk=st.integers(1, 40),
        z_loss=st.sampled_from([0.0, 1e-3]), seed=st.integers(0, 3))
 def test_chunked_cross_entropy_equals_the_whole_logits_loss_and_gradients(b, t, vocab, chunk, z_loss, seed):
