@@ -23,6 +23,7 @@ config that can run; :mod:`seqjax.config_diff` compares two of them on resume.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -468,10 +469,10 @@ class TrainConfig:
         if self.profile and (len(self.profile) != 2 or self.profile[0] < 1 or self.profile[1] < 1):
             raise ConfigError(f"train.profile: got {self.profile}, expected [start_step, num_steps], both >= 1, or []")
         if self.warmup_steps > self.steps:
-            raise ConfigError(
-                f"train.warmup_steps: got {self.warmup_steps}, expected at most train.steps={self.steps}; "
-                f"a shorter run needs a shorter warmup too, e.g. train.warmup_steps={self.steps // 10}"
-            )
+            # A quick run needs only train.steps: the warmup shrinks to fit it, and says so once.
+            logging.getLogger(__name__).warning("train.warmup_steps: %d is longer than train.steps=%d; warming up over "
+                                                "all %d steps", self.warmup_steps, self.steps, self.steps)
+            self.warmup_steps = self.steps
 
 
 @dataclass
@@ -564,7 +565,9 @@ class Config:
         if limit is not None and self.data.seq_len > limit:
             raise ConfigError(f"data.seq_len: got {self.data.seq_len}, expected at most model.max_seq_len={limit}")
         if limit is not None and self.eval_context > limit:
-            raise ConfigError(f"eval.context: got {self.eval_context}, expected at most model.max_seq_len={limit}")
+            raise ConfigError(f"eval.context: got {self.eval_context}, expected at most model.max_seq_len={limit}, the "
+                              f"longest sequence the model was trained on (add model.max_seq_len={self.eval_context} "
+                              "to evaluate beyond it anyway)")
         stride_used = self.eval.mode == "sliding" or self.eval.context is not None  # else the stride is ignored
         if stride_used and self.eval.stride is not None and self.eval.stride > self.eval_context:
             raise ConfigError(f"eval.stride: got {self.eval.stride}, expected at most eval.context={self.eval_context}")

@@ -50,6 +50,7 @@ from seqjax.model import build_model
 from seqjax.model.llama import from_hf as params_from_hf
 from seqjax.model.llama import hf_config, model_config_from_hf, to_hf
 from seqjax.model.transformer import TransformerLM
+from seqjax.model.weights import check_finite
 from seqjax.progress import progress_bar
 
 CONFIG_JSON = "config.json"
@@ -95,9 +96,15 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _weight_map(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, from the index or the single file."""
-    index = path / INDEX
-    if index.is_file():
+    """Tensor name -> the safetensors file holding it: the single file when there is one, else the index.
+
+    A folder with both is read as transformers reads it (4.x's ``from_pretrained`` looks for the single file
+    first), so seqjax and transformers load the same weights.
+    """
+    index, single = path / INDEX, path / WEIGHTS
+    if single.is_file() and index.is_file():
+        log.warning("%s holds both %s and %s: reading %s, as transformers does", path, WEIGHTS, INDEX, WEIGHTS)
+    if not single.is_file() and index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: expected a non-empty weight_map of tensor name -> shard file")
@@ -108,7 +115,6 @@ def _weight_map(path: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{index}: weight_map puts {name} in {file}, which is missing from {path}")
             files[name] = shard
         return files
-    single = path / WEIGHTS
     if not single.is_file():
         others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         hint = f" (found {', '.join(others)}: save the model with safe_serialization=True)" if others else ""
@@ -196,10 +202,11 @@ def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
             tensor = handles[file].get_tensor(name)
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{file}: cannot read tensor {name} ({err})") from None
+        check_finite(tensor, name, str(file))
         bar.update()
         return tensor
 
-    source = str(hf.path / (INDEX if (hf.path / INDEX).is_file() else WEIGHTS))
+    source = str(hf.path / (WEIGHTS if (hf.path / WEIGHTS).is_file() else INDEX))
     with bar:
         return params_from_hf(read, hf.weight_map, hf.model, source, DTYPES[dtype])
 

@@ -367,3 +367,58 @@ def test_a_failed_export_leaves_nothing_half_written(tmp_path, monkeypatch):
         export.main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "run"]
     jax.clear_caches()
+
+
+def test_non_finite_weights_are_refused_where_they_are_read_naming_the_tensor(tmp_path, capsys):
+    """A NaN weight used to import with exit 0, then generate nothing and score null perplexities."""
+    import shutil
+
+    from seqjax import import_hf
+    from seqjax.train.checkpoint import save_params
+    from seqjax.train.inference import load_for_inference
+
+    tensors = llama_tensors(dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = np.inf
+    bad = write_llama_folder(tmp_path / "bad", tensors)
+    err = _refused_cli(import_hf.main, [str(bad), "--out", str(tmp_path / "run")], capsys)
+    assert "tensor model.layers.1.mlp.up_proj.weight holds 1 non-finite value(s)" in err and "index (3, 5)" in err
+    assert not (tmp_path / "run").exists()
+
+    good = write_llama_folder(tmp_path / "good")
+    import_hf.main([str(good), "--out", str(tmp_path / "run"), "model.attention=xla"])
+    _, model = load_for_inference(tmp_path / "run")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params["blocks"][0]["attn"]["wq"] = np.asarray(params["blocks"][0]["attn"]["wq"]).copy()
+    params["blocks"][0]["attn"]["wq"][0, 1, 2] = np.nan
+    (tmp_path / "nan").mkdir()
+    shutil.copyfile(tmp_path / "run" / "config.yaml", tmp_path / "nan" / "config.yaml")
+    save_params(tmp_path / "nan", 0, params, {"tokens_seen": 0})
+    with pytest.raises(CheckpointError, match=r"params: tensor blocks/0/attn/wq holds 1 non-finite value"):
+        load_for_inference(tmp_path / "nan")
+    jax.clear_caches()
+
+
+def test_a_folder_with_both_a_single_file_and_an_index_loads_the_weights_transformers_loads(tmp_path, caplog):
+    from transformers import FlaxLlamaForCausalLM  # the reference
+
+    folder = write_llama_folder(tmp_path / "both", seed=0)  # model.safetensors: seed 0
+    cfg = json.loads((folder / "config.json").read_text())
+    other = llama_tensors(cfg, seed=1)  # shards and an index with other weights beside it
+    names = sorted(other)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for file, group in shards.items():
+        save_file({n: other[n] for n in group}, str(folder / file), metadata={"format": "pt"})
+    (folder / hf.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {
+        n: file for file, group in shards.items() for n in group}}))
+    ids = random_ids((1, T))
+    expected = np.asarray(FlaxLlamaForCausalLM.from_pretrained(folder)(ids).logits)
+    with caplog.at_level("WARNING", logger="seqjax.hf"):
+        _, model = hf.load(folder, ["model.attention=xla"])
+    np.testing.assert_allclose(logits(model, ids), expected, rtol=1e-5, atol=1e-5)
+    assert "holds both model.safetensors and model.safetensors.index.json: reading model.safetensors" in caplog.text
+    (folder / hf.WEIGHTS).unlink()  # the shards alone are other weights: the test tells the two apart
+    _, sharded = hf.load(folder, ["model.attention=xla"])
+    assert not np.allclose(logits(sharded, ids), expected, atol=1e-3)
+    jax.clear_caches()

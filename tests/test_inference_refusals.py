@@ -77,3 +77,16 @@ def test_export_and_init_from_refuse_a_step_whose_run_tokenizer_was_replaced(ref
     line = exits_2(train, tiny_overrides(tiny_root, tmp_path / "tuned", **{"train.init_from": step}), capfd)
     assert f"is not the one {step} was trained with" in line and "(train.init_from)" in line
     assert not (tmp_path / "tuned").exists()
+
+
+def test_eval_and_generate_agree_on_the_trained_length(tiny_root, tmp_path, capfd):
+    """A run trained on 32-token rows saves model.max_seq_len=32: eval refuses a longer context, as generate does."""
+    from seqjax.eval import main as evaluate
+    from test_train_support import assert_ok, run_cli
+
+    run = tmp_path / "run"
+    assert_ok(run_cli(tiny_overrides(tiny_root, run, **{"model.max_seq_len": "null", "train.steps": 2,
+                                                        "train.checkpoint_every": 2})))
+    line = exits_2(evaluate, ["--run", str(run), "eval.context=128"], capfd)
+    assert "eval.context: got 128, expected at most model.max_seq_len=32, the longest sequence the model was " \
+           "trained on (add model.max_seq_len=128 to evaluate beyond it anyway)" in line

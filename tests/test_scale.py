@@ -150,3 +150,57 @@ def test_the_train_step_with_chunked_loss_and_remat_takes_the_plain_steps_update
     np.testing.assert_allclose(m1["loss"], m0["loss"], rtol=1e-6)
     np.testing.assert_allclose(m1["grad_norm"], m0["grad_norm"], rtol=1e-5)
     assert_trees_close(other, plain, rtol=1e-5, atol=1e-6)
+
+
+REDUCED = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+           "model.head_dim=16", "model.d_ff=128", "data.seq_len=64", "data.batch_size=8", "model.max_seq_len=128",
+           "model.compute_dtype=float32", "model.attention=xla", "model.loss_chunk_tokens=96"]
+
+
+@pytest.mark.parametrize("name", ["llama3_1b_finetune", "llama3_8b_fsdp"])
+def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
+    """Their remat, chunked loss and optimizer settings run; only the sizes (and the 8-device mesh) are reduced."""
+    import optax
+
+    from test_train_support import REPO
+
+    config = load_config(REPO / "configs" / f"{name}.yaml", REDUCED + ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
+    assert config.model.remat == "full" and config.model.loss_chunk_tokens == 96
+    model = build_model(config, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+    from seqjax.train.optimizer import build_optimizer
+
+    tx, _ = build_optimizer(config.train)
+    step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=config.train.grad_accum, z_loss=config.train.z_loss))
+    data = batch(seed=2, b=8, t=64, vocab=512)
+    data["positions"], data["segment_ids"] = (jnp.tile(jnp.arange(64), (8, 1)), jnp.ones((8, 64), jnp.int32))
+    data["weights"] = jnp.ones((8, 64), jnp.float32)
+    new, _, metrics = step(params, tx.init(params), data)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) == pytest.approx(np.log(512), rel=0.05)
+    assert optax.tree.norm(jax.tree.map(jnp.subtract, new, params)) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, fsdp", [(["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=1"], 4),
+                                        (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], 2)])
+def test_plan_memory_shards_the_parameters_over_fsdp(mesh, fsdp, tmp_path):
+    """scripts/plan_memory.py on 4 host devices: per-device parameter bytes are the total over the fsdp size
+    (times the tensor axis's share), within the padding of dimensions fsdp does not divide."""
+    import json
+    import subprocess
+    import sys
+
+    from test_train_support import REPO, cli_env
+
+    proc = subprocess.run([sys.executable, "scripts/plan_memory.py", "--config", "configs/llama3_8b_fsdp.yaml",
+                           "--devices", "4", *REDUCED, *mesh], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    total = row["parameters"] * 4  # float32
+    tensor = 4 // fsdp
+    assert row["mesh"] == {"data": 1, "fsdp": fsdp, "tensor": tensor}
+    assert total / (fsdp * tensor) <= row["param_bytes_per_device"] <= total / fsdp * 1.05
+    assert row["optimizer_bytes_per_device"] >= 2 * row["param_bytes_per_device"]  # AdamW's two moments
+    assert row["temp_bytes_per_device"] > 0

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -18,6 +19,7 @@ from seqjax.config_diff import resume_changes
 from seqjax.config_load import load_config
 from seqjax.errors import CheckpointError, CheckpointMismatchError
 from seqjax.model import build_model
+from seqjax.model.weights import check_finite
 from seqjax.train.resume import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -135,5 +137,8 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     found = newest_readable(steps, restore, unreadable)
     if found is None:
         raise CheckpointError(f"no readable checkpoint in {checkpoints}: " + "; ".join(errors))
-    return config, nnx.merge(graphdef, like_target(target, found[1]), rest)
+    step_dir, restored = checkpoints / str(found[0]), like_target(target, found[1])
+    for path, value in jax.tree_util.tree_leaves_with_path(restored):
+        check_finite(value, "/".join(str(getattr(k, "key", k)) for k in path), str(step_dir / "params"))
+    return config, nnx.merge(graphdef, restored, rest)
 

@@ -198,6 +198,9 @@ def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
     tc = config.train
     # The tokenizer first: a model vocabulary too small for it is refused before any store is built.
     config = _with_data_dir(_with_vocab(config, prepare(config, splits=()).tokenizer.vocab_size))
+    # The longest sequence it trains on becomes the saved model's limit: eval and generate then refuse longer ones
+    # alike (model.max_seq_len=N on their command line evaluates beyond it, on purpose).
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=config.max_seq_len))
     prepared = prepare(config, splits=("train", config.eval.split))
     train_store, valid_store = prepared.stores["train"], prepared.stores[config.eval.split]
     # The run keeps its own copy of the tokenizer (written once the resume is accepted, with config.yaml).

@@ -1,0 +1,106 @@
+"""How much memory one device needs to train a config: compiled ahead of time, no real array allocated (JSON).
+
+    python scripts/plan_memory.py --config configs/llama3_1b_finetune.yaml --devices 1 [key=value ...]
+    python scripts/plan_memory.py --config configs/llama3_8b_fsdp.yaml --devices 8 mesh.fsdp=4 mesh.tensor=2
+
+It compiles the real train step (the one ``python -m seqjax.train`` runs: the
+model's full shape, the optimizer, gradient accumulation, the mesh's
+shardings) for ``--devices`` host devices (``--xla_force_host_platform_device_count``),
+with abstract inputs: nothing of the model's size is allocated. It prints, per
+device: parameter bytes and optimizer-state bytes (from each array's shard
+shape), the batch's bytes, and the temporary bytes of XLA's compiled memory
+analysis (activations and everything else the step allocates), and their
+total against an 80 GB (H100) and a 141 GB (H200) GPU.
+
+The CPU compiler assigns buffers differently from the GPU's (other fusions,
+no cuDNN or Pallas kernels: attention here is the XLA path), so the temporary
+bytes are an estimate of the activations' order, not the GPU's figure; a GPU
+run measures the gap. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    args = p.parse_args(argv)
+    # Before jax is imported: the number of host devices is fixed when the CPU backend starts.
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from seqjax import sharding
+    from seqjax.config_load import load_config
+    from seqjax.model import build_model
+    from seqjax.train.optimizer import build_optimizer
+    from seqjax.train.step import make_train_step
+
+    # The attention the CPU compiles is XLA's (the GPU kernels cannot lower here); the rest is the run's own.
+    config = load_config(args.config, [*args.overrides, "model.attention=xla", "train.init_from=null"])
+    mesh = sharding.build_mesh(config.mesh, jax.devices()[: args.devices])
+    model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
+    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+    param_shardings = sharding.param_shardings(param_state, mesh)
+    params = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                          nnx.to_pure_dict(param_state), param_shardings)
+    tx, _ = build_optimizer(config.train)
+    replicated = sharding.replicated(mesh)
+    opt_abstract = jax.eval_shape(tx.init, params)
+    import optax
+
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    opt_state = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), opt_abstract,
+                             opt_shardings)
+    batch_sharding = sharding.batch_sharding(mesh)
+    b, t = config.data.batch_size, config.data.seq_len
+    batch = {name: jax.ShapeDtypeStruct((b, t), np.float32 if name == "weights" else np.int32, sharding=batch_sharding)
+             for name in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=replicated)
+    step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=config.train.grad_accum, z_loss=config.train.z_loss),
+                   in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated),
+                   out_shardings=(param_shardings, opt_shardings, replicated), donate_argnums=(0, 1))
+    start = time.perf_counter()
+    compiled = step.lower(params, opt_state, batch, rng, 0).compile()
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+
+    def per_device(tree) -> int:
+        return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree))
+
+    total_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    row = {
+        "config": args.config, "overrides": args.overrides, "devices": args.devices,
+        "mesh": dict(mesh.shape), "parameters": total_params,
+        "batch_size": b, "seq_len": t, "grad_accum": config.train.grad_accum,
+        "remat": config.model.remat, "loss_chunk_tokens": config.model.loss_chunk_tokens,
+        "param_dtype": config.model.param_dtype, "compute_dtype": config.model.compute_dtype,
+        "param_bytes_per_device": per_device(params),
+        "optimizer_bytes_per_device": per_device(opt_state),
+        "batch_bytes_per_device": per_device(batch),
+        "temp_bytes_per_device": int(stats.temp_size_in_bytes),
+        "compile_seconds": round(seconds, 1),
+    }
+    total = row["param_bytes_per_device"] + row["optimizer_bytes_per_device"] + row["batch_bytes_per_device"] + \
+        row["temp_bytes_per_device"]
+    row |= {"total_bytes_per_device": total, "fits_80GB": total <= 80e9, "fits_141GB": total <= 141e9,
+            "date": datetime.date.today().isoformat(), "backend": jax.default_backend()}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
