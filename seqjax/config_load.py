@@ -81,7 +81,9 @@ def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> An
         if not isinstance(value, str):
             raise ConfigError(f"{key}: got {value!r}, expected a string")
     if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(f"{key}: got {value!r}, expected one of {', '.join(map(str, meta['choices']))}")
+        close = difflib.get_close_matches(str(value), list(map(str, meta["choices"])), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"{key}: got {value!r}, expected one of {', '.join(map(str, meta['choices']))}{hint}")
     if "min" in meta and value < meta["min"]:
         raise ConfigError(f"{key}: got {value!r}, expected at least {meta['min']}")
     if "max" in meta and value > meta["max"]:

@@ -17,12 +17,11 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 from seqjax import cli
 from seqjax.config_load import announce
-from seqjax.data.build import prepare
+from seqjax.data.build import cache_dir, prepare
 from seqjax.data.corpus import SPLITS
 
 
@@ -42,7 +41,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     """Prepare the requested splits and print what was built or reused; returns the summary."""
     config = cli.load(args)
     splits = [s.strip() for s in args.splits.split(",") if s.strip()]
-    announce(config, Path(config.data.cache_dir).expanduser(), "prepare.yaml")
+    announce(config, cache_dir(config, writable=True), "prepare.yaml")
     start = time.perf_counter()
     processes = _processes(config)
     prepared = prepare(config, splits, verify=args.verify, **processes)

@@ -142,3 +142,27 @@ def test_raw_variant_prepares_valid_and_test_with_an_existing_tokenizer(wikitext
         assert summary[split]["documents"] == 60 and summary[split]["words"] == WORDS[split]
         assert summary[split]["bytes"] == (raw / f"wiki.{split}.raw").stat().st_size
     assert "/wikitext2-raw/" in summary["valid"]["store"]
+
+
+def test_a_cache_dir_that_is_a_file_or_read_only_is_one_line_naming_it(tmp_path, capfd, monkeypatch):
+    """As root the folder's permissions do not stop a write, so a read-only file system is simulated at access()."""
+    import os
+
+    from seqjax.prepare import main
+
+    corpus = tmp_path / "t.jsonl"
+    corpus.write_text('{"text": "a b c"}\n{"text": "d e"}\n')
+    base = ["data.corpus=jsonl", f"data.train_files=[{corpus}]", f"data.valid_files=[{corpus}]",
+            "tokenizer.vocab_size=300"]
+    (tmp_path / "afile").write_text("mine")
+    for cache, expected in ((tmp_path / "afile", "is a file; expected a folder"),
+                            (tmp_path / "ro", "is not writable; expected a writable folder")):
+        if cache.name == "ro":
+            cache.mkdir()
+            monkeypatch.setattr(os, "access", lambda path, mode: False)
+        with pytest.raises(SystemExit) as exit_:
+            main([*base, f"data.cache_dir={cache}"])
+        assert exit_.value.code == 2
+        err = capfd.readouterr().err
+        assert "Traceback" not in err and f"data.cache_dir: {cache} {expected}" in err
+    assert (tmp_path / "afile").read_text() == "mine" and not any((tmp_path / "ro").iterdir())

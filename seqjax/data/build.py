@@ -333,6 +333,42 @@ def prepare(
     Under a multi-host launch give ``process_index``, ``process_count`` and a
     ``barrier(name)`` that returns once every process has called it.
     """
+    cache = cache_dir(config)
+    try:
+        return _prepare(config, splits, process_index=process_index, process_count=process_count, barrier=barrier,
+                        verify=verify)
+    except OSError as err:
+        if err.filename is None or cache.resolve() not in Path(err.filename).resolve().parents:
+            raise
+        # A cache on a read-only or full file system: one line, naming the folder and the OS error.
+        raise StoreError(f"data.cache_dir: cannot write {err.filename} ({err.strerror}); expected a writable folder "
+                         "(set data.cache_dir to one)") from None
+
+
+def cache_dir(config: Config, writable: bool = False) -> Path:
+    """``data.cache_dir``, created when missing; a file there, or a folder that cannot be made, is one line."""
+    cache = Path(config.data.cache_dir).expanduser()
+    if cache.exists() and not cache.is_dir():
+        raise StoreError(f"data.cache_dir: {cache} is a file; expected a folder to build the tokenizer and stores in")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StoreError(f"data.cache_dir: cannot create {cache} ({err.strerror}); expected a writable "
+                         "folder") from None
+    if writable and not os.access(cache, os.W_OK):
+        raise StoreError(f"data.cache_dir: {cache} is not writable; expected a writable folder (set data.cache_dir)")
+    return cache
+
+
+def _prepare(
+    config: Config,
+    splits: Sequence[str],
+    *,
+    process_index: int,
+    process_count: int,
+    barrier: Callable[[str], None] | None,
+    verify: bool,
+) -> Prepared:
     splits = list(dict.fromkeys(splits))
     unknown = [s for s in splits if s not in SPLITS]
     if unknown:
