@@ -82,22 +82,25 @@ def wgmma_from_smem_tiles():
     a = jnp.asarray(rng.normal(size=(64, 64)), jnp.bfloat16)
     b = jnp.asarray(rng.normal(size=(64, 64)), jnp.bfloat16)
 
-    def body(a_gmem, b_gmem, o_gmem, a_smem, b_smem, barrier, acc_ref, o_smem):
+    def body(a_gmem, b_gmem, o_gmem, a_smem, b_smem, barrier, o_smem):
         plgpu.copy_gmem_to_smem(a_gmem, a_smem, barrier)
         plgpu.barrier_wait(barrier)
         plgpu.copy_gmem_to_smem(b_gmem, b_smem, barrier)
         plgpu.barrier_wait(barrier)
-        plgpu.wgmma(acc_ref, a_smem, b_smem)
-        plgpu.wgmma_wait(0)
-        o_smem[...] = acc_ref[...]
+
+        def product(acc_ref):  # the accumulator lives in registers: a scope of its own, as the bundled matmul's
+            plgpu.wgmma(acc_ref, a_smem, b_smem)
+            plgpu.wgmma_wait(0)
+            o_smem[...] = acc_ref[...]
+
+        pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem)
         plgpu.wait_smem_to_gmem(0)
 
     f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
                      scratch_types=[plgpu.SMEM((64, 64), jnp.bfloat16), plgpu.SMEM((64, 64), jnp.bfloat16),
-                                     plgpu.Barrier(num_arrivals=1), plgpu.ACC((64, 64), jnp.float32),
-                                     plgpu.SMEM((64, 64), jnp.float32)])
+                                    plgpu.Barrier(num_arrivals=1), plgpu.SMEM((64, 64), jnp.float32)])
     want = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
     np.testing.assert_allclose(f(a, b), want, rtol=1e-2, atol=1e-2)
 
