@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqjax.model.transformer import head_logits
+from seqjax.model.head import head_logits
 
 
 def _inputs(dtype):

@@ -41,7 +41,6 @@ depth; norm scales start at 1.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -53,7 +52,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from seqjax.config import Config, ModelConfig, RopeScalingConfig
 from seqjax.model.attention import attention, masked_attention, resolve_backend, segment_mask
+from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata  # plain JAX; the Pallas kernels stay lazy
+from seqjax.model.remat import remat_block
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype, axes: tuple[str, ...]) -> nnx.Param:
@@ -70,54 +71,6 @@ def _drop(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Array:
     return layer(x, deterministic=key is None, rngs=key)
 
 
-@jax.custom_vjp
-def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
-    """x [B, T, D] @ head [D, V] -> float32 logits [B, T, V], accumulated in float32 whatever x's dtype.
-
-    The logits stay float32 for the softmax, but their cotangent is cast back to
-    x's dtype before the two backward products, so in bf16 those run as bf16
-    matmuls with float32 accumulation, like every other layer's. Plain autodiff
-    would hand them the float32 cotangent. On an H100 the 50,304-wide head of
-    gpt2_small then ran its backward as TF32 GEMMs, 16.3 of 79 ms per step
-    (BENCHMARKS.md, "Where a step goes"). In float32 nothing changes.
-    """
-    return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
-
-
-def _head_logits_fwd(x, head):
-    return head_logits(x, head), (x, head)
-
-
-def _head_logits_bwd(residuals, g):
-    x, head = residuals
-    g = g.astype(x.dtype)
-    dx = jnp.einsum("btv,dv->btd", g, head, preferred_element_type=jnp.float32).astype(x.dtype)
-    dhead = jnp.einsum("btd,btv->dv", x, g, preferred_element_type=jnp.float32).astype(head.dtype)
-    return dx, dhead
-
-
-head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
-
-
-def _call_block(block, x, positions, segment_ids, metadata, key):
-    return block(x, positions, segment_ids, metadata=metadata, dropout_key=key)
-
-
-def _remat_policy(remat: str, names: tuple[str, ...]):
-    """model.remat as a jax.checkpoint policy: what the backward pass keeps (the rest is recomputed)."""
-    if remat == "full":
-        return None  # jax.checkpoint's default: keep nothing but the block's inputs
-    if remat == "dots":
-        return jax.checkpoint_policies.dots_saveable
-    return jax.checkpoint_policies.save_only_these_names(*names)
-
-
-@functools.lru_cache(maxsize=None)
-def _remat_block(remat: str, names: tuple[str, ...]):
-    """``(block, x, positions, segment_ids, metadata, key) -> x`` for one block, rematerialized as model.remat says."""
-    if remat == "none":
-        return _call_block
-    return nnx.remat(_call_block, policy=_remat_policy(remat, names), prevent_cse=True)
 
 
 class RMSNorm(nnx.Module):
@@ -413,10 +366,10 @@ class TransformerLM(nnx.Module):
         """The blocks on embeddings x [B, T, D]: the last block's output [B, T, D], before the final norm.
 
         Under ``model.remat`` each block is one rematerialized unit: its backward pass recomputes what the
-        policy does not keep (:func:`_remat_policy`), trading compute for activation memory.
+        policy does not keep (:func:`seqjax.model.remat.remat_policy`), trading compute for activation memory.
         """
         metadata = self.attention_metadata(segment_ids)
-        run = _remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
+        run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
         for block, key in zip(self.blocks, _keys(dropout_key, len(self.blocks))):
             x = run(block, x, positions, segment_ids, metadata, key)
         return x
