@@ -3,13 +3,18 @@
 The last stdout line is one JSON object: tokens, words, bytes, ``nll_sum``
 and the perplexity in all three units under the ``eval.*`` protocol (see
 :mod:`seqjax.evaluate`, which does the work); ``eval.mode=lm_eval`` adds the
-harness's byte_perplexity. ``--hf DIR`` scores a Hugging Face folder directly.
+harness's byte_perplexity, and ``checkpoint_step`` names the step scored. With
+``--run`` the result is also kept in the run's ``eval_results.json``, keyed
+``split/mode/step<N>``. ``--hf DIR`` scores a Hugging Face folder directly.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from seqjax import cli, trained
@@ -17,7 +22,11 @@ from seqjax.data.build import prepare
 from seqjax.data.lm_eval import MODE as LM_EVAL
 from seqjax.data.lm_eval import read_lm_eval_split
 from seqjax.evaluate import evaluate, evaluate_lm_eval
-from seqjax.files import json_text
+from seqjax.files import json_text, write_text_atomic
+
+RESULTS_FILE = "eval_results.json"
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,8 +49,28 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     else:
         prepared = prepare(config, splits=(split,))
         result = evaluate(model, prepared.stores[split], config, split=split)
+    result["checkpoint_step"] = getattr(model, "checkpoint_step", None)  # None: an HF folder (--hf)
+    if args.run:
+        try:
+            record(Path(args.run), result, config)
+        except OSError as err:  # a run folder we may read but not write: the score still prints
+            log.warning("could not record the result in %s (%s)", Path(args.run) / RESULTS_FILE, err.strerror)
     print(json_text(result), flush=True)
     return result
+
+
+def record(run_dir: Path, result: dict[str, Any], config) -> Path:
+    """Add the result to the run's eval_results.json, keyed split/mode/step, as lm-eval's --output_path keeps it.
+
+    Earlier results stay; the same split, mode and step scored again is replaced by the newer score.
+    """
+    path = run_dir / RESULTS_FILE
+    try:
+        results = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        results = {}  # a file cut by a kill: start a fresh record rather than refuse to score
+    results[f"{config.eval.split}/{config.eval.mode}/step{result['checkpoint_step']}"] = result
+    return write_text_atomic(path, json_text(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -90,3 +90,20 @@ def test_eval_and_generate_agree_on_the_trained_length(tiny_root, tmp_path, capf
     line = exits_2(evaluate, ["--run", str(run), "eval.context=128"], capfd)
     assert "eval.context: got 128, expected at most model.max_seq_len=32, the longest sequence the model was " \
            "trained on (add model.max_seq_len=128 to evaluate beyond it anyway)" in line
+
+
+def test_eval_names_the_step_it_scored_and_keeps_each_result_in_the_run(reference, tiny_root, tmp_path, capfd):
+    import json
+    import shutil
+
+    from seqjax.eval import main as evaluate
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_root / "reference", run)
+    for mode in ("blocks", "sliding"):
+        evaluate(["--run", str(run), f"eval.mode={mode}"])
+        printed = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+        assert printed["checkpoint_step"] == 60
+    results = json.loads((run / "eval_results.json").read_text())
+    assert sorted(results) == ["valid/blocks/step60", "valid/sliding/step60"]
+    assert results["valid/sliding/step60"]["nll_sum"] == printed["nll_sum"]

@@ -140,5 +140,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     step_dir, restored = checkpoints / str(found[0]), like_target(target, found[1])
     for path, value in jax.tree_util.tree_leaves_with_path(restored):
         check_finite(value, "/".join(str(getattr(k, "key", k)) for k in path), str(step_dir / "params"))
-    return config, nnx.merge(graphdef, restored, rest)
+    model = nnx.merge(graphdef, restored, rest)
+    model.checkpoint_step = found[0]  # which step was read (an older one when the newest is unreadable): eval says it
+    return config, model
 
