@@ -166,3 +166,29 @@ def test_a_cache_dir_that_is_a_file_or_read_only_is_one_line_naming_it(tmp_path,
         err = capfd.readouterr().err
         assert "Traceback" not in err and f"data.cache_dir: {cache} {expected}" in err
     assert (tmp_path / "afile").read_text() == "mine" and not any((tmp_path / "ro").iterdir())
+
+
+def test_a_cache_on_a_read_only_file_system_is_one_line_from_prepare(tmp_path, monkeypatch):
+    """The first write into data.cache_dir fails with EROFS (simulated: as root, permissions would not stop it)."""
+    import errno
+    import pathlib
+
+    from seqjax.config_load import load_config
+    from seqjax.data.build import prepare
+    from seqjax.errors import StoreError
+
+    corpus = tmp_path / "t.jsonl"
+    corpus.write_text('{"text": "a b c"}\n{"text": "d e"}\n')
+    cache = tmp_path / "ro"
+    real_mkdir = pathlib.Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if cache in self.parents or self == cache:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    config = load_config(None, ["data.corpus=jsonl", f"data.train_files=[{corpus}]", f"data.valid_files=[{corpus}]",
+                                "tokenizer.vocab_size=300", f"data.cache_dir={cache}"])
+    with pytest.raises(StoreError, match=rf"data.cache_dir: cannot write {cache}.* \(Read-only file system\)"):
+        prepare(config, splits=("train", "valid"))

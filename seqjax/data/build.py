@@ -338,7 +338,8 @@ def prepare(
         return _prepare(config, splits, process_index=process_index, process_count=process_count, barrier=barrier,
                         verify=verify)
     except OSError as err:
-        if err.filename is None or cache.resolve() not in Path(err.filename).resolve().parents:
+        target = None if err.filename is None else Path(err.filename).resolve()
+        if target is None or (target != cache.resolve() and cache.resolve() not in target.parents):
             raise
         # A cache on a read-only or full file system: one line, naming the folder and the OS error.
         raise StoreError(f"data.cache_dir: cannot write {err.filename} ({err.strerror}); expected a writable folder "
@@ -346,16 +347,22 @@ def prepare(
 
 
 def cache_dir(config: Config, writable: bool = False) -> Path:
-    """``data.cache_dir``, created when missing; a file there, or a folder that cannot be made, is one line."""
+    """``data.cache_dir``; a file there is one line. ``writable``: also create it, refusing one that cannot be.
+
+    prepare itself creates nothing before its inputs are checked (and nothing at all when it only reuses):
+    a cache it cannot write is named when the first write fails.
+    """
     cache = Path(config.data.cache_dir).expanduser()
     if cache.exists() and not cache.is_dir():
         raise StoreError(f"data.cache_dir: {cache} is a file; expected a folder to build the tokenizer and stores in")
+    if not writable:
+        return cache
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise StoreError(f"data.cache_dir: cannot create {cache} ({err.strerror}); expected a writable "
                          "folder") from None
-    if writable and not os.access(cache, os.W_OK):
+    if not os.access(cache, os.W_OK):
         raise StoreError(f"data.cache_dir: {cache} is not writable; expected a writable folder (set data.cache_dir)")
     return cache
 
