@@ -93,3 +93,14 @@ def test_eval_and_generate_read_a_run_that_is_training(reference, tiny_root, tmp
                                "--prompt", "the", "--max_new_tokens", "2"],
                               cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert_ok(proc)
+
+
+def test_a_run_refused_before_any_work_leaves_no_run_folder_and_keeps_a_folder_it_did_not_make(tiny_root, tmp_path):
+    missing = tmp_path / "no-such.jsonl"
+    for run_dir, made in ((tmp_path / "new" / "run", False), (tmp_path / "mine", True)):
+        if made:
+            run_dir.mkdir()
+        proc = run_cli(tiny_overrides(tiny_root, run_dir, **{"data.train_files": f"[{missing}]",
+                                                             "data.cache_dir": tmp_path / "cache"}))
+        assert proc.returncode == 2 and str(missing) in proc.stderr
+        assert run_dir.exists() == made  # a folder the user made stays, empty of the lock or not

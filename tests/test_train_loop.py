@@ -59,7 +59,7 @@ def test_under_a_scheduler_the_log_is_plain_lines_with_validation_and_the_data_l
     config.yaml the run saves names the data folder it found through $SEQJAX_DATA_DIR."""
     run_dir, data_dir = tmp_path / "run", tmp_path / "data"
     data_dir.mkdir()
-    extra = {"train.steps": 20, "train.log_every": 5, "train.eval_every": 10}
+    extra = {"train.steps": 20, "train.log_every": 5, "train.eval_every": 10, "eval.mode": "sliding"}
     with open(tmp_path / "stderr.log", "w") as err:
         proc = subprocess.run([sys.executable, "-m", "seqjax.train", *tiny_overrides(tiny_root, run_dir, **extra)],
                               cwd=REPO, env=cli_env(SEQJAX_DATA_DIR=str(data_dir)), stdout=subprocess.PIPE,
@@ -71,3 +71,5 @@ def test_under_a_scheduler_the_log_is_plain_lines_with_validation_and_the_data_l
         [f"step {s}/20" for s in (5, 10, 15, 20)]
     assert sum(": validation loss " in line for line in text.splitlines()) == 2  # steps 10 and 20
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["data"]["dir"] == str(data_dir.resolve())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval"]["context"] is None and (summary["eval_context"], summary["eval_stride"]) == (32, 16)

@@ -37,6 +37,7 @@ from seqjax import sharding
 from seqjax.config import DATA_DIR_ENV, Config, ConfigError
 from seqjax.config_load import announce
 from seqjax.data.build import prepare
+from seqjax.data.eval_windows import resolve_stride
 from seqjax.data.pipeline import build_pipeline
 from seqjax.evaluate import evaluate
 from seqjax.files import json_text, write_text_atomic
@@ -404,6 +405,9 @@ def _summary(run: _Setup, steps: StepLogger, restored: Restored | None, last_val
         "val_bits_per_byte": last_val and last_val["val_bits_per_byte"],
         "unigram_perplexity": run.unigram,
         "eval": dataclasses.asdict(config.eval),
+        # What the final validation really used (the keys above may be null: their defaults resolved here).
+        "eval_context": config.eval_context,
+        "eval_stride": resolve_stride(config.eval.mode, config.eval_context, config.eval.stride),
         # The final validation completed and is recorded above: a re-run of this command changes nothing.
         "finished": last_val is not None and bool(last_val.get("val_complete", True)),
     }

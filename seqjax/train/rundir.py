@@ -72,6 +72,7 @@ class RunLock:
         self.process_index = process_index
         self.process_count = process_count
         self._handle = None
+        self._created = False  # this lock made run.dir: a run refused before writing anything removes it again
 
     def __enter__(self) -> RunLock:
         token = secrets.token_bytes(_TOKEN_BYTES)
@@ -105,6 +106,7 @@ class RunLock:
     def _try_lock(self, job: str) -> bool:
         """Take the OS lock without waiting and write this run's description into the file; False if held."""
         try:
+            self._created = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # "a": open without truncating, so a refused run never blanks the holder's description.
             handle = open(self.path, "a+")
@@ -130,3 +132,8 @@ class RunLock:
         if self._handle is not None:
             self._handle.close()  # closing the file releases the flock
             self._handle = None
+            left = [p.name for p in self.run_dir.iterdir()] if self.run_dir.is_dir() else []
+            if exc and exc[0] is not None and self._created and left == [LOCK_FILE]:
+                # Refused before any work (a bad input): leave no empty run folder behind.
+                self.path.unlink(missing_ok=True)
+                self.run_dir.rmdir()
