@@ -86,14 +86,14 @@ def chunked_lm_loss(
 
 
 def _chunk_stats(x, head, ids, w):
-    """One chunk: x [C, D] -> (log_z [C], target logit [C], logits [C, V]), float32, as lm_loss computes them."""
+    """One chunk: x [C, D] -> (log_z [C], target logit [C]), float32, as lm_loss computes them."""
     logits = jnp.einsum("cd,dv->cv", x, head, preferred_element_type=jnp.float32)
     scored = w != 0
     vocab = logits.shape[-1]
     safe = jnp.where(scored, ids, 0)
     safe = jnp.where((safe >= 0) & (safe < vocab), safe, vocab)  # out of range -> NaN, as in lm_loss
     target = jnp.take_along_axis(logits, safe[:, None], axis=-1, mode="fill", fill_value=jnp.nan)[:, 0]
-    return jax.nn.logsumexp(logits, axis=-1), target, logits
+    return jax.nn.logsumexp(logits, axis=-1), target
 
 
 @jax.custom_vjp
@@ -105,7 +105,7 @@ def _chunked_sums(x, head, ids, w):
 def _chunked_forward(x, head, ids, w):
     def body(carry, chunk):
         xc, idc, wc = chunk
-        log_z, target, _ = _chunk_stats(xc, head, idc, wc)
+        log_z, target = _chunk_stats(xc, head, idc, wc)
         scored = wc != 0
         nll = jnp.sum(jnp.where(scored, wc * (log_z - target), 0.0))
         z = jnp.sum(jnp.where(scored, wc * jnp.square(log_z), 0.0))
