@@ -128,6 +128,14 @@ GRAIN_PACKERS = ("grain_first_fit", "grain_best_fit", "grain_concat_split")
 
 
 CORPORA = ("wikitext2", "text", "jsonl", "parquet", "hf")
+# What one record of a corpus is (seqjax.data.examples): a document, or an instruction example.
+FORMATS = ("text", "prompt_completion", "chat", "tokenized")
+LOSS_ON = ("auto", "completion", "assistant", "last_assistant", "all")
+# Which loss_on each format takes; "auto" is completion / assistant / the records' own labels.
+LOSS_ON_FOR = {"text": ("auto", "all"), "prompt_completion": ("auto", "completion", "all"),
+               "chat": ("auto", "assistant", "last_assistant", "all"), "tokenized": ("auto", "all")}
+# Strategies that keep each example whole (block only with break_mode=complete_doc).
+EXAMPLE_STRATEGIES = ("pack", "length_grouped", "block")
 
 
 @dataclass
@@ -140,6 +148,7 @@ class SourceConfig:
     variant: str | None = _f(None, "WikiText-2 variant (null: data.variant)", choices=("tokens", "raw"))
     dir: str | None = _f(None, "folder the file entries are relative to (null: data.dir)")
     text_field: str | None = _f(None, "jsonl/parquet/hf: the column or key holding the text (null: data.text_field)")
+    format: str | None = _f(None, "what a record is (null: data.format)", choices=FORMATS)
     train_files: list[str] = _f([], "the training files, folders or globs")
     valid_files: list[str] = _f([], "the validation files, folders or globs")
     test_files: list[str] = _f([], "the test files, folders or globs")
@@ -162,6 +171,23 @@ class DataConfig:
     test_files: list[str] = _f([], "for corpus text/jsonl/parquet/hf: the test files, folders or globs")
     # The files' content is judged by the train store's identity; which field of them is the text is a key.
     text_field: str = _f("text", "jsonl/parquet/hf: the key or column holding each document's text", resume=DATA)
+    # Instruction data (docs/data.md, "Fine-tuning on instruction data"): which tokens the loss sees.
+    format: str = _f("text", "what a record is: a document (text), or an instruction example", choices=FORMATS,
+                     resume=DATA)
+    loss_on: str = _f("auto", "instruction data: which tokens are scored (auto: completion for prompt_completion, "
+                      "assistant for chat, the records' labels for tokenized)", choices=LOSS_ON, resume=DATA)
+    prompt_field: str = _f("prompt", "prompt_completion: the key or column holding the prompt", resume=DATA)
+    completion_field: str = _f("completion", "prompt_completion: the key or column holding the answer", resume=DATA)
+    prompt_separator: str = _f("", "prompt_completion: text put between the prompt and the completion", resume=DATA)
+    messages_field: str = _f("messages", "chat: the key or column holding the list of {role, content}", resume=DATA)
+    chat_template: str | None = _f(
+        None, "chat: a Jinja chat template file (null: the tokenizer's, from its tokenizer_config.json or "
+        "chat_template.jinja)", resume=DATA)
+    input_ids_field: str = _f("input_ids", "tokenized: the key or column holding the token ids", resume=DATA)
+    labels_field: str = _f("labels", "tokenized: the labels (-100: not scored), if the records have them",
+                           resume=DATA)
+    loss_weights_field: str = _f("loss_weights", "tokenized: 0/1 per token (1: scored), if the records have no "
+                                 "labels", resume=DATA)
     sources: list[SourceConfig] = _f(
         [], "a mixture: corpora with weights, each read like data.* (then data.*_files stay empty)", resume=DATA
     )
@@ -251,11 +277,36 @@ class DataConfig:
                 f"data.max_segments_per_row: got {self.max_segments_per_row}, expected null: packer {self.packer} "
                 f"{what} cannot cap segments; unset it or pick another packer"
             )
+        self._check_formats()
         for length in self.bucket_lengths:
             if not 2 <= length <= self.seq_len:
                 raise ConfigError(
                     f"data.bucket_lengths: got {length}, expected values in [2, data.seq_len={self.seq_len}]"
                 )
+
+    def _check_formats(self) -> None:
+        """Instruction formats: a corpus of records, a loss_on the format has, a strategy that keeps examples whole."""
+        formats = {source.format for source in self.resolved_sources()}
+        for source in self.resolved_sources():
+            if source.format != "text" and source.corpus not in ("jsonl", "parquet", "hf"):
+                key = "data.format" if source.name == "main" else f"data.sources[{source.name}].format"
+                raise ConfigError(f"{key}: got {source.format!r} with corpus={source.corpus!r}, expected corpus "
+                                  "jsonl, parquet or hf (records with fields) for instruction data")
+        for fmt in formats - {"text"}:
+            if self.loss_on not in LOSS_ON_FOR[fmt]:
+                raise ConfigError(f"data.loss_on: got {self.loss_on!r}, expected one of "
+                                  f"{', '.join(LOSS_ON_FOR[fmt])} for data.format={fmt}")
+        if formats != {"text"}:
+            if self.strategy not in EXAMPLE_STRATEGIES or (self.strategy == "block"
+                                                           and self.break_mode != "complete_doc"):
+                raise ConfigError(
+                    f"data.strategy: got {self.strategy!r}"
+                    + (f" with break_mode={self.break_mode!r}" if self.strategy == "block" else "")
+                    + ", expected pack, length_grouped or block with data.break_mode=complete_doc for instruction "
+                    "data: the others cut examples at arbitrary tokens")
+            if self.cross_document_attention:
+                raise ConfigError("data.cross_document_attention: got true, expected false for instruction data: "
+                                  "each example attends only to itself")
 
     @property
     def resolved_stride(self) -> int:
@@ -270,7 +321,7 @@ class DataConfig:
         """
         if not self.sources:
             return [SourceConfig(name="main", weight=1.0, corpus=self.corpus, variant=self.variant, dir=self.dir,
-                                 text_field=self.text_field, train_files=list(self.train_files),
+                                 text_field=self.text_field, format=self.format, train_files=list(self.train_files),
                                  valid_files=list(self.valid_files), test_files=list(self.test_files))]
         return [
             dataclasses.replace(
@@ -280,6 +331,7 @@ class DataConfig:
                 variant=source.variant or self.variant,
                 dir=source.dir if source.dir is not None else self.dir,
                 text_field=source.text_field or self.text_field,
+                format=source.format or self.format,
             )
             for i, source in enumerate(self.sources)
         ]
@@ -437,6 +489,10 @@ class TrainConfig:
     grad_clip: float | None = _f(1.0, "global-norm clipping threshold (null: off)", min=0.0)
     grad_accum: int = _f(1, "micro-batches per step (data.batch_size is split between them)", min=1)
     z_loss: float = _f(0.0, "z-loss coefficient on log(Z)^2", min=0.0)
+    loss_normalization: str = _f(
+        "tokens", "tokens: every scored token of the global batch weighs the same; examples: each example's mean "
+        "loss weighs the same (weights 1/its scored tokens; docs/design.md, contract 3)",
+        choices=("tokens", "examples"), resume=DATA)
     init_from: str | None = _f(
         None,
         "start from these weights: a seqjax run or checkpoint folder, or a Hugging Face Llama folder "

@@ -19,6 +19,11 @@ The protocol (``eval.mode`` = blocks / sliding / documents, ``eval.context``,
 (each unit's opening ``<|endoftext|>`` is context only). Every protocol scores
 every predicted token once, so ``tokens`` is the same in all three.
 
+On instruction data (``data.format`` other than text) only the scored tokens
+count (the answers, ``data.loss_on``): ``tokens`` is their number, the
+perplexity is per scored token, bits per byte are over the UTF-8 bytes of the
+scored text, and word perplexity is null.
+
 Contract 3: per-batch sums come back from the device in float32 and are
 accumulated on the host in float64; perplexity is exp(total / count), never
 an average of per-batch perplexities. Training's periodic validation calls
@@ -162,9 +167,11 @@ def evaluate(
     nll_sum, tokens, rows, total_batches, seconds = _score_windows(model, windows, config, mesh, max_batches,
                                                                    progress)
     complete = rows >= len(windows)
-    if complete and tokens != store.predicted_tokens:
-        raise RuntimeError(f"scored {tokens} tokens, expected every predicted token ({store.predicted_tokens}) once")
+    if complete and tokens != store.scored_tokens:
+        raise RuntimeError(f"scored {tokens} tokens, expected every scored token ({store.scored_tokens}) once")
     stats = store.manifest.get("stats", {})
+    if store.mask is not None:  # instruction data: per scored token, and bits per byte of the scored text
+        stats = {"words": None, "bytes": stats.get("scored_bytes")}
     words = (word_count if word_count is not None else stats.get("words")) if complete else None
     n_bytes = (byte_count if byte_count is not None else stats.get("bytes")) if complete else None
     per_word = _per(words, nll_sum)

@@ -6,7 +6,9 @@ mixture (``data.sources``), the rows and tokens each source gave over
 ``--steps`` batches beside its weight: the realized proportions. With
 ``--dump FILE.npz --batches N`` it also writes the first N batches with every
 contract field, stacked as ``[N, batch, L]`` (length_grouped batches are
-padded to the widest of them).
+padded to the widest of them). ``--plot FILE.png`` draws the first batch's
+layout: rows by positions, a colour per example, prompt tokens pale
+(:mod:`seqjax.data.picture`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from seqjax import cli
+from seqjax.data import strategies
 from seqjax.data.build import prepare
 from seqjax.data.contract import FIELDS
 from seqjax.data.pipeline import build_pipeline
@@ -37,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--split", default="train", choices=("train", "valid", "test"), help="which split's store to cut")
     p.add_argument("--dump", metavar="FILE.npz", help="write the first --batches batches here")
     p.add_argument("--batches", type=int, default=1, help="how many batches --dump writes")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the first batch's layout (examples, prompts, padding)")
     p.add_argument("--steps", type=int, default=256,
                    help="a mixture (data.sources): batches its realized proportions are counted over")
     cli.run(p, argv, describe)
@@ -57,6 +61,12 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
         arrays = {k: np.stack([np.pad(b[k], ((0, 0), (0, width - b[k].shape[1]))) for b in batches]) for k in FIELDS}
         np.savez(Path(args.dump), **arrays)
         log.info("wrote %d batches to %s", len(batches), args.dump)
+    if args.plot:
+        from seqjax.data.picture import draw_batch  # (matplotlib: only when asked)
+
+        title = f"{strategies.label(config.data)}, seq_len {config.data.seq_len}"
+        draw_batch(next(iter(pipeline)), Path(args.plot), title)
+        log.info("drew the first batch's layout in %s", args.plot)
     print(json.dumps(stats), flush=True)
     return stats
 

@@ -56,8 +56,9 @@ from typing import Any
 
 from seqjax.config import Config, SourceConfig
 from seqjax.data.cache import BUILDER_VERSION, ProcessGroup, content_hash, corpus_key, digest, file_identity, locked
-from seqjax.data.corpus import SPLITS, file_documents, source_files
+from seqjax.data.corpus import SPLITS, file_documents, file_records, source_files
 from seqjax.data.encoding import available_cores, encode_in_order
+from seqjax.data.examples import ExampleSpec, example_spec
 from seqjax.data.store import MANIFEST, TokenStore, read_manifest, shard_problems
 from seqjax.data.store_writer import ShardWriter, publish, read_shard
 from seqjax.data.tokenizer import Tokenizer, check_vocab_size, obtain_tokenizer, special_tokens
@@ -96,6 +97,9 @@ class _Counts:
     bytes: int = 0
     words: int = 0
     lines: int = 0
+    scored_tokens: int = 0
+    scored_bytes: int = 0
+    dropped_unscored: int = 0
     sources: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -120,6 +124,20 @@ def plan_shards(identities: list[dict[str, Any]], shard_bytes: int) -> list[list
     return shards
 
 
+def _records(source: SourceConfig, files: list[Path], spec: ExampleSpec) -> Iterator[list]:
+    """The ``(where, record)`` examples of ``files`` in chunks of about CHUNK_CHARS characters of JSON."""
+    chunk, size = [], 0
+    for path in files:
+        for where, record in file_records(source, path, spec.fields):
+            chunk.append((where, record))
+            size += len(str(record))
+            if size >= CHUNK_CHARS:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
 def _documents(source: SourceConfig, files: list[Path], counts: _Counts) -> Iterator[list[str]]:
     """The non-empty documents of ``files`` in chunks of about CHUNK_CHARS characters (empty ones are counted)."""
     chunk, size = [], 0
@@ -138,24 +156,30 @@ def _documents(source: SourceConfig, files: list[Path], counts: _Counts) -> Iter
 
 
 def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], tokenizer: Tokenizer,
-                workers: int, bar: Any) -> dict[str, Any]:
+                workers: int, bar: Any, spec: ExampleSpec | None = None) -> dict[str, Any]:
     """Tokenize ``files`` into the shard ``path/name`` (atomically); returns its record."""
     counts = _Counts()
     source_bytes = sum(file_identity(p)["bytes"] for p in files)
     use = workers if source_bytes >= POOL_MIN_BYTES else 1
-    with ShardWriter(path, name, eot_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size) as writer:
-        for chunk in encode_in_order(tokenizer, _documents(source, files, counts), use):
-            writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths)
+    chunks = _documents(source, files, counts) if spec is None else _records(source, files, spec)
+    with ShardWriter(path, name, eot_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size,
+                     scored=spec is not None) as writer:
+        for chunk in encode_in_order(tokenizer, chunks, use, spec):
+            writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths, chunk.weights)
             counts.documents += len(chunk.doc_lengths)
-            counts.bytes += chunk.bytes
-            counts.words += chunk.words
-            counts.lines += chunk.lines
+            for key in ("bytes", "words", "lines", "scored_tokens", "scored_bytes", "dropped_unscored"):
+                setattr(counts, key, getattr(counts, key) + getattr(chunk, key))
             bar.update(chunk.bytes)
         if counts.documents == 0:
-            raise CorpusError(f"{', '.join(map(str, files))}: no non-empty documents "
-                              f"({counts.skipped_empty} empty or whitespace-only)")
+            what = (f"{counts.dropped_unscored} examples with no scored token" if spec is not None
+                    else f"{counts.skipped_empty} empty or whitespace-only")
+            raise CorpusError(f"{', '.join(map(str, files))}: no non-empty {'examples' if spec else 'documents'} "
+                              f"({what})")
         sources = [{**file_identity(p), "xxh3": content_hash(p)} for p in files]
-        stats = {k: getattr(counts, k) for k in ("documents", "skipped_empty", "bytes", "words", "lines")}
+        keys = ("documents", "skipped_empty", "bytes", "words", "lines")
+        if spec is not None:
+            keys += ("scored_tokens", "scored_bytes", "dropped_unscored")
+        stats = {k: getattr(counts, k) for k in keys}
         return writer.commit({"sources": sources, "stats": stats})
 
 
@@ -231,11 +255,13 @@ def _finished_shard(path: Path, name: str, run: ProcessGroup, vocab_size: int) -
 
 
 def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path], tokenizer: Tokenizer,
-                  config: Config, run: ProcessGroup) -> tuple[TokenStore, bool]:
+                  config: Config, run: ProcessGroup, spec: ExampleSpec | None = None) -> tuple[TokenStore, bool]:
     """The store of one source's split at ``path``: reused, completed or built; returns it opened and if reused."""
     identities = [file_identity(p) for p in files]
     corpus = {"corpus": source.corpus, "text_field": source.text_field,
               "variant": source.variant if source.corpus == "wikitext2" else None}
+    if spec is not None:  # instruction examples: how records become ids and weights is part of the key
+        corpus["examples"] = spec.identity()
     names = []
     for i, group in enumerate(plan_shards(identities, config.data.shard_bytes)):
         key = digest({"builder_version": BUILDER_VERSION, "tokenizer_hash": tokenizer.hash, **corpus,
@@ -259,7 +285,7 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
             with progress_bar(total=size, desc=f"tokenize {split}", unit="B", unit_scale=True, mininterval=0.5,
                               enabled=bool(todo)) as bar:
                 for name, group in todo:
-                    build_shard(path, name, source, group, tokenizer, run.workers, bar)
+                    build_shard(path, name, source, group, tokenizer, run.workers, bar, spec)
             run.wait(f"seqjax-prepare-shards-{path}")
             if run.main:
                 _publish(path, names, build_key, split, tokenizer, time.perf_counter() - start)
@@ -292,12 +318,18 @@ def _publish(path: Path, names: list[tuple[str, list[Path]]], build_key: dict[st
 def summarize(store: TokenStore, seconds: float, reused: bool) -> dict[str, Any]:
     """One split's summary line: counts from the manifest, tokens as evaluation scores them."""
     stats = store.manifest["stats"]
+    examples = {}
+    if "scored_tokens" in stats:  # instruction examples: what the loss sees, and what was dropped
+        examples = {"scored_tokens": stats["scored_tokens"],
+                    "scored_fraction": round(stats["scored_tokens"] / max(1, store.predicted_tokens), 4),
+                    "scored_bytes": stats["scored_bytes"], "dropped_unscored": stats["dropped_unscored"]}
     return {
         "documents": stats["documents"],
         "tokens": store.predicted_tokens,
+        **examples,
         "bytes": stats["bytes"],
         "words": stats["words"],
-        "tokens_per_word": round(store.predicted_tokens / stats["words"], 4),
+        "tokens_per_word": round(store.predicted_tokens / stats["words"], 4) if stats["words"] else None,
         "seconds": round(seconds, 3),
         "skipped_empty": stats["skipped_empty"],
         "lines": stats["lines"],
@@ -393,6 +425,10 @@ def _prepare(
     workers = config.data.workers or available_cores()
     run = ProcessGroup(process_index, process_count, barrier, verify, workers)
 
+    # chat templates are read before any work: a missing one is one line, not a trained tokenizer and a refusal
+    token_path = Path(config.tokenizer.path).expanduser() if config.tokenizer.path else None
+    eot = special_tokens(config)[0]
+    specs = {s.name: example_spec(config, s, token_path, eot) for s in sources}
     tokenizer = obtain_tokenizer(config, sources, train_files, run)
     base = Path(config.data.cache_dir).expanduser() / "stores" / tokenizer.hash[:16]
     stores, summary = {}, {}
@@ -401,7 +437,8 @@ def _prepare(
         built, entries = [], {}
         for source in per_split[split]:
             path = base / corpus_key(source) / split
-            store, reused = prepare_store(path, source, split, files[(source.name, split)], tokenizer, config, run)
+            store, reused = prepare_store(path, source, split, files[(source.name, split)], tokenizer, config, run,
+                                          specs[source.name])
             built.append((source, store))
             entries[source.name] = summarize(store, time.perf_counter() - start, reused)
             log.info("%s: %s %s %d documents, %s tokens in %d shard(s)", split, source.name,

@@ -15,6 +15,11 @@ pieces ``(start=0, length=4)`` and ``(start=4, length=3)``::
     positions    0 1 2 | 0 1 | 0
     weights      1 1 1 | 1 1 | 0
 
+Instruction data scores only some targets: ``scores`` (a
+:class:`seqjax.data.scored.TargetWeights`) gives the weight of each target by
+its stream position, e.g. 0 on a prompt, so the weights above become
+``0 0 1 | 0 1 | 0``; no field is added.
+
 Evaluation windows (:mod:`seqjax.data.eval_windows`) go through the same
 builder and then zero the weights of the targets a window is not responsible
 for. Grain's own packers emit rows of their own; :func:`from_grain_packed`
@@ -47,12 +52,13 @@ FIELDS = tuple(Batch.__annotations__)  # ("inputs", "targets", "segment_ids", "p
 
 
 def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row_of_piece: np.ndarray,
-                   n_rows: int, width: int) -> Batch:
+                   n_rows: int, width: int, scores: Any = None) -> Batch:
     """The batch contract for rows made of stream pieces: the single definition used by every strategy.
 
     Pieces are given in row order, and in order inside a row; each gets the next
     segment id of its row (1, 2, ...), positions restart at 0, and the row is
-    right-padded with segment id 0 and weight 0.
+    right-padded with segment id 0 and weight 0. ``scores[p]``, when given,
+    is the weight of the target at stream position ``p`` (else 1).
 
     Speed: every prediction is computed once in row-major order and written
     with one boolean-mask assignment per field (rows are filled from column 0),
@@ -85,16 +91,21 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
         "segment_ids": np.repeat(segment, predicted),
         "positions": position,
     }
+    if scores is not None:
+        fields["weights"] = scores[source + 1]  # the target of input source[i] is the stream's next token
     if len(position) == n_rows * width:  # every row full (the common case): a reshape, no mask
-        out = {key: np.asarray(values, np.int32).reshape(n_rows, width) for key, values in fields.items()}
-        out["weights"] = np.ones((n_rows, width), np.float32)
+        out = {key: np.asarray(values, np.float32 if key == "weights" else np.int32).reshape(n_rows, width)
+               for key, values in fields.items()}
+        if scores is None:
+            out["weights"] = np.ones((n_rows, width), np.float32)
         return out
     filled = np.arange(width) < per_row[:, None]
     out = {}
     for key, values in fields.items():
-        out[key] = np.zeros((n_rows, width), np.int32)
+        out[key] = np.zeros((n_rows, width), np.float32 if key == "weights" else np.int32)
         out[key][filled] = values
-    out["weights"] = filled.astype(np.float32)
+    if scores is None:
+        out["weights"] = filled.astype(np.float32)
     return out
 
 
@@ -110,5 +121,5 @@ def from_grain_packed(element: dict[str, np.ndarray]) -> Batch:
         "targets": np.asarray(element["targets"], np.int32),
         "segment_ids": segment_ids,
         "positions": positions_from_segments(segment_ids),
-        "weights": (segment_ids > 0).astype(np.float32),
+        "weights": (segment_ids > 0).astype(np.float32) * np.asarray(element.get("weights", 1.0), np.float32),
     }

@@ -438,6 +438,73 @@ def file_documents(source: SourceConfig, path: Path) -> Iterator[str]:
         yield from hf_documents(path, source.text_field)
 
 
+# ---------------------------------------------------------------------------
+# Records: instruction examples (data.format != text) read several fields of a row
+
+
+def file_records(source: SourceConfig, path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` for each row of a jsonl/parquet/hf file: the ``fields`` present (at least the first).
+
+    ``where`` names the file and line or row, for messages about that record.
+    """
+    def pick(where: str, row: dict) -> dict:
+        if not isinstance(row, dict):
+            raise CorpusError(f"{where}: expected a JSON object with the field {fields[0]!r}, got "
+                              f"{type(row).__name__}")
+        if fields[0] not in row or row[fields[0]] is None:
+            keys = ", ".join(map(repr, list(row)[:8])) or "none"
+            raise CorpusError(f"{where}: no field {fields[0]!r} (keys: {keys}); expected the data.*_field key to "
+                              "name it")
+        return {f: row[f] for f in fields if f in row and row[f] is not None}
+
+    if source.corpus == "jsonl":
+        number = 0
+        try:
+            for number, raw in enumerate(_raw_lines(path), start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw)
+                except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                    raise CorpusError(f"{path}:{number}: not valid UTF-8 JSON ({err}); expected one object per "
+                                      "line") from None
+                yield f"{path}:{number}", pick(f"{path}:{number}", row)
+        except _stream_errors() as err:
+            raise CorpusError(f"{path}: line {number + 1}: the compressed stream is truncated or corrupt ({err})"
+                              ) from None
+    elif source.corpus == "parquet":
+        try:
+            reader = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as err:
+            raise CorpusError(f"{path}: not a readable parquet file ({err}); expected a complete parquet file"
+                              ) from None
+        with reader:
+            columns = [f for f in fields if f in reader.schema_arrow.names]
+            if fields[0] not in columns:
+                raise CorpusError(f"{path}: no column {fields[0]!r} (columns: "
+                                  f"{', '.join(reader.schema_arrow.names)}); expected the data.*_field key to name it")
+            row = 0
+            for group in range(reader.num_row_groups):
+                for record in reader.read_row_group(group, columns=columns).to_pylist():
+                    yield f"{path}: row {row}", pick(f"{path}: row {row}", record)
+                    row += 1
+    elif source.corpus == "hf":
+        datasets = _datasets()
+        if is_saved_dataset(path):
+            rows = datasets.load_from_disk(str(path)).to_iterable_dataset()
+        else:
+            builder = next((b for suffix, b in HF_BUILDERS.items() if path.name.endswith(
+                (suffix, suffix + ".gz", suffix + ".zst"))), None)
+            if builder is None:
+                raise CorpusError(f"{path}: no datasets builder for this file; expected one of "
+                                  f"{', '.join(SUFFIXES['hf'])} or a save_to_disk folder")
+            rows = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True)
+        for row, record in enumerate(rows):
+            yield f"{path}: row {row}", pick(f"{path}: row {row}", record)
+    else:
+        raise CorpusError(f"data.format: instruction examples need corpus jsonl, parquet or hf, not {source.corpus!r}")
+
+
 def read_split(config: Config, split: str, sources: list[Path] | None = None) -> SplitText:
     """Read ``split`` of the one ``data.*`` corpus into memory, skipping (and counting) empty documents.
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from seqjax.data.corpus import count_lines, count_words
+from seqjax.data.examples import ExampleSpec, encode_example, framed
 from seqjax.data.tokenizer import Tokenizer
 
 # At most this many chunks per worker are queued or being encoded at once.
@@ -45,6 +46,36 @@ class EncodedChunk:
     bytes: int
     words: int
     lines: int
+    weights: np.ndarray | None = None  # instruction examples: one per stored token (see ShardWriter.add_chunk)
+    scored_tokens: int = 0
+    scored_bytes: int = 0
+    dropped_unscored: int = 0
+
+
+def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec, records: list[tuple[str, dict]]) -> EncodedChunk:
+    """Records as stored examples: ids, per-token weights (with each closing EOT's), and what they counted.
+
+    An example with nothing scored, or nothing left between its separators, is dropped and counted.
+    """
+    ids, lengths, weights = [], [], []
+    counts = {"bytes": 0, "scored_tokens": 0, "scored_bytes": 0, "dropped_unscored": 0}
+    for where, record in records:
+        example = framed(encode_example(spec, tokenizer, record, where), tokenizer.eot_id)
+        if example.scored == 0 or len(example.ids) == 0:
+            counts["dropped_unscored"] += 1
+            continue
+        ids.append(example.ids)
+        weights += [example.mask, np.asarray([example.close], np.uint8)]
+        lengths.append(len(example.ids))
+        counts["bytes"] += example.bytes
+        counts["scored_tokens"] += example.scored
+        counts["scored_bytes"] += example.scored_bytes
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    doc_lengths = np.asarray(lengths, np.int64)
+    return EncodedChunk(
+        ids=np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype), doc_lengths=doc_lengths,
+        line_lengths=doc_lengths.copy(), words=0, lines=len(lengths),
+        weights=np.concatenate(weights) if weights else np.zeros(0, np.uint8), **counts)
 
 
 def encode_chunk(tokenizer: Tokenizer, documents: list[str]) -> EncodedChunk:
@@ -61,18 +92,23 @@ def encode_chunk(tokenizer: Tokenizer, documents: list[str]) -> EncodedChunk:
     )
 
 
-_worker_tokenizer: Tokenizer | None = None
+def encode_any(tokenizer: Tokenizer, spec: ExampleSpec | None, chunk: list) -> EncodedChunk:
+    """A chunk of documents (``spec`` None) or of ``(where, record)`` examples."""
+    return encode_chunk(tokenizer, chunk) if spec is None else encode_examples(tokenizer, spec, chunk)
 
 
-def _start_worker(path: str, eot_token: str) -> None:
-    global _worker_tokenizer
+_worker: tuple[Tokenizer, ExampleSpec | None] | None = None
+
+
+def _start_worker(path: str, eot_token: str, bos_token: str | None, spec: ExampleSpec | None) -> None:
+    global _worker
     os.environ["RAYON_NUM_THREADS"] = "1"  # one encoding thread per worker process: the pool spreads the cores
-    _worker_tokenizer = Tokenizer(path, eot_token)
+    _worker = (Tokenizer(path, eot_token, bos_token), spec)
 
 
-def _encode_in_worker(documents: list[str]) -> EncodedChunk:
-    assert _worker_tokenizer is not None, "the pool initializer loads the tokenizer"
-    return encode_chunk(_worker_tokenizer, documents)
+def _encode_in_worker(chunk: list) -> EncodedChunk:
+    assert _worker is not None, "the pool initializer loads the tokenizer"
+    return encode_any(_worker[0], _worker[1], chunk)
 
 
 def available_cores() -> int:
@@ -83,14 +119,17 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def encode_in_order(tokenizer: Tokenizer, chunks: Iterable[list[str]], workers: int) -> Iterator[EncodedChunk]:
-    """Each chunk of documents encoded, in the order given, by ``workers`` processes (in this one when 1)."""
+def encode_in_order(tokenizer: Tokenizer, chunks: Iterable[list], workers: int,
+                    spec: ExampleSpec | None = None) -> Iterator[EncodedChunk]:
+    """Each chunk of documents (or of examples, under ``spec``) encoded, in the order given, by ``workers``
+    processes (in this one when 1)."""
     if workers <= 1:
         for chunk in chunks:
-            yield encode_chunk(tokenizer, chunk)
+            yield encode_any(tokenizer, spec, chunk)
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_start_worker, initargs=(str(tokenizer.path), tokenizer.eot_token)) as pool:
+    initargs = (str(tokenizer.path), tokenizer.eot_token, tokenizer.bos_token, spec)
+    with context.Pool(workers, initializer=_start_worker, initargs=initargs) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_in_worker, (chunk,)))

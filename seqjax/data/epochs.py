@@ -21,6 +21,7 @@ import numpy as np
 
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import EpochPlanner
+from seqjax.data.scored import target_weights
 from seqjax.errors import DataError
 
 # Batches are built this many token slots at a time: numpy's per-call overhead dominates a single batch.
@@ -54,6 +55,7 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
     """
     plan = planner.window_plan(epoch, position)
     tokens = planner.store.tokens
+    scores = target_weights(planner.store, planner.config.train.loss_normalization)
     local = plan.batch_size // process_count
     group = max(1, BUILD_SLOTS // (local * int(plan.widths.max()))) if plan.num_batches else 1
     cache: dict[int, Batch] = {}
@@ -62,7 +64,7 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
         batches = np.arange(g * group, min((g + 1) * group, plan.num_batches))
         rows = plan.batch_rows(batches, process_index, process_count)
         width = int(plan.widths[batches].max())
-        return contract_batch(tokens, *plan.pieces(rows), len(rows), width)
+        return contract_batch(tokens, *plan.pieces(rows), len(rows), width, scores)
 
     def batch(k: int) -> Batch:
         g, i = divmod(k, group)

@@ -52,6 +52,7 @@ import numpy as np
 
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import RowPlan
+from seqjax.data.scored import target_weights
 from seqjax.data.store import TokenStore
 
 MODES = ("blocks", "sliding", "documents")
@@ -102,7 +103,8 @@ class EvalWindows:
             # articles is the first (context-only) token of the second one's segment.
             plan = plan.split_at(np.asarray(self.store.doc_offsets, np.int64) - 1)
         row_of_piece = np.repeat(np.arange(plan.num_rows), plan.segments_per_row)
-        batch = contract_batch(self.store.tokens, plan.starts, plan.lengths, row_of_piece, len(index), self.context)
+        batch = contract_batch(self.store.tokens, plan.starts, plan.lengths, row_of_piece, len(index), self.context,
+                               target_weights(self.store))  # instruction data: only the answers' tokens count
         target_pos = starts[:, None] + 1 + np.arange(self.context)[None, :]
         batch["weights"] *= (target_pos > self.lo[index, None]) & (target_pos <= self.hi[index, None])
         return batch

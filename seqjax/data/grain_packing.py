@@ -17,6 +17,7 @@ import numpy as np
 from seqjax.config import Config
 from seqjax.data import document_rows
 from seqjax.data.contract import from_grain_packed
+from seqjax.data.scored import target_weights
 from seqjax.data.store import TokenStore
 
 
@@ -26,13 +27,17 @@ def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, p
     d = config.data
     starts, lengths = document_rows.document_items(store.doc_offsets, np.arange(store.num_docs), d.seq_len, d.overlong)
     tokens = store.tokens
+    scores = target_weights(store, config.train.loss_normalization)
 
     def sequence(i: int) -> dict[str, np.ndarray]:
         s, m = starts[i], lengths[i]
-        return {
+        element = {
             "inputs": np.asarray(tokens[s : s + m - 1], np.int32),
             "targets": np.asarray(tokens[s + 1 : s + m], np.int32),
         }
+        if scores is not None:  # instruction data: the packers carry each target's weight along
+            element["weights"] = scores[np.arange(s + 1, s + m)]
+        return element
 
     ds = grain.MapDataset.range(len(starts))[process_index::process_count]
     if d.shuffle:
@@ -40,6 +45,8 @@ def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, p
     # In-memory data: Grain recommends no reader threads (they only contend for the GIL).
     ds = ds.repeat(num_epochs).map(sequence).to_iter_dataset(grain.ReadOptions(num_threads=0))
     length_struct = {"inputs": d.seq_len, "targets": d.seq_len}
+    if scores is not None:
+        length_struct["weights"] = d.seq_len
     if d.packer == "grain_concat_split":
         ds = gx.ConcatThenSplitIterDataset(ds, length_struct=length_struct)
     else:

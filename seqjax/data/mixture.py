@@ -32,6 +32,7 @@ from seqjax.config import Config
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.epochs import started
 from seqjax.data.plan import EpochPlanner, RowPlan
+from seqjax.data.scored import target_weights
 from seqjax.data.store import TokenStore
 from seqjax.data.strategies import batch_widths
 
@@ -139,6 +140,7 @@ class _MixtureIterator(grain.DatasetIterator):
         self.schedule = Schedule([w for _, w, _, _ in store.sources], d.batch_size, config.run.seed)
         self.readers = [_SourceRows(p) for p in planners]
         self.tokens = store.tokens
+        self.scores = target_weights(store, config.train.loss_normalization)
         ends = np.cumsum([len(p.store.tokens) for p in planners]) - np.arange(len(planners))
         self.bases = np.concatenate([[0], ends[:-1] - 1])  # where each source's stream starts in the mixture's
         local = d.batch_size // process_count
@@ -168,7 +170,7 @@ class _MixtureIterator(grain.DatasetIterator):
         longest = int(np.bincount(rows, weights=lengths - 1, minlength=n_rows).max()) if len(rows) else 0
         width = int(self.buckets[np.searchsorted(self.buckets, longest)]) if len(self.buckets) > 1 \
             else int(self.buckets[0])
-        return contract_batch(self.tokens, starts[order], lengths[order], rows[order], n_rows, width)
+        return contract_batch(self.tokens, starts[order], lengths[order], rows[order], n_rows, width, self.scores)
 
     def get_state(self) -> dict[str, Any]:
         return {"step": self.step, "sources": [r.state() for r in self.readers]}

@@ -17,6 +17,7 @@ from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner, RowPlan, coverage
+from seqjax.data.ragged import ragged_arange
 from seqjax.data.store import TokenStore
 
 
@@ -35,7 +36,7 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         batches = list(grain_packed(config, store, num_epochs=1).batch(d.batch_size, drop_remainder=False))
         seconds = time.perf_counter() - t0
         segs = np.concatenate([b["segment_ids"].max(axis=1) for b in batches])
-        real = int(sum(b["weights"].sum() for b in batches))
+        real = int(sum((b["segment_ids"] > 0).sum() for b in batches))
         slots = sum(b["weights"].size for b in batches)
         dropped = store.predicted_tokens - real
         counts = {"documents_truncated": None, "documents_split": None}
@@ -57,6 +58,7 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         rows, n_batches = int(len(segs)), plan.num_batches
     return {
         **_filled(d, real, slots),
+        **example_counts(config, store, batches if strategies.uses_grain_packer(d) else plan),
         "rows": rows,
         "tokens_dropped": int(dropped),
         **counts,
@@ -65,6 +67,29 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         "batches_per_epoch": n_batches,
         "tokens_per_s": real / seconds if seconds > 0 else float("inf"),
     }
+
+
+def example_counts(config: Config, store: TokenStore, plan_or_batches: Any) -> dict[str, Any]:
+    """Instruction data: the scored fraction of the epoch's targets, and the examples dropped on the way.
+
+    ``examples_dropped_unscored``: dropped by prepare, nothing in them scored;
+    ``scored_fraction``: scored targets over real (non-padding) targets.
+    """
+    if store.mask is None:
+        return {}
+    if isinstance(plan_or_batches, RowPlan):
+        plan = plan_or_batches
+        owner, j = ragged_arange(plan.lengths - 1)
+        positions = plan.starts[owner] + 1 + j
+        scored = int(np.asarray(store.mask[positions], np.int64).sum()) if len(positions) else 0
+        real = len(positions)
+    else:
+        scored = int(sum((b["weights"] > 0).sum() for b in plan_or_batches))
+        real = int(sum((b["segment_ids"] > 0).sum() for b in plan_or_batches))
+    stats = store.manifest.get("stats", {})
+    return {"examples": store.num_docs, "scored_fraction": scored / real if real else 0.0,
+            "scored_targets": scored, "examples_dropped_unscored": int(stats.get("dropped_unscored", 0)),
+            "loss_on": config.data.loss_on}
 
 
 def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, Any]:

@@ -7,6 +7,8 @@ Layout of a store folder (one per split)::
     shard-00000-<key>/    tokens.bin        the shard's stream, uint16 when the vocabulary fits, else uint32
                           doc_offsets.bin   int64 [n_docs + 1], raw
                           line_offsets.bin  int64 [n_lines + 1], raw
+                          weights.bin       uint8, one per token: 1 where the token is scored as a target
+                                            (instruction data only, data.format != text; see seqjax.data.examples)
                           shard.json        the shard's own record (the manifest's entry): its completion marker
     shard-00001-<key>/    ...
 
@@ -21,6 +23,14 @@ its EOT; the token just before it is always an EOT. So:
   how articles start and that they end;
 - every token after position 0 has context, so evaluation scores
   ``len(tokens) - 1`` tokens in every mode (the ``predicted_tokens`` count).
+
+**Scored tokens.** A store of instruction examples (``data.format``
+prompt_completion, chat or tokenized) also holds ``weights.bin``: ``mask[p]``
+is 1 when predicting ``tokens[p]`` counts in the loss (an answer's token), 0
+on prompts and on every separator. It has the tokens' shards, checksums and
+reuse rules, and becomes the batch contract's ``weights``
+(:class:`seqjax.data.scored.TargetWeights`). A text store has no mask: every
+target is scored.
 
 ``line_offsets`` are token boundaries of the text's lines (each line was
 tokenized on its own, so line boundaries are token boundaries). Every document
@@ -75,7 +85,9 @@ MANIFEST = "manifest.json"
 SHARD_RECORD = "shard.json"
 FORMAT_VERSION = 2
 TOKENS, DOC_OFFSETS, LINE_OFFSETS = "tokens.bin", "doc_offsets.bin", "line_offsets.bin"
+WEIGHTS = "weights.bin"  # instruction data only: which targets are scored
 FILES = (TOKENS, DOC_OFFSETS, LINE_OFFSETS)
+MASK_DTYPE = np.dtype(np.uint8)
 OFFSET_DTYPE = np.dtype("<i8")
 READ_BLOCK = 1 << 24  # bytes per read when checksumming a file
 REBUILD_HINT = "delete it and run python -m seqjax.prepare to rebuild it (inside its cache prepare does this itself)"
@@ -128,8 +140,9 @@ class TokenStore:
     """
 
     def __init__(self, tokens, doc_offsets, line_offsets, eot_id: int, vocab_size: int,
-                 manifest: dict[str, Any] | None = None, path: Path | None = None):
+                 manifest: dict[str, Any] | None = None, path: Path | None = None, mask=None):
         self.tokens = tokens
+        self.mask = mask  # uint8 per token (1: scored as a target), or None: every target scored
         self.doc_offsets = doc_offsets
         self.line_offsets = line_offsets
         self.eot_id = int(eot_id)
@@ -154,13 +167,18 @@ class TokenStore:
         eot_id: int,
         vocab_size: int,
         lines: list[list[int]] | None = None,
+        weights: list[list[int]] | None = None,
     ) -> "TokenStore":
         """An in-memory store from token lists (text only, no EOT). For tests and small corpora.
 
         ``lines``, if given, holds for each document the token lengths of its
         lines (summing to the document's length); by default a document is one line.
+        ``weights``, if given, makes a store of instruction examples: for each
+        document, 1/0 per token and one more for its closing EOT (see ``mask``).
         """
         dtype = token_dtype(vocab_size)
+        mask = None if weights is None else np.concatenate(
+            [np.zeros(1, MASK_DTYPE)] + [np.asarray(w, MASK_DTYPE) for w in weights])
         pieces = [np.asarray([eot_id], dtype)]
         doc_offsets = [1]
         line_offsets = [1]
@@ -176,7 +194,7 @@ class TokenStore:
                 line_offsets.append(line_offsets[-1] + n)
         tokens = np.concatenate(pieces)
         return cls(tokens, np.asarray(doc_offsets, np.int64), np.asarray(line_offsets, np.int64),
-                   eot_id=int(eot_id), vocab_size=int(vocab_size))
+                   eot_id=int(eot_id), vocab_size=int(vocab_size), mask=mask)
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, tokenizer_hash: str | None = None, verify: bool = False) -> "TokenStore":
@@ -209,8 +227,12 @@ class TokenStore:
             parts = [np.memmap(s / name, dtype=OFFSET_DTYPE, mode="r") for s in shards]
             return parts[0] if len(parts) == 1 else lambda: concat_offsets(parts, stream.bases)
 
+        mask = None
+        if all(WEIGHTS in shard["files"] for shard in manifest["shards"]):
+            masks = [np.memmap(s / WEIGHTS, dtype=MASK_DTYPE, mode="r") for s in shards]
+            mask = masks[0] if len(masks) == 1 else TokenStream(masks)
         store = cls(tokens, offsets(DOC_OFFSETS), offsets(LINE_OFFSETS), eot_id=manifest["eot_id"],
-                    vocab_size=manifest["vocab_size"], manifest=manifest, path=path)
+                    vocab_size=manifest["vocab_size"], manifest=manifest, path=path, mask=mask)
         if verify:
             store.validate()
             problem = id_range_problem(store, manifest)
@@ -237,8 +259,14 @@ class TokenStore:
         sources = [{"name": n, "weight": w, "store": str(s.path)} for n, w, s in zip(names, weights, stores)]
         manifest = {"split": stores[0].manifest.get("split"), "stats": stats, "max_id": max(s.max_id for s in stores),
                     "tokenizer_hash": stores[0].manifest.get("tokenizer_hash"), "sources": sources}
+        mask = None
+        if any(s.mask is not None for s in stores):  # a text source among instruction ones: all its targets count
+            masks = [p for s in stores for p in (
+                np.concatenate([[0], np.ones(len(s.tokens) - 1, MASK_DTYPE)]).astype(MASK_DTYPE) if s.mask is None
+                else s.mask.parts if isinstance(s.mask, TokenStream) else [s.mask])]
+            mask = TokenStream(masks)
         merged = cls(stream, offsets("doc_offsets"), offsets("line_offsets"), eot_id=stores[0].eot_id,
-                     vocab_size=stores[0].vocab_size, manifest=manifest)
+                     vocab_size=stores[0].vocab_size, manifest=manifest, mask=mask)
         merged.sources = [(n, float(w), int(docs[i]), int(docs[i + 1])) for i, (n, w) in enumerate(zip(names, weights))]
         merged.source_stores = list(stores)
         return merged
@@ -269,6 +297,17 @@ class TokenStore:
     def predicted_tokens(self) -> int:
         """Tokens that have context: every text token plus each document's closing EOT."""
         return len(self.tokens) - 1
+
+    @property
+    def scored_tokens(self) -> int:
+        """Targets the loss counts: every predicted token of a text store, the masked ones of instruction data."""
+        if self.mask is None:
+            return self.predicted_tokens
+        stats = (getattr(self, "manifest", None) or {}).get("stats", {})
+        if "scored_tokens" in stats and not self.source_stores:
+            return int(stats["scored_tokens"])
+        parts = self.mask.parts if isinstance(self.mask, TokenStream) else [self.mask]
+        return int(sum(int(np.asarray(p, np.int64).sum()) for p in parts) - sum(int(p[0]) for p in parts[1:]))
 
     @property
     def max_id(self) -> int:
@@ -306,6 +345,9 @@ class TokenStore:
             raise StoreError(f"token store{where}: every document boundary must be a line boundary")
         if self.tokens[0] != self.eot_id or np.any(self.tokens[d[1:] - 1] != self.eot_id):
             raise StoreError(f"token store{where}: documents must be separated by eot_id={self.eot_id}")
+        if self.mask is not None and (len(self.mask) != n or self.mask[0] != 0):
+            raise StoreError(f"token store{where}: the scored-token mask must have one entry per token ({n}) and 0 "
+                             "for the first")
 
 
 # ---------------------------------------------------------------------------

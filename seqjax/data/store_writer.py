@@ -27,9 +27,11 @@ from seqjax.data.store import (
     FORMAT_VERSION,
     LINE_OFFSETS,
     MANIFEST,
+    MASK_DTYPE,
     OFFSET_DTYPE,
     SHARD_RECORD,
     TOKENS,
+    WEIGHTS,
     TokenStore,
     token_dtype,
 )
@@ -89,25 +91,33 @@ class ShardWriter:
     leaving the block with an exception removes the staging folder.
     """
 
-    def __init__(self, path: str | os.PathLike, name: str, *, eot_id: int, vocab_size: int):
+    def __init__(self, path: str | os.PathLike, name: str, *, eot_id: int, vocab_size: int, scored: bool = False):
         self.path, self.name = Path(path), name
+        self.scored = scored  # instruction examples: a weights.bin beside the tokens
         self.eot_id = int(eot_id)
         self.vocab_size = int(vocab_size)
         self.dtype = token_dtype(vocab_size)
         self._tmp = staging_dir(self.path, name)
-        self._files = {n: _HashedFile(self._tmp / n) for n in FILES}
+        self._files = {n: _HashedFile(self._tmp / n) for n in FILES + ((WEIGHTS,) if scored else ())}
         self._files[TOKENS].write(np.asarray([self.eot_id], self.dtype))
+        if scored:
+            self._files[WEIGHTS].write(np.zeros(1, MASK_DTYPE))
         self._files[DOC_OFFSETS].write(np.asarray([1], OFFSET_DTYPE))
         self._files[LINE_OFFSETS].write(np.asarray([1], OFFSET_DTYPE))
         self.num_tokens, self.num_docs, self.num_lines = 1, 0, 0
         self.max_id = self.eot_id
 
-    def add_chunk(self, ids: np.ndarray, doc_lengths: np.ndarray, line_lengths: np.ndarray) -> None:
+    def add_chunk(self, ids: np.ndarray, doc_lengths: np.ndarray, line_lengths: np.ndarray,
+                  weights: np.ndarray | None = None) -> None:
         """Append documents given flat: all their text ids, tokens per document, tokens per line (EOTs are added).
 
         ``ids=[5, 6, 7]``, ``doc_lengths=[2, 1]``, ``line_lengths=[1, 1, 1]``
         appends ``5 6 EOT 7 EOT``: documents end at +3 and +5, lines at +1, +3, +5.
+        A scored shard also takes ``weights``, one per appended token (each
+        document's tokens, then its closing EOT): ``[0, 1, 1, 1, 0]`` above.
         """
+        if self.scored != (weights is not None):
+            raise StoreError(f"shard {self.name}: weights are required for a scored shard and only for one")
         ids, doc_lengths, line_lengths = (np.asarray(a) for a in (ids, doc_lengths, line_lengths))
         if len(doc_lengths) == 0:
             return
@@ -128,6 +138,10 @@ class ShardWriter:
         line_ends = np.cumsum(line_lengths)
         eots_before = np.searchsorted(doc_ends, line_ends, "left")
         line_ends_out = line_ends + eots_before + np.isin(line_ends, doc_ends)
+        if weights is not None:
+            if len(weights) != len(out):
+                raise StoreError(f"shard {self.name}: {len(weights)} weights for {len(out)} tokens")
+            self._files[WEIGHTS].write(np.asarray(weights, MASK_DTYPE))
         self._files[TOKENS].write(out)
         self._files[DOC_OFFSETS].write((out_ends + self.num_tokens).astype(OFFSET_DTYPE))
         self._files[LINE_OFFSETS].write((line_ends_out + self.num_tokens).astype(OFFSET_DTYPE))
@@ -137,13 +151,14 @@ class ShardWriter:
         if len(ids):
             self.max_id = max(self.max_id, int(ids.max()))
 
-    def add_document(self, lines: list[list[int]]) -> None:
+    def add_document(self, lines: list[list[int]], weights: list[int] | None = None) -> None:
         """Append one document given as the token ids of each of its lines (text only; the EOT is added)."""
         lengths = [len(ids) for ids in lines]
         if not lengths or min(lengths) == 0:
             raise StoreError(f"document {self.num_docs}: every line needs at least one token, got lengths {lengths}")
         flat = np.fromiter(itertools.chain.from_iterable(lines), np.int64, count=sum(lengths))
-        self.add_chunk(flat, np.asarray([sum(lengths)]), np.asarray(lengths))
+        self.add_chunk(flat, np.asarray([sum(lengths)]), np.asarray(lengths),
+                       None if weights is None else np.asarray(weights))
 
     def commit(self, record: dict[str, Any] | None = None) -> dict[str, Any]:
         """Close the files, write ``shard.json`` and rename the shard into place; returns its manifest entry."""
@@ -206,14 +221,15 @@ def publish(path: str | os.PathLike, shards: list[dict[str, Any]], manifest: dic
 
 def write_store(path: str | os.PathLike, store: TokenStore, manifest: dict[str, Any]) -> TokenStore:
     """Write an in-memory ``store`` to ``path`` as one shard, atomically, and return it opened from disk."""
-    with StoreWriter(path, eot_id=store.eot_id, vocab_size=store.vocab_size) as writer:
+    with StoreWriter(path, eot_id=store.eot_id, vocab_size=store.vocab_size, scored=store.mask is not None) as writer:
         d, lines = np.asarray(store.doc_offsets), np.asarray(store.line_offsets)
         keep = np.ones(len(store.tokens), bool)
         keep[0] = False
         keep[d[1:] - 1] = False
         ids = np.asarray(store.tokens)[keep]
         line_lengths = np.diff(lines) - np.isin(lines[1:], d[1:])
-        writer.shard.add_chunk(ids, np.diff(d) - 1, line_lengths)
+        weights = None if store.mask is None else np.asarray(store.mask)[1:]
+        writer.shard.add_chunk(ids, np.diff(d) - 1, line_lengths, weights)
         return writer.commit(manifest)
 
 
@@ -224,13 +240,13 @@ class StoreWriter:
     kill) leaves the previous store at ``path`` as it was, and no new folder.
     """
 
-    def __init__(self, path: str | os.PathLike, *, eot_id: int, vocab_size: int):
+    def __init__(self, path: str | os.PathLike, *, eot_id: int, vocab_size: int, scored: bool = False):
         self.path = Path(path)
         self.shard = ShardWriter(self.path, f"shard-00000-{uuid.uuid4().hex[:12]}", eot_id=eot_id,
-                                 vocab_size=vocab_size)
+                                 vocab_size=vocab_size, scored=scored)
 
-    def add_document(self, lines: list[list[int]]) -> None:
-        self.shard.add_document(lines)
+    def add_document(self, lines: list[list[int]], weights: list[int] | None = None) -> None:
+        self.shard.add_document(lines, weights)
 
     def commit(self, manifest: dict[str, Any]) -> TokenStore:
         entry = self.shard.commit()

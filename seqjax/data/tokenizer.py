@@ -28,6 +28,7 @@ import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
@@ -35,7 +36,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from seqjax.config import Config, SourceConfig
 from seqjax.data.cache import BUILDER_VERSION, ProcessGroup, digest, file_identity, locked
-from seqjax.data.corpus import file_documents, split_lines
+from seqjax.data.corpus import file_documents, file_records, split_lines
 from seqjax.errors import TokenizerError
 from seqjax.files import write_text_atomic
 
@@ -66,6 +67,7 @@ class Tokenizer:
                 "expected tokenizer.special_tokens[0] to be its end-of-text token"
             )
         self.eot_token = eot_token
+        self.bos_token = bos_token
         self.eot_id = int(eot_id)
         # What opens a prompt or an lm_eval window: a Llama tokenizer's BOS, else the end-of-text token.
         self.bos_id = self.eot_id
@@ -87,6 +89,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, line by line, exactly as the token store holds them."""
         return [i for ids in self.encode_lines(split_lines(text)) for i in ids]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` as one string (special tokens in it recognized, none added) and each one's character span."""
+        encoding = self._hf.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` encoded as one string, without special tokens (as HF's ``encode`` with
@@ -223,7 +230,8 @@ def special_tokens(config: Config) -> list[str]:
     return special_tokens_for(config.tokenizer.special_tokens, word_level)
 
 
-def train_sample(sources: list[SourceConfig], files: dict[str, list[Path]], budget: int) -> Iterator[str]:
+def train_sample(sources: list[SourceConfig], files: dict[str, list[Path]], budget: int,
+                 data: Any = None) -> Iterator[str]:
     """Lines of whole train documents, about ``budget`` bytes of them, streamed.
 
     The budget is shared between sources by weight, and within a source
@@ -237,13 +245,32 @@ def train_sample(sources: list[SourceConfig], files: dict[str, list[Path]], budg
         paths = files[source.name]
         for i, path in enumerate(paths):
             quota, taken = left / (len(paths) - i), 0
-            for doc in file_documents(source, path):
+            for doc in _source_texts(source, path, data):
                 if taken >= quota:
                     break
                 if doc.strip():
                     taken += len(doc.encode("utf-8"))
                     yield from split_lines(doc)
             left -= taken
+
+
+def _source_texts(source: SourceConfig, path: Path, data: Any = None) -> Iterator[str]:
+    """The text a tokenizer learns from: documents, or the prompts, answers and messages of examples."""
+    if source.format == "text":
+        yield from file_documents(source, path)
+    elif source.format == "tokenized":
+        raise TokenizerError(f"data.format=tokenized: {path} holds token ids, no text to train a tokenizer on; "
+                             "set tokenizer.path to the tokenizer that made them")
+    else:
+        data = data if data is not None else Config().data
+        fields = ((data.prompt_field, data.completion_field) if source.format == "prompt_completion"
+                  else (data.messages_field,))
+        for _, record in file_records(source, path, fields):
+            values = record.get(fields[0])
+            if isinstance(values, list):
+                yield "\n".join(str(m.get("content", "")) for m in values if isinstance(m, dict))
+            else:
+                yield "\n".join(str(record.get(f, "")) for f in fields)
 
 
 def obtain_tokenizer(config: Config, sources: list[SourceConfig], train_files: dict[str, list[Path]] | None,
@@ -254,7 +281,7 @@ def obtain_tokenizer(config: Config, sources: list[SourceConfig], train_files: d
         return Tokenizer(Path(config.tokenizer.path).expanduser(), specials[0], config.tokenizer.bos_token)
     recipe = {
         "builder_version": BUILDER_VERSION,
-        "sources": [{"corpus": s.corpus, "text_field": s.text_field, "weight": s.weight,
+        "sources": [{"corpus": s.corpus, "text_field": s.text_field, "format": s.format, "weight": s.weight,
                      "files": [file_identity(p) for p in train_files[s.name]]} for s in sources],
         "train_bytes": config.tokenizer.train_bytes,
         "vocab_size": config.tokenizer.vocab_size,
@@ -270,7 +297,7 @@ def obtain_tokenizer(config: Config, sources: list[SourceConfig], train_files: d
                          config.tokenizer.vocab_size, f"{config.tokenizer.train_bytes:,}")
                 start = time.perf_counter()
                 tokenizer = train_tokenizer(
-                    train_sample(sources, train_files, config.tokenizer.train_bytes),
+                    train_sample(sources, train_files, config.tokenizer.train_bytes, config.data),
                     path,
                     vocab_size=config.tokenizer.vocab_size,
                     special_tokens=specials,
