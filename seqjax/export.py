@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from flax import nnx
 
 from seqjax import cli, hf, trained
+from seqjax.data.examples import find_chat_template
 from seqjax.errors import UsageError
 from seqjax.files import check_new_folder, staged_folder
 
@@ -54,6 +56,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
             bos_token=config.tokenizer.bos_token,
             dtype=args.dtype,
             max_shard_bytes=args.max_shard_bytes,
+            chat_template=find_chat_template(Path(tokenizer.path), config.data.chat_template),
         )
     result["out"] = str(args.out)
     print(json.dumps(result), flush=True)

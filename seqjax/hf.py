@@ -285,7 +285,7 @@ def _tokenizer_with_opening_token(tokenizer_json: Path, bos: str) -> str:
 
 def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any], *, tokenizer_json: Path,
                  eos_token: str, bos_token: str | None, dtype: str = "float32",
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, chat_template: str | None = None) -> dict[str, Any]:
     """Write an HF Llama folder for ``cfg`` and ``params``; returns what was written.
 
     Tensors are cast to ``dtype`` and written by ``safetensors`` with the
@@ -328,6 +328,7 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
         **special,
         "model_max_length": cfg.max_seq_len,
         "clean_up_tokenization_spaces": False,
+        **({"chat_template": chat_template} if chat_template is not None else {}),
     }, indent=2))
     write_text_atomic(out / GENERATION_CONFIG, json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2))
     files += [CONFIG_JSON, TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG]

@@ -23,8 +23,9 @@ from typing import Any, Sequence
 
 from seqjax import cli, hf
 from seqjax.config_load import announce
+from seqjax.data.examples import CHAT_TEMPLATE_FILE, find_chat_template
 from seqjax.errors import UsageError
-from seqjax.files import check_new_folder, staged_folder
+from seqjax.files import check_new_folder, staged_folder, write_text_atomic
 from seqjax.train.checkpoint import save_params
 from seqjax.train.resume import TOKENIZER_FILE
 
@@ -58,6 +59,9 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
     params = hf.read_params(folder, config.model.param_dtype)
     with staged_folder(out, overwrite=args.overwrite) as staging:
         shutil.copyfile(folder.tokenizer, staging / TOKENIZER_FILE)
+        template = find_chat_template(folder.tokenizer)
+        if template is not None:  # beside the run's tokenizer, where data.format=chat finds it
+            write_text_atomic(staging / CHAT_TEMPLATE_FILE, template)
         save_params(staging, 0, params, {"tokens_seen": 0, "imported_from": str(folder.path.resolve())})
         announce(config, staging)
     result = {

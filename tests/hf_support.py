@@ -86,3 +86,44 @@ def write_llama_folder(folder: Path, tensors: dict[str, np.ndarray] | None = Non
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
                                                               "bos_token": "<|endoftext|>"}))
     return folder
+
+
+# ---------------------------------------------------------------------------
+# Instruction data: a Llama folder with a chat template, and synthetic chats
+
+CHAT_SPECIALS = ["</s>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# Zephyr-like: the assistant's end-of-turn token ends its message (scored); no {% generation %} blocks.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def synthetic_chats(n: int, seed: int = 0, max_turns: int = 3) -> list[dict]:
+    """``n`` chats of 1..max_turns user/assistant exchanges, a system prompt in about a third of them."""
+    rng = np.random.default_rng(seed)
+
+    def sentence(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS, int(rng.integers(lo, hi))))
+
+    chats = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": sentence(2, 6)}] if rng.random() < 0.3 else []
+        for _ in range(int(rng.integers(1, max_turns + 1))):
+            messages += [{"role": "user", "content": sentence(2, 14)},
+                         {"role": "assistant", "content": sentence(1, 10)}]
+        chats.append({"messages": messages})
+    return chats
+
+
+def write_chat_llama_folder(folder: Path, seed: int = 0) -> Path:
+    """A tiny HF Llama whose tokenizer opens text with ``<s>``, ends it with ``</s>`` and has a chat template."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    lines = [" ".join(rng.choice(WORDS, 12)) + "\n" for _ in range(200)]
+    train_tokenizer(lines, folder / "tokenizer.json", vocab_size=300, special_tokens=CHAT_SPECIALS)
+    write_llama_folder(folder, tokenizer_from=folder / "tokenizer.json", seed=seed, bos_token_id=1, eos_token_id=0)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": CHAT_TEMPLATE}))
+    return folder

@@ -162,7 +162,7 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
     source_bytes = sum(file_identity(p)["bytes"] for p in files)
     use = workers if source_bytes >= POOL_MIN_BYTES else 1
     chunks = _documents(source, files, counts) if spec is None else _records(source, files, spec)
-    with ShardWriter(path, name, eot_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size,
+    with ShardWriter(path, name, eot_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size,
                      scored=spec is not None) as writer:
         for chunk in encode_in_order(tokenizer, chunks, use, spec):
             writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths, chunk.weights)
@@ -260,6 +260,7 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
     identities = [file_identity(p) for p in files]
     corpus = {"corpus": source.corpus, "text_field": source.text_field,
               "variant": source.variant if source.corpus == "wikitext2" else None}
+    corpus["separator"] = tokenizer.separator_id  # the framing: a store's documents open with it
     if spec is not None:  # instruction examples: how records become ids and weights is part of the key
         corpus["examples"] = spec.identity()
     names = []
@@ -312,7 +313,7 @@ def _publish(path: Path, names: list[tuple[str, list[Path]]], build_key: dict[st
     stats = {k: sum(r["stats"][k] for r in records) for k in records[0]["stats"]}
     manifest = {"split": split, "build_key": build_key, "tokenizer_hash": tokenizer.hash,
                 "tokenizer_path": str(tokenizer.path.resolve()), "stats": stats, "build_seconds": round(seconds, 3)}
-    publish(path, records, manifest, eot_id=tokenizer.eot_id, vocab_size=tokenizer.vocab_size)
+    publish(path, records, manifest, eot_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size)
 
 
 def summarize(store: TokenStore, seconds: float, reused: bool) -> dict[str, Any]:
@@ -337,6 +338,12 @@ def summarize(store: TokenStore, seconds: float, reused: bool) -> dict[str, Any]
         "shards": len(store.manifest.get("shards", [])),
         "store": str(store.path),
     }
+
+
+def framing(tokenizer: Tokenizer) -> str:
+    """How the store frames documents, as text: ``<s> document <s> document ...`` for a Llama tokenizer."""
+    sep = tokenizer.decode([tokenizer.separator_id])
+    return f"{sep} document {sep} document ... (each document opens with {sep}, the tokenizer's own framing)"
 
 
 def _split_sources(sources: list[SourceConfig], split: str) -> list[SourceConfig]:
@@ -440,7 +447,8 @@ def _prepare(
             store, reused = prepare_store(path, source, split, files[(source.name, split)], tokenizer, config, run,
                                           specs[source.name])
             built.append((source, store))
-            entries[source.name] = summarize(store, time.perf_counter() - start, reused)
+            entries[source.name] = {**summarize(store, time.perf_counter() - start, reused),
+                                    "framing": framing(tokenizer)}
             log.info("%s: %s %s %d documents, %s tokens in %d shard(s)", split, source.name,
                      "reused" if reused else "built", entries[source.name]["documents"],
                      f"{entries[source.name]['tokens']:,}", entries[source.name]["shards"])
@@ -452,6 +460,7 @@ def _prepare(
         total = summarize(stores[split], time.perf_counter() - start, all(e["reused"] for e in entries.values()))
         total["shards"] = sum(e["shards"] for e in entries.values())
         total["store"] = str(base)
+        total["framing"] = framing(tokenizer)
         summary[split] = {**total, "sources": entries}
     root = base / corpus_key(sources[0]) if len(sources) == 1 else base
     return Prepared(tokenizer=tokenizer, stores=stores, summary=summary, root=root)

@@ -60,7 +60,7 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec, records: list[tuple
     ids, lengths, weights = [], [], []
     counts = {"bytes": 0, "scored_tokens": 0, "scored_bytes": 0, "dropped_unscored": 0}
     for where, record in records:
-        example = framed(encode_example(spec, tokenizer, record, where), tokenizer.eot_id)
+        example = framed(encode_example(spec, tokenizer, record, where), tokenizer.separator_id)
         if example.scored == 0 or len(example.ids) == 0:
             counts["dropped_unscored"] += 1
             continue

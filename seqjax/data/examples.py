@@ -58,7 +58,8 @@ from seqjax.errors import CorpusError
 
 # Private-use characters that mark a {% generation %} block's output while a template renders.
 OPEN_MARK, CLOSE_MARK = "\ue000", "\ue001"
-TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_FILES = (CHAT_TEMPLATE_FILE, "tokenizer_config.json")
 NOT_SCORED = -100  # HF's label for a token the loss skips
 
 
@@ -111,6 +112,18 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
         prompt_separator=d.prompt_separator, messages_field=d.messages_field, input_ids_field=d.input_ids_field,
         labels_field=d.labels_field, loss_weights_field=d.loss_weights_field, chat_template=template,
         template_name=name, bos_token=config.tokenizer.bos_token, eos_token=eot_token)
+
+
+def find_chat_template(tokenizer_path: Path, configured: str | None = None) -> str | None:
+    """The chat template a run uses with this tokenizer (``data.chat_template`` first), or None when there is none.
+
+    Runs, imports and exports carry it beside their ``tokenizer.json`` as
+    ``chat_template.jinja`` (exports also inside ``tokenizer_config.json``, where transformers reads it).
+    """
+    try:
+        return chat_template(configured, tokenizer_path)[0]
+    except CorpusError:
+        return None
 
 
 def chat_template(path: str | None, tokenizer_path: Path | None) -> tuple[str, str]:

@@ -78,6 +78,18 @@ class Tokenizer:
             self.bos_id = int(bos_id)
         self.vocab_size = int(self._hf.get_vocab_size(with_added_tokens=True))
 
+    @property
+    def separator_id(self) -> int:
+        """The token between documents in a token store, which opens every document: the tokenizer's own framing.
+
+        A tokenizer that opens text with a BOS (``tokenizer.bos_token``, e.g. an
+        imported Llama's ``<s>``, as its ``add_bos_token`` says) gives ``<s> doc1
+        <s> doc2 <s>``: each document reads as transformers tokenizes it, and the
+        model learns where one ends by predicting the next one's BOS. Any other
+        gives ``EOT doc1 EOT doc2 EOT`` (GPT-2's ``<|endoftext|>`` convention).
+        """
+        return self.bos_id
+
     def token_id(self, token: str) -> int | None:
         """The id of one vocabulary entry (e.g. ``<unk>``), or None if the vocabulary lacks it."""
         return self._hf.token_to_id(token)

@@ -38,6 +38,7 @@ from seqjax.config import DATA_DIR_ENV, Config, ConfigError
 from seqjax.config_load import announce
 from seqjax.data.build import prepare
 from seqjax.data.eval_windows import resolve_stride
+from seqjax.data.examples import CHAT_TEMPLATE_FILE, find_chat_template
 from seqjax.data.pipeline import build_pipeline
 from seqjax.evaluate import evaluate
 from seqjax.files import json_text, write_text_atomic
@@ -84,10 +85,14 @@ def _with_vocab(config: Config, vocab_size: int) -> Config:
 
 
 def _keep_tokenizer(tokenizer_path: Path, run_dir: Path) -> None:
-    """Copy the tokenizer into run.dir (the saved config points there), so the run folder stands alone."""
+    """Copy the tokenizer (and its chat template, if any) into run.dir (the saved config points there), so the
+    run folder stands alone."""
     own = run_dir / TOKENIZER_FILE
     if tokenizer_path.resolve() != own.resolve():
         write_text_atomic(own, tokenizer_path.read_text(encoding="utf-8"))
+        template = find_chat_template(tokenizer_path)
+        if template is not None:
+            write_text_atomic(run_dir / CHAT_TEMPLATE_FILE, template)
 
 
 def _validation(model, store, config: Config, mesh, step: int, primary: bool, final: bool) -> dict[str, Any]:
