@@ -1,0 +1,416 @@
+"""Instruction data: formats, which tokens are scored, per-example isolation under every packer, loss normalization.
+
+The examples are synthetic chats and prompt/completion pairs written here, the
+tokenizer a tiny BPE with chat special tokens and a Zephyr-like template
+(tests/hf_support.py). The correctness claims are checked against references
+computed independently: each example run alone, the text a template renders
+for each assistant message, a numpy per-example mean.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from flax import nnx
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from hf_support import CHAT_SPECIALS, CHAT_TEMPLATE, synthetic_chats, write_chat_llama_folder
+from seqjax.config_load import load_config
+from seqjax.data.build import prepare
+from seqjax.data.examples import ExampleSpec, char_spans_to_mask, chat_spans
+from seqjax.data.pipeline import build_pipeline
+from seqjax.data.plan import EpochPlanner
+from seqjax.data.store import TokenStore
+from seqjax.data.tokenizer import Tokenizer
+from seqjax.errors import ConfigError, CorpusError
+from seqjax.model.transformer import build_model
+
+PACKERS = ["best_fit", "first_fit", "greedy", "best_fit_decreasing", "fill", "grain_first_fit", "grain_best_fit"]
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    return write_chat_llama_folder(tmp_path_factory.mktemp("chat") / "llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_folder):
+    return Tokenizer(chat_folder / "tokenizer.json", "</s>", "<s>")
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def pairs(n: int, seed: int = 0) -> list[dict]:
+    chats = synthetic_chats(n, seed, max_turns=1)
+    return [{"prompt": c["messages"][-2]["content"], "completion": " " + c["messages"][-1]["content"]} for c in chats]
+
+
+def overrides(root: Path, folder: Path, fmt: str, files: list[Path], **extra) -> list[str]:
+    settings_ = {"data.corpus": "jsonl", "data.format": fmt, "data.train_files": f"[{','.join(map(str, files))}]",
+                 "data.valid_files": f"[{files[0]}]", "data.cache_dir": str(root / "cache"), "data.seq_len": 64,
+                 "data.batch_size": 4, "tokenizer.path": str(folder / "tokenizer.json"),
+                 "tokenizer.special_tokens": "[</s>]", "tokenizer.bos_token": "<s>", "model.d_model": 32,
+                 "model.n_layers": 2, "model.n_heads": 2, "model.d_ff": 64, "run.dir": str(root / "run")}
+    settings_.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in settings_.items()]
+
+
+def spec(template: str = CHAT_TEMPLATE, loss_on: str = "assistant") -> ExampleSpec:
+    return ExampleSpec(format="chat", loss_on=loss_on, chat_template=template, template_name="test", bos_token="<s>",
+                       eos_token="</s>")
+
+
+# ---------------------------------------------------------------------------
+# What is scored
+
+
+def test_a_token_straddling_a_span_edge_is_scored_and_one_outside_is_not():
+    offsets = np.asarray([[0, 3], [3, 6], [6, 9], [9, 12]])
+    np.testing.assert_array_equal(char_spans_to_mask(offsets, [(5, 9)]), [0, 1, 1, 0])
+    np.testing.assert_array_equal(char_spans_to_mask(offsets, [(3, 6), (11, 12)]), [0, 1, 0, 1])
+    np.testing.assert_array_equal(char_spans_to_mask(offsets, [(6, 6)]), [0, 0, 0, 0])  # an empty span scores nothing
+
+
+def test_assistant_spans_are_exactly_the_assistant_messages_and_their_end_of_turn():
+    chat = synthetic_chats(1, seed=3, max_turns=3)[0]["messages"]
+    text, spans = chat_spans(spec(), chat, "here")
+    expected = [m["content"] + "<|end|>\n" for m in chat if m["role"] == "assistant"]
+    assert [text[a:b] for a, b in spans] == expected
+    _, last = chat_spans(spec(loss_on="last_assistant"), chat, "here")
+    assert [text[a:b] for a, b in last] == expected[-1:]
+
+
+def test_generation_blocks_give_the_same_spans_as_rendering_turn_by_turn():
+    marked = CHAT_TEMPLATE.replace("{{ m['content'] }}<|end|>\n",
+                                   "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|end|>\n"
+                                   "{% endgeneration %}{% else %}{{ m['content'] }}<|end|>\n{% endif %}")
+    assert marked != CHAT_TEMPLATE
+    for chat in synthetic_chats(5, seed=4):
+        assert chat_spans(spec(marked), chat["messages"], "x") == chat_spans(spec(), chat["messages"], "x")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_it_and_the_turn():
+    # the header counts the messages, so a shorter chat's text is not a prefix of the longer one's
+    rewriting = "{% for m in messages %}[{{ messages|length }}]<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    chat = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "c"}]
+    with pytest.raises(CorpusError, match=r"here: the chat template test rewrites earlier turns.*message 1"):
+        chat_spans(spec(rewriting), chat, "here")
+
+
+@pytest.mark.parametrize("messages, match", [
+    ("hello", "must be a non-empty list"),
+    ([{"role": "user"}], "must be a non-empty list"),
+    ([{"role": "user", "content": "a\ue000"}], "U\\+E000"),
+])
+def test_bad_messages_are_one_line_naming_the_record(messages, match):
+    with pytest.raises(CorpusError, match=f"here: .*{match}"):
+        chat_spans(spec(), messages, "here")
+
+
+@pytest.mark.parametrize("fmt", ["prompt_completion", "chat"])
+def test_no_prompt_token_is_ever_scored_and_every_answer_token_is(chat_folder, tokenizer, tmp_path, fmt):
+    records = pairs(40) if fmt == "prompt_completion" else synthetic_chats(40, seed=1)
+    config = load_config(None, overrides(tmp_path, chat_folder, fmt, [write_jsonl(tmp_path / "d.jsonl", records)]))
+    store = prepare(config, splits=("train",)).stores["train"]
+    assert store.num_docs == len(records)
+    d, mask = np.asarray(store.doc_offsets), np.asarray(store.mask)
+    for i, record in enumerate(records):
+        ids, weights = np.asarray(store.tokens[d[i]:d[i + 1]]), mask[d[i]:d[i + 1]]
+        # the scored tokens, read back as text, are the answers and nothing else
+        scored = tokenizer.decode(ids[weights == 1])
+        if fmt == "prompt_completion":
+            assert scored == record["completion"] + "</s>"
+        else:
+            assert scored == "".join(m["content"] + "<|end|>\n" for m in record["messages"]
+                                     if m["role"] == "assistant")
+    assert mask[0] == 0 and store.tokens[0] == tokenizer.separator_id  # the stream opens with <s>: Llama's framing
+
+
+def test_tokenized_records_take_labels_or_loss_weights_and_bad_ones_are_named(chat_folder, tmp_path):
+    records = [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
+               {"input_ids": [9, 10, 11], "loss_weights": [0, 1, 0]}]
+    config = load_config(None, overrides(tmp_path, chat_folder, "tokenized",
+                                         [write_jsonl(tmp_path / "t.jsonl", records)]))
+    store = prepare(config, splits=("train",)).stores["train"]
+    np.testing.assert_array_equal(np.asarray(store.tokens), [1, 5, 6, 7, 8, 1, 9, 10, 11, 1])
+    np.testing.assert_array_equal(np.asarray(store.mask), [0, 0, 0, 1, 1, 0, 0, 1, 0, 0])
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [5, 6], "labels": [-100]}])
+    with pytest.raises(CorpusError, match=r"bad.jsonl:1: field 'labels' must be a list as long as 'input_ids' \(2\)"):
+        prepare(load_config(None, overrides(tmp_path, chat_folder, "tokenized", [bad])), splits=("train",))
+    oov = write_jsonl(tmp_path / "oov.jsonl", [{"input_ids": [5, 999], "loss_weights": [1, 1]}])
+    with pytest.raises(CorpusError, match=r"oov.jsonl:1: 'input_ids' holds id 999, outside .* vocabulary of 300"):
+        prepare(load_config(None, overrides(tmp_path, chat_folder, "tokenized", [oov])), splits=("train",))
+
+
+def test_an_example_with_nothing_scored_is_dropped_and_counted(chat_folder, tmp_path):
+    records = [{"input_ids": [5, 6], "labels": [-100, -100]}, {"input_ids": [7, 8], "labels": [-100, 8]}]
+    config = load_config(None, overrides(tmp_path, chat_folder, "tokenized",
+                                         [write_jsonl(tmp_path / "t.jsonl", records)]))
+    prepared = prepare(config, splits=("train",))
+    assert prepared.stores["train"].num_docs == 1 and prepared.summary["train"]["dropped_unscored"] == 1
+
+
+def test_every_corpus_kind_gives_the_same_store(chat_folder, tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    records = synthetic_chats(12, seed=5)
+    lines = "".join(json.dumps(r) + "\n" for r in records).encode()
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet")
+    stores = []
+    for corpus, name in [("jsonl", "c.jsonl.gz"), ("jsonl", "c.jsonl.zst"), ("parquet", "c.parquet"),
+                         ("hf", "c.jsonl.gz")]:
+        config = load_config(None, overrides(tmp_path / corpus / name, chat_folder, "chat", [tmp_path / name],
+                                             **{"data.corpus": corpus}))
+        stores.append(prepare(config, splits=("train",)).stores["train"])
+    for store in stores[1:]:
+        np.testing.assert_array_equal(np.asarray(store.tokens), np.asarray(stores[0].tokens))
+        np.testing.assert_array_equal(np.asarray(store.mask), np.asarray(stores[0].mask))
+
+
+def test_instruction_formats_refuse_strategies_that_cut_examples_and_loss_on_they_lack(tmp_path):
+    base = ["data.corpus=jsonl", "data.train_files=[a.jsonl]", "data.format=chat"]
+    with pytest.raises(ConfigError, match="data.strategy: got 'window', expected pack, length_grouped or block"):
+        load_config(None, base + ["data.strategy=window"])
+    with pytest.raises(ConfigError, match="data.loss_on: got 'completion', expected one of auto, assistant"):
+        load_config(None, base + ["data.loss_on=completion"])
+    with pytest.raises(ConfigError, match="data.format: got 'chat' with corpus='text'"):
+        load_config(None, ["data.corpus=text", "data.train_files=[a.txt]", "data.format=chat"])
+
+
+# ---------------------------------------------------------------------------
+# Packing: isolation, targets, positions
+
+
+def example_store(examples: list[tuple[list[int], list[int]]], eot: int = 0) -> TokenStore:
+    """An in-memory instruction store: each example's ids and 0/1 weights (its closing EOT not scored)."""
+    return TokenStore.from_documents([ids for ids, _ in examples], eot_id=eot, vocab_size=64,
+                                     weights=[list(w) + [0] for _, w in examples])
+
+
+examples_strategy = st.lists(
+    st.integers(1, 40).flatmap(lambda n: st.tuples(st.lists(st.integers(1, 63), min_size=n, max_size=n),
+                                                   st.lists(st.integers(0, 1), min_size=n, max_size=n))),
+    min_size=1, max_size=25)
+
+
+def config_for(packer: str, seq_len: int = 32, **extra) -> object:
+    settings_ = {"data.corpus": "jsonl", "data.train_files": "[x.jsonl]", "data.format": "tokenized",
+                 "data.seq_len": seq_len, "data.batch_size": 4, "data.packer": packer, "data.overlong": "split",
+                 "data.shuffle": "false"}
+    settings_.update(extra)
+    return load_config(None, [f"{k}={v}" for k, v in settings_.items()])
+
+
+def epoch_batches(config, store, n_batches: int) -> list[dict]:
+    iterator = iter(build_pipeline(config, store))
+    return [next(iterator) for _ in range(n_batches)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(examples=examples_strategy, packer=st.sampled_from(PACKERS))
+def test_no_target_crosses_an_example_positions_restart_and_weights_are_the_mask(examples, packer):
+    assume(any(sum(w) for _, w in examples))
+    store = example_store(examples)
+    config = config_for(packer, **{"data.batch_size": 1})  # (a batch per row: any small store has an epoch)
+    grain = packer.startswith("grain")
+    seen_scored = 0
+    for batch in epoch_batches(config, store, 3 if grain else EpochPlanner(config, store).plan(0).num_batches):
+        for row in range(batch["inputs"].shape[0]):
+            seg = batch["segment_ids"][row]
+            for s in set(seg[seg > 0].tolist()):
+                where = np.flatnonzero(seg == s)
+                assert np.all(np.diff(where) == 1)  # one contiguous run per example
+                np.testing.assert_array_equal(batch["positions"][row, where], np.arange(len(where)))
+                piece = np.concatenate([batch["inputs"][row, where], batch["targets"][row, where[-1:]]])
+                # the piece is a slice of one example framed by its EOTs: never two examples' tokens
+                owner = [i for i, (ids, _) in enumerate(examples)
+                         if _is_slice(piece, np.asarray([0] + list(ids) + [0]))]
+                assert owner, f"segment {piece} is not inside one example"
+        seen_scored += int(batch["weights"].sum())
+        assert set(np.unique(batch["weights"])) <= {0.0, 1.0}
+    if not grain:  # (Grain's iterator runs on across epochs: its three batches are checked row by row above)
+        assert seen_scored == sum(sum(w) for _, w in examples)
+
+
+def _is_slice(piece: np.ndarray, seq: np.ndarray) -> bool:
+    return any(np.array_equal(seq[k:k + len(piece)], piece) for k in range(len(seq) - len(piece) + 1))
+
+
+# ---------------------------------------------------------------------------
+# Loss and gradients: packed equals alone, in both normalizations
+
+
+def tiny_model():
+    config = load_config(None, ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+                                "model.attention=xla", "model.max_seq_len=64", "data.seq_len=64"])
+    return build_model(config, 64, rngs=nnx.Rngs(0))
+
+
+def contract_loss(model, batch):
+    """Contract 3: sum(w * nll) / sum(w) over the batch, and its gradient (rows padded to 64: one compile)."""
+    width = batch["inputs"].shape[1]
+    batch = {k: np.pad(v, ((0, 0), (0, 64 - width))) for k, v in batch.items()}
+    value, grads, nll = _contract_loss(model, batch)
+    return value, grads, np.asarray(nll)[:, :width]
+
+
+@nnx.jit
+def _contract_loss(model, batch):
+    def loss(m):
+        logits = m(jnp.asarray(batch["inputs"]), positions=jnp.asarray(batch["positions"]),
+                   segment_ids=jnp.asarray(batch["segment_ids"]))
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)),
+                                   jnp.asarray(batch["targets"])[..., None], -1)[..., 0]
+        w = jnp.asarray(batch["weights"])
+        return jnp.sum(w * nll) / jnp.sum(w), nll
+    (value, nll), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return value, grads, nll
+
+
+def whole_epoch(config, store) -> dict:
+    """Every row of epoch 0 as one batch: contract 3 over them is the loss of one global batch holding them all."""
+    return joined(epoch_batches(config, store, EpochPlanner(config, store).plan(0).num_batches))
+
+
+def joined(batches: list[dict]) -> dict:
+    width = max(b["inputs"].shape[1] for b in batches)
+    return {k: np.concatenate([np.pad(b[k], ((0, 0), (0, width - b[k].shape[1]))) for b in batches])
+            for k in batches[0]}
+
+
+@pytest.mark.parametrize("normalization", ["tokens", "examples"])
+def test_a_packed_batch_and_the_examples_unpacked_give_the_same_loss_and_gradients(normalization):
+    rng = np.random.default_rng(0)
+    examples = []
+    for n in rng.integers(3, 20, 10):
+        weights = (rng.random(n) < 0.5).astype(int)
+        weights[-1] = 1
+        examples.append((rng.integers(1, 64, n).tolist(), weights.tolist()))
+    store = example_store(examples)
+    model = tiny_model()
+    packed, alone = (whole_epoch(config_for("best_fit", 64, **{"data.batch_size": 1,
+                                                               "train.loss_normalization": normalization, **cap}),
+                                 store) for cap in ({}, {"data.max_segments_per_row": 1}))
+    assert (packed["segment_ids"].max(axis=1) > 1).any()  # several examples share a row
+    used = [int((b["segment_ids"].max(axis=1) > 0).sum()) for b in (packed, alone)]
+    assert alone["segment_ids"].max() == 1 and used[0] < used[1] == len(examples)
+    loss_p, grads_p, _ = contract_loss(model, packed)
+    loss_a, grads_a, nll_a = contract_loss(model, alone)
+    np.testing.assert_allclose(loss_p, loss_a, rtol=1e-5)
+    chex.assert_trees_all_close(grads_p, grads_a, rtol=2e-4, atol=1e-6)
+    # the reference, computed apart from the contract: each example run alone, its scored tokens' losses
+    per_example = []
+    for ids, weights in examples:
+        row = {"inputs": np.asarray([[0] + ids]), "targets": np.asarray([ids + [0]]),
+               "positions": np.arange(len(ids) + 1)[None], "segment_ids": np.ones((1, len(ids) + 1), np.int32),
+               "weights": np.asarray([weights + [0]], np.float32)}
+        _, _, nll = contract_loss(model, row)
+        per_example.append(nll[0][np.asarray(weights + [0]) == 1])
+    expected = (np.mean([e.mean() for e in per_example]) if normalization == "examples"
+                else np.concatenate(per_example).mean())
+    np.testing.assert_allclose(loss_p, expected, rtol=1e-5)
+
+
+def test_examples_normalization_weighs_each_example_one_in_all_and_split_pieces_add_up():
+    examples = [([5] * 50, [1] * 50), ([6, 7, 8], [0, 1, 1]), ([9] * 10, [0] * 5 + [1] * 5)]
+    store = example_store(examples)
+    config = config_for("best_fit", 16, **{"train.loss_normalization": "examples", "data.batch_size": 1})
+    batch = whole_epoch(config, store)
+    assert batch["weights"].sum() == pytest.approx(3.0)  # one per example, the 50-token one split into pieces
+    np.testing.assert_allclose(np.unique(batch["weights"]), [0.0, 1 / 50, 1 / 5, 1 / 2], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Resume, overlong examples
+
+
+def test_resume_mid_epoch_gives_the_same_batches_with_instruction_data(chat_folder, tmp_path):
+    config = load_config(None, overrides(tmp_path, chat_folder, "chat",
+                                         [write_jsonl(tmp_path / "c.jsonl", synthetic_chats(60, seed=6))]))
+    store = prepare(config, splits=("train",)).stores["train"]
+    iterator = iter(build_pipeline(config, store))
+    for _ in range(3):
+        next(iterator)
+    state = json.loads(json.dumps(iterator.get_state()))
+    expected = [next(iterator) for _ in range(4)]
+    resumed = iter(build_pipeline(config, store))
+    resumed.set_state(state)
+    for want in expected:
+        got = next(resumed)
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key])
+    assert any(b["weights"].sum() for b in expected)
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate", "split"])
+def test_overlong_examples_follow_the_policy_and_truncation_keeps_the_start(overlong):
+    examples = [(list(range(1, 41)), [1] * 40), ([50, 51, 52], [0, 1, 1])]
+    store = example_store(examples)
+    config = config_for("best_fit", 16, **{"data.overlong": overlong, "data.batch_size": 1})
+    batch = whole_epoch(config, store)
+    inputs = batch["inputs"][batch["segment_ids"] > 0].tolist()
+    long_tokens = [t for t in inputs if 1 <= t <= 40]
+    if overlong == "drop":
+        assert long_tokens == []
+    elif overlong == "truncate":
+        assert long_tokens == list(range(1, 16))  # its EOT and first 15 tokens: the start is kept
+    else:
+        assert sorted(long_tokens) == list(range(1, 41))
+    assert 52 in batch["targets"]  # the short example is always there, whole
+
+
+# ---------------------------------------------------------------------------
+# Every format trains (in process: two steps each)
+
+
+@pytest.mark.parametrize("fmt, loss_on, normalization", [
+    ("prompt_completion", "auto", "examples"),
+    ("chat", "last_assistant", "tokens"),
+    ("tokenized", "auto", "examples"),
+    ("text", "auto", "tokens"),
+])
+def test_every_format_trains_and_validates_on_its_scored_tokens(chat_folder, tokenizer, tmp_path, fmt, loss_on,
+                                                                normalization):
+    from seqjax.train.loop import train  # (the training stage: only this test runs a loop)
+
+    if fmt == "prompt_completion":
+        records = pairs(30)
+    elif fmt == "chat":
+        records = synthetic_chats(30)
+    elif fmt == "tokenized":
+        records = [{"input_ids": tokenizer.encode_text(r["prompt"]) + tokenizer.encode_text(r["completion"]),
+                    "loss_weights": [0] * len(tokenizer.encode_text(r["prompt"]))
+                    + [1] * len(tokenizer.encode_text(r["completion"]))} for r in pairs(30)]
+    else:
+        records = [{"text": r["prompt"] + r["completion"]} for r in pairs(30)]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    config = load_config(None, overrides(tmp_path, chat_folder, fmt, [path], **{
+        "data.loss_on": loss_on, "train.loss_normalization": normalization, "train.steps": 2,
+        "train.warmup_steps": 0, "train.eval_every": 0, "train.checkpoint_every": 2, "train.async_checkpoint": "false",
+        "run.trackers": "[jsonl]"}))
+    summary = train(config)
+    store = prepare(config, splits=("valid",)).stores["valid"]
+    assert np.isfinite(summary["val_loss"]) and summary["finished"]
+    if fmt != "text":
+        assert 0 < store.scored_tokens < store.predicted_tokens
+        assert summary["val_word_perplexity"] is None and summary["val_bits_per_byte"] > 0
+    jax.clear_caches()
+
+
+def test_the_chat_specials_are_single_tokens(tokenizer):
+    for token in CHAT_SPECIALS:
+        assert len(tokenizer.encode_text(token)) == 1
