@@ -9,6 +9,7 @@ go to ``model.safetensors`` in PyTorch's layout ([out, in] per projection) with
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -91,29 +92,17 @@ def write_llama_folder(folder: Path, tensors: dict[str, np.ndarray] | None = Non
 # ---------------------------------------------------------------------------
 # Instruction data: a Llama folder with a chat template, and synthetic chats
 
-CHAT_SPECIALS = ["</s>", "<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-# Zephyr-like: the assistant's end-of-turn token ends its message (scored); no {% generation %} blocks.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+def _chat_demo():
+    """scripts/make_chat_demo.py as a module: its chats, special tokens and template are the tests' too."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_chat_demo.py"
+    spec = importlib.util.spec_from_file_location("make_chat_demo", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def synthetic_chats(n: int, seed: int = 0, max_turns: int = 3) -> list[dict]:
-    """``n`` chats of 1..max_turns user/assistant exchanges, a system prompt in about a third of them."""
-    rng = np.random.default_rng(seed)
-
-    def sentence(lo: int, hi: int) -> str:
-        return " ".join(rng.choice(WORDS, int(rng.integers(lo, hi))))
-
-    chats = []
-    for _ in range(n):
-        messages = [{"role": "system", "content": sentence(2, 6)}] if rng.random() < 0.3 else []
-        for _ in range(int(rng.integers(1, max_turns + 1))):
-            messages += [{"role": "user", "content": sentence(2, 14)},
-                         {"role": "assistant", "content": sentence(1, 10)}]
-        chats.append({"messages": messages})
-    return chats
+_DEMO = _chat_demo()
+CHAT_SPECIALS, CHAT_TEMPLATE, synthetic_chats = _DEMO.CHAT_SPECIALS, _DEMO.CHAT_TEMPLATE, _DEMO.synthetic_chats
 
 
 def write_chat_llama_folder(folder: Path, seed: int = 0) -> Path:

@@ -33,6 +33,11 @@ line is adapted, and only like this:
    folder (:func:`write_corpus_kinds`). A line that sets ``data.sources``
    gets the tiny corpus's settings without its file lists (a mixture lists
    its files per source).
+7. The instruction-data lines read ``chat_demo/`` (the session's
+   ``scripts/make_chat_demo.py`` output: a tiny random chat Llama shaped like
+   :data:`TINY_TRAIN`'s model, and synthetic chats), ``runs/chat_base`` (its
+   import) and ``runs/chat_ft`` (a two-step fine-tune of it on the chats): links
+   in the working folder, except in the line that makes each of them.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from seqjax.config import DATA_DIR_ENV
 from test_train_support import REPO, cli_env
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-TOOL = re.compile(r"python -m seqjax\.|scripts/eval_table\.py")
+TOOL = re.compile(r"python -m seqjax\.|scripts/eval_table\.py|scripts/make_chat_demo\.py")
 
 
 def readme_commands() -> list[str]:
@@ -166,9 +171,31 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, Path]:
     return folder, root / "imported"
 
 
+@pytest.fixture(scope="module")
+def chat_demo(tmp_path_factory) -> dict[str, Path]:
+    """The instruction-data lines' inputs: the demo set, its import, and a two-step chat fine-tune of it."""
+    from seqjax import import_hf
+
+    root = tmp_path_factory.mktemp("readme_chat")
+    proc = subprocess.run([sys.executable, "scripts/make_chat_demo.py", "--out", str(root / "chat_demo")], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert import_hf.main([str(root / "chat_demo" / "llama"), "--out", str(root / "chat_base"),
+                           "model.attention=xla"]) == 0
+    demo = root / "chat_demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "seqjax.train", "--config", str(root / "chat_base" / "config.yaml"),
+         f"train.init_from={root / 'chat_base'}", "data.corpus=jsonl", "data.format=chat",
+         f"data.train_files=[{demo / 'train.jsonl'}]", f"data.valid_files=[{demo / 'valid.jsonl'}]",
+         f"data.cache_dir={root / 'cache'}", "data.seq_len=128", f"run.dir={root / 'chat_ft'}", *TINY_TRAIN],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {"chat_demo": demo, "runs/chat_base": root / "chat_base", "runs/chat_ft": root / "chat_ft"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", DISTINCT, ids=lambda c: c.split("python")[-1][:70])
-def test_readme_example_runs(command, tiny_root, reference, tiny_llama, tmp_path):
+def test_readme_example_runs(command, tiny_root, reference, tiny_llama, chat_demo, tmp_path):
     work = tmp_path / "work"
     (work / "runs").mkdir(parents=True)
     for name in ("configs", "scripts"):
@@ -180,6 +207,10 @@ def test_readme_example_runs(command, tiny_root, reference, tiny_llama, tmp_path
     if "--run" in command:  # only readers: a training line must never write into the shared run
         (work / "runs" / "wikitext2_cpu").symlink_to(tiny_root / "reference")
     (work / "prompts.txt").write_text("the cat\na dog ran\n")
+    makes = {"chat_demo": "make_chat_demo.py", "runs/chat_base": "seqjax.import", "runs/chat_ft": "seqjax.train"}
+    for name, target in chat_demo.items():
+        if re.search(rf"{name}(?=[\s/]|$)", command) and makes[name] not in command:
+            (work / name).symlink_to(target)
     if "corpus/" in command:
         write_corpus_kinds(work / "corpus", tiny_root)
     argv = adapt(command, tiny_root)
