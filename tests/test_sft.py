@@ -36,6 +36,9 @@ from seqjax.errors import ConfigError, CorpusError
 from seqjax.model.transformer import build_model
 
 PACKERS = ["best_fit", "first_fit", "greedy", "best_fit_decreasing", "fill", "grain_first_fit", "grain_best_fit"]
+# every way of keeping examples whole: each packer, length grouping, fairseq's complete_doc blocks
+LAYOUTS = [{"data.packer": p} for p in PACKERS] + [{"data.strategy": "length_grouped"},
+                                                   {"data.strategy": "block", "data.break_mode": "complete_doc"}]
 
 
 @pytest.fixture(scope="module")
@@ -221,12 +224,12 @@ def epoch_batches(config, store, n_batches: int) -> list[dict]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(examples=examples_strategy, packer=st.sampled_from(PACKERS))
-def test_no_target_crosses_an_example_positions_restart_and_weights_are_the_mask(examples, packer):
+@given(examples=examples_strategy, layout=st.sampled_from(LAYOUTS))
+def test_no_target_crosses_an_example_positions_restart_and_weights_are_the_mask(examples, layout):
     assume(any(sum(w) for _, w in examples))
     store = example_store(examples)
-    config = config_for(packer, **{"data.batch_size": 1})  # (a batch per row: any small store has an epoch)
-    grain = packer.startswith("grain")
+    config = config_for("best_fit", **{"data.batch_size": 1, **layout})  # (a batch per row: any store has an epoch)
+    grain = layout.get("data.packer", "").startswith("grain")
     seen_scored = 0
     for batch in epoch_batches(config, store, 3 if grain else EpochPlanner(config, store).plan(0).num_batches):
         for row in range(batch["inputs"].shape[0]):
@@ -332,6 +335,29 @@ def test_examples_normalization_weighs_each_example_one_in_all_and_split_pieces_
     batch = whole_epoch(config, store)
     assert batch["weights"].sum() == pytest.approx(3.0)  # one per example, the 50-token one split into pieces
     np.testing.assert_allclose(np.unique(batch["weights"]), [0.0, 1 / 50, 1 / 5, 1 / 2], rtol=1e-6)
+
+
+def test_two_processes_read_the_rows_and_weights_of_one_process_in_examples_mode():
+    rng = np.random.default_rng(1)
+    examples = [(rng.integers(1, 64, n).tolist(), (rng.random(n) < 0.6).astype(int).tolist())
+                for n in rng.integers(3, 30, 40)]
+    config = config_for("best_fit", 32, **{"train.loss_normalization": "examples", "data.batch_size": 4})
+    store = example_store(examples)
+    whole = next(iter(build_pipeline(config, store)))
+    halves = [next(iter(build_pipeline(config, store, process_index=p, process_count=2))) for p in (0, 1)]
+    for key in whole:
+        np.testing.assert_array_equal(np.concatenate([h[key] for h in halves]), whole[key])
+    assert len(np.unique(whole["weights"][whole["weights"] > 0])) > 1  # weights of several examples' sizes
+
+
+def test_the_layout_picture_shades_prompts_and_whitens_padding():
+    from seqjax.data.picture import layout_image
+
+    batch = {"segment_ids": np.asarray([[1, 1, 1, 2, 2, 0]]), "weights": np.asarray([[0, 1, 1, 0, 1, 0]], np.float32)}
+    image = layout_image(batch)[0]
+    assert np.all(image[5] == 1.0) and not np.all(image[0] == 1.0)  # padding white, a prompt token not
+    assert image[0].min() > image[1].min()  # the prompt token is paler than its example's scored tokens
+    assert not np.allclose(image[1], image[4])  # two examples, two colours
 
 
 # ---------------------------------------------------------------------------
