@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         "optimizer_bytes_per_device": per_device(opt_state),
         "batch_bytes_per_device": per_device(batch),
         "temp_bytes_per_device": int(stats.temp_size_in_bytes),
-        "compile_seconds": round(seconds, 1),
+        "compile_seconds": round(seconds, 2),
     }
     total = row["param_bytes_per_device"] + row["optimizer_bytes_per_device"] + row["batch_bytes_per_device"] + \
         row["temp_bytes_per_device"]

@@ -414,6 +414,9 @@ class ModelConfig:
         ["attn_out", "mlp_out"],
         f"remat=names: the tagged activations to keep, of {list(REMAT_NAMES)}",
     )
+    scan_layers: bool = _f(
+        False, "stack the blocks' parameters [n_layers, ...] and run them under jax.lax.scan: compile time flat in "
+        "depth (checkpoints keep their layout; eval, export and init_from convert)", resume=MODEL)
     loss_chunk_tokens: int = _f(
         0,
         "the LM head and the cross-entropy a chunk of this many tokens at a time, inside one custom VJP, so the "

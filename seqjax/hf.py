@@ -49,6 +49,7 @@ from seqjax.files import write_text_atomic
 from seqjax.model import build_model
 from seqjax.model.llama import from_hf as params_from_hf
 from seqjax.model.llama import hf_config, model_config_from_hf, to_hf
+from seqjax.model.stacking import blocks_layout
 from seqjax.model.transformer import TransformerLM
 from seqjax.model.weights import check_finite
 from seqjax.progress import progress_bar
@@ -238,6 +239,7 @@ def model_with_params(config: Config, params: dict[str, Any]) -> TransformerLM:
     is initialized and then thrown away."""
     abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(config.run.seed)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    params = blocks_layout(params, stacked=config.model.scan_layers)
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
     return nnx.merge(graphdef, state, rest)
 

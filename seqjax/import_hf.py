@@ -26,6 +26,7 @@ from seqjax.config_load import announce
 from seqjax.data.examples import CHAT_TEMPLATE_FILE, find_chat_template
 from seqjax.errors import UsageError
 from seqjax.files import check_new_folder, staged_folder, write_text_atomic
+from seqjax.model.stacking import blocks_layout
 from seqjax.train.checkpoint import save_params
 from seqjax.train.resume import TOKENIZER_FILE
 
@@ -56,7 +57,7 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
     folder = hf.read_folder(folders[0])
     # The config names the final folder; the files are written beside it and renamed into place at the end.
     config = hf.run_config(folder, overrides, tokenizer_path=out / TOKENIZER_FILE, run_dir=out)
-    params = hf.read_params(folder, config.model.param_dtype)
+    params = blocks_layout(hf.read_params(folder, config.model.param_dtype), stacked=config.model.scan_layers)
     with staged_folder(out, overwrite=args.overwrite) as staging:
         shutil.copyfile(folder.tokenizer, staging / TOKENIZER_FILE)
         template = find_chat_template(folder.tokenizer)

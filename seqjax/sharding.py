@@ -88,7 +88,9 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str, ...] | None, mesh: Mesh)
                 spec[dim] = HEAD_AXIS
                 break
     if fsdp > 1:
-        free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % fsdp == 0]
+        # (a scanned model's leading "layers" axis is never sharded: each layer's slice shards as a block does)
+        free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % fsdp == 0
+                and (axes or ())[d:d + 1] != ("layers",)]
         if free:
             spec[max(free, key=lambda d: shape[d])] = "fsdp"
     return P(*spec)

@@ -51,6 +51,7 @@ import numpy as np
 
 from seqjax.config import ModelConfig, RopeScalingConfig
 from seqjax.errors import CheckpointError, ConfigError
+from seqjax.model.stacking import blocks_layout
 
 ARCHITECTURE = "LlamaForCausalLM"
 # Fields whose value changes what the model computes, and the one value (or test) seqjax can compute.
@@ -226,6 +227,7 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def to_hf(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
     """seqjax parameters (``nnx.to_pure_dict`` of the model's Params) -> HF tensors by name, as numpy arrays."""
+    params = blocks_layout(params, stacked=False)  # HF keeps a tensor per layer, whatever model.scan_layers
     out = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
            "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
     for i in range(cfg.n_layers):

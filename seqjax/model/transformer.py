@@ -54,7 +54,7 @@ from seqjax.config import Config, ModelConfig, RopeScalingConfig
 from seqjax.model.attention import attention, masked_attention, resolve_backend, segment_mask
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata  # plain JAX; the Pallas kernels stay lazy
-from seqjax.model.remat import remat_block
+from seqjax.model.remat import remat_block, remat_policy
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype, axes: tuple[str, ...]) -> nnx.Param:
@@ -263,6 +263,26 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), cache
 
 
+def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """``n_layers`` blocks as one Block whose parameters carry a leading layer axis (``model.scan_layers``).
+
+    Each layer gets its own initialization keys (``nnx.split_rngs``), and each
+    parameter's ``axes`` gains a leading ``layers`` name, which no mesh axis
+    shards (seqjax.sharding), so a layer's slice shards as an unrolled block does.
+    """
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=rngs)
+
+    blocks = make(rngs)
+    for _, variable in nnx.iter_graph(blocks):
+        if isinstance(variable, nnx.Param):
+            variable.set_metadata(axes=("layers", *getattr(variable, "axes", ())))
+    return blocks
+
+
 def _frozen(value: Any) -> Any:
     """Lists (model.remat_names) as tuples, at any depth, so the config hashes."""
     return tuple(map(_frozen, value)) if isinstance(value, (list, tuple)) else value
@@ -304,7 +324,8 @@ class TransformerLM(nnx.Module):
         self.embed.embedding.set_metadata(axes=("vocab", "embed"))
         self.embed_dropout = nnx.Dropout(cfg.dropout)
         self.token_dropout = nnx.Dropout(cfg.token_dropout, broadcast_dims=(-1,))  # one draw per token: [B, T, 1]
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.blocks = stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List(
+            [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else _param(
             rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
@@ -343,8 +364,8 @@ class TransformerLM(nnx.Module):
         start = cache.length
         seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32), start, axis=1)
         layers = []
-        for block, keys, values in zip(self.blocks, cache.keys, cache.values):
-            x, layer = block.decode(x, positions, segment_ids, LayerCache(keys, values, seg, start))
+        for i, (keys, values) in enumerate(zip(cache.keys, cache.values)):
+            x, layer = self.layer(i).decode(x, positions, segment_ids, LayerCache(keys, values, seg, start))
             layers.append(layer)
         cache = KVCache(tuple(c.keys for c in layers), tuple(c.values for c in layers), seg, start + inputs.shape[1])
         return self.logits(x), cache
@@ -369,10 +390,39 @@ class TransformerLM(nnx.Module):
         policy does not keep (:func:`seqjax.model.remat.remat_policy`), trading compute for activation memory.
         """
         metadata = self.attention_metadata(segment_ids)
+        if self.cfg.scan_layers:
+            return self._scanned(x, positions, segment_ids, metadata, dropout_key)
         run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
         for block, key in zip(self.blocks, _keys(dropout_key, len(self.blocks))):
             x = run(block, x, positions, segment_ids, metadata, key)
         return x
+
+    def _scanned(self, x, positions, segment_ids, metadata, dropout_key):
+        """The stacked blocks under ``jax.lax.scan``: one block's body traced and compiled, whatever the depth.
+
+        Each step merges layer ``i``'s slice of the stacked state into a Block and
+        runs it (rematerialized as ``model.remat`` says); its dropout key is the
+        ``i``-th of the same split the unrolled loop uses, so both give the same numbers.
+        """
+        graphdef, state = nnx.split(self.blocks)
+
+        def layer(carry, xs):
+            layer_state, key = xs
+            block = nnx.merge(graphdef, layer_state)
+            return block(carry, positions, segment_ids, metadata=metadata, dropout_key=key), None
+
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat, tuple(self.cfg.remat_names)))
+        keys = None if dropout_key is None else jax.random.split(dropout_key, self.cfg.n_layers)
+        x, _ = jax.lax.scan(layer, x, (state, keys))
+        return x
+
+    def layer(self, i: int) -> "Block":
+        """Block ``i`` as a module, in either layout (a slice of the stacked parameters when scanned)."""
+        if not self.cfg.scan_layers:
+            return self.blocks[i]
+        graphdef, state = nnx.split(self.blocks)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
     def head(self) -> jax.Array:
         """The LM head [D, V] (the embedding table, transposed, when tied), in its storage dtype."""

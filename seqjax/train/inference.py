@@ -19,6 +19,7 @@ from seqjax.config_diff import resume_changes
 from seqjax.config_load import load_config
 from seqjax.errors import CheckpointError, CheckpointMismatchError
 from seqjax.model import build_model
+from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite
 from seqjax.train.resume import (
     CHECKPOINTS,
@@ -114,7 +115,9 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
 
     def restore(candidate: int) -> Any:
         saved = read_saved(checkpoints / str(candidate), config_file, items=("params",))
-        wrong = array_differences(saved.arrays["params"], array_table(target))
+        # read in the layout it was saved in (model.scan_layers), then converted to the one asked for
+        as_saved = blocks_layout(target, stacked=saved_stacked(saved.arrays["params"]))
+        wrong = array_differences(saved.arrays["params"], array_table(as_saved))
         if wrong:
             changes = resume_changes(saved.config, config) if saved.config is not None else []
             keys = "; ".join(map(str, likely_causes_first(changes))) or "no config key"
@@ -124,7 +127,8 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
             )
         # Only the params item is read, so no CheckpointManager (which also wants to manage the folder).
         with ocp.StandardCheckpointer() as reader:
-            return reader.restore(checkpoints / str(candidate) / "params", target)
+            restored = like_target(as_saved, reader.restore(checkpoints / str(candidate) / "params", as_saved))
+        return blocks_layout(restored, stacked=config.model.scan_layers)
 
     def unreadable(candidate: int, err: Exception) -> None:
         errors.append(f"step {candidate}: {first_line(err)}")

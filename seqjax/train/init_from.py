@@ -36,6 +36,7 @@ from seqjax.config import Config, ConfigError, ModelConfig
 from seqjax.config_load import load_config
 from seqjax.data.build import prepare
 from seqjax.model import build_model
+from seqjax.model.stacking import blocks_layout
 from seqjax.train import inference
 from seqjax.train.resume import TOKENIZER_FILE
 
@@ -110,7 +111,12 @@ def adopt(config: Config, source: Source) -> Config:
 
 
 def _shapes(cfg: Config | ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Each parameter's path and shape, without allocating it."""
+    """Each parameter's path and shape, without allocating it, in the unrolled layout (either converts)."""
+    model_cfg = dataclasses.replace(cfg.model if isinstance(cfg, Config) else cfg, scan_layers=False)
+    if isinstance(cfg, Config):
+        cfg = dataclasses.replace(cfg, model=model_cfg)
+    else:
+        cfg = model_cfg
     model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
@@ -137,12 +143,14 @@ def check_shapes(config: Config, source: Source) -> None:
                         source.path, getattr(source.model, field))
 
 
-def load_params(source: Source, dtype: str) -> dict[str, Any]:
-    """The source's parameters as a pure dict (``nnx.to_pure_dict`` layout), numpy arrays of ``dtype``."""
+def load_params(source: Source, dtype: str, scan_layers: bool = False) -> dict[str, Any]:
+    """The source's parameters as a pure dict (``nnx.to_pure_dict`` layout), numpy arrays of ``dtype``, with the
+    blocks stacked when the run scans its layers (whatever layout the source has)."""
     if source.folder is not None:
-        return hf.read_params(source.folder, dtype)
+        return blocks_layout(hf.read_params(source.folder, dtype), stacked=scan_layers)
     _, model = inference.load_for_inference(source.path)
-    return _cast(nnx.to_pure_dict(nnx.state(model, nnx.Param)), jnp.dtype(dtype))
+    params = _cast(nnx.to_pure_dict(nnx.state(model, nnx.Param)), jnp.dtype(dtype))
+    return blocks_layout(params, stacked=scan_layers)
 
 
 def _cast(tree: Any, dtype: np.dtype) -> Any:

@@ -215,7 +215,8 @@ def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
                                                                        path=str(run_dir / TOKENIZER_FILE)))
     graphdef, rest, params, param_shardings = _sharded_model(config, mesh)
     if source is not None:
-        params = sharding.place(init_from.load_params(source, config.model.param_dtype), param_shardings)
+        params = sharding.place(init_from.load_params(source, config.model.param_dtype, config.model.scan_layers),
+                                param_shardings)
         logger.info("parameters from %s (optimizer, step and data position start fresh)", source.path)
     tx, schedule = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
