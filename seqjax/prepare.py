@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 from seqjax import cli
@@ -45,8 +46,9 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     processes = _processes(config)
     prepared = prepare(config, splits, verify=args.verify, **processes)
-    if processes["process_index"] == 0:
-        config.save(prepared.root / "config.yaml")
+    if processes["process_index"] == 0:  # beside every store it built or reused: the settings that made it
+        for folder in {Path(entry["store"]).parent for entry in prepared.summary.values()}:
+            config.save(folder / "config.yaml")
     tokenizer = prepared.tokenizer
     print(f"# tokenizer {tokenizer.path} (vocab {tokenizer.vocab_size}, sha256 {tokenizer.hash[:12]})")
     print(f"# stores under {prepared.root}; total {time.perf_counter() - start:.2f}s")

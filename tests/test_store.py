@@ -188,6 +188,19 @@ def test_a_changed_source_rebuilds_only_its_split(corpus):
     assert text == "a different last line" and second.summary["valid"]["bytes"] != first.summary["valid"]["bytes"]
 
 
+def test_adding_a_validation_file_neither_moves_nor_rebuilds_the_train_store(corpus):
+    root, overrides = corpus
+    config = load_config(None, overrides)
+    first = prepare(config)
+    (root / "valid" / "002.txt").write_text("one more validation document\n")
+    listed = [o for o in overrides if not o.startswith("data.valid_files=")]
+    more = load_config(None, listed + [f"data.valid_files=[{root / 'valid'}/000.txt,{root / 'valid'}/001.txt,"
+                                         f"{root / 'valid'}/002.txt]"])
+    second = prepare(more)
+    assert second.summary["train"]["reused"] and second.stores["train"].path == first.stores["train"].path
+    assert not second.summary["valid"]["reused"] and second.stores["valid"].num_docs == 3
+
+
 def test_a_changed_tokenizer_builds_new_stores_beside_the_old(corpus):
     root, overrides = corpus
     first = prepare(load_config(None, overrides))
@@ -198,16 +211,16 @@ def test_a_changed_tokenizer_builds_new_stores_beside_the_old(corpus):
     retrained = prepare(load_config(None, overrides))
     assert retrained.tokenizer.hash != first.tokenizer.hash
     # every earlier store is still complete and still refuses the other tokenizers
-    assert TokenStore.open(first.root / "valid", tokenizer_hash=first.tokenizer.hash).num_docs == 2
+    assert TokenStore.open(first.stores["valid"].path, tokenizer_hash=first.tokenizer.hash).num_docs == 2
     with pytest.raises(StoreError, match="refusing"):
-        TokenStore.open(first.root / "valid", tokenizer_hash=retrained.tokenizer.hash)
+        TokenStore.open(first.stores["valid"].path, tokenizer_hash=retrained.tokenizer.hash)
 
 
 def test_prepare_rebuilds_a_cached_store_whose_manifest_names_another_tokenizer(corpus):
     _, overrides = corpus
     config = load_config(None, overrides)
     first = prepare(config)
-    manifest_path = first.root / "test" / MANIFEST
+    manifest_path = first.stores["test"].path / MANIFEST
     manifest = json.loads(manifest_path.read_text())
     manifest["build_key"]["tokenizer_hash"] = manifest["tokenizer_hash"] = "f" * 64
     manifest_path.write_text(json.dumps(manifest))
@@ -230,9 +243,9 @@ def test_a_failed_rebuild_keeps_the_previous_store(corpus, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         prepare(config)
     monkeypatch.undo()
-    kept = TokenStore.open(first.root / "valid", tokenizer_hash=first.tokenizer.hash)
+    kept = TokenStore.open(first.stores["valid"].path, tokenizer_hash=first.tokenizer.hash)
     np.testing.assert_array_equal(kept.tokens, old_tokens)
-    assert not [p for p in first.root.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in first.stores["valid"].path.parent.iterdir() if p.name.endswith(".tmp")]
     assert prepare(config).summary["valid"]["reused"] is False
 
 

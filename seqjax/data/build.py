@@ -3,8 +3,11 @@
 Cache layout under ``data.cache_dir``::
 
     tokenizers/<recipe>/tokenizer.json     trained tokenizers, keyed by what they were trained from
-    stores/<tokenizer hash>/<corpus>/      one folder per tokenizer and corpus (one per source of a mixture)
-        train/ valid/ test/                sharded token stores (see seqjax.data.store)
+    stores/<tokenizer hash>/<corpus>-<key>/
+        train/ (or valid/, test/)          a sharded token store (see seqjax.data.store); the key covers only
+                                           what makes that split (its files, field, format), so adding a
+                                           validation file never moves or rebuilds the train store
+                                           (WikiText-2's three splits share wikitext2-<variant>/)
         damaged/                           shards found damaged, set aside before they were rebuilt
         config.yaml                        the resolved config of the last prepare run
 
@@ -443,7 +446,7 @@ def _prepare(
         start = time.perf_counter()
         built, entries = [], {}
         for source in per_split[split]:
-            path = base / corpus_key(source) / split
+            path = base / corpus_key(source, split) / split
             store, reused = prepare_store(path, source, split, files[(source.name, split)], tokenizer, config, run,
                                           specs[source.name])
             built.append((source, store))
@@ -462,5 +465,6 @@ def _prepare(
         total["store"] = str(base)
         total["framing"] = framing(tokenizer)
         summary[split] = {**total, "sources": entries}
-    root = base / corpus_key(sources[0]) if len(sources) == 1 else base
+    folders = {corpus_key(sources[0], split) for split in splits}
+    root = base / folders.pop() if len(sources) == 1 and len(folders) == 1 else base
     return Prepared(tokenizer=tokenizer, stores=stores, summary=summary, root=root)

@@ -67,15 +67,21 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def corpus_key(source: SourceConfig | Config) -> str:
-    """A folder name for the corpus a source reads: ``wikitext2-tokens``, ``jsonl-<hash of its settings>``, ..."""
+def corpus_key(source: SourceConfig | Config, split: str = "train") -> str:
+    """The folder of one split's store: ``wikitext2-tokens``, or ``jsonl-<hash of what makes that split>``.
+
+    The hash covers only that split's files and how they are read (field, format),
+    so adding a validation file never moves (or rebuilds) the train store.
+    """
     if isinstance(source, Config):
         source = source.data.resolved_sources()[0]
     if source.corpus == "wikitext2":
         return f"wikitext2-{source.variant}"
-    settings = [source.train_files, source.valid_files, source.test_files]
+    settings = [getattr(source, f"{split}_files")]
     if source.text_field != "text":
         settings.append(source.text_field)
+    if source.format != "text":
+        settings.append(source.format)
     return f"{source.corpus}-{digest(settings)[:12]}"
 
 
