@@ -9,7 +9,6 @@ decoding, and a run saved one way must load, evaluate and export the other way.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
