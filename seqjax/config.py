@@ -188,6 +188,11 @@ class DataConfig:
                            resume=DATA)
     loss_weights_field: str = _f("loss_weights", "tokenized: 0/1 per token (1: scored), if the records have no "
                                  "labels", resume=DATA)
+    validation_split_percentage: float = _f(
+        0.0, "a source without valid_files: this percent of its train documents (chosen by a hash of each "
+        "document's text, so the same ones in every run and process) becomes its validation split "
+        "(run_clm's validation_split_percentage); 0: none (a run without validation data trains without it)",
+        min=0.0, max=50.0, resume=DATA)
     sources: list[SourceConfig] = _f(
         [], "a mixture: corpora with weights, each read like data.* (then data.*_files stay empty)", resume=DATA
     )

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from seqjax.config import Config, SourceConfig
 from seqjax.data.cache import BUILDER_VERSION, ProcessGroup, content_hash, corpus_key, digest, file_identity, locked
 from seqjax.data.corpus import SPLITS, file_documents, file_records, source_files
@@ -103,6 +105,7 @@ class _Counts:
     scored_tokens: int = 0
     scored_bytes: int = 0
     dropped_unscored: int = 0
+    carved_out: int = 0
     sources: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -127,11 +130,15 @@ def plan_shards(identities: list[dict[str, Any]], shard_bytes: int) -> list[list
     return shards
 
 
-def _records(source: SourceConfig, files: list[Path], spec: ExampleSpec) -> Iterator[list]:
+def _records(source: SourceConfig, files: list[Path], spec: ExampleSpec, counts: "_Counts",
+             carve: tuple[str, float] | None = None) -> Iterator[list]:
     """The ``(where, record)`` examples of ``files`` in chunks of about CHUNK_CHARS characters of JSON."""
     chunk, size = [], 0
     for path in files:
         for where, record in file_records(source, path, spec.fields):
+            if carve is not None and not in_carved_split(json.dumps(record, sort_keys=True), carve):
+                counts.carved_out += 1
+                continue
             chunk.append((where, record))
             size += len(str(record))
             if size >= CHUNK_CHARS:
@@ -141,13 +148,17 @@ def _records(source: SourceConfig, files: list[Path], spec: ExampleSpec) -> Iter
         yield chunk
 
 
-def _documents(source: SourceConfig, files: list[Path], counts: _Counts) -> Iterator[list[str]]:
+def _documents(source: SourceConfig, files: list[Path], counts: _Counts,
+               carve: tuple[str, float] | None = None) -> Iterator[list[str]]:
     """The non-empty documents of ``files`` in chunks of about CHUNK_CHARS characters (empty ones are counted)."""
     chunk, size = [], 0
     for path in files:
         for doc in file_documents(source, path):
             if not doc.strip():
                 counts.skipped_empty += 1
+                continue
+            if carve is not None and not in_carved_split(doc, carve):
+                counts.carved_out += 1
                 continue
             chunk.append(doc)
             size += len(doc)
@@ -159,12 +170,14 @@ def _documents(source: SourceConfig, files: list[Path], counts: _Counts) -> Iter
 
 
 def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], tokenizer: Tokenizer,
-                workers: int, bar: Any, spec: ExampleSpec | None = None) -> dict[str, Any]:
+                workers: int, bar: Any, spec: ExampleSpec | None = None,
+                carve: tuple[str, float] | None = None) -> dict[str, Any]:
     """Tokenize ``files`` into the shard ``path/name`` (atomically); returns its record."""
     counts = _Counts()
     source_bytes = sum(file_identity(p)["bytes"] for p in files)
     use = workers if source_bytes >= POOL_MIN_BYTES else 1
-    chunks = _documents(source, files, counts) if spec is None else _records(source, files, spec)
+    chunks = _documents(source, files, counts, carve) if spec is None else _records(source, files, spec, counts,
+                                                                                     carve)
     with ShardWriter(path, name, eot_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size,
                      scored=spec is not None) as writer:
         for chunk in encode_in_order(tokenizer, chunks, use, spec):
@@ -182,6 +195,8 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
         keys = ("documents", "skipped_empty", "bytes", "words", "lines")
         if spec is not None:
             keys += ("scored_tokens", "scored_bytes", "dropped_unscored")
+        if carve is not None:  # documents that went to the other split of the carve
+            keys += ("carved_out",)
         stats = {k: getattr(counts, k) for k in keys}
         return writer.commit({"sources": sources, "stats": stats})
 
@@ -264,6 +279,9 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
     corpus = {"corpus": source.corpus, "text_field": source.text_field,
               "variant": source.variant if source.corpus == "wikitext2" else None}
     corpus["separator"] = tokenizer.separator_id  # the framing: a store's documents open with it
+    carve = carved(source, split, config.data.validation_split_percentage)
+    if carve is not None:  # a train/valid carve: which side, and how much
+        corpus["carve"] = list(carve)
     if spec is not None:  # instruction examples: how records become ids and weights is part of the key
         corpus["examples"] = spec.identity()
     names = []
@@ -289,7 +307,7 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
             with progress_bar(total=size, desc=f"tokenize {split}", unit="B", unit_scale=True, mininterval=0.5,
                               enabled=bool(todo)) as bar:
                 for name, group in todo:
-                    build_shard(path, name, source, group, tokenizer, run.workers, bar, spec)
+                    build_shard(path, name, source, group, tokenizer, run.workers, bar, spec, carve)
             run.wait(f"seqjax-prepare-shards-{path}")
             if run.main:
                 _publish(path, names, build_key, split, tokenizer, time.perf_counter() - start)
@@ -338,6 +356,7 @@ def summarize(store: TokenStore, seconds: float, reused: bool) -> dict[str, Any]
         "skipped_empty": stats["skipped_empty"],
         "lines": stats["lines"],
         "reused": reused,
+        **({"carved_out": stats["carved_out"]} if "carved_out" in stats else {}),
         "shards": len(store.manifest.get("shards", [])),
         "store": str(store.path),
     }
@@ -349,13 +368,45 @@ def framing(tokenizer: Tokenizer) -> str:
     return f"{sep} document {sep} document ... (each document opens with {sep}, the tokenizer's own framing)"
 
 
-def _split_sources(sources: list[SourceConfig], split: str) -> list[SourceConfig]:
-    """The sources that hold ``split``: all for train; for valid/test those that list files (WikiText-2 always)."""
-    if split == "train" or len(sources) == 1:
+def carved(source: SourceConfig, split: str, percentage: float) -> tuple[str, float] | None:
+    """``(split, percentage)`` when ``split`` of ``source`` is cut from its train files, else None.
+
+    A source that lists no valid_files, under ``data.validation_split_percentage > 0``,
+    gives its validation split from its train documents: those whose text hashes
+    below the percentage go to valid, the others stay in train.
+    """
+    if source.corpus == "wikitext2" or source.valid_files or percentage <= 0 or split not in ("train", "valid"):
+        return None
+    return split, percentage
+
+
+def in_carved_split(text: str, carve: tuple[str, float]) -> bool:
+    """Whether a document (or a record's JSON) belongs to ``carve[0]``: a hash of its text, never its position,
+    so the split is the same in every run, process and file order."""
+    below = xxhash.xxh3_64_intdigest(text.encode("utf-8")) % 10_000 < carve[1] * 100
+    return below if carve[0] == "valid" else not below
+
+
+def has_split(config: Config, split: str) -> bool:
+    """Whether some source gives ``split``: WikiText-2, listed files, or (valid) a carve of the train files."""
+    percentage = config.data.validation_split_percentage
+    return split == "train" or any(
+        s.corpus == "wikitext2" or getattr(s, f"{split}_files") or carved(s, split, percentage)
+        for s in config.data.resolved_sources())
+
+
+def _split_sources(sources: list[SourceConfig], split: str, percentage: float = 0.0) -> list[SourceConfig]:
+    """The sources that hold ``split``: all for train; for valid/test those that list files (WikiText-2 always)
+    or, for valid, carve it from their train files."""
+    if split == "train":
         return sources
-    found = [s for s in sources if s.corpus == "wikitext2" or getattr(s, f"{split}_files")]
+    found = [s for s in sources
+             if s.corpus == "wikitext2" or getattr(s, f"{split}_files") or carved(s, split, percentage)]
     if not found:
-        raise CorpusError(f"data.sources: no source lists {split}_files (expected at least one, or a wikitext2 source)")
+        what = "data.sources: no source lists" if len(sources) > 1 else "data:"
+        raise CorpusError(f"{what} {split}_files: got [], expected at least one file"
+                          + (" (or data.validation_split_percentage > 0 to carve it from train)"
+                             if split == "valid" else ""))
     return found
 
 
@@ -430,8 +481,10 @@ def _prepare(
     sources = config.data.resolved_sources()
     # the files in the order a run needs them: the tokenizer's train files first
     train_files = {s.name: source_files(s, "train") for s in sources} if needs_train else None
-    per_split = {split: _split_sources(sources, split) for split in splits}
-    files = {(s.name, split): source_files(s, split) for split in splits for s in per_split[split]}
+    percentage = config.data.validation_split_percentage
+    per_split = {split: _split_sources(sources, split, percentage) for split in splits}
+    files = {(s.name, split): source_files(s, "train" if carved(s, split, percentage) else split)
+             for split in splits for s in per_split[split]}
     workers = config.data.workers or available_cores()
     run = ProcessGroup(process_index, process_count, barrier, verify, workers)
 
@@ -446,7 +499,8 @@ def _prepare(
         start = time.perf_counter()
         built, entries = [], {}
         for source in per_split[split]:
-            path = base / corpus_key(source, split) / split
+            # a carved validation split lives beside the train store it is cut from
+            path = base / corpus_key(source, "train" if carved(source, split, percentage) else split) / split
             store, reused = prepare_store(path, source, split, files[(source.name, split)], tokenizer, config, run,
                                           specs[source.name])
             built.append((source, store))
@@ -465,6 +519,7 @@ def _prepare(
         total["store"] = str(base)
         total["framing"] = framing(tokenizer)
         summary[split] = {**total, "sources": entries}
-    folders = {corpus_key(sources[0], split) for split in splits}
+    folders = {corpus_key(sources[0], "train" if carved(sources[0], split, percentage) else split)
+               for split in splits}
     root = base / folders.pop() if len(sources) == 1 and len(folders) == 1 else base
     return Prepared(tokenizer=tokenizer, stores=stores, summary=summary, root=root)

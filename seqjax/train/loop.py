@@ -36,7 +36,7 @@ from flax import nnx
 from seqjax import sharding
 from seqjax.config import DATA_DIR_ENV, Config, ConfigError
 from seqjax.config_load import announce
-from seqjax.data.build import prepare
+from seqjax.data.build import has_split, prepare
 from seqjax.data.eval_windows import resolve_stride
 from seqjax.data.examples import CHAT_TEMPLATE_FILE, find_chat_template
 from seqjax.data.pipeline import build_pipeline
@@ -173,7 +173,8 @@ def finished_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
         return None
     if not isinstance(summary, dict) or summary.get("steps") != steps:
         return None
-    return summary if summary.get("finished") and summary.get("val_loss") is not None else None
+    validated = summary.get("val_loss") is not None or summary.get("validation") is False  # (none asked for)
+    return summary if summary.get("finished") and validated else None
 
 
 @dataclasses.dataclass
@@ -184,8 +185,8 @@ class _Setup:
     run_dir: Path
     primary: bool
     tokenizer_source: Path
-    valid_store: Any
-    unigram: float
+    valid_store: Any  # None: no validation data, the run trains without validation
+    unigram: float | None
     graphdef: nnx.GraphDef
     rest: nnx.State
     params: Any
@@ -207,8 +208,12 @@ def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
     # The longest sequence it trains on becomes the saved model's limit: eval and generate then refuse longer ones
     # alike (model.max_seq_len=N on their command line evaluates beyond it, on purpose).
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=config.max_seq_len))
-    prepared = prepare(config, splits=("train", config.eval.split))
-    train_store, valid_store = prepared.stores["train"], prepared.stores[config.eval.split]
+    validation = has_split(config, config.eval.split)
+    if not validation:
+        logger.warning("no %s split (no %s_files, and data.validation_split_percentage is 0): training without "
+                       "validation", config.eval.split, config.eval.split)
+    prepared = prepare(config, splits=("train", config.eval.split) if validation else ("train",))
+    train_store, valid_store = prepared.stores["train"], prepared.stores.get(config.eval.split)
     # The run keeps its own copy of the tokenizer (written once the resume is accepted, with config.yaml).
     run_dir = Path(config.run.dir)
     config = dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer,
@@ -226,7 +231,8 @@ def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
     return _Setup(
         config=config, run_dir=run_dir, primary=process_index == 0,
         tokenizer_source=Path(prepared.tokenizer.path), valid_store=valid_store,
-        unigram=unigram_perplexity(train_store.tokens, valid_store.tokens, config.model.vocab_size),
+        unigram=None if valid_store is None else unigram_perplexity(train_store.tokens, valid_store.tokens,
+                                                                     config.model.vocab_size),
         graphdef=graphdef, rest=rest, params=params, opt_state=opt_state,
         rng=sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated),
         num_params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
@@ -330,8 +336,9 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
     if run.primary:  # after the resume was accepted: a refused one leaves config.yaml and tokenizer.json as they were
         _keep_tokenizer(run.tokenizer_source, run.run_dir)
         announce(config, run.run_dir)
-        logger.info("%s parameters; mesh %s; %d process(es); unigram %s perplexity %.1f",
-                    f"{run.num_params:,}", dict(mesh.shape), process_count, config.eval.split, run.unigram)
+        logger.info("%s parameters; mesh %s; %d process(es); unigram %s perplexity %s",
+                    f"{run.num_params:,}", dict(mesh.shape), process_count, config.eval.split,
+                    "n/a" if run.unigram is None else f"{run.unigram:.1f}")
     log = MetricsLog(run.run_dir, resume_step=start_step, enabled=run.primary, trackers=config.run.trackers,
                      config=config, checkpoint_row=restored.meta.get("row") if restored else None)
     if restored is not None:
@@ -358,7 +365,8 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
                 steps.add(step, m, batch["inputs"].shape)
                 profiler.after(step, m)
                 checkpoint = step % tc.checkpoint_every == 0 or step == tc.steps
-                validating = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
+                validating = run.valid_store is not None or validate is not None
+                validating = validating and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps)
                 stopping = should_stop(stop, step, process_count)
                 if steps.due(step) or checkpoint or validating or stopping:
                     steps.flush(step)  # before any save: a non-finite step must never reach a checkpoint
@@ -373,7 +381,7 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
                 if stopping:
                     checkpoints.wait()
                     raise Interrupted(stop.signum or signal.SIGTERM, step)
-            if last_val is None and start_step == tc.steps:
+            if last_val is None and start_step == tc.steps and (run.valid_store is not None or validate is not None):
                 # Resumed at the last step (the final validation was cut short, or never recorded): redo it.
                 logger.info("step %d was saved but its final validation never completed: running it now", start_step)
                 last_val = _validate(run, params, mesh, start_step, validate, log)
@@ -415,7 +423,9 @@ def _summary(run: _Setup, steps: StepLogger, restored: Restored | None, last_val
         "eval_context": config.eval_context,
         "eval_stride": resolve_stride(config.eval.mode, config.eval_context, config.eval.stride),
         # The final validation completed and is recorded above: a re-run of this command changes nothing.
-        "finished": last_val is not None and bool(last_val.get("val_complete", True)),
+        "finished": (last_val is not None and bool(last_val.get("val_complete", True))) or (
+            run.valid_store is None and last_val is None),  # (no validation data: reaching the last step is all)
+        "validation": run.valid_store is not None,
     }
     if run.primary:
         plot_losses(run.run_dir)
