@@ -13,7 +13,7 @@ generated in the setting the model learned it (an empty prompt generates
 from that token alone); a model with a beginning-of-text token
 (``tokenizer.bos_token``, e.g. an imported Llama's ``<s>``) gets that instead.
 A row stops at its first end-of-text; the loop stops when every row has, or
-after ``--max_new_tokens``.
+after ``--max-new-tokens``.
 """
 
 from __future__ import annotations
@@ -48,17 +48,23 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    cli.run(build_parser(), argv, continue_prompts)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The generate CLI's flags."""
     p = cli.parser("python -m seqjax.generate", "Continue prompts with a trained model (last line: one JSON object).")
     trained.add_checkpoint_args(p)
     p.add_argument("--prompt", help="text to continue ('' starts a new article)")
     p.add_argument("--prompts", metavar="FILE", help="a file with one prompt per line, generated as one batch")
-    p.add_argument("--max_new_tokens", type=int, default=100)
+    # One flag style across the CLIs (dashes); the underscore spellings of earlier releases still work.
+    p.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass to keep (1: off)")
-    p.add_argument("--top_k", type=int, default=0, help="most likely tokens to keep (0: off)")
+    p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0, help="nucleus mass to keep (1: off)")
+    p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0, help="most likely tokens to keep (0: off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: run.seed)")
-    cli.run(p, argv, continue_prompts)
-    return 0
+    return p
 
 
 def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:

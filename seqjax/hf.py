@@ -226,6 +226,8 @@ def run_config(hf: HFFolder, overrides: Sequence[str] = (), tokenizer_path: Path
             "path": str(tokenizer_path or hf.tokenizer),
             "special_tokens": [hf.eos_token],
             "bos_token": hf.bos_token,
+            # the tokenizer's real size (not the default of a tokenizer seqjax would train)
+            "vocab_size": HFTokenizer.from_file(str(hf.tokenizer)).get_vocab_size(with_added_tokens=True),
         },
         "data": {"variant": "raw", "seq_len": min(Config().data.seq_len, hf.model.max_seq_len)},
     }

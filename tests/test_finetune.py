@@ -104,7 +104,7 @@ def test_a_copied_run_folder_evaluates_and_generates_without_the_corpus_or_cache
     assert saved["tokenizer"]["path"].endswith("reference/tokenizer.json")  # the run's own copy
     gone = tmp_path / "no-cache"
     proc = subprocess.run(
-        [sys.executable, "-m", "seqjax.generate", "--run", str(copy), "--prompt", "the cat", "--max_new_tokens", "4",
+        [sys.executable, "-m", "seqjax.generate", "--run", str(copy), "--prompt", "the cat", "--max-new-tokens", "4",
          f"data.cache_dir={gone}", "data.train_files=[/nonexistent/train.jsonl]"],
         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -104,8 +104,27 @@ def test_generate_cli_prints_json_last(wikitext_prepared, wikitext_config, tmp_p
     monkeypatch.setattr("seqjax.trained.load_for_inference", lambda path, overrides: (wikitext_config, lm))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The game\nIn 1998 ,\n")
-    generate_cli.main(["--run", str(tmp_path), "--prompt", "", "--prompts", str(prompts), "--max_new_tokens", "5",
+    generate_cli.main(["--run", str(tmp_path), "--prompt", "", "--prompts", str(prompts), "--max-new-tokens", "5",
                        "--temperature", "0"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [s["prompt"] for s in result["samples"]] == ["", "The game", "In 1998 ,"]
     assert all(s["new_tokens"] == 5 or s["stopped_at_eot"] for s in result["samples"])
+
+
+def test_a_prompt_too_long_is_blamed_on_the_prompt_and_too_many_new_tokens_on_that_flag(model):
+    from seqjax.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^--prompt: the longest prompt is 32 tokens .* expected at most 31"):
+        generate(model, [[START] * 32], eot_id=None, max_new_tokens=1)
+    with pytest.raises(UsageError, match=r"^--max-new-tokens: got 30, expected at most 24: the longest prompt "
+                                         r"takes 8 of model.max_seq_len=32"):
+        generate(model, PROMPTS, eot_id=None, max_new_tokens=30)
+
+
+def test_the_generate_flags_take_dashes_and_their_old_underscore_spellings():
+    from seqjax.generate import build_parser
+
+    dashed = build_parser().parse_args(["--run", "r", "--max-new-tokens", "7", "--top-p", "0.5", "--top-k", "3"])
+    old = build_parser().parse_args(["--run", "r", "--max_new_tokens", "7", "--top_p", "0.5", "--top_k", "3"])
+    assert (dashed.max_new_tokens, dashed.top_p, dashed.top_k) == (old.max_new_tokens, old.top_p, old.top_k) \
+        == (7, 0.5, 3)

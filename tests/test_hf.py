@@ -272,6 +272,7 @@ def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path)
     config, model = load_for_inference(tmp_path / "run")
     assert config.tokenizer.path == str(tmp_path / "run" / "tokenizer.json")
     assert config.model.rope_theta == 500000.0 and config.model.head_dim == 16 and config.data.variant == "raw"
+    assert config.tokenizer.vocab_size == 300  # the imported tokenizer's own size, in the saved config.yaml
     _, direct = hf.load(folder, ["model.attention=xla"])
     ids = random_ids((1, T))
     np.testing.assert_array_equal(logits(model, ids), logits(direct, ids))

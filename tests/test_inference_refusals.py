@@ -52,7 +52,7 @@ def test_eval_refuses_a_model_size_the_checkpoint_does_not_have_with_one_line(re
     assert "embed/embedding: checkpoint (300, 32) float32, now (1000, 32) float32" in line
 
 
-@pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top_p", "nan")])
+@pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
 def test_generate_refuses_a_sampling_setting_that_is_not_a_finite_number(reference, tiny_root, capfd, flag, value):
     from seqjax.generate import main
 

@@ -18,7 +18,7 @@ line is adapted, and only like this:
    (:func:`tiny_data`, put before the line's own overrides, so those still
    apply), and a training run gets a tiny model and two steps
    (:data:`TINY_TRAIN`, put after them).
-4. Generation gets ``--max_new_tokens 8`` (the tiny model accepts 64 tokens;
+4. Generation gets ``--max-new-tokens 8`` (the tiny model accepts 64 tokens;
    the default is 100), and the tiny corpus's validation file stands in for
    a test split.
 5. ``hf/llama`` is a tiny random Hugging Face Llama folder the session builds
@@ -139,10 +139,11 @@ def adapt(command: str, root: Path) -> list[str]:
         argv = [*argv[:at], *tiny_data(root, files=not mixture), *argv[at:], *extra_after]
     elif "--run" in argv:
         argv += [f"data.test_files=[{root / 'valid.jsonl'}]"]
-    if "--max_new_tokens" in argv:
-        argv[argv.index("--max_new_tokens") + 1] = "8"
+    flag = next((f for f in ("--max-new-tokens", "--max_new_tokens") if f in argv), None)
+    if flag:
+        argv[argv.index(flag) + 1] = "8"
     elif "seqjax.generate" in argv:
-        argv[3:3] = ["--max_new_tokens", "8"]  # after [python, -m, seqjax.generate]
+        argv[3:3] = ["--max-new-tokens", "8"]  # after [python, -m, seqjax.generate]
     return argv
 
 

@@ -90,7 +90,7 @@ def test_eval_and_generate_read_a_run_that_is_training(reference, tiny_root, tmp
     """Readers take no lock: they work beside a run that holds it."""
     with RunLock(tiny_root / "reference"):
         proc = subprocess.run([sys.executable, "-m", "seqjax.generate", "--run", str(tiny_root / "reference"),
-                               "--prompt", "the", "--max_new_tokens", "2"],
+                               "--prompt", "the", "--max-new-tokens", "2"],
                               cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert_ok(proc)
 

@@ -56,6 +56,6 @@ def test_import_fine_tune_on_chats_evaluate_export_and_transformers_generates_th
     out = model.generate(np.asarray([ids]), max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     theirs = tokenizer.decode(np.asarray(out.sequences)[0, len(ids):])
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ours = run("seqjax.generate", "--run", str(ft), "--prompt", prompt[len("<s>"):], "--max_new_tokens", "8",
+    ours = run("seqjax.generate", "--run", str(ft), "--prompt", prompt[len("<s>"):], "--max-new-tokens", "8",
                "--temperature", "0")["samples"][0]["completion"]
     assert theirs.startswith(ours) and len(ours) > 0

@@ -166,13 +166,18 @@ def generate(
     A row stops at its first ``eot_id`` (None: never; every row gets ``max_new_tokens``).
     """
     if max_new_tokens < 1:
-        raise UsageError(f"--max_new_tokens: got {max_new_tokens}, expected at least 1")
+        raise UsageError(f"--max-new-tokens: got {max_new_tokens}, expected at least 1")
     inputs, positions, segment_ids = prompt_batch(prompts)
     max_len = inputs.shape[1] + max_new_tokens
-    if max_len > model.cfg.max_seq_len:
+    limit = model.cfg.max_seq_len
+    if inputs.shape[1] >= limit:  # the prompt alone leaves no room: the prompt is what must change
+        raise UsageError(f"--prompt: the longest prompt is {inputs.shape[1]} tokens (with its opening token), but "
+                         f"model.max_seq_len={limit} leaves no room for a new token; expected at most {limit - 1}: "
+                         "shorten the prompt")
+    if max_len > limit:
         raise UsageError(
-            f"--max_new_tokens: the longest prompt ({inputs.shape[1]} tokens) plus {max_new_tokens} new tokens is "
-            f"{max_len}, more than model.max_seq_len={model.cfg.max_seq_len}"
+            f"--max-new-tokens: got {max_new_tokens}, expected at most {limit - inputs.shape[1]}: the longest "
+            f"prompt takes {inputs.shape[1]} of model.max_seq_len={limit} tokens"
         )
     settings = sampling.arrays()
     key = jax.random.key(seed)
