@@ -110,3 +110,15 @@ def test_a_copied_run_folder_evaluates_and_generates_without_the_corpus_or_cache
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["samples"][0]["new_tokens"] > 0
     assert not gone.exists()
+
+
+def test_init_from_on_a_run_dir_with_checkpoints_says_before_any_work_that_the_resume_wins(llama, tiny_root, tmp_path):
+    run_dir = tmp_path / "ft"
+    overrides = {**LLAMA_MODEL, "train.warmup_steps": 0, "train.init_from": llama, "train.checkpoint_every": 2}
+    assert_ok(run_cli(tiny_overrides(tiny_root, run_dir, **overrides, **{"train.steps": 2})))
+    again = run_cli(tiny_overrides(tiny_root, run_dir, **overrides, **{"train.steps": 4}))
+    assert_ok(again)
+    said = [line for line in again.stderr.splitlines() if "holds checkpoints" in line]
+    assert said and "resumes from them and train.init_from=" in said[0] and "is not read" in said[0]
+    assert "start fresh" not in again.stderr  # the contradiction of earlier releases
+    assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from"] == 2

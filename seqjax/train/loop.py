@@ -58,7 +58,7 @@ from seqjax.train.metrics import (
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.prefetch import DevicePrefetch
 from seqjax.train.profiling import ProfileWindow
-from seqjax.train.resume import TOKENIZER_FILE, Restored
+from seqjax.train.resume import CHECKPOINTS, TOKENIZER_FILE, Restored
 from seqjax.train.rundir import RunLock
 from seqjax.train.signals import Interrupted, StopRequest, should_stop
 from seqjax.train.step import make_train_step
@@ -150,6 +150,12 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     if config.train.init_from:  # the source's tokenizer and shapes: a mismatch is refused before run.dir exists
         source = init_from.locate(config.train.init_from)
         config = init_from.adopt(config, source)
+        saved = _saved_steps(Path(config.run.dir))
+        if saved:  # said before any work: resuming the run's own checkpoints wins (as a requeued job expects)
+            logger.warning("run.dir %s holds checkpoints (newest: step %d): the run resumes from them and "
+                           "train.init_from=%s is not read (it only starts a new run; use a new run.dir to "
+                           "fine-tune afresh)", config.run.dir, max(saved), config.train.init_from)
+            source = None
     with RunLock(config.run.dir, jax.process_index(), jax.process_count()):
         finished = finished_summary(Path(config.run.dir), config.train.steps)
         if finished is not None:
@@ -159,6 +165,12 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
                         config.train.steps)
             return finished
         return _train(config, mesh, wall_start, validate, source)
+
+
+def _saved_steps(run_dir: Path) -> list[int]:
+    """The committed checkpoint steps in ``run_dir`` (orbax names a step folder by its number once committed)."""
+    folder = run_dir / CHECKPOINTS
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
 
 
 def finished_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
