@@ -66,3 +66,27 @@ def test_a_run_without_validation_data_trains_says_so_and_its_rerun_is_finished(
     assert "training without validation" in caplog.text
     written = (tmp_path / "run" / "summary.json").read_bytes()
     assert train(config)["finished"] and (tmp_path / "run" / "summary.json").read_bytes() == written
+
+
+def test_a_mixture_reports_each_sources_validation_loss(tmp_path):
+    from seqjax.train.loop import train  # (the training stage: only these tests run a loop)
+    from seqjax.train.metrics import _scalars
+
+    for name, seed in (("a", 1), ("b", 2)):
+        write_docs(tmp_path / f"{name}.jsonl", n=40, seed=seed)
+        write_docs(tmp_path / f"{name}_valid.jsonl", n=8, seed=seed + 10)
+    sources = ("[{name: a, train_files: [%s], valid_files: [%s]}, {name: b, weight: 3, train_files: [%s], "
+               "valid_files: [%s]}]" % (tmp_path / "a.jsonl", tmp_path / "a_valid.jsonl", tmp_path / "b.jsonl",
+                                        tmp_path / "b_valid.jsonl"))
+    config = load_config(None, [
+        "data.corpus=jsonl", f"data.sources={sources}", f"data.cache_dir={tmp_path / 'cache'}",
+        "tokenizer.vocab_size=300", "data.seq_len=32", "data.batch_size=4", "model.d_model=32", "model.n_layers=1",
+        "model.n_heads=2", "model.d_ff=64", "train.steps=2", "train.warmup_steps=0", "train.async_checkpoint=false",
+        "eval.mode=documents", f"run.dir={tmp_path / 'run'}"])
+    summary = train(config)
+    per_source = summary["val_sources"]
+    assert set(per_source) == {"a", "b"} and all(np.isfinite(s["loss"]) for s in per_source.values())
+    # documents mode scores each document alone: the whole split's sum is the sources' sums
+    total = sum(s["loss"] * s["tokens"] for s in per_source.values()) / sum(s["tokens"] for s in per_source.values())
+    assert total == pytest.approx(summary["val_loss"], rel=1e-5)
+    assert dict(_scalars({"step": 2, "val_sources": per_source}))["val_sources/b/loss"] == per_source["b"]["loss"]

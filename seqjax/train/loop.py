@@ -96,11 +96,15 @@ def _keep_tokenizer(tokenizer_path: Path, run_dir: Path) -> None:
 
 
 def _validation(model, store, config: Config, mesh, step: int, primary: bool, final: bool) -> dict[str, Any]:
-    """Validation with the eval CLI's code; capped at train.eval_batches during training, whole split at the end."""
+    """Validation with the eval CLI's code; capped at train.eval_batches during training, whole split at the end.
+
+    A mixture's validation also scores each source's split alone (as Levanter reports each dataset's loss):
+    ``val_sources`` holds each one's loss and perplexity.
+    """
     max_batches = None if final else config.train.eval_batches
     result = evaluate(model, store, config, mesh=mesh, max_batches=max_batches, progress=primary)
     val_loss = result["nll_sum"] / result["tokens"]
-    return {
+    row = {
         "step": step,
         "val_loss": val_loss,
         "val_perplexity": math.exp(val_loss),
@@ -109,6 +113,13 @@ def _validation(model, store, config: Config, mesh, step: int, primary: bool, fi
         "val_word_perplexity": result["word_perplexity"],
         "val_bits_per_byte": result["bits_per_byte"],
     }
+    if store.source_stores:
+        row["val_sources"] = {}
+        for (name, *_), source in zip(store.sources, store.source_stores):
+            alone = evaluate(model, source, config, mesh=mesh, max_batches=max_batches, progress=False)
+            loss = alone["nll_sum"] / alone["tokens"]
+            row["val_sources"][name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": alone["tokens"]}
+    return row
 
 
 def _sharded_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State, dict, dict]:
@@ -328,6 +339,9 @@ def _validate(run: _Setup, params, mesh, step: int, validate, log: MetricsLog) -
     log.write(row, prefix="valid")
     if run.primary:
         logger.info("step %d: validation loss %.4f, perplexity %.2f", step, row["val_loss"], row["val_perplexity"])
+        for name, source in row.get("val_sources", {}).items():
+            logger.info("step %d: validation loss %.4f, perplexity %.2f on source %s", step, source["loss"],
+                        source["perplexity"], name)
     return row
 
 
@@ -429,6 +443,7 @@ def _summary(run: _Setup, steps: StepLogger, restored: Restored | None, last_val
         "val_perplexity": last_val and last_val["val_perplexity"],
         "val_word_perplexity": last_val and last_val["val_word_perplexity"],
         "val_bits_per_byte": last_val and last_val["val_bits_per_byte"],
+        "val_sources": last_val and last_val.get("val_sources"),
         "unigram_perplexity": run.unigram,
         "eval": dataclasses.asdict(config.eval),
         # What the final validation really used (the keys above may be null: their defaults resolved here).

@@ -124,11 +124,15 @@ class _Wandb:
 _TRACKER_CLASSES = {"tensorboard": _TensorBoard, "wandb": _Wandb}
 
 
-def _scalars(row: dict[str, Any]):
-    """The finite numbers of a row, without its step (the trackers' x axis)."""
+def _scalars(row: dict[str, Any], prefix: str = ""):
+    """The finite numbers of a row, without its step (the trackers' x axis); nested ones (a mixture's
+    ``val_sources``) as ``val_sources/<name>/loss``."""
     for key, value in row.items():
-        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            yield key, value
+        if isinstance(value, dict):
+            yield from _scalars(value, f"{prefix}{key}/")
+        elif key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value):
+            yield prefix + key, value
 
 
 class MetricsLog:
