@@ -35,22 +35,55 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from seqjax import sharding
-from seqjax.config import Config, ConfigError
+from seqjax.config import Config, ConfigError, ModelConfig
 from seqjax.data.contract import Batch
 from seqjax.data.eval_windows import EvalWindows, eval_windows
 from seqjax.data.lm_eval import MODE as LM_EVAL
 from seqjax.data.lm_eval import LmEvalDocs
 from seqjax.data.store import TokenStore
+from seqjax.model.attention import resolve_backend
 from seqjax.model.loss import lm_loss
 from seqjax.progress import progress_bar
+
+
+def batch_bytes(cfg: ModelConfig, rows: int, context: int) -> int:
+    """A lower bound on what one evaluation batch needs on a device: the float32 logits ``[rows, context, vocab]``
+    and, on the XLA attention path (which materializes them), one layer's float32 scores
+    ``[rows, heads, context, context]``."""
+    logits = rows * context * cfg.vocab_size * 4
+    dense = resolve_backend(cfg.attention, jnp.dtype(cfg.compute_dtype)) == "xla"
+    return logits + (rows * cfg.n_heads * context * context * 4 if dense else 0)
+
+
+def device_bytes() -> int | None:
+    """Memory of one device: an accelerator's limit, or the host's RAM for the CPU; None when unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if jax.default_backend() == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def check_fits(cfg: ModelConfig, rows: int, context: int) -> None:
+    """Refuse, before any batch is built, an evaluation whose one batch cannot fit the device (one line)."""
+    need, have = batch_bytes(cfg, rows, context), device_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"eval.context={context} with {rows} rows per device (eval.batch_size) needs at least {need / 1e9:,.1f} "
+            f"GB for one batch (float32 logits over {cfg.vocab_size:,} tokens and attention scores of "
+            f"{context:,}^2 per head), more than this device's {have / 1e9:,.1f} GB; lower eval.context or "
+            "eval.batch_size")
 
 
 def windows_for(store: TokenStore, config: Config) -> EvalWindows:
@@ -114,6 +147,8 @@ def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh
     """(nll_sum, tokens scored, batches scored, batches in all, seconds) of ``windows`` under ``model``."""
     placement = _Placement(mesh, config)
     batch_size = placement.batch_size(config.eval.batch_size)
+    if hasattr(model, "cfg"):  # (a seqjax model: its shape says what a batch needs)
+        check_fits(model.cfg, batch_size // placement.shards, windows.context)
     total = windows.num_batches(batch_size)
     n_batches = total if max_batches is None else min(max_batches, total)
     graphdef, state = nnx.split(model)

@@ -119,6 +119,18 @@ def test_deterministic_and_a_partial_run_says_so(tiny_model):
 
 
 @pytest.mark.slow
+def test_a_context_whose_batch_cannot_fit_the_device_is_refused_before_any_batch():
+    from seqjax.config import ConfigError
+
+    huge = load_config(None, ["model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.d_ff=32",
+                              "model.max_seq_len=400000", "data.seq_len=8", "model.attention=xla",
+                              "eval.context=400000", "eval.batch_size=4"])
+    model = build_model(huge, vocab_size=VOCAB, rngs=nnx.Rngs(3))
+    with pytest.raises(ConfigError, match=r"^eval.context=400000 with 4 rows per device \(eval.batch_size\) needs at "
+                                          r"least [\d,.]+ GB for one batch .* more than this device's"):
+        evaluate(model, small_store(), huge, progress=False)
+
+
 def test_counts_match_the_prepare_summary(wikitext_prepared, wikitext_config):
     """Every protocol scores the tokens prepare counted; words and bytes are the split text's (from the manifest)."""
     vocab = wikitext_prepared.tokenizer.vocab_size
