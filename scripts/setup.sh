@@ -19,9 +19,13 @@ if [ ! -x .venv/bin/python ]; then
   "$(find_python)" -m venv .venv
 fi
 stamp=.venv/.seqjax-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]"
+  # The lm-evaluation-harness pieces tests/test_lm_eval_harness.py runs (detokenizer, rolling windows, metrics)
+  # import without torch: the package without its dependencies, plus sacrebleu, which its metrics module imports.
+  .venv/bin/python -m pip install -q --no-deps "lm-eval==0.4.13"
+  .venv/bin/python -m pip install -q "sacrebleu>=2.4"
   echo "$want" > "$stamp"
 fi

@@ -582,6 +582,9 @@ class EvalConfig:
         None, "tokens of context per window (default: data.seq_len; lm_eval: the model's max_seq_len)", min=2
     )
     stride: int | None = _f(None, "sliding: new tokens scored per window (default: context // 2)", min=1)
+    lm_eval_special_tokens: bool = _f(
+        True, "lm_eval: encode each page with the tokenizer's default special tokens, as lm-evaluation-harness "
+        ">= 0.4.9.2 does (an opening BOS is then scored); false: without them, as <= 0.4.9.1 did")
     batch_size: int = _f(8, "windows per evaluation batch", min=1)
 
     def check(self) -> None:

@@ -94,15 +94,17 @@ def test_rolling_windows_equal_the_harness_algorithm(lengths, context):
     assert rows_of(rolling_windows(docs, 1, 64, context)) == expected
 
 
-def test_units_follow_the_harness_definitions_on_a_uniform_model(tmp_path):
+@pytest.mark.parametrize("special_tokens", [True, False])  # harness >= 0.4.9.2, and <= 0.4.9.1
+def test_units_follow_the_harness_definitions_on_a_uniform_model(tmp_path, special_tokens):
     tokenizer = tiny_tokenizer(tmp_path)
     config = load_config(None, ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.d_ff=32",
                                 "model.init_std=0.0", "model.attention=xla", "data.seq_len=8", "eval.batch_size=4"])
     model = build_model(config, tokenizer.vocab_size, rngs=nnx.Rngs(0))  # all-zero weights: uniform predictions
     pages = [" = The cat = \n \n the cat sat on a mat . \n ", " = Dog = \n \n a dog ran far away \n"]
-    docs = lm_eval_docs(pages, tokenizer, context=8)
+    docs = lm_eval_docs(pages, tokenizer, context=8, special_tokens=special_tokens)
     result = evaluate_lm_eval(model, docs, config, split="test", progress=False)
-    tokens = sum(len(tokenizer.encode_text(wikitext_detokenize(p))) for p in pages)
+    # today's harness also scores the opening token its tokenizer adds to each page
+    tokens = sum(len(tokenizer.encode_text(wikitext_detokenize(p))) + special_tokens for p in pages)
     words = sum(harness_words(p) for p in pages)
     n_bytes = sum(len(p.encode()) for p in pages)
     ln_v = math.log(tokenizer.vocab_size)

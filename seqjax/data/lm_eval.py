@@ -12,10 +12,14 @@ Its steps, each reproduced here:
    ``\\n``; whitespace-only pages are dropped, except the last one.
 2. **Detokenizer** (:func:`wikitext_detokenize`): WikiText's spaced-out
    punctuation (``" @-@ "``, ``" , "``, ``"( x )"``, ...) is closed up again.
-3. **Tokens**: the detokenized page encoded as one string without special
-   tokens (:meth:`Tokenizer.encode_text`); the *prefix* token is the
-   tokenizer's beginning-of-text token (``tokenizer.bos_token``), else its
-   end-of-text token, as the harness's ``prefix_token_id``.
+3. **Tokens**: the detokenized page encoded as one string. Harness 0.4.9.2
+   and later (0.4.13 today) encode it with the tokenizer's default special
+   tokens (:meth:`Tokenizer.encode_default`: a Llama's, or an exported seqjax
+   model's, opening BOS is then the page's first scored token);
+   ``eval.lm_eval_special_tokens=false`` encodes it without them
+   (:meth:`Tokenizer.encode_text`), as 0.4.9.1 and earlier did. The *prefix*
+   token is the tokenizer's beginning-of-text token (``tokenizer.bos_token``),
+   else its end-of-text token, as the harness's ``prefix_token_id``.
 4. **Rolling windows** (``loglikelihood_rolling`` with the model's max length
    L and a context of 1): the first window reads ``[prefix] + t[0 : L-1]``
    and scores ``t[0 : L]``; each next one scores the next (up to) L tokens
@@ -127,14 +131,15 @@ def rolling_windows(encoded: list[list[int]], prefix_id: int, vocab_size: int, c
     return EvalWindows(stream, MODE, context, context, starts, ends, lo, hi, cross_document_attention=True)
 
 
-def lm_eval_docs(pages: list[str], tokenizer: Tokenizer, context: int) -> LmEvalDocs:
+def lm_eval_docs(pages: list[str], tokenizer: Tokenizer, context: int, special_tokens: bool = True) -> LmEvalDocs:
     """Encode each detokenized page and lay out the rolling windows of ``context`` tokens (steps 2 to 4).
 
     The units sit in one stream, ``[prefix] t(page 0) [prefix] t(page 1) ... [prefix]``; window bounds
     come from :func:`seqjax.data.eval_windows.unit_windows`, as for the documents mode, with each unit
     ending at its page's last token (the prefix after it is never read or scored).
     """
-    encoded = [tokenizer.encode_text(wikitext_detokenize(page)) for page in pages]
+    encode = tokenizer.encode_default if special_tokens else tokenizer.encode_text  # harness >= 0.4.9.2 / <= 0.4.9.1
+    encoded = [encode(wikitext_detokenize(page)) for page in pages]
     return LmEvalDocs(
         pages=pages,
         windows=rolling_windows(encoded, tokenizer.bos_id, tokenizer.vocab_size, context),
@@ -147,4 +152,5 @@ def lm_eval_docs(pages: list[str], tokenizer: Tokenizer, context: int) -> LmEval
 def read_lm_eval_split(config: Config, split: str, tokenizer: Tokenizer) -> LmEvalDocs:
     """The raw WikiText-2 ``split`` as the harness's pages, tokenized, windowed at ``config.eval_context``."""
     (path,) = find_sources(config, split)
-    return lm_eval_docs(harness_pages(read_text(path)), tokenizer, config.eval_context)
+    return lm_eval_docs(harness_pages(read_text(path)), tokenizer, config.eval_context,
+                        config.eval.lm_eval_special_tokens)

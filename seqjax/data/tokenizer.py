@@ -107,6 +107,14 @@ class Tokenizer:
         encoding = self._hf.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
+    def encode_default(self, text: str) -> list[int]:
+        """Ids of ``text`` with the tokenizer's default special tokens, as transformers' ``tokenizer(text)`` gives
+        them for this tokenizer once exported: its own post-processor's (a Llama's ``<s>``), or, for a tokenizer
+        without one, the opening token seqjax's export adds (:func:`seqjax.hf.write_folder`)."""
+        if self._hf.post_processor is not None:
+            return self._hf.encode(text, add_special_tokens=True).ids
+        return [self.bos_id] + self.encode_text(text)
+
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` encoded as one string, without special tokens (as HF's ``encode`` with
         ``add_special_tokens=False``, which the lm-evaluation-harness uses); may differ from :meth:`encode`
