@@ -142,7 +142,7 @@ def _wikitext_file(source: SourceConfig, split: str) -> Path:
             " valid/test with an existing tokenizer.path."
         )
     raise CorpusError(
-        f"WikiText-2 file {name} not found. Looked in:\n  " + "\n  ".join(looked) + "\n"
+        f"WikiText-2 file {name} not found. Looked in: " + "; ".join(looked) + ". "
         f"Get WikiText-2 (Merity et al. 2016) as {WIKITEXT_ARCHIVES['tokens']} (word-level, wiki.*.tokens) or "
         f"{WIKITEXT_ARCHIVES['raw']} (raw, wiki.*.raw), e.g. from the Hugging Face dataset Salesforce/wikitext; "
         f"unzip it so that DIR/{folder}/{name} exists, then set data.dir=DIR or {DATA_DIR_ENV}=DIR." + note
@@ -185,14 +185,14 @@ def _listed_files(source: SourceConfig, split: str) -> list[Path]:
                     break
             else:
                 raise CorpusError(
-                    f"{key}: the glob {entry!r} matches no file. Tried:\n  " + "\n  ".join(map(str, candidates))
+                    f"{key}: the glob {entry!r} matches no file. Tried: " + "; ".join(map(str, candidates))
                 )
             for match in matched:
                 files += _folder_files(match, source.corpus, key) if match.is_dir() else [match]
             continue
         found = next((c for c in candidates if c.exists()), None)
         if found is None:
-            raise CorpusError(f"{key}: {entry!r} not found. Looked in:\n  " + "\n  ".join(map(str, candidates)))
+            raise CorpusError(f"{key}: {entry!r} not found. Looked in: " + "; ".join(map(str, candidates)))
         files += _folder_files(found, source.corpus, key) if found.is_dir() else [found]
     return files
 
