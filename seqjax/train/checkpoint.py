@@ -56,7 +56,7 @@ from jax.experimental import multihost_utils
 
 from seqjax.config import Config, TrainConfig
 from seqjax.errors import CheckpointMismatchError
-from seqjax.train.orbax_quiet import QuietOrbax
+from seqjax.train.orbax_quiet import QuietOrbax, after_a_damaged_read
 from seqjax.train.resume import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -282,6 +282,8 @@ class Checkpointer:
         return None
 
     def _set_aside(self, step: int, err: Exception) -> None:
+        after_a_damaged_read()  # the failed read's orphaned coroutines report later: one line says it all
+        gc.collect()
         src = self.directory / str(step)
         dst = _free_name(self.run_dir / CORRUPT / str(step))
         log.warning("checkpoint %s is unreadable (%s); moving it to %s and trying the previous one",

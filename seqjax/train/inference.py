@@ -21,6 +21,7 @@ from seqjax.errors import CheckpointError, CheckpointMismatchError
 from seqjax.model import build_model
 from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite
+from seqjax.train.orbax_quiet import after_a_damaged_read
 from seqjax.train.resume import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -131,6 +132,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
         return blocks_layout(restored, stacked=config.model.scan_layers)
 
     def unreadable(candidate: int, err: Exception) -> None:
+        after_a_damaged_read()  # its orphaned reads would each print a traceback later
         errors.append(f"step {candidate}: {first_line(err)}")
         log.warning("checkpoint %s is unreadable; trying an older one", checkpoints / str(candidate))
 

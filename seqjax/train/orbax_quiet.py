@@ -35,6 +35,37 @@ def _raised_in_orbax(tb: Any) -> bool:
     return False
 
 
+class _OrphanedReads(logging.Filter):
+    """asyncio's "Task exception was never retrieved" for orbax reads of a step already reported damaged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and _raised_in_orbax(record.exc_info[2]):
+            log.debug("an orphaned read of a damaged checkpoint: %s", (record.getMessage().splitlines() or [""])[0])
+            return False
+        return True
+
+
+_ORPHANED = _OrphanedReads()
+
+
+def after_a_damaged_read() -> None:
+    """From now on (the whole process: orbax's event loop reports its orphaned tasks whenever they are
+    collected, even at exit), drop asyncio's reports of orbax reads that failed; seqjax said it in one line."""
+    logging.getLogger("asyncio").addFilter(_ORPHANED)  # (adding it twice keeps one)
+    previous = sys.unraisablehook
+    if getattr(previous, "seqjax_orphaned_reads", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if _raised_in_orbax(unraisable.exc_traceback):
+            log.debug("an orphaned read of a damaged checkpoint: %r", unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    hook.seqjax_orphaned_reads = True
+    sys.unraisablehook = hook
+
+
 class QuietOrbax(logging.Filter):
     """While a run checkpoints, orbax's noise about a failed write stays off stderr (kept at DEBUG).
 
@@ -77,6 +108,10 @@ class QuietOrbax(logging.Filter):
     def _unraisable(self, unraisable: Any) -> None:
         if _from_a_closed_event_loop(unraisable):
             log.debug("after a failed write: %r", unraisable.exc_value)
+        elif _raised_in_orbax(unraisable.exc_traceback):
+            # a damaged step's other array reads: orbax stops at the first failure and leaves the rest's
+            # coroutines with their exceptions unretrieved, one "Exception ignored" traceback each
+            log.debug("reading a damaged checkpoint: %s", (str(unraisable.exc_value).splitlines() or [""])[0])
         else:
             self._previous_hook(unraisable)
 

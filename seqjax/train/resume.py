@@ -124,7 +124,9 @@ def newest_readable(steps: Iterable[int], restore: Callable[[int], T],
 
 
 def first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+    """The error's type and first line, without the TensorStore spec orbax appends to a failed read."""
+    line = (str(err).splitlines() or [""])[0].split(" See full TensorStore details")[0]
+    return f"{type(err).__name__}: {line[:300]}"
 
 
 def read_saved(step_dir: Path, fallback_config: Path | None = None, items: tuple[str, ...] = ITEMS_CHECKED) -> Saved:
