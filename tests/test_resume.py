@@ -8,8 +8,8 @@ skipped batch, or any state not restored, changes them.
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys
