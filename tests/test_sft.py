@@ -440,3 +440,19 @@ def test_every_format_trains_and_validates_on_its_scored_tokens(chat_folder, tok
 def test_the_chat_specials_are_single_tokens(tokenizer):
     for token in CHAT_SPECIALS:
         assert len(tokenizer.encode_text(token)) == 1
+
+
+def test_text_under_a_llama_tokenizer_is_framed_with_its_bos_and_the_report_says_so(chat_folder, tokenizer, tmp_path):
+    """Issue: an imported Llama's documents were framed with </s>. They open with <s>, as transformers encodes them,
+    in training, evaluation (the same store) and generation (prompts open with tokenizer.bos_token)."""
+    docs = [{"text": r["prompt"] + r["completion"]} for r in pairs(5)]
+    config = load_config(None, overrides(tmp_path, chat_folder, "text", [write_jsonl(tmp_path / "t.jsonl", docs)]))
+    prepared = prepare(config, splits=("train",))
+    store = prepared.stores["train"]
+    bos = tokenizer.token_id("<s>")
+    assert store.eot_id == bos and tokenizer.separator_id == bos != tokenizer.eot_id
+    for i, doc in enumerate(docs):
+        framed = np.asarray(store.doc_with_context(i))
+        assert framed[0] == bos and framed[-1] == bos
+        assert tokenizer.decode(framed[1:-1]) == doc["text"]
+    assert prepared.summary["train"]["framing"].startswith("<s> document <s> document")
