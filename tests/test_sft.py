@@ -403,6 +403,7 @@ def test_overlong_examples_follow_the_policy_and_truncation_keeps_the_start(over
 # Every format trains (in process: two steps each)
 
 
+@pytest.mark.slow  # four in-process training runs
 @pytest.mark.parametrize("fmt, loss_on, normalization", [
     ("prompt_completion", "auto", "examples"),
     ("chat", "last_assistant", "tokens"),

@@ -53,6 +53,7 @@ def test_without_valid_files_or_a_carve_the_valid_split_is_refused_in_one_line(t
         prepare(load_config(None, settings(tmp_path)), splits=("valid",))
 
 
+@pytest.mark.slow  # an in-process training run, twice
 def test_a_run_without_validation_data_trains_says_so_and_its_rerun_is_finished(tmp_path, caplog):
     from seqjax.train.loop import train  # (the training stage: only this test runs a loop)
 
@@ -68,6 +69,7 @@ def test_a_run_without_validation_data_trains_says_so_and_its_rerun_is_finished(
     assert train(config)["finished"] and (tmp_path / "run" / "summary.json").read_bytes() == written
 
 
+@pytest.mark.slow  # an in-process training run
 def test_a_mixture_reports_each_sources_validation_loss(tmp_path):
     from seqjax.train.loop import train  # (the training stage: only these tests run a loop)
     from seqjax.train.metrics import _scalars
