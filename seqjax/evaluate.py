@@ -67,7 +67,7 @@ def batch_bytes(cfg: ModelConfig, rows: int, context: int) -> int:
 
 def device_bytes() -> int | None:
     """Memory of one device: an accelerator's limit, or the host's RAM for the CPU; None when unknown."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # (a device of this process: the others have none)
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     if jax.default_backend() == "cpu":

@@ -30,9 +30,9 @@ class SamplingConfig:
         if not (0 <= self.temperature < math.inf):
             raise UsageError(f"--temperature: got {self.temperature}, expected a finite number, 0 (greedy) or more")
         if self.top_k < 0:
-            raise UsageError(f"--top_k: got {self.top_k}, expected 0 (off) or a positive count")
+            raise UsageError(f"--top-k: got {self.top_k}, expected 0 (off) or a positive count")
         if not 0.0 <= self.top_p <= 1.0:
-            raise UsageError(f"--top_p: got {self.top_p}, expected a probability in [0, 1]")
+            raise UsageError(f"--top-p: got {self.top_p}, expected a probability in [0, 1]")
 
     def arrays(self) -> dict[str, jax.Array]:
         return {
