@@ -78,7 +78,7 @@ def test_changing_settings_does_not_recompile():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="temperature"):
         SamplingConfig(temperature=-1)
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match="--top-p"):
         SamplingConfig(top_p=1.5)
-    with pytest.raises(ValueError, match="top_k"):
+    with pytest.raises(ValueError, match="--top-k"):
         SamplingConfig(top_k=-2)
