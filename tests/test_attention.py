@@ -216,6 +216,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow  # (fast loop: a few seconds of compiling; the full suite runs it)
 def test_kernels_run_per_device_shard_on_a_mesh():
     """On 4 forced host devices, batch-sharded (and head-sharded) inputs: pallas and splash (interpret mode) give
     the reference output and gradients, and the compiled programs gather nothing (each device runs the kernel on

@@ -75,6 +75,7 @@ def stepper(config, model):
 RUN_KEY = jax.random.key_data(jax.random.key(0))
 
 
+@pytest.mark.slow  # (fast loop: a few seconds of compiling; the full suite runs it)
 def test_at_rate_zero_a_training_step_is_the_step_without_dropout_bit_for_bit():
     one_step = stepper(*tiny())
     with_key, without = one_step(RUN_KEY), one_step(None)

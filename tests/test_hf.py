@@ -400,6 +400,7 @@ def test_non_finite_weights_are_refused_where_they_are_read_naming_the_tensor(tm
     jax.clear_caches()
 
 
+@pytest.mark.slow  # (fast loop: a few seconds of compiling; the full suite runs it)
 def test_a_folder_with_both_a_single_file_and_an_index_loads_the_weights_transformers_loads(tmp_path, caplog):
     from transformers import FlaxLlamaForCausalLM  # the reference
 

@@ -131,8 +131,11 @@ def test_chunked_cross_entropy_in_bfloat16_is_within_bf16_of_float32_and_refuses
     assert float(none) == 0.0
 
 
-@pytest.mark.parametrize("extra", [["model.loss_chunk_tokens=5"], ["model.loss_chunk_tokens=7", "model.remat=full"],
-                                   ["model.remat=dots", "model.tie_embeddings=false"]])
+@pytest.mark.parametrize("extra", [["model.loss_chunk_tokens=5"],
+                                   pytest.param(["model.loss_chunk_tokens=7", "model.remat=full"],
+                                                marks=pytest.mark.slow),
+                                   pytest.param(["model.remat=dots", "model.tie_embeddings=false"],
+                                                marks=pytest.mark.slow)])
 def test_the_train_step_with_chunked_loss_and_remat_takes_the_plain_steps_update(extra):
     import optax
 

@@ -58,7 +58,8 @@ def test_the_stacked_layout_has_a_leading_layer_axis_and_converts_both_ways():
     assert axes["('blocks', 'attn', 'wq')"] == ("layers", "embed", "heads", "head_dim")
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "dots", "names"])
+@pytest.mark.parametrize("remat", ["none", "full", pytest.param("dots", marks=pytest.mark.slow),
+                                   pytest.param("names", marks=pytest.mark.slow)])
 def test_scanned_layers_give_the_unrolled_loss_and_gradients_under_every_remat_policy(remat):
     data = batch()
     unrolled, scanned = pair([f"model.remat={remat}"])
@@ -68,6 +69,7 @@ def test_scanned_layers_give_the_unrolled_loss_and_gradients_under_every_remat_p
     assert_trees_close(blocks_layout(grads_s, stacked=False), grads_u, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # (fast loop: a few seconds of compiling; the full suite runs it)
 def test_scanned_layers_draw_the_unrolled_dropout_masks():
     data = batch(seed=1)
     unrolled, scanned = pair(["model.dropout=0.3", "model.attention_dropout=0.2"])

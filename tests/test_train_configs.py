@@ -29,6 +29,7 @@ def test_gpt2_small_has_about_124m_parameters_at_seq_len_1024():
     assert 120e6 < params < 128e6
 
 
+@pytest.mark.slow  # (fast loop: a few seconds of compiling; the full suite runs it)
 def test_the_quality_recipe_starts_scaled_down_with_its_regularization_and_strategy(tiny_root, tmp_path):
     """Two steps of configs/wikitext2_quality.yaml on the tiny corpus: only the model and rows shrink."""
     from seqjax.train.loop import train
