@@ -83,6 +83,7 @@ def test_at_rate_zero_a_training_step_is_the_step_without_dropout_bit_for_bit():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # (fast loop: a few seconds of compiling; the full suite runs it)
 def test_dropout_changes_the_training_loss_but_not_evaluation_or_generation():
     plain_config, plain = tiny()
     drop_config, dropped = tiny("model.dropout=0.3", "model.token_dropout=0.1", "model.attention_dropout=0.2")
