@@ -1,8 +1,8 @@
-"""Every command example in the README and docs/ runs: each ``python -m seqjax.*`` (and eval_table) line of their
-bash blocks, with only the environment the line itself sets.
+"""Every command example in the README and docs/ runs: each ``python -m seqjax.*`` line of their bash blocks, and
+each line of the scripts in :data:`TOOL`, with only the environment the line itself sets.
 
 Each line runs in a subprocess, in a fresh working folder that holds
-``configs/`` and ``scripts/`` (links to the repo's) and, for a line that reads
+``configs/``, ``scripts/`` and ``docs/`` (links to the repo's) and, for a line that reads
 a trained run (``--run``), ``runs/wikitext2_cpu`` (a link to the session's
 tiny trained run), so relative paths work as written. To finish in seconds, a
 line is adapted, and only like this:
@@ -14,10 +14,11 @@ line is adapted, and only like this:
    it (resolved from the repository, as the line is written to run there).
 2. ``python`` / ``.venv/bin/python`` becomes this interpreter; a trailing
    ``# comment`` and ``[key=value ...]`` placeholders are dropped.
-3. A ``--config`` tool reads the tiny JSONL corpus with rows of 64 tokens
+3. A ``python -m seqjax.*`` tool with ``--config`` reads the tiny JSONL corpus with rows of 64 tokens
    (:func:`tiny_data`, put before the line's own overrides, so those still
    apply), and a training run gets a tiny model and two steps
-   (:data:`TINY_TRAIN`, put after them).
+   (:data:`TINY_TRAIN`, put after them). ``plan_memory.py`` runs as written: it compiles the config's
+   full size and reads no data.
 4. Generation gets ``--max-new-tokens 8`` (the tiny model accepts 64 tokens;
    the default is 100), and the tiny corpus's validation file stands in for
    a test split.
@@ -56,7 +57,10 @@ from seqjax.config import DATA_DIR_ENV
 from test_train_support import REPO, cli_env
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-TOOL = re.compile(r"python -m seqjax\.|scripts/eval_table\.py|scripts/make_chat_demo\.py")
+# The tools, and the scripts a reader is told to run here (the GPU suite has its own dry-run test; pip and
+# pytest lines install or run the suite itself).
+TOOL = re.compile(r"python -m seqjax\.|scripts/(eval_table|make_chat_demo|plan_memory|study_strategies"
+                  r"|probe_mosaic_interpret)\.py")
 
 
 def readme_commands() -> list[str]:
@@ -132,7 +136,7 @@ def adapt(command: str, root: Path) -> list[str]:
         words.pop(0)
     assert words[0].endswith("python"), command
     argv = [sys.executable, *words[1:]]
-    if "--config" in argv:
+    if "--config" in argv and argv[1] == "-m":  # a script's --config (plan_memory) runs at its full size
         at = argv.index("--config") + 2
         extra_after = TINY_TRAIN if "seqjax.train" in argv else []
         mixture = any(a.startswith("data.sources=") for a in argv)
@@ -199,7 +203,7 @@ def chat_demo(tmp_path_factory) -> dict[str, Path]:
 def test_readme_example_runs(command, tiny_root, reference, tiny_llama, chat_demo, tmp_path):
     work = tmp_path / "work"
     (work / "runs").mkdir(parents=True)
-    for name in ("configs", "scripts"):
+    for name in ("configs", "scripts", "docs"):
         (work / name).symlink_to(REPO / name)
     (work / "hf").mkdir()
     (work / "hf" / "llama").symlink_to(tiny_llama[0])

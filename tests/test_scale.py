@@ -162,13 +162,14 @@ REDUCED = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "mode
 
 @pytest.mark.parametrize("name", ["llama3_1b_finetune", "llama3_8b_fsdp"])
 def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
-    """Their remat, chunked loss and optimizer settings run; only the sizes (and the 8-device mesh) are reduced."""
+    """Their remat, scanned layers, chunked loss and optimizer settings run; only the sizes (and the 8-device
+    mesh) are reduced."""
     import optax
 
     from test_train_support import REPO
 
     config = load_config(REPO / "configs" / f"{name}.yaml", REDUCED + ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
-    assert config.model.remat == "full" and config.model.loss_chunk_tokens == 96
+    assert config.model.remat == "full" and config.model.loss_chunk_tokens == 96 and config.model.scan_layers
     model = build_model(config, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
