@@ -399,6 +399,36 @@ def test_overlong_examples_follow_the_policy_and_truncation_keeps_the_start(over
     assert 52 in batch["targets"]  # the short example is always there, whole
 
 
+@pytest.mark.parametrize("layout", [{"data.packer": "best_fit"}, {"data.packer": "grain_best_fit"},
+                                    {"data.strategy": "length_grouped"}])
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+def test_the_data_report_counts_scored_targets_and_the_examples_dropped_or_truncated(layout, overlong):
+    """python -m seqjax.data's numbers, against the epoch's own batches: the scored fraction of the real targets,
+    examples per row, and the examples the overlong policy dropped or truncated."""
+    from seqjax.data.stats import epoch_stats
+
+    rng = np.random.default_rng(3)
+    lengths = [3, 40, 9, 14, 25, 6, 33, 11, 2, 18]  # 40, 25, 33 and 18 predict more than a row of 16
+    examples = [(rng.integers(1, 64, n).tolist(), rng.integers(0, 2, n).tolist()) for n in lengths]
+    examples[0] = (examples[0][0], [0, 1, 1])
+    store = example_store(examples)
+    config = config_for("best_fit", 16, **{"data.overlong": overlong, "data.batch_size": 1, **layout})
+    stats = epoch_stats(config, store)
+    # What the policy leaves of each example's targets (its tokens, then its closing EOT, never scored).
+    targets = [w + [0] for _, w in examples]
+    kept = [t for t in targets if len(t) <= 16] if overlong == "drop" else [t[:16] for t in targets]
+    assert stats["examples"] == len(examples) and stats["real_tokens"] == sum(map(len, kept))
+    assert stats["scored_targets"] == sum(map(sum, kept))
+    assert stats["scored_fraction"] == pytest.approx(sum(map(sum, kept)) / sum(map(len, kept)))
+    too_long = sum(n + 1 > 16 for n in lengths)
+    assert stats["documents_dropped"] == (too_long if overlong == "drop" else 0)
+    if "grain" not in layout.get("data.packer", ""):  # (Grain's packers report no truncation or rows per epoch)
+        assert stats["documents_truncated"] == (too_long if overlong == "truncate" else 0)
+        batches = epoch_batches(config, store, stats["batches_per_epoch"])
+        assert stats["scored_targets"] == sum(int((b["weights"] > 0).sum()) for b in batches)
+        assert stats["segments_per_row_mean"] == pytest.approx(len(kept) / stats["rows"])
+
+
 # ---------------------------------------------------------------------------
 # Every format trains (in process: two steps each)
 

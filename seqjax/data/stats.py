@@ -39,7 +39,9 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         real = int(sum((b["segment_ids"] > 0).sum() for b in batches))
         slots = sum(b["weights"].size for b in batches)
         dropped = store.predicted_tokens - real
-        counts = {"documents_truncated": None, "documents_split": None}
+        # Grain's packers see documents after the overlong policy; only `drop` removes whole ones.
+        too_long = int(np.sum(store.doc_lengths > d.seq_len)) if d.overlong == "drop" else 0
+        counts = {"documents_dropped": too_long, "documents_truncated": None, "documents_split": None}
         rows, n_batches = len(segs), len(batches)
     else:
         planner = EpochPlanner(config, store)
@@ -129,14 +131,17 @@ def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, An
 
 
 def document_coverage(plan: RowPlan, store: TokenStore) -> tuple[dict[str, int], int]:
-    """Documents cut across rows or left partly unpredicted, and stream tokens never predicted this epoch."""
+    """Documents never predicted (dropped), cut across rows or left partly unpredicted, and the stream tokens
+    never predicted this epoch."""
     covered = coverage(plan, store.num_tokens)[1:] > 0
     doc_of = np.searchsorted(store.doc_offsets, np.arange(1, store.num_tokens), "right") - 1
     predicted = np.bincount(doc_of, weights=covered, minlength=store.num_docs)
+    dropped = int(np.sum(predicted == 0))
     truncated = int(np.sum((predicted > 0) & (predicted < store.doc_lengths)))
     pieces = plan.split_at(np.asarray(store.doc_offsets) - 1)
     piece_doc = np.searchsorted(store.doc_offsets, pieces.starts + 1, "right") - 1
     piece_row = np.repeat(np.arange(pieces.num_rows), pieces.segments_per_row)
     pairs = np.unique(np.stack([piece_doc, piece_row]), axis=1)
     split = int(np.sum(np.bincount(pairs[0], minlength=store.num_docs) > 1))
-    return {"documents_truncated": truncated, "documents_split": split}, int((~covered).sum())
+    return {"documents_dropped": dropped, "documents_truncated": truncated, "documents_split": split}, \
+        int((~covered).sum())
