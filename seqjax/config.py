@@ -131,6 +131,7 @@ CORPORA = ("wikitext2", "text", "jsonl", "parquet", "hf")
 # What one record of a corpus is (seqjax.data.examples): a document, or an instruction example.
 FORMATS = ("text", "prompt_completion", "chat", "tokenized")
 LOSS_ON = ("auto", "completion", "assistant", "last_assistant", "all")
+WEIGHT_DTYPES = ("uint8", "float32")
 # Which loss_on each format takes; "auto" is completion / assistant / the records' own labels.
 LOSS_ON_FOR = {"text": ("auto", "all"), "prompt_completion": ("auto", "completion", "all"),
                "chat": ("auto", "assistant", "last_assistant", "all"), "tokenized": ("auto", "all")}
@@ -186,8 +187,11 @@ class DataConfig:
     input_ids_field: str = _f("input_ids", "tokenized: the key or column holding the token ids", resume=DATA)
     labels_field: str = _f("labels", "tokenized: the labels (-100: not scored), if the records have them",
                            resume=DATA)
-    loss_weights_field: str = _f("loss_weights", "tokenized: 0/1 per token (1: scored), if the records have no "
-                                 "labels", resume=DATA)
+    loss_weights_field: str = _f("loss_weights", "tokenized: a weight per token (0: not scored), if the records "
+                                 "have no labels", resume=DATA)
+    loss_weights_dtype: str = _f(
+        "uint8", "how the store keeps each target's weight: uint8 holds 0/1 (a byte per token); float32 any weight "
+        ">= 0, such as Levanter's fractional loss_weights (4 bytes per token)", choices=WEIGHT_DTYPES, resume=DATA)
     validation_split_percentage: float = _f(
         0.0, "a source without valid_files: this percent of its train documents (chosen by a hash of each "
         "document's text, so the same ones in every run and process) becomes its validation split "

@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -155,7 +156,7 @@ def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh
     state = placement.state(state)
 
     nll_sum = 0.0
-    tokens = 0
+    tokens, weight = 0, 0.0  # targets scored, and their summed weight (the same number unless weights are fractional)
     start = time.perf_counter()
     batches = windows.batches(batch_size)
     bar = progress_bar(total=n_batches, desc=f"eval {windows.mode}", unit="batch", enabled=progress)
@@ -167,11 +168,12 @@ def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh
             if pending is not None:
                 nll_sum += float(pending)
             pending = batch_nll
-            tokens += int(batch["weights"].sum())
+            tokens += int(np.count_nonzero(batch["weights"]))
+            weight += float(np.sum(batch["weights"], dtype=np.float64))
             bar.update()
         if pending is not None:
             nll_sum += float(pending)
-    return nll_sum, tokens, n_batches * batch_size, total, time.perf_counter() - start
+    return nll_sum, tokens, weight, n_batches * batch_size, total, time.perf_counter() - start
 
 
 def evaluate(
@@ -199,14 +201,15 @@ def evaluate(
         raise ConfigError("eval.mode: got 'lm_eval', which scores raw WikiText-2 pages with seqjax.eval, not a token "
                           "store; expected blocks, sliding or documents here")
     windows = windows_for(store, config)
-    nll_sum, tokens, rows, total_batches, seconds = _score_windows(model, windows, config, mesh, max_batches,
-                                                                   progress)
+    nll_sum, tokens, weight, rows, total_batches, seconds = _score_windows(model, windows, config, mesh, max_batches,
+                                                                           progress)
     complete = rows >= len(windows)
     if complete and tokens != store.scored_tokens:
         raise RuntimeError(f"scored {tokens} tokens, expected every scored token ({store.scored_tokens}) once")
     stats = store.manifest.get("stats", {})
     if store.mask is not None:  # instruction data: per scored token, and bits per byte of the scored text
-        stats = {"words": None, "bytes": stats.get("scored_bytes")}
+        fractional = np.dtype(store.mask.dtype) != np.uint8  # (a weighted nll has no per-byte reading)
+        stats = {"words": None, "bytes": None if fractional else stats.get("scored_bytes")}
     words = (word_count if word_count is not None else stats.get("words")) if complete else None
     n_bytes = (byte_count if byte_count is not None else stats.get("bytes")) if complete else None
     per_word = _per(words, nll_sum)
@@ -223,7 +226,7 @@ def evaluate(
         "words": words,
         "bytes": n_bytes,
         "nll_sum": nll_sum,
-        "token_perplexity": math.exp(nll_sum / tokens) if tokens else None,
+        "token_perplexity": math.exp(nll_sum / weight) if weight else None,
         "word_perplexity": None if per_word is None else math.exp(per_word),
         "bits_per_byte": per_byte,
         "seconds": round(seconds, 3),
@@ -239,7 +242,7 @@ def evaluate_lm_eval(model: nnx.Module, docs: LmEvalDocs, config: Config, *, spl
     bits_per_byte = nll / (bytes ln 2), with words and bytes counted on the
     original pages; token_perplexity is seqjax's, over the tokens scored.
     """
-    nll_sum, tokens, _, _, seconds = _score_windows(model, docs.windows, config, mesh, None, progress)
+    nll_sum, tokens, _, _, _, seconds = _score_windows(model, docs.windows, config, mesh, None, progress)
     if tokens != docs.tokens:
         raise RuntimeError(f"scored {tokens} tokens, expected every token of every page ({docs.tokens}) once")
     return {

@@ -158,6 +158,55 @@ def test_tokenized_records_take_labels_or_loss_weights_and_bad_ones_are_named(ch
         prepare(load_config(None, overrides(tmp_path, chat_folder, "tokenized", [oov])), splits=("train",))
 
 
+def test_fractional_loss_weights_are_kept_as_float32_when_asked_and_refused_as_bytes(chat_folder, tmp_path):
+    """Levanter's prebuilt records carry weights such as 0.1: data.loss_weights_dtype=float32 stores them exactly
+    (shard.json says so, and the store reopens the same); the byte default refuses them in one line."""
+    records = [{"input_ids": [5, 6, 7, 8], "loss_weights": [0.0, 0.1, 1.0, 2.5]},
+               {"input_ids": [9, 10, 11], "loss_weights": [True, False, True]}]
+    files = [write_jsonl(tmp_path / "w.jsonl", records)]
+    with pytest.raises(CorpusError, match=r"w.jsonl:1: field 'loss_weights' holds 0.1; "
+                                          r"data.loss_weights_dtype=uint8 keeps 0/1 weights only"):
+        prepare(load_config(None, overrides(tmp_path, chat_folder, "tokenized", files)), splits=("train",))
+    config = load_config(None, overrides(tmp_path, chat_folder, "tokenized", files,
+                                         **{"data.loss_weights_dtype": "float32"}))
+    store = prepare(config, splits=("train",)).stores["train"]
+    assert store.mask.dtype == np.float32 and store.scored_tokens == 5
+    np.testing.assert_array_equal(np.asarray(store.mask), np.float32([0, 0, 0.1, 1, 2.5, 0, 1, 0, 1, 0]))
+    manifest = json.loads((store.path / "manifest.json").read_text())
+    assert {s.get("weights_dtype") for s in manifest["shards"]} == {"float32"}
+    again = TokenStore.open(store.path, verify=True)
+    np.testing.assert_array_equal(np.asarray(again.mask), np.asarray(store.mask))
+    negative = write_jsonl(tmp_path / "neg.jsonl", [{"input_ids": [5, 6], "loss_weights": [1, -0.5]}])
+    with pytest.raises(CorpusError, match=r"neg.jsonl:1: field 'loss_weights' holds -0.5; expected weights >= 0"):
+        prepare(load_config(None, overrides(tmp_path, chat_folder, "tokenized", [negative],
+                                            **{"data.loss_weights_dtype": "float32"})), splits=("train",))
+
+
+def test_evaluation_with_fractional_weights_is_the_weighted_mean_nll(chat_folder, tmp_path):
+    """Token perplexity = exp(sum(w * nll) / sum(w)) over the scored targets; the count of scored targets is still
+    a count; bits per byte is null (a weighted loss has no per-byte reading)."""
+    from seqjax.evaluate import evaluate
+
+    rng = np.random.default_rng(4)
+    examples = [(rng.integers(1, 64, n).tolist(), (rng.integers(0, 2, n) * rng.choice([0.1, 1.0, 3.0], n)).tolist())
+                for n in (5, 9, 14, 3)]
+    store = example_store(examples)
+    assert store.mask.dtype == np.float32
+    model = tiny_model()
+    config = config_for("best_fit", 64, **{"eval.mode": "documents", "eval.batch_size": 4})
+    result = evaluate(model, store, config, progress=False)
+    w = np.asarray(store.mask, np.float64)
+    assert result["tokens"] == int(np.count_nonzero(w)) and result["bits_per_byte"] is None
+    nll = []  # each example alone, from the separator before it
+    for ids, _ in examples:
+        row = {"inputs": np.asarray([[0] + ids]), "targets": np.asarray([ids + [0]]),
+               "positions": np.arange(len(ids) + 1)[None], "segment_ids": np.ones((1, len(ids) + 1), np.int32),
+               "weights": np.ones((1, len(ids) + 1), np.float32)}
+        nll.append(contract_loss(model, row)[2][0].astype(np.float64))
+    np.testing.assert_allclose(result["token_perplexity"], np.exp(np.average(np.concatenate(nll), weights=w[1:])),
+                               rtol=1e-5)
+
+
 def test_an_example_with_nothing_scored_is_dropped_and_counted(chat_folder, tmp_path):
     records = [{"input_ids": [5, 6], "labels": [-100, -100]}, {"input_ids": [7, 8], "labels": [-100, 8]}]
     config = load_config(None, overrides(tmp_path, chat_folder, "tokenized",
@@ -295,15 +344,19 @@ def joined(batches: list[dict]) -> dict:
             for k in batches[0]}
 
 
+@pytest.mark.parametrize("fractional", [False, True], ids=["0/1 weights", "fractional weights"])
 @pytest.mark.parametrize("normalization", ["tokens", "examples"])
-def test_a_packed_batch_and_the_examples_unpacked_give_the_same_loss_and_gradients(normalization):
+def test_a_packed_batch_and_the_examples_unpacked_give_the_same_loss_and_gradients(normalization, fractional):
     rng = np.random.default_rng(0)
     examples = []
     for n in rng.integers(3, 20, 10):
         weights = (rng.random(n) < 0.5).astype(int)
         weights[-1] = 1
+        if fractional:  # Levanter-style weights (data.loss_weights_dtype=float32): a weighted mean per example
+            weights = weights * rng.choice([0.1, 0.5, 1.0, 2.5], n)
         examples.append((rng.integers(1, 64, n).tolist(), weights.tolist()))
     store = example_store(examples)
+    assert store.mask.dtype == (np.float32 if fractional else np.uint8)
     model = tiny_model()
     packed, alone = (whole_epoch(config_for("best_fit", 64, **{"data.batch_size": 1,
                                                                "train.loss_normalization": normalization, **cap}),
@@ -316,15 +369,16 @@ def test_a_packed_batch_and_the_examples_unpacked_give_the_same_loss_and_gradien
     np.testing.assert_allclose(loss_p, loss_a, rtol=1e-5)
     chex.assert_trees_all_close(grads_p, grads_a, rtol=2e-4, atol=1e-6)
     # the reference, computed apart from the contract: each example run alone, its scored tokens' losses
-    per_example = []
+    per_example = []  # (the weights, the losses) of each example's targets
     for ids, weights in examples:
         row = {"inputs": np.asarray([[0] + ids]), "targets": np.asarray([ids + [0]]),
                "positions": np.arange(len(ids) + 1)[None], "segment_ids": np.ones((1, len(ids) + 1), np.int32),
                "weights": np.asarray([weights + [0]], np.float32)}
         _, _, nll = contract_loss(model, row)
-        per_example.append(nll[0][np.asarray(weights + [0]) == 1])
-    expected = (np.mean([e.mean() for e in per_example]) if normalization == "examples"
-                else np.concatenate(per_example).mean())
+        per_example.append((np.asarray(weights + [0], np.float64), nll[0].astype(np.float64)))
+    expected = (np.mean([np.average(nll, weights=w) for w, nll in per_example]) if normalization == "examples"
+                else np.average(np.concatenate([nll for _, nll in per_example]),
+                                weights=np.concatenate([w for w, _ in per_example])))
     np.testing.assert_allclose(loss_p, expected, rtol=1e-5)
 
 
@@ -433,15 +487,16 @@ def test_the_data_report_counts_scored_targets_and_the_examples_dropped_or_trunc
 # Every format trains (in process: two steps each)
 
 
-@pytest.mark.slow  # four in-process training runs
-@pytest.mark.parametrize("fmt, loss_on, normalization", [
-    ("prompt_completion", "auto", "examples"),
-    ("chat", "last_assistant", "tokens"),
-    ("tokenized", "auto", "examples"),
-    ("text", "auto", "tokens"),
+@pytest.mark.slow  # five in-process training runs
+@pytest.mark.parametrize("fmt, loss_on, normalization, fractional", [
+    ("prompt_completion", "auto", "examples", False),
+    ("chat", "last_assistant", "tokens", False),
+    ("tokenized", "auto", "examples", False),
+    ("tokenized", "auto", "tokens", True),  # data.loss_weights_dtype=float32
+    ("text", "auto", "tokens", False),
 ])
 def test_every_format_trains_and_validates_on_its_scored_tokens(chat_folder, tokenizer, tmp_path, fmt, loss_on,
-                                                                normalization):
+                                                                normalization, fractional):
     from seqjax.train.loop import train  # (the training stage: only this test runs a loop)
 
     if fmt == "prompt_completion":
@@ -451,20 +506,21 @@ def test_every_format_trains_and_validates_on_its_scored_tokens(chat_folder, tok
     elif fmt == "tokenized":
         records = [{"input_ids": tokenizer.encode_text(r["prompt"]) + tokenizer.encode_text(r["completion"]),
                     "loss_weights": [0] * len(tokenizer.encode_text(r["prompt"]))
-                    + [1] * len(tokenizer.encode_text(r["completion"]))} for r in pairs(30)]
+                    + [0.5 if fractional else 1] * len(tokenizer.encode_text(r["completion"]))} for r in pairs(30)]
     else:
         records = [{"text": r["prompt"] + r["completion"]} for r in pairs(30)]
     path = write_jsonl(tmp_path / "d.jsonl", records)
     config = load_config(None, overrides(tmp_path, chat_folder, fmt, [path], **{
         "data.loss_on": loss_on, "train.loss_normalization": normalization, "train.steps": 2,
         "train.warmup_steps": 0, "train.eval_every": 0, "train.checkpoint_every": 2, "train.async_checkpoint": "false",
-        "run.trackers": "[jsonl]"}))
+        "run.trackers": "[jsonl]", "data.loss_weights_dtype": "float32" if fractional else "uint8"}))
     summary = train(config)
     store = prepare(config, splits=("valid",)).stores["valid"]
     assert np.isfinite(summary["val_loss"]) and summary["finished"]
     if fmt != "text":
         assert 0 < store.scored_tokens < store.predicted_tokens
-        assert summary["val_word_perplexity"] is None and summary["val_bits_per_byte"] > 0
+        assert summary["val_word_perplexity"] is None
+        assert summary["val_bits_per_byte"] is None if fractional else summary["val_bits_per_byte"] > 0
     jax.clear_caches()
 
 

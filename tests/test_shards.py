@@ -288,3 +288,21 @@ def test_a_store_whose_ids_exceed_the_model_vocabulary_is_refused_before_trainin
     build_pipeline(load_config(None, ["data.strategy=window", "data.seq_len=8",
                                       f"model.vocab_size={store.max_id + 1}"]), store)
 
+
+def test_a_weights_stream_reads_a_shared_closing_eot_from_the_shard_that_ends_with_it():
+    """Shard k + 1 opens with the EOT shard k closes with; its weight (a scored closing EOT: 1) is shard k's entry.
+    Gathers, scalars, slices and the whole array all read the stream the same way."""
+    logical = np.asarray([0, 1, 0, 1, 1, 0, 1, 1, 0, 1], np.float32)  # positions 3 and 6 are shared EOTs, scored
+    stream = TokenStream([logical[:4], np.r_[0, logical[4:7]].astype(np.float32), np.r_[0, logical[7:]]
+                          .astype(np.float32)])
+    assert len(stream) == len(logical)
+    np.testing.assert_array_equal(stream[np.arange(len(logical))], logical)
+    np.testing.assert_array_equal(np.asarray(stream), logical)
+    assert [float(stream[i]) for i in range(len(logical))] == logical.tolist()
+    for a, b in ((2, 5), (3, 8), (6, 7), (0, 10)):
+        np.testing.assert_array_equal(stream[a:b], logical[a:b])
+    # a mixture of a 0/1 (byte) source and a float32 one reads as float32: no weight is cut to a byte
+    mixed = TokenStream([logical[:4].astype(np.uint8), np.r_[0, logical[4:7]].astype(np.uint8),
+                         np.float32([0, 0.25, 0.5])])
+    assert mixed.dtype == np.float32
+    np.testing.assert_array_equal(mixed[np.arange(9)], np.r_[logical[:7], 0.25, 0.5])

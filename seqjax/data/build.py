@@ -179,7 +179,7 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
     chunks = _documents(source, files, counts, carve) if spec is None else _records(source, files, spec, counts,
                                                                                      carve)
     with ShardWriter(path, name, eot_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size,
-                     scored=spec is not None) as writer:
+                     scored=spec is not None, weights_dtype=spec.weights_dtype if spec else "uint8") as writer:
         for chunk in encode_in_order(tokenizer, chunks, use, spec):
             writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths, chunk.weights)
             counts.documents += len(chunk.doc_lengths)

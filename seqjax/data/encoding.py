@@ -65,7 +65,7 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec, records: list[tuple
             counts["dropped_unscored"] += 1
             continue
         ids.append(example.ids)
-        weights += [example.mask, np.asarray([example.close], np.uint8)]
+        weights += [example.mask, np.asarray([example.close])]
         lengths.append(len(example.ids))
         counts["bytes"] += example.bytes
         counts["scored_tokens"] += example.scored
@@ -75,7 +75,8 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec, records: list[tuple
     return EncodedChunk(
         ids=np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype), doc_lengths=doc_lengths,
         line_lengths=doc_lengths.copy(), words=0, lines=len(lengths),
-        weights=np.concatenate(weights) if weights else np.zeros(0, np.uint8), **counts)
+        weights=np.concatenate(weights).astype(spec.weights_dtype) if weights else np.zeros(0, spec.weights_dtype),
+        **counts)
 
 
 def encode_chunk(tokenizer: Tokenizer, documents: list[str]) -> EncodedChunk:

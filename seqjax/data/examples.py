@@ -80,6 +80,7 @@ class ExampleSpec:
     template_name: str = ""
     bos_token: str | None = None
     eos_token: str = "<|endoftext|>"
+    weights_dtype: str = "uint8"  # data.loss_weights_dtype: how the store keeps each target's weight
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -111,7 +112,8 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
         format=source.format, loss_on=loss_on, prompt_field=d.prompt_field, completion_field=d.completion_field,
         prompt_separator=d.prompt_separator, messages_field=d.messages_field, input_ids_field=d.input_ids_field,
         labels_field=d.labels_field, loss_weights_field=d.loss_weights_field, chat_template=template,
-        template_name=name, bos_token=config.tokenizer.bos_token, eos_token=eot_token)
+        template_name=name, bos_token=config.tokenizer.bos_token, eos_token=eot_token,
+        weights_dtype=d.loss_weights_dtype)
 
 
 def find_chat_template(tokenizer_path: Path, configured: str | None = None) -> str | None:
@@ -279,13 +281,14 @@ class Example:
 
     ids: np.ndarray
     mask: np.ndarray
-    close: int
+    close: float
     bytes: int
     scored_bytes: int
 
     @property
     def scored(self) -> int:
-        return int(self.mask.sum()) + self.close
+        """Targets with a weight above 0 (a count, whatever the weights are)."""
+        return int(np.count_nonzero(self.mask)) + int(self.close != 0)
 
 
 def _text_ids(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -330,16 +333,34 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
                               f"{spec.input_ids_field!r} ({len(ids)})")
         mask = (np.asarray(labels, np.int64) != NOT_SCORED).astype(np.uint8)
     elif spec.loss_weights_field in record:
-        weights = record[spec.loss_weights_field]
-        if not isinstance(weights, list) or len(weights) != len(ids) or any(w not in (0, 1) for w in weights):
-            raise CorpusError(f"{where}: field {spec.loss_weights_field!r} must be a list of 0/1 as long as "
-                              f"{spec.input_ids_field!r} ({len(ids)})")
-        mask = np.asarray(weights, np.uint8)
+        mask = loss_weights(spec, record[spec.loss_weights_field], len(ids), where)
     else:
         raise CorpusError(f"{where}: neither {spec.labels_field!r} nor {spec.loss_weights_field!r}; expected one of "
                           "them, or data.loss_on=all to score every token")
     text_bytes = len(tokenizer.decode(ids).encode("utf-8"))
     return Example(ids, mask, 0, text_bytes, len(tokenizer.decode(ids[mask.astype(bool)]).encode("utf-8")))
+
+
+def loss_weights(spec: ExampleSpec, weights: Any, n: int, where: str) -> np.ndarray:
+    """A tokenized record's ``loss_weights`` as the store keeps them; anything else is one line naming the record.
+
+    Under ``data.loss_weights_dtype=uint8`` they must be 0/1 (or booleans);
+    ``float32`` keeps any finite weight >= 0 (Levanter's prebuilt form carries 0.1 and 1.0, for instance).
+    """
+    field = spec.loss_weights_field
+    numbers = isinstance(weights, list) and all(isinstance(w, (int, float)) for w in weights)
+    if not numbers or len(weights) != n:
+        raise CorpusError(f"{where}: field {field!r} must be a list of numbers as long as {spec.input_ids_field!r} "
+                          f"({n})")
+    values = np.asarray(weights, np.float64)
+    if not np.all(np.isfinite(values) & (values >= 0)):
+        bad = float(values[~(np.isfinite(values) & (values >= 0))][0])
+        raise CorpusError(f"{where}: field {field!r} holds {bad}; expected weights >= 0")
+    if spec.weights_dtype == "uint8" and not np.all((values == 0) | (values == 1)):
+        bad = float(values[(values != 0) & (values != 1)][0])
+        raise CorpusError(f"{where}: field {field!r} holds {bad}; data.loss_weights_dtype=uint8 keeps 0/1 weights "
+                          "only (set data.loss_weights_dtype=float32 to keep fractional ones)")
+    return values.astype(spec.weights_dtype)
 
 
 def framed(example: Example, separator: int) -> Example:
@@ -348,5 +369,5 @@ def framed(example: Example, separator: int) -> Example:
     if len(ids) and ids[0] == separator:
         ids, mask = ids[1:], mask[1:]
     if len(ids) and ids[-1] == separator:
-        ids, mask, close = ids[:-1], mask[:-1], int(mask[-1])
+        ids, mask, close = ids[:-1], mask[:-1], mask[-1].item()
     return Example(ids, mask, close, example.bytes, example.scored_bytes)

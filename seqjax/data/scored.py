@@ -1,7 +1,8 @@
 """Which targets the loss counts, and how much: the contract's ``weights`` for instruction data.
 
 A store of instruction examples holds a mask beside its tokens (``mask[p] = 1``
-when predicting ``tokens[p]`` is scored: an answer's token). The batch builder
+when predicting ``tokens[p]`` is scored: an answer's token; under
+``data.loss_weights_dtype=float32`` any weight >= 0, the records' own). The batch builder
 asks a :class:`TargetWeights` for the weight of every target it places, so each
 strategy, packer and evaluation window gets the same weights without knowing
 about examples.
@@ -11,7 +12,8 @@ about examples.
 - ``tokens``: 1. Every scored token of the global batch weighs the same (the loss
   is their mean), as for text.
 - ``examples``: ``1 / n``, where ``n`` is the number of scored tokens of the
-  whole example the token belongs to. Contract 3's formula
+  whole example the token belongs to (with fractional weights, ``w / n`` where
+  ``n`` is the sum of the example's weights). Contract 3's formula
   ``sum(w * nll) / sum(w)`` is then the mean, over the examples in the global
   batch, of each example's mean loss: what an unpacked per-example mean gives,
   however the examples are packed, accumulated or spread over processes. An
@@ -47,11 +49,12 @@ class TargetWeights:
         return np.asarray(self.doc_offsets, np.int64)
 
     @functools.cached_property
-    def scored_per_doc(self) -> np.ndarray:
-        """Scored targets of each document (its tokens and its closing EOT); read once, on first use."""
+    def weight_per_doc(self) -> np.ndarray:
+        """The summed weights of each document's targets (its tokens and its closing EOT: with 0/1 weights, how many
+        are scored); read once, on first use. float64: exact for any count a store holds."""
         d = self._offsets
         mask = np.asarray(self.mask)
-        return np.add.reduceat(mask[d[0]:].astype(np.int64), d[:-1] - d[0]) if len(d) > 1 else np.zeros(0, np.int64)
+        return np.add.reduceat(mask[d[0]:].astype(np.float64), d[:-1] - d[0]) if len(d) > 1 else np.zeros(0)
 
     def __getitem__(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions)
@@ -59,7 +62,8 @@ class TargetWeights:
         if self.normalization == "examples" and positions.size:
             doc = np.searchsorted(self._offsets, positions, "right") - 1
             doc = np.clip(doc, 0, len(self._offsets) - 2)  # (the stream's first token belongs to no document)
-            weights = weights / np.maximum(self.scored_per_doc[doc], 1).astype(np.float32)
+            total = self.weight_per_doc[doc]
+            weights = (weights / np.where(total > 0, total, 1)).astype(np.float32)
         return weights
 
 

@@ -83,7 +83,7 @@ def example_counts(config: Config, store: TokenStore, plan_or_batches: Any) -> d
         plan = plan_or_batches
         owner, j = ragged_arange(plan.lengths - 1)
         positions = plan.starts[owner] + 1 + j
-        scored = int(np.asarray(store.mask[positions], np.int64).sum()) if len(positions) else 0
+        scored = int(np.count_nonzero(store.mask[positions])) if len(positions) else 0
         real = len(positions)
     else:
         scored = int(sum((b["weights"] > 0).sum() for b in plan_or_batches))

@@ -7,7 +7,8 @@ Layout of a store folder (one per split)::
     shard-00000-<key>/    tokens.bin        the shard's stream, uint16 when the vocabulary fits, else uint32
                           doc_offsets.bin   int64 [n_docs + 1], raw
                           line_offsets.bin  int64 [n_lines + 1], raw
-                          weights.bin       uint8, one per token: 1 where the token is scored as a target
+                          weights.bin       one per token: the target's loss weight, uint8 0/1 (1: scored), or
+                                            float32 where shard.json says "weights_dtype": "float32"
                                             (instruction data only, data.format != text; see seqjax.data.examples)
                           shard.json        the shard's own record (the manifest's entry): its completion marker
     shard-00001-<key>/    ...
@@ -142,7 +143,7 @@ class TokenStore:
     def __init__(self, tokens, doc_offsets, line_offsets, eot_id: int, vocab_size: int,
                  manifest: dict[str, Any] | None = None, path: Path | None = None, mask=None):
         self.tokens = tokens
-        self.mask = mask  # uint8 per token (1: scored as a target), or None: every target scored
+        self.mask = mask  # a weight per token (uint8 0/1, or float32; 0: not scored), or None: every target scored
         self.doc_offsets = doc_offsets
         self.line_offsets = line_offsets
         self.eot_id = int(eot_id)
@@ -177,8 +178,11 @@ class TokenStore:
         document, 1/0 per token and one more for its closing EOT (see ``mask``).
         """
         dtype = token_dtype(vocab_size)
-        mask = None if weights is None else np.concatenate(
-            [np.zeros(1, MASK_DTYPE)] + [np.asarray(w, MASK_DTYPE) for w in weights])
+        if weights is not None:  # 0/1 weights as bytes, as prepare keeps them; any others as float32
+            mask = np.concatenate([np.zeros(1)] + [np.asarray(w, np.float64) for w in weights])
+            mask = mask.astype(MASK_DTYPE if np.all((mask == 0) | (mask == 1)) else np.float32)
+        else:
+            mask = None
         pieces = [np.asarray([eot_id], dtype)]
         doc_offsets = [1]
         line_offsets = [1]
@@ -229,7 +233,8 @@ class TokenStore:
 
         mask = None
         if all(WEIGHTS in shard["files"] for shard in manifest["shards"]):
-            masks = [np.memmap(s / WEIGHTS, dtype=MASK_DTYPE, mode="r") for s in shards]
+            masks = [np.memmap(path / shard["name"] / WEIGHTS, dtype=shard.get("weights_dtype", MASK_DTYPE.name),
+                               mode="r") for shard in manifest["shards"]]
             mask = masks[0] if len(masks) == 1 else TokenStream(masks)
         store = cls(tokens, offsets(DOC_OFFSETS), offsets(LINE_OFFSETS), eot_id=manifest["eot_id"],
                     vocab_size=manifest["vocab_size"], manifest=manifest, path=path, mask=mask)
@@ -307,7 +312,7 @@ class TokenStore:
         if "scored_tokens" in stats and not self.source_stores:
             return int(stats["scored_tokens"])
         parts = self.mask.parts if isinstance(self.mask, TokenStream) else [self.mask]
-        return int(sum(int(np.asarray(p, np.int64).sum()) for p in parts) - sum(int(p[0]) for p in parts[1:]))
+        return int(sum(np.count_nonzero(p) for p in parts))  # (each part's first entry, a shared EOT, is 0)
 
     @property
     def max_id(self) -> int:

@@ -91,9 +91,11 @@ class ShardWriter:
     leaving the block with an exception removes the staging folder.
     """
 
-    def __init__(self, path: str | os.PathLike, name: str, *, eot_id: int, vocab_size: int, scored: bool = False):
+    def __init__(self, path: str | os.PathLike, name: str, *, eot_id: int, vocab_size: int, scored: bool = False,
+                 weights_dtype: str = MASK_DTYPE.name):
         self.path, self.name = Path(path), name
         self.scored = scored  # instruction examples: a weights.bin beside the tokens
+        self.weights_dtype = np.dtype(weights_dtype)  # uint8 (0/1) or float32 (data.loss_weights_dtype)
         self.eot_id = int(eot_id)
         self.vocab_size = int(vocab_size)
         self.dtype = token_dtype(vocab_size)
@@ -101,7 +103,7 @@ class ShardWriter:
         self._files = {n: _HashedFile(self._tmp / n) for n in FILES + ((WEIGHTS,) if scored else ())}
         self._files[TOKENS].write(np.asarray([self.eot_id], self.dtype))
         if scored:
-            self._files[WEIGHTS].write(np.zeros(1, MASK_DTYPE))
+            self._files[WEIGHTS].write(np.zeros(1, self.weights_dtype))
         self._files[DOC_OFFSETS].write(np.asarray([1], OFFSET_DTYPE))
         self._files[LINE_OFFSETS].write(np.asarray([1], OFFSET_DTYPE))
         self.num_tokens, self.num_docs, self.num_lines = 1, 0, 0
@@ -141,7 +143,7 @@ class ShardWriter:
         if weights is not None:
             if len(weights) != len(out):
                 raise StoreError(f"shard {self.name}: {len(weights)} weights for {len(out)} tokens")
-            self._files[WEIGHTS].write(np.asarray(weights, MASK_DTYPE))
+            self._files[WEIGHTS].write(np.asarray(weights, self.weights_dtype))
         self._files[TOKENS].write(out)
         self._files[DOC_OFFSETS].write((out_ends + self.num_tokens).astype(OFFSET_DTYPE))
         self._files[LINE_OFFSETS].write((line_ends_out + self.num_tokens).astype(OFFSET_DTYPE))
@@ -168,6 +170,8 @@ class ShardWriter:
             raise StoreError(f"shard {self.name} of {self.path} holds no documents")
         entry = {**(record or {}), "name": self.name, "num_tokens": self.num_tokens, "num_docs": self.num_docs,
                  "num_lines": self.num_lines, "max_id": self.max_id, "files": files}
+        if self.scored and self.weights_dtype != MASK_DTYPE:  # (absent: uint8, as every store before float32 weights)
+            entry["weights_dtype"] = self.weights_dtype.name
         write_text_atomic(self._tmp / SHARD_RECORD, json.dumps(entry, indent=2))
         self.path.mkdir(parents=True, exist_ok=True)
         target = self.path / self.name
@@ -221,7 +225,9 @@ def publish(path: str | os.PathLike, shards: list[dict[str, Any]], manifest: dic
 
 def write_store(path: str | os.PathLike, store: TokenStore, manifest: dict[str, Any]) -> TokenStore:
     """Write an in-memory ``store`` to ``path`` as one shard, atomically, and return it opened from disk."""
-    with StoreWriter(path, eot_id=store.eot_id, vocab_size=store.vocab_size, scored=store.mask is not None) as writer:
+    weights_dtype = MASK_DTYPE.name if store.mask is None else np.dtype(store.mask.dtype).name
+    with StoreWriter(path, eot_id=store.eot_id, vocab_size=store.vocab_size, scored=store.mask is not None,
+                     weights_dtype=weights_dtype) as writer:
         d, lines = np.asarray(store.doc_offsets), np.asarray(store.line_offsets)
         keep = np.ones(len(store.tokens), bool)
         keep[0] = False
@@ -240,10 +246,11 @@ class StoreWriter:
     kill) leaves the previous store at ``path`` as it was, and no new folder.
     """
 
-    def __init__(self, path: str | os.PathLike, *, eot_id: int, vocab_size: int, scored: bool = False):
+    def __init__(self, path: str | os.PathLike, *, eot_id: int, vocab_size: int, scored: bool = False,
+                 weights_dtype: str = MASK_DTYPE.name):
         self.path = Path(path)
         self.shard = ShardWriter(self.path, f"shard-00000-{uuid.uuid4().hex[:12]}", eot_id=eot_id,
-                                 vocab_size=vocab_size, scored=scored)
+                                 vocab_size=vocab_size, scored=scored, weights_dtype=weights_dtype)
 
     def add_document(self, lines: list[list[int]], weights: list[int] | None = None) -> None:
         self.shard.add_document(lines, weights)

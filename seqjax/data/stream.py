@@ -31,7 +31,7 @@ class TokenStream:
         sizes = np.asarray([len(p) for p in parts], np.int64)
         self.bases = np.concatenate([[0], np.cumsum(sizes[:-1] - 1)]).astype(np.int64)
         self.ends = self.bases + sizes  # exclusive
-        self.dtype = parts[0].dtype
+        self.dtype = np.result_type(*parts)  # (a mixture's weights: byte masks beside float32 ones read as float32)
         self._len = int(self.ends[-1])
 
     def __len__(self) -> int:
@@ -42,7 +42,9 @@ class TokenStream:
         return (self._len,)
 
     def _part_of(self, index: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.bases, index, "right") - 1
+        # A shared position belongs to the earlier shard, whose last entry it is (the later one drops its first):
+        # for tokens both are the same EOT, but a weights stream's closing-EOT weight lives only in the earlier one.
+        return np.searchsorted(self.ends - 1, index, "left")
 
     def __getitem__(self, key):
         if isinstance(key, slice):
