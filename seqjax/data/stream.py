@@ -31,6 +31,7 @@ class TokenStream:
         sizes = np.asarray([len(p) for p in parts], np.int64)
         self.bases = np.concatenate([[0], np.cumsum(sizes[:-1] - 1)]).astype(np.int64)
         self.ends = self.bases + sizes  # exclusive
+        self._lasts = self.ends - 1  # each shard's last position: the one it shares with the next
         self.dtype = np.result_type(*parts)  # (a mixture's weights: byte masks beside float32 ones read as float32)
         self._len = int(self.ends[-1])
 
@@ -44,7 +45,7 @@ class TokenStream:
     def _part_of(self, index: np.ndarray) -> np.ndarray:
         # A shared position belongs to the earlier shard, whose last entry it is (the later one drops its first):
         # for tokens both are the same EOT, but a weights stream's closing-EOT weight lives only in the earlier one.
-        return np.searchsorted(self.ends - 1, index, "left")
+        return np.searchsorted(self._lasts, index, "left")
 
     def __getitem__(self, key):
         if isinstance(key, slice):
