@@ -524,6 +524,28 @@ def test_every_format_trains_and_validates_on_its_scored_tokens(chat_folder, tok
     jax.clear_caches()
 
 
+@pytest.mark.slow  # eighteen in-process two-step runs
+@pytest.mark.parametrize("normalization", ["tokens", "examples"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(map(str, layout.values())))
+def test_chats_train_under_every_layout_and_both_normalizations(chat_folder, tokenizer, tmp_path, layout,
+                                                                normalization):
+    """Packed chats train through the real loop with each packer, length grouping and complete_doc blocks: the
+    first step's loss is near log(vocab) (a fresh model), the loss is finite at every step, and validation runs."""
+    from seqjax.train.loop import train
+
+    path = write_jsonl(tmp_path / "chats.jsonl", synthetic_chats(40))
+    config = load_config(None, overrides(tmp_path, chat_folder, "chat", [path], **{
+        "train.loss_normalization": normalization, "train.steps": 2, "train.warmup_steps": 0, "train.eval_every": 0,
+        "train.checkpoint_every": 2, "train.async_checkpoint": "false", "run.trackers": "[jsonl]",
+        "data.overlong": "truncate", **layout}))
+    summary = train(config)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r and r.get("split") is None]
+    assert summary["finished"] and np.isfinite(summary["val_loss"]) and len(losses) >= 1
+    assert np.all(np.isfinite(losses)) and losses[0] == pytest.approx(np.log(tokenizer.vocab_size), rel=0.1)
+    jax.clear_caches()
+
+
 def test_the_chat_specials_are_single_tokens(tokenizer):
     for token in CHAT_SPECIALS:
         assert len(tokenizer.encode_text(token)) == 1
