@@ -160,19 +160,18 @@ def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh
     start = time.perf_counter()
     batches = windows.batches(batch_size)
     bar = progress_bar(total=n_batches, desc=f"eval {windows.mode}", unit="batch", enabled=progress)
-    pending = None  # the previous batch's sum: read after the next batch is dispatched, so host and device overlap
+    pending = None  # the previous batch's sums: read after the next batch is dispatched, so host and device overlap
     with bar:
         for _ in range(n_batches):
             batch = next(batches)
-            batch_nll, _ = _score(graphdef, state, placement.put(batch))
+            sums = _score(graphdef, state, placement.put(batch))
             if pending is not None:
-                nll_sum += float(pending)
-            pending = batch_nll
+                nll_sum, weight = nll_sum + float(pending[0]), weight + float(pending[1])
+            pending = sums
             tokens += int(np.count_nonzero(batch["weights"]))
-            weight += float(np.sum(batch["weights"], dtype=np.float64))
             bar.update()
         if pending is not None:
-            nll_sum += float(pending)
+            nll_sum, weight = nll_sum + float(pending[0]), weight + float(pending[1])
     return nll_sum, tokens, weight, n_batches * batch_size, total, time.perf_counter() - start
 
 

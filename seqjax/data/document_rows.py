@@ -64,6 +64,12 @@ def check_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> None
         )
 
 
+def dropped_as_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> np.ndarray:
+    """Which documents the overlong policy leaves out: under ``drop``, those predicting more than ``seq_len``."""
+    doc_lengths = np.asarray(doc_lengths)
+    return doc_lengths > seq_len if overlong == "drop" else np.zeros(len(doc_lengths), bool)
+
+
 def document_items(
     doc_offsets: np.ndarray, order: np.ndarray, seq_len: int, overlong: str
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -76,7 +82,7 @@ def document_items(
     starts = np.asarray(doc_offsets[:-1], np.int64)[order] - 1
     weights = np.diff(doc_offsets)[order]
     if overlong == "drop":
-        keep = weights <= seq_len
+        keep = ~dropped_as_overlong(weights, seq_len, overlong)
         starts, weights = starts[keep], weights[keep]
     elif overlong == "truncate":
         weights = np.minimum(weights, seq_len)

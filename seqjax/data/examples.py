@@ -353,9 +353,9 @@ def loss_weights(spec: ExampleSpec, weights: Any, n: int, where: str) -> np.ndar
         raise CorpusError(f"{where}: field {field!r} must be a list of numbers as long as {spec.input_ids_field!r} "
                           f"({n})")
     values = np.asarray(weights, np.float64)
-    if not np.all(np.isfinite(values) & (values >= 0)):
-        bad = float(values[~(np.isfinite(values) & (values >= 0))][0])
-        raise CorpusError(f"{where}: field {field!r} holds {bad}; expected weights >= 0")
+    bad = values[~(np.isfinite(values) & (values >= 0))]
+    if len(bad):
+        raise CorpusError(f"{where}: field {field!r} holds {float(bad[0])}; expected weights >= 0")
     if spec.weights_dtype == "uint8" and not np.all((values == 0) | (values == 1)):
         bad = float(values[(values != 0) & (values != 1)][0])
         raise CorpusError(f"{where}: field {field!r} holds {bad}; data.loss_weights_dtype=uint8 keeps 0/1 weights "

@@ -13,6 +13,7 @@ import numpy as np
 
 from seqjax.config import Config
 from seqjax.data import strategies
+from seqjax.data.document_rows import dropped_as_overlong
 from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
 from seqjax.data.pipeline import build_pipeline
@@ -39,9 +40,9 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         real = int(sum((b["segment_ids"] > 0).sum() for b in batches))
         slots = sum(b["weights"].size for b in batches)
         dropped = store.predicted_tokens - real
-        # Grain's packers see documents after the overlong policy; only `drop` removes whole ones.
-        too_long = int(np.sum(store.doc_lengths > d.seq_len)) if d.overlong == "drop" else 0
-        counts = {"documents_dropped": too_long, "documents_truncated": None, "documents_split": None}
+        # Grain's packers see documents after the overlong policy (document_rows.document_items)
+        counts = {"documents_dropped": int(dropped_as_overlong(store.doc_lengths, d.seq_len, d.overlong).sum()),
+                  "documents_truncated": None, "documents_split": None}
         rows, n_batches = len(segs), len(batches)
     else:
         planner = EpochPlanner(config, store)

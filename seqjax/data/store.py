@@ -233,8 +233,8 @@ class TokenStore:
 
         mask = None
         if all(WEIGHTS in shard["files"] for shard in manifest["shards"]):
-            masks = [np.memmap(path / shard["name"] / WEIGHTS, dtype=shard.get("weights_dtype", MASK_DTYPE.name),
-                               mode="r") for shard in manifest["shards"]]
+            masks = [np.memmap(s / WEIGHTS, dtype=record.get("weights_dtype", MASK_DTYPE.name), mode="r")
+                     for s, record in zip(shards, manifest["shards"])]
             mask = masks[0] if len(masks) == 1 else TokenStream(masks)
         store = cls(tokens, offsets(DOC_OFFSETS), offsets(LINE_OFFSETS), eot_id=manifest["eot_id"],
                     vocab_size=manifest["vocab_size"], manifest=manifest, path=path, mask=mask)
