@@ -43,7 +43,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from grain.checkpoint import CheckpointSave  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from seqjax.config_load import load_config  # noqa: E402
+from seqjax.config.load import load_config  # noqa: E402
 from seqjax.train.checkpoint import Checkpointer  # noqa: E402
 from seqjax.train.prefetch import IteratorPosition  # noqa: E402
 

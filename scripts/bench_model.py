@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from seqjax.cli import parse, parser
+from seqjax.main.cli import parse, parser
 from seqjax.model import build_model, param_count
 from seqjax.model.attention import resolve_backend
 from seqjax.model.loss import lm_loss

@@ -55,11 +55,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_data import hf_group_texts  # noqa: E402
 
-from seqjax.config_load import load_config  # noqa: E402
-from seqjax.data.build import prepare  # noqa: E402
-from seqjax.data.corpus import read_text, wikitext_articles  # noqa: E402
+from seqjax.config.load import load_config  # noqa: E402
 from seqjax.data.pipeline import build_pipeline  # noqa: E402
 from seqjax.data.plan import EpochPlanner  # noqa: E402
+from seqjax.store.build import prepare  # noqa: E402
+from seqjax.store.corpus import read_text, wikitext_articles  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 1024  # run_clm's default block size for GPT-2-like models

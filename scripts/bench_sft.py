@@ -49,7 +49,7 @@ def example_lengths(n: int, cap: int, seed: int) -> tuple[np.ndarray, np.ndarray
 
 
 def store_of(lengths: np.ndarray, prompts: np.ndarray, vocab: int, seed: int):
-    from seqjax.data.store import TokenStore
+    from seqjax.store.reader import TokenStore
 
     rng = np.random.default_rng(seed)
     ids = [rng.integers(1, vocab, n) for n in lengths]
@@ -59,7 +59,7 @@ def store_of(lengths: np.ndarray, prompts: np.ndarray, vocab: int, seed: int):
 
 def seqjax_rows(store, seq_len: int, batch: int, packer: str | None) -> dict:
     """One epoch through the real pipeline (plan and every batch built), as python -m seqjax.data reports it."""
-    from seqjax.config_load import load_config
+    from seqjax.config.load import load_config
     from seqjax.data.stats import epoch_stats
 
     strategy = ["data.strategy=pack", f"data.packer={packer}"] if packer else ["data.strategy=length_grouped"]
@@ -138,9 +138,9 @@ def step_time_per_example(store, seq_len: int, batch: int, batches: int, strateg
     """The real train step (small Llama, CPU) over ``batches`` batches: seconds per example, after a warm-up."""
     import jax
 
-    from seqjax import sharding
-    from seqjax.config_load import load_config
+    from seqjax.config.load import load_config
     from seqjax.data.pipeline import build_pipeline
+    from seqjax.model import sharding
     from seqjax.train.loop import _sharded_model, _sharded_optimizer_state
     from seqjax.train.optimizer import build_optimizer
     from seqjax.train.step import make_train_step

@@ -34,10 +34,10 @@ import time
 import jax
 import numpy as np
 
-from seqjax import sharding
-from seqjax.cli import parse, parser
-from seqjax.data.build import prepare
 from seqjax.data.pipeline import build_pipeline
+from seqjax.main.cli import parse, parser
+from seqjax.model import sharding
+from seqjax.store.build import prepare
 from seqjax.train.flops import flops_per_token, peak_flops_per_device
 from seqjax.train.loop import _sharded_model, _sharded_optimizer_state, _with_vocab
 from seqjax.train.metrics import peak_memory_bytes

@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from seqjax import cli, trained  # noqa: E402
-from seqjax.data.build import prepare  # noqa: E402
-from seqjax.data.eval_windows import MODES  # noqa: E402
-from seqjax.data.lm_eval import MODE as LM_EVAL  # noqa: E402
-from seqjax.data.lm_eval import read_lm_eval_split  # noqa: E402
-from seqjax.evaluate import evaluate, evaluate_lm_eval  # noqa: E402
-from seqjax.files import json_text  # noqa: E402
+from seqjax.core.files import json_text  # noqa: E402
+from seqjax.eval.evaluate import evaluate, evaluate_lm_eval  # noqa: E402
+from seqjax.eval.lm_eval import MODE as LM_EVAL  # noqa: E402
+from seqjax.eval.lm_eval import read_lm_eval_split  # noqa: E402
+from seqjax.eval.windows import MODES  # noqa: E402
+from seqjax.main import cli, trained  # noqa: E402
+from seqjax.store.build import prepare  # noqa: E402
 
 SPLITS = ("valid", "test")
 log = logging.getLogger("seqjax.eval_table")

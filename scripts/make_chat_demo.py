@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> dict:
     # seqjax after argparse: --help stays instant
     from flax import nnx
 
-    from seqjax import hf
-    from seqjax.config_load import load_config
-    from seqjax.data.tokenizer import train_tokenizer
-    from seqjax.files import check_new_folder
+    from seqjax.config.load import load_config
+    from seqjax.core.files import check_new_folder
+    from seqjax.hf import folders as hf
     from seqjax.model.transformer import build_model
+    from seqjax.store.tokenizer import train_tokenizer
 
     out = check_new_folder(args.out, overwrite=False)
     llama = out / "llama"

@@ -41,9 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     from flax import nnx
 
-    from seqjax import sharding
-    from seqjax.config_load import load_config
-    from seqjax.model import build_model
+    from seqjax.config.load import load_config
+    from seqjax.model import build_model, sharding
     from seqjax.train.optimizer import build_optimizer
     from seqjax.train.step import make_train_step
 

@@ -66,17 +66,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from seqjax import cli
-from seqjax.config import Config
-from seqjax.config_load import load_config
-from seqjax.data.build import prepare
-from seqjax.data.corpus import count_words
+from seqjax.config.load import load_config
+from seqjax.config.tree import Config
+from seqjax.core.errors import UsageError
+from seqjax.core.files import write_text_atomic
 from seqjax.data.pipeline import build_pipeline
-from seqjax.data.store import TokenStore
-from seqjax.data.tokenizer import Tokenizer
-from seqjax.errors import UsageError
-from seqjax.evaluate import evaluate
-from seqjax.files import write_text_atomic
+from seqjax.eval.evaluate import evaluate
+from seqjax.main import cli
+from seqjax.store.build import prepare
+from seqjax.store.corpus import count_words
+from seqjax.store.reader import TokenStore
+from seqjax.store.tokenizer import Tokenizer
 from seqjax.train.flops import flops_per_token
 from seqjax.train.inference import load_for_inference
 from seqjax.train.loop import train

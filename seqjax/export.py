@@ -1,67 +1,8 @@
-"""``python -m seqjax.export --run DIR --out HF_DIR [--dtype bfloat16]``: a seqjax model as a Hugging Face Llama folder.
+"""``python -m seqjax.export``: the command itself is :mod:`seqjax.main.export`."""
 
-The folder loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)``
-and ``AutoTokenizer.from_pretrained(HF_DIR)`` (see :mod:`seqjax.hf` for its
-files). ``--checkpoint STEP_DIR`` exports one step, ``--hf DIR`` re-exports an
-HF folder (to change its dtype or shard size). The last stdout line is one
-JSON object: the files, shards, dtype, parameters and bytes written.
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
-from typing import Any, Sequence
 
-from flax import nnx
-
-from seqjax import cli, hf, trained
-from seqjax.data.examples import find_chat_template
-from seqjax.errors import UsageError
-from seqjax.files import check_new_folder, staged_folder
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.parser("python -m seqjax.export", "Write a trained model as a Hugging Face Llama folder (safetensors).")
-    trained.add_checkpoint_args(p)
-    p.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (new or empty)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder whole")
-    p.add_argument("--dtype", choices=tuple(hf.DTYPES), default="float32", help="tensor dtype (default: %(default)s)")
-    p.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_SHARD_BYTES, metavar="N",
-                   help="cut model.safetensors into shards of at most N bytes, with an index (default: 5 GiB)")
-    cli.run(p, argv, export)
-    return 0
-
-
-def export(args: argparse.Namespace) -> dict[str, Any]:
-    """Refuse a non-empty --out (unless --overwrite), load the checkpoint, write the HF folder, print the JSON line.
-
-    The folder is written beside --out and renamed into place: a failure leaves --out as it was.
-    """
-    check_new_folder(args.out, overwrite=args.overwrite)
-    if args.max_shard_bytes < 1:
-        raise UsageError(f"--max-shard-bytes: got {args.max_shard_bytes}, expected a positive number of bytes")
-    config, model = trained.load_checkpoint(args)
-    # The run's own tokenizer, refused unless it is the one the checkpoint was trained with (as eval and generate do).
-    tokenizer = trained.trained_tokenizer(args, config)
-    with staged_folder(args.out, overwrite=args.overwrite) as staging:
-        result = hf.write_folder(
-            staging,
-            model.cfg,
-            nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-            tokenizer_json=tokenizer.path,
-            eos_token=tokenizer.eot_token,
-            bos_token=config.tokenizer.bos_token,
-            dtype=args.dtype,
-            max_shard_bytes=args.max_shard_bytes,
-            chat_template=find_chat_template(Path(tokenizer.path), config.data.chat_template),
-        )
-    result["out"] = str(args.out)
-    print(json.dumps(result), flush=True)
-    return result
-
+from seqjax.main.export import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from seqjax.config import DATA_DIR_ENV
+from seqjax.config.tree import DATA_DIR_ENV
 
 
 def wikitext_dir() -> Path | None:
@@ -29,7 +29,7 @@ def wikitext() -> Path:
 @pytest.fixture(scope="session")
 def wikitext_config(wikitext, tmp_path_factory):
     """A config pointing at WikiText-2 with a session-private cache and a small vocabulary (fast to train)."""
-    from seqjax.config_load import load_config
+    from seqjax.config.load import load_config
 
     cache = tmp_path_factory.mktemp("wikitext_cache")
     return load_config(None, [f"data.dir={wikitext}", f"data.cache_dir={cache}", "tokenizer.vocab_size=2048"])
@@ -38,7 +38,7 @@ def wikitext_config(wikitext, tmp_path_factory):
 @pytest.fixture(scope="session")
 def wikitext_prepared(wikitext_config):
     """Tokenizer and token stores for all three WikiText-2 splits, built once per test session."""
-    from seqjax.data.build import prepare
+    from seqjax.store.build import prepare
 
     return prepare(wikitext_config)
 

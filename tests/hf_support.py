@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from seqjax.data.tokenizer import train_tokenizer
+from seqjax.store.tokenizer import train_tokenizer
 
 WORDS = "the cat sat on a mat while dog ran far away to big small red blue green house tree river stone".split()
 

@@ -27,7 +27,7 @@ Usage = collections.namedtuple("Usage", "total used free")
 
 def train_here(overrides: list[str]) -> int:
     """The training CLI in this process (so monkeypatches reach it); its exit code."""
-    from seqjax.train.__main__ import main
+    from seqjax.main.train import main
 
     return main(overrides)
 

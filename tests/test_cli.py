@@ -7,9 +7,9 @@ import re
 import pytest
 
 from corpus_factory import make_text_corpus
-from seqjax import cli
-from seqjax.config_load import load_config
-from seqjax.errors import ConfigError, CorpusError, DataError, SeqjaxError, StoreError, TokenizerError
+from seqjax.config.load import load_config
+from seqjax.core.errors import ConfigError, CorpusError, DataError, SeqjaxError, StoreError, TokenizerError
+from seqjax.main import cli
 
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) seqjax[\w.]*: ")
 
@@ -42,11 +42,11 @@ def test_a_bug_keeps_its_traceback():
 
 def test_a_corpus_error_in_evals_prepare_exits_2_without_a_traceback(tmp_path, monkeypatch, capsys):
     """eval used to call prepare() outside its try: a missing corpus printed a traceback."""
-    from seqjax import eval as eval_cli
+    from seqjax.main import eval as eval_cli
 
     config = load_config(None, ["data.corpus=text", "data.train_files=[nowhere.txt]", f"data.dir={tmp_path}",
                                 f"data.cache_dir={tmp_path / 'cache'}"])
-    monkeypatch.setattr("seqjax.trained.load_for_inference", lambda path, overrides: (config, None))
+    monkeypatch.setattr("seqjax.main.trained.load_for_inference", lambda path, overrides: (config, None))
     with pytest.raises(SystemExit) as exit_:
         eval_cli.main(["--run", str(tmp_path)])
     assert exit_.value.code == 2
@@ -55,7 +55,7 @@ def test_a_corpus_error_in_evals_prepare_exits_2_without_a_traceback(tmp_path, m
 
 
 def test_a_corpus_error_in_the_data_cli_exits_2(tmp_path, capsys):
-    from seqjax.data.__main__ import main
+    from seqjax.main.data import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["data.corpus=text", "data.train_files=[nowhere.txt]", f"data.cache_dir={tmp_path}"])
@@ -64,7 +64,7 @@ def test_a_corpus_error_in_the_data_cli_exits_2(tmp_path, capsys):
 
 
 def test_config_from_a_checkpoint_refuses_config_and_a_missing_folder(tmp_path, capsys):
-    from seqjax import generate
+    from seqjax.main import generate
 
     cases = [(["--run", str(tmp_path), "--config", "x.yaml", "--prompt", "a"], "--config: the configuration"),
              (["--run", str(tmp_path / "nope"), "--prompt", "a"], "no such folder")]
@@ -75,7 +75,7 @@ def test_config_from_a_checkpoint_refuses_config_and_a_missing_folder(tmp_path, 
 
 
 def test_messages_share_one_format_and_the_level_flag_filters_them(tmp_path, capsys):
-    from seqjax.prepare import main
+    from seqjax.main.prepare import main
 
     overrides = make_text_corpus(tmp_path / "corpus", tmp_path / "cache")
     assert main(overrides) == 0
@@ -83,6 +83,6 @@ def test_messages_share_one_format_and_the_level_flag_filters_them(tmp_path, cap
     assert any("building the token store" in line for line in err)
     assert err and all(LOG_LINE.match(line) for line in err), err
     assert main([*overrides, "--log-level", "warning"]) == 0
-    assert "seqjax.data.build" not in capsys.readouterr().err
+    assert "seqjax.store.build" not in capsys.readouterr().err
     cli.configure_logging("INFO")  # leave the process as the other tests expect it
 

@@ -9,9 +9,9 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax import cli
-from seqjax.config import Config, ConfigError
-from seqjax.config_load import all_keys, announce, load_config
+from seqjax.config.load import all_keys, announce, load_config
+from seqjax.config.tree import Config, ConfigError
+from seqjax.main import cli
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CONFIG = REPO / "configs" / "wikitext2_cpu.yaml"
@@ -150,7 +150,7 @@ def test_resolved_config_is_printed_and_saved_and_loads_back(tmp_path, capsys):
 
 
 def test_a_quick_run_needs_only_train_steps_and_its_warmup_shrinks_with_one_warning(caplog):
-    with caplog.at_level("WARNING", logger="seqjax.config"):
+    with caplog.at_level("WARNING", logger="seqjax.config.tree"):
         config = load_config(CPU_CONFIG, ["train.steps=24"])
     assert config.train.warmup_steps == 24
     assert [r.getMessage() for r in caplog.records] == [
@@ -209,8 +209,8 @@ def test_resume_changes_lists_exactly_the_changed_keys_each_with_its_kind(change
     """A checkpoint's config (a dict) differs from the current one in ``changed``: exactly those keys come back."""
     import dataclasses
 
-    from seqjax.config import RESUME_KINDS
-    from seqjax.config_diff import resume_changes
+    from seqjax.config.diff import resume_changes
+    from seqjax.config.tree import RESUME_KINDS
 
     current = Config()
     saved = current.to_dict()
@@ -227,7 +227,7 @@ def test_resume_changes_lists_exactly_the_changed_keys_each_with_its_kind(change
 
 
 def test_the_keys_that_change_the_batches_or_the_model_are_marked():
-    from seqjax.config_diff import resume_changes
+    from seqjax.config.diff import resume_changes
 
     saved = Config().to_dict()
     saved["data"]["batch_size"], saved["run"]["seed"], saved["model"]["d_ff"] = 32, 7, 64

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import DATA_DIR_ENV
-from seqjax.config_load import load_config
-from seqjax.data.corpus import (
+from seqjax.config.load import load_config
+from seqjax.config.tree import DATA_DIR_ENV
+from seqjax.store.corpus import (
     CorpusError,
     count_lines,
     count_words,

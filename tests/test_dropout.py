@@ -20,13 +20,13 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import ConfigError
-from seqjax.config_load import load_config
-from seqjax.data.store import TokenStore
-from seqjax.evaluate import evaluate
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
+from seqjax.eval.evaluate import evaluate
 from seqjax.model import build_model
 from seqjax.model.attention import attention
 from seqjax.model.decode import generate
+from seqjax.store.reader import TokenStore
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.step import make_train_step
 from test_multiprocess import run_two_processes
@@ -150,7 +150,7 @@ def test_rates_out_of_range_and_attention_dropout_on_a_kernel_are_refused():
 
 
 def test_the_train_cli_refuses_attention_dropout_on_pallas_in_one_line(tmp_path, capsys):
-    from seqjax.train.__main__ import main
+    from seqjax.main.train import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([f"run.dir={tmp_path / 'run'}", "model.attention=pallas", "model.attention_dropout=0.1"])
@@ -162,7 +162,7 @@ def test_the_train_cli_refuses_attention_dropout_on_pallas_in_one_line(tmp_path,
 
 RUNS = """
 import json, sys
-from seqjax.config_load import load_config
+from seqjax.config.load import load_config
 from seqjax.train.loop import train
 for overrides in json.loads(sys.argv[1]):
     train(load_config(None, overrides))

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from seqjax.config_load import load_config
-from seqjax.data.store import TokenStore
-from seqjax.evaluate import evaluate
+from seqjax.config.load import load_config
+from seqjax.eval.evaluate import evaluate
 from seqjax.model import build_model
+from seqjax.store.reader import TokenStore
 
 VOCAB = 40
 EOT = 0
@@ -120,7 +120,7 @@ def test_deterministic_and_a_partial_run_says_so(tiny_model):
 
 @pytest.mark.slow
 def test_a_context_whose_batch_cannot_fit_the_device_is_refused_before_any_batch():
-    from seqjax.config import ConfigError
+    from seqjax.config.tree import ConfigError
 
     huge = load_config(None, ["model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.d_ff=32",
                               "model.max_seq_len=400000", "data.seq_len=8", "model.attention=xla",
@@ -150,11 +150,11 @@ def test_counts_match_the_prepare_summary(wikitext_prepared, wikitext_config):
 @pytest.mark.slow
 def test_eval_cli_prints_one_json_object_last(wikitext_prepared, wikitext_config, tmp_path, monkeypatch, capsys):
     """``--run DIR --split test key=value``: the overrides reach evaluate; the checkpoint loader is stood in for."""
-    from seqjax import eval as eval_cli
+    from seqjax.main import eval as eval_cli
 
     saved = wikitext_config.save(tmp_path / "config.yaml")
     lm = UniformLM(wikitext_prepared.tokenizer.vocab_size)
-    monkeypatch.setattr("seqjax.trained.load_for_inference",
+    monkeypatch.setattr("seqjax.main.trained.load_for_inference",
                         lambda path, overrides: (load_config(saved, overrides), lm))
     eval_cli.main(
         ["--run", str(tmp_path), "--split", "test", "eval.mode=sliding", "eval.context=512", "eval.stride=256"]
@@ -180,7 +180,7 @@ sys.path.insert(0, "tests")
 import jax
 from flax import nnx
 from test_eval import VOCAB, config, small_store
-from seqjax.evaluate import evaluate
+from seqjax.eval.evaluate import evaluate
 from seqjax.model import build_model
 assert jax.device_count() == 2
 from test_eval import load_tiny_config

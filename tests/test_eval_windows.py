@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.data.eval_windows import MODES, eval_windows
-from seqjax.data.store import TokenStore
+from seqjax.eval.windows import MODES, eval_windows
+from seqjax.store.reader import TokenStore
 
 EOT = 0
 

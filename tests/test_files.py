@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from seqjax.files import write_text_atomic
+from seqjax.core.files import write_text_atomic
 
 
 def test_a_write_interrupted_before_the_rename_keeps_the_old_file(tmp_path, monkeypatch):

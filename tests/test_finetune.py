@@ -19,12 +19,12 @@ import yaml
 from flax import nnx
 
 from hf_support import write_llama_folder
-from seqjax import hf
-from seqjax.config import ConfigError
-from seqjax.config_load import load_config
-from seqjax.data.build import prepare
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
 from seqjax.data.pipeline import build_pipeline
+from seqjax.hf import folders as hf
 from seqjax.model.loss import lm_loss
+from seqjax.store.build import prepare
 from seqjax.train import init_from
 from seqjax.train.inference import load_for_inference
 from seqjax.train.loop import train

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from seqjax.config_load import load_config
+from seqjax.config.load import load_config
 from seqjax.model import build_model
 from seqjax.model.loss import lm_loss
 

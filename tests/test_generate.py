@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from seqjax.config_load import load_config
-from seqjax.generate import read_prompts
+from seqjax.config.load import load_config
+from seqjax.main.generate import read_prompts
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
 
@@ -97,11 +97,11 @@ def test_bad_requests_are_refused_before_decoding(model, tmp_path):
 @pytest.mark.slow
 def test_generate_cli_prints_json_last(wikitext_prepared, wikitext_config, tmp_path, monkeypatch, capsys):
     """The CLI wiring (checkpoint, the run's tokenizer, a batch from a file); the checkpoint loader is stood in for."""
-    from seqjax import generate as generate_cli
+    from seqjax.main import generate as generate_cli
 
     vocab = wikitext_prepared.tokenizer.vocab_size
     _, lm = tiny_model(vocab)
-    monkeypatch.setattr("seqjax.trained.load_for_inference", lambda path, overrides: (wikitext_config, lm))
+    monkeypatch.setattr("seqjax.main.trained.load_for_inference", lambda path, overrides: (wikitext_config, lm))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The game\nIn 1998 ,\n")
     generate_cli.main(["--run", str(tmp_path), "--prompt", "", "--prompts", str(prompts), "--max-new-tokens", "5",
@@ -112,7 +112,7 @@ def test_generate_cli_prints_json_last(wikitext_prepared, wikitext_config, tmp_p
 
 
 def test_a_prompt_too_long_is_blamed_on_the_prompt_and_too_many_new_tokens_on_that_flag(model):
-    from seqjax.errors import UsageError
+    from seqjax.core.errors import UsageError
 
     with pytest.raises(UsageError, match=r"^--prompt: the longest prompt is 32 tokens .* expected at most 31"):
         generate(model, [[START] * 32], eot_id=None, max_new_tokens=1)
@@ -122,7 +122,7 @@ def test_a_prompt_too_long_is_blamed_on_the_prompt_and_too_many_new_tokens_on_th
 
 
 def test_the_generate_flags_take_dashes_and_their_old_underscore_spellings():
-    from seqjax.generate import build_parser
+    from seqjax.main.generate import build_parser
 
     dashed = build_parser().parse_args(["--run", "r", "--max-new-tokens", "7", "--top-p", "0.5", "--top-k", "3"])
     old = build_parser().parse_args(["--run", "r", "--max_new_tokens", "7", "--top_p", "0.5", "--top_k", "3"])

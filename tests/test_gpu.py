@@ -58,7 +58,7 @@ def test_fifty_bf16_training_steps_with_pallas_track_xla():
     """The same 4-layer model, data and AdamW, 50 steps each: per-step losses agree within bf16 tolerance."""
     from flax import nnx
 
-    from seqjax.config_load import load_config
+    from seqjax.config.load import load_config
     from seqjax.model import build_model
     from seqjax.train.optimizer import build_optimizer
     from seqjax.train.step import make_train_step

@@ -24,10 +24,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from hf_support import llama_tensors, tiny_tokenizer, write_llama_folder
-from seqjax import hf
-from seqjax.config import ConfigError, RopeScalingConfig
-from seqjax.config_load import load_config
-from seqjax.errors import CheckpointError
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError, RopeScalingConfig
+from seqjax.core.errors import CheckpointError
+from seqjax.hf import folders as hf
 from seqjax.model import build_model
 from seqjax.model.transformer import rope_frequencies
 
@@ -246,7 +246,7 @@ def test_missing_shard_missing_tensor_extra_tensor_and_bad_shape_are_refused(tmp
 
 
 def test_a_folder_without_weights_or_tokenizer_is_refused_by_the_import_cli_in_one_line(tmp_path, capsys):
-    from seqjax import import_hf
+    from seqjax.main import import_hf
 
     folder = write_llama_folder(tmp_path / "llama")
     (folder / "tokenizer.json").unlink()
@@ -262,8 +262,8 @@ def test_a_folder_without_weights_or_tokenizer_is_refused_by_the_import_cli_in_o
 
 
 def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path):
-    from seqjax import import_hf
-    from seqjax.errors import CheckpointMismatchError
+    from seqjax.core.errors import CheckpointMismatchError
+    from seqjax.main import import_hf
     from seqjax.train.checkpoint import Checkpointer
     from seqjax.train.inference import load_for_inference
 
@@ -331,7 +331,7 @@ def _refused_cli(main, argv, capsys) -> str:
 
 
 def test_import_and_export_refuse_a_non_empty_out_folder_and_overwrite_replaces_it_whole(tmp_path, capsys):
-    from seqjax import export, import_hf
+    from seqjax.main import export, import_hf
 
     folder = write_llama_folder(tmp_path / "llama")
     run, exported = tmp_path / "run", tmp_path / "hf"
@@ -354,7 +354,7 @@ def test_import_and_export_refuse_a_non_empty_out_folder_and_overwrite_replaces_
 
 
 def test_a_failed_export_leaves_nothing_half_written(tmp_path, monkeypatch):
-    from seqjax import export, import_hf
+    from seqjax.main import export, import_hf
 
     import_hf.main([str(write_llama_folder(tmp_path / "llama")), "--out", str(tmp_path / "run"),
                     "model.attention=xla"])
@@ -374,7 +374,7 @@ def test_non_finite_weights_are_refused_where_they_are_read_naming_the_tensor(tm
     """A NaN weight used to import with exit 0, then generate nothing and score null perplexities."""
     import shutil
 
-    from seqjax import import_hf
+    from seqjax.main import import_hf
     from seqjax.train.checkpoint import save_params
     from seqjax.train.inference import load_for_inference
 
@@ -416,7 +416,7 @@ def test_a_folder_with_both_a_single_file_and_an_index_loads_the_weights_transfo
         n: file for file, group in shards.items() for n in group}}))
     ids = random_ids((1, T))
     expected = np.asarray(FlaxLlamaForCausalLM.from_pretrained(folder)(ids).logits)
-    with caplog.at_level("WARNING", logger="seqjax.hf"):
+    with caplog.at_level("WARNING", logger="seqjax.hf.folders"):
         _, model = hf.load(folder, ["model.attention=xla"])
     np.testing.assert_allclose(logits(model, ids), expected, rtol=1e-5, atol=1e-5)
     assert "holds both model.safetensors and model.safetensors.index.json: reading model.safetensors" in caplog.text

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from seqjax.config_load import load_config
-from seqjax.data.build import prepare
+from seqjax.config.load import load_config
+from seqjax.store.build import prepare
 from test_train_support import tiny_overrides
 
 # The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
@@ -33,7 +33,7 @@ def exits_2(main, argv: list[str], capfd) -> str:
 
 def test_eval_refuses_a_tokenizer_with_more_tokens_than_the_model_or_not_the_runs_own(reference, tiny_root,
                                                                                      tmp_path, capfd):
-    from seqjax.eval import main
+    from seqjax.main.eval import main
 
     run = str(tiny_root / "reference")
     bigger = other_tokenizer(tiny_root, tmp_path, 400)
@@ -45,7 +45,7 @@ def test_eval_refuses_a_tokenizer_with_more_tokens_than_the_model_or_not_the_run
 
 
 def test_eval_refuses_a_model_size_the_checkpoint_does_not_have_with_one_line(reference, tiny_root, capfd):
-    from seqjax.eval import main
+    from seqjax.main.eval import main
 
     line = exits_2(main, ["--run", str(tiny_root / "reference"), "model.vocab_size=1000"], capfd)
     assert "does not fit the model asked for (model.vocab_size: 300 -> 1000)" in line
@@ -54,7 +54,7 @@ def test_eval_refuses_a_model_size_the_checkpoint_does_not_have_with_one_line(re
 
 @pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top-p", "nan")])
 def test_generate_refuses_a_sampling_setting_that_is_not_a_finite_number(reference, tiny_root, capfd, flag, value):
-    from seqjax.generate import main
+    from seqjax.main.generate import main
 
     line = exits_2(main, ["--run", str(tiny_root / "reference"), "--prompt", "the", flag, value], capfd)
     assert f"{flag}: got {value}, expected" in line
@@ -64,8 +64,8 @@ def test_export_and_init_from_refuse_a_step_whose_run_tokenizer_was_replaced(ref
     """A resume that retrained the tokenizer leaves older steps trained with the old one: every reader checks."""
     import shutil
 
-    from seqjax.export import main as export
-    from seqjax.train.__main__ import main as train
+    from seqjax.main.export import main as export
+    from seqjax.main.train import main as train
 
     run = tmp_path / "run"
     shutil.copytree(tiny_root / "reference", run)
@@ -81,7 +81,7 @@ def test_export_and_init_from_refuse_a_step_whose_run_tokenizer_was_replaced(ref
 
 def test_eval_and_generate_agree_on_the_trained_length(tiny_root, tmp_path, capfd):
     """A run trained on 32-token rows saves model.max_seq_len=32: eval refuses a longer context, as generate does."""
-    from seqjax.eval import main as evaluate
+    from seqjax.main.eval import main as evaluate
     from test_train_support import assert_ok, run_cli
 
     run = tmp_path / "run"
@@ -96,7 +96,7 @@ def test_eval_names_the_step_it_scored_and_keeps_each_result_in_the_run(referenc
     import json
     import shutil
 
-    from seqjax.eval import main as evaluate
+    from seqjax.main.eval import main as evaluate
 
     run = tmp_path / "run"
     shutil.copytree(tiny_root / "reference", run)

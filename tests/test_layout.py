@@ -3,21 +3,20 @@
 The stages, earliest first (a module may import from its own stage and the
 ones before it, never from a later one):
 
-    base        seqjax.errors, .files, .progress    the error types, atomic writes, progress bars
-    config      seqjax.config, .config_load/_diff   the typed config tree; reading it; comparing two
-    plumbing    seqjax.cli                          what every CLI shares: flags, logging, exit codes
-    data        seqjax.data.*                       text -> token store -> contract batches
-    sharding    seqjax.sharding                     mesh axes and placement rules
-    model       seqjax.model.*                      the Transformer, attention, loss, decoding
-    train/eval  seqjax.train.*, seqjax.evaluate     libraries that run a model on data; seqjax.hf, HF folders
-    cli         every __main__/CLI, seqjax.trained  the tools; --run/--checkpoint/--hf for those that read one
+    core      seqjax.core.*     the error types, atomic writes, progress bars
+    config    seqjax.config.*   the typed config tree; reading it; comparing two
+    store     seqjax.store.*    text -> token store (corpora, tokenizer, instruction examples, shards)
+    data      seqjax.data.*     token store -> contract batches (strategies, packers, plans, epochs)
+    model     seqjax.model.*    the Transformer, attention, loss, decoding; the mesh and placement rules
+    hf        seqjax.hf.*       Hugging Face folders in and out
+    eval      seqjax.eval.*     perplexity and the evaluation protocols
+    train     seqjax.train.*    the step, the loop and its hooks, checkpoints, resume
+    main      seqjax.main.*     the commands, and the small modules that ``python -m`` runs them by
 
-
-``seqjax.cli`` sits just above the config: it parses flags into a config and
-turns errors into one line, and imports nothing of data/ or train/ (the CLIs
-that read checkpoints share :mod:`seqjax.trained` instead).
-``seqjax.sharding`` sits below the model because attention runs its kernels
-per device shard and needs the mesh's axis names; it imports only the config.
+``seqjax.model.sharding`` lives with the model because attention runs its
+kernels per device shard and needs the mesh's axis names; training imports it
+from there. The training loop scores validation with ``seqjax.eval``, so eval
+sits below train.
 """
 
 from __future__ import annotations
@@ -30,16 +29,20 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "seqjax"
 
+# The modules that ``python -m seqjax.<command>`` runs: each only forwards to seqjax.main.<command>.
+ENTRY_POINTS = ("seqjax.prepare", "seqjax.generate", "seqjax.export", "seqjax.import", "seqjax.data.__main__",
+                "seqjax.train.__main__", "seqjax.eval.__main__")
+
 STAGES = [
-    ("base", ("seqjax", "seqjax.errors", "seqjax.files", "seqjax.progress")),
-    ("config", ("seqjax.config", "seqjax.config_load", "seqjax.config_diff")),
-    ("cli plumbing", ("seqjax.cli",)),
+    ("core", ("seqjax", "seqjax.core")),
+    ("config", ("seqjax.config",)),
+    ("store", ("seqjax.store",)),
     ("data", ("seqjax.data",)),
-    ("sharding", ("seqjax.sharding",)),
     ("model", ("seqjax.model",)),
-    ("train/eval", ("seqjax.train", "seqjax.evaluate", "seqjax.hf")),
-    ("cli", ("seqjax.trained", "seqjax.prepare", "seqjax.eval", "seqjax.generate", "seqjax.data.__main__",
-             "seqjax.train.__main__", "seqjax.export", "seqjax.import_hf", "seqjax.import")),
+    ("hf", ("seqjax.hf",)),
+    ("eval", ("seqjax.eval",)),
+    ("train", ("seqjax.train",)),
+    ("main", ("seqjax.main",) + ENTRY_POINTS),
 ]
 
 
@@ -126,15 +129,16 @@ def test_imports_inside_functions_say_why():
 
 
 @pytest.mark.parametrize("importer, statement", [
-    ("seqjax.data", "from .. import trained"),
+    ("seqjax.data", "from ..main import trained"),
     ("seqjax.model.attention", "from seqjax.train import loop"),
     ("seqjax.model.attention", "import seqjax.train.loop"),
-    ("seqjax.data.sequences", "from seqjax import sharding"),
-    ("seqjax.config", "from seqjax.data.store import TokenStore"),
-    ("seqjax.evaluate", "from seqjax.trained import load_checkpoint"),
+    ("seqjax.data.sequences", "from seqjax.model import sharding"),
+    ("seqjax.store.build", "from seqjax.data import contract"),
+    ("seqjax.config.tree", "from seqjax.store.reader import TokenStore"),
+    ("seqjax.eval.evaluate", "from seqjax.main.trained import load_checkpoint"),
     # inside a function, with a reason given, it is still against the flow
-    ("seqjax.cli", "def load():\n    # slow to import\n    from seqjax.train import checkpoint\n    return checkpoint"),
-    ("seqjax.data.store", "def late():\n    # lazy\n    from seqjax.model import attention\n    return attention"),
+    ("seqjax.data.plan", "def load():\n    # slow to import\n    from seqjax.train import checkpoint\n    return ckpt"),
+    ("seqjax.store.reader", "def late():\n    # lazy\n    from seqjax.model import attention\n    return attention"),
 ])
 def test_the_check_catches_an_import_of_a_later_stage(importer, statement):
     sources = package_sources()
@@ -144,6 +148,18 @@ def test_the_check_catches_an_import_of_a_later_stage(importer, statement):
 
 def test_the_check_catches_a_function_level_import_without_a_reason():
     sources = package_sources()
-    sources["seqjax.files"] += "\n\ndef late():\n    import json\n\n    return json\n"
+    sources["seqjax.core.files"] += "\n\ndef late():\n    import json\n\n    return json\n"
     (problem,) = unexplained_local_imports(sources)
-    assert problem.startswith("seqjax.files:") and problem.endswith(": import json")
+    assert problem.startswith("seqjax.core.files:") and problem.endswith(": import json")
+
+
+def test_the_top_level_holds_packages_and_only_the_modules_python_m_names():
+    """seqjax/ is packages by stage; the only top-level modules are the command names ``python -m`` runs, and
+    they, like the packages' ``__main__`` modules, only forward to seqjax.main."""
+    top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert top == {"prepare", "generate", "export", "import"}
+    sources = package_sources()
+    for module in ENTRY_POINTS:
+        imported = {name for _, name in imported_modules(module, sources[module], set(sources))}
+        assert imported and all(name.startswith("seqjax.main.") for name in imported), (module, imported)
+        assert len(sources[module].splitlines()) <= 10, module

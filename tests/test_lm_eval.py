@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_support import tiny_tokenizer
-from seqjax.config import ConfigError
-from seqjax.config_load import load_config
-from seqjax.data.lm_eval import harness_pages, harness_words, lm_eval_docs, rolling_windows, wikitext_detokenize
-from seqjax.evaluate import evaluate_lm_eval
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
+from seqjax.eval.evaluate import evaluate_lm_eval
+from seqjax.eval.lm_eval import harness_pages, harness_words, lm_eval_docs, rolling_windows, wikitext_detokenize
 from seqjax.model import build_model
 
 

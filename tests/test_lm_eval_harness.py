@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.data.lm_eval import harness_pages, harness_words, rolling_windows, wikitext_detokenize
+from seqjax.eval.lm_eval import harness_pages, harness_words, rolling_windows, wikitext_detokenize
 
 lm_eval = pytest.importorskip("lm_eval", reason="the lm-eval test extra (scripts/setup.sh installs it)")
 from lm_eval.api.metrics import bits_per_byte, weighted_perplexity  # noqa: E402
@@ -81,7 +81,7 @@ def test_words_bytes_and_the_aggregations_are_the_harness_s():
     assert [r["word_perplexity"][1] for r in per_page] == [harness_words(p) for p in PAGES]
     assert [r["byte_perplexity"][1] for r in per_page] == [len(p.encode("utf-8")) for p in PAGES]
     nll, words, n_bytes = -sum(loglikelihoods), sum(map(harness_words, PAGES)), sum(len(p.encode()) for p in PAGES)
-    # the formulas of seqjax.evaluate.evaluate_lm_eval
+    # the formulas of seqjax.eval.evaluate.evaluate_lm_eval
     assert weighted_perplexity([r["word_perplexity"] for r in per_page]) == pytest.approx(math.exp(nll / words))
     assert weighted_perplexity([r["byte_perplexity"] for r in per_page]) == pytest.approx(math.exp(nll / n_bytes))
     assert bits_per_byte([r["bits_per_byte"] for r in per_page]) == pytest.approx(nll / (n_bytes * math.log(2)))
@@ -92,13 +92,13 @@ def test_pages_are_encoded_as_the_harness_s_tokenizer_call_encodes_them(tmp_path
     from transformers import AutoTokenizer  # the harness's tokenizer class, as it loads an export
 
     from hf_support import write_chat_llama_folder, write_llama_folder
-    from seqjax.data.tokenizer import Tokenizer
+    from seqjax.store.tokenizer import Tokenizer
 
     for folder, eos, bos in ((write_llama_folder(tmp_path / "gpt2like"), "<|endoftext|>", "<|endoftext|>"),
                              (write_chat_llama_folder(tmp_path / "llama"), "</s>", "<s>")):
         ours = Tokenizer(folder / "tokenizer.json", eos, bos)
         # the export's tokenizer.json is the run's plus an opening-token post-processor when it had none
-        from seqjax.hf import _tokenizer_with_opening_token
+        from seqjax.hf.folders import _tokenizer_with_opening_token
 
         (tmp_path / "export").mkdir(exist_ok=True)
         (tmp_path / "export" / "tokenizer.json").write_text(_tokenizer_with_opening_token(folder / "tokenizer.json",

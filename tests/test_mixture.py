@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import ConfigError
-from seqjax.config_load import load_config
-from seqjax.data.build import prepare
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
 from seqjax.data.mixture import BLOCK_BATCHES, Schedule, shares
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.stats import mixture_stats
-from seqjax.data.store import TokenStore
+from seqjax.store.build import prepare
+from seqjax.store.reader import TokenStore
 from test_pipeline import CASES, IDS
 from test_pipeline_helpers import EOT, VOCAB, assert_contract, assert_resumes_exactly, config
 

@@ -15,8 +15,8 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import ConfigError
-from seqjax.config_load import load_config
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
 from seqjax.model import TransformerLM, build_model, param_count
 from seqjax.model.loss import lm_loss
 

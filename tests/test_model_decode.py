@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from seqjax.config_load import load_config
+from seqjax.config.load import load_config
 from seqjax.model import build_model
 from seqjax.model.decode import _step_fn, decode_step, prefill, prompt_batch
 

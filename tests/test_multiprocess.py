@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from seqjax.errors import RunDirInUseError
+from seqjax.core.errors import RunDirInUseError
 from seqjax.train.rundir import LOCK_FILE, RunLock
 from test_train_support import REPO, assert_ok, checkpoint_steps, cli_env, run_cli, tiny_overrides, train_losses
 

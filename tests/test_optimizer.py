@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from seqjax.config_load import load_config
+from seqjax.config.load import load_config
 from seqjax.train.optimizer import build_optimizer, decay_mask, learning_rate_schedule
 
 

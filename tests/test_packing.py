@@ -7,8 +7,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from seqjax.core.errors import DataError
 from seqjax.data.document_rows import bucket_lengths, length_grouped_order
-from seqjax.errors import DataError
 from test_pipeline_helpers import assert_contract, config, epoch_batches, predicted_counts, stores
 
 FAST = settings(max_examples=20, deadline=None)

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from seqjax.config import PACKERS, STRATEGIES, ConfigError
+from seqjax.config.tree import PACKERS, STRATEGIES, ConfigError
+from seqjax.core.errors import DataError
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.stats import epoch_stats
 from seqjax.data.strategies import STRATEGIES as STRATEGY_TABLE
-from seqjax.errors import DataError
 from test_pipeline_helpers import (
     EOT,
     assert_contract,
@@ -172,7 +172,7 @@ def test_bad_input_is_refused_before_iteration():
 
 
 def test_an_empty_store_is_refused():
-    from seqjax.data.store import StoreError, TokenStore
+    from seqjax.store.reader import StoreError, TokenStore
 
     with pytest.raises(StoreError, match="empty"):  # the store refuses to exist...
         TokenStore.from_documents([], EOT, 10)

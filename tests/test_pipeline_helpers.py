@@ -14,10 +14,10 @@ from itertools import islice
 import numpy as np
 from hypothesis import strategies as st
 
-from seqjax.config_load import load_config
+from seqjax.config.load import load_config
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
-from seqjax.data.store import TokenStore
+from seqjax.store.reader import TokenStore
 
 EOT = 0
 VOCAB = 1 << 16

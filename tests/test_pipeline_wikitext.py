@@ -8,11 +8,11 @@ from itertools import islice
 import numpy as np
 import pytest
 
-from seqjax.config_load import load_config
-from seqjax.data.__main__ import main
+from seqjax.config.load import load_config
 from seqjax.data.contract import FIELDS
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.stats import epoch_stats
+from seqjax.main.data import main
 
 
 def wikitext_overrides(wikitext_config) -> list[str]:

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from corpus_factory import make_text_corpus
-from seqjax.config_load import load_config
-from seqjax.data.corpus import count_words, read_text, split_lines, wikitext_articles
-from seqjax.data.tokenizer import Tokenizer
-from seqjax.prepare import main
+from seqjax.config.load import load_config
+from seqjax.main.prepare import main
+from seqjax.store.corpus import count_words, read_text, split_lines, wikitext_articles
+from seqjax.store.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = {"documents", "tokens", "bytes", "words", "tokens_per_word", "seconds", "skipped_empty", "reused"}
@@ -149,7 +149,7 @@ def test_a_cache_dir_that_is_a_file_or_read_only_is_one_line_naming_it(tmp_path,
     """As root the folder's permissions do not stop a write, so a read-only file system is simulated at access()."""
     import os
 
-    from seqjax.prepare import main
+    from seqjax.main.prepare import main
 
     corpus = tmp_path / "t.jsonl"
     corpus.write_text('{"text": "a b c"}\n{"text": "d e"}\n')
@@ -174,9 +174,9 @@ def test_a_cache_on_a_read_only_file_system_is_one_line_from_prepare(tmp_path, m
     import errno
     import pathlib
 
-    from seqjax.config_load import load_config
-    from seqjax.data.build import prepare
-    from seqjax.errors import StoreError
+    from seqjax.config.load import load_config
+    from seqjax.core.errors import StoreError
+    from seqjax.store.build import prepare
 
     corpus = tmp_path / "t.jsonl"
     corpus.write_text('{"text": "a b c"}\n{"text": "d e"}\n')

@@ -53,7 +53,7 @@ from pathlib import Path
 import pytest
 
 from hf_support import write_llama_folder
-from seqjax.config import DATA_DIR_ENV
+from seqjax.config.tree import DATA_DIR_ENV
 from test_train_support import REPO, cli_env
 
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -168,7 +168,7 @@ def test_the_readme_has_an_example_of_every_tool():
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> tuple[Path, Path]:
     """(a tiny random HF Llama folder, its seqjax import), built once for the README's HF lines."""
-    from seqjax import import_hf
+    from seqjax.main import import_hf
 
     root = tmp_path_factory.mktemp("readme_hf")
     folder = write_llama_folder(root / "llama", num_key_value_heads=4)  # TINY_TRAIN's model: n_kv_heads null
@@ -179,7 +179,7 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def chat_demo(tmp_path_factory) -> dict[str, Path]:
     """The instruction-data lines' inputs: the demo set, its import, and a two-step chat fine-tune of it."""
-    from seqjax import import_hf
+    from seqjax.main import import_hf
 
     root = tmp_path_factory.mktemp("readme_chat")
     proc = subprocess.run([sys.executable, "scripts/make_chat_demo.py", "--out", str(root / "chat_demo")], cwd=REPO,

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 def refused(overrides: list[str], capsys) -> str:
     """Run the training CLI in this process, expect exit code 2, and return its one-line message."""
-    from seqjax.train.__main__ import main
+    from seqjax.main.train import main
 
     with pytest.raises(SystemExit) as exit_:
         main(overrides)
@@ -98,10 +98,10 @@ def test_changes_that_keep_exact_resume_go_on_with_the_same_losses_and_are_print
 def test_with_the_override_the_data_restarts_at_thenext_epoch_start(reference, tiny_root, tmp_path):
     """Checkpoint 60 stopped inside epoch e; the resumed run's first batch is batch 0 of epoch e + 1, cut by the
     new config (rows of 8), and its loss is the checkpoint's model on exactly that batch."""
-    from seqjax.config_load import load_config
-    from seqjax.data.build import prepare
+    from seqjax.config.load import load_config
     from seqjax.data.pipeline import build_pipeline
     from seqjax.model.loss import lm_loss
+    from seqjax.store.build import prepare
     from seqjax.train.inference import load_for_inference
 
     run_dir = copy_reference(tiny_root, tmp_path / "run")
@@ -132,7 +132,7 @@ def test_with_the_override_the_data_restarts_at_thenext_epoch_start(reference, t
 
 
 def test_a_data_restart_moves_a_mixture_source_by_source_to_its_next_epoch():
-    from seqjax.config_load import load_config
+    from seqjax.config.load import load_config
     from seqjax.data.pipeline import next_epoch_start
 
     two = load_config(None, ["data.sources=[{name: a, train_files: [a.txt]}, {name: b, train_files: [b.txt]}]",

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from seqjax.errors import RunDirInUseError
+from seqjax.core.errors import RunDirInUseError
 from seqjax.train import rundir
 from seqjax.train.rundir import LOCK_FILE, RunLock
 from test_train_support import REPO, assert_ok, cli_env, run_cli, start_cli, tiny_overrides, train_losses

@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.ad_checkpoint import print_saved_residuals
 
-from seqjax.config import REMAT_NAMES
-from seqjax.config_load import load_config
-from seqjax.errors import ConfigError
+from seqjax.config.load import load_config
+from seqjax.config.tree import REMAT_NAMES
+from seqjax.core.errors import ConfigError
 from seqjax.model import build_model
 from seqjax.model.loss import chunked_lm_loss, lm_loss
 from seqjax.train.step import make_train_step

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from seqjax.config_load import load_config
+from seqjax.config.load import load_config
 from seqjax.model import build_model
 from seqjax.model.decode import generate
 from seqjax.model.loss import lm_loss
@@ -121,7 +121,7 @@ def test_hf_export_of_a_scanned_model_is_per_layer_and_imports_back_either_way(t
 
 
 def test_a_resume_that_switches_scan_layers_is_refused_as_a_model_change():
-    from seqjax.config_diff import resume_changes
+    from seqjax.config.diff import resume_changes
 
     before = load_config(None, THREE)
     after = load_config(None, THREE + ["model.scan_layers=true"])
@@ -132,7 +132,7 @@ def test_a_resume_that_switches_scan_layers_is_refused_as_a_model_change():
 def test_the_layer_axis_is_never_sharded_even_when_it_is_the_largest_dimension_fsdp_divides():
     from types import SimpleNamespace
 
-    from seqjax.sharding import param_spec
+    from seqjax.model.sharding import param_spec
 
     mesh = SimpleNamespace(shape={"tensor": 2, "fsdp": 4})
     # 64 layers of a [32, 16] matrix: fsdp would take the 64 if the name did not stop it

@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from seqjax.core.errors import DataError
 from seqjax.data.pipeline import build_pipeline
-from seqjax.errors import DataError
 from test_pipeline_helpers import (
     EOT,
     assert_contract,

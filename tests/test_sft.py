@@ -25,15 +25,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hf_support import CHAT_SPECIALS, CHAT_TEMPLATE, synthetic_chats, write_chat_llama_folder
-from seqjax.config_load import load_config
-from seqjax.data.build import prepare
-from seqjax.data.examples import ExampleSpec, char_spans_to_mask, chat_spans
+from seqjax.config.load import load_config
+from seqjax.core.errors import ConfigError, CorpusError
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
-from seqjax.data.store import TokenStore
-from seqjax.data.tokenizer import Tokenizer
-from seqjax.errors import ConfigError, CorpusError
 from seqjax.model.transformer import build_model
+from seqjax.store.build import prepare
+from seqjax.store.examples import ExampleSpec, char_spans_to_mask, chat_spans
+from seqjax.store.reader import TokenStore
+from seqjax.store.tokenizer import Tokenizer
 
 PACKERS = ["best_fit", "first_fit", "greedy", "best_fit_decreasing", "fill", "grain_first_fit", "grain_best_fit"]
 # every way of keeping examples whole: each packer, length grouping, fairseq's complete_doc blocks
@@ -185,7 +185,7 @@ def test_fractional_loss_weights_are_kept_as_float32_when_asked_and_refused_as_b
 def test_evaluation_with_fractional_weights_is_the_weighted_mean_nll(chat_folder, tmp_path):
     """Token perplexity = exp(sum(w * nll) / sum(w)) over the scored targets; the count of scored targets is still
     a count; bits per byte is null (a weighted loss has no per-byte reading)."""
-    from seqjax.evaluate import evaluate
+    from seqjax.eval.evaluate import evaluate
 
     rng = np.random.default_rng(4)
     examples = [(rng.integers(1, 64, n).tolist(), (rng.integers(0, 2, n) * rng.choice([0.1, 1.0, 3.0], n)).tolist())

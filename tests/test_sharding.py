@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from seqjax.config import ConfigError
-from seqjax.config_load import load_config
-from seqjax.sharding import mesh_shape, param_spec
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
+from seqjax.model.sharding import mesh_shape, param_spec
 from seqjax.train.distributed import distributed_settings
 from test_train_support import REPO, assert_ok, cli_env, run_cli, tiny_overrides, train_losses
 
@@ -69,8 +69,8 @@ MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]
 
 SCRIPT = """
 import json, sys
-from seqjax.cli import configure_logging
-from seqjax.config_load import load_config
+from seqjax.main.cli import configure_logging
+from seqjax.config.load import load_config
 from seqjax.train.loop import train
 configure_logging()  # train() logs the mesh line checked below; a library caller chooses where logs go
 base = json.loads(sys.argv[1])
@@ -111,7 +111,7 @@ def test_meshes_on_8_devices_match_one_device_and_resume_on_4(reference, tiny_ro
 
 
 def test_a_mesh_that_does_not_fit_the_devices_stops_the_cli_before_any_data_work(tmp_path, capsys):
-    from seqjax.train.__main__ import main
+    from seqjax.main.train import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([f"run.dir={tmp_path / 'run'}", "data.dir=/nonexistent", "mesh.data=3"])

@@ -21,12 +21,12 @@ from itertools import islice
 import numpy as np
 import pytest
 
-from seqjax.config_load import load_config
-from seqjax.data import build
-from seqjax.data.build import prepare
+from seqjax.config.load import load_config
 from seqjax.data.pipeline import build_pipeline
-from seqjax.data.store import MANIFEST, StoreError, TokenStore
-from seqjax.data.stream import TokenStream
+from seqjax.store import build
+from seqjax.store.build import prepare
+from seqjax.store.reader import MANIFEST, StoreError, TokenStore
+from seqjax.store.stream import TokenStream
 from test_multiprocess import free_port
 from test_pipeline import CASES, IDS
 from test_train_support import REPO, cli_env
@@ -142,9 +142,9 @@ def test_a_large_store_is_verified_once_and_again_when_a_file_changes(corpus, tm
 KILL_AFTER_TWO_SHARDS = textwrap.dedent(
     """
     import os, signal, sys
-    from seqjax.config_load import load_config
-    from seqjax.data import build, store_writer
-    from seqjax.data.build import prepare
+    from seqjax.config.load import load_config
+    from seqjax.store import build, writer as store_writer
+    from seqjax.store.build import prepare
 
     commit, done = store_writer.ShardWriter.commit, []
     def commit_then_die(self, record=None):

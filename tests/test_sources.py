@@ -13,9 +13,9 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.config_load import load_config
-from seqjax.data.build import prepare
-from seqjax.data.corpus import CorpusError, find_sources, read_split
+from seqjax.config.load import load_config
+from seqjax.store.build import prepare
+from seqjax.store.corpus import CorpusError, find_sources, read_split
 
 DOCS = ["first doc\nwith two lines\n", "", "naïve café 🙂", "   \n", "last one\n\n", '{"json": "inside"}\n']
 

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corpus_factory import make_text_corpus
-from seqjax.config_load import load_config
-from seqjax.data import build
-from seqjax.data import tokenizer as tokenizer_module
-from seqjax.data.build import prepare
-from seqjax.data.store import MANIFEST, StoreError, TokenStore, token_dtype
-from seqjax.data.store_writer import ShardWriter, StoreWriter, write_store
+from seqjax.config.load import load_config
+from seqjax.store import build
+from seqjax.store import tokenizer as tokenizer_module
+from seqjax.store.build import prepare
+from seqjax.store.reader import MANIFEST, StoreError, TokenStore, token_dtype
+from seqjax.store.writer import ShardWriter, StoreWriter, write_store
 
 
 def shard_file(store: TokenStore, name: str, shard: int = 0):
@@ -114,7 +114,7 @@ def test_an_exception_mid_build_leaves_no_store_and_keeps_the_old_one(tmp_path):
 KILL_MID_BUILD = textwrap.dedent(
     """
     import os, signal, sys
-    from seqjax.data.store_writer import StoreWriter
+    from seqjax.store.writer import StoreWriter
     writer = StoreWriter(sys.argv[1], eot_id=0, vocab_size=10)
     for _ in range(1000):
         writer.add_document([[1, 2, 3], [4]])

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from seqjax.data.corpus import read_text, split_lines
-from seqjax.data.tokenizer import Tokenizer, TokenizerError, train_tokenizer
+from seqjax.store.corpus import read_text, split_lines
+from seqjax.store.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 
 EOT = "<|endoftext|>"
 SAMPLE = [

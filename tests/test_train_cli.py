@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_before_training(tiny_root, tmp_path, capsys):
     """Out-of-range ids cannot raise under jit (they give NaN), so the CLI refuses the config up front."""
-    from seqjax.train.__main__ import main
+    from seqjax.main.train import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(tiny_overrides(tiny_root, tmp_path / "run", **{"model.vocab_size": 100}))
@@ -22,7 +22,7 @@ def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused_before_trainin
 
 
 def test_the_vocabulary_check_runs_before_any_token_store_is_built(tiny_root, tmp_path, capsys):
-    from seqjax.train.__main__ import main
+    from seqjax.main.train import main
 
     cache = tmp_path / "cache"
     with pytest.raises(SystemExit) as exit_info:

@@ -9,7 +9,7 @@ import jax
 import pytest
 from flax import nnx
 
-from seqjax.config_load import load_config
+from seqjax.config.load import load_config
 from seqjax.model import build_model
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from seqjax.config import ConfigError
-from seqjax.config_load import load_config
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
 from seqjax.train.flops import flops_per_token, mfu, peak_flops_per_device
 from seqjax.train.metrics import MetricsLog, read_metrics, unigram_perplexity
 from test_train_support import tiny_overrides
@@ -146,7 +146,7 @@ def test_metrics_go_to_the_trackers_run_trackers_names_and_jsonl_always(tmp_path
 
 
 def test_a_tracker_that_is_not_installed_is_refused_before_any_work(tiny_root, tmp_path, monkeypatch, capsys):
-    from seqjax.train.__main__ import main
+    from seqjax.main.train import main
 
     real = __import__("importlib.util").util.find_spec
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "tensorboardX" else real(name))
@@ -235,7 +235,7 @@ def test_step_logger_under_skip_stops_after_a_log_window_of_skipped_steps(tmp_pa
 def test_bars_are_drawn_only_on_a_terminal_and_tqdm_disable_turns_them_off(monkeypatch):
     import sys
 
-    from seqjax.progress import on_terminal, progress_bar
+    from seqjax.core.progress import on_terminal, progress_bar
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from seqjax.config_load import load_config
-from seqjax.data.build import prepare
-from seqjax.errors import CorpusError
+from seqjax.config.load import load_config
+from seqjax.core.errors import CorpusError
+from seqjax.store.build import prepare
 
 
 def write_docs(path, n=200, seed=0):

@@ -1,75 +1,8 @@
-"""``python -m seqjax.data --config FILE [key=value ...]``: what the configured strategy makes of the training split.
+"""``python -m seqjax.data``: the command itself is :mod:`seqjax.main.data`."""
 
-Prints the resolved config, then as its last line one JSON object with the
-epoch's statistics (rows, padding, coverage, segments, tokens/s); for a
-mixture (``data.sources``), the rows and tokens each source gave over
-``--steps`` batches beside its weight: the realized proportions. With
-``--dump FILE.npz --batches N`` it also writes the first N batches with every
-contract field, stacked as ``[N, batch, L]`` (length_grouped batches are
-padded to the widest of them). ``--plot FILE.png`` draws the first batch's
-layout: rows by positions, a colour per example, prompt tokens pale
-(:mod:`seqjax.data.picture`).
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import logging
 import sys
-from itertools import islice
-from pathlib import Path
-from typing import Any, Sequence
 
-import numpy as np
-
-from seqjax import cli
-from seqjax.data import strategies
-from seqjax.data.build import prepare
-from seqjax.data.contract import FIELDS
-from seqjax.data.pipeline import build_pipeline
-from seqjax.data.stats import epoch_stats, mixture_stats
-
-log = logging.getLogger("seqjax.data")  # by name: this module runs as __main__
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.parser("python -m seqjax.data",
-                   "What the configured sequence strategy makes of a split: epoch statistics as JSON, "
-                   "optionally a dump of batches.")
-    p.add_argument("--split", default="train", choices=("train", "valid", "test"), help="which split's store to cut")
-    p.add_argument("--dump", metavar="FILE.npz", help="write the first --batches batches here")
-    p.add_argument("--batches", type=int, default=1, help="how many batches --dump writes")
-    p.add_argument("--plot", metavar="FILE.png", help="draw the first batch's layout (examples, prompts, padding)")
-    p.add_argument("--steps", type=int, default=256,
-                   help="a mixture (data.sources): batches its realized proportions are counted over")
-    cli.run(p, argv, describe)
-    return 0
-
-
-def describe(args: argparse.Namespace) -> dict[str, Any]:
-    """Check, build the pipeline, optionally dump its first batches, and print the epoch's statistics."""
-    config = cli.load(args)
-    print("# resolved config", flush=True)
-    print(config.to_yaml(), flush=True)
-    store = prepare(config, splits=(args.split,)).stores[args.split]
-    pipeline = build_pipeline(config, store)  # checks the store against the config before any batch is built
-    stats = mixture_stats(config, store, args.steps) if store.sources else epoch_stats(config, store)
-    if args.dump:
-        batches = list(islice(iter(pipeline), args.batches))
-        width = max(b["inputs"].shape[1] for b in batches)
-        arrays = {k: np.stack([np.pad(b[k], ((0, 0), (0, width - b[k].shape[1]))) for b in batches]) for k in FIELDS}
-        np.savez(Path(args.dump), **arrays)
-        log.info("wrote %d batches to %s", len(batches), args.dump)
-    if args.plot:
-        from seqjax.data.picture import draw_batch  # (matplotlib: only when asked)
-
-        title = f"{strategies.label(config.data)}, seq_len {config.data.seq_len}"
-        draw_batch(next(iter(pipeline)), Path(args.plot), title)
-        log.info("drew the first batch's layout in %s", args.plot)
-    print(json.dumps(stats), flush=True)
-    return stats
-
+from seqjax.main.data import main
 
 if __name__ == "__main__":
     sys.exit(main())

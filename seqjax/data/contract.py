@@ -20,7 +20,7 @@ Instruction data scores only some targets: ``scores`` (a
 its stream position, e.g. 0 on a prompt, so the weights above become
 ``0 0 1 | 0 1 | 0``; no field is added.
 
-Evaluation windows (:mod:`seqjax.data.eval_windows`) go through the same
+Evaluation windows (:mod:`seqjax.eval.windows`) go through the same
 builder and then zero the weights of the targets a window is not responsible
 for. Grain's own packers emit rows of their own; :func:`from_grain_packed`
 only renames their fields to the contract's.

@@ -33,9 +33,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from seqjax.config import Config
+from seqjax.config.tree import Config
+from seqjax.core.errors import DataError
 from seqjax.data.ragged import exclusive_cumsum, ragged_arange
-from seqjax.errors import DataError
 
 
 class Arranged(NamedTuple):

@@ -19,10 +19,10 @@ from typing import Any
 import grain
 import numpy as np
 
+from seqjax.core.errors import DataError
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.scored import target_weights
-from seqjax.errors import DataError
 
 # Batches are built this many token slots at a time: numpy's per-call overhead dominates a single batch.
 BUILD_SLOTS = 1 << 18

@@ -14,11 +14,11 @@ import grain
 import grain.experimental as gx
 import numpy as np
 
-from seqjax.config import Config
+from seqjax.config.tree import Config
 from seqjax.data import document_rows
 from seqjax.data.contract import from_grain_packed
 from seqjax.data.scored import target_weights
-from seqjax.data.store import TokenStore
+from seqjax.store.reader import TokenStore
 
 
 def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, process_count: int = 1,

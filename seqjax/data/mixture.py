@@ -28,13 +28,13 @@ from typing import Any
 import grain
 import numpy as np
 
-from seqjax.config import Config
+from seqjax.config.tree import Config
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.epochs import started
 from seqjax.data.plan import EpochPlanner, RowPlan
 from seqjax.data.scored import target_weights
-from seqjax.data.store import TokenStore
 from seqjax.data.strategies import batch_widths
+from seqjax.store.reader import TokenStore
 
 # Batches per block of the source schedule: the proportions are exact over each block.
 BLOCK_BATCHES = 16

@@ -3,7 +3,7 @@
 It reads as four steps, each in its own module:
 
 1. **check** (:func:`seqjax.data.strategies.check`): the store can give what the
-   config asks for, or a :class:`~seqjax.errors.DataError` says why, before any work;
+   config asks for, or a :class:`~seqjax.core.errors.DataError` says why, before any work;
 2. **plan** (:class:`seqjax.data.plan.EpochPlanner`): each epoch's rows, a
    window at a time, as :class:`~seqjax.data.plan.RowPlan` s, a pure function of
    ``(run.seed, epoch, window)`` computed with vectorized numpy;
@@ -27,13 +27,13 @@ from typing import Any
 
 import grain
 
-from seqjax.config import Config, ConfigError
+from seqjax.config.tree import Config, ConfigError
 from seqjax.data import epochs, mixture, strategies
 from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.grain_packing import grain_packed
 from seqjax.data.mixture import MixtureIterDataset
 from seqjax.data.plan import EpochPlanner
-from seqjax.data.store import TokenStore
+from seqjax.store.reader import TokenStore
 
 
 def build_pipeline(

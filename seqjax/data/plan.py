@@ -55,12 +55,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from seqjax.config import Config
+from seqjax.config.tree import Config
+from seqjax.core.errors import DataError
 from seqjax.data import document_rows
 from seqjax.data.ragged import exclusive_cumsum, ragged_arange
-from seqjax.data.store import TokenStore
 from seqjax.data.strategies import STRATEGIES, Rows, item_overlong
-from seqjax.errors import DataError
+from seqjax.store.reader import TokenStore
 
 
 @dataclass

@@ -16,8 +16,8 @@ import bisect
 
 import numpy as np
 
+from seqjax.core.errors import DataError
 from seqjax.data.ragged import ragged_arange
-from seqjax.errors import DataError
 
 # HF run_clm applies group_texts through datasets.map(batched=True), whose
 # default batch holds 1000 examples: each batch's remainder is dropped on its own.

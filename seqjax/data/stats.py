@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from seqjax.config import Config
+from seqjax.config.tree import Config
 from seqjax.data import strategies
 from seqjax.data.document_rows import dropped_as_overlong
 from seqjax.data.epochs import EpochsIterDataset
@@ -19,7 +19,7 @@ from seqjax.data.grain_packing import grain_packed
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner, RowPlan, coverage
 from seqjax.data.ragged import ragged_arange
-from seqjax.data.store import TokenStore
+from seqjax.store.reader import TokenStore
 
 
 def _filled(d, real: int, slots: int) -> dict[str, Any]:

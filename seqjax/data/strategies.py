@@ -34,10 +34,10 @@ from typing import Callable
 
 import numpy as np
 
-from seqjax.config import GRAIN_PACKERS, Config, ConfigError, DataConfig
+from seqjax.config.tree import GRAIN_PACKERS, Config, ConfigError, DataConfig
+from seqjax.core.errors import DataError, StoreError
 from seqjax.data import document_rows, sequences
-from seqjax.data.store import TokenStore
-from seqjax.errors import DataError, StoreError
+from seqjax.store.reader import TokenStore
 
 
 @dataclass(frozen=True)

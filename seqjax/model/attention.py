@@ -23,7 +23,7 @@ auto       GPU: pallas, else cudnn, else xla; TPU: splash, else xla; CPU: xla.
 On several devices the kernels (opaque custom calls to XLA's partitioner,
 which could only run them by gathering q/k/v onto every device) run once per
 device shard under ``jax.shard_map``: rows split over the mesh's batch axes
-(``data``, ``fsdp``) and heads over ``tensor``, as seqjax.sharding lays
+(``data``, ``fsdp``) and heads over ``tensor``, as seqjax.model.sharding lays
 them out. The mesh is the one ``jax.set_mesh`` made current, else the one the
 arguments' shardings live on (what ``jax.jit(..., in_shardings=...)`` gives).
 """
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from seqjax.sharding import BATCH_AXES, HEAD_AXIS
+from seqjax.model.sharding import BATCH_AXES, HEAD_AXIS
 
 log = logging.getLogger(__name__)
 

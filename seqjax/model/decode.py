@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from seqjax.errors import UsageError
+from seqjax.core.errors import UsageError
 from seqjax.model.sampling import SamplingConfig, sample
 from seqjax.model.transformer import KVCache, TransformerLM
 

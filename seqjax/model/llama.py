@@ -49,8 +49,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from seqjax.config import ModelConfig, RopeScalingConfig
-from seqjax.errors import CheckpointError, ConfigError
+from seqjax.config.tree import ModelConfig, RopeScalingConfig
+from seqjax.core.errors import CheckpointError, ConfigError
 from seqjax.model.stacking import blocks_layout
 
 ARCHITECTURE = "LlamaForCausalLM"

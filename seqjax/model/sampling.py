@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from seqjax.errors import UsageError
+from seqjax.core.errors import UsageError
 
 
 @dataclass(frozen=True)

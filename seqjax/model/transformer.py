@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from seqjax.config import Config, ModelConfig, RopeScalingConfig
+from seqjax.config.tree import Config, ModelConfig, RopeScalingConfig
 from seqjax.model.attention import attention, masked_attention, resolve_backend, segment_mask
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata  # plain JAX; the Pallas kernels stay lazy
@@ -268,7 +268,7 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 
     Each layer gets its own initialization keys (``nnx.split_rngs``), and each
     parameter's ``axes`` gains a leading ``layers`` name, which no mesh axis
-    shards (seqjax.sharding), so a layer's slice shards as an unrolled block does.
+    shards (seqjax.model.sharding), so a layer's slice shards as an unrolled block does.
     """
 
     @nnx.split_rngs(splits=cfg.n_layers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from seqjax.errors import CheckpointError
+from seqjax.core.errors import CheckpointError
 
 
 def check_finite(array, name: str, where: str) -> None:

@@ -23,7 +23,7 @@ with what the current run would restore into (:func:`plan_resume`):
 
 - arrays that do not fit (a changed ``model.d_ff``, a removed ``train.grad_clip``)
   or a config change that alters the batches or the model is a *mismatch*:
-  :class:`~seqjax.errors.CheckpointMismatchError` lists the differing keys and
+  :class:`~seqjax.core.errors.CheckpointMismatchError` lists the differing keys and
   nothing on disk is touched;
 - a step whose config or metadata cannot be read, or whose arrays fail to load
   although they fit, is *damaged*: it is reported, moved aside to
@@ -54,8 +54,8 @@ import orbax.checkpoint as ocp
 from grain.checkpoint import CheckpointSave
 from jax.experimental import multihost_utils
 
-from seqjax.config import Config, TrainConfig
-from seqjax.errors import CheckpointMismatchError
+from seqjax.config.tree import Config, TrainConfig
+from seqjax.core.errors import CheckpointMismatchError
 from seqjax.train.orbax_quiet import QuietOrbax, after_a_damaged_read
 from seqjax.train.resume import (
     CHECKPOINTS,

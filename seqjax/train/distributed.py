@@ -11,8 +11,8 @@ import os
 
 import jax
 
-from seqjax.config import DistributedConfig
-from seqjax.errors import ConfigError
+from seqjax.config.tree import DistributedConfig
+from seqjax.core.errors import ConfigError
 
 ENV_COORDINATOR = "SEQJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "SEQJAX_NUM_PROCESSES"

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import jax
 
-from seqjax.config import ModelConfig
+from seqjax.config.tree import ModelConfig
 
 # Dense bf16 peak FLOP/s per device from vendor datasheets (no sparsity).
 PEAK_FLOPS = {

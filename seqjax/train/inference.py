@@ -14,10 +14,10 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from seqjax.config import Config, ConfigError
-from seqjax.config_diff import resume_changes
-from seqjax.config_load import load_config
-from seqjax.errors import CheckpointError, CheckpointMismatchError
+from seqjax.config.diff import resume_changes
+from seqjax.config.load import load_config
+from seqjax.config.tree import Config, ConfigError
+from seqjax.core.errors import CheckpointError, CheckpointMismatchError
 from seqjax.model import build_model
 from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite

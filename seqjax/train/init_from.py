@@ -31,12 +31,12 @@ import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer as HFTokenizer
 
-from seqjax import hf
-from seqjax.config import Config, ConfigError, ModelConfig
-from seqjax.config_load import load_config
-from seqjax.data.build import prepare
+from seqjax.config.load import load_config
+from seqjax.config.tree import Config, ConfigError, ModelConfig
+from seqjax.hf import folders as hf
 from seqjax.model import build_model
 from seqjax.model.stacking import blocks_layout
+from seqjax.store.build import prepare
 from seqjax.train import inference
 from seqjax.train.resume import TOKENIZER_FILE
 

@@ -26,27 +26,27 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
-from seqjax import sharding
-from seqjax.config import DATA_DIR_ENV, Config, ConfigError
-from seqjax.config_load import announce
-from seqjax.data.build import has_split, prepare
-from seqjax.data.eval_windows import resolve_stride
-from seqjax.data.examples import CHAT_TEMPLATE_FILE, find_chat_template
+from seqjax.config.load import announce
+from seqjax.config.tree import DATA_DIR_ENV, Config, ConfigError
+from seqjax.core.files import json_text, write_text_atomic
 from seqjax.data.pipeline import build_pipeline
-from seqjax.evaluate import evaluate
-from seqjax.files import json_text, write_text_atomic
-from seqjax.model import build_model
+from seqjax.eval.evaluate import evaluate
+from seqjax.eval.windows import resolve_stride
+from seqjax.model import build_model, sharding
+from seqjax.store.build import has_split, prepare
+from seqjax.store.examples import CHAT_TEMPLATE_FILE, find_chat_template
 from seqjax.train import init_from
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, peak_flops_per_device
+from seqjax.train.hooks import Hook, Hooks, StepState
 from seqjax.train.metrics import (
     MetricsLog,
     StepLogger,
@@ -138,7 +138,8 @@ def _sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, par
     return jax.jit(tx.init, out_shardings=opt_shardings)(params), opt_shardings
 
 
-def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any]] | None = None) -> dict[str, Any]:
+def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any]] | None = None,
+          hooks: Sequence[Hook] = ()) -> dict[str, Any]:
     """Run (or resume) training for ``train.steps`` steps; return the summary also written to summary.json.
 
     The run holds the lock on ``run.dir`` from before any work to the end
@@ -148,11 +149,14 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     steps and at the end). It returns the row logged under "valid", with at least ``val_loss``,
     ``val_perplexity``, ``val_word_perplexity`` and ``val_bits_per_byte``, which the summary reports.
     scripts/study_strategies.py scores a fixed subset of articles this way.
+
+    ``hooks`` run after the built-in ones (flush, checkpoint, validate, stop, profile) at the steps each names:
+    see :mod:`seqjax.train.hooks`.
     """
     wall_start = time.perf_counter()
     if config.eval.mode == "lm_eval":
         raise ConfigError("eval.mode: got 'lm_eval' for training's validation, expected blocks, sliding or documents "
-                          "(lm_eval scores raw pages with seqjax.eval after training)")
+                          "(lm_eval scores raw pages with python -m seqjax.eval after training)")
     check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
     initialize_distributed(config.dist)
     mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work
@@ -175,7 +179,7 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
                         "nothing to do and nothing rewritten: raise train.steps to continue it", config.run.dir,
                         config.train.steps)
             return finished
-        return _train(config, mesh, wall_start, validate, source)
+        return _train(config, mesh, wall_start, validate, source, hooks)
 
 
 def _saved_steps(run_dir: Path) -> list[int]:
@@ -351,7 +355,8 @@ def _last_good(checkpoints: Checkpointer) -> str:
     return f"step {kept} in {checkpoints.directory}" if kept is not None else "none"
 
 
-def _train(config: Config, mesh, wall_start: float, validate, source: init_from.Source | None) -> dict[str, Any]:
+def _train(config: Config, mesh, wall_start: float, validate, source: init_from.Source | None,
+           extra_hooks: Sequence[Hook]) -> dict[str, Any]:
     run = _setup(config, mesh, source)
     config, tc, process_count = run.config, run.config.train, jax.process_count()
     checkpoints = Checkpointer(run.run_dir, tc)
@@ -378,45 +383,57 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
                        z_loss=bool(tc.z_loss), nonfinite=tc.nonfinite, primary=run.primary,
                        last_good=functools.partial(_last_good, checkpoints))
     profiler = ProfileWindow(tc.profile, run.run_dir / "profile")
-    last_val: dict[str, Any] | None = None
+    validating = run.valid_store is not None or validate is not None
+    last_val: list[dict[str, Any]] = []  # the newest validation row, filled by the validate hook
+
+    def flush(state: StepState) -> None:
+        steps.flush(state.step)
+        checkpoints.check()  # a background save that failed stops the run here, not later
+
+    def save(state: StepState) -> None:
+        meta = {"tokens_seen": steps.tokens_seen, "row": steps.last_row or None,
+                "processes": process_count, "devices": jax.device_count(), "data_identity": run.identity}
+        checkpoints.save(state.step, state.params, state.opt_state, state.rng, state.position, meta,
+                         config.to_dict())
+
+    def validation(state: StepState) -> None:
+        last_val[:] = [_validate(run, state.params, mesh, state.step, validate, log)]
+        steps.restart()  # validation time is not training throughput
+
+    def stop(state: StepState) -> None:
+        checkpoints.wait()
+        raise Interrupted(stop_request.signum or signal.SIGTERM, state.step)
+
+    hooks = Hooks(Hook("flush", flush, when=lambda s: steps.due(s.step)), last_step=tc.steps)
+    hooks.add(Hook("checkpoint", save, every=tc.checkpoint_every, when=lambda s: s.stopping))
+    if validating:
+        hooks.add(Hook("validate", validation, every=tc.eval_every))
+    hooks.add(Hook("stop", stop, at_last=False, when=lambda s: s.stopping))
+    hooks.add(Hook("profile", profiler.after, at_last=False, when=profiler.due, after_flush=False))
+    hooks.extend(extra_hooks)
     try:
-        with StopRequest(enabled=process_count == 1) as stop, steps, \
+        with StopRequest(enabled=process_count == 1) as stop_request, steps, \
                 DevicePrefetch(run.data_iterator, run.to_device, depth=tc.prefetch) as prefetch:
+            profiler.begin(start_step + 1)
             for step in range(start_step + 1, tc.steps + 1):
-                profiler.before(step)
                 batch, position = next(prefetch)
                 params, opt_state, m = run.step_fn(params, opt_state, batch, rng, step)  # rng, step: dropout's key
-                # No host sync here: the metrics stay on the device until the window is flushed, so the host
+                # No host sync here: the metrics stay on the device until a hook flushes them, so the host
                 # runs ahead and dispatches the next step while this one computes.
                 steps.add(step, m, batch["inputs"].shape)
-                profiler.after(step, m)
-                checkpoint = step % tc.checkpoint_every == 0 or step == tc.steps
-                validating = run.valid_store is not None or validate is not None
-                validating = validating and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps)
-                stopping = should_stop(stop, step, process_count)
-                if steps.due(step) or checkpoint or validating or stopping:
-                    steps.flush(step)  # before any save: a non-finite step must never reach a checkpoint
-                    checkpoints.check()  # a background save that failed stops the run here, not later
-                if checkpoint or stopping:
-                    meta = {"tokens_seen": steps.tokens_seen, "row": steps.last_row or None,
-                            "processes": process_count, "devices": jax.device_count(), "data_identity": run.identity}
-                    checkpoints.save(step, params, opt_state, rng, position, meta, config.to_dict())
-                if validating:
-                    last_val = _validate(run, params, mesh, step, validate, log)
-                    steps.restart()  # validation time is not training throughput
-                if stopping:
-                    checkpoints.wait()
-                    raise Interrupted(stop.signum or signal.SIGTERM, step)
-            if last_val is None and start_step == tc.steps and (run.valid_store is not None or validate is not None):
+                hooks.after_step(StepState(step, params, opt_state, rng, position,
+                                           stopping=should_stop(stop_request, step, process_count)))
+            if not last_val and start_step == tc.steps and validating:
                 # Resumed at the last step (the final validation was cut short, or never recorded): redo it.
                 logger.info("step %d was saved but its final validation never completed: running it now", start_step)
-                last_val = _validate(run, params, mesh, start_step, validate, log)
+                last_val[:] = [_validate(run, params, mesh, start_step, validate, log)]
         checkpoints.wait()
     finally:
         profiler.close()
         checkpoints.close()
         log.close()
-    return _summary(run, steps, restored, last_val, flops_per_tok(config.data.seq_len), peak, wall_start)
+    return _summary(run, steps, restored, last_val[0] if last_val else None, flops_per_tok(config.data.seq_len), peak,
+                    wall_start)
 
 
 def _summary(run: _Setup, steps: StepLogger, restored: Restored | None, last_val: dict[str, Any] | None,

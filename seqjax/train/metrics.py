@@ -29,9 +29,9 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from seqjax.config import Config
-from seqjax.errors import ConfigError
-from seqjax.files import json_text, write_text_atomic
+from seqjax.config.tree import Config
+from seqjax.core.errors import ConfigError
+from seqjax.core.files import json_text, write_text_atomic
 from seqjax.train.flops import mfu
 
 METRICS_FILE = "metrics.jsonl"
@@ -305,14 +305,14 @@ class StepLogger:
     checks each step (a non-finite one raises :class:`NonFiniteLoss` before anything can save it, under
     ``nonfinite=stop``; under ``skip`` a window in which every step was skipped stops the run, since nothing
     is learning), writes a row per step to the metrics log and moves the bar. Where the bar is off
-    (:func:`seqjax.progress.on_terminal`), a plain log line every ``log_every`` steps takes its place.
+    (:func:`seqjax.core.progress.on_terminal`), a plain log line every ``log_every`` steps takes its place.
     """
 
     def __init__(self, log: MetricsLog, *, steps: int, start_step: int, tokens_seen: int, log_every: int,
                  learning_rates: np.ndarray, flops_per_token: Any, peak: float | None, z_loss: bool,
                  nonfinite: str, last_good: Any, primary: bool = True):
         """``flops_per_token(row_length)`` for MFU; ``last_good()`` names the newest checkpoint for the NaN message."""
-        from seqjax.progress import on_terminal, progress_bar  # (tqdm: only the loop needs it)
+        from seqjax.core.progress import on_terminal, progress_bar  # (tqdm: only the loop needs it)
 
         self.log, self.steps, self.start_step, self.tokens_seen = log, steps, start_step, tokens_seen
         self.log_every, self.learning_rates, self.flops_per_token = log_every, learning_rates, flops_per_token

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 import optax
 
-from seqjax.config import TrainConfig
+from seqjax.config.tree import TrainConfig
 
 
 def learning_rate_schedule(train: TrainConfig) -> Callable[[Any], Any]:

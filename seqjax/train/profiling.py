@@ -23,17 +23,31 @@ class ProfileWindow:
         self.log_dir = Path(log_dir)
         self.active = False
 
-    def before(self, step: int) -> None:
-        if step == self.start:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            jax.profiler.start_trace(str(self.log_dir))
-            self.active = True
+    @property
+    def last(self) -> int | None:
+        return None if self.start is None else self.start + self.steps - 1
 
-    def after(self, step: int, outputs: Any) -> None:
-        if self.active and step == self.start + self.steps - 1:
-            jax.block_until_ready(outputs)
+    def begin(self, first_step: int) -> None:
+        """Before the loop's first step: start the trace now if the window starts with it."""
+        if self.start == first_step:
+            self._start_trace()
+
+    def due(self, state: Any) -> bool:
+        """After step start-1 the trace starts; after the window's last step it stops (a training hook)."""
+        return self.start is not None and state.step in (self.start - 1, self.last)
+
+    def after(self, state: Any) -> None:
+        if state.step == self.start - 1 and not self.active:
+            self._start_trace()
+        elif self.active and state.step == self.last:
+            jax.block_until_ready(state.params)  # the last traced step's device work belongs in the trace
             self.close()
-            log.warning("profile of steps %d-%d written under %s", self.start, step, self.log_dir)
+            log.warning("profile of steps %d-%d written under %s", self.start, state.step, self.log_dir)
+
+    def _start_trace(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(self.log_dir))
+        self.active = True
 
     def close(self) -> None:
         if self.active:

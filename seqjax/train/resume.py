@@ -22,11 +22,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from seqjax.config import DATA, Config, ConfigError
-from seqjax.config_diff import ConfigChange, resume_changes
-from seqjax.config_load import load_config
+from seqjax.config.diff import ConfigChange, resume_changes
+from seqjax.config.load import load_config
+from seqjax.config.tree import DATA, Config, ConfigError
+from seqjax.core.errors import CheckpointMismatchError
 from seqjax.data.pipeline import next_epoch_start
-from seqjax.errors import CheckpointMismatchError
 
 CHECKPOINTS = "checkpoints"
 CORRUPT = "checkpoints_corrupt"
@@ -110,7 +110,7 @@ def newest_readable(steps: Iterable[int], restore: Callable[[int], T],
 
     Each step that fails is handed to ``unreadable`` (which reports it, and may
     move it aside) before the next older one is tried. A
-    :class:`~seqjax.errors.CheckpointMismatchError` is not a failure to read:
+    :class:`~seqjax.core.errors.CheckpointMismatchError` is not a failure to read:
     it stops the search at once.
     """
     for step in sorted(steps, reverse=True):
@@ -168,7 +168,7 @@ def plan_resume(saved: Saved, config: Config, templates: dict[str, Any], identit
                                                               dict[str, Any] | None]:
     """Decide how ``saved`` resumes under ``config``: (changes, data state to set, data restart or None).
 
-    Raises :class:`~seqjax.errors.CheckpointMismatchError`, touching nothing,
+    Raises :class:`~seqjax.core.errors.CheckpointMismatchError`, touching nothing,
     when the arrays do not fit ``templates`` (shape, dtype or tree), or when a
     change alters the batches or the model and ``train.allow_config_change``
     is off. ``identity`` is the current run's training data identity

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from jax.experimental import multihost_utils
 
-from seqjax.errors import ConfigError, RunDirInUseError
+from seqjax.core.errors import ConfigError, RunDirInUseError
 
 LOCK_FILE = "run.lock"
 _TOKEN_BYTES = 16

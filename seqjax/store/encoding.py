@@ -2,7 +2,7 @@
 
 The reader (one process) cuts the documents into chunks of about
 ``chunk_chars`` characters; a pool of worker processes encodes them
-(:meth:`seqjax.data.tokenizer.Tokenizer.encode_documents`) and counts their
+(:meth:`seqjax.store.tokenizer.Tokenizer.encode_documents`) and counts their
 bytes, words and lines; the results come back in submission order, so the
 store's stream does not depend on the number of workers or on which finished
 first. At most ``2 * workers`` chunks are in flight, so memory stays bounded
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from seqjax.data.corpus import count_lines, count_words
-from seqjax.data.examples import ExampleSpec, encode_example, framed
-from seqjax.data.tokenizer import Tokenizer
+from seqjax.store.corpus import count_lines, count_words
+from seqjax.store.examples import ExampleSpec, encode_example, framed
+from seqjax.store.tokenizer import Tokenizer
 
 # At most this many chunks per worker are queued or being encoded at once.
 IN_FLIGHT_PER_WORKER = 2

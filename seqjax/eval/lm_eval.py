@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from seqjax.config import Config
-from seqjax.data.corpus import find_sources, read_text
-from seqjax.data.eval_windows import EvalWindows, unit_windows
-from seqjax.data.store import TokenStore
-from seqjax.data.tokenizer import Tokenizer
+from seqjax.config.tree import Config
+from seqjax.eval.windows import EvalWindows, unit_windows
+from seqjax.store.corpus import find_sources, read_text
+from seqjax.store.reader import TokenStore
+from seqjax.store.tokenizer import Tokenizer
 
 MODE = "lm_eval"
 
@@ -135,7 +135,7 @@ def lm_eval_docs(pages: list[str], tokenizer: Tokenizer, context: int, special_t
     """Encode each detokenized page and lay out the rolling windows of ``context`` tokens (steps 2 to 4).
 
     The units sit in one stream, ``[prefix] t(page 0) [prefix] t(page 1) ... [prefix]``; window bounds
-    come from :func:`seqjax.data.eval_windows.unit_windows`, as for the documents mode, with each unit
+    come from :func:`seqjax.eval.windows.unit_windows`, as for the documents mode, with each unit
     ending at its page's last token (the prefix after it is never read or scored).
     """
     encode = tokenizer.encode_default if special_tokens else tokenizer.encode_text  # harness >= 0.4.9.2 / <= 0.4.9.1

@@ -31,7 +31,7 @@ the same: a token straddling a boundary is in). An example with no scored token
 is dropped and counted.
 
 **Framing.** The store separates examples with its end-of-text token (EOT,
-:mod:`seqjax.data.store`), which also opens the next one. So an example's
+:mod:`seqjax.store.reader`), which also opens the next one. So an example's
 leading token is dropped when it *is* that token (it would be doubled), and a
 trailing one becomes the example's closing separator, keeping its weight. For
 a tokenizer whose EOT is ``<|endoftext|>`` the example ``[EOT] p p c c [EOT]``
@@ -53,8 +53,8 @@ import numpy as np
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from seqjax.config import Config, SourceConfig
-from seqjax.errors import CorpusError
+from seqjax.config.tree import Config, SourceConfig
+from seqjax.core.errors import CorpusError
 
 # Private-use characters that mark a {% generation %} block's output while a template renders.
 OPEN_MARK, CLOSE_MARK = "\ue000", "\ue001"

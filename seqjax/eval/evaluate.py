@@ -15,7 +15,7 @@ The protocol (``eval.mode`` = blocks / sliding / documents, ``eval.context``,
 ``eval.stride``) decides which context each token is scored with
 (``lm_eval``, the harness's wikitext task on raw pages, is
 :func:`evaluate_lm_eval`); see
-:mod:`seqjax.data.eval_windows`, which also states the first-token rule
+:mod:`seqjax.eval.windows`, which also states the first-token rule
 (each unit's opening ``<|endoftext|>`` is context only). Every protocol scores
 every predicted token once, so ``tokens`` is the same in all three.
 
@@ -45,16 +45,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from seqjax import sharding
-from seqjax.config import Config, ConfigError, ModelConfig
+from seqjax.config.tree import Config, ConfigError, ModelConfig
+from seqjax.core.progress import progress_bar
 from seqjax.data.contract import Batch
-from seqjax.data.eval_windows import EvalWindows, eval_windows
-from seqjax.data.lm_eval import MODE as LM_EVAL
-from seqjax.data.lm_eval import LmEvalDocs
-from seqjax.data.store import TokenStore
+from seqjax.eval.lm_eval import MODE as LM_EVAL
+from seqjax.eval.lm_eval import LmEvalDocs
+from seqjax.eval.windows import EvalWindows, eval_windows
+from seqjax.model import sharding
 from seqjax.model.attention import resolve_backend
 from seqjax.model.loss import lm_loss
-from seqjax.progress import progress_bar
+from seqjax.store.reader import TokenStore
 
 
 def batch_bytes(cfg: ModelConfig, rows: int, context: int) -> int:
@@ -197,8 +197,8 @@ def evaluate(
     ``eval.mode=lm_eval`` reads raw text, not a store: see :func:`evaluate_lm_eval`.
     """
     if config.eval.mode == LM_EVAL:
-        raise ConfigError("eval.mode: got 'lm_eval', which scores raw WikiText-2 pages with seqjax.eval, not a token "
-                          "store; expected blocks, sliding or documents here")
+        raise ConfigError("eval.mode: got 'lm_eval', which scores raw WikiText-2 pages with python -m seqjax.eval, "
+                          "not a token store; expected blocks, sliding or documents here")
     windows = windows_for(store, config)
     nll_sum, tokens, weight, rows, total_batches, seconds = _score_windows(model, windows, config, mesh, max_batches,
                                                                            progress)
@@ -235,7 +235,7 @@ def evaluate(
 
 def evaluate_lm_eval(model: nnx.Module, docs: LmEvalDocs, config: Config, *, split: str,
                      mesh: Mesh | None = None, progress: bool = True) -> dict[str, Any]:
-    """The lm-evaluation-harness ``wikitext`` figures of ``docs`` (:mod:`seqjax.data.lm_eval`), by its definitions.
+    """The lm-evaluation-harness ``wikitext`` figures of ``docs`` (:mod:`seqjax.eval.lm_eval`), by its definitions.
 
     word_perplexity = exp(nll / words), byte_perplexity = exp(nll / bytes) and
     bits_per_byte = nll / (bytes ln 2), with words and bytes counted on the

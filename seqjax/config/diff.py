@@ -1,6 +1,6 @@
 """What changed between a checkpoint's config and the config a run resumes under, key by key, with its kind.
 
-Each key's ``resume`` metadata in :mod:`seqjax.config` says what changing it does
+Each key's ``resume`` metadata in :mod:`seqjax.config.tree` says what changing it does
 to a resumed run (exact resume, other batches, another model);
 :func:`resume_changes` lists the changed keys with that kind, and
 :mod:`seqjax.train.resume` decides from them.
@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from seqjax.config import Config
+from seqjax.config.tree import Config
 
 # Not compared: the switch that allows the others to change.
 _NOT_COMPARED = ("train.allow_config_change",)

@@ -1,5 +1,5 @@
 """Hugging Face model folders: read one as a seqjax model, write a seqjax model as one (the libraries behind
-``python -m seqjax.import`` / ``seqjax.export``, ``--hf`` on eval and generate, and ``train.init_from``).
+``python -m seqjax.import`` / ``python -m seqjax.export``, ``--hf`` on eval and generate, and ``train.init_from``).
 
 A folder holds what ``transformers`` writes and reads:
 
@@ -42,17 +42,17 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
-from seqjax.config import Config, ModelConfig
-from seqjax.config_load import load_config
-from seqjax.errors import CheckpointError
-from seqjax.files import write_text_atomic
+from seqjax.config.load import load_config
+from seqjax.config.tree import Config, ModelConfig
+from seqjax.core.errors import CheckpointError
+from seqjax.core.files import write_text_atomic
+from seqjax.core.progress import progress_bar
 from seqjax.model import build_model
 from seqjax.model.llama import from_hf as params_from_hf
 from seqjax.model.llama import hf_config, model_config_from_hf, to_hf
 from seqjax.model.stacking import blocks_layout
 from seqjax.model.transformer import TransformerLM
 from seqjax.model.weights import check_finite
-from seqjax.progress import progress_bar
 
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"

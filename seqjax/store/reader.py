@@ -9,7 +9,7 @@ Layout of a store folder (one per split)::
                           line_offsets.bin  int64 [n_lines + 1], raw
                           weights.bin       one per token: the target's loss weight, uint8 0/1 (1: scored), or
                                             float32 where shard.json says "weights_dtype": "float32"
-                                            (instruction data only, data.format != text; see seqjax.data.examples)
+                                            (instruction data only, data.format != text; see seqjax.store.examples)
                           shard.json        the shard's own record (the manifest's entry): its completion marker
     shard-00001-<key>/    ...
 
@@ -56,16 +56,16 @@ largest token id. :meth:`TokenStore.open` compares every file's size with the
 manifest, every time: a truncated or grown file is refused, naming the file,
 what was expected and what was found. ``open(..., verify=True)`` also
 recomputes the checksums and the largest id, which catches ids overwritten in
-place (prepare does that on reuse, see :mod:`seqjax.data.build`).
+place (prepare does that on reuse, see :mod:`seqjax.store.build`).
 
 **Atomic writes.** A shard is written in a hidden staging folder beside the
 store and renamed into place only after its ``shard.json``; the manifest is
 replaced atomically after all its shards exist, and only then are shards no
 manifest names removed. So a killed build never leaves a shard or a store
 that looks complete, an existing store is never half-overwritten, and a
-re-run finds the shards that were finished. The writers (:class:`~seqjax.data.store_writer.ShardWriter`,
-:class:`~seqjax.data.store_writer.StoreWriter`, :func:`~seqjax.data.store_writer.write_store`)
-live in :mod:`seqjax.data.store_writer`. ``TokenStore.open(path, tokenizer_hash=...)`` refuses a
+re-run finds the shards that were finished. The writers (:class:`~seqjax.store.writer.ShardWriter`,
+:class:`~seqjax.store.writer.StoreWriter`, :func:`~seqjax.store.writer.write_store`)
+live in :mod:`seqjax.store.writer`. ``TokenStore.open(path, tokenizer_hash=...)`` refuses a
 store built by another tokenizer.
 """
 
@@ -79,8 +79,8 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from seqjax.data.stream import TokenStream, concat_offsets
-from seqjax.errors import StoreError
+from seqjax.core.errors import StoreError
+from seqjax.store.stream import TokenStream, concat_offsets
 
 MANIFEST = "manifest.json"
 SHARD_RECORD = "shard.json"
@@ -134,7 +134,7 @@ class _LoadedOnFirstUse:
 class TokenStore:
     """A read-only view of one split (or of several sources' splits, one after another).
 
-    Build with :mod:`seqjax.data.store_writer` or prepare; open with
+    Build with :mod:`seqjax.store.writer` or prepare; open with
     :meth:`open`; in memory with :meth:`from_documents`. ``doc_offsets`` and
     ``line_offsets`` may be given as zero-argument loaders: an opened store
     reads them on first use, so opening a large store costs only its manifest.

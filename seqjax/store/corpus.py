@@ -45,8 +45,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from seqjax.config import DATA_DIR_ENV, Config, SourceConfig
-from seqjax.errors import CorpusError
+from seqjax.config.tree import DATA_DIR_ENV, Config, SourceConfig
+from seqjax.core.errors import CorpusError
 
 SPLITS = ("train", "valid", "test")
 

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-from seqjax.errors import UsageError
+from seqjax.core.errors import UsageError
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

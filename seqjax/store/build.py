@@ -4,7 +4,7 @@ Cache layout under ``data.cache_dir``::
 
     tokenizers/<recipe>/tokenizer.json     trained tokenizers, keyed by what they were trained from
     stores/<tokenizer hash>/<corpus>-<key>/
-        train/ (or valid/, test/)          a sharded token store (see seqjax.data.store); the key covers only
+        train/ (or valid/, test/)          a sharded token store (see seqjax.store.reader); the key covers only
                                            what makes that split (its files, field, format), so adding a
                                            validation file never moves or rebuilds the train store
                                            (WikiText-2's three splits share wikitext2-<variant>/)
@@ -14,7 +14,7 @@ Cache layout under ``data.cache_dir``::
 **Streaming, bounded memory.** A split's files are cut into shards (consecutive
 files up to ``data.shard_bytes`` of source each). A shard's documents stream
 from the reader in chunks to a pool of tokenizer processes
-(:mod:`seqjax.data.encoding`) and on to the shard writer, so memory holds a
+(:mod:`seqjax.store.encoding`) and on to the shard writer, so memory holds a
 few chunks, never the corpus. The tokenizer trains on a streamed sample of
 ``tokenizer.train_bytes`` of the train split.
 
@@ -59,17 +59,17 @@ from typing import Any
 
 import xxhash
 
-from seqjax.config import Config, SourceConfig
-from seqjax.data.cache import BUILDER_VERSION, ProcessGroup, content_hash, corpus_key, digest, file_identity, locked
-from seqjax.data.corpus import SPLITS, file_documents, file_records, source_files
-from seqjax.data.encoding import available_cores, encode_in_order
-from seqjax.data.examples import ExampleSpec, example_spec
-from seqjax.data.store import MANIFEST, TokenStore, read_manifest, shard_problems
-from seqjax.data.store_writer import ShardWriter, publish, read_shard
-from seqjax.data.tokenizer import Tokenizer, check_vocab_size, obtain_tokenizer, special_tokens
-from seqjax.errors import CorpusError, StoreError
-from seqjax.files import write_text_atomic
-from seqjax.progress import progress_bar
+from seqjax.config.tree import Config, SourceConfig
+from seqjax.core.errors import CorpusError, StoreError
+from seqjax.core.files import write_text_atomic
+from seqjax.core.progress import progress_bar
+from seqjax.store.cache import BUILDER_VERSION, ProcessGroup, content_hash, corpus_key, digest, file_identity, locked
+from seqjax.store.corpus import SPLITS, file_documents, file_records, source_files
+from seqjax.store.encoding import available_cores, encode_in_order
+from seqjax.store.examples import ExampleSpec, example_spec
+from seqjax.store.reader import MANIFEST, TokenStore, read_manifest, shard_problems
+from seqjax.store.tokenizer import Tokenizer, check_vocab_size, obtain_tokenizer, special_tokens
+from seqjax.store.writer import ShardWriter, publish, read_shard
 
 log = logging.getLogger(__name__)
 

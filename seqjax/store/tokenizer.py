@@ -34,11 +34,11 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from seqjax.config import Config, SourceConfig
-from seqjax.data.cache import BUILDER_VERSION, ProcessGroup, digest, file_identity, locked
-from seqjax.data.corpus import file_documents, file_records, split_lines
-from seqjax.errors import TokenizerError
-from seqjax.files import write_text_atomic
+from seqjax.config.tree import Config, SourceConfig
+from seqjax.core.errors import TokenizerError
+from seqjax.core.files import write_text_atomic
+from seqjax.store.cache import BUILDER_VERSION, ProcessGroup, digest, file_identity, locked
+from seqjax.store.corpus import file_documents, file_records, split_lines
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class Tokenizer:
     def encode_default(self, text: str) -> list[int]:
         """Ids of ``text`` with the tokenizer's default special tokens, as transformers' ``tokenizer(text)`` gives
         them for this tokenizer once exported: its own post-processor's (a Llama's ``<s>``), or, for a tokenizer
-        without one, the opening token seqjax's export adds (:func:`seqjax.hf.write_folder`)."""
+        without one, the opening token seqjax's export adds (:func:`seqjax.hf.folders.write_folder`)."""
         if self._hf.post_processor is not None:
             return self._hf.encode(text, add_special_tokens=True).ids
         return [self.bos_id] + self.encode_text(text)

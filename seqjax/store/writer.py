@@ -1,6 +1,6 @@
 """Writing token stores: a shard streamed to a hidden staging folder, renamed into place, then the manifest.
 
-The layout and the reader are in :mod:`seqjax.data.store`; this module is the
+The layout and the reader are in :mod:`seqjax.store.reader`; this module is the
 other half, the atomic writes its docstring promises. :class:`ShardWriter`
 streams documents into one shard, checksumming each file as it is written;
 :func:`publish` writes the manifest of finished shards; :class:`StoreWriter`
@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from seqjax.data.store import (
+from seqjax.core.errors import StoreError
+from seqjax.core.files import write_text_atomic
+from seqjax.store.reader import (
     DOC_OFFSETS,
     FILES,
     FORMAT_VERSION,
@@ -35,8 +37,6 @@ from seqjax.data.store import (
     TokenStore,
     token_dtype,
 )
-from seqjax.errors import StoreError
-from seqjax.files import write_text_atomic
 
 
 def _alive(pid: int) -> bool:

@@ -21,12 +21,13 @@ import sys
 import time
 from typing import Any, Sequence
 
-from seqjax import cli, hf
-from seqjax.config_load import announce
-from seqjax.data.examples import CHAT_TEMPLATE_FILE, find_chat_template
-from seqjax.errors import UsageError
-from seqjax.files import check_new_folder, staged_folder, write_text_atomic
+from seqjax.config.load import announce
+from seqjax.core.errors import UsageError
+from seqjax.core.files import check_new_folder, staged_folder, write_text_atomic
+from seqjax.hf import folders as hf
+from seqjax.main import cli
 from seqjax.model.stacking import blocks_layout
+from seqjax.store.examples import CHAT_TEMPLATE_FILE, find_chat_template
 from seqjax.train.checkpoint import save_params
 from seqjax.train.resume import TOKENIZER_FILE
 
@@ -76,7 +77,3 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(json.dumps(result), flush=True)
     return result
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """The prepare cache's bookkeeping: what identifies a source file and a corpus, locks, and the process group.
 
-:func:`seqjax.data.build.prepare` keys every cached folder by what made it (the
+:func:`seqjax.store.build.prepare` keys every cached folder by what made it (the
 layout is in its docstring): a source file by path, size and modification
 time (:func:`file_identity`), a corpus by its settings (:func:`corpus_key`),
 a tokenizer by its training recipe. Folders are built under a file lock
@@ -20,7 +20,7 @@ from typing import Any
 
 import xxhash
 
-from seqjax.config import Config, SourceConfig
+from seqjax.config.tree import Config, SourceConfig
 
 # Bump when the way text becomes a store changes, so old caches are rebuilt rather than trusted.
 BUILDER_VERSION = 2

@@ -1,8 +1,8 @@
 """The CLIs' ``--run DIR`` / ``--checkpoint DIR`` / ``--hf DIR``: a trained model and the tokenizer it reads.
 
-Shared by ``seqjax.eval``, ``seqjax.generate`` and ``seqjax.export`` (and
+Shared by ``seqjax.main.eval``, ``.generate`` and ``.export`` (and
 scripts/eval_table.py). It sits with the CLIs, above data/ and train/, so the
-plumbing every CLI shares (:mod:`seqjax.cli`) imports neither; only the tools
+plumbing every CLI shares (:mod:`seqjax.main.cli`) imports neither; only the tools
 that read checkpoints pay for importing orbax and flax.
 """
 
@@ -12,11 +12,11 @@ import argparse
 from pathlib import Path
 from typing import Any, Sequence
 
-from seqjax import hf
-from seqjax.config import Config
-from seqjax.data.build import prepare
-from seqjax.data.tokenizer import Tokenizer
-from seqjax.errors import UsageError
+from seqjax.config.tree import Config
+from seqjax.core.errors import UsageError
+from seqjax.hf import folders as hf
+from seqjax.store.build import prepare
+from seqjax.store.tokenizer import Tokenizer
 from seqjax.train.inference import check_tokenizer, load_for_inference
 
 
@@ -32,7 +32,7 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 def load_checkpoint(args: argparse.Namespace, overrides: Sequence[str] | None = None) -> tuple[Config, Any]:
     """(config, model with trained weights) from ``--run``, ``--checkpoint`` or ``--hf``, with the overrides.
 
-    Raises a SeqjaxError (exit 2 inside :func:`seqjax.cli.run`) for ``--config``, a missing
+    Raises a SeqjaxError (exit 2 inside :func:`seqjax.main.cli.run`) for ``--config``, a missing
     folder, or a folder without a readable checkpoint.
     """
     if args.config:

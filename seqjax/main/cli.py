@@ -9,7 +9,7 @@ flags, and hands its work to :func:`run`::
         return cli.run(p, argv, lambda args: prepare_and_report(cli.load(args)))
 
 :func:`run` parses the flags, sets up logging, and runs the work. Every
-:class:`~seqjax.errors.SeqjaxError` (config, corpus, tokenizer, store, data,
+:class:`~seqjax.core.errors.SeqjaxError` (config, corpus, tokenizer, store, data,
 checkpoint, usage) raised anywhere inside it, reading files included, ends the
 program with one line naming the key or file, the value and what is allowed,
 and exit code 2 (:func:`refuse`). Anything else is a bug and keeps its
@@ -30,9 +30,9 @@ from typing import Callable, NoReturn, Sequence, TypeVar
 
 from tqdm import tqdm
 
-from seqjax.config import Config, ConfigError
-from seqjax.config_load import describe_keys, load_config
-from seqjax.errors import SeqjaxError
+from seqjax.config.load import describe_keys, load_config
+from seqjax.config.tree import Config, ConfigError
+from seqjax.core.errors import SeqjaxError
 
 EXIT_BAD_INPUT = 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -122,4 +122,4 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 # ---------------------------------------------------------------------------
-# The CLIs that read a trained run: seqjax.eval, seqjax.generate, scripts/eval_table.py
+# The CLIs that read a trained run: python -m seqjax.eval, seqjax.generate, scripts/eval_table.py

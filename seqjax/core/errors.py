@@ -6,7 +6,7 @@ not fit the config it is loaded under), and of two the CLIs add: an
 unreadable checkpoint and an impossible command-line request.
 
 Each is a ``ValueError`` (bad input is a bad value) and a :class:`SeqjaxError`,
-the one type :func:`seqjax.cli.run` catches. A message names the key, file or
+the one type :func:`seqjax.main.cli.run` catches. A message names the key, file or
 document, the value, and what was allowed, so no traceback is needed to act
 on it. Anything else that escapes is a bug and keeps its traceback.
 """
@@ -54,4 +54,4 @@ class RunDirInUseError(SeqjaxError):
 
 
 class UsageError(SeqjaxError):
-    """A command-line request is impossible: a flag's value, a prompt, a length (seqjax.cli and the CLIs)."""
+    """A command-line request is impossible: a flag's value, a prompt, a length (seqjax.main.cli and the CLIs)."""

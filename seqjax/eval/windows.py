@@ -53,7 +53,7 @@ import numpy as np
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import RowPlan
 from seqjax.data.scored import target_weights
-from seqjax.data.store import TokenStore
+from seqjax.store.reader import TokenStore
 
 MODES = ("blocks", "sliding", "documents")
 

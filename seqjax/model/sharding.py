@@ -36,9 +36,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from seqjax.config import MeshConfig
+from seqjax.config.tree import MeshConfig
+from seqjax.core.errors import ConfigError
 from seqjax.data.contract import Batch
-from seqjax.errors import ConfigError
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # batch rows are split over these

@@ -1,6 +1,6 @@
 """Reading a config: a YAML file plus dotted ``key=value`` overrides, typed, range-checked and validated.
 
-The schema (every key, its type, range and help line) is :mod:`seqjax.config`;
+The schema (every key, its type, range and help line) is :mod:`seqjax.config.tree`;
 this module turns text into that tree and says, in one line, which key, value
 and source (the file, or the command line) is wrong, with a "did you mean" on
 typos. :func:`describe_keys` prints the schema for ``--help-config``.
@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-from seqjax.config import Config
-from seqjax.errors import ConfigError
+from seqjax.config.tree import Config
+from seqjax.core.errors import ConfigError
 
 
 def _type_name(tp: Any) -> str:

@@ -2,7 +2,7 @@
 
 Each shard of a token store is a stream of the same form (``EOT doc EOT ...``),
 so shard ``k + 1`` begins with the EOT that shard ``k`` ends with; the logical
-stream keeps that EOT once (the layout is in :mod:`seqjax.data.store`).
+stream keeps that EOT once (the layout is in :mod:`seqjax.store.reader`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import itertools
 
 import numpy as np
 
-from seqjax.errors import StoreError
+from seqjax.core.errors import StoreError
 
 
 class TokenStream:

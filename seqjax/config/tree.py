@@ -15,9 +15,9 @@ Every field may carry metadata:
   (:data:`RESUME_KINDS`); keys without it keep exact resume.
 
 Cross-field rules (``n_heads`` divisible by ``n_kv_heads``, ...) live in each
-section's ``check`` method. :func:`seqjax.config_load.load_config` reads a file
+section's ``check`` method. :func:`seqjax.config.load.load_config` reads a file
 and overrides into this tree and runs every check, so a config that loads is a
-config that can run; :mod:`seqjax.config_diff` compares two of them on resume.
+config that can run; :mod:`seqjax.config.diff` compares two of them on resume.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
-from seqjax.errors import ConfigError
-from seqjax.files import write_text_atomic
+from seqjax.core.errors import ConfigError
+from seqjax.core.files import write_text_atomic
 
 DATA_DIR_ENV = "SEQJAX_DATA_DIR"
 
@@ -128,7 +128,7 @@ GRAIN_PACKERS = ("grain_first_fit", "grain_best_fit", "grain_concat_split")
 
 
 CORPORA = ("wikitext2", "text", "jsonl", "parquet", "hf")
-# What one record of a corpus is (seqjax.data.examples): a document, or an instruction example.
+# What one record of a corpus is (seqjax.store.examples): a document, or an instruction example.
 FORMATS = ("text", "prompt_completion", "chat", "tokenized")
 LOSS_ON = ("auto", "completion", "assistant", "last_assistant", "all")
 WEIGHT_DTYPES = ("uint8", "float32")

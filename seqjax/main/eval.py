@@ -2,7 +2,7 @@
 
 The last stdout line is one JSON object: tokens, words, bytes, ``nll_sum``
 and the perplexity in all three units under the ``eval.*`` protocol (see
-:mod:`seqjax.evaluate`, which does the work); ``eval.mode=lm_eval`` adds the
+:mod:`seqjax.eval.evaluate`, which does the work); ``eval.mode=lm_eval`` adds the
 harness's byte_perplexity, and ``checkpoint_step`` names the step scored. With
 ``--run`` the result is also kept in the run's ``eval_results.json``, keyed
 ``split/mode/step<N>``. ``--hf DIR`` scores a Hugging Face folder directly.
@@ -13,16 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from seqjax import cli, trained
-from seqjax.data.build import prepare
-from seqjax.data.lm_eval import MODE as LM_EVAL
-from seqjax.data.lm_eval import read_lm_eval_split
-from seqjax.evaluate import evaluate, evaluate_lm_eval
-from seqjax.files import json_text, write_text_atomic
+from seqjax.core.files import json_text, write_text_atomic
+from seqjax.eval.evaluate import evaluate, evaluate_lm_eval
+from seqjax.eval.lm_eval import MODE as LM_EVAL
+from seqjax.eval.lm_eval import read_lm_eval_split
+from seqjax.main import cli, trained
+from seqjax.store.build import prepare
 
 RESULTS_FILE = "eval_results.json"
 
@@ -71,7 +70,3 @@ def record(run_dir: Path, result: dict[str, Any], config) -> Path:
         results = {}  # a file cut by a kill: start a fresh record rather than refuse to score
     results[f"{config.eval.split}/{config.eval.mode}/step{result['checkpoint_step']}"] = result
     return write_text_atomic(path, json_text(results, indent=2))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The pieces every stage uses: the error types, atomic file writes, progress bars."""
