@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from itertools import islice
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from seqjax.config.tree import PACKERS, keeps_documents_whole
 from seqjax.core.errors import DataError
+from seqjax.data import strategies
 from seqjax.data.document_rows import bucket_lengths, length_grouped_order
-from test_pipeline_helpers import assert_contract, config, epoch_batches, predicted_counts, stores
+from seqjax.data.grain_packing import grain_packed
+from seqjax.data.pipeline import build_pipeline
+from test_pipeline_helpers import assert_contract, config, epoch_batches, positional_store, predicted_counts, stores
 
 FAST = settings(max_examples=20, deadline=None)
 OURS = ["greedy", "first_fit", "best_fit", "best_fit_decreasing", "fill"]
@@ -50,8 +56,7 @@ def expected_counts(store, seq_len: int, overlong: str) -> np.ndarray:
     epoch=st.integers(0, 1),
 )
 def test_packers_place_every_document_once_within_capacity(packer, store, seq_len, batch_size, overlong, cap, epoch):
-    if packer == "fill" and cap is not None:
-        return  # refused by config checks (tested in test_pipeline)
+    assume(packer != "fill" or cap is None)  # refused by config checks (tested in test_pipeline)
     overrides = [f"data.packer={packer}", f"data.overlong={overlong}", "data.pack_buffer=4"]
     if cap is not None:
         overrides.append(f"data.max_segments_per_row={cap}")
@@ -176,3 +181,57 @@ def test_length_grouped_order_sorts_each_mega_batch(weights, batch_size, mult):
     tops = [weights[b[b >= 0]].max() for b in batches]
     assert tops[0] == max(tops)
     np.testing.assert_array_equal(widths, [buckets[np.searchsorted(buckets, t)] for t in tops])
+
+
+WHOLE_CASES = [("pack", [f"data.packer={p}"]) for p in PACKERS] + [
+    ("length_grouped", []), ("block", ["data.break_mode=complete_doc"]), ("block", ["data.break_mode=none"])]
+
+
+@pytest.mark.parametrize("strategy, overrides", WHOLE_CASES, ids=lambda c: str(c))
+@FAST
+@given(lengths=st.lists(st.integers(1, 10), min_size=1, max_size=12), seq_len=st.integers(12, 16))
+def test_the_strategies_said_to_keep_documents_whole_never_cut_one(strategy, overrides, lengths, seq_len):
+    """keeps_documents_whole (config.tree) is the table instruction data is admitted by: a strategy it names puts
+    each document, EOT to closing token, in one segment; one it does not name is seen cutting some document."""
+    store = positional_store(lengths)
+    cfg = config(strategy, seq_len, 2, *overrides, "data.pack_buffer=4")
+    _, rows = epoch_segments(cfg, store)
+    documents = {(int(a) - 1, int(b - a) + 1) for a, b in zip(store.doc_offsets[:-1], store.doc_offsets[1:])}
+    cut = [segment for row in rows for segment in row if segment not in documents]
+    d = cfg.data
+    if keeps_documents_whole(d.strategy, d.packer, d.break_mode):
+        assert cut == []
+
+
+@pytest.mark.parametrize("strategy, overrides", [("pack", ["data.packer=fill"]), ("block", ["data.break_mode=none"])])
+def test_the_strategies_not_said_to_keep_documents_whole_cut_them(strategy, overrides):
+    store = positional_store([7, 7, 7, 7])
+    cfg = config(strategy, 12, 2, *overrides)
+    assert not keeps_documents_whole(cfg.data.strategy, cfg.data.packer, cfg.data.break_mode)
+    _, rows = epoch_segments(cfg, store)
+    documents = {(int(a) - 1, int(b - a) + 1) for a, b in zip(store.doc_offsets[:-1], store.doc_offsets[1:])}
+    assert any(segment not in documents for row in rows for segment in row)
+
+
+@pytest.mark.parametrize("packer", PACKERS)
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_every_packers_epoch_holds_each_document_exactly_once_on_a_set_smaller_than_its_buffer(packer, epoch):
+    """15 documents, data.pack_buffer at its default (1024 bins): Grain's packers once drew the next epoch's
+    documents into the bins still open at an epoch's end. The training pipeline's batches of an epoch are the
+    ones the report counts, and they hold every document once (overlong ones split, as data.overlong=split says)."""
+    lengths = [3, 9, 4, 1, 7, 12, 2, 5, 8, 6, 3, 11, 2, 4, 10]
+    store = positional_store(lengths)
+    cfg = config("pack", 12, 2, f"data.packer={packer}", "data.overlong=split")
+    if strategies.uses_grain_packer(cfg.data):
+        one = list(grain_packed(cfg, store, num_epochs=1))
+        before = sum(1 for _ in grain_packed(cfg, store, num_epochs=epoch)) if epoch else 0
+        per_epoch = list(grain_packed(cfg, store, num_epochs=epoch + 1))[before:]
+        assert len(per_epoch) == len(one)
+        trained = list(islice(iter(build_pipeline(cfg, store)), before, before + len(per_epoch)))
+        for got, expect in zip(trained, per_epoch):
+            for key in expect:
+                np.testing.assert_array_equal(got[key], expect[key])
+    else:
+        per_epoch = epoch_batches(cfg, store, epoch)
+    found = [seg for b in per_epoch for seg in assert_contract(b, store)]
+    np.testing.assert_array_equal(predicted_counts(found, store.num_tokens), expected_counts(store, 12, "split"))

@@ -142,8 +142,9 @@ def test_grain_packers_shard_documents_disjointly(packer):
     cfg = config("pack", 8, 2, f"data.packer={packer}")
     seen = []
     for p in (0, 1):
-        rows = list(grain_packed(cfg, store, process_index=p, process_count=2, num_epochs=1))
-        found = [s for row in rows for s in assert_contract({k: v[None] for k, v in row.items()}, store)]
+        batches = list(grain_packed(cfg, store, process_index=p, process_count=2, num_epochs=1))
+        assert all(b["inputs"].shape == (1, 8) for b in batches)  # this process's half of each batch of 2
+        found = [s for b in batches for s in assert_contract(b, store)]
         seen.append(predicted_counts(found, store.num_tokens))
     assert not np.any((seen[0] > 0) & (seen[1] > 0))
     np.testing.assert_array_equal(seen[0] + seen[1], np.r_[0, np.ones(store.num_tokens - 1, np.int64)])

@@ -235,8 +235,12 @@ def test_every_corpus_kind_gives_the_same_store(chat_folder, tmp_path):
 
 def test_instruction_formats_refuse_strategies_that_cut_examples_and_loss_on_they_lack(tmp_path):
     base = ["data.corpus=jsonl", "data.train_files=[a.jsonl]", "data.format=chat"]
-    with pytest.raises(ConfigError, match="data.strategy: got 'window', expected pack, length_grouped or block"):
+    with pytest.raises(ConfigError, match=r"data.strategy: got 'window', expected pack \(any packer but fill or "
+                                          r"grain_concat_split\), length_grouped or block"):
         load_config(None, base + ["data.strategy=window"])
+    for packer in ("fill", "grain_concat_split"):  # they fill every row by cutting examples at its end
+        with pytest.raises(ConfigError, match=f"data.strategy: got 'pack' with packer='{packer}', expected pack"):
+            load_config(None, base + ["data.strategy=pack", f"data.packer={packer}"])
     with pytest.raises(ConfigError, match="data.loss_on: got 'completion', expected one of auto, assistant"):
         load_config(None, base + ["data.loss_on=completion"])
     with pytest.raises(ConfigError, match="data.format: got 'chat' with corpus='text'"):

@@ -122,8 +122,9 @@ PACKERS = (
     "grain_best_fit",
     "grain_concat_split",
 )
-# Packers that cannot honour data.max_segments_per_row: fill splits documents to fill every row.
-PACKERS_WITHOUT_SEGMENT_CAP = ("fill", "grain_concat_split")
+# Packers that cut documents at the row's end to fill every row: they cannot cap the segments in a row
+# (data.max_segments_per_row) and cannot keep an instruction example whole.
+SPLITTING_PACKERS = ("fill", "grain_concat_split")
 GRAIN_PACKERS = ("grain_first_fit", "grain_best_fit", "grain_concat_split")
 
 
@@ -135,8 +136,18 @@ WEIGHT_DTYPES = ("uint8", "float32")
 # Which loss_on each format takes; "auto" is completion / assistant / the records' own labels.
 LOSS_ON_FOR = {"text": ("auto", "all"), "prompt_completion": ("auto", "completion", "all"),
                "chat": ("auto", "assistant", "last_assistant", "all"), "tokenized": ("auto", "all")}
-# Strategies that keep each example whole (block only with break_mode=complete_doc).
-EXAMPLE_STRATEGIES = ("pack", "length_grouped", "block")
+
+
+def keeps_documents_whole(strategy: str, packer: str, break_mode: str) -> bool:
+    """Whether every document (an instruction example) lands in one segment of one row, never cut at a row's end.
+
+    Only such strategies take instruction data. (``data.overlong=split`` still cuts an example longer than a row,
+    on purpose, into pieces that are each their own segment.)
+    """
+    if strategy == "pack":
+        return packer not in SPLITTING_PACKERS
+    return strategy == "length_grouped" or (strategy == "block" and break_mode == "complete_doc")
+
 
 
 @dataclass
@@ -278,7 +289,7 @@ class DataConfig:
             raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={self.corpus!r}")
         if (
             self.strategy == "pack"
-            and self.packer in PACKERS_WITHOUT_SEGMENT_CAP
+            and self.packer in SPLITTING_PACKERS
             and self.max_segments_per_row is not None
         ):
             what = "fills every row" if self.packer == "fill" else "is Grain's concat-then-split, which"
@@ -306,13 +317,12 @@ class DataConfig:
                 raise ConfigError(f"data.loss_on: got {self.loss_on!r}, expected one of "
                                   f"{', '.join(LOSS_ON_FOR[fmt])} for data.format={fmt}")
         if formats != {"text"}:
-            if self.strategy not in EXAMPLE_STRATEGIES or (self.strategy == "block"
-                                                           and self.break_mode != "complete_doc"):
+            if not keeps_documents_whole(self.strategy, self.packer, self.break_mode):
+                how = {"pack": f" with packer={self.packer!r}", "block": f" with break_mode={self.break_mode!r}"}
                 raise ConfigError(
-                    f"data.strategy: got {self.strategy!r}"
-                    + (f" with break_mode={self.break_mode!r}" if self.strategy == "block" else "")
-                    + ", expected pack, length_grouped or block with data.break_mode=complete_doc for instruction "
-                    "data: the others cut examples at arbitrary tokens")
+                    f"data.strategy: got {self.strategy!r}{how.get(self.strategy, '')}, expected pack (any packer but "
+                    f"{' or '.join(SPLITTING_PACKERS)}), length_grouped or block with data.break_mode=complete_doc for "
+                    "instruction data: the others cut examples at arbitrary tokens")
             if self.cross_document_attention:
                 raise ConfigError("data.cross_document_attention: got true, expected false for instruction data: "
                                   "each example attends only to itself")

@@ -3,12 +3,13 @@
 They are Grain ``IterDataset`` transforms over a shuffled, repeated dataset of
 documents, so their batches are not a row plan and their iterator state is
 Grain's own. :func:`grain_packed` gives their rows the contract's field names
-(:func:`seqjax.data.contract.from_grain_packed`).
+(:func:`seqjax.data.contract.from_grain_packed`), and they are packed one epoch at a time.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import grain
 import grain.experimental as gx
@@ -23,7 +24,22 @@ from seqjax.store.reader import TokenStore
 
 def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, process_count: int = 1,
                  num_epochs: int | None = None) -> grain.IterDataset:
-    """Documents (after the overlong policy) through Grain's FirstFit/BestFit/ConcatThenSplit, as contract rows."""
+    """This process's batches (``data.batch_size // process_count`` rows) from Grain's FirstFit/BestFit/ConcatThenSplit.
+
+    Each epoch is packed on its own: the packer sees that epoch's documents (after the overlong policy) once,
+    flushes its open bins at the epoch's end, and the epoch's last batch is completed with empty rows (segment id
+    0, weight 0), as seqjax's own planner completes it. Over a repeated dataset instead, Grain's packers keep up
+    to ``data.pack_buffer`` bins open across the epoch's end and fill them with the next epoch's documents, so an
+    "epoch" held some documents twice and others not at all.
+    """
+    rows = config.data.batch_size // process_count
+    return _EpochByEpoch(lambda epoch: _packed_epoch(config, store, epoch, process_index, process_count)
+                         .batch(rows, drop_remainder=False).map(functools.partial(_complete, rows=rows)), num_epochs)
+
+
+def _packed_epoch(config: Config, store: TokenStore, epoch: int, process_index: int,
+                  process_count: int) -> grain.IterDataset:
+    """One epoch's documents, in that epoch's shuffled order, through the configured Grain packer, as contract rows."""
     d = config.data
     starts, lengths = document_rows.document_items(store.doc_offsets, np.arange(store.num_docs), d.seq_len, d.overlong)
     tokens = store.tokens
@@ -40,10 +56,11 @@ def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, p
         return element
 
     ds = grain.MapDataset.range(len(starts))[process_index::process_count]
-    if d.shuffle:
-        ds = ds.shuffle(seed=config.run.seed)
+    n = len(ds)
+    if d.shuffle:  # the epoch's slice of a repeated shuffle: each epoch its own order, from run.seed alone
+        ds = ds.shuffle(seed=config.run.seed).repeat(epoch + 1)[epoch * n : (epoch + 1) * n]
     # In-memory data: Grain recommends no reader threads (they only contend for the GIL).
-    ds = ds.repeat(num_epochs).map(sequence).to_iter_dataset(grain.ReadOptions(num_threads=0))
+    ds = ds.map(sequence).to_iter_dataset(grain.ReadOptions(num_threads=0))
     length_struct = {"inputs": d.seq_len, "targets": d.seq_len}
     if scores is not None:
         length_struct["weights"] = d.seq_len
@@ -51,31 +68,59 @@ def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, p
         ds = gx.ConcatThenSplitIterDataset(ds, length_struct=length_struct)
     else:
         packer = gx.FirstFitPackIterDataset if d.packer == "grain_first_fit" else gx.BestFitPackIterDataset
-        ds = packer(ds, length_struct=length_struct, num_packing_bins=d.pack_buffer, seed=config.run.seed,
+        ds = packer(ds, length_struct=length_struct, num_packing_bins=d.pack_buffer, seed=config.run.seed + epoch,
                     shuffle_bins=d.shuffle, max_sequences_per_bin=d.max_segments_per_row)
-    return _JsonStateIterDataset(ds.map(from_grain_packed))
+    return ds.map(from_grain_packed)
+
+
+def _complete(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """An epoch's last, short batch completed with empty rows (all zeros: segment id 0 is padding, weight 0)."""
+    short = rows - len(batch["inputs"])
+    return batch if short == 0 else {k: np.concatenate([v, np.zeros((short, *v.shape[1:]), v.dtype)])
+                                     for k, v in batch.items()}
+
+
+class _EpochByEpoch(grain.IterDataset):
+    """``make(epoch)``'s datasets chained, ``num_epochs`` of them (None: forever); the state is the epoch and the
+    epoch's own Grain state, kept JSON-safe."""
+
+    def __init__(self, make: Callable[[int], grain.IterDataset], num_epochs: int | None):
+        super().__init__()
+        self._make, self._num_epochs = make, num_epochs
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _EpochByEpochIterator(self._make, self._num_epochs)
+
+
+class _EpochByEpochIterator(grain.DatasetIterator):
+    def __init__(self, make: Callable[[int], grain.IterDataset], num_epochs: int | None):
+        super().__init__()
+        self._make, self._num_epochs = make, num_epochs
+        self._start(0)
+
+    def _start(self, epoch: int) -> None:
+        self._epoch, self._inner = epoch, iter(self._make(epoch))
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        while True:
+            if self._num_epochs is not None and self._epoch >= self._num_epochs:
+                raise StopIteration
+            try:
+                return next(self._inner)
+            except StopIteration:
+                self._start(self._epoch + 1)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "inner": self._inner.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._start(int(state["epoch"]))
+        # Grain's ConcatThenSplit keeps tuples in its state and compares them with ``==``; a JSON checkpoint turns
+        # them into lists: restored as tuples, the state survives JSON.
+        self._inner.set_state(_tuples(state["inner"]))
 
 
 def _tuples(state: Any) -> Any:
     if isinstance(state, dict):
         return {k: _tuples(v) for k, v in state.items()}
     return tuple(_tuples(v) for v in state) if isinstance(state, (list, tuple)) else state
-
-
-class _JsonStateIterDataset(grain.IterDataset):
-    """Grain's ConcatThenSplit keeps tuples in its state and compares them with ``==``; a JSON
-    checkpoint turns them into lists. Restoring them as tuples makes the state survive JSON."""
-
-    def __iter__(self) -> grain.DatasetIterator:
-        return _JsonStateIterator(iter(self._parent))
-
-
-class _JsonStateIterator(grain.DatasetIterator):
-    def __next__(self):
-        return next(self._parent)
-
-    def get_state(self) -> dict[str, Any]:
-        return self._parent.get_state()
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parent.set_state(_tuples(state))

@@ -51,10 +51,8 @@ def build_pipeline(
         raise ConfigError(f"process_index: got {process_index}, expected 0 <= index < process_count={process_count}")
     d = config.data
     strategies.check(config, store, process_count)
-    local = d.batch_size // process_count
     if strategies.uses_grain_packer(d):
-        return grain_packed(config, store, process_index=process_index, process_count=process_count).batch(
-            local, drop_remainder=True)
+        return grain_packed(config, store, process_index=process_index, process_count=process_count)
     if store.sources:  # a mixture: every strategy runs within each source, the schedule shares out the rows
         planners = []
         for source in store.source_stores:
@@ -68,9 +66,11 @@ def build_pipeline(
 
 
 def next_epoch_start(state: dict[str, Any] | None, config: Config) -> dict[str, Any] | None:
-    """Where the pipeline ``config`` builds goes on after a change to the batches: its next epoch's start.
+    """The data position to resume from when a resume changes how batches are cut (``train.allow_config_change``).
 
-    None for Grain's packers, whose stream (Grain's own state) starts again from its beginning.
+    The old position means nothing under the new cut, so the run goes on at the start of the next epoch of the
+    pipeline that ``config`` builds. None for Grain's packers: their state is Grain's own, and their stream starts
+    again from its beginning.
     """
     if strategies.uses_grain_packer(config.data):
         return None

@@ -34,11 +34,12 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
     d = config.data
     t0 = time.perf_counter()
     if strategies.uses_grain_packer(d):
-        batches = list(grain_packed(config, store, num_epochs=1).batch(d.batch_size, drop_remainder=False))
+        batches = list(grain_packed(config, store, num_epochs=1))
         seconds = time.perf_counter() - t0
         segs = np.concatenate([b["segment_ids"].max(axis=1) for b in batches])
         real = int(sum((b["segment_ids"] > 0).sum() for b in batches))
-        slots = sum(b["weights"].size for b in batches)
+        slots = int(segs.astype(bool).sum()) * d.seq_len  # the empty rows that complete the last batch are not padding
+        segs = segs[segs > 0]
         dropped = store.predicted_tokens - real
         # Grain's packers see documents after the overlong policy (document_rows.document_items)
         counts = {"documents_dropped": int(dropped_as_overlong(store.doc_lengths, d.seq_len, d.overlong).sum()),
