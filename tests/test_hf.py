@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -23,7 +26,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from hf_support import llama_tensors, tiny_tokenizer, write_llama_folder
+from hf_support import llama_tensors, tiny_tokenizer, write_chat_llama_folder, write_llama_folder
 from seqjax.config.load import load_config
 from seqjax.config.tree import ConfigError, RopeScalingConfig
 from seqjax.core.errors import CheckpointError
@@ -367,6 +370,52 @@ def test_a_failed_export_leaves_nothing_half_written(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         export.main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["llama", "run"]
+    jax.clear_caches()
+
+
+def test_export_keeps_the_pad_token_and_writes_files_other_users_can_read(tmp_path):
+    """The tokenizer's pad token survives import -> export (transformers reads it back), and every exported file
+    has the umask's mode (safetensors wrote model.safetensors 0600)."""
+    from transformers import AutoTokenizer
+
+    from seqjax.main import export, import_hf
+
+    folder = write_chat_llama_folder(tmp_path / "llama")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "pad_token": "</s>"}))
+    import_hf.main([str(folder), "--out", str(tmp_path / "run"), "model.attention=xla"])
+    old = os.umask(0o022)
+    try:
+        export.main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
+    finally:
+        os.umask(old)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tokenizer.pad_token == "</s>" and tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids("</s>")
+    assert json.loads((tmp_path / "hf" / hf.CONFIG_JSON).read_text())["pad_token_id"] == tokenizer.pad_token_id
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()} == {
+        p.name: "0o644" for p in (tmp_path / "hf").iterdir()}
+    jax.clear_caches()
+
+
+def test_an_export_takes_over_staging_left_by_a_killed_one_and_an_unwritable_parent_is_one_line(tmp_path, capsys):
+    from seqjax.main import export, import_hf
+
+    import_hf.main([str(write_llama_folder(tmp_path / "llama")), "--out", str(tmp_path / "run"),
+                    "model.attention=xla"])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".hf.{int(dead.stdout)}.partial"  # an export killed while it wrote
+    stale.mkdir()
+    (stale / hf.CONFIG_JSON).write_text("{")
+    live = tmp_path / f".hf.{os.getppid()}.partial"  # a live process's: not ours to remove
+    live.mkdir()
+    export.main(["--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
+    assert not stale.exists() and live.is_dir() and (tmp_path / "hf" / hf.WEIGHTS).is_file()
+
+    # A parent the export cannot write in (a read-only folder for a user; here, for any user, a file).
+    blocked = tmp_path / "notes.txt"
+    blocked.write_text("mine")
+    err = _refused_cli(export.main, ["--run", str(tmp_path / "run"), "--out", str(blocked / "hf")], capsys)
+    assert f"--out {blocked / 'hf'}: cannot write in {blocked}" in err and blocked.read_text() == "mine"
     jax.clear_caches()
 
 

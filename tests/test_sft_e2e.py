@@ -56,6 +56,21 @@ def test_import_fine_tune_on_chats_evaluate_export_and_transformers_generates_th
     out = model.generate(np.asarray([ids]), max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     theirs = tokenizer.decode(np.asarray(out.sequences)[0, len(ids):])
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ours = run("seqjax.generate", "--run", str(ft), "--prompt", prompt[len("<s>"):], "--max-new-tokens", "8",
-               "--temperature", "0")["samples"][0]["completion"]
-    assert theirs.startswith(ours) and len(ours) > 0
+    greedy = ("--max-new-tokens", "8", "--temperature", "0")
+    # The rendered prompt opens with <s>: it is not given a second one (issue 29 item 3).
+    ours = run("seqjax.generate", "--run", str(ft), "--prompt", prompt, *greedy)["samples"][0]
+    bare = run("seqjax.generate", "--run", str(ft), "--prompt", prompt[len("<s>"):], *greedy)["samples"][0]
+    assert ours["token_ids"] == bare["token_ids"] and len(ours["completion"]) > 0
+    assert theirs.startswith(ours["completion"])
+
+    # --chat: the run's template with the generation prompt, the reply stopped at the template's end of turn.
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": messages}) + "\n" + json.dumps(messages) + "\n")
+    chat = run("seqjax.generate", "--run", str(ft), "--chat", str(tmp_path / "chats.jsonl"), "--max-new-tokens",
+               "24", "--temperature", "0")["samples"]
+    out = model.generate(np.asarray([ids]), max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    new = np.asarray(out.sequences)[0, len(ids):].tolist()
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    stop = min([k for k, i in enumerate(new) if i in (end, tokenizer.eos_token_id)], default=len(new))
+    assert [s["token_ids"] for s in chat] == [new[:stop]] * 2
+    assert [s["stopped_at_eot"] for s in chat] == [stop < len(new)] * 2
+    assert chat[0]["prompt"] == prompt

@@ -85,6 +85,11 @@ class TokenizerConfig:
         "the token that opens every prompt and lm_eval window (Llama's <s> or <|begin_of_text|>); "
         "null: the end-of-text token, which opens every sequence seqjax trains on",
     )
+    pad_token: str | None = _f(
+        None,
+        "the padding token a Hugging Face tokenizer names (its pad_token), carried from import to export; seqjax "
+        "itself pads with segment id 0 and never reads it",
+    )
     train_bytes: int = _f(
         1 << 27,
         "bytes of train-split text the tokenizer trains on, streamed from the start of each train file in turn "

@@ -15,6 +15,7 @@ through :func:`json_text`, which writes a non-finite number as ``null``.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
@@ -83,10 +84,15 @@ def staged_folder(out: str | os.PathLike, *, overwrite: bool, flag: str = "--out
     is replaced whole, and the old folder is removed only once the new one stands in its place.
     """
     out = check_new_folder(out, overwrite=overwrite, flag=flag)
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.{os.getpid()}.partial")
-    shutil.rmtree(staging, ignore_errors=True)  # left by a killed earlier attempt of this same process id
-    staging.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(out)
+        shutil.rmtree(staging, ignore_errors=True)  # left by a killed earlier attempt of this same process id
+        staging.mkdir()
+    except OSError as err:
+        raise UsageError(f"{flag} {out}: cannot write in {out.parent} ({err.strerror}); expected a folder you can "
+                         "write to") from None
     try:
         yield staging
     except BaseException:
@@ -96,6 +102,34 @@ def staged_folder(out: str | os.PathLike, *, overwrite: bool, flag: str = "--out
     if out.is_dir() and any(out.iterdir()):
         old = out.with_name(f".{out.name}.{os.getpid()}.replaced")
         os.replace(out, old)
+    for written in staging.rglob("*"):  # some writers (safetensors) create their files 0600: give the umask's mode
+        written.chmod(_umask_mode(0o777 if written.is_dir() else 0o666))
     os.replace(staging, out)  # over a missing or empty folder: atomic on POSIX
     if old is not None:
         shutil.rmtree(old)
+
+
+def _umask_mode(mode: int) -> int:
+    """``mode`` less the process's umask: what ``open``/``mkdir`` give a new file or folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Remove ``.NAME.PID.partial`` / ``.replaced`` siblings of ``out`` left by a writer that was killed: their
+    process is gone (as prepare takes over a stale lock). A live writer's folder is left alone."""
+    for sibling in out.parent.glob(f".{glob.escape(out.name)}.*.*"):
+        pid, _, kind = sibling.name[len(out.name) + 2:].partition(".")
+        if kind in ("partial", "replaced") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

@@ -78,6 +78,7 @@ class HFFolder:
     tokenizer: Path
     eos_token: str
     bos_token: str | None
+    pad_token: str | None = None
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -134,9 +135,10 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _special_tokens(path: Path, config_json: dict[str, Any], tokenizer: HFTokenizer) -> tuple[str, str | None]:
-    """(eos, bos) from tokenizer_config.json / special_tokens_map.json, else config.json's ids."""
-    found: dict[str, str | None] = {"eos": None, "bos": None}
+def _special_tokens(path: Path, config_json: dict[str, Any],
+                    tokenizer: HFTokenizer) -> tuple[str, str | None, str | None]:
+    """(eos, bos, pad) from tokenizer_config.json / special_tokens_map.json, else config.json's ids."""
+    found: dict[str, str | None] = {"eos": None, "bos": None, "pad": None}
     for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
         if (path / name).is_file():
             data = _read_json(path / name)
@@ -156,7 +158,7 @@ def _special_tokens(path: Path, config_json: dict[str, Any], tokenizer: HFTokeni
             f"{path}: no eos_token in {TOKENIZER_CONFIG} or {SPECIAL_TOKENS_MAP} and no eos_token_id in "
             f"{CONFIG_JSON}; seqjax needs the end-of-text token"
         )
-    return found["eos"], found["bos"]
+    return found["eos"], found["bos"], found["pad"]
 
 
 def read_folder(path: str | os.PathLike) -> HFFolder:
@@ -181,13 +183,13 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
         hf_tokenizer = HFTokenizer.from_file(str(tokenizer))
     except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
         raise CheckpointError(f"{tokenizer}: not a valid tokenizer.json ({err})") from None
-    eos, bos = _special_tokens(path, config_json, hf_tokenizer)
+    eos, bos, pad = _special_tokens(path, config_json, hf_tokenizer)
     vocab = hf_tokenizer.get_vocab_size(with_added_tokens=True)
     if vocab > model.vocab_size:
         raise CheckpointError(
             f"{tokenizer}: {vocab} tokens, but {CONFIG_JSON} vocab_size is {model.vocab_size} (too few embedding rows)"
         )
-    return HFFolder(path, config_json, model, weight_map, tokenizer, eos, bos)
+    return HFFolder(path, config_json, model, weight_map, tokenizer, eos, bos, pad)
 
 
 def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
@@ -226,6 +228,7 @@ def run_config(hf: HFFolder, overrides: Sequence[str] = (), tokenizer_path: Path
             "path": str(tokenizer_path or hf.tokenizer),
             "special_tokens": [hf.eos_token],
             "bos_token": hf.bos_token,
+            "pad_token": hf.pad_token,
             # the tokenizer's real size (not the default of a tokenizer seqjax would train)
             "vocab_size": HFTokenizer.from_file(str(hf.tokenizer)).get_vocab_size(with_added_tokens=True),
         },
@@ -288,7 +291,7 @@ def _tokenizer_with_opening_token(tokenizer_json: Path, bos: str) -> str:
 
 
 def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any], *, tokenizer_json: Path,
-                 eos_token: str, bos_token: str | None, dtype: str = "float32",
+                 eos_token: str, bos_token: str | None, pad_token: str | None = None, dtype: str = "float32",
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, chat_template: str | None = None) -> dict[str, Any]:
     """Write an HF Llama folder for ``cfg`` and ``params``; returns what was written.
 
@@ -320,10 +323,17 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
         write_text_atomic(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                   indent=2))
         files.append(INDEX)
-    write_text_atomic(out / CONFIG_JSON, json.dumps(
-        hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype), indent=2))
-    write_text_atomic(out / TOKENIZER, _tokenizer_with_opening_token(tokenizer_json, bos))
     special = {"bos_token": bos, "eos_token": eos_token}
+    pad_id = None
+    if pad_token is not None:
+        pad_id = hf_tok.token_to_id(pad_token)
+        if pad_id is None:
+            raise CheckpointError(f"{tokenizer_json}: has no token {pad_token!r} (tokenizer.pad_token)")
+        special["pad_token"] = pad_token
+    write_text_atomic(out / CONFIG_JSON, json.dumps(
+        hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype) | (
+            {"pad_token_id": pad_id} if pad_id is not None else {}), indent=2))
+    write_text_atomic(out / TOKENIZER, _tokenizer_with_opening_token(tokenizer_json, bos))
     if hf_tok.token_to_id("<unk>") is not None:
         special["unk_token"] = "<unk>"
     write_text_atomic(out / SPECIAL_TOKENS_MAP, json.dumps(special, indent=2))
@@ -334,7 +344,8 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
         "clean_up_tokenization_spaces": False,
         **({"chat_template": chat_template} if chat_template is not None else {}),
     }, indent=2))
-    write_text_atomic(out / GENERATION_CONFIG, json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id}, indent=2))
+    write_text_atomic(out / GENERATION_CONFIG, json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id} | (
+        {"pad_token_id": pad_id} if pad_id is not None else {}), indent=2))
     files += [CONFIG_JSON, TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG]
     return {
         "out": str(out),

@@ -54,6 +54,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
             tokenizer_json=tokenizer.path,
             eos_token=tokenizer.eot_token,
             bos_token=config.tokenizer.bos_token,
+            pad_token=config.tokenizer.pad_token,
             dtype=args.dtype,
             max_shard_bytes=args.max_shard_bytes,
             chat_template=find_chat_template(Path(tokenizer.path), config.data.chat_template),

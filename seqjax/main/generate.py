@@ -12,13 +12,22 @@ sequence and every evaluation unit starts with, so an article's opening is
 generated in the setting the model learned it (an empty prompt generates
 from that token alone); a model with a beginning-of-text token
 (``tokenizer.bos_token``, e.g. an imported Llama's ``<s>``) gets that instead.
-A row stops at its first end-of-text; the loop stops when every row has, or
-after ``--max-new-tokens``.
+A prompt that already opens with that token (a chat template's rendering)
+keeps one. A row stops at its first end-of-text; the loop stops when every
+row has, or after ``--max-new-tokens``.
+
+``--chat FILE.jsonl`` takes conversations instead (one a line: ``{"messages":
+[...]}`` or the list itself): each is rendered with the run's chat template
+and its generation prompt, as transformers' ``apply_chat_template(...,
+add_generation_prompt=True)`` does, the reply stops at the template's
+end-of-turn token (``<|im_end|>``, ``</s>``) too, and the reply alone is
+printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from pathlib import Path
@@ -29,8 +38,39 @@ from seqjax.core.files import json_text
 from seqjax.main import cli, trained
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
+from seqjax.store.examples import ExampleSpec, chat_prompt, chat_template, end_of_turn
 
 log = logging.getLogger("seqjax.generate")  # the command's name, as its log lines show it
+
+
+def read_chats(path_text: str) -> list[Any]:
+    """The conversations of ``--chat FILE.jsonl``: each line a ``{"messages": [...]}`` object or the list itself."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"--chat {path_text!r}: no such file (expected one conversation per line, as JSON)")
+    chats = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise UsageError(f"--chat {path_text}:{number}: not JSON ({err})") from None
+        chats.append(record.get("messages") if isinstance(record, dict) else record)
+    if not chats:
+        raise UsageError(f"--chat {path_text!r}: no conversation in it; expected one JSON line per conversation")
+    return chats
+
+
+def chat_prompts(path_text: str, config, tokenizer) -> tuple[list[str], list[int]]:
+    """(each conversation rendered with the generation prompt, the ids a reply stops at)."""
+    template, name = chat_template(config.data.chat_template, Path(tokenizer.path))
+    spec = ExampleSpec(format="chat", loss_on="assistant", chat_template=template, template_name=name,
+                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eot_token)
+    texts = [chat_prompt(spec, messages, f"--chat {path_text}:conversation {k + 1}")
+             for k, messages in enumerate(read_chats(path_text))]
+    turn_end = end_of_turn(spec, tokenizer)
+    return texts, [tokenizer.eot_id] + ([turn_end] if turn_end is not None else [])
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
@@ -56,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.parser("python -m seqjax.generate", "Continue prompts with a trained model (last line: one JSON object).")
     trained.add_checkpoint_args(p)
     p.add_argument("--prompt", help="text to continue ('' starts a new article)")
+    p.add_argument("--chat", metavar="FILE.jsonl", help="conversations, one JSON per line ({\"messages\": [...]} or "
+                   "the list): rendered with the run's chat template and generation prompt; the reply is printed")
     p.add_argument("--prompts", metavar="FILE", help="a file with one prompt per line, generated as one batch")
     # One flag style across the CLIs (dashes); the underscore spellings of earlier releases still work.
     p.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=100)
@@ -68,16 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     """Every request is checked (prompts, sampling, checkpoint, lengths) before the first token is decoded."""
-    texts = read_prompts(args.prompt, args.prompts)
+    if args.chat is not None and (args.prompt is not None or args.prompts is not None):
+        raise UsageError("--chat: got it with --prompt/--prompts, expected one of them")
+    texts = None if args.chat is not None else read_prompts(args.prompt, args.prompts)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     config, model = trained.load_checkpoint(args)
     tokenizer = trained.trained_tokenizer(args, config)  # the run's tokenizer, reused from the cache
+    stop_ids = [tokenizer.eot_id]
+    if texts is None:
+        texts, stop_ids = chat_prompts(args.chat, config, tokenizer)
     seed = config.run.seed if args.seed is None else args.seed
     start = time.perf_counter()
     outputs = generate(
         model,
-        [[tokenizer.bos_id] + tokenizer.encode(text) for text in texts],
-        eot_id=tokenizer.eot_id,
+        # Chats as the store encodes a rendered chat (one string), prompts as it encodes text (line by line).
+        [tokenizer.opened(tokenizer.encode_text(text) if args.chat else tokenizer.encode(text)) for text in texts],
+        eot_id=stop_ids,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=seed,
@@ -88,7 +136,7 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
         completion = tokenizer.decode(out.tokens)
         log.info("--- %r\n%s%s", text, text, completion)
         samples.append({"prompt": text, "completion": completion, "new_tokens": len(out.tokens),
-                        "stopped_at_eot": out.stopped})
+                        "stopped_at_eot": out.stopped, "token_ids": out.tokens})
     new_tokens = sum(s["new_tokens"] for s in samples)
     result = {
         "samples": samples,

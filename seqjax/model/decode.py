@@ -156,14 +156,15 @@ def generate(
     model: nnx.Module,
     prompts: Sequence[Sequence[int]],
     *,
-    eot_id: int | None,
+    eot_id: int | Sequence[int] | None,
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(temperature=0.0),
     seed: int = 0,
 ) -> list[Generation]:
     """Continue each token list in ``prompts`` (each already starting with its context) by up to ``max_new_tokens``.
 
-    A row stops at its first ``eot_id`` (None: never; every row gets ``max_new_tokens``).
+    A row stops at its first ``eot_id`` (several ids: at the first of any, e.g. a chat's end of turn; None: never,
+    every row gets ``max_new_tokens``).
     """
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens: got {max_new_tokens}, expected at least 1")
@@ -180,6 +181,7 @@ def generate(
             f"prompt takes {inputs.shape[1]} of model.max_seq_len={limit} tokens"
         )
     settings = sampling.arrays()
+    stops = np.asarray([] if eot_id is None else np.atleast_1d(eot_id), np.int64)
     key = jax.random.key(seed)
     logits, cache = prefill(model, inputs, positions, segment_ids, max_len=max_len)
     new = np.zeros((len(prompts), max_new_tokens), np.int64)
@@ -188,7 +190,7 @@ def generate(
     for step in range(max_new_tokens):
         token = _sample(logits, jax.random.fold_in(key, step), **settings)
         new[:, step] = np.asarray(token)
-        hit = new[:, step] == eot_id if eot_id is not None else np.zeros_like(done)
+        hit = np.isin(new[:, step], stops)
         ended = ~done & hit
         length[ended] = step
         done |= ended

@@ -213,15 +213,36 @@ def _render(spec: ExampleSpec, messages: list[dict], where: str, generation_prom
                           f"{err}") from None
 
 
-def chat_spans(spec: ExampleSpec, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered chat and the character spans of its scored assistant messages (``data.loss_on``)."""
+def _check_messages(messages: Any, where: str, field: str) -> None:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages):
-        raise CorpusError(f"{where}: {spec.messages_field!r} must be a non-empty list of {{role, content}} objects "
+        raise CorpusError(f"{where}: {field!r} must be a non-empty list of {{role, content}} objects "
                           "with string values")
     if any(OPEN_MARK in m["content"] or CLOSE_MARK in m["content"] for m in messages):
         raise CorpusError(f"{where}: a message holds U+E000 or U+E001, which mark generation blocks")
+
+
+def chat_prompt(spec: ExampleSpec, messages: Any, where: str) -> str:
+    """``messages`` rendered with the generation prompt (the assistant's turn opened), for generation."""
+    _check_messages(messages, where, spec.messages_field)
+    return _render(spec, messages, where, generation_prompt=True)[0]
+
+
+def end_of_turn(spec: ExampleSpec, tokenizer) -> int | None:
+    """The special token the template closes an assistant turn with (``<|im_end|>``, ``<end_of_turn>``, ``</s>``),
+    read from a rendering of one exchange: the first token after the reply. None if none follows it."""
+    reply = "seqjax-reply-7f3a"  # a text no template writes itself
+    text = _render(spec, [{"role": "user", "content": "question"}, {"role": "assistant", "content": reply}],
+                   "the chat template's end of turn")[0]
+    after = text[text.rfind(reply) + len(reply):] if reply in text else ""
+    ids = tokenizer.encode_with_offsets(after)[0] if after else []
+    return ids[0] if ids and tokenizer.is_special(ids[0]) else None
+
+
+def chat_spans(spec: ExampleSpec, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat and the character spans of its scored assistant messages (``data.loss_on``)."""
+    _check_messages(messages, where, spec.messages_field)
     text, marked = _render(spec, messages, where)
     if spec.loss_on == "all":
         return text, [(0, len(text))]

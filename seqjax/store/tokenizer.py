@@ -102,6 +102,16 @@ class Tokenizer:
         """Token ids of ``text``, line by line, exactly as the token store holds them."""
         return [i for ids in self.encode_lines(split_lines(text)) for i in ids]
 
+    def opened(self, ids: list[int]) -> list[int]:
+        """A prompt's ids as a document of the store starts: after the opening token (:attr:`separator_id`). A prompt
+        that already opens with it (a chat template's ``<s>``) keeps one, as transformers' templates render it."""
+        return ids if ids[:1] == [self.separator_id] else [self.separator_id] + ids
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is one of the tokenizer's added special tokens (``<|im_end|>``, ``</s>``, ...)."""
+        token = self._hf.get_added_tokens_decoder().get(token_id)
+        return token is not None and token.special
+
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids of ``text`` as one string (special tokens in it recognized, none added) and each one's character span."""
         encoding = self._hf.encode(text, add_special_tokens=False)

@@ -64,7 +64,8 @@ def locate(path: str) -> Source:
         )
     if hf.is_hf_folder(where):
         folder = hf.read_folder(where)
-        tokenizer = {"path": str(folder.tokenizer), "special_tokens": [folder.eos_token], "bos_token": folder.bos_token}
+        tokenizer = {"path": str(folder.tokenizer), "special_tokens": [folder.eos_token], "bos_token": folder.bos_token,
+                     "pad_token": folder.pad_token}
         return Source(where, folder.model, tokenizer, folder)
     try:
         config_file, _, _ = inference.locate(where)
