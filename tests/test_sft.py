@@ -418,6 +418,15 @@ def test_the_layout_picture_shades_prompts_and_whitens_padding():
     assert not np.allclose(image[1], image[4])  # two examples, two colours
 
 
+def test_the_layout_picture_gives_each_example_of_the_batch_its_own_colour_not_each_position_in_a_row():
+    from seqjax.data.picture import layout_image
+
+    segments = np.asarray([[1, 1, 2, 3, 3, 0], [1, 2, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1]])
+    image = layout_image({"segment_ids": segments, "weights": (segments > 0).astype(np.float32)})
+    colours = {tuple(np.round(image[r, c], 6)) for r, c in zip(*np.nonzero(segments))}
+    assert len(colours) == 6  # six examples: the first of each row no longer shares one colour
+
+
 # ---------------------------------------------------------------------------
 # Resume, overlong examples
 

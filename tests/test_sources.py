@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from seqjax.config.load import load_config
 from seqjax.store.build import prepare
-from seqjax.store.corpus import CorpusError, find_sources, read_split
+from seqjax.store.corpus import CorpusError, file_records, find_sources, read_split
 
 DOCS = ["first doc\nwith two lines\n", "", "naïve café 🙂", "   \n", "last one\n\n", '{"json": "inside"}\n']
 
@@ -142,6 +142,19 @@ def test_a_truncated_zstd_stream_names_the_file(tmp_path):
     (tmp_path / "cut.jsonl.zst").write_bytes(data[: len(data) // 2])
     with pytest.raises(CorpusError, match=r"cut.jsonl.zst: line \d+: the zstd stream is truncated or corrupt"):
         read(tmp_path, "jsonl", "[cut.jsonl.zst]")
+
+
+@pytest.mark.parametrize("name, kind", [("empty.jsonl.gz", "gzip"), ("empty.jsonl.zst", "zstd")])
+@pytest.mark.parametrize("fmt", ["text", "chat"])
+def test_a_compressed_file_of_0_bytes_is_refused_as_damaged_not_read_as_empty(tmp_path, name, kind, fmt):
+    """An interrupted copy leaves a 0-byte file: gzip once read it as an empty stream and prepare exited 0."""
+    (tmp_path / name).write_bytes(b"")
+    with pytest.raises(CorpusError, match=rf"{name}: line 1: the {kind} stream is truncated or corrupt"):
+        if fmt == "text":
+            read(tmp_path, "jsonl", f"[{name}]")
+        else:  # instruction records are read by file_records
+            source = load_config(None, ["data.corpus=jsonl", f"data.train_files=[{name}]", "data.format=chat"])
+            list(file_records(source.data.resolved_sources()[0], tmp_path / name, ("messages",)))
 
 
 @pytest.mark.parametrize("kind, file, message", [

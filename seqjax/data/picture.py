@@ -19,8 +19,11 @@ def layout_image(batch: Batch) -> np.ndarray:
     """``[rows, width, 3]`` RGB in [0, 1]: hue per segment, pale where not scored, white on padding."""
     segments = np.asarray(batch["segment_ids"])
     scored = np.asarray(batch["weights"]) > 0
-    # neighbouring segments get far-apart hues (golden-ratio steps), so two examples side by side are told apart
-    hue = (segments * 0.618034) % 1.0
+    # Each example of the batch gets its own number (segment ids restart at 1 in every row: coloured by them, the
+    # first example of every row looked the same), and consecutive numbers far-apart hues (golden-ratio steps).
+    before = np.concatenate([[0], np.cumsum(segments.max(axis=1))[:-1]])
+    example = np.where(segments > 0, segments + before[:, None], 0)
+    hue = (example * 0.618034) % 1.0
     import matplotlib.colors as colors  # (imported only when a picture is drawn)
 
     rgb = colors.hsv_to_rgb(np.stack([hue, np.where(scored, 0.85, 0.3), np.where(scored, 0.8, 0.97)], -1))

@@ -258,6 +258,8 @@ def wikitext_articles(text: str) -> list[str]:
 def _raw_lines(path: Path) -> Iterator[bytes]:
     """The file's lines as bytes, decompressed on the fly for ``.gz`` and ``.zst``."""
     if path.name.endswith(".gz"):
+        if path.stat().st_size == 0:  # gzip reads 0 bytes as an empty stream; an interrupted copy leaves one
+            raise EOFError("0 bytes, not even a gzip header")
         with gzip.open(path, "rb") as stream:
             yield from stream
     elif path.name.endswith(".zst"):
@@ -307,11 +309,14 @@ def jsonl_documents(path: Path, text_field: str = "text") -> Iterator[str]:
         for number, raw in enumerate(_raw_lines(path), start=1):
             yield _jsonl_record(path, number, raw, text_field)
     except _stream_errors() as err:
-        kind = "gzip" if path.name.endswith(".gz") else "zstd" if path.name.endswith(".zst") else "file"
-        raise CorpusError(
-            f"{path}: line {number + 1}: the {kind} stream is truncated or corrupt ({err}); expected a complete "
-            f"{kind} file (re-copy or re-compress it)"
-        ) from None
+        raise _damaged(path, number + 1, err) from None
+
+
+def _damaged(path: Path, line: int, err: BaseException) -> CorpusError:
+    """A compressed file that is cut or corrupt (or empty: 0 bytes), named with the line reading reached."""
+    kind = "gzip" if path.name.endswith(".gz") else "zstd" if path.name.endswith(".zst") else "file"
+    return CorpusError(f"{path}: line {line}: the {kind} stream is truncated or corrupt ({err}); expected a complete "
+                       f"{kind} file (re-copy or re-compress it)")
 
 
 def _jsonl_record(path: Path, number: int, raw: bytes, text_field: str) -> str | None:
@@ -470,8 +475,7 @@ def file_records(source: SourceConfig, path: Path, fields: tuple[str, ...]) -> I
                                       "line") from None
                 yield f"{path}:{number}", pick(f"{path}:{number}", row)
         except _stream_errors() as err:
-            raise CorpusError(f"{path}: line {number + 1}: the compressed stream is truncated or corrupt ({err})"
-                              ) from None
+            raise _damaged(path, number + 1, err) from None
     elif source.corpus == "parquet":
         try:
             reader = pq.ParquetFile(path)
