@@ -151,11 +151,32 @@ def test_tokenized_records_take_labels_or_loss_weights_and_bad_ones_are_named(ch
     np.testing.assert_array_equal(np.asarray(store.tokens), [1, 5, 6, 7, 8, 1, 9, 10, 11, 1])
     np.testing.assert_array_equal(np.asarray(store.mask), [0, 0, 0, 1, 1, 0, 0, 1, 0, 0])
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [5, 6], "labels": [-100]}])
-    with pytest.raises(CorpusError, match=r"bad.jsonl:1: field 'labels' must be a list as long as 'input_ids' \(2\)"):
+    with pytest.raises(CorpusError, match=r"bad.jsonl:1: field 'labels' must be a list of integers as long as "
+                                          r"'input_ids' \(2\)"):
         prepare(load_config(None, overrides(tmp_path, chat_folder, "tokenized", [bad])), splits=("train",))
     oov = write_jsonl(tmp_path / "oov.jsonl", [{"input_ids": [5, 999], "loss_weights": [1, 1]}])
     with pytest.raises(CorpusError, match=r"oov.jsonl:1: 'input_ids' holds id 999, outside .* vocabulary of 300"):
         prepare(load_config(None, overrides(tmp_path, chat_folder, "tokenized", [oov])), splits=("train",))
+
+
+@pytest.mark.parametrize("record, message", [
+    # a label is -100 or the token it sits on (HF's convention): any other was scored as if it were that token
+    ({"input_ids": [5, 6, 7], "labels": [-100, 6, -1]}, r"'labels'\[2\] is -1; expected -100 \(not scored\) or the "
+                                                         r"input id at that position \(7\)"),
+    ({"input_ids": [5, 6, 7], "labels": [-100, 9, 7]}, r"'labels'\[1\] is 9; expected -100"),
+    # wrong types and sizes: one line each, never a traceback
+    ({"input_ids": [5, 6], "labels": ["6", 6]}, r"field 'labels' must be a list of integers"),
+    ({"input_ids": [5, 6], "labels": [None, 6]}, r"field 'labels' must be a list of integers"),
+    ({"input_ids": [5, 6], "labels": [True, 6]}, r"field 'labels' must be a list of integers"),
+    ({"input_ids": [5, 2**40], "labels": [5, 6]}, r"'input_ids' holds id 1099511627776, outside"),
+    ({"input_ids": [5, 2**70], "labels": [5, 6]}, r"'input_ids' holds id 1180591620717411303424, outside"),
+    ({"input_ids": [5, -3], "loss_weights": [1, 1]}, r"'input_ids' holds id -3, outside"),
+    ({"input_ids": [5, 6], "loss_weights": [1, 10**400]}, r"field 'loss_weights' must be a list of numbers"),
+])
+def test_bad_tokenized_records_are_one_line_naming_the_record(chat_folder, tmp_path, record, message):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [record])
+    with pytest.raises(CorpusError, match=r"bad.jsonl:1: " + message):
+        prepare(load_config(None, overrides(tmp_path, chat_folder, "tokenized", [bad])), splits=("train",))
 
 
 def test_fractional_loss_weights_are_kept_as_float32_when_asked_and_refused_as_bytes(chat_folder, tmp_path):

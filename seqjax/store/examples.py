@@ -340,19 +340,15 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
     ids = record.get(spec.input_ids_field)
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise CorpusError(f"{where}: field {spec.input_ids_field!r} must be a non-empty list of integers")
+    outside = [i for i in ids if not 0 <= i < tokenizer.vocab_size]  # in Python: an id past int64 cannot overflow
+    if outside:
+        raise CorpusError(f"{where}: {spec.input_ids_field!r} holds id {outside[0]}, outside the tokenizer's "
+                          f"vocabulary of {tokenizer.vocab_size}")
     ids = np.asarray(ids, np.int64)
-    if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
-        bad = int(ids[(ids < 0) | (ids >= tokenizer.vocab_size)][0])
-        raise CorpusError(f"{where}: {spec.input_ids_field!r} holds id {bad}, outside the tokenizer's vocabulary of "
-                          f"{tokenizer.vocab_size}")
     if spec.loss_on == "all":
         mask = np.ones(len(ids), np.uint8)
     elif spec.labels_field in record:
-        labels = record[spec.labels_field]
-        if not isinstance(labels, list) or len(labels) != len(ids):
-            raise CorpusError(f"{where}: field {spec.labels_field!r} must be a list as long as "
-                              f"{spec.input_ids_field!r} ({len(ids)})")
-        mask = (np.asarray(labels, np.int64) != NOT_SCORED).astype(np.uint8)
+        mask = labels_mask(spec, record[spec.labels_field], ids, where)
     elif spec.loss_weights_field in record:
         mask = loss_weights(spec, record[spec.loss_weights_field], len(ids), where)
     else:
@@ -362,6 +358,22 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
     return Example(ids, mask, 0, text_bytes, len(tokenizer.decode(ids[mask.astype(bool)]).encode("utf-8")))
 
 
+def labels_mask(spec: ExampleSpec, labels: Any, ids: np.ndarray, where: str) -> np.ndarray:
+    """A tokenized record's ``labels`` as a 0/1 mask, HF's convention: at each position -100 (not scored) or the
+    input id itself (scored; the model shifts it into place). Anything else is one line naming the position: a
+    label of another token would otherwise be scored as if it were that position's own."""
+    field = spec.labels_field
+    integers = isinstance(labels, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in labels)
+    if not integers or len(labels) != len(ids):
+        raise CorpusError(f"{where}: field {field!r} must be a list of integers as long as {spec.input_ids_field!r} "
+                          f"({len(ids)})")
+    for position, (label, token) in enumerate(zip(labels, ids.tolist())):
+        if label != NOT_SCORED and label != token:
+            raise CorpusError(f"{where}: {field!r}[{position}] is {label}; expected {NOT_SCORED} (not scored) or the "
+                              f"input id at that position ({token})")
+    return (np.asarray(labels, np.int64) != NOT_SCORED).astype(np.uint8)
+
+
 def loss_weights(spec: ExampleSpec, weights: Any, n: int, where: str) -> np.ndarray:
     """A tokenized record's ``loss_weights`` as the store keeps them; anything else is one line naming the record.
 
@@ -369,7 +381,7 @@ def loss_weights(spec: ExampleSpec, weights: Any, n: int, where: str) -> np.ndar
     ``float32`` keeps any finite weight >= 0 (Levanter's prebuilt form carries 0.1 and 1.0, for instance).
     """
     field = spec.loss_weights_field
-    numbers = isinstance(weights, list) and all(isinstance(w, (int, float)) for w in weights)
+    numbers = isinstance(weights, list) and all(isinstance(w, (int, float)) and abs(w) < 1e300 for w in weights)
     if not numbers or len(weights) != n:
         raise CorpusError(f"{where}: field {field!r} must be a list of numbers as long as {spec.input_ids_field!r} "
                           f"({n})")
