@@ -26,6 +26,28 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+
+def with_vocab(config):
+    """``model.vocab_size: null`` as training resolves it: the tokenizer's size (the configured tokenizer.path's,
+    else the tokenizer.vocab_size that prepare trains), without building anything."""
+    import dataclasses
+
+    if config.model.vocab_size is not None:
+        return config
+    vocab = config.tokenizer.vocab_size
+    if config.tokenizer.path:
+        from tokenizers import Tokenizer
+
+        from seqjax.core.errors import ConfigError
+
+        try:
+            vocab = Tokenizer.from_file(str(Path(config.tokenizer.path).expanduser())).get_vocab_size(True)
+        except Exception as err:  # tokenizers raises a bare Exception for a missing or malformed file
+            raise ConfigError(f"tokenizer.path: {config.tokenizer.path!r} is not a readable tokenizer.json ({err}); "
+                              "or set model.vocab_size") from None
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,12 +64,17 @@ def main(argv: list[str] | None = None) -> dict:
     from flax import nnx
 
     from seqjax.config.load import load_config
+    from seqjax.core.errors import SeqjaxError
     from seqjax.model import build_model, sharding
     from seqjax.train.optimizer import build_optimizer
     from seqjax.train.step import make_train_step
 
     # The attention the CPU compiles is XLA's (the GPU kernels cannot lower here); the rest is the run's own.
-    config = load_config(args.config, [*args.overrides, "model.attention=xla", "train.init_from=null"])
+    try:
+        config = with_vocab(load_config(args.config, [*args.overrides, "model.attention=xla", "train.init_from=null"]))
+    except SeqjaxError as err:
+        print(f"plan_memory.py: config error: {err}", file=sys.stderr)
+        sys.exit(2)
     mesh = sharding.build_mesh(config.mesh, jax.devices()[: args.devices])
     model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
     graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)

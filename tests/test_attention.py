@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from seqjax.core.errors import ConfigError
 from seqjax.model import attention as attn
 from seqjax.model.attention import attention, resolve_backend
 
@@ -84,7 +85,8 @@ def test_unknown_backend_and_cudnn_off_gpu_are_refused():
     with pytest.raises(ValueError, match="model.attention: got 'flash', expected one of auto, xla"):
         attention(*qkv(0), segments_from_lengths([T], T), backend="flash")
     if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="'cudnn' needs a GPU"):
+        with pytest.raises(ConfigError, match="model.attention: got 'cudnn', which needs an NVIDIA GPU; this machine's "
+                                              "JAX platform is cpu"):
             attention(*qkv(0), segments_from_lengths([T], T), backend="cudnn")
 
 
@@ -151,7 +153,7 @@ def test_cudnn_path_passes_the_segment_mask_densely(monkeypatch):
     dense = np.asarray(attention(q, k, v, segment_ids, backend="cudnn"), np.float32)
     np.testing.assert_allclose(dense, np.asarray(xla_attention(q, k, v, segment_ids), np.float32), rtol=2e-2, atol=2e-2)
     assert (dense[0, 12:] == 0).all()
-    with pytest.raises(ValueError, match="needs bfloat16 or float16 inputs, got float32"):
+    with pytest.raises(ConfigError, match="'cudnn', which needs bfloat16 or float16, got float32"):
         attention(*qkv(0), segment_ids[:1], backend="cudnn")
 
 

@@ -142,7 +142,8 @@ def test_help_config_lists_every_key(capsys):
 
 
 def test_resolved_config_is_printed_and_saved_and_loads_back(tmp_path, capsys):
-    config = load_config(CPU_CONFIG, ["data.seq_len=64", "train.lr=3e-4", "data.train_files=[a.txt]"])
+    config = load_config(CPU_CONFIG, ["data.seq_len=64", "train.lr=3e-4", "data.corpus=text",
+                                      "data.train_files=[a.txt]"])
     saved = announce(config, tmp_path / "out")
     assert saved == tmp_path / "out" / "config.yaml"
     assert "seq_len: 64" in capsys.readouterr().out
@@ -239,3 +240,28 @@ def test_the_keys_that_change_the_batches_or_the_model_are_marked():
     # A key the checkpoint's config predates is compared with its default.
     del saved["data"]["shuffle"]
     assert "data.shuffle" not in {c.key for c in resume_changes(saved, Config())}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # data.overlong is applied only where whole documents are arranged into rows; elsewhere it was ignored
+    (["data.strategy=block", "data.overlong=drop"], r"data.overlong: got 'drop' with data.strategy=block, expected "
+                                                    r"split \(the default\): only pack and length_grouped apply it"),
+    (["data.strategy=block", "data.overlong=error"], r"data.overlong: got 'error' with data.strategy=block"),
+    (["data.strategy=window", "data.overlong=truncate"], r"data.overlong: got 'truncate' with data.strategy=window"),
+    # files given to the WikiText-2 corpus were ignored without a word
+    (["data.corpus=wikitext2", "data.train_files=[mine.txt]"], r"data.train_files: got \['mine.txt'\], but "
+                                                               r"corpus=wikitext2 reads WikiText-2's own files"),
+    (["data.valid_files=[v.txt]"], r"data.valid_files: got \['v.txt'\], but corpus=wikitext2"),
+    (["data.sources=[{name: a, corpus: wikitext2, train_files: [x.txt]}]"],
+     r"data.sources\[a\].train_files: got \['x.txt'\], but corpus=wikitext2"),
+])
+def test_keys_a_strategy_or_corpus_would_ignore_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides", [["data.strategy=pack", "data.overlong=drop"],
+                                       ["data.strategy=length_grouped", "data.overlong=truncate"],
+                                       ["data.strategy=block", "data.overlong=split"]])
+def test_overlong_is_taken_where_it_is_applied(overrides):
+    load_config(None, overrides)

@@ -129,3 +129,15 @@ def test_k_micro_batches_give_the_update_of_one_big_batch():
     assert float(results[4][2]["loss"]) == pytest.approx(float(mean_loss(batch)), rel=1e-6)
     quarters = [mean_loss({k: v[i::4] for k, v in batch.items()}) for i in range(4)]
     assert abs(float(sum(quarters) / 4) - float(results[4][2]["loss"])) > 1e-3
+
+
+def test_grad_clip_0_means_no_clipping_as_in_hf_not_a_zero_update():
+    """A clipping threshold of 0 scaled every gradient to 0: the run silently stopped learning."""
+    params = {"w": jnp.ones((3,))}
+    grads = {"w": jnp.asarray([30.0, -40.0, 0.5])}
+    updates = {}
+    for clip in ("0", "null"):
+        tx, _ = build_optimizer(load_config(None, ["train.warmup_steps=0", f"train.grad_clip={clip}"]).train)
+        updates[clip], _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_array_equal(updates["0"]["w"], updates["null"]["w"])
+    assert float(jnp.abs(updates["0"]["w"]).min()) > 0  # clipped to norm 0, AdamW's update was 0 everywhere

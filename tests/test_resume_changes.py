@@ -63,6 +63,20 @@ def test_a_change_to_the_batches_is_refused_naming_the_key_and_the_override(refe
     assert snapshot(run_dir) == before
 
 
+def test_a_checkpoint_without_its_config_says_that_nothing_can_be_checked(reference, tiny_root, tmp_path):
+    """Neither config/metadata nor config.yaml: a changed data.batch_size resumed without a word."""
+    import shutil
+
+    run_dir = copy_reference(tiny_root, tmp_path / "run")
+    shutil.rmtree(run_dir / "checkpoints" / "60" / "config")
+    (run_dir / "config.yaml").unlink()
+    proc = run_cli(tiny_overrides(tiny_root, run_dir, **{"data.batch_size": 8, "train.steps": 62}))
+    assert_ok(proc)
+    assert "checkpoints/60 carries no config" in proc.stderr
+    assert "resumes its parameters, optimizer and data position under the config given now" in proc.stderr
+    assert sorted(train_losses(run_dir))[-2:] == [61, 62]
+
+
 def test_a_new_training_text_is_refused_even_under_the_same_keys(reference, tiny_root, tmp_path, capsys):
     """The checkpoint records the source files' hashes: the same file name with other text is another data set."""
     run_dir = copy_reference(tiny_root, tmp_path / "run")

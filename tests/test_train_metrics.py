@@ -219,6 +219,17 @@ def test_step_logger_stops_on_a_nonfinite_step_before_logging_it(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
 
 
+def test_the_stop_message_names_what_was_not_finite_the_gradient_or_the_loss(tmp_path):
+    """A finite loss with a NaN gradient read "non-finite loss 6.238 (grad norm nan)"."""
+    from seqjax.train.metrics import NonFiniteLoss
+
+    steps = _step_logger(tmp_path)
+    steps.add(1, {**_metrics(6.238), "grad_norm": np.float32("nan"), "finite": np.bool_(False)}, (2, 8))
+    with pytest.raises(NonFiniteLoss, match=r"^non-finite gradient \(grad norm nan; loss 6.238\) at step 1; "):
+        steps.flush(1)
+    steps.log.close()
+
+
 def test_step_logger_under_skip_stops_after_a_log_window_of_skipped_steps(tmp_path):
     from seqjax.train.metrics import NonFiniteLoss
 

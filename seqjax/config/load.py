@@ -209,8 +209,14 @@ def load_config(
             raise ConfigError(
                 f"config file {str(path)!r} not found (expected a YAML file such as configs/wikitext2_cpu.yaml)"
             )
+        raw = path.read_bytes()
         try:
-            loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+            text = raw.decode("utf-8-sig")  # (a UTF-8 byte-order mark is fine)
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r}: byte {err.start} (0x{raw[err.start]:02x}) is not UTF-8; "
+                              "expected a UTF-8 YAML file (re-save it as UTF-8)") from None
+        try:
+            loaded = yaml.load(text, Loader=_UniqueKeyLoader)
         except _DuplicateKey as err:
             raise ConfigError(f"config file {str(path)!r}: {err}") from None
         except yaml.YAMLError as err:

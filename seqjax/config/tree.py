@@ -142,6 +142,9 @@ WEIGHT_DTYPES = ("uint8", "float32")
 LOSS_ON_FOR = {"text": ("auto", "all"), "prompt_completion": ("auto", "completion", "all"),
                "chat": ("auto", "assistant", "last_assistant", "all"), "tokenized": ("auto", "all")}
 
+# Strategies that arrange whole documents into rows and apply data.overlong to one longer than a row.
+OVERLONG_STRATEGIES = ("pack", "length_grouped")
+
 
 def keeps_documents_whole(strategy: str, packer: str, break_mode: str) -> bool:
     """Whether every document (an instruction example) lands in one segment of one row, never cut at a row's end.
@@ -292,6 +295,19 @@ class DataConfig:
                 )
         elif self.corpus != "wikitext2" and not self.train_files:
             raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={self.corpus!r}")
+        for source in self.resolved_sources():
+            for split in ("train", "valid", "test"):
+                files = getattr(source, f"{split}_files")
+                if source.corpus == "wikitext2" and files:
+                    key = "data" if source.name == "main" else f"data.sources[{source.name}]"
+                    raise ConfigError(
+                        f"{key}.{split}_files: got {files}, but corpus=wikitext2 reads WikiText-2's own files; "
+                        "expected [] (or data.corpus=text, jsonl, parquet or hf to read these files)")
+        if self.overlong != "split" and self.strategy not in OVERLONG_STRATEGIES:
+            raise ConfigError(
+                f"data.overlong: got {self.overlong!r} with data.strategy={self.strategy}, expected split (the "
+                f"default): only {' and '.join(OVERLONG_STRATEGIES)} apply it; {self.strategy} cuts a document longer "
+                "than a row itself" + (" into blocks, as fairseq does" if self.strategy == "block" else ""))
         if (
             self.strategy == "pack"
             and self.packer in SPLITTING_PACKERS
@@ -513,7 +529,8 @@ class TrainConfig:
     eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
     weight_decay: float = _f(0.1, "decoupled weight decay (not on norms, biases)", min=0.0)
     decay_embeddings: bool = _f(False, "apply weight decay to the embeddings too")
-    grad_clip: float | None = _f(1.0, "global-norm clipping threshold (null: off)", min=0.0)
+    grad_clip: float | None = _f(1.0, "global-norm clipping threshold (null or 0: off, as HF's max_grad_norm=0)",
+                                 min=0.0)
     grad_accum: int = _f(1, "micro-batches per step (data.batch_size is split between them)", min=1)
     z_loss: float = _f(0.0, "z-loss coefficient on log(Z)^2", min=0.0)
     loss_normalization: str = _f(

@@ -35,6 +35,7 @@ from seqjax.config.tree import Config, ConfigError
 from seqjax.core.errors import SeqjaxError
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -59,12 +60,17 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def run(p: argparse.ArgumentParser, argv: Sequence[str] | None, work: Callable[[argparse.Namespace], T]) -> T:
-    """Parse the flags, set up logging and run ``work(args)``; a SeqjaxError becomes one line and exit code 2."""
+    """Parse the flags, set up logging and run ``work(args)``; a SeqjaxError becomes one line and exit code 2, a
+    Ctrl-C one line and exit code 130 (the shell's for SIGINT)."""
     args = _parse_flags(p, argv)
     try:
         return work(args)
     except SeqjaxError as err:
         refuse(p, err)
+    except KeyboardInterrupt:
+        # What seqjax writes is staged and renamed into place: a stop leaves finished work and nothing half-written.
+        log.error("%s: interrupted (Ctrl-C): stopped; what was finished is kept, nothing half-written is", p.prog)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 def load(args: argparse.Namespace) -> Config:

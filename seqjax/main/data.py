@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from seqjax.core.errors import UsageError
 from seqjax.data import strategies
 from seqjax.data.contract import FIELDS
 from seqjax.data.pipeline import build_pipeline
@@ -48,6 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def describe(args: argparse.Namespace) -> dict[str, Any]:
     """Check, build the pipeline, optionally dump its first batches, and print the epoch's statistics."""
+    for flag, value in (("--batches", args.batches), ("--steps", args.steps)):
+        if value < 1:
+            raise UsageError(f"{flag}: got {value}, expected at least 1")
+    if args.dump and (Path(args.dump).is_dir() or not args.dump.endswith(".npz")):
+        raise UsageError(f"--dump {args.dump}: expected a file name ending in .npz (numpy would write "
+                         f"{args.dump.rstrip('/')}.npz beside it otherwise)")
     config = cli.load(args)
     print("# resolved config", flush=True)
     print(config.to_yaml(), flush=True)

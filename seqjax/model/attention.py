@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from seqjax.core.errors import ConfigError
 from seqjax.model.sharding import BATCH_AXES, HEAD_AXIS
 
 log = logging.getLogger(__name__)
@@ -242,6 +243,12 @@ def resolve_backend(backend: str, dtype=jnp.float32) -> str:
     if backend != "auto":
         if backend not in BACKENDS:
             raise ValueError(f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")
+        if backend == "cudnn" and jax.default_backend() != "gpu":
+            raise ConfigError(f"model.attention: got 'cudnn', which needs an NVIDIA GPU; this machine's JAX platform "
+                              f"is {jax.default_backend()} (use xla, or auto)")
+        if backend == "cudnn" and jnp.dtype(dtype) not in map(jnp.dtype, _HALF):
+            raise ConfigError(f"model.attention: got 'cudnn', which needs bfloat16 or float16, got "
+                              f"{jnp.dtype(dtype).name} (set model.compute_dtype, or use pallas, xla or auto)")
         return backend
     platform = jax.default_backend()
     if platform == "gpu":
@@ -285,14 +292,7 @@ def _load_kernel(backend: str) -> Callable:
 
 def _cudnn_attention(q, k, v, segment_ids, *, scale=None):
     """cuDNN fused attention with the segment mask passed densely ([B, 1, T, T]); padding rows zeroed after."""
-    if jax.default_backend() != "gpu":
-        raise ValueError(
-            f"model.attention='cudnn' needs a GPU; this platform is {jax.default_backend()} (use xla or auto)"
-        )
-    if q.dtype not in map(jnp.dtype, _HALF):
-        raise ValueError(
-            f"model.attention='cudnn' needs bfloat16 or float16 inputs, got {q.dtype} (set model.compute_dtype)"
-        )
+    resolve_backend("cudnn", q.dtype)  # a GPU and half precision, or one line saying which is missing
     mask = segment_mask(segment_ids)[:, None, :, :]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
     return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)

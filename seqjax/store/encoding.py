@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -103,6 +104,9 @@ _worker: tuple[Tokenizer, ExampleSpec | None] | None = None
 
 def _start_worker(path: str, eot_token: str, bos_token: str | None, spec: ExampleSpec | None) -> None:
     global _worker
+    # Ctrl-C reaches the whole process group: the parent stops the pool and says so in one line; the workers stay
+    # quiet rather than each print a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["RAYON_NUM_THREADS"] = "1"  # one encoding thread per worker process: the pool spreads the cores
     _worker = (Tokenizer(path, eot_token, bos_token), spec)
 

@@ -40,6 +40,7 @@ from seqjax.data.pipeline import build_pipeline
 from seqjax.eval.evaluate import evaluate
 from seqjax.eval.windows import resolve_stride
 from seqjax.model import build_model, sharding
+from seqjax.model.attention import resolve_backend
 from seqjax.store.build import has_split, prepare
 from seqjax.store.examples import CHAT_TEMPLATE_FILE, find_chat_template
 from seqjax.train import init_from
@@ -160,6 +161,7 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
     initialize_distributed(config.dist)
     mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work
+    resolve_backend(config.model.attention, config.model.compute_dtype)  # so does a backend this machine lacks
     sharding.check_batch_fits(config.data.batch_size, mesh, config.train.grad_accum)
     source = None
     if config.train.init_from:  # the source's tokenizer and shapes: a mismatch is refused before run.dir exists

@@ -298,6 +298,13 @@ class NonFiniteLoss(RuntimeError):
     """A step produced a NaN/inf loss or gradient under ``train.nonfinite=stop``, or every step of a window did."""
 
 
+def nonfinite_what(loss: float, grad_norm: float) -> str:
+    """Which of a step's numbers was not finite, named first: ``non-finite gradient (grad norm nan; loss 6.238)``."""
+    if not math.isfinite(loss):
+        return f"non-finite loss {loss} (grad norm {grad_norm})"
+    return f"non-finite gradient (grad norm {grad_norm}; loss {loss:.4g})"
+
+
 class StepLogger:
     """The loop's one reporter of steps: the window of un-fetched metrics, their rows, the bar, the NaN check.
 
@@ -357,7 +364,7 @@ class StepLogger:
 
     def _row(self, step: int, length: int, rows: int, m: dict[str, Any], seconds: float) -> dict[str, Any]:
         if not bool(m["finite"]) and self.nonfinite == "stop":
-            raise NonFiniteLoss(f"non-finite loss {float(m['loss'])} (grad norm {float(m['grad_norm'])}) at step "
+            raise NonFiniteLoss(f"{nonfinite_what(float(m['loss']), float(m['grad_norm']))} at step "
                                 f"{step}; stopping without saving it. Last good checkpoint: {self.last_good()}. "
                                 "Lower train.lr or set train.nonfinite=skip.")
         tokens = int(m["tokens"])

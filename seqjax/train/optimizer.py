@@ -60,7 +60,7 @@ def build_optimizer(train: TrainConfig) -> tuple[optax.GradientTransformation, C
     # optax counts updates from 0; our step s is count + 1.
     by_count = lambda count: schedule(count + 1)  # noqa: E731
     chain = []
-    if train.grad_clip is not None:
+    if train.grad_clip:  # null or 0: off (HF's max_grad_norm=0 is no clipping; a 0 threshold zeroes every update)
         chain.append(optax.clip_by_global_norm(train.grad_clip))
     chain.append(
         optax.adamw(

@@ -178,6 +178,11 @@ def plan_resume(saved: Saved, config: Config, templates: dict[str, Any], identit
     (:func:`seqjax.data.pipeline.next_epoch_start`; the rule is contract 4 in docs/design.md).
     """
     changes = resume_changes(saved.config, config) if saved.config is not None else []
+    if saved.config is None:
+        log.warning("checkpoint %s carries no config (no config/metadata, and no config.yaml beside checkpoints/ "
+                    "that loads): no change to the batches or the model since it can be seen, so none is refused. "
+                    "The run resumes its parameters, optimizer and data position under the config given now",
+                    saved.path)
     old_identity = saved.meta.get("data_identity")
     if old_identity is not None:
         for name, label in (("tokenizer", "tokenizer (sha256)"), ("sources", "training text (xxh3 of each file)")):

@@ -1,0 +1,81 @@
+"""Bad input that once ended in a traceback is one line naming the file, key or flag, and what was expected."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
+from test_train_support import REPO, cli_env
+
+
+def one_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [line for line in proc.stderr.splitlines() if "error" in line or "interrupted" in line]
+    return line
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("content", [
+    "# caf\xe9 au lait\ndata:\n  seq_len: 64\n".encode("latin-1"),  # latin-1 bytes in a comment
+    "data:\n  seq_len: 64\n".encode("utf-16"),  # UTF-16 with its byte-order mark
+])
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, content):
+    (tmp_path / "c.yaml").write_bytes(content)
+    with pytest.raises(ConfigError, match=r"c.yaml': byte \d+ \(0x[0-9a-f]{2}\) is not UTF-8; expected a UTF-8 YAML"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_a_utf8_config_with_a_byte_order_mark_loads(tmp_path):
+    (tmp_path / "c.yaml").write_bytes("data:\n  seq_len: 64\n".encode("utf-8-sig"))
+    assert load_config(tmp_path / "c.yaml").data.seq_len == 64
+
+
+def test_plan_memory_takes_the_tokenizers_vocabulary_when_the_model_leaves_it_null():
+    proc = run("scripts/plan_memory.py", "--config", "configs/wikitext2_cpu.yaml", "model.n_layers=1",
+               timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    vocab = load_config(REPO / "configs/wikitext2_cpu.yaml").tokenizer.vocab_size
+    assert '"parameters": ' in proc.stdout and vocab > 0
+    bad = run("scripts/plan_memory.py", "--config", "configs/wikitext2_cpu.yaml", "tokenizer.path=nope.json")
+    assert "tokenizer.path: 'nope.json' is not a readable tokenizer.json" in one_line(bad)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batches", "-1"], "--batches: got -1, expected at least 1"),
+    (["--steps", "0"], "--steps: got 0, expected at least 1"),
+    (["--dump", "batches_folder"], "--dump batches_folder: expected a file name ending in .npz"),
+])
+def test_the_data_report_refuses_bad_flags_in_one_line(tmp_path, flags, message):
+    proc = run("-m", "seqjax.data", "--config", "configs/wikitext2_cpu.yaml", *flags)
+    assert message in one_line(proc)
+    assert not (REPO / "batches_folder.npz").exists()
+
+
+def test_cudnn_on_a_machine_without_a_gpu_is_one_line_before_any_work(tmp_path):
+    proc = run("-m", "seqjax.train", "--config", "configs/wikitext2_cpu.yaml", "model.attention=cudnn",
+               f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}")
+    assert "model.attention: got 'cudnn', which needs an NVIDIA GPU" in one_line(proc)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    from seqjax.main import prepare
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare, "prepare", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        prepare.main(["--config", "configs/wikitext2_cpu.yaml"])
+    assert exit_.value.code == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C): stopped" in err and "Traceback" not in err
