@@ -26,6 +26,8 @@ from hypothesis import strategies as st
 
 from hf_support import CHAT_SPECIALS, CHAT_TEMPLATE, synthetic_chats, write_chat_llama_folder
 from seqjax.config.load import load_config
+from seqjax.config.tree import PACKERS as ALL_PACKERS
+from seqjax.config.tree import SPLITTING_PACKERS
 from seqjax.core.errors import ConfigError, CorpusError
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
@@ -35,8 +37,9 @@ from seqjax.store.examples import ExampleSpec, char_spans_to_mask, chat_spans
 from seqjax.store.reader import TokenStore
 from seqjax.store.tokenizer import Tokenizer
 
-PACKERS = ["best_fit", "first_fit", "greedy", "best_fit_decreasing", "fill", "grain_first_fit", "grain_best_fit"]
-# every way of keeping examples whole: each packer, length grouping, fairseq's complete_doc blocks
+# every way of keeping examples whole (config.tree's table): each packer but the splitting ones, length grouping,
+# fairseq's complete_doc blocks
+PACKERS = [p for p in ALL_PACKERS if p not in SPLITTING_PACKERS]
 LAYOUTS = [{"data.packer": p} for p in PACKERS] + [{"data.strategy": "length_grouped"},
                                                    {"data.strategy": "block", "data.break_mode": "complete_doc"}]
 
@@ -571,7 +574,7 @@ def test_chats_train_under_every_layout_and_both_normalizations(chat_folder, tok
     config = load_config(None, overrides(tmp_path, chat_folder, "chat", [path], **{
         "train.loss_normalization": normalization, "train.steps": 2, "train.warmup_steps": 0, "train.eval_every": 0,
         "train.checkpoint_every": 2, "train.async_checkpoint": "false", "run.trackers": "[jsonl]",
-        "data.overlong": "truncate", **layout}))
+        **({} if layout.get("data.strategy") == "block" else {"data.overlong": "truncate"}), **layout}))
     summary = train(config)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r and r.get("split") is None]
