@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from seqjax.config.load import load_config
-from seqjax.eval.evaluate import evaluate
+from seqjax.eval.evaluate import evaluate, windows_for
 from seqjax.model import build_model
 from seqjax.store.reader import TokenStore
 
@@ -71,6 +71,11 @@ def test_uniform_logits_give_the_vocabulary_size(mode):
 
 def direct_document_nll(model, store: TokenStore) -> float:
     """Each article [EOT] + text + [EOT] as one whole row (no windows), summed: what the protocols must match."""
+    return float(direct_nll_per_document(model, store).sum())
+
+
+def direct_nll_per_document(model, store: TokenStore) -> np.ndarray:
+    """Each article [EOT] + text + [EOT] as one whole row of its own (no windows, no packing): its nll."""
     units = [np.asarray(store.doc_with_context(i), np.int64) for i in range(store.num_docs)]
     width = max(len(u) for u in units) - 1
     inputs, targets, segment_ids = (np.zeros((len(units), width), np.int32) for _ in range(3))
@@ -80,7 +85,7 @@ def direct_document_nll(model, store: TokenStore) -> float:
     positions = np.broadcast_to(np.arange(width, dtype=np.int32), inputs.shape)
     logits = np.asarray(model(inputs, positions=positions, segment_ids=segment_ids), np.float64)
     logp = np.take_along_axis(logits - np.log(np.exp(logits).sum(-1, keepdims=True)), targets[..., None], -1)[..., 0]
-    return float(-(logp * segment_ids).sum())
+    return -(logp * segment_ids).sum(axis=1)
 
 
 def test_modes_agree_when_the_context_covers_the_split(tiny_model):
@@ -180,7 +185,7 @@ sys.path.insert(0, "tests")
 import jax
 from flax import nnx
 from test_eval import VOCAB, config, small_store
-from seqjax.eval.evaluate import evaluate
+from seqjax.eval.evaluate import evaluate, windows_for
 from seqjax.model import build_model
 assert jax.device_count() == 2
 from test_eval import load_tiny_config
@@ -206,3 +211,37 @@ def test_two_devices_give_the_one_device_result(tiny_model):
                                                         "eval.batch_size=3"), progress=False)
     assert sharded["tokens"] == single["tokens"]
     assert sharded["nll_sum"] == pytest.approx(single["nll_sum"], rel=1e-5)
+
+
+@pytest.mark.parametrize("context", [6, 40])
+def test_packed_documents_equal_scoring_each_document_alone_in_fewer_rows(tiny_model, context):
+    """eval.mode=documents packs short documents' windows into rows (eval.pack, the default): the same sums, per
+    document too, as each document scored alone, in fewer rows than one window per row."""
+    store = small_store(1, doc_lengths=(7, 1, 12, 3, 9, 2, 5, 30, 4))
+    packed = evaluate(tiny_model, store, config("eval.mode=documents", f"eval.context={context}"),
+                      progress=False, per_document=True)
+    padded = evaluate(tiny_model, store, config("eval.mode=documents", f"eval.context={context}", "eval.pack=false"),
+                      progress=False, per_document=True)
+    assert packed["tokens"] == padded["tokens"] == store.predicted_tokens and packed["windows"] == padded["windows"]
+    assert packed["nll_sum"] == pytest.approx(padded["nll_sum"], rel=1e-5)
+    ours = np.asarray([d["nll"] for d in packed["per_document"]])
+    np.testing.assert_allclose(ours, [d["nll"] for d in padded["per_document"]], rtol=1e-5)
+    assert [d["tokens"] for d in packed["per_document"]] == np.diff(store.doc_offsets).tolist()
+    if context == 40:  # every document fits one window: each is then scored exactly as alone
+        np.testing.assert_allclose(ours, direct_nll_per_document(tiny_model, store), rtol=1e-5)
+    windows = windows_for(store, config("eval.mode=documents", f"eval.context={context}"))
+    assert windows.num_rows < len(windows)
+    targets = windows.target_positions(np.arange(windows.num_rows))
+    np.testing.assert_array_equal(np.sort(targets[targets >= 0]), np.arange(1, len(store.tokens)))
+
+
+def test_eval_loss_normalization_examples_is_the_mean_of_each_documents_mean(tiny_model):
+    store = small_store(2, doc_lengths=(3, 20, 6))
+    tokens = evaluate(tiny_model, store, config("eval.mode=documents", "eval.context=32"), progress=False,
+                      per_document=True)
+    examples = evaluate(tiny_model, store, config("eval.mode=documents", "eval.context=32",
+                                                  "eval.loss_normalization=examples"), progress=False)
+    per = tokens["per_document"]
+    assert tokens["loss"] == pytest.approx(tokens["nll_sum"] / tokens["tokens"])
+    assert examples["loss"] == pytest.approx(np.mean([d["nll"] / d["tokens"] for d in per]), rel=1e-6)
+    assert examples["loss"] != pytest.approx(tokens["loss"], rel=1e-3)  # short documents weigh more

@@ -621,7 +621,12 @@ class EvalConfig:
     lm_eval_special_tokens: bool = _f(
         True, "lm_eval: encode each page with the tokenizer's default special tokens, as lm-evaluation-harness "
         ">= 0.4.9.2 does (an opening BOS is then scored); false: without them, as <= 0.4.9.1 did")
-    batch_size: int = _f(8, "windows per evaluation batch", min=1)
+    batch_size: int = _f(8, "rows per evaluation batch", min=1)
+    pack: bool = _f(True, "documents: pack the windows of short documents into rows, each its own segment, as "
+                    "training packs examples (the same sums; false: one window per row, padded to eval.context)")
+    loss_normalization: str = _f(
+        "tokens", "tokens: the loss is the mean over scored tokens; examples: the mean of each document's (example's) "
+        "mean, as train.loss_normalization=examples weighs them", choices=("tokens", "examples"))
 
     def check(self) -> None:
         pass  # eval.context and eval.stride default to data.seq_len: Config.check relates them

@@ -37,6 +37,7 @@ import functools
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -53,7 +54,7 @@ from seqjax.eval.lm_eval import LmEvalDocs
 from seqjax.eval.windows import EvalWindows, eval_windows
 from seqjax.model import sharding
 from seqjax.model.attention import resolve_backend
-from seqjax.model.loss import lm_loss
+from seqjax.model.loss import token_nll
 from seqjax.store.reader import TokenStore
 
 
@@ -95,16 +96,17 @@ def windows_for(store: TokenStore, config: Config) -> EvalWindows:
         config.eval_context,
         config.eval.stride,
         cross_document_attention=config.data.cross_document_attention,
+        pack=config.eval.pack,
     )
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Summed nll (nats) and summed weight of one batch, both float32 (contract 3 via ``lm_loss``)."""
+def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: Batch) -> jax.Array:
+    """Each slot's weighted nll (nats, float32 [B, T]; 0 where not scored): contract 3's terms, which ``lm_loss``
+    sums."""
     model = nnx.merge(graphdef, state)
     logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-    _, aux = lm_loss(logits, batch["targets"], batch["weights"])
-    return aux["nll_sum"], aux["weight_sum"]
+    return token_nll(logits, batch["targets"], batch["weights"])
 
 
 class _Placement:
@@ -143,9 +145,33 @@ def _per(count: float | None, nll_sum: float, scale: float = 1.0) -> float | Non
     return None if not count else nll_sum / (count * scale)
 
 
+@dataclass
+class _Sums:
+    """What scoring adds up: the nll (nats), the weight (the number of targets unless weights are fractional), the
+    targets scored, and, when asked, each document's nll, weight and targets (``documents``, [n_docs, 3])."""
+
+    nll: float = 0.0
+    weight: float = 0.0
+    tokens: int = 0
+    documents: np.ndarray | None = None
+
+    def add(self, nll: jax.Array, weights: np.ndarray, targets: np.ndarray | None, doc_offsets: np.ndarray) -> None:
+        nll = np.asarray(nll, np.float64)  # (waits for this batch's scores)
+        scored = weights != 0
+        self.nll += float(nll.sum())
+        self.weight += float(weights.sum(dtype=np.float64))
+        self.tokens += int(scored.sum())
+        if self.documents is not None:  # document d predicts stream positions doc_offsets[d] .. doc_offsets[d+1]-1
+            doc = np.searchsorted(doc_offsets, targets[scored], "right") - 1
+            n = len(self.documents)
+            for column, values in enumerate((nll[scored], weights[scored].astype(np.float64), None)):
+                self.documents[:, column] += np.bincount(doc, values, minlength=n)
+
+
 def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh: Mesh | None,
-                   max_batches: int | None, progress: bool) -> tuple[float, int, int, int, float]:
-    """(nll_sum, tokens scored, batches scored, batches in all, seconds) of ``windows`` under ``model``."""
+                   max_batches: int | None, progress: bool,
+                   per_document: bool = False) -> tuple[_Sums, int, int, float]:
+    """(the sums over ``windows`` under ``model``, rows scored, batches in all, seconds)."""
     placement = _Placement(mesh, config)
     batch_size = placement.batch_size(config.eval.batch_size)
     if hasattr(model, "cfg"):  # (a seqjax model: its shape says what a batch needs)
@@ -154,25 +180,26 @@ def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh
     n_batches = total if max_batches is None else min(max_batches, total)
     graphdef, state = nnx.split(model)
     state = placement.state(state)
-
-    nll_sum = 0.0
-    tokens, weight = 0, 0.0  # targets scored, and their summed weight (the same number unless weights are fractional)
+    sums = _Sums(documents=np.zeros((windows.store.num_docs, 3)) if per_document else None)
+    doc_offsets = np.asarray(windows.store.doc_offsets, np.int64) if per_document else None
     start = time.perf_counter()
-    batches = windows.batches(batch_size)
     bar = progress_bar(total=n_batches, desc=f"eval {windows.mode}", unit="batch", enabled=progress)
-    pending = None  # the previous batch's sums: read after the next batch is dispatched, so host and device overlap
+    pending = None  # the previous batch's scores: read after the next batch is dispatched (host and device overlap)
     with bar:
-        for _ in range(n_batches):
-            batch = next(batches)
-            sums = _score(graphdef, state, placement.put(batch))
+        for k, batch in zip(range(n_batches), windows.batches(batch_size)):
+            scores = _score(graphdef, state, placement.put(batch))
             if pending is not None:
-                nll_sum, weight = nll_sum + float(pending[0]), weight + float(pending[1])
-            pending = sums
-            tokens += int(np.count_nonzero(batch["weights"]))
+                sums.add(*pending)
+            targets = None
+            if per_document:
+                rows = np.arange(k * batch_size, min((k + 1) * batch_size, windows.num_rows))
+                targets = np.full(batch["weights"].shape, -1, np.int64)
+                targets[: len(rows)] = windows.target_positions(rows)
+            pending = (scores, batch["weights"], targets, doc_offsets)
             bar.update()
         if pending is not None:
-            nll_sum, weight = nll_sum + float(pending[0]), weight + float(pending[1])
-    return nll_sum, tokens, weight, n_batches * batch_size, total, time.perf_counter() - start
+            sums.add(*pending)
+    return sums, n_batches * batch_size, total, time.perf_counter() - start
 
 
 def evaluate(
@@ -186,8 +213,13 @@ def evaluate(
     word_count: int | None = None,
     byte_count: int | None = None,
     progress: bool = True,
+    per_document: bool = False,
 ) -> dict[str, Any]:
     """Score ``store`` with ``model`` under ``config.eval``; returns the figures as a JSON-ready dict.
+
+    ``loss`` is the mean nll per scored token, or, under ``eval.loss_normalization=examples``, the mean of each
+    document's mean. ``per_document`` adds each scored document's figures (``per_document``: index in the store,
+    targets, weight, nll, mean), the rows ``python -m seqjax.eval --per-example FILE.jsonl`` writes.
 
     ``word_count`` / ``byte_count`` count the split's text; they default to
     the counts ``prepare`` wrote in the store's manifest (``stats``), the
@@ -200,9 +232,11 @@ def evaluate(
         raise ConfigError("eval.mode: got 'lm_eval', which scores raw WikiText-2 pages with python -m seqjax.eval, "
                           "not a token store; expected blocks, sliding or documents here")
     windows = windows_for(store, config)
-    nll_sum, tokens, weight, rows, total_batches, seconds = _score_windows(model, windows, config, mesh, max_batches,
-                                                                           progress)
-    complete = rows >= len(windows)
+    by_example = config.eval.loss_normalization == "examples"
+    sums, rows, total_batches, seconds = _score_windows(model, windows, config, mesh, max_batches, progress,
+                                                        per_document=per_document or by_example)
+    nll_sum, tokens, weight = sums.nll, sums.tokens, sums.weight
+    complete = rows >= windows.num_rows
     if complete and tokens != store.scored_tokens:
         raise RuntimeError(f"scored {tokens} tokens, expected every scored token ({store.scored_tokens}) once")
     stats = store.manifest.get("stats", {})
@@ -220,7 +254,9 @@ def evaluate(
         "stride": windows.stride,
         "cross_document_attention": windows.cross_document_attention,
         "complete": complete,
-        "windows": min(len(windows), rows),
+        "windows": windows.windows_in(rows),
+        "loss_normalization": config.eval.loss_normalization,
+        "loss": (_mean_of_means(sums.documents) if by_example else nll_sum / weight) if weight else None,
         "tokens": tokens,
         "words": words,
         "bytes": n_bytes,
@@ -230,7 +266,21 @@ def evaluate(
         "bits_per_byte": per_byte,
         "seconds": round(seconds, 3),
         "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
+        **({"per_document": _per_document(sums.documents)} if per_document else {}),
     }
+
+
+def _mean_of_means(documents: np.ndarray) -> float:
+    """The mean over scored documents of each one's mean nll (train.loss_normalization=examples' weighting)."""
+    scored = documents[:, 1] > 0
+    return float(np.mean(documents[scored, 0] / documents[scored, 1]))
+
+
+def _per_document(documents: np.ndarray) -> list[dict[str, Any]]:
+    """One row per scored document (example) of the store, in store order: its index, targets, nll and mean."""
+    return [{"document": int(d), "tokens": int(documents[d, 2]), "weight": float(documents[d, 1]),
+             "nll": float(documents[d, 0]), "loss": float(documents[d, 0] / documents[d, 1])}
+            for d in np.nonzero(documents[:, 1] > 0)[0]]
 
 
 def evaluate_lm_eval(model: nnx.Module, docs: LmEvalDocs, config: Config, *, split: str,
@@ -241,7 +291,8 @@ def evaluate_lm_eval(model: nnx.Module, docs: LmEvalDocs, config: Config, *, spl
     bits_per_byte = nll / (bytes ln 2), with words and bytes counted on the
     original pages; token_perplexity is seqjax's, over the tokens scored.
     """
-    nll_sum, tokens, _, _, _, seconds = _score_windows(model, docs.windows, config, mesh, None, progress)
+    sums, _, _, seconds = _score_windows(model, docs.windows, config, mesh, None, progress)
+    nll_sum, tokens = sums.nll, sums.tokens
     if tokens != docs.tokens:
         raise RuntimeError(f"scored {tokens} tokens, expected every token of every page ({docs.tokens}) once")
     return {

@@ -45,13 +45,16 @@ jitted scorer compiles once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
+from seqjax.data import document_rows
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import RowPlan
+from seqjax.data.ragged import exclusive_cumsum, ragged_arange
 from seqjax.data.scored import target_weights
 from seqjax.store.reader import TokenStore
 
@@ -64,7 +67,9 @@ class EvalWindows:
 
     Window ``w`` reads inputs from ``starts[w]``, may not read past the last
     token of its unit ``ends[w]``, and scores the targets at stream positions
-    ``lo[w] < p <= hi[w]``.
+    ``lo[w] < p <= hi[w]``. Rows hold one window each, or, when ``row_ptr`` is
+    set (:meth:`packed`), the windows ``row_ptr[r]:row_ptr[r + 1]`` side by
+    side, each its own segment, as training packs examples.
     """
 
     store: TokenStore
@@ -76,28 +81,61 @@ class EvalWindows:
     lo: np.ndarray
     hi: np.ndarray
     cross_document_attention: bool = False
+    row_ptr: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self) if self.row_ptr is None else len(self.row_ptr) - 1
+
+    def windows_in(self, rows: int) -> int:
+        """How many windows the first ``rows`` rows hold."""
+        rows = min(rows, self.num_rows)
+        return rows if self.row_ptr is None else int(self.row_ptr[rows])
 
     @property
     def scored_tokens(self) -> int:
         return int(np.sum(self.hi - self.lo))
 
     def num_batches(self, batch_size: int) -> int:
-        return -(-len(self) // batch_size)
+        return -(-self.num_rows // batch_size)
+
+    def packed(self, open_rows: int = 1024) -> "EvalWindows":
+        """The windows packed into rows by best-fit decreasing (each keeps its own segment and positions).
+
+        ``documents`` pads each article's windows to ``context`` otherwise: on short examples most of every row
+        is padding (198k tokens of chats filled 1.02M slots). A packed row scores the same targets with the same
+        context each, so the sums are those of the windows scored one per row.
+        """
+        predicted = np.minimum(self.context, self.ends - self.starts)
+        order, _, row_ptr = document_rows.pack(np.arange(len(self)), predicted + 1, "best_fit_decreasing",
+                                               self.context, None, open_rows)
+        return dataclasses.replace(self, starts=self.starts[order], ends=self.ends[order], lo=self.lo[order],
+                                   hi=self.hi[order], row_ptr=row_ptr)
+
+    def _windows_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the windows in ``rows``, in row order; each one's row within ``rows``)."""
+        if self.row_ptr is None:
+            return rows, np.arange(len(rows))
+        counts = self.row_ptr[rows + 1] - self.row_ptr[rows]
+        owner, offset = ragged_arange(counts)
+        return self.row_ptr[rows][owner] + offset, owner
 
     def rows(self, index: np.ndarray) -> Batch:
-        """The batch-contract rows of windows ``index`` ([len(index), context] each), by the one contract builder.
+        """The batch-contract rows ``index`` ([len(index), context] each), by the one contract builder.
 
         Each window is one stream span, split into a segment per article unless
-        ``cross_document_attention``; the weights then keep only the targets the
+        ``cross_document_attention``; the weights then keep only the targets each
         window is responsible for (stream positions ``lo < p <= hi``).
         """
         index = np.asarray(index, np.int64)
-        starts = self.starts[index]
-        predicted = np.minimum(self.context, self.ends[index] - starts)  # a window never reads past its unit
-        plan = RowPlan.from_spans(starts, predicted + 1, batch_size=max(len(index), 1), width=self.context)
+        windows, row_of_window = self._windows_of(index)
+        starts = self.starts[windows]
+        predicted = np.minimum(self.context, self.ends[windows] - starts)  # a window never reads past its unit
+        row_ptr = exclusive_cumsum(np.bincount(row_of_window, minlength=len(index)))
+        plan = RowPlan.from_rows(starts, predicted + 1, row_ptr, batch_size=max(len(index), 1), width=self.context)
         if not self.cross_document_attention:
             # An input belongs to the article of the token it predicts, so the EOT between two
             # articles is the first (context-only) token of the second one's segment.
@@ -105,14 +143,29 @@ class EvalWindows:
         row_of_piece = np.repeat(np.arange(plan.num_rows), plan.segments_per_row)
         batch = contract_batch(self.store.tokens, plan.starts, plan.lengths, row_of_piece, len(index), self.context,
                                target_weights(self.store))  # instruction data: only the answers' tokens count
-        target_pos = starts[:, None] + 1 + np.arange(self.context)[None, :]
-        batch["weights"] *= (target_pos > self.lo[index, None]) & (target_pos <= self.hi[index, None])
+        batch["weights"] *= self.target_positions(index) >= 0
         return batch
 
+    def target_positions(self, index: np.ndarray) -> np.ndarray:
+        """``[len(index), context]``: the stream position of the target each slot of rows ``index`` scores (a
+        window's own targets, ``lo < p <= hi``), or -1 where the slot scores nothing."""
+        index = np.asarray(index, np.int64)
+        windows, row_of_window = self._windows_of(index)
+        predicted = np.minimum(self.context, self.ends[windows] - self.starts[windows])
+        # a window's first slot: the slots its row's earlier windows fill (windows come in row order)
+        first_slot = exclusive_cumsum(predicted)[:-1] - exclusive_cumsum(
+            np.bincount(row_of_window, weights=predicted, minlength=len(index)).astype(np.int64))[row_of_window]
+        owner, k = ragged_arange(predicted)
+        target = self.starts[windows][owner] + 1 + k
+        mine = (target > self.lo[windows][owner]) & (target <= self.hi[windows][owner])
+        out = np.full((len(index), self.context), -1, np.int64)
+        out[row_of_window[owner], first_slot[owner] + k] = np.where(mine, target, -1)
+        return out
+
     def batches(self, batch_size: int) -> Iterator[Batch]:
-        """Rows in window order, ``batch_size`` at a time; the last batch is padded with empty rows."""
-        for begin in range(0, len(self), batch_size):
-            index = np.arange(begin, min(begin + batch_size, len(self)))
+        """Rows in order, ``batch_size`` at a time; the last batch is padded with empty rows."""
+        for begin in range(0, self.num_rows, batch_size):
+            index = np.arange(begin, min(begin + batch_size, self.num_rows))
             batch = self.rows(index)
             missing = batch_size - len(index)
             if missing:
@@ -164,8 +217,12 @@ def eval_windows(
     stride: int | None = None,
     *,
     cross_document_attention: bool = False,
+    pack: bool = False,
 ) -> EvalWindows:
-    """The windows of ``mode`` over ``store``; ``stride`` matters to ``sliding`` only (default ``context // 2``)."""
+    """The windows of ``mode`` over ``store``; ``stride`` matters to ``sliding`` only (default ``context // 2``).
+
+    ``pack`` packs ``documents``' windows into rows (:meth:`EvalWindows.packed`); the stream modes' windows are
+    full rows already but the last, so they are left one per row."""
     stride = resolve_stride(mode, context, stride)
     if mode == "documents":
         unit_start = np.asarray(store.doc_offsets[:-1], np.int64) - 1
@@ -174,4 +231,5 @@ def eval_windows(
         unit_start = np.zeros(1, np.int64)
         unit_end = np.asarray([len(store.tokens) - 1], np.int64)
     starts, ends, lo, hi = unit_windows(unit_start, unit_end, context, stride, right_align_last=mode == "documents")
-    return EvalWindows(store, mode, context, stride, starts, ends, lo, hi, cross_document_attention)
+    windows = EvalWindows(store, mode, context, stride, starts, ends, lo, hi, cross_document_attention)
+    return windows.packed() if pack and mode == "documents" else windows

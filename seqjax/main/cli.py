@@ -95,7 +95,7 @@ def refuse(p: argparse.ArgumentParser, err: SeqjaxError) -> NoReturn:
 
 
 def _parse_flags(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may come before and after the flags
     configure_logging(args.log_level)
     if args.help_config:
         print(describe_keys())

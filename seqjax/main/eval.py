@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
+from seqjax.core.errors import UsageError
 from seqjax.core.files import json_text, write_text_atomic
 from seqjax.eval.evaluate import evaluate, evaluate_lm_eval
 from seqjax.eval.lm_eval import MODE as LM_EVAL
@@ -32,6 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser("python -m seqjax.eval", "Perplexity of a trained model on a split (last line: one JSON object).")
     trained.add_checkpoint_args(p)
     p.add_argument("--split", choices=("valid", "test"), help="split to score (default: eval.split)")
+    p.add_argument("--per-example", metavar="FILE.jsonl",
+                   help="also write one JSON line per scored document (example): its index in the split's store, "
+                        "targets scored, weight, nll and mean nll")
     cli.run(p, argv, score)
     return 0
 
@@ -42,12 +46,19 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     config, model = trained.load_checkpoint(args, overrides)
     trained.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the store is built
     split = config.eval.split
+    if args.per_example and config.eval.mode == LM_EVAL:
+        raise UsageError("--per-example: got it with eval.mode=lm_eval, expected blocks, sliding or documents (the "
+                         "harness's pages are not a token store's documents)")
     if config.eval.mode == LM_EVAL:  # raw pages with the model's tokenizer, no token store
         docs = read_lm_eval_split(config, split, prepare(config, splits=()).tokenizer)
         result = evaluate_lm_eval(model, docs, config, split=split)
     else:
         prepared = prepare(config, splits=(split,))
-        result = evaluate(model, prepared.stores[split], config, split=split)
+        result = evaluate(model, prepared.stores[split], config, split=split, per_document=bool(args.per_example))
+        if args.per_example:
+            rows = result.pop("per_document")
+            write_text_atomic(Path(args.per_example), "".join(json_text(row) + "\n" for row in rows))
+            log.info("wrote %d documents' figures to %s", len(rows), args.per_example)
     result["checkpoint_step"] = getattr(model, "checkpoint_step", None)  # None: an HF folder (--hf)
     if args.run:
         try:

@@ -33,19 +33,32 @@ def lm_loss(
             f"lm_loss: logits {logits.shape}, targets {targets.shape}, weights {weights.shape}; "
             "expected [B, T, V], [B, T], [B, T]"
         )
-    logits = logits.astype(jnp.float32)
     weights = weights.astype(jnp.float32)
     scored = weights != 0
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    ids = jnp.where(scored, targets, 0)
-    ids = jnp.where((ids >= 0) & (ids < logits.shape[-1]), ids, logits.shape[-1])  # out of range -> NaN below
-    target_logit = jnp.take_along_axis(logits, ids[..., None], axis=-1, mode="fill", fill_value=jnp.nan)[..., 0]
-    nll_sum = jnp.sum(jnp.where(scored, weights * (log_z - target_logit), 0.0))
+    nll, log_z = _token_nll(logits, targets, weights)
+    nll_sum = jnp.sum(nll)
     z_loss_sum = jnp.sum(jnp.where(scored, weights * jnp.square(log_z), 0.0))
     weight_sum = jnp.sum(weights)
     denom = jnp.where(weight_sum > 0, weight_sum, 1.0)
     loss = (nll_sum + z_loss * z_loss_sum) / denom
     return loss, {"nll_sum": nll_sum, "weight_sum": weight_sum, "z_loss_sum": z_loss_sum}
+
+
+def token_nll(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+    """``weights * nll`` of each target [B, T] (float32; 0 where the weight is 0): what :func:`lm_loss` sums, kept
+    per token for the evaluation's per-example figures."""
+    return _token_nll(logits, targets, weights.astype(jnp.float32))[0]
+
+
+def _token_nll(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(weighted nll [B, T], log-normalizer [B, T]); a scored target outside [0, V) gives NaN."""
+    logits = logits.astype(jnp.float32)
+    scored = weights != 0
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    ids = jnp.where(scored, targets, 0)
+    ids = jnp.where((ids >= 0) & (ids < logits.shape[-1]), ids, logits.shape[-1])  # out of range -> NaN below
+    target_logit = jnp.take_along_axis(logits, ids[..., None], axis=-1, mode="fill", fill_value=jnp.nan)[..., 0]
+    return jnp.where(scored, weights * (log_z - target_logit), 0.0), log_z
 
 
 def chunked_lm_loss(
