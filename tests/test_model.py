@@ -235,17 +235,18 @@ def test_out_of_vocabulary_ids_raise_eagerly_and_give_nan_under_jit(model, forwa
 
 
 def test_rope_rotates_by_the_batch_positions_and_scores_depend_on_distance_only():
-    from seqjax.model.transformer import rope
+    from seqjax.model.transformer import rope, rope_frequencies
 
     # head_dim 2: one frequency (theta**0 = 1), so position p rotates (1, 0) to (cos p, sin p)
     x = jnp.tile(jnp.asarray([1.0, 0.0]), (1, 3, 1, 1))
     positions = jnp.asarray([[0, 2, 5]])
-    np.testing.assert_allclose(np.asarray(rope(x, positions, 10000.0))[0, :, 0],
+    np.testing.assert_allclose(np.asarray(rope(x, positions, rope_frequencies(2, 10000.0)))[0, :, 0],
                                np.stack([np.cos([0, 2, 5]), np.sin([0, 2, 5])], -1), atol=1e-6)
     q, k = jax.random.normal(jax.random.key(0), (2, 1, 2, 1, 16))
 
     def score(i, j):
-        return float(jnp.sum(rope(q, jnp.asarray([[i, i]]), 1e4)[0, 0] * rope(k, jnp.asarray([[j, j]]), 1e4)[0, 0]))
+        freq = rope_frequencies(16, 1e4)
+        return float(jnp.sum(rope(q, jnp.asarray([[i, i]]), freq)[0, 0] * rope(k, jnp.asarray([[j, j]]), freq)[0, 0]))
 
     assert score(7, 3) == pytest.approx(score(4, 0), rel=1e-4)  # a segment may start anywhere: only i - j matters
     assert score(7, 3) != pytest.approx(score(7, 0), rel=1e-3)

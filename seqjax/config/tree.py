@@ -379,7 +379,11 @@ class DataConfig:
 
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
 DTYPES = ("float32", "bfloat16")
-ROPE_SCALING_TYPES = ("none", "llama3")
+ROPE_SCALING_TYPES = ("none", "linear", "llama3")
+# The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's tables).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 REMAT_POLICIES = ("none", "full", "dots", "names")
 # The activations a block tags with jax.ad_checkpoint.checkpoint_name (model.remat=names keeps those listed).
 REMAT_NAMES = ("q", "k", "v", "attn_out", "mlp_in", "mlp_out")
@@ -396,9 +400,10 @@ class RopeScalingConfig:
     """
 
     # Each of these changes the function the model computes, so a resume under a change is a model change.
-    type: str = _f("none", "none: plain RoPE; llama3: Llama 3.1's frequency scaling", choices=ROPE_SCALING_TYPES,
+    type: str = _f("none", "none: plain RoPE; linear: every frequency divided by factor (positions interpolated, "
+                   "Gemma 3's global layers); llama3: Llama 3.1's frequency scaling", choices=ROPE_SCALING_TYPES,
                    resume=MODEL)
-    factor: float = _f(8.0, "llama3: how much the low frequencies are slowed", min=1.0, resume=MODEL)
+    factor: float = _f(8.0, "linear, llama3: how much the (low) frequencies are slowed", min=1.0, resume=MODEL)
     low_freq_factor: float = _f(1.0, "llama3: wavelengths above original / low_freq_factor are divided by factor",
                                 min=0.0, resume=MODEL)
     high_freq_factor: float = _f(4.0, "llama3: wavelengths below original / high_freq_factor are kept", min=0.0,
@@ -407,7 +412,7 @@ class RopeScalingConfig:
                                                resume=MODEL)
 
     def check(self) -> None:
-        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:  # (linear: factor only)
             raise ConfigError(
                 f"model.rope_scaling.high_freq_factor: got {self.high_freq_factor}, expected more than "
                 f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (and both above 0)"
@@ -483,8 +488,58 @@ class ModelConfig:
         min=0.0,
     )
 
+    # What differs between the families (each false/null/empty is Llama's choice): seqjax.hf.families sets them
+    # from a config.json; a family is these settings, not a second model.
+    family: str = _f("llama", "the Hugging Face architecture export writes (llama, mistral, qwen2, qwen3, gemma3); "
+                     "the keys below say what the model computes", choices=FAMILIES, resume=MODEL)
+    qkv_bias: bool = _f(False, "biases on the q, k and v projections (Qwen2)", resume=MODEL)
+    qk_norm: bool = _f(False, "RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)", resume=MODEL)
+    norm_plus_one: bool = _f(False, "every RMSNorm multiplies by (1 + scale), its scales starting at 0 (Gemma)",
+                             resume=MODEL)
+    post_norms: bool = _f(False, "each branch's output normed before the residual add: four norms a block (Gemma 3)",
+                          resume=MODEL)
+    mlp_activation: str = _f("silu", "the gated MLP's activation: silu (SwiGLU), gelu_tanh (GeGLU, Gemma)",
+                             choices=MLP_ACTIVATIONS, resume=MODEL)
+    embed_scale: bool = _f(False, "token embeddings multiplied by sqrt(d_model) (Gemma)", resume=MODEL)
+    query_pre_attn_scalar: float | None = _f(
+        None, "attention scores scaled by this ** -0.5 (null: head_dim ** -0.5; Gemma 3 sets it)", min=1.0,
+        resume=MODEL)
+    sliding_window: int | None = _f(
+        None, "sliding layers: a query attends to the keys of its own segment at most this many positions back, "
+        "itself included (Mistral; Gemma 3's local layers)", min=1, resume=MODEL)
+    layer_types: list[str] = _f(
+        [], "each layer's attention, full or sliding (Gemma 3 interleaves them); empty: every layer sliding when "
+        "model.sliding_window is set, else full", resume=MODEL)
+    rope_local_theta: float | None = _f(
+        None, "RoPE base of the sliding layers, which take no rope_scaling (Gemma 3's rope_local_base_freq; null: "
+        "rope_theta and rope_scaling for every layer)", min=1.0, resume=MODEL)
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None where it attends to its whole segment."""
+        kind = self.layer_types[layer] if self.layer_types else ("sliding" if self.sliding_window else "full")
+        return self.sliding_window if kind == "sliding" else None
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.window_of(i) is not None for i in range(self.n_layers))
+
+    def rope_of(self, layer: int) -> tuple[float, "RopeScalingConfig | None"]:
+        """(RoPE base, scaling) of layer ``layer``: a sliding layer's own base when rope_local_theta is set."""
+        if self.rope_local_theta is not None and self.window_of(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
     def check(self) -> None:
         """The model's own rules; a null ``head_dim`` becomes d_model // n_heads here, so every reader sees an int."""
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ConfigError(f"model.layer_types: got {len(self.layer_types)} entries, expected one per layer "
+                              f"(model.n_layers={self.n_layers}) or none")
+        bad = [kind for kind in self.layer_types if kind not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"model.layer_types: got {bad[0]!r}, expected full or sliding")
+        if "sliding" in self.layer_types and self.sliding_window is None:
+            raise ConfigError("model.layer_types: got sliding layers but model.sliding_window is null; expected a "
+                              "window size")
         for name in ("dropout", "token_dropout", "attention_dropout"):
             rate = getattr(self, name)
             if not rate < 1.0:

@@ -63,7 +63,7 @@ def batch_bytes(cfg: ModelConfig, rows: int, context: int) -> int:
     and, on the XLA attention path (which materializes them), one layer's float32 scores
     ``[rows, heads, context, context]``."""
     logits = rows * context * cfg.vocab_size * 4
-    dense = resolve_backend(cfg.attention, jnp.dtype(cfg.compute_dtype)) == "xla"
+    dense = resolve_backend(cfg.attention, jnp.dtype(cfg.compute_dtype), windows=cfg.has_windows) == "xla"
     return logits + (rows * cfg.n_heads * context * context * 4 if dense else 0)
 
 

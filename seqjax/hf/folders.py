@@ -3,7 +3,7 @@
 
 A folder holds what ``transformers`` writes and reads:
 
-    config.json                      LlamaConfig's fields (seqjax.model.llama maps them, and refuses the rest)
+    config.json                      LlamaConfig's fields (seqjax.hf.families maps them, and refuses the rest)
     model.safetensors                the tensors, or shards model-0000i-of-0000n.safetensors with
     model.safetensors.index.json       their weight_map (tensor name -> shard file)
     tokenizer.json                   the fast tokenizer (HF ``tokenizers``), which seqjax loads as it is
@@ -47,9 +47,9 @@ from seqjax.config.tree import Config, ModelConfig
 from seqjax.core.errors import CheckpointError
 from seqjax.core.files import write_text_atomic
 from seqjax.core.progress import progress_bar
+from seqjax.hf.families import from_hf as params_from_hf
+from seqjax.hf.families import hf_config, model_config_from_hf, to_hf
 from seqjax.model import build_model
-from seqjax.model.llama import from_hf as params_from_hf
-from seqjax.model.llama import hf_config, model_config_from_hf, to_hf
 from seqjax.model.stacking import blocks_layout
 from seqjax.model.transformer import TransformerLM
 from seqjax.model.weights import check_finite

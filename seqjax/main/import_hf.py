@@ -6,7 +6,7 @@
 ``seqjax.eval --run DIR``, ``seqjax.generate --run DIR``, ``seqjax.export --run
 DIR`` and ``train.init_from=DIR`` all read it. Nothing is downloaded; a field
 or tensor seqjax cannot compute is refused before anything is written
-(:mod:`seqjax.model.llama` lists them). The last stdout line is one JSON object.
+(:mod:`seqjax.hf.families` lists them). The last stdout line is one JSON object.
 
 (The module is ``import_hf`` because ``import`` is a Python keyword;
 ``python -m seqjax.import`` runs it through ``seqjax/import.py``.)

@@ -1,9 +1,11 @@
 """Segment-masked causal attention: the one mask definition (docs/design.md, contract 2) and the reference path.
 
 Query i may attend to key j iff ``segment_ids[i] == segment_ids[j] != 0`` and
-``j <= i`` (index order inside a row). Everything that needs the mask (the
-reference attention, the kernels' tests, the loss tests) calls
-:func:`segment_mask`; nothing else spells it out.
+``j <= i`` (index order inside a row), and, in a sliding-window layer of
+window w, ``i - j < w`` (the query and the w - 1 keys before it: Mistral's and
+Gemma 3's rule, transformers' ``sliding_window``). Everything that needs the
+mask (the reference attention, the kernels' tests, the loss tests, the KV-cache
+decode) calls :func:`segment_mask`; nothing else spells it out.
 
 :func:`attention` is the one entry point the model calls; it checks shapes and
 dispatches to a backend (``model.attention``):
@@ -50,13 +52,16 @@ def segment_mask(
     kv_segment_ids: jax.Array | None = None,
     q_index: jax.Array | None = None,
     kv_index: jax.Array | None = None,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Boolean mask [B, Tq, Tk]: True where query i may attend to key j.
 
     ``q_index``/``kv_index`` are the row indices of queries and keys ([B, Tq]
     and [B, Tk], or broadcastable); by default queries and keys are the same
     row, indexed 0..T-1. A KV-cache decode step passes the query's row index
-    so the same definition serves prefill and decode.
+    so the same definition serves prefill and decode. ``window``: a sliding
+    layer's window (None: the whole segment); it may be traced (one scanned
+    layer body serving sliding and full layers, FULL standing for none).
     """
     if kv_segment_ids is None:
         kv_segment_ids = q_segment_ids
@@ -68,7 +73,15 @@ def segment_mask(
     same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     real = q_segment_ids[:, :, None] != 0
     causal = kv_index[:, None, :] <= q_index[:, :, None]
-    return same & real & causal
+    if window is None:
+        return same & real & causal
+    near = q_index[:, :, None] - kv_index[:, None, :] < window
+    return same & real & causal & near
+
+
+# A window no row reaches: how a layer attending to its whole segment is told apart from a sliding one where the
+# window is a traced per-layer value (under model.scan_layers).
+FULL = 2**30
 
 
 def reference_attention(
@@ -80,14 +93,15 @@ def reference_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Plain XLA attention, softmax in float32. q: [B, T, H, D]; k, v: [B, T, Hkv, D]; Hkv divides H.
 
     Fully masked rows (padding queries) give zeros, never NaN. With a ``dropout_key``, attention
     probabilities are dropped at ``dropout_rate`` (training only; see :func:`masked_attention`).
     """
-    return masked_attention(q, k, v, segment_mask(segment_ids), scale=scale, dropout_rate=dropout_rate,
-                            dropout_key=dropout_key)
+    return masked_attention(q, k, v, segment_mask(segment_ids, window=window), scale=scale,
+                            dropout_rate=dropout_rate, dropout_key=dropout_key)
 
 
 def masked_attention(
@@ -146,6 +160,7 @@ def attention(
     metadata=None,
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
+    window: int | jax.Array | None = None,
 ) -> jax.Array:
     """Segment-masked causal self-attention (contract 2) on the chosen backend.
 
@@ -158,16 +173,18 @@ def attention(
     ``dropout_rate`` / ``dropout_key``: attention-probability dropout (training), which only
     the xla backend implements: ``auto`` then runs xla, and any other backend refuses it rather
     than silently not dropping. Without a key (evaluation), ``auto`` keeps its fastest kernel.
+    ``window``: a sliding layer's window (contract 2); a backend without windows refuses it, never attending to
+    the whole segment instead (:func:`resolve_backend`).
     """
     check_attention_inputs(q, k, v, segment_ids)
     if dropout_key is not None and dropout_rate:
         if backend not in ("xla", "auto"):
             raise ValueError(f"attention dropout needs model.attention=xla (or auto), got {backend!r}")
         return reference_attention(q, k, v, segment_ids, scale=scale, dropout_rate=dropout_rate,
-                                   dropout_key=dropout_key)
-    name = resolve_backend(backend, q.dtype)
+                                   dropout_key=dropout_key, window=window)
+    name = resolve_backend(backend, q.dtype, windows=window is not None)
     if name not in _KERNELS:
-        return _implementation(name)(q, k, v, segment_ids, scale=scale)
+        return _implementation(name)(q, k, v, segment_ids, scale=scale, window=window)
     kernel = _load_kernel(name)
     extra = {"metadata": metadata} if name == "pallas" and metadata is not None else {}
 
@@ -233,13 +250,26 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
         raise ValueError(f"attention: segment_ids dtype is {segment_ids.dtype}, expected an integer type")
 
 
-def resolve_backend(backend: str, dtype=jnp.float32) -> str:
+# The backends that honour a sliding window (contract 2): the ones that run segment_mask itself.
+WINDOWED = ("xla", "cudnn")
+
+
+def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> str:
     """Turn ``auto`` into the fastest backend this platform can run for ``dtype``; check explicit names.
 
     GPU prefers the Pallas flash kernel (it skips the blocks packing leaves
     empty), then cuDNN (half precision only, dense mask), then XLA. TPU prefers
-    splash. CPU runs XLA. Each fallback logs why, once per trace.
+    splash. CPU runs XLA. Each fallback logs why, once per trace. ``windows``:
+    the model has sliding-window layers, which only :data:`WINDOWED` backends
+    compute; ``auto`` then picks among them, and another name is refused.
     """
+    if windows:
+        if backend not in ("auto", *WINDOWED):
+            raise ConfigError(f"model.attention: got {backend!r}, which does not compute sliding windows "
+                              f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
+        if backend == "auto":
+            half = jnp.dtype(dtype) in map(jnp.dtype, _HALF)
+            return "cudnn" if jax.default_backend() == "gpu" and half else "xla"
     if backend != "auto":
         if backend not in BACKENDS:
             raise ValueError(f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")
@@ -290,10 +320,11 @@ def _load_kernel(backend: str) -> Callable:
     return fn
 
 
-def _cudnn_attention(q, k, v, segment_ids, *, scale=None):
-    """cuDNN fused attention with the segment mask passed densely ([B, 1, T, T]); padding rows zeroed after."""
+def _cudnn_attention(q, k, v, segment_ids, *, scale=None, window=None):
+    """cuDNN fused attention with the segment mask (and window) passed densely ([B, 1, T, T]); padding rows zeroed
+    after."""
     resolve_backend("cudnn", q.dtype)  # a GPU and half precision, or one line saying which is missing
-    mask = segment_mask(segment_ids)[:, None, :, :]
+    mask = segment_mask(segment_ids, window=window)[:, None, :, :]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
     return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 

@@ -14,8 +14,8 @@ import jax
 from flax import nnx
 
 
-def _call_block(block, x, positions, segment_ids, metadata, key):
-    return block(x, positions, segment_ids, metadata=metadata, dropout_key=key)
+def _call_block(block, x, positions, segment_ids, rope_freq, window, metadata, key):
+    return block(x, positions, segment_ids, rope_freq, window, metadata=metadata, dropout_key=key)
 
 
 def remat_policy(remat: str, names: tuple[str, ...]):
@@ -29,7 +29,8 @@ def remat_policy(remat: str, names: tuple[str, ...]):
 
 @functools.lru_cache(maxsize=None)
 def remat_block(remat: str, names: tuple[str, ...]):
-    """``(block, x, positions, segment_ids, metadata, key) -> x`` for one block, rematerialized as model.remat says."""
+    """``(block, x, positions, segment_ids, rope_freq, window, metadata, key) -> x`` for one block, rematerialized as
+    model.remat says."""
     if remat == "none":
         return _call_block
     return nnx.remat(_call_block, policy=remat_policy(remat, names), prevent_cse=True)

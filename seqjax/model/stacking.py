@@ -9,7 +9,7 @@ Checkpoints are saved in the layout their run trained with; everything that
 reads parameters from elsewhere (an HF folder, another run, a checkpoint saved
 the other way) passes them through :func:`blocks_layout`, so a run saved one
 way is evaluated, exported or fine-tuned the other way. HF tensors are always
-per layer (:mod:`seqjax.model.llama` converts to and from the unrolled layout).
+per layer (:mod:`seqjax.hf.families` converts to and from the unrolled layout).
 
 The leaves may be arrays or ``jax.ShapeDtypeStruct`` s (an abstract restore
 target), so a checkpoint can be read in its own layout and converted after.

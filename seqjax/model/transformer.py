@@ -41,6 +41,7 @@ depth; norm scales start at 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -51,7 +52,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from seqjax.config.tree import Config, ModelConfig, RopeScalingConfig
-from seqjax.model.attention import attention, masked_attention, resolve_backend, segment_mask
+from seqjax.model.attention import FULL, attention, masked_attention, resolve_backend, segment_mask
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata  # plain JAX; the Pallas kernels stay lazy
 from seqjax.model.remat import remat_block, remat_policy
@@ -74,21 +75,27 @@ def _drop(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, computed in float32 whatever the compute dtype (bf16 squares lose too much)."""
+    """x / rms(x) * scale, computed in float32 whatever the compute dtype (bf16 squares lose too much).
 
-    def __init__(self, dim: int, *, dtype, eps: float = 1e-6):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype), axes=("embed",))
+    ``plus_one`` (Gemma): x / rms(x) * (1 + scale), the scale starting at 0. ``axes``: the logical axis of
+    the normed dimension (``embed``; ``head_dim`` for the per-head q/k norms).
+    """
+
+    def __init__(self, dim: int, *, dtype, eps: float = 1e-6, plus_one: bool = False, axis: str = "embed"):
+        self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), dtype), axes=(axis,))
         self.eps = eps
+        self.plus_one = plus_one
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (normed * (self.plus_one + self.scale[...].astype(jnp.float32))).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None = None) -> jax.Array:
     """The ``head_dim // 2`` rotation frequencies theta^(-i / half), float32, stretched as ``scaling`` asks.
 
+    ``linear`` (Gemma 3's global layers): every frequency divided by ``factor``.
     ``llama3`` (Llama 3.1): with wavelength w = 2 pi / f and L the pretraining
     context, a frequency with w < L / high_freq_factor is kept, one with
     w > L / low_freq_factor is divided by ``factor``, and one in between is
@@ -99,6 +106,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | N
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     if scaling is None or scaling.type == "none":
         return inv_freq
+    if scaling.type == "linear":  # positions interpolated: every frequency slowed alike
+        return inv_freq / scaling.factor
     wavelength = 2 * math.pi / inv_freq
     context = scaling.original_max_position_embeddings
     slowed = inv_freq / scaling.factor
@@ -107,13 +116,13 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | N
     return jnp.where(wavelength < context / scaling.high_freq_factor, inv_freq, scaled)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScalingConfig | None = None) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding of x [B, T, H, Dh] at ``positions`` [B, T] ("rotate half" layout), in float32.
 
     Driven by the batch's positions rather than the row index, so each packed
-    segment is rotated as if it started the row. ``scaling``: see :func:`rope_frequencies`.
+    segment is rotated as if it started the row. ``inv_freq`` [Dh / 2]: the layer's
+    frequencies (:func:`rope_frequencies`).
     """
-    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, half]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -171,49 +180,61 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, kv, dh), cfg.init_std, pdt, ("embed", "kv_heads", "head_dim"))
         self.wv = _param(rngs, (d, kv, dh), cfg.init_std, pdt, ("embed", "kv_heads", "head_dim"))
         self.wo = _param(rngs, (h, dh, d), out_std, pdt, ("heads", "head_dim", "embed"))
-        self.rope_theta = cfg.rope_theta
-        self.rope_scaling = cfg.rope_scaling
+        if cfg.qkv_bias:  # Qwen2
+            self.bq = nnx.Param(jnp.zeros((h, dh), pdt), axes=("heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((kv, dh), pdt), axes=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((kv, dh), pdt), axes=("kv_heads", "head_dim"))
+        if cfg.qk_norm:  # Qwen3, Gemma 3: each head's q and k normed over head_dim, before RoPE
+            self.q_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
+            self.k_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
+        self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         self.backend = cfg.attention
         self.attention_dropout = cfg.attention_dropout
         self.dropout = nnx.Dropout(cfg.dropout)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, metadata=None,
-                 dropout_key: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq: jax.Array,
+                 window=None, metadata=None, dropout_key: jax.Array | None = None) -> jax.Array:
         """x [B, T, D] -> [B, T, D], attending within each segment (contract 2) on the configured backend.
 
+        ``rope_freq``: this layer's RoPE frequencies; ``window``: its sliding window (None: the whole segment).
         ``metadata``: the pallas kernel's block ranges, computed once per forward and shared by all layers.
         ``dropout_key``: drop attention probabilities and the branch's output (training); None: no dropout.
         """
         probs_key, out_key = _keys(dropout_key, 2)
-        q, k, v = self._qkv(x, positions)
-        o = attention(q, k, v, segment_ids, backend=self.backend, metadata=metadata,
-                      dropout_rate=self.attention_dropout, dropout_key=probs_key)
+        q, k, v = self._qkv(x, positions, rope_freq)
+        o = attention(q, k, v, segment_ids, backend=self.backend, scale=self.scale, metadata=metadata,
+                      dropout_rate=self.attention_dropout, dropout_key=probs_key, window=window)
         return _drop(self.dropout, checkpoint_name(self._out(o), "attn_out"), out_key)
 
-    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-               cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,
+               rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerCache]:
         """Write this call's keys/values at slots ``cache.start..`` and attend over the whole cache; (out, cache).
 
         Always the XLA path (:func:`masked_attention`): a decode step has one query per row, where the
-        training kernels have nothing to skip.
+        training kernels have nothing to skip. A sliding layer's window applies to the cache's slots.
         """
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self._qkv(x, positions, rope_freq)
         keys = jax.lax.dynamic_update_slice_in_dim(cache.keys, k.astype(cache.keys.dtype), cache.start, axis=1)
         values = jax.lax.dynamic_update_slice_in_dim(cache.values, v.astype(cache.values.dtype), cache.start, axis=1)
         q_index = cache.start + jnp.arange(x.shape[1])[None, :]
         kv_index = jnp.arange(keys.shape[1])[None, :]
-        mask = segment_mask(segment_ids, cache.segment_ids, q_index, kv_index)
-        o = masked_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask)
+        mask = segment_mask(segment_ids, cache.segment_ids, q_index, kv_index, window=window)
+        o = masked_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask, scale=self.scale)
         return self._out(o), dataclasses.replace(cache, keys=keys, values=values)
 
-    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _qkv(self, x: jax.Array, positions: jax.Array,
+             rope_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [B, T, H, Dh] and keys [B, T, K, Dh] rotated to ``positions``, values [B, T, K, Dh]."""
         dt = x.dtype
-        q = rope(jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), positions, self.rope_theta,
-                 self.rope_scaling)
-        k = rope(jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), positions, self.rope_theta,
-                 self.rope_scaling)
+        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        if self.qkv_bias:
+            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, rope_freq), rope(k, positions, rope_freq)
         # Named for model.remat=names: the backward pass may keep these instead of recomputing them.
         return checkpoint_name(q, "q"), checkpoint_name(k, "k"), checkpoint_name(v, "v")
 
@@ -222,7 +243,7 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """w_down(silu(x w_gate) * (x w_up))."""
+    """w_down(act(x w_gate) * (x w_up)): SwiGLU with silu, GeGLU with gelu_tanh (``model.mlp_activation``)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pdt = cfg.d_model, cfg.d_ff, jnp.dtype(cfg.param_dtype)
@@ -230,37 +251,50 @@ class SwiGLU(nnx.Module):
         self.w_up = _param(rngs, (d, f), cfg.init_std, pdt, ("embed", "ff"))
         self.w_down = _param(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers), pdt, ("ff", "embed"))
         self.dropout = nnx.Dropout(cfg.dropout)
+        self.gelu = cfg.mlp_activation == "gelu_tanh"
 
     def __call__(self, x, dropout_key: jax.Array | None = None):
         dt = x.dtype
         x = checkpoint_name(x, "mlp_in")
-        gate = jax.nn.silu(x @ self.w_gate[...].astype(dt))
+        gate = x @ self.w_gate[...].astype(dt)
+        gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
         out = (gate * (x @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
         return _drop(self.dropout, checkpoint_name(out, "mlp_out"), dropout_key)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); each branch ends in its dropout."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); each branch ends in its dropout.
+
+    With ``model.post_norms`` (Gemma 3) each branch's output is normed too before it is added: four norms.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        pdt = jnp.dtype(cfg.param_dtype)
-        self.attn_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps)
+        norm = functools.partial(RMSNorm, cfg.d_model, dtype=jnp.dtype(cfg.param_dtype), eps=cfg.norm_eps,
+                                 plus_one=cfg.norm_plus_one)
+        self.attn_norm = norm()
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps)
+        self.mlp_norm = norm()
         self.mlp = SwiGLU(cfg, rngs=rngs)
+        if cfg.post_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(), norm()
+        self.post_norms = cfg.post_norms
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, metadata=None,
-                 dropout_key: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq: jax.Array,
+                 window=None, metadata=None, dropout_key: jax.Array | None = None) -> jax.Array:
         attn_key, mlp_key = _keys(dropout_key, 2)
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, metadata, dropout_key=attn_key)
-        return x + self.mlp(self.mlp_norm(x), dropout_key=mlp_key)
+        x = x + self._post(self.attn(self.attn_norm(x), positions, segment_ids, rope_freq, window, metadata,
+                                     dropout_key=attn_key), "attn")
+        return x + self._post(self.mlp(self.mlp_norm(x), dropout_key=mlp_key), "mlp")
 
-    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-               cache: LayerCache) -> tuple[jax.Array, LayerCache]:
+    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,
+               rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerCache]:
         """The same block over the KV cache (see :meth:`Attention.decode`); returns (x, the layer's updated cache)."""
-        attended, cache = self.attn.decode(self.attn_norm(x), positions, segment_ids, cache)
-        x = x + attended
-        return x + self.mlp(self.mlp_norm(x)), cache
+        attended, cache = self.attn.decode(self.attn_norm(x), positions, segment_ids, cache, rope_freq, window)
+        x = x + self._post(attended, "attn")
+        return x + self._post(self.mlp(self.mlp_norm(x)), "mlp"), cache
+
+    def _post(self, branch: jax.Array, which: str) -> jax.Array:
+        return getattr(self, f"post_{which}_norm")(branch) if self.post_norms else branch
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -326,7 +360,7 @@ class TransformerLM(nnx.Module):
         self.token_dropout = nnx.Dropout(cfg.token_dropout, broadcast_dims=(-1,))  # one draw per token: [B, T, 1]
         self.blocks = stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List(
             [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.lm_head = None if cfg.tie_embeddings else _param(
             rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
 
@@ -364,8 +398,10 @@ class TransformerLM(nnx.Module):
         start = cache.length
         seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32), start, axis=1)
         layers = []
+        freqs = self.rope_freqs()
         for i, (keys, values) in enumerate(zip(cache.keys, cache.values)):
-            x, layer = self.layer(i).decode(x, positions, segment_ids, LayerCache(keys, values, seg, start))
+            x, layer = self.layer(i).decode(x, positions, segment_ids, LayerCache(keys, values, seg, start), freqs[i],
+                                            self.cfg.window_of(i))
             layers.append(layer)
         cache = KVCache(tuple(c.keys for c in layers), tuple(c.values for c in layers), seg, start + inputs.shape[1])
         return self.logits(x), cache
@@ -375,7 +411,10 @@ class TransformerLM(nnx.Module):
         v = self.cfg.vocab_size
         ids = jnp.where((inputs >= 0) & (inputs < v), inputs, v)  # v is out of bounds -> filled with NaN
         table = self.embed.embedding[...]
-        return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.cfg.compute_dtype)
+        x = jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
+        if self.cfg.embed_scale:  # Gemma: sqrt(d_model), rounded to the table's dtype as transformers does
+            x = x * jnp.asarray(math.sqrt(self.cfg.d_model), table.dtype)
+        return x.astype(self.cfg.compute_dtype)
 
     def from_embeddings(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                         dropout_key: jax.Array | None = None) -> jax.Array:
@@ -393,9 +432,20 @@ class TransformerLM(nnx.Module):
         if self.cfg.scan_layers:
             return self._scanned(x, positions, segment_ids, metadata, dropout_key)
         run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
-        for block, key in zip(self.blocks, _keys(dropout_key, len(self.blocks))):
-            x = run(block, x, positions, segment_ids, metadata, key)
+        freqs = self.rope_freqs()
+        for i, (block, key) in enumerate(zip(self.blocks, _keys(dropout_key, len(self.blocks)))):
+            x = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), metadata, key)
         return x
+
+    def rope_freqs(self) -> jax.Array:
+        """Each layer's RoPE frequencies [n_layers, head_dim / 2] (Gemma 3's sliding layers have their own base)."""
+        return jnp.stack([rope_frequencies(self.cfg.head_dim, *self.cfg.rope_of(i)) for i in range(self.cfg.n_layers)])
+
+    def windows(self) -> jax.Array | None:
+        """Each layer's window [n_layers] (FULL: the whole segment), or None when no layer slides."""
+        if not self.cfg.has_windows:
+            return None
+        return jnp.asarray([self.cfg.window_of(i) or FULL for i in range(self.cfg.n_layers)], jnp.int32)
 
     def _scanned(self, x, positions, segment_ids, metadata, dropout_key):
         """The stacked blocks under ``jax.lax.scan``: one block's body traced and compiled, whatever the depth.
@@ -407,14 +457,15 @@ class TransformerLM(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
 
         def layer(carry, xs):
-            layer_state, key = xs
+            layer_state, key, rope_freq, window = xs
             block = nnx.merge(graphdef, layer_state)
-            return block(carry, positions, segment_ids, metadata=metadata, dropout_key=key), None
+            return block(carry, positions, segment_ids, rope_freq, window, metadata=metadata, dropout_key=key), None
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat, tuple(self.cfg.remat_names)))
         keys = None if dropout_key is None else jax.random.split(dropout_key, self.cfg.n_layers)
-        x, _ = jax.lax.scan(layer, x, (state, keys))
+        # Per-layer settings ride along as scanned inputs: one body serves sliding and full layers alike.
+        x, _ = jax.lax.scan(layer, x, (state, keys, self.rope_freqs(), self.windows()))
         return x
 
     def layer(self, i: int) -> "Block":
@@ -440,7 +491,7 @@ class TransformerLM(nnx.Module):
         handed to every layer (explicitly, rather than trusting XLA to merge per-layer
         copies across remat or scan boundaries).
         """
-        if resolve_backend(self.cfg.attention, self.cfg.compute_dtype) != "pallas":
+        if resolve_backend(self.cfg.attention, self.cfg.compute_dtype, windows=self.cfg.has_windows) != "pallas":
             return None
         return block_metadata(segment_ids, BlockSizes.for_head_dim(self.cfg.head_dim))
 

@@ -161,7 +161,8 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
     initialize_distributed(config.dist)
     mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work
-    resolve_backend(config.model.attention, config.model.compute_dtype)  # so does a backend this machine lacks
+    resolve_backend(config.model.attention, config.model.compute_dtype,  # so does a backend this machine lacks
+                    windows=config.model.has_windows)
     sharding.check_batch_fits(config.data.batch_size, mesh, config.train.grad_accum)
     source = None
     if config.train.init_from:  # the source's tokenizer and shapes: a mismatch is refused before run.dir exists

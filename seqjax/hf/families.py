@@ -1,0 +1,433 @@
+"""Hugging Face checkpoints <-> seqjax, as data and pure functions: each family's config fields and tensor names.
+
+One seqjax model computes every family: a family is a set of ``model.*`` settings
+(:class:`~seqjax.config.tree.ModelConfig`), read from ``config.json`` here and
+written back on export. What each family adds to Llama's block (RMSNorm,
+rotate-half RoPE, grouped-query attention, SwiGLU, no biases):
+
+==========  ======================  ========================================================================
+family      architecture            differences from Llama
+==========  ======================  ========================================================================
+llama       LlamaForCausalLM        (none; rope_scaling llama3 or linear)
+mistral     MistralForCausalLM      sliding_window on every layer when set
+qwen2       Qwen2ForCausalLM        biases on q, k, v; sliding layers only under use_sliding_window
+qwen3       Qwen3ForCausalLM        RMSNorm on each head's q and k before RoPE; explicit head_dim
+gemma3      Gemma3ForCausalLM       norms scale by (1 + w), four a block; q/k norms; GeGLU (tanh GELU);
+            (model_type             embeddings x sqrt(hidden); query_pre_attn_scalar; sliding layers
+            gemma3_text)            interleaved by layer_types, with their own RoPE base; tied head
+==========  ======================  ========================================================================
+
+HF stores PyTorch ``nn.Linear`` weights as [out, in]; seqjax keeps [in, out]
+with the heads split out (V vocab, D d_model, H heads, K kv heads, Dh
+head_dim, F d_ff). The tensor table (:func:`block_tensors`) is one list per
+block, the same for every family but for the entries its settings add and
+Gemma's names for its four norms:
+
+=========================================  ===============  =============================
+HF tensor (model.layers.i.)                HF shape         seqjax parameter (blocks.i.)
+=========================================  ===============  =============================
+input_layernorm.weight                     [D]              attn_norm.scale
+self_attn.q_proj.weight / .bias            [H*Dh, D] / .    attn.wq [D, H, Dh] / attn.bq [H, Dh]
+self_attn.k_proj, v_proj (.weight, .bias)  [K*Dh, D] / .    attn.wk, wv [D, K, Dh] / bk, bv
+self_attn.q_norm.weight, k_norm.weight     [Dh]             attn.q_norm.scale, k_norm.scale
+self_attn.o_proj.weight                    [D, H*Dh]        attn.wo [H, Dh, D]
+post_attention_layernorm.weight            [D]              mlp_norm.scale (Gemma: post_attn_norm.scale)
+pre_feedforward_layernorm.weight (Gemma)   [D]              mlp_norm.scale
+post_feedforward_layernorm.weight (Gemma)  [D]              post_mlp_norm.scale
+mlp.gate_proj, up_proj .weight             [F, D]           mlp.w_gate, w_up [D, F]
+mlp.down_proj.weight                       [D, F]           mlp.w_down [F, D]
+=========================================  ===============  =============================
+
+plus model.embed_tokens.weight [V, D] (embed.embedding), model.norm.weight [D]
+(final_norm.scale) and, untied, lm_head.weight [V, D] (lm_head [D, V]). No
+RoPE permutation is needed: HF's checkpoints are in the rotate-half layout.
+
+Every ``config.json`` field that changes what the model computes is read, or
+refused naming the field and its value: another architecture, another
+activation, biases a family does not have, a RoPE type other than
+default/linear/llama3, logit soft-capping, bidirectional attention, attention
+dropout above 0, a quantization_config.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from seqjax.config.tree import ModelConfig, RopeScalingConfig
+from seqjax.core.errors import CheckpointError, ConfigError
+from seqjax.model.stacking import blocks_layout
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+FAMILY_OF = {arch: family for family, arch in ARCHITECTURES.items()}
+ARCHITECTURE = ARCHITECTURES["llama"]  # (what a config.json without "architectures" is taken to be)
+# The activation field each family names, and the value seqjax computes (its model.mlp_activation).
+_ACTIVATION = {"gemma3": ("hidden_activation", "gelu_pytorch_tanh", "gelu_tanh")}
+_SILU = ("hidden_act", "silu", "silu")
+# Fields whose value changes what the model computes, and the one value (or test) seqjax can compute, per family.
+_MUST_BE_ALL = {
+    "quantization_config": ((None,), "no quantization_config (unquantized weights)"),
+    "final_logit_softcapping": ((None,), "null (no logit soft-capping)"),
+    "attn_logit_softcapping": ((None,), "null (no attention soft-capping)"),
+    "use_bidirectional_attention": ((False, None), "false (causal attention)"),
+}
+_MUST_BE = {
+    "llama": {"attention_bias": ((False, None), "false"), "mlp_bias": ((False, None), "false"),
+              "sliding_window": ((None,), "null (no sliding window)"),
+              "use_sliding_window": ((False, None), "false")},
+    "mistral": {}, "qwen2": {}, "qwen3": {"attention_bias": ((False, None), "false")},
+    "gemma3": {"attention_bias": ((False, None), "false")},
+}
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+# Old checkpoints saved RoPE's frequency table as a buffer; seqjax recomputes it.
+_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+# Defaults of fields a family's config.json may leave out (transformers' own defaults).
+_TIED_BY_DEFAULT = {"gemma3": True}
+
+
+def _layer(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def _refuse(source: str, field: str, value: Any, expected: str) -> CheckpointError:
+    return CheckpointError(f"{source}: {field}: got {value!r}, expected {expected}; seqjax cannot compute it")
+
+
+def _scaling(params: dict[str, Any] | None, field: str, source: str) -> tuple[float | None, RopeScalingConfig]:
+    """(rope_theta if the section names one, scaling) of one RoPE section (rope_scaling / rope_parameters[...])."""
+    theta = (params or {}).get("rope_theta")
+    if not params:
+        return theta, RopeScalingConfig()
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise _refuse(source, f"{field}.rope_type", kind, f"one of {', '.join(ROPE_TYPES)}")
+    if ROPE_TYPES[kind] == "none":
+        return theta, RopeScalingConfig()
+    if "factor" not in params:
+        raise CheckpointError(f"{source}: {field}: {kind} scaling without a factor")
+    if kind == "linear":
+        return theta, RopeScalingConfig(type="linear", factor=float(params["factor"]))
+    defaults = RopeScalingConfig()
+    return theta, RopeScalingConfig(
+        type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", defaults.original_max_position_embeddings)),
+    )
+
+
+def _rope(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling and (Gemma 3) rope_local_theta, from transformers 4's rope_theta + rope_scaling
+    (+ rope_local_base_freq) or 5's rope_parameters (per layer type for Gemma 3)."""
+    params = hf.get("rope_parameters")
+    if family == "gemma3":
+        if params and "full_attention" in params:
+            full_theta, scaling = _scaling(params.get("full_attention"), "rope_parameters.full_attention", source)
+            local_theta, local = _scaling(params.get("sliding_attention"), "rope_parameters.sliding_attention",
+                                          source)
+        else:
+            full_theta, scaling = _scaling(hf.get("rope_scaling"), "rope_scaling", source)
+            local_theta, local = hf.get("rope_local_base_freq"), RopeScalingConfig()
+        if local.type != "none":
+            raise _refuse(source, "rope_parameters.sliding_attention.rope_type", local.type, "default")
+        return {"rope_theta": float(full_theta or hf.get("rope_theta") or 1e6), "rope_scaling": scaling,
+                "rope_local_theta": float(local_theta or 1e4)}
+    field = "rope_parameters" if params is not None else "rope_scaling"
+    theta, scaling = _scaling(params if params is not None else hf.get("rope_scaling"), field, source)
+    return {"rope_theta": float(theta or hf.get("rope_theta") or 10000.0), "rope_scaling": scaling}
+
+
+def _windows(hf: dict[str, Any], family: str, n_layers: int, source: str) -> dict[str, Any]:
+    """model.sliding_window and model.layer_types, as each family's config.json says them."""
+    window = hf.get("sliding_window")
+    if family == "llama" or window is None:
+        return {}
+    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+        return {}  # (transformers ignores sliding_window then)
+    types = hf.get("layer_types")
+    if family == "mistral" and not types:
+        return {"sliding_window": int(window)}  # every layer
+    if not types:
+        if family == "gemma3":
+            pattern = int(hf.get("sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        else:  # Qwen: the layers from max_window_layers on slide
+            first = int(hf.get("max_window_layers", n_layers))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    kinds = {"sliding_attention": "sliding", "full_attention": "full"}
+    unknown = [t for t in types if t not in kinds]
+    if unknown:
+        raise _refuse(source, "layer_types", unknown[0], "sliding_attention or full_attention")
+    return {"sliding_window": int(window), "layer_types": [kinds[t] for t in types]}
+
+
+def family_of(hf: dict[str, Any], source: str) -> str:
+    """The family of an HF ``config.json``, from its architectures (and model_type), or a CheckpointError."""
+    by_type = {model_type: ARCHITECTURES[family] for family, model_type in MODEL_TYPES.items()}
+    architectures = list(hf.get("architectures") or [by_type.get(hf.get("model_type"), ARCHITECTURE)])
+    if len(architectures) != 1 or architectures[0] not in FAMILY_OF:
+        raise _refuse(source, "architectures", architectures, f"one of {', '.join(map(repr, FAMILY_OF))}")
+    family = FAMILY_OF[architectures[0]]
+    if hf.get("model_type", MODEL_TYPES[family]) != MODEL_TYPES[family]:
+        raise _refuse(source, "model_type", hf.get("model_type"), repr(MODEL_TYPES[family]))
+    return family
+
+
+def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
+    """The seqjax ModelConfig of an HF ``config.json`` (a dict), or a CheckpointError naming ``source`` and the field.
+
+    Example: ``{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "head_dim": 32, ...}`` gives
+    ``ModelConfig(family="qwen3", qk_norm=True, d_model=64, head_dim=32, ...)``; ``{"attention_bias": true}``
+    on a Llama is refused with ``config.json: attention_bias: got True, expected false; seqjax cannot compute it``.
+    """
+    family = family_of(hf, source)
+    for field, (allowed, expected) in {**_MUST_BE_ALL, **_MUST_BE[family]}.items():
+        if hf.get(field) not in allowed:
+            raise _refuse(source, field, hf.get(field), expected)
+    act_field, act_value, activation = _ACTIVATION.get(family, _SILU)
+    act = hf.get(act_field, act_value)
+    if family == "gemma3" and act_field not in hf and "hidden_act" in hf:
+        act = hf["hidden_act"]
+    if act != act_value:
+        raise _refuse(source, act_field, act, repr(act_value))
+    if float(hf.get("attention_dropout") or 0.0) != 0.0:
+        raise _refuse(source, "attention_dropout", hf["attention_dropout"], "0.0 (seqjax has no attention dropout)")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if not isinstance(hf.get(k), int)]
+    if missing:
+        raise CheckpointError(f"{source}: expected integer fields {', '.join(missing)}")
+    gemma = family == "gemma3"
+    cfg = ModelConfig(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"),
+        d_ff=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", _TIED_BY_DEFAULT.get(family, False))),
+        qkv_bias=family == "qwen2",
+        qk_norm=family in ("qwen3", "gemma3"),
+        norm_plus_one=gemma,
+        post_norms=gemma,
+        mlp_activation=activation,
+        embed_scale=gemma,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)) if gemma else None,
+        **_rope(hf, family, source),
+        **_windows(hf, family, hf["num_hidden_layers"], source),
+    )
+    try:
+        cfg.check()
+    except ConfigError as err:
+        raise CheckpointError(f"{source}: {err}") from None
+    return cfg
+
+
+def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: str) -> dict[str, Any]:
+    """The ``config.json`` of a ModelConfig, in its family's fields (transformers 4's spelling; 5 reads it too)."""
+    family = cfg.family
+    if family == "mistral" and "full" in cfg.layer_types:
+        raise CheckpointError(f"model.layer_types: got {cfg.layer_types}, but {ARCHITECTURES[family]} slides on "
+                              "every layer or none; expected [] (or another model.family)")
+    if family == "llama" and cfg.has_windows:
+        raise CheckpointError("model.sliding_window: LlamaForCausalLM has no sliding window; expected null, or "
+                              "model.family=mistral")
+    scaling = cfg.rope_scaling
+    rope_scaling = None
+    if scaling.type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": scaling.factor}
+    elif scaling.type == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+                        "high_freq_factor": scaling.high_freq_factor,
+                        "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    act_field, act_value, _ = _ACTIVATION.get(family, _SILU)
+    out = {
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": MODEL_TYPES[family],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        act_field: act_value,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+    if family == "llama":
+        out |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    if family in ("qwen3", "gemma3"):
+        out["attention_bias"] = False
+    if family == "gemma3":
+        out |= {"query_pre_attn_scalar": cfg.query_pre_attn_scalar, "rope_local_base_freq": cfg.rope_local_theta,
+                "final_logit_softcapping": None, "attn_logit_softcapping": None}
+    kinds = {"sliding": "sliding_attention", "full": "full_attention"}
+    if family == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    elif family in ("qwen2", "qwen3", "gemma3"):
+        types = [kinds["sliding" if cfg.window_of(i) else "full"] for i in range(cfg.n_layers)]
+        out |= {"sliding_window": cfg.sliding_window, "layer_types": types}
+        if family != "gemma3":
+            out |= {"use_sliding_window": cfg.sliding_window is not None, "max_window_layers": cfg.n_layers}
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Tensors
+
+Converter = Callable[[np.ndarray], np.ndarray]
+
+
+def block_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Converter, Converter]]:
+    """(HF name suffix, seqjax path in the block, seqjax -> HF, HF -> seqjax) for one block's tensors."""
+    d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    same = (lambda w: w), (lambda t: t)
+    linear = (lambda w: w.T), (lambda t: t.T)
+
+    def heads_in(n):  # [D, n, Dh] <-> [n*Dh, D]
+        return (lambda w: w.reshape(d, n * dh).T), (lambda t: t.T.reshape(d, n, dh))
+
+    def heads_bias(n):  # [n, Dh] <-> [n*Dh]
+        return (lambda w: w.reshape(n * dh)), (lambda t: t.reshape(n, dh))
+
+    gemma_norms = cfg.post_norms
+    table = [
+        ("input_layernorm.weight", ("attn_norm", "scale"), *same),
+        ("self_attn.q_proj.weight", ("attn", "wq"), *heads_in(h)),
+        ("self_attn.k_proj.weight", ("attn", "wk"), *heads_in(k)),
+        ("self_attn.v_proj.weight", ("attn", "wv"), *heads_in(k)),
+        ("self_attn.o_proj.weight", ("attn", "wo"), lambda w: w.reshape(h * dh, d).T, lambda t: t.T.reshape(h, dh, d)),
+        # Llama's post_attention_layernorm is its pre-MLP norm; Gemma's is the attention branch's post-norm
+        ("post_attention_layernorm.weight", ("post_attn_norm", "scale") if gemma_norms else ("mlp_norm", "scale"),
+         *same),
+        ("mlp.gate_proj.weight", ("mlp", "w_gate"), *linear),
+        ("mlp.up_proj.weight", ("mlp", "w_up"), *linear),
+        ("mlp.down_proj.weight", ("mlp", "w_down"), *linear),
+    ]
+    if cfg.qkv_bias:
+        table += [("self_attn.q_proj.bias", ("attn", "bq"), *heads_bias(h)),
+                  ("self_attn.k_proj.bias", ("attn", "bk"), *heads_bias(k)),
+                  ("self_attn.v_proj.bias", ("attn", "bv"), *heads_bias(k))]
+    if cfg.qk_norm:
+        table += [("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), *same),
+                  ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), *same)]
+    if gemma_norms:
+        table += [("pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), *same),
+                  ("post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), *same)]
+    return table
+
+
+def _block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
+    shapes = {"input_layernorm.weight": (d,), "self_attn.q_proj.weight": (h * dh, d),
+              "self_attn.k_proj.weight": (k * dh, d), "self_attn.v_proj.weight": (k * dh, d),
+              "self_attn.o_proj.weight": (d, h * dh), "post_attention_layernorm.weight": (d,),
+              "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    if cfg.qkv_bias:
+        shapes |= {"self_attn.q_proj.bias": (h * dh,), "self_attn.k_proj.bias": (k * dh,),
+                   "self_attn.v_proj.bias": (k * dh,)}
+    if cfg.qk_norm:
+        shapes |= {"self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,)}
+    if cfg.post_norms:
+        shapes |= {"pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,)}
+    return shapes
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of a model with ``cfg`` and its shape."""
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
+    for i in range(cfg.n_layers):
+        shapes.update({_layer(i) + name: shape for name, shape in _block_shapes(cfg).items()})
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+    return shapes
+
+
+def _get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def to_hf(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """seqjax parameters (``nnx.to_pure_dict`` of the model's Params) -> HF tensors by name, as numpy arrays."""
+    params = blocks_layout(params, stacked=False)  # HF keeps a tensor per layer, whatever model.scan_layers
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
+           "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
+    for i in range(cfg.n_layers):
+        for name, path, to_hf_layout, _ in block_tensors(cfg):
+            out[_layer(i) + name] = np.ascontiguousarray(to_hf_layout(np.asarray(_get(params["blocks"][i], path))))
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
+    return out
+
+
+def from_hf(read: Callable[[str], np.ndarray], names: Iterable[str], cfg: ModelConfig, source: str,
+            dtype: Any = np.float32) -> dict[str, Any]:
+    """HF tensors -> seqjax parameters (the pure dict ``nnx.merge`` takes), each cast to ``dtype``.
+
+    ``read(name)`` returns one tensor; ``names`` are the tensors the checkpoint
+    holds. A missing tensor, a wrong shape, or a tensor seqjax has no place
+    for (a bias a family does not have, say) is refused with a CheckpointError
+    naming it and ``source``. A tied model ignores an ``lm_head.weight``.
+    """
+    names = set(names)
+    expected = hf_shapes(cfg)
+    ignored = {n for n in names if n.endswith(_IGNORED_TENSOR_SUFFIXES)}
+    if cfg.tie_embeddings:
+        ignored.add("lm_head.weight")
+    unexpected = sorted(names - set(expected) - ignored)
+    if unexpected:
+        raise CheckpointError(
+            f"{source}: holds tensors a {ARCHITECTURES[cfg.family]} with this config.json has no place for: "
+            f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    missing = sorted(set(expected) - names)
+    if missing:
+        raise CheckpointError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+
+    def get(name: str) -> np.ndarray:
+        tensor = read(name)
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected {expected[name]} from config.json"
+            )
+        return np.asarray(tensor).astype(dtype)
+
+    params: dict[str, Any] = {
+        "embed": {"embedding": get("model.embed_tokens.weight")},
+        "final_norm": {"scale": get("model.norm.weight")},
+        "blocks": {},
+    }
+    for i in range(cfg.n_layers):
+        block: dict[str, Any] = {}
+        for name, path, _, from_hf_layout in block_tensors(cfg):
+            _put(block, path, np.ascontiguousarray(from_hf_layout(get(_layer(i) + name))))
+        params["blocks"][i] = block
+    if not cfg.tie_embeddings:
+        params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)
+    return params
