@@ -160,7 +160,13 @@ REDUCED = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "mode
            "model.compute_dtype=float32", "model.attention=xla", "model.loss_chunk_tokens=96"]
 
 
-@pytest.mark.parametrize("name", ["llama3_1b_finetune", "llama3_8b_fsdp"])
+# The families' configs keep their layer pattern at the reduced depth: Gemma 3's first layer slides, its second is
+# global, so both kinds and both RoPE bases run.
+FAMILY_REDUCED = {"gemma3_4b_finetune": ["model.layer_types=[sliding,full]", "model.sliding_window=16",
+                                         "model.param_dtype=float32"]}
+
+
+@pytest.mark.parametrize("name", ["llama3_1b_finetune", "llama3_8b_fsdp", "qwen3_8b_fsdp", "gemma3_4b_finetune"])
 def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
     """Their remat, scanned layers, chunked loss and optimizer settings run; only the sizes (and the 8-device
     mesh) are reduced."""
@@ -168,7 +174,8 @@ def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
 
     from test_train_support import REPO
 
-    config = load_config(REPO / "configs" / f"{name}.yaml", REDUCED + ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
+    config = load_config(REPO / "configs" / f"{name}.yaml", REDUCED + FAMILY_REDUCED.get(name, []) + [
+        "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
     assert config.model.remat == "full" and config.model.loss_chunk_tokens == 96 and config.model.scan_layers
     model = build_model(config, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -277,7 +277,9 @@ def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: 
     if family in ("qwen3", "gemma3"):
         out["attention_bias"] = False
     if family == "gemma3":
-        out |= {"query_pre_attn_scalar": cfg.query_pre_attn_scalar, "rope_local_base_freq": cfg.rope_local_theta,
+        scalar = cfg.query_pre_attn_scalar  # transformers 5 types it int (Gemma 3's are 256, 168, 144)
+        out |= {"query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+                "rope_local_base_freq": cfg.rope_local_theta,
                 "final_logit_softcapping": None, "attn_logit_softcapping": None}
     kinds = {"sliding": "sliding_attention", "full": "full_attention"}
     if family == "mistral":

@@ -128,12 +128,22 @@ def find_chat_template(tokenizer_path: Path, configured: str | None = None) -> s
         return None
 
 
+# Training templates seqjax ships, by name (data.chat_template=qwen3): each family's chat format with
+# {% generation %} blocks, so assistant-only loss needs no prefix rendering (docs/instruction.md, "Templates").
+SHIPPED_TEMPLATES = {"chatml": "chatml.jinja", "qwen3": "qwen3.jinja", "gemma": "gemma.jinja"}
+
+
 def chat_template(path: str | None, tokenizer_path: Path | None) -> tuple[str, str]:
-    """``(template text, where it came from)``: ``data.chat_template``, else beside the tokenizer.json."""
+    """``(template text, where it came from)``: ``data.chat_template`` (a shipped template's name, or a file), else
+    beside the tokenizer.json."""
+    if path in SHIPPED_TEMPLATES:
+        file = Path(__file__).parent / "chat_templates" / SHIPPED_TEMPLATES[path]
+        return file.read_text(encoding="utf-8"), f"{path} (seqjax's {SHIPPED_TEMPLATES[path]})"
     if path:
         file = Path(path).expanduser()
         if not file.is_file():
-            raise CorpusError(f"data.chat_template: {file} not found; expected a Jinja chat template file")
+            raise CorpusError(f"data.chat_template: {file} not found; expected a Jinja chat template file or one of "
+                              f"{', '.join(SHIPPED_TEMPLATES)}")
         return file.read_text(encoding="utf-8"), str(file)
     folder = tokenizer_path.parent if tokenizer_path is not None else None
     if folder is not None and (folder / TEMPLATE_FILES[0]).is_file():
@@ -264,7 +274,8 @@ def chat_spans(spec: ExampleSpec, messages: Any, where: str) -> tuple[str, list[
                 raise CorpusError(
                     f"{where}: the chat template {spec.template_name} rewrites earlier turns: rendered up to "
                     f"message {k} (assistant) it is not a prefix of the longer chat, so the assistant's tokens "
-                    "cannot be found; use a template with {% generation %} blocks (data.chat_template)")
+                    "cannot be found; use a template with {% generation %} blocks: data.chat_template=qwen3 (Qwen3), "
+                    "chatml (Qwen2.5), gemma (Gemma 2/3), or a file of your own")
             spans.append((len(before), len(upto)))
     return text, spans[-1:] if spec.loss_on == "last_assistant" else spans
 
