@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from seqjax.config.load import load_config
     from seqjax.core.errors import SeqjaxError
-    from seqjax.model import build_model, sharding
+    from seqjax.model import build_model, sharding, split_params
     from seqjax.train.optimizer import build_optimizer
     from seqjax.train.step import make_train_step
 
@@ -77,10 +77,16 @@ def main(argv: list[str] | None = None) -> dict:
         sys.exit(2)
     mesh = sharding.build_mesh(config.mesh, jax.devices()[: args.devices])
     model = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
-    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
-    param_shardings = sharding.param_shardings(param_state, mesh)
-    params = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-                          nnx.to_pure_dict(param_state), param_shardings)
+    # Under model.lora only the adapters train (and have optimizer state); the base is a frozen argument.
+    graphdef, param_state, frozen_state, rest = split_params(model)
+
+    def abstract(state):
+        shardings = sharding.param_shardings(state, mesh)
+        return shardings, jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                                       nnx.to_pure_dict(state), shardings)
+
+    param_shardings, params = abstract(param_state)
+    frozen_shardings, frozen = abstract(frozen_state) if frozen_state is not None else (None, None)
     tx, _ = build_optimizer(config.train)
     replicated = sharding.replicated(mesh)
     opt_abstract = jax.eval_shape(tx.init, params)
@@ -95,11 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
     batch = {name: jax.ShapeDtypeStruct((b, t), np.float32 if name == "weights" else np.int32, sharding=batch_sharding)
              for name in ("inputs", "targets", "segment_ids", "positions", "weights")}
     rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=replicated)
+    extra = [] if frozen is None else [frozen]
     step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=config.train.grad_accum, z_loss=config.train.z_loss),
-                   in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated),
+                   in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated,
+                                 *([] if frozen is None else [frozen_shardings])),
                    out_shardings=(param_shardings, opt_shardings, replicated), donate_argnums=(0, 1))
     start = time.perf_counter()
-    compiled = step.lower(params, opt_state, batch, rng, 0).compile()
+    compiled = step.lower(params, opt_state, batch, rng, 0, *extra).compile()
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
 
@@ -107,14 +115,16 @@ def main(argv: list[str] | None = None) -> dict:
         return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
                    for x in jax.tree.leaves(tree))
 
-    total_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    total_params = trainable + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(frozen or {}))
     row = {
         "config": args.config, "overrides": args.overrides, "devices": args.devices,
         "mesh": dict(mesh.shape), "parameters": total_params,
         "batch_size": b, "seq_len": t, "grad_accum": config.train.grad_accum,
         "remat": config.model.remat, "loss_chunk_tokens": config.model.loss_chunk_tokens,
         "param_dtype": config.model.param_dtype, "compute_dtype": config.model.compute_dtype,
-        "param_bytes_per_device": per_device(params),
+        "trainable_parameters": trainable, "lora_rank": config.model.lora.rank,
+        "param_bytes_per_device": per_device(params) + per_device(frozen or {}),
         "optimizer_bytes_per_device": per_device(opt_state),
         "batch_bytes_per_device": per_device(batch),
         "temp_bytes_per_device": int(stats.temp_size_in_bytes),

@@ -37,8 +37,9 @@ line is adapted, and only like this:
 7. The instruction-data lines read ``chat_demo/`` (the session's
    ``scripts/make_chat_demo.py`` output: a tiny random chat Llama shaped like
    :data:`TINY_TRAIN`'s model, and synthetic chats), ``runs/chat_base`` (its
-   import) and ``runs/chat_ft`` (a two-step fine-tune of it on the chats): links
-   in the working folder, except in the line that makes each of them.
+   import), ``runs/chat_ft`` (a two-step fine-tune of it on the chats) and
+   ``runs/chat_lora`` (two steps of LoRA adapters on it): links in the working
+   folder, except in the line that makes each of them.
 """
 
 from __future__ import annotations
@@ -195,7 +196,16 @@ def chat_demo(tmp_path_factory) -> dict[str, Path]:
          f"data.cache_dir={root / 'cache'}", "data.seq_len=128", f"run.dir={root / 'chat_ft'}", *TINY_TRAIN],
         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return {"chat_demo": demo, "runs/chat_base": root / "chat_base", "runs/chat_ft": root / "chat_ft"}
+    proc = subprocess.run(  # LoRA adapters on chat_base, for the lines that export them
+        [sys.executable, "-m", "seqjax.train", "--config", str(root / "chat_base" / "config.yaml"),
+         f"train.init_from={root / 'chat_base'}", "data.corpus=jsonl", "data.format=chat",
+         f"data.train_files=[{demo / 'train.jsonl'}]", f"data.valid_files=[{demo / 'valid.jsonl'}]",
+         f"data.cache_dir={root / 'cache'}", "data.seq_len=128", f"run.dir={root / 'chat_lora'}",
+         "model.lora.rank=4", *TINY_TRAIN],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {"chat_demo": demo, "runs/chat_base": root / "chat_base", "runs/chat_ft": root / "chat_ft",
+            "runs/chat_lora": root / "chat_lora"}
 
 
 @pytest.mark.slow
@@ -212,7 +222,8 @@ def test_readme_example_runs(command, tiny_root, reference, tiny_llama, chat_dem
     if "--run" in command:  # only readers: a training line must never write into the shared run
         (work / "runs" / "wikitext2_cpu").symlink_to(tiny_root / "reference")
     (work / "prompts.txt").write_text("the cat\na dog ran\n")
-    makes = {"chat_demo": "make_chat_demo.py", "runs/chat_base": "seqjax.import", "runs/chat_ft": "seqjax.train"}
+    makes = {"chat_demo": "make_chat_demo.py", "runs/chat_base": "seqjax.import", "runs/chat_ft": "seqjax.train",
+             "runs/chat_lora": "seqjax.train"}
     for name, target in chat_demo.items():
         if re.search(rf"{name}(?=[\s/]|$)", command) and makes[name] not in command:
             (work / name).symlink_to(target)

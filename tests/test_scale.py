@@ -21,7 +21,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from seqjax.config.load import load_config
 from seqjax.config.tree import REMAT_NAMES
 from seqjax.core.errors import ConfigError
-from seqjax.model import build_model
+from seqjax.model import build_model, split_params
 from seqjax.model.loss import chunked_lm_loss, lm_loss
 from seqjax.train.step import make_train_step
 
@@ -166,7 +166,8 @@ FAMILY_REDUCED = {"gemma3_4b_finetune": ["model.layer_types=[sliding,full]", "mo
                                          "model.param_dtype=float32"]}
 
 
-@pytest.mark.parametrize("name", ["llama3_1b_finetune", "llama3_8b_fsdp", "qwen3_8b_fsdp", "gemma3_4b_finetune"])
+@pytest.mark.parametrize("name", ["llama3_1b_finetune", "llama3_8b_fsdp", "qwen3_8b_fsdp", "gemma3_4b_finetune",
+                                  "llama3_8b_lora"])
 def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
     """Their remat, scanned layers, chunked loss and optimizer settings run; only the sizes (and the 8-device
     mesh) are reduced."""
@@ -178,7 +179,7 @@ def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
         "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"])
     assert config.model.remat == "full" and config.model.loss_chunk_tokens == 96 and config.model.scan_layers
     model = build_model(config, rngs=nnx.Rngs(0))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, frozen, rest = split_params(model)  # (the LoRA config trains its adapters alone)
     params = nnx.to_pure_dict(params)
     from seqjax.train.optimizer import build_optimizer
 
@@ -187,7 +188,9 @@ def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
     data = batch(seed=2, b=8, t=64, vocab=512)
     data["positions"], data["segment_ids"] = (jnp.tile(jnp.arange(64), (8, 1)), jnp.ones((8, 64), jnp.int32))
     data["weights"] = jnp.ones((8, 64), jnp.float32)
-    new, _, metrics = step(params, tx.init(params), data)
+    extra = [] if frozen is None else [nnx.to_pure_dict(frozen)]
+    new, _, metrics = step(params, tx.init(params), data, None, 0, *extra)
+    assert (frozen is not None) == (name == "llama3_8b_lora")
     assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) == pytest.approx(np.log(512), rel=0.05)
     assert optax.tree.norm(jax.tree.map(jnp.subtract, new, params)) > 0
 

@@ -419,6 +419,37 @@ class RopeScalingConfig:
             )
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (``model.lora``): the base frozen, each target projection W used as W + (alpha / rank) B A.
+
+    Flax's ``nnx.LoRA`` holds each adapter (A ~ its default init, B = 0, so a new adapter changes nothing); only
+    the adapters get gradients, optimizer state and checkpoints. ``rank: 0`` is off (every weight trains).
+    """
+
+    rank: int = _f(0, "adapter rank r (0: no adapters, every weight trains)", min=0, resume=MODEL)
+    alpha: float = _f(16.0, "the adapters are scaled by alpha / rank (PEFT's lora_alpha)", min=0.0, resume=MODEL)
+    dropout: float = _f(0.0, "training only: dropout on each adapter's input (PEFT's lora_dropout)", min=0.0)
+    targets: list[str] = _f(list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down "
+                            "(PEFT's target_modules q_proj, ..., down_proj)", resume=MODEL)
+
+    def check(self) -> None:
+        unknown = [name for name in self.targets if name not in LORA_TARGETS]
+        if unknown:
+            raise ConfigError(f"model.lora.targets: got {unknown[0]!r}, expected names from {list(LORA_TARGETS)}")
+        if self.rank and not self.targets:
+            raise ConfigError("model.lora.targets: got [], expected at least one projection with model.lora.rank > 0")
+        if not self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout: got {self.dropout}, expected a rate in [0, 1)")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank if self.rank else 0.0
+
+
 @dataclass
 class ModelConfig:
     # Keys that change parameter shapes are marked too, though a checkpoint's own array shapes are what decides.
@@ -510,6 +541,8 @@ class ModelConfig:
     layer_types: list[str] = _f(
         [], "each layer's attention, full or sliding (Gemma 3 interleaves them); empty: every layer sliding when "
         "model.sliding_window is set, else full", resume=MODEL)
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={
+        "help": "low-rank adapters on the projections (model.lora.rank > 0): the base frozen, only adapters train"})
     rope_local_theta: float | None = _f(
         None, "RoPE base of the sliding layers, which take no rope_scaling (Gemma 3's rope_local_base_freq; null: "
         "rope_theta and rope_scaling for every layer)", min=1.0, resume=MODEL)
@@ -563,6 +596,7 @@ class ModelConfig:
         if self.n_heads % kv:
             raise ConfigError(f"model.n_kv_heads: got {kv}, expected a divisor of model.n_heads={self.n_heads}")
         self.rope_scaling.check()
+        self.lora.check()
         unknown = [name for name in self.remat_names if name not in REMAT_NAMES]
         if unknown:
             raise ConfigError(f"model.remat_names: got {unknown[0]!r}, expected names from {list(REMAT_NAMES)}")
@@ -594,9 +628,13 @@ class TrainConfig:
         choices=("tokens", "examples"), resume=DATA)
     init_from: str | None = _f(
         None,
-        "start from these weights: a seqjax run or checkpoint folder, or a Hugging Face Llama folder "
-        "(parameters only; optimizer, step and data position start fresh; the tokenizer comes with them)",
+        "start from these weights: a seqjax run or checkpoint folder, or a Hugging Face folder of a family seqjax "
+        "loads (parameters only; optimizer, step and data position start fresh; the tokenizer comes with them). "
+        "Under model.lora they are the frozen base",
     )
+    init_adapter: str | None = _f(
+        None, "model.lora: start the adapters from this PEFT adapter folder (adapter_config.json, "
+        "adapter_model.safetensors), to continue someone else's adapter on the base train.init_from names")
     checkpoint_every: int = _f(200, "steps between checkpoints (one is also written at the end)", min=1)
     keep_checkpoints: int = _f(3, "newest checkpoints kept", min=1)
     async_checkpoint: bool = _f(True, "write checkpoints in the background")

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -220,8 +221,7 @@ def run_config(hf: HFFolder, overrides: Sequence[str] = (), tokenizer_path: Path
 
     ``data.seq_len`` is capped at the model's limit; the overrides apply on top.
     """
-    model = {k: v for k, v in vars(hf.model).items() if k != "rope_scaling"}
-    model["rope_scaling"] = vars(hf.model.rope_scaling)
+    model = dataclasses.asdict(hf.model)  # (its sections, rope_scaling and lora, as dicts too)
     base = {
         "model": model,
         "tokenizer": {

@@ -1,25 +1,34 @@
-"""``python -m seqjax.export --run DIR --out HF_DIR [--dtype bfloat16]``: a seqjax model as a Hugging Face Llama folder.
+"""``python -m seqjax.export --run DIR --out HF_DIR [--dtype bfloat16]``: a seqjax model as a Hugging Face folder.
 
 The folder loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)``
 and ``AutoTokenizer.from_pretrained(HF_DIR)`` (see :mod:`seqjax.hf.folders` for its
 files). ``--checkpoint STEP_DIR`` exports one step, ``--hf DIR`` re-exports an
 HF folder (to change its dtype or shard size). The last stdout line is one
 JSON object: the files, shards, dtype, parameters and bytes written.
+
+A ``model.lora`` run exports its adapters as a PEFT adapter folder (``adapter_config.json``,
+``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base, HF_DIR)`` loads onto the base
+model; ``--merge`` folds them into the base and writes the whole model instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Sequence
 
 from flax import nnx
+from safetensors.numpy import save_file
 
+from seqjax.config.tree import LoraConfig
 from seqjax.core.errors import UsageError
-from seqjax.core.files import check_new_folder, staged_folder
+from seqjax.core.files import check_new_folder, staged_folder, write_text_atomic
 from seqjax.hf import folders as hf
+from seqjax.hf import peft
 from seqjax.main import cli, trained
+from seqjax.model import BASE_PARAMS
 from seqjax.store.examples import find_chat_template
 
 
@@ -29,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder whole")
     p.add_argument("--dtype", choices=tuple(hf.DTYPES), default="float32", help="tensor dtype (default: %(default)s)")
+    p.add_argument("--merge", action="store_true",
+                   help="model.lora runs: fold the adapters into the base and write the whole model (default: a "
+                        "PEFT adapter folder)")
     p.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_SHARD_BYTES, metavar="N",
                    help="cut model.safetensors into shards of at most N bytes, with an index (default: 5 GiB)")
     cli.run(p, argv, export)
@@ -46,11 +58,19 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     config, model = trained.load_checkpoint(args)
     # The run's own tokenizer, refused unless it is the one the checkpoint was trained with (as eval and generate do).
     tokenizer = trained.trained_tokenizer(args, config)
+    cfg, params = model.cfg, nnx.to_pure_dict(nnx.state(model, BASE_PARAMS))
+    if cfg.lora.rank:
+        adapters = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
+        if not args.merge:
+            return _export_adapter(args, cfg, adapters, config.train.init_from)
+        params, cfg = peft.merged(params, adapters, cfg), dataclasses.replace(cfg, lora=LoraConfig())
+    elif args.merge:
+        raise UsageError("--merge: the run has no adapters (model.lora.rank is 0); export it without --merge")
     with staged_folder(args.out, overwrite=args.overwrite) as staging:
         result = hf.write_folder(
             staging,
-            model.cfg,
-            nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+            cfg,
+            params,
             tokenizer_json=tokenizer.path,
             eos_token=tokenizer.eot_token,
             bos_token=config.tokenizer.bos_token,
@@ -60,5 +80,18 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
             chat_template=find_chat_template(Path(tokenizer.path), config.data.chat_template),
         )
     result["out"] = str(args.out)
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _export_adapter(args: argparse.Namespace, cfg, adapters: dict[str, Any], base: str | None) -> dict[str, Any]:
+    """The run's adapters as a PEFT adapter folder, in ``--dtype``."""
+    tensors = {name: t.astype(hf.DTYPES[args.dtype]) for name, t in peft.to_peft(adapters, cfg).items()}
+    with staged_folder(args.out, overwrite=args.overwrite) as staging:
+        save_file(tensors, str(staging / peft.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        write_text_atomic(staging / peft.ADAPTER_CONFIG, json.dumps(peft.adapter_config(cfg.lora, base), indent=2))
+    result = {"out": str(args.out), "files": [peft.ADAPTER_CONFIG, peft.ADAPTER_WEIGHTS], "dtype": args.dtype,
+              "adapter_parameters": int(sum(t.size for t in tensors.values())),
+              "bytes": int(sum(t.nbytes for t in tensors.values()))}
     print(json.dumps(result), flush=True)
     return result

@@ -72,6 +72,57 @@ def _drop(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Array:
     return layer(x, deterministic=key is None, rngs=key)
 
 
+LORA_STREAM = 0x6C6F7261  # "lora"
+# The base model's parameters: every nnx.Param but the adapters (nnx.LoRAParam, a Param subclass).
+BASE_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None, nnx.State]:
+    """(graphdef, the parameters that train, the frozen base or None, the rest of the state).
+
+    Without adapters every parameter trains (no frozen part); with ``model.lora`` only the adapters do, and the
+    base rides along frozen. ``nnx.merge(graphdef, trained, *([frozen] if frozen else []), rest)`` rebuilds it.
+    """
+    if model.cfg.lora.rank:
+        return nnx.split(model, nnx.LoRAParam, BASE_PARAMS, ...)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, params, None, rest
+
+
+class Adapters(nnx.Module):
+    """``model.lora``'s low-rank adapters of one module's projections: flax's ``nnx.LoRA`` each (A [in, r] from
+    its default init, B [r, out] zeros: a new adapter adds 0), scaled by alpha / r, with dropout on their input.
+
+    ``delta(name, x)`` is what adapter ``name`` adds to its projection's output: x [..., in] -> [..., out]
+    (0 when the projection has none). Their parameters are ``nnx.LoRAParam``: the train step differentiates
+    those alone, and checkpoints hold only them.
+    """
+
+    def __init__(self, cfg: ModelConfig, shapes: dict[str, tuple[int, int]], *, rngs: nnx.Rngs):
+        lora = cfg.lora
+        self.names = tuple(name for name in shapes if lora.rank and name in lora.targets)
+        self.scale = lora.scale
+        self.dropout = nnx.Dropout(lora.dropout)
+        for name in self.names:
+            fan_in, fan_out = shapes[name]
+            setattr(self, name, nnx.LoRA(fan_in, lora.rank, fan_out, param_dtype=jnp.dtype(cfg.param_dtype),
+                                         rngs=rngs))
+
+    def key(self, dropout_key: jax.Array | None) -> jax.Array | None:
+        """The adapters' dropout key from the module's (None: no adapter dropout, or not training). A tag folded in
+        keeps the model's own dropout masks what they are without adapters."""
+        return None if dropout_key is None or not self.dropout.rate else jax.random.fold_in(dropout_key, LORA_STREAM)
+
+    def delta(self, name: str, x: jax.Array, key: jax.Array | None = None) -> jax.Array | None:
+        if name not in self.names:
+            return None
+        module = getattr(self, name)
+        dt = x.dtype
+        if key is not None:  # each adapter its own mask, as PEFT gives each target its own dropout
+            x = _drop(self.dropout, x, jax.random.fold_in(key, self.names.index(name)))
+        return (x @ module.lora_a[...].astype(dt)) @ (self.scale * module.lora_b[...]).astype(dt)
+
+
 
 
 class RMSNorm(nnx.Module):
@@ -188,6 +239,8 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
             self.k_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
         self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+        self.lora = Adapters(cfg, {"q": (d, h * dh), "k": (d, kv * dh), "v": (d, kv * dh), "o": (h * dh, d)},
+                             rngs=rngs)
         self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         self.backend = cfg.attention
         self.attention_dropout = cfg.attention_dropout
@@ -202,10 +255,11 @@ class Attention(nnx.Module):
         ``dropout_key``: drop attention probabilities and the branch's output (training); None: no dropout.
         """
         probs_key, out_key = _keys(dropout_key, 2)
-        q, k, v = self._qkv(x, positions, rope_freq)
+        lora_key = self.lora.key(dropout_key)
+        q, k, v = self._qkv(x, positions, rope_freq, lora_key)
         o = attention(q, k, v, segment_ids, backend=self.backend, scale=self.scale, metadata=metadata,
                       dropout_rate=self.attention_dropout, dropout_key=probs_key, window=window)
-        return _drop(self.dropout, checkpoint_name(self._out(o), "attn_out"), out_key)
+        return _drop(self.dropout, checkpoint_name(self._out(o, lora_key), "attn_out"), out_key)
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,
                rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerCache]:
@@ -223,13 +277,13 @@ class Attention(nnx.Module):
         o = masked_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask, scale=self.scale)
         return self._out(o), dataclasses.replace(cache, keys=keys, values=values)
 
-    def _qkv(self, x: jax.Array, positions: jax.Array,
-             rope_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _qkv(self, x: jax.Array, positions: jax.Array, rope_freq: jax.Array,
+             lora_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [B, T, H, Dh] and keys [B, T, K, Dh] rotated to ``positions``, values [B, T, K, Dh]."""
         dt = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt))
+        q = self._adapted("q", x, jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), lora_key)
+        k = self._adapted("k", x, jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), lora_key)
+        v = self._adapted("v", x, jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt)), lora_key)
         if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if self.qk_norm:
@@ -238,8 +292,15 @@ class Attention(nnx.Module):
         # Named for model.remat=names: the backward pass may keep these instead of recomputing them.
         return checkpoint_name(q, "q"), checkpoint_name(k, "k"), checkpoint_name(v, "v")
 
-    def _out(self, o: jax.Array) -> jax.Array:
-        return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))
+    def _out(self, o: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
+        out = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))
+        delta = self.lora.delta("o", o.reshape(*o.shape[:2], -1), lora_key)
+        return out if delta is None else out + delta
+
+    def _adapted(self, name: str, x: jax.Array, projected: jax.Array, key: jax.Array | None) -> jax.Array:
+        """A head projection [B, T, n, Dh] plus its adapter's output (reshaped to the heads), if it has one."""
+        delta = self.lora.delta(name, x, key)
+        return projected if delta is None else projected + delta.reshape(projected.shape)
 
 
 class SwiGLU(nnx.Module):
@@ -252,14 +313,21 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers), pdt, ("ff", "embed"))
         self.dropout = nnx.Dropout(cfg.dropout)
         self.gelu = cfg.mlp_activation == "gelu_tanh"
+        self.lora = Adapters(cfg, {"gate": (d, f), "up": (d, f), "down": (f, d)}, rngs=rngs)
 
     def __call__(self, x, dropout_key: jax.Array | None = None):
         dt = x.dtype
         x = checkpoint_name(x, "mlp_in")
-        gate = x @ self.w_gate[...].astype(dt)
+        key = self.lora.key(dropout_key)
+        gate = self._linear("gate", x, self.w_gate[...].astype(dt), key)
         gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        out = (gate * (x @ self.w_up[...].astype(dt))) @ self.w_down[...].astype(dt)
+        out = self._linear("down", gate * self._linear("up", x, self.w_up[...].astype(dt), key),
+                           self.w_down[...].astype(dt), key)
         return _drop(self.dropout, checkpoint_name(out, "mlp_out"), dropout_key)
+
+    def _linear(self, name: str, x: jax.Array, w: jax.Array, key: jax.Array | None) -> jax.Array:
+        delta = self.lora.delta(name, x, key)
+        return x @ w if delta is None else x @ w + delta
 
 
 class Block(nnx.Module):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -18,9 +19,12 @@ from seqjax.config.diff import resume_changes
 from seqjax.config.load import load_config
 from seqjax.config.tree import Config, ConfigError
 from seqjax.core.errors import CheckpointError, CheckpointMismatchError
-from seqjax.model import build_model
+from seqjax.hf import folders as hf
+from seqjax.hf.peft import merged
+from seqjax.model import BASE_PARAMS, build_model, split_params
 from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite
+from seqjax.train.adapters import base_identity, check_base
 from seqjax.train.orbax_quiet import after_a_damaged_read
 from seqjax.train.resume import (
     CHECKPOINTS,
@@ -94,6 +98,19 @@ def check_tokenizer(where: str | Path, tokenizer_hash: str, tokenizer_path: str 
         )
 
 
+def base_weights(path: str, dtype: str, scan_layers: bool) -> dict[str, Any]:
+    """The weights at ``path`` as a pure dict of numpy arrays of ``dtype`` (blocks stacked for scan_layers): an HF
+    folder's, or a seqjax run's or step folder's (a LoRA run's with its adapters folded in). What
+    ``train.init_from`` starts from, and the base a LoRA run's adapters are read onto."""
+    if hf.is_hf_folder(Path(path).expanduser()):
+        return blocks_layout(hf.read_params(hf.read_folder(path), dtype), stacked=scan_layers)
+    _, model = load_for_inference(path)
+    params = nnx.to_pure_dict(nnx.state(model, BASE_PARAMS))
+    if model.cfg.lora.rank:  # a LoRA run's weights are its base with the adapters folded in
+        params = merged(params, nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)), model.cfg)
+    return blocks_layout(jax.tree.map(lambda a: np.asarray(a).astype(dtype), params), stacked=scan_layers)
+
+
 def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Any]:
     """(config, model with trained weights) from a run dir (its newest readable checkpoint) or a step folder.
 
@@ -110,7 +127,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     if own_tokenizer.is_file() and not any(o.startswith("tokenizer.path=") for o in overrides):
         config.tokenizer.path = str(own_tokenizer)  # the run's copy, wherever the run folder now is
     model = build_model(config, rngs=nnx.Rngs(config.run.seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, frozen, rest = split_params(model)  # under model.lora a checkpoint holds the adapters only
     target = abstract(nnx.to_pure_dict(params))
     errors = []
 
@@ -146,7 +163,14 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     step_dir, restored = checkpoints / str(found[0]), like_target(target, found[1])
     for path, value in jax.tree_util.tree_leaves_with_path(restored):
         check_finite(value, "/".join(str(getattr(k, "key", k)) for k in path), str(step_dir / "params"))
-    model = nnx.merge(graphdef, restored, rest)
+    if frozen is not None:  # the adapters' base: train.init_from again (or run.seed's initialization), checked
+        base = nnx.to_pure_dict(frozen)
+        if config.train.init_from:
+            base = base_weights(config.train.init_from, config.model.param_dtype, config.model.scan_layers)
+        check_base(read_meta(step_dir).get("lora_base"), base_identity(base, config.train.init_from), step_dir)
+        model = nnx.merge(graphdef, restored, base, rest)
+    else:
+        model = nnx.merge(graphdef, restored, rest)
     model.checkpoint_step = found[0]  # which step was read (an older one when the newest is unreadable): eval says it
     return config, model
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer as HFTokenizer
@@ -34,7 +33,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from seqjax.config.load import load_config
 from seqjax.config.tree import Config, ConfigError, ModelConfig
 from seqjax.hf import folders as hf
-from seqjax.model import build_model
+from seqjax.model import BASE_PARAMS, build_model
 from seqjax.model.stacking import blocks_layout
 from seqjax.store.build import prepare
 from seqjax.train import inference
@@ -119,7 +118,7 @@ def _shapes(cfg: Config | ModelConfig) -> dict[str, tuple[int, ...]]:
     else:
         cfg = model_cfg
     model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
-    return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(model, BASE_PARAMS))}
 
 
 def check_shapes(config: Config, source: Source) -> None:
@@ -149,9 +148,7 @@ def load_params(source: Source, dtype: str, scan_layers: bool = False) -> dict[s
     blocks stacked when the run scans its layers (whatever layout the source has)."""
     if source.folder is not None:
         return blocks_layout(hf.read_params(source.folder, dtype), stacked=scan_layers)
-    _, model = inference.load_for_inference(source.path)
-    params = _cast(nnx.to_pure_dict(nnx.state(model, nnx.Param)), jnp.dtype(dtype))
-    return blocks_layout(params, stacked=scan_layers)
+    return inference.base_weights(str(source.path), dtype, scan_layers)
 
 
 def _cast(tree: Any, dtype: np.dtype) -> Any:

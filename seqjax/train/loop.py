@@ -39,11 +39,11 @@ from seqjax.core.files import json_text, write_text_atomic
 from seqjax.data.pipeline import build_pipeline
 from seqjax.eval.evaluate import evaluate
 from seqjax.eval.windows import resolve_stride
-from seqjax.model import build_model, sharding
+from seqjax.model import build_model, sharding, split_params
 from seqjax.model.attention import resolve_backend
 from seqjax.store.build import has_split, prepare
 from seqjax.store.examples import CHAT_TEMPLATE_FILE, find_chat_template
-from seqjax.train import init_from
+from seqjax.train import adapters, init_from
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, peak_flops_per_device
@@ -123,12 +123,28 @@ def _validation(model, store, config: Config, mesh, step: int, primary: bool, fi
     return row
 
 
-def _sharded_model(config: Config, mesh) -> tuple[nnx.GraphDef, nnx.State, dict, dict]:
-    """(graphdef, non-Param state, params as a pure dict placed on the mesh, their shardings)."""
+@dataclasses.dataclass
+class _Placed:
+    """The model split for training and placed on the mesh: what trains (every parameter, or model.lora's adapters)
+    and, under adapters, the frozen base, each a pure dict with its shardings."""
+
+    graphdef: nnx.GraphDef
+    rest: nnx.State
+    params: dict
+    param_shardings: dict
+    frozen: dict | None = None
+    frozen_shardings: dict | None = None
+
+
+def _sharded_model(config: Config, mesh) -> _Placed:
     model = build_model(config, rngs=nnx.Rngs(config.run.seed))
-    graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
-    param_shardings = sharding.param_shardings(param_state, mesh)
-    return graphdef, rest, sharding.place(nnx.to_pure_dict(param_state), param_shardings), param_shardings
+    graphdef, trained, frozen, rest = split_params(model)
+    placed = _Placed(graphdef, rest, {}, sharding.param_shardings(trained, mesh))
+    placed.params = sharding.place(nnx.to_pure_dict(trained), placed.param_shardings)
+    if frozen is not None:
+        placed.frozen_shardings = sharding.param_shardings(frozen, mesh)
+        placed.frozen = sharding.place(nnx.to_pure_dict(frozen), placed.frozen_shardings)
+    return placed
 
 
 def _sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, param_shardings: dict, replicated):
@@ -169,7 +185,10 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
         source = init_from.locate(config.train.init_from)
         config = init_from.adopt(config, source)
         saved = _saved_steps(Path(config.run.dir))
-        if saved:  # said before any work: resuming the run's own checkpoints wins (as a requeued job expects)
+        if saved and config.model.lora.rank:  # checkpoints hold the adapters only: their base is read again
+            logger.info("run.dir %s holds checkpoints (newest: step %d): the adapters resume from them, on their "
+                        "base train.init_from=%s", config.run.dir, max(saved), config.train.init_from)
+        elif saved:  # said before any work: resuming the run's own checkpoints wins (as a requeued job expects)
             logger.warning("run.dir %s holds checkpoints (newest: step %d): the run resumes from them and "
                            "train.init_from=%s is not read (it only starts a new run; use a new run.dir to "
                            "fine-tune afresh)", config.run.dir, max(saved), config.train.init_from)
@@ -226,6 +245,8 @@ class _Setup:
     learning_rates: np.ndarray
     data_iterator: Any
     identity: dict[str, Any]
+    frozen: tuple  # () or (the frozen base under model.lora,): the step's last argument
+    base: dict[str, Any] | None  # model.lora: the base the adapters belong to (train.init_from and a hash)
     step_fn: Callable
     to_device: Callable
 
@@ -248,11 +269,20 @@ def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
     run_dir = Path(config.run.dir)
     config = dataclasses.replace(config, tokenizer=dataclasses.replace(config.tokenizer,
                                                                        path=str(run_dir / TOKENIZER_FILE)))
-    graphdef, rest, params, param_shardings = _sharded_model(config, mesh)
+    placed = _sharded_model(config, mesh)
+    lora = config.model.lora.rank > 0
     if source is not None:
-        params = sharding.place(init_from.load_params(source, config.model.param_dtype, config.model.scan_layers),
-                                param_shardings)
-        logger.info("parameters from %s (optimizer, step and data position start fresh)", source.path)
+        loaded = init_from.load_params(source, config.model.param_dtype, config.model.scan_layers)
+        if lora:  # the source is the frozen base; the adapters start as LoRA starts (B = 0: the base's function)
+            placed.frozen = sharding.place(loaded, placed.frozen_shardings)
+        else:
+            placed.params = sharding.place(loaded, placed.param_shardings)
+        logger.info("%s from %s (optimizer, step and data position start fresh)",
+                    "base parameters" if lora else "parameters", source.path)
+    if tc.init_adapter:
+        placed.params = sharding.place(adapters.read_adapter(tc.init_adapter, config), placed.param_shardings)
+        logger.info("adapters from %s", tc.init_adapter)
+    graphdef, rest, params, param_shardings = placed.graphdef, placed.rest, placed.params, placed.param_shardings
     tx, schedule = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
     opt_state, opt_shardings = _sharded_optimizer_state(tx, params, param_shardings, replicated)
@@ -264,6 +294,7 @@ def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
         unigram=None if valid_store is None else unigram_perplexity(train_store.tokens, valid_store.tokens,
                                                                      config.model.vocab_size),
         graphdef=graphdef, rest=rest, params=params, opt_state=opt_state,
+        frozen=() if placed.frozen is None else (placed.frozen,),
         rng=sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated),
         num_params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)),
         # Every step's learning rate up front: one small computation instead of eager ops in the loop.
@@ -272,9 +303,11 @@ def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
                                           process_count=process_count)),
         # What the batches are cut from; a checkpoint records it, so a resume on other text or tokenizer is seen.
         identity={"tokenizer": prepared.tokenizer.hash, "sources": train_store.text_identity},
+        base=None if placed.frozen is None else adapters.base_identity(placed.frozen, config.train.init_from),
         step_fn=jax.jit(
             make_train_step(graphdef, rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss),
-            in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated),
+            in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated,
+                          *([] if placed.frozen is None else [placed.frozen_shardings])),
             out_shardings=(param_shardings, opt_shardings, replicated),
             donate_argnums=(0, 1),
         ),
@@ -301,6 +334,8 @@ def _restore(checkpoints: Checkpointer, run: _Setup) -> Restored | None:
         if restored is not None and restored.step > config.train.steps:
             raise ConfigError(f"train.steps: got {config.train.steps}, expected at least {restored.step}, the step "
                               f"of the newest checkpoint in {checkpoints.directory} (raise it to continue the run)")
+        if restored is not None and run.base is not None:  # adapters belong to one base: another is refused
+            adapters.check_base(restored.meta.get("lora_base"), run.base, checkpoints.directory / str(restored.step))
     except BaseException:
         checkpoints.close()
         raise
@@ -337,7 +372,7 @@ def _resume_row(restored: Restored) -> dict[str, Any]:
 
 def _validate(run: _Setup, params, mesh, step: int, validate, log: MetricsLog) -> dict[str, Any]:
     """One validation (the caller's ``validate``, or the built-in one), logged to metrics.jsonl and stderr."""
-    model = nnx.merge(run.graphdef, params, run.rest)
+    model = nnx.merge(run.graphdef, params, *run.frozen, run.rest)
     if validate is not None:
         row = {"step": step, **validate(model, step)}
     else:
@@ -395,7 +430,8 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
 
     def save(state: StepState) -> None:
         meta = {"tokens_seen": steps.tokens_seen, "row": steps.last_row or None,
-                "processes": process_count, "devices": jax.device_count(), "data_identity": run.identity}
+                "processes": process_count, "devices": jax.device_count(), "data_identity": run.identity,
+                **({"lora_base": run.base} if run.base is not None else {})}
         checkpoints.save(state.step, state.params, state.opt_state, state.rng, state.position, meta,
                          config.to_dict())
 
@@ -420,7 +456,8 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
             profiler.begin(start_step + 1)
             for step in range(start_step + 1, tc.steps + 1):
                 batch, position = next(prefetch)
-                params, opt_state, m = run.step_fn(params, opt_state, batch, rng, step)  # rng, step: dropout's key
+                # rng, step: dropout's key; run.frozen: the base under adapters, if any
+                params, opt_state, m = run.step_fn(params, opt_state, batch, rng, step, *run.frozen)
                 # No host sync here: the metrics stay on the device until a hook flushes them, so the host
                 # runs ahead and dispatches the next step while this one computes.
                 steps.add(step, m, batch["inputs"].shape)

@@ -71,30 +71,33 @@ def micro_loss(model, micro: Batch, key, z_loss: float) -> tuple[jax.Array, dict
 def make_train_step(
     graphdef: nnx.GraphDef, rest: Any, tx: optax.GradientTransformation, *, grad_accum: int, z_loss: float
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
-    """``step(params, opt_state, batch, rng=None, step=0) -> (params, opt_state, metrics)``, pure and jittable.
+    """``step(params, opt_state, batch, rng=None, step=0, frozen=None) -> (params, opt_state, metrics)``, pure and
+    jittable.
 
-    ``graphdef``/``rest`` come from ``nnx.split(model, nnx.Param, ...)``;
-    ``params`` is the Param state as a pure dict. ``rng`` (the run's key data)
-    and ``step`` (the step's number) seed dropout; with ``rng=None`` nothing is
+    ``graphdef``/``rest`` come from :func:`seqjax.model.split_params`; ``params`` is the state that trains as a
+    pure dict (every parameter, or ``model.lora``'s adapters alone), ``frozen`` the base under adapters (an
+    argument, not a constant baked into the compiled step; it gets no gradient and no optimizer state).
+    ``rng`` (the run's key data) and ``step`` (the step's number) seed dropout; with ``rng=None`` nothing is
     dropped, whatever ``model.dropout`` says. ``metrics`` holds ``loss``
     (the contract-3 cross-entropy), ``objective`` (plus z-loss), ``grad_norm``
     (before clipping), ``weight_sum``, ``tokens`` (non-padding
     input tokens of the global batch) and ``finite``.
     """
 
-    def summed_objective(params, micro: Batch, key):
-        model = nnx.merge(graphdef, params, rest)
+    def summed_objective(params, micro: Batch, key, frozen):
+        model = nnx.merge(graphdef, params, *([] if frozen is None else [frozen]), rest)
         loss, aux = micro_loss(model, micro, key, z_loss)
         # lm_loss is a mean over this micro-batch's weights; times their sum it is a sum again.
         return loss * aux["weight_sum"], aux
 
     value_and_grad = jax.value_and_grad(summed_objective, has_aux=True)
 
-    def step(params, opt_state, batch: Batch, rng=None, step=0):
+    def step(params, opt_state, batch: Batch, rng=None, step=0, frozen=None):
         def accumulate(carry, xs):
             micro, index = xs
             grads, objective, nll, weights = carry
-            (obj, aux), g = value_and_grad(params, micro, None if rng is None else dropout_key(rng, step, index))
+            key = None if rng is None else dropout_key(rng, step, index)
+            (obj, aux), g = value_and_grad(params, micro, key, frozen)
             grads = jax.tree.map(jnp.add, grads, g)
             return (grads, objective + obj, nll + aux["nll_sum"], weights + aux["weight_sum"]), None
 

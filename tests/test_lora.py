@@ -1,0 +1,160 @@
+"""model.lora: adapters on a frozen base. At B = 0 the base's function; gradients by the chain rule through
+W + (alpha / r) A B and nowhere else; checkpoints of the adapters alone that resume exactly and refuse another
+base; eval, generate and export (a PEFT folder, or --merge) on the run directly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from seqjax.config.load import load_config
+from seqjax.hf import peft
+from seqjax.model import BASE_PARAMS, build_model, split_params
+from seqjax.model.loss import lm_loss
+from seqjax.train.optimizer import build_optimizer
+from seqjax.train.resume import read_saved
+from seqjax.train.step import make_train_step
+from test_train_support import assert_ok, run_cli, tiny_overrides, train_losses
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=48",
+        "model.vocab_size=64", "model.max_seq_len=16", "data.seq_len=16", "model.attention=xla"]
+LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
+
+
+def batch(seed: int = 0, b: int = 2, t: int = 16):
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(rng.integers(0, 64, (b, t + 1)), jnp.int32)
+    return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "positions": jnp.tile(jnp.arange(t), (b, 1)),
+            "segment_ids": jnp.ones((b, t), jnp.int32), "weights": jnp.ones((b, t), jnp.float32)}
+
+
+def logits(model, data):
+    return model(data["inputs"], positions=data["positions"], segment_ids=data["segment_ids"])
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_at_initialization_a_lora_model_computes_its_base_exactly(scan):
+    lora = build_model(load_config(None, TINY + LORA + [f"model.scan_layers={scan}"]), rngs=nnx.Rngs(0))
+    base = build_model(load_config(None, TINY + [f"model.scan_layers={scan}"]), rngs=nnx.Rngs(1))
+    nnx.update(base, nnx.state(lora, BASE_PARAMS))
+    data = batch()
+    np.testing.assert_array_equal(np.asarray(logits(lora, data)), np.asarray(logits(base, data)))
+    adapters = nnx.to_pure_dict(nnx.state(lora, nnx.LoRAParam))
+    assert all(not np.any(np.asarray(v)) for k, v in jax.tree_util.tree_leaves_with_path(adapters)
+               if "lora_b" in jax.tree_util.keystr(k))
+
+
+def test_adapter_gradients_are_the_chain_rule_through_the_merged_weight():
+    """dL/dA = s G B^T and dL/dB = s A^T G, with G = dL/dW' of the model whose weights are W' = W + s A B."""
+    config = load_config(None, TINY + LORA)
+    model = build_model(config, rngs=nnx.Rngs(0))
+    graphdef, adapters, frozen, rest = split_params(model)
+    adapters = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(7), a.shape),
+                            nnx.to_pure_dict(adapters))  # B != 0, so both gradients are non-trivial
+    data, s = batch(3), config.model.lora.scale
+
+    def loss_of_adapters(a):
+        m = nnx.merge(graphdef, a, frozen, rest)
+        return lm_loss(logits(m, data), data["targets"], data["weights"])[0]
+
+    grads = jax.grad(loss_of_adapters)(adapters)
+    merged = peft.merged(nnx.to_pure_dict(frozen), adapters, config.model)
+    plain = build_model(load_config(None, TINY), rngs=nnx.Rngs(0))
+    pgraph, pparams, prest = nnx.split(plain, nnx.Param, ...)
+
+    def loss_of_weights(w):
+        return lm_loss(logits(nnx.merge(pgraph, w, prest), data), data["targets"], data["weights"])[0]
+
+    g_w = jax.grad(loss_of_weights)(merged)
+    for i in range(config.model.n_layers):
+        for target, (_, module, weight) in peft.MODULES.items():
+            a = np.asarray(adapters["blocks"][i][module]["lora"][target]["lora_a"], np.float64)
+            b = np.asarray(adapters["blocks"][i][module]["lora"][target]["lora_b"], np.float64)
+            g = np.asarray(g_w["blocks"][i][module][weight], np.float64).reshape(a.shape[0], b.shape[1])
+            got = grads["blocks"][i][module]["lora"][target]
+            np.testing.assert_allclose(np.asarray(got["lora_a"]), s * g @ b.T, rtol=2e-4, atol=1e-7)
+            np.testing.assert_allclose(np.asarray(got["lora_b"]), s * a.T @ g, rtol=2e-4, atol=1e-7)
+
+
+def test_a_train_step_moves_the_adapters_only_and_leaves_the_base_bit_identical():
+    config = load_config(None, TINY + LORA + ["train.lr=1e-2", "train.warmup_steps=0"])
+    model = build_model(config, rngs=nnx.Rngs(0))
+    graphdef, adapters, frozen, rest = split_params(model)
+    adapters, frozen = nnx.to_pure_dict(adapters), nnx.to_pure_dict(frozen)
+    before = jax.tree.map(np.asarray, frozen)
+    tx, _ = build_optimizer(config.train)
+    step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=2, z_loss=0.0))
+    opt_state = tx.init(adapters)
+    new, opt_state, metrics = step(adapters, opt_state, batch(1, b=4), None, 1, frozen)
+    new, _, _ = step(new, opt_state, batch(2, b=4), None, 2, frozen)
+    assert np.isfinite(float(metrics["loss"]))
+    moved = [np.any(np.asarray(x) != np.asarray(y)) for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(adapters))]
+    assert all(moved)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, frozen))
+    optimizer_arrays = sum(x.size for x in jax.tree.leaves(opt_state) if hasattr(x, "size") and x.ndim)
+    assert optimizer_arrays == 2 * sum(x.size for x in jax.tree.leaves(adapters))  # AdamW's moments, adapters only
+
+
+def test_peft_round_trip_and_the_merged_weights_compute_the_lora_model():
+    config = load_config(None, TINY + LORA)
+    model = build_model(config, rngs=nnx.Rngs(0))
+    graphdef, adapters, frozen, rest = split_params(model)
+    adapters = jax.tree.map(lambda a: np.asarray(a + 0.05 * jax.random.normal(jax.random.key(3), a.shape)),
+                            nnx.to_pure_dict(adapters))
+    back = peft.from_peft(peft.to_peft(adapters, config.model), config.model, "here")
+    jax.tree.map(np.testing.assert_array_equal, back, adapters)
+    lora_model = nnx.merge(graphdef, adapters, frozen, rest)
+    plain = build_model(load_config(None, TINY), rngs=nnx.Rngs(0))
+    nnx.update(plain, peft.merged(nnx.to_pure_dict(frozen), adapters, config.model))
+    data = batch(5)
+    np.testing.assert_allclose(np.asarray(logits(plain, data)), np.asarray(logits(lora_model, data)), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.slow  # LoRA runs on a trained tiny base, through the CLIs
+def test_a_lora_run_resumes_exactly_saves_small_refuses_another_base_and_exports(reference, tiny_root, tmp_path,
+                                                                                  capsys):
+    from seqjax.main import export
+
+    base = tiny_root / "reference"
+    lora = {"train.init_from": base, "model.lora.rank": 4, "model.lora.alpha": 8, "train.lr": 1e-2,
+            "train.checkpoint_every": 5, "train.steps": 10}
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert_ok(run_cli(tiny_overrides(tiny_root, whole, **lora)))
+    assert_ok(run_cli(tiny_overrides(tiny_root, resumed, **{**lora, "train.steps": 5})))
+    assert_ok(run_cli(tiny_overrides(tiny_root, resumed, **lora)))
+    assert train_losses(resumed) == train_losses(whole)
+    assert train_losses(whole)[10] < train_losses(whole)[1]
+
+    def saved_numbers(step_dir):  # what a checkpoint holds: parameters and optimizer state, counted
+        saved = read_saved(step_dir, items=("params", "opt_state"))
+        return sum(int(np.prod(shape)) for item in saved.arrays.values() for shape, _ in item.values())
+
+    # the adapters and their two AdamW moments, not the base (at this tiny shape orbax's own files weigh more)
+    ratio = saved_numbers(whole / "checkpoints" / "10") / saved_numbers(base / "checkpoints" / "60")
+    assert ratio < 0.2
+
+    other = tmp_path / "other_base"  # the same shapes, other weights: refused in one line, nothing touched
+    shutil.copytree(base, other)
+    shutil.rmtree(other / "checkpoints" / "60")
+    proc = run_cli(tiny_overrides(tiny_root, resumed, **{**lora, "train.init_from": other, "train.steps": 12}))
+    assert proc.returncode == 2 and "adapters only mean something on their own base" in proc.stderr
+    assert "Traceback" not in proc.stderr and sorted(train_losses(resumed)) == list(range(1, 11))
+
+    export.main(["--run", str(whole), "--out", str(tmp_path / "adapter")])
+    config = json.loads((tmp_path / "adapter" / peft.ADAPTER_CONFIG).read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
+    tensors = load_file(str(tmp_path / "adapter" / peft.ADAPTER_WEIGHTS))
+    assert len(tensors) == 2 * 7 * 2 and all(name.startswith("base_model.model.model.layers.") for name in tensors)
+    export.main(["--run", str(whole), "--out", str(tmp_path / "merged"), "--merge"])
+    assert (tmp_path / "merged" / "model.safetensors").is_file() and not (tmp_path / "merged" / "adapter_config.json"
+                                                                          ).exists()
+    capsys.readouterr()
+    jax.clear_caches()
