@@ -110,3 +110,41 @@ def test_a_full_disk_and_a_read_only_folder_under_real_writes_each_give_one_line
     (line,) = error_lines(err)
     assert f"checkpoint 20 could not be written to {tiny_tmpfs}: [Errno 30] Read-only file system" in line
     assert "Traceback" not in err
+
+
+def test_a_full_disk_under_metrics_jsonl_stops_the_run_in_one_line(reference, tiny_root, tmp_path, monkeypatch,
+                                                                     capsys):
+    """Between checkpoints, metrics.jsonl's append fails: one ERROR line naming the file and the OS error, no
+    traceback (there were two: the write's, and close() retrying the buffer), and the run resumes later."""
+    from seqjax.train import metrics
+
+    run_dir = tmp_path / "run"
+    real_note = metrics.MetricsLog.note
+
+    def note(self, row):
+        if row.get("step") == 15 and "loss" in row:
+            real_file = self.file
+
+            class Full:
+                def write(self, text):
+                    real_file.write(text)  # buffered: the flush is what the full disk refuses
+
+                def flush(self):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+                def close(self):
+                    real_file.close()
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            self.file = Full()
+        return real_note(self, row)
+
+    monkeypatch.setattr(metrics.MetricsLog, "note", note)
+    assert train_here(tiny_overrides(tiny_root, run_dir, **{"train.steps": 30, "train.log_every": 5})) == 1
+    err = capsys.readouterr().err
+    (line,) = error_lines(err)
+    assert f"{run_dir / 'metrics.jsonl'} could not be written at step 15: [Errno 28] No space left on device" in line
+    assert "Traceback" not in err and checkpoint_steps(run_dir) == [10]
+    monkeypatch.undo()
+    assert_ok(run_cli(tiny_overrides(tiny_root, run_dir, **{"train.steps": 30})))
+    assert train_losses(run_dir) == {step: reference[step] for step in range(1, 31)}

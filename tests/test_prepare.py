@@ -74,6 +74,32 @@ def test_cli_on_a_jsonl_corpus(tmp_path, capsys):
     assert summary["valid"]["tokens"] == len(tokenizer.encode("beta gamma")) + 1
 
 
+def test_prepare_and_eval_need_only_the_splits_they_read(tmp_path, capsys):
+    """Without --splits, prepare builds the splits the config has files for (no test files: no test split, not a
+    refusal); with a tokenizer given, a validation split is prepared without any train file (what eval of an
+    instruction file on an imported model needs); the train split, or a tokenizer to train, still needs them."""
+    from seqjax.core.errors import ConfigError
+    from seqjax.store.build import prepare
+
+    for split in ("train", "valid"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps({"text": f"alpha beta gamma {split}"}) + "\n")
+    base = ["data.corpus=jsonl", f"data.dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}",
+            "tokenizer.vocab_size=270"]
+    _, summary = run_cli(capsys, [*base, "data.train_files=[train.jsonl]", "data.valid_files=[valid.jsonl]"])
+    assert list(summary) == ["train", "valid"]
+    tokenizer = Tokenizer(json.loads((Path(summary["valid"]["store"]) / "manifest.json").read_text())[
+        "tokenizer_path"], "<|endoftext|>")
+    only_valid = load_config(None, [*base, "data.valid_files=[valid.jsonl]", f"tokenizer.path={tokenizer.path}"])
+    assert prepare(only_valid, splits=("valid",)).stores["valid"].num_docs == 1
+    with pytest.raises(ConfigError, match="data.train_files: got \\[\\], expected at least one file for "
+                                          "data.corpus='jsonl': the train split reads them"):
+        prepare(only_valid, splits=("train",))
+    with pytest.raises(ConfigError, match="the tokenizer, trained on the train split"):
+        prepare(load_config(None, [*base, "data.valid_files=[valid.jsonl]"]), splits=("valid",))
+    with pytest.raises(ConfigError, match="data.test_files: got \\[\\], expected files for the test split"):
+        prepare(only_valid, splits=("test",))
+
+
 def test_cli_errors_exit_2_with_the_message(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["data.corpus=text", "data.train_files=[missing.txt]", f"data.cache_dir={tmp_path}"])

@@ -293,8 +293,8 @@ class DataConfig:
                     "data.strategy: got 'sequential', expected another strategy with data.sources: sequential's rows "
                     "continue each other from batch to batch, and a mixture moves rows between sources"
                 )
-        elif self.corpus != "wikitext2" and not self.train_files:
-            raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={self.corpus!r}")
+        # (data.train_files itself is required where the train split or a tokenizer trained on it is read:
+        # seqjax.store.build.prepare; eval and prepare of other splits need only theirs)
         for source in self.resolved_sources():
             for split in ("train", "valid", "test"):
                 files = getattr(source, f"{split}_files")

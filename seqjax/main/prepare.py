@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from seqjax.config.load import announce
 from seqjax.main import cli
-from seqjax.store.build import cache_dir, prepare
+from seqjax.store.build import cache_dir, has_split, prepare
 from seqjax.store.corpus import SPLITS
 
 
@@ -29,7 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser("python -m seqjax.prepare",
                    "Train or load the tokenizer and build (or reuse) the token store of each split.")
     p.add_argument(
-        "--splits", default=",".join(SPLITS), help="comma-separated splits to prepare (default: %(default)s)"
+        "--splits", default=None,
+        help=f"comma-separated splits to prepare, of {','.join(SPLITS)} (default: those the config has files for)"
     )
     p.add_argument("--verify", action="store_true",
                    help="re-hash every source file and every store file, whatever their size and time say")
@@ -40,7 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build(args: argparse.Namespace) -> dict[str, Any]:
     """Prepare the requested splits and print what was built or reused; returns the summary."""
     config = cli.load(args)
-    splits = [s.strip() for s in args.splits.split(",") if s.strip()]
+    if args.splits is None:  # every split the config gives (a corpus without test files has none to build)
+        splits = [s for s in SPLITS if has_split(config, s)]
+    else:
+        splits = [s.strip() for s in args.splits.split(",") if s.strip()]
     announce(config, cache_dir(config, writable=True), "prepare.yaml")
     start = time.perf_counter()
     processes = _processes(config)

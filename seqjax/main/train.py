@@ -17,7 +17,7 @@ from seqjax.core.files import json_text
 from seqjax.main import cli
 from seqjax.train.checkpoint import CheckpointWriteError
 from seqjax.train.loop import train
-from seqjax.train.metrics import NonFiniteLoss
+from seqjax.train.metrics import MetricsWriteError, NonFiniteLoss
 from seqjax.train.signals import Interrupted
 
 log = logging.getLogger("seqjax.train")  # the command's name, as its log lines show it
@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_training(args: argparse.Namespace) -> int:
     try:
         summary = train(cli.load(args))
-    except (NonFiniteLoss, CheckpointWriteError) as err:
+    except (NonFiniteLoss, CheckpointWriteError, MetricsWriteError) as err:
         log.error("%s", err)
         return 1
     except Interrupted as err:

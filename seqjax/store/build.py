@@ -59,7 +59,7 @@ from typing import Any
 
 import xxhash
 
-from seqjax.config.tree import Config, SourceConfig
+from seqjax.config.tree import Config, ConfigError, SourceConfig
 from seqjax.core.errors import CorpusError, StoreError
 from seqjax.core.files import write_text_atomic
 from seqjax.core.progress import progress_bar
@@ -476,6 +476,16 @@ def _prepare(
     if process_count > 1 and barrier is None:
         raise StoreError(f"prepare with process_count={process_count} needs a barrier shared by the processes")
     needs_train = not config.tokenizer.path
+    d = config.data
+    if d.corpus != "wikitext2" and not d.sources and not d.train_files and (needs_train or "train" in splits):
+        why = "the train split" if "train" in splits else "the tokenizer, trained on the train split (or set " \
+            "tokenizer.path)"
+        raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={d.corpus!r}: "
+                          f"{why} reads them")
+    missing = [s for s in splits if not has_split(config, s)]
+    if missing:
+        raise ConfigError(f"data.{missing[0]}_files: got [], expected files for the {missing[0]} split that was "
+                          "asked for (or leave it out)")
     if needs_train:
         check_vocab_size(config.tokenizer.vocab_size, special_tokens(config))
     sources = config.data.resolved_sources()

@@ -135,6 +135,10 @@ def _scalars(row: dict[str, Any], prefix: str = ""):
             yield prefix + key, value
 
 
+class MetricsWriteError(RuntimeError):
+    """metrics.jsonl could not be written (full disk, read-only folder): the run stops at that step in one line."""
+
+
 class MetricsLog:
     """Appends rows to metrics.jsonl (always) and to the other trackers ``run.trackers`` names.
 
@@ -192,16 +196,35 @@ class MetricsLog:
             tracker.write(row, prefix)
 
     def note(self, row: dict[str, Any]) -> None:
-        """A row for metrics.jsonl only (an event such as a resume; no tracker plots it). NaN is written as null."""
+        """A row for metrics.jsonl only (an event such as a resume; no tracker plots it). NaN is written as null.
+
+        A write the disk refuses (full, read-only) stops the run with one line: :class:`MetricsWriteError`.
+        """
         if not self.enabled:
             return
-        self.file.write(json_text(row) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json_text(row) + "\n")
+            self.file.flush()
+        except OSError as err:
+            self._drop_file()
+            raise MetricsWriteError(
+                f"{self.run_dir / METRICS_FILE} could not be written at step {row.get('step')}: [Errno {err.errno}] "
+                f"{err.strerror}. The run stops here; once there is room, run the same command again: it resumes "
+                "from the newest checkpoint") from None
+
+    def _drop_file(self) -> None:
+        """Close the log, dropping what its buffer still holds (the disk refused it; close must not retry)."""
+        try:
+            self.file.close()
+        except OSError:
+            pass
+        self.file = None
 
     def close(self) -> None:
         if not self.enabled:
             return
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         for tracker in self.trackers:
             tracker.close()
 
