@@ -79,3 +79,26 @@ def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
     assert exit_.value.code == 130
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C): stopped" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # a trained tiny run, copied and damaged
+def test_init_from_a_run_whose_checkpoint_data_is_truncated_is_one_line(reference, tiny_root, tmp_path):
+    """The fault campaign saw 'RuntimeError: Event loop is closed' and its traceback after the one line: orbax's
+    orphaned reads of the damaged files. Every step's array data cut short: each is reported unreadable, then
+    one error line, exit 2, and no traceback at all."""
+    import shutil
+
+    from test_train_support import tiny_overrides
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_root / "reference", damaged)
+    cut = [f for f in (damaged / "checkpoints").rglob("*") if f.is_file() and "/params/" in str(f)
+           and f.parent.name == "d"]
+    assert cut
+    for f in cut:
+        f.write_bytes(f.read_bytes()[:50])
+    proc = run("-m", "seqjax.train", *tiny_overrides(tiny_root, tmp_path / "run", **{
+        "train.init_from": damaged, "train.steps": 2}), timeout=240)
+    line = one_line(proc)
+    assert f"no readable checkpoint in {damaged / 'checkpoints'}" in line
+    assert "Event loop is closed" not in proc.stderr

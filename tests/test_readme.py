@@ -142,7 +142,7 @@ def adapt(command: str, root: Path) -> list[str]:
         extra_after = TINY_TRAIN if "seqjax.train" in argv else []
         mixture = any(a.startswith("data.sources=") for a in argv)
         argv = [*argv[:at], *tiny_data(root, files=not mixture), *argv[at:], *extra_after]
-    elif "--run" in argv:
+    elif "--run" in argv and "eval.mode=lm_eval" not in argv:  # (lm_eval reads raw WikiText-2, not these files)
         argv += [f"data.test_files=[{root / 'valid.jsonl'}]"]
     flag = next((f for f in ("--max-new-tokens", "--max_new_tokens") if f in argv), None)
     if flag:

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from seqjax.config.tree import Config, ConfigError, ModelConfig
@@ -101,12 +102,14 @@ def windows_for(store: TokenStore, config: Config) -> EvalWindows:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: Batch) -> jax.Array:
-    """Each slot's weighted nll (nats, float32 [B, T]; 0 where not scored): contract 3's terms, which ``lm_loss``
-    sums."""
+def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """The batch's summed nll (nats, float32) and each slot's weighted nll ([B, T]; 0 where not scored): contract
+    3's terms, which ``lm_loss`` sums. The sum is taken here, so a batch sharded over processes reads as one
+    number; the slots are fetched only for per-document figures."""
     model = nnx.merge(graphdef, state)
     logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-    return token_nll(logits, batch["targets"], batch["weights"])
+    nll = token_nll(logits, batch["targets"], batch["weights"])
+    return jnp.sum(nll), nll
 
 
 class _Placement:
@@ -155,13 +158,17 @@ class _Sums:
     tokens: int = 0
     documents: np.ndarray | None = None
 
-    def add(self, nll: jax.Array, weights: np.ndarray, targets: np.ndarray | None, doc_offsets: np.ndarray) -> None:
-        nll = np.asarray(nll, np.float64)  # (waits for this batch's scores)
+    def add(self, scores: tuple[jax.Array, jax.Array], weights: np.ndarray, targets: np.ndarray | None,
+            doc_offsets: np.ndarray) -> None:
+        total, nll = scores
         scored = weights != 0
-        self.nll += float(nll.sum())
+        self.nll += float(total)  # (waits for this batch's scores)
         self.weight += float(weights.sum(dtype=np.float64))
         self.tokens += int(scored.sum())
         if self.documents is not None:  # document d predicts stream positions doc_offsets[d] .. doc_offsets[d+1]-1
+            if not nll.is_fully_addressable:  # rows on other processes' devices: every process needs them all
+                nll = multihost_utils.process_allgather(nll, tiled=True)
+            nll = np.asarray(nll, np.float64)
             doc = np.searchsorted(doc_offsets, targets[scored], "right") - 1
             n = len(self.documents)
             for column, values in enumerate((nll[scored], weights[scored].astype(np.float64), None)):
