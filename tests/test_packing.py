@@ -15,6 +15,7 @@ from seqjax.data import strategies
 from seqjax.data.document_rows import bucket_lengths, length_grouped_order
 from seqjax.data.grain_packing import grain_packed
 from seqjax.data.pipeline import build_pipeline
+from seqjax.data.plan import EpochPlanner
 from test_pipeline_helpers import assert_contract, config, epoch_batches, positional_store, predicted_counts, stores
 
 FAST = settings(max_examples=20, deadline=None)
@@ -235,3 +236,26 @@ def test_every_packers_epoch_holds_each_document_exactly_once_on_a_set_smaller_t
         per_epoch = epoch_batches(cfg, store, epoch)
     found = [seg for b in per_epoch for seg in assert_contract(b, store)]
     np.testing.assert_array_equal(predicted_counts(found, store.num_tokens), expected_counts(store, 12, "split"))
+
+
+@pytest.mark.parametrize("strategy, overrides", [("pack", ["data.packer=best_fit"]), ("window", []),
+                                                 ("length_grouped", [])])
+def test_the_dump_names_each_slots_document_and_each_batchs_epoch(strategy, overrides):
+    """``python -m seqjax.data --dump`` adds ``documents`` (the store index of the document each slot's target
+    belongs to) and ``epochs``: on a store whose token at position p is p, the target itself says its document."""
+    from seqjax.main.data import sources_of
+
+    store = positional_store([3, 9, 4, 1, 7, 12, 2, 5])
+    cfg = config(strategy, 8, 2, *overrides)
+    n = 2 * EpochPlanner(cfg, store).plan(0).num_batches + 1  # into the third epoch
+    batches = list(islice(iter(build_pipeline(cfg, store)), n))
+    width = max(b["inputs"].shape[1] for b in batches)
+    documents, epochs = sources_of(cfg, store, n, width)
+    offsets = np.asarray(store.doc_offsets)
+    for k, b in enumerate(batches):
+        real = b["segment_ids"] > 0
+        np.testing.assert_array_equal(documents[k][:, : b["inputs"].shape[1]][~real], -1)
+        named = real & (b["targets"] != 0)  # (an EOT target closes the document before it: no position)
+        want = np.searchsorted(offsets, b["targets"][named], "right") - 1
+        np.testing.assert_array_equal(documents[k][:, : b["inputs"].shape[1]][named], want)
+    assert epochs[0] == 0 and epochs[-1] == 2 and np.all(np.diff(epochs) >= 0)

@@ -26,6 +26,8 @@ from seqjax.core.errors import UsageError
 from seqjax.data import strategies
 from seqjax.data.contract import FIELDS
 from seqjax.data.pipeline import build_pipeline
+from seqjax.data.plan import EpochPlanner
+from seqjax.data.ragged import exclusive_cumsum, ragged_arange
 from seqjax.data.stats import epoch_stats, mixture_stats
 from seqjax.main import cli
 from seqjax.store.build import prepare
@@ -47,6 +49,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def sources_of(config, store, n_batches: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the first ``n_batches`` batches came from: ``documents`` [n, batch, width], the index in the split's
+    store of the document (example) each slot's target belongs to (-1 on padding: the index
+    ``eval --per-example`` reports), and ``epochs`` [n], each batch's epoch. Read from the epochs' row plans,
+    which the batches are built from."""
+    planner, batch = EpochPlanner(config, store), config.data.batch_size
+    offsets = np.asarray(store.doc_offsets, np.int64)
+    documents = np.full((n_batches, batch, width), -1, np.int64)
+    epochs = np.zeros(n_batches, np.int64)
+    epoch, first, plan = 0, 0, planner.plan(0)
+    for k in range(n_batches):
+        while k - first >= plan.num_batches:  # the next epoch's batches follow this one's
+            epoch, first = epoch + 1, first + plan.num_batches
+            plan = planner.plan(epoch)
+        epochs[k] = epoch
+        starts, lengths, row = plan.pieces(np.arange((k - first) * batch, (k - first + 1) * batch))
+        slot = exclusive_cumsum(lengths - 1)[:-1] - exclusive_cumsum(np.bincount(row, lengths - 1, batch).astype(
+            np.int64))[row]  # each piece's first slot in its row
+        owner, j = ragged_arange(lengths - 1)
+        target = starts[owner] + 1 + j
+        documents[k, row[owner], slot[owner] + j] = np.searchsorted(offsets, target, "right") - 1
+    return documents, epochs
+
+
 def describe(args: argparse.Namespace) -> dict[str, Any]:
     """Check, build the pipeline, optionally dump its first batches, and print the epoch's statistics."""
     for flag, value in (("--batches", args.batches), ("--steps", args.steps)):
@@ -65,6 +91,8 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
         batches = list(islice(iter(pipeline), args.batches))
         width = max(b["inputs"].shape[1] for b in batches)
         arrays = {k: np.stack([np.pad(b[k], ((0, 0), (0, width - b[k].shape[1]))) for b in batches]) for k in FIELDS}
+        if not strategies.uses_grain_packer(config.data) and not store.sources:
+            arrays["documents"], arrays["epochs"] = sources_of(config, store, len(batches), width)
         np.savez(Path(args.dump), **arrays)
         log.info("wrote %d batches to %s", len(batches), args.dump)
     if args.plot:
