@@ -92,16 +92,17 @@ def write_llama_folder(folder: Path, tensors: dict[str, np.ndarray] | None = Non
 # ---------------------------------------------------------------------------
 # Instruction data: a Llama folder with a chat template, and synthetic chats
 
-def _chat_demo():
-    """scripts/make_chat_demo.py as a module: its chats, special tokens and template are the tests' too."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_chat_demo.py"
-    spec = importlib.util.spec_from_file_location("make_chat_demo", path)
+def script_module(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are no package): what a test shares with a script."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-_DEMO = _chat_demo()
+# make_chat_demo's chats, special tokens and template are the tests' too
+_DEMO = script_module("make_chat_demo")
 CHAT_SPECIALS, CHAT_TEMPLATE, synthetic_chats = _DEMO.CHAT_SPECIALS, _DEMO.CHAT_TEMPLATE, _DEMO.synthetic_chats
 
 

@@ -12,7 +12,6 @@ seqjax's export in transformers.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from hf_support import tiny_tokenizer
+from hf_support import script_module, tiny_tokenizer
 from seqjax.config.load import load_config
 from seqjax.core.errors import CheckpointError
 from seqjax.hf import families
@@ -34,15 +33,7 @@ REFERENCES = Path(__file__).parent / "data" / "families"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 
 
-def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_family_references.py"
-    spec = importlib.util.spec_from_file_location("make_family_references", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SCRIPT = _script()
+SCRIPT = script_module("make_family_references")  # its reference_weights rebuild the references' weights
 
 
 def reference(family: str) -> tuple[dict, dict[str, np.ndarray]]:
