@@ -15,6 +15,7 @@ or tensor seqjax cannot compute is refused before anything is written
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -69,8 +70,7 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         "out": str(out),
         "source": str(folder.path),
-        "model": {k: v for k, v in vars(config.model).items() if k != "rope_scaling"}
-        | {"rope_scaling": config.model.rope_scaling.type},
+        "model": dataclasses.asdict(config.model) | {"rope_scaling": config.model.rope_scaling.type},
         "tensors": len(folder.weight_map),
         "shards": len(set(folder.weight_map.values())),
         "seconds": round(time.perf_counter() - start, 3),
