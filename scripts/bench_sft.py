@@ -151,7 +151,8 @@ def step_time_per_example(store, seq_len: int, batch: int, batches: int, strateg
                                 f"model.vocab_size={store.vocab_size}", "model.attention=xla", "data.shuffle=false",
                                 *strategy])
     mesh = sharding.build_mesh(config.mesh)
-    graphdef, rest, params, param_shardings = _sharded_model(config, mesh)
+    placed = _sharded_model(config, mesh)  # (full fine-tuning: every parameter trains, nothing frozen)
+    graphdef, rest, params, param_shardings = placed.graphdef, placed.rest, placed.params, placed.param_shardings
     tx, _ = build_optimizer(config.train)
     opt_state, _ = _sharded_optimizer_state(tx, params, param_shardings, sharding.replicated(mesh))
     step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=1, z_loss=0.0))

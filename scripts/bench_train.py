@@ -66,7 +66,8 @@ def main(argv=None) -> dict:
     sharding.check_batch_fits(config.data.batch_size, mesh, tc.grad_accum)
     prepared = prepare(config, splits=("train",))
     config = _with_vocab(config, prepared.tokenizer.vocab_size)
-    graphdef, rest, params, param_shardings = _sharded_model(config, mesh)
+    placed = _sharded_model(config, mesh)  # (full fine-tuning: every parameter trains, nothing frozen)
+    graphdef, rest, params, param_shardings = placed.graphdef, placed.rest, placed.params, placed.param_shardings
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     tx, _ = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
