@@ -78,7 +78,7 @@ def test_prepare_and_eval_need_only_the_splits_they_read(tmp_path, capsys):
     """Without --splits, prepare builds the splits the config has files for (no test files: no test split, not a
     refusal); with a tokenizer given, a validation split is prepared without any train file (what eval of an
     instruction file on an imported model needs); the train split, or a tokenizer to train, still needs them."""
-    from seqjax.core.errors import ConfigError
+    from seqjax.core.errors import ConfigError, CorpusError
     from seqjax.store.build import prepare
 
     for split in ("train", "valid"):
@@ -96,7 +96,7 @@ def test_prepare_and_eval_need_only_the_splits_they_read(tmp_path, capsys):
         prepare(only_valid, splits=("train",))
     with pytest.raises(ConfigError, match="the tokenizer, trained on the train split"):
         prepare(load_config(None, [*base, "data.valid_files=[valid.jsonl]"]), splits=("valid",))
-    with pytest.raises(ConfigError, match="data.test_files: got \\[\\], expected files for the test split"):
+    with pytest.raises(CorpusError, match="data: test_files: got \\[\\], expected at least one file"):
         prepare(only_valid, splits=("test",))
 
 

@@ -482,10 +482,6 @@ def _prepare(
             "tokenizer.path)"
         raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={d.corpus!r}: "
                           f"{why} reads them")
-    missing = [s for s in splits if not has_split(config, s)]
-    if missing:
-        raise ConfigError(f"data.{missing[0]}_files: got [], expected files for the {missing[0]} split that was "
-                          "asked for (or leave it out)")
     if needs_train:
         check_vocab_size(config.tokenizer.vocab_size, special_tokens(config))
     sources = config.data.resolved_sources()

@@ -27,6 +27,13 @@ def _from_a_closed_event_loop(unraisable: Any) -> bool:
             and Path(tb.tb_frame.f_code.co_filename).parent.name == "asyncio")
 
 
+class _Raised:
+    """An exception and its traceback, shaped as sys.unraisablehook's argument (what the checks above read)."""
+
+    def __init__(self, value: BaseException, tb: Any):
+        self.exc_value, self.exc_traceback = value, tb
+
+
 def _raised_in_orbax(tb: Any) -> bool:
     while tb is not None:
         if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
@@ -57,13 +64,24 @@ def after_a_damaged_read() -> None:
         return
 
     def hook(unraisable: Any) -> None:
-        if _raised_in_orbax(unraisable.exc_traceback):
+        if _raised_in_orbax(unraisable.exc_traceback) or _from_a_closed_event_loop(unraisable):
             log.debug("an orphaned read of a damaged checkpoint: %r", unraisable.exc_value)
         else:
             previous(unraisable)
 
     hook.seqjax_orphaned_reads = True
     sys.unraisablehook = hook
+    # TensorStore's callbacks for those reads can still fire once orbax closed its event loop; the error they hit
+    # is printed through sys.excepthook (PyErr_Print), a traceback per read thread, after seqjax's one line.
+    previous_excepthook = sys.excepthook
+
+    def excepthook(kind: type, value: BaseException, tb: Any) -> None:
+        if _from_a_closed_event_loop(_Raised(value, tb)):
+            log.debug("a read callback after orbax's event loop closed: %r", value)
+        else:
+            previous_excepthook(kind, value, tb)
+
+    sys.excepthook = excepthook
 
 
 class QuietOrbax(logging.Filter):
