@@ -31,6 +31,8 @@ from seqjax.model.decode import generate
 
 REFERENCES = Path(__file__).parent / "data" / "families"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+# The fast loop checks Gemma 3 (the family that differs most); the full suite every family.
+EACH = [f if f == "gemma3" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
 
 
 SCRIPT = script_module("make_family_references")  # its reference_weights rebuild the references' weights
@@ -70,7 +72,7 @@ def assert_close(ours: np.ndarray, theirs: np.ndarray) -> None:
     assert float(np.abs(ours - theirs).max()) <= 1e-5 * scale, (float(np.abs(ours - theirs).max()), scale)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", EACH)
 def test_logits_equal_transformers_own_model_alone_and_packed(family, tmp_path):
     model, folder = load(family, tmp_path)
     assert model.cfg.family == family
@@ -86,7 +88,7 @@ def test_logits_equal_transformers_own_model_alone_and_packed(family, tmp_path):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", EACH)
 def test_greedy_tokens_equal_transformers_generate(family, tmp_path):
     model, _ = load(family, tmp_path)
     _, ref = reference(family)
@@ -95,7 +97,7 @@ def test_greedy_tokens_equal_transformers_generate(family, tmp_path):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+@pytest.mark.parametrize("family", ["gemma3", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_scanned_layers_give_the_same_logits_with_per_layer_windows_and_rope(family, tmp_path):
     """model.scan_layers runs one traced block for all layers: sliding and full layers, and Gemma 3's two RoPE
     bases, ride along as scanned inputs."""
@@ -105,7 +107,7 @@ def test_scanned_layers_give_the_same_logits_with_per_layer_windows_and_rope(fam
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", EACH)
 def test_export_writes_back_the_same_tensors_and_the_family_config_transformers_read(family, tmp_path):
     model, folder = load(family, tmp_path)
     record, _ = reference(family)

@@ -47,7 +47,8 @@ def lora_model(family: str, tmp_path: Path, *overrides: str):
     return nnx.merge(graphdef, read_adapter(str(adapter), config), base, rest), folder, adapter
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])  # the fast loop: Llama; the full suite: every family
 def test_seqjax_with_pefts_adapter_computes_pefts_logits(family, tmp_path):
     model, _, _ = lora_model(family, tmp_path)
     ref = load_file(str(REFERENCES / f"{family}.safetensors"))
@@ -55,6 +56,7 @@ def test_seqjax_with_pefts_adapter_computes_pefts_logits(family, tmp_path):
     jax.clear_caches()
 
 
+@pytest.mark.slow
 def test_scanned_layers_read_the_same_adapter(tmp_path):
     model, _, _ = lora_model("gemma3", tmp_path, "model.scan_layers=true")
     ref = load_file(str(REFERENCES / "gemma3.safetensors"))

@@ -166,8 +166,8 @@ FAMILY_REDUCED = {"gemma3_4b_finetune": ["model.layer_types=[sliding,full]", "mo
                                          "model.param_dtype=float32"]}
 
 
-@pytest.mark.parametrize("name", ["llama3_1b_finetune", "llama3_8b_fsdp", "qwen3_8b_fsdp", "gemma3_4b_finetune",
-                                  "llama3_8b_lora"])
+@pytest.mark.parametrize("name", ["llama3_1b_finetune", "llama3_8b_fsdp", *[
+    pytest.param(n, marks=pytest.mark.slow) for n in ("qwen3_8b_fsdp", "gemma3_4b_finetune", "llama3_8b_lora")]])
 def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
     """Their remat, scanned layers, chunked loss and optimizer settings run; only the sizes (and the 8-device
     mesh) are reduced."""
