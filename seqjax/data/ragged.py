@@ -24,6 +24,14 @@ def ragged_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, offset
 
 
+def starts_in_groups(sizes: np.ndarray, group: np.ndarray, n_groups: int) -> np.ndarray:
+    """Where each item starts inside its group, items already in group order: sizes ``[2, 3, 4]`` in groups
+    ``[0, 0, 1]`` start at ``[0, 2, 0]`` (a piece's first slot in its row, say)."""
+    sizes = np.asarray(sizes, np.int64)
+    per_group = np.bincount(group, sizes, n_groups).astype(np.int64)
+    return exclusive_cumsum(sizes)[:-1] - exclusive_cumsum(per_group)[group]
+
+
 def positions_from_segments(segment_ids: np.ndarray) -> np.ndarray:
     """Position of each token inside its (contiguous) segment, restarting at 0; 0 on padding.
 

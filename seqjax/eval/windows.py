@@ -54,7 +54,7 @@ import numpy as np
 from seqjax.data import document_rows
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import RowPlan
-from seqjax.data.ragged import exclusive_cumsum, ragged_arange
+from seqjax.data.ragged import exclusive_cumsum, ragged_arange, starts_in_groups
 from seqjax.data.scored import target_weights
 from seqjax.store.reader import TokenStore
 
@@ -152,9 +152,7 @@ class EvalWindows:
         index = np.asarray(index, np.int64)
         windows, row_of_window = self._windows_of(index)
         predicted = np.minimum(self.context, self.ends[windows] - self.starts[windows])
-        # a window's first slot: the slots its row's earlier windows fill (windows come in row order)
-        first_slot = exclusive_cumsum(predicted)[:-1] - exclusive_cumsum(
-            np.bincount(row_of_window, weights=predicted, minlength=len(index)).astype(np.int64))[row_of_window]
+        first_slot = starts_in_groups(predicted, row_of_window, len(index))  # (windows come in row order)
         owner, k = ragged_arange(predicted)
         target = self.starts[windows][owner] + 1 + k
         mine = (target > self.lo[windows][owner]) & (target <= self.hi[windows][owner])

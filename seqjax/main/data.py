@@ -27,7 +27,7 @@ from seqjax.data import strategies
 from seqjax.data.contract import FIELDS
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
-from seqjax.data.ragged import exclusive_cumsum, ragged_arange
+from seqjax.data.ragged import ragged_arange, starts_in_groups
 from seqjax.data.stats import epoch_stats, mixture_stats
 from seqjax.main import cli
 from seqjax.store.build import prepare
@@ -65,8 +65,7 @@ def sources_of(config, store, n_batches: int, width: int) -> tuple[np.ndarray, n
             plan = planner.plan(epoch)
         epochs[k] = epoch
         starts, lengths, row = plan.pieces(np.arange((k - first) * batch, (k - first + 1) * batch))
-        slot = exclusive_cumsum(lengths - 1)[:-1] - exclusive_cumsum(np.bincount(row, lengths - 1, batch).astype(
-            np.int64))[row]  # each piece's first slot in its row
+        slot = starts_in_groups(lengths - 1, row, batch)  # each piece's first slot in its row
         owner, j = ragged_arange(lengths - 1)
         target = starts[owner] + 1 + j
         documents[k, row[owner], slot[owner] + j] = np.searchsorted(offsets, target, "right") - 1

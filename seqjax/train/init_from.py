@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from flax import nnx
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -150,8 +149,3 @@ def load_params(source: Source, dtype: str, scan_layers: bool = False) -> dict[s
         return blocks_layout(hf.read_params(source.folder, dtype), stacked=scan_layers)
     return inference.base_weights(str(source.path), dtype, scan_layers)
 
-
-def _cast(tree: Any, dtype: np.dtype) -> Any:
-    if isinstance(tree, dict):
-        return {k: _cast(v, dtype) for k, v in tree.items()}
-    return np.asarray(tree).astype(dtype)
