@@ -23,7 +23,6 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from hf_support import script_module, tiny_tokenizer
-from seqjax.config.load import load_config
 from seqjax.core.errors import CheckpointError
 from seqjax.hf import families
 from seqjax.hf import folders as hf
@@ -153,15 +152,20 @@ def test_every_field_that_changes_the_model_is_read_or_refused():
     assert families.model_config_from_hf(old, "c") == families.model_config_from_hf(base, "c")
 
 
-def test_a_backend_without_windows_refuses_a_sliding_model(tmp_path):
-    model, _ = load("mistral", tmp_path)
-    config = load_config(None, ["model.attention=pallas", "model.sliding_window=4"])
-    from seqjax.core.errors import ConfigError
-    from seqjax.model.attention import resolve_backend
-
-    with pytest.raises(ConfigError, match="model.attention: got 'pallas', which does not compute sliding windows"):
-        resolve_backend(config.model.attention, jnp.float32, windows=config.model.has_windows)
-    assert model.cfg.has_windows
+@pytest.mark.parametrize("backend", ["pallas", "splash"])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_the_kernels_compute_sliding_layers_as_transformers_does(backend, scan, tmp_path):
+    """Gemma 3's sliding (window 4) and global layers on the flash kernel and on splash (both in interpret mode
+    here), packed: each document's logits are transformers' own. Under scan_layers the window is traced, so the
+    flash kernel reads it from per-layer metadata and splash picks one of its two static masks."""
+    model, _ = load("gemma3", tmp_path, f"model.attention={backend}", f"model.scan_layers={str(scan).lower()}")
+    _, ref = reference("gemma3")
+    a, b = ref["seq0.ids"], ref["seq1.ids"]
+    packed = logits(model, np.concatenate([a, b]), np.r_[np.ones(len(a), int), np.full(len(b), 2)],
+                    np.r_[np.arange(len(a)), np.arange(len(b))])
+    assert_close(packed[: len(a)], ref["seq0.logits"])
+    assert_close(packed[len(a):], ref["seq1.logits"])
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

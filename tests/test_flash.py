@@ -156,9 +156,10 @@ SEGMENT_MASK = jax.jit(segment_mask)
 BLOCK_METADATA = jax.jit(block_metadata, static_argnums=1)
 
 
-def tiles(segment_ids: np.ndarray, block_rows: int, block_cols: int, by_key: bool) -> tuple[np.ndarray, np.ndarray]:
+def tiles(segment_ids: np.ndarray, block_rows: int, block_cols: int, by_key: bool,
+          window=None) -> tuple[np.ndarray, np.ndarray]:
     """([B, n_rows, n_cols] tiles with any allowed pair, tiles with every pair allowed), from segment_mask."""
-    mask = np.asarray(SEGMENT_MASK(jnp.asarray(segment_ids)))  # [B, query, key]
+    mask = np.asarray(SEGMENT_MASK(jnp.asarray(segment_ids), window=window))  # [B, query, key]
     if by_key:
         mask = mask.transpose(0, 2, 1)
     b, t, _ = mask.shape
@@ -179,14 +180,14 @@ def between(ranges: np.ndarray, lo: int, hi: int, n_cols: int) -> np.ndarray:
     return (columns >= ranges[..., lo : lo + 1]) & (columns < ranges[..., hi : hi + 1])
 
 
-@settings(max_examples=30, deadline=None)
-@given(data=st.data(), length=st.sampled_from([5, 100]))
-def test_visited_tiles_are_the_tightest_cover_and_unmasked_tiles_are_full(data, length):
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), length=st.sampled_from([5, 100]), window=st.one_of(st.none(), st.integers(1, 70)))
+def test_visited_tiles_are_the_tightest_cover_and_unmasked_tiles_are_full(data, length, window):
     """Every tile with an allowed pair is visited, the ranges are no wider than needed, and a tile the kernel
-    runs without a mask really has every pair allowed."""
+    runs without a mask really has every pair allowed: with and without a sliding window."""
     blocks = BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
     segment_ids = data.draw(packed_batch(2, length))
-    metadata = BLOCK_METADATA(jnp.asarray(segment_ids), blocks)
+    metadata = BLOCK_METADATA(jnp.asarray(segment_ids), blocks, window)
     padded = np.pad(segment_ids, ((0, 0), (0, metadata.seq_len - length)))
     for ranges, rows, cols, by_key in (
         (metadata.fwd_kv, blocks.block_q, blocks.block_k, False),
@@ -194,7 +195,7 @@ def test_visited_tiles_are_the_tightest_cover_and_unmasked_tiles_are_full(data, 
         (metadata.dkv_q, blocks.block_k_bwd, blocks.block_q_bwd, True),
     ):
         ranges = np.asarray(ranges)
-        needed, full = tiles(padded, rows, cols, by_key)
+        needed, full = tiles(padded, rows, cols, by_key, window)
         assert (np.diff(ranges, axis=-1) >= 0).all(), "ranges must be ordered lo <= full_lo <= full_hi <= hi"
         assert not (needed & ~between(ranges, 0, 3, needed.shape[-1])).any(), "a tile with an allowed pair is skipped"
         np.testing.assert_array_equal(ranges[..., [0, 3]], tightest_cover(needed))
@@ -217,6 +218,57 @@ def test_packed_rows_visit_far_fewer_tiles_than_the_causal_triangle():
     assert count(half_padding) == 10  # the 4 x 4 triangle of the real half; padding query blocks visit nothing
     dkv = BLOCK_METADATA(jnp.asarray(half_padding), SMALL).dkv_q
     assert not np.asarray(dkv)[0, 4:].any()  # padding key blocks run no dK/dV loop either
+
+
+def test_a_sliding_window_visits_only_the_band():
+    """One 128-token document, window 16, 16-token tiles: the diagonal and the one below it (15 tiles, not 36),
+    none of them full (every tile crosses the band's edge or the diagonal); window 33 adds one full sub-diagonal."""
+    one_doc = jnp.ones((1, 128), jnp.int32)
+
+    def count(window, which=visited_blocks):
+        metadata = BLOCK_METADATA(one_doc, SMALL, window)
+        return (int(which(metadata.fwd_kv, 8).sum()), int(which(metadata.dkv_q, 8).sum()))
+
+    assert count(16) == (15, 15)
+    assert count(16, full_blocks) == (0, 0)
+    assert count(33) == (8 + 7 + 6, 8 + 7 + 6)
+    assert count(33, full_blocks) == (7, 7)
+
+
+WINDOWED_REFERENCE = jax.jit(lambda q, k, v, s, w, ct: _vjp(exact_windowed, q, k, v, s, w, ct))
+WINDOWED_FLASH = jax.jit(lambda q, k, v, s, w, ct: _vjp(
+    lambda q, k, v, s, w: flash_attention(q, k, v, s, block_sizes=SMALL, window=w), q, k, v, s, w, ct))
+
+
+def exact_windowed(q, k, v, segment_ids, window):
+    with jax.default_matmul_precision("highest"):
+        return reference_attention(q, k, v, segment_ids, window=window)
+
+
+def _vjp(attend, q, k, v, segment_ids, window, cotangent):
+    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segment_ids, window), q, k, v)
+    return out, vjp(cotangent)
+
+
+@settings(max_examples=15, deadline=None)
+@given(segment_ids=packed_batch(2, 72), window=st.integers(1, 80))
+def test_sliding_windows_match_the_dense_mask_over_packings(segment_ids, window):
+    """Output and all three gradients under a sliding window equal the XLA path on segment_mask(window=...);
+    the window is traced, as a scanned model's per-layer window is (one compile serves every window)."""
+    q, k, v, cotangent = F32_QKV
+    segment_ids, w = jnp.asarray(segment_ids), jnp.int32(window)
+    out, grads = WINDOWED_FLASH(q, k, v, segment_ids, w, cotangent)
+    ref_out, ref_grads = WINDOWED_REFERENCE(q, k, v, segment_ids, w, cotangent)
+    assert_close(out, ref_out, 2e-5, "output")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(got, want, 2e-5, name)
+
+
+def test_a_window_given_twice_is_refused():
+    q, k, v, _ = F32_QKV
+    segment_ids = jnp.ones((2, 72), jnp.int32)
+    with pytest.raises(ValueError, match="pass the window to block_metadata"):
+        flash_attention(q, k, v, segment_ids, metadata=block_metadata(segment_ids, SMALL, 8), window=8)
 
 
 # ------------------------------------------------------------------------------------------- training-like
@@ -261,8 +313,8 @@ def test_sgd_on_an_attention_layer_matches_xla():
 # ------------------------------------------------------------------------------------------- GPU lowering
 
 
-@pytest.mark.parametrize(("head_dim", "dtype"), [(128, jnp.bfloat16), (256, jnp.float16)])
-def test_lowers_to_triton_for_h100(head_dim, dtype):
+@pytest.mark.parametrize(("head_dim", "dtype", "window"), [(128, jnp.bfloat16, None), (256, jnp.float16, 100)])
+def test_lowers_to_triton_for_h100(head_dim, dtype, window):
     """Without a GPU, check that forward, dQ and dK/dV pass Pallas's Triton lowering (AOT, abstract H100)."""
     mesh = jax.sharding.AbstractMesh(
         (1,),
@@ -275,7 +327,7 @@ def test_lowers_to_triton_for_h100(head_dim, dtype):
     segment_ids = jax.ShapeDtypeStruct((1, 200), jnp.int32)
 
     def loss(q, k, v, s):
-        return flash_attention(q, k, v, s, interpret=False).astype(jnp.float32).sum()
+        return flash_attention(q, k, v, s, interpret=False, window=window).astype(jnp.float32).sum()
 
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
         warnings.simplefilter("ignore", DeprecationWarning)  # the Triton lowering is deprecated in jax 0.11

@@ -16,8 +16,9 @@ backend    what runs
 xla        :func:`reference_attention`: einsum + float32 softmax, any platform
 cudnn      ``jax.nn.dot_product_attention(implementation="cudnn")`` with the dense
            segment mask; GPU only, bfloat16/float16 only (cuDNN takes no segment ids)
-pallas     ``seqjax.model.kernels.flash.flash_attention`` (GPU; interpret mode elsewhere)
-splash     ``seqjax.model.kernels.splash.splash_attention`` (TPU)
+pallas     ``seqjax.model.kernels.flash.flash_attention`` (GPU; interpret mode elsewhere); skips
+           the tiles outside each segment and outside a sliding layer's band
+splash     ``seqjax.model.kernels.splash.splash_attention`` (TPU); windows as a LocalMask
 auto       GPU: pallas, else cudnn, else xla; TPU: splash, else xla; CPU: xla.
            Every fallback is logged with its reason.
 =========  =====================================================================
@@ -186,17 +187,24 @@ def attention(
     if name not in _KERNELS:
         return _implementation(name)(q, k, v, segment_ids, scale=scale, window=window)
     kernel = _load_kernel(name)
-    extra = {"metadata": metadata} if name == "pallas" and metadata is not None else {}
+    static = {}  # settings the kernel needs as Python values (splash's static window mask)
+    if name == "pallas" and metadata is not None:
+        extra = {"metadata": metadata}  # computed for this layer's window (block_metadata's window)
+    elif isinstance(window, int):
+        extra, static = {}, {"window": window}
+    else:
+        extra = {} if window is None else {"window": window}
 
     def run(q, k, v, segment_ids, extra):
-        return kernel(q, k, v, segment_ids, scale=scale, **extra)
+        return kernel(q, k, v, segment_ids, scale=scale, **static, **extra)
 
     layout = _device_layout(q, k, segment_ids)
     if layout is None:
         return run(q, k, v, segment_ids, extra)
     mesh, rows, heads = layout
     per_head, per_row = P(rows, None, heads, None), P(rows)
-    return jax.shard_map(run, mesh=mesh, in_specs=(per_head, per_head, per_head, per_row, per_row),
+    extra_specs = jax.tree.map(lambda a: P() if jnp.ndim(a) == 0 else per_row, extra)  # a traced window: everywhere
+    return jax.shard_map(run, mesh=mesh, in_specs=(per_head, per_head, per_head, per_row, extra_specs),
                          out_specs=per_head, check_vma=False)(q, k, v, segment_ids, extra)
 
 
@@ -250,8 +258,9 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
         raise ValueError(f"attention: segment_ids dtype is {segment_ids.dtype}, expected an integer type")
 
 
-# The backends that honour a sliding window (contract 2): the ones that run segment_mask itself.
-WINDOWED = ("xla", "cudnn")
+# The backends that honour a sliding window (contract 2). xla and cudnn run segment_mask itself; pallas skips the
+# tiles outside the band and masks its edges with segment_mask; splash takes a LocalMask.
+WINDOWED = ("xla", "cudnn", "pallas", "splash")
 
 
 def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> str:
@@ -263,13 +272,9 @@ def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> s
     the model has sliding-window layers, which only :data:`WINDOWED` backends
     compute; ``auto`` then picks among them, and another name is refused.
     """
-    if windows:
-        if backend not in ("auto", *WINDOWED):
-            raise ConfigError(f"model.attention: got {backend!r}, which does not compute sliding windows "
-                              f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
-        if backend == "auto":
-            half = jnp.dtype(dtype) in map(jnp.dtype, _HALF)
-            return "cudnn" if jax.default_backend() == "gpu" and half else "xla"
+    if windows and backend not in ("auto", *WINDOWED) and backend in BACKENDS:
+        raise ConfigError(f"model.attention: got {backend!r}, which does not compute sliding windows "
+                          f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
     if backend != "auto":
         if backend not in BACKENDS:
             raise ValueError(f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")

@@ -243,6 +243,7 @@ class Attention(nnx.Module):
                              rngs=rngs)
         self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         self.backend = cfg.attention
+        self.sliding_window = cfg.sliding_window
         self.attention_dropout = cfg.attention_dropout
         self.dropout = nnx.Dropout(cfg.dropout)
 
@@ -257,8 +258,17 @@ class Attention(nnx.Module):
         probs_key, out_key = _keys(dropout_key, 2)
         lora_key = self.lora.key(dropout_key)
         q, k, v = self._qkv(x, positions, rope_freq, lora_key)
-        o = attention(q, k, v, segment_ids, backend=self.backend, scale=self.scale, metadata=metadata,
-                      dropout_rate=self.attention_dropout, dropout_key=probs_key, window=window)
+
+        def attend(window):
+            return attention(q, k, v, segment_ids, backend=self.backend, scale=self.scale, metadata=metadata,
+                             dropout_rate=self.attention_dropout, dropout_key=probs_key, window=window)
+
+        if (isinstance(window, jax.core.Tracer) and self.sliding_window
+                and resolve_backend(self.backend, q.dtype, windows=True) == "splash"):
+            # Splash's mask is static: a scanned body serving sliding and global layers runs one of two kernels.
+            o = jax.lax.cond(window >= FULL, lambda: attend(None), lambda: attend(self.sliding_window))
+        else:
+            o = attend(window)
         return _drop(self.dropout, checkpoint_name(self._out(o, lora_key), "attn_out"), out_key)
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,
@@ -502,7 +512,7 @@ class TransformerLM(nnx.Module):
         run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
         freqs = self.rope_freqs()
         for i, (block, key) in enumerate(zip(self.blocks, _keys(dropout_key, len(self.blocks)))):
-            x = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), metadata, key)
+            x = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), metadata and metadata[i], key)
         return x
 
     def rope_freqs(self) -> jax.Array:
@@ -525,7 +535,7 @@ class TransformerLM(nnx.Module):
         graphdef, state = nnx.split(self.blocks)
 
         def layer(carry, xs):
-            layer_state, key, rope_freq, window = xs
+            layer_state, key, rope_freq, window, metadata = xs
             block = nnx.merge(graphdef, layer_state)
             return block(carry, positions, segment_ids, rope_freq, window, metadata=metadata, dropout_key=key), None
 
@@ -533,7 +543,8 @@ class TransformerLM(nnx.Module):
             layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat, tuple(self.cfg.remat_names)))
         keys = None if dropout_key is None else jax.random.split(dropout_key, self.cfg.n_layers)
         # Per-layer settings ride along as scanned inputs: one body serves sliding and full layers alike.
-        x, _ = jax.lax.scan(layer, x, (state, keys, self.rope_freqs(), self.windows()))
+        stacked = None if metadata is None else jax.tree.map(lambda *layers: jnp.stack(layers), *metadata)
+        x, _ = jax.lax.scan(layer, x, (state, keys, self.rope_freqs(), self.windows(), stacked))
         return x
 
     def layer(self, i: int) -> "Block":
@@ -552,16 +563,19 @@ class TransformerLM(nnx.Module):
         x = self.final_norm(x)
         return head_logits(x, self.head().astype(x.dtype))
 
-    def attention_metadata(self, segment_ids):
-        """The pallas kernel's block ranges for this batch, or None for the other backends.
+    def attention_metadata(self, segment_ids) -> list | None:
+        """The pallas kernel's block ranges for this batch, one per layer, or None for the other backends.
 
-        They depend only on the segment ids, so they are computed once per forward and
-        handed to every layer (explicitly, rather than trusting XLA to merge per-layer
-        copies across remat or scan boundaries).
+        They depend only on the segment ids and the layer's window, so they are computed once per forward for
+        each distinct window (at most two: Gemma 3's sliding and global layers) and handed to every layer
+        (explicitly, rather than trusting XLA to merge per-layer copies across remat or scan boundaries).
         """
         if resolve_backend(self.cfg.attention, self.cfg.compute_dtype, windows=self.cfg.has_windows) != "pallas":
             return None
-        return block_metadata(segment_ids, BlockSizes.for_head_dim(self.cfg.head_dim))
+        blocks = BlockSizes.for_head_dim(self.cfg.head_dim)
+        windows = [self.cfg.window_of(i) for i in range(self.cfg.n_layers)]
+        by_window = {w: block_metadata(segment_ids, blocks, w) for w in dict.fromkeys(windows)}
+        return [by_window[w] for w in windows]
 
     def check_batch(self, inputs, positions, segment_ids) -> None:
         """Shape checks at trace time; value checks only when the inputs are concrete (no device sync under jit)."""

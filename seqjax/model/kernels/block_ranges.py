@@ -1,16 +1,19 @@
 """Which (query block, key block) tiles of a packed row can hold an allowed pair, computed once per forward.
 
-Under contract 2 (docs/design.md) query i sees key j iff ``segment_ids[i] == segment_ids[j] != 0`` and ``j <= i``.
-So a real query i sees only keys in ``[first(i), i]``, where ``first(i)`` is the first index of i's segment, and
-a real key j is seen only by queries in ``[j, last(j)]``. Reducing those intervals over a tile gives a
-contiguous range of tiles per block: for each query block the key blocks ``[kv_lo, kv_hi)`` its loop visits,
-and for each key block the query blocks ``[q_lo, q_hi)`` the dK/dV loop visits. Blocks outside the ranges hold
-no allowed pair, so packing leaves them empty and the kernel never loads them; an all-padding block gets the
+Under contract 2 (docs/design.md) query i sees key j iff ``segment_ids[i] == segment_ids[j] != 0`` and ``j <= i``,
+and, in a sliding layer of window w, ``i - j < w``. So a real query i sees only keys in ``[max(first(i), i - w + 1),
+i]``, where ``first(i)`` is the first index of i's segment, and a real key j is seen only by queries in ``[j,
+min(last(j), j + w - 1)]`` (w = FULL, a length no row reaches, in a global layer). Reducing those intervals over a
+tile gives a contiguous range of tiles per block: for each query block the key blocks ``[kv_lo, kv_hi)`` its loop
+visits, and for each key block the query blocks ``[q_lo, q_hi)`` the dK/dV loop visits. Blocks outside the ranges
+hold no allowed pair, so packing leaves them empty and the kernel never loads them; an all-padding block gets the
 empty range and costs nothing.
 
-The ranges depend only on ``segment_ids`` and the block sizes, not on the layer, so a model computes one
-:class:`BlockMetadata` per forward (``block_metadata(segment_ids, block_sizes)``) and passes it to every layer's
-``flash_attention(..., metadata=...)``; it is a pytree, so it crosses ``jit``/``scan``/``remat`` boundaries.
+The ranges depend only on ``segment_ids``, the block sizes and the window, not on the layer's weights, so a model
+computes one :class:`BlockMetadata` per distinct window per forward (``block_metadata(segment_ids, block_sizes,
+window)``) and passes it to every layer's ``flash_attention(..., metadata=...)``; it is a pytree, so it crosses
+``jit``/``scan``/``remat`` boundaries, and a scanned model stacks one per layer. A sliding window narrows every
+range to a band around the diagonal: tiles outside the band are skipped like tiles outside the segment.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from seqjax.model.attention import FULL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,12 +96,14 @@ class BlockMetadata:
     ``fwd_kv``: for each forward query block (``block_q``), key blocks (``block_k``).
     ``dq_kv``: the same for the dQ pass's tiles (``block_q_dq`` x ``block_k_dq``).
     ``dkv_q``: for each backward key block (``block_k_bwd``), query blocks (``block_q_bwd``).
-    ``seq_len`` is the padded length they were computed for.
+    ``window``: int32 scalar, the sliding window they were computed for (FULL: none); the kernel's edge tiles
+    mask with it. ``seq_len`` is the padded length they were computed for.
     """
 
     fwd_kv: jax.Array
     dq_kv: jax.Array
     dkv_q: jax.Array
+    window: jax.Array
     seq_len: int = dataclasses.field(metadata=dict(static=True))
     block_sizes: BlockSizes = dataclasses.field(metadata=dict(static=True))
 
@@ -152,11 +159,13 @@ def _ranges(real, lo, hi, full, full_lo, full_hi, block_rows: int, block_cols: i
     return jnp.stack([lo, first_full, end_full, hi], axis=-1).astype(jnp.int32)
 
 
-def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes) -> BlockMetadata:
+def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None) -> BlockMetadata:
     """Visiting ranges for ``segment_ids`` [B, T] (T any length: padded here as the kernel pads it).
 
     Use the block sizes the kernel will use: ``BlockSizes.for_head_dim(head_dim)`` unless you pass your own.
+    ``window``: the layer's sliding window (None or FULL: the whole segment); an int or a traced int32 scalar.
     """
+    w = jnp.asarray(FULL if window is None else window, jnp.int32)
     t = segment_ids.shape[-1]
     padded = block_sizes.padded_length(t)
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
@@ -166,22 +175,27 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes) -> BlockMeta
     real = segment_ids != 0
 
     def by_queries(bq: int, bk: int) -> jax.Array:
-        # A query block in one run sees in full every key from the run's start up to the block's first query.
-        q_start = index[:, ::bq]
+        # A query block in one run sees in full every key from the run's start (or its last query's window start)
+        # up to the block's first query.
+        q_start, q_end = index[:, ::bq], index[:, bq - 1 :: bq]
         one_run = (run_start[:, bq - 1 :: bq] <= q_start) & real[:, ::bq]
-        return _ranges(real, first, index, one_run, run_start[:, ::bq], q_start, bq, bk)
+        full_lo = jnp.maximum(run_start[:, ::bq], q_end - w + 1)
+        return _ranges(real, jnp.maximum(first, index - w + 1), index, one_run, full_lo, q_start, bq, bk)
 
     def by_keys(bk: int, bq: int) -> jax.Array:
-        # A key block in one run is seen in full by every query from the block's last key to the run's end.
-        k_end = index[:, bk - 1 :: bk]
+        # A key block in one run is seen in full by every query from the block's last key to the run's end (or to
+        # the last query whose window still reaches the block's first key).
+        k_start, k_end = index[:, ::bk], index[:, bk - 1 :: bk]
         one_run = (run_end[:, ::bk] >= k_end) & real[:, ::bk]
-        return _ranges(real, index, last, one_run, k_end, run_end[:, ::bk], bk, bq)
+        full_hi = jnp.minimum(run_end[:, ::bk], k_start + w - 1)
+        return _ranges(real, index, jnp.minimum(last, index + w - 1), one_run, k_end, full_hi, bk, bq)
 
     bs = block_sizes
     return BlockMetadata(
         fwd_kv=by_queries(bs.block_q, bs.block_k),
         dq_kv=by_queries(bs.block_q_dq, bs.block_k_dq),
         dkv_q=by_keys(bs.block_k_bwd, bs.block_q_bwd),
+        window=w,
         seq_len=padded,
         block_sizes=block_sizes,
     )

@@ -9,9 +9,9 @@ Three ``pallas_call`` passes joined by ``jax.custom_vjp``, in the FlashAttention
   shares this kv head (GQA), so dK/dV are summed in registers with no atomics and no extra reduction.
 
 Every loop visits only the ranges in :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`; tiles inside
-one document and below the diagonal run without a mask, the edge tiles apply contract 2's
-:func:`seqjax.model.attention.segment_mask`. Fully masked queries (segment 0) give zero output and zero
-gradients.
+one document and below the diagonal (and inside a sliding layer's window) run without a mask, the edge tiles apply
+contract 2's :func:`seqjax.model.attention.segment_mask`, window included. Fully masked queries (segment 0) give
+zero output and zero gradients.
 
 The kernels lower through Pallas's Triton backend on NVIDIA GPUs (``interpret=False``), and run in Pallas's
 interpreter anywhere else (``interpret=True``), which is how CI checks their numerics on a CPU. ``interpret=None``
@@ -52,6 +52,7 @@ def flash_attention(
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
     metadata: BlockMetadata | None = None,
+    window=None,
 ) -> jax.Array:
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D] with Hkv dividing H.
 
@@ -61,7 +62,8 @@ def flash_attention(
     columns are dropped); 64, 128 and 256 need no padding. ``block_sizes`` defaults to
     ``BlockSizes.for_head_dim(D)``. ``metadata``: precomputed
     :func:`block_metadata` for these segment ids and block sizes — compute it once per forward and pass it to
-    every layer; computed here when omitted.
+    every layer; computed here when omitted. ``window``: a sliding layer's window (contract 2; an int or a traced
+    int32 scalar); it lives in the metadata, so pass it here only when the metadata is computed here.
     """
     _check_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
@@ -69,7 +71,9 @@ def flash_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if metadata is None:
-        metadata = block_metadata(segment_ids, block_sizes or BlockSizes.for_head_dim(d))
+        metadata = block_metadata(segment_ids, block_sizes or BlockSizes.for_head_dim(d), window)
+    elif window is not None:
+        raise ValueError("flash_attention: pass the window to block_metadata, which the given metadata came from")
     elif block_sizes is not None and block_sizes != metadata.block_sizes:
         raise ValueError(f"metadata was computed for {metadata.block_sizes}, not block_sizes={block_sizes}")
     block_sizes = metadata.block_sizes
@@ -91,11 +95,11 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
         raise ValueError(f"flash_attention: dtype {q.dtype}, expected bfloat16, float16 or float32")
 
 
-def _tile_mask(seg_q, seg_k, q_start, k_start):
+def _tile_mask(seg_q, seg_k, q_start, k_start, window):
     """Contract 2's mask for one tile: [block_q, block_k] bool, from the one definition in attention.py."""
     q_index = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_q.shape[0]), 1)
     k_index = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_k.shape[0]), 1)
-    return segment_mask(seg_q[None], seg_k[None], q_index=q_index, kv_index=k_index)[0]
+    return segment_mask(seg_q[None], seg_k[None], q_index=q_index, kv_index=k_index, window=window)[0]
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
@@ -104,7 +108,7 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
-def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool):
+def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool, window):
     """Scaled logits of one tile in log2 units, and its mask (None on a full tile, where every pair is allowed).
 
     Masked logits become MASKED; callers also zero their probabilities, so a row with no allowed key so far
@@ -113,8 +117,13 @@ def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool):
     s = _dot(q, k, trans_b=True) * qk_scale
     if not masked:
         return s, None
-    mask = _tile_mask(seg_q, seg_k, q_start, k_start)
+    mask = _tile_mask(seg_q, seg_k, q_start, k_start, window)
     return jnp.where(mask, s, MASKED), mask
+
+
+def _window(metadata: BlockMetadata) -> jax.Array:
+    """The metadata's window as the [1] int32 array each pass reads (a scalar operand, traced under scan)."""
+    return jnp.reshape(metadata.window, (1,)).astype(jnp.int32)
 
 
 def _exp2(x, mask):
@@ -149,17 +158,18 @@ def _reversed(n: int):
 
 
 
-def _forward_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale, block_k):
+def _forward_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale,
+                    block_k):
     i = _query_block()
     block_q, d = q_ref.shape
-    q, seg_q = q_ref[...], seg_q_ref[...]
+    q, seg_q, window = q_ref[...], seg_q_ref[...], window_ref[0]
 
     def step(masked):
         def visit(j, carry):
             acc, m, row_sum = carry
             keys = pl.ds(j * block_k, block_k)
             s, mask = _log2_logits(q, k_ref[keys, :], seg_q, seg_k_ref[keys], i * block_q, j * block_k, qk_scale,
-                                   masked)
+                                   masked, window)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = _exp2(s - m_new[:, None], mask)
             correction = jnp.exp2(m - m_new)
@@ -190,6 +200,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
         grid=(n_q, b, h),
         in_specs=[
             pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
+            pl.BlockSpec((1,), lambda i, r, hd: (0,)),
             pl.BlockSpec((None, bs.block_q), lambda i, r, hd: (r, rev(i))),
             pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
             pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
@@ -204,24 +215,25 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="seqjax_flash_forward",
-    )(metadata.fwd_kv, segment_ids, segment_ids, q, k, v)
+    )(metadata.fwd_kv, _window(metadata), segment_ids, segment_ids, q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale,
-               block_k):
+def _dq_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+               *, scale, block_k):
     i = _query_block()
     block_q, d = q_ref.shape
-    q, do, seg_q = q_ref[...], do_ref[...], seg_q_ref[...]
+    q, do, seg_q, window = q_ref[...], do_ref[...], seg_q_ref[...], window_ref[0]
     lse, delta = lse_ref[...], delta_ref[...]
 
     def step(masked):
         def visit(j, dq):
             keys = pl.ds(j * block_k, block_k)
             k, v = k_ref[keys, :], v_ref[keys, :]
-            s, mask = _log2_logits(q, k, seg_q, seg_k_ref[keys], i * block_q, j * block_k, scale * LOG2_E, masked)
+            s, mask = _log2_logits(q, k, seg_q, seg_k_ref[keys], i * block_q, j * block_k, scale * LOG2_E, masked,
+                                   window)
             p = _exp2(s - lse[:, None], mask)
             ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
             return dq + _dot(ds.astype(k.dtype), k)
@@ -232,13 +244,12 @@ def _dq_kernel(ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, ls
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(
-    ranges_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, block_q
-):
+def _dkv_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref, *, scale, block_q):
     j = pl.program_id(0)
     block_k, d = k_ref.shape
     group = q_ref.shape[1]
-    k, v, seg_k = k_ref[...], v_ref[...], seg_k_ref[...]
+    k, v, seg_k, window = k_ref[...], v_ref[...], seg_k_ref[...], window_ref[0]
 
     def visit_head(g, carry):
         def step(masked):
@@ -247,7 +258,7 @@ def _dkv_kernel(
                 queries = pl.ds(i * block_q, block_q)
                 q, do = q_ref[queries, g, :], do_ref[queries, g, :]
                 s, mask = _log2_logits(q, k, seg_q_ref[queries], seg_k, i * block_q, j * block_k, scale * LOG2_E,
-                                       masked)
+                                       masked, window)
                 p = _exp2(s - lse_ref[g, queries][:, None], mask)
                 dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
                 ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, queries][:, None])
@@ -282,6 +293,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
         grid=(n_q, b, h),
         in_specs=[
             pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
+            pl.BlockSpec((1,), lambda i, r, hd: (0,)),
             pl.BlockSpec((None, bq_dq), lambda i, r, hd: (r, rev(i))),
             pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
             pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
@@ -296,7 +308,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
         compiler_params=params,
         interpret=interpret,
         name="seqjax_flash_dq",
-    )(metadata.dq_kv, segment_ids, segment_ids, q, k, v, do, lse, delta)
+    )(metadata.dq_kv, _window(metadata), segment_ids, segment_ids, q, k, v, do, lse, delta)
 
     n_k = t // bk
     dk, dv = pl.pallas_call(
@@ -304,6 +316,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
         grid=(n_k, b, hkv),
         in_specs=[
             pl.BlockSpec((None, n_k, 4), lambda j, r, hd: (r, 0, 0)),
+            pl.BlockSpec((1,), lambda j, r, hd: (0,)),
             pl.BlockSpec((None, t), lambda j, r, hd: (r, 0)),
             pl.BlockSpec((None, bk), lambda j, r, hd: (r, j)),
             pl.BlockSpec((None, t, group, d), lambda j, r, hd: full_row(r, hd)),
@@ -321,7 +334,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
         compiler_params=params,
         interpret=interpret,
         name="seqjax_flash_dkv",
-    )(metadata.dkv_q, segment_ids, segment_ids, q, k, v, do, lse, delta)
+    )(metadata.dkv_q, _window(metadata), segment_ids, segment_ids, q, k, v, do, lse, delta)
     return dq, dk, dv
 
 
