@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from seqjax.config.load import load_config
     from seqjax.core.errors import SeqjaxError
-    from seqjax.model import build_model, sharding, split_params
+    from seqjax.model import build_model, quant, sharding, split_params
     from seqjax.train.optimizer import build_optimizer
     from seqjax.train.step import make_train_step
 
@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     param_shardings, params = abstract(param_state)
     frozen_shardings, frozen = abstract(frozen_state) if frozen_state is not None else (None, None)
+    base_parameters = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(frozen or {}))
+    lora = config.model.lora
+    if lora.quantize != "none":  # QLoRA: the base's projections as the run stores them (int8, or nf4 and its scales)
+        stored = jax.eval_shape(lambda f: quant.quantize_base(f, lora.quantize, lora.quant_block,
+                                                               config.model.scan_layers), frozen)
+        frozen_shardings = quant.shardings(frozen_shardings, stored, sharding.replicated(mesh))
+        frozen = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), stored,
+                              frozen_shardings)
     tx, _ = build_optimizer(config.train)
     replicated = sharding.replicated(mesh)
     opt_abstract = jax.eval_shape(tx.init, params)
@@ -111,19 +119,19 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
 
-    def per_device(tree) -> int:
-        return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * np.dtype(x.dtype).itemsize
+    def per_device(tree) -> int:  # 4-bit values count half a byte, as XLA packs them on a GPU
+        return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * quant.bits(x.dtype) // 8
                    for x in jax.tree.leaves(tree))
 
     trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    total_params = trainable + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(frozen or {}))
+    total_params = trainable + base_parameters
     row = {
         "config": args.config, "overrides": args.overrides, "devices": args.devices,
         "mesh": dict(mesh.shape), "parameters": total_params,
         "batch_size": b, "seq_len": t, "grad_accum": config.train.grad_accum,
         "remat": config.model.remat, "loss_chunk_tokens": config.model.loss_chunk_tokens,
         "param_dtype": config.model.param_dtype, "compute_dtype": config.model.compute_dtype,
-        "trainable_parameters": trainable, "lora_rank": config.model.lora.rank,
+        "trainable_parameters": trainable, "lora_rank": config.model.lora.rank, "base_storage": lora.quantize,
         "param_bytes_per_device": per_device(params) + per_device(frozen or {}),
         "optimizer_bytes_per_device": per_device(opt_state),
         "batch_bytes_per_device": per_device(batch),

@@ -105,6 +105,7 @@ def test_dropout_changes_the_training_loss_but_not_evaluation_or_generation():
     assert generations[0] == generations[1]
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 @settings(max_examples=6, deadline=None)
 @given(rate=st.floats(0.05, 0.9), token_rate=st.sampled_from([0.0, 0.2]), attention_rate=st.sampled_from([0.0, 0.3]),
        seed=st.integers(0, 2**31 - 1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from seqjax.config.load import load_config
@@ -48,6 +49,7 @@ def sgd_losses(backend: str, batch: dict, steps: int = 3) -> list[float]:
     return losses
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_tiny_model_training_with_pallas_matches_xla():
     batch = {k: jnp.asarray(v) for k, v in packed_batch(np.random.default_rng(0)).items()}
     with jax.default_matmul_precision("highest"):  # on a GPU, XLA's float32 default would be TF32

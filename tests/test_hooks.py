@@ -31,6 +31,7 @@ def test_hooks_run_at_their_steps_in_order_with_the_flush_first():
         hooks.add(Hook("save", print))
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_a_new_hook_runs_at_its_steps_after_the_metrics_reached_the_log(tiny_root, tmp_path):
     run_dir = tmp_path / "run"
     seen = []

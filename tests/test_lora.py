@@ -39,7 +39,7 @@ def logits(model, data):
     return model(data["inputs"], positions=data["positions"], segment_ids=data["segment_ids"])
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_at_initialization_a_lora_model_computes_its_base_exactly(scan):
     lora = build_model(load_config(None, TINY + LORA + [f"model.scan_layers={scan}"]), rngs=nnx.Rngs(0))
     base = build_model(load_config(None, TINY + [f"model.scan_layers={scan}"]), rngs=nnx.Rngs(1))

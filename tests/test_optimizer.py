@@ -101,6 +101,7 @@ def uneven_batch(rng: np.random.Generator, rows: int, length: int, vocab: int) -
     }
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_k_micro_batches_give_the_update_of_one_big_batch():
     from seqjax.model.loss import lm_loss
     from seqjax.train.step import make_train_step

@@ -64,7 +64,8 @@ def saved(fn_and_params) -> list[str]:
     return out.getvalue().splitlines()
 
 
-@pytest.mark.parametrize("remat", ["full", "dots", "names"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.slow),
+                                   pytest.param("names", marks=pytest.mark.slow)])
 def test_every_remat_policy_gives_the_loss_and_gradients_of_no_remat(remat):
     data = batch()
     _, (loss, grads) = loss_and_grads([], data)
@@ -73,6 +74,7 @@ def test_every_remat_policy_gives_the_loss_and_gradients_of_no_remat(remat):
     assert_trees_close(grads_r, grads, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_remat_keeps_less_and_names_keeps_exactly_the_named_activations():
     data = batch()
     kept = {remat: saved(loss_and_grads([f"model.remat={remat}", "model.remat_names=[attn_out, q]"], data)[0])
@@ -89,6 +91,7 @@ def test_an_unknown_remat_name_is_refused_naming_it():
         load_config(None, TINY + ["model.remat=names", "model.remat_names=[attn]"])
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 @settings(max_examples=8, deadline=None)  # each example compiles: a few, over the edge cases below
 @given(b=st.integers(1, 3), t=st.integers(1, 12), vocab=st.integers(2, 40), chunk=st.integers(1, 40),
        z_loss=st.sampled_from([0.0, 1e-3]), seed=st.integers(0, 3))
@@ -166,8 +169,8 @@ FAMILY_REDUCED = {"gemma3_4b_finetune": ["model.layer_types=[sliding,full]", "mo
                                          "model.param_dtype=float32"]}
 
 
-@pytest.mark.parametrize("name", ["llama3_1b_finetune", "llama3_8b_fsdp", *[
-    pytest.param(n, marks=pytest.mark.slow) for n in ("qwen3_8b_fsdp", "gemma3_4b_finetune", "llama3_8b_lora")]])
+@pytest.mark.parametrize("name", ["llama3_8b_fsdp", *[pytest.param(n, marks=pytest.mark.slow) for n in (
+    "llama3_1b_finetune", "qwen3_8b_fsdp", "gemma3_4b_finetune", "llama3_8b_lora")]])
 def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
     """Their remat, scanned layers, chunked loss and optimizer settings run; only the sizes (and the 8-device
     mesh) are reduced."""

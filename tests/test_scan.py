@@ -45,6 +45,7 @@ def loss_and_grads(model, data, key=None):
     return value, nnx.to_pure_dict(grads)
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_the_stacked_layout_has_a_leading_layer_axis_and_converts_both_ways():
     unrolled, scanned = pair()
     p_unrolled = nnx.to_pure_dict(nnx.state(unrolled, nnx.Param))

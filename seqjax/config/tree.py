@@ -435,6 +435,11 @@ class LoraConfig:
     dropout: float = _f(0.0, "training only: dropout on each adapter's input (PEFT's lora_dropout)", min=0.0)
     targets: list[str] = _f(list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down "
                             "(PEFT's target_modules q_proj, ..., down_proj)", resume=MODEL)
+    quantize: str = _f("none", "QLoRA: the frozen base's projections stored as int8 (per-channel scales) or nf4 "
+                       "(4-bit NormalFloat, per-block scales), dequantized per layer in the forward pass",
+                       choices=("none", "int8", "nf4"), resume=MODEL)
+    quant_block: int = _f(64, "nf4: inputs per scale block of each output channel (bitsandbytes' 64)", min=2,
+                          resume=MODEL)
 
     def check(self) -> None:
         unknown = [name for name in self.targets if name not in LORA_TARGETS]
@@ -444,6 +449,9 @@ class LoraConfig:
             raise ConfigError("model.lora.targets: got [], expected at least one projection with model.lora.rank > 0")
         if not self.dropout < 1.0:
             raise ConfigError(f"model.lora.dropout: got {self.dropout}, expected a rate in [0, 1)")
+        if self.quantize != "none" and not self.rank:
+            raise ConfigError(f"model.lora.quantize: got {self.quantize!r} with model.lora.rank 0; a quantized base "
+                              "is frozen, so it needs adapters to train (set model.lora.rank)")
 
     @property
     def scale(self) -> float:

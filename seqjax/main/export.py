@@ -29,6 +29,7 @@ from seqjax.hf import folders as hf
 from seqjax.hf import peft
 from seqjax.main import cli, trained
 from seqjax.model import BASE_PARAMS
+from seqjax.model.quant import dequantize_base
 from seqjax.store.examples import find_chat_template
 
 
@@ -58,7 +59,8 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     config, model = trained.load_checkpoint(args)
     # The run's own tokenizer, refused unless it is the one the checkpoint was trained with (as eval and generate do).
     tokenizer = trained.trained_tokenizer(args, config)
-    cfg, params = model.cfg, nnx.to_pure_dict(nnx.state(model, BASE_PARAMS))
+    cfg = model.cfg  # a QLoRA base is written (or merged into) as read back: what the run computed with
+    params = dequantize_base(nnx.to_pure_dict(nnx.state(model, BASE_PARAMS)), cfg.param_dtype)
     if cfg.lora.rank:
         adapters = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
         if not args.merge:

@@ -55,6 +55,7 @@ from seqjax.config.tree import Config, ModelConfig, RopeScalingConfig
 from seqjax.model.attention import FULL, attention, masked_attention, resolve_backend, segment_mask
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata  # plain JAX; the Pallas kernels stay lazy
+from seqjax.model.quant import weight
 from seqjax.model.remat import remat_block, remat_policy
 
 
@@ -291,9 +292,9 @@ class Attention(nnx.Module):
              lora_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries [B, T, H, Dh] and keys [B, T, K, Dh] rotated to ``positions``, values [B, T, K, Dh]."""
         dt = x.dtype
-        q = self._adapted("q", x, jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(dt)), lora_key)
-        k = self._adapted("k", x, jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(dt)), lora_key)
-        v = self._adapted("v", x, jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(dt)), lora_key)
+        q = self._adapted("q", x, jnp.einsum("btd,dhk->bthk", x, weight(self.wq, dt)), lora_key)
+        k = self._adapted("k", x, jnp.einsum("btd,dhk->bthk", x, weight(self.wk, dt)), lora_key)
+        v = self._adapted("v", x, jnp.einsum("btd,dhk->bthk", x, weight(self.wv, dt)), lora_key)
         if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
         if self.qk_norm:
@@ -303,7 +304,7 @@ class Attention(nnx.Module):
         return checkpoint_name(q, "q"), checkpoint_name(k, "k"), checkpoint_name(v, "v")
 
     def _out(self, o: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
-        out = jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(o.dtype))
+        out = jnp.einsum("bthk,hkd->btd", o, weight(self.wo, o.dtype))
         delta = self.lora.delta("o", o.reshape(*o.shape[:2], -1), lora_key)
         return out if delta is None else out + delta
 
@@ -329,10 +330,10 @@ class SwiGLU(nnx.Module):
         dt = x.dtype
         x = checkpoint_name(x, "mlp_in")
         key = self.lora.key(dropout_key)
-        gate = self._linear("gate", x, self.w_gate[...].astype(dt), key)
+        gate = self._linear("gate", x, weight(self.w_gate, dt), key)
         gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        out = self._linear("down", gate * self._linear("up", x, self.w_up[...].astype(dt), key),
-                           self.w_down[...].astype(dt), key)
+        out = self._linear("down", gate * self._linear("up", x, weight(self.w_up, dt), key), weight(self.w_down, dt),
+                           key)
         return _drop(self.dropout, checkpoint_name(out, "mlp_out"), dropout_key)
 
     def _linear(self, name: str, x: jax.Array, w: jax.Array, key: jax.Array | None) -> jax.Array:

@@ -22,6 +22,7 @@ from seqjax.core.errors import CheckpointError, CheckpointMismatchError
 from seqjax.hf import folders as hf
 from seqjax.hf.peft import merged
 from seqjax.model import BASE_PARAMS, build_model, split_params
+from seqjax.model.quant import dequantize_base, quantize_base
 from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite
 from seqjax.train.adapters import base_identity, check_base
@@ -105,7 +106,7 @@ def base_weights(path: str, dtype: str, scan_layers: bool) -> dict[str, Any]:
     if hf.is_hf_folder(Path(path).expanduser()):
         return blocks_layout(hf.read_params(hf.read_folder(path), dtype), stacked=scan_layers)
     _, model = load_for_inference(path)
-    params = nnx.to_pure_dict(nnx.state(model, BASE_PARAMS))
+    params = dequantize_base(nnx.to_pure_dict(nnx.state(model, BASE_PARAMS)), model.cfg.param_dtype)
     if model.cfg.lora.rank:  # a LoRA run's weights are its base with the adapters folded in
         params = merged(params, nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)), model.cfg)
     return blocks_layout(jax.tree.map(lambda a: np.asarray(a).astype(dtype), params), stacked=scan_layers)
@@ -168,7 +169,9 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
         if config.train.init_from:
             base = base_weights(config.train.init_from, config.model.param_dtype, config.model.scan_layers)
         check_base(read_meta(step_dir).get("lora_base"), base_identity(base, config.train.init_from), step_dir)
-        model = nnx.merge(graphdef, restored, base, rest)
+        lora = config.model.lora  # QLoRA: stored as training stored it
+        model = nnx.merge(graphdef, restored, quantize_base(base, lora.quantize, lora.quant_block,
+                                                            config.model.scan_layers), rest)
     else:
         model = nnx.merge(graphdef, restored, rest)
     model.checkpoint_step = found[0]  # which step was read (an older one when the newest is unreadable): eval says it

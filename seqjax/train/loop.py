@@ -39,7 +39,7 @@ from seqjax.core.files import json_text, write_text_atomic
 from seqjax.data.pipeline import build_pipeline
 from seqjax.eval.evaluate import evaluate
 from seqjax.eval.windows import resolve_stride
-from seqjax.model import build_model, sharding, split_params
+from seqjax.model import build_model, quant, sharding, split_params
 from seqjax.model.attention import resolve_backend
 from seqjax.store.build import has_split, prepare
 from seqjax.store.examples import CHAT_TEMPLATE_FILE, find_chat_template
@@ -279,6 +279,15 @@ def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
             placed.params = sharding.place(loaded, placed.param_shardings)
         logger.info("%s from %s (optimizer, step and data position start fresh)",
                     "base parameters" if lora else "parameters", source.path)
+    # What the adapters belong to: the base as read, before QLoRA stores it quantized.
+    base = None if placed.frozen is None else adapters.base_identity(placed.frozen, config.train.init_from)
+    if config.model.lora.quantize != "none":
+        lora = config.model.lora
+        frozen = quant.quantize_base(placed.frozen, lora.quantize, lora.quant_block, config.model.scan_layers)
+        logger.info("base stored with its projections as %s: %.1f MB (%.1f MB as read)", lora.quantize,
+                    quant.stored_bytes(frozen) / 1e6, quant.stored_bytes(placed.frozen) / 1e6)
+        placed.frozen_shardings = quant.shardings(placed.frozen_shardings, frozen, sharding.replicated(mesh))
+        placed.frozen = sharding.place(frozen, placed.frozen_shardings)
     if tc.init_adapter:
         placed.params = sharding.place(adapters.read_adapter(tc.init_adapter, config), placed.param_shardings)
         logger.info("adapters from %s", tc.init_adapter)
@@ -303,7 +312,7 @@ def _setup(config: Config, mesh, source: init_from.Source | None) -> _Setup:
                                           process_count=process_count)),
         # What the batches are cut from; a checkpoint records it, so a resume on other text or tokenizer is seen.
         identity={"tokenizer": prepared.tokenizer.hash, "sources": train_store.text_identity},
-        base=None if placed.frozen is None else adapters.base_identity(placed.frozen, config.train.init_from),
+        base=base,
         step_fn=jax.jit(
             make_train_step(graphdef, rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss),
             in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated,
