@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from seqjax.core.errors import ConfigError
@@ -169,6 +169,50 @@ def test_cudnn_backend_matches_xla_in_bfloat16():
     cudnn, xla = run("cudnn"), run("xla")
     np.testing.assert_allclose(cudnn, xla, rtol=2e-2, atol=2e-2)
     assert (cudnn[0, 100:] == 0).all()  # padding rows zeroed
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=6), min_size=1, max_size=3),
+       pad=st.integers(0, 5))
+def test_packed_offsets_give_cudnn_the_segments_of_segment_mask(rows, pad):
+    """cudnn_packed's conversion: rebuilding a mask from (seqlen, offsets), causal inside each listed segment,
+    gives segment_mask exactly, padding in no segment."""
+    t = max(sum(r) for r in rows) + pad
+    assume(t > 0)
+    segment_ids = np.stack([segments_from_lengths(r, t)[0] for r in rows])
+    seqlen, offsets = (np.asarray(a) for a in attn.packed_offsets(jnp.asarray(segment_ids)))
+    assert seqlen.shape == (len(rows), t) and offsets.shape == (len(rows), t + 1) and (offsets[:, -1] == -1).all()
+    rebuilt = np.zeros((len(rows), t), int)
+    for b in range(len(rows)):
+        listed = seqlen[b] >= 0
+        assert listed.sum() == len(rows[b]) and (offsets[b, :t] >= 0).sum() == len(rows[b])
+        for k, (start, length) in enumerate(zip(offsets[b][:t][listed], seqlen[b][listed])):
+            rebuilt[b, start:start + length] = k + 1
+    np.testing.assert_array_equal(np.asarray(attn.segment_mask(jnp.asarray(rebuilt))),
+                                  np.asarray(attn.segment_mask(jnp.asarray(segment_ids))))
+
+
+def test_cudnn_packed_is_refused_off_a_gpu_in_float32_and_with_windows():
+    q, k, v = qkv(0)
+    ids = segments_from_lengths([T], T)
+    with pytest.raises(ConfigError, match="'cudnn_packed', which needs an NVIDIA GPU"):
+        attention(q, k, v, ids, backend="cudnn_packed")
+    with pytest.raises(ConfigError, match="'cudnn_packed', which does not compute sliding windows"):
+        resolve_backend("cudnn_packed", jnp.bfloat16, windows=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")
+def test_cudnn_packed_matches_xla_in_bfloat16():
+    q, k, v = qkv(3, b=2, t=128, dtype=jnp.bfloat16)
+    segment_ids = np.concatenate([segments_from_lengths([40, 1, 59], 128), segments_from_lengths([128], 128)])
+
+    def run(backend):
+        return np.asarray(jax.jit(lambda *a: attention(*a, backend=backend))(q, k, v, segment_ids), np.float32)
+
+    packed, xla = run("cudnn_packed"), run("xla")
+    np.testing.assert_allclose(packed, xla, rtol=2e-2, atol=2e-2)
+    assert (packed[0, 100:] == 0).all()
 
 
 SHARDED_RUN = """

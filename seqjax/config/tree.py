@@ -377,7 +377,7 @@ class DataConfig:
         ]
 
 
-ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "pallas", "splash")
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "cudnn_packed", "pallas", "pallas_mosaic", "splash")
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALING_TYPES = ("none", "linear", "llama3")
 # The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's tables).

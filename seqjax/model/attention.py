@@ -16,8 +16,14 @@ backend    what runs
 xla        :func:`reference_attention`: einsum + float32 softmax, any platform
 cudnn      ``jax.nn.dot_product_attention(implementation="cudnn")`` with the dense
            segment mask; GPU only, bfloat16/float16 only (cuDNN takes no segment ids)
+cudnn_packed  cuDNN's packed layout (``q_offsets``/``kv_offsets`` and per-segment lengths from
+           :func:`packed_offsets`), causal inside each segment; Hopper and later, bfloat16/
+           float16; no sliding windows (refused until a GPU shows cuDNN honours them packed)
 pallas     ``seqjax.model.kernels.flash.flash_attention`` (GPU; interpret mode elsewhere); skips
            the tiles outside each segment and outside a sliding layer's band
+pallas_mosaic  ``seqjax.model.kernels.mosaic.mosaic_attention``: the same ranges on Mosaic GPU
+           (Hopper: TMA, wgmma, a producer warpgroup); interpret mode off a GPU; ``auto`` does
+           not pick it until a GPU has measured it
 splash     ``seqjax.model.kernels.splash.splash_attention`` (TPU); windows as a LocalMask
 auto       GPU: pallas, else cudnn, else xla; TPU: splash, else xla; CPU: xla.
            Every fallback is logged with its reason.
@@ -71,13 +77,15 @@ def segment_mask(
         q_index = jnp.arange(tq)[None, :]
     if kv_index is None:
         kv_index = jnp.arange(tk)[None, :]
-    same = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-    real = q_segment_ids[:, :, None] != 0
-    causal = kv_index[:, None, :] <= q_index[:, :, None]
-    if window is None:
-        return same & real & causal
-    near = q_index[:, :, None] - kv_index[:, None, :] < window
-    return same & real & causal & near
+    return allowed(q_segment_ids[:, :, None], kv_segment_ids[:, None, :], q_index[:, :, None], kv_index[:, None, :],
+                   window)
+
+
+def allowed(q_segment, kv_segment, q_index, kv_index, window=None):
+    """Contract 2 elementwise, on operands already broadcast to one shape: the body of :func:`segment_mask`, which
+    a kernel calls on its own tiles (a Mosaic GPU tile's rows and columns come broadcast in its register layout)."""
+    ok = (q_segment == kv_segment) & (q_segment != 0) & (kv_index <= q_index)
+    return ok if window is None else ok & (q_index - kv_index < window)
 
 
 # A window no row reaches: how a layer attending to its whole segment is told apart from a sliding one where the
@@ -144,9 +152,12 @@ def masked_attention(
     return out.reshape(b, tq, h, d).astype(q.dtype)
 
 
-BACKENDS = ("xla", "cudnn", "pallas", "splash")
+BACKENDS = ("xla", "cudnn", "cudnn_packed", "pallas", "pallas_mosaic", "splash")
 _KERNELS = {"pallas": ("seqjax.model.kernels.flash", "flash_attention"),
+            "pallas_mosaic": ("seqjax.model.kernels.mosaic", "mosaic_attention"),
             "splash": ("seqjax.model.kernels.splash", "splash_attention")}
+# The backends that take the per-forward BlockMetadata (each with its own tile sizes: block_sizes_for).
+TILED = ("pallas", "pallas_mosaic")
 _HALF = (jnp.bfloat16, jnp.float16)
 
 
@@ -188,7 +199,7 @@ def attention(
         return _implementation(name)(q, k, v, segment_ids, scale=scale, window=window)
     kernel = _load_kernel(name)
     static = {}  # settings the kernel needs as Python values (splash's static window mask)
-    if name == "pallas" and metadata is not None:
+    if name in TILED and metadata is not None:
         extra = {"metadata": metadata}  # computed for this layer's window (block_metadata's window)
     elif isinstance(window, int):
         extra, static = {}, {"window": window}
@@ -260,7 +271,7 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
 
 # The backends that honour a sliding window (contract 2). xla and cudnn run segment_mask itself; pallas skips the
 # tiles outside the band and masks its edges with segment_mask; splash takes a LocalMask.
-WINDOWED = ("xla", "cudnn", "pallas", "splash")
+WINDOWED = ("xla", "cudnn", "pallas", "pallas_mosaic", "splash")  # not cudnn_packed
 
 
 def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> str:
@@ -278,11 +289,11 @@ def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> s
     if backend != "auto":
         if backend not in BACKENDS:
             raise ValueError(f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")
-        if backend == "cudnn" and jax.default_backend() != "gpu":
-            raise ConfigError(f"model.attention: got 'cudnn', which needs an NVIDIA GPU; this machine's JAX platform "
-                              f"is {jax.default_backend()} (use xla, or auto)")
-        if backend == "cudnn" and jnp.dtype(dtype) not in map(jnp.dtype, _HALF):
-            raise ConfigError(f"model.attention: got 'cudnn', which needs bfloat16 or float16, got "
+        if backend in ("cudnn", "cudnn_packed") and jax.default_backend() != "gpu":
+            raise ConfigError(f"model.attention: got {backend!r}, which needs an NVIDIA GPU; this machine's JAX "
+                              f"platform is {jax.default_backend()} (use xla, or auto)")
+        if backend in ("cudnn", "cudnn_packed") and jnp.dtype(dtype) not in map(jnp.dtype, _HALF):
+            raise ConfigError(f"model.attention: got {backend!r}, which needs bfloat16 or float16, got "
                               f"{jnp.dtype(dtype).name} (set model.compute_dtype, or use pallas, xla or auto)")
         return backend
     platform = jax.default_backend()
@@ -334,6 +345,52 @@ def _cudnn_attention(q, k, v, segment_ids, *, scale=None, window=None):
     return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
 
+def packed_offsets(segment_ids: jax.Array, max_segments: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Contract 2's segment ids [B, T] as cuDNN's packed layout: (seqlen [B, M], offsets [B, M + 1]), int32.
+
+    Row b's k-th run of one non-zero id starts at ``offsets[b, k]`` and is ``seqlen[b, k]`` tokens long; entries
+    past a row's last run are -1 (offsets end with -1), as ``fused_attention_stablehlo.dot_product_attention``
+    asks. Padding (id 0) belongs to no segment. M, the most segments a row may hold, is static: ``max_segments``
+    (``data.max_segments_per_row`` when the packer caps it) or T. A run is a document, as the contract's
+    contiguous runs say: an id that recurs after another (never written by seqjax's packers) becomes two
+    segments here, where segment_mask would join them.
+
+    Worked example: ids [[1, 1, 2, 0], [3, 3, 3, 3]], M = 3 ->
+    seqlen [[2, 1, -1], [4, -1, -1]], offsets [[0, 2, -1, -1], [0, -1, -1, -1]].
+    """
+    b, t = segment_ids.shape
+    m = t if max_segments is None else max_segments
+    real = segment_ids != 0
+    previous = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))
+    starts = real & ((segment_ids != previous) | (jnp.arange(t) == 0))
+    run = jnp.cumsum(starts, axis=1) - 1  # each token's run number in its row (-1 before the first)
+    count = run[:, -1] + 1
+    rows = jnp.arange(b)[:, None]
+    # scatter each start and each real token to its run; other tokens go to the dropped column m
+    slot = jnp.where(starts, run, m)
+    offsets = jnp.full((b, m + 1), -1, jnp.int32).at[rows, slot].set(jnp.arange(t, dtype=jnp.int32), mode="drop")
+    seqlen = jnp.zeros((b, m + 1), jnp.int32).at[rows, jnp.where(real, run, m)].add(1, mode="drop")[:, :m]
+    seqlen = jnp.where(jnp.arange(m) < count[:, None], seqlen, -1)
+    return seqlen, offsets.at[:, m].set(-1)
+
+
+def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, max_segments=None):
+    """cuDNN's fused attention on the packed layout: each segment causal on its own, padding rows zeroed after."""
+    if window is not None:
+        raise ConfigError("model.attention: got 'cudnn_packed', which does not compute sliding windows "
+                          f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
+    resolve_backend("cudnn_packed", q.dtype)
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    except ImportError as err:  # a private module: say so rather than fail obscurely when JAX moves it
+        raise RuntimeError(f"model.attention='cudnn_packed' needs jax._src.cudnn.fused_attention_stablehlo: {err}")
+    seqlen, offsets = packed_offsets(segment_ids, max_segments)
+    out = cudnn.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
+                                      kv_offsets=offsets, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                      mask_type=cudnn.MaskType.CAUSAL)
+    return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
+
+
 def _implementation(name: str) -> Callable:
     """The in-tree backends (the kernels are loaded by :func:`_load_kernel`)."""
-    return reference_attention if name == "xla" else _cudnn_attention
+    return {"xla": reference_attention, "cudnn": _cudnn_attention, "cudnn_packed": _cudnn_packed_attention}[name]

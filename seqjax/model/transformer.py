@@ -52,9 +52,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from seqjax.config.tree import Config, ModelConfig, RopeScalingConfig
-from seqjax.model.attention import FULL, attention, masked_attention, resolve_backend, segment_mask
+from seqjax.model.attention import FULL, TILED, attention, masked_attention, resolve_backend, segment_mask
 from seqjax.model.head import head_logits
-from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata  # plain JAX; the Pallas kernels stay lazy
+from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata  # plain JAX; kernels lazy
 from seqjax.model.quant import weight
 from seqjax.model.remat import remat_block, remat_policy
 
@@ -571,9 +571,10 @@ class TransformerLM(nnx.Module):
         each distinct window (at most two: Gemma 3's sliding and global layers) and handed to every layer
         (explicitly, rather than trusting XLA to merge per-layer copies across remat or scan boundaries).
         """
-        if resolve_backend(self.cfg.attention, self.cfg.compute_dtype, windows=self.cfg.has_windows) != "pallas":
+        backend = resolve_backend(self.cfg.attention, self.cfg.compute_dtype, windows=self.cfg.has_windows)
+        if backend not in TILED:
             return None
-        blocks = BlockSizes.for_head_dim(self.cfg.head_dim)
+        blocks = MOSAIC_BLOCKS if backend == "pallas_mosaic" else BlockSizes.for_head_dim(self.cfg.head_dim)
         windows = [self.cfg.window_of(i) for i in range(self.cfg.n_layers)]
         by_window = {w: block_metadata(segment_ids, blocks, w) for w in dict.fromkeys(windows)}
         return [by_window[w] for w in windows]

@@ -84,6 +84,10 @@ class BlockSizes:
         return -(-seq_len // self.multiple) * self.multiple
 
 
+# The Mosaic GPU kernel's tiles (seqjax.model.kernels.mosaic): 64 x 64 in every pass, one warpgroup's wgmma M.
+MOSAIC_BLOCKS = BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockMetadata:

@@ -1,0 +1,434 @@
+"""Flash attention on Pallas's Mosaic GPU backend for Hopper, skipping the tiles packing leaves empty
+(``model.attention: pallas_mosaic``).
+
+The same three passes and the same per-tile ranges as :mod:`seqjax.model.kernels.flash` (Triton), written for
+the H100's own machinery instead of through Triton:
+
+- each CTA runs two warpgroups: a producer that streams tiles from global memory into a ring of shared-memory
+  slots with TMA copies (``copy_gmem_to_smem``, one mbarrier per slot and operand), and a consumer that waits on
+  a slot's barrier, multiplies with ``wgmma`` (accumulators in registers), and hands the slot back through a
+  "consumed" barrier, so the next loads overlap this tile's math;
+- forward: one CTA per (query block, head, row), streaming key/value tiles through an online softmax in base 2;
+- dQ: the same grid, streaming key/value tiles again;
+- dK/dV: one CTA per (key block, kv head, row), streaming query, dO, log-sum-exp and delta tiles of every query
+  head of its GQA group, so dK/dV are summed in registers with no atomics.
+
+Every loop runs over :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`'s ranges ``(lo, full_lo, full_hi,
+hi)`` (per-tile metadata read as loop bounds): tiles outside a document (or a sliding window's band) are never
+loaded; inside ``[full_lo, full_hi)`` no mask is built; edge tiles apply :func:`seqjax.model.attention.allowed`,
+contract 2's rule. Tiles are 64 x 64 (one warpgroup's wgmma M); D is 64 or 128.
+
+Shortcuts, stated: one consumer warpgroup (the bundled kernel ping-pongs two, which a GPU run should weigh);
+the producer's ring has ``SLOTS`` = 2 stages. Until a GPU measures it, ``auto`` does not pick this kernel.
+
+Interpret mode (``interpret=True``, or ``None`` off a GPU) runs the same kernels on a CPU through Pallas's Mosaic
+GPU interpreter, which is how CI checks their numbers; it also accepts float32 there, where a GPU's wgmma would
+round to TF32, so the tests can be tight. On a GPU the dtypes are bfloat16 and float16.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from seqjax.model.attention import allowed, check_attention_inputs
+from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, block_metadata
+
+BLOCK = MOSAIC_BLOCKS.block_q  # query and key tile rows, every pass: one warpgroup's wgmma M
+SLOTS = 2  # stages of the producer's shared-memory ring
+LOG2_E = math.log2(math.e)
+MASKED = -1e30  # a finite -inf: masked logits and the running max start here (no exp2(-inf - -inf) = NaN)
+BLOCK_SIZES = MOSAIC_BLOCKS
+HEAD_DIMS = (64, 128)
+GPU_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, scale: float | None = None,
+                     interpret: bool | None = None, metadata: BlockMetadata | None = None,
+                     window=None) -> jax.Array:
+    """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D], Hkv dividing H; D 64 or 128.
+
+    ``segment_ids`` [B, T]: contract 2 (0 = padding). T is padded to a multiple of 64 with segment 0 (no tile
+    visits padding) and sliced back. ``metadata``: :func:`block_metadata` for these ids with
+    :data:`BLOCK_SIZES` (and the layer's window), computed once per forward; computed here when omitted, from
+    ``window``.
+    """
+    check_attention_inputs(q, k, v, segment_ids)
+    b, t, h, d = q.shape
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if d not in HEAD_DIMS:
+        raise ValueError(f"mosaic_attention: head_dim {d}, expected one of {HEAD_DIMS} (wgmma tiles)")
+    allowed_dtypes = GPU_DTYPES + ((jnp.float32,) if interpret else ())
+    if q.dtype not in map(jnp.dtype, allowed_dtypes):
+        raise ValueError(f"mosaic_attention: dtype {q.dtype}, expected bfloat16 or float16"
+                         + (" (float32 only in interpret mode)" if not interpret else " or float32"))
+    if metadata is None:
+        metadata = block_metadata(segment_ids, BLOCK_SIZES, window)
+    elif window is not None:
+        raise ValueError("mosaic_attention: pass the window to block_metadata, which the given metadata came from")
+    elif metadata.block_sizes != BLOCK_SIZES:
+        raise ValueError(f"mosaic_attention: metadata was computed for {metadata.block_sizes}, not {BLOCK_SIZES}")
+    padded = BLOCK_SIZES.padded_length(t)
+    if metadata.seq_len != padded or metadata.fwd_kv.shape[0] != b:
+        raise ValueError(f"mosaic_attention: metadata is for batch {metadata.fwd_kv.shape[0]} and padded length "
+                         f"{metadata.seq_len}, but the inputs have batch {b} and padded length {padded} (T={t})")
+    pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
+    segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
+    scale = float(d**-0.5 if scale is None else scale)
+    out = _attention(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale, bool(interpret))
+    return out[:, :t]
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def _tile(dtype, d: int):
+    """A [BLOCK, d] shared-memory tile in wgmma's layout: 8-row tiles, swizzled 128 bytes wide."""
+    columns = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM((SLOTS, BLOCK, d), dtype, transforms=(plgpu.TilingTransform((8, columns)),
+                                                            plgpu.SwizzleTransform(128)))
+
+
+def _one_tile(dtype, d: int):
+    columns = 128 // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM((BLOCK, d), dtype, transforms=(plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(128)))
+
+
+def _produce(start, count, copies, consumed):
+    """The producer warpgroup: for steps ``0..count``, wait until the consumer has freed the step's slot (after the
+    first ``SLOTS`` steps), then issue ``copies(step)``: (global source, shared ring, ready barrier) triples."""
+
+    @pl.loop(0, count)
+    def _(step):
+        slot = lax.rem(step, SLOTS)
+
+        @pl.when(step >= SLOTS)
+        def _wait_free():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        for src, ring, ready in copies(start, step):
+            plgpu.copy_gmem_to_smem(src, ring.at[slot], ready.at[slot])
+
+
+def _matmul(a, b, shape):
+    """``a @ b`` on the tensor cores into a float32 register accumulator of ``shape``."""
+
+    def run(acc):
+        plgpu.wgmma(acc, a, b)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def _accumulate(acc, a, staging, b):
+    """``acc + a @ b`` with ``a`` a register tile (P, or dS): staged through the shared tile ``staging`` first.
+
+    Shortcuts, stated: wgmma could take ``a`` from registers and accumulate into ``acc`` in place
+    (``run_state(..)(ACC.init(acc))``), as FlashAttention-3 does, but Pallas's Mosaic GPU interpreter runs neither
+    (a wgmma operand must be a shared-memory allocation; a ``run_state`` accumulator leaks its effect), and CI
+    checks this kernel only through that interpreter. The extra store and add per tile are what a GPU profile
+    should weigh first."""
+    staging[...] = a.astype(staging.dtype)
+    plgpu.commit_smem()
+    return acc + _matmul(staging, b, acc.shape)
+
+
+def _rows(ref, layout_axis: int):
+    """A [BLOCK] vector from shared memory, laid out to broadcast along ``layout_axis`` of a wgmma tile."""
+    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(layout_axis))
+
+
+def _broadcast(x, axis: int):
+    return lax.broadcast_in_dim(x, (BLOCK, BLOCK), (axis,))
+
+
+def _tile_mask(seg_rows, seg_cols, row_start, col_start, window, rows_are_queries: bool):
+    """Contract 2 on one [BLOCK, BLOCK] tile; rows are queries (forward, dQ) or keys (dK/dV)."""
+    row = row_start + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0, layout=plgpu.Layout.WGMMA)
+    col = col_start + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1, layout=plgpu.Layout.WGMMA)
+    seg_r, seg_c = _broadcast(seg_rows, 0), _broadcast(seg_cols, 1)
+    if rows_are_queries:
+        return allowed(seg_r, seg_c, row, col, window)
+    return allowed(seg_c, seg_r, col, row, window)
+
+
+def _three_loops(ranges_ref, b, blk, step, carry, offset=0):
+    """``step(masked, i, n)`` over the block's ranges: masked edge, unmasked middle, masked edge; ``n`` counts
+    steps from the first (plus ``offset``), which is what picks the ring slot."""
+    lo, full_lo, full_hi, hi = (ranges_ref[b, blk, c] for c in range(4))
+
+    def loop(start, stop, masked, carry):
+        return lax.fori_loop(start, stop, lambda i, c: step(masked, i, offset + i - lo, c), carry)
+
+    carry = loop(lo, full_lo, True, carry)
+    carry = loop(full_lo, full_hi, False, carry)
+    return loop(full_hi, hi, True, carry)
+
+
+def _store(value, smem, dst):
+    smem[...] = value.astype(smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst)
+
+
+def _interpret(interpret: bool):
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+
+def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interpret: bool):
+    """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T] the backward passes reuse."""
+    b, t, h, d = q.shape
+    group = h // k.shape[2]
+    qk_scale = scale * LOG2_E
+
+    def body(ranges, window_ref, seg, q_ref, k_ref, v_ref, o_ref, lse_ref,
+             q_smem, seg_q, k_ring, v_ring, seg_ring, lse_smem, p_smem, q_ready, k_ready, v_ready, s_ready, consumed):
+        i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
+        lo, hi = ranges[r, i, 0], ranges[r, i, 3]
+        kv = lax.div(hd, jnp.int32(group))
+
+        def key_tile(start, step):
+            keys = pl.ds((start + step) * BLOCK, BLOCK)
+            return ((k_ref.at[r, keys, kv], k_ring, k_ready), (v_ref.at[r, keys, kv], v_ring, v_ready),
+                    (seg.at[r, keys], seg_ring, s_ready))
+
+        @pl.when(lax.axis_index("wg") == 1)
+        def _producer():
+            _produce(lo, hi - lo, key_tile, consumed)
+
+        @pl.when(lax.axis_index("wg") == 0)
+        def _consumer():
+            queries = pl.ds(i * BLOCK, BLOCK)
+            plgpu.copy_gmem_to_smem(q_ref.at[r, queries, hd], q_smem, q_ready.at[0])
+            plgpu.copy_gmem_to_smem(seg.at[r, queries], seg_q, q_ready.at[1])
+            plgpu.barrier_wait(q_ready.at[0])
+            plgpu.barrier_wait(q_ready.at[1])
+            seg_rows, window = _rows(seg_q, 1), window_ref[0]
+
+            def step(masked, j, n, carry):
+                acc, m, row_sum = carry
+                slot = lax.rem(n, SLOTS)
+                plgpu.barrier_wait(k_ready.at[slot])
+                s = _matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale
+                mask = None
+                if masked:
+                    plgpu.barrier_wait(s_ready.at[slot])
+                    mask = _tile_mask(seg_rows, _rows(seg_ring.at[slot], 0), i * BLOCK, j * BLOCK, window, True)
+                    s = jnp.where(mask, s, MASKED)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                p = jnp.exp2(s - _broadcast(m_new, 0))
+                if mask is not None:
+                    p = jnp.where(mask, p, 0.0)
+                correction = jnp.exp2(m - m_new)
+                row_sum = row_sum * correction + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
+                plgpu.barrier_wait(v_ready.at[slot])
+                if not masked:
+                    plgpu.barrier_wait(s_ready.at[slot])  # every ready barrier is waited once per fill
+                acc = _accumulate(acc, p, p_smem, v_ring.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+                return acc, m_new, row_sum
+
+            rows = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            init = (plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA),
+                    rows + MASKED, rows)
+            acc, m, row_sum = _three_loops(ranges, r, i, step, init)
+            empty = row_sum == 0.0  # padding queries and queries with no key: zeros, never NaN
+            safe = jnp.where(empty, 1.0, row_sum)
+            _store(acc / lax.broadcast_in_dim(safe, acc.shape, (0,)), q_smem, o_ref.at[r, queries, hd])
+            _store(jnp.where(empty, 0.0, m + jnp.log2(safe)), lse_smem, lse_ref.at[r, hd, queries])
+            plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
+        grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=2, thread_name="wg",
+        scratch_types=[_one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32), _tile(k.dtype, d), _tile(v.dtype, d),
+                       plgpu.SMEM((SLOTS, BLOCK), jnp.int32), plgpu.SMEM((BLOCK,), jnp.float32),
+                       _one_tile(v.dtype, BLOCK), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=SLOTS),
+                       plgpu.Barrier(num_barriers=SLOTS), plgpu.Barrier(num_barriers=SLOTS),
+                       plgpu.Barrier(num_barriers=SLOTS)],
+        interpret=_interpret(interpret))
+    return kernel(metadata.fwd_kv, _window(metadata), segment_ids, q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+def _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
+    b, t, h, d = q.shape
+    group = h // k.shape[2]
+    qk_scale = scale * LOG2_E
+
+    def body(ranges, window_ref, seg, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+             q_smem, do_smem, seg_q, lse_smem, delta_smem, k_ring, v_ring, seg_ring, ds_smem, q_ready, k_ready,
+             v_ready, s_ready, consumed):
+        i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
+        lo, hi = ranges[r, i, 0], ranges[r, i, 3]
+        kv = lax.div(hd, jnp.int32(group))
+
+        def key_tile(start, step):
+            keys = pl.ds((start + step) * BLOCK, BLOCK)
+            return ((k_ref.at[r, keys, kv], k_ring, k_ready), (v_ref.at[r, keys, kv], v_ring, v_ready),
+                    (seg.at[r, keys], seg_ring, s_ready))
+
+        @pl.when(lax.axis_index("wg") == 1)
+        def _producer():
+            _produce(lo, hi - lo, key_tile, consumed)
+
+        @pl.when(lax.axis_index("wg") == 0)
+        def _consumer():
+            queries = pl.ds(i * BLOCK, BLOCK)
+            loads = ((q_ref.at[r, queries, hd], q_smem), (do_ref.at[r, queries, hd], do_smem),
+                     (seg.at[r, queries], seg_q), (lse_ref.at[r, hd, queries], lse_smem),
+                     (delta_ref.at[r, hd, queries], delta_smem))
+            for n, (src, dst) in enumerate(loads):
+                plgpu.copy_gmem_to_smem(src, dst, q_ready.at[n])
+            for n in range(len(loads)):
+                plgpu.barrier_wait(q_ready.at[n])
+            seg_rows, window = _rows(seg_q, 1), window_ref[0]
+            lse_rows, delta_rows = _broadcast(_rows(lse_smem, 1), 0), _broadcast(_rows(delta_smem, 1), 0)
+
+            def step(masked, j, n, dq):
+                slot = lax.rem(n, SLOTS)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(s_ready.at[slot])
+                p = jnp.exp2(_matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale - lse_rows)
+                if masked:
+                    mask = _tile_mask(seg_rows, _rows(seg_ring.at[slot], 0), i * BLOCK, j * BLOCK, window, True)
+                    p = jnp.where(mask, p, 0.0)
+                ds = p * (_matmul(do_smem, v_ring.at[slot].T, (BLOCK, BLOCK)) - delta_rows)
+                dq = _accumulate(dq, ds, ds_smem, k_ring.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dq
+
+            init = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
+            dq = _three_loops(ranges, r, i, step, init)
+            _store(dq * scale, q_smem, dq_ref.at[r, queries, hd])
+            plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=2, thread_name="wg",
+        scratch_types=[_one_tile(q.dtype, d), _one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
+                       plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32),
+                       _tile(k.dtype, d), _tile(v.dtype, d), plgpu.SMEM((SLOTS, BLOCK), jnp.int32),
+                       _one_tile(k.dtype, BLOCK), plgpu.Barrier(num_barriers=5), plgpu.Barrier(num_barriers=SLOTS),
+                       plgpu.Barrier(num_barriers=SLOTS), plgpu.Barrier(num_barriers=SLOTS),
+                       plgpu.Barrier(num_barriers=SLOTS)],
+        interpret=_interpret(interpret))
+    return kernel(metadata.dq_kv, _window(metadata), segment_ids, q, k, v, do, lse, delta)
+
+
+def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    group = h // hkv
+    qk_scale = scale * LOG2_E
+
+    def body(ranges, window_ref, seg, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+             k_smem, v_smem, seg_k, q_ring, do_ring, seg_ring, lse_ring, delta_ring, t_smem, k_ready, q_ready,
+             do_ready, s_ready, l_ready, d_ready, consumed):
+        j, kvh, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
+        lo, hi = ranges[r, j, 0], ranges[r, j, 3]
+        per_head = hi - lo
+
+        def query_tile(start, step):  # steps run over (head of the group, query block), heads outermost
+            g, i = lax.div(step, jnp.maximum(per_head, 1)), start + lax.rem(step, jnp.maximum(per_head, 1))
+            queries, head = pl.ds(i * BLOCK, BLOCK), kvh * group + g
+            return ((q_ref.at[r, queries, head], q_ring, q_ready), (do_ref.at[r, queries, head], do_ring, do_ready),
+                    (seg.at[r, queries], seg_ring, s_ready), (lse_ref.at[r, head, queries], lse_ring, l_ready),
+                    (delta_ref.at[r, head, queries], delta_ring, d_ready))
+
+        @pl.when(lax.axis_index("wg") == 1)
+        def _producer():
+            _produce(lo, group * per_head, query_tile, consumed)
+
+        @pl.when(lax.axis_index("wg") == 0)
+        def _consumer():
+            keys = pl.ds(j * BLOCK, BLOCK)
+            for n, (src, dst) in enumerate(((k_ref.at[r, keys, kvh], k_smem), (v_ref.at[r, keys, kvh], v_smem),
+                                            (seg.at[r, keys], seg_k))):
+                plgpu.copy_gmem_to_smem(src, dst, k_ready.at[n])
+            for n in range(3):
+                plgpu.barrier_wait(k_ready.at[n])
+            seg_rows, window = _rows(seg_k, 1), window_ref[0]
+
+            def step(masked, i, n, carry):
+                dk, dv = carry
+                slot = lax.rem(n, SLOTS)
+                for ready in (q_ready, do_ready, s_ready, l_ready, d_ready):
+                    plgpu.barrier_wait(ready.at[slot])
+                # transposed tiles: rows are this block's keys, columns the streamed queries
+                lse_cols = _broadcast(_rows(lse_ring.at[slot], 0), 1)
+                p_t = jnp.exp2(_matmul(k_smem, q_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale - lse_cols)
+                if masked:
+                    mask = _tile_mask(seg_rows, _rows(seg_ring.at[slot], 0), j * BLOCK, i * BLOCK, window, False)
+                    p_t = jnp.where(mask, p_t, 0.0)
+                dv = _accumulate(dv, p_t, t_smem, do_ring.at[slot])
+                delta_cols = _broadcast(_rows(delta_ring.at[slot], 0), 1)
+                ds_t = p_t * (_matmul(v_smem, do_ring.at[slot].T, (BLOCK, BLOCK)) - delta_cols)
+                dk = _accumulate(dk, ds_t, t_smem, q_ring.at[slot])  # t_smem free again: dV's wgmma waited
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk, dv
+
+            def head(g, carry):
+                return _three_loops(ranges, r, j, step, carry, offset=g * per_head)
+
+            zeros = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
+            dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+            _store(dk * scale, k_smem, dk_ref.at[r, keys, kvh])
+            _store(dv, v_smem, dv_ref.at[r, keys, kvh])
+            plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body, out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        grid=(t // BLOCK, hkv, b), grid_names=("blocks", "heads", "rows"), num_threads=2, thread_name="wg",
+        scratch_types=[_one_tile(k.dtype, d), _one_tile(v.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
+                       _tile(q.dtype, d), _tile(do.dtype, d), plgpu.SMEM((SLOTS, BLOCK), jnp.int32),
+                       plgpu.SMEM((SLOTS, BLOCK), jnp.float32), plgpu.SMEM((SLOTS, BLOCK), jnp.float32),
+                       _one_tile(q.dtype, BLOCK), plgpu.Barrier(num_barriers=3),
+                       *[plgpu.Barrier(num_barriers=SLOTS)] * 6],
+        interpret=_interpret(interpret))
+    return kernel(metadata.dkv_q, _window(metadata), segment_ids, q, k, v, do, lse, delta)
+
+
+def _window(metadata: BlockMetadata) -> jax.Array:
+    return jnp.reshape(metadata.window, (1,)).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------- custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, segment_ids, metadata, scale, interpret):
+    return _forward(q, k, v, segment_ids, metadata, scale, interpret)[0]
+
+
+def _attention_fwd(q, k, v, segment_ids, metadata, scale, interpret):
+    out, lse = _forward(q, k, v, segment_ids, metadata, scale, interpret)
+    return out, (q, k, v, segment_ids, metadata, out, lse)
+
+
+def _attention_bwd(scale, interpret, residuals, do):
+    q, k, v, segment_ids, metadata, out, lse = residuals
+    # delta_i = sum_d out_i * dout_i: the softmax-backward row term, one fused XLA reduction, [B, H, T].
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+    dq = _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do)
+    dk, dv = _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do)
+    return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

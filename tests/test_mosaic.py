@@ -1,0 +1,125 @@
+"""The Mosaic GPU flash kernel (``model.attention: pallas_mosaic``) against contract 2's reference, run by Pallas's
+Mosaic GPU interpreter on a CPU (CI), and lowered for an H100 without one.
+
+Forward and all three gradients are checked under hypothesis-drawn packings and sliding windows in float32
+(exact in the interpreter), and in bfloat16 at D = 128; the segment-skipping ranges are the flash kernel's
+(tests/test_flash.py checks them tile by tile).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqjax.model.attention import FULL, reference_attention
+from seqjax.model.kernels.block_ranges import block_metadata
+from seqjax.model.kernels.mosaic import BLOCK_SIZES, mosaic_attention
+from test_flash import assert_close, packed_batch, random_qkv
+
+
+def _vjp(attend, q, k, v, segment_ids, window, cotangent):
+    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segment_ids, window), q, k, v)
+    return out, vjp(cotangent)
+
+
+def _exact(q, k, v, segment_ids, window):
+    with jax.default_matmul_precision("highest"):
+        return reference_attention(q, k, v, segment_ids, window=window)
+
+
+REFERENCE = jax.jit(lambda q, k, v, s, w, ct: _vjp(_exact, q, k, v, s, w, ct))
+MOSAIC = jax.jit(lambda q, k, v, s, w, ct: _vjp(lambda q, k, v, s, w: mosaic_attention(q, k, v, s, window=w),
+                                                q, k, v, s, w, ct))
+# T = 120 pads to two 64-token tiles; 4 query heads share 2 kv heads (GQA); D = 64.
+F32 = random_qkv((2, 120, 4, 64), kv_heads=2, dtype=jnp.float32, seed=4)
+
+
+def check(q, k, v, segment_ids, window, cotangent, tol):
+    out, grads = MOSAIC(q, k, v, segment_ids, window, cotangent)
+    ref_out, ref_grads = REFERENCE(q, k, v, segment_ids, window, cotangent)
+    assert_close(out, ref_out, tol, "output")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(got, want, tol, name)
+    padding = np.asarray(segment_ids) == 0  # contract 2: padding sees nothing: exact zeros, never NaN
+    assert not np.asarray(out, np.float32)[padding].any()
+    assert not np.asarray(grads[0], np.float32)[padding].any()
+
+
+def test_a_packed_row_under_a_sliding_window_in_float32():
+    q, k, v, cotangent = F32
+    rows = np.stack([np.repeat([1, 2, 3, 0], [50, 3, 60, 7]), np.repeat([1, 2], [70, 50])]).astype(np.int32)
+    check(q, k, v, jnp.asarray(rows), jnp.int32(20), cotangent, tol=2e-5)
+
+
+@pytest.mark.slow  # about a minute of interpreter: the fast loop runs the fixed cases
+@settings(max_examples=8, deadline=None)
+@given(segment_ids=packed_batch(2, 120), window=st.one_of(st.just(FULL), st.integers(1, 130)))
+def test_matches_the_reference_in_float32_over_packings_and_windows(segment_ids, window):
+    q, k, v, cotangent = F32
+    check(q, k, v, jnp.asarray(segment_ids), jnp.int32(window), cotangent, tol=2e-5)
+
+
+@pytest.mark.parametrize("lengths", [[128], [5, 1, 60, 40]])  # one document; ragged documents and a padding tail
+def test_matches_the_reference_in_bfloat16_at_head_dim_128(lengths):
+    rows = np.zeros((1, 128), np.int32)
+    rows[0, : sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+    q, k, v, cotangent = random_qkv((1, 128, 2, 128), kv_heads=1, dtype=jnp.bfloat16, seed=5)
+    check(q, k, v, jnp.asarray(rows), jnp.int32(FULL), cotangent, tol=3e-2)
+
+
+def test_refuses_what_it_cannot_compute():
+    q, k, v, _ = F32
+    ids = jnp.ones((2, 120), jnp.int32)
+    with pytest.raises(ValueError, match="head_dim 32, expected one of"):
+        mosaic_attention(q[..., :32], k[..., :32], v[..., :32], ids)
+    with pytest.raises(ValueError, match="float32 only in interpret mode"):
+        mosaic_attention(q, k, v, ids, interpret=False)
+    with pytest.raises(ValueError, match="metadata was computed for"):
+        mosaic_attention(q, k, v, ids, metadata=block_metadata(ids, type(BLOCK_SIZES)()))
+    with pytest.raises(ValueError, match="pass the window to block_metadata"):
+        mosaic_attention(q, k, v, ids, metadata=block_metadata(ids, BLOCK_SIZES, 8), window=8)
+
+
+def test_lowers_through_mosaic_gpu_for_an_h100():
+    """Without a GPU: forward, dQ and dK/dV pass Mosaic GPU's lowering (layouts, TMA, wgmma) for an H100."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                     abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100",
+                                                                                 num_cores=None, platform="cuda"))
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+
+    def loss(q, k, v, s):
+        return mosaic_attention(q, k, v, s, interpret=False).astype(jnp.float32).sum()
+
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 3  # forward, dQ, dK/dV
+
+
+def test_a_model_with_sliding_layers_runs_on_it_as_on_xla():
+    """model.attention=pallas_mosaic: per-window metadata from the model, packed rows, a sliding window of 20."""
+    from flax import nnx
+
+    from seqjax.config.load import load_config
+    from seqjax.model import build_model
+
+    def logits(backend):
+        config = load_config(None, ["model.d_model=128", "model.n_layers=2", "model.n_heads=2", "model.head_dim=64",
+                                    "model.vocab_size=50", "model.max_seq_len=128", "data.seq_len=128",
+                                    f"model.attention={backend}", "model.layer_types=[sliding,full]",
+                                    "model.sliding_window=20"])
+        ids = jnp.asarray(np.random.default_rng(0).integers(0, 50, (1, 128)))
+        segments = jnp.asarray(np.repeat([1, 2], [70, 58])[None])
+        positions = jnp.asarray(np.r_[np.arange(70), np.arange(58)][None])
+        return build_model(config, rngs=nnx.Rngs(0))(ids, positions=positions, segment_ids=segments)
+
+    np.testing.assert_allclose(logits("pallas_mosaic"), logits("xla"), rtol=1e-5, atol=1e-5)
