@@ -67,12 +67,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqjax.model.attention import _cudnn_attention, reference_attention
-from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata, full_blocks, visited_blocks
+from seqjax.model.attention import _cudnn_attention, _cudnn_packed_attention, packed_offsets, reference_attention
+from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata, full_blocks, visited_blocks
 from seqjax.model.kernels.flash import flash_attention
+from seqjax.model.kernels.mosaic import mosaic_attention
 
 FORMULA = "forward = sum over documents of 4*H*L^2*D/2 (causal); forward+backward = 3.5 x forward (backward = 2.5 x)"
-IMPLS = ("flash", "xla", "cudnn", "cudnn_mask", "bundled", "kvax", "tokamax", "mgpu_fa3")
+IMPLS = ("flash", "mosaic", "xla", "cudnn", "cudnn_mask", "cudnn_packed", "bundled", "kvax", "tokamax", "mgpu_fa3")
 INPUTS = ("dense", "packed", "varlen")
 BLOCK_FIELDS = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "num_warps", "num_stages", "block_q_dq",
                 "block_k_dq", "num_warps_bwd", "num_stages_bwd")
@@ -194,6 +195,12 @@ def implementation(impl: str, scale: float, blocks: BlockSizes, interpret: bool,
     if impl == "flash":
         return (lambda s: (s, block_metadata(s, blocks)),
                 lambda q, k, v, a: flash_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret))
+    if impl == "mosaic":  # seqjax's Mosaic GPU kernel: its own 64 x 64 tiles, the same ranges
+        return (lambda s: (s, block_metadata(s, MOSAIC_BLOCKS)),
+                lambda q, k, v, a: mosaic_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret))
+    if impl == "cudnn_packed":  # cuDNN's packed layout: the offsets are computed once per batch, like the metadata
+        return (lambda s: (s, packed_offsets(s))), (lambda q, k, v, a: _cudnn_packed_attention(
+            q, k, v, a[0], scale=scale, offsets=a[1]))
     if impl == "xla":
         return (lambda s: s), (lambda q, k, v, s: reference_attention(q, k, v, s, scale=scale))
     if impl == "cudnn":
@@ -389,13 +396,15 @@ def environment() -> dict[str, Any]:
     }
 
 
-def skip_reason(impl: str, kind: str, heads: int, kv_heads: int) -> str | None:
+def skip_reason(impl: str, kind: str, heads: int, kv_heads: int, head_dim: int = 64) -> str | None:
     """Why a combination is not run (None: run it)."""
     if impl == "cudnn" and kind != "dense":
         return "cuDNN without a mask takes no segment ids: it is the dense upper bound only"
     if impl == "bundled" and (kind == "varlen" or kv_heads != heads):
         return "the bundled kernel has no GQA; varlen is seqjax's ideal"
-    if impl in ("xla", "cudnn_mask", "kvax", "tokamax", "mgpu_fa3") and kind == "varlen":
+    if impl == "mosaic" and head_dim not in (64, 128):
+        return "the Mosaic kernel's wgmma tiles take D = 64 or 128"
+    if impl in ("xla", "cudnn_mask", "cudnn_packed", "mosaic", "kvax", "tokamax", "mgpu_fa3") and kind == "varlen":
         return "varlen is the ideal of seqjax's kernel on separate rows"
     if impl == "mgpu_fa3" and kind != "dense":
         return "JAX's Mosaic GPU FA3 takes no segment ids: dense only"
@@ -412,7 +421,7 @@ def main(argv=None) -> None:
         if not args.smoke:
             return
         args.seq_lens, args.tokens, args.head_dims, args.width, args.heads = [64], 128, [64], 128, None
-        args.impls = [i for i in args.impls if i in ("flash", "xla")] or ["flash"]
+        args.impls = [i for i in args.impls if i in ("flash", "mosaic", "xla")] or ["flash"]
         args.inputs, args.warmup, args.iters, args.repeats = ["dense", "packed"], 1, 1, 1
         args.doc_len, args.block_q, args.block_k, args.block_q_bwd, args.block_k_bwd = 16, 16, 16, 16, 16
         if args.sweep:
@@ -428,7 +437,7 @@ def main(argv=None) -> None:
             for kind in args.inputs:
                 for blocks in configs:
                     for impl in impls:
-                        if skip_reason(impl, kind, heads, kv_heads):
+                        if skip_reason(impl, kind, heads, kv_heads, head_dim):
                             continue
                         record = {**env, **case_record(args, impl, kind, seq_len, head_dim, blocks, interpret)}
                         if args.sweep:

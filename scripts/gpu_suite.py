@@ -17,15 +17,27 @@ Stages, in order (``--only``/``--skip`` pick):
   tests       ``pytest`` on the GPU, compiled: the ``gpu``-marked tests (kernel + three gradients over hypothesis
               packings in bf16 and float32, cudnn, ``auto`` -> pallas, 50 bf16 steps pallas vs xla) and the
               kernel's interpret-mode tests, here compiled
-  attention   scripts/bench_attention.py over dense, packed and varlen rows, T = 1k..16k, D = 64 and 128
-  levanter    Levanter's shape: B=1, S=8192, 32/8 heads, D=128, 256-token documents
-  throughput  scripts/bench_train.py on configs/gpt2_small.yaml, one process per backend (xla, cudnn, pallas):
-              tokens/s, step time, MFU, peak memory, for the old per-step-sync loop and the current one
+  attention   scripts/bench_attention.py over dense, packed and varlen rows, T = 1k..16k, D = 64 and 128: both
+              seqjax kernels (flash on Triton, mosaic on Mosaic GPU) beside cuDNN dense, cuDNN with the dense
+              mask, cuDNN's packed layout, the bundled kernel, kvax and tokamax
+  levanter    Levanter's shape: B=1, S=8192, 32/8 heads, D=128, 256-token documents, the same peers
+  finetune    fine-tuning at Llama-3.2-1B's shape (configs/llama3_1b_finetune.yaml: random weights, its
+              vocabulary and rows) on synthetic prompt/answer records packed best_fit_decreasing, loss on the
+              answers, remat, scan_layers and the chunked loss as the config sets them: tokens/s, MFU and peak
+              memory beside scripts/plan_memory.py's prediction; then the plain loss without remat
+  throughput  scripts/bench_train.py on configs/gpt2_small.yaml, one process per backend (xla, cudnn, pallas)
+              and per --train-variants set (default: the plain loss, then the chunked loss; the head's
+              backward runs in bfloat16 either way): tokens/s, step time, MFU, peak memory
   profile     ``python -m seqjax.train`` on gpt2_small with ``train.profile``: a trace of 5 steps
   recipe      ``python -m seqjax.train --config configs/wikitext2_gpu.yaml`` for ``--recipe-steps`` steps:
               validation perplexity as tokens, words and bits per byte
   sweep       (opt-in) the flash kernel's block sizes at T=8k, D=128
-  ncu         (opt-in) Nsight Compute's view of the forward kernel at T=8k, D=128
+  ncu         (opt-in) Nsight Compute's view of each kernel's forward (flash, mosaic) at T=8k, D=128
+  quality     (opt-in) configs/wikitext2_quality.yaml in --quality-dir, which outlives OUT: each call resumes
+              the last (exact resume) until the run ends, then scores the test split (word perplexity against
+              AWD-LSTM's 65.8)
+  study       (opt-in) scripts/study_strategies.py --gpu for --study-strategies x --study-seeds, in OUT/study
+              (rerun to continue)
 
 ``OUT/summary.json`` holds every stage's status, time and figures, and the issue's targets checked against
 them; the last lines printed are a short table.
@@ -49,8 +61,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_STAGES = ("setup", "env", "tests", "attention", "levanter", "throughput", "profile", "recipe")
-OPTIONAL_STAGES = ("sweep", "ncu")
+DEFAULT_STAGES = ("setup", "env", "tests", "attention", "levanter", "finetune", "throughput", "profile", "recipe")
+OPTIONAL_STAGES = ("sweep", "ncu", "quality", "study")
 PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
          "tokamax", "torch", "transformers")
 # A toy model and corpus for --dry-run: every stage's plumbing runs on a CPU in seconds.
@@ -206,7 +218,7 @@ def stage_env(s: Suite) -> dict:
 
 def stage_tests(s: Suite) -> dict:
     junit = s.out / "tests.xml"
-    files = ["tests/test_gpu.py", "tests/test_attention.py"]
+    files = ["tests/test_gpu.py", "tests/test_attention.py", "tests/test_mosaic.py"]
     argv = s.python("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={junit}", "-rfEs",
                     *files)
     code, stdout = s.call("tests", argv, 240)
@@ -246,8 +258,8 @@ def stage_attention(s: Suite) -> dict:
 
 
 def stage_levanter(s: Suite) -> dict:
-    return bench_attention(s, "levanter", ["--levanter", "--impls", "flash,cudnn_mask,kvax,tokamax", "--iters", "5",
-                                           "--repeats", "3"], 90)
+    return bench_attention(s, "levanter", ["--levanter", "--impls", "flash,mosaic,cudnn_mask,cudnn_packed,kvax,tokamax",
+                                           "--iters", "5", "--repeats", "3"], 90)
 
 
 def stage_sweep(s: Suite) -> dict:
@@ -317,34 +329,121 @@ def stage_recipe(s: Suite) -> dict:
 
 NCU_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
-    from seqjax.model.kernels.flash import flash_attention
+    from seqjax.model.kernels.{module} import {function} as attend
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(x, (2, 8192, 16, 128), jnp.bfloat16) for x in ks)
     s = jnp.ones((2, 8192), jnp.int32)
-    f = jax.jit(lambda q, k, v: flash_attention(q, k, v, s))
+    f = jax.jit(lambda q, k, v: attend(q, k, v, s))
     jax.block_until_ready(f(q, k, v)); jax.block_until_ready(f(q, k, v))
 """)
+# Each kernel's forward as Nsight names it. The Mosaic kernel's name is its body's (not yet seen on a GPU: the
+# first run should confirm the pattern, and widen it if ncu reports no kernel).
+NCU_KERNELS = {"flash": ("flash", "flash_attention", "regex:seqjax_flash_forward"),
+               "mosaic": ("mosaic", "mosaic_attention", "regex:body|mosaic")}
 
 
 def stage_ncu(s: Suite) -> dict:
     if s.dry or not shutil.which("ncu"):
         return {"status": "skipped", "reason": "dry run" if s.dry else "ncu not on PATH"}
-    script = s.out / "ncu_flash.py"
-    script.write_text(NCU_SCRIPT)
-    argv = ["ncu", "--kernel-name", "regex:seqjax_flash", "--launch-count", "2", "--section", "SpeedOfLight",
-            "--section", "Occupancy", "--section", "LaunchStats", "--section", "ComputeWorkloadAnalysis",
-            "--section", "MemoryWorkloadAnalysis", sys.executable, str(script)]
-    code, stdout = s.call("ncu", argv, 150)
-    (s.out / "ncu.txt").write_text(stdout)
-    return {"status": status(code), "report": "ncu.txt"}
+    reports, codes = {}, []
+    for name, (module, function, pattern) in NCU_KERNELS.items():
+        script = s.out / f"ncu_{name}.py"
+        script.write_text(NCU_SCRIPT.replace("{module}", module).replace("{function}", function))
+        argv = ["ncu", "--kernel-name", pattern, "--launch-count", "2", "--section", "SpeedOfLight",
+                "--section", "Occupancy", "--section", "LaunchStats", "--section", "ComputeWorkloadAnalysis",
+                "--section", "MemoryWorkloadAnalysis", sys.executable, str(script)]
+        code, stdout = s.call("ncu", argv, 150)
+        codes.append(code)
+        (s.out / f"ncu_{name}.txt").write_text(stdout)
+        reports[name] = f"ncu_{name}.txt"
+    return {"status": status(next((c for c in codes if c != 0), 0)), "reports": reports}
+
+
+def synthetic_answers(root: Path, records: int, seed: int = 0) -> list[str]:
+    """Prompt/answer records (JSONL, ``prompt``/``completion``) of varied lengths, and the overrides that train on
+    them packed best_fit_decreasing with the loss on the answers alone."""
+    import random
+
+    rng = random.Random(seed)
+    words = ("the model reads a question and writes an answer about packing rows of tokens into batches while the "
+             "loss counts only what the assistant says in reply to each user turn").split()
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", records), ("valid", max(records // 10, 20))):
+        with (root / f"{split}.jsonl").open("w") as f:
+            for _ in range(n):
+                prompt = " ".join(rng.choices(words, k=rng.randint(8, 120)))
+                answer = " ".join(rng.choices(words, k=rng.choice([rng.randint(4, 60), rng.randint(100, 600)])))
+                f.write(json.dumps({"prompt": prompt, "completion": answer}) + "\n")
+    return ["data.corpus=jsonl", "data.format=prompt_completion", "data.loss_on=completion",
+            f"data.train_files=[{root / 'train.jsonl'}]", f"data.valid_files=[{root / 'valid.jsonl'}]",
+            "data.strategy=pack", "data.packer=best_fit_decreasing"]
+
+
+def stage_finetune(s: Suite) -> dict:
+    """Llama-3.2-1B's shape fine-tuning on packed answers: the config's settings, then the plain loss, no remat."""
+    config = "configs/llama3_1b_finetune.yaml"
+    data = synthetic_answers(s.out / "answers", 300 if s.dry else 20000)
+    cache = f"data.cache_dir={s.out / 'cache_answers'}"
+    if s.dry:  # toy model, toy rows; the same stages of the pipeline
+        shape = [*TINY_MODEL, "model.n_kv_heads=2", "model.head_dim=16"]
+        steps = ["--steps", "3", "--warmup", "1"]
+    else:  # the config's own shape and rows; a tokenizer trained on the records, the 1B's vocabulary for the model
+        shape = ["tokenizer.vocab_size=8000", "model.vocab_size=128256", "model.attention=" + s.args.finetune_attention]
+        steps = ["--steps", str(s.args.finetune_steps)]
+    variants = {"as configured": [], "plain loss, no remat": ["model.loss_chunk_tokens=0", "model.remat=none"]}
+    results, codes = {}, []
+    for name, variant in variants.items():
+        overrides = [f"run.dir={s.out / 'runs' / 'finetune'}", *data, cache, *shape, *variant]
+        code, stdout = s.call("finetune", s.python("scripts/bench_train.py", "--config", config, "--loops", "async",
+                                                   *steps, *overrides), 200)
+        codes.append(code)
+        results[name] = last_json(stdout) if code == 0 else {"error": status(code)}
+        plan_code, plan = s.call("finetune", s.python("scripts/plan_memory.py", "--config", config, *overrides), 120)
+        predicted = last_json(plan) if plan_code == 0 else None
+        if predicted and isinstance(results[name], dict):
+            results[name]["planned_bytes_per_device"] = predicted.get("total_bytes_per_device")
+    return {"status": status(next((c for c in codes if c != 0), 0)), "variants": results}
+
+
+def stage_quality(s: Suite) -> dict:
+    """The quality run, resumed from --quality-dir on every call until it ends; then the test split's perplexity."""
+    run_dir = s.args.quality_dir
+    if s.dry:
+        run_dir = s.out / "runs" / "quality"
+        overrides = [*s.tiny_corpus(), "train.steps=4", "train.checkpoint_every=2", "train.eval_every=0"]
+    else:
+        overrides = []
+    argv = s.python("-m", "seqjax.train", "--config", "configs/wikitext2_quality.yaml", f"run.dir={run_dir}",
+                    *overrides)
+    code, stdout = s.call("quality", argv, max(s.remaining() - 90, 30))
+    result: dict[str, Any] = {"status": status(code), "run_dir": str(run_dir), "summary": last_json(stdout)}
+    if code != 0:  # out of time: the next call resumes from the last checkpoint
+        result["status"] = "continues" if code is None else result["status"]
+        return result
+    eval_argv = s.python("-m", "seqjax.eval", "--run", str(run_dir), f"eval.split={'valid' if s.dry else 'test'}")
+    eval_code, eval_out = s.call("quality", eval_argv, max(s.remaining() - 5, 30))
+    result["test"] = last_json(eval_out)
+    result["status"] = status(eval_code)
+    result["awd_lstm_word_perplexity"] = 65.8
+    return result
+
+
+def stage_study(s: Suite) -> dict:
+    out = s.out / "study"
+    scale = ["--quick"] if s.dry else ["--gpu", "--strategies", s.args.study_strategies, "--seeds",
+                                       str(s.args.study_seeds)]
+    code, stdout = s.call("study", s.python("scripts/study_strategies.py", *scale, "--out", str(out)),
+                          max(s.remaining() - 5, 30))
+    return {"status": status(code), "out": str(out), "result": last_json(stdout)}
 
 
 STAGES = {stage.name: stage for stage in (
     Stage("setup", 240, stage_setup), Stage("env", 90, stage_env), Stage("tests", 240, stage_tests),
     Stage("attention", 240, stage_attention), Stage("levanter", 90, stage_levanter),
     Stage("sweep", 150, stage_sweep), Stage("ncu", 150, stage_ncu),
-    Stage("throughput", 360, stage_throughput), Stage("profile", 150, stage_profile),
-    Stage("recipe", 10_000, stage_recipe),
+    Stage("finetune", 420, stage_finetune), Stage("throughput", 360, stage_throughput),
+    Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
+    Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study),
 )}
 
 
@@ -415,12 +514,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="comma-separated stages to leave out")
     p.add_argument("--attn-grid", default="128:1024,8192,16384 64:8192",
                    help="attention stage: space-separated head_dim:T,T,... groups")
-    p.add_argument("--attn-impls", default="flash,cudnn,cudnn_mask,bundled,kvax,tokamax",
+    p.add_argument("--attn-impls", default="flash,mosaic,cudnn,cudnn_mask,cudnn_packed,bundled,kvax,tokamax",
                    help="attention stage's implementations (bench_attention.py --impls; mgpu_fa3 is opt-in)")
     p.add_argument("--backends", default="xla,cudnn,pallas", help="throughput stage's attention backends")
     p.add_argument("--train-steps", type=int, default=30, help="timed steps per loop mode in the throughput stage")
-    p.add_argument("--train-variants", default="",
-                   help="';'-separated sets of space-separated overrides; each backend runs once per set")
+    p.add_argument("--train-variants", default=";model.loss_chunk_tokens=8192",
+                   help="';'-separated sets of space-separated overrides; each backend runs once per set (default: "
+                        "as configured, then the chunked loss)")
+    p.add_argument("--finetune-steps", type=int, default=20, help="timed steps per finetune variant")
+    p.add_argument("--finetune-attention", default="pallas", help="finetune stage's model.attention")
+    p.add_argument("--quality-dir", type=Path, default=Path("/tmp/seqjax_quality"),
+                   help="quality stage's run.dir: outside OUT so the next call resumes it")
+    p.add_argument("--study-strategies", default="concat_chunk,pack-best_fit,random_offset",
+                   help="study stage's strategies (scripts/study_strategies.py's names)")
+    p.add_argument("--study-seeds", type=int, default=1, help="study stage's seeds per strategy")
     p.add_argument("--sweep-configs", default="default num_stages=4 block_k=128,num_stages=2",
                    help="sweep stage: space-separated BlockSizes changes (see bench_attention.py --sweep)")
     p.add_argument("--sweep-head-dims", default="128")

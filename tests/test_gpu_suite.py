@@ -24,14 +24,22 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     stages = summary["stages"]
     assert proc.returncode == 0, (proc.stdout[-2000:], {n: r.get("status") for n, r in stages.items()})
-    assert list(stages) == ["setup", "env", "tests", "attention", "levanter", "throughput", "profile", "recipe"]
+    assert list(stages) == ["setup", "env", "tests", "attention", "levanter", "finetune", "throughput", "profile",
+                            "recipe"]
     assert all(r["status"] == "ok" for r in stages.values())
     # Each stage really ran its tool: records, timings, a trace, a validation.
-    assert {r["impl"] for r in stages["attention"]["records"]} >= {"flash", "xla"}
+    assert {r["impl"] for r in stages["attention"]["records"]} >= {"flash", "mosaic", "xla"}  # both kernels
+    mosaic = [r for r in stages["attention"]["records"] if r["impl"] == "mosaic"]
+    assert all(r["rel_err_vs_flash"] < 1e-2 for r in mosaic)  # the interpreter's Mosaic kernel agrees with flash
     assert all(r["fwd_ms"] > 0 for r in stages["attention"]["records"])
     assert stages["tests"]["tests"] >= 5 and stages["tests"]["failures"] == 0  # collected; skipped off the GPU
     loops = stages["throughput"]["backends"]["xla"]["loops"]
     assert loops["sync"]["tokens_per_s"] > 0 and loops["async"]["tokens_per_s"] > 0
+    assert stages["throughput"]["backends"]["xla model.loss_chunk_tokens=8192"]["loops"]["async"]["tokens_per_s"] > 0
+    for variant in stages["finetune"]["variants"].values():  # the 1B stage's plumbing: throughput beside the plan
+        assert variant["loops"]["async"]["tokens_per_s"] > 0 and variant["planned_bytes_per_device"] > 0
+    assert (stages["finetune"]["variants"]["plain loss, no remat"]["planned_bytes_per_device"]
+            > stages["finetune"]["variants"]["as configured"]["planned_bytes_per_device"])  # remat saves memory
     assert stages["profile"]["traces"] and stages["profile"]["traces"][0]["bytes"] > 0
     assert stages["recipe"]["validation"]["val_perplexity"] > 1
     for name in stages:
@@ -39,3 +47,15 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
     assert [t["target"] for t in summary["targets"]][:2] == ["dense causal D=128 T=8k forward TFLOP/s",
                                                               "dense causal D=128 T=8k fwd+bwd TFLOP/s"]
     assert "stage" in proc.stdout and "recipe" in proc.stdout  # the closing table
+
+
+def test_the_opt_in_quality_and_study_stages_run_dry(tmp_path):
+    """The quality run (resumed per call, then scored) and the strategy study, at toy size."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
+    proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--only",
+                           "quality,study"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
+    assert proc.returncode == 0, {n: r.get("status") for n, r in stages.items()}
+    assert stages["quality"]["test"]["word_perplexity"] > 1 and stages["quality"]["awd_lstm_word_perplexity"] == 65.8
+    assert stages["quality"]["summary"]["finished"]
+    assert (tmp_path / "study").is_dir() and stages["study"]["status"] == "ok"

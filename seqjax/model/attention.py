@@ -374,8 +374,9 @@ def packed_offsets(segment_ids: jax.Array, max_segments: int | None = None) -> t
     return seqlen, offsets.at[:, m].set(-1)
 
 
-def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, max_segments=None):
-    """cuDNN's fused attention on the packed layout: each segment causal on its own, padding rows zeroed after."""
+def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, max_segments=None, offsets=None):
+    """cuDNN's fused attention on the packed layout: each segment causal on its own, padding rows zeroed after.
+    ``offsets``: :func:`packed_offsets` of these ids, when the caller computed them once for several layers."""
     if window is not None:
         raise ConfigError("model.attention: got 'cudnn_packed', which does not compute sliding windows "
                           f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
@@ -384,7 +385,7 @@ def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, ma
         from jax._src.cudnn import fused_attention_stablehlo as cudnn
     except ImportError as err:  # a private module: say so rather than fail obscurely when JAX moves it
         raise RuntimeError(f"model.attention='cudnn_packed' needs jax._src.cudnn.fused_attention_stablehlo: {err}")
-    seqlen, offsets = packed_offsets(segment_ids, max_segments)
+    seqlen, offsets = packed_offsets(segment_ids, max_segments) if offsets is None else offsets
     out = cudnn.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
                                       kv_offsets=offsets, scale=q.shape[-1] ** -0.5 if scale is None else scale,
                                       mask_type=cudnn.MaskType.CAUSAL)
