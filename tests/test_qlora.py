@@ -138,3 +138,20 @@ def test_a_qlora_run_resumes_exactly_and_exports_its_dequantized_merge(reference
     assert np.abs(delta).max() > 0 and np.abs(merged[name] - original[name]).max() > 0
     capsys.readouterr()
     jax.clear_caches()
+
+
+@pytest.mark.slow  # two CLI runs, one on four forced host devices
+def test_a_qlora_run_on_an_fsdp_and_tensor_mesh_takes_the_one_device_steps(reference, tiny_root, tmp_path):
+    """The quantized base sharded as its weights are (scales replicated): the losses of one device's run."""
+    qlora = {"train.init_from": tiny_root / "reference", "model.lora.rank": 4, "model.lora.alpha": 8,
+             "model.lora.quantize": "nf4", "model.lora.quant_block": 16, "train.lr": 1e-2, "train.warmup_steps": 0,
+             "train.steps": 4}
+    one = tmp_path / "one"
+    assert_ok(run_cli(tiny_overrides(tiny_root, one, **qlora)))
+    meshed = tmp_path / "meshed"
+    proc = run_cli([*tiny_overrides(tiny_root, meshed, **qlora), "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"],
+                   devices=4)
+    assert_ok(proc)
+    assert "mesh {'data': 1, 'fsdp': 2, 'tensor': 2}" in proc.stderr
+    for step, loss in train_losses(one).items():
+        assert train_losses(meshed)[step] == pytest.approx(loss, rel=1e-5), step
