@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqjax.core.errors import ConfigError
@@ -171,16 +171,17 @@ def test_cudnn_backend_matches_xla_in_bfloat16():
     assert (cudnn[0, 100:] == 0).all()  # padding rows zeroed
 
 
+PACKED_OFFSETS = jax.jit(attn.packed_offsets)
+
+
 @settings(max_examples=40, deadline=None)
-@given(rows=st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=6), min_size=1, max_size=3),
-       pad=st.integers(0, 5))
-def test_packed_offsets_give_cudnn_the_segments_of_segment_mask(rows, pad):
+@given(rows=st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=6), min_size=3, max_size=3))
+def test_packed_offsets_give_cudnn_the_segments_of_segment_mask(rows):
     """cudnn_packed's conversion: rebuilding a mask from (seqlen, offsets), causal inside each listed segment,
-    gives segment_mask exactly, padding in no segment."""
-    t = max(sum(r) for r in rows) + pad
-    assume(t > 0)
+    gives segment_mask exactly, padding in no segment. Rows of 54 (one compile), their tails padding."""
+    t = 54
     segment_ids = np.stack([segments_from_lengths(r, t)[0] for r in rows])
-    seqlen, offsets = (np.asarray(a) for a in attn.packed_offsets(jnp.asarray(segment_ids)))
+    seqlen, offsets = (np.asarray(a) for a in PACKED_OFFSETS(jnp.asarray(segment_ids)))
     assert seqlen.shape == (len(rows), t) and offsets.shape == (len(rows), t + 1) and (offsets[:, -1] == -1).all()
     rebuilt = np.zeros((len(rows), t), int)
     for b in range(len(rows)):
@@ -188,8 +189,9 @@ def test_packed_offsets_give_cudnn_the_segments_of_segment_mask(rows, pad):
         assert listed.sum() == len(rows[b]) and (offsets[b, :t] >= 0).sum() == len(rows[b])
         for k, (start, length) in enumerate(zip(offsets[b][:t][listed], seqlen[b][listed])):
             rebuilt[b, start:start + length] = k + 1
-    np.testing.assert_array_equal(np.asarray(attn.segment_mask(jnp.asarray(rebuilt))),
-                                  np.asarray(attn.segment_mask(jnp.asarray(segment_ids))))
+    np.testing.assert_array_equal(rebuilt[:, :, None] == rebuilt[:, None, :], segment_ids[:, :, None] ==
+                                  segment_ids[:, None, :])  # the same documents, so segment_mask's same mask
+    np.testing.assert_array_equal(rebuilt == 0, segment_ids == 0)
 
 
 def test_cudnn_packed_is_refused_off_a_gpu_in_float32_and_with_windows():

@@ -122,6 +122,7 @@ def test_without_a_key_the_forward_ignores_the_rates_and_with_one_it_drops(rate,
     np.testing.assert_array_equal(trained, dropped(b["inputs"], **fields, dropout_key=key))  # a key is one mask
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_token_dropout_zeroes_whole_token_embeddings_and_scales_the_rest():
     rate = 0.4
     _, model = tiny(f"model.token_dropout={rate}")

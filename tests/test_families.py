@@ -152,7 +152,7 @@ def test_every_field_that_changes_the_model_is_read_or_refused():
     assert families.model_config_from_hf(old, "c") == families.model_config_from_hf(base, "c")
 
 
-@pytest.mark.parametrize("backend", ["pallas", "splash"])
+@pytest.mark.parametrize("backend", ["pallas", pytest.param("splash", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_kernels_compute_sliding_layers_as_transformers_does(backend, scan, tmp_path):
     """Gemma 3's sliding (window 4) and global layers on the flash kernel and on splash (both in interpret mode

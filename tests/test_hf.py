@@ -107,6 +107,7 @@ def test_shards_and_bfloat16_round_trip(tokenizer, tmp_path):
     assert not np.array_equal(logits(half, ids), logits(model, ids))
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_transformers_llama_and_the_import_give_the_same_logits_and_packing_isolates_documents(tmp_path):
     from transformers import FlaxLlamaForCausalLM  # the reference; ~2 s to import
 

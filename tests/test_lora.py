@@ -51,6 +51,7 @@ def test_at_initialization_a_lora_model_computes_its_base_exactly(scan):
                if "lora_b" in jax.tree_util.keystr(k))
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_adapter_gradients_are_the_chain_rule_through_the_merged_weight():
     """dL/dA = s G B^T and dL/dB = s A^T G, with G = dL/dW' of the model whose weights are W' = W + s A B."""
     config = load_config(None, TINY + LORA)

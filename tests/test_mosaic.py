@@ -57,19 +57,26 @@ def test_a_packed_row_under_a_sliding_window_in_float32():
     check(q, k, v, jnp.asarray(rows), jnp.int32(20), cotangent, tol=2e-5)
 
 
-@pytest.mark.slow  # about a minute of interpreter: the fast loop runs the fixed cases
+BF16 = random_qkv((2, 120, 4, 64), kv_heads=2, dtype=jnp.bfloat16, seed=6)
+
+
+@pytest.mark.slow  # about a minute of interpreter per dtype: the fast loop runs the fixed cases
+@pytest.mark.parametrize(("qkv", "tol"), [(F32, 2e-5), (BF16, 3e-2)], ids=["float32", "bfloat16"])
 @settings(max_examples=8, deadline=None)
 @given(segment_ids=packed_batch(2, 120), window=st.one_of(st.just(FULL), st.integers(1, 130)))
-def test_matches_the_reference_in_float32_over_packings_and_windows(segment_ids, window):
-    q, k, v, cotangent = F32
-    check(q, k, v, jnp.asarray(segment_ids), jnp.int32(window), cotangent, tol=2e-5)
+def test_matches_the_reference_over_packings_and_windows(qkv, tol, segment_ids, window):
+    q, k, v, cotangent = qkv
+    check(q, k, v, jnp.asarray(segment_ids), jnp.int32(window), cotangent, tol=tol)
 
 
-@pytest.mark.parametrize("lengths", [[128], [5, 1, 60, 40]])  # one document; ragged documents and a padding tail
-def test_matches_the_reference_in_bfloat16_at_head_dim_128(lengths):
+@pytest.mark.parametrize(("lengths", "dtype"), [pytest.param([128], jnp.bfloat16, marks=pytest.mark.slow),
+                                                ([5, 1, 60, 40], jnp.bfloat16),
+                                                pytest.param([5, 1, 60, 40], jnp.float16, marks=pytest.mark.slow)])
+def test_matches_the_reference_in_half_precision_at_head_dim_128(lengths, dtype):
+    """One document, and ragged documents with a padding tail; bfloat16 and float16."""
     rows = np.zeros((1, 128), np.int32)
     rows[0, : sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
-    q, k, v, cotangent = random_qkv((1, 128, 2, 128), kv_heads=1, dtype=jnp.bfloat16, seed=5)
+    q, k, v, cotangent = random_qkv((1, 128, 2, 128), kv_heads=1, dtype=dtype, seed=5)
     check(q, k, v, jnp.asarray(rows), jnp.int32(FULL), cotangent, tol=3e-2)
 
 
@@ -105,6 +112,7 @@ def test_lowers_through_mosaic_gpu_for_an_h100():
     assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 3  # forward, dQ, dK/dV
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_a_model_with_sliding_layers_runs_on_it_as_on_xla():
     """model.attention=pallas_mosaic: per-window metadata from the model, packed rows, a sliding window of 20."""
     from flax import nnx

@@ -39,6 +39,7 @@ def test_a_utf8_config_with_a_byte_order_mark_loads(tmp_path):
     assert load_config(tmp_path / "c.yaml").data.seq_len == 64
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_plan_memory_takes_the_tokenizers_vocabulary_when_the_model_leaves_it_null():
     proc = run("scripts/plan_memory.py", "--config", "configs/wikitext2_cpu.yaml", "model.n_layers=1",
                timeout=300)

@@ -88,6 +88,7 @@ def test_qlora_trains_within_its_stated_tolerance_and_leaves_the_base_bit_identi
         jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, stored))
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_scanned_and_unrolled_quantized_bases_compute_the_same_logits():
     """Under scan_layers each layer is quantized on its own, so the stacked base reads back what the unrolled did."""
     data = batch(2)

@@ -64,8 +64,8 @@ def saved(fn_and_params) -> list[str]:
     return out.getvalue().splitlines()
 
 
-@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.slow),
-                                   pytest.param("names", marks=pytest.mark.slow)])
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
+@pytest.mark.parametrize("remat", ["full", "dots", "names"])
 def test_every_remat_policy_gives_the_loss_and_gradients_of_no_remat(remat):
     data = batch()
     _, (loss, grads) = loss_and_grads([], data)
@@ -134,6 +134,7 @@ def test_chunked_cross_entropy_in_bfloat16_is_within_bf16_of_float32_and_refuses
     assert float(none) == 0.0
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 @pytest.mark.parametrize("extra", [["model.loss_chunk_tokens=5"],
                                    pytest.param(["model.loss_chunk_tokens=7", "model.remat=full"],
                                                 marks=pytest.mark.slow),
@@ -169,8 +170,9 @@ FAMILY_REDUCED = {"gemma3_4b_finetune": ["model.layer_types=[sliding,full]", "mo
                                          "model.param_dtype=float32"]}
 
 
-@pytest.mark.parametrize("name", ["llama3_8b_fsdp", *[pytest.param(n, marks=pytest.mark.slow) for n in (
-    "llama3_1b_finetune", "qwen3_8b_fsdp", "gemma3_4b_finetune", "llama3_8b_lora")]])
+@pytest.mark.slow  # every config at a reduced size; the fast loop builds the small configs elsewhere
+@pytest.mark.parametrize("name", ["llama3_8b_fsdp", "llama3_1b_finetune", "qwen3_8b_fsdp", "gemma3_4b_finetune",
+                                  "llama3_8b_lora"])
 def test_the_scale_configs_build_and_take_a_train_step_at_a_reduced_size(name):
     """Their remat, scanned layers, chunked loss and optimizer settings run; only the sizes (and the 8-device
     mesh) are reduced."""

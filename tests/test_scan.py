@@ -59,7 +59,8 @@ def test_the_stacked_layout_has_a_leading_layer_axis_and_converts_both_ways():
     assert axes["('blocks', 'attn', 'wq')"] == ("layers", "embed", "heads", "head_dim")
 
 
-@pytest.mark.parametrize("remat", ["none", "full", pytest.param("dots", marks=pytest.mark.slow),
+@pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.slow), "full",
+                                   pytest.param("dots", marks=pytest.mark.slow),
                                    pytest.param("names", marks=pytest.mark.slow)])
 def test_scanned_layers_give_the_unrolled_loss_and_gradients_under_every_remat_policy(remat):
     data = batch()
@@ -81,6 +82,7 @@ def test_scanned_layers_draw_the_unrolled_dropout_masks():
     assert_trees_close(blocks_layout(grads_s, stacked=False), grads_u, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_scanned_layers_decode_with_the_kv_cache_as_the_unrolled_model_does():
     unrolled, scanned = pair()
     prompts = [[3, 4, 5, 6], [7, 8]]
@@ -89,6 +91,7 @@ def test_scanned_layers_decode_with_the_kv_cache_as_the_unrolled_model_does():
     assert [r.tokens for r in out_u] == [r.tokens for r in out_s] and len(out_u[0].tokens) == 6
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_a_step_of_the_scanned_model_equals_the_unrolled_one_in_a_train_run(tmp_path):
     """Saved scanned, read unrolled (and back): eval and export see the same weights either way."""
     from seqjax.train.checkpoint import save_params

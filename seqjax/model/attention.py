@@ -382,7 +382,7 @@ def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, ma
                           f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
     resolve_backend("cudnn_packed", q.dtype)
     try:
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private, and only where this backend runs
     except ImportError as err:  # a private module: say so rather than fail obscurely when JAX moves it
         raise RuntimeError(f"model.attention='cudnn_packed' needs jax._src.cudnn.fused_attention_stablehlo: {err}")
     seqlen, offsets = packed_offsets(segment_ids, max_segments) if offsets is None else offsets
