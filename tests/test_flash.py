@@ -274,6 +274,7 @@ def test_a_window_given_twice_is_refused():
 # ------------------------------------------------------------------------------------------- training-like
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_sgd_on_an_attention_layer_matches_xla():
     """A few SGD steps of a one-layer attention regressor give the same losses with the kernel as with XLA."""
     b, t, width, heads, head_dim = 2, 40, 32, 2, 16

@@ -127,6 +127,7 @@ def test_transformers_llama_and_the_import_give_the_same_logits_and_packing_isol
     np.testing.assert_allclose(packed[:, 5:], np.asarray(reference(b).logits), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_a_tied_checkpoint_matches_transformers_with_the_embedding_as_its_head(tmp_path):
     from transformers import FlaxLlamaForCausalLM  # the reference; its Flax Llama has no tying, so it gets a copy
 
@@ -143,6 +144,7 @@ def test_a_tied_checkpoint_matches_transformers_with_the_embedding_as_its_head(t
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_an_export_loads_in_transformers_with_the_same_logits_and_tokens(tokenizer, tmp_path):
     from transformers import AutoTokenizer, FlaxAutoModelForCausalLM  # the reference, as a user would load it
 
@@ -295,6 +297,7 @@ def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path)
     jax.clear_caches()
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_the_model_reads_head_dim_norm_eps_and_rope_scaling_from_its_config():
     base = load_config(None, TINY)
     ids = random_ids((1, T))
@@ -359,6 +362,7 @@ def test_import_and_export_refuse_a_non_empty_out_folder_and_overwrite_replaces_
     jax.clear_caches()
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_a_failed_export_leaves_nothing_half_written(tmp_path, monkeypatch):
     from seqjax.main import export, import_hf
 
@@ -376,6 +380,7 @@ def test_a_failed_export_leaves_nothing_half_written(tmp_path, monkeypatch):
     jax.clear_caches()
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_export_keeps_the_pad_token_and_writes_files_other_users_can_read(tmp_path):
     """The tokenizer's pad token survives import -> export (transformers reads it back), and every exported file
     has the umask's mode (safetensors wrote model.safetensors 0600)."""
@@ -400,6 +405,7 @@ def test_export_keeps_the_pad_token_and_writes_files_other_users_can_read(tmp_pa
     jax.clear_caches()
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_an_export_takes_over_staging_left_by_a_killed_one_and_an_unwritable_parent_is_one_line(tmp_path, capsys):
     from seqjax.main import export, import_hf
 
@@ -422,6 +428,7 @@ def test_an_export_takes_over_staging_left_by_a_killed_one_and_an_unwritable_par
     jax.clear_caches()
 
 
+@pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 def test_non_finite_weights_are_refused_where_they_are_read_naming_the_tensor(tmp_path, capsys):
     """A NaN weight used to import with exit 0, then generate nothing and score null perplexities."""
     import shutil

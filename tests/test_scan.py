@@ -59,9 +59,8 @@ def test_the_stacked_layout_has_a_leading_layer_axis_and_converts_both_ways():
     assert axes["('blocks', 'attn', 'wq')"] == ("layers", "embed", "heads", "head_dim")
 
 
-@pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.slow), "full",
-                                   pytest.param("dots", marks=pytest.mark.slow),
-                                   pytest.param("names", marks=pytest.mark.slow)])
+@pytest.mark.slow  # every policy: the full suite (the fast loop scans in test_families)
+@pytest.mark.parametrize("remat", ["none", "full", "dots", "names"])
 def test_scanned_layers_give_the_unrolled_loss_and_gradients_under_every_remat_policy(remat):
     data = batch()
     unrolled, scanned = pair([f"model.remat={remat}"])
