@@ -25,7 +25,7 @@ SHAPE = ["model.d_model=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv
          "model.param_dtype=bfloat16", "model.init_std=0.05"]
 LORA = ["model.lora.rank=8", "model.lora.alpha=16", "train.lr=3e-3", "train.warmup_steps=0"]
 # The stated tolerance: at each of the first 20 steps of the same adapters on the same batches (the loss falling
-# from 4.3 to 2.3), the loss on a quantized base is within this fraction of the loss on the bfloat16 base it was
+# from 4.3 to 2.4), the loss on a quantized base is within this fraction of the loss on the bfloat16 base it was
 # quantized from. Measured on this test's model: at most 0.1% (int8) and 1.1% (nf4).
 TOLERANCE = {"int8": 0.005, "nf4": 0.02}
 NF4_LEVELS = np.array([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461,
