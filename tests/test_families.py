@@ -71,6 +71,16 @@ def assert_close(ours: np.ndarray, theirs: np.ndarray) -> None:
     assert float(np.abs(ours - theirs).max()) <= 1e-5 * scale, (float(np.abs(ours - theirs).max()), scale)
 
 
+def assert_packed_rows_are_each_alone(model, ref) -> None:
+    """Both reference sequences packed into one row (segments 1 and 2, positions restarting): each gives
+    transformers' logits for it alone."""
+    a, b = ref["seq0.ids"], ref["seq1.ids"]
+    packed = logits(model, np.concatenate([a, b]), np.r_[np.ones(len(a), int), np.full(len(b), 2)],
+                    np.r_[np.arange(len(a)), np.arange(len(b))])
+    assert_close(packed[: len(a)], ref["seq0.logits"])
+    assert_close(packed[len(a):], ref["seq1.logits"])
+
+
 @pytest.mark.parametrize("family", EACH)
 def test_logits_equal_transformers_own_model_alone_and_packed(family, tmp_path):
     model, folder = load(family, tmp_path)
@@ -78,12 +88,7 @@ def test_logits_equal_transformers_own_model_alone_and_packed(family, tmp_path):
     _, ref = reference(family)
     for name in ("seq0", "seq1"):
         assert_close(logits(model, ref[f"{name}.ids"]), ref[f"{name}.logits"])
-    # Both sequences packed into one row (segments 1 and 2, positions restarting): each is what it was alone.
-    a, b = ref["seq0.ids"], ref["seq1.ids"]
-    packed = logits(model, np.concatenate([a, b]), np.r_[np.ones(len(a), int), np.full(len(b), 2)],
-                    np.r_[np.arange(len(a)), np.arange(len(b))])
-    assert_close(packed[: len(a)], ref["seq0.logits"])
-    assert_close(packed[len(a):], ref["seq1.logits"])
+    assert_packed_rows_are_each_alone(model, ref)
     jax.clear_caches()
 
 
@@ -159,12 +164,7 @@ def test_the_kernels_compute_sliding_layers_as_transformers_does(backend, scan, 
     here), packed: each document's logits are transformers' own. Under scan_layers the window is traced, so the
     flash kernel reads it from per-layer metadata and splash picks one of its two static masks."""
     model, _ = load("gemma3", tmp_path, f"model.attention={backend}", f"model.scan_layers={str(scan).lower()}")
-    _, ref = reference("gemma3")
-    a, b = ref["seq0.ids"], ref["seq1.ids"]
-    packed = logits(model, np.concatenate([a, b]), np.r_[np.ones(len(a), int), np.full(len(b), 2)],
-                    np.r_[np.arange(len(a)), np.arange(len(b))])
-    assert_close(packed[: len(a)], ref["seq0.logits"])
-    assert_close(packed[len(a):], ref["seq1.logits"])
+    assert_packed_rows_are_each_alone(model, reference("gemma3")[1])
     jax.clear_caches()
 
 

@@ -377,10 +377,7 @@ def packed_offsets(segment_ids: jax.Array, max_segments: int | None = None) -> t
 def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, max_segments=None, offsets=None):
     """cuDNN's fused attention on the packed layout: each segment causal on its own, padding rows zeroed after.
     ``offsets``: :func:`packed_offsets` of these ids, when the caller computed them once for several layers."""
-    if window is not None:
-        raise ConfigError("model.attention: got 'cudnn_packed', which does not compute sliding windows "
-                          f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
-    resolve_backend("cudnn_packed", q.dtype)
+    resolve_backend("cudnn_packed", q.dtype, windows=window is not None)  # a GPU, half precision, no window
     try:
         from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private, and only where this backend runs
     except ImportError as err:  # a private module: say so rather than fail obscurely when JAX moves it

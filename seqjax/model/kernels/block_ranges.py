@@ -205,6 +205,30 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None)
     )
 
 
+def kernel_metadata(kernel: str, segment_ids: jax.Array, metadata: BlockMetadata | None, window,
+                    block_sizes: BlockSizes | None, default: BlockSizes) -> BlockMetadata:
+    """The metadata a kernel runs with: ``metadata`` as given (checked against ``block_sizes`` when set and against
+    these ids' batch and padded length), or computed here with ``block_sizes or default`` for ``window``.
+    Both kernels (flash, mosaic) call this, so their refusals are one set of lines naming ``kernel``."""
+    if metadata is None:
+        metadata = block_metadata(segment_ids, block_sizes or default, window)
+    elif window is not None:
+        raise ValueError(f"{kernel}: pass the window to block_metadata, which the given metadata came from")
+    elif block_sizes is not None and block_sizes != metadata.block_sizes:
+        raise ValueError(f"{kernel}: metadata was computed for {metadata.block_sizes}, not block_sizes={block_sizes}")
+    b, t = segment_ids.shape
+    padded = metadata.block_sizes.padded_length(t)
+    if metadata.seq_len != padded or metadata.fwd_kv.shape[0] != b:
+        raise ValueError(f"{kernel}: metadata is for batch {metadata.fwd_kv.shape[0]} and padded length "
+                         f"{metadata.seq_len}, but the inputs have batch {b} and padded length {padded} (T={t})")
+    return metadata
+
+
+def window_operand(metadata: BlockMetadata) -> jax.Array:
+    """The metadata's window as the [1] int32 array a kernel pass reads (a scalar operand, traced under scan)."""
+    return jnp.reshape(metadata.window, (1,)).astype(jnp.int32)
+
+
 def visited_blocks(ranges: jax.Array, n_cols: int) -> jax.Array:
     """Boolean [B, n_rows, n_cols]: True for the tiles a kernel loop visits under ``ranges`` [B, n_rows, 4]."""
     col = jnp.arange(n_cols)

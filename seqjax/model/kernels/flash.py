@@ -30,7 +30,7 @@ from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
 
 from seqjax.model.attention import check_attention_inputs, segment_mask
-from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, block_metadata
+from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, kernel_metadata, window_operand
 
 # Why the fuser import above: jax registers the tracing-context flag ``pallas_fuser_disable_nested_fuse`` when
 # that module is first imported, which a pallas_call otherwise does lazily while it runs. The flag changes the
@@ -70,19 +70,9 @@ def flash_attention(
     scale = float(d**-0.5 if scale is None else scale)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if metadata is None:
-        metadata = block_metadata(segment_ids, block_sizes or BlockSizes.for_head_dim(d), window)
-    elif window is not None:
-        raise ValueError("flash_attention: pass the window to block_metadata, which the given metadata came from")
-    elif block_sizes is not None and block_sizes != metadata.block_sizes:
-        raise ValueError(f"metadata was computed for {metadata.block_sizes}, not block_sizes={block_sizes}")
-    block_sizes = metadata.block_sizes
-    padded = block_sizes.padded_length(t)
-    if metadata.seq_len != padded or metadata.fwd_kv.shape[0] != b:
-        raise ValueError(
-            f"metadata is for batch {metadata.fwd_kv.shape[0]} and padded length {metadata.seq_len}, "
-            f"but the inputs have batch {b} and padded length {padded} (T={t})"
-        )
+    metadata = kernel_metadata("flash_attention", segment_ids, metadata, window, block_sizes,
+                               BlockSizes.for_head_dim(d))
+    padded = metadata.seq_len
     pad = ((0, 0), (0, padded - t), (0, 0), (0, max(16, pl.next_power_of_2(d)) - d))
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
     out = _flash(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale, bool(interpret))
@@ -119,11 +109,6 @@ def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool, w
         return s, None
     mask = _tile_mask(seg_q, seg_k, q_start, k_start, window)
     return jnp.where(mask, s, MASKED), mask
-
-
-def _window(metadata: BlockMetadata) -> jax.Array:
-    """The metadata's window as the [1] int32 array each pass reads (a scalar operand, traced under scan)."""
-    return jnp.reshape(metadata.window, (1,)).astype(jnp.int32)
 
 
 def _exp2(x, mask):
@@ -215,7 +200,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="seqjax_flash_forward",
-    )(metadata.fwd_kv, _window(metadata), segment_ids, segment_ids, q, k, v)
+    )(metadata.fwd_kv, window_operand(metadata), segment_ids, segment_ids, q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -308,7 +293,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
         compiler_params=params,
         interpret=interpret,
         name="seqjax_flash_dq",
-    )(metadata.dq_kv, _window(metadata), segment_ids, segment_ids, q, k, v, do, lse, delta)
+    )(metadata.dq_kv, window_operand(metadata), segment_ids, segment_ids, q, k, v, do, lse, delta)
 
     n_k = t // bk
     dk, dv = pl.pallas_call(
@@ -334,7 +319,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
         compiler_params=params,
         interpret=interpret,
         name="seqjax_flash_dkv",
-    )(metadata.dkv_q, _window(metadata), segment_ids, segment_ids, q, k, v, do, lse, delta)
+    )(metadata.dkv_q, window_operand(metadata), segment_ids, segment_ids, q, k, v, do, lse, delta)
     return dq, dk, dv
 
 

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from seqjax.model.attention import allowed, check_attention_inputs
-from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, block_metadata
+from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, kernel_metadata, window_operand
 
 BLOCK = MOSAIC_BLOCKS.block_q  # query and key tile rows, every pass: one warpgroup's wgmma M
 SLOTS = 2  # stages of the producer's shared-memory ring
@@ -69,16 +69,8 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     if q.dtype not in map(jnp.dtype, allowed_dtypes):
         raise ValueError(f"mosaic_attention: dtype {q.dtype}, expected bfloat16 or float16"
                          + (" (float32 only in interpret mode)" if not interpret else " or float32"))
-    if metadata is None:
-        metadata = block_metadata(segment_ids, BLOCK_SIZES, window)
-    elif window is not None:
-        raise ValueError("mosaic_attention: pass the window to block_metadata, which the given metadata came from")
-    elif metadata.block_sizes != BLOCK_SIZES:
-        raise ValueError(f"mosaic_attention: metadata was computed for {metadata.block_sizes}, not {BLOCK_SIZES}")
-    padded = BLOCK_SIZES.padded_length(t)
-    if metadata.seq_len != padded or metadata.fwd_kv.shape[0] != b:
-        raise ValueError(f"mosaic_attention: metadata is for batch {metadata.fwd_kv.shape[0]} and padded length "
-                         f"{metadata.seq_len}, but the inputs have batch {b} and padded length {padded} (T={t})")
+    metadata = kernel_metadata("mosaic_attention", segment_ids, metadata, window, BLOCK_SIZES, BLOCK_SIZES)
+    padded = metadata.seq_len
     pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
     scale = float(d**-0.5 if scale is None else scale)
@@ -115,6 +107,22 @@ def _produce(start, count, copies, consumed):
 
         for src, ring, ready in copies(start, step):
             plgpu.copy_gmem_to_smem(src, ring.at[slot], ready.at[slot])
+
+
+def _produce_keys(ranges, seg, k_ref, v_ref, rings, ready, consumed, group: int):
+    """The forward's and dQ's producer warpgroup: this query block's key, value and segment-id tiles, from its range's
+    ``lo`` to ``hi``, into ``rings`` (k, v, ids) on ``ready`` (one barrier array each)."""
+    i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
+    lo, hi = ranges[r, i, 0], ranges[r, i, 3]
+    kv = lax.div(hd, jnp.int32(group))
+
+    def key_tile(start, step):
+        keys = pl.ds((start + step) * BLOCK, BLOCK)
+        return tuple(zip((k_ref.at[r, keys, kv], v_ref.at[r, keys, kv], seg.at[r, keys]), rings, ready))
+
+    @pl.when(lax.axis_index("wg") == 1)
+    def _producer():
+        _produce(lo, hi - lo, key_tile, consumed)
 
 
 def _matmul(a, b, shape):
@@ -195,17 +203,8 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
     def body(ranges, window_ref, seg, q_ref, k_ref, v_ref, o_ref, lse_ref,
              q_smem, seg_q, k_ring, v_ring, seg_ring, lse_smem, p_smem, q_ready, k_ready, v_ready, s_ready, consumed):
         i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
-        lo, hi = ranges[r, i, 0], ranges[r, i, 3]
-        kv = lax.div(hd, jnp.int32(group))
-
-        def key_tile(start, step):
-            keys = pl.ds((start + step) * BLOCK, BLOCK)
-            return ((k_ref.at[r, keys, kv], k_ring, k_ready), (v_ref.at[r, keys, kv], v_ring, v_ready),
-                    (seg.at[r, keys], seg_ring, s_ready))
-
-        @pl.when(lax.axis_index("wg") == 1)
-        def _producer():
-            _produce(lo, hi - lo, key_tile, consumed)
+        _produce_keys(ranges, seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready), consumed,
+                      group)
 
         @pl.when(lax.axis_index("wg") == 0)
         def _consumer():
@@ -260,7 +259,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
                        plgpu.Barrier(num_barriers=SLOTS), plgpu.Barrier(num_barriers=SLOTS),
                        plgpu.Barrier(num_barriers=SLOTS)],
         interpret=_interpret(interpret))
-    return kernel(metadata.fwd_kv, _window(metadata), segment_ids, q, k, v)
+    return kernel(metadata.fwd_kv, window_operand(metadata), segment_ids, q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -275,17 +274,8 @@ def _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
              q_smem, do_smem, seg_q, lse_smem, delta_smem, k_ring, v_ring, seg_ring, ds_smem, q_ready, k_ready,
              v_ready, s_ready, consumed):
         i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
-        lo, hi = ranges[r, i, 0], ranges[r, i, 3]
-        kv = lax.div(hd, jnp.int32(group))
-
-        def key_tile(start, step):
-            keys = pl.ds((start + step) * BLOCK, BLOCK)
-            return ((k_ref.at[r, keys, kv], k_ring, k_ready), (v_ref.at[r, keys, kv], v_ring, v_ready),
-                    (seg.at[r, keys], seg_ring, s_ready))
-
-        @pl.when(lax.axis_index("wg") == 1)
-        def _producer():
-            _produce(lo, hi - lo, key_tile, consumed)
+        _produce_keys(ranges, seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready), consumed,
+                      group)
 
         @pl.when(lax.axis_index("wg") == 0)
         def _consumer():
@@ -329,7 +319,7 @@ def _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
                        plgpu.Barrier(num_barriers=SLOTS), plgpu.Barrier(num_barriers=SLOTS),
                        plgpu.Barrier(num_barriers=SLOTS)],
         interpret=_interpret(interpret))
-    return kernel(metadata.dq_kv, _window(metadata), segment_ids, q, k, v, do, lse, delta)
+    return kernel(metadata.dq_kv, window_operand(metadata), segment_ids, q, k, v, do, lse, delta)
 
 
 def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
@@ -402,11 +392,7 @@ def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
                        _one_tile(q.dtype, BLOCK), plgpu.Barrier(num_barriers=3),
                        *[plgpu.Barrier(num_barriers=SLOTS)] * 6],
         interpret=_interpret(interpret))
-    return kernel(metadata.dkv_q, _window(metadata), segment_ids, q, k, v, do, lse, delta)
-
-
-def _window(metadata: BlockMetadata) -> jax.Array:
-    return jnp.reshape(metadata.window, (1,)).astype(jnp.int32)
+    return kernel(metadata.dkv_q, window_operand(metadata), segment_ids, q, k, v, do, lse, delta)
 
 
 # ---------------------------------------------------------------------------------------------- custom VJP
