@@ -63,7 +63,7 @@ def test_block_metadata_is_computed_once_per_forward_and_shared_by_every_layer(m
     """A 3-layer pallas model traces block_metadata once (in the model), never in the kernel, and its logits
     equal the xla model's (same seed, so the same parameters)."""
     from seqjax.model import transformer
-    from seqjax.model.kernels import flash
+    from seqjax.model.kernels import block_ranges
 
     calls = {"model": 0, "kernel": 0}
 
@@ -74,7 +74,8 @@ def test_block_metadata_is_computed_once_per_forward_and_shared_by_every_layer(m
         return wrapped
 
     monkeypatch.setattr(transformer, "block_metadata", counting("model", transformer.block_metadata))
-    monkeypatch.setattr(flash, "block_metadata", counting("kernel", flash.block_metadata))
+    # the kernels' own fallback (kernel_metadata) looks block_metadata up in block_ranges
+    monkeypatch.setattr(block_ranges, "block_metadata", counting("kernel", block_ranges.block_metadata))
     batch = packed_batch(np.random.default_rng(1))
 
     def logits(backend):

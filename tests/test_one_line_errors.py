@@ -103,3 +103,25 @@ def test_init_from_a_run_whose_checkpoint_data_is_truncated_is_one_line(referenc
     line = one_line(proc)
     assert f"no readable checkpoint in {damaged / 'checkpoints'}" in line
     assert "Event loop is closed" not in proc.stderr
+
+
+def test_a_read_callback_after_orbax_closed_its_loop_prints_nothing_but_other_errors_still_print():
+    """The hook is in place before a checkpoint read (the CI run caught a callback firing mid-read, before the
+    failure was handled): a closed loop's RuntimeError from asyncio is dropped, anything else still prints."""
+    script = """
+import asyncio, sys
+from seqjax.train.orbax_quiet import quiet_orphaned_reads
+quiet_orphaned_reads()
+loop = asyncio.new_event_loop(); loop.close()
+try:
+    loop.call_soon_threadsafe(print)  # what TensorStore's done-callback does once orbax closed its loop
+except RuntimeError:
+    sys.excepthook(*sys.exc_info())  # how a callback fired from C++ is reported (PyErr_Print)
+try:
+    raise RuntimeError("a real failure")
+except RuntimeError:
+    sys.excepthook(*sys.exc_info())
+"""
+    proc = run("-c", script)
+    assert "Event loop is closed" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("Traceback") == 1 and "a real failure" in proc.stderr, proc.stderr

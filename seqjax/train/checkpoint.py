@@ -56,7 +56,7 @@ from jax.experimental import multihost_utils
 
 from seqjax.config.tree import Config, TrainConfig
 from seqjax.core.errors import CheckpointMismatchError
-from seqjax.train.orbax_quiet import QuietOrbax, after_a_damaged_read
+from seqjax.train.orbax_quiet import QuietOrbax, quiet_orphaned_reads
 from seqjax.train.resume import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -249,6 +249,7 @@ class Checkpointer:
         """
         templates = {"params": abstract(params), "opt_state": abstract(opt_state),
                      "rng": abstract({"key": rng})}
+        quiet_orphaned_reads()  # a damaged step's orphaned reads report late: its one line says it all
         for step in sorted(self.manager.all_steps(), reverse=True):
             if params_only(self.directory / str(step)):  # not damage: nothing to resume, and nothing is moved
                 raise CheckpointMismatchError(
@@ -282,7 +283,6 @@ class Checkpointer:
         return None
 
     def _set_aside(self, step: int, err: Exception) -> None:
-        after_a_damaged_read()  # the failed read's orphaned coroutines report later: one line says it all
         gc.collect()
         src = self.directory / str(step)
         dst = _free_name(self.run_dir / CORRUPT / str(step))

@@ -26,7 +26,7 @@ from seqjax.model.quant import dequantize_base, quantize_base
 from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite
 from seqjax.train.adapters import base_identity, check_base
-from seqjax.train.orbax_quiet import after_a_damaged_read
+from seqjax.train.orbax_quiet import quiet_orphaned_reads
 from seqjax.train.resume import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -150,7 +150,6 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
         return blocks_layout(restored, stacked=config.model.scan_layers)
 
     def unreadable(candidate: int, err: Exception) -> None:
-        after_a_damaged_read()  # its orphaned reads would each print a traceback later
         errors.append(f"step {candidate}: {first_line(err)}")
         log.warning("checkpoint %s is unreadable; trying an older one", checkpoints / str(candidate))
 
@@ -158,6 +157,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     steps = [step] if step is not None else [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
     if not steps:
         raise CheckpointError(f"no complete checkpoint in {checkpoints}")
+    quiet_orphaned_reads()  # a damaged step's orphaned reads would each print a traceback
     found = newest_readable(steps, restore, unreadable)
     if found is None:
         raise CheckpointError(f"no readable checkpoint in {checkpoints}: " + "; ".join(errors))

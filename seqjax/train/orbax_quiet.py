@@ -55,9 +55,11 @@ class _OrphanedReads(logging.Filter):
 _ORPHANED = _OrphanedReads()
 
 
-def after_a_damaged_read() -> None:
-    """From now on (the whole process: orbax's event loop reports its orphaned tasks whenever they are
-    collected, even at exit), drop asyncio's reports of orbax reads that failed; seqjax said it in one line."""
+def quiet_orphaned_reads() -> None:
+    """Before reading a checkpoint that may be damaged, and from then on (the whole process: orbax's event loop
+    reports its orphaned tasks whenever they are collected, even at exit), drop asyncio's reports of orbax reads
+    that failed; seqjax says it in one line. Installed before the read, not after its failure: TensorStore's
+    callbacks for a failed step's other arrays can fire while the failure is still being handled."""
     logging.getLogger("asyncio").addFilter(_ORPHANED)  # (adding it twice keeps one)
     previous = sys.unraisablehook
     if getattr(previous, "seqjax_orphaned_reads", False):
