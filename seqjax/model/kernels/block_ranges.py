@@ -14,11 +14,16 @@ computes one :class:`BlockMetadata` per distinct window per forward (``block_met
 window)``) and passes it to every layer's ``flash_attention(..., metadata=...)``; it is a pytree, so it crosses
 ``jit``/``scan``/``remat`` boundaries, and a scanned model stacks one per layer. A sliding window narrows every
 range to a band around the diagonal: tiles outside the band are skipped like tiles outside the segment.
+
+Both tiled kernels (``flash.py`` on Triton, ``mosaic.py`` on Mosaic GPU) also share what sits around their passes
+here: the metadata check (:func:`kernel_metadata`), the window operand and the custom VJP (:func:`tiled_vjp`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -239,3 +244,31 @@ def full_blocks(ranges: jax.Array, n_cols: int) -> jax.Array:
     """Boolean [B, n_rows, n_cols]: True for the visited tiles the kernel runs without a mask."""
     col = jnp.arange(n_cols)
     return (col >= ranges[..., 1:2]) & (col < ranges[..., 2:3])
+
+
+def tiled_vjp(forward: Callable, backward: Callable) -> Callable:
+    """The differentiable attention both tiled kernels (flash, mosaic) expose, from their passes:
+
+    - ``forward(q, k, v, segment_ids, metadata, scale, interpret) -> (out [B, T, H, D], lse [B, H, T])``;
+    - ``backward(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do) -> (dq, dk, dv)``.
+
+    The forward saves its inputs, output and log-sum-exp; the backward computes the softmax row term once and
+    hands it to the kernel's dQ and dK/dV passes. Segment ids and metadata get no cotangent."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+    def attention(q, k, v, segment_ids, metadata, scale, interpret):
+        return forward(q, k, v, segment_ids, metadata, scale, interpret)[0]
+
+    def attention_fwd(q, k, v, segment_ids, metadata, scale, interpret):
+        out, lse = forward(q, k, v, segment_ids, metadata, scale, interpret)
+        return out, (q, k, v, segment_ids, metadata, out, lse)
+
+    def attention_bwd(scale, interpret, residuals, do):
+        q, k, v, segment_ids, metadata, out, lse = residuals
+        # delta_i = sum_d out_i * dout_i: the softmax-backward row term, one fused XLA reduction, [B, H, T].
+        delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+        dq, dk, dv = backward(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do)
+        return dq, dk, dv, None, None
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention

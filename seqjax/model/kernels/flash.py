@@ -30,7 +30,7 @@ from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
 
 from seqjax.model.attention import check_attention_inputs, segment_mask
-from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, kernel_metadata, window_operand
+from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, kernel_metadata, tiled_vjp, window_operand
 
 # Why the fuser import above: jax registers the tracing-context flag ``pallas_fuser_disable_nested_fuse`` when
 # that module is first imported, which a pallas_call otherwise does lazily while it runs. The flag changes the
@@ -259,15 +259,13 @@ def _dkv_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_re
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, out, lse, do):
+def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, lse, delta, do):
     b, t, h, d = q.shape
     hkv = k.shape[2]
     group = h // hkv
     bs = metadata.block_sizes
     bq, bk = bs.block_q_bwd, bs.block_k_bwd  # the dK/dV pass
     bq_dq, bk_dq = bs.block_q_dq, bs.block_k_dq
-    # delta_i = sum_d out_i * dout_i: the softmax-backward row term, one fused XLA reduction.
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
     params = plgpu.CompilerParams(num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd)
     full_row = lambda r, hd: (r, 0, hd, 0)  # noqa: E731  (index maps read better inline)
 
@@ -326,20 +324,4 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, o
 # ---------------------------------------------------------------------------------------------- custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q, k, v, segment_ids, metadata, scale, interpret):
-    return _forward(q, k, v, segment_ids, metadata, scale, interpret)[0]
-
-
-def _flash_fwd(q, k, v, segment_ids, metadata, scale, interpret):
-    out, lse = _forward(q, k, v, segment_ids, metadata, scale, interpret)
-    return out, (q, k, v, segment_ids, metadata, out, lse)
-
-
-def _flash_bwd(scale, interpret, residuals, do):
-    q, k, v, segment_ids, metadata, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, segment_ids, metadata, scale, interpret, out, lse, do)
-    return dq, dk, dv, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = tiled_vjp(_forward, _backward)

@@ -28,7 +28,6 @@ round to TF32, so the tests can be tight. On a GPU the dtypes are bfloat16 and f
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -38,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from seqjax.model.attention import allowed, check_attention_inputs
-from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, kernel_metadata, window_operand
+from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, kernel_metadata, tiled_vjp, window_operand
 
 BLOCK = MOSAIC_BLOCKS.block_q  # query and key tile rows, every pass: one warpgroup's wgmma M
 SLOTS = 2  # stages of the producer's shared-memory ring
@@ -398,23 +397,10 @@ def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
 # ---------------------------------------------------------------------------------------------- custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, segment_ids, metadata, scale, interpret):
-    return _forward(q, k, v, segment_ids, metadata, scale, interpret)[0]
-
-
-def _attention_fwd(q, k, v, segment_ids, metadata, scale, interpret):
-    out, lse = _forward(q, k, v, segment_ids, metadata, scale, interpret)
-    return out, (q, k, v, segment_ids, metadata, out, lse)
-
-
-def _attention_bwd(scale, interpret, residuals, do):
-    q, k, v, segment_ids, metadata, out, lse = residuals
-    # delta_i = sum_d out_i * dout_i: the softmax-backward row term, one fused XLA reduction, [B, H, T].
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+def _backward(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
     dq = _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do)
     dk, dv = _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do)
-    return dq, dk, dv, None, None
+    return dq, dk, dv
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = tiled_vjp(_forward, _backward)
