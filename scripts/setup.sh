@@ -27,5 +27,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # import without torch: the package without its dependencies, plus sacrebleu, which its metrics module imports.
   .venv/bin/python -m pip install -q --no-deps "lm-eval==0.4.13"
   .venv/bin/python -m pip install -q "sacrebleu>=2.4"
+  # The models' official chat templates tests/test_chat_templates.py renders with transformers: TRL ships copies
+  # of them (trl/chat_templates/*.jinja). The package without its dependencies (torch); nothing of it is imported.
+  .venv/bin/python -m pip install -q --no-deps "trl==1.16.0"
   echo "$want" > "$stamp"
 fi

@@ -1,23 +1,33 @@
 """The training templates seqjax ships (data.chat_template=chatml|qwen3|gemma): what each renders, which tokens
-it scores, and a Qwen3 model fine-tuned packed on chats under its template, sliding layers and all.
+it scores, and a Qwen3 model fine-tuned packed on chats under Qwen3's official template, sliding layers and all.
 
-A Qwen3-style template that drops earlier turns' reasoning when it renders a later turn (as Qwen3's official one
-does) cannot be scored by prefix rendering: it is refused with a pointer to the shipped template, which marks
-each assistant turn with {% generation %} as the field does (TRL asks for such blocks and ships patched ones).
+The references are the models' official templates (Qwen2.5, Qwen3, Gemma 3), as TRL 1.16 ships copies of them
+(TRL patches a template by comparing its text with these copies, so they are the models' own), rendered by
+transformers itself: each shipped template must render every chat to the same text. scripts/setup.sh installs
+TRL's package without its dependencies (nothing of TRL is imported: only the .jinja files are read).
+
+A template that drops earlier turns' reasoning when it renders a later turn (Qwen3's official one does) cannot be
+scored by prefix rendering; it trains through its twin, the shipped template that renders the same text, and a
+rewriting template without a twin is refused with a pointer to the shipped ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from seqjax.config.load import load_config
 from seqjax.core.errors import CorpusError
 from seqjax.store.build import prepare
-from seqjax.store.examples import ExampleSpec, chat_spans, chat_template
+from seqjax.store.examples import ExampleSpec, chat_spans, chat_template, render_chat, twin_template
 from seqjax.store.tokenizer import train_tokenizer
 from test_families import hf_folder
 
@@ -30,10 +40,108 @@ CHAT = [{"role": "system", "content": "be brief"},
         {"role": "assistant", "content": "ran far", "reasoning_content": "second thought"}]
 
 
-def spec(name: str) -> ExampleSpec:
-    text, where = chat_template(name, None)
+def spec(name: str, template: str | None = None) -> ExampleSpec:
+    text, where = (template, "official") if template else chat_template(name, None)
     return ExampleSpec(format="chat", loss_on="assistant", chat_template=text, template_name=where,
-                       bos_token="<bos>", eos_token="<|endoftext|>")
+                       bos_token="<bos>", eos_token="<|endoftext|>",
+                       twin=twin_template(text, "<bos>", "<|endoftext|>") if template else None)
+
+
+# seqjax's template -> the official template it renders as (TRL 1.16's copy, trl/chat_templates/NAME.jinja)
+OFFICIAL = {"qwen3": "qwen3", "chatml": "qwen2_5", "gemma": "gemma3"}
+
+
+def official(name: str) -> str:
+    found = importlib.util.find_spec("trl")  # finds the package without importing it (TRL imports torch)
+    file = Path(found.submodule_search_locations[0]) / "chat_templates" / f"{OFFICIAL[name]}.jinja" if found else None
+    if file is None or not file.is_file():
+        pytest.skip("the official chat templates come with TRL's package: scripts/setup.sh installs trl==1.16.0")
+    return file.read_text(encoding="utf-8")
+
+
+def transformers_render(template: str, messages: list[dict], generation_prompt: bool) -> str:
+    """``messages`` rendered by transformers' own apply_chat_template."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                  bos_token="<bos>", eos_token="<|endoftext|>")
+    return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                   add_generation_prompt=generation_prompt)
+
+
+TEXT = st.lists(st.sampled_from(["a", " ", "\n", "<think>", "</think>", "<tool_response>", "</tool_response>"]),
+                max_size=6).map("".join)
+CALL = st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]),
+                              "arguments": st.one_of(st.dictionaries(st.sampled_from("xy"), st.integers(0, 9)),
+                                                     st.just('{"z": 1}'))})
+
+
+@st.composite
+def chats(draw, template: str):
+    """Chats as the template's family writes them: Gemma alternates user/assistant after an optional system
+    message; Qwen chats mix every role, answers with reasoning (reasoning_content or a <think> prefix) and tool
+    calls (arguments as objects or JSON text, bare or under "function"), tool results in a row."""
+    system = [{"role": "system", "content": draw(TEXT)}] if draw(st.booleans()) else []
+    if template == "gemma":
+        turns = draw(st.integers(1, 4))
+        return system + [{"role": ("user", "assistant")[k % 2], "content": draw(TEXT)} for k in range(turns)]
+    messages = []
+    for role in draw(st.lists(st.sampled_from(["user", "assistant", "assistant", "tool", "system"]), min_size=1,
+                              max_size=6)):
+        message = {"role": role, "content": draw(TEXT)}
+        if role == "assistant" and draw(st.booleans()):
+            message["reasoning_content"] = draw(TEXT)
+        if role == "assistant" and draw(st.booleans()):
+            message["tool_calls"] = [{"type": "function", "function": c} if draw(st.booleans()) else c
+                                     for c in draw(st.lists(CALL, min_size=1, max_size=2))]
+        messages.append(message)
+    return system + messages
+
+
+# Each branch of the official templates, drawn or not: answers after the last query with and without reasoning,
+# tool calls with and without an answer, tool results in a row, a wrapped tool result in a user turn.
+EDGES = [CHAT, CHAT[1:3],
+         [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
+          {"role": "assistant", "content": "a2"}, {"role": "assistant", "content": "a3", "reasoning_content": "r"},
+          {"role": "assistant", "content": "\n\na4"}],
+         [{"role": "user", "content": "q"},
+          {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}]},
+          {"role": "tool", "content": "6"}, {"role": "tool", "content": "7"},
+          {"role": "user", "content": "<tool_response>8</tool_response>"},
+          {"role": "assistant", "content": "b", "tool_calls": [{"name": "g", "arguments": {}}] * 2}]]
+
+
+@pytest.mark.parametrize("name", list(OFFICIAL))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_each_shipped_template_renders_every_chat_as_the_official_one(name, data):
+    messages, prompt = data.draw(chats(name)), data.draw(st.booleans())
+    assert render_chat(spec(name), messages, prompt)[0] == transformers_render(official(name), messages, prompt)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "chatml"])
+def test_each_branch_of_the_official_qwen_templates_renders_alike(name):
+    for messages in EDGES:
+        for prompt in (False, True):
+            assert render_chat(spec(name), messages, prompt)[0] == transformers_render(official(name), messages,
+                                                                                       prompt)
+
+
+def test_the_official_templates_train_through_their_twins():
+    """The official templates, as found beside an imported model, are scored as the shipped twin marks them:
+    Qwen3's, which rewrites earlier turns, included. A chat the twin renders differently is not scored by it."""
+    for name in OFFICIAL:
+        assert twin_template(official(name), "<bos>", "<|endoftext|>") == name
+        chat = CHAT if name != "chatml" else CHAT[1:]
+        assert chat_spans(spec(name, official(name)), chat, "here") == chat_spans(spec(name), chat, "here")
+    qwen3 = spec("qwen3", official("qwen3"))
+    assert "first thought" not in chat_spans(qwen3, CHAT, "here")[0]
+    with pytest.raises(CorpusError, match="rewrites earlier turns"):  # a twin that renders otherwise is not used
+        chat_spans(dataclasses.replace(qwen3, twin="chatml"), CHAT, "here")
+    gemma = spec("gemma", official("gemma"))
+    with pytest.raises(CorpusError, match="roles must alternate"):
+        chat_spans(gemma, CHAT[:2] + CHAT[3:], "here")
 
 
 def scored(name: str, messages=CHAT) -> tuple[str, list[str]]:
@@ -83,9 +191,10 @@ def test_an_unknown_template_name_or_file_is_one_line():
 
 
 @pytest.mark.slow  # a two-step fine-tune in this process
-def test_a_qwen3_model_fine_tunes_packed_on_chats_with_assistant_only_loss(tmp_path):
-    """The Qwen3 reference model (sliding layers from the second on) imported, fine-tuned on chats under the
-    shipped qwen3 template, packed, loss on the assistant turns only."""
+def test_a_qwen3_model_fine_tunes_packed_on_chats_under_its_official_template(tmp_path):
+    """The Qwen3 reference model (sliding layers from the second on) imported with Qwen3's official template in its
+    tokenizer_config.json, fine-tuned on multi-turn chats with reasoning, packed, loss on the assistant turns only,
+    with no data.chat_template set: the store scores what data.chat_template=qwen3 scores, on the same text."""
     from seqjax.main import import_hf
     from seqjax.train.loop import train
 
@@ -94,21 +203,37 @@ def test_a_qwen3_model_fine_tunes_packed_on_chats_with_assistant_only_loss(tmp_p
     words = "the cat sat on a mat dog ran far away".split()
     train_tokenizer([" ".join(rng.choice(words, 10)) + "\n" for _ in range(100)], folder / "tokenizer.json",
                     vocab_size=300, special_tokens=SPECIALS)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                              "chat_template": official("qwen3")}))
     import_hf.main([str(folder), "--out", str(tmp_path / "imported"), "model.attention=xla"])
-    chats = [{"messages": [{"role": "user", "content": " ".join(rng.choice(words, 5))},
-                           {"role": "assistant", "content": " ".join(rng.choice(words, 4))}]} for _ in range(40)]
+
+    def say(n):
+        return " ".join(rng.choice(words, n))
+
+    chats = [{"messages": [{"role": "user", "content": say(3)},
+                           {"role": "assistant", "content": f"<think>\n{say(2)}\n</think>\n\n{say(3)}"},
+                           {"role": "user", "content": say(2)},
+                           {"role": "assistant", "content": say(rng.integers(1, 4)), "reasoning_content": say(2)}]}
+             for _ in range(40)]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
-    config = load_config(tmp_path / "imported" / "config.yaml", [
-        f"train.init_from={tmp_path / 'imported'}", "data.corpus=jsonl", "data.format=chat",
-        "data.chat_template=qwen3", f"data.train_files=[{tmp_path / 'chats.jsonl'}]",
-        f"data.valid_files=[{tmp_path / 'chats.jsonl'}]", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=48",
-        "data.batch_size=4", "data.strategy=pack", "train.steps=2", "train.warmup_steps=0", "train.eval_every=0",
-        f"run.dir={tmp_path / 'run'}"])
-    store = prepare(config, splits=("train",)).stores["train"]
+
+    def config(*more):
+        return load_config(tmp_path / "imported" / "config.yaml", [
+            f"train.init_from={tmp_path / 'imported'}", "data.corpus=jsonl", "data.format=chat",
+            f"data.train_files=[{tmp_path / 'chats.jsonl'}]", f"data.valid_files=[{tmp_path / 'chats.jsonl'}]",
+            "data.seq_len=64", "data.batch_size=4", "data.strategy=pack", "train.steps=2", "train.warmup_steps=0",
+            "train.eval_every=0", f"run.dir={tmp_path / 'run'}", *more])
+
+    official_run = config(f"data.cache_dir={tmp_path / 'cache'}")
+    assert official_run.data.chat_template is None
+    store = prepare(official_run, splits=("train",)).stores["train"]
+    shipped = prepare(config(f"data.cache_dir={tmp_path / 'cache2'}", "data.chat_template=qwen3"),
+                      splits=("train",)).stores["train"]
     ids, mask = np.asarray(store.tokens), np.asarray(store.mask).astype(bool)
-    assert 0 < mask.mean() < 0.5  # the answers (and <|im_end|>), not the prompts
-    summary = train(config)
-    assert config.model.has_windows and summary["finished"] and np.isfinite(summary["val_loss"])
-    assert summary["tokens_seen"] < 2 * 4 * 48 and ids.size > 0
+    np.testing.assert_array_equal(ids, np.asarray(shipped.tokens))
+    np.testing.assert_array_equal(mask, np.asarray(shipped.mask).astype(bool))
+    assert 0 < mask.mean() < 0.6  # the answers (and <|im_end|>), not the prompts
+    summary = train(official_run)
+    assert official_run.model.has_windows and summary["finished"] and np.isfinite(summary["val_loss"])
+    assert summary["tokens_seen"] < 2 * 4 * 64 and ids.size > 0  # whole chats: rows end in padding
     jax.clear_caches()

@@ -18,8 +18,11 @@
 **What is scored** (``data.loss_on``). ``completion``: the completion and its
 eos. ``assistant``: every assistant message; ``last_assistant``: the last one;
 ``all``: every token. Assistant spans come from the template's
-``{% generation %}`` blocks when it has them; otherwise from rendering the chat
-one message at a time: the span of assistant message ``k`` is what
+``{% generation %}`` blocks when it has them. A template without them (the
+official ones) is scored as its *twin* marks the chat, when one of the training
+templates seqjax ships renders that chat to the same text (Qwen3's official
+template has ``qwen3``: :func:`twin_template`). Otherwise they come from rendering
+the chat one message at a time: the span of assistant message ``k`` is what
 ``messages[:k + 1]`` adds to ``messages[:k]`` rendered with the generation
 prompt (so the ``assistant`` header is not scored, its end-of-turn token is).
 A template under which a shorter chat's text is not a prefix of the longer one's
@@ -40,8 +43,10 @@ is stored as ``p p c c`` + closing EOT with weights ``0 0 1 1`` + ``1``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +60,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from seqjax.config.tree import Config, SourceConfig
 from seqjax.core.errors import CorpusError
+
+log = logging.getLogger(__name__)
 
 # Private-use characters that mark a {% generation %} block's output while a template renders.
 OPEN_MARK, CLOSE_MARK = "\ue000", "\ue001"
@@ -81,6 +88,9 @@ class ExampleSpec:
     bos_token: str | None = None
     eos_token: str = "<|endoftext|>"
     weights_dtype: str = "uint8"  # data.loss_weights_dtype: how the store keeps each target's weight
+    # A shipped training template that renders this template's chats the same text (:func:`twin_template`): a
+    # template without generation blocks is scored as its twin marks each chat it renders identically.
+    twin: str | None = None
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -105,15 +115,19 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
     loss_on = d.loss_on
     if loss_on == "auto":
         loss_on = {"prompt_completion": "completion", "chat": "assistant", "tokenized": "labels"}[source.format]
-    template, name = (None, "")
+    template, name, twin = None, "", None
     if source.format == "chat":
         template, name = chat_template(d.chat_template, tokenizer_path)
+        twin = twin_template(template, config.tokenizer.bos_token, eot_token)
+        if twin is not None:
+            log.info(f"the chat template {name} has no {{% generation %}} blocks; its chats are scored as seqjax's "
+                     f"{twin} template marks them wherever that renders them the same (docs/instruction.md)")
     return ExampleSpec(
         format=source.format, loss_on=loss_on, prompt_field=d.prompt_field, completion_field=d.completion_field,
         prompt_separator=d.prompt_separator, messages_field=d.messages_field, input_ids_field=d.input_ids_field,
         labels_field=d.labels_field, loss_weights_field=d.loss_weights_field, chat_template=template,
         template_name=name, bos_token=config.tokenizer.bos_token, eos_token=eot_token,
-        weights_dtype=d.loss_weights_dtype)
+        weights_dtype=d.loss_weights_dtype, twin=twin)
 
 
 def find_chat_template(tokenizer_path: Path, configured: str | None = None) -> str | None:
@@ -133,12 +147,16 @@ def find_chat_template(tokenizer_path: Path, configured: str | None = None) -> s
 SHIPPED_TEMPLATES = {"chatml": "chatml.jinja", "qwen3": "qwen3.jinja", "gemma": "gemma.jinja"}
 
 
+@functools.cache
+def shipped_template(name: str) -> str:
+    return (Path(__file__).parent / "chat_templates" / SHIPPED_TEMPLATES[name]).read_text(encoding="utf-8")
+
+
 def chat_template(path: str | None, tokenizer_path: Path | None) -> tuple[str, str]:
     """``(template text, where it came from)``: ``data.chat_template`` (a shipped template's name, or a file), else
     beside the tokenizer.json."""
     if path in SHIPPED_TEMPLATES:
-        file = Path(__file__).parent / "chat_templates" / SHIPPED_TEMPLATES[path]
-        return file.read_text(encoding="utf-8"), f"{path} (seqjax's {SHIPPED_TEMPLATES[path]})"
+        return shipped_template(path), f"{path} (seqjax's {SHIPPED_TEMPLATES[path]})"
     if path:
         file = Path(path).expanduser()
         if not file.is_file():
@@ -197,6 +215,40 @@ def _compiled(template: str):
 
 def has_generation_blocks(template: str) -> bool:
     return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+# Chats a template and its twin must render alike: one exchange; a system prompt and two exchanges whose answers
+# carry reasoning both ways (Qwen3's official template drops the first answer's, and renders the second's).
+_PROBES = (
+    [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
+     {"role": "assistant", "content": "<think>\nr1\n</think>\n\na1"}, {"role": "user", "content": "q2"},
+     {"role": "assistant", "content": "a2", "reasoning_content": "r2"}],
+)
+
+
+@functools.lru_cache(maxsize=8)
+def twin_template(template: str, bos_token: str | None, eos_token: str) -> str | None:
+    """The name of the shipped training template that renders every probe chat as ``template`` does, or None.
+
+    Official templates carry no ``{% generation %}`` blocks, and Qwen3's rewrites earlier turns, so neither says
+    by itself which tokens are an answer. Its twin does: where it renders a chat to the same text, its blocks are
+    the answers' spans in that text. TRL patches such a template by recognising its exact text; a twin is found by
+    what it renders instead, so any copy that renders alike qualifies, and each chat is checked again
+    (:func:`chat_spans`).
+    """
+    if has_generation_blocks(template):
+        return None
+    for name in SHIPPED_TEMPLATES:
+        mine = ExampleSpec(format="chat", loss_on="assistant", chat_template=template, bos_token=bos_token,
+                           eos_token=eos_token)
+        twin = dataclasses.replace(mine, chat_template=shipped_template(name))
+        try:
+            if all(render_chat(mine, p)[0] == render_chat(twin, p)[0] for p in _PROBES):
+                return name
+        except jinja2.exceptions.TemplateError:
+            continue
+    return None
 
 
 def render_chat(spec: ExampleSpec, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list]:
@@ -263,21 +315,35 @@ def chat_spans(spec: ExampleSpec, messages: Any, where: str) -> tuple[str, list[
             raise CorpusError(f"{where}: the chat template {spec.template_name} marks {len(spans)} generation "
                               f"block(s) for {len(turns)} assistant message(s); expected one per assistant message")
     else:
-        spans = []
-        for k in turns:
-            try:
-                before = _render(spec, messages[:k], where, generation_prompt=True)[0] if k else ""
-            except CorpusError:
-                before = ""  # a template that cannot render an empty chat: the turn starts the text
-            upto = _render(spec, messages[: k + 1], where)[0]
-            if not upto.startswith(before) or not text.startswith(upto):
-                raise CorpusError(
-                    f"{where}: the chat template {spec.template_name} rewrites earlier turns: rendered up to "
-                    f"message {k} (assistant) it is not a prefix of the longer chat, so the assistant's tokens "
-                    "cannot be found; use a template with {% generation %} blocks: data.chat_template=qwen3 (Qwen3), "
-                    "chatml (Qwen2.5), gemma (Gemma 2/3), or a file of your own")
-            spans.append((len(before), len(upto)))
+        spans = _twin_spans(spec, messages, text, len(turns)) if spec.twin else None
+        if spans is None:
+            spans = [_prefix_span(spec, messages, k, text, where) for k in turns]
     return text, spans[-1:] if spec.loss_on == "last_assistant" else spans
+
+
+def _twin_spans(spec: ExampleSpec, messages: list[dict], text: str, n_turns: int) -> list[tuple[int, int]] | None:
+    """The answers' spans as the spec's twin marks them, when the twin renders ``messages`` to ``text`` too."""
+    try:
+        twin_text, spans = render_chat(dataclasses.replace(spec, chat_template=shipped_template(spec.twin)), messages)
+    except jinja2.exceptions.TemplateError:
+        return None
+    return spans if twin_text == text and len(spans) == n_turns else None
+
+
+def _prefix_span(spec: ExampleSpec, messages: list[dict], k: int, text: str, where: str) -> tuple[int, int]:
+    """Assistant message ``k``'s span: what ``messages[:k + 1]`` adds to ``messages[:k]`` with the generation prompt."""
+    try:
+        before = _render(spec, messages[:k], where, generation_prompt=True)[0] if k else ""
+    except CorpusError:
+        before = ""  # a template that cannot render an empty chat: the turn starts the text
+    upto = _render(spec, messages[: k + 1], where)[0]
+    if not upto.startswith(before) or not text.startswith(upto):
+        raise CorpusError(
+            f"{where}: the chat template {spec.template_name} rewrites earlier turns: rendered up to "
+            f"message {k} (assistant) it is not a prefix of the longer chat, so the assistant's tokens "
+            "cannot be found; use a template with {% generation %} blocks: data.chat_template=qwen3 (Qwen3), "
+            "chatml (Qwen2.5), gemma (Gemma 2/3), or a file of your own")
+    return len(before), len(upto)
 
 
 def char_spans_to_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
