@@ -90,6 +90,7 @@ class Suite:
                         JAX_COMPILATION_CACHE_DIR=str(self.out / "jax_cache"))
         if self.dry:
             self.env["JAX_PLATFORMS"] = "cpu"
+            self.env.setdefault("PJRT_NPROC", "4")  # the Mosaic interpreter's threads (seqjax/model/kernels/mosaic.py)
         self.summary: dict[str, Any] = {
             "suite": "gpu", "dry_run": self.dry, "command": " ".join(["python3", *sys.argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -219,8 +220,9 @@ def stage_env(s: Suite) -> dict:
 def stage_tests(s: Suite) -> dict:
     junit = s.out / "tests.xml"
     files = ["tests/test_gpu.py", "tests/test_attention.py", "tests/test_mosaic.py"]
-    argv = s.python("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={junit}", "-rfEs",
-                    *files)
+    # In this one process (`addopts=` drops pyproject's `-n auto`): one GPU, and the image has no pytest-xdist.
+    argv = s.python("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-o", "addopts=",
+                    f"--junitxml={junit}", "-rfEs", *files)
     code, stdout = s.call("tests", argv, 240)
     result: dict[str, Any] = {"status": status(code), "files": files}
     if junit.exists():

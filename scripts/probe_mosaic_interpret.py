@@ -16,9 +16,14 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import os
 import traceback
 
-import jax
+# The interpreter needs more XLA CPU threads than a 2-core machine gives (seqjax/model/kernels/mosaic.py says why);
+# XLA reads this when JAX starts.
+os.environ.setdefault("PJRT_NPROC", str(max(4, os.cpu_count() or 1)))
+
+import jax  # noqa: E402  (after PJRT_NPROC)
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

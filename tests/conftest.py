@@ -9,6 +9,11 @@ import pytest
 
 from seqjax.config.tree import DATA_DIR_ENV
 
+# Pallas's Mosaic GPU interpreter (tests/test_mosaic.py) needs more XLA CPU threads than a 2-core machine gives
+# (seqjax/model/kernels/mosaic.py says why); set before JAX starts, here and in every subprocess the tests start.
+if os.cpu_count() is not None and os.cpu_count() < 4:
+    os.environ.setdefault("PJRT_NPROC", "4")
+
 
 def wikitext_dir() -> Path | None:
     """The folder holding wikitext-2/ and wikitext-2-raw/, or None when the data is not on this machine."""
@@ -57,3 +62,26 @@ def reference(tiny_root) -> dict[int, float]:
     from test_train_support import reference_losses
 
     return reference_losses(tiny_root)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory) -> Path:
+    """One persistent XLA compilation cache for the whole test session: this process, the other pytest-xdist
+    workers (their temp folders share a parent) and every CLI subprocess the tests start. The tests build the
+    same tiny models again and again; a program compiled once is read back, not compiled again. Fresh per
+    session, so nothing carries over between runs."""
+    import jax
+
+    if os.environ.get("SEQJAX_TEST_XLA_CACHE") == "0":
+        return None
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / "jax_cache"
+    path.mkdir(exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    from test_train_support import _JAX_CACHE
+
+    _JAX_CACHE[:] = [path]
+    return path

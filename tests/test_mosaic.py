@@ -80,7 +80,7 @@ def test_matches_the_reference_in_half_precision_at_head_dim_128(lengths, dtype)
     check(q, k, v, jnp.asarray(rows), jnp.int32(FULL), cotangent, tol=3e-2)
 
 
-def test_refuses_what_it_cannot_compute():
+def test_refuses_what_it_cannot_compute(monkeypatch):
     q, k, v, _ = F32
     ids = jnp.ones((2, 120), jnp.int32)
     with pytest.raises(ValueError, match="head_dim 32, expected one of"):
@@ -91,6 +91,10 @@ def test_refuses_what_it_cannot_compute():
         mosaic_attention(q, k, v, ids, metadata=block_metadata(ids, type(BLOCK_SIZES)()))
     with pytest.raises(ValueError, match="pass the window to block_metadata"):
         mosaic_attention(q, k, v, ids, metadata=block_metadata(ids, BLOCK_SIZES, 8), window=8)
+    # the interpreter on too few XLA CPU threads would hang (a 2-core machine without PJRT_NPROC): refused instead
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    with pytest.raises(RuntimeError, match="needs 3 XLA CPU threads and this process has 2 .*PJRT_NPROC=4"):
+        mosaic_attention(q, k, v, ids, interpret=True)
 
 
 def test_lowers_through_mosaic_gpu_for_an_h100():

@@ -24,11 +24,18 @@ the producer's ring has ``SLOTS`` = 2 stages. Until a GPU measures it, ``auto`` 
 Interpret mode (``interpret=True``, or ``None`` off a GPU) runs the same kernels on a CPU through Pallas's Mosaic
 GPU interpreter, which is how CI checks their numbers; it also accepts float32 there, where a GPU's wgmma would
 round to TF32, so the tests can be tight. On a GPU the dtypes are bfloat16 and float16.
+
+The interpreter runs each warpgroup as a computation on XLA's CPU thread pool, inside a callback that holds a pool
+thread itself, and a warpgroup waiting at a barrier holds its thread too. So it needs ``1 + THREADS`` pool threads:
+with fewer, the producer can wait forever for a thread its blocked consumer holds (seen on 2-core machines, at
+random). XLA sizes the pool from ``PJRT_NPROC`` (else ``NPROC``, else the CPUs this process may use), read once
+when JAX starts; interpret mode refuses a smaller pool in one line instead of hanging (the tests set 4).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +48,7 @@ from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, kern
 
 BLOCK = MOSAIC_BLOCKS.block_q  # query and key tile rows, every pass: one warpgroup's wgmma M
 SLOTS = 2  # stages of the producer's shared-memory ring
+THREADS = 2  # warpgroups per CTA: the TMA producer and the wgmma consumer
 LOG2_E = math.log2(math.e)
 MASKED = -1e30  # a finite -inf: masked logits and the running max start here (no exp2(-inf - -inf) = NaN)
 BLOCK_SIZES = MOSAIC_BLOCKS
@@ -62,6 +70,9 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     b, t, h, d = q.shape
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if interpret and xla_cpu_threads() < 1 + THREADS:
+        raise RuntimeError(f"mosaic_attention: interpret mode needs {1 + THREADS} XLA CPU threads and this process "
+                           f"has {xla_cpu_threads()} (it would hang); set PJRT_NPROC={2 + THREADS} before JAX starts")
     if d not in HEAD_DIMS:
         raise ValueError(f"mosaic_attention: head_dim {d}, expected one of {HEAD_DIMS} (wgmma tiles)")
     allowed_dtypes = GPU_DTYPES + ((jnp.float32,) if interpret else ())
@@ -186,6 +197,15 @@ def _store(value, smem, dst):
     plgpu.copy_smem_to_gmem(smem, dst)
 
 
+def xla_cpu_threads() -> int:
+    """The size of XLA's CPU thread pool, as its CPU client sizes it: PJRT_NPROC, else NPROC, else the CPUs this
+    process may run on."""
+    for name in ("PJRT_NPROC", "NPROC"):
+        if os.environ.get(name, "").strip().isdigit():
+            return int(os.environ[name])
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _interpret(interpret: bool):
     return plgpu.InterpretGPUParams() if interpret else None
 
@@ -251,7 +271,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
-        grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=2, thread_name="wg",
+        grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=THREADS, thread_name="wg",
         scratch_types=[_one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32), _tile(k.dtype, d), _tile(v.dtype, d),
                        plgpu.SMEM((SLOTS, BLOCK), jnp.int32), plgpu.SMEM((BLOCK,), jnp.float32),
                        _one_tile(v.dtype, BLOCK), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=SLOTS),
@@ -310,7 +330,7 @@ def _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=2, thread_name="wg",
+        grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=THREADS, thread_name="wg",
         scratch_types=[_one_tile(q.dtype, d), _one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
                        plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32),
                        _tile(k.dtype, d), _tile(v.dtype, d), plgpu.SMEM((SLOTS, BLOCK), jnp.int32),
@@ -384,7 +404,7 @@ def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
 
     kernel = plgpu.kernel(
         body, out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        grid=(t // BLOCK, hkv, b), grid_names=("blocks", "heads", "rows"), num_threads=2, thread_name="wg",
+        grid=(t // BLOCK, hkv, b), grid_names=("blocks", "heads", "rows"), num_threads=THREADS, thread_name="wg",
         scratch_types=[_one_tile(k.dtype, d), _one_tile(v.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
                        _tile(q.dtype, d), _tile(do.dtype, d), plgpu.SMEM((SLOTS, BLOCK), jnp.int32),
                        plgpu.SMEM((SLOTS, BLOCK), jnp.float32), plgpu.SMEM((SLOTS, BLOCK), jnp.float32),
