@@ -22,7 +22,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_STEPS = 60
-# A persistent XLA cache shared by the session's subprocesses: a restarted run reuses the compiled step.
+# The session's persistent XLA cache (conftest.compilation_cache) for its subprocesses: a restarted run reuses the
+# compiled step.
 _JAX_CACHE: list[Path] = []
 
 
@@ -112,7 +113,6 @@ def make_tiny_root(base: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / "valid.jsonl").exists():
             write_corpus(root)
-    _JAX_CACHE[:] = [root / "jax_cache"]
     return root
 
 
