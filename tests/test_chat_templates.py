@@ -25,10 +25,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from seqjax.config.load import load_config
+from seqjax.config.tree import SourceConfig
 from seqjax.core.errors import CorpusError
+from seqjax.main.generate import read_chats
 from seqjax.store.build import prepare
-from seqjax.store.examples import ExampleSpec, chat_spans, chat_template, render_chat, twin_template
-from seqjax.store.tokenizer import train_tokenizer
+from seqjax.store.corpus import file_records
+from seqjax.store.examples import (
+    ExampleSpec,
+    chat_prompt,
+    chat_spans,
+    chat_template,
+    encode_example,
+    render_chat,
+    twin_template,
+)
+from seqjax.store.tokenizer import Tokenizer, train_tokenizer
 from test_families import hf_folder
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<bos>", "<start_of_turn>",
@@ -59,15 +70,15 @@ def official(name: str) -> str:
     return file.read_text(encoding="utf-8")
 
 
-def transformers_render(template: str, messages: list[dict], generation_prompt: bool) -> str:
-    """``messages`` rendered by transformers' own apply_chat_template."""
+def transformers_render(template: str, messages: list[dict], generation_prompt: bool, tools=None) -> str:
+    """``messages`` (and ``tools``) rendered by transformers' own apply_chat_template."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
                                   bos_token="<bos>", eos_token="<|endoftext|>")
     return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                   add_generation_prompt=generation_prompt)
+                                   add_generation_prompt=generation_prompt, tools=tools)
 
 
 TEXT = st.lists(st.sampled_from(["a", " ", "\n", "<think>", "</think>", "<tool_response>", "</tool_response>"]),
@@ -75,6 +86,17 @@ TEXT = st.lists(st.sampled_from(["a", " ", "\n", "<think>", "</think>", "<tool_r
 CALL = st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]),
                               "arguments": st.one_of(st.dictionaries(st.sampled_from("xy"), st.integers(0, 9)),
                                                      st.just('{"z": 1}'))})
+# Tool definitions as datasets carry them: OpenAI's {"type": "function", "function": schema} or the bare schema,
+# non-ASCII descriptions included (tojson keeps them).
+SCHEMA = st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "f"]),
+                                "description": st.sampled_from(["", "Météo à Zürich", "a \"quoted\" tool"]),
+                                "parameters": st.fixed_dictionaries({"type": st.just("object"), "properties":
+                                                                     st.dictionaries(st.sampled_from("xy"),
+                                                                                     st.just({"type": "string"}))})})
+TOOLS = st.one_of(st.none(), st.lists(st.one_of(SCHEMA, SCHEMA.map(lambda f: {"type": "function", "function": f})),
+                                      min_size=1, max_size=2))
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Météo",
+                                             "parameters": {"type": "object", "properties": {"city": {}}}}}]
 
 
 @st.composite
@@ -116,16 +138,18 @@ EDGES = [CHAT, CHAT[1:3],
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_each_shipped_template_renders_every_chat_as_the_official_one(name, data):
-    messages, prompt = data.draw(chats(name)), data.draw(st.booleans())
-    assert render_chat(spec(name), messages, prompt)[0] == transformers_render(official(name), messages, prompt)
+    messages, prompt, tools = data.draw(chats(name)), data.draw(st.booleans()), data.draw(TOOLS)
+    assert render_chat(spec(name), messages, prompt, tools)[0] == transformers_render(official(name), messages,
+                                                                                      prompt, tools)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "chatml"])
 def test_each_branch_of_the_official_qwen_templates_renders_alike(name):
     for messages in EDGES:
         for prompt in (False, True):
-            assert render_chat(spec(name), messages, prompt)[0] == transformers_render(official(name), messages,
-                                                                                       prompt)
+            for tools in (None, WEATHER):
+                assert render_chat(spec(name), messages, prompt, tools)[0] == transformers_render(
+                    official(name), messages, prompt, tools)
 
 
 def test_the_official_templates_train_through_their_twins():
@@ -134,7 +158,9 @@ def test_the_official_templates_train_through_their_twins():
     for name in OFFICIAL:
         assert twin_template(official(name), "<bos>", "<|endoftext|>") == name
         chat = CHAT if name != "chatml" else CHAT[1:]
-        assert chat_spans(spec(name, official(name)), chat, "here") == chat_spans(spec(name), chat, "here")
+        for tools in (None, WEATHER):
+            assert chat_spans(spec(name, official(name)), chat, "here", tools) == chat_spans(spec(name), chat, "here",
+                                                                                             tools)
     qwen3 = spec("qwen3", official("qwen3"))
     assert "first thought" not in chat_spans(qwen3, CHAT, "here")[0]
     with pytest.raises(CorpusError, match="rewrites earlier turns"):  # a twin that renders otherwise is not used
@@ -161,8 +187,6 @@ def test_qwen3_keeps_only_the_last_turns_reasoning_and_scores_what_the_chat_show
     assert "first thought" not in text  # an answer before the last user message loses its reasoning
     assert parts == ["sat on a mat<|im_end|>", "<think>\nsecond thought\n</think>\n\nran far<|im_end|>"]
     prompt = spec("qwen3")
-    from seqjax.store.examples import chat_prompt
-
     assert chat_prompt(prompt, CHAT[:4], "here").endswith("<|im_start|>user\nand the dog<|im_end|>\n"
                                                           "<|im_start|>assistant\n")
 
@@ -171,6 +195,41 @@ def test_gemma_folds_the_system_prompt_into_the_first_turn_and_scores_model_turn
     text, parts = scored("gemma")
     assert text.startswith("<bos><start_of_turn>user\nbe brief\n\nthe cat<end_of_turn>\n<start_of_turn>model\n")
     assert parts == [CHAT[2]["content"] + "<end_of_turn>", "ran far<end_of_turn>"]
+
+
+def test_a_records_tools_are_rendered_as_context_from_a_list_or_json_text_and_never_scored(tmp_path):
+    """A chat record's tools (data.tools_field), read from a jsonl file as prepare reads it: the list and its JSON
+    text give the same ids; the tools lengthen the text but add no scored token; a bad value is one line."""
+    words = "the cat sat on a mat get_weather city Météo".split()
+    train_tokenizer([" ".join(words)] * 20, tmp_path / "tokenizer.json", vocab_size=300, special_tokens=SPECIALS)
+    tokenizer = Tokenizer(tmp_path / "tokenizer.json", "<|endoftext|>")
+    chat = CHAT[1:3]
+    records = [{"messages": chat, "tools": WEATHER}, {"messages": chat, "tools": json.dumps(WEATHER)},
+               {"messages": chat}, {"messages": chat, "tools": 5}, {"messages": chat, "tools": "[oops"}]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    qwen3 = spec("qwen3")
+    read = list(file_records(SourceConfig(corpus="jsonl", format="chat"), tmp_path / "chats.jsonl", qwen3.fields))
+    listed, texted, bare = (encode_example(qwen3, tokenizer, record, where) for where, record in read[:3])
+    np.testing.assert_array_equal(listed.ids, texted.ids)
+    np.testing.assert_array_equal(listed.mask, texted.mask)
+    assert "get_weather" in tokenizer.decode(listed.ids) and len(listed.ids) > len(bare.ids) + 20
+    np.testing.assert_array_equal(listed.ids[listed.mask.astype(bool)], bare.ids[bare.mask.astype(bool)])
+    with pytest.raises(CorpusError, match=r"chats.jsonl:4: field 'tools' is int; expected a list of tool"):
+        encode_example(qwen3, tokenizer, read[3][1], read[3][0])
+    with pytest.raises(CorpusError, match=r"chats.jsonl:5: field 'tools' is text but not JSON"):
+        encode_example(qwen3, tokenizer, read[4][1], read[4][0])
+
+
+def test_generate_chat_prompts_carry_each_conversations_tools(tmp_path):
+    """``generate --chat FILE.jsonl``: a line's tools reach the template, as in transformers' generation prompt."""
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": CHAT[1:2], "tools": WEATHER}) + "\n"
+                                          + json.dumps(CHAT[1:2]) + "\n")
+    (with_tools, tools), (plain, none) = read_chats(str(tmp_path / "chats.jsonl"))
+    assert tools == WEATHER and none is None and with_tools == plain == CHAT[1:2]
+    for name in ("qwen3", "chatml"):
+        prompt = chat_prompt(spec(name), with_tools, "here", tools)
+        assert "<tools>\n" + json.dumps(WEATHER[0], ensure_ascii=False) + "\n</tools>" in prompt
+        assert prompt == transformers_render(official(name), with_tools, True, tools)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_pointing_at_the_shipped_one():

@@ -200,6 +200,9 @@ class DataConfig:
     completion_field: str = _f("completion", "prompt_completion: the key or column holding the answer", resume=DATA)
     prompt_separator: str = _f("", "prompt_completion: text put between the prompt and the completion", resume=DATA)
     messages_field: str = _f("messages", "chat: the key or column holding the list of {role, content}", resume=DATA)
+    tools_field: str = _f("tools", "chat: the key or column holding a record's tool definitions (a list of JSON "
+                          "schemas, or JSON text of one), rendered as apply_chat_template(tools=...) renders them; "
+                          "a record without it has none", resume=DATA)
     chat_template: str | None = _f(
         None, "chat: a Jinja chat template file (null: the tokenizer's, from its tokenizer_config.json or "
         "chat_template.jinja)", resume=DATA)

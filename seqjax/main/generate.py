@@ -17,7 +17,7 @@ keeps one. A row stops at its first end-of-text; the loop stops when every
 row has, or after ``--max-new-tokens``.
 
 ``--chat FILE.jsonl`` takes conversations instead (one a line: ``{"messages":
-[...]}`` or the list itself): each is rendered with the run's chat template
+[...], "tools": [...]}``, tools optional, or the list of messages itself): each is rendered with the run's chat template
 and its generation prompt, as transformers' ``apply_chat_template(...,
 add_generation_prompt=True)`` does, the reply stops at the template's
 end-of-turn token (``<|im_end|>``, ``</s>``) too, and the reply alone is
@@ -43,8 +43,9 @@ from seqjax.store.examples import ExampleSpec, chat_prompt, chat_template, end_o
 log = logging.getLogger("seqjax.generate")  # the command's name, as its log lines show it
 
 
-def read_chats(path_text: str) -> list[Any]:
-    """The conversations of ``--chat FILE.jsonl``: each line a ``{"messages": [...]}`` object or the list itself."""
+def read_chats(path_text: str) -> list[tuple[Any, Any]]:
+    """``(messages, tools)`` of each conversation of ``--chat FILE.jsonl``: each line a ``{"messages": [...]}``
+    object (with the chat's ``"tools"``, if any) or the list of messages itself."""
     path = Path(path_text)
     if not path.is_file():
         raise UsageError(f"--chat {path_text!r}: no such file (expected one conversation per line, as JSON)")
@@ -56,7 +57,7 @@ def read_chats(path_text: str) -> list[Any]:
             record = json.loads(line)
         except ValueError as err:
             raise UsageError(f"--chat {path_text}:{number}: not JSON ({err})") from None
-        chats.append(record.get("messages") if isinstance(record, dict) else record)
+        chats.append((record.get("messages"), record.get("tools")) if isinstance(record, dict) else (record, None))
     if not chats:
         raise UsageError(f"--chat {path_text!r}: no conversation in it; expected one JSON line per conversation")
     return chats
@@ -67,8 +68,8 @@ def chat_prompts(path_text: str, config, tokenizer) -> tuple[list[str], list[int
     template, name = chat_template(config.data.chat_template, Path(tokenizer.path))
     spec = ExampleSpec(format="chat", loss_on="assistant", chat_template=template, template_name=name,
                        bos_token=tokenizer.bos_token, eos_token=tokenizer.eot_token)
-    texts = [chat_prompt(spec, messages, f"--chat {path_text}:conversation {k + 1}")
-             for k, messages in enumerate(read_chats(path_text))]
+    texts = [chat_prompt(spec, messages, f"--chat {path_text}:conversation {k + 1}", tools)
+             for k, (messages, tools) in enumerate(read_chats(path_text))]
     turn_end = end_of_turn(spec, tokenizer)
     return texts, [tokenizer.eot_id] + ([turn_end] if turn_end is not None else [])
 

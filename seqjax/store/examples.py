@@ -6,11 +6,13 @@
   (prompt_separator + completion) + [eos]``, the bos only for a tokenizer that
   opens text with one (``tokenizer.bos_token``, e.g. an imported Llama's). Prompt
   and completion are encoded separately, so their boundary is a token boundary.
-- ``chat``: ``{messages: [{role, content}, ...]}`` rendered with the chat
-  template the way transformers renders it: a sandboxed Jinja environment
-  with ``trim_blocks`` and ``lstrip_blocks``, ``bos_token`` / ``eos_token``,
-  ``raise_exception`` and a ``tojson`` that keeps non-ASCII text. The text is
-  then encoded as one string, special tokens recognized, none added.
+- ``chat``: ``{messages: [{role, content}, ...], tools: [...]}`` rendered with
+  the chat template the way transformers renders it: a sandboxed Jinja
+  environment with ``trim_blocks`` and ``lstrip_blocks``, ``bos_token`` /
+  ``eos_token``, ``tools`` (the record's tool definitions, if any: JSON schemas,
+  or JSON text of a list of them), ``raise_exception`` and a ``tojson`` that
+  keeps non-ASCII text. The text is then encoded as one string, special tokens
+  recognized, none added.
 - ``tokenized``: ``{input_ids, labels}`` (-100: not scored, HF's convention) or
   ``{input_ids, loss_weights}`` (0/1), the forms lmms-engine and Levanter hand
   over; ``labels[i]`` / ``loss_weights[i]`` is about token ``i`` as a target.
@@ -80,6 +82,7 @@ class ExampleSpec:
     completion_field: str = "completion"
     prompt_separator: str = ""
     messages_field: str = "messages"
+    tools_field: str = "tools"
     input_ids_field: str = "input_ids"
     labels_field: str = "labels"
     loss_weights_field: str = "loss_weights"
@@ -97,7 +100,7 @@ class ExampleSpec:
         """The record fields read, the required one first."""
         return {
             "prompt_completion": (self.prompt_field, self.completion_field),
-            "chat": (self.messages_field,),
+            "chat": (self.messages_field, self.tools_field),
             "tokenized": (self.input_ids_field, self.labels_field, self.loss_weights_field),
         }[self.format]
 
@@ -124,7 +127,8 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
                      f"{twin} template marks them wherever that renders them the same (docs/instruction.md)")
     return ExampleSpec(
         format=source.format, loss_on=loss_on, prompt_field=d.prompt_field, completion_field=d.completion_field,
-        prompt_separator=d.prompt_separator, messages_field=d.messages_field, input_ids_field=d.input_ids_field,
+        prompt_separator=d.prompt_separator, messages_field=d.messages_field, tools_field=d.tools_field,
+        input_ids_field=d.input_ids_field,
         labels_field=d.labels_field, loss_weights_field=d.loss_weights_field, chat_template=template,
         template_name=name, bos_token=config.tokenizer.bos_token, eos_token=eot_token,
         weights_dtype=d.loss_weights_dtype, twin=twin)
@@ -251,9 +255,12 @@ def twin_template(template: str, bos_token: str | None, eos_token: str) -> str |
     return None
 
 
-def render_chat(spec: ExampleSpec, messages: list[dict], add_generation_prompt: bool = False) -> tuple[str, list]:
-    """``(text, generation spans)`` of ``messages`` under the spec's template (spans from its generation blocks)."""
-    raw = _compiled(spec.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+def render_chat(spec: ExampleSpec, messages: list[dict], add_generation_prompt: bool = False,
+                tools: list[dict] | None = None) -> tuple[str, list]:
+    """``(text, generation spans)`` of ``messages`` (and the chat's ``tools``) under the spec's template, the spans
+    from its generation blocks."""
+    raw = _compiled(spec.chat_template).render(messages=messages, tools=tools,
+                                               add_generation_prompt=add_generation_prompt,
                                                bos_token=spec.bos_token or "", eos_token=spec.eos_token)
     spans, text, at = [], [], 0
     for piece in re.split(f"([{OPEN_MARK}{CLOSE_MARK}])", raw):
@@ -267,9 +274,10 @@ def render_chat(spec: ExampleSpec, messages: list[dict], add_generation_prompt: 
     return "".join(text), [tuple(s) for s in spans]
 
 
-def _render(spec: ExampleSpec, messages: list[dict], where: str, generation_prompt: bool = False):
+def _render(spec: ExampleSpec, messages: list[dict], where: str, generation_prompt: bool = False,
+            tools: list[dict] | None = None):
     try:
-        return render_chat(spec, messages, generation_prompt)
+        return render_chat(spec, messages, generation_prompt, tools)
     except jinja2.exceptions.TemplateError as err:
         raise CorpusError(f"{where}: the chat template {spec.template_name} failed on {len(messages)} message(s): "
                           f"{err}") from None
@@ -285,10 +293,24 @@ def _check_messages(messages: Any, where: str, field: str) -> None:
         raise CorpusError(f"{where}: a message holds U+E000 or U+E001, which mark generation blocks")
 
 
-def chat_prompt(spec: ExampleSpec, messages: Any, where: str) -> str:
+def chat_tools(spec: ExampleSpec, tools: Any, where: str) -> list[dict] | None:
+    """A chat's tool definitions as the template takes them: a list of objects (JSON text of one is read), or None."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as err:
+            raise CorpusError(f"{where}: field {spec.tools_field!r} is text but not JSON ({err}); expected a list of "
+                              "tool definitions (JSON schemas)") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise CorpusError(f"{where}: field {spec.tools_field!r} is {type(tools).__name__}; expected a list of tool "
+                          "definitions (JSON schemas) or JSON text of one")
+    return tools or None
+
+
+def chat_prompt(spec: ExampleSpec, messages: Any, where: str, tools: Any = None) -> str:
     """``messages`` rendered with the generation prompt (the assistant's turn opened), for generation."""
     _check_messages(messages, where, spec.messages_field)
-    return _render(spec, messages, where, generation_prompt=True)[0]
+    return _render(spec, messages, where, True, chat_tools(spec, tools, where))[0]
 
 
 def end_of_turn(spec: ExampleSpec, tokenizer) -> int | None:
@@ -302,10 +324,11 @@ def end_of_turn(spec: ExampleSpec, tokenizer) -> int | None:
     return ids[0] if ids and tokenizer.is_special(ids[0]) else None
 
 
-def chat_spans(spec: ExampleSpec, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
+def chat_spans(spec: ExampleSpec, messages: Any, where: str, tools: Any = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered chat and the character spans of its scored assistant messages (``data.loss_on``)."""
     _check_messages(messages, where, spec.messages_field)
-    text, marked = _render(spec, messages, where)
+    tools = chat_tools(spec, tools, where)
+    text, marked = _render(spec, messages, where, tools=tools)
     if spec.loss_on == "all":
         return text, [(0, len(text))]
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
@@ -315,28 +338,31 @@ def chat_spans(spec: ExampleSpec, messages: Any, where: str) -> tuple[str, list[
             raise CorpusError(f"{where}: the chat template {spec.template_name} marks {len(spans)} generation "
                               f"block(s) for {len(turns)} assistant message(s); expected one per assistant message")
     else:
-        spans = _twin_spans(spec, messages, text, len(turns)) if spec.twin else None
+        spans = _twin_spans(spec, messages, tools, text, len(turns)) if spec.twin else None
         if spans is None:
-            spans = [_prefix_span(spec, messages, k, text, where) for k in turns]
+            spans = [_prefix_span(spec, messages, tools, k, text, where) for k in turns]
     return text, spans[-1:] if spec.loss_on == "last_assistant" else spans
 
 
-def _twin_spans(spec: ExampleSpec, messages: list[dict], text: str, n_turns: int) -> list[tuple[int, int]] | None:
+def _twin_spans(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, text: str,
+                n_turns: int) -> list[tuple[int, int]] | None:
     """The answers' spans as the spec's twin marks them, when the twin renders ``messages`` to ``text`` too."""
     try:
-        twin_text, spans = render_chat(dataclasses.replace(spec, chat_template=shipped_template(spec.twin)), messages)
+        twin = dataclasses.replace(spec, chat_template=shipped_template(spec.twin))
+        twin_text, spans = render_chat(twin, messages, tools=tools)
     except jinja2.exceptions.TemplateError:
         return None
     return spans if twin_text == text and len(spans) == n_turns else None
 
 
-def _prefix_span(spec: ExampleSpec, messages: list[dict], k: int, text: str, where: str) -> tuple[int, int]:
+def _prefix_span(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, k: int, text: str,
+                 where: str) -> tuple[int, int]:
     """Assistant message ``k``'s span: what ``messages[:k + 1]`` adds to ``messages[:k]`` with the generation prompt."""
     try:
-        before = _render(spec, messages[:k], where, generation_prompt=True)[0] if k else ""
+        before = _render(spec, messages[:k], where, True, tools)[0] if k else ""
     except CorpusError:
         before = ""  # a template that cannot render an empty chat: the turn starts the text
-    upto = _render(spec, messages[: k + 1], where)[0]
+    upto = _render(spec, messages[: k + 1], where, tools=tools)[0]
     if not upto.startswith(before) or not text.startswith(upto):
         raise CorpusError(
             f"{where}: the chat template {spec.template_name} rewrites earlier turns: rendered up to "
@@ -410,7 +436,7 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
         scored_bytes = len(answer.encode("utf-8")) if spec.loss_on != "all" else len((prompt + answer).encode())
         return Example(ids, mask, 0, len((prompt + answer).encode("utf-8")), scored_bytes)
     if spec.format == "chat":
-        text, spans = chat_spans(spec, record.get(spec.messages_field), where)
+        text, spans = chat_spans(spec, record.get(spec.messages_field), where, record.get(spec.tools_field))
         ids, offsets = _text_ids(tokenizer, text)
         mask = char_spans_to_mask(offsets, spans)
         return Example(ids, mask, 0, len(text.encode("utf-8")), _scored_bytes(text, offsets, mask))
