@@ -49,6 +49,12 @@ def test_tensor_parallel_splits_heads_and_ff_and_fsdp_the_largest_free_dimension
     # Two kv heads cannot be split four ways: that dimension stays whole, fsdp still applies.
     assert param_spec((64, 2, 16), ("embed", "kv_heads", "head_dim"), mesh) == P("fsdp", None, None)
     assert param_spec((63,), ("embed",), mesh) == P(None)  # nothing divides: replicated
+    # A head's dimensions stay together, as in the activations: Qwen's biases split over heads, its q/k norms whole.
+    assert param_spec((8, 16), ("heads", "head_dim"), mesh) == P("tensor", None)
+    assert param_spec((8, 16), ("heads", "head_dim"), mesh_of(fsdp=8)) == P("fsdp", None)
+    assert param_spec((2, 16), ("kv_heads", "head_dim"), mesh) == P("fsdp", None)
+    assert param_spec((16,), ("head_dim",), mesh) == P(None)
+    assert param_spec((4, 16), ("layers", "head_dim"), mesh) == P(None, None)
     assert param_spec((64, 8, 16), ("embed", "heads", "head_dim"), mesh_of(data=8)) == P(None, None, None)
 
 
