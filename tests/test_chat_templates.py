@@ -253,7 +253,8 @@ def test_an_unknown_template_name_or_file_is_one_line():
 def test_a_qwen3_model_fine_tunes_packed_on_chats_under_its_official_template(tmp_path):
     """The Qwen3 reference model (sliding layers from the second on) imported with Qwen3's official template in its
     tokenizer_config.json, fine-tuned on multi-turn chats with reasoning, packed, loss on the assistant turns only,
-    with no data.chat_template set: the store scores what data.chat_template=qwen3 scores, on the same text."""
+    half of them with tools, with no data.chat_template set: the store scores what data.chat_template=qwen3
+    scores, on the same text."""
     from seqjax.main import import_hf
     from seqjax.train.loop import train
 
@@ -272,8 +273,9 @@ def test_a_qwen3_model_fine_tunes_packed_on_chats_under_its_official_template(tm
     chats = [{"messages": [{"role": "user", "content": say(3)},
                            {"role": "assistant", "content": f"<think>\n{say(2)}\n</think>\n\n{say(3)}"},
                            {"role": "user", "content": say(2)},
-                           {"role": "assistant", "content": say(rng.integers(1, 4)), "reasoning_content": say(2)}]}
-             for _ in range(40)]
+                           {"role": "assistant", "content": say(rng.integers(1, 4)), "reasoning_content": say(2)}],
+              **({"tools": WEATHER} if k % 2 else {})}
+             for k in range(40)]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
 
     def config(*more):
@@ -292,6 +294,8 @@ def test_a_qwen3_model_fine_tunes_packed_on_chats_under_its_official_template(tm
     np.testing.assert_array_equal(ids, np.asarray(shipped.tokens))
     np.testing.assert_array_equal(mask, np.asarray(shipped.mask).astype(bool))
     assert 0 < mask.mean() < 0.6  # the answers (and <|im_end|>), not the prompts
+    lengths = np.diff(np.asarray(store.doc_offsets))  # the store keeps the file's order
+    assert len(lengths) == 40 and lengths[1::2].min() > lengths[::2].max()  # the tools' section, in the odd chats
     summary = train(official_run)
     assert official_run.model.has_windows and summary["finished"] and np.isfinite(summary["val_loss"])
     assert summary["tokens_seen"] < 2 * 4 * 64 and ids.size > 0  # whole chats: rows end in padding
