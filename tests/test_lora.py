@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from seqjax.config.load import load_config
 from seqjax.hf import peft
 from seqjax.model import BASE_PARAMS, build_model, split_params
 from seqjax.model.loss import lm_loss
+from seqjax.model.sharding import param_spec
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.resume import read_saved
 from seqjax.train.step import make_train_step
@@ -49,6 +51,35 @@ def test_at_initialization_a_lora_model_computes_its_base_exactly(scan):
     adapters = nnx.to_pure_dict(nnx.state(lora, nnx.LoRAParam))
     assert all(not np.any(np.asarray(v)) for k, v in jax.tree_util.tree_leaves_with_path(adapters)
                if "lora_b" in jax.tree_util.keystr(k))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_each_adapter_shards_as_its_projection_does(scan):
+    """A and B carry their projection's logical axes beside lora_rank, so a (fsdp, tensor) mesh splits A's input
+    and B's output over tensor exactly where it splits the projection's, and never the rank between them: the
+    adapter's output adds to the projection's where it lies."""
+    model = build_model(load_config(None, TINY + LORA + [f"model.scan_layers={scan}"]), rngs=nnx.Rngs(0))
+    mesh = SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 2})
+    weights = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
+    nodes = dict(nnx.iter_graph(model))
+    lead = 1 if scan else 0  # a scanned parameter's leading layers axis, never split
+    checked = set()
+    for path, variable in nodes.items():
+        if not isinstance(variable, nnx.LoRAParam):
+            continue
+        *owner, _, name, part = path  # .../attn/lora/q/lora_a
+        weight = getattr(nodes[tuple(owner)], weights[name])
+        w_spec = tuple(param_spec(weight.shape, weight.axes, mesh))[lead:]
+        spec = tuple(param_spec(variable.shape, variable.axes, mesh))[lead:]
+        inputs = 2 if name == "o" else 1  # wo reads [heads, head_dim]; A and B see them flattened
+        ends = w_spec[:inputs] if part == "lora_a" else w_spec[inputs:]  # A reads the input, B writes the output
+        side = 0 if part == "lora_a" else -1
+        assert (spec[side] == "tensor") == ("tensor" in ends), (path, spec, w_spec)
+        assert spec[1 + side] is None  # the rank dimension stays whole
+        checked.add((name, part))
+    assert len(checked) == 14
+    assert any("tensor" in tuple(param_spec(v.shape, v.axes, mesh)) for v in nodes.values()
+               if isinstance(v, nnx.LoRAParam))
 
 
 @pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it

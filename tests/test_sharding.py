@@ -55,6 +55,10 @@ def test_tensor_parallel_splits_heads_and_ff_and_fsdp_the_largest_free_dimension
     assert param_spec((2, 16), ("kv_heads", "head_dim"), mesh) == P("fsdp", None)
     assert param_spec((16,), ("head_dim",), mesh) == P(None)
     assert param_spec((4, 16), ("layers", "head_dim"), mesh) == P(None, None)
+    # A LoRA adapter lies out as its projection: B of q over heads with wq, A's rank dimension whole.
+    assert param_spec((64, 16), ("embed", "lora_rank"), mesh) == P("fsdp", None)
+    assert param_spec((16, 128), ("lora_rank", "heads"), mesh) == P(None, "tensor")
+    assert param_spec((16, 128), ("lora_rank", "heads"), mesh_of(fsdp=8)) == P(None, "fsdp")
     assert param_spec((64, 8, 16), ("embed", "heads", "head_dim"), mesh_of(data=8)) == P(None, None, None)
 
 

@@ -46,6 +46,8 @@ HEAD_AXIS = "tensor"  # attention heads (and d_ff) are split over this one
 
 # Logical axis names (the ``axes`` metadata of the model's nnx.Params) split by the tensor axis.
 TENSOR_AXES = ("heads", "kv_heads", "ff")
+# ... and those fsdp never splits (param_spec says why).
+WHOLE_AXES = ("layers", "head_dim", "lora_rank")
 
 
 def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
@@ -78,15 +80,16 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str, ...] | None, mesh: Mesh)
     ``tensor`` takes the first dimension named heads, kv_heads or ff (when the
     axis size divides it: a GQA model with fewer kv heads than tensor devices
     keeps wk/wv whole on that axis); ``fsdp`` takes the largest remaining
-    dimension it divides, never a scanned model's ``layers`` nor a ``head_dim``.
-    Anything left is replicated.
+    dimension it divides, never a scanned model's ``layers``, a ``head_dim`` or
+    a LoRA adapter's ``lora_rank``. Anything left is replicated.
 
     Why not ``head_dim``: the activations never split a head's dimensions, and a
     parameter that does makes XLA's partitioner lay the queries and keys out to
     match. Qwen's q/k/v biases ``[heads, head_dim]`` and Qwen3's q/k norms
     ``[head_dim]`` did: Qwen3-8B's step under fsdp=8 planned 111.5 GB of
     temporaries a device, 30.8 GB with the norms whole (BENCHMARKS.md, "Memory
-    plans: the families and LoRA").
+    plans: the families and LoRA"). A rank dimension is the contraction between
+    an adapter's A and B, which the activations never split either.
     """
     spec: list[Any] = [None] * len(shape)
     tensor, fsdp = mesh.shape[HEAD_AXIS], mesh.shape["fsdp"]
@@ -97,8 +100,9 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str, ...] | None, mesh: Mesh)
                 break
     if fsdp > 1:
         # (a scanned model's leading "layers" axis is never sharded: each layer's slice shards as a block does)
-        free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % fsdp == 0
-                and (axes or ())[d:d + 1] not in (("layers",), ("head_dim",))]
+        names = (*(axes or ()), *[None] * len(shape))
+        free = [d for d in range(len(shape))
+                if spec[d] is None and shape[d] % fsdp == 0 and names[d] not in WHOLE_AXES]
         if free:
             spec[max(free, key=lambda d: shape[d])] = "fsdp"
     return P(*spec)

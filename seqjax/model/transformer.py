@@ -97,17 +97,23 @@ class Adapters(nnx.Module):
     ``delta(name, x)`` is what adapter ``name`` adds to its projection's output: x [..., in] -> [..., out]
     (0 when the projection has none). Their parameters are ``nnx.LoRAParam``: the train step differentiates
     those alone, and checkpoints hold only them.
+
+    ``shapes[name]`` is ``(in, out, in axis, out axis)``, the logical axes of the projection's own input and
+    output, which A and B take beside ``lora_rank``: the mesh lays an adapter out as its projection (B of q split
+    over heads where wq is), so its output adds to the projection's without moving it.
     """
 
-    def __init__(self, cfg: ModelConfig, shapes: dict[str, tuple[int, int]], *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, shapes: dict[str, tuple[int, int, str, str]], *, rngs: nnx.Rngs):
         lora = cfg.lora
         self.names = tuple(name for name in shapes if lora.rank and name in lora.targets)
         self.scale = lora.scale
         self.dropout = nnx.Dropout(lora.dropout)
         for name in self.names:
-            fan_in, fan_out = shapes[name]
-            setattr(self, name, nnx.LoRA(fan_in, lora.rank, fan_out, param_dtype=jnp.dtype(cfg.param_dtype),
-                                         rngs=rngs))
+            fan_in, fan_out, in_axis, out_axis = shapes[name]
+            module = nnx.LoRA(fan_in, lora.rank, fan_out, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+            module.lora_a.set_metadata(axes=(in_axis, "lora_rank"))
+            module.lora_b.set_metadata(axes=("lora_rank", out_axis))
+            setattr(self, name, module)
 
     def key(self, dropout_key: jax.Array | None) -> jax.Array | None:
         """The adapters' dropout key from the module's (None: no adapter dropout, or not training). A tag folded in
@@ -240,7 +246,8 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
             self.k_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
         self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
-        self.lora = Adapters(cfg, {"q": (d, h * dh), "k": (d, kv * dh), "v": (d, kv * dh), "o": (h * dh, d)},
+        self.lora = Adapters(cfg, {"q": (d, h * dh, "embed", "heads"), "k": (d, kv * dh, "embed", "kv_heads"),
+                                   "v": (d, kv * dh, "embed", "kv_heads"), "o": (h * dh, d, "heads", "embed")},
                              rngs=rngs)
         self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         self.backend = cfg.attention
@@ -324,7 +331,8 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers), pdt, ("ff", "embed"))
         self.dropout = nnx.Dropout(cfg.dropout)
         self.gelu = cfg.mlp_activation == "gelu_tanh"
-        self.lora = Adapters(cfg, {"gate": (d, f), "up": (d, f), "down": (f, d)}, rngs=rngs)
+        self.lora = Adapters(cfg, {"gate": (d, f, "embed", "ff"), "up": (d, f, "embed", "ff"),
+                                   "down": (f, d, "ff", "embed")}, rngs=rngs)
 
     def __call__(self, x, dropout_key: jax.Array | None = None):
         dt = x.dtype
