@@ -18,11 +18,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from seqjax.core.errors import ConfigError
 from seqjax.hf import folders as hf
 from seqjax.hf import peft
 from seqjax.model import build_model, split_params
 from seqjax.model.stacking import blocks_layout
 from seqjax.train.adapters import read_adapter
+from seqjax.train.init_from import locate
 from test_families import FAMILIES, SCRIPT, assert_close, hf_folder, logits
 
 REFERENCES = Path(__file__).parent / "data" / "lora"
@@ -93,3 +95,11 @@ def test_peft_loads_seqjaxs_exported_adapter_onto_the_hf_base_with_equal_logits(
     with torch.no_grad():
         expected = theirs(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
     assert_close(logits(model, ids), expected)
+
+
+def test_a_peft_folder_given_as_init_from_points_at_init_adapter(tmp_path):
+    """A PEFT adapter folder holds no model: train.init_from refuses it in one line naming the key that reads it."""
+    peft_folder("llama", tmp_path / "adapter")
+    with pytest.raises(ConfigError, match=r"train.init_from: .*adapter is a PEFT adapter folder \(adapter_config.json"
+                                          r"\), not a model; set train.init_adapter=.*adapter for its adapters"):
+        locate(str(tmp_path / "adapter"))

@@ -34,7 +34,7 @@ from seqjax.store.examples import find_chat_template
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.parser("python -m seqjax.export", "Write a trained model as a Hugging Face Llama folder (safetensors).")
+    p = cli.parser("python -m seqjax.export", "Write a trained model as a Hugging Face model folder (safetensors).")
     trained.add_checkpoint_args(p)
     p.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder whole")

@@ -1,4 +1,4 @@
-"""``python -m seqjax.import HF_DIR --out DIR [key=value ...]``: a Hugging Face Llama folder as a seqjax run folder.
+"""``python -m seqjax.import HF_DIR --out DIR [key=value ...]``: a Hugging Face model folder as a seqjax run folder.
 
 ``DIR`` then holds what a training run leaves for inference: ``config.yaml``
 (the model's fields, its tokenizer, raw WikiText-2 as the data), its own
@@ -34,7 +34,7 @@ from seqjax.train.resume import TOKENIZER_FILE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.parser("python -m seqjax.import", "Turn a Hugging Face Llama folder into a seqjax run folder.")
+    p = cli.parser("python -m seqjax.import", "Turn a Hugging Face model folder into a seqjax run folder.")
     # HF_DIR shares the positional slot with the key=value overrides (cli.parser's): the one word without '='
     p.usage = "%(prog)s HF_DIR --out DIR [key=value ...]"
     p.add_argument("--out", required=True, metavar="DIR", help="the run folder to write (new or empty)")

@@ -26,7 +26,7 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     where.add_argument("--run", metavar="DIR", help="a training run folder (its newest readable checkpoint)")
     where.add_argument("--checkpoint", metavar="DIR", help="one checkpoint folder")
     where.add_argument("--hf", metavar="DIR",
-                       help="a Hugging Face Llama folder (config.json, *.safetensors, tokenizer.json), read directly")
+                       help="a Hugging Face model folder (config.json, *.safetensors, tokenizer.json), read directly")
 
 
 def load_checkpoint(args: argparse.Namespace, overrides: Sequence[str] | None = None) -> tuple[Config, Any]:

@@ -32,6 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from seqjax.config.load import load_config
 from seqjax.config.tree import Config, ConfigError, ModelConfig
 from seqjax.hf import folders as hf
+from seqjax.hf.peft import ADAPTER_CONFIG
 from seqjax.model import BASE_PARAMS, build_model
 from seqjax.model.stacking import blocks_layout
 from seqjax.store.build import prepare
@@ -60,6 +61,9 @@ def locate(path: str) -> Source:
         raise ConfigError(
             f"train.init_from: {path!r} not found (expected a seqjax run or step folder, or an HF model folder)"
         )
+    if (where / ADAPTER_CONFIG).is_file() and not hf.is_hf_folder(where):
+        raise ConfigError(f"train.init_from: {path} is a PEFT adapter folder ({ADAPTER_CONFIG}), not a model; set "
+                          f"train.init_adapter={path} for its adapters and train.init_from to its base model")
     if hf.is_hf_folder(where):
         folder = hf.read_folder(where)
         tokenizer = {"path": str(folder.tokenizer), "special_tokens": [folder.eos_token], "bos_token": folder.bos_token,
@@ -68,7 +72,7 @@ def locate(path: str) -> Source:
     try:
         config_file, _, _ = inference.locate(where)
     except ConfigError as err:
-        raise ConfigError(f"train.init_from: {err}, or a Hugging Face Llama folder (config.json)") from None
+        raise ConfigError(f"train.init_from: {err}, or a Hugging Face model folder (config.json)") from None
     source = load_config(config_file)
     own = config_file.parent / TOKENIZER_FILE
     tokenizer = dataclasses.asdict(source.tokenizer)
