@@ -65,7 +65,7 @@ def reference(tiny_root) -> dict[int, float]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def compilation_cache(tmp_path_factory) -> Path:
+def compilation_cache(tmp_path_factory) -> Path | None:
     """One persistent XLA compilation cache for the whole test session: this process, the other pytest-xdist
     workers (their temp folders share a parent) and every CLI subprocess the tests start. The tests build the
     same tiny models again and again; a program compiled once is read back, not compiled again. Fresh per

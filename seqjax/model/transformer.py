@@ -98,21 +98,23 @@ class Adapters(nnx.Module):
     (0 when the projection has none). Their parameters are ``nnx.LoRAParam``: the train step differentiates
     those alone, and checkpoints hold only them.
 
-    ``shapes[name]`` is ``(in, out, in axis, out axis)``, the logical axes of the projection's own input and
-    output, which A and B take beside ``lora_rank``: the mesh lays an adapter out as its projection (B of q split
-    over heads where wq is), so its output adds to the projection's without moving it.
+    ``projections[name]`` is ``(weight, n)``: the projection's weight, whose first ``n`` dimensions are its input
+    (wo's [heads, head_dim]; the others' one). A reads the input flattened, B writes the output flattened, and
+    each takes the logical axis that leads its side of the weight beside ``lora_rank``: the mesh lays an adapter
+    out as its projection (B of q split over heads where wq is), so its output adds to the projection's in place.
     """
 
-    def __init__(self, cfg: ModelConfig, shapes: dict[str, tuple[int, int, str, str]], *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, projections: dict[str, tuple[nnx.Param, int]], *, rngs: nnx.Rngs):
         lora = cfg.lora
-        self.names = tuple(name for name in shapes if lora.rank and name in lora.targets)
+        self.names = tuple(name for name in projections if lora.rank and name in lora.targets)
         self.scale = lora.scale
         self.dropout = nnx.Dropout(lora.dropout)
         for name in self.names:
-            fan_in, fan_out, in_axis, out_axis = shapes[name]
-            module = nnx.LoRA(fan_in, lora.rank, fan_out, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
-            module.lora_a.set_metadata(axes=(in_axis, "lora_rank"))
-            module.lora_b.set_metadata(axes=("lora_rank", out_axis))
+            weight, n = projections[name]
+            module = nnx.LoRA(math.prod(weight.shape[:n]), lora.rank, math.prod(weight.shape[n:]),
+                              param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+            module.lora_a.set_metadata(axes=(weight.axes[0], "lora_rank"))
+            module.lora_b.set_metadata(axes=("lora_rank", weight.axes[n]))
             setattr(self, name, module)
 
     def key(self, dropout_key: jax.Array | None) -> jax.Array | None:
@@ -246,8 +248,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
             self.k_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
         self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
-        self.lora = Adapters(cfg, {"q": (d, h * dh, "embed", "heads"), "k": (d, kv * dh, "embed", "kv_heads"),
-                                   "v": (d, kv * dh, "embed", "kv_heads"), "o": (h * dh, d, "heads", "embed")},
+        self.lora = Adapters(cfg, {"q": (self.wq, 1), "k": (self.wk, 1), "v": (self.wv, 1), "o": (self.wo, 2)},
                              rngs=rngs)
         self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         self.backend = cfg.attention
@@ -331,8 +332,8 @@ class SwiGLU(nnx.Module):
         self.w_down = _param(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers), pdt, ("ff", "embed"))
         self.dropout = nnx.Dropout(cfg.dropout)
         self.gelu = cfg.mlp_activation == "gelu_tanh"
-        self.lora = Adapters(cfg, {"gate": (d, f, "embed", "ff"), "up": (d, f, "embed", "ff"),
-                                   "down": (f, d, "ff", "embed")}, rngs=rngs)
+        self.lora = Adapters(cfg, {"gate": (self.w_gate, 1), "up": (self.w_up, 1), "down": (self.w_down, 1)},
+                             rngs=rngs)
 
     def __call__(self, x, dropout_key: jax.Array | None = None):
         dt = x.dtype

@@ -70,9 +70,9 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     b, t, h, d = q.shape
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if interpret and xla_cpu_threads() < 1 + THREADS:
+    if interpret and (pool := xla_cpu_threads()) < 1 + THREADS:
         raise RuntimeError(f"mosaic_attention: interpret mode needs {1 + THREADS} XLA CPU threads and this process "
-                           f"has {xla_cpu_threads()} (it would hang); set PJRT_NPROC={2 + THREADS} before JAX starts")
+                           f"has {pool} (it would hang); set PJRT_NPROC={2 + THREADS} before JAX starts")
     if d not in HEAD_DIMS:
         raise ValueError(f"mosaic_attention: head_dim {d}, expected one of {HEAD_DIMS} (wgmma tiles)")
     allowed_dtypes = GPU_DTYPES + ((jnp.float32,) if interpret else ())
