@@ -16,9 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.model.attention import reference_attention, segment_mask
+from seqjax.model.attention import reference_attention
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata, full_blocks, visited_blocks
 from seqjax.model.kernels.flash import flash_attention
+from seqjax.model.mask import segment_mask
 
 SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
 

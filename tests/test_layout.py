@@ -163,3 +163,16 @@ def test_the_top_level_holds_packages_and_only_the_modules_python_m_names():
         imported = {name for _, name in imported_modules(module, sources[module], set(sources))}
         assert imported and all(name.startswith("seqjax.main.") for name in imported), (module, imported)
         assert len(sources[module].splitlines()) <= 10, module
+
+
+def test_the_kernels_never_import_the_dispatch_that_loads_them():
+    """attention.py loads each kernel by name (importlib, so a machine without Triton or Mosaic still runs the
+    model); the kernels take the mask and the input checks from seqjax.model.mask, below both: no circle."""
+    sources = package_sources()
+    from seqjax.model.attention import _KERNELS  # the importlib edges, which the AST walk above cannot see
+
+    for module, _ in _KERNELS.values():
+        assert module in sources, module
+        imported = {name for _, name in imported_modules(module, sources[module], set(sources))}
+        assert "seqjax.model.attention" not in imported, module
+        assert stage_of(module) == stage_of("seqjax.model.attention")

@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.model.attention import FULL, reference_attention
+from seqjax.model.attention import reference_attention
 from seqjax.model.kernels.block_ranges import block_metadata
 from seqjax.model.kernels.mosaic import BLOCK_SIZES, mosaic_attention
+from seqjax.model.mask import FULL
 from test_flash import assert_close, packed_batch, random_qkv
 
 

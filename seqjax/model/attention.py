@@ -1,11 +1,7 @@
-"""Segment-masked causal attention: the one mask definition (docs/design.md, contract 2) and the reference path.
+"""Segment-masked causal attention: the backends behind one function, and the reference path.
 
-Query i may attend to key j iff ``segment_ids[i] == segment_ids[j] != 0`` and
-``j <= i`` (index order inside a row), and, in a sliding-window layer of
-window w, ``i - j < w`` (the query and the w - 1 keys before it: Mistral's and
-Gemma 3's rule, transformers' ``sliding_window``). Everything that needs the
-mask (the reference attention, the kernels' tests, the loss tests, the KV-cache
-decode) calls :func:`segment_mask`; nothing else spells it out.
+The mask itself (contract 2) is :func:`seqjax.model.mask.segment_mask`, one
+module below this one, which the kernels import too.
 
 :func:`attention` is the one entry point the model calls; it checks shapes and
 dispatches to a backend (``model.attention``):
@@ -49,48 +45,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from seqjax.core.errors import ConfigError
+from seqjax.model.mask import check_attention_inputs, segment_mask
 from seqjax.model.sharding import BATCH_AXES, HEAD_AXIS
 
 log = logging.getLogger(__name__)
-
-
-def segment_mask(
-    q_segment_ids: jax.Array,
-    kv_segment_ids: jax.Array | None = None,
-    q_index: jax.Array | None = None,
-    kv_index: jax.Array | None = None,
-    window: int | jax.Array | None = None,
-) -> jax.Array:
-    """Boolean mask [B, Tq, Tk]: True where query i may attend to key j.
-
-    ``q_index``/``kv_index`` are the row indices of queries and keys ([B, Tq]
-    and [B, Tk], or broadcastable); by default queries and keys are the same
-    row, indexed 0..T-1. A KV-cache decode step passes the query's row index
-    so the same definition serves prefill and decode. ``window``: a sliding
-    layer's window (None: the whole segment); it may be traced (one scanned
-    layer body serving sliding and full layers, FULL standing for none).
-    """
-    if kv_segment_ids is None:
-        kv_segment_ids = q_segment_ids
-    tq, tk = q_segment_ids.shape[-1], kv_segment_ids.shape[-1]
-    if q_index is None:
-        q_index = jnp.arange(tq)[None, :]
-    if kv_index is None:
-        kv_index = jnp.arange(tk)[None, :]
-    return allowed(q_segment_ids[:, :, None], kv_segment_ids[:, None, :], q_index[:, :, None], kv_index[:, None, :],
-                   window)
-
-
-def allowed(q_segment, kv_segment, q_index, kv_index, window=None):
-    """Contract 2 elementwise, on operands already broadcast to one shape: the body of :func:`segment_mask`, which
-    a kernel calls on its own tiles (a Mosaic GPU tile's rows and columns come broadcast in its register layout)."""
-    ok = (q_segment == kv_segment) & (q_segment != 0) & (kv_index <= q_index)
-    return ok if window is None else ok & (q_index - kv_index < window)
-
-
-# A window no row reaches: how a layer attending to its whole segment is told apart from a sliding one where the
-# window is a traced per-layer value (under model.scan_layers).
-FULL = 2**30
 
 
 def reference_attention(
@@ -244,29 +202,6 @@ def _device_layout(q: jax.Array, k: jax.Array, segment_ids: jax.Array):
     if not rows and heads is None:
         return None
     return mesh, rows or None, heads
-
-
-def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
-    """Raise ValueError naming the argument and the expected shape/dtype, before any work."""
-    if q.ndim != 4:
-        raise ValueError(f"attention: q has shape {q.shape}, expected [batch, seq, heads, head_dim]")
-    b, t, h, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"attention: k has shape {k.shape} but v has {v.shape}; expected the same [B, T, Hkv, D]")
-    if k.ndim != 4 or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
-        raise ValueError(
-            f"attention: k/v have shape {k.shape}, expected [{b}, {t}, kv_heads, {d}] to match q {q.shape}"
-        )
-    if h % k.shape[2]:
-        raise ValueError(f"attention: {h} query heads is not a multiple of {k.shape[2]} key/value heads")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
-    if segment_ids.shape != (b, t):
-        raise ValueError(
-            f"attention: segment_ids has shape {segment_ids.shape}, expected [{b}, {t}] to match q {q.shape}"
-        )
-    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"attention: segment_ids dtype is {segment_ids.dtype}, expected an integer type")
 
 
 # The backends that honour a sliding window (contract 2). xla and cudnn run segment_mask itself; pallas skips the

@@ -52,9 +52,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from seqjax.config.tree import Config, ModelConfig, RopeScalingConfig
-from seqjax.model.attention import FULL, TILED, attention, masked_attention, resolve_backend, segment_mask
+from seqjax.model.attention import TILED, attention, masked_attention, resolve_backend
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata  # plain JAX; kernels lazy
+from seqjax.model.mask import FULL, segment_mask
 from seqjax.model.quant import weight
 from seqjax.model.remat import remat_block, remat_policy
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from seqjax.model.attention import FULL
+from seqjax.model.mask import FULL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ Three ``pallas_call`` passes joined by ``jax.custom_vjp``, in the FlashAttention
 
 Every loop visits only the ranges in :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`; tiles inside
 one document and below the diagonal (and inside a sliding layer's window) run without a mask, the edge tiles apply
-contract 2's :func:`seqjax.model.attention.segment_mask`, window included. Fully masked queries (segment 0) give
+contract 2's :func:`seqjax.model.mask.segment_mask`, window included. Fully masked queries (segment 0) give
 zero output and zero gradients.
 
 The kernels lower through Pallas's Triton backend on NVIDIA GPUs (``interpret=False``), and run in Pallas's
@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
 
-from seqjax.model.attention import check_attention_inputs, segment_mask
 from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, kernel_metadata, tiled_vjp, window_operand
+from seqjax.model.mask import check_attention_inputs, segment_mask
 
 # Why the fuser import above: jax registers the tracing-context flag ``pallas_fuser_disable_nested_fuse`` when
 # that module is first imported, which a pallas_call otherwise does lazily while it runs. The flag changes the

@@ -15,7 +15,7 @@ the H100's own machinery instead of through Triton:
 
 Every loop runs over :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`'s ranges ``(lo, full_lo, full_hi,
 hi)`` (per-tile metadata read as loop bounds): tiles outside a document (or a sliding window's band) are never
-loaded; inside ``[full_lo, full_hi)`` no mask is built; edge tiles apply :func:`seqjax.model.attention.allowed`,
+loaded; inside ``[full_lo, full_hi)`` no mask is built; edge tiles apply :func:`seqjax.model.mask.allowed`,
 contract 2's rule. Tiles are 64 x 64 (one warpgroup's wgmma M); D is 64 or 128.
 
 Shortcuts, stated: one consumer warpgroup (the bundled kernel ping-pongs two, which a GPU run should weigh);
@@ -43,8 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from seqjax.model.attention import allowed, check_attention_inputs
 from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, kernel_metadata, tiled_vjp, window_operand
+from seqjax.model.mask import allowed, check_attention_inputs
 
 BLOCK = MOSAIC_BLOCKS.block_q  # query and key tile rows, every pass: one warpgroup's wgmma M
 SLOTS = 2  # stages of the producer's shared-memory ring

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from seqjax.model.attention import check_attention_inputs
+from seqjax.model.mask import check_attention_inputs
 
 
 def splash_attention(
