@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from seqjax.config.data import PACKERS  # noqa: E402
 from seqjax.config.load import load_config
-from seqjax.config.tree import PACKERS  # noqa: E402
 from seqjax.data.sequences import HF_MAP_BATCH  # noqa: E402
 from seqjax.data.stats import epoch_stats  # noqa: E402
 from seqjax.store.build import prepare  # noqa: E402

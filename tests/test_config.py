@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from seqjax.config.load import all_keys, announce, load_config
 from seqjax.config.tree import Config, ConfigError
+from seqjax.data.strategies import check_config
 from seqjax.main import cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,11 +173,18 @@ def test_max_seq_len_follows_the_data_unless_set():
         load_config(CPU_CONFIG, ["model.max_seq_len=128", "eval.context=256"])
 
 
+def as_commands_load(path, overrides):
+    """The config as every command loads it: the tree's checks, then the strategy tables' rules."""
+    config = load_config(path, overrides)
+    check_config(config)
+    return config
+
+
 @pytest.mark.parametrize("packer", ["fill", "grain_concat_split"])
 def test_packers_that_cannot_cap_segments_refuse_max_segments_per_row(packer):
     with pytest.raises(ConfigError, match=f"data.max_segments_per_row: got 2, expected null: packer {packer}"):
-        load_config(None, ["data.strategy=pack", f"data.packer={packer}", "data.max_segments_per_row=2"])
-    load_config(None, ["data.strategy=window", f"data.packer={packer}", "data.max_segments_per_row=2"])  # not packing
+        as_commands_load(None, ["data.strategy=pack", f"data.packer={packer}", "data.max_segments_per_row=2"])
+    as_commands_load(None, ["data.strategy=window", f"data.packer={packer}", "data.max_segments_per_row=2"])
 
 
 def test_an_error_names_where_the_value_came_from_the_command_line_or_the_file(tmp_path):
@@ -210,7 +218,7 @@ def test_resume_changes_lists_exactly_the_changed_keys_each_with_its_kind(change
     import dataclasses
 
     from seqjax.config.diff import resume_changes
-    from seqjax.config.tree import RESUME_KINDS
+    from seqjax.config.fields import RESUME_KINDS
 
     current = Config()
     saved = current.to_dict()
@@ -256,11 +264,11 @@ def test_the_keys_that_change_the_batches_or_the_model_are_marked():
 ])
 def test_keys_a_strategy_or_corpus_would_ignore_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+        as_commands_load(None, overrides)
 
 
 @pytest.mark.parametrize("overrides", [["data.strategy=pack", "data.overlong=drop"],
                                        ["data.strategy=length_grouped", "data.overlong=truncate"],
                                        ["data.strategy=block", "data.overlong=split"]])
 def test_overlong_is_taken_where_it_is_applied(overrides):
-    load_config(None, overrides)
+    as_commands_load(None, overrides)

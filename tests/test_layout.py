@@ -176,3 +176,32 @@ def test_the_kernels_never_import_the_dispatch_that_loads_them():
         imported = {name for _, name in imported_modules(module, sources[module], set(sources))}
         assert "seqjax.model.attention" not in imported, module
         assert stage_of(module) == stage_of("seqjax.model.attention")
+
+
+def name_comparisons(source: str, attributes: tuple[str, ...]) -> list[int]:
+    """Lines comparing ``<x>.strategy`` / ``<x>.packer`` (or a bare ``packer``) with a literal name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        named = any((isinstance(s, ast.Attribute) and s.attr in attributes)
+                    or (isinstance(s, ast.Name) and s.id in attributes) for s in sides)
+        literal = any(isinstance(s, ast.Constant) and isinstance(s.value, str)
+                      or isinstance(s, (ast.Tuple, ast.List, ast.Set)) and s.elts
+                      and all(isinstance(e, ast.Constant) for e in s.elts) for s in sides)
+        if named and literal:
+            found.append(node.lineno)
+    return found
+
+
+def test_only_the_strategies_table_compares_strategy_or_packer_names():
+    """seqjax.data.strategies' docstring promises it: every other module asks its tables (a Strategy's or a
+    Packer's row) rather than test data.strategy or data.packer against a name."""
+    sources = package_sources()
+    offenders = {module: lines for module, source in sources.items()
+                 if module != "seqjax.data.strategies"
+                 and (lines := name_comparisons(source, ("strategy", "packer")))}
+    assert offenders == {}
+    planted = sources["seqjax.data.plan"] + '\n\ndef late(d):\n    return d.packer == "fill"\n'
+    assert name_comparisons(planted, ("strategy", "packer"))  # the check sees one

@@ -15,6 +15,7 @@ from seqjax.config.tree import ConfigError
 from seqjax.data.mixture import BLOCK_BATCHES, Schedule, shares
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.stats import mixture_stats
+from seqjax.data.strategies import check_config
 from seqjax.store.build import prepare
 from seqjax.store.reader import TokenStore
 from test_pipeline import CASES, IDS
@@ -119,5 +120,5 @@ def test_the_data_report_prints_the_realized_proportions(tmp_path):
 ])
 def test_bad_mixture_configs_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        check_config(load_config(None, overrides))  # (the strategies table's rules: every command runs them)
     assert message in str(err.value)

@@ -9,11 +9,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from seqjax.config.tree import PACKERS, keeps_documents_whole
+from seqjax.config.data import PACKERS
 from seqjax.core.errors import DataError
 from seqjax.data import strategies
 from seqjax.data.document_rows import bucket_lengths, length_grouped_order
-from seqjax.data.grain_packing import grain_packed
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from test_pipeline_helpers import assert_contract, config, epoch_batches, positional_store, predicted_counts, stores
@@ -194,15 +193,15 @@ WHOLE_CASES = [("pack", [f"data.packer={p}"]) for p in PACKERS] + [
 @FAST
 @given(lengths=st.lists(st.integers(1, 10), min_size=1, max_size=12), seq_len=st.integers(12, 16))
 def test_the_strategies_said_to_keep_documents_whole_never_cut_one(strategy, overrides, lengths, seq_len):
-    """keeps_documents_whole (config.tree) is the table instruction data is admitted by: a strategy it names puts
-    each document, EOT to closing token, in one segment; one it does not name is seen cutting some document."""
+    """keeps_documents_whole (the strategies table) is what admits instruction data: a strategy it names puts each
+    document, EOT to closing token, in one segment; one it does not name is seen cutting some document."""
     store = positional_store(lengths)
     cfg = config(strategy, seq_len, 2, *overrides, "data.pack_buffer=4")
     _, rows = epoch_segments(cfg, store)
     documents = {(int(a) - 1, int(b - a) + 1) for a, b in zip(store.doc_offsets[:-1], store.doc_offsets[1:])}
     cut = [segment for row in rows for segment in row if segment not in documents]
     d = cfg.data
-    if keeps_documents_whole(d.strategy, d.packer, d.break_mode):
+    if strategies.keeps_documents_whole(d):
         assert cut == []
 
 
@@ -210,7 +209,7 @@ def test_the_strategies_said_to_keep_documents_whole_never_cut_one(strategy, ove
 def test_the_strategies_not_said_to_keep_documents_whole_cut_them(strategy, overrides):
     store = positional_store([7, 7, 7, 7])
     cfg = config(strategy, 12, 2, *overrides)
-    assert not keeps_documents_whole(cfg.data.strategy, cfg.data.packer, cfg.data.break_mode)
+    assert not strategies.keeps_documents_whole(cfg.data)
     _, rows = epoch_segments(cfg, store)
     documents = {(int(a) - 1, int(b - a) + 1) for a, b in zip(store.doc_offsets[:-1], store.doc_offsets[1:])}
     assert any(segment not in documents for row in rows for segment in row)
@@ -226,9 +225,9 @@ def test_every_packers_epoch_holds_each_document_exactly_once_on_a_set_smaller_t
     store = positional_store(lengths)
     cfg = config("pack", 12, 2, f"data.packer={packer}", "data.overlong=split")
     if strategies.uses_grain_packer(cfg.data):
-        one = list(grain_packed(cfg, store, num_epochs=1))
-        before = sum(1 for _ in grain_packed(cfg, store, num_epochs=epoch)) if epoch else 0
-        per_epoch = list(grain_packed(cfg, store, num_epochs=epoch + 1))[before:]
+        one = list(strategies.grain_packed(cfg, store, num_epochs=1))
+        before = sum(1 for _ in strategies.grain_packed(cfg, store, num_epochs=epoch)) if epoch else 0
+        per_epoch = list(strategies.grain_packed(cfg, store, num_epochs=epoch + 1))[before:]
         assert len(per_epoch) == len(one)
         trained = list(islice(iter(build_pipeline(cfg, store)), before, before + len(per_epoch)))
         for got, expect in zip(trained, per_epoch):
@@ -261,3 +260,10 @@ def test_the_dump_names_each_slots_document_and_each_batchs_epoch(strategy, over
         want = np.searchsorted(offsets, b["targets"][named], "right") - 1
         np.testing.assert_array_equal(documents[k][:, : b["inputs"].shape[1]][named], want)
     assert epochs[0] == 0 and epochs[-1] == 2 and np.all(np.diff(epochs) >= 0)
+
+
+def test_every_strategy_and_packer_name_the_config_takes_has_a_row_in_the_tables():
+    from seqjax.config.data import STRATEGIES as STRATEGY_NAMES
+
+    assert list(strategies.STRATEGIES) == list(STRATEGY_NAMES)
+    assert list(strategies.PACKERS) == list(PACKERS)

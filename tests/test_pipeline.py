@@ -9,8 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from seqjax.config.tree import PACKERS, STRATEGIES, ConfigError
+from seqjax.config.data import PACKERS, STRATEGIES
+from seqjax.config.tree import ConfigError
 from seqjax.core.errors import DataError
+from seqjax.data import strategies
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.stats import epoch_stats
@@ -136,13 +138,11 @@ def test_process_shards_are_disjoint_slices_that_cover_each_global_batch(strateg
 
 @pytest.mark.parametrize("packer", ["grain_first_fit", "grain_best_fit", "grain_concat_split"])
 def test_grain_packers_shard_documents_disjointly(packer):
-    from seqjax.data.grain_packing import grain_packed
-
     store = positional_store([7, 1, 12, 30, 3, 9, 4, 15, 2, 22, 6, 11])
     cfg = config("pack", 8, 2, f"data.packer={packer}")
     seen = []
     for p in (0, 1):
-        batches = list(grain_packed(cfg, store, process_index=p, process_count=2, num_epochs=1))
+        batches = list(strategies.grain_packed(cfg, store, process_index=p, process_count=2, num_epochs=1))
         assert all(b["inputs"].shape == (1, 8) for b in batches)  # this process's half of each batch of 2
         found = [s for b in batches for s in assert_contract(b, store)]
         seen.append(predicted_counts(found, store.num_tokens))

@@ -15,6 +15,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from seqjax.config.load import load_config
+from seqjax.data import strategies
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.store.reader import TokenStore
@@ -61,9 +62,13 @@ def config(strategy: str, seq_len: int, batch_size: int, *overrides: str, seed: 
 def epoch_batches(cfg, store, epoch: int = 0, **shard) -> list[dict[str, np.ndarray]]:
     """The batches of one epoch, read through the public pipeline (epochs before it are skipped)."""
     pipeline = build_pipeline(cfg, store, **shard)  # validates first
-    planner = EpochPlanner(cfg, store)
-    skip = sum(planner.plan(e).num_batches for e in range(epoch))
-    n = planner.plan(epoch).num_batches
+    if strategies.uses_grain_packer(cfg.data):  # Grain's iterator: no row plan, so its epochs are counted
+        skip = sum(1 for _ in strategies.grain_packed(cfg, store, num_epochs=epoch, **shard)) if epoch else 0
+        n = sum(1 for _ in strategies.grain_packed(cfg, store, num_epochs=epoch + 1, **shard)) - skip
+    else:
+        planner = EpochPlanner(cfg, store)
+        skip = sum(planner.plan(e).num_batches for e in range(epoch))
+        n = planner.plan(epoch).num_batches
     return list(islice(iter(pipeline), skip, skip + n))
 
 

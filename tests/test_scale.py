@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jax.ad_checkpoint import print_saved_residuals
 
 from seqjax.config.load import load_config
-from seqjax.config.tree import REMAT_NAMES
+from seqjax.config.model import REMAT_NAMES
 from seqjax.core.errors import ConfigError
 from seqjax.model import build_model, split_params
 from seqjax.model.loss import chunked_lm_loss, lm_loss

@@ -26,20 +26,20 @@ from hypothesis import strategies as st
 
 from hf_support import CHAT_SPECIALS, CHAT_TEMPLATE, synthetic_chats, write_chat_llama_folder
 from seqjax.config.load import load_config
-from seqjax.config.tree import PACKERS as ALL_PACKERS
-from seqjax.config.tree import SPLITTING_PACKERS
 from seqjax.core.errors import ConfigError, CorpusError
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
+from seqjax.data.strategies import PACKERS as ALL_PACKERS
+from seqjax.data.strategies import check_config
 from seqjax.model.transformer import build_model
 from seqjax.store.build import prepare
 from seqjax.store.examples import ExampleSpec, char_spans_to_mask, chat_spans
 from seqjax.store.reader import TokenStore
 from seqjax.store.tokenizer import Tokenizer
 
-# every way of keeping examples whole (config.tree's table): each packer but the splitting ones, length grouping,
+# every way of keeping examples whole (the strategies table): each packer but the splitting ones, length grouping,
 # fairseq's complete_doc blocks
-PACKERS = [p for p in ALL_PACKERS if p not in SPLITTING_PACKERS]
+PACKERS = [name for name, row in ALL_PACKERS.items() if row.keeps_whole]
 LAYOUTS = [{"data.packer": p} for p in PACKERS] + [{"data.strategy": "length_grouped"},
                                                    {"data.strategy": "block", "data.break_mode": "complete_doc"}]
 
@@ -261,10 +261,10 @@ def test_instruction_formats_refuse_strategies_that_cut_examples_and_loss_on_the
     base = ["data.corpus=jsonl", "data.train_files=[a.jsonl]", "data.format=chat"]
     with pytest.raises(ConfigError, match=r"data.strategy: got 'window', expected pack \(any packer but fill or "
                                           r"grain_concat_split\), length_grouped or block"):
-        load_config(None, base + ["data.strategy=window"])
+        check_config(load_config(None, base + ["data.strategy=window"]))  # (as every command checks a config)
     for packer in ("fill", "grain_concat_split"):  # they fill every row by cutting examples at its end
         with pytest.raises(ConfigError, match=f"data.strategy: got 'pack' with packer='{packer}', expected pack"):
-            load_config(None, base + ["data.strategy=pack", f"data.packer={packer}"])
+            check_config(load_config(None, base + ["data.strategy=pack", f"data.packer={packer}"]))
     with pytest.raises(ConfigError, match="data.loss_on: got 'completion', expected one of auto, assistant"):
         load_config(None, base + ["data.loss_on=completion"])
     with pytest.raises(ConfigError, match="data.format: got 'chat' with corpus='text'"):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import islice
 
 import numpy as np
 import pytest
 
-from seqjax.data import document_rows
+from seqjax.data import strategies
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from test_pipeline import CASES, IDS
@@ -77,8 +78,9 @@ def test_resume_plans_one_window_and_replays_nothing(monkeypatch):
     monkeypatch.setattr(EpochPlanner, "_window_plan", lambda self, e, w: planned.append((e, w)) or window_plan(
         self, e, w))
     built = []
-    contract = document_rows.pack
-    monkeypatch.setattr(document_rows, "pack", lambda *a: built.append(1) or contract(*a))
+    packing = strategies.PACKERS["best_fit"]
+    monkeypatch.setitem(strategies.PACKERS, "best_fit",
+                        dataclasses.replace(packing, rows=lambda *a: built.append(1) or packing.rows(*a)))
     resumed = iter(build_pipeline(cfg, store))
     planned.clear()  # build_pipeline's own check planned the first window served
     resumed.set_state(state)

@@ -32,7 +32,8 @@ class ConfigChange:
         return f"{self.key}: {self.old!r} -> {self.new!r}"
 
 
-def _field_metadata(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, typing.Mapping[str, Any]]]:
+def _field_metadata(cls: type = Config,
+                    prefix: str = "") -> dict[str, tuple[Any, typing.Mapping[str, Any]]]:
     """Every dotted leaf key -> (its default, its field metadata)."""
     out = {}
     defaults = cls()

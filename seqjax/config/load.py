@@ -37,7 +37,8 @@ def _type_name(tp: Any) -> str:
 
 
 def _is_optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+    return typing.get_origin(tp) in (typing.Union,
+                                     types.UnionType) and type(None) in typing.get_args(tp)
 
 
 def _strip_optional(tp: Any) -> Any:
@@ -57,7 +58,8 @@ def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> An
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: got {value!r}, expected {_type_name(base)}")
         (item_tp,) = typing.get_args(base)
-        if dataclasses.is_dataclass(item_tp):  # data.sources: a list of mappings, each checked like a section
+        if dataclasses.is_dataclass(
+                item_tp):  # data.sources: a list of mappings, each checked like a section
             return [_build_item(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
         return [_coerce(f"{key}[{i}]", v, item_tp, {}) for i, v in enumerate(value)]
     if base is bool:
@@ -75,7 +77,8 @@ def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> An
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: got {value!r}, expected a number")
         value = float(value)
-        if not math.isfinite(value):  # YAML reads nan, .inf and 1e999 as floats; no key means anything by them
+        if not math.isfinite(
+                value):  # YAML reads nan, .inf and 1e999 as floats; no key means anything by them
             raise ConfigError(f"{key}: got {value!r}, expected a finite number")
     elif base is str:
         if not isinstance(value, str):
@@ -83,7 +86,8 @@ def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> An
     if "choices" in meta and value not in meta["choices"]:
         close = difflib.get_close_matches(str(value), list(map(str, meta["choices"])), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        raise ConfigError(f"{key}: got {value!r}, expected one of {', '.join(map(str, meta['choices']))}{hint}")
+        raise ConfigError(
+            f"{key}: got {value!r}, expected one of {', '.join(map(str, meta['choices']))}{hint}")
     if "min" in meta and value < meta["min"]:
         raise ConfigError(f"{key}: got {value!r}, expected at least {meta['min']}")
     if "max" in meta and value > meta["max"]:
@@ -188,23 +192,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in seen:
-                raise _DuplicateKey(f"key {key!r} is given twice (lines {seen[key]} and {line}); expected each key "
-                                    "once in its section (YAML would keep only the last)")
+                raise _DuplicateKey(
+                    f"key {key!r} is given twice (lines {seen[key]} and {line}); expected each key "
+                    "once in its section (YAML would keep only the last)")
             seen[key] = line
         return super().construct_mapping(node, deep)
 
 
-def load_config(
-    path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (), base: dict[str, Any] | None = None
-) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (),
+                base: dict[str, Any] | None = None) -> Config:
     """Read a YAML config (or start from ``base``, a tree of section mappings, or the defaults), apply dotted
     overrides, validate everything."""
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         path = Path(path)
         if path.is_dir():
-            raise ConfigError(f"config file {str(path)!r} is a folder (expected a YAML file such as "
-                              "configs/wikitext2_cpu.yaml)")
+            raise ConfigError(
+                f"config file {str(path)!r} is a folder (expected a YAML file such as "
+                "configs/wikitext2_cpu.yaml)")
         if not path.is_file():
             raise ConfigError(
                 f"config file {str(path)!r} not found (expected a YAML file such as configs/wikitext2_cpu.yaml)"
@@ -213,8 +218,9 @@ def load_config(
         try:
             text = raw.decode("utf-8-sig")  # (a UTF-8 byte-order mark is fine)
         except UnicodeDecodeError as err:
-            raise ConfigError(f"config file {str(path)!r}: byte {err.start} (0x{raw[err.start]:02x}) is not UTF-8; "
-                              "expected a UTF-8 YAML file (re-save it as UTF-8)") from None
+            raise ConfigError(
+                f"config file {str(path)!r}: byte {err.start} (0x{raw[err.start]:02x}) is not UTF-8; "
+                "expected a UTF-8 YAML file (re-save it as UTF-8)") from None
         try:
             loaded = yaml.load(text, Loader=_UniqueKeyLoader)
         except _DuplicateKey as err:
@@ -223,7 +229,9 @@ def load_config(
             one_line = " ".join(str(err).split())
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {one_line}") from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r}: expected a mapping of sections, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"config file {str(path)!r}: expected a mapping of sections, got {type(loaded).__name__}"
+            )
         tree = loaded or {}
     from_file = copy.deepcopy(tree)
     for item in overrides:
@@ -240,7 +248,8 @@ def load_config(
     return config
 
 
-def _source_of_error(path: Path | None, from_file: dict[str, Any], overrides: typing.Sequence[str]) -> str:
+def _source_of_error(path: Path | None, from_file: dict[str, Any],
+                     overrides: typing.Sequence[str]) -> str:
     """Where a bad value came from: " (in FILE)" or " (from the command line: key=value)".
 
     The file alone is built first; if it is fine, the overrides are applied
@@ -279,18 +288,20 @@ def describe_keys() -> str:
             tp = hints[f.name]
             if dataclasses.is_dataclass(tp):
                 if prefix:  # a section inside a section (model.rope_scaling) gets a line of its own
-                    lines.append(f"{prefix + f.name:32s} {'section':18s} {f.metadata.get('help', '')}")
+                    lines.append(
+                        f"{prefix + f.name:32s} {'section':18s} {f.metadata.get('help', '')}")
                 walk(tp, getattr(obj, f.name), prefix + f.name + ".")
                 continue
             if _item_dataclass(tp) is not None:
-                lines.append(f"{prefix + f.name:32s} {'list of mappings':18s} default=[]  {f.metadata.get('help', '')}")
+                lines.append(
+                    f"{prefix + f.name:32s} {'list of mappings':18s} default=[]  {f.metadata.get('help', '')}"
+                )
                 walk(_item_dataclass(tp), _item_dataclass(tp)(), f"{prefix}{f.name}[].")
                 continue
             allowed = f" one of {list(f.metadata['choices'])}" if "choices" in f.metadata else ""
             lines.append(
                 f"{prefix + f.name:32s} {_type_name(tp):18s} default={getattr(obj, f.name)!r}{allowed}  "
-                f"{f.metadata.get('help', '')}"
-            )
+                f"{f.metadata.get('help', '')}")
 
     walk(Config, defaults, "")
     return "\n".join(lines)

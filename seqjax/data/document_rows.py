@@ -22,8 +22,10 @@ padding unless rows of similar length share a batch, and a jitted step
 recompiles for every new width unless the widths come from a small fixed set.
 :func:`length_grouped_order` does both; :func:`bucket_lengths` is that set.
 
-:func:`packed_rows` and :func:`grouped_rows` are the two strategies' entries
-in the table of :mod:`seqjax.data.strategies`; both return :class:`Arranged`.
+:mod:`seqjax.data.strategies` holds the table that names them: each packer's
+row points at its function here (``greedy_rows``, ``best_fit_rows``, ...,
+all of one signature), and :func:`grouped_rows` is length_grouped's entry;
+both give :class:`Arranged` rows.
 """
 
 from __future__ import annotations
@@ -203,8 +205,10 @@ def rows_from_assignment(starts: np.ndarray, lengths: np.ndarray, row: np.ndarra
     return starts[order], lengths[order], row_ptr
 
 
-def fill(starts: np.ndarray, lengths: np.ndarray, capacity: int):
-    """Concatenate the items and cut every ``capacity`` predictions: rows are full, documents split across rows.
+def fill_rows(starts: np.ndarray, lengths: np.ndarray, capacity: int, max_segments: int | None = None,
+              open_rows: int = 0):
+    """``fill``: concatenate the items and cut every ``capacity`` predictions: rows are full, documents split across
+    rows (so no segment cap: ``max_segments`` must be None, as the strategies table checks).
 
     A continuation piece reads the token before it as context and restarts its
     positions as a new segment, so no prediction is lost; only the last row is short.
@@ -218,16 +222,26 @@ def fill(starts: np.ndarray, lengths: np.ndarray, capacity: int):
     return rows_from_assignment(piece_starts, np.diff(cuts) + 1, row)
 
 
-def pack(starts: np.ndarray, lengths: np.ndarray, packer: str, capacity: int, max_segments: int | None, open_rows: int):
-    """Dispatch to a seqjax packer; returns the CSR rows."""
-    weights = lengths - 1
-    if packer == "greedy":
-        return rows_from_assignment(starts, lengths, greedy(weights, capacity, max_segments))
-    if packer == "fill":
-        return fill(starts, lengths, capacity)
-    best = packer in ("best_fit", "best_fit_decreasing")
-    row, rank = fit(weights, capacity, max_segments, open_rows, best=best, decreasing=packer == "best_fit_decreasing")
-    return rows_from_assignment(starts, lengths, row, rank)
+def greedy_rows(starts: np.ndarray, lengths: np.ndarray, capacity: int, max_segments: int | None = None,
+                open_rows: int = 0):
+    """``greedy``: next-fit in the order given (:func:`greedy`); CSR rows."""
+    return rows_from_assignment(starts, lengths, greedy(lengths - 1, capacity, max_segments))
+
+
+def _fit_rows(best: bool, decreasing: bool):
+    def rows(starts: np.ndarray, lengths: np.ndarray, capacity: int, max_segments: int | None = None,
+             open_rows: int = 1024):
+        row, rank = fit(lengths - 1, capacity, max_segments, open_rows, best=best, decreasing=decreasing)
+        return rows_from_assignment(starts, lengths, row, rank)
+
+    name = f"{'best' if best else 'first'}_fit{'_decreasing' if decreasing else ''}"
+    rows.__doc__ = f"``{name}`` (:func:`fit`); CSR rows."
+    return rows
+
+
+first_fit_rows = _fit_rows(best=False, decreasing=False)
+best_fit_rows = _fit_rows(best=True, decreasing=False)
+best_fit_decreasing_rows = _fit_rows(best=True, decreasing=True)
 
 
 def bucket_lengths(config: Config) -> np.ndarray:
@@ -269,12 +283,6 @@ def length_grouped_order(
     rows = rows.reshape(n_batches, batch_size)[batch_order].reshape(-1)
     widths = buckets[np.searchsorted(buckets, batch_longest[batch_order])]
     return rows, widths
-
-
-def packed_rows(starts: np.ndarray, lengths: np.ndarray, config: Config) -> Arranged:
-    """``data.strategy=pack``: the items, in the order given, packed by ``data.packer``."""
-    d = config.data
-    return Arranged(*pack(starts, lengths, d.packer, d.seq_len, d.max_segments_per_row, d.pack_buffer))
 
 
 def grouped_rows(starts: np.ndarray, lengths: np.ndarray, config: Config) -> Arranged:

@@ -3,7 +3,8 @@
 They are Grain ``IterDataset`` transforms over a shuffled, repeated dataset of
 documents, so their batches are not a row plan and their iterator state is
 Grain's own. :func:`grain_packed` gives their rows the contract's field names
-(:func:`seqjax.data.contract.from_grain_packed`), and they are packed one epoch at a time.
+(:func:`seqjax.data.contract.from_grain_packed`), and they are packed one epoch at a time. Which of
+the three runs is the packers' table's choice (:data:`seqjax.data.strategies.PACKERS`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,29 @@ from seqjax.data.contract import from_grain_packed
 from seqjax.data.scored import target_weights
 from seqjax.store.reader import TokenStore
 
+# (an epoch's dataset of sequences, the fields' lengths, data config, seed) -> that dataset packed into rows
+GrainPacker = Callable[[grain.IterDataset, dict[str, int], Any, int], grain.IterDataset]
 
-def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, process_count: int = 1,
-                 num_epochs: int | None = None) -> grain.IterDataset:
+
+def first_fit_bins(ds: grain.IterDataset, lengths: dict[str, int], d, seed: int) -> grain.IterDataset:
+    """``grain_first_fit``: Grain's FirstFitPackIterDataset over ``data.pack_buffer`` bins."""
+    return gx.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=d.pack_buffer, seed=seed,
+                                      shuffle_bins=d.shuffle, max_sequences_per_bin=d.max_segments_per_row)
+
+
+def best_fit_bins(ds: grain.IterDataset, lengths: dict[str, int], d, seed: int) -> grain.IterDataset:
+    """``grain_best_fit``: Grain's BestFitPackIterDataset over ``data.pack_buffer`` bins."""
+    return gx.BestFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=d.pack_buffer, seed=seed,
+                                     shuffle_bins=d.shuffle, max_sequences_per_bin=d.max_segments_per_row)
+
+
+def concat_then_split(ds: grain.IterDataset, lengths: dict[str, int], d, seed: int) -> grain.IterDataset:
+    """``grain_concat_split``: Grain's ConcatThenSplitIterDataset (documents cut at each row's end)."""
+    return gx.ConcatThenSplitIterDataset(ds, length_struct=lengths)
+
+
+def grain_packed(config: Config, store: TokenStore, pack: GrainPacker, *, process_index: int = 0,
+                 process_count: int = 1, num_epochs: int | None = None) -> grain.IterDataset:
     """This process's batches (``data.batch_size // process_count`` rows) from Grain's FirstFit/BestFit/ConcatThenSplit.
 
     Each epoch is packed on its own: the packer sees that epoch's documents (after the overlong policy) once,
@@ -33,11 +54,11 @@ def grain_packed(config: Config, store: TokenStore, *, process_index: int = 0, p
     "epoch" held some documents twice and others not at all.
     """
     rows = config.data.batch_size // process_count
-    return _EpochByEpoch(lambda epoch: _packed_epoch(config, store, epoch, process_index, process_count)
+    return _EpochByEpoch(lambda epoch: _packed_epoch(config, store, pack, epoch, process_index, process_count)
                          .batch(rows, drop_remainder=False).map(functools.partial(_complete, rows=rows)), num_epochs)
 
 
-def _packed_epoch(config: Config, store: TokenStore, epoch: int, process_index: int,
+def _packed_epoch(config: Config, store: TokenStore, pack: GrainPacker, epoch: int, process_index: int,
                   process_count: int) -> grain.IterDataset:
     """One epoch's documents, in that epoch's shuffled order, through the configured Grain packer, as contract rows."""
     d = config.data
@@ -64,13 +85,7 @@ def _packed_epoch(config: Config, store: TokenStore, epoch: int, process_index: 
     length_struct = {"inputs": d.seq_len, "targets": d.seq_len}
     if scores is not None:
         length_struct["weights"] = d.seq_len
-    if d.packer == "grain_concat_split":
-        ds = gx.ConcatThenSplitIterDataset(ds, length_struct=length_struct)
-    else:
-        packer = gx.FirstFitPackIterDataset if d.packer == "grain_first_fit" else gx.BestFitPackIterDataset
-        ds = packer(ds, length_struct=length_struct, num_packing_bins=d.pack_buffer, seed=config.run.seed + epoch,
-                    shuffle_bins=d.shuffle, max_sequences_per_bin=d.max_segments_per_row)
-    return ds.map(from_grain_packed)
+    return pack(ds, length_struct, d, config.run.seed + epoch).map(from_grain_packed)
 
 
 def _complete(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:

@@ -30,7 +30,6 @@ import grain
 from seqjax.config.tree import Config, ConfigError
 from seqjax.data import epochs, mixture, strategies
 from seqjax.data.epochs import EpochsIterDataset
-from seqjax.data.grain_packing import grain_packed
 from seqjax.data.mixture import MixtureIterDataset
 from seqjax.data.plan import EpochPlanner
 from seqjax.store.reader import TokenStore
@@ -50,9 +49,10 @@ def build_pipeline(
     if not 0 <= process_index < process_count:
         raise ConfigError(f"process_index: got {process_index}, expected 0 <= index < process_count={process_count}")
     d = config.data
+    strategies.check_config(config)
     strategies.check(config, store, process_count)
     if strategies.uses_grain_packer(d):
-        return grain_packed(config, store, process_index=process_index, process_count=process_count)
+        return strategies.grain_packed(config, store, process_index=process_index, process_count=process_count)
     if store.sources:  # a mixture: every strategy runs within each source, the schedule shares out the rows
         planners = []
         for source in store.source_stores:

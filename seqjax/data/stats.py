@@ -15,7 +15,6 @@ from seqjax.config.tree import Config
 from seqjax.data import strategies
 from seqjax.data.document_rows import dropped_as_overlong
 from seqjax.data.epochs import EpochsIterDataset
-from seqjax.data.grain_packing import grain_packed
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner, RowPlan, coverage
 from seqjax.data.ragged import ragged_arange
@@ -34,7 +33,7 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
     d = config.data
     t0 = time.perf_counter()
     if strategies.uses_grain_packer(d):
-        batches = list(grain_packed(config, store, num_epochs=1))
+        batches = list(strategies.grain_packed(config, store, num_epochs=1))
         seconds = time.perf_counter() - t0
         segs = np.concatenate([b["segment_ids"].max(axis=1) for b in batches])
         real = int(sum((b["segment_ids"] > 0).sum() for b in batches))

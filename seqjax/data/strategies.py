@@ -25,6 +25,29 @@ keep their own order (continuity, or draws that are already random).
 never pad give full rows only (tests/test_pipeline.py checks it). "documents
 within overlong": under ``data.overlong=error`` no document may be longer than
 a row.
+
+``pack`` takes a packer (``data.packer``), the second table here:
+
+====================  ==============================  ===========  ====================
+packer                places each document            keeps whole  runs in
+====================  ==============================  ===========  ====================
+greedy                next-fit, in order              yes          the row plan
+first_fit             first open row it fits          yes          the row plan
+best_fit              the row it leaves fullest       yes          the row plan
+best_fit_decreasing   best-fit, longest first         yes          the row plan
+fill                  concatenated, cut every row     no           the row plan
+grain_first_fit       Grain's FirstFitPack            yes          Grain's iterator
+grain_best_fit        Grain's BestFitPack             yes          Grain's iterator
+grain_concat_split    Grain's ConcatThenSplit         no           Grain's iterator
+====================  ==============================  ===========  ====================
+
+Every rule that relates a strategy or a packer to another key is a property of
+these rows, checked by :func:`check_config` right after a command loads its
+config (``seqjax.main.cli.load``) and again by the pipeline: only the strategies
+that keep documents whole take instruction data; ``data.overlong`` applies where
+rows are whole documents; a packer that cuts documents cannot cap segments; a
+mixture needs a strategy whose rows can be moved between sources and a packer
+that runs in the row plan.
 """
 
 from __future__ import annotations
@@ -34,9 +57,9 @@ from typing import Callable
 
 import numpy as np
 
-from seqjax.config.tree import GRAIN_PACKERS, Config, ConfigError, DataConfig
+from seqjax.config.tree import Config, ConfigError, DataConfig
 from seqjax.core.errors import DataError, StoreError
-from seqjax.data import document_rows, sequences
+from seqjax.data import document_rows, grain_packing, sequences
 from seqjax.store.reader import TokenStore
 
 
@@ -76,10 +99,50 @@ class Strategy:
     # The arranged rows are shuffled again: packing puts like documents together; a grouped order is the point.
     reshuffle_rows: bool = False
     bucket_widths: Callable[[Config], np.ndarray] | None = None  # batches padded to these widths, not all to seq_len
+    mixable: bool = True  # False: its rows continue one another (sequential), so a mixture cannot move them
+    # Every document lands in one segment of one row (never cut at a row's end): what instruction data needs.
+    keeps_whole: Callable[[DataConfig], bool] = lambda d: False
+    cuts_overlong: str = "cuts a document longer than a row itself"  # what it does where data.overlong is refused
+    takes_packer: bool = False  # data.packer chooses how its documents are packed (the PACKERS table)
 
     @property
     def documents(self) -> bool:
+        """Rows are whole documents (pack, length_grouped): ``data.overlong`` says what becomes of a longer one."""
         return self.document_rows is not None
+
+
+@dataclass(frozen=True)
+class Packer:
+    """One ``data.packer`` of ``pack``: its function, and what the other keys may ask of it."""
+
+    rows: Callable | None  # seqjax's: (starts, lengths, capacity, max_segments, open_rows) -> CSR rows
+    grain: grain_packing.GrainPacker | None = None  # Grain's: its own iterator, not a row plan
+    splits: bool = False  # cuts documents at a row's end to fill every row: no segment cap, no instruction data
+    what: str = ""  # how a message names it
+
+    @property
+    def keeps_whole(self) -> bool:
+        return not self.splits
+
+
+PACKERS: dict[str, Packer] = {
+    "greedy": Packer(document_rows.greedy_rows),
+    "first_fit": Packer(document_rows.first_fit_rows),
+    "best_fit": Packer(document_rows.best_fit_rows),
+    "best_fit_decreasing": Packer(document_rows.best_fit_decreasing_rows),
+    "fill": Packer(document_rows.fill_rows, splits=True, what="fills every row"),
+    "grain_first_fit": Packer(None, grain=grain_packing.first_fit_bins),
+    "grain_best_fit": Packer(None, grain=grain_packing.best_fit_bins),
+    "grain_concat_split": Packer(None, grain=grain_packing.concat_then_split, splits=True,
+                                 what="is Grain's concat-then-split, which"),
+}
+
+
+def _packed_rows(starts: np.ndarray, lengths: np.ndarray, config: Config) -> document_rows.Arranged:
+    """``pack``: the items, in the order given, packed by ``data.packer``'s row of :data:`PACKERS`."""
+    d = config.data
+    return document_rows.Arranged(*PACKERS[d.packer].rows(starts, lengths, d.seq_len, d.max_segments_per_row,
+                                                          d.pack_buffer))
 
 
 def random_window_steps(store: TokenStore, d: DataConfig) -> int:
@@ -185,17 +248,62 @@ STRATEGIES: dict[str, Strategy] = {
     "window": Strategy(_window, None, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
     "random_offset": Strategy(_random_offset, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
     "sequential": Strategy(_sequential, None, per_epoch=True, shuffles=False, pads=False, needs_full_row=False,
-                           check_store=_streams_fit),
+                           check_store=_streams_fit, mixable=False),
     "random_window": Strategy(_random_window, None, per_epoch=True, shuffles=False, pads=False, needs_full_row=True,
                               has_epochs=False),
     "concat_chunk": Strategy(_concat_chunk, None, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
-    "block": Strategy(None, _block, per_epoch=False, shuffles=True, pads=True, needs_full_row=False),
+    "block": Strategy(None, _block, per_epoch=False, shuffles=True, pads=True, needs_full_row=False,
+                      keeps_whole=lambda d: d.break_mode == "complete_doc",
+                      cuts_overlong="cuts a document longer than a row itself into blocks, as fairseq does"),
     "pack": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False,
-                     document_rows=document_rows.packed_rows, reshuffle_rows=True),
+                     document_rows=_packed_rows, reshuffle_rows=True, takes_packer=True,
+                     keeps_whole=lambda d: PACKERS[d.packer].keeps_whole),
     "length_grouped": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False,
                                document_rows=document_rows.grouped_rows,
-                               bucket_widths=document_rows.bucket_lengths),
+                               bucket_widths=document_rows.bucket_lengths, keeps_whole=lambda d: True),
 }
+
+
+def keeps_documents_whole(d: DataConfig) -> bool:
+    """Whether every document (an instruction example) lands in one segment of one row, never cut at a row's end.
+
+    Only such strategies take instruction data. (``data.overlong=split`` still cuts an example longer than a row,
+    on purpose, into pieces that are each their own segment.)
+    """
+    return STRATEGIES[d.strategy].keeps_whole(d)
+
+
+def packer(d: DataConfig) -> Packer | None:
+    """``data.packer``'s row when the strategy packs, else None."""
+    return PACKERS[d.packer] if STRATEGIES[d.strategy].takes_packer else None
+
+
+def check_config(config: Config) -> None:
+    """The rules that tie ``data.strategy`` and ``data.packer`` to the other keys, as the tables state them; one
+    :class:`ConfigError` naming the key, the value and what is allowed. Every command runs it after loading."""
+    d = config.data
+    strategy, packing = STRATEGIES[d.strategy], packer(d)
+    if d.sources and packing is not None and packing.grain is not None:
+        raise ConfigError(f"data.packer: got {d.packer!r}, expected a seqjax packer with data.sources: Grain's packers "
+                          "run their own iterator, which a mixture cannot draw rows from")
+    if d.sources and not strategy.mixable:
+        raise ConfigError(f"data.strategy: got {d.strategy!r}, expected another strategy with data.sources: "
+                          f"{d.strategy}'s rows continue each other from batch to batch, and a mixture moves rows "
+                          "between sources")
+    if d.overlong != "split" and not strategy.documents:
+        whole = " and ".join(name for name, row in STRATEGIES.items() if row.documents)
+        raise ConfigError(f"data.overlong: got {d.overlong!r} with data.strategy={d.strategy}, expected split (the "
+                          f"default): only {whole} apply it; {d.strategy} {strategy.cuts_overlong}")
+    if packing is not None and packing.splits and d.max_segments_per_row is not None:
+        raise ConfigError(f"data.max_segments_per_row: got {d.max_segments_per_row}, expected null: packer "
+                          f"{d.packer} {packing.what} cannot cap segments; unset it or pick another packer")
+    instruction = {source.format for source in d.resolved_sources()} != {"text"}
+    if instruction and not keeps_documents_whole(d):
+        how = {"pack": f" with packer={d.packer!r}", "block": f" with break_mode={d.break_mode!r}"}
+        splitting = " or ".join(name for name, row in PACKERS.items() if row.splits)
+        raise ConfigError(f"data.strategy: got {d.strategy!r}{how.get(d.strategy, '')}, expected pack (any packer but "
+                          f"{splitting}), length_grouped or block with data.break_mode=complete_doc for instruction "
+                          "data: the others cut examples at arbitrary tokens")
 
 
 def batch_widths(config: Config) -> np.ndarray:
@@ -207,19 +315,28 @@ def batch_widths(config: Config) -> np.ndarray:
 def item_overlong(d: DataConfig) -> str:
     """The overlong policy applied to documents before they are arranged into rows.
 
-    ``pack`` with the ``fill`` packer splits overlong documents itself (across rows), so they reach it whole.
+    A packer that cuts documents at each row's end (``fill``) splits overlong documents itself (across rows), so
+    they reach it whole.
     """
-    return "keep" if d.strategy == "pack" and d.packer == "fill" and d.overlong == "split" else d.overlong
+    packing = packer(d)
+    return "keep" if packing is not None and packing.rows is not None and packing.splits and d.overlong == "split" \
+        else d.overlong
 
 
 def uses_grain_packer(d: DataConfig) -> bool:
     """``pack`` with one of Grain's packers: Grain's own iterator, not a row plan (seqjax.data.grain_packing)."""
-    return d.strategy == "pack" and d.packer in GRAIN_PACKERS
+    packing = packer(d)
+    return packing is not None and packing.grain is not None
+
+
+def grain_packed(config: Config, store: TokenStore, **kwargs):
+    """This process's batches from the Grain packer ``data.packer`` names (:func:`grain_packing.grain_packed`)."""
+    return grain_packing.grain_packed(config, store, PACKERS[config.data.packer].grain, **kwargs)
 
 
 def label(d: DataConfig) -> str:
     """The strategy as reports name it: ``window``, ``pack/best_fit``, ..."""
-    return f"pack/{d.packer}" if d.strategy == "pack" else d.strategy
+    return f"{d.strategy}/{d.packer}" if packer(d) is not None else d.strategy
 
 
 def check(config: Config, store: TokenStore, process_count: int = 1) -> None:

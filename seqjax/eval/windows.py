@@ -110,8 +110,8 @@ class EvalWindows:
         context each, so the sums are those of the windows scored one per row.
         """
         predicted = np.minimum(self.context, self.ends - self.starts)
-        order, _, row_ptr = document_rows.pack(np.arange(len(self)), predicted + 1, "best_fit_decreasing",
-                                               self.context, None, open_rows)
+        order, _, row_ptr = document_rows.best_fit_decreasing_rows(np.arange(len(self)), predicted + 1,
+                                                                   self.context, None, open_rows)
         return dataclasses.replace(self, starts=self.starts[order], ends=self.ends[order], lo=self.lo[order],
                                    hi=self.hi[order], row_ptr=row_ptr)
 

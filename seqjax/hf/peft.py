@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from seqjax.config.tree import LORA_TARGETS, LoraConfig, ModelConfig
+from seqjax.config.model import LORA_TARGETS, LoraConfig, ModelConfig
 from seqjax.core.errors import CheckpointError
 from seqjax.model.stacking import blocks_layout
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from seqjax.config.load import describe_keys, load_config
 from seqjax.config.tree import Config, ConfigError
 from seqjax.core.errors import SeqjaxError
+from seqjax.data.strategies import check_config
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -74,8 +75,11 @@ def run(p: argparse.ArgumentParser, argv: Sequence[str] | None, work: Callable[[
 
 
 def load(args: argparse.Namespace) -> Config:
-    """The validated config from ``--config`` and the overrides (a ConfigError inside :func:`run` exits 2)."""
-    return load_config(args.config, args.overrides)
+    """The validated config from ``--config`` and the overrides, with the strategy tables' rules checked too
+    (:func:`seqjax.data.strategies.check_config`); a ConfigError inside :func:`run` exits 2."""
+    config = load_config(args.config, args.overrides)
+    check_config(config)
+    return config
 
 
 def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Config]:

@@ -37,6 +37,7 @@ from seqjax.config.load import announce
 from seqjax.config.tree import DATA_DIR_ENV, Config, ConfigError
 from seqjax.core.files import json_text, write_text_atomic
 from seqjax.data.pipeline import build_pipeline
+from seqjax.data.strategies import check_config
 from seqjax.eval.evaluate import evaluate
 from seqjax.eval.windows import resolve_stride
 from seqjax.model import build_model, quant, sharding, split_params
@@ -174,6 +175,7 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     if config.eval.mode == "lm_eval":
         raise ConfigError("eval.mode: got 'lm_eval' for training's validation, expected blocks, sliding or documents "
                           "(lm_eval scores raw pages with python -m seqjax.eval after training)")
+    check_config(config)  # the strategy tables' rules, as every command checks them after loading
     check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
     initialize_distributed(config.dist)
     mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work

@@ -23,8 +23,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from seqjax.config.diff import ConfigChange, resume_changes
+from seqjax.config.fields import DATA
 from seqjax.config.load import load_config
-from seqjax.config.tree import DATA, Config, ConfigError
+from seqjax.config.tree import Config, ConfigError
 from seqjax.core.errors import CheckpointMismatchError
 from seqjax.data.pipeline import next_epoch_start
 

@@ -1,0 +1,290 @@
+"""``model.*``: the Transformer's shape, the families' settings, RoPE, dropout, backends, and ``model.lora`` (one
+section of the config tree, :mod:`seqjax.config.tree`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from seqjax.config.fields import MODEL, setting
+from seqjax.core.errors import ConfigError
+
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "cudnn_packed", "pallas", "pallas_mosaic", "splash")
+DTYPES = ("float32", "bfloat16")
+ROPE_SCALING_TYPES = ("none", "linear", "llama3")
+# The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's tables).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
+REMAT_POLICIES = ("none", "full", "dots", "names")
+# The activations a block tags with jax.ad_checkpoint.checkpoint_name (model.remat=names keeps those listed).
+REMAT_NAMES = ("q", "k", "v", "attn_out", "mlp_in", "mlp_out")
+
+
+@dataclass(frozen=True)  # hashable: the model keeps it as static graph data
+class RopeScalingConfig:
+    """How RoPE's frequencies are stretched for contexts longer than pretraining's (Llama 3.1's ``rope_scaling``).
+
+    ``llama3`` keeps the high frequencies (wavelengths below
+    original_max_position_embeddings / high_freq_factor), divides the low ones
+    (wavelengths above original_max_position_embeddings / low_freq_factor) by
+    ``factor``, and interpolates smoothly in between.
+    """
+
+    # Each of these changes the function the model computes, so a resume under a change is a model change.
+    type: str = setting(
+        "none",
+        "none: plain RoPE; linear: every frequency divided by factor (positions interpolated, "
+        "Gemma 3's global layers); llama3: Llama 3.1's frequency scaling",
+        choices=ROPE_SCALING_TYPES, resume=MODEL)
+    factor: float = setting(8.0, "linear, llama3: how much the (low) frequencies are slowed",
+                            min=1.0, resume=MODEL)
+    low_freq_factor: float = setting(
+        1.0, "llama3: wavelengths above original / low_freq_factor are divided by factor", min=0.0,
+        resume=MODEL)
+    high_freq_factor: float = setting(
+        4.0, "llama3: wavelengths below original / high_freq_factor are kept", min=0.0,
+        resume=MODEL)
+    original_max_position_embeddings: int = setting(8192,
+                                                    "llama3: the context length of pretraining",
+                                                    min=1, resume=MODEL)
+
+    def check(self) -> None:
+        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:  # (linear: factor only)
+            raise ConfigError(
+                f"model.rope_scaling.high_freq_factor: got {self.high_freq_factor}, expected more than "
+                f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (and both above 0)")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (``model.lora``): the base frozen, each target projection W used as W + (alpha / rank) B A.
+
+    Flax's ``nnx.LoRA`` holds each adapter (A ~ its default init, B = 0, so a new adapter changes nothing); only
+    the adapters get gradients, optimizer state and checkpoints. ``rank: 0`` is off (every weight trains).
+    """
+
+    rank: int = setting(0, "adapter rank r (0: no adapters, every weight trains)", min=0,
+                        resume=MODEL)
+    alpha: float = setting(16.0, "the adapters are scaled by alpha / rank (PEFT's lora_alpha)",
+                           min=0.0, resume=MODEL)
+    dropout: float = setting(
+        0.0, "training only: dropout on each adapter's input (PEFT's lora_dropout)", min=0.0)
+    targets: list[str] = setting(
+        list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down "
+        "(PEFT's target_modules q_proj, ..., down_proj)", resume=MODEL)
+    quantize: str = setting(
+        "none", "QLoRA: the frozen base's projections stored as int8 (per-channel scales) or nf4 "
+        "(4-bit NormalFloat, per-block scales), dequantized per layer in the forward pass",
+        choices=("none", "int8", "nf4"), resume=MODEL)
+    quant_block: int = setting(
+        64, "nf4: inputs per scale block of each output channel (bitsandbytes' 64)", min=2,
+        resume=MODEL)
+
+    def check(self) -> None:
+        unknown = [name for name in self.targets if name not in LORA_TARGETS]
+        if unknown:
+            raise ConfigError(
+                f"model.lora.targets: got {unknown[0]!r}, expected names from {list(LORA_TARGETS)}")
+        if self.rank and not self.targets:
+            raise ConfigError(
+                "model.lora.targets: got [], expected at least one projection with model.lora.rank > 0"
+            )
+        if not self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout: got {self.dropout}, expected a rate in [0, 1)")
+        if self.quantize != "none" and not self.rank:
+            raise ConfigError(
+                f"model.lora.quantize: got {self.quantize!r} with model.lora.rank 0; a quantized base "
+                "is frozen, so it needs adapters to train (set model.lora.rank)")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank if self.rank else 0.0
+
+
+@dataclass
+class ModelConfig:
+    # Keys that change parameter shapes are marked too, though a checkpoint's own array shapes are what decides.
+    vocab_size: int | None = setting(None,
+                                     "embedding rows (default: the tokenizer's vocabulary size)",
+                                     min=2, resume=MODEL)
+    d_model: int = setting(256, "residual width", min=1, resume=MODEL)
+    n_layers: int = setting(4, "Transformer blocks", min=1, resume=MODEL)
+    n_heads: int = setting(4, "query heads", min=1, resume=MODEL)
+    n_kv_heads: int | None = setting(
+        None, "key/value heads for grouped-query attention (default: n_heads)", min=1, resume=MODEL)
+    head_dim: int | None = setting(
+        None,
+        "width of each attention head (null: d_model // n_heads, filled in when the config is checked)",
+        min=2,
+        resume=MODEL,
+    )
+    d_ff: int = setting(768, "SwiGLU hidden width", min=1, resume=MODEL)
+    max_seq_len: int | None = setting(
+        None,
+        "longest sequence the model accepts (null: follows data.seq_len, or eval.context when longer)",
+        min=1,
+    )
+    rope_theta: float = setting(10000.0, "RoPE base frequency", min=1.0, resume=MODEL)
+    rope_scaling: RopeScalingConfig = field(
+        default_factory=RopeScalingConfig,
+        metadata={
+            "help": "RoPE frequency scaling for long contexts: model.rope_scaling.type and its factors"
+        },
+    )
+    norm_eps: float = setting(1e-6, "RMSNorm epsilon (Llama checkpoints use 1e-5)", min=0.0,
+                              resume=MODEL)
+    tie_embeddings: bool = setting(True, "share the token embedding with the LM head", resume=MODEL)
+    param_dtype: str = setting("float32", "parameter storage dtype", choices=DTYPES, resume=MODEL)
+    compute_dtype: str = setting("float32",
+                                 "matmul/activation dtype (softmax and loss stay float32)",
+                                 choices=DTYPES, resume=MODEL)
+    attention: str = setting("auto", "attention backend", choices=ATTENTION_BACKENDS)
+    remat: str = setting(
+        "none",
+        "rematerialization of each block in the backward pass: none (keep every activation), full (keep only each "
+        "block's input, recompute the rest), dots (keep the matmul outputs, recompute the rest), names (keep the "
+        "activations model.remat_names lists)",
+        choices=REMAT_POLICIES,
+    )
+    remat_names: list[str] = setting(
+        ["attn_out", "mlp_out"],
+        f"remat=names: the tagged activations to keep, of {list(REMAT_NAMES)}",
+    )
+    scan_layers: bool = setting(
+        False,
+        "stack the blocks' parameters [n_layers, ...] and run them under jax.lax.scan: compile time flat in "
+        "depth (checkpoints keep their layout; eval, export and init_from convert)", resume=MODEL)
+    loss_chunk_tokens: int = setting(
+        0,
+        "the LM head and the cross-entropy a chunk of this many tokens at a time, inside one custom VJP, so the "
+        "[tokens, vocab] float32 logits never exist whole (0: off, the plain path)",
+        min=0,
+    )
+    init_std: float = setting(
+        0.02, "std of the normal init (residual projections scaled by 1/sqrt(2*n_layers))", min=0.0)
+    dropout: float = setting(
+        0.0,
+        "training only: dropout rate on the token embeddings and on each residual branch (after attention, after "
+        "the MLP); evaluation and generation never drop",
+        min=0.0,
+    )
+    token_dropout: float = setting(
+        0.0,
+        "training only: the chance that a token's whole input embedding is zeroed (the rest scaled up), a data "
+        "augmentation that small corpora such as WikiText-2 need",
+        min=0.0,
+    )
+    attention_dropout: float = setting(
+        0.0,
+        "training only: dropout rate on the attention probabilities; only the xla backend has it (auto then picks "
+        "xla), so pallas, cudnn and splash refuse it",
+        min=0.0,
+    )
+
+    # What differs between the families (each false/null/empty is Llama's choice): seqjax.hf.families sets them
+    # from a config.json; a family is these settings, not a second model.
+    family: str = setting(
+        "llama",
+        "the Hugging Face architecture export writes (llama, mistral, qwen2, qwen3, gemma3); "
+        "the keys below say what the model computes", choices=FAMILIES, resume=MODEL)
+    qkv_bias: bool = setting(False, "biases on the q, k and v projections (Qwen2)", resume=MODEL)
+    qk_norm: bool = setting(False, "RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)",
+                            resume=MODEL)
+    norm_plus_one: bool = setting(
+        False, "every RMSNorm multiplies by (1 + scale), its scales starting at 0 (Gemma)",
+        resume=MODEL)
+    post_norms: bool = setting(
+        False, "each branch's output normed before the residual add: four norms a block (Gemma 3)",
+        resume=MODEL)
+    mlp_activation: str = setting(
+        "silu", "the gated MLP's activation: silu (SwiGLU), gelu_tanh (GeGLU, Gemma)",
+        choices=MLP_ACTIVATIONS, resume=MODEL)
+    embed_scale: bool = setting(False, "token embeddings multiplied by sqrt(d_model) (Gemma)",
+                                resume=MODEL)
+    query_pre_attn_scalar: float | None = setting(
+        None, "attention scores scaled by this ** -0.5 (null: head_dim ** -0.5; Gemma 3 sets it)",
+        min=1.0, resume=MODEL)
+    sliding_window: int | None = setting(
+        None,
+        "sliding layers: a query attends to the keys of its own segment at most this many positions back, "
+        "itself included (Mistral; Gemma 3's local layers)", min=1, resume=MODEL)
+    layer_types: list[str] = setting(
+        [],
+        "each layer's attention, full or sliding (Gemma 3 interleaves them); empty: every layer sliding when "
+        "model.sliding_window is set, else full", resume=MODEL)
+    lora: LoraConfig = field(
+        default_factory=LoraConfig, metadata={
+            "help": "low-rank adapters on the projections (model.lora.rank > 0): the base frozen, only adapters train"
+        })
+    rope_local_theta: float | None = setting(
+        None,
+        "RoPE base of the sliding layers, which take no rope_scaling (Gemma 3's rope_local_base_freq; null: "
+        "rope_theta and rope_scaling for every layer)", min=1.0, resume=MODEL)
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None where it attends to its whole segment."""
+        kind = self.layer_types[layer] if self.layer_types else (
+            "sliding" if self.sliding_window else "full")
+        return self.sliding_window if kind == "sliding" else None
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.window_of(i) is not None for i in range(self.n_layers))
+
+    def rope_of(self, layer: int) -> tuple[float, "RopeScalingConfig | None"]:
+        """(RoPE base, scaling) of layer ``layer``: a sliding layer's own base when rope_local_theta is set."""
+        if self.rope_local_theta is not None and self.window_of(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    def check(self) -> None:
+        """The model's own rules; a null ``head_dim`` becomes d_model // n_heads here, so every reader sees an int."""
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ConfigError(
+                f"model.layer_types: got {len(self.layer_types)} entries, expected one per layer "
+                f"(model.n_layers={self.n_layers}) or none")
+        bad = [kind for kind in self.layer_types if kind not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"model.layer_types: got {bad[0]!r}, expected full or sliding")
+        if "sliding" in self.layer_types and self.sliding_window is None:
+            raise ConfigError(
+                "model.layer_types: got sliding layers but model.sliding_window is null; expected a "
+                "window size")
+        for name in ("dropout", "token_dropout", "attention_dropout"):
+            rate = getattr(self, name)
+            if not rate < 1.0:
+                raise ConfigError(
+                    f"model.{name}: got {rate}, expected a rate in [0, 1) (1 would drop everything)"
+                )
+        if self.attention_dropout and self.attention not in ("xla", "auto"):
+            raise ConfigError(
+                f"model.attention_dropout: got {self.attention_dropout}, expected 0 with "
+                f"model.attention={self.attention!r}: only the xla backend drops attention probabilities "
+                "(set model.attention=xla, or model.attention_dropout=0 and use model.dropout)")
+        kv = self.kv_heads
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ConfigError(
+                    f"model.n_heads: got {self.n_heads}, expected a divisor of model.d_model={self.d_model} "
+                    "(or set model.head_dim)")
+            self.head_dim = self.d_model // self.n_heads
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"model.head_dim: got {self.head_dim}, expected an even number (RoPE rotates pairs)"
+            )
+        if self.n_heads % kv:
+            raise ConfigError(
+                f"model.n_kv_heads: got {kv}, expected a divisor of model.n_heads={self.n_heads}")
+        self.rope_scaling.check()
+        self.lora.check()
+        unknown = [name for name in self.remat_names if name not in REMAT_NAMES]
+        if unknown:
+            raise ConfigError(
+                f"model.remat_names: got {unknown[0]!r}, expected names from {list(REMAT_NAMES)}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads

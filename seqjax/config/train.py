@@ -1,0 +1,88 @@
+"""``train.*``: the optimizer, the schedule, checkpoints, validation and what a run starts from (one section of the
+config tree, :mod:`seqjax.config.tree`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from seqjax.config.fields import DATA, setting
+from seqjax.core.errors import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    steps: int = setting(1000, "optimizer steps", min=1)
+    lr: float = setting(3e-3, "peak learning rate", min=0.0)
+    schedule: str = setting("cosine", "learning-rate schedule after warmup",
+                            choices=("cosine", "constant", "linear"))
+    warmup_steps: int = setting(100, "linear warmup steps from 0 to lr", min=0)
+    min_lr_ratio: float = setting(0.1, "floor of the decay, as a fraction of lr", min=0.0, max=1.0)
+    b1: float = setting(0.9, "AdamW beta1", min=0.0, max=1.0)
+    b2: float = setting(0.95, "AdamW beta2", min=0.0, max=1.0)
+    eps: float = setting(1e-8, "AdamW epsilon", min=0.0)
+    weight_decay: float = setting(0.1, "decoupled weight decay (not on norms, biases)", min=0.0)
+    decay_embeddings: bool = setting(False, "apply weight decay to the embeddings too")
+    grad_clip: float | None = setting(
+        1.0, "global-norm clipping threshold (null or 0: off, as HF's max_grad_norm=0)", min=0.0)
+    grad_accum: int = setting(1, "micro-batches per step (data.batch_size is split between them)",
+                              min=1)
+    z_loss: float = setting(0.0, "z-loss coefficient on log(Z)^2", min=0.0)
+    loss_normalization: str = setting(
+        "tokens",
+        "tokens: every scored token of the global batch weighs the same; examples: each example's mean "
+        "loss weighs the same (weights 1/its scored tokens; docs/design.md, contract 3)",
+        choices=("tokens", "examples"), resume=DATA)
+    init_from: str | None = setting(
+        None,
+        "start from these weights: a seqjax run or checkpoint folder, or a Hugging Face folder of a family seqjax "
+        "loads (parameters only; optimizer, step and data position start fresh; the tokenizer comes with them). "
+        "Under model.lora they are the frozen base",
+    )
+    init_adapter: str | None = setting(
+        None, "model.lora: start the adapters from this PEFT adapter folder (adapter_config.json, "
+        "adapter_model.safetensors), to continue someone else's adapter on the base train.init_from names"
+    )
+    checkpoint_every: int = setting(200,
+                                    "steps between checkpoints (one is also written at the end)",
+                                    min=1)
+    keep_checkpoints: int = setting(3, "newest checkpoints kept", min=1)
+    async_checkpoint: bool = setting(True, "write checkpoints in the background")
+    eval_every: int = setting(200, "steps between validation runs (0: only at the end)", min=0)
+    eval_batches: int | None = setting(
+        None, "cap on validation batches during training (null: whole split)", min=1)
+    log_every: int = setting(
+        10,
+        "steps between fetches of the step metrics from the device (one host sync per window) and log lines",
+        min=1)
+    prefetch: int = setting(
+        2, "batches built and put on the device ahead of the step (0: build each in the loop)",
+        min=0)
+    profile: list[int] = setting(
+        [],
+        "a jax.profiler trace of [start_step, num_steps] into run.dir/profile (TensorBoard/Perfetto); [] = off"
+    )
+    nonfinite: str = setting("stop", "on a NaN/inf loss: stop the run, or skip the update",
+                             choices=("stop", "skip"))
+    allow_config_change: bool = setting(
+        False,
+        "resume a checkpoint under a config that changes the batches (data.*, run.seed, the tokenizer or the "
+        "training text) or the model's function (model.rope_theta, compute_dtype, ...); the data then restarts "
+        "at the next epoch boundary; parameter shapes must still match",
+    )
+    peak_flops: float | None = setting(
+        None,
+        "peak FLOP/s per device for MFU (null: a table of known accelerators; CPU: MFU is null)",
+        min=0.0)
+
+    def check(self) -> None:
+        if self.profile and (len(self.profile) != 2 or self.profile[0] < 1 or self.profile[1] < 1):
+            raise ConfigError(
+                f"train.profile: got {self.profile}, expected [start_step, num_steps], both >= 1, or []"
+            )
+        if self.warmup_steps > self.steps:
+            # A quick run needs only train.steps: the warmup shrinks to fit it, and says so once.
+            logging.getLogger(__name__).warning(
+                "train.warmup_steps: %d is longer than train.steps=%d; warming up over "
+                "all %d steps", self.warmup_steps, self.steps, self.steps)
+            self.warmup_steps = self.steps
