@@ -1,9 +1,12 @@
-"""Hugging Face checkpoints <-> seqjax, as data and pure functions: each family's config fields and tensor names.
+"""Hugging Face checkpoints <-> seqjax, as data and pure functions: the families' table, and the tensor names.
 
 One seqjax model computes every family: a family is a set of ``model.*`` settings
-(:class:`~seqjax.config.tree.ModelConfig`), read from ``config.json`` here and
-written back on export. What each family adds to Llama's block (RMSNorm,
-rotate-half RoPE, grouped-query attention, SwiGLU, no biases):
+(:class:`~seqjax.config.model.ModelConfig`), read from ``config.json`` here and
+written back on export. Each family is one :class:`Family` row of :data:`FAMILIES`:
+its architecture and model_type, the settings it computes with, the fields it
+refuses, its activation, its tied default, its RoPE and window readers, and what
+export writes. What each family adds to Llama's block (RMSNorm, rotate-half
+RoPE, grouped-query attention, SwiGLU, no biases):
 
 ==========  ======================  ========================================================================
 family      architecture            differences from Llama
@@ -47,45 +50,36 @@ refused naming the field and its value: another architecture, another
 activation, biases a family does not have, a RoPE type other than
 default/linear/llama3, logit soft-capping, bidirectional attention, attention
 dropout above 0, a quantization_config.
+
+**Adding a family** starts with a row of :data:`FAMILIES` (and its name in
+``seqjax.config.model.FAMILIES``, which ``model.family`` takes); docs/model.md
+says what else it may need: a new setting of the model when it computes
+something no flag covers, a tensor name :func:`block_tensors` lacks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from seqjax.config.tree import ModelConfig, RopeScalingConfig
+from seqjax.config.model import ModelConfig, RopeScalingConfig
 from seqjax.core.errors import CheckpointError, ConfigError
 from seqjax.model.stacking import blocks_layout
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
-FAMILY_OF = {arch: family for family, arch in ARCHITECTURES.items()}
-ARCHITECTURE = ARCHITECTURES["llama"]  # (what a config.json without "architectures" is taken to be)
-# The activation field each family names, and the value seqjax computes (its model.mlp_activation).
-_ACTIVATION = {"gemma3": ("hidden_activation", "gelu_pytorch_tanh", "gelu_tanh")}
-_SILU = ("hidden_act", "silu", "silu")
-# Fields whose value changes what the model computes, and the one value (or test) seqjax can compute, per family.
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+# Old checkpoints saved RoPE's frequency table as a buffer; seqjax recomputes it.
+_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+# Fields whose value changes what any family computes, and the one value seqjax computes.
 _MUST_BE_ALL = {
     "quantization_config": ((None,), "no quantization_config (unquantized weights)"),
     "final_logit_softcapping": ((None,), "null (no logit soft-capping)"),
     "attn_logit_softcapping": ((None,), "null (no attention soft-capping)"),
     "use_bidirectional_attention": ((False, None), "false (causal attention)"),
 }
-_MUST_BE = {
-    "llama": {"attention_bias": ((False, None), "false"), "mlp_bias": ((False, None), "false"),
-              "sliding_window": ((None,), "null (no sliding window)"),
-              "use_sliding_window": ((False, None), "false")},
-    "mistral": {}, "qwen2": {}, "qwen3": {"attention_bias": ((False, None), "false")},
-    "gemma3": {"attention_bias": ((False, None), "false")},
-}
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
-# Old checkpoints saved RoPE's frequency table as a buffer; seqjax recomputes it.
-_IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
-# Defaults of fields a family's config.json may leave out (transformers' own defaults).
-_TIED_BY_DEFAULT = {"gemma3": True}
+_NO_ATTENTION_BIAS = {"attention_bias": ((False, None), "false")}
+_KINDS = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
 def _layer(i: int) -> str:
@@ -96,11 +90,17 @@ def _refuse(source: str, field: str, value: Any, expected: str) -> CheckpointErr
     return CheckpointError(f"{source}: {field}: got {value!r}, expected {expected}; seqjax cannot compute it")
 
 
+# ---------------------------------------------------------------------------
+# Readers a row names: config.json -> model.* settings
+
+
 def _scaling(params: dict[str, Any] | None, field: str, source: str) -> tuple[float | None, RopeScalingConfig]:
     """(rope_theta if the section names one, scaling) of one RoPE section (rope_scaling / rope_parameters[...])."""
     theta = (params or {}).get("rope_theta")
     if not params:
         return theta, RopeScalingConfig()
+    if not isinstance(params, dict):
+        raise _refuse(source, field, params, "a mapping with rope_type and its factors")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise _refuse(source, f"{field}.rope_type", kind, f"one of {', '.join(ROPE_TYPES)}")
@@ -121,61 +121,188 @@ def _scaling(params: dict[str, Any] | None, field: str, source: str) -> tuple[fl
     )
 
 
-def _rope(hf: dict[str, Any], family: str, source: str) -> dict[str, Any]:
-    """rope_theta, rope_scaling and (Gemma 3) rope_local_theta, from transformers 4's rope_theta + rope_scaling
-    (+ rope_local_base_freq) or 5's rope_parameters (per layer type for Gemma 3)."""
+def one_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """rope_theta and rope_scaling, from transformers 4's rope_theta + rope_scaling or 5's rope_parameters."""
     params = hf.get("rope_parameters")
-    if family == "gemma3":
-        if params and "full_attention" in params:
-            full_theta, scaling = _scaling(params.get("full_attention"), "rope_parameters.full_attention", source)
-            local_theta, local = _scaling(params.get("sliding_attention"), "rope_parameters.sliding_attention",
-                                          source)
-        else:
-            full_theta, scaling = _scaling(hf.get("rope_scaling"), "rope_scaling", source)
-            local_theta, local = hf.get("rope_local_base_freq"), RopeScalingConfig()
-        if local.type != "none":
-            raise _refuse(source, "rope_parameters.sliding_attention.rope_type", local.type, "default")
-        return {"rope_theta": float(full_theta or hf.get("rope_theta") or 1e6), "rope_scaling": scaling,
-                "rope_local_theta": float(local_theta or 1e4)}
     field = "rope_parameters" if params is not None else "rope_scaling"
     theta, scaling = _scaling(params if params is not None else hf.get("rope_scaling"), field, source)
     return {"rope_theta": float(theta or hf.get("rope_theta") or 10000.0), "rope_scaling": scaling}
 
 
-def _windows(hf: dict[str, Any], family: str, n_layers: int, source: str) -> dict[str, Any]:
-    """model.sliding_window and model.layer_types, as each family's config.json says them."""
-    window = hf.get("sliding_window")
-    if family == "llama" or window is None:
+def rope_per_layer_type(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """Gemma 3: the full layers' rope_theta and rope_scaling, and the sliding layers' own base (rope_local_theta),
+    from 4's rope_scaling + rope_local_base_freq or 5's rope_parameters per layer type."""
+    params = hf.get("rope_parameters")
+    if params and "full_attention" in params:
+        full_theta, scaling = _scaling(params.get("full_attention"), "rope_parameters.full_attention", source)
+        local_theta, local = _scaling(params.get("sliding_attention"), "rope_parameters.sliding_attention", source)
+    else:
+        full_theta, scaling = _scaling(hf.get("rope_scaling"), "rope_scaling", source)
+        local_theta, local = hf.get("rope_local_base_freq"), RopeScalingConfig()
+    if local.type != "none":
+        raise _refuse(source, "rope_parameters.sliding_attention.rope_type", local.type, "default")
+    return {"rope_theta": float(full_theta or hf.get("rope_theta") or 1e6), "rope_scaling": scaling,
+            "rope_local_theta": float(local_theta or 1e4)}
+
+
+def no_windows(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    return {}
+
+
+def every_layer_slides(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """Mistral: sliding_window on every layer when set (or as layer_types says)."""
+    if hf.get("sliding_window") is None:
         return {}
-    if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
-        return {}  # (transformers ignores sliding_window then)
-    types = hf.get("layer_types")
-    if family == "mistral" and not types:
-        return {"sliding_window": int(window)}  # every layer
-    if not types:
-        if family == "gemma3":
-            pattern = int(hf.get("sliding_window_pattern", 6))
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
-        else:  # Qwen: the layers from max_window_layers on slide
-            first = int(hf.get("max_window_layers", n_layers))
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
-    kinds = {"sliding_attention": "sliding", "full_attention": "full"}
-    unknown = [t for t in types if t not in kinds]
+    return _typed_windows(hf, hf.get("layer_types"), source) if hf.get("layer_types") else \
+        {"sliding_window": int(hf["sliding_window"])}
+
+
+def qwen_windows(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """Qwen: sliding layers only under use_sliding_window (transformers ignores sliding_window otherwise), from
+    layer_types or, without it, the layers from max_window_layers on."""
+    if hf.get("sliding_window") is None or not hf.get("use_sliding_window"):
+        return {}
+    first = int(hf.get("max_window_layers", n_layers))
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    return _typed_windows(hf, types, source)
+
+
+def gemma_windows(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """Gemma 3: layer_types, or every sliding_window_pattern-th layer full (6: five local, one global)."""
+    if hf.get("sliding_window") is None:
+        return {}
+    pattern = int(hf.get("sliding_window_pattern", 6))
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                      for i in range(n_layers)]
+    return _typed_windows(hf, types, source)
+
+
+def _typed_windows(hf: dict[str, Any], types: list, source: str) -> dict[str, Any]:
+    unknown = [t for t in types if t not in _KINDS]
     if unknown:
         raise _refuse(source, "layer_types", unknown[0], "sliding_attention or full_attention")
-    return {"sliding_window": int(window), "layer_types": [kinds[t] for t in types]}
+    return {"sliding_window": int(hf["sliding_window"]), "layer_types": [_KINDS[t] for t in types]}
 
 
-def family_of(hf: dict[str, Any], source: str) -> str:
-    """The family of an HF ``config.json``, from its architectures (and model_type), or a CheckpointError."""
-    by_type = {model_type: ARCHITECTURES[family] for family, model_type in MODEL_TYPES.items()}
-    architectures = list(hf.get("architectures") or [by_type.get(hf.get("model_type"), ARCHITECTURE)])
-    if len(architectures) != 1 or architectures[0] not in FAMILY_OF:
+def activation(field: str, value: str, ours: str, *fallbacks: str) -> Callable[[dict[str, Any], str], str]:
+    """A reader of the MLP's activation: ``field`` (or, when absent, the first of ``fallbacks`` present) must be
+    ``value``, which seqjax computes as ``model.mlp_activation=ours``."""
+
+    def read(hf: dict[str, Any], source: str) -> str:
+        name = next((f for f in (field, *fallbacks) if f in hf), field)
+        if hf.get(name, value) != value:
+            raise _refuse(source, name, hf[name], repr(value))
+        return ours
+
+    read.field, read.value = field, value
+    return read
+
+
+# ---------------------------------------------------------------------------
+# Writers a row names: model.* settings -> config.json extras
+
+
+def _window_fields(cfg: ModelConfig) -> dict[str, Any]:
+    types = [("sliding_attention" if cfg.window_of(i) else "full_attention") for i in range(cfg.n_layers)]
+    return {"sliding_window": cfg.sliding_window, "layer_types": types}
+
+
+def _qwen_export(cfg: ModelConfig) -> dict[str, Any]:
+    return {**_window_fields(cfg), "use_sliding_window": cfg.sliding_window is not None,
+            "max_window_layers": cfg.n_layers}
+
+
+def _gemma_export(cfg: ModelConfig) -> dict[str, Any]:
+    scalar = cfg.query_pre_attn_scalar  # transformers 5 types it int (Gemma 3's are 256, 168, 144)
+    return {**_window_fields(cfg), "attention_bias": False,
+            "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+            "rope_local_base_freq": cfg.rope_local_theta, "final_logit_softcapping": None,
+            "attn_logit_softcapping": None}
+
+
+def _llama_can_export(cfg: ModelConfig) -> None:
+    if cfg.has_windows:
+        raise CheckpointError("model.sliding_window: LlamaForCausalLM has no sliding window; expected null, or "
+                              "model.family=mistral")
+
+
+def _mistral_can_export(cfg: ModelConfig) -> None:
+    if "full" in cfg.layer_types:
+        raise CheckpointError(f"model.layer_types: got {cfg.layer_types}, but MistralForCausalLM slides on every "
+                              "layer or none; expected [] (or another model.family)")
+
+
+# ---------------------------------------------------------------------------
+# The table
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything one Hugging Face family is to seqjax: how its ``config.json`` becomes ``model.*`` and back.
+
+    ``settings`` are the model's flags this family computes with (``qk_norm``, ``post_norms``, ...; Llama's choice
+    when absent); ``must_be`` maps each field whose other values seqjax cannot compute to (the values it can,
+    how a message says them); ``reads`` takes the family's own numeric fields (Gemma's query_pre_attn_scalar);
+    ``export`` and ``can_export`` write and check what only this family's config.json has. The tensor names
+    follow from the settings (:func:`block_tensors`).
+    """
+
+    name: str
+    architecture: str
+    model_type: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    must_be: dict[str, tuple[tuple, str]] = field(default_factory=dict)
+    activation: Callable[[dict[str, Any], str], str] = activation("hidden_act", "silu", "silu")
+    tied_default: bool = False
+    rope: Callable[[dict[str, Any], str], dict[str, Any]] = one_rope
+    windows: Callable[[dict[str, Any], int, str], dict[str, Any]] = no_windows
+    reads: Callable[[dict[str, Any]], dict[str, Any]] = lambda hf: {}
+    export: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
+    can_export: Callable[[ModelConfig], None] = lambda cfg: None
+
+
+FAMILIES: dict[str, Family] = {row.name: row for row in (
+    Family("llama", "LlamaForCausalLM", "llama",
+           must_be={**_NO_ATTENTION_BIAS, "mlp_bias": ((False, None), "false"),
+                    "sliding_window": ((None,), "null (no sliding window)"),
+                    "use_sliding_window": ((False, None), "false")},
+           export=lambda cfg: {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+           can_export=_llama_can_export),
+    Family("mistral", "MistralForCausalLM", "mistral", windows=every_layer_slides,
+           export=lambda cfg: {"sliding_window": cfg.sliding_window}, can_export=_mistral_can_export),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", settings={"qkv_bias": True}, windows=qwen_windows,
+           export=_qwen_export),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", settings={"qk_norm": True}, must_be=_NO_ATTENTION_BIAS,
+           windows=qwen_windows, export=lambda cfg: {**_qwen_export(cfg), "attention_bias": False}),
+    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text",
+           settings={"qk_norm": True, "norm_plus_one": True, "post_norms": True, "embed_scale": True},
+           must_be=_NO_ATTENTION_BIAS,
+           activation=activation("hidden_activation", "gelu_pytorch_tanh", "gelu_tanh", "hidden_act"),
+           tied_default=True, rope=rope_per_layer_type, windows=gemma_windows,
+           reads=lambda hf: {"query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256))},
+           export=_gemma_export),
+)}
+ARCHITECTURE = FAMILIES["llama"].architecture  # (what a config.json without "architectures" is taken to be)
+FAMILY_OF = {row.architecture: name for name, row in FAMILIES.items()}
+
+
+def family_of(hf: dict[str, Any], source: str) -> Family:
+    """The family row of an HF ``config.json``, from its architectures (and model_type), or a CheckpointError."""
+    by_type = {row.model_type: row.architecture for row in FAMILIES.values()}
+    architectures = hf.get("architectures") or [by_type.get(hf.get("model_type"), ARCHITECTURE)]
+    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in FAMILY_OF:
         raise _refuse(source, "architectures", architectures, f"one of {', '.join(map(repr, FAMILY_OF))}")
-    family = FAMILY_OF[architectures[0]]
-    if hf.get("model_type", MODEL_TYPES[family]) != MODEL_TYPES[family]:
-        raise _refuse(source, "model_type", hf.get("model_type"), repr(MODEL_TYPES[family]))
-    return family
+    row = FAMILIES[FAMILY_OF[architectures[0]]]
+    if hf.get("model_type", row.model_type) != row.model_type:
+        raise _refuse(source, "model_type", hf.get("model_type"), repr(row.model_type))
+    return row
+
+
+def _integer(hf: dict[str, Any], key: str, source: str, default: Any = None) -> int:
+    value = hf.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise CheckpointError(f"{source}: {key}: got {value!r}, expected a positive integer")
+    return value
 
 
 def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -185,44 +312,31 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     ``ModelConfig(family="qwen3", qk_norm=True, d_model=64, head_dim=32, ...)``; ``{"attention_bias": true}``
     on a Llama is refused with ``config.json: attention_bias: got True, expected false; seqjax cannot compute it``.
     """
-    family = family_of(hf, source)
-    for field, (allowed, expected) in {**_MUST_BE_ALL, **_MUST_BE[family]}.items():
-        if hf.get(field) not in allowed:
-            raise _refuse(source, field, hf.get(field), expected)
-    act_field, act_value, activation = _ACTIVATION.get(family, _SILU)
-    act = hf.get(act_field, act_value)
-    if family == "gemma3" and act_field not in hf and "hidden_act" in hf:
-        act = hf["hidden_act"]
-    if act != act_value:
-        raise _refuse(source, act_field, act, repr(act_value))
+    row = family_of(hf, source)
+    for field_name, (allowed, expected) in {**_MUST_BE_ALL, **row.must_be}.items():
+        if hf.get(field_name) not in allowed:
+            raise _refuse(source, field_name, hf.get(field_name), expected)
     if float(hf.get("attention_dropout") or 0.0) != 0.0:
         raise _refuse(source, "attention_dropout", hf["attention_dropout"], "0.0 (seqjax has no attention dropout)")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if not isinstance(hf.get(k), int)]
-    if missing:
-        raise CheckpointError(f"{source}: expected integer fields {', '.join(missing)}")
-    gemma = family == "gemma3"
+    n_layers = _integer(hf, "num_hidden_layers", source)
+    n_heads = _integer(hf, "num_attention_heads", source)
     cfg = ModelConfig(
-        family=family,
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"],
-        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=hf.get("head_dim"),
-        d_ff=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
+        family=row.name,
+        vocab_size=_integer(hf, "vocab_size", source),
+        d_model=_integer(hf, "hidden_size", source),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=_integer(hf, "num_key_value_heads", source, n_heads) if hf.get("num_key_value_heads") else n_heads,
+        head_dim=_integer(hf, "head_dim", source) if hf.get("head_dim") is not None else None,
+        d_ff=_integer(hf, "intermediate_size", source),
+        max_seq_len=_integer(hf, "max_position_embeddings", source, 2048),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", _TIED_BY_DEFAULT.get(family, False))),
-        qkv_bias=family == "qwen2",
-        qk_norm=family in ("qwen3", "gemma3"),
-        norm_plus_one=gemma,
-        post_norms=gemma,
-        mlp_activation=activation,
-        embed_scale=gemma,
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)) if gemma else None,
-        **_rope(hf, family, source),
-        **_windows(hf, family, hf["num_hidden_layers"], source),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", row.tied_default)),
+        mlp_activation=row.activation(hf, source),
+        **row.settings,
+        **row.reads(hf),
+        **row.rope(hf, source),
+        **row.windows(hf, n_layers, source),
     )
     try:
         cfg.check()
@@ -233,13 +347,8 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: str) -> dict[str, Any]:
     """The ``config.json`` of a ModelConfig, in its family's fields (transformers 4's spelling; 5 reads it too)."""
-    family = cfg.family
-    if family == "mistral" and "full" in cfg.layer_types:
-        raise CheckpointError(f"model.layer_types: got {cfg.layer_types}, but {ARCHITECTURES[family]} slides on "
-                              "every layer or none; expected [] (or another model.family)")
-    if family == "llama" and cfg.has_windows:
-        raise CheckpointError("model.sliding_window: LlamaForCausalLM has no sliding window; expected null, or "
-                              "model.family=mistral")
+    row = FAMILIES[cfg.family]
+    row.can_export(cfg)
     scaling = cfg.rope_scaling
     rope_scaling = None
     if scaling.type == "linear":
@@ -248,10 +357,9 @@ def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: 
         rope_scaling = {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
                         "high_freq_factor": scaling.high_freq_factor,
                         "original_max_position_embeddings": scaling.original_max_position_embeddings}
-    act_field, act_value, _ = _ACTIVATION.get(family, _SILU)
-    out = {
-        "architectures": [ARCHITECTURES[family]],
-        "model_type": MODEL_TYPES[family],
+    return {
+        "architectures": [row.architecture],
+        "model_type": row.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -259,7 +367,7 @@ def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: 
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim,
-        act_field: act_value,
+        row.activation.field: row.activation.value,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -271,25 +379,8 @@ def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: 
         "eos_token_id": eos_token_id,
         "use_cache": True,
         "torch_dtype": dtype,
+        **row.export(cfg),
     }
-    if family == "llama":
-        out |= {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
-    if family in ("qwen3", "gemma3"):
-        out["attention_bias"] = False
-    if family == "gemma3":
-        scalar = cfg.query_pre_attn_scalar  # transformers 5 types it int (Gemma 3's are 256, 168, 144)
-        out |= {"query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
-                "rope_local_base_freq": cfg.rope_local_theta,
-                "final_logit_softcapping": None, "attn_logit_softcapping": None}
-    kinds = {"sliding": "sliding_attention", "full": "full_attention"}
-    if family == "mistral":
-        out["sliding_window"] = cfg.sliding_window
-    elif family in ("qwen2", "qwen3", "gemma3"):
-        types = [kinds["sliding" if cfg.window_of(i) else "full"] for i in range(cfg.n_layers)]
-        out |= {"sliding_window": cfg.sliding_window, "layer_types": types}
-        if family != "gemma3":
-            out |= {"use_sliding_window": cfg.sliding_window is not None, "max_window_layers": cfg.n_layers}
-    return out
 
 
 # ---------------------------------------------------------------------------
@@ -405,7 +496,7 @@ def from_hf(read: Callable[[str], np.ndarray], names: Iterable[str], cfg: ModelC
     unexpected = sorted(names - set(expected) - ignored)
     if unexpected:
         raise CheckpointError(
-            f"{source}: holds tensors a {ARCHITECTURES[cfg.family]} with this config.json has no place for: "
+            f"{source}: holds tensors a {FAMILIES[cfg.family].architecture} with this config.json has no place for: "
             f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}"
         )
     missing = sorted(set(expected) - names)
