@@ -141,8 +141,8 @@ def step_time_per_example(store, seq_len: int, batch: int, batches: int, strateg
     from seqjax.config.load import load_config
     from seqjax.data.pipeline import build_pipeline
     from seqjax.model import sharding
-    from seqjax.train.loop import _sharded_model, _sharded_optimizer_state
     from seqjax.train.optimizer import build_optimizer
+    from seqjax.train.setup import sharded_model, sharded_optimizer_state
     from seqjax.train.step import make_train_step
 
     config = load_config(None, ["data.corpus=jsonl", "data.train_files=[x.jsonl]", "data.format=tokenized",
@@ -151,10 +151,10 @@ def step_time_per_example(store, seq_len: int, batch: int, batches: int, strateg
                                 f"model.vocab_size={store.vocab_size}", "model.attention=xla", "data.shuffle=false",
                                 *strategy])
     mesh = sharding.build_mesh(config.mesh)
-    placed = _sharded_model(config, mesh)  # (full fine-tuning: every parameter trains, nothing frozen)
+    placed = sharded_model(config, mesh)  # (full fine-tuning: every parameter trains, nothing frozen)
     graphdef, rest, params, param_shardings = placed.graphdef, placed.rest, placed.params, placed.param_shardings
     tx, _ = build_optimizer(config.train)
-    opt_state, _ = _sharded_optimizer_state(tx, params, param_shardings, sharding.replicated(mesh))
+    opt_state, _ = sharded_optimizer_state(tx, params, param_shardings, sharding.replicated(mesh))
     step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=1, z_loss=0.0))
     iterator = iter(build_pipeline(config, store))
     work = [next(iterator) for _ in range(batches)]

@@ -39,10 +39,10 @@ from seqjax.main.cli import parse, parser
 from seqjax.model import sharding
 from seqjax.store.build import prepare
 from seqjax.train.flops import flops_per_token, peak_flops_per_device
-from seqjax.train.loop import _sharded_model, _sharded_optimizer_state, _with_vocab
 from seqjax.train.metrics import peak_memory_bytes
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.prefetch import DevicePrefetch
+from seqjax.train.setup import sharded_model, sharded_optimizer_state, with_vocab
 from seqjax.train.step import make_train_step
 
 
@@ -65,13 +65,13 @@ def main(argv=None) -> dict:
     mesh = sharding.build_mesh(config.mesh)
     sharding.check_batch_fits(config.data.batch_size, mesh, tc.grad_accum)
     prepared = prepare(config, splits=("train",))
-    config = _with_vocab(config, prepared.tokenizer.vocab_size)
-    placed = _sharded_model(config, mesh)  # (full fine-tuning: every parameter trains, nothing frozen)
+    config = with_vocab(config, prepared.tokenizer.vocab_size)
+    placed = sharded_model(config, mesh)  # (full fine-tuning: every parameter trains, nothing frozen)
     graphdef, rest, params, param_shardings = placed.graphdef, placed.rest, placed.params, placed.param_shardings
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     tx, _ = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
-    opt_state, opt_shardings = _sharded_optimizer_state(tx, params, param_shardings, replicated)
+    opt_state, opt_shardings = sharded_optimizer_state(tx, params, param_shardings, replicated)
     batch_sharding = sharding.batch_sharding(mesh)
     step_fn = jax.jit(
         make_train_step(graphdef, rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss),

@@ -29,16 +29,9 @@ from seqjax.config.tree import SourceConfig
 from seqjax.core.errors import CorpusError
 from seqjax.main.generate import read_chats
 from seqjax.store.build import prepare
+from seqjax.store.chat import chat_prompt, chat_spans, chat_template, render_chat, twin_template
 from seqjax.store.corpus import file_records
-from seqjax.store.examples import (
-    ExampleSpec,
-    chat_prompt,
-    chat_spans,
-    chat_template,
-    encode_example,
-    render_chat,
-    twin_template,
-)
+from seqjax.store.examples import ExampleSpec, encode_example
 from seqjax.store.tokenizer import Tokenizer, train_tokenizer
 from test_families import hf_folder
 

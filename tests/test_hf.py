@@ -32,7 +32,7 @@ from seqjax.config.tree import ConfigError, RopeScalingConfig
 from seqjax.core.errors import CheckpointError
 from seqjax.hf import folders as hf
 from seqjax.model import build_model
-from seqjax.model.transformer import rope_frequencies
+from seqjax.model.rope import rope_frequencies
 
 T = 12
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64", "model.attention=xla",

@@ -8,6 +8,7 @@ ones before it, never from a later one):
     store     seqjax.store.*    text -> token store (corpora, tokenizer, instruction examples, shards)
     data      seqjax.data.*     token store -> contract batches (strategies, packers, plans, epochs)
     model     seqjax.model.*    the Transformer, attention, loss, decoding; the mesh and placement rules
+    objectives seqjax.objectives.* what a step's loss is (train.objective): the table and its rows
     hf        seqjax.hf.*       Hugging Face folders in and out
     eval      seqjax.eval.*     perplexity and the evaluation protocols
     train     seqjax.train.*    the step, the loop and its hooks, checkpoints, resume
@@ -39,6 +40,7 @@ STAGES = [
     ("store", ("seqjax.store",)),
     ("data", ("seqjax.data",)),
     ("model", ("seqjax.model",)),
+    ("objectives", ("seqjax.objectives",)),
     ("hf", ("seqjax.hf",)),
     ("eval", ("seqjax.eval",)),
     ("train", ("seqjax.train",)),
@@ -205,3 +207,15 @@ def test_only_the_strategies_table_compares_strategy_or_packer_names():
     assert offenders == {}
     planted = sources["seqjax.data.plan"] + '\n\ndef late(d):\n    return d.packer == "fill"\n'
     assert name_comparisons(planted, ("strategy", "packer"))  # the check sees one
+
+
+def test_training_and_evaluation_name_no_objective():
+    """The step, the loop and evaluation look objectives up in seqjax.objectives' table (or take its base types);
+    none imports an objective's own module, so a new objective is a row, not an edit to them."""
+    sources = package_sources()
+    rows = {m for m in sources if m.startswith("seqjax.objectives.") and m != "seqjax.objectives.base"}
+    assert rows, "the objectives' own modules"
+    for module, source in sources.items():
+        if module.startswith(("seqjax.train", "seqjax.eval", "seqjax.main")):
+            imported = {name for _, name in imported_modules(module, source, set(sources))}
+            assert not imported & rows, (module, imported & rows)

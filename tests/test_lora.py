@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 from seqjax.config.load import load_config
 from seqjax.hf import peft
 from seqjax.model import BASE_PARAMS, build_model, split_params
+from seqjax.model.assembly import fold
 from seqjax.model.loss import lm_loss
 from seqjax.model.sharding import param_spec
 from seqjax.train.optimizer import build_optimizer
@@ -97,7 +98,7 @@ def test_adapter_gradients_are_the_chain_rule_through_the_merged_weight():
         return lm_loss(logits(m, data), data["targets"], data["weights"])[0]
 
     grads = jax.grad(loss_of_adapters)(adapters)
-    merged = peft.merged(nnx.to_pure_dict(frozen), adapters, config.model)
+    merged = fold(nnx.to_pure_dict(frozen), adapters, config.model)
     plain = build_model(load_config(None, TINY), rngs=nnx.Rngs(0))
     pgraph, pparams, prest = nnx.split(plain, nnx.Param, ...)
 
@@ -144,7 +145,7 @@ def test_peft_round_trip_and_the_merged_weights_compute_the_lora_model():
     jax.tree.map(np.testing.assert_array_equal, back, adapters)
     lora_model = nnx.merge(graphdef, adapters, frozen, rest)
     plain = build_model(load_config(None, TINY), rngs=nnx.Rngs(0))
-    nnx.update(plain, peft.merged(nnx.to_pure_dict(frozen), adapters, config.model))
+    nnx.update(plain, fold(nnx.to_pure_dict(frozen), adapters, config.model))
     data = batch(5)
     np.testing.assert_allclose(np.asarray(logits(plain, data)), np.asarray(logits(lora_model, data)), rtol=1e-5,
                                atol=1e-5)

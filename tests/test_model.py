@@ -235,7 +235,7 @@ def test_out_of_vocabulary_ids_raise_eagerly_and_give_nan_under_jit(model, forwa
 
 
 def test_rope_rotates_by_the_batch_positions_and_scores_depend_on_distance_only():
-    from seqjax.model.transformer import rope, rope_frequencies
+    from seqjax.model.rope import rope, rope_frequencies
 
     # head_dim 2: one frequency (theta**0 = 1), so position p rotates (1, 0) to (cos p, sin p)
     x = jnp.tile(jnp.asarray([1.0, 0.0]), (1, 3, 1, 1))

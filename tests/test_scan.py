@@ -110,7 +110,7 @@ def test_a_step_of_the_scanned_model_equals_the_unrolled_one_in_a_train_run(tmp_
 
 
 def test_hf_export_of_a_scanned_model_is_per_layer_and_imports_back_either_way(tmp_path):
-    from seqjax.hf.families import from_hf, to_hf
+    from seqjax.hf.tensors import from_hf, to_hf
 
     unrolled, scanned = pair()
     tensors = to_hf(nnx.to_pure_dict(nnx.state(scanned, nnx.Param)), scanned.cfg)

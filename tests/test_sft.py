@@ -33,7 +33,8 @@ from seqjax.data.strategies import PACKERS as ALL_PACKERS
 from seqjax.data.strategies import check_config
 from seqjax.model.transformer import build_model
 from seqjax.store.build import prepare
-from seqjax.store.examples import ExampleSpec, char_spans_to_mask, chat_spans
+from seqjax.store.chat import chat_spans
+from seqjax.store.examples import ExampleSpec, char_spans_to_mask
 from seqjax.store.reader import TokenStore
 from seqjax.store.tokenizer import Tokenizer
 

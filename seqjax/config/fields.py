@@ -7,7 +7,8 @@ Every key may carry metadata:
 - ``min`` / ``max``: an inclusive numeric range;
 - ``help``: one line for the README and for error messages;
 - ``resume``: what changing the key does to a run resumed from a checkpoint
-  (:data:`RESUME_KINDS`); keys without it keep exact resume.
+  (:data:`RESUME_KINDS`); keys without it keep exact resume;
+- ``one_or_list``: a list key that also takes one value, as a list of one.
 """
 
 from __future__ import annotations

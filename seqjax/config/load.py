@@ -54,6 +54,8 @@ def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> An
         raise ConfigError(f"{key}: got null, expected {_type_name(tp)}")
     base = _strip_optional(tp) if _is_optional(tp) else tp
     origin = typing.get_origin(base)
+    if origin is list and meta.get("one_or_list") and not isinstance(value, (list, tuple)):
+        value = [value]  # train.objective=dpo: a list of one
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: got {value!r}, expected {_type_name(base)}")

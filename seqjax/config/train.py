@@ -33,6 +33,12 @@ class TrainConfig:
         "tokens: every scored token of the global batch weighs the same; examples: each example's mean "
         "loss weighs the same (weights 1/its scored tokens; docs/design.md, contract 3)",
         choices=("tokens", "examples"), resume=DATA)
+    objective: list[str] = setting(
+        ["lm"], "what the loss is (seqjax.objectives' table): lm, next-token cross-entropy; a list adds several, "
+        "weighted by train.objective_weights (TRL's loss_type=[...]); a single name is a list of one",
+        one_or_list=True)
+    objective_weights: list[float] = setting(
+        [], "the weight of each train.objective entry (TRL's loss_weights); []: 1 each")
     init_from: str | None = setting(
         None,
         "start from these weights: a seqjax run or checkpoint folder, or a Hugging Face folder of a family seqjax "

@@ -28,17 +28,20 @@ only renames their fields to the contract's.
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from dataclasses import dataclass
+from typing import Any, Callable, TypedDict
 
 import numpy as np
 
+from seqjax.core.errors import ConfigError
 from seqjax.data.ragged import exclusive_cumsum, positions_from_segments
 
 
 class Batch(TypedDict):
     """Contract 1 (docs/design.md): five arrays of shape [batch, seq_len], numpy on the host, jax.Array on devices.
 
-    Every strategy, evaluation and the train step take and give this one type.
+    Every strategy, evaluation and the train step take and give this one type. Some data (preference pairs,
+    images) add optional fields, each listed in :data:`OPTIONAL_FIELDS` with who reads it.
     """
 
     inputs: Any  # int32: the token ids the model reads
@@ -49,6 +52,41 @@ class Batch(TypedDict):
 
 
 FIELDS = tuple(Batch.__annotations__)  # ("inputs", "targets", "segment_ids", "positions", "weights")
+
+
+@dataclass(frozen=True)
+class OptionalField:
+    """A field a batch may carry beyond the five (docs/design.md, contract 1): its dtype, what it holds, which data
+    gives it, and who reads it (``model``: the forward pass takes it as a keyword argument; else the objectives
+    that name it in their ``reads``). Its leading axis is the batch's rows, so micro-batches cut it like the five."""
+
+    dtype: Any
+    meaning: str
+    given_by: str  # the data that gives it, as a message names it ("data.format=preference")
+    gives: Callable[[Any], bool]  # (data config) -> whether its batches carry the field
+    model: bool = False
+
+
+# The optional fields, by name: the one table of what may enter a batch besides the contract's five.
+OPTIONAL_FIELDS: dict[str, OptionalField] = {}
+
+
+def given_fields(d: Any) -> tuple[str, ...]:
+    """The fields batches of data config ``d`` carry: the five, and the optional ones it gives."""
+    return FIELDS + tuple(name for name, field in OPTIONAL_FIELDS.items() if field.gives(d))
+
+
+def check_reads(reads: tuple[str, ...], d: Any, who: str) -> None:
+    """Refuse, before any work, a reader (``who``: ``train.objective=dpo``) of a field data ``d`` does not give."""
+    for name in reads:
+        if name not in given_fields(d):
+            raise ConfigError(f"{who} reads the batch field {name!r}, which data.format={d.format} does not give; "
+                              f"expected {OPTIONAL_FIELDS[name].given_by}")
+
+
+def model_fields(batch: dict[str, Any]) -> dict[str, Any]:
+    """The optional fields of ``batch`` the model's forward pass reads, as its keyword arguments."""
+    return {name: batch[name] for name, field in OPTIONAL_FIELDS.items() if field.model and name in batch}
 
 
 def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row_of_piece: np.ndarray,

@@ -48,8 +48,9 @@ from seqjax.config.tree import Config, ModelConfig
 from seqjax.core.errors import CheckpointError
 from seqjax.core.files import write_text_atomic
 from seqjax.core.progress import progress_bar
-from seqjax.hf.families import from_hf as params_from_hf
-from seqjax.hf.families import hf_config, model_config_from_hf, to_hf
+from seqjax.hf.families import hf_config, model_config_from_hf
+from seqjax.hf.tensors import from_hf as params_from_hf
+from seqjax.hf.tensors import to_hf
 from seqjax.model import build_model
 from seqjax.model.stacking import blocks_layout
 from seqjax.model.transformer import TransformerLM

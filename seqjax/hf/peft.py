@@ -25,14 +25,14 @@ import numpy as np
 
 from seqjax.config.model import LORA_TARGETS, LoraConfig, ModelConfig
 from seqjax.core.errors import CheckpointError
+from seqjax.model.assembly import ADAPTED
 from seqjax.model.stacking import blocks_layout
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # seqjax target -> (HF module, seqjax module holding the adapter, the base weight it adapts)
-MODULES = {"q": ("self_attn.q_proj", "attn", "wq"), "k": ("self_attn.k_proj", "attn", "wk"),
-           "v": ("self_attn.v_proj", "attn", "wv"), "o": ("self_attn.o_proj", "attn", "wo"),
-           "gate": ("mlp.gate_proj", "mlp", "w_gate"), "up": ("mlp.up_proj", "mlp", "w_up"),
-           "down": ("mlp.down_proj", "mlp", "w_down")}
+HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+              "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+MODULES = {target: (HF_MODULES[target], *ADAPTED[target]) for target in HF_MODULES}
 TARGET_OF = {hf.rsplit(".", 1)[1]: target for target, (hf, _, _) in MODULES.items()}
 # adapter_config.json fields that change what an adapter computes, and the one value seqjax computes.
 _MUST_BE = {"peft_type": ("LORA",), "use_rslora": (False, None), "use_dora": (False, None),
@@ -101,20 +101,3 @@ def from_peft(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> 
             module = blocks.setdefault(i, {}).setdefault(MODULES[target][1], {}).setdefault("lora", {})
             module[target] = {"lora_a": np.asarray(a, np.float32).T, "lora_b": np.asarray(b, np.float32).T}
     return {"blocks": blocks}
-
-
-def merged(base: dict[str, Any], adapters: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    """The base parameters with every adapter folded in: W + (alpha / r) A B, in W's own layout (unrolled)."""
-    base = blocks_layout(base, stacked=False)
-    blocks = blocks_layout(adapters, stacked=False)["blocks"]
-    out = {**base, "blocks": {}}
-    for i in range(cfg.n_layers):
-        block = {k: dict(v) if isinstance(v, dict) else v for k, v in base["blocks"][i].items()}
-        for target in cfg.lora.targets:
-            _, module, weight = MODULES[target]
-            lora = blocks[i][module]["lora"][target]
-            w = np.asarray(block[module][weight])
-            delta = cfg.lora.scale * (np.asarray(lora["lora_a"], np.float64) @ np.asarray(lora["lora_b"], np.float64))
-            block[module][weight] = (w.astype(np.float64) + delta.reshape(w.shape)).astype(w.dtype)
-        out["blocks"][i] = block
-    return out

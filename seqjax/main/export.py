@@ -28,9 +28,8 @@ from seqjax.core.files import check_new_folder, staged_folder, write_text_atomic
 from seqjax.hf import folders as hf
 from seqjax.hf import peft
 from seqjax.main import cli, trained
-from seqjax.model import BASE_PARAMS
-from seqjax.model.quant import dequantize_base
-from seqjax.store.examples import find_chat_template
+from seqjax.model.assembly import full_weights
+from seqjax.store.chat import find_chat_template
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,15 +58,14 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     config, model = trained.load_checkpoint(args)
     # The run's own tokenizer, refused unless it is the one the checkpoint was trained with (as eval and generate do).
     tokenizer = trained.trained_tokenizer(args, config)
-    cfg = model.cfg  # a QLoRA base is written (or merged into) as read back: what the run computed with
-    params = dequantize_base(nnx.to_pure_dict(nnx.state(model, BASE_PARAMS)), cfg.param_dtype)
-    if cfg.lora.rank:
+    cfg = model.cfg
+    if cfg.lora.rank and not args.merge:
         adapters = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
-        if not args.merge:
-            return _export_adapter(args, cfg, adapters, config.train.init_from)
-        params, cfg = peft.merged(params, adapters, cfg), dataclasses.replace(cfg, lora=LoraConfig())
-    elif args.merge:
+        return _export_adapter(args, cfg, adapters, config.train.init_from)
+    if args.merge and not cfg.lora.rank:
         raise UsageError("--merge: the run has no adapters (model.lora.rank is 0); export it without --merge")
+    # a QLoRA base is written (or merged into) as read back: what the run computed with
+    params, cfg = full_weights(model), dataclasses.replace(cfg, lora=LoraConfig())
     with staged_folder(args.out, overwrite=args.overwrite) as staging:
         result = hf.write_folder(
             staging,

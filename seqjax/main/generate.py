@@ -38,7 +38,8 @@ from seqjax.core.files import json_text
 from seqjax.main import cli, trained
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
-from seqjax.store.examples import ExampleSpec, chat_prompt, chat_template, end_of_turn
+from seqjax.store.chat import chat_prompt, chat_template, end_of_turn
+from seqjax.store.spec import ExampleSpec
 
 log = logging.getLogger("seqjax.generate")  # the command's name, as its log lines show it
 

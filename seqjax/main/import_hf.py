@@ -28,7 +28,8 @@ from seqjax.core.files import check_new_folder, staged_folder, write_text_atomic
 from seqjax.hf import folders as hf
 from seqjax.main import cli
 from seqjax.model.stacking import blocks_layout
-from seqjax.store.examples import CHAT_TEMPLATE_FILE, find_chat_template
+from seqjax.store.chat import find_chat_template
+from seqjax.store.spec import CHAT_TEMPLATE_FILE
 from seqjax.train.checkpoint import save_params
 from seqjax.train.resume import TOKENIZER_FILE
 

@@ -21,8 +21,9 @@ from typing import Any, Sequence
 
 from seqjax.config.load import announce
 from seqjax.main import cli
-from seqjax.store.build import cache_dir, has_split, prepare
+from seqjax.store.build import cache_dir, prepare
 from seqjax.store.corpus import SPLITS
+from seqjax.store.splits import has_split
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -36,8 +36,9 @@ import numpy as np
 from flax import nnx
 
 from seqjax.core.errors import UsageError
+from seqjax.model.cache import KVCache
 from seqjax.model.sampling import SamplingConfig, sample
-from seqjax.model.transformer import KVCache, TransformerLM
+from seqjax.model.transformer import TransformerLM
 
 
 @jax.tree_util.register_dataclass

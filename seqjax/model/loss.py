@@ -1,9 +1,14 @@
-"""The LM loss (docs/design.md, contract 3): weights-weighted next-token cross-entropy in float32.
+"""The LM loss (docs/design.md, contract 3): weights-weighted next-token cross-entropy in float32, and the
+per-token log-probabilities and per-segment sums that sequence-level objectives (preference pairs) start from.
 
     loss = sum(weights * nll) / sum(weights)
 
 The sums come back too, because perplexity and gradient accumulation need
 them un-divided: exp(total nll_sum / total weight_sum), never a mean of means.
+
+:func:`token_logprobs` (and :func:`chunked_token_logprobs`, its chunked twin)
+give log p(target) per token; :func:`segment_sums` adds them up per segment of
+a packed row: a sequence's log-probability, however the row is packed.
 """
 
 from __future__ import annotations
@@ -156,3 +161,80 @@ def _chunked_sums_bwd(residuals, cotangents):
 
 
 _chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, scored: jax.Array) -> jax.Array:
+    """log p(targets) [B, T], float32, from ``logits`` [B, T, V]; 0 where ``scored`` is False (never read there).
+
+    The same arithmetic as :func:`lm_loss` (a token's log-probability is minus its nll).
+    """
+    return -_token_nll(logits, targets, scored.astype(jnp.float32))[0]
+
+
+def chunked_token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, scored: jax.Array, *,
+                           chunk_tokens: int) -> jax.Array:
+    """:func:`token_logprobs` of ``hidden`` [B, T, D] @ ``head`` [D, V], a chunk of tokens at a time: the
+    [B*T, V] logits never exist whole, in the forward pass or (a custom VJP) the backward one."""
+    b, t, d = hidden.shape
+    if targets.shape != (b, t) or scored.shape != (b, t) or head.shape[0] != d:
+        raise ValueError(f"chunked_token_logprobs: hidden {hidden.shape}, head {head.shape}, targets "
+                         f"{targets.shape}, scored {scored.shape}; expected [B, T, D], [D, V], [B, T], [B, T]")
+    n = b * t
+    chunk = max(1, min(chunk_tokens, n))
+    pad = -n % chunk
+    x = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, chunk, d)
+    ids = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
+    w = jnp.pad(scored.astype(jnp.float32).reshape(n), (0, pad)).reshape(-1, chunk)
+    return _chunked_logprobs(x, head.astype(hidden.dtype), ids, w).reshape(-1)[:n].reshape(b, t)
+
+
+@jax.custom_vjp
+def _chunked_logprobs(x, head, ids, w):
+    """log p(ids) [N/C, C] for chunks x [N/C, C, D] (0 where w is 0)."""
+    return _chunked_logprobs_fwd(x, head, ids, w)[0]
+
+
+def _chunked_logprobs_fwd(x, head, ids, w):
+    def body(_, chunk):
+        xc, idc, wc = chunk
+        log_z, target = _chunk_stats(xc, head, idc, wc)
+        return None, (jnp.where(wc != 0, target - log_z, 0.0), log_z)
+
+    _, (logp, log_z) = jax.lax.scan(body, None, (x, ids, w))
+    return logp, (x, head, ids, w, log_z)
+
+
+def _chunked_logprobs_bwd(residuals, g):
+    x, head, ids, w, log_z = residuals
+
+    def body(dhead, chunk):
+        xc, idc, wc, lzc, gc = chunk
+        logits = jnp.einsum("cd,dv->cv", xc, head, preferred_element_type=jnp.float32)
+        probs = jnp.exp(logits - lzc[:, None])
+        onehot = jax.nn.one_hot(jnp.where(wc != 0, idc, -1), logits.shape[-1], dtype=jnp.float32)
+        # d log p(t) / d logits = onehot - p, on scored tokens only
+        dlogits = jnp.where((wc != 0)[:, None], gc[:, None] * (onehot - probs), 0.0).astype(xc.dtype)
+        dx = jnp.einsum("cv,dv->cd", dlogits, head, preferred_element_type=jnp.float32).astype(xc.dtype)
+        dhead = dhead + jnp.einsum("cd,cv->dv", xc, dlogits, preferred_element_type=jnp.float32)
+        return dhead, dx
+
+    dhead, dx = jax.lax.scan(body, jnp.zeros(head.shape, jnp.float32), (x, ids, w, log_z, g))
+    return dx, dhead.astype(head.dtype), None, None
+
+
+_chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
+
+
+def segment_sums(values: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
+    """Per-segment sums [B, S] of ``values`` [B, T]: column s - 1 adds the entries of segment id s (1..S) of each
+    row; segment 0 (padding) and ids above S are dropped. The one reduction every sequence-level objective shares:
+    a packed row's sums equal each sequence's sum computed alone.
+
+    >>> segment_sums(jnp.array([[1., 2., 3., 0.]]), jnp.array([[1, 1, 2, 0]]), 2)
+    Array([[3., 3.]], dtype=float32)
+    """
+    b = values.shape[0]
+    ids = jnp.where((segment_ids > 0) & (segment_ids <= num_segments), segment_ids - 1, num_segments)
+    flat = (jnp.arange(b)[:, None] * (num_segments + 1) + ids).reshape(-1)
+    sums = jax.ops.segment_sum(values.reshape(-1), flat, num_segments=b * (num_segments + 1))
+    return sums.reshape(b, num_segments + 1)[:, :num_segments]

@@ -51,13 +51,16 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from seqjax.config.tree import Config, ModelConfig, RopeScalingConfig
+from seqjax.config.tree import Config, ModelConfig
 from seqjax.model.attention import TILED, attention, masked_attention, resolve_backend
+from seqjax.model.cache import KVCache, LayerCache
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata  # plain JAX; kernels lazy
+from seqjax.model.lora import Adapters
 from seqjax.model.mask import FULL, segment_mask
 from seqjax.model.quant import weight
 from seqjax.model.remat import remat_block, remat_policy
+from seqjax.model.rope import rope, rope_frequencies
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype, axes: tuple[str, ...]) -> nnx.Param:
@@ -72,67 +75,6 @@ def _keys(key: jax.Array | None, n: int) -> tuple[jax.Array | None, ...]:
 def _drop(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Array:
     """``x`` through a dropout layer: masked with ``key`` (training), unchanged without one."""
     return layer(x, deterministic=key is None, rngs=key)
-
-
-LORA_STREAM = 0x6C6F7261  # "lora"
-# The base model's parameters: every nnx.Param but the adapters (nnx.LoRAParam, a Param subclass).
-BASE_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
-
-
-def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None, nnx.State]:
-    """(graphdef, the parameters that train, the frozen base or None, the rest of the state).
-
-    Without adapters every parameter trains (no frozen part); with ``model.lora`` only the adapters do, and the
-    base rides along frozen. ``nnx.merge(graphdef, trained, *([frozen] if frozen else []), rest)`` rebuilds it.
-    """
-    if model.cfg.lora.rank:
-        return nnx.split(model, nnx.LoRAParam, BASE_PARAMS, ...)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return graphdef, params, None, rest
-
-
-class Adapters(nnx.Module):
-    """``model.lora``'s low-rank adapters of one module's projections: flax's ``nnx.LoRA`` each (A [in, r] from
-    its default init, B [r, out] zeros: a new adapter adds 0), scaled by alpha / r, with dropout on their input.
-
-    ``delta(name, x)`` is what adapter ``name`` adds to its projection's output: x [..., in] -> [..., out]
-    (0 when the projection has none). Their parameters are ``nnx.LoRAParam``: the train step differentiates
-    those alone, and checkpoints hold only them.
-
-    ``projections[name]`` is ``(weight, n)``: the projection's weight, whose first ``n`` dimensions are its input
-    (wo's [heads, head_dim]; the others' one). A reads the input flattened, B writes the output flattened, and
-    each takes the logical axis that leads its side of the weight beside ``lora_rank``: the mesh lays an adapter
-    out as its projection (B of q split over heads where wq is), so its output adds to the projection's in place.
-    """
-
-    def __init__(self, cfg: ModelConfig, projections: dict[str, tuple[nnx.Param, int]], *, rngs: nnx.Rngs):
-        lora = cfg.lora
-        self.names = tuple(name for name in projections if lora.rank and name in lora.targets)
-        self.scale = lora.scale
-        self.dropout = nnx.Dropout(lora.dropout)
-        for name in self.names:
-            weight, n = projections[name]
-            module = nnx.LoRA(math.prod(weight.shape[:n]), lora.rank, math.prod(weight.shape[n:]),
-                              param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
-            module.lora_a.set_metadata(axes=(weight.axes[0], "lora_rank"))
-            module.lora_b.set_metadata(axes=("lora_rank", weight.axes[n]))
-            setattr(self, name, module)
-
-    def key(self, dropout_key: jax.Array | None) -> jax.Array | None:
-        """The adapters' dropout key from the module's (None: no adapter dropout, or not training). A tag folded in
-        keeps the model's own dropout masks what they are without adapters."""
-        return None if dropout_key is None or not self.dropout.rate else jax.random.fold_in(dropout_key, LORA_STREAM)
-
-    def delta(self, name: str, x: jax.Array, key: jax.Array | None = None) -> jax.Array | None:
-        if name not in self.names:
-            return None
-        module = getattr(self, name)
-        dt = x.dtype
-        if key is not None:  # each adapter its own mask, as PEFT gives each target its own dropout
-            x = _drop(self.dropout, x, jax.random.fold_in(key, self.names.index(name)))
-        return (x @ module.lora_a[...].astype(dt)) @ (self.scale * module.lora_b[...]).astype(dt)
-
-
 
 
 class RMSNorm(nnx.Module):
@@ -151,83 +93,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * (self.plus_one + self.scale[...].astype(jnp.float32))).astype(x.dtype)
-
-
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None = None) -> jax.Array:
-    """The ``head_dim // 2`` rotation frequencies theta^(-i / half), float32, stretched as ``scaling`` asks.
-
-    ``linear`` (Gemma 3's global layers): every frequency divided by ``factor``.
-    ``llama3`` (Llama 3.1): with wavelength w = 2 pi / f and L the pretraining
-    context, a frequency with w < L / high_freq_factor is kept, one with
-    w > L / low_freq_factor is divided by ``factor``, and one in between is
-    mixed from both by s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor):
-    (1 - s) f / factor + s f.
-    """
-    half = head_dim // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    if scaling is None or scaling.type == "none":
-        return inv_freq
-    if scaling.type == "linear":  # positions interpolated: every frequency slowed alike
-        return inv_freq / scaling.factor
-    wavelength = 2 * math.pi / inv_freq
-    context = scaling.original_max_position_embeddings
-    slowed = inv_freq / scaling.factor
-    mix = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    scaled = jnp.where(wavelength > context / scaling.low_freq_factor, slowed, (1 - mix) * slowed + mix * inv_freq)
-    return jnp.where(wavelength < context / scaling.high_freq_factor, inv_freq, scaled)
-
-
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding of x [B, T, H, Dh] at ``positions`` [B, T] ("rotate half" layout), in float32.
-
-    Driven by the batch's positions rather than the row index, so each packed
-    segment is rotated as if it started the row. ``inv_freq`` [Dh / 2]: the layer's
-    frequencies (:func:`rope_frequencies`).
-    """
-    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, half]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class LayerCache:
-    """One layer's view of the KV cache: what :meth:`Attention.decode` reads, and returns with its new keys and values.
-
-    keys/values: [B, S, K, Dh]; segment_ids: [B, S] for every slot, the ones
-    this call writes included (0 on slots not written yet, which contract 2
-    then masks); start: int32 scalar, the slot the call's first token goes to.
-    """
-
-    keys: jax.Array
-    values: jax.Array
-    segment_ids: jax.Array
-    start: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-    """Keys and values of every layer for incremental decoding (see seqjax.model.decode).
-
-    keys/values: one [B, S, K, Dh] array per layer; segment_ids: [B, S], 0 on
-    slots not written yet (contract 2 then masks them); length: int32 scalar,
-    the slot the next call writes first. Queries at slot i attend to slots
-    j <= i with their own segment id, by :func:`segment_mask` with row indices.
-    """
-
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
-    segment_ids: jax.Array
-    length: jax.Array
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> "KVCache":
-        dtype = jnp.dtype(cfg.compute_dtype)
-        shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
-        return cls(zeros, zeros, jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32))
 
 
 class Attention(nnx.Module):

@@ -34,10 +34,8 @@ names the file, the line or row, and what was expected.
 from __future__ import annotations
 
 import glob
-import gzip
 import json
 import os
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +45,7 @@ import pyarrow.parquet as pq
 
 from seqjax.config.tree import DATA_DIR_ENV, Config, SourceConfig
 from seqjax.core.errors import CorpusError
+from seqjax.store.lines import damaged, raw_lines, stream_errors
 
 SPLITS = ("train", "valid", "test")
 
@@ -255,68 +254,14 @@ def wikitext_articles(text: str) -> list[str]:
     return ["".join(lines[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _raw_lines(path: Path) -> Iterator[bytes]:
-    """The file's lines as bytes, decompressed on the fly for ``.gz`` and ``.zst``."""
-    if path.name.endswith(".gz"):
-        if path.stat().st_size == 0:  # gzip reads 0 bytes as an empty stream; an interrupted copy leaves one
-            raise EOFError("0 bytes, not even a gzip header")
-        with gzip.open(path, "rb") as stream:
-            yield from stream
-    elif path.name.endswith(".zst"):
-        yield from _zstd_lines(path)
-    else:
-        with open(path, "rb") as stream:
-            yield from stream
-
-
-def _zstd_lines(path: Path) -> Iterator[bytes]:
-    try:
-        # optional: only .zst corpora need it (pip install -e '.[zst]')
-        import zstandard
-    except ImportError:
-        raise CorpusError(f"{path}: reading .zst files needs the zstandard package; pip install -e '.[zst]'") from None
-    decompressor, pending = zstandard.ZstdDecompressor().decompressobj(), b""
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            text = decompressor.decompress(block)
-            while decompressor.eof and decompressor.unused_data:  # the next of several concatenated frames
-                rest, decompressor = decompressor.unused_data, zstandard.ZstdDecompressor().decompressobj()
-                text += decompressor.decompress(rest)
-            lines = (pending + text).split(b"\n")
-            pending = lines.pop()
-            yield from (line + b"\n" for line in lines)
-    if not decompressor.eof:  # a stream reader would just stop: a cut file must not pass for a short one
-        raise zstandard.ZstdError("the file ends inside a frame")
-    if pending:
-        yield pending
-
-
-def _stream_errors() -> tuple[type[BaseException], ...]:
-    """What a truncated or corrupt compressed stream raises while it is read."""
-    errors: tuple[type[BaseException], ...] = (EOFError, zlib.error, gzip.BadGzipFile)
-    try:
-        # optional: present only with the zst extra; without it no .zst file gets this far
-        import zstandard
-    except ImportError:
-        return errors
-    return (*errors, zstandard.ZstdError)
-
-
 def jsonl_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """The ``text_field`` of each JSON line, streamed; a bad line raises with the file and line number."""
     number = 0
     try:
-        for number, raw in enumerate(_raw_lines(path), start=1):
+        for number, raw in enumerate(raw_lines(path), start=1):
             yield _jsonl_record(path, number, raw, text_field)
-    except _stream_errors() as err:
-        raise _damaged(path, number + 1, err) from None
-
-
-def _damaged(path: Path, line: int, err: BaseException) -> CorpusError:
-    """A compressed file that is cut or corrupt (or empty: 0 bytes), named with the line reading reached."""
-    kind = "gzip" if path.name.endswith(".gz") else "zstd" if path.name.endswith(".zst") else "file"
-    return CorpusError(f"{path}: line {line}: the {kind} stream is truncated or corrupt ({err}); expected a complete "
-                       f"{kind} file (re-copy or re-compress it)")
+    except stream_errors() as err:
+        raise damaged(path, number + 1, err) from None
 
 
 def _jsonl_record(path: Path, number: int, raw: bytes, text_field: str) -> str | None:
@@ -465,7 +410,7 @@ def file_records(source: SourceConfig, path: Path, fields: tuple[str, ...]) -> I
     if source.corpus == "jsonl":
         number = 0
         try:
-            for number, raw in enumerate(_raw_lines(path), start=1):
+            for number, raw in enumerate(raw_lines(path), start=1):
                 if not raw.strip():
                     continue
                 try:
@@ -474,8 +419,8 @@ def file_records(source: SourceConfig, path: Path, fields: tuple[str, ...]) -> I
                     raise CorpusError(f"{path}:{number}: not valid UTF-8 JSON ({err}); expected one object per "
                                       "line") from None
                 yield f"{path}:{number}", pick(f"{path}:{number}", row)
-        except _stream_errors() as err:
-            raise _damaged(path, number + 1, err) from None
+        except stream_errors() as err:
+            raise damaged(path, number + 1, err) from None
     elif source.corpus == "parquet":
         try:
             reader = pq.ParquetFile(path)

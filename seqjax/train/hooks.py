@@ -26,12 +26,16 @@ A feature attaches without editing the loop, as Levanter's
     train(config, hooks=[Hook("param_norm", log_norm, every=100)])
 
 Extra hooks run after the built-in ones, so they see the step's checkpoint and validation already done.
+:func:`builtin_hooks` defines the built-in ones, here, over the objects the loop hands it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal
 from typing import Any, Callable, Sequence
+
+from seqjax.train.signals import Interrupted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,3 +97,51 @@ class Hooks:
             flush.run(state)  # first, always: a non-finite step must never reach a checkpoint
         for hook in due:
             hook.run(state)
+
+
+@dataclasses.dataclass
+class Duties:
+    """What the built-in hooks act on, handed over by the loop.
+
+    ``steps``: the StepLogger (the metrics window and its flush); ``checkpoints``: the Checkpointer; ``meta()``:
+    what a checkpoint records besides the state; ``config``: the resolved config, saved with each checkpoint;
+    ``validate(state)``: one validation, logged (None: the run has no validation data); ``stop_signal()``: the
+    signal a stop was requested with; ``profiler``: the ProfileWindow.
+    """
+
+    steps: Any
+    checkpoints: Any
+    meta: Callable[[], dict[str, Any]]
+    config: Any
+    validate: Callable[[StepState], Any] | None
+    stop_signal: Callable[[], int | None]
+    profiler: Any
+
+
+def builtin_hooks(duties: Duties, *, last_step: int, checkpoint_every: int, eval_every: int) -> Hooks:
+    """The run's own duties, in their order: flush, checkpoint, validate, stop, profile (see the table above)."""
+
+    def flush(state: StepState) -> None:
+        duties.steps.flush(state.step)
+        duties.checkpoints.check()  # a background save that failed stops the run here, not later
+
+    def checkpoint(state: StepState) -> None:
+        duties.checkpoints.save(state.step, state.params, state.opt_state, state.rng, state.position, duties.meta(),
+                                duties.config.to_dict())
+
+    def validate(state: StepState) -> None:
+        duties.validate(state)
+        duties.steps.restart()  # validation time is not training throughput
+
+    def stop(state: StepState) -> None:
+        duties.checkpoints.wait()
+        raise Interrupted(duties.stop_signal() or signal.SIGTERM, state.step)
+
+    hooks = Hooks(Hook("flush", flush, when=lambda s: duties.steps.due(s.step)), last_step=last_step)
+    hooks.add(Hook("checkpoint", checkpoint, every=checkpoint_every, when=lambda s: s.stopping))
+    if duties.validate is not None:
+        hooks.add(Hook("validate", validate, every=eval_every))
+    hooks.add(Hook("stop", stop, at_last=False, when=lambda s: s.stopping))
+    profiler = duties.profiler
+    hooks.add(Hook("profile", profiler.after, at_last=False, when=profiler.due, after_flush=False))
+    return hooks

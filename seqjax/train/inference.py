@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -20,9 +19,8 @@ from seqjax.config.load import load_config
 from seqjax.config.tree import Config, ConfigError
 from seqjax.core.errors import CheckpointError, CheckpointMismatchError
 from seqjax.hf import folders as hf
-from seqjax.hf.peft import merged
-from seqjax.model import BASE_PARAMS, build_model, split_params
-from seqjax.model.quant import dequantize_base, quantize_base
+from seqjax.model import build_model, split_params
+from seqjax.model.assembly import assemble, full_weights, stored_base
 from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite
 from seqjax.train.adapters import base_identity, check_base
@@ -105,11 +103,8 @@ def base_weights(path: str, dtype: str, scan_layers: bool) -> dict[str, Any]:
     ``train.init_from`` starts from, and the base a LoRA run's adapters are read onto."""
     if hf.is_hf_folder(Path(path).expanduser()):
         return blocks_layout(hf.read_params(hf.read_folder(path), dtype), stacked=scan_layers)
-    _, model = load_for_inference(path)
-    params = dequantize_base(nnx.to_pure_dict(nnx.state(model, BASE_PARAMS)), model.cfg.param_dtype)
-    if model.cfg.lora.rank:  # a LoRA run's weights are its base with the adapters folded in
-        params = merged(params, nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)), model.cfg)
-    return blocks_layout(jax.tree.map(lambda a: np.asarray(a).astype(dtype), params), stacked=scan_layers)
+    _, model = load_for_inference(path)  # a LoRA run's weights are its base with the adapters folded in
+    return blocks_layout(full_weights(model, dtype), stacked=scan_layers)
 
 
 def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Any]:
@@ -169,11 +164,9 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
         if config.train.init_from:
             base = base_weights(config.train.init_from, config.model.param_dtype, config.model.scan_layers)
         check_base(read_meta(step_dir).get("lora_base"), base_identity(base, config.train.init_from), step_dir)
-        lora = config.model.lora  # QLoRA: stored as training stored it
-        model = nnx.merge(graphdef, restored, quantize_base(base, lora.quantize, lora.quant_block,
-                                                            config.model.scan_layers), rest)
+        model = assemble(graphdef, restored, stored_base(base, config.model), rest)  # QLoRA: as training stored it
     else:
-        model = nnx.merge(graphdef, restored, rest)
+        model = assemble(graphdef, restored, None, rest)
     model.checkpoint_step = found[0]  # which step was read (an older one when the newest is unreadable): eval says it
     return config, model
 

@@ -401,6 +401,8 @@ class StepLogger:
                "seconds": seconds}
         if self.z_loss:
             row["objective"] = float(m["objective"])
+        # what the objective reports (train.objective's rows: TRL's rewards/*, ...), already divided by its count
+        row.update({name: float(value) for name, value in m.get("reported", {}).items()})
         if not bool(m["finite"]):
             row["skipped"] = True
         self.log.write(row)

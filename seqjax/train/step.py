@@ -1,7 +1,8 @@
-"""One optimizer step: gradients summed over micro-batches, divided once by the global weight sum.
+"""One optimizer step: gradients summed over micro-batches, divided once by the global denominator.
 
-docs/design.md, contract 3: ``loss = sum(weights * nll) / sum(weights)`` over the
-*global* batch. With gradient accumulation the micro-batches generally hold
+The loss is ``train.objective``'s (:mod:`seqjax.objectives`); the step never names one. Each returns sums and
+what they are divided by: for the default, docs/design.md's contract 3, ``loss = sum(weights * nll) /
+sum(weights)`` over the *global* batch. With gradient accumulation the micro-batches generally hold
 different numbers of scored tokens (packing, padding, eval-style weights), so
 averaging per-micro-batch means (what ``optax.MultiSteps`` does) would weight
 tokens unequally. Here each micro-batch contributes its *sums*
@@ -24,7 +25,7 @@ or process index enters, and a resumed run draws the steps' keys again.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,8 @@ import optax
 from flax import nnx
 
 from seqjax.data.contract import Batch
-from seqjax.model.loss import chunked_lm_loss, lm_loss
+from seqjax.objectives import DEFAULT, Inputs, Objective
+from seqjax.objectives.base import safe_divide
 
 # The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...; dropout keys
 # come from a copy folded with this tag first, so no mask ever reuses an initializer's key.
@@ -49,7 +51,8 @@ def dropout_key(rng: jax.Array, step, micro) -> jax.Array:
 
 
 def micro_batches(batch: Batch, k: int) -> Batch:
-    """[B, L] fields -> [k, B / k, L]; micro-batch j holds rows j, j + k, ..."""
+    """[B, ...] fields -> [k, B / k, ...]; micro-batch j holds rows j, j + k, ... (every field, the optional ones
+    too, is cut by rows)."""
 
     def split(x):
         return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
@@ -57,19 +60,9 @@ def micro_batches(batch: Batch, k: int) -> Batch:
     return {name: split(x) for name, x in batch.items()}
 
 
-def micro_loss(model, micro: Batch, key, z_loss: float) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Contract 3's loss of one micro-batch; with ``model.loss_chunk_tokens`` the logits are never built whole."""
-    chunk = model.cfg.loss_chunk_tokens
-    if chunk:
-        features, head = model.features_and_head(micro["inputs"], positions=micro["positions"],
-                                                 segment_ids=micro["segment_ids"], dropout_key=key)
-        return chunked_lm_loss(features, head, micro["targets"], micro["weights"], chunk_tokens=chunk, z_loss=z_loss)
-    logits = model(micro["inputs"], positions=micro["positions"], segment_ids=micro["segment_ids"], dropout_key=key)
-    return lm_loss(logits, micro["targets"], micro["weights"], z_loss=z_loss)
-
-
 def make_train_step(
-    graphdef: nnx.GraphDef, rest: Any, tx: optax.GradientTransformation, *, grad_accum: int, z_loss: float
+    graphdef: nnx.GraphDef, rest: Any, tx: optax.GradientTransformation, *, grad_accum: int, z_loss: float = 0.0,
+    objective: Objective = DEFAULT, settings: Mapping[str, Any] | None = None,
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
     """``step(params, opt_state, batch, rng=None, step=0, frozen=None) -> (params, opt_state, metrics)``, pure and
     jittable.
@@ -78,46 +71,49 @@ def make_train_step(
     pure dict (every parameter, or ``model.lora``'s adapters alone), ``frozen`` the base under adapters (an
     argument, not a constant baked into the compiled step; it gets no gradient and no optimizer state).
     ``rng`` (the run's key data) and ``step`` (the step's number) seed dropout; with ``rng=None`` nothing is
-    dropped, whatever ``model.dropout`` says. ``metrics`` holds ``loss``
-    (the contract-3 cross-entropy), ``objective`` (plus z-loss), ``grad_norm``
-    (before clipping), ``weight_sum``, ``tokens`` (non-padding
-    input tokens of the global batch) and ``finite``.
+    dropped, whatever ``model.dropout`` says. ``objective`` (``train.objective``, :mod:`seqjax.objectives`) is
+    what each micro-batch's loss computes, ``settings`` the ``train.*`` values it reads (``z_loss`` by default).
+    ``metrics`` holds ``loss`` (the objective's loss), ``objective`` (plus regularizers such as z-loss),
+    ``grad_norm`` (before clipping), ``weight_sum`` (what the loss was divided by: scored tokens, pairs),
+    ``tokens`` (non-padding input tokens of the global batch), ``finite``, and ``reported``: the metrics the
+    objective reports (TRL's rewards/*, ...), each already divided by its count.
     """
+    settings = {"z_loss": z_loss, **(settings or {})}
 
-    def summed_objective(params, micro: Batch, key, frozen):
+    def summed_objective(params, micro: Batch, key, frozen, totals):
         model = nnx.merge(graphdef, params, *([] if frozen is None else [frozen]), rest)
-        loss, aux = micro_loss(model, micro, key, z_loss)
-        # lm_loss is a mean over this micro-batch's weights; times their sum it is a sum again.
-        return loss * aux["weight_sum"], aux
+        terms = objective.loss(Inputs(model, key, settings, totals), micro)
+        return terms.value, terms
 
     value_and_grad = jax.value_and_grad(summed_objective, has_aux=True)
 
     def step(params, opt_state, batch: Batch, rng=None, step=0, frozen=None):
+        totals = objective.totals(batch)  # data only: every denominator over the global batch, once
+
         def accumulate(carry, xs):
             micro, index = xs
-            grads, objective, nll, weights = carry
+            grads, sums = carry
             key = None if rng is None else dropout_key(rng, step, index)
-            (obj, aux), g = value_and_grad(params, micro, key, frozen)
-            grads = jax.tree.map(jnp.add, grads, g)
-            return (grads, objective + obj, nll + aux["nll_sum"], weights + aux["weight_sum"]), None
+            (_, terms), g = value_and_grad(params, micro, key, frozen, totals)
+            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, terms)), None
 
-        zero = jnp.zeros((), jnp.float32)
-        init = (jax.tree.map(jnp.zeros_like, params), zero, zero, zero)
+        init = (jax.tree.map(jnp.zeros_like, params), objective.zero_terms())
         xs = (micro_batches(batch, grad_accum), jnp.arange(grad_accum))
-        (grads, objective, nll_sum, weight_sum), _ = jax.lax.scan(accumulate, init, xs)
-        denom = jnp.where(weight_sum > 0, weight_sum, 1.0)
+        (grads, sums), _ = jax.lax.scan(accumulate, init, xs)
+        denom = jnp.where(sums.denominator > 0, sums.denominator, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        loss = nll_sum / denom
+        loss = sums.loss / denom
         metrics = {
             "loss": loss,
-            "objective": objective / denom,
+            "objective": sums.value / denom,
             "grad_norm": grad_norm,
-            "weight_sum": weight_sum,
+            "weight_sum": sums.denominator,
             "tokens": jnp.sum(batch["segment_ids"] != 0),
             "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+            "reported": {name: safe_divide(*pair) for name, pair in sums.reported.items()},
         }
         return params, opt_state, metrics
 

@@ -342,10 +342,8 @@ def _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
 
 
 def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
-    b, t, h, d = q.shape
-    hkv = k.shape[2]
-    group = h // hkv
-    qk_scale = scale * LOG2_E
+    (b, t, h, d), hkv = q.shape, k.shape[2]
+    group, qk_scale = h // hkv, scale * LOG2_E
 
     def body(ranges, window_ref, seg, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
              k_smem, v_smem, seg_k, q_ring, do_ring, seg_ring, lse_ring, delta_ring, t_smem, k_ready, q_ready,

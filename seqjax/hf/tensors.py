@@ -1,0 +1,182 @@
+"""Hugging Face tensors <-> seqjax parameters: the names and layouts of every family's weights.
+
+HF stores PyTorch ``nn.Linear`` weights as [out, in]; seqjax keeps [in, out]
+with the heads split out (V vocab, D d_model, H heads, K kv heads, Dh
+head_dim, F d_ff). The tensor table (:func:`block_tensors`) is one list per
+block, the same for every family but for the entries its settings add and
+Gemma's names for its four norms:
+
+=========================================  ===============  =============================
+HF tensor (model.layers.i.)                HF shape         seqjax parameter (blocks.i.)
+=========================================  ===============  =============================
+input_layernorm.weight                     [D]              attn_norm.scale
+self_attn.q_proj.weight / .bias            [H*Dh, D] / .    attn.wq [D, H, Dh] / attn.bq [H, Dh]
+self_attn.k_proj, v_proj (.weight, .bias)  [K*Dh, D] / .    attn.wk, wv [D, K, Dh] / bk, bv
+self_attn.q_norm.weight, k_norm.weight     [Dh]             attn.q_norm.scale, k_norm.scale
+self_attn.o_proj.weight                    [D, H*Dh]        attn.wo [H, Dh, D]
+post_attention_layernorm.weight            [D]              mlp_norm.scale (Gemma: post_attn_norm.scale)
+pre_feedforward_layernorm.weight (Gemma)   [D]              mlp_norm.scale
+post_feedforward_layernorm.weight (Gemma)  [D]              post_mlp_norm.scale
+mlp.gate_proj, up_proj .weight             [F, D]           mlp.w_gate, w_up [D, F]
+mlp.down_proj.weight                       [D, F]           mlp.w_down [F, D]
+=========================================  ===============  =============================
+
+plus model.embed_tokens.weight [V, D] (embed.embedding), model.norm.weight [D]
+(final_norm.scale) and, untied, lm_head.weight [V, D] (lm_head [D, V]). No
+RoPE permutation is needed: HF's checkpoints are in the rotate-half layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from seqjax.config.model import ModelConfig
+from seqjax.core.errors import CheckpointError
+from seqjax.hf.families import FAMILIES, IGNORED_TENSOR_SUFFIXES
+from seqjax.model.stacking import blocks_layout
+
+
+def _layer(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+Converter = Callable[[np.ndarray], np.ndarray]
+
+
+def block_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Converter, Converter]]:
+    """(HF name suffix, seqjax path in the block, seqjax -> HF, HF -> seqjax) for one block's tensors."""
+    d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    same = (lambda w: w), (lambda t: t)
+    linear = (lambda w: w.T), (lambda t: t.T)
+
+    def heads_in(n):  # [D, n, Dh] <-> [n*Dh, D]
+        return (lambda w: w.reshape(d, n * dh).T), (lambda t: t.T.reshape(d, n, dh))
+
+    def heads_bias(n):  # [n, Dh] <-> [n*Dh]
+        return (lambda w: w.reshape(n * dh)), (lambda t: t.reshape(n, dh))
+
+    gemma_norms = cfg.post_norms
+    table = [
+        ("input_layernorm.weight", ("attn_norm", "scale"), *same),
+        ("self_attn.q_proj.weight", ("attn", "wq"), *heads_in(h)),
+        ("self_attn.k_proj.weight", ("attn", "wk"), *heads_in(k)),
+        ("self_attn.v_proj.weight", ("attn", "wv"), *heads_in(k)),
+        ("self_attn.o_proj.weight", ("attn", "wo"), lambda w: w.reshape(h * dh, d).T, lambda t: t.T.reshape(h, dh, d)),
+        # Llama's post_attention_layernorm is its pre-MLP norm; Gemma's is the attention branch's post-norm
+        ("post_attention_layernorm.weight", ("post_attn_norm", "scale") if gemma_norms else ("mlp_norm", "scale"),
+         *same),
+        ("mlp.gate_proj.weight", ("mlp", "w_gate"), *linear),
+        ("mlp.up_proj.weight", ("mlp", "w_up"), *linear),
+        ("mlp.down_proj.weight", ("mlp", "w_down"), *linear),
+    ]
+    if cfg.qkv_bias:
+        table += [("self_attn.q_proj.bias", ("attn", "bq"), *heads_bias(h)),
+                  ("self_attn.k_proj.bias", ("attn", "bk"), *heads_bias(k)),
+                  ("self_attn.v_proj.bias", ("attn", "bv"), *heads_bias(k))]
+    if cfg.qk_norm:
+        table += [("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), *same),
+                  ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), *same)]
+    if gemma_norms:
+        table += [("pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), *same),
+                  ("post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), *same)]
+    return table
+
+
+def _block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
+    shapes = {"input_layernorm.weight": (d,), "self_attn.q_proj.weight": (h * dh, d),
+              "self_attn.k_proj.weight": (k * dh, d), "self_attn.v_proj.weight": (k * dh, d),
+              "self_attn.o_proj.weight": (d, h * dh), "post_attention_layernorm.weight": (d,),
+              "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    if cfg.qkv_bias:
+        shapes |= {"self_attn.q_proj.bias": (h * dh,), "self_attn.k_proj.bias": (k * dh,),
+                   "self_attn.v_proj.bias": (k * dh,)}
+    if cfg.qk_norm:
+        shapes |= {"self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,)}
+    if cfg.post_norms:
+        shapes |= {"pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,)}
+    return shapes
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of a model with ``cfg`` and its shape."""
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
+    for i in range(cfg.n_layers):
+        shapes.update({_layer(i) + name: shape for name, shape in _block_shapes(cfg).items()})
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
+    return shapes
+
+
+def _get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def to_hf(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """seqjax parameters (``nnx.to_pure_dict`` of the model's Params) -> HF tensors by name, as numpy arrays."""
+    params = blocks_layout(params, stacked=False)  # HF keeps a tensor per layer, whatever model.scan_layers
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
+           "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
+    for i in range(cfg.n_layers):
+        for name, path, to_hf_layout, _ in block_tensors(cfg):
+            out[_layer(i) + name] = np.ascontiguousarray(to_hf_layout(np.asarray(_get(params["blocks"][i], path))))
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
+    return out
+
+
+def from_hf(read: Callable[[str], np.ndarray], names: Iterable[str], cfg: ModelConfig, source: str,
+            dtype: Any = np.float32) -> dict[str, Any]:
+    """HF tensors -> seqjax parameters (the pure dict ``nnx.merge`` takes), each cast to ``dtype``.
+
+    ``read(name)`` returns one tensor; ``names`` are the tensors the checkpoint
+    holds. A missing tensor, a wrong shape, or a tensor seqjax has no place
+    for (a bias a family does not have, say) is refused with a CheckpointError
+    naming it and ``source``. A tied model ignores an ``lm_head.weight``.
+    """
+    names = set(names)
+    expected = hf_shapes(cfg)
+    ignored = {n for n in names if n.endswith(IGNORED_TENSOR_SUFFIXES)}
+    if cfg.tie_embeddings:
+        ignored.add("lm_head.weight")
+    unexpected = sorted(names - set(expected) - ignored)
+    if unexpected:
+        raise CheckpointError(
+            f"{source}: holds tensors a {FAMILIES[cfg.family].architecture} with this config.json has no place for: "
+            f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    missing = sorted(set(expected) - names)
+    if missing:
+        raise CheckpointError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+
+    def get(name: str) -> np.ndarray:
+        tensor = read(name)
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected {expected[name]} from config.json"
+            )
+        return np.asarray(tensor).astype(dtype)
+
+    params: dict[str, Any] = {
+        "embed": {"embedding": get("model.embed_tokens.weight")},
+        "final_norm": {"scale": get("model.norm.weight")},
+        "blocks": {},
+    }
+    for i in range(cfg.n_layers):
+        block: dict[str, Any] = {}
+        for name, path, _, from_hf_layout in block_tensors(cfg):
+            _put(block, path, np.ascontiguousarray(from_hf_layout(get(_layer(i) + name))))
+        params["blocks"][i] = block
+    if not cfg.tie_embeddings:
+        params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)
+    return params

@@ -1,0 +1,48 @@
+"""Rotary position embeddings (RoPE): each layer's frequencies, stretched as ``model.rope_scaling`` says, and the
+rotation of q and k at the batch's ``positions`` ("rotate half" layout, as Hugging Face's checkpoints are)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from seqjax.config.model import RopeScalingConfig
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None = None) -> jax.Array:
+    """The ``head_dim // 2`` rotation frequencies theta^(-i / half), float32, stretched as ``scaling`` asks.
+
+    ``linear`` (Gemma 3's global layers): every frequency divided by ``factor``.
+    ``llama3`` (Llama 3.1): with wavelength w = 2 pi / f and L the pretraining
+    context, a frequency with w < L / high_freq_factor is kept, one with
+    w > L / low_freq_factor is divided by ``factor``, and one in between is
+    mixed from both by s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor):
+    (1 - s) f / factor + s f.
+    """
+    half = head_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None or scaling.type == "none":
+        return inv_freq
+    if scaling.type == "linear":  # positions interpolated: every frequency slowed alike
+        return inv_freq / scaling.factor
+    wavelength = 2 * math.pi / inv_freq
+    context = scaling.original_max_position_embeddings
+    slowed = inv_freq / scaling.factor
+    mix = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    scaled = jnp.where(wavelength > context / scaling.low_freq_factor, slowed, (1 - mix) * slowed + mix * inv_freq)
+    return jnp.where(wavelength < context / scaling.high_freq_factor, inv_freq, scaled)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding of x [B, T, H, Dh] at ``positions`` [B, T] ("rotate half" layout), in float32.
+
+    Driven by the batch's positions rather than the row index, so each packed
+    segment is rotated as if it started the row. ``inv_freq`` [Dh / 2]: the layer's
+    frequencies (:func:`rope_frequencies`).
+    """
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, half]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

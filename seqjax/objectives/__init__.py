@@ -1,0 +1,96 @@
+"""Training objectives: what the train step's loss is, chosen by ``train.objective``.
+
+==========  ================================================================  =====================
+objective   loss                                                              reads
+==========  ================================================================  =====================
+lm          next-token cross-entropy on the scored targets (contract 3)      the contract's five
+==========  ================================================================  =====================
+
+Each is a row (:class:`~seqjax.objectives.base.Objective`): a function from the
+policy and a micro-batch to sums (:class:`~seqjax.objectives.base.Terms`),
+what those sums are divided by, the batch fields and ``train.*`` keys it reads.
+The train step (:mod:`seqjax.train.step`) and evaluation look objectives up
+here and never by name.
+
+**Adding an objective**: write ``loss(inputs, micro) -> Terms`` returning sums,
+give it a row, and add the row to :data:`OBJECTIVES` (or :func:`register` it at
+run time, as the tests' toy objective does). Metrics it reports in
+``Terms.reported`` reach metrics.jsonl and the trackers with no change to the
+loop. A new batch field it reads goes in the contract's table
+(:data:`seqjax.data.contract.OPTIONAL_FIELDS`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from seqjax.core.errors import ConfigError
+from seqjax.data.contract import Batch
+from seqjax.objectives.base import Inputs, Objective, Terms
+from seqjax.objectives.lm import LM
+
+OBJECTIVES: dict[str, Objective] = {"lm": LM}
+DEFAULT = LM  # train.objective's default: the first entry, what every run computed before objectives were rows
+
+
+def register(objective: Objective) -> Objective:
+    """Add ``objective`` to the table under its name (a name already taken is refused)."""
+    if objective.name in OBJECTIVES:
+        raise ValueError(f"objective {objective.name!r} is already registered; expected a new name")
+    OBJECTIVES[objective.name] = objective
+    return objective
+
+
+def resolve(names: Sequence[str], weights: Sequence[float] = ()) -> Objective:
+    """The objective ``train.objective`` names: one row, or several added with ``train.objective_weights``.
+
+    A sum of objectives divides each one's sum by its own denominator over the global batch (``Inputs.totals``),
+    so ``[a, b]`` with weights ``[1, w]`` is exactly ``loss_a + w * loss_b``, as TRL's ``loss_type=[...]`` with
+    ``loss_weights`` computes it, however the batch is cut into micro-batches.
+    """
+    names = list(names)
+    for i, name in enumerate(names):
+        if name not in OBJECTIVES:
+            raise ConfigError(f"train.objective[{i}]: got {name!r}, expected one of {', '.join(OBJECTIVES)}")
+    if not names:
+        raise ConfigError("train.objective: got [], expected at least one objective (lm is the default)")
+    if weights and len(weights) != len(names):
+        raise ConfigError(f"train.objective_weights: got {list(weights)}, expected one weight per objective "
+                          f"({names}) or []")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"train.objective: got {names}, expected each objective once")
+    rows = [OBJECTIVES[name] for name in names]
+    if len(rows) == 1 and not weights:
+        return rows[0]
+    return _weighted(rows, list(weights) or [1.0] * len(rows))
+
+
+def _weighted(rows: list[Objective], weights: list[float]) -> Objective:
+    """Several objectives as one: each row's sum scaled to the first's denominator, so dividing the summed value
+    by the first's summed denominator gives ``sum_i w_i * value_i / denominator_i`` over the global batch."""
+    first = rows[0].name
+
+    def loss(inputs: Inputs, micro: Batch) -> Terms:
+        value = loss_sum = jnp.zeros((), jnp.float32)
+        reported, denominator = {}, None
+        for row, w in zip(rows, weights):
+            terms = row.loss(inputs, micro)
+            scale = w * inputs.totals[first] / jnp.where(inputs.totals[row.name] > 0, inputs.totals[row.name], 1.0)
+            value, loss_sum = value + scale * terms.value, loss_sum + scale * terms.loss
+            denominator = terms.denominator if denominator is None else denominator
+            reported |= terms.reported
+            reported[f"{row.name}/loss"] = (terms.loss, terms.denominator)
+        return Terms(value, denominator, loss_sum, reported)
+
+    return Objective(
+        name="+".join(row.name for row in rows), loss=loss, denominator=rows[0].denominator,
+        reads=tuple(dict.fromkeys(f for row in rows for f in row.reads)),
+        settings=tuple(dict.fromkeys(s for row in rows for s in row.settings)),
+        reference=any(row.reference for row in rows), doc=" + ".join(row.doc for row in rows), parts=tuple(rows),
+        reports=tuple(dict.fromkeys([*(n for row in rows for n in row.reports),
+                                     *(f"{row.name}/loss" for row in rows)])))
+
+
+__all__ = ["DEFAULT", "Inputs", "OBJECTIVES", "Objective", "Terms", "register", "resolve"]

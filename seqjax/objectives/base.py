@@ -1,0 +1,105 @@
+"""What an objective is: a row of the objectives table, the inputs its loss reads, the sums it returns.
+
+An objective's ``loss(inputs, micro)`` sees one micro-batch (a :class:`~seqjax.data.contract.Batch`) and returns
+:class:`Terms`: sums, never means. The train step adds each micro-batch's sums and divides once by the summed
+``denominator`` (docs/design.md, contract 3), so k micro-batches give the update of one big batch whatever the
+objective: tokens for the language-model loss, pairs for a preference loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from seqjax.data.contract import Batch, model_fields
+from seqjax.model.loss import chunked_token_logprobs, token_logprobs
+
+
+class Terms(NamedTuple):
+    """One micro-batch's contribution, each a float32 sum the step adds over micro-batches.
+
+    ``value``: the objective's numerator (what is differentiated); ``denominator``: what the summed value is
+    divided by; ``loss``: the numerator of the logged ``loss`` (``value`` without regularizers such as z-loss);
+    ``reported``: metric name -> (sum, count), logged as sum / count in metrics.jsonl and the trackers; the
+    names are the objective's ``reports``, in every micro-batch.
+    """
+
+    value: jax.Array
+    denominator: jax.Array
+    loss: jax.Array
+    reported: dict[str, tuple[jax.Array, jax.Array]] = {}
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What an objective's loss reads besides the micro-batch.
+
+    ``model``: the policy, merged (adapters and base); ``key``: the micro-batch's dropout key (None: no dropout);
+    ``settings``: the ``train.*`` values the objective names; ``totals``: every objective's denominator over the
+    global batch, computed once before the micro-batches (a weighted sum of objectives needs them);
+    ``reference``: a function of a micro-batch giving the reference model's per-token log-probabilities, for the
+    objectives that compare against one (None otherwise).
+    """
+
+    model: Any
+    key: jax.Array | None
+    settings: Mapping[str, Any]
+    totals: Mapping[str, jax.Array]
+    reference: Callable[[Batch], jax.Array] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """One ``train.objective``: its loss, what it divides by, and what it needs.
+
+    ``reads``: the batch fields beyond the contract's five that it needs (a data format that lacks them is
+    refused before any work); ``settings``: the ``train.*`` keys it reads; ``reference``: it compares the policy
+    with a reference model (the base under LoRA, a frozen copy, or log-probabilities computed beforehand).
+    """
+
+    name: str
+    loss: Callable[[Inputs, Batch], Terms]
+    denominator: Callable[[Batch], jax.Array]
+    reads: tuple[str, ...] = ()
+    settings: tuple[str, ...] = ()
+    reference: bool = False
+    doc: str = ""
+    reports: tuple[str, ...] = ()  # the names of Terms.reported, every micro-batch the same
+    parts: tuple["Objective", ...] = ()  # a weighted sum's objectives
+
+    def zero_terms(self) -> Terms:
+        """Terms of zeros, shaped as this objective's: where the step's sums over micro-batches start."""
+        zero = jnp.zeros((), jnp.float32)
+        return Terms(zero, zero, zero, {name: (zero, zero) for name in self.reports})
+
+    def totals(self, batch: Batch) -> dict[str, jax.Array]:
+        """This objective's denominator over the global batch, and each part's: ``Inputs.totals``."""
+        return {row.name: row.denominator(batch) for row in (self, *self.parts)}
+
+
+def model_outputs(model, micro: Batch, key: jax.Array | None):
+    """The forward pass an objective starts from: ``(features [B, T, D], head [D, V])`` when the model takes its
+    loss a chunk at a time (``model.loss_chunk_tokens``), else ``(logits [B, T, V], None)``."""
+    args = {"positions": micro["positions"], "segment_ids": micro["segment_ids"], "dropout_key": key,
+            **model_fields(micro)}
+    if model.cfg.loss_chunk_tokens:
+        return model.features_and_head(micro["inputs"], **args)
+    return model(micro["inputs"], **args), None
+
+
+def target_logprobs(model, micro: Batch, key: jax.Array | None, scored: jax.Array) -> jax.Array:
+    """log p(targets) [B, T] float32 under ``model``, 0 where ``scored`` is False; the chunked path never builds the
+    whole logits."""
+    outputs, head = model_outputs(model, micro, key)
+    if head is None:
+        return token_logprobs(outputs, micro["targets"], scored)
+    return chunked_token_logprobs(outputs, head, micro["targets"], scored,
+                                  chunk_tokens=model.cfg.loss_chunk_tokens)
+
+
+def safe_divide(total: jax.Array, count: jax.Array) -> jax.Array:
+    """total / count, 0 where count is 0 (an empty batch reports 0, not NaN)."""
+    return jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), 0.0)

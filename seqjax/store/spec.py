@@ -1,0 +1,50 @@
+"""How one source's records become examples (:class:`ExampleSpec`): the fields read, what is scored, the chat
+template and the tokens that frame it; shared by :mod:`seqjax.store.chat` and :mod:`seqjax.store.examples`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_FILES = (CHAT_TEMPLATE_FILE, "tokenizer_config.json")
+NOT_SCORED = -100  # HF's label for a token the loss skips
+
+
+@dataclass(frozen=True)
+class ExampleSpec:
+    """How one source's records become examples: picklable, so tokenizer processes take it whole."""
+
+    format: str
+    loss_on: str  # resolved: completion / assistant / last_assistant / all / labels
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    prompt_separator: str = ""
+    messages_field: str = "messages"
+    tools_field: str = "tools"
+    input_ids_field: str = "input_ids"
+    labels_field: str = "labels"
+    loss_weights_field: str = "loss_weights"
+    chat_template: str | None = None
+    template_name: str = ""
+    bos_token: str | None = None
+    eos_token: str = "<|endoftext|>"
+    weights_dtype: str = "uint8"  # data.loss_weights_dtype: how the store keeps each target's weight
+    # A shipped training template that renders this template's chats the same text (:func:`twin_template`): a
+    # template without generation blocks is scored as its twin marks each chat it renders identically.
+    twin: str | None = None
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The record fields read, the required one first."""
+        return {
+            "prompt_completion": (self.prompt_field, self.completion_field),
+            "chat": (self.messages_field, self.tools_field),
+            "tokenized": (self.input_ids_field, self.labels_field, self.loss_weights_field),
+        }[self.format]
+
+    def identity(self) -> dict[str, Any]:
+        """What the store's cache key takes from the spec: everything that changes the ids or the mask."""
+        return {k: v for k, v in self.__dict__.items()}
+
+
