@@ -23,7 +23,7 @@ import pytest
 
 from seqjax.config.load import load_config
 from seqjax.data.pipeline import build_pipeline
-from seqjax.store import build
+from seqjax.store import build, shard
 from seqjax.store.build import prepare
 from seqjax.store.reader import MANIFEST, StoreError, TokenStore
 from seqjax.store.stream import TokenStream
@@ -87,8 +87,8 @@ def test_sharded_and_unsharded_stores_give_identical_batches(one_and_many, strat
 
 def test_the_tokenizer_pool_builds_the_store_one_process_builds(corpus, tmp_path, monkeypatch, one_and_many):
     one, _ = one_and_many
-    monkeypatch.setattr(build, "POOL_MIN_BYTES", 0)
-    monkeypatch.setattr(build, "CHUNK_CHARS", 500)  # many chunks, handed back out of order by two workers
+    monkeypatch.setattr(shard, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(shard, "CHUNK_CHARS", 500)  # many chunks, handed back out of order by two workers
     pooled = prepared(corpus, tmp_path / "cache", "data.workers=2").stores["train"]
     np.testing.assert_array_equal(pooled.tokens, one.tokens)
     np.testing.assert_array_equal(pooled.line_offsets, one.line_offsets)
@@ -103,6 +103,7 @@ def test_reuse_reads_no_source_file_and_verify_rehashes_them(corpus, tmp_path, m
 
     with monkeypatch.context() as patch:
         patch.setattr(build, "content_hash", no_hashing)
+        patch.setattr(shard, "content_hash", no_hashing)
         assert prepared(corpus, tmp_path / "cache", "data.shard_bytes=1").summary["train"]["reused"]
     # same size and time, other content: only --verify sees it, and rebuilds that one shard
     path = root / "part2.jsonl"

@@ -51,9 +51,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +62,17 @@ from seqjax.core.errors import CorpusError, StoreError
 from seqjax.core.files import write_text_atomic
 from seqjax.core.progress import progress_bar
 from seqjax.store.cache import BUILDER_VERSION, ProcessGroup, content_hash, corpus_key, digest, file_identity, locked
-from seqjax.store.corpus import SPLITS, file_documents, file_records, source_files
-from seqjax.store.encoding import available_cores, encode_in_order
+from seqjax.store.corpus import SPLITS, source_files
+from seqjax.store.encoding import available_cores
 from seqjax.store.examples import ExampleSpec, example_spec
 from seqjax.store.reader import MANIFEST, TokenStore, read_manifest, shard_problems
-from seqjax.store.splits import carved, in_carved_split, split_sources
+from seqjax.store.shard import build_shard, plan_shards
+from seqjax.store.splits import carved, split_sources
 from seqjax.store.tokenizer import Tokenizer, check_vocab_size, obtain_tokenizer, special_tokens
-from seqjax.store.writer import ShardWriter, publish, read_shard
+from seqjax.store.writer import publish, read_shard
 
 log = logging.getLogger(__name__)
 
-# Characters of text per encoding task: large enough to amortize the hand-off, small enough for bounded memory.
-CHUNK_CHARS = 1 << 22
-# A shard with less source than this is encoded in this process: starting worker processes would cost more.
-POOL_MIN_BYTES = 1 << 23
 # Stores up to this size are checksummed on every reuse (xxh3 reads several GB/s); larger ones once, recorded.
 VERIFY_EVERY_REUSE_BYTES = 1 << 30
 
@@ -92,112 +89,6 @@ class Prepared:
     stores: dict[str, TokenStore]
     summary: dict[str, dict[str, Any]]
     root: Path
-
-
-@dataclass
-class _Counts:
-    documents: int = 0
-    skipped_empty: int = 0
-    bytes: int = 0
-    words: int = 0
-    lines: int = 0
-    scored_tokens: int = 0
-    scored_bytes: int = 0
-    dropped_unscored: int = 0
-    carved_out: int = 0
-    sources: list[dict[str, Any]] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------
-# Shards
-
-
-def plan_shards(identities: list[dict[str, Any]], shard_bytes: int) -> list[list[int]]:
-    """Consecutive files grouped into shards of up to ``shard_bytes`` of source (a larger file alone).
-
-    Sizes ``[5, 5, 20, 1]`` with ``shard_bytes=10`` give ``[[0, 1], [2], [3]]``:
-    the same plan whoever builds it, so one process and many build one store.
-    """
-    shards: list[list[int]] = []
-    size = 0
-    for i, identity in enumerate(identities):
-        if not shards or size + identity["bytes"] > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += identity["bytes"]
-    return shards
-
-
-def _records(source: SourceConfig, files: list[Path], spec: ExampleSpec, counts: "_Counts",
-             carve: tuple[str, float] | None = None) -> Iterator[list]:
-    """The ``(where, record)`` examples of ``files`` in chunks of about CHUNK_CHARS characters of JSON."""
-    chunk, size = [], 0
-    for path in files:
-        for where, record in file_records(source, path, spec.fields):
-            if carve is not None and not in_carved_split(json.dumps(record, sort_keys=True), carve):
-                counts.carved_out += 1
-                continue
-            chunk.append((where, record))
-            size += len(str(record))
-            if size >= CHUNK_CHARS:
-                yield chunk
-                chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-def _documents(source: SourceConfig, files: list[Path], counts: _Counts,
-               carve: tuple[str, float] | None = None) -> Iterator[list[str]]:
-    """The non-empty documents of ``files`` in chunks of about CHUNK_CHARS characters (empty ones are counted)."""
-    chunk, size = [], 0
-    for path in files:
-        for doc in file_documents(source, path):
-            if not doc.strip():
-                counts.skipped_empty += 1
-                continue
-            if carve is not None and not in_carved_split(doc, carve):
-                counts.carved_out += 1
-                continue
-            chunk.append(doc)
-            size += len(doc)
-            if size >= CHUNK_CHARS:
-                yield chunk
-                chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], tokenizer: Tokenizer,
-                workers: int, bar: Any, spec: ExampleSpec | None = None,
-                carve: tuple[str, float] | None = None) -> dict[str, Any]:
-    """Tokenize ``files`` into the shard ``path/name`` (atomically); returns its record."""
-    counts = _Counts()
-    source_bytes = sum(file_identity(p)["bytes"] for p in files)
-    use = workers if source_bytes >= POOL_MIN_BYTES else 1
-    chunks = _documents(source, files, counts, carve) if spec is None else _records(source, files, spec, counts,
-                                                                                     carve)
-    with ShardWriter(path, name, eot_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size,
-                     scored=spec is not None, weights_dtype=spec.weights_dtype if spec else "uint8") as writer:
-        for chunk in encode_in_order(tokenizer, chunks, use, spec):
-            writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths, chunk.weights)
-            counts.documents += len(chunk.doc_lengths)
-            for key in ("bytes", "words", "lines", "scored_tokens", "scored_bytes", "dropped_unscored"):
-                setattr(counts, key, getattr(counts, key) + getattr(chunk, key))
-            bar.update(chunk.bytes)
-        if counts.documents == 0:
-            what = (f"{counts.dropped_unscored} examples with no scored token" if spec is not None
-                    else f"{counts.skipped_empty} empty or whitespace-only")
-            raise CorpusError(f"{', '.join(map(str, files))}: no non-empty {'examples' if spec else 'documents'} "
-                              f"({what})")
-        sources = [{**file_identity(p), "xxh3": content_hash(p)} for p in files]
-        keys = ("documents", "skipped_empty", "bytes", "words", "lines")
-        if spec is not None:
-            keys += ("scored_tokens", "scored_bytes", "dropped_unscored")
-        if carve is not None:  # documents that went to the other split of the carve
-            keys += ("carved_out",)
-        stats = {k: getattr(counts, k) for k in keys}
-        return writer.commit({"sources": sources, "stats": stats})
 
 
 def _set_aside(path: Path, shards: list[str], why: list[str]) -> None:

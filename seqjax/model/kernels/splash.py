@@ -9,7 +9,7 @@ after the kernel. That also zeroes every gradient path through them: a real quer
 A sliding layer's window w (contract 2: ``i - j < w``) is splash's ``LocalMask`` with ``w - 1`` keys to the left
 and none to the right, which is the causal band; splash then skips the tiles outside the band as well. The mask is
 static, so the window must be a Python int: a scanned model whose layers mix windows chooses between two kernels
-with ``lax.cond`` (seqjax.model.transformer.Attention).
+with ``lax.cond`` (seqjax.model.block.Attention).
 
 Splash has an interpreter mode, which is how this wrapper is tested on a CPU.
 """
