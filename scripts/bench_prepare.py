@@ -59,7 +59,8 @@ from seqjax.config.load import load_config  # noqa: E402
 from seqjax.data.pipeline import build_pipeline  # noqa: E402
 from seqjax.data.plan import EpochPlanner  # noqa: E402
 from seqjax.store.build import prepare  # noqa: E402
-from seqjax.store.corpus import read_text, wikitext_articles  # noqa: E402
+from seqjax.store.corpus import read_text  # noqa: E402
+from seqjax.store.wikitext import wikitext_articles  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 1024  # run_clm's default block size for GPT-2-like models

@@ -1,1 +1,2 @@
-"""seqjax: a JAX language-model training stack that is careful about how sequences are cut, packed and batched."""
+"""seqjax: a JAX language-model training stack that is careful about how sequences are cut, packed
+and batched."""

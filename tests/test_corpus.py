@@ -17,9 +17,9 @@ from seqjax.store.corpus import (
     find_sources,
     read_split,
     read_text,
-    split_lines,
-    wikitext_articles,
 )
+from seqjax.store.lines import split_lines
+from seqjax.store.wikitext import wikitext_articles
 
 # The published WikiText-2 sizes: Merity et al. (2016), Table 1 (words = tokens incl. one <eos> per line).
 ARTICLES = {"train": 600, "valid": 60, "test": 60}

@@ -219,3 +219,20 @@ def test_training_and_evaluation_name_no_objective():
         if module.startswith(("seqjax.train", "seqjax.eval", "seqjax.main")):
             imported = {name for _, name in imported_modules(module, source, set(sources))}
             assert not imported & rows, (module, imported & rows)
+
+
+def test_functions_modules_and_lines_stay_readable_sizes():
+    """No function over 70 lines, no module over 500, and fewer than 5% of the package's lines over 100
+    characters: a reader sees a function in one screen (the loop's included)."""
+    long_functions, long_modules, lines, wide = [], [], 0, 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        rows = text.split("\n")
+        lines, wide = lines + len(rows), wide + sum(len(row) > 100 for row in rows)
+        if len(rows) > 501:  # (a file ending in a newline splits into one empty last row)
+            long_modules.append(f"{path.relative_to(PACKAGE)}: {len(rows) - 1} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 70:
+                long_functions.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
+    assert long_functions == [] and long_modules == []
+    assert wide / lines < 0.05, f"{wide} of {lines} lines are over 100 characters"

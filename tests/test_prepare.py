@@ -13,8 +13,10 @@ import pytest
 from corpus_factory import make_text_corpus
 from seqjax.config.load import load_config
 from seqjax.main.prepare import main
-from seqjax.store.corpus import count_words, read_text, split_lines, wikitext_articles
+from seqjax.store.corpus import count_words, read_text
+from seqjax.store.lines import split_lines
 from seqjax.store.tokenizer import Tokenizer
+from seqjax.store.wikitext import wikitext_articles
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = {"documents", "tokens", "bytes", "words", "tokens_per_word", "seconds", "skipped_empty", "reused"}

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
-from seqjax.store.corpus import read_text, split_lines
+from seqjax.store.corpus import read_text
+from seqjax.store.lines import split_lines
 from seqjax.store.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 
 EOT = "<|endoftext|>"

@@ -1,9 +1,10 @@
-"""``data.*``: where the text is, what a record is, and how the token stream is cut into rows (one section of the
-config tree, :mod:`seqjax.config.tree`).
+"""``data.*``: where the text is, what a record is, and how the token stream is cut into rows (one
+section of the config tree, :mod:`seqjax.config.tree`).
 
-The names of the strategies and packers are listed here for validation and ``--help-config``; what each one does
-and every rule that relates them to other keys is :mod:`seqjax.data.strategies`' table, which every command checks
-right after loading a config (:func:`seqjax.data.strategies.check_config`).
+The names of the strategies and packers are listed here for validation and ``--help-config``; what
+each one does and every rule that relates them to other keys is :mod:`seqjax.data.strategies`'
+table, which every command checks right after loading a config
+(:func:`seqjax.data.strategies.check_config`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from dataclasses import dataclass
 from seqjax.config.fields import DATA, DATA_DIR_ENV, setting
 from seqjax.core.errors import ConfigError
 
-# The names data.strategy and data.packer take; seqjax.data.strategies has a row for each (tests/test_packing.py).
+# The names data.strategy and data.packer take; seqjax.data.strategies has a row for each
+# (tests/test_packing.py).
 STRATEGIES = ("window", "random_offset", "sequential", "random_window", "concat_chunk", "block", "pack",
               "length_grouped")
-PACKERS = ("greedy", "first_fit", "best_fit", "best_fit_decreasing", "fill", "grain_first_fit", "grain_best_fit",
-           "grain_concat_split")
+PACKERS = ("greedy", "first_fit", "best_fit", "best_fit_decreasing", "fill", "grain_first_fit",
+           "grain_best_fit", "grain_concat_split")
 
 CORPORA = ("wikitext2", "text", "jsonl", "parquet", "hf")
 # What one record of a corpus is (seqjax.store.examples): a document, or an instruction example.
@@ -31,7 +33,8 @@ LOSS_ON_FOR = {"text": ("auto", "all"), "prompt_completion": ("auto", "completio
 
 @dataclass
 class SourceConfig:
-    """One corpus of a mixture (``data.sources``); a null key takes the value of the same ``data.*`` key."""
+    """One corpus of a mixture (``data.sources``); a null key takes the value of the same ``data.*``
+    key."""
 
     name: str = setting("", "the source's name in reports and cache folders (default: source<i>)")
     weight: float = setting(
@@ -68,11 +71,13 @@ class DataConfig:
         [], "for corpus text/jsonl/parquet/hf: the validation files, folders or globs")
     test_files: list[str] = setting(
         [], "for corpus text/jsonl/parquet/hf: the test files, folders or globs")
-    # The files' content is judged by the train store's identity; which field of them is the text is a key.
+    # The files' content is judged by the train store's identity; which field of them is the text is
+    # a key.
     text_field: str = setting("text",
                               "jsonl/parquet/hf: the key or column holding each document's text",
                               resume=DATA)
-    # Instruction data (docs/data.md, "Fine-tuning on instruction data"): which tokens the loss sees.
+    # Instruction data (docs/data.md, "Fine-tuning on instruction data"): which tokens the loss
+    # sees.
     format: str = setting("text", "what a record is: a document (text), or an instruction example",
                           choices=FORMATS, resume=DATA)
     loss_on: str = setting(
@@ -132,8 +137,9 @@ class DataConfig:
         resume=DATA,
     )
 
-    # How rows are cut: any change gives other batches, so a resume under it is refused unless allowed. (Which
-    # text and tokenizer the rows come from is judged by the train store's identity, which checkpoints record.)
+    # How rows are cut: any change gives other batches, so a resume under it is refused unless
+    # allowed. (Which text and tokenizer the rows come from is judged by the train store's identity,
+    # which checkpoints record.)
     strategy: str = setting("pack", "how the token stream is cut into rows", choices=STRATEGIES,
                             resume=DATA)
     seq_len: int = setting(256, "tokens per row (model inputs)", min=2, resume=DATA)
@@ -194,8 +200,8 @@ class DataConfig:
             if not any(source.weight > 0 for source in self.sources):
                 raise ConfigError(
                     "data.sources: every weight is 0, expected at least one positive weight")
-        # (data.train_files itself is required where the train split or a tokenizer trained on it is read:
-        # seqjax.store.build.prepare; eval and prepare of other splits need only theirs)
+        # (data.train_files itself is required where the train split or a tokenizer trained on it is
+        # read: seqjax.store.build.prepare; eval and prepare of other splits need only theirs)
         for source in self.resolved_sources():
             for split in ("train", "valid", "test"):
                 files = getattr(source, f"{split}_files")
@@ -213,8 +219,8 @@ class DataConfig:
                 )
 
     def _check_formats(self) -> None:
-        """Instruction formats: a corpus of records, and a loss_on the format has. (The strategy that keeps
-        examples whole: :func:`seqjax.data.strategies.check_config`.)"""
+        """Instruction formats: a corpus of records, and a loss_on the format has. (The strategy
+        that keeps examples whole: :func:`seqjax.data.strategies.check_config`.)"""
         formats = {source.format for source in self.resolved_sources()}
         for source in self.resolved_sources():
             if source.format != "text" and source.corpus not in ("jsonl", "parquet", "hf"):
@@ -237,7 +243,8 @@ class DataConfig:
         return self.seq_len if self.stride is None else self.stride
 
     def resolved_sources(self) -> list[SourceConfig]:
-        """Every source with no null left: each of ``data.sources`` filled in from ``data.*``, or the ``data.*`` corpus.
+        """Every source with no null left: each of ``data.sources`` filled in from ``data.*``, or
+        the ``data.*`` corpus.
 
         ``data.corpus=jsonl data.train_files=[a.jsonl]`` gives one source
         named ``main`` of weight 1; a source that leaves ``corpus`` null reads

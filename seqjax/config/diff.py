@@ -1,4 +1,5 @@
-"""What changed between a checkpoint's config and the config a run resumes under, key by key, with its kind.
+"""What changed between a checkpoint's config and the config a run resumes under, key by key, with
+its kind.
 
 Each key's ``resume`` metadata in :mod:`seqjax.config.tree` says what changing it does
 to a resumed run (exact resume, other batches, another model);
@@ -57,14 +58,14 @@ def _flatten(tree: typing.Mapping[str, Any], prefix: str = "") -> dict[str, Any]
 
 
 def resume_changes(saved: typing.Mapping[str, Any], current: Config) -> list[ConfigChange]:
-    """The keys whose values differ between ``saved`` (a checkpoint's config, as a dict) and ``current``.
+    """The keys whose values differ between ``saved`` (a checkpoint's config, as a dict) and
+    ``current``.
 
-    Each change carries its kind (field metadata ``resume``, default
-    ``exact``). A key the saved config lacks (added to seqjax since) is
-    compared with its default; a key it has that no longer exists is ignored.
-    For example, a run checkpointed with ``data.batch_size=16`` and resumed
-    with ``data.batch_size=8 train.steps=900`` gives
-    ``[ConfigChange("data.batch_size", 16, 8, "data"), ConfigChange("train.steps", 1000, 900, "exact")]``.
+    Each change carries its kind (field metadata ``resume``, default ``exact``). A key the saved
+    config lacks (added to seqjax since) is compared with its default; a key it has that no longer
+    exists is ignored. For example, a run checkpointed with ``data.batch_size=16`` and resumed with
+    ``data.batch_size=8 train.steps=900`` gives ``[ConfigChange("data.batch_size", 16, 8, "data"),
+    ConfigChange("train.steps", 1000, 900, "exact")]``.
     """
     old, new = _flatten(saved), _flatten(current.to_dict())
     changes = []

@@ -1,5 +1,5 @@
-"""How a config key is declared: :func:`setting` (a dataclass field with its help line and validation metadata), and
-what changing a key does to a resumed run.
+"""How a config key is declared: :func:`setting` (a dataclass field with its help line and
+validation metadata), and what changing a key does to a resumed run.
 
 Every key may carry metadata:
 
@@ -25,12 +25,12 @@ def setting(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
-# What a key changed between a checkpoint and its resume does (field metadata ``resume``; see resume_changes):
-# "exact": the steps after the checkpoint are still the ones the old config would have taken (bookkeeping,
-#   evaluation, mesh, backends), or the change only takes effect from the next update on (optimizer settings);
-# "data": the batches change (order, rows, tokens): refused unless train.allow_config_change, and then the
-#   data restarts at the next epoch boundary;
-# "model": the function the parameters compute changes (shapes are checked against the checkpoint itself):
-#   refused unless train.allow_config_change.
+# What a key changed between a checkpoint and its resume does (field metadata ``resume``; see
+# resume_changes): "exact": the steps after the checkpoint are still the ones the old config would
+# have taken (bookkeeping, evaluation, mesh, backends), or the change only takes effect from the
+# next update on (optimizer settings); "data": the batches change (order, rows, tokens): refused
+# unless train.allow_config_change, and then the data restarts at the next epoch boundary; "model":
+# the function the parameters compute changes (shapes are checked against the checkpoint itself):
+# refused unless train.allow_config_change.
 RESUME_KINDS = ("exact", "data", "model")
 DATA, MODEL = "data", "model"

@@ -1,4 +1,5 @@
-"""Reading a config: a YAML file plus dotted ``key=value`` overrides, typed, range-checked and validated.
+"""Reading a config: a YAML file plus dotted ``key=value`` overrides, typed, range-checked and
+validated.
 
 The schema (every key, its type, range and help line) is :mod:`seqjax.config.tree`;
 this module turns text into that tree and says, in one line, which key, value
@@ -112,7 +113,8 @@ def _build_item(key: str, value: Any, cls: type) -> Any:
 
 
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted leaf key of the tree, for help and typo suggestions (a list item's keys as ``data.sources[].x``)."""
+    """Every dotted leaf key of the tree, for help and typo suggestions (a list item's keys as
+    ``data.sources[].x``)."""
     keys = []
     for name, tp in typing.get_type_hints(cls).items():
         if dataclasses.is_dataclass(tp):
@@ -162,7 +164,8 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``data.seq_len=512`` -> ("data.seq_len", 512); the value is read as YAML (so 1e-3, true, null, [1,2] work)."""
+    """``data.seq_len=512`` -> ("data.seq_len", 512); the value is read as YAML (so 1e-3, true,
+    null, [1,2] work)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value, for example data.seq_len=512")
     key, raw = text.split("=", 1)
@@ -203,8 +206,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (),
                 base: dict[str, Any] | None = None) -> Config:
-    """Read a YAML config (or start from ``base``, a tree of section mappings, or the defaults), apply dotted
-    overrides, validate everything."""
+    """Read a YAML config (or start from ``base``, a tree of section mappings, or the defaults),
+    apply dotted overrides, validate everything."""
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         path = Path(path)
@@ -273,7 +276,8 @@ def _source_of_error(path: Path | None, from_file: dict[str, Any],
 
 
 def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yaml") -> Path:
-    """Print the resolved config (stdout, where a tool's results go) and save it beside the outputs it produced."""
+    """Print the resolved config (stdout, where a tool's results go) and save it beside the outputs
+    it produced."""
     print("# resolved config", flush=True)
     print(config.to_yaml(), flush=True)
     return config.save(Path(out_dir) / name)

@@ -1,5 +1,5 @@
-"""``model.*``: the Transformer's shape, the families' settings, RoPE, dropout, backends, and ``model.lora`` (one
-section of the config tree, :mod:`seqjax.config.tree`)."""
+"""``model.*``: the Transformer's shape, the families' settings, RoPE, dropout, backends, and
+``model.lora`` (one section of the config tree, :mod:`seqjax.config.tree`)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,21 @@ from seqjax.core.errors import ConfigError
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "cudnn_packed", "pallas", "pallas_mosaic", "splash")
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALING_TYPES = ("none", "linear", "llama3")
-# The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's tables).
+# The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's
+# tables).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
 REMAT_POLICIES = ("none", "full", "dots", "names")
-# The activations a block tags with jax.ad_checkpoint.checkpoint_name (model.remat=names keeps those listed).
+# The activations a block tags with jax.ad_checkpoint.checkpoint_name (model.remat=names keeps those
+# listed).
 REMAT_NAMES = ("q", "k", "v", "attn_out", "mlp_in", "mlp_out")
 
 
 @dataclass(frozen=True)  # hashable: the model keeps it as static graph data
 class RopeScalingConfig:
-    """How RoPE's frequencies are stretched for contexts longer than pretraining's (Llama 3.1's ``rope_scaling``).
+    """How RoPE's frequencies are stretched for contexts longer than pretraining's (Llama 3.1's
+    ``rope_scaling``).
 
     ``llama3`` keeps the high frequencies (wavelengths below
     original_max_position_embeddings / high_freq_factor), divides the low ones
@@ -30,7 +33,8 @@ class RopeScalingConfig:
     ``factor``, and interpolates smoothly in between.
     """
 
-    # Each of these changes the function the model computes, so a resume under a change is a model change.
+    # Each of these changes the function the model computes, so a resume under a change is a model
+    # change.
     type: str = setting(
         "none",
         "none: plain RoPE; linear: every frequency divided by factor (positions interpolated, "
@@ -49,7 +53,8 @@ class RopeScalingConfig:
                                                     min=1, resume=MODEL)
 
     def check(self) -> None:
-        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:  # (linear: factor only)
+        # (linear: factor only)
+        if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ConfigError(
                 f"model.rope_scaling.high_freq_factor: got {self.high_freq_factor}, expected more than "
                 f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (and both above 0)")
@@ -60,10 +65,12 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 @dataclass
 class LoraConfig:
-    """Low-rank adapters (``model.lora``): the base frozen, each target projection W used as W + (alpha / rank) B A.
+    """Low-rank adapters (``model.lora``): the base frozen, each target projection W used as W +
+    (alpha / rank) B A.
 
-    Flax's ``nnx.LoRA`` holds each adapter (A ~ its default init, B = 0, so a new adapter changes nothing); only
-    the adapters get gradients, optimizer state and checkpoints. ``rank: 0`` is off (every weight trains).
+    Flax's ``nnx.LoRA`` holds each adapter (A ~ its default init, B = 0, so a new adapter changes
+    nothing); only the adapters get gradients, optimizer state and checkpoints. ``rank: 0`` is off
+    (every weight trains).
     """
 
     rank: int = setting(0, "adapter rank r (0: no adapters, every weight trains)", min=0,
@@ -106,7 +113,8 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    # Keys that change parameter shapes are marked too, though a checkpoint's own array shapes are what decides.
+    # Keys that change parameter shapes are marked too, though a checkpoint's own array shapes are
+    # what decides.
     vocab_size: int | None = setting(None,
                                      "embedding rows (default: the tokenizer's vocabulary size)",
                                      min=2, resume=MODEL)
@@ -184,8 +192,9 @@ class ModelConfig:
         min=0.0,
     )
 
-    # What differs between the families (each false/null/empty is Llama's choice): seqjax.hf.families sets them
-    # from a config.json; a family is these settings, not a second model.
+    # What differs between the families (each false/null/empty is Llama's choice):
+    # seqjax.hf.families sets them from a config.json; a family is these settings, not a second
+    # model.
     family: str = setting(
         "llama",
         "the Hugging Face architecture export writes (llama, mistral, qwen2, qwen3, gemma3); "
@@ -235,13 +244,15 @@ class ModelConfig:
         return any(self.window_of(i) is not None for i in range(self.n_layers))
 
     def rope_of(self, layer: int) -> tuple[float, "RopeScalingConfig | None"]:
-        """(RoPE base, scaling) of layer ``layer``: a sliding layer's own base when rope_local_theta is set."""
+        """(RoPE base, scaling) of layer ``layer``: a sliding layer's own base when rope_local_theta
+        is set."""
         if self.rope_local_theta is not None and self.window_of(layer) is not None:
             return self.rope_local_theta, None
         return self.rope_theta, self.rope_scaling
 
     def check(self) -> None:
-        """The model's own rules; a null ``head_dim`` becomes d_model // n_heads here, so every reader sees an int."""
+        """The model's own rules; a null ``head_dim`` becomes d_model // n_heads here, so every
+        reader sees an int."""
         if self.layer_types and len(self.layer_types) != self.n_layers:
             raise ConfigError(
                 f"model.layer_types: got {len(self.layer_types)} entries, expected one per layer "

@@ -1,5 +1,5 @@
-"""``train.*``: the optimizer, the schedule, checkpoints, validation and what a run starts from (one section of the
-config tree, :mod:`seqjax.config.tree`)."""
+"""``train.*``: the optimizer, the schedule, checkpoints, validation and what a run starts from (one
+section of the config tree, :mod:`seqjax.config.tree`)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ class TrainConfig:
         "loss weighs the same (weights 1/its scored tokens; docs/design.md, contract 3)",
         choices=("tokens", "examples"), resume=DATA)
     objective: list[str] = setting(
-        ["lm"], "what the loss is (seqjax.objectives' table): lm, next-token cross-entropy; a list adds several, "
+        ["lm"],
+        "what the loss is (seqjax.objectives' table): lm, next-token cross-entropy; a list adds several, "
         "weighted by train.objective_weights (TRL's loss_type=[...]); a single name is a list of one",
         one_or_list=True)
     objective_weights: list[float] = setting(

@@ -43,7 +43,8 @@ from seqjax.config.train import TrainConfig
 from seqjax.core.errors import ConfigError
 from seqjax.core.files import write_text_atomic
 
-# The sections, importable from here as from their own modules; ConfigError and DATA_DIR_ENV with them.
+# The sections, importable from here as from their own modules; ConfigError and DATA_DIR_ENV with
+# them.
 __all__ = [
     "Config", "ConfigError", "DATA_DIR_ENV", "DataConfig", "DistributedConfig", "EvalConfig",
     "LoraConfig", "MeshConfig", "ModelConfig", "RESUME_KINDS", "RopeScalingConfig", "RunConfig",
@@ -75,8 +76,8 @@ class RunConfig:
 
 @dataclass
 class TokenizerConfig:
-    # The tokenizer's effect on a resumed run is judged by its hash (the checkpoint records it), not by these keys:
-    # a tokenizer.path that moved but holds the same file changes nothing.
+    # The tokenizer's effect on a resumed run is judged by its hash (the checkpoint records it), not
+    # by these keys: a tokenizer.path that moved but holds the same file changes nothing.
     path: str | None = setting(None, "an existing tokenizer.json to load instead of training one")
     vocab_size: int = setting(8192, "BPE vocabulary size, special tokens included", min=1)
     min_frequency: int = setting(2, "a pair must occur this often to be merged", min=1)
@@ -224,7 +225,8 @@ class Config:
                 f"eval.context: got {self.eval_context}, expected at most model.max_seq_len={limit}, the "
                 f"longest sequence the model was trained on (add model.max_seq_len={self.eval_context} "
                 "to evaluate beyond it anyway)")
-        stride_used = self.eval.mode == "sliding" or self.eval.context is not None  # else the stride is ignored
+        # else the stride is ignored
+        stride_used = self.eval.mode == "sliding" or self.eval.context is not None
         if stride_used and self.eval.stride is not None and self.eval.stride > self.eval_context:
             raise ConfigError(
                 f"eval.stride: got {self.eval.stride}, expected at most eval.context={self.eval_context}"
@@ -248,5 +250,6 @@ class Config:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the resolved config as YAML, atomically, so a run's folder always holds a loadable one."""
+        """Write the resolved config as YAML, atomically, so a run's folder always holds a loadable
+        one."""
         return write_text_atomic(path, self.to_yaml())

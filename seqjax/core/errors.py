@@ -1,4 +1,5 @@
-"""The errors that mean "the input is wrong": one base, so every CLI turns them into one line and exit code 2.
+"""The errors that mean "the input is wrong": one base, so every CLI turns them into one line and
+exit code 2.
 
 ``SeqjaxError`` is the base of the config, corpus, tokenizer, store and data
 errors, of the run's own (a run.dir another run holds, a checkpoint that does
@@ -35,7 +36,8 @@ class StoreError(SeqjaxError):
 
 
 class DataError(SeqjaxError):
-    """The data cannot produce what the config asks for (too small, overlong document under ``error``, ...)."""
+    """The data cannot produce what the config asks for (too small, overlong document under
+    ``error``, ...)."""
 
 
 class CheckpointError(SeqjaxError):
@@ -43,15 +45,18 @@ class CheckpointError(SeqjaxError):
 
 
 class CheckpointMismatchError(SeqjaxError):
-    """A complete checkpoint does not fit the config it is loaded under: the message lists the differing keys.
+    """A complete checkpoint does not fit the config it is loaded under: the message lists the
+    differing keys.
 
     Nothing is moved or deleted: the checkpoint is fine, the request is not.
     """
 
 
 class RunDirInUseError(SeqjaxError):
-    """Another training run holds the lock on ``run.dir``; the message names its host, PID and start time."""
+    """Another training run holds the lock on ``run.dir``; the message names its host, PID and start
+    time."""
 
 
 class UsageError(SeqjaxError):
-    """A command-line request is impossible: a flag's value, a prompt, a length (seqjax.main.cli and the CLIs)."""
+    """A command-line request is impossible: a flag's value, a prompt, a length (seqjax.main.cli and
+    the CLIs)."""

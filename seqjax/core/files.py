@@ -51,7 +51,8 @@ def finite_or_null(obj: Any) -> Any:
 
 
 def json_text(obj: Any, indent: int | None = None) -> str:
-    """``obj`` as strict JSON (non-finite numbers as null); numpy scalars are written as plain numbers."""
+    """``obj`` as strict JSON (non-finite numbers as null); numpy scalars are written as plain
+    numbers."""
     return json.dumps(finite_or_null(obj), indent=indent, allow_nan=False, default=_plain)
 
 
@@ -63,15 +64,17 @@ def _plain(obj: Any) -> Any:
 
 
 def check_new_folder(out: str | os.PathLike, *, overwrite: bool, flag: str = "--out") -> Path:
-    """``out`` as a Path, or UsageError when it is a file, or a folder with files in it and ``overwrite`` is off."""
+    """``out`` as a Path, or UsageError when it is a file, or a folder with files in it and
+    ``overwrite`` is off."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"{flag} {out}: is a file; expected a new or empty folder")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held and not overwrite:
         shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-        raise UsageError(f"{flag} {out}: not empty (holds {shown}); choose a new or empty folder, or pass --overwrite "
-                         "to replace it whole")
+        raise UsageError(
+            f"{flag} {out}: not empty (holds {shown}); choose a new or empty folder, or pass --overwrite "
+            "to replace it whole")
     return out
 
 
@@ -79,20 +82,23 @@ def check_new_folder(out: str | os.PathLike, *, overwrite: bool, flag: str = "--
 def staged_folder(out: str | os.PathLike, *, overwrite: bool, flag: str = "--out") -> Iterator[Path]:
     """Yield a hidden sibling of ``out`` to write into; on success it becomes ``out`` by one rename.
 
-    An exception removes the sibling and leaves ``out`` as it was: a failed export is never half-written.
-    ``out`` must be missing or empty (see :func:`check_new_folder`); with ``overwrite`` a non-empty ``out``
-    is replaced whole, and the old folder is removed only once the new one stands in its place.
+    An exception removes the sibling and leaves ``out`` as it was: a failed export is never
+    half-written. ``out`` must be missing or empty (see :func:`check_new_folder`); with
+    ``overwrite`` a non-empty ``out`` is replaced whole, and the old folder is removed only once the
+    new one stands in its place.
     """
     out = check_new_folder(out, overwrite=overwrite, flag=flag)
     staging = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_staging(out)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a killed earlier attempt of this same process id
+        # left by a killed earlier attempt of this same process id
+        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     except OSError as err:
-        raise UsageError(f"{flag} {out}: cannot write in {out.parent} ({err.strerror}); expected a folder you can "
-                         "write to") from None
+        raise UsageError(
+            f"{flag} {out}: cannot write in {out.parent} ({err.strerror}); expected a folder you can "
+            "write to") from None
     try:
         yield staging
     except BaseException:
@@ -102,7 +108,8 @@ def staged_folder(out: str | os.PathLike, *, overwrite: bool, flag: str = "--out
     if out.is_dir() and any(out.iterdir()):
         old = out.with_name(f".{out.name}.{os.getpid()}.replaced")
         os.replace(out, old)
-    for written in staging.rglob("*"):  # some writers (safetensors) create their files 0600: give the umask's mode
+    # some writers (safetensors) create their files 0600: give the umask's mode
+    for written in staging.rglob("*"):
         written.chmod(_umask_mode(0o777 if written.is_dir() else 0o666))
     os.replace(staging, out)  # over a missing or empty folder: atomic on POSIX
     if old is not None:
@@ -117,11 +124,13 @@ def _umask_mode(mode: int) -> int:
 
 
 def _remove_stale_staging(out: Path) -> None:
-    """Remove ``.NAME.PID.partial`` / ``.replaced`` siblings of ``out`` left by a writer that was killed: their
-    process is gone (as prepare takes over a stale lock). A live writer's folder is left alone."""
+    """Remove ``.NAME.PID.partial`` / ``.replaced`` siblings of ``out`` left by a writer that was
+    killed: their process is gone (as prepare takes over a stale lock). A live writer's folder is
+    left alone."""
     for sibling in out.parent.glob(f".{glob.escape(out.name)}.*.*"):
         pid, _, kind = sibling.name[len(out.name) + 2:].partition(".")
-        if kind in ("partial", "replaced") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if kind in ("partial", "replaced"
+                    ) and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(sibling, ignore_errors=True)
 
 

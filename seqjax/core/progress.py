@@ -23,5 +23,6 @@ def on_terminal() -> bool:
 
 
 def progress_bar(*, enabled: bool = True, **kwargs: Any) -> tqdm:
-    """A tqdm bar on stderr, drawn only when ``enabled`` and :func:`on_terminal` (else a silent counter)."""
+    """A tqdm bar on stderr, drawn only when ``enabled`` and :func:`on_terminal` (else a silent
+    counter)."""
     return tqdm(file=sys.stderr, disable=not (enabled and on_terminal()), **kwargs)

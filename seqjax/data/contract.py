@@ -1,4 +1,5 @@
-"""The batch contract (docs/design.md, contract 1) and the one function that builds it: :func:`contract_batch`.
+"""The batch contract (docs/design.md, contract 1) and the one function that builds it:
+:func:`contract_batch`.
 
 Every batch seqjax feeds a model, from every training strategy and every
 evaluation protocol, is a dict of five ``[rows, width]`` arrays, built here
@@ -38,10 +39,11 @@ from seqjax.data.ragged import exclusive_cumsum, positions_from_segments
 
 
 class Batch(TypedDict):
-    """Contract 1 (docs/design.md): five arrays of shape [batch, seq_len], numpy on the host, jax.Array on devices.
+    """Contract 1 (docs/design.md): five arrays of shape [batch, seq_len], numpy on the host,
+    jax.Array on devices.
 
-    Every strategy, evaluation and the train step take and give this one type. Some data (preference pairs,
-    images) add optional fields, each listed in :data:`OPTIONAL_FIELDS` with who reads it.
+    Every strategy, evaluation and the train step take and give this one type. Some data (preference
+    pairs, images) add optional fields, each listed in :data:`OPTIONAL_FIELDS` with who reads it.
     """
 
     inputs: Any  # int32: the token ids the model reads
@@ -51,14 +53,16 @@ class Batch(TypedDict):
     weights: Any  # float32: loss weight of targets[b, t]; 0 on padding and on anything not scored
 
 
-FIELDS = tuple(Batch.__annotations__)  # ("inputs", "targets", "segment_ids", "positions", "weights")
+# ("inputs", "targets", "segment_ids", "positions", "weights")
+FIELDS = tuple(Batch.__annotations__)
 
 
 @dataclass(frozen=True)
 class OptionalField:
-    """A field a batch may carry beyond the five (docs/design.md, contract 1): its dtype, what it holds, which data
-    gives it, and who reads it (``model``: the forward pass takes it as a keyword argument; else the objectives
-    that name it in their ``reads``). Its leading axis is the batch's rows, so micro-batches cut it like the five."""
+    """A field a batch may carry beyond the five (docs/design.md, contract 1): its dtype, what it
+    holds, which data gives it, and who reads it (``model``: the forward pass takes it as a keyword
+    argument; else the objectives that name it in their ``reads``). Its leading axis is the batch's
+    rows, so micro-batches cut it like the five."""
 
     dtype: Any
     meaning: str
@@ -77,21 +81,27 @@ def given_fields(d: Any) -> tuple[str, ...]:
 
 
 def check_reads(reads: tuple[str, ...], d: Any, who: str) -> None:
-    """Refuse, before any work, a reader (``who``: ``train.objective=dpo``) of a field data ``d`` does not give."""
+    """Refuse, before any work, a reader (``who``: ``train.objective=dpo``) of a field data ``d``
+    does not give."""
     for name in reads:
         if name not in given_fields(d):
-            raise ConfigError(f"{who} reads the batch field {name!r}, which data.format={d.format} does not give; "
-                              f"expected {OPTIONAL_FIELDS[name].given_by}")
+            raise ConfigError(
+                f"{who} reads the batch field {name!r}, which data.format={d.format} does not give; "
+                f"expected {OPTIONAL_FIELDS[name].given_by}")
 
 
 def model_fields(batch: dict[str, Any]) -> dict[str, Any]:
     """The optional fields of ``batch`` the model's forward pass reads, as its keyword arguments."""
-    return {name: batch[name] for name, field in OPTIONAL_FIELDS.items() if field.model and name in batch}
+    return {
+        name: batch[name]
+        for name, field in OPTIONAL_FIELDS.items() if field.model and name in batch
+    }
 
 
-def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, row_of_piece: np.ndarray,
-                   n_rows: int, width: int, scores: Any = None) -> Batch:
-    """The batch contract for rows made of stream pieces: the single definition used by every strategy.
+def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                   row_of_piece: np.ndarray, n_rows: int, width: int, scores: Any = None) -> Batch:
+    """The batch contract for rows made of stream pieces: the single definition used by every
+    strategy.
 
     Pieces are given in row order, and in order inside a row; each gets the next
     segment id of its row (1, 2, ...), positions restart at 0, and the row is
@@ -102,7 +112,8 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
     with one boolean-mask assignment per field (rows are filled from column 0),
     so the cost is a few linear numpy passes over the batch.
     """
-    # int32 index arithmetic whenever the stream allows it: np.repeat and friends run ~10x faster than on int64
+    # int32 index arithmetic whenever the stream allows it: np.repeat and friends run ~10x faster
+    # than on int64
     index = np.int32 if len(tokens) < np.iinfo(np.int32).max else np.int64
     starts = np.asarray(starts, index)
     predicted = (np.asarray(lengths) - 1).astype(np.int32)
@@ -118,7 +129,8 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
         tokens = np.asarray(tokens)  # a plain view of a memmap: cheaper fancy indexing
     # (else a TokenStream over several shards, indexed the same way without being read whole)
     inputs = tokens[source]
-    # inside a piece the target is the next input; only each piece's last target is read from the stream
+    # inside a piece the target is the next input; only each piece's last target is read from the
+    # stream
     targets = np.empty_like(inputs)
     targets[:-1] = inputs[1:]
     piece_last = exclusive_cumsum(predicted)[1:] - 1
@@ -130,10 +142,14 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
         "positions": position,
     }
     if scores is not None:
-        fields["weights"] = scores[source + 1]  # the target of input source[i] is the stream's next token
+        # the target of input source[i] is the stream's next token
+        fields["weights"] = scores[source + 1]
     if len(position) == n_rows * width:  # every row full (the common case): a reshape, no mask
-        out = {key: np.asarray(values, np.float32 if key == "weights" else np.int32).reshape(n_rows, width)
-               for key, values in fields.items()}
+        out = {
+            key: np.asarray(values,
+                            np.float32 if key == "weights" else np.int32).reshape(n_rows, width)
+            for key, values in fields.items()
+        }
         if scores is None:
             out["weights"] = np.ones((n_rows, width), np.float32)
         return out
@@ -148,7 +164,8 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray, 
 
 
 def from_grain_packed(element: dict[str, np.ndarray]) -> Batch:
-    """Grain's packers name fields ``<key>_segment_ids`` / ``<key>_positions``; give them the contract's names.
+    """Grain's packers name fields ``<key>_segment_ids`` / ``<key>_positions``; give them the
+    contract's names.
 
     Positions are recomputed from the segment ids so a split continuation
     restarts at 0 as the contract says, whatever the packer did.
@@ -159,5 +176,6 @@ def from_grain_packed(element: dict[str, np.ndarray]) -> Batch:
         "targets": np.asarray(element["targets"], np.int32),
         "segment_ids": segment_ids,
         "positions": positions_from_segments(segment_ids),
-        "weights": (segment_ids > 0).astype(np.float32) * np.asarray(element.get("weights", 1.0), np.float32),
+        "weights": (segment_ids > 0).astype(np.float32) *
+        np.asarray(element.get("weights", 1.0), np.float32),
     }

@@ -41,7 +41,8 @@ from seqjax.data.ragged import exclusive_cumsum, ragged_arange
 
 
 class Arranged(NamedTuple):
-    """Items arranged into rows, as CSR arrays: the pieces of row ``r`` are ``row_ptr[r]:row_ptr[r + 1]``.
+    """Items arranged into rows, as CSR arrays: the pieces of row ``r`` are ``row_ptr[r]:row_ptr[r +
+    1]``.
 
     ``widths``: each global batch's padded width, or None for ``seq_len`` everywhere.
     """
@@ -67,7 +68,8 @@ def check_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> None
 
 
 def dropped_as_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> np.ndarray:
-    """Which documents the overlong policy leaves out: under ``drop``, those predicting more than ``seq_len``."""
+    """Which documents the overlong policy leaves out: under ``drop``, those predicting more than
+    ``seq_len``."""
     doc_lengths = np.asarray(doc_lengths)
     return doc_lengths > seq_len if overlong == "drop" else np.zeros(len(doc_lengths), bool)
 
@@ -98,7 +100,8 @@ def document_items(
 
 
 def greedy(weights: np.ndarray, capacity: int, max_segments: int | None) -> np.ndarray:
-    """Next-fit (lmms-engine): fill the current row in order, start a new one when the next item does not fit.
+    """Next-fit (lmms-engine): fill the current row in order, start a new one when the next item
+    does not fit.
 
     One binary search per row over the items' running sum (Python's bisect on a
     list: numpy's per-call overhead would dominate these scalar searches).
@@ -113,7 +116,8 @@ def greedy(weights: np.ndarray, capacity: int, max_segments: int | None) -> np.n
 
 
 class _BestSlots:
-    """Open rows that can take more, as a sorted list of ``(free, slot)``: the tightest fit is one bisect."""
+    """Open rows that can take more, as a sorted list of ``(free, slot)``: the tightest fit is one
+    bisect."""
 
     def __init__(self, size: int):
         self.items: list[tuple[int, int]] = []
@@ -154,9 +158,8 @@ class _FirstSlots:
             tree[i] = max(tree[2 * i], tree[2 * i + 1])
 
 
-def fit(
-    weights: np.ndarray, capacity: int, max_segments: int | None, open_rows: int, best: bool, decreasing: bool
-) -> tuple[np.ndarray, np.ndarray]:
+def fit(weights: np.ndarray, capacity: int, max_segments: int | None, open_rows: int, best: bool,
+        decreasing: bool) -> tuple[np.ndarray, np.ndarray]:
     """First-fit or best-fit, online, with at most ``open_rows`` rows open at once.
 
     Each item goes to the first open row it fits (first-fit) or to the one it
@@ -175,7 +178,8 @@ def fit(
     rank = np.empty(n, np.int64)
     cap = n + 1 if max_segments is None else max_segments
     free, count, slot_row = [0] * open_rows, [0] * open_rows, [0] * open_rows
-    slots = _BestSlots(open_rows) if best else _FirstSlots(open_rows)  # rows that can still take an item
+    # rows that can still take an item
+    slots = _BestSlots(open_rows) if best else _FirstSlots(open_rows)
     used = next_row = 0
     for placed, (i, w) in enumerate(zip(order.tolist(), weights[order].tolist())):
         rank[i] = placed
@@ -197,7 +201,8 @@ def fit(
     return row, rank
 
 
-def rows_from_assignment(starts: np.ndarray, lengths: np.ndarray, row: np.ndarray, rank: np.ndarray | None = None):
+def rows_from_assignment(starts: np.ndarray, lengths: np.ndarray, row: np.ndarray,
+                         rank: np.ndarray | None = None):
     """CSR ``(starts, lengths, row_ptr)`` from each item's row (and order inside the row)."""
     order = np.lexsort((np.arange(len(row)) if rank is None else rank, row))
     n_rows = int(row.max()) + 1 if len(row) else 0
@@ -207,8 +212,9 @@ def rows_from_assignment(starts: np.ndarray, lengths: np.ndarray, row: np.ndarra
 
 def fill_rows(starts: np.ndarray, lengths: np.ndarray, capacity: int, max_segments: int | None = None,
               open_rows: int = 0):
-    """``fill``: concatenate the items and cut every ``capacity`` predictions: rows are full, documents split across
-    rows (so no segment cap: ``max_segments`` must be None, as the strategies table checks).
+    """``fill``: concatenate the items and cut every ``capacity`` predictions: rows are full,
+    documents split across rows (so no segment cap: ``max_segments`` must be None, as the strategies
+    table checks).
 
     A continuation piece reads the token before it as context and restarts its
     positions as a new segment, so no prediction is lost; only the last row is short.
@@ -231,7 +237,8 @@ def greedy_rows(starts: np.ndarray, lengths: np.ndarray, capacity: int, max_segm
 def _fit_rows(best: bool, decreasing: bool):
     def rows(starts: np.ndarray, lengths: np.ndarray, capacity: int, max_segments: int | None = None,
              open_rows: int = 1024):
-        row, rank = fit(lengths - 1, capacity, max_segments, open_rows, best=best, decreasing=decreasing)
+        row, rank = fit(lengths - 1, capacity, max_segments, open_rows, best=best,
+                        decreasing=decreasing)
         return rows_from_assignment(starts, lengths, row, rank)
 
     name = f"{'best' if best else 'first'}_fit{'_decreasing' if decreasing else ''}"
@@ -245,19 +252,23 @@ best_fit_decreasing_rows = _fit_rows(best=True, decreasing=True)
 
 
 def bucket_lengths(config: Config) -> np.ndarray:
-    """length_grouped widths: ``data.bucket_lengths`` or powers of two, always with ``seq_len`` as the last.
+    """length_grouped widths: ``data.bucket_lengths`` or powers of two, always with ``seq_len`` as
+    the last.
 
     ``data.seq_len=100`` and no buckets give ``[2, 4, 8, 16, 32, 64, 100]``.
     """
     d = config.data
-    chosen = d.bucket_lengths or [1 << k for k in range(1, d.seq_len.bit_length()) if 1 << k < d.seq_len]
+    chosen = d.bucket_lengths or [
+        1 << k for k in range(1, d.seq_len.bit_length()) if 1 << k < d.seq_len
+    ]
     return np.unique(np.asarray([*chosen, d.seq_len], np.int64))
 
 
 def length_grouped_order(
     weights: np.ndarray, batch_size: int, mega_batch_mult: int, buckets: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """HF's LengthGroupedSampler idea on already shuffled rows, with padded widths from a fixed set of buckets.
+    """HF's LengthGroupedSampler idea on already shuffled rows, with padded widths from a fixed set
+    of buckets.
 
     Mega-batches of ``mega_batch_mult * batch_size`` rows are each sorted
     longest first and cut into batches; the batch with the longest row moves to
@@ -286,11 +297,14 @@ def length_grouped_order(
 
 
 def grouped_rows(starts: np.ndarray, lengths: np.ndarray, config: Config) -> Arranged:
-    """``data.strategy=length_grouped``: one item per row, rows of similar length in one batch of a bucket's width.
+    """``data.strategy=length_grouped``: one item per row, rows of similar length in one batch of a
+    bucket's width.
 
     Rows ``-1`` from :func:`length_grouped_order` (filling the last batch) are empty rows: no piece.
     """
     d = config.data
-    rows, widths = length_grouped_order(lengths - 1, d.batch_size, d.mega_batch_mult, bucket_lengths(config))
+    rows, widths = length_grouped_order(lengths - 1, d.batch_size, d.mega_batch_mult,
+                                        bucket_lengths(config))
     pieces = rows[rows >= 0]
-    return Arranged(starts[pieces], lengths[pieces], exclusive_cumsum((rows >= 0).astype(np.int64)), widths)
+    return Arranged(starts[pieces], lengths[pieces], exclusive_cumsum((rows >= 0).astype(np.int64)),
+                    widths)

@@ -1,4 +1,5 @@
-"""A window of an epoch as a random-access Grain dataset, and the windows and epochs chained into one iterator.
+"""A window of an epoch as a random-access Grain dataset, and the windows and epochs chained into
+one iterator.
 
 ``window_dataset(planner, epoch, position, ...)[k]`` is this process's slice
 of global batch ``k`` of the window served at ``position`` of that epoch,
@@ -24,16 +25,19 @@ from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.scored import target_weights
 
-# Batches are built this many token slots at a time: numpy's per-call overhead dominates a single batch.
+# Batches are built this many token slots at a time: numpy's per-call overhead dominates a single
+# batch.
 BUILD_SLOTS = 1 << 18
 
 
 def next_epoch_start(state: dict[str, Any] | None) -> dict[str, Any]:
-    """The iterator state at the start of the next epoch after ``state`` (``state`` itself at an epoch's start).
+    """The iterator state at the start of the next epoch after ``state`` (``state`` itself at an
+    epoch's start).
 
-    ``{"epoch": e, "batch": k, ...}`` becomes ``{"epoch": e + 1, "batch": 0}`` (``e`` itself when ``k = 0``);
-    no state, or one of another iterator, starts at epoch 0. A resume under a config that changes the batches
-    goes on from here: the new config's cut of a whole epoch, never the middle of one.
+    ``{"epoch": e, "batch": k, ...}`` becomes ``{"epoch": e + 1, "batch": 0}`` (``e`` itself when
+    ``k = 0``); no state, or one of another iterator, starts at epoch 0. A resume under a config
+    that changes the batches goes on from here: the new config's cut of a whole epoch, never the
+    middle of one.
     """
     if state is None or "epoch" not in state:
         return {"epoch": 0, "batch": 0}
@@ -41,13 +45,15 @@ def next_epoch_start(state: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def started(position: dict[str, Any]) -> bool:
-    """Whether a saved position is past its epoch's first batch (any of the iterators' counters above 0)."""
+    """Whether a saved position is past its epoch's first batch (any of the iterators' counters
+    above 0)."""
     return any(int(position.get(key, 0)) > 0 for key in ("batch", "window", "window_batch", "row"))
 
 
 def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_index: int,
                    process_count: int) -> grain.MapDataset:
-    """Random access to this process's batches of one window: ``ds[k]`` is its slice of the window's batch ``k``.
+    """Random access to this process's batches of one window: ``ds[k]`` is its slice of the window's
+    batch ``k``.
 
     Consecutive batches are built together (a group of about ``BUILD_SLOTS``
     tokens) and the last group is kept, so sequential reads cost one
@@ -80,7 +86,8 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
 
 
 class EpochsIterDataset(grain.IterDataset):
-    """Window after window, epoch after epoch, of a planner; state ``{epoch, batch, window, window_batch}``."""
+    """Window after window, epoch after epoch, of a planner; state ``{epoch, batch, window,
+    window_batch}``."""
 
     def __init__(self, planner: EpochPlanner, process_index: int = 0, process_count: int = 1):
         super().__init__()

@@ -1,4 +1,5 @@
-"""Mixtures (``data.sources``): every global batch draws rows from each source in proportion to its weight.
+"""Mixtures (``data.sources``): every global batch draws rows from each source in proportion to its
+weight.
 
 Each source is cut by the configured strategy on its own (its own
 :class:`~seqjax.data.plan.EpochPlanner`, windows and epochs), so every
@@ -41,7 +42,8 @@ BLOCK_BATCHES = 16
 
 
 def shares(weights: list[float], total: int) -> np.ndarray:
-    """``total`` split by ``weights``, largest remainders first: ``shares([3, 1, 1], 8)`` is ``[5, 2, 1]``."""
+    """``total`` split by ``weights``, largest remainders first: ``shares([3, 1, 1], 8)`` is ``[5,
+    2, 1]``."""
     w = np.asarray(weights, np.float64)
     exact = w / w.sum() * total
     counts = np.floor(exact).astype(np.int64)
@@ -50,7 +52,8 @@ def shares(weights: list[float], total: int) -> np.ndarray:
 
 
 class Schedule:
-    """Which source fills each row of each global batch: ``sources(step)`` is an int array of ``batch_size``."""
+    """Which source fills each row of each global batch: ``sources(step)`` is an int array of
+    ``batch_size``."""
 
     def __init__(self, weights: list[float], batch_size: int, seed: int):
         self.batch_size, self.seed = batch_size, seed
@@ -67,7 +70,8 @@ class Schedule:
 
 
 class _SourceRows:
-    """One source's rows in its own serving order (epochs, windows, non-empty rows), read ``n`` at a time."""
+    """One source's rows in its own serving order (epochs, windows, non-empty rows), read ``n`` at a
+    time."""
 
     def __init__(self, planner: EpochPlanner):
         self.planner = planner
@@ -75,7 +79,8 @@ class _SourceRows:
         self._last: tuple[tuple[int, int], RowPlan, np.ndarray] | None = None
 
     def _real(self, epoch: int, window: int) -> tuple[RowPlan, np.ndarray]:
-        """The window's plan and its non-empty rows (the rows that complete its last batch are skipped)."""
+        """The window's plan and its non-empty rows (the rows that complete its last batch are
+        skipped)."""
         if self._last is None or self._last[0] != (epoch, window):
             plan = self.planner.window_plan(epoch, window)
             self._last = ((epoch, window), plan, np.flatnonzero(plan.segments_per_row > 0))
@@ -96,7 +101,8 @@ class _SourceRows:
                 self.row += len(rows)
             empty = 0 if len(real) else empty + 1
             if empty > len(self.planner.windows(self.epoch)):
-                raise RuntimeError("a mixture source gives no rows")  # check_rows refused such a source before
+                # check_rows refused such a source before
+                raise RuntimeError("a mixture source gives no rows")
             if self.row >= len(real):
                 self.window, self.row = self.window + 1, 0
         return out
@@ -111,20 +117,25 @@ class _SourceRows:
 def next_epoch_start(state: dict[str, Any] | None, n_sources: int) -> dict[str, Any]:
     """The mixture's state with every source at the start of its own next epoch; the step is kept.
 
-    When the number of sources changed, or the run turns into a mixture, every source starts from epoch 0.
+    When the number of sources changed, or the run turns into a mixture, every source starts from
+    epoch 0.
     """
     saved = state.get("sources") if state is not None else None
     if saved is not None and len(saved) == n_sources:
-        return {"step": int(state["step"]),
-                "sources": [{"epoch": int(s["epoch"]) + started(s), "window": 0, "row": 0} for s in saved]}
+        return {
+            "step": int(state["step"]),
+            "sources": [{"epoch": int(s["epoch"]) + started(s), "window": 0, "row": 0}
+                        for s in saved]
+        }
     return {"step": 0, "sources": [{"epoch": 0, "window": 0, "row": 0} for _ in range(n_sources)]}
 
 
 class MixtureIterDataset(grain.IterDataset):
-    """Batches of a mixture store (``TokenStore.concat``), this process's slice of each; state ``{step, sources}``."""
+    """Batches of a mixture store (``TokenStore.concat``), this process's slice of each; state
+    ``{step, sources}``."""
 
-    def __init__(self, config: Config, store: TokenStore, planners: list[EpochPlanner], process_index: int = 0,
-                 process_count: int = 1):
+    def __init__(self, config: Config, store: TokenStore, planners: list[EpochPlanner],
+                 process_index: int = 0, process_count: int = 1):
         super().__init__()
         self._args = (config, store, planners, process_index, process_count)
 
@@ -133,8 +144,9 @@ class MixtureIterDataset(grain.IterDataset):
 
 
 class _MixtureIterator(grain.DatasetIterator):
-    def __init__(self, config: Config, store: TokenStore, planners: list[EpochPlanner], process_index: int,
-                 process_count: int):
+
+    def __init__(self, config: Config, store: TokenStore, planners: list[EpochPlanner],
+                 process_index: int, process_count: int):
         super().__init__()
         d = config.data
         self.schedule = Schedule([w for _, w, _, _ in store.sources], d.batch_size, config.run.seed)
@@ -142,7 +154,8 @@ class _MixtureIterator(grain.DatasetIterator):
         self.tokens = store.tokens
         self.scores = target_weights(store, config.train.loss_normalization)
         ends = np.cumsum([len(p.store.tokens) for p in planners]) - np.arange(len(planners))
-        self.bases = np.concatenate([[0], ends[:-1] - 1])  # where each source's stream starts in the mixture's
+        # where each source's stream starts in the mixture's
+        self.bases = np.concatenate([[0], ends[:-1] - 1])
         local = d.batch_size // process_count
         self.slots = slice(process_index * local, (process_index + 1) * local)
         self.buckets = batch_widths(config)
@@ -165,12 +178,15 @@ class _MixtureIterator(grain.DatasetIterator):
                 j += len(plan_rows)
         self.step += 1
         starts, lengths, rows = (np.concatenate(a) for a in (starts, lengths, rows))
-        order = np.argsort(rows, kind="stable")  # pieces in row order, each row's pieces kept in their order
+        # pieces in row order, each row's pieces kept in their order
+        order = np.argsort(rows, kind="stable")
         n_rows = self.slots.stop - self.slots.start
-        longest = int(np.bincount(rows, weights=lengths - 1, minlength=n_rows).max()) if len(rows) else 0
+        longest = int(np.bincount(rows, weights=lengths -
+                                  1, minlength=n_rows).max()) if len(rows) else 0
         width = int(self.buckets[np.searchsorted(self.buckets, longest)]) if len(self.buckets) > 1 \
             else int(self.buckets[0])
-        return contract_batch(self.tokens, starts[order], lengths[order], rows[order], n_rows, width, self.scores)
+        return contract_batch(self.tokens, starts[order], lengths[order], rows[order], n_rows,
+                              width, self.scores)
 
     def get_state(self) -> dict[str, Any]:
         return {"step": self.step, "sources": [r.state() for r in self.readers]}

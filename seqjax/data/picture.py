@@ -1,4 +1,5 @@
-"""One batch's layout as a picture: rows down, positions across, a colour per example, prompts shaded.
+"""One batch's layout as a picture: rows down, positions across, a colour per example, prompts
+shaded.
 
 ``python -m seqjax.data --plot FILE.png`` draws the first batch the configured
 strategy builds, so a reader sees what was packed together and what the loss
@@ -16,17 +17,21 @@ from seqjax.data.contract import Batch
 
 
 def layout_image(batch: Batch) -> np.ndarray:
-    """``[rows, width, 3]`` RGB in [0, 1]: hue per segment, pale where not scored, white on padding."""
+    """``[rows, width, 3]`` RGB in [0, 1]: hue per segment, pale where not scored, white on
+    padding."""
     segments = np.asarray(batch["segment_ids"])
     scored = np.asarray(batch["weights"]) > 0
-    # Each example of the batch gets its own number (segment ids restart at 1 in every row: coloured by them, the
-    # first example of every row looked the same), and consecutive numbers far-apart hues (golden-ratio steps).
+    # Each example of the batch gets its own number (segment ids restart at 1 in every row: coloured
+    # by them, the first example of every row looked the same), and consecutive numbers far-apart
+    # hues (golden-ratio steps).
     before = np.concatenate([[0], np.cumsum(segments.max(axis=1))[:-1]])
     example = np.where(segments > 0, segments + before[:, None], 0)
     hue = (example * 0.618034) % 1.0
     import matplotlib.colors as colors  # (imported only when a picture is drawn)
 
-    rgb = colors.hsv_to_rgb(np.stack([hue, np.where(scored, 0.85, 0.3), np.where(scored, 0.8, 0.97)], -1))
+    rgb = colors.hsv_to_rgb(
+        np.stack([hue, np.where(scored, 0.85, 0.3),
+                  np.where(scored, 0.8, 0.97)], -1))
     rgb[segments == 0] = 1.0
     return rgb
 

@@ -38,7 +38,8 @@ from seqjax.store.reader import TokenStore
 def build_pipeline(
     config: Config, store: TokenStore, *, process_index: int = 0, process_count: int = 1
 ) -> grain.IterDataset:
-    """An infinite ``grain.IterDataset`` of this process's batches: dicts of the five contract arrays.
+    """An infinite ``grain.IterDataset`` of this process's batches: dicts of the five contract
+    arrays.
 
     Local shape ``[data.batch_size // process_count, L]`` (``L = data.seq_len``,
     or a bucket length for ``length_grouped``). Batches are a pure function of
@@ -47,13 +48,17 @@ def build_pipeline(
     processes, process 1 reads rows 4..7 of every global batch.
     """
     if not 0 <= process_index < process_count:
-        raise ConfigError(f"process_index: got {process_index}, expected 0 <= index < process_count={process_count}")
+        raise ConfigError(
+            f"process_index: got {process_index}, expected 0 <= index < process_count={process_count}"
+        )
     d = config.data
     strategies.check_config(config)
     strategies.check(config, store, process_count)
     if strategies.uses_grain_packer(d):
-        return strategies.grain_packed(config, store, process_index=process_index, process_count=process_count)
-    if store.sources:  # a mixture: every strategy runs within each source, the schedule shares out the rows
+        return strategies.grain_packed(config, store, process_index=process_index,
+                                       process_count=process_count)
+    # a mixture: every strategy runs within each source, the schedule shares out the rows
+    if store.sources:
         planners = []
         for source in store.source_stores:
             strategies.check(config, source, process_count)
@@ -66,11 +71,12 @@ def build_pipeline(
 
 
 def next_epoch_start(state: dict[str, Any] | None, config: Config) -> dict[str, Any] | None:
-    """The data position to resume from when a resume changes how batches are cut (``train.allow_config_change``).
+    """The data position to resume from when a resume changes how batches are cut
+    (``train.allow_config_change``).
 
-    The old position means nothing under the new cut, so the run goes on at the start of the next epoch of the
-    pipeline that ``config`` builds. None for Grain's packers: their state is Grain's own, and their stream starts
-    again from its beginning.
+    The old position means nothing under the new cut, so the run goes on at the start of the next
+    epoch of the pipeline that ``config`` builds. None for Grain's packers: their state is Grain's
+    own, and their stream starts again from its beginning.
     """
     if strategies.uses_grain_packer(config.data):
         return None

@@ -1,4 +1,5 @@
-"""The plan of an epoch, a window at a time: which stream pieces fill which row, a pure function of ``(seed, epoch)``.
+"""The plan of an epoch, a window at a time: which stream pieces fill which row, a pure function of
+``(seed, epoch)``.
 
 An epoch is cut into *windows* of about ``data.plan_window_tokens`` tokens, and
 only the window being read is planned, so planning memory follows the window,
@@ -26,8 +27,8 @@ planned in one piece: its epoch is one window, shuffled as one.
 Which kind a strategy is, its rows function, and whether it shuffles come from
 the table in :mod:`seqjax.data.strategies`.
 
-Row plans (:class:`RowPlan`): an epoch as integer arrays, so batch ``k`` is random access and statistics
-need no token read.
+Row plans (:class:`RowPlan`): an epoch as integer arrays, so batch ``k`` is random access and
+statistics need no token read.
 
 Every strategy describes an epoch as a :class:`RowPlan`: for each row, the
 *pieces* that fill it, each a contiguous slice of the token stream. A piece of
@@ -44,8 +45,7 @@ are computed without reading a token.
 
 A worked example: rows ``[piece 0 | piece 1]`` and ``[piece 2]`` are
 ``starts=[10, 20, 40]``, ``lengths=[5, 4, 9]``, ``row_ptr=[0, 2, 3]``; with
-``seq_len=8`` row 0 holds 4 + 3 = 7 predictions (one slot of padding) and
-row 1 holds 8.
+``seq_len=8`` row 0 holds 4 + 3 = 7 predictions (one slot of padding) and row 1 holds 8.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class RowPlan:
         row_ptr = np.asarray(row_ptr, np.int64)
         n_batches = -(-(len(row_ptr) - 1) // batch_size)
         widths = np.broadcast_to(np.asarray(width, np.int64), (n_batches,)).copy()
-        return cls(np.asarray(starts, np.int64), np.asarray(lengths, np.int64), row_ptr, batch_size, widths)
+        return cls(np.asarray(starts, np.int64), np.asarray(lengths, np.int64), row_ptr, batch_size,
+                   widths)
 
     @classmethod
     def from_spans(cls, starts, lengths, batch_size: int, width: int) -> "RowPlan":
@@ -112,7 +113,8 @@ class RowPlan:
         return RowPlan.from_rows(starts, lengths, exclusive_cumsum(counts), self.batch_size, width)
 
     def split_at(self, boundaries: np.ndarray) -> "RowPlan":
-        """Split every piece at the stream positions in ``boundaries`` (sorted) that fall strictly inside it.
+        """Split every piece at the stream positions in ``boundaries`` (sorted) that fall strictly
+        inside it.
 
         Used with the EOT positions (``doc_offsets - 1``) to give each document
         its own segment: the EOT ends one piece (as the last target) and opens
@@ -131,14 +133,17 @@ class RowPlan:
         row_ptr = exclusive_cumsum(cuts + 1)[self.row_ptr]
         return RowPlan(starts, ends - starts + 1, row_ptr, self.batch_size, self.widths)
 
-    def batch_rows(self, batches: np.ndarray, process_index: int = 0, process_count: int = 1) -> np.ndarray:
-        """Rows of global batches ``batches`` that process ``process_index`` reads: a contiguous slice of each."""
+    def batch_rows(self, batches: np.ndarray, process_index: int = 0,
+                   process_count: int = 1) -> np.ndarray:
+        """Rows of global batches ``batches`` that process ``process_index`` reads: a contiguous
+        slice of each."""
         local = self.batch_size // process_count
         first = np.asarray(batches, np.int64)[:, None] * self.batch_size + process_index * local
         return (first + np.arange(local)).reshape(-1)
 
     def pieces(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(starts, lengths, row_of_piece)`` of rows ``rows``; a row ``-1`` or past the end is empty."""
+        """``(starts, lengths, row_of_piece)`` of rows ``rows``; a row ``-1`` or past the end is
+        empty."""
         rows = np.asarray(rows, np.int64)
         valid = (rows >= 0) & (rows < self.num_rows)
         safe = np.where(valid, rows, 0)
@@ -157,7 +162,8 @@ def coverage(plan: RowPlan, n_tokens: int) -> np.ndarray:
 
 
 class EpochPlanner:
-    """Plans of epochs for one (config, store), a window at a time; every plan is a pure function of its arguments.
+    """Plans of epochs for one (config, store), a window at a time; every plan is a pure function of
+    its arguments.
 
     ``windows(e)`` is the serving order of epoch ``e``'s windows,
     ``window_plan(e, w)`` the rows of window ``w`` (in serving order), and
@@ -176,25 +182,31 @@ class EpochPlanner:
         if self.strategy.rows is not None:
             per_window = -(-d.plan_window_tokens // (d.seq_len * d.batch_size))
             self.window_rows = max(1, per_window) * d.batch_size
-        else:  # windows of whole documents, cut where the stream passes each multiple of plan_window_tokens
-            cuts = np.searchsorted(store.doc_offsets, np.arange(1, store.num_tokens // d.plan_window_tokens + 1)
-                                   * d.plan_window_tokens)
+        else:
+            # windows of whole documents, cut where the stream passes each multiple of
+            # plan_window_tokens
+            cuts = np.searchsorted(
+                store.doc_offsets,
+                np.arange(1, store.num_tokens // d.plan_window_tokens + 1) * d.plan_window_tokens)
             self.doc_bounds = np.unique(np.concatenate([[0], cuts[(cuts > 0) & (cuts < store.num_docs)],
                                                         [store.num_docs]]))
         self._plans: dict[tuple[int, int], RowPlan] = {}
         self._epochs: dict[int, tuple[Rows | None, np.ndarray]] = {}
 
     def rng(self, epoch: int, window: int | None = None) -> np.random.Generator:
-        return np.random.default_rng([self.seed, epoch] if window is None else [self.seed, epoch, window])
+        key = [self.seed, epoch] if window is None else [self.seed, epoch, window]
+        return np.random.default_rng(key)
 
     @functools.cached_property
     def _static_rows(self) -> Rows:
         return self.strategy.rows(self.store, self.data, self.seed, 0, self.rng(0))
 
     def _epoch(self, epoch: int) -> tuple[Rows | None, np.ndarray]:
-        """The epoch's rows (stream strategies) and its windows' serving order, both from ``(seed, epoch)``."""
+        """The epoch's rows (stream strategies) and its windows' serving order, both from ``(seed,
+        epoch)``."""
         if epoch not in self._epochs:
-            self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}  # an iterator and a resume
+            # an iterator and a resume
+            self._epochs = {e: v for e, v in self._epochs.items() if e == epoch - 1}
             self._epochs[epoch] = self._new_epoch(epoch)
         return self._epochs[epoch]
 
@@ -218,7 +230,8 @@ class EpochPlanner:
         return self._epoch(epoch)[1]
 
     def window_plan(self, epoch: int, position: int) -> RowPlan:
-        """The rows of the window served at ``position`` in epoch ``epoch``; the current and previous are kept."""
+        """The rows of the window served at ``position`` in epoch ``epoch``; the current and
+        previous are kept."""
         key = (epoch, position)
         if key not in self._plans:
             self._plans = {k: p for k, p in self._plans.items() if k == max(self._plans, default=key)}
@@ -226,15 +239,18 @@ class EpochPlanner:
         return self._plans[key]
 
     def window_batches(self, epoch: int, position: int) -> int:
-        """Global batches in that window; arithmetic for stream strategies, planned for the others."""
+        """Global batches in that window; arithmetic for stream strategies, planned for the
+        others."""
         rows, order = self._epoch(epoch)
         if rows is not None:
             w = int(order[position])
-            return -(-(min((w + 1) * self.window_rows, rows.count) - w * self.window_rows) // self.data.batch_size)
+            return -(-(min((w + 1) * self.window_rows, rows.count) - w * self.window_rows) //
+                     self.data.batch_size)
         return self.window_plan(epoch, position).num_batches
 
     def plan(self, epoch: int) -> RowPlan:
-        """The whole epoch, its windows joined in serving order (each window's rows padded to whole batches)."""
+        """The whole epoch, its windows joined in serving order (each window's rows padded to whole
+        batches)."""
         plans = [self.window_plan(epoch, i) for i in range(len(self.windows(epoch)))]
         return join(plans, self.data.batch_size) if plans else self._empty()
 
@@ -246,40 +262,48 @@ class EpochPlanner:
         w = int(order[position])
         rng = self.rng(epoch, w)
         if rows is not None:
-            return self._span_rows(rows.spans(w * self.window_rows, min((w + 1) * self.window_rows, rows.count)), rng)
+            return self._span_rows(
+                rows.spans(w * self.window_rows, min((w + 1) * self.window_rows, rows.count)), rng)
         first, end = int(self.doc_bounds[w]), int(self.doc_bounds[w + 1])
         if self.strategy.window_spans is not None:
             return self._span_rows(self.strategy.window_spans(self.store, self.data, first, end), rng)
         return self._document_rows(first, end, rng)
 
     def _span_rows(self, spans: tuple[np.ndarray, np.ndarray], rng: np.random.Generator) -> RowPlan:
-        """One span per row, shuffled where the strategy allows, one segment per document piece unless asked not to."""
+        """One span per row, shuffled where the strategy allows, one segment per document piece
+        unless asked not to."""
         d = self.data
         starts, lengths = spans
         plan = RowPlan.from_spans(starts, lengths, d.batch_size, d.seq_len)
         if d.shuffle and self.strategy.shuffles:
             plan = plan.take(rng.permutation(plan.num_rows))
         if not d.cross_document_attention and len(starts):
-            # the EOTs (segment boundaries) inside this window's stretch of the stream, not the whole store's
+            # the EOTs (segment boundaries) inside this window's stretch of the stream, not the
+            # whole store's
             offsets = self.store.doc_offsets
             lo, hi = np.searchsorted(offsets, [starts.min(), (starts + lengths).max()])
             plan = plan.split_at(np.asarray(offsets[max(lo - 1, 0) : hi + 1], np.int64) - 1)
         return plan
 
     def _document_rows(self, first: int, end: int, rng: np.random.Generator) -> RowPlan:
-        """Documents first..end-1 in (shuffled) order after data.overlong, arranged by the strategy's table entry."""
+        """Documents first..end-1 in (shuffled) order after data.overlong, arranged by the
+        strategy's table entry."""
         d = self.data
         count = end - first
         order = first + (rng.permutation(count) if d.shuffle else np.arange(count))
-        starts, lengths = document_rows.document_items(self.store.doc_offsets, order, d.seq_len, item_overlong(d))
+        starts, lengths = document_rows.document_items(self.store.doc_offsets, order, d.seq_len,
+                                                       item_overlong(d))
         strategy = STRATEGIES[d.strategy]
         arranged = strategy.document_rows(starts, lengths, self.config)
         widths = arranged.widths if arranged.widths is not None else d.seq_len
-        plan = RowPlan.from_rows(arranged.starts, arranged.lengths, arranged.row_ptr, d.batch_size, widths)
-        return plan.take(rng.permutation(plan.num_rows)) if d.shuffle and strategy.reshuffle_rows else plan
+        plan = RowPlan.from_rows(arranged.starts, arranged.lengths, arranged.row_ptr, d.batch_size,
+                                 widths)
+        return plan.take(rng.permutation(
+            plan.num_rows)) if d.shuffle and strategy.reshuffle_rows else plan
 
     def check_rows(self, whole_batch: bool = True) -> None:
-        """Refuse a strategy that gives no row, or (``whole_batch``) an epoch smaller than a batch, before any work.
+        """Refuse a strategy that gives no row, or (``whole_batch``) an epoch smaller than a batch,
+        before any work.
 
         A mixture's source only needs rows: the batch draws them from every source.
         """
@@ -294,29 +318,35 @@ class EpochPlanner:
         if count == 0:
             why = " (data.overlong=drop dropped every document)" if d.overlong == "drop" and self.strategy.documents \
                 else ""
-            raise DataError(f"data.strategy={d.strategy}: the store gives no rows at data.seq_len={d.seq_len}{why}")
+            raise DataError(
+                f"data.strategy={d.strategy}: the store gives no rows at data.seq_len={d.seq_len}{why}"
+            )
         if whole_batch and count < d.batch_size and self.strategy.has_epochs:
             raise DataError(
                 f"data.batch_size={d.batch_size} is larger than one epoch of data: data.strategy={d.strategy} gives "
                 f"{count} rows of data.seq_len={d.seq_len} "
-                f"from {self.store.num_tokens} tokens in {self.store.num_docs} documents"
-            )
+                f"from {self.store.num_tokens} tokens in {self.store.num_docs} documents")
 
 
 def join(plans: list[RowPlan], batch_size: int) -> RowPlan:
-    """Plans one after another, each padded with empty rows to whole batches (as the iterator serves them)."""
+    """Plans one after another, each padded with empty rows to whole batches (as the iterator serves
+    them)."""
     starts, lengths, counts, widths = [], [], [], []
     for plan in plans:
         starts.append(plan.starts)
         lengths.append(plan.lengths)
         padded = plan.num_batches * batch_size
-        counts.append(np.concatenate([plan.segments_per_row, np.zeros(padded - plan.num_rows, np.int64)]))
+        counts.append(
+            np.concatenate([plan.segments_per_row,
+                            np.zeros(padded - plan.num_rows, np.int64)]))
         widths.append(plan.widths)
     row_ptr = np.concatenate([[0], np.cumsum(np.concatenate(counts))])
-    joined = RowPlan(np.concatenate(starts), np.concatenate(lengths), row_ptr.astype(np.int64), batch_size,
+    joined = RowPlan(np.concatenate(starts), np.concatenate(lengths), row_ptr.astype(np.int64),
+                     batch_size,
                      np.concatenate(widths).astype(np.int64))
     last = plans[-1]
-    if last.num_rows % batch_size:  # the epoch's last rows stay past the end, as a one-window plan has them
+    # the epoch's last rows stay past the end, as a one-window plan has them
+    if last.num_rows % batch_size:
         keep = len(row_ptr) - 1 - (last.num_batches * batch_size - last.num_rows)
         joined.row_ptr = joined.row_ptr[: keep + 1]
     return joined

@@ -1,4 +1,5 @@
-"""Ragged-array arithmetic without Python loops: where items start, nested aranges, positions in segments.
+"""Ragged-array arithmetic without Python loops: where items start, nested aranges, positions in
+segments.
 
 They replace the nested Python loops that cutting a stream into rows would
 otherwise need; each docstring shows what it computes on a small input.
@@ -10,14 +11,16 @@ import numpy as np
 
 
 def exclusive_cumsum(x: np.ndarray) -> np.ndarray:
-    """``[2, 3, 1]`` -> ``[0, 2, 5, 6]``: where each item starts, plus the total (int64, one longer than ``x``)."""
+    """``[2, 3, 1]`` -> ``[0, 2, 5, 6]``: where each item starts, plus the total (int64, one longer
+    than ``x``)."""
     out = np.zeros(len(x) + 1, np.int64)
     np.cumsum(x, out=out[1:])
     return out
 
 
 def ragged_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The vectorized nested loop: counts ``[2, 3]`` give owners ``[0, 0, 1, 1, 1]`` and offsets ``[0, 1, 0, 1, 2]``."""
+    """The vectorized nested loop: counts ``[2, 3]`` give owners ``[0, 0, 1, 1, 1]`` and offsets
+    ``[0, 1, 0, 1, 2]``."""
     counts = np.asarray(counts, np.int64)
     owner = np.repeat(np.arange(len(counts)), counts)
     offset = np.arange(len(owner), dtype=np.int64) - np.repeat(exclusive_cumsum(counts)[:-1], counts)
@@ -25,8 +28,8 @@ def ragged_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def starts_in_groups(sizes: np.ndarray, group: np.ndarray, n_groups: int) -> np.ndarray:
-    """Where each item starts inside its group, items already in group order: sizes ``[2, 3, 4]`` in groups
-    ``[0, 0, 1]`` start at ``[0, 2, 0]`` (a piece's first slot in its row, say)."""
+    """Where each item starts inside its group, items already in group order: sizes ``[2, 3, 4]`` in
+    groups ``[0, 0, 1]`` start at ``[0, 2, 0]`` (a piece's first slot in its row, say)."""
     sizes = np.asarray(sizes, np.int64)
     per_group = np.bincount(group, sizes, n_groups).astype(np.int64)
     return exclusive_cumsum(sizes)[:-1] - exclusive_cumsum(per_group)[group]

@@ -34,7 +34,8 @@ NORMALIZATIONS = ("tokens", "examples")
 
 
 class TargetWeights:
-    """``weights[p]``: the loss weight of predicting ``tokens[p]``, for an integer array of stream positions ``p``."""
+    """``weights[p]``: the loss weight of predicting ``tokens[p]``, for an integer array of stream
+    positions ``p``."""
 
     def __init__(self, mask, doc_offsets, normalization: str = "tokens"):
         if normalization not in NORMALIZATIONS:
@@ -50,25 +51,29 @@ class TargetWeights:
 
     @functools.cached_property
     def weight_per_doc(self) -> np.ndarray:
-        """The summed weights of each document's targets (its tokens and its closing EOT: with 0/1 weights, how many
-        are scored); read once, on first use. float64: exact for any count a store holds."""
+        """The summed weights of each document's targets (its tokens and its closing EOT: with 0/1
+        weights, how many are scored); read once, on first use. float64: exact for any count a store
+        holds."""
         d = self._offsets
         mask = np.asarray(self.mask)
-        return np.add.reduceat(mask[d[0]:].astype(np.float64), d[:-1] - d[0]) if len(d) > 1 else np.zeros(0)
+        return np.add.reduceat(mask[d[0]:].astype(np.float64), d[:-1] -
+                               d[0]) if len(d) > 1 else np.zeros(0)
 
     def __getitem__(self, positions: np.ndarray) -> np.ndarray:
         positions = np.asarray(positions)
         weights = np.asarray(self.mask[positions], np.float32)
         if self.normalization == "examples" and positions.size:
             doc = np.searchsorted(self._offsets, positions, "right") - 1
-            doc = np.clip(doc, 0, len(self._offsets) - 2)  # (the stream's first token belongs to no document)
+            # (the stream's first token belongs to no document)
+            doc = np.clip(doc, 0, len(self._offsets) - 2)
             total = self.weight_per_doc[doc]
             weights = (weights / np.where(total > 0, total, 1)).astype(np.float32)
         return weights
 
 
 def target_weights(store, normalization: str = "tokens") -> TargetWeights | None:
-    """The weights of ``store``'s targets, or None when every target weighs 1 (a text store, token normalization).
+    """The weights of ``store``'s targets, or None when every target weighs 1 (a text store, token
+    normalization).
 
     A text store under ``examples`` weighs each document's tokens ``1 / its length``.
     """

@@ -1,4 +1,5 @@
-"""Cutting the token stream into rows: windows, random offsets, sequential streams, concatenate-and-chunk, blocks.
+"""Cutting the token stream into rows: windows, random offsets, sequential streams,
+concatenate-and-chunk, blocks.
 
 Each function returns the spans of one epoch as ``(starts, lengths)``: span
 ``r`` is the sequence ``tokens[starts[r] : starts[r] + lengths[r]]``, which
@@ -25,7 +26,8 @@ HF_MAP_BATCH = 1000
 
 
 def chunk_spans(n_tokens: int, seq_len: int, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Non-overlapping chunks of ``seq_len`` predictions starting at ``offset``; the last may be shorter.
+    """Non-overlapping chunks of ``seq_len`` predictions starting at ``offset``; the last may be
+    shorter.
 
     Chunk ``j`` reads ``tokens[offset + j*seq_len : offset + (j+1)*seq_len + 1]``:
     consecutive chunks share one token, so every position after ``offset`` is
@@ -38,15 +40,18 @@ def chunk_spans(n_tokens: int, seq_len: int, offset: int = 0) -> tuple[np.ndarra
 def random_window_spans(
     n_tokens: int, seq_len: int, batch_size: int, seed: int, steps: range
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The CS336 loader: each step draws ``batch_size`` window starts uniformly (with replacement) from its seed."""
-    starts = np.concatenate(
-        [np.random.default_rng([seed, step]).integers(0, n_tokens - seq_len, size=batch_size) for step in steps]
-    ).astype(np.int64)
+    """The CS336 loader: each step draws ``batch_size`` window starts uniformly (with replacement)
+    from its seed."""
+    starts = np.concatenate([
+        np.random.default_rng([seed, step]).integers(0, n_tokens - seq_len, size=batch_size)
+        for step in steps
+    ]).astype(np.int64)
     return starts, np.full(len(starts), seq_len + 1, np.int64)
 
 
 def _line_units(line_offsets: np.ndarray, seq_len: int) -> np.ndarray:
-    """Boundaries of lines, with lines longer than ``seq_len`` tokens cut into ``seq_len``-token units."""
+    """Boundaries of lines, with lines longer than ``seq_len`` tokens cut into ``seq_len``-token
+    units."""
     lengths = np.diff(line_offsets)
     owner, j = ragged_arange(-(-lengths // seq_len))
     return np.append(line_offsets[:-1][owner] + j * seq_len, line_offsets[-1])
@@ -80,7 +85,8 @@ def block_spans(
 
 
 def _next_fit(bounds: np.ndarray, capacity: int, barrier_index: np.ndarray) -> np.ndarray:
-    """Indices into ``bounds`` where next-fit blocks of at most ``capacity`` tokens end; never past a barrier.
+    """Indices into ``bounds`` where next-fit blocks of at most ``capacity`` tokens end; never past
+    a barrier.
 
     One binary search per block (not per line): O(blocks * log n), with Python's
     bisect on lists since numpy's per-call overhead dominates scalar searches.
@@ -99,6 +105,4 @@ def check_fits(n_tokens: int, seq_len: int, strategy: str) -> None:
     if n_tokens < seq_len + 1:
         raise DataError(
             f"data.strategy={strategy}: the token store holds {n_tokens} tokens, fewer than one row needs "
-            f"(data.seq_len + 1 = {seq_len + 1}); use a smaller data.seq_len or more data"
-        )
-
+            f"(data.seq_len + 1 = {seq_len + 1}); use a smaller data.seq_len or more data")

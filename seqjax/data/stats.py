@@ -1,4 +1,5 @@
-"""What one epoch of the configured strategy gives: rows, padding, coverage, segments, and how fast its batches build.
+"""What one epoch of the configured strategy gives: rows, padding, coverage, segments, and how fast
+its batches build.
 
 ``python -m seqjax.data`` prints :func:`epoch_stats`; BENCHMARKS.md's sequence
 tables come from it (scripts/bench_data.py).
@@ -22,13 +23,15 @@ from seqjax.store.reader import TokenStore
 
 
 def _filled(d, real: int, slots: int) -> dict[str, Any]:
-    """The fields every report starts with: the strategy, the row length, real tokens and the padding they leave."""
+    """The fields every report starts with: the strategy, the row length, real tokens and the
+    padding they leave."""
     return {"strategy": strategies.label(d), "seq_len": d.seq_len, "real_tokens": real,
             "padding_fraction": 1.0 - real / slots if slots else 0.0}
 
 
 def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, Any]:
-    """What one epoch gives: rows, padding, coverage, segments, and how fast its batches are built (tokens/s)."""
+    """What one epoch gives: rows, padding, coverage, segments, and how fast its batches are built
+    (tokens/s)."""
     strategies.check(config, store)
     d = config.data
     t0 = time.perf_counter()
@@ -37,24 +40,30 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         seconds = time.perf_counter() - t0
         segs = np.concatenate([b["segment_ids"].max(axis=1) for b in batches])
         real = int(sum((b["segment_ids"] > 0).sum() for b in batches))
-        slots = int(segs.astype(bool).sum()) * d.seq_len  # the empty rows that complete the last batch are not padding
+        # the empty rows that complete the last batch are not padding
+        slots = int(segs.astype(bool).sum()) * d.seq_len
         segs = segs[segs > 0]
         dropped = store.predicted_tokens - real
         # Grain's packers see documents after the overlong policy (document_rows.document_items)
-        counts = {"documents_dropped": int(dropped_as_overlong(store.doc_lengths, d.seq_len, d.overlong).sum()),
-                  "documents_truncated": None, "documents_split": None}
+        counts = {
+            "documents_dropped": int(
+                dropped_as_overlong(store.doc_lengths, d.seq_len, d.overlong).sum()),
+            "documents_truncated": None, "documents_split": None
+        }
         rows, n_batches = len(segs), len(batches)
     else:
         planner = EpochPlanner(config, store)
         plan = planner.plan(epoch)
         batches = iter(EpochsIterDataset(planner))
         batches.set_state({"epoch": epoch, "batch": 0})
-        for _ in range(plan.num_batches):  # the training path: sequential reads, one build per group
+        # the training path: sequential reads, one build per group
+        for _ in range(plan.num_batches):
             next(batches)
         seconds = time.perf_counter() - t0
         segs = plan.segments_per_row
         row_width = np.repeat(plan.widths, d.batch_size)[: plan.num_rows]
-        slots = int(row_width[segs > 0].sum())  # the empty rows that complete the last batch are not padding of a row
+        # the empty rows that complete the last batch are not padding of a row
+        slots = int(row_width[segs > 0].sum())
         segs = segs[segs > 0]
         real = int((plan.lengths - 1).sum())
         counts, dropped = document_coverage(plan, store)
@@ -73,7 +82,8 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
 
 
 def example_counts(config: Config, store: TokenStore, plan_or_batches: Any) -> dict[str, Any]:
-    """Instruction data: the scored fraction of the epoch's targets, and the examples dropped on the way.
+    """Instruction data: the scored fraction of the epoch's targets, and the examples dropped on the
+    way.
 
     ``examples_dropped_unscored``: dropped by prepare, nothing in them scored;
     ``scored_fraction``: scored targets over real (non-padding) targets.
@@ -90,13 +100,17 @@ def example_counts(config: Config, store: TokenStore, plan_or_batches: Any) -> d
         scored = int(sum((b["weights"] > 0).sum() for b in plan_or_batches))
         real = int(sum((b["segment_ids"] > 0).sum() for b in plan_or_batches))
     stats = store.manifest.get("stats", {})
-    return {"examples": store.num_docs, "scored_fraction": scored / real if real else 0.0,
-            "scored_targets": scored, "examples_dropped_unscored": int(stats.get("dropped_unscored", 0)),
-            "loss_on": config.data.loss_on}
+    return {
+        "examples": store.num_docs, "scored_fraction": scored / real if real else 0.0,
+        "scored_targets": scored, "examples_dropped_unscored": int(stats.get("dropped_unscored",
+                                                                             0)),
+        "loss_on": config.data.loss_on
+    }
 
 
 def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, Any]:
-    """What ``steps`` batches of a mixture draw from each source: rows and real tokens, against the weights."""
+    """What ``steps`` batches of a mixture draw from each source: rows and real tokens, against the
+    weights."""
     d = config.data
     iterator = iter(build_pipeline(config, store))
     schedule = iterator.schedule
@@ -132,8 +146,8 @@ def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, An
 
 
 def document_coverage(plan: RowPlan, store: TokenStore) -> tuple[dict[str, int], int]:
-    """Documents never predicted (dropped), cut across rows or left partly unpredicted, and the stream tokens
-    never predicted this epoch."""
+    """Documents never predicted (dropped), cut across rows or left partly unpredicted, and the
+    stream tokens never predicted this epoch."""
     covered = coverage(plan, store.num_tokens)[1:] > 0
     doc_of = np.searchsorted(store.doc_offsets, np.arange(1, store.num_tokens), "right") - 1
     predicted = np.bincount(doc_of, weights=covered, minlength=store.num_docs)

@@ -1,4 +1,5 @@
-"""The table of sequence strategies (``data.strategy``): what each one cuts, and the properties the pipeline relies on.
+"""The table of sequence strategies (``data.strategy``): what each one cuts, and the properties the
+pipeline relies on.
 
 The other modules ask this table rather than test strategy names: no module
 but this one compares ``data.strategy`` or ``data.packer`` with a name.
@@ -65,7 +66,8 @@ from seqjax.store.reader import TokenStore
 
 @dataclass(frozen=True)
 class Rows:
-    """An epoch of a stream strategy as arithmetic: ``count`` rows, and ``spans(lo, hi)`` the spans of rows lo..hi-1.
+    """An epoch of a stream strategy as arithmetic: ``count`` rows, and ``spans(lo, hi)`` the spans
+    of rows lo..hi-1.
 
     Rows are computed a window at a time, so planning never holds a whole
     epoch's spans (see :mod:`seqjax.data.plan`).
@@ -77,7 +79,8 @@ class Rows:
 
 # (store, data config, run.seed, epoch, the epoch's rng) -> the epoch's rows
 RowsFn = Callable[[TokenStore, DataConfig, int, int, np.random.Generator], Rows]
-# (store, data config, first document, end document) -> (starts, lengths) of that window of documents
+# (store, data config, first document, end document) -> (starts, lengths) of that window of
+# documents
 WindowSpansFn = Callable[[TokenStore, DataConfig, int, int], tuple[np.ndarray, np.ndarray]]
 # (item starts, item lengths, config) -> the items arranged into rows (documents kept whole)
 DocumentRowsFn = Callable[[np.ndarray, np.ndarray, Config], document_rows.Arranged]
@@ -85,29 +88,41 @@ DocumentRowsFn = Callable[[np.ndarray, np.ndarray, Config], document_rows.Arrang
 
 @dataclass(frozen=True)
 class Strategy:
-    """One ``data.strategy``: how it cuts the store and what the pipeline may assume about its rows."""
+    """One ``data.strategy``: how it cuts the store and what the pipeline may assume about its
+    rows."""
 
     rows: RowsFn | None  # stream strategies whose rows are arithmetic: planned in windows of rows
-    window_spans: WindowSpansFn | None  # block: spans of a window of documents; both None: rows are whole documents
+    # block: spans of a window of documents; both None: rows are whole documents
+    window_spans: WindowSpansFn | None
     per_epoch: bool  # the spans differ every epoch, so they are recomputed
     shuffles: bool  # data.shuffle permutes the rows
     pads: bool  # a row may hold fewer than seq_len predictions
     needs_full_row: bool  # the store must hold one row of seq_len + 1 tokens
-    has_epochs: bool = True  # False: random_window draws with replacement; an "epoch" is only a number of steps
-    check_store: Callable[[TokenStore, DataConfig], None] | None = None  # what else the store must hold
-    document_rows: DocumentRowsFn | None = None  # pack, length_grouped: whole documents (items) arranged into rows
-    # The arranged rows are shuffled again: packing puts like documents together; a grouped order is the point.
+    # False: random_window draws with replacement; an "epoch" is only a number of steps
+    has_epochs: bool = True
+    # what else the store must hold
+    check_store: Callable[[TokenStore, DataConfig], None] | None = None
+    # pack, length_grouped: whole documents (items) arranged into rows
+    document_rows: DocumentRowsFn | None = None
+    # The arranged rows are shuffled again: packing puts like documents together; a grouped order is
+    # the point.
     reshuffle_rows: bool = False
-    bucket_widths: Callable[[Config], np.ndarray] | None = None  # batches padded to these widths, not all to seq_len
-    mixable: bool = True  # False: its rows continue one another (sequential), so a mixture cannot move them
-    # Every document lands in one segment of one row (never cut at a row's end): what instruction data needs.
+    # batches padded to these widths, not all to seq_len
+    bucket_widths: Callable[[Config], np.ndarray] | None = None
+    # False: its rows continue one another (sequential), so a mixture cannot move them
+    mixable: bool = True
+    # Every document lands in one segment of one row (never cut at a row's end): what instruction
+    # data needs.
     keeps_whole: Callable[[DataConfig], bool] = lambda d: False
-    cuts_overlong: str = "cuts a document longer than a row itself"  # what it does where data.overlong is refused
-    takes_packer: bool = False  # data.packer chooses how its documents are packed (the PACKERS table)
+    # what it does where data.overlong is refused
+    cuts_overlong: str = "cuts a document longer than a row itself"
+    # data.packer chooses how its documents are packed (the PACKERS table)
+    takes_packer: bool = False
 
     @property
     def documents(self) -> bool:
-        """Rows are whole documents (pack, length_grouped): ``data.overlong`` says what becomes of a longer one."""
+        """Rows are whole documents (pack, length_grouped): ``data.overlong`` says what becomes of a
+        longer one."""
         return self.document_rows is not None
 
 
@@ -115,9 +130,11 @@ class Strategy:
 class Packer:
     """One ``data.packer`` of ``pack``: its function, and what the other keys may ask of it."""
 
-    rows: Callable | None  # seqjax's: (starts, lengths, capacity, max_segments, open_rows) -> CSR rows
+    # seqjax's: (starts, lengths, capacity, max_segments, open_rows) -> CSR rows
+    rows: Callable | None
     grain: grain_packing.GrainPacker | None = None  # Grain's: its own iterator, not a row plan
-    splits: bool = False  # cuts documents at a row's end to fill every row: no segment cap, no instruction data
+    # cuts documents at a row's end to fill every row: no segment cap, no instruction data
+    splits: bool = False
     what: str = ""  # how a message names it
 
     @property
@@ -139,14 +156,16 @@ PACKERS: dict[str, Packer] = {
 
 
 def _packed_rows(starts: np.ndarray, lengths: np.ndarray, config: Config) -> document_rows.Arranged:
-    """``pack``: the items, in the order given, packed by ``data.packer``'s row of :data:`PACKERS`."""
+    """``pack``: the items, in the order given, packed by ``data.packer``'s row of
+    :data:`PACKERS`."""
     d = config.data
-    return document_rows.Arranged(*PACKERS[d.packer].rows(starts, lengths, d.seq_len, d.max_segments_per_row,
-                                                          d.pack_buffer))
+    return document_rows.Arranged(
+        *PACKERS[d.packer].rows(starts, lengths, d.seq_len, d.max_segments_per_row, d.pack_buffer))
 
 
 def random_window_steps(store: TokenStore, d: DataConfig) -> int:
-    """random_window has no epochs; one 'epoch' is as many steps as read the stream's tokens once."""
+    """random_window has no epochs; one 'epoch' is as many steps as read the stream's tokens
+    once."""
     return max(1, (store.num_tokens - 1) // (d.batch_size * d.seq_len))
 
 
@@ -157,7 +176,8 @@ def _full(starts: np.ndarray, d: DataConfig) -> tuple[np.ndarray, np.ndarray]:
 def _window(store, d, seed, epoch, rng) -> Rows:
     """Every full window whose start is a multiple of the stride: row r starts at r * stride."""
     stride, last = d.resolved_stride, store.num_tokens - d.seq_len
-    return Rows(max(0, -(-last // stride)), lambda lo, hi: _full(np.arange(lo, hi, dtype=np.int64) * stride, d))
+    return Rows(max(0, -(-last // stride)),
+                lambda lo, hi: _full(np.arange(lo, hi, dtype=np.int64) * stride, d))
 
 
 def _random_offset(store, d, seed, epoch, rng) -> Rows:
@@ -175,9 +195,9 @@ def _random_offset(store, d, seed, epoch, rng) -> Rows:
 def _sequential(store, d, seed, epoch, rng) -> Rows:
     """d2l sequential partitioning: row r is stream r % batch_size, its (r // batch_size)-th piece.
 
-    After a random offset, the stream's inputs are cut into ``batch_size`` equal parts of ``S`` tokens; batch
-    ``k`` row ``b`` reads inputs ``offset + b*S + k*seq_len`` onward, so each row continues its row of the batch
-    before.
+    After a random offset, the stream's inputs are cut into ``batch_size`` equal parts of ``S``
+    tokens; batch ``k`` row ``b`` reads inputs ``offset + b*S + k*seq_len`` onward, so each row
+    continues its row of the batch before.
     """
     offset = int(rng.integers(d.seq_len))
     stream = (store.num_tokens - offset - 1) // d.batch_size
@@ -190,7 +210,8 @@ def _sequential(store, d, seed, epoch, rng) -> Rows:
 
 
 def _random_window(store, d, seed, epoch, rng) -> Rows:
-    """sequences.random_window_spans: the draws of step s come from (seed, s), whatever window asks."""
+    """sequences.random_window_spans: the draws of step s come from (seed, s), whatever window
+    asks."""
     steps, b = random_window_steps(store, d), d.batch_size
 
     def spans(lo, hi):
@@ -203,10 +224,12 @@ def _random_window(store, d, seed, epoch, rng) -> Rows:
 
 
 def _concat_chunk(store, d, seed, epoch, rng) -> Rows:
-    """HF run_clm's group_texts, row for row: blocks of seq_len + 1 tokens, each map batch's remainder dropped.
+    """HF run_clm's group_texts, row for row: blocks of seq_len + 1 tokens, each map batch's
+    remainder dropped.
 
-    The examples are the stream cut at each document's opening EOT; group_texts concatenates each batch of
-    ``HF_MAP_BATCH`` examples and cuts it into blocks. Row r is found in its map batch by the running row count.
+    The examples are the stream cut at each document's opening EOT; group_texts concatenates each
+    batch of ``HF_MAP_BATCH`` examples and cuts it into blocks. Row r is found in its map batch by
+    the running row count.
     """
     block = d.seq_len + 1
     group_starts = np.asarray(store.doc_offsets[:-1][:: sequences.HF_MAP_BATCH], np.int64) - 1
@@ -223,52 +246,60 @@ def _concat_chunk(store, d, seed, epoch, rng) -> Rows:
 
 
 def _block(store, d, first, end):
-    """sequences.block_spans on the documents first..end-1 (a window never crosses into the next)."""
-    lo, hi = int(store.doc_offsets[first]) - 1, int(store.doc_offsets[end]) - 1  # the window's opening, closing EOT
+    """sequences.block_spans on the documents first..end-1 (a window never crosses into the
+    next)."""
+    # the window's opening, closing EOT
+    lo, hi = int(store.doc_offsets[first]) - 1, int(store.doc_offsets[end]) - 1
     if d.break_mode == "none":
         starts, lengths = sequences.chunk_spans(hi - lo + 1, d.seq_len)
         return starts + lo, lengths
     lines = np.asarray(store.line_offsets)
     a, b = np.searchsorted(lines, [lo + 1, hi + 1])
-    return sequences.block_spans(lines[a : b + 1], np.asarray(store.doc_offsets[first : end + 1]), hi + 1,
-                                 d.seq_len, d.break_mode)
+    return sequences.block_spans(lines[a:b + 1], np.asarray(store.doc_offsets[first:end + 1]),
+                                 hi + 1, d.seq_len, d.break_mode)
 
 
 def _streams_fit(store: TokenStore, d: DataConfig) -> None:
-    """sequential: each of the batch_size streams holds a row even after the largest random offset (seq_len - 1)."""
+    """sequential: each of the batch_size streams holds a row even after the largest random offset
+    (seq_len - 1)."""
     if (store.num_tokens - d.seq_len) // d.batch_size < d.seq_len:
         raise DataError(
             f"data.batch_size={d.batch_size} is larger than one epoch of data: data.strategy=sequential needs "
             f"{d.batch_size} streams of at least data.seq_len={d.seq_len} tokens after a random offset, "
-            f"the store holds {store.num_tokens} tokens"
-        )
+            f"the store holds {store.num_tokens} tokens")
 
 
 STRATEGIES: dict[str, Strategy] = {
-    "window": Strategy(_window, None, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
-    "random_offset": Strategy(_random_offset, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False),
-    "sequential": Strategy(_sequential, None, per_epoch=True, shuffles=False, pads=False, needs_full_row=False,
-                           check_store=_streams_fit, mixable=False),
-    "random_window": Strategy(_random_window, None, per_epoch=True, shuffles=False, pads=False, needs_full_row=True,
-                              has_epochs=False),
-    "concat_chunk": Strategy(_concat_chunk, None, per_epoch=False, shuffles=True, pads=False, needs_full_row=True),
-    "block": Strategy(None, _block, per_epoch=False, shuffles=True, pads=True, needs_full_row=False,
-                      keeps_whole=lambda d: d.break_mode == "complete_doc",
-                      cuts_overlong="cuts a document longer than a row itself into blocks, as fairseq does"),
+    "window": Strategy(_window, None, per_epoch=False, shuffles=True, pads=False,
+                       needs_full_row=True),
+    "random_offset": Strategy(_random_offset, None, per_epoch=True, shuffles=True, pads=True,
+                              needs_full_row=False),
+    "sequential": Strategy(_sequential, None, per_epoch=True, shuffles=False, pads=False,
+                           needs_full_row=False, check_store=_streams_fit, mixable=False),
+    "random_window": Strategy(_random_window, None, per_epoch=True, shuffles=False, pads=False,
+                              needs_full_row=True, has_epochs=False),
+    "concat_chunk": Strategy(_concat_chunk, None, per_epoch=False, shuffles=True, pads=False,
+                             needs_full_row=True),
+    "block": Strategy(
+        None, _block, per_epoch=False, shuffles=True, pads=True, needs_full_row=False,
+        keeps_whole=lambda d: d.break_mode == "complete_doc",
+        cuts_overlong="cuts a document longer than a row itself into blocks, as fairseq does"),
     "pack": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False,
                      document_rows=_packed_rows, reshuffle_rows=True, takes_packer=True,
                      keeps_whole=lambda d: PACKERS[d.packer].keeps_whole),
-    "length_grouped": Strategy(None, None, per_epoch=True, shuffles=True, pads=True, needs_full_row=False,
-                               document_rows=document_rows.grouped_rows,
-                               bucket_widths=document_rows.bucket_lengths, keeps_whole=lambda d: True),
+    "length_grouped": Strategy(None, None, per_epoch=True, shuffles=True, pads=True,
+                               needs_full_row=False, document_rows=document_rows.grouped_rows,
+                               bucket_widths=document_rows.bucket_lengths,
+                               keeps_whole=lambda d: True),
 }
 
 
 def keeps_documents_whole(d: DataConfig) -> bool:
-    """Whether every document (an instruction example) lands in one segment of one row, never cut at a row's end.
+    """Whether every document (an instruction example) lands in one segment of one row, never cut at
+    a row's end.
 
-    Only such strategies take instruction data. (``data.overlong=split`` still cuts an example longer than a row,
-    on purpose, into pieces that are each their own segment.)
+    Only such strategies take instruction data. (``data.overlong=split`` still cuts an example
+    longer than a row, on purpose, into pieces that are each their own segment.)
     """
     return STRATEGIES[d.strategy].keeps_whole(d)
 
@@ -279,31 +310,37 @@ def packer(d: DataConfig) -> Packer | None:
 
 
 def check_config(config: Config) -> None:
-    """The rules that tie ``data.strategy`` and ``data.packer`` to the other keys, as the tables state them; one
-    :class:`ConfigError` naming the key, the value and what is allowed. Every command runs it after loading."""
+    """The rules that tie ``data.strategy`` and ``data.packer`` to the other keys, as the tables
+    state them; one :class:`ConfigError` naming the key, the value and what is allowed. Every
+    command runs it after loading."""
     d = config.data
     strategy, packing = STRATEGIES[d.strategy], packer(d)
     if d.sources and packing is not None and packing.grain is not None:
-        raise ConfigError(f"data.packer: got {d.packer!r}, expected a seqjax packer with data.sources: Grain's packers "
-                          "run their own iterator, which a mixture cannot draw rows from")
+        raise ConfigError(
+            f"data.packer: got {d.packer!r}, expected a seqjax packer with data.sources: Grain's packers "
+            "run their own iterator, which a mixture cannot draw rows from")
     if d.sources and not strategy.mixable:
-        raise ConfigError(f"data.strategy: got {d.strategy!r}, expected another strategy with data.sources: "
-                          f"{d.strategy}'s rows continue each other from batch to batch, and a mixture moves rows "
-                          "between sources")
+        raise ConfigError(
+            f"data.strategy: got {d.strategy!r}, expected another strategy with data.sources: "
+            f"{d.strategy}'s rows continue each other from batch to batch, and a mixture moves rows "
+            "between sources")
     if d.overlong != "split" and not strategy.documents:
         whole = " and ".join(name for name, row in STRATEGIES.items() if row.documents)
-        raise ConfigError(f"data.overlong: got {d.overlong!r} with data.strategy={d.strategy}, expected split (the "
-                          f"default): only {whole} apply it; {d.strategy} {strategy.cuts_overlong}")
+        raise ConfigError(
+            f"data.overlong: got {d.overlong!r} with data.strategy={d.strategy}, expected split (the "
+            f"default): only {whole} apply it; {d.strategy} {strategy.cuts_overlong}")
     if packing is not None and packing.splits and d.max_segments_per_row is not None:
-        raise ConfigError(f"data.max_segments_per_row: got {d.max_segments_per_row}, expected null: packer "
-                          f"{d.packer} {packing.what} cannot cap segments; unset it or pick another packer")
+        raise ConfigError(
+            f"data.max_segments_per_row: got {d.max_segments_per_row}, expected null: packer "
+            f"{d.packer} {packing.what} cannot cap segments; unset it or pick another packer")
     instruction = {source.format for source in d.resolved_sources()} != {"text"}
     if instruction and not keeps_documents_whole(d):
         how = {"pack": f" with packer={d.packer!r}", "block": f" with break_mode={d.break_mode!r}"}
         splitting = " or ".join(name for name, row in PACKERS.items() if row.splits)
-        raise ConfigError(f"data.strategy: got {d.strategy!r}{how.get(d.strategy, '')}, expected pack (any packer but "
-                          f"{splitting}), length_grouped or block with data.break_mode=complete_doc for instruction "
-                          "data: the others cut examples at arbitrary tokens")
+        raise ConfigError(
+            f"data.strategy: got {d.strategy!r}{how.get(d.strategy, '')}, expected pack (any packer but "
+            f"{splitting}), length_grouped or block with data.break_mode=complete_doc for instruction "
+            "data: the others cut examples at arbitrary tokens")
 
 
 def batch_widths(config: Config) -> np.ndarray:
@@ -315,8 +352,8 @@ def batch_widths(config: Config) -> np.ndarray:
 def item_overlong(d: DataConfig) -> str:
     """The overlong policy applied to documents before they are arranged into rows.
 
-    A packer that cuts documents at each row's end (``fill``) splits overlong documents itself (across rows), so
-    they reach it whole.
+    A packer that cuts documents at each row's end (``fill``) splits overlong documents itself
+    (across rows), so they reach it whole.
     """
     packing = packer(d)
     return "keep" if packing is not None and packing.rows is not None and packing.splits and d.overlong == "split" \
@@ -324,13 +361,15 @@ def item_overlong(d: DataConfig) -> str:
 
 
 def uses_grain_packer(d: DataConfig) -> bool:
-    """``pack`` with one of Grain's packers: Grain's own iterator, not a row plan (seqjax.data.grain_packing)."""
+    """``pack`` with one of Grain's packers: Grain's own iterator, not a row plan
+    (seqjax.data.grain_packing)."""
     packing = packer(d)
     return packing is not None and packing.grain is not None
 
 
 def grain_packed(config: Config, store: TokenStore, **kwargs):
-    """This process's batches from the Grain packer ``data.packer`` names (:func:`grain_packing.grain_packed`)."""
+    """This process's batches from the Grain packer ``data.packer`` names
+    (:func:`grain_packing.grain_packed`)."""
     return grain_packing.grain_packed(config, store, PACKERS[config.data.packer].grain, **kwargs)
 
 
@@ -340,7 +379,8 @@ def label(d: DataConfig) -> str:
 
 
 def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
-    """What the store must hold for the configured strategy, checked before any work (the config checked itself).
+    """What the store must hold for the configured strategy, checked before any work (the config
+    checked itself).
 
     A message names the key, the value and what would fit, e.g. ``data.strategy=window:
     the token store holds 5 tokens, fewer than one row needs (data.seq_len + 1 = 9)``.

@@ -1,4 +1,5 @@
-"""Perplexity on a split, in the units and protocols the literature uses (the library behind ``python -m seqjax.eval``).
+"""Perplexity on a split, in the units and protocols the literature uses (the library behind
+``python -m seqjax.eval``).
 
 One figure, three units, all from the same summed negative log-likelihood
 (nats) over the scored tokens:
@@ -13,8 +14,7 @@ One figure, three units, all from the same summed negative log-likelihood
 
 The protocol (``eval.mode`` = blocks / sliding / documents, ``eval.context``,
 ``eval.stride``) decides which context each token is scored with
-(``lm_eval``, the harness's wikitext task on raw pages, is
-:func:`evaluate_lm_eval`); see
+(``lm_eval``, the harness's wikitext task on raw pages, is :func:`evaluate_lm_eval`); see
 :mod:`seqjax.eval.windows`, which also states the first-token rule
 (each unit's opening ``<|endoftext|>`` is context only). Every protocol scores
 every predicted token once, so ``tokens`` is the same in all three.
@@ -60,17 +60,20 @@ from seqjax.store.reader import TokenStore
 
 
 def batch_bytes(cfg: ModelConfig, rows: int, context: int) -> int:
-    """A lower bound on what one evaluation batch needs on a device: the float32 logits ``[rows, context, vocab]``
-    and, on the XLA attention path (which materializes them), one layer's float32 scores
-    ``[rows, heads, context, context]``."""
+    """A lower bound on what one evaluation batch needs on a device: the float32 logits ``[rows,
+    context, vocab]`` and, on the XLA attention path (which materializes them), one layer's float32
+    scores ``[rows, heads, context, context]``."""
     logits = rows * context * cfg.vocab_size * 4
-    dense = resolve_backend(cfg.attention, jnp.dtype(cfg.compute_dtype), windows=cfg.has_windows) == "xla"
+    dense = resolve_backend(cfg.attention, jnp.dtype(cfg.compute_dtype),
+                            windows=cfg.has_windows) == "xla"
     return logits + (rows * cfg.n_heads * context * context * 4 if dense else 0)
 
 
 def device_bytes() -> int | None:
-    """Memory of one device: an accelerator's limit, or the host's RAM for the CPU; None when unknown."""
-    stats = jax.local_devices()[0].memory_stats() or {}  # (a device of this process: the others have none)
+    """Memory of one device: an accelerator's limit, or the host's RAM for the CPU; None when
+    unknown."""
+    # (a device of this process: the others have none)
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     if jax.default_backend() == "cpu":
@@ -79,7 +82,8 @@ def device_bytes() -> int | None:
 
 
 def check_fits(cfg: ModelConfig, rows: int, context: int) -> None:
-    """Refuse, before any batch is built, an evaluation whose one batch cannot fit the device (one line)."""
+    """Refuse, before any batch is built, an evaluation whose one batch cannot fit the device (one
+    line)."""
     need, have = batch_bytes(cfg, rows, context), device_bytes()
     if have is not None and need > have:
         raise ConfigError(
@@ -90,7 +94,8 @@ def check_fits(cfg: ModelConfig, rows: int, context: int) -> None:
 
 
 def windows_for(store: TokenStore, config: Config) -> EvalWindows:
-    """The evaluation windows ``config.eval`` asks for (``eval.context`` defaults to ``data.seq_len``)."""
+    """The evaluation windows ``config.eval`` asks for (``eval.context`` defaults to
+    ``data.seq_len``)."""
     return eval_windows(
         store,
         config.eval.mode,
@@ -103,9 +108,9 @@ def windows_for(store: TokenStore, config: Config) -> EvalWindows:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _score(graphdef: nnx.GraphDef, state: nnx.State, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """The batch's summed nll (nats, float32) and each slot's weighted nll ([B, T]; 0 where not scored): contract
-    3's terms, which ``lm_loss`` sums. The sum is taken here, so a batch sharded over processes reads as one
-    number; the slots are fetched only for per-document figures."""
+    """The batch's summed nll (nats, float32) and each slot's weighted nll ([B, T]; 0 where not
+    scored): contract 3's terms, which ``lm_loss`` sums. The sum is taken here, so a batch sharded
+    over processes reads as one number; the slots are fetched only for per-document figures."""
     model = nnx.merge(graphdef, state)
     logits = model(batch["inputs"], positions=batch["positions"], segment_ids=batch["segment_ids"])
     nll = token_nll(logits, batch["targets"], batch["weights"])
@@ -150,8 +155,9 @@ def _per(count: float | None, nll_sum: float, scale: float = 1.0) -> float | Non
 
 @dataclass
 class _Sums:
-    """What scoring adds up: the nll (nats), the weight (the number of targets unless weights are fractional), the
-    targets scored, and, when asked, each document's nll, weight and targets (``documents``, [n_docs, 3])."""
+    """What scoring adds up: the nll (nats), the weight (the number of targets unless weights are
+    fractional), the targets scored, and, when asked, each document's nll, weight and targets
+    (``documents``, [n_docs, 3])."""
 
     nll: float = 0.0
     weight: float = 0.0
@@ -165,8 +171,10 @@ class _Sums:
         self.nll += float(total)  # (waits for this batch's scores)
         self.weight += float(weights.sum(dtype=np.float64))
         self.tokens += int(scored.sum())
-        if self.documents is not None:  # document d predicts stream positions doc_offsets[d] .. doc_offsets[d+1]-1
-            if not nll.is_fully_addressable:  # rows on other processes' devices: every process needs them all
+        # document d predicts stream positions doc_offsets[d] .. doc_offsets[d+1]-1
+        if self.documents is not None:
+            # rows on other processes' devices: every process needs them all
+            if not nll.is_fully_addressable:
                 nll = multihost_utils.process_allgather(nll, tiled=True)
             nll = np.asarray(nll, np.float64)
             doc = np.searchsorted(doc_offsets, targets[scored], "right") - 1
@@ -191,7 +199,8 @@ def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh
     doc_offsets = np.asarray(windows.store.doc_offsets, np.int64) if per_document else None
     start = time.perf_counter()
     bar = progress_bar(total=n_batches, desc=f"eval {windows.mode}", unit="batch", enabled=progress)
-    pending = None  # the previous batch's scores: read after the next batch is dispatched (host and device overlap)
+    # the previous batch's scores: read after the next batch is dispatched (host and device overlap)
+    pending = None
     with bar:
         for k, batch in zip(range(n_batches), windows.batches(batch_size)):
             scores = _score(graphdef, state, placement.put(batch))
@@ -209,24 +218,16 @@ def _score_windows(model: nnx.Module, windows: EvalWindows, config: Config, mesh
     return sums, n_batches * batch_size, total, time.perf_counter() - start
 
 
-def evaluate(
-    model: nnx.Module,
-    store: TokenStore,
-    config: Config,
-    *,
-    mesh: Mesh | None = None,
-    max_batches: int | None = None,
-    split: str | None = None,
-    word_count: int | None = None,
-    byte_count: int | None = None,
-    progress: bool = True,
-    per_document: bool = False,
-) -> dict[str, Any]:
-    """Score ``store`` with ``model`` under ``config.eval``; returns the figures as a JSON-ready dict.
+def evaluate(model: nnx.Module, store: TokenStore, config: Config, *, mesh: Mesh | None = None,
+             max_batches: int | None = None, split: str | None = None, word_count: int | None = None,
+             byte_count: int | None = None, progress: bool = True, per_document: bool = False) -> dict[str, Any]:
+    """Score ``store`` with ``model`` under ``config.eval``; returns the figures as a JSON-ready
+    dict.
 
-    ``loss`` is the mean nll per scored token, or, under ``eval.loss_normalization=examples``, the mean of each
-    document's mean. ``per_document`` adds each scored document's figures (``per_document``: index in the store,
-    targets, weight, nll, mean), the rows ``python -m seqjax.eval --per-example FILE.jsonl`` writes.
+    ``loss`` is the mean nll per scored token, or, under ``eval.loss_normalization=examples``, the
+    mean of each document's mean. ``per_document`` adds each scored document's figures
+    (``per_document``: index in the store, targets, weight, nll, mean), the rows ``python -m
+    seqjax.eval --per-example FILE.jsonl`` writes.
 
     ``word_count`` / ``byte_count`` count the split's text; they default to
     the counts ``prepare`` wrote in the store's manifest (``stats``), the
@@ -236,8 +237,9 @@ def evaluate(
     ``eval.mode=lm_eval`` reads raw text, not a store: see :func:`evaluate_lm_eval`.
     """
     if config.eval.mode == LM_EVAL:
-        raise ConfigError("eval.mode: got 'lm_eval', which scores raw WikiText-2 pages with python -m seqjax.eval, "
-                          "not a token store; expected blocks, sliding or documents here")
+        raise ConfigError(
+            "eval.mode: got 'lm_eval', which scores raw WikiText-2 pages with python -m seqjax.eval, "
+            "not a token store; expected blocks, sliding or documents here")
     windows = windows_for(store, config)
     by_example = config.eval.loss_normalization == "examples"
     sums, rows, total_batches, seconds = _score_windows(model, windows, config, mesh, max_batches, progress,
@@ -245,10 +247,13 @@ def evaluate(
     nll_sum, tokens, weight = sums.nll, sums.tokens, sums.weight
     complete = rows >= windows.num_rows
     if complete and tokens != store.scored_tokens:
-        raise RuntimeError(f"scored {tokens} tokens, expected every scored token ({store.scored_tokens}) once")
+        raise RuntimeError(
+            f"scored {tokens} tokens, expected every scored token ({store.scored_tokens}) once")
     stats = store.manifest.get("stats", {})
-    if store.mask is not None:  # instruction data: per scored token, and bits per byte of the scored text
-        fractional = np.dtype(store.mask.dtype) != np.uint8  # (a weighted nll has no per-byte reading)
+    # instruction data: per scored token, and bits per byte of the scored text
+    if store.mask is not None:
+        # (a weighted nll has no per-byte reading)
+        fractional = np.dtype(store.mask.dtype) != np.uint8
         stats = {"words": None, "bytes": None if fractional else stats.get("scored_bytes")}
     words = (word_count if word_count is not None else stats.get("words")) if complete else None
     n_bytes = (byte_count if byte_count is not None else stats.get("bytes")) if complete else None
@@ -278,13 +283,15 @@ def evaluate(
 
 
 def _mean_of_means(documents: np.ndarray) -> float:
-    """The mean over scored documents of each one's mean nll (train.loss_normalization=examples' weighting)."""
+    """The mean over scored documents of each one's mean nll (train.loss_normalization=examples'
+    weighting)."""
     scored = documents[:, 1] > 0
     return float(np.mean(documents[scored, 0] / documents[scored, 1]))
 
 
 def _per_document(documents: np.ndarray) -> list[dict[str, Any]]:
-    """One row per scored document (example) of the store, in store order: its index, targets, nll and mean."""
+    """One row per scored document (example) of the store, in store order: its index, targets, nll
+    and mean."""
     return [{"document": int(d), "tokens": int(documents[d, 2]), "weight": float(documents[d, 1]),
              "nll": float(documents[d, 0]), "loss": float(documents[d, 0] / documents[d, 1])}
             for d in np.nonzero(documents[:, 1] > 0)[0]]
@@ -292,7 +299,8 @@ def _per_document(documents: np.ndarray) -> list[dict[str, Any]]:
 
 def evaluate_lm_eval(model: nnx.Module, docs: LmEvalDocs, config: Config, *, split: str,
                      mesh: Mesh | None = None, progress: bool = True) -> dict[str, Any]:
-    """The lm-evaluation-harness ``wikitext`` figures of ``docs`` (:mod:`seqjax.eval.lm_eval`), by its definitions.
+    """The lm-evaluation-harness ``wikitext`` figures of ``docs`` (:mod:`seqjax.eval.lm_eval`), by
+    its definitions.
 
     word_perplexity = exp(nll / words), byte_perplexity = exp(nll / bytes) and
     bits_per_byte = nll / (bytes ln 2), with words and bytes counted on the
@@ -301,7 +309,8 @@ def evaluate_lm_eval(model: nnx.Module, docs: LmEvalDocs, config: Config, *, spl
     sums, _, _, seconds = _score_windows(model, docs.windows, config, mesh, None, progress)
     nll_sum, tokens = sums.nll, sums.tokens
     if tokens != docs.tokens:
-        raise RuntimeError(f"scored {tokens} tokens, expected every token of every page ({docs.tokens}) once")
+        raise RuntimeError(
+            f"scored {tokens} tokens, expected every token of every page ({docs.tokens}) once")
     return {
         "split": split,
         "mode": LM_EVAL,

@@ -1,4 +1,5 @@
-"""The lm-evaluation-harness ``wikitext`` task, reimplemented on seqjax's windows (``eval.mode=lm_eval``).
+"""The lm-evaluation-harness ``wikitext`` task, reimplemented on seqjax's windows
+(``eval.mode=lm_eval``).
 
 The harness scores WikiText-2 raw (``wikitext-2-raw-v1``) one Wikipedia page
 at a time, and reports word_perplexity, byte_perplexity and bits_per_byte.
@@ -52,8 +53,9 @@ from seqjax.store.tokenizer import Tokenizer
 
 MODE = "lm_eval"
 
-# The detokenizer, in the harness's order: (kind, pattern, replacement). "text" replaces a literal string,
-# "regex" a regular expression (the harness's contraction rule is a regex whose replacement is literal text).
+# The detokenizer, in the harness's order: (kind, pattern, replacement). "text" replaces a literal
+# string, "regex" a regular expression (the harness's contraction rule is a regex whose replacement
+# is literal text).
 _DETOKENIZE = [
     ("text", "s '", "s'"),
     ("regex", r"/' [0-9]/", "/'[0-9]/"),
@@ -75,9 +77,11 @@ _DETOKENIZE = [
 
 
 def wikitext_detokenize(page: str) -> str:
-    """The harness's ``wikitext_detokenizer``: WikiText's tokenized spacing undone, rule by rule in its order."""
+    """The harness's ``wikitext_detokenizer``: WikiText's tokenized spacing undone, rule by rule in
+    its order."""
     for kind, pattern, replacement in _DETOKENIZE:
-        page = page.replace(pattern, replacement) if kind == "text" else re.sub(pattern, replacement, page)
+        page = page.replace(pattern, replacement) if kind == "text" else re.sub(
+            pattern, replacement, page)
     return page
 
 
@@ -101,13 +105,15 @@ def harness_pages(text: str) -> list[str]:
 
 
 def harness_words(page: str) -> int:
-    """Words as the harness counts them: the pieces of the original page split at whitespace runs."""
+    """Words as the harness counts them: the pieces of the original page split at whitespace
+    runs."""
     return len(re.split(r"\s+", page))
 
 
 @dataclass(frozen=True)
 class LmEvalDocs:
-    """One split as the harness scores it: the pages, their token units and windows, and the harness's counts."""
+    """One split as the harness scores it: the pages, their token units and windows, and the
+    harness's counts."""
 
     pages: list[str]
     windows: EvalWindows
@@ -116,7 +122,8 @@ class LmEvalDocs:
     tokens: int  # tokens scored: every token of every detokenized page
 
 
-def rolling_windows(encoded: list[list[int]], prefix_id: int, vocab_size: int, context: int) -> EvalWindows:
+def rolling_windows(encoded: list[list[int]], prefix_id: int, vocab_size: int,
+                    context: int) -> EvalWindows:
     """The harness's rolling windows over each token list, as seqjax evaluation windows (step 4).
 
     For ``[10 .. 18]``, prefix 1 and context 4 the three windows read
@@ -128,17 +135,21 @@ def rolling_windows(encoded: list[list[int]], prefix_id: int, vocab_size: int, c
     unit_start, unit_end = offsets[:-1] - 1, offsets[1:] - 2
     starts, ends, lo, hi = unit_windows(unit_start, unit_end, context, context, right_align_last=True)
     # one segment per window: a window never leaves its unit (ends), so no page sees another
-    return EvalWindows(stream, MODE, context, context, starts, ends, lo, hi, cross_document_attention=True)
+    return EvalWindows(stream, MODE, context, context, starts, ends, lo, hi,
+                       cross_document_attention=True)
 
 
-def lm_eval_docs(pages: list[str], tokenizer: Tokenizer, context: int, special_tokens: bool = True) -> LmEvalDocs:
-    """Encode each detokenized page and lay out the rolling windows of ``context`` tokens (steps 2 to 4).
+def lm_eval_docs(pages: list[str], tokenizer: Tokenizer, context: int,
+                 special_tokens: bool = True) -> LmEvalDocs:
+    """Encode each detokenized page and lay out the rolling windows of ``context`` tokens (steps 2
+    to 4).
 
-    The units sit in one stream, ``[prefix] t(page 0) [prefix] t(page 1) ... [prefix]``; window bounds
-    come from :func:`seqjax.eval.windows.unit_windows`, as for the documents mode, with each unit
-    ending at its page's last token (the prefix after it is never read or scored).
+    The units sit in one stream, ``[prefix] t(page 0) [prefix] t(page 1) ... [prefix]``; window
+    bounds come from :func:`seqjax.eval.windows.unit_windows`, as for the documents mode, with each
+    unit ending at its page's last token (the prefix after it is never read or scored).
     """
-    encode = tokenizer.encode_default if special_tokens else tokenizer.encode_text  # harness >= 0.4.9.2 / <= 0.4.9.1
+    # harness >= 0.4.9.2 / <= 0.4.9.1
+    encode = tokenizer.encode_default if special_tokens else tokenizer.encode_text
     encoded = [encode(wikitext_detokenize(page)) for page in pages]
     return LmEvalDocs(
         pages=pages,
@@ -150,7 +161,8 @@ def lm_eval_docs(pages: list[str], tokenizer: Tokenizer, context: int, special_t
 
 
 def read_lm_eval_split(config: Config, split: str, tokenizer: Tokenizer) -> LmEvalDocs:
-    """The raw WikiText-2 ``split`` as the harness's pages, tokenized, windowed at ``config.eval_context``."""
+    """The raw WikiText-2 ``split`` as the harness's pages, tokenized, windowed at
+    ``config.eval_context``."""
     (path,) = find_sources(config, split)
     return lm_eval_docs(harness_pages(read_text(path)), tokenizer, config.eval_context,
                         config.eval.lm_eval_special_tokens)

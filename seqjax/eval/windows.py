@@ -1,4 +1,5 @@
-"""Evaluation windows: the three perplexity protocols as batch-contract rows whose ``weights`` say what each row scores.
+"""Evaluation windows: the three perplexity protocols as batch-contract rows whose ``weights`` say
+what each row scores.
 
 A *unit* is a run of tokens scored on its own: the whole split's stream
 (``blocks``, ``sliding``) or one article ``[EOT] + text + [EOT]``
@@ -103,17 +104,19 @@ class EvalWindows:
         return -(-self.num_rows // batch_size)
 
     def packed(self, open_rows: int = 1024) -> "EvalWindows":
-        """The windows packed into rows by best-fit decreasing (each keeps its own segment and positions).
+        """The windows packed into rows by best-fit decreasing (each keeps its own segment and
+        positions).
 
-        ``documents`` pads each article's windows to ``context`` otherwise: on short examples most of every row
-        is padding (198k tokens of chats filled 1.02M slots). A packed row scores the same targets with the same
-        context each, so the sums are those of the windows scored one per row.
+        ``documents`` pads each article's windows to ``context`` otherwise: on short examples most
+        of every row is padding (198k tokens of chats filled 1.02M slots). A packed row scores the
+        same targets with the same context each, so the sums are those of the windows scored one per
+        row.
         """
         predicted = np.minimum(self.context, self.ends - self.starts)
         order, _, row_ptr = document_rows.best_fit_decreasing_rows(np.arange(len(self)), predicted + 1,
                                                                    self.context, None, open_rows)
-        return dataclasses.replace(self, starts=self.starts[order], ends=self.ends[order], lo=self.lo[order],
-                                   hi=self.hi[order], row_ptr=row_ptr)
+        return dataclasses.replace(self, starts=self.starts[order], ends=self.ends[order],
+                                   lo=self.lo[order], hi=self.hi[order], row_ptr=row_ptr)
 
     def _windows_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(the windows in ``rows``, in row order; each one's row within ``rows``)."""
@@ -124,7 +127,8 @@ class EvalWindows:
         return self.row_ptr[rows][owner] + offset, owner
 
     def rows(self, index: np.ndarray) -> Batch:
-        """The batch-contract rows ``index`` ([len(index), context] each), by the one contract builder.
+        """The batch-contract rows ``index`` ([len(index), context] each), by the one contract
+        builder.
 
         Each window is one stream span, split into a segment per article unless
         ``cross_document_attention``; the weights then keep only the targets each
@@ -133,26 +137,36 @@ class EvalWindows:
         index = np.asarray(index, np.int64)
         windows, row_of_window = self._windows_of(index)
         starts = self.starts[windows]
-        predicted = np.minimum(self.context, self.ends[windows] - starts)  # a window never reads past its unit
+        # a window never reads past its unit
+        predicted = np.minimum(self.context, self.ends[windows] - starts)
         row_ptr = exclusive_cumsum(np.bincount(row_of_window, minlength=len(index)))
-        plan = RowPlan.from_rows(starts, predicted + 1, row_ptr, batch_size=max(len(index), 1), width=self.context)
+        plan = RowPlan.from_rows(starts, predicted + 1, row_ptr, batch_size=max(len(index), 1),
+                                 width=self.context)
         if not self.cross_document_attention:
             # An input belongs to the article of the token it predicts, so the EOT between two
             # articles is the first (context-only) token of the second one's segment.
             plan = plan.split_at(np.asarray(self.store.doc_offsets, np.int64) - 1)
         row_of_piece = np.repeat(np.arange(plan.num_rows), plan.segments_per_row)
-        batch = contract_batch(self.store.tokens, plan.starts, plan.lengths, row_of_piece, len(index), self.context,
-                               target_weights(self.store))  # instruction data: only the answers' tokens count
+        batch = contract_batch(
+            self.store.tokens,
+            plan.starts,
+            plan.lengths,
+            row_of_piece,
+            len(index),
+            self.context,
+            # instruction data: only the answers' tokens count
+            target_weights(self.store))
         batch["weights"] *= self.target_positions(index) >= 0
         return batch
 
     def target_positions(self, index: np.ndarray) -> np.ndarray:
-        """``[len(index), context]``: the stream position of the target each slot of rows ``index`` scores (a
-        window's own targets, ``lo < p <= hi``), or -1 where the slot scores nothing."""
+        """``[len(index), context]``: the stream position of the target each slot of rows ``index``
+        scores (a window's own targets, ``lo < p <= hi``), or -1 where the slot scores nothing."""
         index = np.asarray(index, np.int64)
         windows, row_of_window = self._windows_of(index)
         predicted = np.minimum(self.context, self.ends[windows] - self.starts[windows])
-        first_slot = starts_in_groups(predicted, row_of_window, len(index))  # (windows come in row order)
+        # (windows come in row order)
+        first_slot = starts_in_groups(predicted, row_of_window, len(index))
         owner, k = ragged_arange(predicted)
         target = self.starts[windows][owner] + 1 + k
         mine = (target > self.lo[windows][owner]) & (target <= self.hi[windows][owner])
@@ -167,7 +181,10 @@ class EvalWindows:
             batch = self.rows(index)
             missing = batch_size - len(index)
             if missing:
-                batch = {k: np.concatenate([v, np.zeros((missing, self.context), v.dtype)]) for k, v in batch.items()}
+                batch = {
+                    k: np.concatenate([v, np.zeros((missing, self.context), v.dtype)])
+                    for k, v in batch.items()
+                }
             yield batch
 
 
@@ -195,7 +212,8 @@ def unit_windows(
 
 
 def resolve_stride(mode: str, context: int, stride: int | None) -> int:
-    """Check the window settings and return the stride in use (``context`` except in ``sliding``)."""
+    """Check the window settings and return the stride in use (``context`` except in
+    ``sliding``)."""
     if mode not in MODES:
         raise ValueError(f"eval.mode: got {mode!r}, expected one of {', '.join(MODES)}")
     if context < 1:
@@ -217,10 +235,11 @@ def eval_windows(
     cross_document_attention: bool = False,
     pack: bool = False,
 ) -> EvalWindows:
-    """The windows of ``mode`` over ``store``; ``stride`` matters to ``sliding`` only (default ``context // 2``).
+    """The windows of ``mode`` over ``store``; ``stride`` matters to ``sliding`` only (default
+    ``context // 2``).
 
-    ``pack`` packs ``documents``' windows into rows (:meth:`EvalWindows.packed`); the stream modes' windows are
-    full rows already but the last, so they are left one per row."""
+    ``pack`` packs ``documents``' windows into rows (:meth:`EvalWindows.packed`); the stream modes'
+    windows are full rows already but the last, so they are left one per row."""
     stride = resolve_stride(mode, context, stride)
     if mode == "documents":
         unit_start = np.asarray(store.doc_offsets[:-1], np.int64) - 1
@@ -228,6 +247,7 @@ def eval_windows(
     else:
         unit_start = np.zeros(1, np.int64)
         unit_end = np.asarray([len(store.tokens) - 1], np.int64)
-    starts, ends, lo, hi = unit_windows(unit_start, unit_end, context, stride, right_align_last=mode == "documents")
+    starts, ends, lo, hi = unit_windows(unit_start, unit_end, context, stride,
+                                        right_align_last=mode == "documents")
     windows = EvalWindows(store, mode, context, stride, starts, ends, lo, hi, cross_document_attention)
     return windows.packed() if pack and mode == "documents" else windows

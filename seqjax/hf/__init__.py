@@ -1,1 +1,2 @@
-"""Hugging Face folders in and out: config.json, safetensors shards and the tokenizer (folders.py)."""
+"""Hugging Face folders in and out: config.json, safetensors shards and the tokenizer
+(folders.py)."""

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints <-> seqjax, as data and pure functions: the families' table, and the tensor names.
+"""Hugging Face checkpoints <-> seqjax, as data and pure functions: the families' table, and the
+tensor names.
 
 One seqjax model computes every family: a family is a set of ``model.*`` settings
 (:class:`~seqjax.config.model.ModelConfig`), read from ``config.json`` here and
@@ -57,15 +58,18 @@ _KINDS = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
 def _refuse(source: str, field: str, value: Any, expected: str) -> CheckpointError:
-    return CheckpointError(f"{source}: {field}: got {value!r}, expected {expected}; seqjax cannot compute it")
+    return CheckpointError(
+        f"{source}: {field}: got {value!r}, expected {expected}; seqjax cannot compute it")
 
 
 # ---------------------------------------------------------------------------
 # Readers a row names: config.json -> model.* settings
 
 
-def _scaling(params: dict[str, Any] | None, field: str, source: str) -> tuple[float | None, RopeScalingConfig]:
-    """(rope_theta if the section names one, scaling) of one RoPE section (rope_scaling / rope_parameters[...])."""
+def _scaling(params: dict[str, Any] | None, field: str,
+             source: str) -> tuple[float | None, RopeScalingConfig]:
+    """(rope_theta if the section names one, scaling) of one RoPE section (rope_scaling /
+    rope_parameters[...])."""
     theta = (params or {}).get("rope_theta")
     if not params:
         return theta, RopeScalingConfig()
@@ -92,7 +96,8 @@ def _scaling(params: dict[str, Any] | None, field: str, source: str) -> tuple[fl
 
 
 def one_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """rope_theta and rope_scaling, from transformers 4's rope_theta + rope_scaling or 5's rope_parameters."""
+    """rope_theta and rope_scaling, from transformers 4's rope_theta + rope_scaling or 5's
+    rope_parameters."""
     params = hf.get("rope_parameters")
     field = "rope_parameters" if params is not None else "rope_scaling"
     theta, scaling = _scaling(params if params is not None else hf.get("rope_scaling"), field, source)
@@ -100,12 +105,15 @@ def one_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def rope_per_layer_type(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """Gemma 3: the full layers' rope_theta and rope_scaling, and the sliding layers' own base (rope_local_theta),
-    from 4's rope_scaling + rope_local_base_freq or 5's rope_parameters per layer type."""
+    """Gemma 3: the full layers' rope_theta and rope_scaling, and the sliding layers' own base
+    (rope_local_theta), from 4's rope_scaling + rope_local_base_freq or 5's rope_parameters per
+    layer type."""
     params = hf.get("rope_parameters")
     if params and "full_attention" in params:
-        full_theta, scaling = _scaling(params.get("full_attention"), "rope_parameters.full_attention", source)
-        local_theta, local = _scaling(params.get("sliding_attention"), "rope_parameters.sliding_attention", source)
+        full_theta, scaling = _scaling(params.get("full_attention"),
+                                       "rope_parameters.full_attention", source)
+        local_theta, local = _scaling(params.get("sliding_attention"),
+                                      "rope_parameters.sliding_attention", source)
     else:
         full_theta, scaling = _scaling(hf.get("rope_scaling"), "rope_scaling", source)
         local_theta, local = hf.get("rope_local_base_freq"), RopeScalingConfig()
@@ -128,17 +136,20 @@ def every_layer_slides(hf: dict[str, Any], n_layers: int, source: str) -> dict[s
 
 
 def qwen_windows(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
-    """Qwen: sliding layers only under use_sliding_window (transformers ignores sliding_window otherwise), from
-    layer_types or, without it, the layers from max_window_layers on."""
+    """Qwen: sliding layers only under use_sliding_window (transformers ignores sliding_window
+    otherwise), from layer_types or, without it, the layers from max_window_layers on."""
     if hf.get("sliding_window") is None or not hf.get("use_sliding_window"):
         return {}
     first = int(hf.get("max_window_layers", n_layers))
-    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
+    ]
     return _typed_windows(hf, types, source)
 
 
 def gemma_windows(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
-    """Gemma 3: layer_types, or every sliding_window_pattern-th layer full (6: five local, one global)."""
+    """Gemma 3: layer_types, or every sliding_window_pattern-th layer full (6: five local, one
+    global)."""
     if hf.get("sliding_window") is None:
         return {}
     pattern = int(hf.get("sliding_window_pattern", 6))
@@ -154,9 +165,10 @@ def _typed_windows(hf: dict[str, Any], types: list, source: str) -> dict[str, An
     return {"sliding_window": int(hf["sliding_window"]), "layer_types": [_KINDS[t] for t in types]}
 
 
-def activation(field: str, value: str, ours: str, *fallbacks: str) -> Callable[[dict[str, Any], str], str]:
-    """A reader of the MLP's activation: ``field`` (or, when absent, the first of ``fallbacks`` present) must be
-    ``value``, which seqjax computes as ``model.mlp_activation=ours``."""
+def activation(field: str, value: str, ours: str, *fallbacks:
+               str) -> Callable[[dict[str, Any], str], str]:
+    """A reader of the MLP's activation: ``field`` (or, when absent, the first of ``fallbacks``
+    present) must be ``value``, which seqjax computes as ``model.mlp_activation=ours``."""
 
     def read(hf: dict[str, Any], source: str) -> str:
         name = next((f for f in (field, *fallbacks) if f in hf), field)
@@ -173,7 +185,8 @@ def activation(field: str, value: str, ours: str, *fallbacks: str) -> Callable[[
 
 
 def _window_fields(cfg: ModelConfig) -> dict[str, Any]:
-    types = [("sliding_attention" if cfg.window_of(i) else "full_attention") for i in range(cfg.n_layers)]
+    types = [("sliding_attention" if cfg.window_of(i) else "full_attention")
+             for i in range(cfg.n_layers)]
     return {"sliding_window": cfg.sliding_window, "layer_types": types}
 
 
@@ -192,14 +205,16 @@ def _gemma_export(cfg: ModelConfig) -> dict[str, Any]:
 
 def _llama_can_export(cfg: ModelConfig) -> None:
     if cfg.has_windows:
-        raise CheckpointError("model.sliding_window: LlamaForCausalLM has no sliding window; expected null, or "
-                              "model.family=mistral")
+        raise CheckpointError(
+            "model.sliding_window: LlamaForCausalLM has no sliding window; expected null, or "
+            "model.family=mistral")
 
 
 def _mistral_can_export(cfg: ModelConfig) -> None:
     if "full" in cfg.layer_types:
-        raise CheckpointError(f"model.layer_types: got {cfg.layer_types}, but MistralForCausalLM slides on every "
-                              "layer or none; expected [] (or another model.family)")
+        raise CheckpointError(
+            f"model.layer_types: got {cfg.layer_types}, but MistralForCausalLM slides on every "
+            "layer or none; expected [] (or another model.family)")
 
 
 # ---------------------------------------------------------------------------
@@ -208,13 +223,15 @@ def _mistral_can_export(cfg: ModelConfig) -> None:
 
 @dataclass(frozen=True)
 class Family:
-    """Everything one Hugging Face family is to seqjax: how its ``config.json`` becomes ``model.*`` and back.
+    """Everything one Hugging Face family is to seqjax: how its ``config.json`` becomes ``model.*``
+    and back.
 
-    ``settings`` are the model's flags this family computes with (``qk_norm``, ``post_norms``, ...; Llama's choice
-    when absent); ``must_be`` maps each field whose other values seqjax cannot compute to (the values it can,
-    how a message says them); ``reads`` takes the family's own numeric fields (Gemma's query_pre_attn_scalar);
-    ``export`` and ``can_export`` write and check what only this family's config.json has. The tensor names
-    follow from the settings (:func:`seqjax.hf.tensors.block_tensors`).
+    ``settings`` are the model's flags this family computes with (``qk_norm``, ``post_norms``, ...;
+    Llama's choice when absent); ``must_be`` maps each field whose other values seqjax cannot
+    compute to (the values it can, how a message says them); ``reads`` takes the family's own
+    numeric fields (Gemma's query_pre_attn_scalar); ``export`` and ``can_export`` write and check
+    what only this family's config.json has. The tensor names follow from the settings
+    (:func:`seqjax.hf.tensors.block_tensors`).
     """
 
     name: str
@@ -252,16 +269,20 @@ FAMILIES: dict[str, Family] = {row.name: row for row in (
            reads=lambda hf: {"query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256))},
            export=_gemma_export),
 )}
-ARCHITECTURE = FAMILIES["llama"].architecture  # (what a config.json without "architectures" is taken to be)
+# (what a config.json without "architectures" is taken to be)
+ARCHITECTURE = FAMILIES["llama"].architecture
 FAMILY_OF = {row.architecture: name for name, row in FAMILIES.items()}
 
 
 def family_of(hf: dict[str, Any], source: str) -> Family:
-    """The family row of an HF ``config.json``, from its architectures (and model_type), or a CheckpointError."""
+    """The family row of an HF ``config.json``, from its architectures (and model_type), or a
+    CheckpointError."""
     by_type = {row.model_type: row.architecture for row in FAMILIES.values()}
     architectures = hf.get("architectures") or [by_type.get(hf.get("model_type"), ARCHITECTURE)]
-    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in FAMILY_OF:
-        raise _refuse(source, "architectures", architectures, f"one of {', '.join(map(repr, FAMILY_OF))}")
+    if not isinstance(architectures,
+                      list) or len(architectures) != 1 or architectures[0] not in FAMILY_OF:
+        raise _refuse(source, "architectures", architectures,
+                      f"one of {', '.join(map(repr, FAMILY_OF))}")
     row = FAMILIES[FAMILY_OF[architectures[0]]]
     if hf.get("model_type", row.model_type) != row.model_type:
         raise _refuse(source, "model_type", hf.get("model_type"), repr(row.model_type))
@@ -276,18 +297,21 @@ def _integer(hf: dict[str, Any], key: str, source: str, default: Any = None) -> 
 
 
 def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
-    """The seqjax ModelConfig of an HF ``config.json`` (a dict), or a CheckpointError naming ``source`` and the field.
+    """The seqjax ModelConfig of an HF ``config.json`` (a dict), or a CheckpointError naming
+    ``source`` and the field.
 
-    Example: ``{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "head_dim": 32, ...}`` gives
-    ``ModelConfig(family="qwen3", qk_norm=True, d_model=64, head_dim=32, ...)``; ``{"attention_bias": true}``
-    on a Llama is refused with ``config.json: attention_bias: got True, expected false; seqjax cannot compute it``.
+    Example: ``{"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "head_dim": 32, ...}``
+    gives ``ModelConfig(family="qwen3", qk_norm=True, d_model=64, head_dim=32, ...)``;
+    ``{"attention_bias": true}`` on a Llama is refused with ``config.json: attention_bias: got True,
+    expected false; seqjax cannot compute it``.
     """
     row = family_of(hf, source)
     for field_name, (allowed, expected) in {**_MUST_BE_ALL, **row.must_be}.items():
         if hf.get(field_name) not in allowed:
             raise _refuse(source, field_name, hf.get(field_name), expected)
     if float(hf.get("attention_dropout") or 0.0) != 0.0:
-        raise _refuse(source, "attention_dropout", hf["attention_dropout"], "0.0 (seqjax has no attention dropout)")
+        raise _refuse(source, "attention_dropout", hf["attention_dropout"],
+                      "0.0 (seqjax has no attention dropout)")
     n_layers = _integer(hf, "num_hidden_layers", source)
     n_heads = _integer(hf, "num_attention_heads", source)
     cfg = ModelConfig(
@@ -296,7 +320,8 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         d_model=_integer(hf, "hidden_size", source),
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=_integer(hf, "num_key_value_heads", source, n_heads) if hf.get("num_key_value_heads") else n_heads,
+        n_kv_heads=_integer(hf, "num_key_value_heads", source, n_heads)
+        if hf.get("num_key_value_heads") else n_heads,
         head_dim=_integer(hf, "head_dim", source) if hf.get("head_dim") is not None else None,
         d_ff=_integer(hf, "intermediate_size", source),
         max_seq_len=_integer(hf, "max_position_embeddings", source, 2048),
@@ -316,7 +341,8 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
 
 
 def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: str) -> dict[str, Any]:
-    """The ``config.json`` of a ModelConfig, in its family's fields (transformers 4's spelling; 5 reads it too)."""
+    """The ``config.json`` of a ModelConfig, in its family's fields (transformers 4's spelling; 5
+    reads it too)."""
     row = FAMILIES[cfg.family]
     row.can_export(cfg)
     scaling = cfg.rope_scaling
@@ -324,9 +350,12 @@ def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: 
     if scaling.type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": scaling.factor}
     elif scaling.type == "llama3":
-        rope_scaling = {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-                        "high_freq_factor": scaling.high_freq_factor,
-                        "original_max_position_embeddings": scaling.original_max_position_embeddings}
+        rope_scaling = {
+            "rope_type": "llama3", "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings
+        }
     return {
         "architectures": [row.architecture],
         "model_type": row.model_type,

@@ -1,5 +1,6 @@
-"""Hugging Face model folders: read one as a seqjax model, write a seqjax model as one (the libraries behind
-``python -m seqjax.import`` / ``python -m seqjax.export``, ``--hf`` on eval and generate, and ``train.init_from``).
+"""Hugging Face model folders: read one as a seqjax model, write a seqjax model as one (the
+libraries behind ``python -m seqjax.import`` / ``python -m seqjax.export``, ``--hf`` on eval and
+generate, and ``train.init_from``).
 
 A folder holds what ``transformers`` writes and reads:
 
@@ -84,7 +85,8 @@ class HFFolder:
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
-    """A folder with a config.json and no seqjax checkpoints/ (a seqjax run has config.yaml instead)."""
+    """A folder with a config.json and no seqjax checkpoints/ (a seqjax run has config.yaml
+    instead)."""
     path = Path(path)
     return (path / CONFIG_JSON).is_file() and not (path / "checkpoints").is_dir()
 
@@ -100,23 +102,27 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _weight_map(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it: the single file when there is one, else the index.
+    """Tensor name -> the safetensors file holding it: the single file when there is one, else the
+    index.
 
-    A folder with both is read as transformers reads it (4.x's ``from_pretrained`` looks for the single file
-    first), so seqjax and transformers load the same weights.
+    A folder with both is read as transformers reads it (4.x's ``from_pretrained`` looks for the
+    single file first), so seqjax and transformers load the same weights.
     """
     index, single = path / INDEX, path / WEIGHTS
     if single.is_file() and index.is_file():
-        log.warning("%s holds both %s and %s: reading %s, as transformers does", path, WEIGHTS, INDEX, WEIGHTS)
+        log.warning("%s holds both %s and %s: reading %s, as transformers does", path, WEIGHTS,
+                    INDEX, WEIGHTS)
     if not single.is_file() and index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: expected a non-empty weight_map of tensor name -> shard file")
+            raise CheckpointError(
+                f"{index}: expected a non-empty weight_map of tensor name -> shard file")
         files = {}
         for name, file in weight_map.items():
             shard = path / str(file)
             if not shard.is_file():
-                raise CheckpointError(f"{index}: weight_map puts {name} in {file}, which is missing from {path}")
+                raise CheckpointError(
+                    f"{index}: weight_map puts {name} in {file}, which is missing from {path}")
             files[name] = shard
         return files
     if not single.is_file():
@@ -131,7 +137,8 @@ def _weight_map(path: Path) -> dict[str, Path]:
 
 
 def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with its content."""
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with its
+    content."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
@@ -139,7 +146,8 @@ def _token_text(value: Any) -> str | None:
 
 def _special_tokens(path: Path, config_json: dict[str, Any],
                     tokenizer: HFTokenizer) -> tuple[str, str | None, str | None]:
-    """(eos, bos, pad) from tokenizer_config.json / special_tokens_map.json, else config.json's ids."""
+    """(eos, bos, pad) from tokenizer_config.json / special_tokens_map.json, else config.json's
+    ids."""
     found: dict[str, str | None] = {"eos": None, "bos": None, "pad": None}
     for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
         if (path / name).is_file():
@@ -148,29 +156,32 @@ def _special_tokens(path: Path, config_json: dict[str, Any],
                 found[kind] = found[kind] or _token_text(data.get(f"{kind}_token"))
     for kind in found:
         token_id = config_json.get(f"{kind}_token_id")
-        if isinstance(token_id, list):  # Llama 3.1 instruct lists several end tokens; the first ends text
+        # Llama 3.1 instruct lists several end tokens; the first ends text
+        if isinstance(token_id, list):
             token_id = token_id[0] if token_id else None
         if found[kind] is None and isinstance(token_id, int):
             found[kind] = tokenizer.id_to_token(token_id)
     for kind, token in found.items():
         if token is not None and tokenizer.token_to_id(token) is None:
-            raise CheckpointError(f"{path / TOKENIZER}: has no token {token!r}, the folder's {kind}_token")
+            raise CheckpointError(
+                f"{path / TOKENIZER}: has no token {token!r}, the folder's {kind}_token")
     if found["eos"] is None:
         raise CheckpointError(
             f"{path}: no eos_token in {TOKENIZER_CONFIG} or {SPECIAL_TOKENS_MAP} and no eos_token_id in "
-            f"{CONFIG_JSON}; seqjax needs the end-of-text token"
-        )
+            f"{CONFIG_JSON}; seqjax needs the end-of-text token")
     return found["eos"], found["bos"], found["pad"]
 
 
 def read_folder(path: str | os.PathLike) -> HFFolder:
-    """Check an HF folder without reading its tensors: config.json, the shards, the tokenizer and its special tokens.
+    """Check an HF folder without reading its tensors: config.json, the shards, the tokenizer and
+    its special tokens.
 
     Every problem is a CheckpointError naming the file and the field.
     """
     path = Path(path).expanduser()
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such folder (expected a Hugging Face model folder holding {CONFIG_JSON})")
+        raise CheckpointError(
+            f"{path}: no such folder (expected a Hugging Face model folder holding {CONFIG_JSON})")
     if not (path / CONFIG_JSON).is_file():
         raise CheckpointError(f"{path}: no {CONFIG_JSON}; expected a Hugging Face model folder")
     config_json = _read_json(path / CONFIG_JSON)
@@ -180,7 +191,8 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     if not tokenizer.is_file():
         slow = " (it has tokenizer.model: save a fast tokenizer, e.g. LlamaTokenizerFast)" if (
             path / "tokenizer.model").is_file() else ""
-        raise CheckpointError(f"{path}: no {TOKENIZER}{slow}; seqjax reads the fast tokenizer's tokenizer.json")
+        raise CheckpointError(
+            f"{path}: no {TOKENIZER}{slow}; seqjax reads the fast tokenizer's tokenizer.json")
     try:
         hf_tokenizer = HFTokenizer.from_file(str(tokenizer))
     except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
@@ -195,7 +207,8 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
 
 
 def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
-    """The folder's tensors as seqjax parameters (``nnx.to_pure_dict`` layout), cast to ``dtype``."""
+    """The folder's tensors as seqjax parameters (``nnx.to_pure_dict`` layout), cast to
+    ``dtype``."""
     handles: dict[Path, Any] = {}
     bar = progress_bar(total=len(hf.weight_map), desc=f"read {hf.path.name}", unit="tensor")
 
@@ -218,7 +231,8 @@ def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
 
 def run_config(hf: HFFolder, overrides: Sequence[str] = (), tokenizer_path: Path | None = None,
                run_dir: Path | None = None) -> Config:
-    """A seqjax Config for the folder's model: its model section, its tokenizer, raw WikiText-2 as the data.
+    """A seqjax Config for the folder's model: its model section, its tokenizer, raw WikiText-2 as
+    the data.
 
     ``data.seq_len`` is capped at the model's limit; the overrides apply on top.
     """
@@ -231,7 +245,8 @@ def run_config(hf: HFFolder, overrides: Sequence[str] = (), tokenizer_path: Path
             "bos_token": hf.bos_token,
             "pad_token": hf.pad_token,
             # the tokenizer's real size (not the default of a tokenizer seqjax would train)
-            "vocab_size": HFTokenizer.from_file(str(hf.tokenizer)).get_vocab_size(with_added_tokens=True),
+            "vocab_size": HFTokenizer.from_file(str(
+                hf.tokenizer)).get_vocab_size(with_added_tokens=True),
         },
         "data": {"variant": "raw", "seq_len": min(Config().data.seq_len, hf.model.max_seq_len)},
     }
@@ -241,8 +256,8 @@ def run_config(hf: HFFolder, overrides: Sequence[str] = (), tokenizer_path: Path
 
 
 def model_with_params(config: Config, params: dict[str, Any]) -> TransformerLM:
-    """The model ``config`` describes, holding ``params`` (a pure dict): built abstractly, so nothing random
-    is initialized and then thrown away."""
+    """The model ``config`` describes, holding ``params`` (a pure dict): built abstractly, so
+    nothing random is initialized and then thrown away."""
     abstract = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(config.run.seed)))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     params = blocks_layout(params, stacked=config.model.scan_layers)
@@ -262,7 +277,8 @@ def load(path: str | os.PathLike, overrides: Sequence[str] = ()) -> tuple[Config
 
 
 def _shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
-    """Tensors in name order, cut into groups of at most ``max_bytes`` (a larger single tensor gets its own)."""
+    """Tensors in name order, cut into groups of at most ``max_bytes`` (a larger single tensor gets
+    its own)."""
     groups: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name in sorted(tensors):
@@ -276,7 +292,8 @@ def _shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np
 
 
 def _tokenizer_with_opening_token(tokenizer_json: Path, bos: str) -> str:
-    """The tokenizer.json text, with a post-processor that opens encodings with ``bos`` when it has none.
+    """The tokenizer.json text, with a post-processor that opens encodings with ``bos`` when it has
+    none.
 
     seqjax trains every sequence as ``[EOT] + text``, so transformers' default
     ``tokenizer(text)`` (add_special_tokens=True) should give that too; a
@@ -291,9 +308,32 @@ def _tokenizer_with_opening_token(tokenizer_json: Path, bos: str) -> str:
     return hf.to_str()
 
 
-def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any], *, tokenizer_json: Path,
-                 eos_token: str, bos_token: str | None, pad_token: str | None = None, dtype: str = "float32",
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, chat_template: str | None = None) -> dict[str, Any]:
+def _write_weights(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int,
+                   dtype: str) -> tuple[list[str], int]:
+    """model.safetensors, or shards of at most ``max_shard_bytes`` with their index; (files, shards)."""
+    groups = _shards(tensors, max_shard_bytes)
+    log.info("writing %d tensors (%s, %.1f MB) to %s in %d file(s)", len(tensors), dtype,
+             sum(t.nbytes for t in tensors.values()) / 1e6, out, len(groups))
+    if len(groups) == 1:
+        save_file(groups[0], str(out / WEIGHTS), metadata={"format": "pt"})
+        return [WEIGHTS], 1
+    files, weight_map = [], {}
+    for i, group in enumerate(progress_bar(iterable=groups, desc="write shards", unit="shard"), start=1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(out / name), metadata={"format": "pt"})
+        weight_map.update({tensor: name for tensor in group})
+        files.append(name)
+    total = sum(t.nbytes for t in tensors.values())
+    write_text_atomic(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                              indent=2))
+    return files + [INDEX], len(groups)
+
+
+def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any], *,
+                 tokenizer_json: Path, eos_token: str, bos_token: str | None,
+                 pad_token: str | None = None, dtype: str = "float32",
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 chat_template: str | None = None) -> dict[str, Any]:
     """Write an HF Llama folder for ``cfg`` and ``params``; returns what was written.
 
     Tensors are cast to ``dtype`` and written by ``safetensors`` with the
@@ -306,24 +346,7 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
     hf_tok = HFTokenizer.from_file(str(tokenizer_json))
     bos_id, eos_id = hf_tok.token_to_id(bos), hf_tok.token_to_id(eos_token)
     tensors = {name: t.astype(DTYPES[dtype]) for name, t in to_hf(params, cfg).items()}
-    groups = _shards(tensors, max_shard_bytes)
-    files = []
-    log.info("writing %d tensors (%s, %.1f MB) to %s in %d file(s)", len(tensors), dtype,
-             sum(t.nbytes for t in tensors.values()) / 1e6, out, len(groups))
-    if len(groups) == 1:
-        save_file(groups[0], str(out / WEIGHTS), metadata={"format": "pt"})
-        files.append(WEIGHTS)
-    else:
-        weight_map = {}
-        for i, group in enumerate(progress_bar(iterable=groups, desc="write shards", unit="shard"), start=1):
-            name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-            save_file(group, str(out / name), metadata={"format": "pt"})
-            weight_map.update({tensor: name for tensor in group})
-            files.append(name)
-        total = sum(t.nbytes for t in tensors.values())
-        write_text_atomic(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                  indent=2))
-        files.append(INDEX)
+    files, shards = _write_weights(out, tensors, max_shard_bytes, dtype)
     special = {"bos_token": bos, "eos_token": eos_token}
     pad_id = None
     if pad_token is not None:
@@ -345,13 +368,15 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
         "clean_up_tokenization_spaces": False,
         **({"chat_template": chat_template} if chat_template is not None else {}),
     }, indent=2))
-    write_text_atomic(out / GENERATION_CONFIG, json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id} | (
-        {"pad_token_id": pad_id} if pad_id is not None else {}), indent=2))
+    write_text_atomic(
+        out / GENERATION_CONFIG,
+        json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id} |
+                   ({"pad_token_id": pad_id} if pad_id is not None else {}), indent=2))
     files += [CONFIG_JSON, TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG]
     return {
         "out": str(out),
         "files": files,
-        "shards": len(groups),
+        "shards": shards,
         "dtype": dtype,
         "parameters": int(sum(math.prod(t.shape) for t in tensors.values())),
         "bytes": int(sum(t.nbytes for t in tensors.values())),

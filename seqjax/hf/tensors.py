@@ -46,7 +46,8 @@ Converter = Callable[[np.ndarray], np.ndarray]
 
 
 def block_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Converter, Converter]]:
-    """(HF name suffix, seqjax path in the block, seqjax -> HF, HF -> seqjax) for one block's tensors."""
+    """(HF name suffix, seqjax path in the block, seqjax -> HF, HF -> seqjax) for one block's
+    tensors."""
     d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
     same = (lambda w: w), (lambda t: t)
     linear = (lambda w: w.T), (lambda t: t.T)
@@ -63,10 +64,11 @@ def block_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Converte
         ("self_attn.q_proj.weight", ("attn", "wq"), *heads_in(h)),
         ("self_attn.k_proj.weight", ("attn", "wk"), *heads_in(k)),
         ("self_attn.v_proj.weight", ("attn", "wv"), *heads_in(k)),
-        ("self_attn.o_proj.weight", ("attn", "wo"), lambda w: w.reshape(h * dh, d).T, lambda t: t.T.reshape(h, dh, d)),
+        ("self_attn.o_proj.weight", ("attn", "wo"), lambda w: w.reshape(h * dh, d).T,
+         lambda t: t.T.reshape(h, dh, d)),
         # Llama's post_attention_layernorm is its pre-MLP norm; Gemma's is the attention branch's post-norm
-        ("post_attention_layernorm.weight", ("post_attn_norm", "scale") if gemma_norms else ("mlp_norm", "scale"),
-         *same),
+        ("post_attention_layernorm.weight",
+         ("post_attn_norm", "scale") if gemma_norms else ("mlp_norm", "scale"), *same),
         ("mlp.gate_proj.weight", ("mlp", "w_gate"), *linear),
         ("mlp.up_proj.weight", ("mlp", "w_up"), *linear),
         ("mlp.down_proj.weight", ("mlp", "w_down"), *linear),
@@ -86,10 +88,12 @@ def block_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Converte
 
 def _block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
-    shapes = {"input_layernorm.weight": (d,), "self_attn.q_proj.weight": (h * dh, d),
-              "self_attn.k_proj.weight": (k * dh, d), "self_attn.v_proj.weight": (k * dh, d),
-              "self_attn.o_proj.weight": (d, h * dh), "post_attention_layernorm.weight": (d,),
-              "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    shapes = {
+        "input_layernorm.weight": (d, ), "self_attn.q_proj.weight": (h * dh, d),
+        "self_attn.k_proj.weight": (k * dh, d), "self_attn.v_proj.weight": (k * dh, d),
+        "self_attn.o_proj.weight": (d, h * dh), "post_attention_layernorm.weight": (d, ),
+        "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)
+    }
     if cfg.qkv_bias:
         shapes |= {"self_attn.q_proj.bias": (h * dh,), "self_attn.k_proj.bias": (k * dh,),
                    "self_attn.v_proj.bias": (k * dh,)}
@@ -102,7 +106,10 @@ def _block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of a model with ``cfg`` and its shape."""
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model), "model.norm.weight": (cfg.d_model,)}
+    shapes = {
+        "model.embed_tokens.weight": (cfg.vocab_size, cfg.d_model),
+        "model.norm.weight": (cfg.d_model, )
+    }
     for i in range(cfg.n_layers):
         shapes.update({_layer(i) + name: shape for name, shape in _block_shapes(cfg).items()})
     if not cfg.tie_embeddings:
@@ -123,13 +130,16 @@ def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 
 def to_hf(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """seqjax parameters (``nnx.to_pure_dict`` of the model's Params) -> HF tensors by name, as numpy arrays."""
-    params = blocks_layout(params, stacked=False)  # HF keeps a tensor per layer, whatever model.scan_layers
+    """seqjax parameters (``nnx.to_pure_dict`` of the model's Params) -> HF tensors by name, as
+    numpy arrays."""
+    # HF keeps a tensor per layer, whatever model.scan_layers
+    params = blocks_layout(params, stacked=False)
     out = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
            "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
     for i in range(cfg.n_layers):
         for name, path, to_hf_layout, _ in block_tensors(cfg):
-            out[_layer(i) + name] = np.ascontiguousarray(to_hf_layout(np.asarray(_get(params["blocks"][i], path))))
+            out[_layer(i) + name] = np.ascontiguousarray(
+                to_hf_layout(np.asarray(_get(params["blocks"][i], path))))
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
     return out
@@ -153,11 +163,11 @@ def from_hf(read: Callable[[str], np.ndarray], names: Iterable[str], cfg: ModelC
     if unexpected:
         raise CheckpointError(
             f"{source}: holds tensors a {FAMILIES[cfg.family].architecture} with this config.json has no place for: "
-            f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}"
-        )
+            f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
     missing = sorted(set(expected) - names)
     if missing:
-        raise CheckpointError(f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+        raise CheckpointError(
+            f"{source}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
 
     def get(name: str) -> np.ndarray:
         tensor = read(name)

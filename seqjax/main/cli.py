@@ -1,4 +1,5 @@
-"""What every seqjax CLI shares, and the one place where bad input becomes a message and exit code 2.
+"""What every seqjax CLI shares, and the one place where bad input becomes a message and exit code
+2.
 
 Each CLI builds its parser with :func:`parser` (``--config FILE``, dotted
 ``key=value`` overrides, ``--help-config``, ``--log-level``), adds its own
@@ -46,13 +47,16 @@ T = TypeVar("T")
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """The shared flags; ``prog`` names the tool in messages (its console script's name when run as one)."""
+    """The shared flags; ``prog`` names the tool in messages (its console script's name when run as
+    one)."""
     invoked = Path(sys.argv[0]).name
     if invoked.startswith("seqjax-"):  # seqjax-train, ...: name the tool as the user typed it
         prog = invoked
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--config", metavar="FILE", help="YAML config, for example configs/wikitext2_cpu.yaml")
-    p.add_argument("--help-config", action="store_true", help="list every config key with its type and default")
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML config, for example configs/wikitext2_cpu.yaml")
+    p.add_argument("--help-config", action="store_true",
+                   help="list every config key with its type and default")
     p.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, type=str.upper,
                    help="how much goes to stderr (default: %(default)s)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
@@ -60,30 +64,37 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def run(p: argparse.ArgumentParser, argv: Sequence[str] | None, work: Callable[[argparse.Namespace], T]) -> T:
-    """Parse the flags, set up logging and run ``work(args)``; a SeqjaxError becomes one line and exit code 2, a
-    Ctrl-C one line and exit code 130 (the shell's for SIGINT)."""
+def run(p: argparse.ArgumentParser, argv: Sequence[str] | None, work: Callable[[argparse.Namespace],
+                                                                               T]) -> T:
+    """Parse the flags, set up logging and run ``work(args)``; a SeqjaxError becomes one line and
+    exit code 2, a Ctrl-C one line and exit code 130 (the shell's for SIGINT)."""
     args = _parse_flags(p, argv)
     try:
         return work(args)
     except SeqjaxError as err:
         refuse(p, err)
     except KeyboardInterrupt:
-        # What seqjax writes is staged and renamed into place: a stop leaves finished work and nothing half-written.
-        log.error("%s: interrupted (Ctrl-C): stopped; what was finished is kept, nothing half-written is", p.prog)
+        # What seqjax writes is staged and renamed into place: a stop leaves finished work and
+        # nothing half-written.
+        log.error(
+            "%s: interrupted (Ctrl-C): stopped; what was finished is kept, nothing half-written is",
+            p.prog)
         sys.exit(EXIT_INTERRUPTED)
 
 
 def load(args: argparse.Namespace) -> Config:
-    """The validated config from ``--config`` and the overrides, with the strategy tables' rules checked too
-    (:func:`seqjax.data.strategies.check_config`); a ConfigError inside :func:`run` exits 2."""
+    """The validated config from ``--config`` and the overrides, with the strategy tables' rules
+    checked too (:func:`seqjax.data.strategies.check_config`); a ConfigError inside :func:`run`
+    exits 2."""
     config = load_config(args.config, args.overrides)
     check_config(config)
     return config
 
 
-def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Config]:
-    """Flags and the validated config, or exit 2 with the message: for tools that need nothing else from :func:`run`."""
+def parse(p: argparse.ArgumentParser,
+          argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Config]:
+    """Flags and the validated config, or exit 2 with the message: for tools that need nothing else
+    from :func:`run`."""
     args = _parse_flags(p, argv)
     try:
         return args, load(args)
@@ -108,7 +119,8 @@ def _parse_flags(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argp
 
 
 class _ProgressAwareHandler(logging.Handler):
-    """Writes each record to the current ``sys.stderr`` through tqdm, so a line never lands inside a progress bar.
+    """Writes each record to the current ``sys.stderr`` through tqdm, so a line never lands inside a
+    progress bar.
 
     Looking ``sys.stderr`` up per record (not once at setup) keeps messages
     visible to whatever replaced it since: a test's capture, a redirect.
@@ -122,12 +134,14 @@ class _ProgressAwareHandler(logging.Handler):
 
 
 def configure_logging(level: str = "INFO") -> None:
-    """Send seqjax's messages to stderr in :data:`LOG_FORMAT` at ``level``; calling it again only changes the level."""
+    """Send seqjax's messages to stderr in :data:`LOG_FORMAT` at ``level``; calling it again only
+    changes the level."""
     if not any(isinstance(h, _ProgressAwareHandler) for h in log.handlers):
         handler = _ProgressAwareHandler()
         handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
         log.addHandler(handler)
-        log.propagate = False  # one line per message, even where the root logger has handlers of its own
+        # one line per message, even where the root logger has handlers of its own
+        log.propagate = False
     log.setLevel(level)
 
 

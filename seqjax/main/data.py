@@ -1,4 +1,5 @@
-"""``python -m seqjax.data --config FILE [key=value ...]``: what the configured strategy makes of the training split.
+"""``python -m seqjax.data --config FILE [key=value ...]``: what the configured strategy makes of
+the training split.
 
 Prints the resolved config, then as its last line one JSON object with the
 epoch's statistics (rows, padding, coverage, segments, tokens/s); for a
@@ -39,10 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser("python -m seqjax.data",
                    "What the configured sequence strategy makes of a split: epoch statistics as JSON, "
                    "optionally a dump of batches.")
-    p.add_argument("--split", default="train", choices=("train", "valid", "test"), help="which split's store to cut")
+    p.add_argument("--split", default="train", choices=("train", "valid", "test"),
+                   help="which split's store to cut")
     p.add_argument("--dump", metavar="FILE.npz", help="write the first --batches batches here")
     p.add_argument("--batches", type=int, default=1, help="how many batches --dump writes")
-    p.add_argument("--plot", metavar="FILE.png", help="draw the first batch's layout (examples, prompts, padding)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw the first batch's layout (examples, prompts, padding)")
     p.add_argument("--steps", type=int, default=256,
                    help="a mixture (data.sources): batches its realized proportions are counted over")
     cli.run(p, argv, describe)
@@ -50,10 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def sources_of(config, store, n_batches: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where the first ``n_batches`` batches came from: ``documents`` [n, batch, width], the index in the split's
-    store of the document (example) each slot's target belongs to (-1 on padding: the index
-    ``eval --per-example`` reports), and ``epochs`` [n], each batch's epoch. Read from the epochs' row plans,
-    which the batches are built from."""
+    """Where the first ``n_batches`` batches came from: ``documents`` [n, batch, width], the index
+    in the split's store of the document (example) each slot's target belongs to (-1 on padding: the
+    index ``eval --per-example`` reports), and ``epochs`` [n], each batch's epoch. Read from the
+    epochs' row plans, which the batches are built from."""
     planner, batch = EpochPlanner(config, store), config.data.batch_size
     offsets = np.asarray(store.doc_offsets, np.int64)
     documents = np.full((n_batches, batch, width), -1, np.int64)
@@ -73,7 +76,8 @@ def sources_of(config, store, n_batches: int, width: int) -> tuple[np.ndarray, n
 
 
 def describe(args: argparse.Namespace) -> dict[str, Any]:
-    """Check, build the pipeline, optionally dump its first batches, and print the epoch's statistics."""
+    """Check, build the pipeline, optionally dump its first batches, and print the epoch's
+    statistics."""
     for flag, value in (("--batches", args.batches), ("--steps", args.steps)):
         if value < 1:
             raise UsageError(f"{flag}: got {value}, expected at least 1")
@@ -84,12 +88,16 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
     print("# resolved config", flush=True)
     print(config.to_yaml(), flush=True)
     store = prepare(config, splits=(args.split,)).stores[args.split]
-    pipeline = build_pipeline(config, store)  # checks the store against the config before any batch is built
+    # checks the store against the config before any batch is built
+    pipeline = build_pipeline(config, store)
     stats = mixture_stats(config, store, args.steps) if store.sources else epoch_stats(config, store)
     if args.dump:
         batches = list(islice(iter(pipeline), args.batches))
         width = max(b["inputs"].shape[1] for b in batches)
-        arrays = {k: np.stack([np.pad(b[k], ((0, 0), (0, width - b[k].shape[1]))) for b in batches]) for k in FIELDS}
+        arrays = {
+            k: np.stack([np.pad(b[k], ((0, 0), (0, width - b[k].shape[1]))) for b in batches])
+            for k in FIELDS
+        }
         if not strategies.uses_grain_packer(config.data) and not store.sources:
             arrays["documents"], arrays["epochs"] = sources_of(config, store, len(batches), width)
         np.savez(Path(args.dump), **arrays)

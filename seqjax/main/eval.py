@@ -1,4 +1,5 @@
-"""``python -m seqjax.eval --run DIR [--split valid|test] [key=value ...]``: a trained run's perplexity on a split.
+"""``python -m seqjax.eval --run DIR [--split valid|test] [key=value ...]``: a trained run's
+perplexity on a split.
 
 The last stdout line is one JSON object: tokens, words, bytes, ``nll_sum``
 and the perplexity in all three units under the ``eval.*`` protocol (see
@@ -30,31 +31,37 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.parser("python -m seqjax.eval", "Perplexity of a trained model on a split (last line: one JSON object).")
+    p = cli.parser("python -m seqjax.eval",
+                   "Perplexity of a trained model on a split (last line: one JSON object).")
     trained.add_checkpoint_args(p)
     p.add_argument("--split", choices=("valid", "test"), help="split to score (default: eval.split)")
-    p.add_argument("--per-example", metavar="FILE.jsonl",
-                   help="also write one JSON line per scored document (example): its index in the split's store, "
-                        "targets scored, weight, nll and mean nll")
+    p.add_argument(
+        "--per-example", metavar="FILE.jsonl", help=
+        "also write one JSON line per scored document (example): its index in the split's store, "
+        "targets scored, weight, nll and mean nll")
     cli.run(p, argv, score)
     return 0
 
 
 def score(args: argparse.Namespace) -> dict[str, Any]:
-    """Load the checkpoint, prepare the split's store (reused from the cache), evaluate, print the JSON line."""
+    """Load the checkpoint, prepare the split's store (reused from the cache), evaluate, print the
+    JSON line."""
     overrides = list(args.overrides) + ([f"eval.split={args.split}"] if args.split else [])
     config, model = trained.load_checkpoint(args, overrides)
-    trained.trained_tokenizer(args, config)  # a tokenizer the model cannot read is refused before the store is built
+    # a tokenizer the model cannot read is refused before the store is built
+    trained.trained_tokenizer(args, config)
     split = config.eval.split
     if args.per_example and config.eval.mode == LM_EVAL:
-        raise UsageError("--per-example: got it with eval.mode=lm_eval, expected blocks, sliding or documents (the "
-                         "harness's pages are not a token store's documents)")
+        raise UsageError(
+            "--per-example: got it with eval.mode=lm_eval, expected blocks, sliding or documents (the "
+            "harness's pages are not a token store's documents)")
     if config.eval.mode == LM_EVAL:  # raw pages with the model's tokenizer, no token store
         docs = read_lm_eval_split(config, split, prepare(config, splits=()).tokenizer)
         result = evaluate_lm_eval(model, docs, config, split=split)
     else:
         prepared = prepare(config, splits=(split,))
-        result = evaluate(model, prepared.stores[split], config, split=split, per_document=bool(args.per_example))
+        result = evaluate(model, prepared.stores[split], config, split=split,
+                          per_document=bool(args.per_example))
         if args.per_example:
             rows = result.pop("per_document")
             write_text_atomic(Path(args.per_example), "".join(json_text(row) + "\n" for row in rows))
@@ -64,13 +71,15 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
         try:
             record(Path(args.run), result, config)
         except OSError as err:  # a run folder we may read but not write: the score still prints
-            log.warning("could not record the result in %s (%s)", Path(args.run) / RESULTS_FILE, err.strerror)
+            log.warning("could not record the result in %s (%s)",
+                        Path(args.run) / RESULTS_FILE, err.strerror)
     print(json_text(result), flush=True)
     return result
 
 
 def record(run_dir: Path, result: dict[str, Any], config) -> Path:
-    """Add the result to the run's eval_results.json, keyed split/mode/step, as lm-eval's --output_path keeps it.
+    """Add the result to the run's eval_results.json, keyed split/mode/step, as lm-eval's
+    --output_path keeps it.
 
     Earlier results stay; the same split, mode and step scored again is replaced by the newer score.
     """

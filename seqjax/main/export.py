@@ -1,4 +1,5 @@
-"""``python -m seqjax.export --run DIR --out HF_DIR [--dtype bfloat16]``: a seqjax model as a Hugging Face folder.
+"""``python -m seqjax.export --run DIR --out HF_DIR [--dtype bfloat16]``: a seqjax model as a
+Hugging Face folder.
 
 The folder loads with ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)``
 and ``AutoTokenizer.from_pretrained(HF_DIR)`` (see :mod:`seqjax.hf.folders` for its
@@ -7,8 +8,8 @@ HF folder (to change its dtype or shard size). The last stdout line is one
 JSON object: the files, shards, dtype, parameters and bytes written.
 
 A ``model.lora`` run exports its adapters as a PEFT adapter folder (``adapter_config.json``,
-``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base, HF_DIR)`` loads onto the base
-model; ``--merge`` folds them into the base and writes the whole model instead.
+``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(base, HF_DIR)`` loads onto
+the base model; ``--merge`` folds them into the base and writes the whole model instead.
 """
 
 from __future__ import annotations
@@ -33,37 +34,45 @@ from seqjax.store.chat import find_chat_template
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.parser("python -m seqjax.export", "Write a trained model as a Hugging Face model folder (safetensors).")
+    p = cli.parser("python -m seqjax.export",
+                   "Write a trained model as a Hugging Face model folder (safetensors).")
     trained.add_checkpoint_args(p)
     p.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder whole")
-    p.add_argument("--dtype", choices=tuple(hf.DTYPES), default="float32", help="tensor dtype (default: %(default)s)")
-    p.add_argument("--merge", action="store_true",
-                   help="model.lora runs: fold the adapters into the base and write the whole model (default: a "
-                        "PEFT adapter folder)")
-    p.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_SHARD_BYTES, metavar="N",
-                   help="cut model.safetensors into shards of at most N bytes, with an index (default: 5 GiB)")
+    p.add_argument("--dtype", choices=tuple(hf.DTYPES), default="float32",
+                   help="tensor dtype (default: %(default)s)")
+    p.add_argument(
+        "--merge", action="store_true",
+        help="model.lora runs: fold the adapters into the base and write the whole model (default: a "
+        "PEFT adapter folder)")
+    p.add_argument(
+        "--max-shard-bytes", type=int, default=hf.DEFAULT_SHARD_BYTES, metavar="N",
+        help="cut model.safetensors into shards of at most N bytes, with an index (default: 5 GiB)")
     cli.run(p, argv, export)
     return 0
 
 
 def export(args: argparse.Namespace) -> dict[str, Any]:
-    """Refuse a non-empty --out (unless --overwrite), load the checkpoint, write the HF folder, print the JSON line.
+    """Refuse a non-empty --out (unless --overwrite), load the checkpoint, write the HF folder,
+    print the JSON line.
 
     The folder is written beside --out and renamed into place: a failure leaves --out as it was.
     """
     check_new_folder(args.out, overwrite=args.overwrite)
     if args.max_shard_bytes < 1:
-        raise UsageError(f"--max-shard-bytes: got {args.max_shard_bytes}, expected a positive number of bytes")
+        raise UsageError(
+            f"--max-shard-bytes: got {args.max_shard_bytes}, expected a positive number of bytes")
     config, model = trained.load_checkpoint(args)
-    # The run's own tokenizer, refused unless it is the one the checkpoint was trained with (as eval and generate do).
+    # The run's own tokenizer, refused unless it is the one the checkpoint was trained with (as eval
+    # and generate do).
     tokenizer = trained.trained_tokenizer(args, config)
     cfg = model.cfg
     if cfg.lora.rank and not args.merge:
         adapters = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
         return _export_adapter(args, cfg, adapters, config.train.init_from)
     if args.merge and not cfg.lora.rank:
-        raise UsageError("--merge: the run has no adapters (model.lora.rank is 0); export it without --merge")
+        raise UsageError(
+            "--merge: the run has no adapters (model.lora.rank is 0); export it without --merge")
     # a QLoRA base is written (or merged into) as read back: what the run computed with
     params, cfg = full_weights(model), dataclasses.replace(cfg, lora=LoraConfig())
     with staged_folder(args.out, overwrite=args.overwrite) as staging:
@@ -84,14 +93,18 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _export_adapter(args: argparse.Namespace, cfg, adapters: dict[str, Any], base: str | None) -> dict[str, Any]:
+def _export_adapter(args: argparse.Namespace, cfg, adapters: dict[str, Any],
+                    base: str | None) -> dict[str, Any]:
     """The run's adapters as a PEFT adapter folder, in ``--dtype``."""
     tensors = {name: t.astype(hf.DTYPES[args.dtype]) for name, t in peft.to_peft(adapters, cfg).items()}
     with staged_folder(args.out, overwrite=args.overwrite) as staging:
         save_file(tensors, str(staging / peft.ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        write_text_atomic(staging / peft.ADAPTER_CONFIG, json.dumps(peft.adapter_config(cfg.lora, base), indent=2))
-    result = {"out": str(args.out), "files": [peft.ADAPTER_CONFIG, peft.ADAPTER_WEIGHTS], "dtype": args.dtype,
-              "adapter_parameters": int(sum(t.size for t in tensors.values())),
-              "bytes": int(sum(t.nbytes for t in tensors.values()))}
+        write_text_atomic(staging / peft.ADAPTER_CONFIG,
+                          json.dumps(peft.adapter_config(cfg.lora, base), indent=2))
+    result = {
+        "out": str(args.out), "files": [peft.ADAPTER_CONFIG, peft.ADAPTER_WEIGHTS],
+        "dtype": args.dtype, "adapter_parameters": int(sum(t.size for t in tensors.values())),
+        "bytes": int(sum(t.nbytes for t in tensors.values()))
+    }
     print(json.dumps(result), flush=True)
     return result

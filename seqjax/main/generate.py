@@ -17,11 +17,10 @@ keeps one. A row stops at its first end-of-text; the loop stops when every
 row has, or after ``--max-new-tokens``.
 
 ``--chat FILE.jsonl`` takes conversations instead (one a line: ``{"messages":
-[...], "tools": [...]}``, tools optional, or the list of messages itself): each is rendered with the run's chat template
-and its generation prompt, as transformers' ``apply_chat_template(...,
-add_generation_prompt=True)`` does, the reply stops at the template's
-end-of-turn token (``<|im_end|>``, ``</s>``) too, and the reply alone is
-printed.
+[...], "tools": [...]}``, tools optional, or the list of messages itself): each is rendered with the
+run's chat template and its generation prompt, as transformers' ``apply_chat_template(...,
+add_generation_prompt=True)`` does, the reply stops at the template's end-of-turn token
+(``<|im_end|>``, ``</s>``) too, and the reply alone is printed.
 """
 
 from __future__ import annotations
@@ -45,11 +44,13 @@ log = logging.getLogger("seqjax.generate")  # the command's name, as its log lin
 
 
 def read_chats(path_text: str) -> list[tuple[Any, Any]]:
-    """``(messages, tools)`` of each conversation of ``--chat FILE.jsonl``: each line a ``{"messages": [...]}``
-    object (with the chat's ``"tools"``, if any) or the list of messages itself."""
+    """``(messages, tools)`` of each conversation of ``--chat FILE.jsonl``: each line a
+    ``{"messages": [...]}`` object (with the chat's ``"tools"``, if any) or the list of messages
+    itself."""
     path = Path(path_text)
     if not path.is_file():
-        raise UsageError(f"--chat {path_text!r}: no such file (expected one conversation per line, as JSON)")
+        raise UsageError(
+            f"--chat {path_text!r}: no such file (expected one conversation per line, as JSON)")
     chats = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -58,9 +59,11 @@ def read_chats(path_text: str) -> list[tuple[Any, Any]]:
             record = json.loads(line)
         except ValueError as err:
             raise UsageError(f"--chat {path_text}:{number}: not JSON ({err})") from None
-        chats.append((record.get("messages"), record.get("tools")) if isinstance(record, dict) else (record, None))
+        chats.append((record.get("messages"),
+                      record.get("tools")) if isinstance(record, dict) else (record, None))
     if not chats:
-        raise UsageError(f"--chat {path_text!r}: no conversation in it; expected one JSON line per conversation")
+        raise UsageError(
+            f"--chat {path_text!r}: no conversation in it; expected one JSON line per conversation")
     return chats
 
 
@@ -95,29 +98,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The generate CLI's flags."""
-    p = cli.parser("python -m seqjax.generate", "Continue prompts with a trained model (last line: one JSON object).")
+    p = cli.parser("python -m seqjax.generate",
+                   "Continue prompts with a trained model (last line: one JSON object).")
     trained.add_checkpoint_args(p)
     p.add_argument("--prompt", help="text to continue ('' starts a new article)")
-    p.add_argument("--chat", metavar="FILE.jsonl", help="conversations, one JSON per line ({\"messages\": [...]} or "
-                   "the list): rendered with the run's chat template and generation prompt; the reply is printed")
-    p.add_argument("--prompts", metavar="FILE", help="a file with one prompt per line, generated as one batch")
-    # One flag style across the CLIs (dashes); the underscore spellings of earlier releases still work.
+    p.add_argument(
+        "--chat", metavar="FILE.jsonl",
+        help="conversations, one JSON per line ({\"messages\": [...]} or "
+        "the list): rendered with the run's chat template and generation prompt; the reply is printed"
+    )
+    p.add_argument("--prompts", metavar="FILE",
+                   help="a file with one prompt per line, generated as one batch")
+    # One flag style across the CLIs (dashes); the underscore spellings of earlier releases still
+    # work.
     p.add_argument("--max-new-tokens", "--max_new_tokens", dest="max_new_tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0, help="nucleus mass to keep (1: off)")
-    p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0, help="most likely tokens to keep (0: off)")
+    p.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=1.0,
+                   help="nucleus mass to keep (1: off)")
+    p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0,
+                   help="most likely tokens to keep (0: off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: run.seed)")
     return p
 
 
 def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
-    """Every request is checked (prompts, sampling, checkpoint, lengths) before the first token is decoded."""
+    """Every request is checked (prompts, sampling, checkpoint, lengths) before the first token is
+    decoded."""
     if args.chat is not None and (args.prompt is not None or args.prompts is not None):
         raise UsageError("--chat: got it with --prompt/--prompts, expected one of them")
     texts = None if args.chat is not None else read_prompts(args.prompt, args.prompts)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     config, model = trained.load_checkpoint(args)
-    tokenizer = trained.trained_tokenizer(args, config)  # the run's tokenizer, reused from the cache
+    # the run's tokenizer, reused from the cache
+    tokenizer = trained.trained_tokenizer(args, config)
     stop_ids = [tokenizer.eot_id]
     if texts is None:
         texts, stop_ids = chat_prompts(args.chat, config, tokenizer)
@@ -125,8 +138,12 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     outputs = generate(
         model,
-        # Chats as the store encodes a rendered chat (one string), prompts as it encodes text (line by line).
-        [tokenizer.opened(tokenizer.encode_text(text) if args.chat else tokenizer.encode(text)) for text in texts],
+        # Chats as the store encodes a rendered chat (one string), prompts as it encodes text (line
+        # by line).
+        [
+            tokenizer.opened(tokenizer.encode_text(text) if args.chat else tokenizer.encode(text))
+            for text in texts
+        ],
         eot_id=stop_ids,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,

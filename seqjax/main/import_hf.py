@@ -1,4 +1,5 @@
-"""``python -m seqjax.import HF_DIR --out DIR [key=value ...]``: a Hugging Face model folder as a seqjax run folder.
+"""``python -m seqjax.import HF_DIR --out DIR [key=value ...]``: a Hugging Face model folder as a
+seqjax run folder.
 
 ``DIR`` then holds what a training run leaves for inference: ``config.yaml``
 (the model's fields, its tokenizer, raw WikiText-2 as the data), its own
@@ -35,22 +36,27 @@ from seqjax.train.resume import TOKENIZER_FILE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.parser("python -m seqjax.import", "Turn a Hugging Face model folder into a seqjax run folder.")
-    # HF_DIR shares the positional slot with the key=value overrides (cli.parser's): the one word without '='
+    p = cli.parser("python -m seqjax.import",
+                   "Turn a Hugging Face model folder into a seqjax run folder.")
+    # HF_DIR shares the positional slot with the key=value overrides (cli.parser's): the one word
+    # without '='
     p.usage = "%(prog)s HF_DIR --out DIR [key=value ...]"
     p.add_argument("--out", required=True, metavar="DIR", help="the run folder to write (new or empty)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder whole")
     words = list(sys.argv[1:] if argv is None else argv)
     if words and not words[0].startswith("-"):
-        words.append(words.pop(0))  # argparse cannot split one positional slot by flags: HF_DIR joins the overrides
+        # argparse cannot split one positional slot by flags: HF_DIR joins the overrides
+        words.append(words.pop(0))
     cli.run(p, words, import_folder)
     return 0
 
 
 def import_folder(args: argparse.Namespace) -> dict[str, Any]:
-    """Check everything (folder, fields, tensors, overrides) before writing, then tokenizer, checkpoint, config."""
+    """Check everything (folder, fields, tensors, overrides) before writing, then tokenizer,
+    checkpoint, config."""
     if args.config:
-        raise UsageError("--config: the configuration comes from HF_DIR/config.json; pass key=value overrides")
+        raise UsageError(
+            "--config: the configuration comes from HF_DIR/config.json; pass key=value overrides")
     folders = [word for word in args.overrides if "=" not in word]
     if len(folders) != 1:
         raise UsageError(f"expected one HF_DIR (a Hugging Face model folder), got {folders or 'none'}")
@@ -58,9 +64,11 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
     out = check_new_folder(args.out, overwrite=args.overwrite)
     start = time.perf_counter()
     folder = hf.read_folder(folders[0])
-    # The config names the final folder; the files are written beside it and renamed into place at the end.
+    # The config names the final folder; the files are written beside it and renamed into place at
+    # the end.
     config = hf.run_config(folder, overrides, tokenizer_path=out / TOKENIZER_FILE, run_dir=out)
-    params = blocks_layout(hf.read_params(folder, config.model.param_dtype), stacked=config.model.scan_layers)
+    params = blocks_layout(hf.read_params(folder, config.model.param_dtype),
+                           stacked=config.model.scan_layers)
     with staged_folder(out, overwrite=args.overwrite) as staging:
         shutil.copyfile(folder.tokenizer, staging / TOKENIZER_FILE)
         template = find_chat_template(folder.tokenizer)

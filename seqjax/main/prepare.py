@@ -1,4 +1,5 @@
-"""``python -m seqjax.prepare --config FILE [--verify] [key=value ...]``: build or reuse the tokenizer and token stores.
+"""``python -m seqjax.prepare --config FILE [--verify] [key=value ...]``: build or reuse the
+tokenizer and token stores.
 
 Prints the resolved config, progress (stderr), and as its last line one JSON
 object keyed by split with documents, tokens, bytes, words, tokens_per_word
@@ -30,11 +31,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = cli.parser("python -m seqjax.prepare",
                    "Train or load the tokenizer and build (or reuse) the token store of each split.")
     p.add_argument(
-        "--splits", default=None,
-        help=f"comma-separated splits to prepare, of {','.join(SPLITS)} (default: those the config has files for)"
+        "--splits", default=None, help=
+        f"comma-separated splits to prepare, of {','.join(SPLITS)} (default: those the config has files for)"
     )
-    p.add_argument("--verify", action="store_true",
-                   help="re-hash every source file and every store file, whatever their size and time say")
+    p.add_argument(
+        "--verify", action="store_true",
+        help="re-hash every source file and every store file, whatever their size and time say")
     cli.run(p, argv, build)
     return 0
 
@@ -42,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def build(args: argparse.Namespace) -> dict[str, Any]:
     """Prepare the requested splits and print what was built or reused; returns the summary."""
     config = cli.load(args)
-    if args.splits is None:  # every split the config gives (a corpus without test files has none to build)
+    # every split the config gives (a corpus without test files has none to build)
+    if args.splits is None:
         splits = [s for s in SPLITS if has_split(config, s)]
     else:
         splits = [s.strip() for s in args.splits.split(",") if s.strip()]
@@ -50,7 +53,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     processes = _processes(config)
     prepared = prepare(config, splits, verify=args.verify, **processes)
-    if processes["process_index"] == 0:  # beside every store it built or reused: the settings that made it
+    # beside every store it built or reused: the settings that made it
+    if processes["process_index"] == 0:
         for folder in {Path(entry["store"]).parent for entry in prepared.summary.values()}:
             config.save(folder / "config.yaml")
     tokenizer = prepared.tokenizer
@@ -61,9 +65,11 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _processes(config) -> dict[str, Any]:
-    """This process's place in a multi-host launch, and a barrier over all of them (one process: no barrier)."""
+    """This process's place in a multi-host launch, and a barrier over all of them (one process: no
+    barrier)."""
     single = {"process_index": 0, "process_count": 1, "barrier": None}
-    if not (config.dist.coordinator_address or os.environ.get("SEQJAX_COORDINATOR")):  # train.distributed's names
+    # train.distributed's names
+    if not (config.dist.coordinator_address or os.environ.get("SEQJAX_COORDINATOR")):
         return single
     # only a multi-host launch pays for importing JAX (seconds): its collectives are the barrier
     import jax

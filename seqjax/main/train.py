@@ -1,4 +1,5 @@
-"""``python -m seqjax.train --config FILE [key=value ...]``: train, or resume when ``run.dir`` holds checkpoints.
+"""``python -m seqjax.train --config FILE [key=value ...]``: train, or resume when ``run.dir`` holds
+checkpoints.
 
 Exit codes: 0 done (the last stdout line is the run's JSON summary); 2 bad
 input, before any work (:func:`seqjax.main.cli.run`), a ``run.dir`` another run
@@ -24,7 +25,8 @@ log = logging.getLogger("seqjax.train")  # the command's name, as its log lines 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.parser("python -m seqjax.train", "Train a language model; resumes when run.dir already holds checkpoints.")
+    p = cli.parser("python -m seqjax.train",
+                   "Train a language model; resumes when run.dir already holds checkpoints.")
     return cli.run(p, argv, run_training)
 
 

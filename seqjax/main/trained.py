@@ -1,4 +1,5 @@
-"""The CLIs' ``--run DIR`` / ``--checkpoint DIR`` / ``--hf DIR``: a trained model and the tokenizer it reads.
+"""The CLIs' ``--run DIR`` / ``--checkpoint DIR`` / ``--hf DIR``: a trained model and the tokenizer
+it reads.
 
 Shared by ``seqjax.main.eval``, ``.generate`` and ``.export`` (and
 scripts/eval_table.py). It sits with the CLIs, above data/ and train/, so the
@@ -21,22 +22,29 @@ from seqjax.train.inference import check_tokenizer, load_for_inference
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    """``--run DIR``, ``--checkpoint DIR`` or ``--hf DIR``: the config comes from there, so ``--config`` is refused."""
+    """``--run DIR``, ``--checkpoint DIR`` or ``--hf DIR``: the config comes from there, so
+    ``--config`` is refused."""
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--run", metavar="DIR", help="a training run folder (its newest readable checkpoint)")
+    where.add_argument("--run", metavar="DIR",
+                       help="a training run folder (its newest readable checkpoint)")
     where.add_argument("--checkpoint", metavar="DIR", help="one checkpoint folder")
-    where.add_argument("--hf", metavar="DIR",
-                       help="a Hugging Face model folder (config.json, *.safetensors, tokenizer.json), read directly")
+    where.add_argument(
+        "--hf", metavar="DIR", help=
+        "a Hugging Face model folder (config.json, *.safetensors, tokenizer.json), read directly")
 
 
-def load_checkpoint(args: argparse.Namespace, overrides: Sequence[str] | None = None) -> tuple[Config, Any]:
-    """(config, model with trained weights) from ``--run``, ``--checkpoint`` or ``--hf``, with the overrides.
+def load_checkpoint(args: argparse.Namespace,
+                    overrides: Sequence[str] | None = None) -> tuple[Config, Any]:
+    """(config, model with trained weights) from ``--run``, ``--checkpoint`` or ``--hf``, with the
+    overrides.
 
     Raises a SeqjaxError (exit 2 inside :func:`seqjax.main.cli.run`) for ``--config``, a missing
     folder, or a folder without a readable checkpoint.
     """
     if args.config:
-        raise UsageError("--config: the configuration comes from the checkpoint; pass key=value overrides instead")
+        raise UsageError(
+            "--config: the configuration comes from the checkpoint; pass key=value overrides instead"
+        )
     overrides = list(args.overrides if overrides is None else overrides)
     if getattr(args, "hf", None):
         return hf.load(args.hf, overrides)
@@ -47,7 +55,8 @@ def load_checkpoint(args: argparse.Namespace, overrides: Sequence[str] | None = 
 
 
 def trained_tokenizer(args: argparse.Namespace, config: Config) -> Tokenizer:
-    """The tokenizer ``config`` names (reused from the cache), refused unless it is the one the model can read.
+    """The tokenizer ``config`` names (reused from the cache), refused unless it is the one the
+    model can read.
 
     Checked before any token store is built: token ids beyond the model's
     vocabulary cannot raise under jit, they only turn the loss into NaN. A
@@ -58,6 +67,7 @@ def trained_tokenizer(args: argparse.Namespace, config: Config) -> Tokenizer:
     where = args.run or args.checkpoint or getattr(args, "hf", None)
     # An HF folder records no training tokenizer hash; its own tokenizer.json is what --hf reads.
     overridden = any(o.startswith("tokenizer.") for o in args.overrides)
-    check_tokenizer(where, tokenizer.hash, tokenizer.path, config.model.vocab_size, tokenizer.vocab_size,
-                    "drop the tokenizer.* overrides" if overridden else "the run folder's own tokenizer.json")
+    check_tokenizer(
+        where, tokenizer.hash, tokenizer.path, config.model.vocab_size, tokenizer.vocab_size,
+        "drop the tokenizer.* overrides" if overridden else "the run folder's own tokenizer.json")
     return tokenizer

@@ -62,7 +62,8 @@ def reference_attention(
     dropout_key: jax.Array | None = None,
     window: int | jax.Array | None = None,
 ) -> jax.Array:
-    """Plain XLA attention, softmax in float32. q: [B, T, H, D]; k, v: [B, T, Hkv, D]; Hkv divides H.
+    """Plain XLA attention, softmax in float32. q: [B, T, H, D]; k, v: [B, T, Hkv, D]; Hkv divides
+    H.
 
     Fully masked rows (padding queries) give zeros, never NaN. With a ``dropout_key``, attention
     probabilities are dropped at ``dropout_rate`` (training only; see :func:`masked_attention`).
@@ -81,7 +82,8 @@ def masked_attention(
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
 ) -> jax.Array:
-    """Attention under an explicit boolean mask [B, Tq, Tk] (from :func:`segment_mask`), softmax in float32.
+    """Attention under an explicit boolean mask [B, Tq, Tk] (from :func:`segment_mask`), softmax in
+    float32.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D]. The reference path and the KV-cache
     decode (queries against a longer cache) share this one softmax, so a fully
@@ -114,7 +116,8 @@ BACKENDS = ("xla", "cudnn", "cudnn_packed", "pallas", "pallas_mosaic", "splash")
 _KERNELS = {"pallas": ("seqjax.model.kernels.flash", "flash_attention"),
             "pallas_mosaic": ("seqjax.model.kernels.mosaic", "mosaic_attention"),
             "splash": ("seqjax.model.kernels.splash", "splash_attention")}
-# The backends that take the per-forward BlockMetadata (each with its own tile sizes: block_sizes_for).
+# The backends that take the per-forward BlockMetadata (each with its own tile sizes:
+# block_sizes_for).
 TILED = ("pallas", "pallas_mosaic")
 _HALF = (jnp.bfloat16, jnp.float16)
 
@@ -134,17 +137,16 @@ def attention(
 ) -> jax.Array:
     """Segment-masked causal self-attention (contract 2) on the chosen backend.
 
-    q: [B, T, H, D]; k, v: [B, T, Hkv, D] with Hkv dividing H (grouped-query);
-    segment_ids: [B, T] int (0 = padding). Returns [B, T, H, D] in q's dtype;
-    padding queries give zeros. ``scale`` defaults to D**-0.5. Shapes are checked
-    at trace time; ``backend="auto"`` is resolved by :func:`resolve_backend`.
-    ``metadata``: the pallas kernel's ``BlockMetadata`` for these segment ids,
-    computed once per forward by the caller (other backends ignore it).
-    ``dropout_rate`` / ``dropout_key``: attention-probability dropout (training), which only
-    the xla backend implements: ``auto`` then runs xla, and any other backend refuses it rather
-    than silently not dropping. Without a key (evaluation), ``auto`` keeps its fastest kernel.
-    ``window``: a sliding layer's window (contract 2); a backend without windows refuses it, never attending to
-    the whole segment instead (:func:`resolve_backend`).
+    q: [B, T, H, D]; k, v: [B, T, Hkv, D] with Hkv dividing H (grouped-query); segment_ids: [B, T]
+    int (0 = padding). Returns [B, T, H, D] in q's dtype; padding queries give zeros. ``scale``
+    defaults to D**-0.5. Shapes are checked at trace time; ``backend="auto"`` is resolved by
+    :func:`resolve_backend`. ``metadata``: the pallas kernel's ``BlockMetadata`` for these segment
+    ids, computed once per forward by the caller (other backends ignore it). ``dropout_rate`` /
+    ``dropout_key``: attention-probability dropout (training), which only the xla backend
+    implements: ``auto`` then runs xla, and any other backend refuses it rather than silently not
+    dropping. Without a key (evaluation), ``auto`` keeps its fastest kernel. ``window``: a sliding
+    layer's window (contract 2); a backend without windows refuses it, never attending to the whole
+    segment instead (:func:`resolve_backend`).
     """
     check_attention_inputs(q, k, v, segment_ids)
     if dropout_key is not None and dropout_rate:
@@ -172,13 +174,15 @@ def attention(
         return run(q, k, v, segment_ids, extra)
     mesh, rows, heads = layout
     per_head, per_row = P(rows, None, heads, None), P(rows)
-    extra_specs = jax.tree.map(lambda a: P() if jnp.ndim(a) == 0 else per_row, extra)  # a traced window: everywhere
+    # a traced window: everywhere
+    extra_specs = jax.tree.map(lambda a: P() if jnp.ndim(a) == 0 else per_row, extra)
     return jax.shard_map(run, mesh=mesh, in_specs=(per_head, per_head, per_head, per_row, extra_specs),
                          out_specs=per_head, check_vma=False)(q, k, v, segment_ids, extra)
 
 
 def _device_layout(q: jax.Array, k: jax.Array, segment_ids: jax.Array):
-    """(mesh, row axes, head axis) to run a kernel per device shard, or None when one call on the whole batch will do.
+    """(mesh, row axes, head axis) to run a kernel per device shard, or None when one call on the
+    whole batch will do.
 
     Rows split over the batch axes (those of size > 1 that the batch divides
     by); heads over ``tensor`` when it divides both H and Hkv (GQA groups stay
@@ -204,13 +208,15 @@ def _device_layout(q: jax.Array, k: jax.Array, segment_ids: jax.Array):
     return mesh, rows or None, heads
 
 
-# The backends that honour a sliding window (contract 2). xla and cudnn run segment_mask itself; pallas skips the
-# tiles outside the band and masks its edges with segment_mask; splash takes a LocalMask.
+# The backends that honour a sliding window (contract 2). xla and cudnn run segment_mask itself;
+# pallas skips the tiles outside the band and masks its edges with segment_mask; splash takes a
+# LocalMask.
 WINDOWED = ("xla", "cudnn", "pallas", "pallas_mosaic", "splash")  # not cudnn_packed
 
 
 def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> str:
-    """Turn ``auto`` into the fastest backend this platform can run for ``dtype``; check explicit names.
+    """Turn ``auto`` into the fastest backend this platform can run for ``dtype``; check explicit
+    names.
 
     GPU prefers the Pallas flash kernel (it skips the blocks packing leaves
     empty), then cuDNN (half precision only, dense mask), then XLA. TPU prefers
@@ -223,13 +229,16 @@ def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> s
                           f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
     if backend != "auto":
         if backend not in BACKENDS:
-            raise ValueError(f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")
+            raise ValueError(
+                f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")
         if backend in ("cudnn", "cudnn_packed") and jax.default_backend() != "gpu":
-            raise ConfigError(f"model.attention: got {backend!r}, which needs an NVIDIA GPU; this machine's JAX "
-                              f"platform is {jax.default_backend()} (use xla, or auto)")
+            raise ConfigError(
+                f"model.attention: got {backend!r}, which needs an NVIDIA GPU; this machine's JAX "
+                f"platform is {jax.default_backend()} (use xla, or auto)")
         if backend in ("cudnn", "cudnn_packed") and jnp.dtype(dtype) not in map(jnp.dtype, _HALF):
-            raise ConfigError(f"model.attention: got {backend!r}, which needs bfloat16 or float16, got "
-                              f"{jnp.dtype(dtype).name} (set model.compute_dtype, or use pallas, xla or auto)")
+            raise ConfigError(
+                f"model.attention: got {backend!r}, which needs bfloat16 or float16, got "
+                f"{jnp.dtype(dtype).name} (set model.compute_dtype, or use pallas, xla or auto)")
         return backend
     platform = jax.default_backend()
     if platform == "gpu":
@@ -239,8 +248,10 @@ def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> s
         if jnp.dtype(dtype) in map(jnp.dtype, _HALF):
             log.warning("attention auto: using cudnn, not pallas (%s)", reason)
             return "cudnn"
-        log.warning("attention auto: using xla (pallas unavailable: %s; cudnn needs bfloat16/float16, got %s)",
-                    reason, jnp.dtype(dtype).name)
+        log.warning(
+            "attention auto: using xla (pallas unavailable: %s; cudnn needs bfloat16/float16, got %s)",
+            reason,
+            jnp.dtype(dtype).name)
         return "xla"
     if platform == "tpu":
         reason = _kernel_missing("splash")
@@ -262,33 +273,40 @@ def _kernel_missing(backend: str) -> str | None:
 
 
 def _load_kernel(backend: str) -> Callable:
-    """Import a kernel lazily, so the model works without it and a missing one fails with a clear message."""
+    """Import a kernel lazily, so the model works without it and a missing one fails with a clear
+    message."""
     module, name = _KERNELS[backend]
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise RuntimeError(f"model.attention={backend!r} needs {module}.{name}, which is not available: {err}") from err
+        raise RuntimeError(
+            f"model.attention={backend!r} needs {module}.{name}, which is not available: {err}"
+        ) from err
     return fn
 
 
 def _cudnn_attention(q, k, v, segment_ids, *, scale=None, window=None):
-    """cuDNN fused attention with the segment mask (and window) passed densely ([B, 1, T, T]); padding rows zeroed
-    after."""
-    resolve_backend("cudnn", q.dtype)  # a GPU and half precision, or one line saying which is missing
+    """cuDNN fused attention with the segment mask (and window) passed densely ([B, 1, T, T]);
+    padding rows zeroed after."""
+    # a GPU and half precision, or one line saying which is missing
+    resolve_backend("cudnn", q.dtype)
     mask = segment_mask(segment_ids, window=window)[:, None, :, :]
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
     return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
 
-def packed_offsets(segment_ids: jax.Array, max_segments: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Contract 2's segment ids [B, T] as cuDNN's packed layout: (seqlen [B, M], offsets [B, M + 1]), int32.
+def packed_offsets(segment_ids: jax.Array,
+                   max_segments: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Contract 2's segment ids [B, T] as cuDNN's packed layout: (seqlen [B, M], offsets [B, M +
+    1]), int32.
 
-    Row b's k-th run of one non-zero id starts at ``offsets[b, k]`` and is ``seqlen[b, k]`` tokens long; entries
-    past a row's last run are -1 (offsets end with -1), as ``fused_attention_stablehlo.dot_product_attention``
-    asks. Padding (id 0) belongs to no segment. M, the most segments a row may hold, is static: ``max_segments``
-    (``data.max_segments_per_row`` when the packer caps it) or T. A run is a document, as the contract's
-    contiguous runs say: an id that recurs after another (never written by seqjax's packers) becomes two
-    segments here, where segment_mask would join them.
+    Row b's k-th run of one non-zero id starts at ``offsets[b, k]`` and is ``seqlen[b, k]`` tokens
+    long; entries past a row's last run are -1 (offsets end with -1), as
+    ``fused_attention_stablehlo.dot_product_attention`` asks. Padding (id 0) belongs to no segment.
+    M, the most segments a row may hold, is static: ``max_segments`` (``data.max_segments_per_row``
+    when the packer caps it) or T. A run is a document, as the contract's contiguous runs say: an id
+    that recurs after another (never written by seqjax's packers) becomes two segments here, where
+    segment_mask would join them.
 
     Worked example: ids [[1, 1, 2, 0], [3, 3, 3, 3]], M = 3 ->
     seqlen [[2, 1, -1], [4, -1, -1]], offsets [[0, 2, -1, -1], [0, -1, -1, -1]].
@@ -303,27 +321,39 @@ def packed_offsets(segment_ids: jax.Array, max_segments: int | None = None) -> t
     rows = jnp.arange(b)[:, None]
     # scatter each start and each real token to its run; other tokens go to the dropped column m
     slot = jnp.where(starts, run, m)
-    offsets = jnp.full((b, m + 1), -1, jnp.int32).at[rows, slot].set(jnp.arange(t, dtype=jnp.int32), mode="drop")
-    seqlen = jnp.zeros((b, m + 1), jnp.int32).at[rows, jnp.where(real, run, m)].add(1, mode="drop")[:, :m]
+    offsets = jnp.full((b, m + 1), -1, jnp.int32).at[rows, slot].set(jnp.arange(t, dtype=jnp.int32),
+                                                                     mode="drop")
+    seqlen = jnp.zeros((b, m + 1), jnp.int32).at[rows,
+                                                 jnp.where(real, run, m)].add(1, mode="drop")[:, :m]
     seqlen = jnp.where(jnp.arange(m) < count[:, None], seqlen, -1)
     return seqlen, offsets.at[:, m].set(-1)
 
 
-def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, max_segments=None, offsets=None):
-    """cuDNN's fused attention on the packed layout: each segment causal on its own, padding rows zeroed after.
-    ``offsets``: :func:`packed_offsets` of these ids, when the caller computed them once for several layers."""
-    resolve_backend("cudnn_packed", q.dtype, windows=window is not None)  # a GPU, half precision, no window
+def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, max_segments=None,
+                            offsets=None):
+    """cuDNN's fused attention on the packed layout: each segment causal on its own, padding rows
+    zeroed after. ``offsets``: :func:`packed_offsets` of these ids, when the caller computed them
+    once for several layers."""
+    # a GPU, half precision, no window
+    resolve_backend("cudnn_packed", q.dtype, windows=window is not None)
     try:
-        from jax._src.cudnn import fused_attention_stablehlo as cudnn  # private, and only where this backend runs
-    except ImportError as err:  # a private module: say so rather than fail obscurely when JAX moves it
-        raise RuntimeError(f"model.attention='cudnn_packed' needs jax._src.cudnn.fused_attention_stablehlo: {err}")
+        # private, and only where this backend runs
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    except ImportError as err:
+        # a private module: say so rather than fail obscurely when JAX moves it
+        raise RuntimeError(
+            f"model.attention='cudnn_packed' needs jax._src.cudnn.fused_attention_stablehlo: {err}")
     seqlen, offsets = packed_offsets(segment_ids, max_segments) if offsets is None else offsets
     out = cudnn.dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets,
-                                      kv_offsets=offsets, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                      kv_offsets=offsets,
+                                      scale=q.shape[-1]**-0.5 if scale is None else scale,
                                       mask_type=cudnn.MaskType.CAUSAL)
     return jnp.where((segment_ids != 0)[:, :, None, None], out, 0).astype(q.dtype)
 
 
 def _implementation(name: str) -> Callable:
     """The in-tree backends (the kernels are loaded by :func:`_load_kernel`)."""
-    return {"xla": reference_attention, "cudnn": _cudnn_attention, "cudnn_packed": _cudnn_packed_attention}[name]
+    return {
+        "xla": reference_attention, "cudnn": _cudnn_attention,
+        "cudnn_packed": _cudnn_packed_attention
+    }[name]

@@ -1,6 +1,6 @@
-"""One Transformer block (Flax NNX): pre-norm attention and MLP branches, each added to the residual stream;
-the families' variants are settings of it (``model.qkv_bias``, ``qk_norm``, ``norm_plus_one``, ``post_norms``,
-``mlp_activation``).
+"""One Transformer block (Flax NNX): pre-norm attention and MLP branches, each added to the residual
+stream; the families' variants are settings of it (``model.qkv_bias``, ``qk_norm``,
+``norm_plus_one``, ``post_norms``, ``mlp_activation``).
 
 Parameters are plain ``nnx.Param`` arrays with descriptive names and an
 ``axes`` metadata tuple of logical axis names, so sharding rules can match
@@ -55,12 +55,14 @@ from seqjax.model.quant import weight
 from seqjax.model.rope import rope
 
 
-def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype, axes: tuple[str, ...]) -> nnx.Param:
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype,
+                 axes: tuple[str, ...]) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
 
 
 def split_keys(key: jax.Array | None, n: int) -> tuple[jax.Array | None, ...]:
-    """``n`` independent dropout keys from ``key``, or ``n`` Nones when there is none (no dropout)."""
+    """``n`` independent dropout keys from ``key``, or ``n`` Nones when there is none (no
+    dropout)."""
     return (None,) * n if key is None else tuple(jax.random.split(key, n))
 
 
@@ -70,13 +72,15 @@ def drop(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, computed in float32 whatever the compute dtype (bf16 squares lose too much).
+    """x / rms(x) * scale, computed in float32 whatever the compute dtype (bf16 squares lose too
+    much).
 
-    ``plus_one`` (Gemma): x / rms(x) * (1 + scale), the scale starting at 0. ``axes``: the logical axis of
-    the normed dimension (``embed``; ``head_dim`` for the per-head q/k norms).
+    ``plus_one`` (Gemma): x / rms(x) * (1 + scale), the scale starting at 0. ``axes``: the logical
+    axis of the normed dimension (``embed``; ``head_dim`` for the per-head q/k norms).
     """
 
-    def __init__(self, dim: int, *, dtype, eps: float = 1e-6, plus_one: bool = False, axis: str = "embed"):
+    def __init__(self, dim: int, *, dtype, eps: float = 1e-6, plus_one: bool = False,
+                 axis: str = "embed"):
         self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), dtype), axes=(axis,))
         self.eps = eps
         self.plus_one = plus_one
@@ -88,7 +92,8 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Multi-head attention with grouped-query option; RoPE on q and k; backend from ``model.attention``."""
+    """Multi-head attention with grouped-query option; RoPE on q and k; backend from
+    ``model.attention``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -103,11 +108,14 @@ class Attention(nnx.Module):
             self.bk = nnx.Param(jnp.zeros((kv, dh), pdt), axes=("kv_heads", "head_dim"))
             self.bv = nnx.Param(jnp.zeros((kv, dh), pdt), axes=("kv_heads", "head_dim"))
         if cfg.qk_norm:  # Qwen3, Gemma 3: each head's q and k normed over head_dim, before RoPE
-            self.q_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
-            self.k_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one, axis="head_dim")
+            self.q_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one,
+                                  axis="head_dim")
+            self.k_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one,
+                                  axis="head_dim")
         self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
-        self.lora = Adapters(cfg, {"q": (self.wq, 1), "k": (self.wk, 1), "v": (self.wv, 1), "o": (self.wo, 2)},
-                             rngs=rngs)
+        self.lora = Adapters(
+            cfg, {"q": (self.wq, 1), "k": (self.wk, 1), "v": (self.wv, 1), "o": (self.wo, 2)},
+            rngs=rngs)
         self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         self.backend = cfg.attention
         self.sliding_window = cfg.sliding_window
@@ -116,23 +124,27 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq: jax.Array,
                  window=None, metadata=None, dropout_key: jax.Array | None = None) -> jax.Array:
-        """x [B, T, D] -> [B, T, D], attending within each segment (contract 2) on the configured backend.
+        """x [B, T, D] -> [B, T, D], attending within each segment (contract 2) on the configured
+        backend.
 
-        ``rope_freq``: this layer's RoPE frequencies; ``window``: its sliding window (None: the whole segment).
-        ``metadata``: the pallas kernel's block ranges, computed once per forward and shared by all layers.
-        ``dropout_key``: drop attention probabilities and the branch's output (training); None: no dropout.
+        ``rope_freq``: this layer's RoPE frequencies; ``window``: its sliding window (None: the
+        whole segment). ``metadata``: the pallas kernel's block ranges, computed once per forward
+        and shared by all layers. ``dropout_key``: drop attention probabilities and the branch's
+        output (training); None: no dropout.
         """
         probs_key, out_key = split_keys(dropout_key, 2)
         lora_key = self.lora.key(dropout_key)
         q, k, v = self._qkv(x, positions, rope_freq, lora_key)
 
         def attend(window):
-            return attention(q, k, v, segment_ids, backend=self.backend, scale=self.scale, metadata=metadata,
-                             dropout_rate=self.attention_dropout, dropout_key=probs_key, window=window)
+            return attention(q, k, v, segment_ids, backend=self.backend, scale=self.scale,
+                             metadata=metadata, dropout_rate=self.attention_dropout,
+                             dropout_key=probs_key, window=window)
 
         if (isinstance(window, jax.core.Tracer) and self.sliding_window
                 and resolve_backend(self.backend, q.dtype, windows=True) == "splash"):
-            # Splash's mask is static: a scanned body serving sliding and global layers runs one of two kernels.
+            # Splash's mask is static: a scanned body serving sliding and global layers runs one of
+            # two kernels.
             o = jax.lax.cond(window >= FULL, lambda: attend(None), lambda: attend(self.sliding_window))
         else:
             o = attend(window)
@@ -140,14 +152,18 @@ class Attention(nnx.Module):
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,
                rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerCache]:
-        """Write this call's keys/values at slots ``cache.start..`` and attend over the whole cache; (out, cache).
+        """Write this call's keys/values at slots ``cache.start..`` and attend over the whole cache;
+        (out, cache).
 
-        Always the XLA path (:func:`masked_attention`): a decode step has one query per row, where the
-        training kernels have nothing to skip. A sliding layer's window applies to the cache's slots.
+        Always the XLA path (:func:`masked_attention`): a decode step has one query per row, where
+        the training kernels have nothing to skip. A sliding layer's window applies to the cache's
+        slots.
         """
         q, k, v = self._qkv(x, positions, rope_freq)
-        keys = jax.lax.dynamic_update_slice_in_dim(cache.keys, k.astype(cache.keys.dtype), cache.start, axis=1)
-        values = jax.lax.dynamic_update_slice_in_dim(cache.values, v.astype(cache.values.dtype), cache.start, axis=1)
+        keys = jax.lax.dynamic_update_slice_in_dim(cache.keys, k.astype(cache.keys.dtype),
+                                                   cache.start, axis=1)
+        values = jax.lax.dynamic_update_slice_in_dim(cache.values, v.astype(cache.values.dtype),
+                                                     cache.start, axis=1)
         q_index = cache.start + jnp.arange(x.shape[1])[None, :]
         kv_index = jnp.arange(keys.shape[1])[None, :]
         mask = segment_mask(segment_ids, cache.segment_ids, q_index, kv_index, window=window)
@@ -156,13 +172,15 @@ class Attention(nnx.Module):
 
     def _qkv(self, x: jax.Array, positions: jax.Array, rope_freq: jax.Array,
              lora_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries [B, T, H, Dh] and keys [B, T, K, Dh] rotated to ``positions``, values [B, T, K, Dh]."""
+        """Queries [B, T, H, Dh] and keys [B, T, K, Dh] rotated to ``positions``, values [B, T, K,
+        Dh]."""
         dt = x.dtype
         q = self._adapted("q", x, jnp.einsum("btd,dhk->bthk", x, weight(self.wq, dt)), lora_key)
         k = self._adapted("k", x, jnp.einsum("btd,dhk->bthk", x, weight(self.wk, dt)), lora_key)
         v = self._adapted("v", x, jnp.einsum("btd,dhk->bthk", x, weight(self.wv, dt)), lora_key)
         if self.qkv_bias:
-            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[
+                ...].astype(dt)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, positions, rope_freq), rope(k, positions, rope_freq)
@@ -174,24 +192,29 @@ class Attention(nnx.Module):
         delta = self.lora.delta("o", o.reshape(*o.shape[:2], -1), lora_key)
         return out if delta is None else out + delta
 
-    def _adapted(self, name: str, x: jax.Array, projected: jax.Array, key: jax.Array | None) -> jax.Array:
-        """A head projection [B, T, n, Dh] plus its adapter's output (reshaped to the heads), if it has one."""
+    def _adapted(self, name: str, x: jax.Array, projected: jax.Array,
+                 key: jax.Array | None) -> jax.Array:
+        """A head projection [B, T, n, Dh] plus its adapter's output (reshaped to the heads), if it
+        has one."""
         delta = self.lora.delta(name, x, key)
         return projected if delta is None else projected + delta.reshape(projected.shape)
 
 
 class SwiGLU(nnx.Module):
-    """w_down(act(x w_gate) * (x w_up)): SwiGLU with silu, GeGLU with gelu_tanh (``model.mlp_activation``)."""
+    """w_down(act(x w_gate) * (x w_up)): SwiGLU with silu, GeGLU with gelu_tanh
+    (``model.mlp_activation``)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f, pdt = cfg.d_model, cfg.d_ff, jnp.dtype(cfg.param_dtype)
         self.w_gate = normal_param(rngs, (d, f), cfg.init_std, pdt, ("embed", "ff"))
         self.w_up = normal_param(rngs, (d, f), cfg.init_std, pdt, ("embed", "ff"))
-        self.w_down = normal_param(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers), pdt, ("ff", "embed"))
+        self.w_down = normal_param(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers), pdt,
+                                   ("ff", "embed"))
         self.dropout = nnx.Dropout(cfg.dropout)
         self.gelu = cfg.mlp_activation == "gelu_tanh"
-        self.lora = Adapters(cfg, {"gate": (self.w_gate, 1), "up": (self.w_up, 1), "down": (self.w_down, 1)},
-                             rngs=rngs)
+        self.lora = Adapters(
+            cfg, {"gate": (self.w_gate, 1), "up": (self.w_up, 1), "down": (self.w_down, 1)},
+            rngs=rngs)
 
     def __call__(self, x, dropout_key: jax.Array | None = None):
         dt = x.dtype
@@ -199,8 +222,8 @@ class SwiGLU(nnx.Module):
         key = self.lora.key(dropout_key)
         gate = self._linear("gate", x, weight(self.w_gate, dt), key)
         gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        out = self._linear("down", gate * self._linear("up", x, weight(self.w_up, dt), key), weight(self.w_down, dt),
-                           key)
+        out = self._linear("down", gate * self._linear("up", x, weight(self.w_up, dt), key),
+                           weight(self.w_down, dt), key)
         return drop(self.dropout, checkpoint_name(out, "mlp_out"), dropout_key)
 
     def _linear(self, name: str, x: jax.Array, w: jax.Array, key: jax.Array | None) -> jax.Array:
@@ -209,14 +232,16 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); each branch ends in its dropout.
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); each branch ends in its
+    dropout.
 
-    With ``model.post_norms`` (Gemma 3) each branch's output is normed too before it is added: four norms.
+    With ``model.post_norms`` (Gemma 3) each branch's output is normed too before it is added: four
+    norms.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        norm = functools.partial(RMSNorm, cfg.d_model, dtype=jnp.dtype(cfg.param_dtype), eps=cfg.norm_eps,
-                                 plus_one=cfg.norm_plus_one)
+        norm = functools.partial(RMSNorm, cfg.d_model, dtype=jnp.dtype(cfg.param_dtype),
+                                 eps=cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.attn_norm = norm()
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = norm()
@@ -228,14 +253,17 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq: jax.Array,
                  window=None, metadata=None, dropout_key: jax.Array | None = None) -> jax.Array:
         attn_key, mlp_key = split_keys(dropout_key, 2)
-        x = x + self._post(self.attn(self.attn_norm(x), positions, segment_ids, rope_freq, window, metadata,
-                                     dropout_key=attn_key), "attn")
+        x = x + self._post(
+            self.attn(self.attn_norm(x), positions, segment_ids, rope_freq, window, metadata,
+                      dropout_key=attn_key), "attn")
         return x + self._post(self.mlp(self.mlp_norm(x), dropout_key=mlp_key), "mlp")
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,
                rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerCache]:
-        """The same block over the KV cache (see :meth:`Attention.decode`); returns (x, the layer's updated cache)."""
-        attended, cache = self.attn.decode(self.attn_norm(x), positions, segment_ids, cache, rope_freq, window)
+        """The same block over the KV cache (see :meth:`Attention.decode`); returns (x, the layer's
+        updated cache)."""
+        attended, cache = self.attn.decode(self.attn_norm(x), positions, segment_ids, cache,
+                                           rope_freq, window)
         x = x + self._post(attended, "attn")
         return x + self._post(self.mlp(self.mlp_norm(x)), "mlp"), cache
 
@@ -244,7 +272,8 @@ class Block(nnx.Module):
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """``n_layers`` blocks as one Block whose parameters carry a leading layer axis (``model.scan_layers``).
+    """``n_layers`` blocks as one Block whose parameters carry a leading layer axis
+    (``model.scan_layers``).
 
     Each layer gets its own initialization keys (``nnx.split_rngs``), and each
     parameter's ``axes`` gains a leading ``layers`` name, which no mesh axis

@@ -1,5 +1,5 @@
-"""The KV cache of incremental decoding: typed, a pytree, with the segment ids of every slot (contract 2 masks the
-slots not written yet)."""
+"""The KV cache of incremental decoding: typed, a pytree, with the segment ids of every slot
+(contract 2 masks the slots not written yet)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from seqjax.config.model import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerCache:
-    """One layer's view of the KV cache: what :meth:`Attention.decode` reads, and returns with its new keys and values.
+    """One layer's view of the KV cache: what :meth:`Attention.decode` reads, and returns with its
+    new keys and values.
 
     keys/values: [B, S, K, Dh]; segment_ids: [B, S] for every slot, the ones
     this call writes included (0 on slots not written yet, which contract 2

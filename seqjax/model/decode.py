@@ -44,7 +44,8 @@ from seqjax.model.transformer import TransformerLM
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeCache:
-    """Decoding state: the per-layer KV cache plus, per row, the position and segment id of the next token."""
+    """Decoding state: the per-layer KV cache plus, per row, the position and segment id of the next
+    token."""
 
     kv: KVCache
     positions: jax.Array  # [B] int32
@@ -55,8 +56,10 @@ class DecodeCache:
         return self.kv.segment_ids.shape[1]
 
 
-def prompt_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Right-pad token lists into (inputs, positions, segment_ids), int32 [B, max prompt length]; one segment each."""
+def prompt_batch(prompts: Sequence[Sequence[int]],
+                 pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Right-pad token lists into (inputs, positions, segment_ids), int32 [B, max prompt length];
+    one segment each."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompt_batch: expected at least one prompt, each with at least one token")
     length = max(len(p) for p in prompts)
@@ -78,7 +81,8 @@ def prefill(
     *,
     max_len: int,
 ) -> tuple[jax.Array, DecodeCache]:
-    """Run the prompts [B, T] once, filling a cache of ``max_len`` slots; return (next-token logits [B, V], cache).
+    """Run the prompts [B, T] once, filling a cache of ``max_len`` slots; return (next-token logits
+    [B, V], cache).
 
     positions/segment_ids default to one segment per row starting at 0 (no
     padding). The logits are those of each row's last non-padding token.
@@ -162,10 +166,11 @@ def generate(
     sampling: SamplingConfig = SamplingConfig(temperature=0.0),
     seed: int = 0,
 ) -> list[Generation]:
-    """Continue each token list in ``prompts`` (each already starting with its context) by up to ``max_new_tokens``.
+    """Continue each token list in ``prompts`` (each already starting with its context) by up to
+    ``max_new_tokens``.
 
-    A row stops at its first ``eot_id`` (several ids: at the first of any, e.g. a chat's end of turn; None: never,
-    every row gets ``max_new_tokens``).
+    A row stops at its first ``eot_id`` (several ids: at the first of any, e.g. a chat's end of
+    turn; None: never, every row gets ``max_new_tokens``).
     """
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens: got {max_new_tokens}, expected at least 1")
@@ -173,14 +178,14 @@ def generate(
     max_len = inputs.shape[1] + max_new_tokens
     limit = model.cfg.max_seq_len
     if inputs.shape[1] >= limit:  # the prompt alone leaves no room: the prompt is what must change
-        raise UsageError(f"--prompt: the longest prompt is {inputs.shape[1]} tokens (with its opening token), but "
-                         f"model.max_seq_len={limit} leaves no room for a new token; expected at most {limit - 1}: "
-                         "shorten the prompt")
+        raise UsageError(
+            f"--prompt: the longest prompt is {inputs.shape[1]} tokens (with its opening token), but "
+            f"model.max_seq_len={limit} leaves no room for a new token; expected at most {limit - 1}: "
+            "shorten the prompt")
     if max_len > limit:
         raise UsageError(
             f"--max-new-tokens: got {max_new_tokens}, expected at most {limit - inputs.shape[1]}: the longest "
-            f"prompt takes {inputs.shape[1]} of model.max_seq_len={limit} tokens"
-        )
+            f"prompt takes {inputs.shape[1]} of model.max_seq_len={limit} tokens")
     settings = sampling.arrays()
     stops = np.asarray([] if eot_id is None else np.atleast_1d(eot_id), np.int64)
     key = jax.random.key(seed)
@@ -198,4 +203,6 @@ def generate(
         if done.all() or step == max_new_tokens - 1:
             break
         logits, cache = decode_step(model, token, cache)
-    return [Generation(new[row, : length[row]].tolist(), bool(done[row])) for row in range(len(prompts))]
+    return [
+        Generation(new[row, :length[row]].tolist(), bool(done[row])) for row in range(len(prompts))
+    ]

@@ -1,4 +1,5 @@
-"""The LM head: features [B, T, D] -> float32 logits [B, T, V], with a backward pass in the compute dtype."""
+"""The LM head: features [B, T, D] -> float32 logits [B, T, V], with a backward pass in the compute
+dtype."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 
 @jax.custom_vjp
 def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
-    """x [B, T, D] @ head [D, V] -> float32 logits [B, T, V], accumulated in float32 whatever x's dtype.
+    """x [B, T, D] @ head [D, V] -> float32 logits [B, T, V], accumulated in float32 whatever x's
+    dtype.
 
     The logits stay float32 for the softmax, but their cotangent is cast back to
     x's dtype before the two backward products, so in bf16 those run as bf16

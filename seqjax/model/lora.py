@@ -1,10 +1,10 @@
-"""``model.lora``: the low-rank adapters of a block's projections, and the split of a model's state into what trains
-and what stays frozen.
+"""``model.lora``: the low-rank adapters of a block's projections, and the split of a model's state
+into what trains and what stays frozen.
 
-Flax's ``nnx.LoRA`` holds each adapter (A [in, r] from its default init, B [r, out] zeros), so a new adapter adds 0
-and a LoRA model starts as its base, bit for bit. Its parameters are ``nnx.LoRAParam``, a subclass of
-``nnx.Param``: one filter tells the adapters (what trains) from the base (what is frozen), and checkpoints hold
-only the adapters.
+Flax's ``nnx.LoRA`` holds each adapter (A [in, r] from its default init, B [r, out] zeros), so a new
+adapter adds 0 and a LoRA model starts as its base, bit for bit. Its parameters are
+``nnx.LoRAParam``, a subclass of ``nnx.Param``: one filter tells the adapters (what trains) from the
+base (what is frozen), and checkpoints hold only the adapters.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ BASE_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None, nnx.State]:
     """(graphdef, the parameters that train, the frozen base or None, the rest of the state).
 
-    Without adapters every parameter trains (no frozen part); with ``model.lora`` only the adapters do, and the
-    base rides along frozen. ``nnx.merge(graphdef, trained, *([frozen] if frozen else []), rest)`` rebuilds it.
+    Without adapters every parameter trains (no frozen part); with ``model.lora`` only the adapters
+    do, and the base rides along frozen. ``nnx.merge(graphdef, trained, *([frozen] if frozen else
+    []), rest)`` rebuilds it.
     """
     if model.cfg.lora.rank:
         return nnx.split(model, nnx.LoRAParam, BASE_PARAMS, ...)
@@ -41,20 +42,23 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State 
 
 
 class Adapters(nnx.Module):
-    """``model.lora``'s low-rank adapters of one module's projections: flax's ``nnx.LoRA`` each (A [in, r] from
-    its default init, B [r, out] zeros: a new adapter adds 0), scaled by alpha / r, with dropout on their input.
+    """``model.lora``'s low-rank adapters of one module's projections: flax's ``nnx.LoRA`` each (A
+    [in, r] from its default init, B [r, out] zeros: a new adapter adds 0), scaled by alpha / r,
+    with dropout on their input.
 
-    ``delta(name, x)`` is what adapter ``name`` adds to its projection's output: x [..., in] -> [..., out]
-    (0 when the projection has none). Their parameters are ``nnx.LoRAParam``: the train step differentiates
-    those alone, and checkpoints hold only them.
+    ``delta(name, x)`` is what adapter ``name`` adds to its projection's output: x [..., in] ->
+    [..., out] (0 when the projection has none). Their parameters are ``nnx.LoRAParam``: the train
+    step differentiates those alone, and checkpoints hold only them.
 
-    ``projections[name]`` is ``(weight, n)``: the projection's weight, whose first ``n`` dimensions are its input
-    (wo's [heads, head_dim]; the others' one). A reads the input flattened, B writes the output flattened, and
-    each takes the logical axis that leads its side of the weight beside ``lora_rank``: the mesh lays an adapter
-    out as its projection (B of q split over heads where wq is), so its output adds to the projection's in place.
+    ``projections[name]`` is ``(weight, n)``: the projection's weight, whose first ``n`` dimensions
+    are its input (wo's [heads, head_dim]; the others' one). A reads the input flattened, B writes
+    the output flattened, and each takes the logical axis that leads its side of the weight beside
+    ``lora_rank``: the mesh lays an adapter out as its projection (B of q split over heads where wq
+    is), so its output adds to the projection's in place.
     """
 
-    def __init__(self, cfg: ModelConfig, projections: dict[str, tuple[nnx.Param, int]], *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, projections: dict[str, tuple[nnx.Param, int]], *,
+                 rngs: nnx.Rngs):
         lora = cfg.lora
         self.names = tuple(name for name in projections if lora.rank and name in lora.targets)
         self.scale = lora.scale
@@ -68,9 +72,10 @@ class Adapters(nnx.Module):
             setattr(self, name, module)
 
     def key(self, dropout_key: jax.Array | None) -> jax.Array | None:
-        """The adapters' dropout key from the module's (None: no adapter dropout, or not training). A tag folded in
-        keeps the model's own dropout masks what they are without adapters."""
-        return None if dropout_key is None or not self.dropout.rate else jax.random.fold_in(dropout_key, LORA_STREAM)
+        """The adapters' dropout key from the module's (None: no adapter dropout, or not training).
+        A tag folded in keeps the model's own dropout masks what they are without adapters."""
+        return None if dropout_key is None or not self.dropout.rate else jax.random.fold_in(
+            dropout_key, LORA_STREAM)
 
     def delta(self, name: str, x: jax.Array, key: jax.Array | None = None) -> jax.Array | None:
         if name not in self.names:

@@ -1,5 +1,6 @@
-"""The LM loss (docs/design.md, contract 3): weights-weighted next-token cross-entropy in float32, and the
-per-token log-probabilities and per-segment sums that sequence-level objectives (preference pairs) start from.
+"""The LM loss (docs/design.md, contract 3): weights-weighted next-token cross-entropy in float32,
+and the per-token log-probabilities and per-segment sums that sequence-level objectives (preference
+pairs) start from.
 
     loss = sum(weights * nll) / sum(weights)
 
@@ -24,7 +25,8 @@ def lm_loss(
     *,
     z_loss: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Cross-entropy of ``targets`` [B, T] under ``logits`` [B, T, V], weighted by ``weights`` [B, T].
+    """Cross-entropy of ``targets`` [B, T] under ``logits`` [B, T, V], weighted by ``weights`` [B,
+    T].
 
     Returns (loss, aux) with aux = {nll_sum, weight_sum, z_loss_sum}, float32
     scalars. ``z_loss`` adds z_loss * sum(weights * log(Z)^2) / sum(weights)
@@ -50,19 +52,22 @@ def lm_loss(
 
 
 def token_nll(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
-    """``weights * nll`` of each target [B, T] (float32; 0 where the weight is 0): what :func:`lm_loss` sums, kept
-    per token for the evaluation's per-example figures."""
+    """``weights * nll`` of each target [B, T] (float32; 0 where the weight is 0): what
+    :func:`lm_loss` sums, kept per token for the evaluation's per-example figures."""
     return _token_nll(logits, targets, weights.astype(jnp.float32))[0]
 
 
-def _token_nll(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _token_nll(logits: jax.Array, targets: jax.Array,
+               weights: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(weighted nll [B, T], log-normalizer [B, T]); a scored target outside [0, V) gives NaN."""
     logits = logits.astype(jnp.float32)
     scored = weights != 0
     log_z = jax.nn.logsumexp(logits, axis=-1)
     ids = jnp.where(scored, targets, 0)
-    ids = jnp.where((ids >= 0) & (ids < logits.shape[-1]), ids, logits.shape[-1])  # out of range -> NaN below
-    target_logit = jnp.take_along_axis(logits, ids[..., None], axis=-1, mode="fill", fill_value=jnp.nan)[..., 0]
+    # out of range -> NaN below
+    ids = jnp.where((ids >= 0) & (ids < logits.shape[-1]), ids, logits.shape[-1])
+    target_logit = jnp.take_along_axis(logits, ids[..., None], axis=-1, mode="fill",
+                                       fill_value=jnp.nan)[..., 0]
     return jnp.where(scored, weights * (log_z - target_logit), 0.0), log_z
 
 
@@ -75,7 +80,8 @@ def chunked_lm_loss(
     chunk_tokens: int,
     z_loss: float = 0.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """:func:`lm_loss` of ``hidden`` [B, T, D] @ ``head`` [D, V], without ever building the [B*T, V] logits.
+    """:func:`lm_loss` of ``hidden`` [B, T, D] @ ``head`` [D, V], without ever building the [B*T, V]
+    logits.
 
     The tokens are cut into chunks of ``chunk_tokens``; each chunk's logits
     ([chunk, V], float32: the matmul runs in hidden's dtype with float32
@@ -88,8 +94,9 @@ def chunked_lm_loss(
     """
     b, t, d = hidden.shape
     if targets.shape != (b, t) or weights.shape != (b, t) or head.shape[0] != d:
-        raise ValueError(f"chunked_lm_loss: hidden {hidden.shape}, head {head.shape}, targets {targets.shape}, "
-                         f"weights {weights.shape}; expected [B, T, D], [D, V], [B, T], [B, T]")
+        raise ValueError(
+            f"chunked_lm_loss: hidden {hidden.shape}, head {head.shape}, targets {targets.shape}, "
+            f"weights {weights.shape}; expected [B, T, D], [D, V], [B, T], [B, T]")
     n = b * t
     chunk = max(1, min(chunk_tokens, n))
     pad = -n % chunk  # padded tokens carry weight 0: never read, never scored
@@ -109,7 +116,8 @@ def _chunk_stats(x, head, ids, w):
     scored = w != 0
     vocab = logits.shape[-1]
     safe = jnp.where(scored, ids, 0)
-    safe = jnp.where((safe >= 0) & (safe < vocab), safe, vocab)  # out of range -> NaN, as in lm_loss
+    # out of range -> NaN, as in lm_loss
+    safe = jnp.where((safe >= 0) & (safe < vocab), safe, vocab)
     target = jnp.take_along_axis(logits, safe[:, None], axis=-1, mode="fill", fill_value=jnp.nan)[:, 0]
     return jax.nn.logsumexp(logits, axis=-1), target
 
@@ -136,7 +144,8 @@ def _chunked_forward(x, head, ids, w):
 
 def _chunked_sums_fwd(x, head, ids, w):
     sums, log_z = _chunked_forward(x, head, ids, w)
-    return sums, (x, head, ids, w, log_z)  # log_z [N/C, C] is kept: the backward pass need not redo the reduction
+    # log_z [N/C, C] is kept: the backward pass need not redo the reduction
+    return sums, (x, head, ids, w, log_z)
 
 
 def _chunked_sums_bwd(residuals, cotangents):
@@ -150,8 +159,11 @@ def _chunked_sums_bwd(residuals, cotangents):
         scored = (wc != 0)[:, None]
         onehot = jax.nn.one_hot(jnp.where(wc != 0, idc, -1), logits.shape[-1], dtype=jnp.float32)
         # d(w * (log_z - logit_t)) = w * (p - onehot); d(w * log_z^2) = w * 2 log_z * p
-        dlogits = jnp.where(scored, wc[:, None] * (g_nll * (probs - onehot) + g_z * 2.0 * lzc[:, None] * probs), 0.0)
-        dlogits = dlogits.astype(xc.dtype)  # the two products below run in the compute dtype, float32 accumulation
+        dlogits = jnp.where(
+            scored, wc[:, None] * (g_nll * (probs - onehot) + g_z * 2.0 * lzc[:, None] * probs),
+            0.0)
+        # the two products below run in the compute dtype, float32 accumulation
+        dlogits = dlogits.astype(xc.dtype)
         dx = jnp.einsum("cv,dv->cd", dlogits, head, preferred_element_type=jnp.float32).astype(xc.dtype)
         dhead = dhead + jnp.einsum("cd,cv->dv", xc, dlogits, preferred_element_type=jnp.float32)
         return dhead, dx
@@ -164,7 +176,8 @@ _chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, scored: jax.Array) -> jax.Array:
-    """log p(targets) [B, T], float32, from ``logits`` [B, T, V]; 0 where ``scored`` is False (never read there).
+    """log p(targets) [B, T], float32, from ``logits`` [B, T, V]; 0 where ``scored`` is False (never
+    read there).
 
     The same arithmetic as :func:`lm_loss` (a token's log-probability is minus its nll).
     """
@@ -173,12 +186,14 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, scored: jax.Array) -> 
 
 def chunked_token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, scored: jax.Array, *,
                            chunk_tokens: int) -> jax.Array:
-    """:func:`token_logprobs` of ``hidden`` [B, T, D] @ ``head`` [D, V], a chunk of tokens at a time: the
-    [B*T, V] logits never exist whole, in the forward pass or (a custom VJP) the backward one."""
+    """:func:`token_logprobs` of ``hidden`` [B, T, D] @ ``head`` [D, V], a chunk of tokens at a
+    time: the [B*T, V] logits never exist whole, in the forward pass or (a custom VJP) the backward
+    one."""
     b, t, d = hidden.shape
     if targets.shape != (b, t) or scored.shape != (b, t) or head.shape[0] != d:
-        raise ValueError(f"chunked_token_logprobs: hidden {hidden.shape}, head {head.shape}, targets "
-                         f"{targets.shape}, scored {scored.shape}; expected [B, T, D], [D, V], [B, T], [B, T]")
+        raise ValueError(
+            f"chunked_token_logprobs: hidden {hidden.shape}, head {head.shape}, targets "
+            f"{targets.shape}, scored {scored.shape}; expected [B, T, D], [D, V], [B, T], [B, T]")
     n = b * t
     chunk = max(1, min(chunk_tokens, n))
     pad = -n % chunk
@@ -226,9 +241,9 @@ _chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
 
 
 def segment_sums(values: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
-    """Per-segment sums [B, S] of ``values`` [B, T]: column s - 1 adds the entries of segment id s (1..S) of each
-    row; segment 0 (padding) and ids above S are dropped. The one reduction every sequence-level objective shares:
-    a packed row's sums equal each sequence's sum computed alone.
+    """Per-segment sums [B, S] of ``values`` [B, T]: column s - 1 adds the entries of segment id s
+    (1..S) of each row; segment 0 (padding) and ids above S are dropped. The one reduction every
+    sequence-level objective shares: a packed row's sums equal each sequence's sum computed alone.
 
     >>> segment_sums(jnp.array([[1., 2., 3., 0.]]), jnp.array([[1, 1, 2, 0]]), 2)
     Array([[3., 3.]], dtype=float32)

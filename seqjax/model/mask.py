@@ -1,5 +1,5 @@
-"""Contract 2 (docs/design.md): which key each query may attend to, defined here once, and the input checks every
-attention backend shares.
+"""Contract 2 (docs/design.md): which key each query may attend to, defined here once, and the input
+checks every attention backend shares.
 
 Query i may attend to key j iff ``segment_ids[i] == segment_ids[j] != 0`` and
 ``j <= i`` (index order inside a row), and, in a sliding-window layer of
@@ -43,19 +43,20 @@ def segment_mask(
         q_index = jnp.arange(tq)[None, :]
     if kv_index is None:
         kv_index = jnp.arange(tk)[None, :]
-    return allowed(q_segment_ids[:, :, None], kv_segment_ids[:, None, :], q_index[:, :, None], kv_index[:, None, :],
-                   window)
+    return allowed(q_segment_ids[:, :, None], kv_segment_ids[:, None, :], q_index[:, :, None],
+                   kv_index[:, None, :], window)
 
 
 def allowed(q_segment, kv_segment, q_index, kv_index, window=None):
-    """Contract 2 elementwise, on operands already broadcast to one shape: the body of :func:`segment_mask`, which
-    a kernel calls on its own tiles (a Mosaic GPU tile's rows and columns come broadcast in its register layout)."""
+    """Contract 2 elementwise, on operands already broadcast to one shape: the body of
+    :func:`segment_mask`, which a kernel calls on its own tiles (a Mosaic GPU tile's rows and
+    columns come broadcast in its register layout)."""
     ok = (q_segment == kv_segment) & (q_segment != 0) & (kv_index <= q_index)
     return ok if window is None else ok & (q_index - kv_index < window)
 
 
-# A window no row reaches: how a layer attending to its whole segment is told apart from a sliding one where the
-# window is a traced per-layer value (under model.scan_layers).
+# A window no row reaches: how a layer attending to its whole segment is told apart from a sliding
+# one where the window is a traced per-layer value (under model.scan_layers).
 FULL = 2**30
 
 
@@ -67,13 +68,16 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
         raise ValueError(f"attention: q has shape {q.shape}, expected [batch, seq, heads, head_dim]")
     b, t, h, d = q.shape
     if k.shape != v.shape:
-        raise ValueError(f"attention: k has shape {k.shape} but v has {v.shape}; expected the same [B, T, Hkv, D]")
+        raise ValueError(
+            f"attention: k has shape {k.shape} but v has {v.shape}; expected the same [B, T, Hkv, D]"
+        )
     if k.ndim != 4 or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
         raise ValueError(
             f"attention: k/v have shape {k.shape}, expected [{b}, {t}, kv_heads, {d}] to match q {q.shape}"
         )
     if h % k.shape[2]:
-        raise ValueError(f"attention: {h} query heads is not a multiple of {k.shape[2]} key/value heads")
+        raise ValueError(
+            f"attention: {h} query heads is not a multiple of {k.shape[2]} key/value heads")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if segment_ids.shape != (b, t):
@@ -81,4 +85,5 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
             f"attention: segment_ids has shape {segment_ids.shape}, expected [{b}, {t}] to match q {q.shape}"
         )
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-        raise ValueError(f"attention: segment_ids dtype is {segment_ids.dtype}, expected an integer type")
+        raise ValueError(
+            f"attention: segment_ids dtype is {segment_ids.dtype}, expected an integer type")

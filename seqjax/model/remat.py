@@ -19,7 +19,8 @@ def _call_block(block, x, positions, segment_ids, rope_freq, window, metadata, k
 
 
 def remat_policy(remat: str, names: tuple[str, ...]):
-    """model.remat as a jax.checkpoint policy: what the backward pass keeps (the rest is recomputed)."""
+    """model.remat as a jax.checkpoint policy: what the backward pass keeps (the rest is
+    recomputed)."""
     if remat == "full":
         return None  # jax.checkpoint's default: keep nothing but the block's inputs
     if remat == "dots":
@@ -29,8 +30,8 @@ def remat_policy(remat: str, names: tuple[str, ...]):
 
 @functools.lru_cache(maxsize=None)
 def remat_block(remat: str, names: tuple[str, ...]):
-    """``(block, x, positions, segment_ids, rope_freq, window, metadata, key) -> x`` for one block, rematerialized as
-    model.remat says."""
+    """``(block, x, positions, segment_ids, rope_freq, window, metadata, key) -> x`` for one block,
+    rematerialized as model.remat says."""
     if remat == "none":
         return _call_block
     return nnx.remat(_call_block, policy=remat_policy(remat, names), prevent_cse=True)

@@ -1,5 +1,6 @@
-"""Rotary position embeddings (RoPE): each layer's frequencies, stretched as ``model.rope_scaling`` says, and the
-rotation of q and k at the batch's ``positions`` ("rotate half" layout, as Hugging Face's checkpoints are)."""
+"""Rotary position embeddings (RoPE): each layer's frequencies, stretched as ``model.rope_scaling``
+says, and the rotation of q and k at the batch's ``positions`` ("rotate half" layout, as Hugging
+Face's checkpoints are)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import jax.numpy as jnp
 from seqjax.config.model import RopeScalingConfig
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | None = None) -> jax.Array:
-    """The ``head_dim // 2`` rotation frequencies theta^(-i / half), float32, stretched as ``scaling`` asks.
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScalingConfig | None = None) -> jax.Array:
+    """The ``head_dim // 2`` rotation frequencies theta^(-i / half), float32, stretched as
+    ``scaling`` asks.
 
     ``linear`` (Gemma 3's global layers): every frequency divided by ``factor``.
     ``llama3`` (Llama 3.1): with wavelength w = 2 pi / f and L the pretraining
@@ -30,13 +33,16 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScalingConfig | N
     wavelength = 2 * math.pi / inv_freq
     context = scaling.original_max_position_embeddings
     slowed = inv_freq / scaling.factor
-    mix = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    scaled = jnp.where(wavelength > context / scaling.low_freq_factor, slowed, (1 - mix) * slowed + mix * inv_freq)
+    mix = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor -
+                                                              scaling.low_freq_factor)
+    scaled = jnp.where(wavelength > context / scaling.low_freq_factor, slowed,
+                       (1 - mix) * slowed + mix * inv_freq)
     return jnp.where(wavelength < context / scaling.high_freq_factor, inv_freq, scaled)
 
 
 def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding of x [B, T, H, Dh] at ``positions`` [B, T] ("rotate half" layout), in float32.
+    """Rotary embedding of x [B, T, H, Dh] at ``positions`` [B, T] ("rotate half" layout), in
+    float32.
 
     Driven by the batch's positions rather than the row index, so each packed
     segment is rotated as if it started the row. ``inv_freq`` [Dh / 2]: the layer's

@@ -1,4 +1,5 @@
-"""Choosing the next token from logits: temperature, top-k and nucleus (top-p) filtering, greedy at temperature 0.
+"""Choosing the next token from logits: temperature, top-k and nucleus (top-p) filtering, greedy at
+temperature 0.
 
 The settings are traced arrays, not static arguments, so one compiled decode
 step serves every temperature, top-k and top-p. Filters only ever remove
@@ -26,9 +27,12 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        # NaN fails no comparison, so each range is written as what is allowed (a NaN temperature samples garbage).
+        # NaN fails no comparison, so each range is written as what is allowed (a NaN temperature
+        # samples garbage).
         if not (0 <= self.temperature < math.inf):
-            raise UsageError(f"--temperature: got {self.temperature}, expected a finite number, 0 (greedy) or more")
+            raise UsageError(
+                f"--temperature: got {self.temperature}, expected a finite number, 0 (greedy) or more"
+            )
         if self.top_k < 0:
             raise UsageError(f"--top-k: got {self.top_k}, expected 0 (off) or a positive count")
         if not 0.0 <= self.top_p <= 1.0:
@@ -43,7 +47,8 @@ class SamplingConfig:
 
 
 def filter_logits(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Set to -inf every logit outside the top ``top_k`` (0: all) and outside the nucleus of mass ``top_p``.
+    """Set to -inf every logit outside the top ``top_k`` (0: all) and outside the nucleus of mass
+    ``top_p``.
 
     The nucleus is the smallest set of most likely tokens whose probability
     reaches ``top_p``; the most likely token is always in it.

@@ -1,4 +1,5 @@
-"""The device mesh and how arrays lie on it: axis names, the mesh from ``mesh.*``, parameter and batch shardings.
+"""The device mesh and how arrays lie on it: axis names, the mesh from ``mesh.*``, parameter and
+batch shardings.
 
 It sits below the model (it imports only the config): the model's attention
 reads :data:`BATCH_AXES` and :data:`HEAD_AXIS` to run its kernels once per
@@ -57,13 +58,14 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     described = ", ".join(f"mesh.{n}={s}" for n, s in zip(AXES, sizes))
     if -1 in sizes:
         if num_devices % fixed:
-            raise ConfigError(f"{described}: the fixed axes ({fixed} devices) do not divide the {num_devices} devices")
+            raise ConfigError(
+                f"{described}: the fixed axes ({fixed} devices) do not divide the {num_devices} devices"
+            )
         sizes[sizes.index(-1)] = num_devices // fixed
     if math.prod(sizes) != num_devices:
         raise ConfigError(
             f"{described}: data x fsdp x tensor = {math.prod(sizes)}, expected the {num_devices} available devices "
-            "(set one axis to -1 to fill the rest)"
-        )
+            "(set one axis to -1 to fill the rest)")
     return tuple(sizes)
 
 
@@ -99,7 +101,8 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str, ...] | None, mesh: Mesh)
                 spec[dim] = HEAD_AXIS
                 break
     if fsdp > 1:
-        # (a scanned model's leading "layers" axis is never sharded: each layer's slice shards as a block does)
+        # (a scanned model's leading "layers" axis is never sharded: each layer's slice shards as a
+        # block does)
         names = (*(axes or ()), *[None] * len(shape))
         free = [d for d in range(len(shape))
                 if spec[d] is None and shape[d] % fsdp == 0 and names[d] not in WHOLE_AXES]
@@ -109,7 +112,8 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str, ...] | None, mesh: Mesh)
 
 
 def param_shardings(param_state: nnx.State, mesh: Mesh) -> dict:
-    """NamedShardings (a pure dict, like the params the step sees) for the model's ``nnx.Param`` state."""
+    """NamedShardings (a pure dict, like the params the step sees) for the model's ``nnx.Param``
+    state."""
     specs = jax.tree.map(
         lambda v: NamedSharding(mesh, param_spec(tuple(v.shape), getattr(v, "axes", None), mesh)),
         param_state,
@@ -157,5 +161,4 @@ def check_batch_fits(batch_size: int, mesh: Mesh, grad_accum: int) -> None:
     if micro % ways:
         raise ConfigError(
             f"data.batch_size={batch_size} / train.grad_accum={grad_accum} = {micro} rows per micro-batch, "
-            f"expected a multiple of mesh data x fsdp = {ways}"
-        )
+            f"expected a multiple of mesh data x fsdp = {ways}")

@@ -24,13 +24,15 @@ import numpy as np
 
 
 def saved_stacked(paths) -> bool:
-    """Whether a checkpoint's parameter paths (``blocks/0/attn/wq`` or ``blocks/attn/wq``) hold stacked blocks."""
+    """Whether a checkpoint's parameter paths (``blocks/0/attn/wq`` or ``blocks/attn/wq``) hold
+    stacked blocks."""
     paths = [p for p in paths if p.startswith("blocks/")]
     return bool(paths) and not any(p.split("/")[1].isdigit() for p in paths)
 
 
 def is_stacked(params: dict[str, Any]) -> bool:
-    """Whether ``params["blocks"]`` is one stacked subtree (scanned layers) rather than one subtree per layer."""
+    """Whether ``params["blocks"]`` is one stacked subtree (scanned layers) rather than one subtree
+    per layer."""
     blocks = params.get("blocks", {})
     return bool(blocks) and not all(isinstance(k, int) or str(k).isdigit() for k in blocks)
 
@@ -38,14 +40,17 @@ def is_stacked(params: dict[str, Any]) -> bool:
 def _stack(leaves: list[Any]) -> Any:
     first = leaves[0]
     if isinstance(first, jax.ShapeDtypeStruct):
-        sharding = first.sharding if isinstance(first.sharding, jax.sharding.SingleDeviceSharding) else None
+        sharding = first.sharding if isinstance(first.sharding,
+                                                jax.sharding.SingleDeviceSharding) else None
         return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
-    return np.stack([np.asarray(x) for x in leaves]) if isinstance(first, np.ndarray) else jax.numpy.stack(leaves)
+    return np.stack([np.asarray(x)
+                     for x in leaves]) if isinstance(first, np.ndarray) else jax.numpy.stack(leaves)
 
 
 def _layer(leaf: Any, i: int) -> Any:
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        sharding = leaf.sharding if isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding) else None
+        sharding = leaf.sharding if isinstance(leaf.sharding,
+                                               jax.sharding.SingleDeviceSharding) else None
         return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
     return leaf[i]
 
@@ -64,4 +69,9 @@ def blocks_layout(params: dict[str, Any], stacked: bool) -> dict[str, Any]:
         merged = jax.tree.map(lambda *leaves: _stack(list(leaves)), *layers)
         return {**params, "blocks": merged}
     n = jax.tree.leaves(blocks)[0].shape[0]
-    return {**params, "blocks": {i: jax.tree.map(lambda leaf, i=i: _layer(leaf, i), blocks) for i in range(n)}}
+    return {
+        **params, "blocks": {
+            i: jax.tree.map(lambda leaf, i=i: _layer(leaf, i), blocks)
+            for i in range(n)
+        }
+    }

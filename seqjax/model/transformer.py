@@ -1,4 +1,5 @@
-"""The decoder-only Transformer LM (Flax NNX): pre-norm blocks, RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The decoder-only Transformer LM (Flax NNX): pre-norm blocks, RMSNorm, RoPE, grouped-query
+attention, SwiGLU.
 
 Packing is what this model is careful about: RoPE reads the batch's
 ``positions`` (0 at each segment's first token) and every attention call gets
@@ -27,7 +28,7 @@ from seqjax.model.attention import TILED, resolve_backend
 from seqjax.model.block import Block, RMSNorm, drop, normal_param, split_keys, stacked_blocks
 from seqjax.model.cache import KVCache, LayerCache
 from seqjax.model.head import head_logits
-from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata  # plain JAX; kernels lazy
+from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata  # plain JAX
 from seqjax.model.mask import FULL
 from seqjax.model.remat import remat_block, remat_policy
 from seqjax.model.rope import rope_frequencies
@@ -39,7 +40,8 @@ def _frozen(value: Any) -> Any:
 
 
 class _HashableModelConfig(ModelConfig):
-    """The model's config, hashable so it can sit in the static graph definition that jit keys on."""
+    """The model's config, hashable so it can sit in the static graph definition that jit keys
+    on."""
 
     def __hash__(self) -> int:
         return hash(_frozen(dataclasses.astuple(self)))
@@ -51,7 +53,8 @@ class _HashableModelConfig(ModelConfig):
 
 
 class TransformerLM(nnx.Module):
-    """Decoder-only LM. ``model(inputs, positions=..., segment_ids=...)`` -> float32 logits [B, T, V].
+    """Decoder-only LM. ``model(inputs, positions=..., segment_ids=...)`` -> float32 logits [B, T,
+    V].
 
     inputs, positions, segment_ids: int [B, T] (contract 1). Shape errors
     (mismatched fields, T > max_seq_len) raise at trace time. Token ids outside
@@ -62,9 +65,12 @@ class TransformerLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if cfg.vocab_size is None:
-            raise ValueError("model.vocab_size is null: pass vocab_size (the tokenizer's) to build_model")
+            raise ValueError(
+                "model.vocab_size is null: pass vocab_size (the tokenizer's) to build_model")
         if cfg.max_seq_len is None:
-            raise ValueError("model.max_seq_len is null: build the model with build_model(config), which resolves it")
+            raise ValueError(
+                "model.max_seq_len is null: build the model with build_model(config), which resolves it"
+            )
         cfg = _HashableModelConfig.of(cfg)
         cfg.check()
         self.cfg = cfg
@@ -73,7 +79,8 @@ class TransformerLM(nnx.Module):
                                embedding_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
         self.embed.embedding.set_metadata(axes=("vocab", "embed"))
         self.embed_dropout = nnx.Dropout(cfg.dropout)
-        self.token_dropout = nnx.Dropout(cfg.token_dropout, broadcast_dims=(-1,))  # one draw per token: [B, T, 1]
+        # one draw per token: [B, T, 1]
+        self.token_dropout = nnx.Dropout(cfg.token_dropout, broadcast_dims=(-1,))
         self.blocks = stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List(
             [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one)
@@ -82,29 +89,35 @@ class TransformerLM(nnx.Module):
 
     def __call__(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                  dropout_key: jax.Array | None = None) -> jax.Array:
-        """Logits [B, T, V] float32 for a batch (contract 1): the training and evaluation forward pass.
+        """Logits [B, T, V] float32 for a batch (contract 1): the training and evaluation forward
+        pass.
 
-        ``dropout_key``: the training step's key, which turns dropout on; None (evaluation) is deterministic.
+        ``dropout_key``: the training step's key, which turns dropout on; None (evaluation) is
+        deterministic.
         """
         return head_logits(*self.features_and_head(inputs, positions=positions, segment_ids=segment_ids,
                                                    dropout_key=dropout_key))
 
     def features_and_head(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                           dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """The forward pass up to the LM head: (final-normed features [B, T, D], head [D, V]), both compute dtype.
+        """The forward pass up to the LM head: (final-normed features [B, T, D], head [D, V]), both
+        compute dtype.
 
-        ``model.loss_chunk_tokens`` takes the loss from here (seqjax.model.loss.chunked_lm_loss), so the whole
-        logits are never built.
+        ``model.loss_chunk_tokens`` takes the loss from here (seqjax.model.loss.chunked_lm_loss), so
+        the whole logits are never built.
         """
         self.check_batch(inputs, positions, segment_ids)
         token_key, embed_key, blocks_key = split_keys(dropout_key, 3)
-        x = drop(self.embed_dropout, drop(self.token_dropout, self.embed_tokens(inputs), token_key), embed_key)
-        x = self.final_norm(self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=blocks_key))
+        x = drop(self.embed_dropout, drop(self.token_dropout, self.embed_tokens(inputs), token_key),
+                 embed_key)
+        x = self.final_norm(
+            self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=blocks_key))
         return x, self.head().astype(x.dtype)
 
     def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Logits [B, T, V] float32 for ``inputs`` written into ``cache`` at slots ``cache.length..``; (logits, cache).
+        """Logits [B, T, V] float32 for ``inputs`` written into ``cache`` at slots
+        ``cache.length..``; (logits, cache).
 
         A prefill passes the prompts (T tokens), a decode step one token per row (T = 1);
         seqjax.model.decode wraps both.
@@ -112,37 +125,47 @@ class TransformerLM(nnx.Module):
         self.check_batch(inputs, positions, segment_ids)
         x = self.embed_tokens(inputs)
         start = cache.length
-        seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32), start, axis=1)
+        seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32),
+                                                  start, axis=1)
         layers = []
         freqs = self.rope_freqs()
         for i, (keys, values) in enumerate(zip(cache.keys, cache.values)):
-            x, layer = self.layer(i).decode(x, positions, segment_ids, LayerCache(keys, values, seg, start), freqs[i],
+            x, layer = self.layer(i).decode(x, positions, segment_ids,
+                                            LayerCache(keys, values, seg, start), freqs[i],
                                             self.cfg.window_of(i))
             layers.append(layer)
-        cache = KVCache(tuple(c.keys for c in layers), tuple(c.values for c in layers), seg, start + inputs.shape[1])
+        cache = KVCache(tuple(c.keys for c in layers), tuple(c.values for c in layers), seg,
+                        start + inputs.shape[1])
         return self.logits(x), cache
 
     def embed_tokens(self, inputs) -> jax.Array:
-        """Token ids [B, T] -> embeddings [B, T, D] in the compute dtype; out-of-range ids give NaN rows."""
+        """Token ids [B, T] -> embeddings [B, T, D] in the compute dtype; out-of-range ids give NaN
+        rows."""
         v = self.cfg.vocab_size
-        ids = jnp.where((inputs >= 0) & (inputs < v), inputs, v)  # v is out of bounds -> filled with NaN
+        # v is out of bounds -> filled with NaN
+        ids = jnp.where((inputs >= 0) & (inputs < v), inputs, v)
         table = self.embed.embedding[...]
         x = jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
-        if self.cfg.embed_scale:  # Gemma: sqrt(d_model), rounded to the table's dtype as transformers does
+        # Gemma: sqrt(d_model), rounded to the table's dtype as transformers does
+        if self.cfg.embed_scale:
             x = x * jnp.asarray(math.sqrt(self.cfg.d_model), table.dtype)
         return x.astype(self.cfg.compute_dtype)
 
     def from_embeddings(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                         dropout_key: jax.Array | None = None) -> jax.Array:
-        """The blocks and head applied to embeddings x [B, T, D] (the input of the first block); logits [B, T, V]."""
-        return self.logits(self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=dropout_key))
+        """The blocks and head applied to embeddings x [B, T, D] (the input of the first block);
+        logits [B, T, V]."""
+        return self.logits(
+            self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=dropout_key))
 
     def hidden(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                dropout_key: jax.Array | None = None) -> jax.Array:
-        """The blocks on embeddings x [B, T, D]: the last block's output [B, T, D], before the final norm.
+        """The blocks on embeddings x [B, T, D]: the last block's output [B, T, D], before the final
+        norm.
 
-        Under ``model.remat`` each block is one rematerialized unit: its backward pass recomputes what the
-        policy does not keep (:func:`seqjax.model.remat.remat_policy`), trading compute for activation memory.
+        Under ``model.remat`` each block is one rematerialized unit: its backward pass recomputes
+        what the policy does not keep (:func:`seqjax.model.remat.remat_policy`), trading compute for
+        activation memory.
         """
         metadata = self.attention_metadata(segment_ids)
         if self.cfg.scan_layers:
@@ -150,21 +173,28 @@ class TransformerLM(nnx.Module):
         run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
         freqs = self.rope_freqs()
         for i, (block, key) in enumerate(zip(self.blocks, split_keys(dropout_key, len(self.blocks)))):
-            x = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), metadata and metadata[i], key)
+            layer_metadata = metadata and metadata[i]
+            x = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), layer_metadata, key)
         return x
 
     def rope_freqs(self) -> jax.Array:
-        """Each layer's RoPE frequencies [n_layers, head_dim / 2] (Gemma 3's sliding layers have their own base)."""
-        return jnp.stack([rope_frequencies(self.cfg.head_dim, *self.cfg.rope_of(i)) for i in range(self.cfg.n_layers)])
+        """Each layer's RoPE frequencies [n_layers, head_dim / 2] (Gemma 3's sliding layers have
+        their own base)."""
+        return jnp.stack([
+            rope_frequencies(self.cfg.head_dim, *self.cfg.rope_of(i))
+            for i in range(self.cfg.n_layers)
+        ])
 
     def windows(self) -> jax.Array | None:
-        """Each layer's window [n_layers] (FULL: the whole segment), or None when no layer slides."""
+        """Each layer's window [n_layers] (FULL: the whole segment), or None when no layer
+        slides."""
         if not self.cfg.has_windows:
             return None
         return jnp.asarray([self.cfg.window_of(i) or FULL for i in range(self.cfg.n_layers)], jnp.int32)
 
     def _scanned(self, x, positions, segment_ids, metadata, dropout_key):
-        """The stacked blocks under ``jax.lax.scan``: one block's body traced and compiled, whatever the depth.
+        """The stacked blocks under ``jax.lax.scan``: one block's body traced and compiled, whatever
+        the depth.
 
         Each step merges layer ``i``'s slice of the stacked state into a Block and
         runs it (rematerialized as ``model.remat`` says); its dropout key is the
@@ -175,18 +205,23 @@ class TransformerLM(nnx.Module):
         def layer(carry, xs):
             layer_state, key, rope_freq, window, metadata = xs
             block = nnx.merge(graphdef, layer_state)
-            return block(carry, positions, segment_ids, rope_freq, window, metadata=metadata, dropout_key=key), None
+            return block(carry, positions, segment_ids, rope_freq, window, metadata=metadata,
+                         dropout_key=key), None
 
         if self.cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat, tuple(self.cfg.remat_names)))
+            layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat,
+                                                              tuple(self.cfg.remat_names)))
         keys = None if dropout_key is None else jax.random.split(dropout_key, self.cfg.n_layers)
-        # Per-layer settings ride along as scanned inputs: one body serves sliding and full layers alike.
-        stacked = None if metadata is None else jax.tree.map(lambda *layers: jnp.stack(layers), *metadata)
+        # Per-layer settings ride along as scanned inputs: one body serves sliding and full layers
+        # alike.
+        stacked = None if metadata is None else jax.tree.map(lambda *layers: jnp.stack(layers), *
+                                                             metadata)
         x, _ = jax.lax.scan(layer, x, (state, keys, self.rope_freqs(), self.windows(), stacked))
         return x
 
     def layer(self, i: int) -> "Block":
-        """Block ``i`` as a module, in either layout (a slice of the stacked parameters when scanned)."""
+        """Block ``i`` as a module, in either layout (a slice of the stacked parameters when
+        scanned)."""
         if not self.cfg.scan_layers:
             return self.blocks[i]
         graphdef, state = nnx.split(self.blocks)
@@ -202,49 +237,59 @@ class TransformerLM(nnx.Module):
         return head_logits(x, self.head().astype(x.dtype))
 
     def attention_metadata(self, segment_ids) -> list | None:
-        """The pallas kernel's block ranges for this batch, one per layer, or None for the other backends.
+        """The pallas kernel's block ranges for this batch, one per layer, or None for the other
+        backends.
 
-        They depend only on the segment ids and the layer's window, so they are computed once per forward for
-        each distinct window (at most two: Gemma 3's sliding and global layers) and handed to every layer
-        (explicitly, rather than trusting XLA to merge per-layer copies across remat or scan boundaries).
+        They depend only on the segment ids and the layer's window, so they are computed once per
+        forward for each distinct window (at most two: Gemma 3's sliding and global layers) and
+        handed to every layer (explicitly, rather than trusting XLA to merge per-layer copies across
+        remat or scan boundaries).
         """
-        backend = resolve_backend(self.cfg.attention, self.cfg.compute_dtype, windows=self.cfg.has_windows)
+        backend = resolve_backend(self.cfg.attention, self.cfg.compute_dtype,
+                                  windows=self.cfg.has_windows)
         if backend not in TILED:
             return None
-        blocks = MOSAIC_BLOCKS if backend == "pallas_mosaic" else BlockSizes.for_head_dim(self.cfg.head_dim)
+        blocks = MOSAIC_BLOCKS if backend == "pallas_mosaic" else BlockSizes.for_head_dim(
+            self.cfg.head_dim)
         windows = [self.cfg.window_of(i) for i in range(self.cfg.n_layers)]
         by_window = {w: block_metadata(segment_ids, blocks, w) for w in dict.fromkeys(windows)}
         return [by_window[w] for w in windows]
 
     def check_batch(self, inputs, positions, segment_ids) -> None:
-        """Shape checks at trace time; value checks only when the inputs are concrete (no device sync under jit)."""
+        """Shape checks at trace time; value checks only when the inputs are concrete (no device
+        sync under jit)."""
         shape = jnp.shape(inputs)
         if len(shape) != 2:
             raise ValueError(f"inputs has shape {shape}, expected [batch, seq_len]")
         for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
             if jnp.shape(arr) != shape:
-                raise ValueError(f"{name} has shape {jnp.shape(arr)}, expected {shape} (the shape of inputs)")
+                raise ValueError(
+                    f"{name} has shape {jnp.shape(arr)}, expected {shape} (the shape of inputs)")
         for name, arr in (("inputs", inputs), ("positions", positions), ("segment_ids", segment_ids)):
             if not jnp.issubdtype(jnp.result_type(arr), jnp.integer):
                 raise ValueError(f"{name} has dtype {jnp.result_type(arr)}, expected an integer type")
         if shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+            raise ValueError(
+                f"sequence length {shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         if not isinstance(inputs, jax.core.Tracer):
             ids = np.asarray(inputs)
             bad = ids[(ids < 0) | (ids >= self.cfg.vocab_size)]
             if bad.size:
-                raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})"
-                                 f" ({bad.size} such ids in inputs)")
+                raise ValueError(
+                    f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})"
+                    f" ({bad.size} such ids in inputs)")
 
 
-def build_model(config: Config | ModelConfig, vocab_size: int | None = None, *, rngs: nnx.Rngs) -> TransformerLM:
+def build_model(config: Config | ModelConfig, vocab_size: int | None = None, *,
+                rngs: nnx.Rngs) -> TransformerLM:
     """A TransformerLM from a loaded Config (or its ModelConfig) in one call.
 
     ``vocab_size`` (usually the tokenizer's) fills ``model.vocab_size`` when that
     is null and overrides it otherwise.
     """
     cfg = config.model if isinstance(config, Config) else config
-    if isinstance(config, Config) and cfg.max_seq_len is None:  # null: follows the sequences the config feeds it
+    # null: follows the sequences the config feeds it
+    if isinstance(config, Config) and cfg.max_seq_len is None:
         cfg = dataclasses.replace(cfg, max_seq_len=config.max_seq_len)
     if vocab_size is not None:
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
@@ -252,9 +297,11 @@ def build_model(config: Config | ModelConfig, vocab_size: int | None = None, *, 
 
 
 def param_count(model: TransformerLM) -> dict[str, int]:
-    """Parameters: total, embedding (token table, plus the LM head when untied) and non_embedding."""
+    """Parameters: total, embedding (token table, plus the LM head when untied) and
+    non_embedding."""
     sizes = {
-        ".".join(map(str, path)): int(np.prod(v.shape)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+        ".".join(map(str, path)): int(np.prod(v.shape))
+        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
     }
     embedding = sum(n for name, n in sizes.items() if name.startswith(("embed.", "lm_head")))
     total = sum(sizes.values())

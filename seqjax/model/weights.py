@@ -1,4 +1,5 @@
-"""Loaded weights are checked once, where they are read: a NaN or inf in any tensor is refused, naming it.
+"""Loaded weights are checked once, where they are read: a NaN or inf in any tensor is refused,
+naming it.
 
 Non-finite weights do not fail loudly later: an import exits 0, generation
 returns an empty completion, evaluation reports null perplexities, and a
@@ -15,7 +16,8 @@ from seqjax.core.errors import CheckpointError
 
 
 def check_finite(array, name: str, where: str) -> None:
-    """Raise CheckpointError when ``array`` holds NaN or inf: ``where: tensor NAME holds N non-finite values``."""
+    """Raise CheckpointError when ``array`` holds NaN or inf: ``where: tensor NAME holds N
+    non-finite values``."""
     values = np.asarray(array)
     if values.dtype.kind in "iub":
         return

@@ -32,7 +32,8 @@ from seqjax.objectives.base import Inputs, Objective, Terms
 from seqjax.objectives.lm import LM
 
 OBJECTIVES: dict[str, Objective] = {"lm": LM}
-DEFAULT = LM  # train.objective's default: the first entry, what every run computed before objectives were rows
+# train.objective's default: the first entry, what every run computed before objectives were rows
+DEFAULT = LM
 
 
 def register(objective: Objective) -> Objective:
@@ -44,21 +45,26 @@ def register(objective: Objective) -> Objective:
 
 
 def resolve(names: Sequence[str], weights: Sequence[float] = ()) -> Objective:
-    """The objective ``train.objective`` names: one row, or several added with ``train.objective_weights``.
+    """The objective ``train.objective`` names: one row, or several added with
+    ``train.objective_weights``.
 
-    A sum of objectives divides each one's sum by its own denominator over the global batch (``Inputs.totals``),
-    so ``[a, b]`` with weights ``[1, w]`` is exactly ``loss_a + w * loss_b``, as TRL's ``loss_type=[...]`` with
-    ``loss_weights`` computes it, however the batch is cut into micro-batches.
+    A sum of objectives divides each one's sum by its own denominator over the global batch
+    (``Inputs.totals``), so ``[a, b]`` with weights ``[1, w]`` is exactly ``loss_a + w * loss_b``,
+    as TRL's ``loss_type=[...]`` with ``loss_weights`` computes it, however the batch is cut into
+    micro-batches.
     """
     names = list(names)
     for i, name in enumerate(names):
         if name not in OBJECTIVES:
-            raise ConfigError(f"train.objective[{i}]: got {name!r}, expected one of {', '.join(OBJECTIVES)}")
+            raise ConfigError(
+                f"train.objective[{i}]: got {name!r}, expected one of {', '.join(OBJECTIVES)}")
     if not names:
-        raise ConfigError("train.objective: got [], expected at least one objective (lm is the default)")
+        raise ConfigError(
+            "train.objective: got [], expected at least one objective (lm is the default)")
     if weights and len(weights) != len(names):
-        raise ConfigError(f"train.objective_weights: got {list(weights)}, expected one weight per objective "
-                          f"({names}) or []")
+        raise ConfigError(
+            f"train.objective_weights: got {list(weights)}, expected one weight per objective "
+            f"({names}) or []")
     if len(set(names)) != len(names):
         raise ConfigError(f"train.objective: got {names}, expected each objective once")
     rows = [OBJECTIVES[name] for name in names]
@@ -68,8 +74,9 @@ def resolve(names: Sequence[str], weights: Sequence[float] = ()) -> Objective:
 
 
 def _weighted(rows: list[Objective], weights: list[float]) -> Objective:
-    """Several objectives as one: each row's sum scaled to the first's denominator, so dividing the summed value
-    by the first's summed denominator gives ``sum_i w_i * value_i / denominator_i`` over the global batch."""
+    """Several objectives as one: each row's sum scaled to the first's denominator, so dividing the
+    summed value by the first's summed denominator gives ``sum_i w_i * value_i / denominator_i``
+    over the global batch."""
     first = rows[0].name
 
     def loss(inputs: Inputs, micro: Batch) -> Terms:
@@ -77,7 +84,8 @@ def _weighted(rows: list[Objective], weights: list[float]) -> Objective:
         reported, denominator = {}, None
         for row, w in zip(rows, weights):
             terms = row.loss(inputs, micro)
-            scale = w * inputs.totals[first] / jnp.where(inputs.totals[row.name] > 0, inputs.totals[row.name], 1.0)
+            scale = w * inputs.totals[first] / jnp.where(inputs.totals[row.name] > 0,
+                                                         inputs.totals[row.name], 1.0)
             value, loss_sum = value + scale * terms.value, loss_sum + scale * terms.loss
             denominator = terms.denominator if denominator is None else denominator
             reported |= terms.reported
@@ -88,9 +96,11 @@ def _weighted(rows: list[Objective], weights: list[float]) -> Objective:
         name="+".join(row.name for row in rows), loss=loss, denominator=rows[0].denominator,
         reads=tuple(dict.fromkeys(f for row in rows for f in row.reads)),
         settings=tuple(dict.fromkeys(s for row in rows for s in row.settings)),
-        reference=any(row.reference for row in rows), doc=" + ".join(row.doc for row in rows), parts=tuple(rows),
-        reports=tuple(dict.fromkeys([*(n for row in rows for n in row.reports),
-                                     *(f"{row.name}/loss" for row in rows)])))
+        reference=any(row.reference for row in rows), doc=" + ".join(row.doc for row in rows),
+        parts=tuple(rows), reports=tuple(
+            dict.fromkeys(
+                [*(n for row in rows for n in row.reports),
+                 *(f"{row.name}/loss" for row in rows)])))
 
 
 __all__ = ["DEFAULT", "Inputs", "OBJECTIVES", "Objective", "Terms", "register", "resolve"]

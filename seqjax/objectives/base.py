@@ -1,9 +1,11 @@
-"""What an objective is: a row of the objectives table, the inputs its loss reads, the sums it returns.
+"""What an objective is: a row of the objectives table, the inputs its loss reads, the sums it
+returns.
 
-An objective's ``loss(inputs, micro)`` sees one micro-batch (a :class:`~seqjax.data.contract.Batch`) and returns
-:class:`Terms`: sums, never means. The train step adds each micro-batch's sums and divides once by the summed
-``denominator`` (docs/design.md, contract 3), so k micro-batches give the update of one big batch whatever the
-objective: tokens for the language-model loss, pairs for a preference loss.
+An objective's ``loss(inputs, micro)`` sees one micro-batch (a :class:`~seqjax.data.contract.Batch`)
+and returns :class:`Terms`: sums, never means. The train step adds each micro-batch's sums and
+divides once by the summed ``denominator`` (docs/design.md, contract 3), so k micro-batches give the
+update of one big batch whatever the objective: tokens for the language-model loss, pairs for a
+preference loss.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from seqjax.model.loss import chunked_token_logprobs, token_logprobs
 class Terms(NamedTuple):
     """One micro-batch's contribution, each a float32 sum the step adds over micro-batches.
 
-    ``value``: the objective's numerator (what is differentiated); ``denominator``: what the summed value is
-    divided by; ``loss``: the numerator of the logged ``loss`` (``value`` without regularizers such as z-loss);
-    ``reported``: metric name -> (sum, count), logged as sum / count in metrics.jsonl and the trackers; the
-    names are the objective's ``reports``, in every micro-batch.
+    ``value``: the objective's numerator (what is differentiated); ``denominator``: what the summed
+    value is divided by; ``loss``: the numerator of the logged ``loss`` (``value`` without
+    regularizers such as z-loss); ``reported``: metric name -> (sum, count), logged as sum / count
+    in metrics.jsonl and the trackers; the names are the objective's ``reports``, in every
+    micro-batch.
     """
 
     value: jax.Array
@@ -37,11 +40,12 @@ class Terms(NamedTuple):
 class Inputs:
     """What an objective's loss reads besides the micro-batch.
 
-    ``model``: the policy, merged (adapters and base); ``key``: the micro-batch's dropout key (None: no dropout);
-    ``settings``: the ``train.*`` values the objective names; ``totals``: every objective's denominator over the
-    global batch, computed once before the micro-batches (a weighted sum of objectives needs them);
-    ``reference``: a function of a micro-batch giving the reference model's per-token log-probabilities, for the
-    objectives that compare against one (None otherwise).
+    ``model``: the policy, merged (adapters and base); ``key``: the micro-batch's dropout key (None:
+    no dropout); ``settings``: the ``train.*`` values the objective names; ``totals``: every
+    objective's denominator over the global batch, computed once before the micro-batches (a
+    weighted sum of objectives needs them); ``reference``: a function of a micro-batch giving the
+    reference model's per-token log-probabilities, for the objectives that compare against one (None
+    otherwise).
     """
 
     model: Any
@@ -55,9 +59,10 @@ class Inputs:
 class Objective:
     """One ``train.objective``: its loss, what it divides by, and what it needs.
 
-    ``reads``: the batch fields beyond the contract's five that it needs (a data format that lacks them is
-    refused before any work); ``settings``: the ``train.*`` keys it reads; ``reference``: it compares the policy
-    with a reference model (the base under LoRA, a frozen copy, or log-probabilities computed beforehand).
+    ``reads``: the batch fields beyond the contract's five that it needs (a data format that lacks
+    them is refused before any work); ``settings``: the ``train.*`` keys it reads; ``reference``: it
+    compares the policy with a reference model (the base under LoRA, a frozen copy, or
+    log-probabilities computed beforehand).
     """
 
     name: str
@@ -71,18 +76,21 @@ class Objective:
     parts: tuple["Objective", ...] = ()  # a weighted sum's objectives
 
     def zero_terms(self) -> Terms:
-        """Terms of zeros, shaped as this objective's: where the step's sums over micro-batches start."""
+        """Terms of zeros, shaped as this objective's: where the step's sums over micro-batches
+        start."""
         zero = jnp.zeros((), jnp.float32)
         return Terms(zero, zero, zero, {name: (zero, zero) for name in self.reports})
 
     def totals(self, batch: Batch) -> dict[str, jax.Array]:
-        """This objective's denominator over the global batch, and each part's: ``Inputs.totals``."""
+        """This objective's denominator over the global batch, and each part's:
+        ``Inputs.totals``."""
         return {row.name: row.denominator(batch) for row in (self, *self.parts)}
 
 
 def model_outputs(model, micro: Batch, key: jax.Array | None):
-    """The forward pass an objective starts from: ``(features [B, T, D], head [D, V])`` when the model takes its
-    loss a chunk at a time (``model.loss_chunk_tokens``), else ``(logits [B, T, V], None)``."""
+    """The forward pass an objective starts from: ``(features [B, T, D], head [D, V])`` when the
+    model takes its loss a chunk at a time (``model.loss_chunk_tokens``), else ``(logits [B, T, V],
+    None)``."""
     args = {"positions": micro["positions"], "segment_ids": micro["segment_ids"], "dropout_key": key,
             **model_fields(micro)}
     if model.cfg.loss_chunk_tokens:
@@ -91,8 +99,8 @@ def model_outputs(model, micro: Batch, key: jax.Array | None):
 
 
 def target_logprobs(model, micro: Batch, key: jax.Array | None, scored: jax.Array) -> jax.Array:
-    """log p(targets) [B, T] float32 under ``model``, 0 where ``scored`` is False; the chunked path never builds the
-    whole logits."""
+    """log p(targets) [B, T] float32 under ``model``, 0 where ``scored`` is False; the chunked path
+    never builds the whole logits."""
     outputs, head = model_outputs(model, micro, key)
     if head is None:
         return token_logprobs(outputs, micro["targets"], scored)

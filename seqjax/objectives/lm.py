@@ -2,8 +2,8 @@
 
     loss = sum(weights * nll) / sum(weights)
 
-plus PaLM's z-loss when ``train.z_loss`` > 0. Which targets count and how much is the batch's ``weights``
-(``train.loss_normalization``: tokens or examples), so the objective itself is one sum.
+plus PaLM's z-loss when ``train.z_loss`` > 0. Which targets count and how much is the batch's
+``weights`` (``train.loss_normalization``: tokens or examples), so the objective itself is one sum.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from seqjax.objectives.base import Inputs, Objective, Terms, model_outputs
 
 
 def lm_terms(inputs: Inputs, micro: Batch) -> Terms:
-    """Contract 3's sums for one micro-batch; with ``model.loss_chunk_tokens`` the logits are never built whole."""
+    """Contract 3's sums for one micro-batch; with ``model.loss_chunk_tokens`` the logits are never
+    built whole."""
     model, z_loss = inputs.model, inputs.settings.get("z_loss", 0.0)
     outputs, head = model_outputs(model, micro, inputs.key)
     if head is None:

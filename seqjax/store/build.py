@@ -73,13 +73,15 @@ from seqjax.store.writer import publish, read_shard
 
 log = logging.getLogger(__name__)
 
-# Stores up to this size are checksummed on every reuse (xxh3 reads several GB/s); larger ones once, recorded.
+# Stores up to this size are checksummed on every reuse (xxh3 reads several GB/s); larger ones once,
+# recorded.
 VERIFY_EVERY_REUSE_BYTES = 1 << 30
 
 
 @dataclass
 class Prepared:
-    """What :func:`prepare` returns: the tokenizer, one opened store per split, and the summary printed by the CLI.
+    """What :func:`prepare` returns: the tokenizer, one opened store per split, and the summary
+    printed by the CLI.
 
     For a mixture (``data.sources``), each split's store holds every source's
     documents one source after another (``store.sources`` says whose are whose).
@@ -92,7 +94,8 @@ class Prepared:
 
 
 def _set_aside(path: Path, shards: list[str], why: list[str]) -> None:
-    """Move damaged or stale shards of the store at ``path`` to ``damaged/`` and drop its manifest; say so."""
+    """Move damaged or stale shards of the store at ``path`` to ``damaged/`` and drop its manifest;
+    say so."""
     stamp = time.strftime("%Y%m%dT%H%M%S")
     for name in shards:
         dest = path.parent / "damaged" / f"{path.name}-{name}-{stamp}"
@@ -114,7 +117,8 @@ def _stale_sources(shard: dict[str, Any]) -> list[str]:
 
 
 def _reuse(path: Path, build_key: dict[str, Any], run: ProcessGroup) -> bool:
-    """Process 0: whether the store at ``path`` can be reused as it is; damaged shards are set aside."""
+    """Process 0: whether the store at ``path`` can be reused as it is; damaged shards are set
+    aside."""
     try:
         manifest = read_manifest(path)
     except StoreError:
@@ -135,7 +139,8 @@ def _reuse(path: Path, build_key: dict[str, Any], run: ProcessGroup) -> bool:
     if damaged:
         _set_aside(path, list(damaged), [p for ps in damaged.values() for p in ps])
         return False
-    if checksums and total > VERIFY_EVERY_REUSE_BYTES:  # verified once: later reuses trust unchanged files
+    # verified once: later reuses trust unchanged files
+    if checksums and total > VERIFY_EVERY_REUSE_BYTES:
         write_text_atomic(path / MANIFEST, json.dumps({**manifest, "verified": stamps}, indent=2))
     return True
 
@@ -149,7 +154,8 @@ def _stamp(file: Path) -> list[int] | None:
 
 
 def _finished_shard(path: Path, name: str, run: ProcessGroup, vocab_size: int) -> bool:
-    """A shard an earlier (perhaps killed) build finished: present and whole; a damaged one is set aside."""
+    """A shard an earlier (perhaps killed) build finished: present and whole; a damaged one is set
+    aside."""
     record = read_shard(path, name)
     if record is None:
         return False
@@ -162,9 +168,11 @@ def _finished_shard(path: Path, name: str, run: ProcessGroup, vocab_size: int) -
     return True
 
 
-def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path], tokenizer: Tokenizer,
-                  config: Config, run: ProcessGroup, spec: ExampleSpec | None = None) -> tuple[TokenStore, bool]:
-    """The store of one source's split at ``path``: reused, completed or built; returns it opened and if reused."""
+def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path],
+                  tokenizer: Tokenizer, config: Config, run: ProcessGroup,
+                  spec: ExampleSpec | None = None) -> tuple[TokenStore, bool]:
+    """The store of one source's split at ``path``: reused, completed or built; returns it opened
+    and if reused."""
     identities = [file_identity(p) for p in files]
     corpus = {"corpus": source.corpus, "text_field": source.text_field,
               "variant": source.variant if source.corpus == "wikitext2" else None}
@@ -172,7 +180,8 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
     carve = carved(source, split, config.data.validation_split_percentage)
     if carve is not None:  # a train/valid carve: which side, and how much
         corpus["carve"] = list(carve)
-    if spec is not None:  # instruction examples: how records become ids and weights is part of the key
+    # instruction examples: how records become ids and weights is part of the key
+    if spec is not None:
         corpus["examples"] = spec.identity()
     names = []
     for i, group in enumerate(plan_shards(identities, config.data.shard_bytes)):
@@ -189,13 +198,16 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
             reused = _manifest_key(path) == build_key
         if not reused:
             start = time.perf_counter()
-            mine = [(n, fs) for i, (n, fs) in enumerate(names) if i % run.process_count == run.process_index]
-            todo = [(n, fs) for n, fs in mine if not _finished_shard(path, n, run, tokenizer.vocab_size)]
+            mine = [(n, fs) for i, (n, fs) in enumerate(names)
+                    if i % run.process_count == run.process_index]
+            todo = [(n, fs) for n, fs in mine
+                    if not _finished_shard(path, n, run, tokenizer.vocab_size)]
             size = sum(file_identity(p)["bytes"] for _, fs in todo for p in fs)
             if todo:
-                log.info("%s: building the token store at %s: %d of its %d shards", split, path, len(todo), len(names))
-            with progress_bar(total=size, desc=f"tokenize {split}", unit="B", unit_scale=True, mininterval=0.5,
-                              enabled=bool(todo)) as bar:
+                log.info("%s: building the token store at %s: %d of its %d shards", split, path,
+                         len(todo), len(names))
+            with progress_bar(total=size, desc=f"tokenize {split}", unit="B", unit_scale=True,
+                              mininterval=0.5, enabled=bool(todo)) as bar:
                 for name, group in todo:
                     build_shard(path, name, source, group, tokenizer, run.workers, bar, spec, carve)
             run.wait(f"seqjax-prepare-shards-{path}")
@@ -218,12 +230,16 @@ def _publish(path: Path, names: list[tuple[str, list[Path]]], build_key: dict[st
     for name, files in names:
         record = read_shard(path, name)
         if record is None:
-            raise StoreError(f"token store {path}: shard {name} (from {files[0]}) is missing after every process "
-                             "finished; run python -m seqjax.prepare again to build it")
+            raise StoreError(
+                f"token store {path}: shard {name} (from {files[0]}) is missing after every process "
+                "finished; run python -m seqjax.prepare again to build it")
         records.append(record)
     stats = {k: sum(r["stats"][k] for r in records) for k in records[0]["stats"]}
-    manifest = {"split": split, "build_key": build_key, "tokenizer_hash": tokenizer.hash,
-                "tokenizer_path": str(tokenizer.path.resolve()), "stats": stats, "build_seconds": round(seconds, 3)}
+    manifest = {
+        "split": split, "build_key": build_key, "tokenizer_hash": tokenizer.hash,
+        "tokenizer_path": str(tokenizer.path.resolve()), "stats": stats,
+        "build_seconds": round(seconds, 3)
+    }
     publish(path, records, manifest, eot_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size)
 
 
@@ -232,16 +248,19 @@ def summarize(store: TokenStore, seconds: float, reused: bool) -> dict[str, Any]
     stats = store.manifest["stats"]
     examples = {}
     if "scored_tokens" in stats:  # instruction examples: what the loss sees, and what was dropped
-        examples = {"scored_tokens": stats["scored_tokens"],
-                    "scored_fraction": round(stats["scored_tokens"] / max(1, store.predicted_tokens), 4),
-                    "scored_bytes": stats["scored_bytes"], "dropped_unscored": stats["dropped_unscored"]}
+        examples = {
+            "scored_tokens": stats["scored_tokens"],
+            "scored_fraction": round(stats["scored_tokens"] / max(1, store.predicted_tokens), 4),
+            "scored_bytes": stats["scored_bytes"], "dropped_unscored": stats["dropped_unscored"]
+        }
     return {
         "documents": stats["documents"],
         "tokens": store.predicted_tokens,
         **examples,
         "bytes": stats["bytes"],
         "words": stats["words"],
-        "tokens_per_word": round(store.predicted_tokens / stats["words"], 4) if stats["words"] else None,
+        "tokens_per_word": round(store.predicted_tokens /
+                                 stats["words"], 4) if stats["words"] else None,
         "seconds": round(seconds, 3),
         "skipped_empty": stats["skipped_empty"],
         "lines": stats["lines"],
@@ -253,7 +272,8 @@ def summarize(store: TokenStore, seconds: float, reused: bool) -> dict[str, Any]
 
 
 def framing(tokenizer: Tokenizer) -> str:
-    """How the store frames documents, as text: ``<s> document <s> document ...`` for a Llama tokenizer."""
+    """How the store frames documents, as text: ``<s> document <s> document ...`` for a Llama
+    tokenizer."""
     sep = tokenizer.decode([tokenizer.separator_id])
     return f"{sep} document {sep} document ... (each document opens with {sep}, the tokenizer's own framing)"
 
@@ -267,7 +287,8 @@ def prepare(
     barrier: Callable[[str], None] | None = None,
     verify: bool = False,
 ) -> Prepared:
-    """Tokenizer and token stores for ``splits``: reused when nothing changed, else (re)built atomically.
+    """Tokenizer and token stores for ``splits``: reused when nothing changed, else (re)built
+    atomically.
 
     Every input is checked before any work: unknown splits, missing files, and
     a vocabulary too small for the byte alphabet plus the special tokens.
@@ -276,26 +297,30 @@ def prepare(
     """
     cache = cache_dir(config)
     try:
-        return _prepare(config, splits, process_index=process_index, process_count=process_count, barrier=barrier,
-                        verify=verify)
+        return _prepare(config, splits, process_index=process_index, process_count=process_count,
+                        barrier=barrier, verify=verify)
     except OSError as err:
         target = None if err.filename is None else Path(err.filename).resolve()
         if target is None or (target != cache.resolve() and cache.resolve() not in target.parents):
             raise
         # A cache on a read-only or full file system: one line, naming the folder and the OS error.
-        raise StoreError(f"data.cache_dir: cannot write {err.filename} ({err.strerror}); expected a writable folder "
-                         "(set data.cache_dir to one)") from None
+        raise StoreError(
+            f"data.cache_dir: cannot write {err.filename} ({err.strerror}); expected a writable folder "
+            "(set data.cache_dir to one)") from None
 
 
 def cache_dir(config: Config, writable: bool = False) -> Path:
-    """``data.cache_dir``; a file there is one line. ``writable``: also create it, refusing one that cannot be.
+    """``data.cache_dir``; a file there is one line. ``writable``: also create it, refusing one that
+    cannot be.
 
-    prepare itself creates nothing before its inputs are checked (and nothing at all when it only reuses):
-    a cache it cannot write is named when the first write fails.
+    prepare itself creates nothing before its inputs are checked (and nothing at all when it only
+    reuses): a cache it cannot write is named when the first write fails.
     """
     cache = Path(config.data.cache_dir).expanduser()
     if cache.exists() and not cache.is_dir():
-        raise StoreError(f"data.cache_dir: {cache} is a file; expected a folder to build the tokenizer and stores in")
+        raise StoreError(
+            f"data.cache_dir: {cache} is a file; expected a folder to build the tokenizer and stores in"
+        )
     if not writable:
         return cache
     try:
@@ -304,76 +329,78 @@ def cache_dir(config: Config, writable: bool = False) -> Path:
         raise StoreError(f"data.cache_dir: cannot create {cache} ({err.strerror}); expected a writable "
                          "folder") from None
     if not os.access(cache, os.W_OK):
-        raise StoreError(f"data.cache_dir: {cache} is not writable; expected a writable folder (set data.cache_dir)")
+        raise StoreError(
+            f"data.cache_dir: {cache} is not writable; expected a writable folder (set data.cache_dir)"
+        )
     return cache
 
 
-def _prepare(
-    config: Config,
-    splits: Sequence[str],
-    *,
-    process_index: int,
-    process_count: int,
-    barrier: Callable[[str], None] | None,
-    verify: bool,
-) -> Prepared:
-    splits = list(dict.fromkeys(splits))
+def _check_request(config: Config, splits: list[str], process_count: int, barrier) -> None:
+    """What a prepare call asks for, checked before any work: known splits, the train files it reads."""
     unknown = [s for s in splits if s not in SPLITS]
     if unknown:
         raise CorpusError(f"splits: got {unknown}, expected some of {', '.join(SPLITS)}")
     if process_count > 1 and barrier is None:
         raise StoreError(f"prepare with process_count={process_count} needs a barrier shared by the processes")
-    needs_train = not config.tokenizer.path
     d = config.data
+    needs_train = not config.tokenizer.path
     if d.corpus != "wikitext2" and not d.sources and not d.train_files and (needs_train or "train" in splits):
-        why = "the train split" if "train" in splits else "the tokenizer, trained on the train split (or set " \
-            "tokenizer.path)"
+        why = "the train split" if "train" in splits else \
+            "the tokenizer, trained on the train split (or set tokenizer.path)"
         raise ConfigError(f"data.train_files: got [], expected at least one file for data.corpus={d.corpus!r}: "
                           f"{why} reads them")
     if needs_train:
         check_vocab_size(config.tokenizer.vocab_size, special_tokens(config))
+
+
+def _prepare(config: Config, splits: Sequence[str], *, process_index: int, process_count: int,
+             barrier: Callable[[str], None] | None, verify: bool) -> Prepared:
+    splits = list(dict.fromkeys(splits))
+    _check_request(config, splits, process_count, barrier)
     sources = config.data.resolved_sources()
     # the files in the order a run needs them: the tokenizer's train files first
-    train_files = {s.name: source_files(s, "train") for s in sources} if needs_train else None
+    train_files = None if config.tokenizer.path else {s.name: source_files(s, "train") for s in sources}
     percentage = config.data.validation_split_percentage
     per_split = {split: split_sources(sources, split, percentage) for split in splits}
+    # every split's files are found before any work: a missing one is refused before the tokenizer trains
     files = {(s.name, split): source_files(s, "train" if carved(s, split, percentage) else split)
              for split in splits for s in per_split[split]}
-    workers = config.data.workers or available_cores()
-    run = ProcessGroup(process_index, process_count, barrier, verify, workers)
-
+    run = ProcessGroup(process_index, process_count, barrier, verify, config.data.workers or available_cores())
     # chat templates are read before any work: a missing one is one line, not a trained tokenizer and a refusal
     token_path = Path(config.tokenizer.path).expanduser() if config.tokenizer.path else None
-    eot = special_tokens(config)[0]
-    specs = {s.name: example_spec(config, s, token_path, eot) for s in sources}
+    specs = {s.name: example_spec(config, s, token_path, special_tokens(config)[0]) for s in sources}
     tokenizer = obtain_tokenizer(config, sources, train_files, run)
     base = Path(config.data.cache_dir).expanduser() / "stores" / tokenizer.hash[:16]
     stores, summary = {}, {}
     for split in splits:
-        start = time.perf_counter()
-        built, entries = [], {}
-        for source in per_split[split]:
-            # a carved validation split lives beside the train store it is cut from
-            path = base / corpus_key(source, "train" if carved(source, split, percentage) else split) / split
-            store, reused = prepare_store(path, source, split, files[(source.name, split)], tokenizer, config, run,
-                                          specs[source.name])
-            built.append((source, store))
-            entries[source.name] = {**summarize(store, time.perf_counter() - start, reused),
-                                    "framing": framing(tokenizer)}
-            log.info("%s: %s %s %d documents, %s tokens in %d shard(s)", split, source.name,
-                     "reused" if reused else "built", entries[source.name]["documents"],
-                     f"{entries[source.name]['tokens']:,}", entries[source.name]["shards"])
-        if len(sources) == 1:
-            stores[split], summary[split] = built[0][1], entries[sources[0].name]
-            continue
-        stores[split] = TokenStore.concat([s for _, s in built], [src.name for src, _ in built],
-                                          [src.weight for src, _ in built])
-        total = summarize(stores[split], time.perf_counter() - start, all(e["reused"] for e in entries.values()))
-        total["shards"] = sum(e["shards"] for e in entries.values())
-        total["store"] = str(base)
-        total["framing"] = framing(tokenizer)
-        summary[split] = {**total, "sources": entries}
+        stores[split], summary[split] = _split_store(config, split, per_split[split], files, base, tokenizer, run,
+                                                     specs)
     folders = {corpus_key(sources[0], "train" if carved(sources[0], split, percentage) else split)
                for split in splits}
     root = base / folders.pop() if len(sources) == 1 and len(folders) == 1 else base
     return Prepared(tokenizer=tokenizer, stores=stores, summary=summary, root=root)
+
+
+def _split_store(config: Config, split: str, sources: list[SourceConfig], files: dict, base: Path,
+                 tokenizer: Tokenizer, run: ProcessGroup, specs: dict[str, Any]) -> tuple[TokenStore, dict[str, Any]]:
+    """One split's store (each source's, concatenated for a mixture) and its summary."""
+    start, percentage = time.perf_counter(), config.data.validation_split_percentage
+    built, entries = [], {}
+    for source in sources:
+        origin = "train" if carved(source, split, percentage) else split  # a carve lives beside its train store
+        path = base / corpus_key(source, origin) / split
+        store, reused = prepare_store(path, source, split, files[(source.name, split)], tokenizer, config, run,
+                                      specs[source.name])
+        built.append((source, store))
+        entry = entries[source.name] = {**summarize(store, time.perf_counter() - start, reused),
+                                        "framing": framing(tokenizer)}
+        log.info("%s: %s %s %d documents, %s tokens in %d shard(s)", split, source.name,
+                 "reused" if reused else "built", entry["documents"], f"{entry['tokens']:,}", entry["shards"])
+    if len(config.data.resolved_sources()) == 1:
+        return built[0][1], entries[sources[0].name]
+    store = TokenStore.concat([s for _, s in built], [src.name for src, _ in built],
+                              [src.weight for src, _ in built])
+    total = summarize(store, time.perf_counter() - start, all(e["reused"] for e in entries.values()))
+    total |= {"shards": sum(e["shards"] for e in entries.values()), "store": str(base),
+              "framing": framing(tokenizer)}
+    return store, {**total, "sources": entries}

@@ -1,4 +1,5 @@
-"""The prepare cache's bookkeeping: what identifies a source file and a corpus, locks, and the process group.
+"""The prepare cache's bookkeeping: what identifies a source file and a corpus, locks, and the
+process group.
 
 :func:`seqjax.store.build.prepare` keys every cached folder by what made it (the
 layout is in its docstring): a source file by path, size and modification
@@ -28,7 +29,8 @@ BUILDER_VERSION = 2
 
 @dataclass
 class ProcessGroup:
-    """What one prepare call shares between its steps: who this process is, and how to wait for the others."""
+    """What one prepare call shares between its steps: who this process is, and how to wait for the
+    others."""
 
     process_index: int = 0
     process_count: int = 1
@@ -46,7 +48,8 @@ class ProcessGroup:
 
 
 def file_identity(path: Path) -> dict[str, Any]:
-    """What reuse compares for a source: path, size and modification time (a folder: over the files inside)."""
+    """What reuse compares for a source: path, size and modification time (a folder: over the files
+    inside)."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     stats = [p.stat() for p in files]
     return {"path": str(path.resolve()), "bytes": sum(s.st_size for s in stats),
@@ -54,7 +57,8 @@ def file_identity(path: Path) -> dict[str, Any]:
 
 
 def content_hash(path: Path) -> str:
-    """xxh3-128 of a source's bytes (a folder: of its files in order), recorded at build, compared by ``verify``."""
+    """xxh3-128 of a source's bytes (a folder: of its files in order), recorded at build, compared
+    by ``verify``."""
     digest = xxhash.xxh3_128()
     for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
         with open(file, "rb") as f:
@@ -68,7 +72,8 @@ def digest(obj: Any) -> str:
 
 
 def corpus_key(source: SourceConfig | Config, split: str = "train") -> str:
-    """The folder of one split's store: ``wikitext2-tokens``, or ``jsonl-<hash of what makes that split>``.
+    """The folder of one split's store: ``wikitext2-tokens``, or ``jsonl-<hash of what makes that
+    split>``.
 
     The hash covers only that split's files and how they are read (field, format),
     so adding a validation file never moves (or rebuilds) the train store.

@@ -1,10 +1,12 @@
-"""Chat templates: found, rendered as transformers renders them, and the character spans of what is scored.
+"""Chat templates: found, rendered as transformers renders them, and the character spans of what is
+scored.
 
-A template renders in a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, ``bos_token`` /
-``eos_token``, ``tools``, ``raise_exception`` and a ``tojson`` that keeps non-ASCII text, as transformers'
-``apply_chat_template`` does. Assistant spans come from the template's ``{% generation %}`` blocks, from its twin
-(a shipped template that renders the chat the same), or from rendering the chat a message at a time
-(docs/instruction.md; :mod:`seqjax.store.examples` turns the spans into a token mask).
+A template renders in a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``,
+``bos_token`` / ``eos_token``, ``tools``, ``raise_exception`` and a ``tojson`` that keeps non-ASCII
+text, as transformers' ``apply_chat_template`` does. Assistant spans come from the template's ``{%
+generation %}`` blocks, from its twin (a shipped template that renders the chat the same), or from
+rendering the chat a message at a time (docs/instruction.md; :mod:`seqjax.store.examples` turns the
+spans into a token mask).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ OPEN_MARK, CLOSE_MARK = "\ue000", "\ue001"
 
 
 def find_chat_template(tokenizer_path: Path, configured: str | None = None) -> str | None:
-    """The chat template a run uses with this tokenizer (``data.chat_template`` first), or None when there is none.
+    """The chat template a run uses with this tokenizer (``data.chat_template`` first), or None when
+    there is none.
 
-    Runs, imports and exports carry it beside their ``tokenizer.json`` as
-    ``chat_template.jinja`` (exports also inside ``tokenizer_config.json``, where transformers reads it).
+    Runs, imports and exports carry it beside their ``tokenizer.json`` as ``chat_template.jinja``
+    (exports also inside ``tokenizer_config.json``, where transformers reads it).
     """
     try:
         return chat_template(configured, tokenizer_path)[0]
@@ -43,33 +46,37 @@ def find_chat_template(tokenizer_path: Path, configured: str | None = None) -> s
         return None
 
 
-# Training templates seqjax ships, by name (data.chat_template=qwen3): each family's chat format with
-# {% generation %} blocks, so assistant-only loss needs no prefix rendering (docs/instruction.md, "Templates").
+# Training templates seqjax ships, by name (data.chat_template=qwen3): each family's chat format
+# with {% generation %} blocks, so assistant-only loss needs no prefix rendering
+# (docs/instruction.md, "Templates").
 SHIPPED_TEMPLATES = {"chatml": "chatml.jinja", "qwen3": "qwen3.jinja", "gemma": "gemma.jinja"}
 
 
 @functools.cache
 def shipped_template(name: str) -> str:
-    return (Path(__file__).parent / "chat_templates" / SHIPPED_TEMPLATES[name]).read_text(encoding="utf-8")
+    return (Path(__file__).parent / "chat_templates" /
+            SHIPPED_TEMPLATES[name]).read_text(encoding="utf-8")
 
 
 def chat_template(path: str | None, tokenizer_path: Path | None) -> tuple[str, str]:
-    """``(template text, where it came from)``: ``data.chat_template`` (a shipped template's name, or a file), else
-    beside the tokenizer.json."""
+    """``(template text, where it came from)``: ``data.chat_template`` (a shipped template's name,
+    or a file), else beside the tokenizer.json."""
     if path in SHIPPED_TEMPLATES:
         return shipped_template(path), f"{path} (seqjax's {SHIPPED_TEMPLATES[path]})"
     if path:
         file = Path(path).expanduser()
         if not file.is_file():
-            raise CorpusError(f"data.chat_template: {file} not found; expected a Jinja chat template file or one of "
-                              f"{', '.join(SHIPPED_TEMPLATES)}")
+            raise CorpusError(
+                f"data.chat_template: {file} not found; expected a Jinja chat template file or one of "
+                f"{', '.join(SHIPPED_TEMPLATES)}")
         return file.read_text(encoding="utf-8"), str(file)
     folder = tokenizer_path.parent if tokenizer_path is not None else None
     if folder is not None and (folder / TEMPLATE_FILES[0]).is_file():
         return (folder / TEMPLATE_FILES[0]).read_text(encoding="utf-8"), str(folder / TEMPLATE_FILES[0])
     if folder is not None and (folder / TEMPLATE_FILES[1]).is_file():
         try:
-            found = json.loads((folder / TEMPLATE_FILES[1]).read_text(encoding="utf-8")).get("chat_template")
+            found = json.loads(
+                (folder / TEMPLATE_FILES[1]).read_text(encoding="utf-8")).get("chat_template")
         except ValueError as err:
             raise CorpusError(f"{folder / TEMPLATE_FILES[1]}: not valid JSON ({err})") from None
         if isinstance(found, list):  # named templates: transformers uses "default"
@@ -77,8 +84,10 @@ def chat_template(path: str | None, tokenizer_path: Path | None) -> tuple[str, s
         if isinstance(found, str):
             return found, f"{folder / TEMPLATE_FILES[1]} (chat_template)"
     where = f" beside {tokenizer_path}" if tokenizer_path is not None else ""
-    raise CorpusError(f"data.format=chat: no chat template: data.chat_template is null and there is no "
-                      f"{' or '.join(TEMPLATE_FILES)} with a chat_template{where}; set data.chat_template to a file")
+    raise CorpusError(
+        f"data.format=chat: no chat template: data.chat_template is null and there is no "
+        f"{' or '.join(TEMPLATE_FILES)} with a chat_template{where}; set data.chat_template to a file"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -88,7 +97,8 @@ def chat_template(path: str | None, tokenizer_path: Path | None) -> tuple[str, s
 @functools.lru_cache(maxsize=8)
 def _compiled(template: str):
     class GenerationMarks(jinja2.ext.Extension):
-        """``{% generation %}...{% endgeneration %}``: the block's output, between two marker characters."""
+        """``{% generation %}...{% endgeneration %}``: the block's output, between two marker
+        characters."""
 
         tags = {"generation"}
 
@@ -104,7 +114,8 @@ def _compiled(template: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[GenerationMarks, jinja2.ext.loopcontrols])
@@ -118,8 +129,9 @@ def has_generation_blocks(template: str) -> bool:
     return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
 
 
-# Chats a template and its twin must render alike: one exchange; a system prompt and two exchanges whose answers
-# carry reasoning both ways (Qwen3's official template drops the first answer's, and renders the second's).
+# Chats a template and its twin must render alike: one exchange; a system prompt and two exchanges
+# whose answers carry reasoning both ways (Qwen3's official template drops the first answer's, and
+# renders the second's).
 _PROBES = (
     [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}],
     [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
@@ -130,19 +142,20 @@ _PROBES = (
 
 @functools.lru_cache(maxsize=8)
 def twin_template(template: str, bos_token: str | None, eos_token: str) -> str | None:
-    """The name of the shipped training template that renders every probe chat as ``template`` does, or None.
+    """The name of the shipped training template that renders every probe chat as ``template`` does,
+    or None.
 
-    Official templates carry no ``{% generation %}`` blocks, and Qwen3's rewrites earlier turns, so neither says
-    by itself which tokens are an answer. Its twin does: where it renders a chat to the same text, its blocks are
-    the answers' spans in that text. TRL patches such a template by recognising its exact text; a twin is found by
-    what it renders instead, so any copy that renders alike qualifies, and each chat is checked again
-    (:func:`chat_spans`).
+    Official templates carry no ``{% generation %}`` blocks, and Qwen3's rewrites earlier turns, so
+    neither says by itself which tokens are an answer. Its twin does: where it renders a chat to the
+    same text, its blocks are the answers' spans in that text. TRL patches such a template by
+    recognising its exact text; a twin is found by what it renders instead, so any copy that renders
+    alike qualifies, and each chat is checked again (:func:`chat_spans`).
     """
     if has_generation_blocks(template):
         return None
     for name in SHIPPED_TEMPLATES:
-        mine = ExampleSpec(format="chat", loss_on="assistant", chat_template=template, bos_token=bos_token,
-                           eos_token=eos_token)
+        mine = ExampleSpec(format="chat", loss_on="assistant", chat_template=template,
+                           bos_token=bos_token, eos_token=eos_token)
         twin = dataclasses.replace(mine, chat_template=shipped_template(name))
         try:
             if all(render_chat(mine, p)[0] == render_chat(twin, p)[0] for p in _PROBES):
@@ -154,8 +167,8 @@ def twin_template(template: str, bos_token: str | None, eos_token: str) -> str |
 
 def render_chat(spec: ExampleSpec, messages: list[dict], add_generation_prompt: bool = False,
                 tools: list[dict] | None = None) -> tuple[str, list]:
-    """``(text, generation spans)`` of ``messages`` (and the chat's ``tools``) under the spec's template, the spans
-    from its generation blocks."""
+    """``(text, generation spans)`` of ``messages`` (and the chat's ``tools``) under the spec's
+    template, the spans from its generation blocks."""
     raw = _compiled(spec.chat_template).render(messages=messages, tools=tools,
                                                add_generation_prompt=add_generation_prompt,
                                                bos_token=spec.bos_token or "", eos_token=spec.eos_token)
@@ -176,8 +189,9 @@ def _render(spec: ExampleSpec, messages: list[dict], where: str, generation_prom
     try:
         return render_chat(spec, messages, generation_prompt, tools)
     except jinja2.exceptions.TemplateError as err:
-        raise CorpusError(f"{where}: the chat template {spec.template_name} failed on {len(messages)} message(s): "
-                          f"{err}") from None
+        raise CorpusError(
+            f"{where}: the chat template {spec.template_name} failed on {len(messages)} message(s): "
+            f"{err}") from None
 
 
 def _check_messages(messages: Any, where: str, field: str) -> None:
@@ -191,38 +205,46 @@ def _check_messages(messages: Any, where: str, field: str) -> None:
 
 
 def chat_tools(spec: ExampleSpec, tools: Any, where: str) -> list[dict] | None:
-    """A chat's tool definitions as the template takes them: a list of objects (JSON text of one is read), or None."""
+    """A chat's tool definitions as the template takes them: a list of objects (JSON text of one is
+    read), or None."""
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
         except ValueError as err:
-            raise CorpusError(f"{where}: field {spec.tools_field!r} is text but not JSON ({err}); expected a list of "
-                              "tool definitions (JSON schemas)") from None
+            raise CorpusError(
+                f"{where}: field {spec.tools_field!r} is text but not JSON ({err}); expected a list of "
+                "tool definitions (JSON schemas)") from None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise CorpusError(f"{where}: field {spec.tools_field!r} is {type(tools).__name__}; expected a list of tool "
-                          "definitions (JSON schemas) or JSON text of one")
+        raise CorpusError(
+            f"{where}: field {spec.tools_field!r} is {type(tools).__name__}; expected a list of tool "
+            "definitions (JSON schemas) or JSON text of one")
     return tools or None
 
 
 def chat_prompt(spec: ExampleSpec, messages: Any, where: str, tools: Any = None) -> str:
-    """``messages`` rendered with the generation prompt (the assistant's turn opened), for generation."""
+    """``messages`` rendered with the generation prompt (the assistant's turn opened), for
+    generation."""
     _check_messages(messages, where, spec.messages_field)
     return _render(spec, messages, where, True, chat_tools(spec, tools, where))[0]
 
 
 def end_of_turn(spec: ExampleSpec, tokenizer) -> int | None:
-    """The special token the template closes an assistant turn with (``<|im_end|>``, ``<end_of_turn>``, ``</s>``),
-    read from a rendering of one exchange: the first token after the reply. None if none follows it."""
+    """The special token the template closes an assistant turn with (``<|im_end|>``,
+    ``<end_of_turn>``, ``</s>``), read from a rendering of one exchange: the first token after the
+    reply. None if none follows it."""
     reply = "seqjax-reply-7f3a"  # a text no template writes itself
-    text = _render(spec, [{"role": "user", "content": "question"}, {"role": "assistant", "content": reply}],
-                   "the chat template's end of turn")[0]
+    text = _render(
+        spec, [{"role": "user", "content": "question"}, {"role": "assistant", "content": reply}],
+        "the chat template's end of turn")[0]
     after = text[text.rfind(reply) + len(reply):] if reply in text else ""
     ids = tokenizer.encode_with_offsets(after)[0] if after else []
     return ids[0] if ids and tokenizer.is_special(ids[0]) else None
 
 
-def chat_spans(spec: ExampleSpec, messages: Any, where: str, tools: Any = None) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered chat and the character spans of its scored assistant messages (``data.loss_on``)."""
+def chat_spans(spec: ExampleSpec, messages: Any, where: str,
+               tools: Any = None) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat and the character spans of its scored assistant messages
+    (``data.loss_on``)."""
     _check_messages(messages, where, spec.messages_field)
     tools = chat_tools(spec, tools, where)
     text, marked = _render(spec, messages, where, tools=tools)
@@ -232,8 +254,10 @@ def chat_spans(spec: ExampleSpec, messages: Any, where: str, tools: Any = None) 
     if has_generation_blocks(spec.chat_template):
         spans = marked
         if len(spans) != len(turns):
-            raise CorpusError(f"{where}: the chat template {spec.template_name} marks {len(spans)} generation "
-                              f"block(s) for {len(turns)} assistant message(s); expected one per assistant message")
+            raise CorpusError(
+                f"{where}: the chat template {spec.template_name} marks {len(spans)} generation "
+                f"block(s) for {len(turns)} assistant message(s); expected one per assistant message"
+            )
     else:
         spans = _twin_spans(spec, messages, tools, text, len(turns)) if spec.twin else None
         if spans is None:
@@ -243,7 +267,8 @@ def chat_spans(spec: ExampleSpec, messages: Any, where: str, tools: Any = None) 
 
 def _twin_spans(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, text: str,
                 n_turns: int) -> list[tuple[int, int]] | None:
-    """The answers' spans as the spec's twin marks them, when the twin renders ``messages`` to ``text`` too."""
+    """The answers' spans as the spec's twin marks them, when the twin renders ``messages`` to
+    ``text`` too."""
     try:
         twin = dataclasses.replace(spec, chat_template=shipped_template(spec.twin))
         twin_text, spans = render_chat(twin, messages, tools=tools)
@@ -254,7 +279,8 @@ def _twin_spans(spec: ExampleSpec, messages: list[dict], tools: list[dict] | Non
 
 def _prefix_span(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, k: int, text: str,
                  where: str) -> tuple[int, int]:
-    """Assistant message ``k``'s span: what ``messages[:k + 1]`` adds to ``messages[:k]`` with the generation prompt."""
+    """Assistant message ``k``'s span: what ``messages[:k + 1]`` adds to ``messages[:k]`` with the
+    generation prompt."""
     try:
         before = _render(spec, messages[:k], where, True, tools)[0] if k else ""
     except CorpusError:

@@ -1,4 +1,5 @@
-"""Text sources -> documents: WikiText-2 articles, plain-text files, JSONL (plain, .gz, .zst), parquet, HF datasets.
+"""Text sources -> documents: WikiText-2 articles, plain-text files, JSONL (plain, .gz, .zst),
+parquet, HF datasets.
 
 A *document* is the unit the rest of seqjax respects: the store separates
 documents with end-of-text tokens, packers give each piece its own segment, and
@@ -46,17 +47,20 @@ import pyarrow.parquet as pq
 from seqjax.config.tree import DATA_DIR_ENV, Config, SourceConfig
 from seqjax.core.errors import CorpusError
 from seqjax.store.lines import damaged, raw_lines, stream_errors
+from seqjax.store.wikitext import wikitext_articles
 
 SPLITS = ("train", "valid", "test")
 
 WIKITEXT_FOLDERS = {"tokens": "wikitext-2", "raw": "wikitext-2-raw"}
 WIKITEXT_ARCHIVES = {"tokens": "wikitext-2-v1.zip", "raw": "wikitext-2-raw-v1.zip"}
-# What a folder entry lists, per corpus kind (an hf folder written by save_to_disk is itself the entry).
+# What a folder entry lists, per corpus kind (an hf folder written by save_to_disk is itself the
+# entry).
 SUFFIXES = {
-    "text": (".txt",),
+    "text": (".txt", ),
     "jsonl": (".jsonl", ".jsonl.gz", ".jsonl.zst"),
-    "parquet": (".parquet",),
-    "hf": (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".parquet", ".csv", ".txt", ".arrow"),
+    "parquet": (".parquet", ),
+    "hf": (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".parquet", ".csv", ".txt",
+           ".arrow"),
 }
 # datasets.load_dataset's packaged builder for each kind of local data file
 HF_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text",
@@ -78,23 +82,14 @@ class SplitText:
 # Counting
 
 
-def split_lines(text: str) -> list[str]:
-    """Lines with their ``\\n`` kept (only ``\\n`` ends a line, unlike str.splitlines); joining gives ``text``."""
-    lines = text.split("\n")
-    last = lines.pop()
-    out = [line + "\n" for line in lines]
-    if last:
-        out.append(last)
-    return out
-
-
 def count_lines(text: str) -> int:
     """Lines in ``text``: every ``\\n``, plus an unterminated last line."""
     return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
 
 
 def count_words(text: str) -> int:
-    """Words the way WikiText-2 perplexity is normalized: whitespace-separated words plus one end-of-line per line.
+    """Words the way WikiText-2 perplexity is normalized: whitespace-separated words plus one
+    end-of-line per line.
 
     On the word-level files this gives 2,088,628 / 217,646 / 245,569
     (train / valid / test), the counts of Merity et al. (2016).
@@ -107,7 +102,8 @@ def count_words(text: str) -> int:
 
 
 def source_key(source: SourceConfig) -> str:
-    """How messages name a source's keys: ``data`` for the one ``data.*`` corpus, else ``data.sources[<name>]``."""
+    """How messages name a source's keys: ``data`` for the one ``data.*`` corpus, else
+    ``data.sources[<name>]``."""
     return "data" if source.name == "main" else f"data.sources[{source.name}]"
 
 
@@ -138,19 +134,19 @@ def _wikitext_file(source: SourceConfig, split: str) -> Path:
     if variant == "raw" and split == "train":
         note = (
             " Note: the shared WikiText-2 copy ships no wiki.train.raw; use data.variant=tokens, or prepare only"
-            " valid/test with an existing tokenizer.path."
-        )
+            " valid/test with an existing tokenizer.path.")
     raise CorpusError(
         f"WikiText-2 file {name} not found. Looked in: " + "; ".join(looked) + ". "
         f"Get WikiText-2 (Merity et al. 2016) as {WIKITEXT_ARCHIVES['tokens']} (word-level, wiki.*.tokens) or "
         f"{WIKITEXT_ARCHIVES['raw']} (raw, wiki.*.raw), e.g. from the Hugging Face dataset Salesforce/wikitext; "
-        f"unzip it so that DIR/{folder}/{name} exists, then set data.dir=DIR or {DATA_DIR_ENV}=DIR." + note
-    )
+        f"unzip it so that DIR/{folder}/{name} exists, then set data.dir=DIR or {DATA_DIR_ENV}=DIR."
+        + note)
 
 
 def is_saved_dataset(path: Path) -> bool:
     """A folder written by ``datasets.Dataset.save_to_disk`` (or a DatasetDict's)."""
-    return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
+    return path.is_dir() and any(
+        (path / name).is_file() for name in ("state.json", "dataset_dict.json"))
 
 
 def _folder_files(folder: Path, kind: str, key: str) -> list[Path]:
@@ -159,7 +155,8 @@ def _folder_files(folder: Path, kind: str, key: str) -> list[Path]:
     suffixes = SUFFIXES[kind]
     inside = sorted(p for p in folder.rglob("*") if p.is_file() and p.name.endswith(suffixes))
     if not inside:
-        raise CorpusError(f"{key}: folder {folder} holds no {' / '.join('*' + x for x in suffixes)} files")
+        raise CorpusError(
+            f"{key}: folder {folder} holds no {' / '.join('*' + x for x in suffixes)} files")
     return inside
 
 
@@ -183,21 +180,22 @@ def _listed_files(source: SourceConfig, split: str) -> list[Path]:
                 if matched:
                     break
             else:
-                raise CorpusError(
-                    f"{key}: the glob {entry!r} matches no file. Tried: " + "; ".join(map(str, candidates))
-                )
+                raise CorpusError(f"{key}: the glob {entry!r} matches no file. Tried: " +
+                                  "; ".join(map(str, candidates)))
             for match in matched:
                 files += _folder_files(match, source.corpus, key) if match.is_dir() else [match]
             continue
         found = next((c for c in candidates if c.exists()), None)
         if found is None:
-            raise CorpusError(f"{key}: {entry!r} not found. Looked in: " + "; ".join(map(str, candidates)))
+            raise CorpusError(f"{key}: {entry!r} not found. Looked in: " +
+                              "; ".join(map(str, candidates)))
         files += _folder_files(found, source.corpus, key) if found.is_dir() else [found]
     return files
 
 
 def source_files(source: SourceConfig, split: str) -> list[Path]:
-    """The files (or saved-dataset folders) that make up ``split`` of one resolved source, in reading order."""
+    """The files (or saved-dataset folders) that make up ``split`` of one resolved source, in
+    reading order."""
     if split not in SPLITS:
         raise CorpusError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
     if source.corpus == "wikitext2":
@@ -206,12 +204,14 @@ def source_files(source: SourceConfig, split: str) -> list[Path]:
 
 
 def find_sources(config: Config, split: str) -> list[Path]:
-    """The files of ``split`` of the one ``data.*`` corpus, or a CorpusError listing every place looked."""
+    """The files of ``split`` of the one ``data.*`` corpus, or a CorpusError listing every place
+    looked."""
     return source_files(config.data.resolved_sources()[0], split)
 
 
 def read_text(path: Path) -> str:
-    """A file as strict UTF-8 with line endings untouched; invalid bytes raise with the file and offset."""
+    """A file as strict UTF-8 with line endings untouched; invalid bytes raise with the file and
+    offset."""
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
@@ -226,36 +226,9 @@ def read_text(path: Path) -> str:
 # Cutting files into documents
 
 
-def _is_blank(line: str) -> bool:
-    return not line.strip()
-
-
-def _is_title(line: str) -> bool:
-    body = line.rstrip("\n")
-    return body.startswith(" = ") and not body.startswith(" = = ") and body.endswith(" = ") and len(body) > 4
-
-
-def wikitext_articles(text: str) -> list[str]:
-    """Cut a WikiText-2 split into its articles; ``"".join(result) == text``.
-
-    An article starts at the blank line before a `` = Title = `` line that has
-    a blank line on each side (at the very start of the file the title itself
-    may open it). Text before the first title, if any, joins the first article.
-    """
-    lines = split_lines(text)
-    starts = []
-    for i, line in enumerate(lines):
-        if _is_title(line) and (i == 0 or _is_blank(lines[i - 1])) and i + 1 < len(lines) and _is_blank(lines[i + 1]):
-            starts.append(max(i - 1, 0))
-    if not starts:
-        return [text] if text else []
-    starts[0] = 0
-    bounds = starts + [len(lines)]
-    return ["".join(lines[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
 def jsonl_documents(path: Path, text_field: str = "text") -> Iterator[str]:
-    """The ``text_field`` of each JSON line, streamed; a bad line raises with the file and line number."""
+    """The ``text_field`` of each JSON line, streamed; a bad line raises with the file and line
+    number."""
     number = 0
     try:
         for number, raw in enumerate(raw_lines(path), start=1):
@@ -280,43 +253,54 @@ def _jsonl_record(path: Path, number: int, raw: bytes, text_field: str) -> str |
             f'{path}:{number}: not valid JSON ({err.msg}); expected one {{"{text_field}": ...}} object per line'
         ) from None
     if not isinstance(record, dict):
-        raise CorpusError(f"{path}:{number}: expected a JSON object with a string field {text_field!r}, "
-                          f"got {line[:80]!r}")
+        raise CorpusError(
+            f"{path}:{number}: expected a JSON object with a string field {text_field!r}, "
+            f"got {line[:80]!r}")
     if text_field not in record:
         keys = ", ".join(map(repr, list(record)[:8])) or "none"
-        raise CorpusError(f"{path}:{number}: no field {text_field!r} (keys: {keys}); expected data.text_field to "
-                          "name the key holding the text")
+        raise CorpusError(
+            f"{path}:{number}: no field {text_field!r} (keys: {keys}); expected data.text_field to "
+            "name the key holding the text")
     value = record[text_field]
     if not isinstance(value, str):
-        raise CorpusError(f"{path}:{number}: field {text_field!r} is {type(value).__name__} {str(value)[:40]!r}, "
-                          "expected a string")
+        raise CorpusError(
+            f"{path}:{number}: field {text_field!r} is {type(value).__name__} {str(value)[:40]!r}, "
+            "expected a string")
     return value
 
 
 def parquet_documents(path: Path, text_field: str = "text") -> Iterator[str]:
-    """The string column ``text_field``, one row group at a time; a bad file, column or row raises naming it."""
+    """The string column ``text_field``, one row group at a time; a bad file, column or row raises
+    naming it."""
     try:
         reader = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as err:
-        raise CorpusError(f"{path}: not a readable parquet file ({err}); expected a complete parquet file") from None
+        raise CorpusError(
+            f"{path}: not a readable parquet file ({err}); expected a complete parquet file"
+        ) from None
     with reader:
         schema = reader.schema_arrow
         if text_field not in schema.names:
-            raise CorpusError(f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); expected "
-                              "data.text_field to name the text column")
+            raise CorpusError(
+                f"{path}: no column {text_field!r} (columns: {', '.join(schema.names)}); expected "
+                "data.text_field to name the text column")
         kind = schema.field(text_field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-            raise CorpusError(f"{path}: column {text_field!r} has type {kind}, expected a string column")
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                or pa.types.is_string_view(kind)):
+            raise CorpusError(
+                f"{path}: column {text_field!r} has type {kind}, expected a string column")
         row = 0
         for group in range(reader.num_row_groups):
             try:
                 values = reader.read_row_group(group, columns=[text_field]).column(0).to_pylist()
             except (pa.ArrowException, OSError) as err:
-                raise CorpusError(f"{path}: row group {group} (rows from {row}) is unreadable ({err}); expected a "
-                                  "complete parquet file") from None
+                raise CorpusError(
+                    f"{path}: row group {group} (rows from {row}) is unreadable ({err}); expected a "
+                    "complete parquet file") from None
             for j, value in enumerate(values):
                 if value is None:
-                    raise CorpusError(f"{path}: row {row + j}: {text_field!r} is null, expected a string")
+                    raise CorpusError(
+                        f"{path}: row {row + j}: {text_field!r} is null, expected a string")
             row += len(values)
             yield from values
 
@@ -336,21 +320,24 @@ def _datasets():
 
 
 def hf_documents(path: Path, text_field: str = "text") -> Iterator[str]:
-    """Rows of a ``save_to_disk`` folder or of local data files, streamed with the ``datasets`` library."""
+    """Rows of a ``save_to_disk`` folder or of local data files, streamed with the ``datasets``
+    library."""
     datasets = _datasets()
     if is_saved_dataset(path):
         if (path / "dataset_dict.json").is_file():
             splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-            raise CorpusError(f"{path}: a DatasetDict folder (splits {', '.join(splits)}); expected one split's "
-                              f"folder, e.g. {path / (splits[0] if splits else 'train')}")
+            raise CorpusError(
+                f"{path}: a DatasetDict folder (splits {', '.join(splits)}); expected one split's "
+                f"folder, e.g. {path / (splits[0] if splits else 'train')}")
         dataset = datasets.load_from_disk(str(path))
         if text_field not in dataset.column_names:
-            raise CorpusError(f"{path}: no column {text_field!r} (columns: {', '.join(dataset.column_names)}); "
-                              "expected data.text_field to name the text column")
+            raise CorpusError(
+                f"{path}: no column {text_field!r} (columns: {', '.join(dataset.column_names)}); "
+                "expected data.text_field to name the text column")
         rows = dataset.select_columns([text_field]).to_iterable_dataset()
     else:
-        builder = next((b for suffix, b in HF_BUILDERS.items() if path.name.endswith((suffix, suffix + ".gz",
-                                                                                      suffix + ".zst"))), None)
+        builder = next((b for suffix, b in HF_BUILDERS.items()
+                        if path.name.endswith((suffix, suffix + ".gz", suffix + ".zst"))), None)
         if builder is None:
             raise CorpusError(f"{path}: no datasets builder for this file; expected one of "
                               f"{', '.join(SUFFIXES['hf'])} or a save_to_disk folder")
@@ -359,22 +346,26 @@ def hf_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     try:
         for batch in rows.iter(batch_size=HF_BATCH):
             if text_field not in batch:
-                raise CorpusError(f"{path}: row {row}: no field {text_field!r} (fields: {', '.join(batch)}); "
-                                  "expected data.text_field to name the text column")
+                raise CorpusError(
+                    f"{path}: row {row}: no field {text_field!r} (fields: {', '.join(batch)}); "
+                    "expected data.text_field to name the text column")
             values = batch[text_field]
             for j, value in enumerate(values):
                 if not isinstance(value, str):
-                    raise CorpusError(f"{path}: row {row + j}: {text_field!r} is {type(value).__name__} "
-                                      f"{str(value)[:40]!r}, expected a string")
+                    raise CorpusError(
+                        f"{path}: row {row + j}: {text_field!r} is {type(value).__name__} "
+                        f"{str(value)[:40]!r}, expected a string")
             row += len(values)
             yield from values
     except (datasets.exceptions.DatasetGenerationError, pa.ArrowException) as err:
-        raise CorpusError(f"{path}: unreadable after row {row} ({str(err).splitlines()[0]}); expected a complete "
-                          "data file") from None
+        raise CorpusError(
+            f"{path}: unreadable after row {row} ({str(err).splitlines()[0]}); expected a complete "
+            "data file") from None
 
 
 def file_documents(source: SourceConfig, path: Path) -> Iterator[str]:
-    """Every document of one file of ``source``, empty ones included (the caller skips and counts them)."""
+    """Every document of one file of ``source``, empty ones included (the caller skips and counts
+    them)."""
     kind = source.corpus
     if kind == "wikitext2":
         yield from wikitext_articles(read_text(path))
@@ -392,8 +383,10 @@ def file_documents(source: SourceConfig, path: Path) -> Iterator[str]:
 # Records: instruction examples (data.format != text) read several fields of a row
 
 
-def file_records(source: SourceConfig, path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
-    """``(where, record)`` for each row of a jsonl/parquet/hf file: the ``fields`` present (at least the first).
+def file_records(source: SourceConfig, path: Path,
+                 fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` for each row of a jsonl/parquet/hf file: the ``fields`` present (at least
+    the first).
 
     ``where`` names the file and line or row, for messages about that record.
     """
@@ -403,8 +396,9 @@ def file_records(source: SourceConfig, path: Path, fields: tuple[str, ...]) -> I
                               f"{type(row).__name__}")
         if fields[0] not in row or row[fields[0]] is None:
             keys = ", ".join(map(repr, list(row)[:8])) or "none"
-            raise CorpusError(f"{where}: no field {fields[0]!r} (keys: {keys}); expected the data.*_field key to "
-                              "name it")
+            raise CorpusError(
+                f"{where}: no field {fields[0]!r} (keys: {keys}); expected the data.*_field key to "
+                "name it")
         return {f: row[f] for f in fields if f in row and row[f] is not None}
 
     if source.corpus == "jsonl":
@@ -416,8 +410,9 @@ def file_records(source: SourceConfig, path: Path, fields: tuple[str, ...]) -> I
                 try:
                     row = json.loads(raw)
                 except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                    raise CorpusError(f"{path}:{number}: not valid UTF-8 JSON ({err}); expected one object per "
-                                      "line") from None
+                    raise CorpusError(
+                        f"{path}:{number}: not valid UTF-8 JSON ({err}); expected one object per "
+                        "line") from None
                 yield f"{path}:{number}", pick(f"{path}:{number}", row)
         except stream_errors() as err:
             raise damaged(path, number + 1, err) from None
@@ -425,13 +420,16 @@ def file_records(source: SourceConfig, path: Path, fields: tuple[str, ...]) -> I
         try:
             reader = pq.ParquetFile(path)
         except (pa.ArrowException, OSError) as err:
-            raise CorpusError(f"{path}: not a readable parquet file ({err}); expected a complete parquet file"
-                              ) from None
+            raise CorpusError(
+                f"{path}: not a readable parquet file ({err}); expected a complete parquet file"
+            ) from None
         with reader:
             columns = [f for f in fields if f in reader.schema_arrow.names]
             if fields[0] not in columns:
-                raise CorpusError(f"{path}: no column {fields[0]!r} (columns: "
-                                  f"{', '.join(reader.schema_arrow.names)}); expected the data.*_field key to name it")
+                raise CorpusError(
+                    f"{path}: no column {fields[0]!r} (columns: "
+                    f"{', '.join(reader.schema_arrow.names)}); expected the data.*_field key to name it"
+                )
             row = 0
             for group in range(reader.num_row_groups):
                 for record in reader.read_row_group(group, columns=columns).to_pylist():
@@ -451,11 +449,14 @@ def file_records(source: SourceConfig, path: Path, fields: tuple[str, ...]) -> I
         for row, record in enumerate(rows):
             yield f"{path}: row {row}", pick(f"{path}: row {row}", record)
     else:
-        raise CorpusError(f"data.format: instruction examples need corpus jsonl, parquet or hf, not {source.corpus!r}")
+        raise CorpusError(
+            f"data.format: instruction examples need corpus jsonl, parquet or hf, not {source.corpus!r}"
+        )
 
 
 def read_split(config: Config, split: str, sources: list[Path] | None = None) -> SplitText:
-    """Read ``split`` of the one ``data.*`` corpus into memory, skipping (and counting) empty documents.
+    """Read ``split`` of the one ``data.*`` corpus into memory, skipping (and counting) empty
+    documents.
 
     For small corpora and tests; prepare streams files with :func:`file_documents` instead.
     """

@@ -1,4 +1,5 @@
-"""Documents -> token chunks on every core of a host, handed back in the order the documents were read.
+"""Documents -> token chunks on every core of a host, handed back in the order the documents were
+read.
 
 The reader (one process) cuts the documents into chunks of about
 ``chunk_chars`` characters; a pool of worker processes encodes them
@@ -39,7 +40,8 @@ IN_FLIGHT_PER_WORKER = 2
 
 @dataclass
 class EncodedChunk:
-    """Some documents as the store holds them (see ``ShardWriter.add_chunk``), and what they counted."""
+    """Some documents as the store holds them (see ``ShardWriter.add_chunk``), and what they
+    counted."""
 
     ids: np.ndarray
     doc_lengths: np.ndarray
@@ -47,14 +49,17 @@ class EncodedChunk:
     bytes: int
     words: int
     lines: int
-    weights: np.ndarray | None = None  # instruction examples: one per stored token (see ShardWriter.add_chunk)
+    # instruction examples: one per stored token (see ShardWriter.add_chunk)
+    weights: np.ndarray | None = None
     scored_tokens: int = 0
     scored_bytes: int = 0
     dropped_unscored: int = 0
 
 
-def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec, records: list[tuple[str, dict]]) -> EncodedChunk:
-    """Records as stored examples: ids, per-token weights (with each closing EOT's), and what they counted.
+def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
+                    records: list[tuple[str, dict]]) -> EncodedChunk:
+    """Records as stored examples: ids, per-token weights (with each closing EOT's), and what they
+    counted.
 
     An example with nothing scored, or nothing left between its separators, is dropped and counted.
     """
@@ -74,16 +79,18 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec, records: list[tuple
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     doc_lengths = np.asarray(lengths, np.int64)
     return EncodedChunk(
-        ids=np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype), doc_lengths=doc_lengths,
-        line_lengths=doc_lengths.copy(), words=0, lines=len(lengths),
-        weights=np.concatenate(weights).astype(spec.weights_dtype) if weights else np.zeros(0, spec.weights_dtype),
-        **counts)
+        ids=np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype),
+        doc_lengths=doc_lengths, line_lengths=doc_lengths.copy(), words=0, lines=len(lengths),
+        weights=np.concatenate(weights).astype(spec.weights_dtype) if weights else np.zeros(
+            0, spec.weights_dtype), **counts)
 
 
 def encode_chunk(tokenizer: Tokenizer, documents: list[str]) -> EncodedChunk:
-    """Encode non-empty documents and count their UTF-8 bytes, words and lines (the summary's units)."""
+    """Encode non-empty documents and count their UTF-8 bytes, words and lines (the summary's
+    units)."""
     ids, doc_lengths, line_lengths = tokenizer.encode_documents(documents)
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32  # what crosses the process boundary
+    # what crosses the process boundary
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     return EncodedChunk(
         ids=ids.astype(dtype),
         doc_lengths=doc_lengths,
@@ -104,10 +111,11 @@ _worker: tuple[Tokenizer, ExampleSpec | None] | None = None
 
 def _start_worker(path: str, eot_token: str, bos_token: str | None, spec: ExampleSpec | None) -> None:
     global _worker
-    # Ctrl-C reaches the whole process group: the parent stops the pool and says so in one line; the workers stay
-    # quiet rather than each print a KeyboardInterrupt traceback.
+    # Ctrl-C reaches the whole process group: the parent stops the pool and says so in one line; the
+    # workers stay quiet rather than each print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["RAYON_NUM_THREADS"] = "1"  # one encoding thread per worker process: the pool spreads the cores
+    # one encoding thread per worker process: the pool spreads the cores
+    os.environ["RAYON_NUM_THREADS"] = "1"
     _worker = (Tokenizer(path, eot_token, bos_token), spec)
 
 
@@ -126,8 +134,8 @@ def available_cores() -> int:
 
 def encode_in_order(tokenizer: Tokenizer, chunks: Iterable[list], workers: int,
                     spec: ExampleSpec | None = None) -> Iterator[EncodedChunk]:
-    """Each chunk of documents (or of examples, under ``spec``) encoded, in the order given, by ``workers``
-    processes (in this one when 1)."""
+    """Each chunk of documents (or of examples, under ``spec``) encoded, in the order given, by
+    ``workers`` processes (in this one when 1)."""
     if workers <= 1:
         for chunk in chunks:
             yield encode_any(tokenizer, spec, chunk)

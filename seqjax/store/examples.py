@@ -1,4 +1,5 @@
-"""Instruction examples -> token ids plus a scored-token mask: prompt/completion pairs, chats, pre-tokenized rows.
+"""Instruction examples -> token ids plus a scored-token mask: prompt/completion pairs, chats,
+pre-tokenized rows.
 
 ``data.format`` says what one record of a jsonl/parquet/hf corpus is:
 
@@ -62,31 +63,36 @@ log = logging.getLogger(__name__)
 
 def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | None,
                  eot_token: str) -> ExampleSpec | None:
-    """The spec of ``source``'s records, or None for text; the chat template is read now (a missing one is one line)."""
+    """The spec of ``source``'s records, or None for text; the chat template is read now (a missing
+    one is one line)."""
     if source.format == "text":
         return None
     d = config.data
     loss_on = d.loss_on
     if loss_on == "auto":
-        loss_on = {"prompt_completion": "completion", "chat": "assistant", "tokenized": "labels"}[source.format]
+        loss_on = {"prompt_completion": "completion", "chat": "assistant",
+                   "tokenized": "labels"}[source.format]
     template, name, twin = None, "", None
     if source.format == "chat":
         template, name = chat_template(d.chat_template, tokenizer_path)
         twin = twin_template(template, config.tokenizer.bos_token, eot_token)
         if twin is not None:
-            log.info(f"the chat template {name} has no {{% generation %}} blocks; its chats are scored as seqjax's "
-                     f"{twin} template marks them wherever that renders them the same (docs/instruction.md)")
-    return ExampleSpec(
-        format=source.format, loss_on=loss_on, prompt_field=d.prompt_field, completion_field=d.completion_field,
-        prompt_separator=d.prompt_separator, messages_field=d.messages_field, tools_field=d.tools_field,
-        input_ids_field=d.input_ids_field,
-        labels_field=d.labels_field, loss_weights_field=d.loss_weights_field, chat_template=template,
-        template_name=name, bos_token=config.tokenizer.bos_token, eos_token=eot_token,
-        weights_dtype=d.loss_weights_dtype, twin=twin)
+            log.info(
+                f"the chat template {name} has no {{% generation %}} blocks; its chats are scored as seqjax's "
+                f"{twin} template marks them wherever that renders them the same (docs/instruction.md)"
+            )
+    return ExampleSpec(format=source.format, loss_on=loss_on, prompt_field=d.prompt_field,
+                       completion_field=d.completion_field, prompt_separator=d.prompt_separator,
+                       messages_field=d.messages_field, tools_field=d.tools_field,
+                       input_ids_field=d.input_ids_field, labels_field=d.labels_field,
+                       loss_weights_field=d.loss_weights_field, chat_template=template,
+                       template_name=name, bos_token=config.tokenizer.bos_token,
+                       eos_token=eot_token, weights_dtype=d.loss_weights_dtype, twin=twin)
 
 
 def char_spans_to_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """1 for each token (character ``offsets[i] = (start, end)``) that shares a character with a span.
+    """1 for each token (character ``offsets[i] = (start, end)``) that shares a character with a
+    span.
 
     A token straddling a span's edge is scored: ``offsets [(0, 3), (3, 6)]``
     with the span ``(5, 9)`` gives ``[0, 1]``.
@@ -114,7 +120,8 @@ def _scored_bytes(text: str, offsets: np.ndarray, mask: np.ndarray) -> int:
 
 @dataclass
 class Example:
-    """One example as the store keeps it: ids without the separators, their weights, the closing EOT's weight."""
+    """One example as the store keeps it: ids without the separators, their weights, the closing
+    EOT's weight."""
 
     ids: np.ndarray
     mask: np.ndarray
@@ -134,32 +141,42 @@ def _text_ids(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Example:
-    """One record as ids and mask (before framing); a bad record is one line naming ``where`` and the field."""
+    """One record as ids and mask (before framing); a bad record is one line naming ``where`` and
+    the field."""
     if spec.format == "prompt_completion":
         prompt, completion = (record.get(f) for f in spec.fields)
         for name, value in zip(spec.fields, (prompt, completion)):
             if not isinstance(value, str):
-                raise CorpusError(f"{where}: field {name!r} is {type(value).__name__}, expected a string")
+                raise CorpusError(
+                    f"{where}: field {name!r} is {type(value).__name__}, expected a string")
         head = [tokenizer.token_id(spec.bos_token)] if spec.bos_token else []
         p_ids = np.asarray(head + tokenizer.encode_text(prompt), np.int64)
         answer = spec.prompt_separator + completion
-        c_ids = np.asarray(tokenizer.encode_text(answer) + [tokenizer.token_id(spec.eos_token)], np.int64)
+        c_ids = np.asarray(
+            tokenizer.encode_text(answer) + [tokenizer.token_id(spec.eos_token)], np.int64)
         ids = np.concatenate([p_ids, c_ids])
-        mask = np.concatenate([np.full(len(p_ids), spec.loss_on == "all"), np.ones(len(c_ids))]).astype(np.uint8)
-        scored_bytes = len(answer.encode("utf-8")) if spec.loss_on != "all" else len((prompt + answer).encode())
+        mask = np.concatenate([np.full(len(p_ids), spec.loss_on == "all"),
+                               np.ones(len(c_ids))]).astype(np.uint8)
+        scored_bytes = len(answer.encode("utf-8")) if spec.loss_on != "all" else len(
+            (prompt + answer).encode())
         return Example(ids, mask, 0, len((prompt + answer).encode("utf-8")), scored_bytes)
     if spec.format == "chat":
-        text, spans = chat_spans(spec, record.get(spec.messages_field), where, record.get(spec.tools_field))
+        text, spans = chat_spans(spec, record.get(spec.messages_field), where,
+                                 record.get(spec.tools_field))
         ids, offsets = _text_ids(tokenizer, text)
         mask = char_spans_to_mask(offsets, spans)
         return Example(ids, mask, 0, len(text.encode("utf-8")), _scored_bytes(text, offsets, mask))
     ids = record.get(spec.input_ids_field)
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise CorpusError(f"{where}: field {spec.input_ids_field!r} must be a non-empty list of integers")
-    outside = [i for i in ids if not 0 <= i < tokenizer.vocab_size]  # in Python: an id past int64 cannot overflow
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CorpusError(
+            f"{where}: field {spec.input_ids_field!r} must be a non-empty list of integers")
+    # in Python: an id past int64 cannot overflow
+    outside = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
     if outside:
-        raise CorpusError(f"{where}: {spec.input_ids_field!r} holds id {outside[0]}, outside the tokenizer's "
-                          f"vocabulary of {tokenizer.vocab_size}")
+        raise CorpusError(
+            f"{where}: {spec.input_ids_field!r} holds id {outside[0]}, outside the tokenizer's "
+            f"vocabulary of {tokenizer.vocab_size}")
     ids = np.asarray(ids, np.int64)
     if spec.loss_on == "all":
         mask = np.ones(len(ids), np.uint8)
@@ -168,52 +185,63 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
     elif spec.loss_weights_field in record:
         mask = loss_weights(spec, record[spec.loss_weights_field], len(ids), where)
     else:
-        raise CorpusError(f"{where}: neither {spec.labels_field!r} nor {spec.loss_weights_field!r}; expected one of "
-                          "them, or data.loss_on=all to score every token")
+        raise CorpusError(
+            f"{where}: neither {spec.labels_field!r} nor {spec.loss_weights_field!r}; expected one of "
+            "them, or data.loss_on=all to score every token")
     text_bytes = len(tokenizer.decode(ids).encode("utf-8"))
-    return Example(ids, mask, 0, text_bytes, len(tokenizer.decode(ids[mask.astype(bool)]).encode("utf-8")))
+    return Example(ids, mask, 0, text_bytes,
+                   len(tokenizer.decode(ids[mask.astype(bool)]).encode("utf-8")))
 
 
 def labels_mask(spec: ExampleSpec, labels: Any, ids: np.ndarray, where: str) -> np.ndarray:
-    """A tokenized record's ``labels`` as a 0/1 mask, HF's convention: at each position -100 (not scored) or the
-    input id itself (scored; the model shifts it into place). Anything else is one line naming the position: a
-    label of another token would otherwise be scored as if it were that position's own."""
+    """A tokenized record's ``labels`` as a 0/1 mask, HF's convention: at each position -100 (not
+    scored) or the input id itself (scored; the model shifts it into place). Anything else is one
+    line naming the position: a label of another token would otherwise be scored as if it were that
+    position's own."""
     field = spec.labels_field
-    integers = isinstance(labels, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in labels)
+    integers = isinstance(labels, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in labels)
     if not integers or len(labels) != len(ids):
-        raise CorpusError(f"{where}: field {field!r} must be a list of integers as long as {spec.input_ids_field!r} "
-                          f"({len(ids)})")
+        raise CorpusError(
+            f"{where}: field {field!r} must be a list of integers as long as {spec.input_ids_field!r} "
+            f"({len(ids)})")
     for position, (label, token) in enumerate(zip(labels, ids.tolist())):
         if label != NOT_SCORED and label != token:
-            raise CorpusError(f"{where}: {field!r}[{position}] is {label}; expected {NOT_SCORED} (not scored) or the "
-                              f"input id at that position ({token})")
+            raise CorpusError(
+                f"{where}: {field!r}[{position}] is {label}; expected {NOT_SCORED} (not scored) or the "
+                f"input id at that position ({token})")
     return (np.asarray(labels, np.int64) != NOT_SCORED).astype(np.uint8)
 
 
 def loss_weights(spec: ExampleSpec, weights: Any, n: int, where: str) -> np.ndarray:
-    """A tokenized record's ``loss_weights`` as the store keeps them; anything else is one line naming the record.
+    """A tokenized record's ``loss_weights`` as the store keeps them; anything else is one line
+    naming the record.
 
-    Under ``data.loss_weights_dtype=uint8`` they must be 0/1 (or booleans);
-    ``float32`` keeps any finite weight >= 0 (Levanter's prebuilt form carries 0.1 and 1.0, for instance).
+    Under ``data.loss_weights_dtype=uint8`` they must be 0/1 (or booleans); ``float32`` keeps any
+    finite weight >= 0 (Levanter's prebuilt form carries 0.1 and 1.0, for instance).
     """
     field = spec.loss_weights_field
-    numbers = isinstance(weights, list) and all(isinstance(w, (int, float)) and abs(w) < 1e300 for w in weights)
+    numbers = isinstance(weights, list) and all(
+        isinstance(w, (int, float)) and abs(w) < 1e300 for w in weights)
     if not numbers or len(weights) != n:
-        raise CorpusError(f"{where}: field {field!r} must be a list of numbers as long as {spec.input_ids_field!r} "
-                          f"({n})")
+        raise CorpusError(
+            f"{where}: field {field!r} must be a list of numbers as long as {spec.input_ids_field!r} "
+            f"({n})")
     values = np.asarray(weights, np.float64)
     bad = values[~(np.isfinite(values) & (values >= 0))]
     if len(bad):
         raise CorpusError(f"{where}: field {field!r} holds {float(bad[0])}; expected weights >= 0")
     if spec.weights_dtype == "uint8" and not np.all((values == 0) | (values == 1)):
         bad = float(values[(values != 0) & (values != 1)][0])
-        raise CorpusError(f"{where}: field {field!r} holds {bad}; data.loss_weights_dtype=uint8 keeps 0/1 weights "
-                          "only (set data.loss_weights_dtype=float32 to keep fractional ones)")
+        raise CorpusError(
+            f"{where}: field {field!r} holds {bad}; data.loss_weights_dtype=uint8 keeps 0/1 weights "
+            "only (set data.loss_weights_dtype=float32 to keep fractional ones)")
     return values.astype(spec.weights_dtype)
 
 
 def framed(example: Example, separator: int) -> Example:
-    """The example as stored between separators: a leading separator dropped, a trailing one made the closing one."""
+    """The example as stored between separators: a leading separator dropped, a trailing one made
+    the closing one."""
     ids, mask, close = example.ids, example.mask, 0
     if len(ids) and ids[0] == separator:
         ids, mask = ids[1:], mask[1:]

@@ -1,4 +1,5 @@
-"""The token store: one split as shards of memory-mapped tokens plus offsets, read as one stream, checked on open.
+"""The token store: one split as shards of memory-mapped tokens plus offsets, read as one stream,
+checked on open.
 
 Layout of a store folder (one per split)::
 
@@ -113,7 +114,8 @@ def file_checksum(path: Path) -> str:
 
 
 class _LoadedOnFirstUse:
-    """An array attribute that may be set to a zero-argument loader: the first read calls it and keeps the array."""
+    """An array attribute that may be set to a zero-argument loader: the first read calls it and
+    keeps the array."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.slot = "_" + name
@@ -143,7 +145,8 @@ class TokenStore:
     def __init__(self, tokens, doc_offsets, line_offsets, eot_id: int, vocab_size: int,
                  manifest: dict[str, Any] | None = None, path: Path | None = None, mask=None):
         self.tokens = tokens
-        self.mask = mask  # a weight per token (uint8 0/1, or float32; 0: not scored), or None: every target scored
+        # a weight per token (uint8 0/1, or float32; 0: not scored), or None: every target scored
+        self.mask = mask
         self.doc_offsets = doc_offsets
         self.line_offsets = line_offsets
         self.eot_id = int(eot_id)
@@ -153,7 +156,8 @@ class TokenStore:
         # the mixture's sources, one (name, weight, first document, end document) each; see concat()
         self.sources: list[tuple[str, float, int, int]] = []
         self.source_stores: list[TokenStore] = []
-        if manifest is None:  # built in memory: check it now (an opened store was checked when it was built)
+        # built in memory: check it now (an opened store was checked when it was built)
+        if manifest is None:
             self.validate()
 
     doc_offsets = _LoadedOnFirstUse()
@@ -178,7 +182,8 @@ class TokenStore:
         document, 1/0 per token and one more for its closing EOT (see ``mask``).
         """
         dtype = token_dtype(vocab_size)
-        if weights is not None:  # 0/1 weights as bytes, as prepare keeps them; any others as float32
+        # 0/1 weights as bytes, as prepare keeps them; any others as float32
+        if weights is not None:
             mask = np.concatenate([np.zeros(1)] + [np.asarray(w, np.float64) for w in weights])
             mask = mask.astype(MASK_DTYPE if np.all((mask == 0) | (mask == 1)) else np.float32)
         else:
@@ -192,7 +197,8 @@ class TokenStore:
             doc_offsets.append(doc_offsets[-1] + len(doc) + 1)
             lengths = list(lines[i]) if lines is not None else [len(doc)]
             if sum(lengths) != len(doc):
-                raise StoreError(f"document {i}: line lengths {lengths} do not sum to its length {len(doc)}")
+                raise StoreError(
+                    f"document {i}: line lengths {lengths} do not sum to its length {len(doc)}")
             lengths[-1] += 1  # the closing EOT belongs to the last line
             for n in lengths:
                 line_offsets.append(line_offsets[-1] + n)
@@ -201,8 +207,10 @@ class TokenStore:
                    eot_id=int(eot_id), vocab_size=int(vocab_size), mask=mask)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, tokenizer_hash: str | None = None, verify: bool = False) -> "TokenStore":
-        """Memory-map a finished store; refuse an incomplete, foreign or damaged one, naming what is wrong.
+    def open(cls, path: str | os.PathLike, *, tokenizer_hash: str | None = None,
+             verify: bool = False) -> "TokenStore":
+        """Memory-map a finished store; refuse an incomplete, foreign or damaged one, naming what is
+        wrong.
 
         Every file's size is compared with the manifest. With
         ``tokenizer_hash``, a store built by any other tokenizer is refused (its
@@ -226,15 +234,17 @@ class TokenStore:
         tokens = stream.parts[0] if len(shards) == 1 else stream
 
         def offsets(name: str) -> np.ndarray | Callable[[], np.ndarray]:
-            # mapped now (no read, and a later rebuild that removes these files cannot pull them away),
-            # joined into one array only when first used
+            # mapped now (no read, and a later rebuild that removes these files cannot pull them
+            # away), joined into one array only when first used
             parts = [np.memmap(s / name, dtype=OFFSET_DTYPE, mode="r") for s in shards]
             return parts[0] if len(parts) == 1 else lambda: concat_offsets(parts, stream.bases)
 
         mask = None
         if all(WEIGHTS in shard["files"] for shard in manifest["shards"]):
-            masks = [np.memmap(s / WEIGHTS, dtype=record.get("weights_dtype", MASK_DTYPE.name), mode="r")
-                     for s, record in zip(shards, manifest["shards"])]
+            masks = [
+                np.memmap(s / WEIGHTS, dtype=record.get("weights_dtype", MASK_DTYPE.name), mode="r")
+                for s, record in zip(shards, manifest["shards"])
+            ]
             mask = masks[0] if len(masks) == 1 else TokenStream(masks)
         store = cls(tokens, offsets(DOC_OFFSETS), offsets(LINE_OFFSETS), eot_id=manifest["eot_id"],
                     vocab_size=manifest["vocab_size"], manifest=manifest, path=path, mask=mask)
@@ -247,10 +257,15 @@ class TokenStore:
 
     @classmethod
     def concat(cls, stores: list["TokenStore"], names: list[str], weights: list[float]) -> "TokenStore":
-        """Several stores of one tokenizer as one (a mixture's split); ``sources`` says which documents are whose."""
-        parts = [p for s in stores for p in (s.tokens.parts if isinstance(s.tokens, TokenStream) else [s.tokens])]
+        """Several stores of one tokenizer as one (a mixture's split); ``sources`` says which
+        documents are whose."""
+        parts = [
+            p for s in stores
+            for p in (s.tokens.parts if isinstance(s.tokens, TokenStream) else [s.tokens])
+        ]
         stream = TokenStream(parts)
-        ends = np.cumsum([len(s.tokens) for s in stores]) - np.arange(len(stores))  # exclusive, shared EOTs once
+        # exclusive, shared EOTs once
+        ends = np.cumsum([len(s.tokens) for s in stores]) - np.arange(len(stores))
         bases = np.concatenate([[0], ends[:-1] - 1])
         docs = np.cumsum([0] + [s.num_docs for s in stores])
 
@@ -261,18 +276,27 @@ class TokenStore:
         for s in stores:
             for key, value in s.manifest.get("stats", {}).items():
                 stats[key] = stats.get(key, 0) + value
-        sources = [{"name": n, "weight": w, "store": str(s.path)} for n, w, s in zip(names, weights, stores)]
-        manifest = {"split": stores[0].manifest.get("split"), "stats": stats, "max_id": max(s.max_id for s in stores),
-                    "tokenizer_hash": stores[0].manifest.get("tokenizer_hash"), "sources": sources}
+        sources = [{"name": n, "weight": w, "store": str(s.path)}
+                   for n, w, s in zip(names, weights, stores)]
+        manifest = {
+            "split": stores[0].manifest.get("split"), "stats": stats,
+            "max_id": max(s.max_id for s in stores),
+            "tokenizer_hash": stores[0].manifest.get("tokenizer_hash"), "sources": sources
+        }
         mask = None
-        if any(s.mask is not None for s in stores):  # a text source among instruction ones: all its targets count
-            masks = [p for s in stores for p in (
-                np.concatenate([[0], np.ones(len(s.tokens) - 1, MASK_DTYPE)]).astype(MASK_DTYPE) if s.mask is None
-                else s.mask.parts if isinstance(s.mask, TokenStream) else [s.mask])]
+        # a text source among instruction ones: all its targets count
+        if any(s.mask is not None for s in stores):
+            def parts(s: TokenStore) -> list:
+                if s.mask is None:
+                    return [np.concatenate([[0], np.ones(len(s.tokens) - 1, MASK_DTYPE)]).astype(MASK_DTYPE)]
+                return s.mask.parts if isinstance(s.mask, TokenStream) else [s.mask]
+
+            masks = [p for s in stores for p in parts(s)]
             mask = TokenStream(masks)
         merged = cls(stream, offsets("doc_offsets"), offsets("line_offsets"), eot_id=stores[0].eot_id,
                      vocab_size=stores[0].vocab_size, manifest=manifest, mask=mask)
-        merged.sources = [(n, float(w), int(docs[i]), int(docs[i + 1])) for i, (n, w) in enumerate(zip(names, weights))]
+        merged.sources = [(n, float(w), int(docs[i]), int(docs[i + 1]))
+                          for i, (n, w) in enumerate(zip(names, weights))]
         merged.source_stores = list(stores)
         return merged
 
@@ -280,15 +304,20 @@ class TokenStore:
 
     @property
     def text_identity(self) -> list[str]:
-        """The content hashes (xxh3) of the files this store was built from, in stream order; a mixture lists
-        each source's in turn. Checkpoints record them, so that a resume on other text is seen."""
+        """The content hashes (xxh3) of the files this store was built from, in stream order; a
+        mixture lists each source's in turn. Checkpoints record them, so that a resume on other text
+        is seen."""
         if self.source_stores:
             return [h for store in self.source_stores for h in store.text_identity]
-        return [record["xxh3"] for shard in self.manifest.get("shards", []) for record in shard.get("sources", [])]
+        return [
+            record["xxh3"] for shard in self.manifest.get("shards", [])
+            for record in shard.get("sources", [])
+        ]
 
     @property
     def num_docs(self) -> int:
-        manifest = getattr(self, "manifest", None) or {}  # (a store made field by field may have none)
+        # (a store made field by field may have none)
+        manifest = getattr(self, "manifest", None) or {}
         if "num_docs" in manifest:
             return int(manifest["num_docs"])
         return len(self.doc_offsets) - 1
@@ -305,14 +334,16 @@ class TokenStore:
 
     @property
     def scored_tokens(self) -> int:
-        """Targets the loss counts: every predicted token of a text store, the masked ones of instruction data."""
+        """Targets the loss counts: every predicted token of a text store, the masked ones of
+        instruction data."""
         if self.mask is None:
             return self.predicted_tokens
         stats = (getattr(self, "manifest", None) or {}).get("stats", {})
         if "scored_tokens" in stats and not self.source_stores:
             return int(stats["scored_tokens"])
         parts = self.mask.parts if isinstance(self.mask, TokenStream) else [self.mask]
-        return int(sum(np.count_nonzero(p) for p in parts))  # (each part's first entry, a shared EOT, is 0)
+        # (each part's first entry, a shared EOT, is 0)
+        return int(sum(np.count_nonzero(p) for p in parts))
 
     @property
     def max_id(self) -> int:
@@ -351,8 +382,9 @@ class TokenStore:
         if self.tokens[0] != self.eot_id or np.any(self.tokens[d[1:] - 1] != self.eot_id):
             raise StoreError(f"token store{where}: documents must be separated by eot_id={self.eot_id}")
         if self.mask is not None and (len(self.mask) != n or self.mask[0] != 0):
-            raise StoreError(f"token store{where}: the scored-token mask must have one entry per token ({n}) and 0 "
-                             "for the first")
+            raise StoreError(
+                f"token store{where}: the scored-token mask must have one entry per token ({n}) and 0 "
+                "for the first")
 
 
 # ---------------------------------------------------------------------------
@@ -363,11 +395,13 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """The store's manifest, or a StoreError saying why there is no usable one."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        raise StoreError(f"no complete token store at {path} (missing {MANIFEST}); run python -m seqjax.prepare")
+        raise StoreError(
+            f"no complete token store at {path} (missing {MANIFEST}); run python -m seqjax.prepare")
     try:
         manifest = json.loads(manifest_path.read_text())
     except ValueError as err:
-        raise StoreError(f"token store {path}: {MANIFEST} is not valid JSON ({err}); {REBUILD_HINT}") from None
+        raise StoreError(
+            f"token store {path}: {MANIFEST} is not valid JSON ({err}); {REBUILD_HINT}") from None
     if manifest.get("format_version") != FORMAT_VERSION:
         raise StoreError(
             f"token store {path} has format_version {manifest.get('format_version')}, "
@@ -377,13 +411,17 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def check_files(path: Path, manifest: dict[str, Any], *, checksums: bool) -> list[str]:
-    """What is wrong with the store's files against its manifest: sizes always, checksums when asked."""
-    return [problem for shard in manifest["shards"]
-            for problem in shard_problems(path, shard, checksums=checksums, vocab_size=manifest["vocab_size"])]
+    """What is wrong with the store's files against its manifest: sizes always, checksums when
+    asked."""
+    return [
+        problem for shard in manifest["shards"] for problem in shard_problems(
+            path, shard, checksums=checksums, vocab_size=manifest["vocab_size"])
+    ]
 
 
 def shard_problems(path: Path, shard: dict[str, Any], *, checksums: bool, vocab_size: int) -> list[str]:
-    """What is wrong with one shard's files: each problem names the file, what the manifest records and what is found.
+    """What is wrong with one shard's files: each problem names the file, what the manifest records
+    and what is found.
 
     Sizes are always compared; with ``checksums`` every file is hashed too,
     and a token file whose checksum changed is searched for out-of-vocabulary
@@ -397,23 +435,27 @@ def shard_problems(path: Path, shard: dict[str, Any], *, checksums: bool, vocab_
             continue
         size = file.stat().st_size
         if size != record["bytes"]:
-            problems.append(f"{file} is {size:,} bytes, the manifest records {record['bytes']:,} (truncated or "
-                            "overwritten)")
+            problems.append(
+                f"{file} is {size:,} bytes, the manifest records {record['bytes']:,} (truncated or "
+                "overwritten)")
         elif checksums and (found := file_checksum(file)) != record["xxh3"]:
-            problem = (f"{file} has checksum xxh3:{found}, the manifest records xxh3:{record['xxh3']} (its contents "
-                       "changed after the build)")
+            problem = (
+                f"{file} has checksum xxh3:{found}, the manifest records xxh3:{record['xxh3']} (its contents "
+                "changed after the build)")
             if name == TOKENS:
                 tokens = np.memmap(file, dtype=token_dtype(vocab_size), mode="r")
                 outside = np.flatnonzero(tokens >= vocab_size)
                 if len(outside):
-                    problem += (f"; it holds token id {int(tokens[outside[0]])} at position {int(outside[0])}, "
-                                f"outside the vocabulary of {vocab_size}")
+                    problem += (
+                        f"; it holds token id {int(tokens[outside[0]])} at position {int(outside[0])}, "
+                        f"outside the vocabulary of {vocab_size}")
             problems.append(problem)
     return problems
 
 
 def id_range_problem(store: TokenStore, manifest: dict[str, Any]) -> str | None:
-    """An out-of-vocabulary id in the tokens, or a maximum that disagrees with the manifest's, as a message."""
+    """An out-of-vocabulary id in the tokens, or a maximum that disagrees with the manifest's, as a
+    message."""
     tokens = store.tokens
     parts = tokens.parts if isinstance(tokens, TokenStream) else [tokens]
     found = max(int(np.max(p)) for p in parts)

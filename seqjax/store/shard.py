@@ -1,5 +1,6 @@
-"""One shard of a token store: its files' documents (or instruction records) read in chunks, encoded on every core
-in order, and written atomically with its record (the counts prepare's summary reports)."""
+"""One shard of a token store: its files' documents (or instruction records) read in chunks, encoded
+on every core in order, and written atomically with its record (the counts prepare's summary
+reports)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from seqjax.store.splits import in_carved_split
 from seqjax.store.tokenizer import Tokenizer
 from seqjax.store.writer import ShardWriter
 
-# Characters of text per encoding task: large enough to amortize the hand-off, small enough for bounded memory.
+# Characters of text per encoding task: large enough to amortize the hand-off, small enough for
+# bounded memory.
 CHUNK_CHARS = 1 << 22
-# A shard with less source than this is encoded in this process: starting worker processes would cost more.
+# A shard with less source than this is encoded in this process: starting worker processes would
+# cost more.
 POOL_MIN_BYTES = 1 << 23
 
 @dataclass
@@ -39,7 +42,8 @@ class Counts:
 
 
 def plan_shards(identities: list[dict[str, Any]], shard_bytes: int) -> list[list[int]]:
-    """Consecutive files grouped into shards of up to ``shard_bytes`` of source (a larger file alone).
+    """Consecutive files grouped into shards of up to ``shard_bytes`` of source (a larger file
+    alone).
 
     Sizes ``[5, 5, 20, 1]`` with ``shard_bytes=10`` give ``[[0, 1], [2], [3]]``:
     the same plan whoever builds it, so one process and many build one store.
@@ -57,7 +61,8 @@ def plan_shards(identities: list[dict[str, Any]], shard_bytes: int) -> list[list
 
 def records(source: SourceConfig, files: list[Path], spec: ExampleSpec, counts: Counts,
              carve: tuple[str, float] | None = None) -> Iterator[list]:
-    """The ``(where, record)`` examples of ``files`` in chunks of about CHUNK_CHARS characters of JSON."""
+    """The ``(where, record)`` examples of ``files`` in chunks of about CHUNK_CHARS characters of
+    JSON."""
     chunk, size = [], 0
     for path in files:
         for where, record in file_records(source, path, spec.fields):
@@ -75,7 +80,8 @@ def records(source: SourceConfig, files: list[Path], spec: ExampleSpec, counts: 
 
 def documents(source: SourceConfig, files: list[Path], counts: Counts,
                carve: tuple[str, float] | None = None) -> Iterator[list[str]]:
-    """The non-empty documents of ``files`` in chunks of about CHUNK_CHARS characters (empty ones are counted)."""
+    """The non-empty documents of ``files`` in chunks of about CHUNK_CHARS characters (empty ones
+    are counted)."""
     chunk, size = [], 0
     for path in files:
         for doc in file_documents(source, path):
@@ -101,10 +107,11 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
     counts = Counts()
     source_bytes = sum(file_identity(p)["bytes"] for p in files)
     use = workers if source_bytes >= POOL_MIN_BYTES else 1
-    chunks = documents(source, files, counts, carve) if spec is None else records(source, files, spec, counts,
-                                                                                     carve)
+    chunks = documents(source, files, counts, carve) if spec is None else records(
+        source, files, spec, counts, carve)
     with ShardWriter(path, name, eot_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size,
-                     scored=spec is not None, weights_dtype=spec.weights_dtype if spec else "uint8") as writer:
+                     scored=spec is not None,
+                     weights_dtype=spec.weights_dtype if spec else "uint8") as writer:
         for chunk in encode_in_order(tokenizer, chunks, use, spec):
             writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths, chunk.weights)
             counts.documents += len(chunk.doc_lengths)
@@ -114,8 +121,9 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
         if counts.documents == 0:
             what = (f"{counts.dropped_unscored} examples with no scored token" if spec is not None
                     else f"{counts.skipped_empty} empty or whitespace-only")
-            raise CorpusError(f"{', '.join(map(str, files))}: no non-empty {'examples' if spec else 'documents'} "
-                              f"({what})")
+            raise CorpusError(
+                f"{', '.join(map(str, files))}: no non-empty {'examples' if spec else 'documents'} "
+                f"({what})")
         sources = [{**file_identity(p), "xxh3": content_hash(p)} for p in files]
         keys = ("documents", "skipped_empty", "bytes", "words", "lines")
         if spec is not None:

@@ -1,5 +1,6 @@
-"""How one source's records become examples (:class:`ExampleSpec`): the fields read, what is scored, the chat
-template and the tokens that frame it; shared by :mod:`seqjax.store.chat` and :mod:`seqjax.store.examples`."""
+"""How one source's records become examples (:class:`ExampleSpec`): the fields read, what is scored,
+the chat template and the tokens that frame it; shared by :mod:`seqjax.store.chat` and
+:mod:`seqjax.store.examples`."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ class ExampleSpec:
     bos_token: str | None = None
     eos_token: str = "<|endoftext|>"
     weights_dtype: str = "uint8"  # data.loss_weights_dtype: how the store keeps each target's weight
-    # A shipped training template that renders this template's chats the same text (:func:`twin_template`): a
-    # template without generation blocks is scored as its twin marks each chat it renders identically.
+    # A shipped training template that renders this template's chats the same text
+    # (:func:`twin_template`): a template without generation blocks is scored as its twin marks each
+    # chat it renders identically.
     twin: str | None = None
 
     @property
@@ -44,7 +46,8 @@ class ExampleSpec:
         }[self.format]
 
     def identity(self) -> dict[str, Any]:
-        """What the store's cache key takes from the spec: everything that changes the ids or the mask."""
+        """What the store's cache key takes from the spec: everything that changes the ids or the
+        mask."""
         return {k: v for k, v in self.__dict__.items()}
 
 

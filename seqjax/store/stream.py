@@ -15,7 +15,8 @@ from seqjax.core.errors import StoreError
 
 
 class TokenStream:
-    """Shards' token arrays read as one stream, each shard after the first losing the EOT it shares with the one before.
+    """Shards' token arrays read as one stream, each shard after the first losing the EOT it shares
+    with the one before.
 
     Indexing works like a numpy array's: an int gives a token, a slice a
     numpy array, an integer array a gather. With parts ``[0 5 0]`` and
@@ -32,7 +33,8 @@ class TokenStream:
         self.bases = np.concatenate([[0], np.cumsum(sizes[:-1] - 1)]).astype(np.int64)
         self.ends = self.bases + sizes  # exclusive
         self._lasts = self.ends - 1  # each shard's last position: the one it shares with the next
-        self.dtype = np.result_type(*parts)  # (a mixture's weights: byte masks beside float32 ones read as float32)
+        # (a mixture's weights: byte masks beside float32 ones read as float32)
+        self.dtype = np.result_type(*parts)
         self._len = int(self.ends[-1])
 
     def __len__(self) -> int:
@@ -43,8 +45,9 @@ class TokenStream:
         return (self._len,)
 
     def _part_of(self, index: np.ndarray) -> np.ndarray:
-        # A shared position belongs to the earlier shard, whose last entry it is (the later one drops its first):
-        # for tokens both are the same EOT, but a weights stream's closing-EOT weight lives only in the earlier one.
+        # A shared position belongs to the earlier shard, whose last entry it is (the later one
+        # drops its first): for tokens both are the same EOT, but a weights stream's closing-EOT
+        # weight lives only in the earlier one.
         return np.searchsorted(self._lasts, index, "left")
 
     def __getitem__(self, key):
@@ -67,19 +70,22 @@ class TokenStream:
         if index.ndim == 0:
             i = int(index) + (self._len if int(index) < 0 else 0)
             if not 0 <= i < self._len:
-                raise IndexError(f"index {int(index)} is out of bounds for a stream of {self._len} tokens")
+                raise IndexError(
+                    f"index {int(index)} is out of bounds for a stream of {self._len} tokens")
             k = int(self._part_of(np.asarray(i)))
             return self.parts[k][i - self.bases[k]]
         return self.take(index)
 
     def take(self, index: np.ndarray) -> np.ndarray:
-        """``stream[index]`` for an integer array: one gather per shard it touches (one in the common case)."""
+        """``stream[index]`` for an integer array: one gather per shard it touches (one in the
+        common case)."""
         index = np.asarray(index)
         if index.size == 0:
             return np.zeros(index.shape, self.dtype)
         lo, hi = int(index.min()), int(index.max())
         if lo < 0 or hi >= self._len:
-            raise IndexError(f"index {lo if lo < 0 else hi} is out of bounds for a stream of {self._len} tokens")
+            raise IndexError(
+                f"index {lo if lo < 0 else hi} is out of bounds for a stream of {self._len} tokens")
         first, last = (int(k) for k in self._part_of(np.asarray([lo, hi])))
         if first == last or hi < self.ends[first]:
             return self.parts[first][index - self.bases[first]]
@@ -99,7 +105,8 @@ class TokenStream:
 
 
 def concat_offsets(parts: list[np.ndarray], bases: np.ndarray) -> np.ndarray:
-    """Shards' local offsets as offsets into the logical stream: part ``k`` shifted by ``bases[k]``, shared ends once.
+    """Shards' local offsets as offsets into the logical stream: part ``k`` shifted by ``bases[k]``,
+    shared ends once.
 
     Shard ``k``'s first offset (1: its first document starts after its EOT)
     is the same stream position as shard ``k - 1``'s last, so it is dropped.

@@ -1,4 +1,5 @@
-"""Byte-level BPE with HF ``tokenizers``: train on the train split, save ``tokenizer.json``, load, encode, decode.
+"""Byte-level BPE with HF ``tokenizers``: train on the train split, save ``tokenizer.json``, load,
+encode, decode.
 
 Choices and why:
 
@@ -38,7 +39,8 @@ from seqjax.config.tree import Config, SourceConfig
 from seqjax.core.errors import TokenizerError
 from seqjax.core.files import write_text_atomic
 from seqjax.store.cache import BUILDER_VERSION, ProcessGroup, digest, file_identity, locked
-from seqjax.store.corpus import file_documents, file_records, split_lines
+from seqjax.store.corpus import file_documents, file_records
+from seqjax.store.lines import split_lines
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +50,21 @@ NEWLINE_SYMBOL = "\u010a"  # how the byte-level alphabet writes b"\n" ("Ċ")
 
 
 class Tokenizer:
-    """A loaded ``tokenizer.json`` plus the facts seqjax needs: end-of-text id, vocabulary size, hash."""
+    """A loaded ``tokenizer.json`` plus the facts seqjax needs: end-of-text id, vocabulary size,
+    hash."""
 
     def __init__(self, path: str | os.PathLike, eot_token: str, bos_token: str | None = None):
         self.path = Path(path)
         if not self.path.is_file():
-            raise TokenizerError(f"tokenizer.path: {str(self.path)!r} not found (expected a tokenizer.json file)")
+            raise TokenizerError(
+                f"tokenizer.path: {str(self.path)!r} not found (expected a tokenizer.json file)")
         data = self.path.read_bytes()
         try:
             self._hf = HFTokenizer.from_str(data.decode("utf-8"))
         except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
-            raise TokenizerError(f"tokenizer.path: {str(self.path)!r} is not a valid tokenizer.json ({err})") from None
+            raise TokenizerError(
+                f"tokenizer.path: {str(self.path)!r} is not a valid tokenizer.json ({err})"
+            ) from None
         self.hash = hashlib.sha256(data).hexdigest()
         eot_id = self._hf.token_to_id(eot_token)
         if eot_id is None:
@@ -69,18 +75,21 @@ class Tokenizer:
         self.eot_token = eot_token
         self.bos_token = bos_token
         self.eot_id = int(eot_id)
-        # What opens a prompt or an lm_eval window: a Llama tokenizer's BOS, else the end-of-text token.
+        # What opens a prompt or an lm_eval window: a Llama tokenizer's BOS, else the end-of-text
+        # token.
         self.bos_id = self.eot_id
         if bos_token is not None:
             bos_id = self._hf.token_to_id(bos_token)
             if bos_id is None:
-                raise TokenizerError(f"tokenizer {self.path}: has no token {bos_token!r} (tokenizer.bos_token)")
+                raise TokenizerError(
+                    f"tokenizer {self.path}: has no token {bos_token!r} (tokenizer.bos_token)")
             self.bos_id = int(bos_id)
         self.vocab_size = int(self._hf.get_vocab_size(with_added_tokens=True))
 
     @property
     def separator_id(self) -> int:
-        """The token between documents in a token store, which opens every document: the tokenizer's own framing.
+        """The token between documents in a token store, which opens every document: the tokenizer's
+        own framing.
 
         A tokenizer that opens text with a BOS (``tokenizer.bos_token``, e.g. an
         imported Llama's ``<s>``, as its ``add_bos_token`` says) gives ``<s> doc1
@@ -103,37 +112,43 @@ class Tokenizer:
         return [i for ids in self.encode_lines(split_lines(text)) for i in ids]
 
     def opened(self, ids: list[int]) -> list[int]:
-        """A prompt's ids as a document of the store starts: after the opening token (:attr:`separator_id`). A prompt
-        that already opens with it (a chat template's ``<s>``) keeps one, as transformers' templates render it."""
+        """A prompt's ids as a document of the store starts: after the opening token
+        (:attr:`separator_id`). A prompt that already opens with it (a chat template's ``<s>``)
+        keeps one, as transformers' templates render it."""
         return ids if ids[:1] == [self.separator_id] else [self.separator_id] + ids
 
     def is_special(self, token_id: int) -> bool:
-        """Whether ``token_id`` is one of the tokenizer's added special tokens (``<|im_end|>``, ``</s>``, ...)."""
+        """Whether ``token_id`` is one of the tokenizer's added special tokens (``<|im_end|>``,
+        ``</s>``, ...)."""
         token = self._hf.get_added_tokens_decoder().get(token_id)
         return token is not None and token.special
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Ids of ``text`` as one string (special tokens in it recognized, none added) and each one's character span."""
+        """Ids of ``text`` as one string (special tokens in it recognized, none added) and each
+        one's character span."""
         encoding = self._hf.encode(text, add_special_tokens=False)
         return encoding.ids, encoding.offsets
 
     def encode_default(self, text: str) -> list[int]:
-        """Ids of ``text`` with the tokenizer's default special tokens, as transformers' ``tokenizer(text)`` gives
-        them for this tokenizer once exported: its own post-processor's (a Llama's ``<s>``), or, for a tokenizer
-        without one, the opening token seqjax's export adds (:func:`seqjax.hf.folders.write_folder`)."""
+        """Ids of ``text`` with the tokenizer's default special tokens, as transformers'
+        ``tokenizer(text)`` gives them for this tokenizer once exported: its own post-processor's (a
+        Llama's ``<s>``), or, for a tokenizer without one, the opening token seqjax's export adds
+        (:func:`seqjax.hf.folders.write_folder`)."""
         if self._hf.post_processor is not None:
             return self._hf.encode(text, add_special_tokens=True).ids
         return [self.bos_id] + self.encode_text(text)
 
     def encode_text(self, text: str) -> list[int]:
-        """Token ids of ``text`` encoded as one string, without special tokens (as HF's ``encode`` with
-        ``add_special_tokens=False``, which the lm-evaluation-harness uses); may differ from :meth:`encode`
-        at line starts for tokenizers that do not split at newlines (SentencePiece's ``▁``, Llama 3's ``\n\n``)."""
+        """Token ids of ``text`` encoded as one string, without special tokens (as HF's ``encode``
+        with ``add_special_tokens=False``, which the lm-evaluation-harness uses); may differ from
+        :meth:`encode` at line starts for tokenizers that do not split at newlines (SentencePiece's
+        ``▁``, Llama 3's ``\n\n``)."""
         return self._hf.encode(text, add_special_tokens=False).ids
 
     @functools.cached_property
     def splits_at_newlines(self) -> bool:
-        """Whether the pre-tokenizer cuts at every ``\\n`` first (seqjax's own do), so no token spans two lines."""
+        """Whether the pre-tokenizer cuts at every ``\\n`` first (seqjax's own do), so no token
+        spans two lines."""
         pre = json.loads(self._hf.to_str()).get("pre_tokenizer") or {}
         first = (pre.get("pretokenizers") or [{}])[0] if pre.get("type") == "Sequence" else pre
         return (first.get("type") == "Split" and first.get("pattern") == {"String": "\n"}
@@ -141,14 +156,16 @@ class Tokenizer:
 
     @functools.cached_property
     def _ends_line(self) -> np.ndarray:
-        """For each id, whether its token ends with a newline, i.e. ends a line (under ``splits_at_newlines``)."""
+        """For each id, whether its token ends with a newline, i.e. ends a line (under
+        ``splits_at_newlines``)."""
         ends = np.zeros(self.vocab_size, bool)
         for token, i in self._hf.get_vocab(with_added_tokens=False).items():
             ends[i] = token.endswith(NEWLINE_SYMBOL)
         return ends
 
     def encode_documents(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Many documents at once, as the store holds them: (all ids, flat; tokens per document; tokens per line).
+        """Many documents at once, as the store holds them: (all ids, flat; tokens per document;
+        tokens per line).
 
         Each document needs at least one token (no empty text). ``["a\\nbc", "d"]``
         gives the ids of ``a\\n``, ``bc`` and ``d`` one after another, document
@@ -161,7 +178,8 @@ class Tokenizer:
         if self.splits_at_newlines:
             ids = [e.ids for e in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
             doc_lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
-            flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, count=int(doc_lengths.sum()))
+            flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64,
+                               count=int(doc_lengths.sum()))
             ends = self._ends_line[flat]
             ends[np.cumsum(doc_lengths) - 1] = True  # a document's last line may lack its newline
             line_lengths = np.diff(np.flatnonzero(ends), prepend=-1)
@@ -170,8 +188,10 @@ class Tokenizer:
         encoded = self.encode_lines([line for doc in lines for line in doc])
         line_lengths = np.fromiter(map(len, encoded), np.int64, count=len(encoded))
         per_doc = np.fromiter(map(len, lines), np.int64, count=len(lines))
-        doc_lengths = np.add.reduceat(line_lengths, np.cumsum(per_doc) - per_doc) if len(lines) else per_doc
-        flat = np.fromiter(itertools.chain.from_iterable(encoded), np.int64, count=int(line_lengths.sum()))
+        doc_lengths = np.add.reduceat(line_lengths,
+                                      np.cumsum(per_doc) - per_doc) if len(lines) else per_doc
+        flat = np.fromiter(itertools.chain.from_iterable(encoded), np.int64,
+                           count=int(line_lengths.sum()))
         return flat, doc_lengths, line_lengths
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -203,14 +223,16 @@ def check_vocab_size(vocab_size: int, special_tokens: Sequence[str]) -> None:
 
 
 def _training_pieces(lines: Iterable[str], special_tokens: Sequence[str]) -> Iterator[str]:
-    """Lines cut around special-token text, as encoding will see them, so no merge is wasted on ``<unk>``'s pieces."""
+    """Lines cut around special-token text, as encoding will see them, so no merge is wasted on
+    ``<unk>``'s pieces."""
     pattern = re.compile("|".join(re.escape(t) for t in special_tokens))
     for line in lines:
         yield from (piece for piece in pattern.split(line) if piece)
 
 
 def new_tokenizer() -> HFTokenizer:
-    """An untrained byte-level BPE with the seqjax pipeline (split at newlines, then GPT-2 byte-level rules)."""
+    """An untrained byte-level BPE with the seqjax pipeline (split at newlines, then GPT-2
+    byte-level rules)."""
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -256,7 +278,8 @@ def train_tokenizer(
 
 def special_tokens(config: Config) -> list[str]:
     """The configured special tokens, plus ``<unk>`` when reading word-level WikiText-2."""
-    word_level = any(s.corpus == "wikitext2" and s.variant == "tokens" for s in config.data.resolved_sources())
+    word_level = any(s.corpus == "wikitext2" and s.variant == "tokens"
+                     for s in config.data.resolved_sources())
     return special_tokens_for(config.tokenizer.special_tokens, word_level)
 
 
@@ -285,12 +308,14 @@ def train_sample(sources: list[SourceConfig], files: dict[str, list[Path]], budg
 
 
 def _source_texts(source: SourceConfig, path: Path, data: Any = None) -> Iterator[str]:
-    """The text a tokenizer learns from: documents, or the prompts, answers and messages of examples."""
+    """The text a tokenizer learns from: documents, or the prompts, answers and messages of
+    examples."""
     if source.format == "text":
         yield from file_documents(source, path)
     elif source.format == "tokenized":
-        raise TokenizerError(f"data.format=tokenized: {path} holds token ids, no text to train a tokenizer on; "
-                             "set tokenizer.path to the tokenizer that made them")
+        raise TokenizerError(
+            f"data.format=tokenized: {path} holds token ids, no text to train a tokenizer on; "
+            "set tokenizer.path to the tokenizer that made them")
     else:
         data = data if data is not None else Config().data
         fields = ((data.prompt_field, data.completion_field) if source.format == "prompt_completion"
@@ -303,16 +328,20 @@ def _source_texts(source: SourceConfig, path: Path, data: Any = None) -> Iterato
                 yield "\n".join(str(record.get(f, "")) for f in fields)
 
 
-def obtain_tokenizer(config: Config, sources: list[SourceConfig], train_files: dict[str, list[Path]] | None,
-                     run: ProcessGroup) -> Tokenizer:
-    """Load ``tokenizer.path``, or the cached tokenizer trained on these train files, or train it now (process 0)."""
+def obtain_tokenizer(config: Config, sources: list[SourceConfig],
+                     train_files: dict[str, list[Path]] | None, run: ProcessGroup) -> Tokenizer:
+    """Load ``tokenizer.path``, or the cached tokenizer trained on these train files, or train it
+    now (process 0)."""
     specials = special_tokens(config)
     if config.tokenizer.path:
-        return Tokenizer(Path(config.tokenizer.path).expanduser(), specials[0], config.tokenizer.bos_token)
+        return Tokenizer(
+            Path(config.tokenizer.path).expanduser(), specials[0], config.tokenizer.bos_token)
     recipe = {
         "builder_version": BUILDER_VERSION,
-        "sources": [{"corpus": s.corpus, "text_field": s.text_field, "format": s.format, "weight": s.weight,
-                     "files": [file_identity(p) for p in train_files[s.name]]} for s in sources],
+        "sources": [{
+            "corpus": s.corpus, "text_field": s.text_field, "format": s.format, "weight": s.weight,
+            "files": [file_identity(p) for p in train_files[s.name]]
+        } for s in sources],
         "train_bytes": config.tokenizer.train_bytes,
         "vocab_size": config.tokenizer.vocab_size,
         "min_frequency": config.tokenizer.min_frequency,
@@ -334,6 +363,7 @@ def obtain_tokenizer(config: Config, sources: list[SourceConfig], train_files: d
                     min_frequency=config.tokenizer.min_frequency,
                 )
                 write_text_atomic(folder / "recipe.json", json.dumps(recipe, indent=2))
-                log.info("tokenizer %s trained in %.1fs -> %s", tokenizer.hash[:12], time.perf_counter() - start, path)
+                log.info("tokenizer %s trained in %.1fs -> %s", tokenizer.hash[:12],
+                         time.perf_counter() - start, path)
     run.wait("seqjax-prepare-tokenizer")  # the other processes load what process 0 trained
     return Tokenizer(path, specials[0])

@@ -1,4 +1,5 @@
-"""Writing token stores: a shard streamed to a hidden staging folder, renamed into place, then the manifest.
+"""Writing token stores: a shard streamed to a hidden staging folder, renamed into place, then the
+manifest.
 
 The layout and the reader are in :mod:`seqjax.store.reader`; this module is the
 other half, the atomic writes its docstring promises. :class:`ShardWriter`
@@ -50,13 +51,16 @@ def _alive(pid: int) -> bool:
 
 
 def staging_dir(path: Path, what: str) -> Path:
-    """A fresh hidden folder beside ``path``; leftovers of builds whose process is gone are removed first."""
+    """A fresh hidden folder beside ``path``; leftovers of builds whose process is gone are removed
+    first."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for old in path.parent.glob(f".{path.name}.*.tmp"):
         pid = old.name.split(".")[-3]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{what}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
+    tmp = Path(
+        tempfile.mkdtemp(prefix=f".{path.name}.{what}.{os.getpid()}.", suffix=".tmp",
+                         dir=path.parent))
     tmp.chmod(0o755)  # mkdtemp's private 0700 would hide a shared cache from other users
     return tmp
 
@@ -81,7 +85,8 @@ class _HashedFile:
 
 
 class ShardWriter:
-    """Streams documents into one shard of the store at ``path``; :meth:`commit` publishes it as ``path/<name>``.
+    """Streams documents into one shard of the store at ``path``; :meth:`commit` publishes it as
+    ``path/<name>``.
 
     Memory stays at one chunk of documents: tokens and offsets go to disk as
     they come, with their checksums. The shard is written in a hidden staging
@@ -91,11 +96,12 @@ class ShardWriter:
     leaving the block with an exception removes the staging folder.
     """
 
-    def __init__(self, path: str | os.PathLike, name: str, *, eot_id: int, vocab_size: int, scored: bool = False,
-                 weights_dtype: str = MASK_DTYPE.name):
+    def __init__(self, path: str | os.PathLike, name: str, *, eot_id: int, vocab_size: int,
+                 scored: bool = False, weights_dtype: str = MASK_DTYPE.name):
         self.path, self.name = Path(path), name
         self.scored = scored  # instruction examples: a weights.bin beside the tokens
-        self.weights_dtype = np.dtype(weights_dtype)  # uint8 (0/1) or float32 (data.loss_weights_dtype)
+        # uint8 (0/1) or float32 (data.loss_weights_dtype)
+        self.weights_dtype = np.dtype(weights_dtype)
         self.eot_id = int(eot_id)
         self.vocab_size = int(vocab_size)
         self.dtype = token_dtype(vocab_size)
@@ -111,7 +117,8 @@ class ShardWriter:
 
     def add_chunk(self, ids: np.ndarray, doc_lengths: np.ndarray, line_lengths: np.ndarray,
                   weights: np.ndarray | None = None) -> None:
-        """Append documents given flat: all their text ids, tokens per document, tokens per line (EOTs are added).
+        """Append documents given flat: all their text ids, tokens per document, tokens per line
+        (EOTs are added).
 
         ``ids=[5, 6, 7]``, ``doc_lengths=[2, 1]``, ``line_lengths=[1, 1, 1]``
         appends ``5 6 EOT 7 EOT``: documents end at +3 and +5, lines at +1, +3, +5.
@@ -119,24 +126,28 @@ class ShardWriter:
         document's tokens, then its closing EOT): ``[0, 1, 1, 1, 0]`` above.
         """
         if self.scored != (weights is not None):
-            raise StoreError(f"shard {self.name}: weights are required for a scored shard and only for one")
+            raise StoreError(
+                f"shard {self.name}: weights are required for a scored shard and only for one")
         ids, doc_lengths, line_lengths = (np.asarray(a) for a in (ids, doc_lengths, line_lengths))
         if len(doc_lengths) == 0:
             return
-        if min(doc_lengths.min(), line_lengths.min()) < 1 or not len(ids) == doc_lengths.sum() == line_lengths.sum():
-            raise StoreError(f"shard {self.name}: every document and line needs at least one token, and the lengths "
-                             "must add up to the ids given")
+        if min(doc_lengths.min(),
+               line_lengths.min()) < 1 or not len(ids) == doc_lengths.sum() == line_lengths.sum():
+            raise StoreError(
+                f"shard {self.name}: every document and line needs at least one token, and the lengths "
+                "must add up to the ids given")
         if len(ids) and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
-            raise StoreError(f"shard {self.name}: token id {int(ids.max())} is outside the vocabulary of "
-                             f"{self.vocab_size}")
+            raise StoreError(
+                f"shard {self.name}: token id {int(ids.max())} is outside the vocabulary of "
+                f"{self.vocab_size}")
         doc_ends = np.cumsum(doc_lengths)  # in ids, exclusive
         out_ends = doc_ends + np.arange(1, len(doc_ends) + 1)  # each document followed by its EOT
         out = np.full(int(out_ends[-1]), self.eot_id, self.dtype)
         keep = np.ones(len(out), bool)
         keep[out_ends - 1] = False
         out[keep] = ids
-        # a line ends in the ids at its cumulative length; each line is shifted by the EOTs before it, and a
-        # document's last line also takes its own EOT
+        # a line ends in the ids at its cumulative length; each line is shifted by the EOTs before
+        # it, and a document's last line also takes its own EOT
         line_ends = np.cumsum(line_lengths)
         eots_before = np.searchsorted(doc_ends, line_ends, "left")
         line_ends_out = line_ends + eots_before + np.isin(line_ends, doc_ends)
@@ -154,28 +165,37 @@ class ShardWriter:
             self.max_id = max(self.max_id, int(ids.max()))
 
     def add_document(self, lines: list[list[int]], weights: list[int] | None = None) -> None:
-        """Append one document given as the token ids of each of its lines (text only; the EOT is added)."""
+        """Append one document given as the token ids of each of its lines (text only; the EOT is
+        added)."""
         lengths = [len(ids) for ids in lines]
         if not lengths or min(lengths) == 0:
-            raise StoreError(f"document {self.num_docs}: every line needs at least one token, got lengths {lengths}")
+            raise StoreError(
+                f"document {self.num_docs}: every line needs at least one token, got lengths {lengths}"
+            )
         flat = np.fromiter(itertools.chain.from_iterable(lines), np.int64, count=sum(lengths))
         self.add_chunk(flat, np.asarray([sum(lengths)]), np.asarray(lengths),
                        None if weights is None else np.asarray(weights))
 
     def commit(self, record: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Close the files, write ``shard.json`` and rename the shard into place; returns its manifest entry."""
+        """Close the files, write ``shard.json`` and rename the shard into place; returns its
+        manifest entry."""
         files = {n: f.close() for n, f in self._files.items()}
         if self.num_docs == 0:
             self.abort()
             raise StoreError(f"shard {self.name} of {self.path} holds no documents")
-        entry = {**(record or {}), "name": self.name, "num_tokens": self.num_tokens, "num_docs": self.num_docs,
-                 "num_lines": self.num_lines, "max_id": self.max_id, "files": files}
-        if self.scored and self.weights_dtype != MASK_DTYPE:  # (absent: uint8, as every store before float32 weights)
+        entry = {
+            **(record or {}), "name": self.name, "num_tokens": self.num_tokens,
+            "num_docs": self.num_docs, "num_lines": self.num_lines, "max_id": self.max_id,
+            "files": files
+        }
+        # (absent: uint8, as every store before float32 weights)
+        if self.scored and self.weights_dtype != MASK_DTYPE:
             entry["weights_dtype"] = self.weights_dtype.name
         write_text_atomic(self._tmp / SHARD_RECORD, json.dumps(entry, indent=2))
         self.path.mkdir(parents=True, exist_ok=True)
         target = self.path / self.name
-        if target.exists():  # a leftover no manifest uses (a rebuild of a damaged shard moves the old one first)
+        # a leftover no manifest uses (a rebuild of a damaged shard moves the old one first)
+        if target.exists():
             shutil.rmtree(target)
         os.replace(self._tmp, target)
         return entry
@@ -195,7 +215,8 @@ class ShardWriter:
 
 def publish(path: str | os.PathLike, shards: list[dict[str, Any]], manifest: dict[str, Any], *,
             eot_id: int, vocab_size: int) -> dict[str, Any]:
-    """Write the manifest naming ``shards`` (in stream order) atomically, then remove shard folders it does not name.
+    """Write the manifest naming ``shards`` (in stream order) atomically, then remove shard folders
+    it does not name.
 
     The manifest is the store's completion marker; until it is replaced the
     previous store (its manifest and shards) stays whole.
@@ -215,7 +236,8 @@ def publish(path: str | os.PathLike, shards: list[dict[str, Any]], manifest: dic
     }
     write_text_atomic(path / MANIFEST, json.dumps(full, indent=2))
     named = {s["name"] for s in shards}
-    for old_file in ("tokens.bin", "doc_offsets.npy", "line_offsets.npy"):  # a format-1 store's files
+    # a format-1 store's files
+    for old_file in ("tokens.bin", "doc_offsets.npy", "line_offsets.npy"):
         (path / old_file).unlink(missing_ok=True)
     for old in path.iterdir():
         if old.is_dir() and old.name.startswith("shard-") and old.name not in named:
@@ -224,10 +246,11 @@ def publish(path: str | os.PathLike, shards: list[dict[str, Any]], manifest: dic
 
 
 def write_store(path: str | os.PathLike, store: TokenStore, manifest: dict[str, Any]) -> TokenStore:
-    """Write an in-memory ``store`` to ``path`` as one shard, atomically, and return it opened from disk."""
+    """Write an in-memory ``store`` to ``path`` as one shard, atomically, and return it opened from
+    disk."""
     weights_dtype = MASK_DTYPE.name if store.mask is None else np.dtype(store.mask.dtype).name
-    with StoreWriter(path, eot_id=store.eot_id, vocab_size=store.vocab_size, scored=store.mask is not None,
-                     weights_dtype=weights_dtype) as writer:
+    with StoreWriter(path, eot_id=store.eot_id, vocab_size=store.vocab_size, scored=store.mask
+                     is not None, weights_dtype=weights_dtype) as writer:
         d, lines = np.asarray(store.doc_offsets), np.asarray(store.line_offsets)
         keep = np.ones(len(store.tokens), bool)
         keep[0] = False
@@ -240,7 +263,8 @@ def write_store(path: str | os.PathLike, store: TokenStore, manifest: dict[str, 
 
 
 class StoreWriter:
-    """A one-shard store at ``path``: documents stream in, :meth:`commit` publishes shard and manifest atomically.
+    """A one-shard store at ``path``: documents stream in, :meth:`commit` publishes shard and
+    manifest atomically.
 
     Use it as a context manager: leaving the block with an exception (or a
     kill) leaves the previous store at ``path`` as it was, and no new folder.
@@ -257,7 +281,8 @@ class StoreWriter:
 
     def commit(self, manifest: dict[str, Any]) -> TokenStore:
         entry = self.shard.commit()
-        publish(self.path, [entry], manifest, eot_id=self.shard.eot_id, vocab_size=self.shard.vocab_size)
+        publish(self.path, [entry], manifest, eot_id=self.shard.eot_id,
+                vocab_size=self.shard.vocab_size)
         return TokenStore.open(self.path)
 
     def abort(self) -> None:

@@ -1,1 +1,2 @@
-"""Training: optimizer, train step, checkpoints, sharding, metrics and the ``python -m seqjax.train`` loop."""
+"""Training: optimizer, train step, checkpoints, sharding, metrics and the ``python -m
+seqjax.train`` loop."""

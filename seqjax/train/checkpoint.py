@@ -1,4 +1,5 @@
-"""Checkpoints with orbax's CheckpointManager: what a run needs to continue exactly where it stopped.
+"""Checkpoints with orbax's CheckpointManager: what a run needs to continue exactly where it
+stopped.
 
 A checkpoint is one step folder under ``<run.dir>/checkpoints/`` with six items:
 
@@ -79,11 +80,13 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (full disk, read-only folder, permissions); the run stops at that step."""
+    """A checkpoint could not be written (full disk, read-only folder, permissions); the run stops
+    at that step."""
 
 
 def _os_error(err: BaseException) -> str:
-    """The OS error behind ``err`` ("[Errno 28] No space left on device"), or "" when it has none."""
+    """The OS error behind ``err`` ("[Errno 28] No space left on device"), or "" when it has
+    none."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -94,13 +97,15 @@ def _os_error(err: BaseException) -> str:
 
 
 def _os_error_in(message: str) -> str:
-    """The OS error a TensorStore message carries ("... [os_error_code='28']"), as "[Errno 28] No space left ..."."""
+    """The OS error a TensorStore message carries ("... [os_error_code='28']"), as "[Errno 28] No
+    space left ..."."""
     found = re.search(r"os_error_code='(\d+)'", message)
     return f"[Errno {found[1]}] {os.strerror(int(found[1]))}" if found else ""
 
 
 def _free_name(path: Path) -> Path:
-    """``path``, or ``path.1``, ``path.2``, ...: the first that does not exist (nothing set aside is replaced)."""
+    """``path``, or ``path.1``, ``path.2``, ...: the first that does not exist (nothing set aside is
+    replaced)."""
     candidate, n = path, 0
     while candidate.exists():
         n += 1
@@ -109,12 +114,14 @@ def _free_name(path: Path) -> Path:
 
 
 def _dir_bytes(path: Path) -> int:
-    """Bytes the files under ``path`` take on disk (whole blocks, as the file system counts them)."""
+    """Bytes the files under ``path`` take on disk (whole blocks, as the file system counts
+    them)."""
     return sum(max(f.stat().st_size, f.stat().st_blocks * 512) for f in path.rglob("*") if f.is_file())
 
 
 class Checkpointer:
-    """The run's CheckpointManager, the damage-or-mismatch restore, and saves that fail loudly and at once."""
+    """The run's CheckpointManager, the damage-or-mismatch restore, and saves that fail loudly and
+    at once."""
 
     def __init__(self, run_dir: str | Path, train: TrainConfig):
         self.run_dir = Path(run_dir).absolute()
@@ -128,20 +135,22 @@ class Checkpointer:
         self._quiet = QuietOrbax().__enter__()
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._pending: int | None = None  # a step whose background write has not been confirmed yet
-        self._failed_once = False  # after a failed write, closing must not raise orbax's error a second time
+        # after a failed write, closing must not raise orbax's error a second time
+        self._failed_once = False
 
     # -- saving
 
-    def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array, data_iterator: Any, meta: dict,
-             config: dict) -> None:
-        """Start writing step ``step`` (in the background when async); a step already on disk is left alone.
+    def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array, data_iterator: Any,
+             meta: dict, config: dict) -> None:
+        """Start writing step ``step`` (in the background when async); a step already on disk is
+        left alone.
 
         Raises :class:`CheckpointWriteError` when an earlier background save
         failed, when the folder cannot be written or has no room, or when
         this save fails to start.
         """
-        # orbax would wait for the previous write anyway; waiting here first surfaces its failure and lets the
-        # free space be measured with that checkpoint complete.
+        # orbax would wait for the previous write anyway; waiting here first surfaces its failure
+        # and lets the free space be measured with that checkpoint complete.
         self.wait()
         if step in self.manager.all_steps():
             return
@@ -166,12 +175,14 @@ class Checkpointer:
             self.wait()
 
     def check(self) -> None:
-        """Raise :class:`CheckpointWriteError` if a background save has ended without its step on disk (no wait)."""
+        """Raise :class:`CheckpointWriteError` if a background save has ended without its step on
+        disk (no wait)."""
         if self._pending is not None and not self.manager.is_saving_in_progress():
             self.wait()
 
     def wait(self) -> None:
-        """Block until background writes are committed; a failed one raises :class:`CheckpointWriteError`."""
+        """Block until background writes are committed; a failed one raises
+        :class:`CheckpointWriteError`."""
         step, self._pending = self._pending, None
         try:
             self.manager.wait_until_finished()
@@ -181,7 +192,8 @@ class Checkpointer:
             self._failed(step, None)
 
     def _check_room(self, step: int, state: Any) -> None:
-        """Probe the folder for writing and compare its free space with what a checkpoint takes (all processes agree).
+        """Probe the folder for writing and compare its free space with what a checkpoint takes (all
+        processes agree).
 
         The size is the last checkpoint's on disk, or, before the first, the
         bytes of the arrays being saved (a lower bound).
@@ -196,12 +208,15 @@ class Checkpointer:
                          sum(x.nbytes for x in jax.tree.leaves(state)))
             free = shutil.disk_usage(self.directory).free
             if free < needed:
-                problem = (f"{free / MB:.1f} MB free, a checkpoint takes about {needed / MB:.1f} MB: "
-                           f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} (foreseen, nothing written)")
+                problem = (
+                    f"{free / MB:.1f} MB free, a checkpoint takes about {needed / MB:.1f} MB: "
+                    f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} (foreseen, nothing written)"
+                )
             elif free < 2 * needed:
-                log.warning("checkpoints: %.1f MB free in %s and a checkpoint takes about %.1f MB: checkpoint %d "
-                            "fits, the one after it may not; free some space", free / MB, self.directory,
-                            needed / MB, step)
+                log.warning(
+                    "checkpoints: %.1f MB free in %s and a checkpoint takes about %.1f MB: checkpoint %d "
+                    "fits, the one after it may not; free some space", free / MB, self.directory,
+                    needed / MB, step)
         except OSError as err:
             problem = _os_error(err) or first_line(err)
         failed = bool(problem)
@@ -214,7 +229,8 @@ class Checkpointer:
             raise CheckpointWriteError(self._message(step, problem, removed=False))
 
     def _failed(self, step: int | None, err: Exception | None) -> None:
-        """Remove the step's partial folder, then raise the one-line :class:`CheckpointWriteError`."""
+        """Remove the step's partial folder, then raise the one-line
+        :class:`CheckpointWriteError`."""
         self._failed_once = True
         orbax_said = self._quiet.messages[0] if self._quiet.messages else ""
         reason = ((_os_error(err) if err is not None else "") or _os_error_in(orbax_said)
@@ -229,29 +245,34 @@ class Checkpointer:
             self.manager.reload()
         except Exception:  # noqa: BLE001 - the listing is refreshed for the message; the error is what matters
             pass
-        raise CheckpointWriteError(self._message(step, reason or "unknown error (see --log-level DEBUG)", removed))
+        raise CheckpointWriteError(
+            self._message(step, reason or "unknown error (see --log-level DEBUG)", removed))
 
     def _message(self, step: int | None, reason: str, removed: bool) -> str:
         kept = self.manager.latest_step()
-        return (f"checkpoint {step} could not be written to {self.directory}: {reason}. The run stops here"
-                + ("; its partial folder was removed" if removed else "")
-                + (f". Checkpoint {kept} is intact: run the same command again to resume from it"
-                   if kept is not None else ". No earlier checkpoint exists"))
+        return (
+            f"checkpoint {step} could not be written to {self.directory}: {reason}. The run stops here"
+            + ("; its partial folder was removed" if removed else "") +
+            (f". Checkpoint {kept} is intact: run the same command again to resume from it"
+             if kept is not None else ". No earlier checkpoint exists"))
 
     # -- restoring
 
     def restore_latest(self, params: Any, opt_state: Any, rng: jax.Array, config: Config,
                        identity: dict[str, Any]) -> Restored | None:
-        """Restore the newest readable step into the given (sharded) templates; None when there is none.
+        """Restore the newest readable step into the given (sharded) templates; None when there is
+        none.
 
         A mismatch (:func:`plan_resume`) raises before anything is read or
         moved; a damaged step is set aside and the previous one tried.
         """
         templates = {"params": abstract(params), "opt_state": abstract(opt_state),
                      "rng": abstract({"key": rng})}
-        quiet_orphaned_reads()  # a damaged step's orphaned reads report late: its one line says it all
+        # a damaged step's orphaned reads report late: its one line says it all
+        quiet_orphaned_reads()
         for step in sorted(self.manager.all_steps(), reverse=True):
-            if params_only(self.directory / str(step)):  # not damage: nothing to resume, and nothing is moved
+            # not damage: nothing to resume, and nothing is moved
+            if params_only(self.directory / str(step)):
                 raise CheckpointMismatchError(
                     f"checkpoint {self.directory / str(step)} holds parameters only (an import); training cannot "
                     f"resume from it. Nothing was moved: start a new run.dir with train.init_from={self.run_dir}"
@@ -306,7 +327,8 @@ class Checkpointer:
                 raise
             log.debug("closing the checkpoint manager after a failed write", exc_info=True)
         finally:
-            if self._failed_once:  # orbax's orphaned tasks report at garbage collection: collect them while quiet
+            # orbax's orphaned tasks report at garbage collection: collect them while quiet
+            if self._failed_once:
                 gc.collect()
             self._quiet.__exit__()
 
@@ -316,7 +338,8 @@ class Checkpointer:
 
 
 def save_params(run_dir: str | Path, step: int, params: Any, meta: dict[str, Any]) -> Path:
-    """Write a checkpoint of parameters only (what seqjax.import writes), synchronously; returns its folder.
+    """Write a checkpoint of parameters only (what seqjax.import writes), synchronously; returns its
+    folder.
 
     :func:`load_for_inference` and ``train.init_from`` read it; training cannot
     resume from it (no optimizer state), so a fine-tune starts in another run.dir.
@@ -329,5 +352,3 @@ def save_params(run_dir: str | Path, step: int, params: Any, meta: dict[str, Any
                                                    meta=ocp.args.JsonSave(meta)), force=True)
         manager.wait_until_finished()
     return folder / str(step)
-
-

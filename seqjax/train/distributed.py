@@ -20,7 +20,8 @@ ENV_PROCESS_ID = "SEQJAX_PROCESS_ID"
 
 
 def distributed_settings(dist: DistributedConfig) -> tuple[str | None, int | None, int | None]:
-    """(coordinator, num_processes, process_id) from config keys, falling back to SEQJAX_* environment variables."""
+    """(coordinator, num_processes, process_id) from config keys, falling back to SEQJAX_*
+    environment variables."""
 
     def pick(value, env, cast):
         if value is not None:
@@ -61,7 +62,8 @@ def initialize_distributed(dist: DistributedConfig) -> bool:
             f"(or {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID})"
         )
     if process_id >= num_processes:
-        raise ConfigError(f"dist.process_id={process_id}: expected less than dist.num_processes={num_processes}")
+        raise ConfigError(
+            f"dist.process_id={process_id}: expected less than dist.num_processes={num_processes}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id)
     return True

@@ -54,7 +54,8 @@ def flops_per_token(model: ModelConfig, seq_len: int, num_params: int, vocab_siz
     return 6.0 * n + 12.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
 
 
-def peak_flops_per_device(device: jax.Device | None = None, override: float | None = None) -> float | None:
+def peak_flops_per_device(device: jax.Device | None = None,
+                          override: float | None = None) -> float | None:
     """The configured peak, else the table's entry for this device kind, else None (e.g. CPU)."""
     if override is not None:
         return override
@@ -66,7 +67,8 @@ def peak_flops_per_device(device: jax.Device | None = None, override: float | No
     return None
 
 
-def mfu(tokens_per_s: float, flops_per_tok: float, num_devices: int, peak: float | None) -> float | None:
+def mfu(tokens_per_s: float, flops_per_tok: float, num_devices: int,
+        peak: float | None) -> float | None:
     """Fraction of the devices' peak the model FLOPs reach; None when no peak is known."""
     if peak is None or peak <= 0:
         return None

@@ -25,8 +25,8 @@ A feature attaches without editing the loop, as Levanter's
 
     train(config, hooks=[Hook("param_norm", log_norm, every=100)])
 
-Extra hooks run after the built-in ones, so they see the step's checkpoint and validation already done.
-:func:`builtin_hooks` defines the built-in ones, here, over the objects the loop hands it.
+Extra hooks run after the built-in ones, so they see the step's checkpoint and validation already
+done. :func:`builtin_hooks` defines the built-in ones, here, over the objects the loop hands it.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from seqjax.train.signals import Interrupted
 
 @dataclasses.dataclass(frozen=True)
 class StepState:
-    """What a hook may read after step ``step``: the new parameters and optimizer state (device arrays, not to be
-    donated or changed), the RNG, the data iterator's position after the step's batch, and whether a stop was
-    requested at this step."""
+    """What a hook may read after step ``step``: the new parameters and optimizer state (device
+    arrays, not to be donated or changed), the RNG, the data iterator's position after the step's
+    batch, and whether a stop was requested at this step."""
 
     step: int
     params: Any
@@ -54,14 +54,16 @@ class StepState:
 
 @dataclasses.dataclass
 class Hook:
-    """``run(state)`` after every ``every``-th step, at the last step (``at_last``), and whenever ``when(state)``."""
+    """``run(state)`` after every ``every``-th step, at the last step (``at_last``), and whenever
+    ``when(state)``."""
 
     name: str
     run: Callable[[StepState], Any]
     every: int | None = None
     at_last: bool = True
     when: Callable[[StepState], bool] | None = None
-    after_flush: bool = True  # False: it neither waits for nor forces the metrics flush (the profiler's trace)
+    # False: it neither waits for nor forces the metrics flush (the profiler's trace)
+    after_flush: bool = True
 
     def due(self, state: StepState, last_step: int) -> bool:
         return bool((self.every and state.step % self.every == 0)
@@ -70,7 +72,8 @@ class Hook:
 
 
 class Hooks:
-    """The ordered hooks of one run; the first is the metrics flush, which runs whenever any hook is due."""
+    """The ordered hooks of one run; the first is the metrics flush, which runs whenever any hook is
+    due."""
 
     def __init__(self, flush: Hook, last_step: int):
         self.last_step = last_step
@@ -103,10 +106,11 @@ class Hooks:
 class Duties:
     """What the built-in hooks act on, handed over by the loop.
 
-    ``steps``: the StepLogger (the metrics window and its flush); ``checkpoints``: the Checkpointer; ``meta()``:
-    what a checkpoint records besides the state; ``config``: the resolved config, saved with each checkpoint;
-    ``validate(state)``: one validation, logged (None: the run has no validation data); ``stop_signal()``: the
-    signal a stop was requested with; ``profiler``: the ProfileWindow.
+    ``steps``: the StepLogger (the metrics window and its flush); ``checkpoints``: the Checkpointer;
+    ``meta()``: what a checkpoint records besides the state; ``config``: the resolved config, saved
+    with each checkpoint; ``validate(state)``: one validation, logged (None: the run has no
+    validation data); ``stop_signal()``: the signal a stop was requested with; ``profiler``: the
+    ProfileWindow.
     """
 
     steps: Any
@@ -119,15 +123,16 @@ class Duties:
 
 
 def builtin_hooks(duties: Duties, *, last_step: int, checkpoint_every: int, eval_every: int) -> Hooks:
-    """The run's own duties, in their order: flush, checkpoint, validate, stop, profile (see the table above)."""
+    """The run's own duties, in their order: flush, checkpoint, validate, stop, profile (see the
+    table above)."""
 
     def flush(state: StepState) -> None:
         duties.steps.flush(state.step)
         duties.checkpoints.check()  # a background save that failed stops the run here, not later
 
     def checkpoint(state: StepState) -> None:
-        duties.checkpoints.save(state.step, state.params, state.opt_state, state.rng, state.position, duties.meta(),
-                                duties.config.to_dict())
+        duties.checkpoints.save(state.step, state.params, state.opt_state, state.rng,
+                                state.position, duties.meta(), duties.config.to_dict())
 
     def validate(state: StepState) -> None:
         duties.validate(state)

@@ -1,4 +1,5 @@
-"""Reading a trained model for inference: a run folder or one step folder -> (config, model with its weights).
+"""Reading a trained model for inference: a run folder or one step folder -> (config, model with its
+weights).
 
 Used by the eval, generate and export CLIs and by ``train.init_from``; only the
 parameters are read, on the default device.
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 
 
 def locate(path: str | Path) -> tuple[Path, Path, int | None]:
-    """(config.yaml, checkpoints folder, step or None for the latest) for a run dir or a step folder."""
+    """(config.yaml, checkpoints folder, step or None for the latest) for a run dir or a step
+    folder."""
     path = Path(path).absolute()
     if (path / CHECKPOINTS).is_dir():
         return path / CONFIG_FILE, path / CHECKPOINTS, None
@@ -52,12 +54,12 @@ def locate(path: str | Path) -> tuple[Path, Path, int | None]:
         return path.parent.parent / CONFIG_FILE, path.parent, int(path.name)
     raise ConfigError(
         f"{path}: expected a run directory holding {CHECKPOINTS}/ (a train run.dir) or one checkpoint step folder "
-        f"such as <run.dir>/{CHECKPOINTS}/1000"
-    )
+        f"such as <run.dir>/{CHECKPOINTS}/1000")
 
 
 def trained_tokenizer_hash(path: str | Path) -> str | None:
-    """The sha256 of the tokenizer a run (or step folder) was trained with, as its newest checkpoint records it.
+    """The sha256 of the tokenizer a run (or step folder) was trained with, as its newest checkpoint
+    records it.
 
     None when the folder is not a run or its checkpoints predate the record.
     """
@@ -65,8 +67,8 @@ def trained_tokenizer_hash(path: str | Path) -> str | None:
         _, checkpoints, step = locate(path)
     except ConfigError:
         return None
-    steps = [step] if step is not None else sorted((int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()),
-                                                   reverse=True)
+    steps = [step] if step is not None else sorted(
+        (int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()), reverse=True)
     for candidate in steps:
         try:
             meta = read_meta(checkpoints / str(candidate))
@@ -76,55 +78,75 @@ def trained_tokenizer_hash(path: str | Path) -> str | None:
     return None
 
 
-def check_tokenizer(where: str | Path, tokenizer_hash: str, tokenizer_path: str | Path, vocab_size: int | None,
-                    tokenizer_vocab: int, key: str) -> None:
-    """Refuse a tokenizer a checkpoint's weights cannot be read with: the one place every reader checks it.
+def check_tokenizer(where: str | Path, tokenizer_hash: str, tokenizer_path: str | Path,
+                    vocab_size: int | None, tokenizer_vocab: int, key: str) -> None:
+    """Refuse a tokenizer a checkpoint's weights cannot be read with: the one place every reader
+    checks it.
 
-    Too many tokens for the model's embedding, or not the tokenizer the checkpoint records it was trained with
-    (a run whose tokenizer was rebuilt on resume keeps older steps trained with the old one). ``key`` names
-    what chose the tokenizer, for the message (``tokenizer.path``, ``train.init_from``, ...).
+    Too many tokens for the model's embedding, or not the tokenizer the checkpoint records it was
+    trained with (a run whose tokenizer was rebuilt on resume keeps older steps trained with the old
+    one). ``key`` names what chose the tokenizer, for the message (``tokenizer.path``,
+    ``train.init_from``, ...).
     """
     if vocab_size is not None and tokenizer_vocab > vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer_path}: {tokenizer_vocab} tokens, more than the model.vocab_size={vocab_size} of "
-            f"{where}; expected the tokenizer it was trained with ({key})"
-        )
+            f"{where}; expected the tokenizer it was trained with ({key})")
     trained = trained_tokenizer_hash(where)
     if trained is not None and trained != tokenizer_hash:
         raise ConfigError(
             f"tokenizer {tokenizer_path} (sha256 {tokenizer_hash[:12]}) is not the one {where} was trained with "
-            f"(sha256 {trained[:12]}); expected that tokenizer ({key})"
-        )
+            f"(sha256 {trained[:12]}); expected that tokenizer ({key})")
 
 
 def base_weights(path: str, dtype: str, scan_layers: bool) -> dict[str, Any]:
-    """The weights at ``path`` as a pure dict of numpy arrays of ``dtype`` (blocks stacked for scan_layers): an HF
-    folder's, or a seqjax run's or step folder's (a LoRA run's with its adapters folded in). What
-    ``train.init_from`` starts from, and the base a LoRA run's adapters are read onto."""
+    """The weights at ``path`` as a pure dict of numpy arrays of ``dtype`` (blocks stacked for
+    scan_layers): an HF folder's, or a seqjax run's or step folder's (a LoRA run's with its adapters
+    folded in). What ``train.init_from`` starts from, and the base a LoRA run's adapters are read
+    onto."""
     if hf.is_hf_folder(Path(path).expanduser()):
         return blocks_layout(hf.read_params(hf.read_folder(path), dtype), stacked=scan_layers)
-    _, model = load_for_inference(path)  # a LoRA run's weights are its base with the adapters folded in
+    # a LoRA run's weights are its base with the adapters folded in
+    _, model = load_for_inference(path)
     return blocks_layout(full_weights(model, dtype), stacked=scan_layers)
 
 
 def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Any]:
-    """(config, model with trained weights) from a run dir (its newest readable checkpoint) or a step folder.
+    """(config, model with trained weights) from a run dir (its newest readable checkpoint) or a
+    step folder.
 
     The config is the run's saved ``config.yaml`` (plus ``overrides``, e.g. a
     different ``model.attention`` backend for inference), with ``tokenizer.path``
     pointing at the run folder's own ``tokenizer.json`` when it has one; only the
     parameters are read, on the default device. Overrides that change the
     parameters' shapes (``model.vocab_size=1000``) are refused with the differing
-    keys before any array is read.
+    keys before any array is read. Under ``model.lora`` a checkpoint holds the adapters only: their
+    base is read again (``train.init_from``, or ``run.seed``'s initialization) and checked.
     """
     config_file, checkpoints, step = locate(path)
     config = load_config(config_file, list(overrides))
     own_tokenizer = config_file.parent / TOKENIZER_FILE
     if own_tokenizer.is_file() and not any(o.startswith("tokenizer.path=") for o in overrides):
         config.tokenizer.path = str(own_tokenizer)  # the run's copy, wherever the run folder now is
-    model = build_model(config, rngs=nnx.Rngs(config.run.seed))
-    graphdef, params, frozen, rest = split_params(model)  # under model.lora a checkpoint holds the adapters only
-    target = abstract(nnx.to_pure_dict(params))
+    graphdef, params, frozen, rest = split_params(build_model(config, rngs=nnx.Rngs(config.run.seed)))
+    step, restored = _newest_params(config, config_file, checkpoints, step, abstract(nnx.to_pure_dict(params)))
+    step_dir = checkpoints / str(step)
+    if frozen is None:
+        model = assemble(graphdef, restored, None, rest)
+    else:  # the adapters' base, checked against the record of it the checkpoint holds
+        base = nnx.to_pure_dict(frozen)
+        if config.train.init_from:
+            base = base_weights(config.train.init_from, config.model.param_dtype, config.model.scan_layers)
+        check_base(read_meta(step_dir).get("lora_base"), base_identity(base, config.train.init_from), step_dir)
+        model = assemble(graphdef, restored, stored_base(base, config.model), rest)  # QLoRA: as trained
+    model.checkpoint_step = step  # which step was read (an older one when the newest is unreadable)
+    return config, model
+
+
+def _newest_params(config: Config, config_file: Path, checkpoints: Path, step: int | None,
+                   target: Any) -> tuple[int, Any]:
+    """(step, parameters) of ``step`` or, when None, the newest readable checkpoint, in the layout of
+    ``model.scan_layers``; finite, and shaped as ``target``."""
     errors = []
 
     def restore(candidate: int) -> Any:
@@ -137,8 +159,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
             keys = "; ".join(map(str, likely_causes_first(changes))) or "no config key"
             raise CheckpointMismatchError(
                 f"checkpoint {checkpoints / str(candidate)} does not fit the model asked for ({keys}): its "
-                f"parameters differ: {'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''}"
-            )
+                f"parameters differ: {'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''}")
         # Only the params item is read, so no CheckpointManager (which also wants to manage the folder).
         with ocp.StandardCheckpointer() as reader:
             restored = like_target(as_saved, reader.restore(checkpoints / str(candidate) / "params", as_saved))
@@ -148,7 +169,7 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
         errors.append(f"step {candidate}: {first_line(err)}")
         log.warning("checkpoint %s is unreadable; trying an older one", checkpoints / str(candidate))
 
-    # A step folder is named by its number only once orbax has committed it (in-progress writes carry a suffix).
+    # A step folder is named by its number only once orbax has committed it (in-progress writes have a suffix).
     steps = [step] if step is not None else [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
     if not steps:
         raise CheckpointError(f"no complete checkpoint in {checkpoints}")
@@ -156,17 +177,8 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     found = newest_readable(steps, restore, unreadable)
     if found is None:
         raise CheckpointError(f"no readable checkpoint in {checkpoints}: " + "; ".join(errors))
-    step_dir, restored = checkpoints / str(found[0]), like_target(target, found[1])
-    for path, value in jax.tree_util.tree_leaves_with_path(restored):
-        check_finite(value, "/".join(str(getattr(k, "key", k)) for k in path), str(step_dir / "params"))
-    if frozen is not None:  # the adapters' base: train.init_from again (or run.seed's initialization), checked
-        base = nnx.to_pure_dict(frozen)
-        if config.train.init_from:
-            base = base_weights(config.train.init_from, config.model.param_dtype, config.model.scan_layers)
-        check_base(read_meta(step_dir).get("lora_base"), base_identity(base, config.train.init_from), step_dir)
-        model = assemble(graphdef, restored, stored_base(base, config.model), rest)  # QLoRA: as training stored it
-    else:
-        model = assemble(graphdef, restored, None, rest)
-    model.checkpoint_step = found[0]  # which step was read (an older one when the newest is unreadable): eval says it
-    return config, model
-
+    restored = like_target(target, found[1])
+    for key, value in jax.tree_util.tree_leaves_with_path(restored):
+        check_finite(value, "/".join(str(getattr(k, "key", k)) for k in key),
+                     str(checkpoints / str(found[0]) / "params"))
+    return found[0], restored

@@ -1,4 +1,5 @@
-"""``train.init_from``: the starting weights of a fine-tune, from a seqjax run or step folder or an HF Llama folder.
+"""``train.init_from``: the starting weights of a fine-tune, from a seqjax run or step folder or an
+HF Llama folder.
 
 Only the parameters come from there: the optimizer state, the step and the
 data position start fresh, as in any new run. The tokenizer comes with the
@@ -14,7 +15,8 @@ ConfigError naming both shapes. Fields that change the function but not the
 shapes (``rope_theta``, ``rope_scaling``, ``norm_eps``) may differ on purpose
 (stretching a model's context is a fine-tune); each difference is logged.
 
-Example: ``seqjax.train --config runs/llama-tiny/config.yaml run.dir=runs/ft train.init_from=runs/llama-tiny``.
+Example: ``seqjax.train --config runs/llama-tiny/config.yaml run.dir=runs/ft
+train.init_from=runs/llama-tiny``.
 """
 
 from __future__ import annotations
@@ -62,38 +64,48 @@ def locate(path: str) -> Source:
             f"train.init_from: {path!r} not found (expected a seqjax run or step folder, or an HF model folder)"
         )
     if (where / ADAPTER_CONFIG).is_file() and not hf.is_hf_folder(where):
-        raise ConfigError(f"train.init_from: {path} is a PEFT adapter folder ({ADAPTER_CONFIG}), not a model; set "
-                          f"train.init_adapter={path} for its adapters and train.init_from to its base model")
+        raise ConfigError(
+            f"train.init_from: {path} is a PEFT adapter folder ({ADAPTER_CONFIG}), not a model; set "
+            f"train.init_adapter={path} for its adapters and train.init_from to its base model")
     if hf.is_hf_folder(where):
         folder = hf.read_folder(where)
-        tokenizer = {"path": str(folder.tokenizer), "special_tokens": [folder.eos_token], "bos_token": folder.bos_token,
-                     "pad_token": folder.pad_token}
+        tokenizer = {
+            "path": str(folder.tokenizer), "special_tokens": [folder.eos_token],
+            "bos_token": folder.bos_token, "pad_token": folder.pad_token
+        }
         return Source(where, folder.model, tokenizer, folder)
     try:
         config_file, _, _ = inference.locate(where)
     except ConfigError as err:
-        raise ConfigError(f"train.init_from: {err}, or a Hugging Face model folder (config.json)") from None
+        raise ConfigError(
+            f"train.init_from: {err}, or a Hugging Face model folder (config.json)") from None
     source = load_config(config_file)
     own = config_file.parent / TOKENIZER_FILE
     tokenizer = dataclasses.asdict(source.tokenizer)
     if own.is_file():
         tokenizer["path"] = str(own)
-    elif not tokenizer["path"]:  # a run from before runs kept their tokenizer: the one its config trains (cached)
+    elif not tokenizer["path"]:
+        # a run from before runs kept their tokenizer: the one its config trains (cached)
         tokenizer["path"] = str(prepare(source, splits=()).tokenizer.path)
     model = dataclasses.replace(source.model, max_seq_len=source.max_seq_len)
     if model.vocab_size is None:
-        raise ConfigError(f"train.init_from: {config_file} has model.vocab_size null; expected a trained run's config")
-    # The weights only mean something under the tokenizer they were trained with (a step folder of a run whose
-    # tokenizer was rebuilt on resume was not): checked as eval, generate and export check it.
+        raise ConfigError(
+            f"train.init_from: {config_file} has model.vocab_size null; expected a trained run's config"
+        )
+    # The weights only mean something under the tokenizer they were trained with (a step folder of a
+    # run whose tokenizer was rebuilt on resume was not): checked as eval, generate and export check
+    # it.
     data = Path(tokenizer["path"]).read_bytes()
     vocab = HFTokenizer.from_str(data.decode("utf-8")).get_vocab_size(with_added_tokens=True)
-    inference.check_tokenizer(where, hashlib.sha256(data).hexdigest(), tokenizer["path"], model.vocab_size, vocab,
-                              "train.init_from")
+    inference.check_tokenizer(where,
+                              hashlib.sha256(data).hexdigest(), tokenizer["path"], model.vocab_size,
+                              vocab, "train.init_from")
     return Source(where, model, tokenizer)
 
 
 def adopt(config: Config, source: Source) -> Config:
-    """``config`` with the source's tokenizer (and vocabulary when null), after checking every parameter shape.
+    """``config`` with the source's tokenizer (and vocabulary when null), after checking every
+    parameter shape.
 
     A ``tokenizer.path`` set to another file is refused: the weights only mean
     something under their own tokenizer.
@@ -102,8 +114,7 @@ def adopt(config: Config, source: Source) -> Config:
     if given and Path(given).expanduser().read_bytes() != Path(source.tokenizer["path"]).read_bytes():
         raise ConfigError(
             f"tokenizer.path: got {given!r}, but train.init_from={str(source.path)!r} comes with its own tokenizer "
-            f"{source.tokenizer['path']}; leave tokenizer.path null"
-        )
+            f"{source.tokenizer['path']}; leave tokenizer.path null")
     tokenizer = dataclasses.replace(config.tokenizer, **source.tokenizer)
     model = config.model
     if model.vocab_size is None:
@@ -114,14 +125,18 @@ def adopt(config: Config, source: Source) -> Config:
 
 
 def _shapes(cfg: Config | ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Each parameter's path and shape, without allocating it, in the unrolled layout (either converts)."""
+    """Each parameter's path and shape, without allocating it, in the unrolled layout (either
+    converts)."""
     model_cfg = dataclasses.replace(cfg.model if isinstance(cfg, Config) else cfg, scan_layers=False)
     if isinstance(cfg, Config):
         cfg = dataclasses.replace(cfg, model=model_cfg)
     else:
         cfg = model_cfg
     model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
-    return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(model, BASE_PARAMS))}
+    return {
+        ".".join(map(str, path)): tuple(v.shape)
+        for path, v in nnx.to_flat_state(nnx.state(model, BASE_PARAMS))
+    }
 
 
 def check_shapes(config: Config, source: Source) -> None:
@@ -138,18 +153,17 @@ def check_shapes(config: Config, source: Source) -> None:
             raise ConfigError(
                 f"train.init_from: {source.path} has {name} of shape {theirs.get(name, 'none (tied embeddings)')}, "
                 f"but the config's model gives {ours.get(name, 'none (tied embeddings)')}; "
-                f"make {fields} match the source"
-            )
+                f"make {fields} match the source")
     for field in FUNCTION_FIELDS:
         if getattr(config.model, field) != getattr(source.model, field):
-            log.warning("fine-tuning with model.%s=%s where %s used %s", field, getattr(config.model, field),
-                        source.path, getattr(source.model, field))
+            log.warning("fine-tuning with model.%s=%s where %s used %s", field,
+                        getattr(config.model, field), source.path, getattr(source.model, field))
 
 
 def load_params(source: Source, dtype: str, scan_layers: bool = False) -> dict[str, Any]:
-    """The source's parameters as a pure dict (``nnx.to_pure_dict`` layout), numpy arrays of ``dtype``, with the
-    blocks stacked when the run scans its layers (whatever layout the source has)."""
+    """The source's parameters as a pure dict (``nnx.to_pure_dict`` layout), numpy arrays of
+    ``dtype``, with the blocks stacked when the run scans its layers (whatever layout the source
+    has)."""
     if source.folder is not None:
         return blocks_layout(hf.read_params(source.folder, dtype), stacked=scan_layers)
     return inference.base_weights(str(source.path), dtype, scan_layers)
-

@@ -1,4 +1,5 @@
-"""Training, the library behind ``python -m seqjax.train``: config -> data -> sharded model and optimizer -> steps.
+"""Training, the library behind ``python -m seqjax.train``: config -> data -> sharded model and
+optimizer -> steps.
 
 Everything a run produces lives in ``run.dir``: ``config.yaml`` (resolved,
 with the tokenizer's vocabulary size filled in), ``tokenizer.json`` (its own
@@ -60,55 +61,65 @@ logger = logging.getLogger(__name__)  # (``log`` in train() is the run's Metrics
 
 def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any]] | None = None,
           hooks: Sequence[Hook] = ()) -> dict[str, Any]:
-    """Run (or resume) training for ``train.steps`` steps; return the summary also written to summary.json.
+    """Run (or resume) training for ``train.steps`` steps; return the summary also written to
+    summary.json.
 
     The run holds the lock on ``run.dir`` from before any work to the end
     (:class:`~seqjax.train.rundir.RunLock`): a second run there is refused.
 
-    ``validate(model, step)``, when given, replaces the built-in validation (every ``train.eval_every``
-    steps and at the end). It returns the row logged under "valid", with at least ``val_loss``,
-    ``val_perplexity``, ``val_word_perplexity`` and ``val_bits_per_byte``, which the summary reports.
-    scripts/study_strategies.py scores a fixed subset of articles this way.
+    ``validate(model, step)``, when given, replaces the built-in validation (every
+    ``train.eval_every`` steps and at the end). It returns the row logged under "valid", with at
+    least ``val_loss``, ``val_perplexity``, ``val_word_perplexity`` and ``val_bits_per_byte``, which
+    the summary reports. scripts/study_strategies.py scores a fixed subset of articles this way.
 
-    ``hooks`` run after the built-in ones (flush, checkpoint, validate, stop, profile) at the steps each names:
-    see :mod:`seqjax.train.hooks`.
+    ``hooks`` run after the built-in ones (flush, checkpoint, validate, stop, profile) at the steps
+    each names: see :mod:`seqjax.train.hooks`.
     """
     wall_start = time.perf_counter()
     if config.eval.mode == "lm_eval":
-        raise ConfigError("eval.mode: got 'lm_eval' for training's validation, expected blocks, sliding or documents "
-                          "(lm_eval scores raw pages with python -m seqjax.eval after training)")
+        raise ConfigError(
+            "eval.mode: got 'lm_eval' for training's validation, expected blocks, sliding or documents "
+            "(lm_eval scores raw pages with python -m seqjax.eval after training)")
     check_config(config)  # the strategy tables' rules, as every command checks them after loading
-    objective_of(config)  # an unknown objective, or one reading fields the data lacks: refused before any work
-    check_trackers(config.run.trackers)  # a tracker asked for but not installed: refused before any work
+    # an unknown objective, or one reading fields the data lacks: refused before any work
+    objective_of(config)
+    # a tracker asked for but not installed: refused before any work
+    check_trackers(config.run.trackers)
     initialize_distributed(config.dist)
     mesh = sharding.build_mesh(config.mesh)  # bad mesh sizes fail before any data work
     # so does a backend this machine lacks
-    resolve_backend(config.model.attention, config.model.compute_dtype, windows=config.model.has_windows)
+    resolve_backend(config.model.attention, config.model.compute_dtype,
+                    windows=config.model.has_windows)
     sharding.check_batch_fits(config.data.batch_size, mesh, config.train.grad_accum)
     config, source = _init_source(config)
     with RunLock(config.run.dir, jax.process_index(), jax.process_count()):
         finished = finished_summary(Path(config.run.dir), config.train.steps)
         if finished is not None:
             # A scheduler that requeues a finished job lands here: its results stay as they are.
-            logger.info("%s already finished its %d steps (its summary.json holds the final validation); "
-                        "nothing to do and nothing rewritten: raise train.steps to continue it", config.run.dir,
-                        config.train.steps)
+            logger.info(
+                "%s already finished its %d steps (its summary.json holds the final validation); "
+                "nothing to do and nothing rewritten: raise train.steps to continue it",
+                config.run.dir, config.train.steps)
             return finished
         return _train(config, mesh, wall_start, validate, source, hooks)
 
 
 def _init_source(config: Config) -> tuple[Config, init_from.Source | None]:
-    """``train.init_from``: the source's tokenizer and shapes (a mismatch is refused before run.dir exists); None
-    when there is none, or when run.dir's own checkpoints win (a full fine-tune resumes them)."""
+    """``train.init_from``: the source's tokenizer and shapes (a mismatch is refused before run.dir
+    exists); None when there is none, or when run.dir's own checkpoints win (a full fine-tune
+    resumes them)."""
     if not config.train.init_from:
         return config, None
     source = init_from.locate(config.train.init_from)
     config = init_from.adopt(config, source)
     saved = _saved_steps(Path(config.run.dir))
-    if saved and config.model.lora.rank:  # checkpoints hold the adapters only: their base is read again
-        logger.info("run.dir %s holds checkpoints (newest: step %d): the adapters resume from them, on their "
-                    "base train.init_from=%s", config.run.dir, max(saved), config.train.init_from)
-    elif saved:  # said before any work: resuming the run's own checkpoints wins (as a requeued job expects)
+    # checkpoints hold the adapters only: their base is read again
+    if saved and config.model.lora.rank:
+        logger.info(
+            "run.dir %s holds checkpoints (newest: step %d): the adapters resume from them, on their "
+            "base train.init_from=%s", config.run.dir, max(saved), config.train.init_from)
+    elif saved:
+        # said before any work: resuming the run's own checkpoints wins (as a requeued job expects)
         logger.warning("run.dir %s holds checkpoints (newest: step %d): the run resumes from them and "
                        "train.init_from=%s is not read (it only starts a new run; use a new run.dir to "
                        "fine-tune afresh)", config.run.dir, max(saved), config.train.init_from)
@@ -117,36 +128,39 @@ def _init_source(config: Config) -> tuple[Config, init_from.Source | None]:
 
 
 def _saved_steps(run_dir: Path) -> list[int]:
-    """The committed checkpoint steps in ``run_dir`` (orbax names a step folder by its number once committed)."""
+    """The committed checkpoint steps in ``run_dir`` (orbax names a step folder by its number once
+    committed)."""
     folder = run_dir / CHECKPOINTS
     return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
 
 
 def _validation(run: Setup, params, mesh, step: int, validate, log: MetricsLog) -> dict[str, Any]:
-    """One validation (the caller's ``validate``, or the built-in one), logged to metrics.jsonl and stderr.
+    """One validation (the caller's ``validate``, or the built-in one), logged to metrics.jsonl and
+    stderr.
 
-    The built-in one is the eval command's, capped at train.eval_batches during training and over the whole
-    split at the end; a mixture's also scores each source's split alone (as Levanter reports each dataset's
-    loss): ``val_sources`` holds each one's loss and perplexity.
+    The built-in one is the eval command's, capped at train.eval_batches during training and over
+    the whole split at the end; a mixture's also scores each source's split alone (as Levanter
+    reports each dataset's loss): ``val_sources`` holds each one's loss and perplexity.
     """
     model = assemble(run.graphdef, params, run.frozen[0] if run.frozen else None, run.rest)
     config = run.config
     if validate is not None:
         row = {"step": step, **validate(model, step)}
     else:
-        final = step == config.train.steps
-        row = {"step": step, **_scores(model, run.valid_store, config, mesh, None if final else
-                                       config.train.eval_batches, run.primary)}
+        cap = None if step == config.train.steps else config.train.eval_batches
+        row = {"step": step, **_scores(model, run.valid_store, config, mesh, cap, run.primary)}
     log.write(row, prefix="valid")
     if run.primary:
-        logger.info("step %d: validation loss %.4f, perplexity %.2f", step, row["val_loss"], row["val_perplexity"])
+        logger.info("step %d: validation loss %.4f, perplexity %.2f", step, row["val_loss"],
+                    row["val_perplexity"])
         for name, source in row.get("val_sources", {}).items():
-            logger.info("step %d: validation loss %.4f, perplexity %.2f on source %s", step, source["loss"],
-                        source["perplexity"], name)
+            logger.info("step %d: validation loss %.4f, perplexity %.2f on source %s", step,
+                        source["loss"], source["perplexity"], name)
     return row
 
 
-def _scores(model, store, config: Config, mesh, max_batches: int | None, progress: bool) -> dict[str, Any]:
+def _scores(model, store, config: Config, mesh, max_batches: int | None,
+            progress: bool) -> dict[str, Any]:
     result = evaluate(model, store, config, mesh=mesh, max_batches=max_batches, progress=progress)
     val_loss = result["nll_sum"] / result["tokens"]
     row = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss), "val_tokens": result["tokens"],
@@ -157,7 +171,9 @@ def _scores(model, store, config: Config, mesh, max_batches: int | None, progres
         for (name, *_), source in zip(store.sources, store.source_stores):
             alone = evaluate(model, source, config, mesh=mesh, max_batches=max_batches, progress=False)
             loss = alone["nll_sum"] / alone["tokens"]
-            row["val_sources"][name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": alone["tokens"]}
+            row["val_sources"][name] = {
+                "loss": loss, "perplexity": math.exp(loss), "tokens": alone["tokens"]
+            }
     return row
 
 
@@ -172,9 +188,9 @@ def _step_logger(run: Setup, log: MetricsLog, restored: Restored | None, checkpo
     tc = run.config.train
     return StepLogger(log, steps=tc.steps, start_step=start_step, log_every=tc.log_every,
                       tokens_seen=int(restored.meta["tokens_seen"]) if restored else 0,
-                      learning_rates=run.learning_rates, flops_per_token=_flops_per_token(run), peak=peak,
-                      z_loss=bool(tc.z_loss), nonfinite=tc.nonfinite, primary=run.primary,
-                      last_good=functools.partial(_last_good, checkpoints))
+                      learning_rates=run.learning_rates, flops_per_token=_flops_per_token(run),
+                      peak=peak, z_loss=bool(tc.z_loss), nonfinite=tc.nonfinite,
+                      primary=run.primary, last_good=functools.partial(_last_good, checkpoints))
 
 
 def _flops_per_token(run: Setup):
@@ -191,11 +207,13 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
     params, opt_state, rng = (restored.params, restored.opt_state, restored.rng) if restored else \
         (run.params, run.opt_state, run.rng)
     start = restored.step if restored else 0
-    if run.primary:  # after the resume was accepted: a refused one leaves config.yaml and tokenizer.json as they were
+    # after the resume was accepted: a refused one leaves config.yaml and tokenizer.json as they
+    # were
+    if run.primary:
         keep_tokenizer(run.tokenizer_source, run.run_dir)
         announce(config, run.run_dir)
-        logger.info("%s parameters; mesh %s; %d process(es); unigram %s perplexity %s", f"{run.num_params:,}",
-                    dict(mesh.shape), jax.process_count(), config.eval.split,
+        logger.info("%s parameters; mesh %s; %d process(es); unigram %s perplexity %s",
+                    f"{run.num_params:,}", dict(mesh.shape), jax.process_count(), config.eval.split,
                     "n/a" if run.unigram is None else f"{run.unigram:.1f}")
     log = MetricsLog(run.run_dir, resume_step=start, enabled=run.primary, trackers=config.run.trackers,
                      config=config, checkpoint_row=restored.meta.get("row") if restored else None)
@@ -206,8 +224,10 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
     profiler = ProfileWindow(tc.profile, run.run_dir / "profile")
     last_val: list[dict[str, Any]] = []  # the newest validation row, kept by the validate hook
     stop_request = StopRequest(enabled=jax.process_count() == 1)
-    meta = {"processes": jax.process_count(), "devices": jax.device_count(), "data_identity": run.identity,
-            **({"lora_base": run.base} if run.base is not None else {})}
+    meta = {
+        "processes": jax.process_count(), "devices": jax.device_count(),
+        "data_identity": run.identity, **({"lora_base": run.base} if run.base is not None else {})
+    }
     def validation(state: StepState) -> None:
         last_val[:] = [_validation(run, state.params, mesh, state.step, validate, log)]
 
@@ -217,23 +237,29 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
     validating = run.valid_store is not None or validate is not None
     duties = Duties(steps, checkpoints, checkpoint_meta, config, validation if validating else None,
                     lambda: stop_request.signum, profiler)
-    hooks = builtin_hooks(duties, last_step=tc.steps, checkpoint_every=tc.checkpoint_every, eval_every=tc.eval_every)
+    hooks = builtin_hooks(duties, last_step=tc.steps, checkpoint_every=tc.checkpoint_every,
+                          eval_every=tc.eval_every)
     hooks.extend(extra_hooks)
     try:
-        with stop_request, steps, DevicePrefetch(run.data_iterator, run.to_device, depth=tc.prefetch) as prefetch:
+        with stop_request, steps, DevicePrefetch(run.data_iterator, run.to_device,
+                                                 depth=tc.prefetch) as prefetch:
             profiler.begin(start + 1)
             for step in range(start + 1, tc.steps + 1):
                 batch, position = next(prefetch)
                 # rng, step: dropout's key; run.frozen: the base under adapters, if any
                 params, opt_state, m = run.step_fn(params, opt_state, batch, rng, step, *run.frozen)
-                # No host sync here: the metrics stay on the device until a hook flushes them, so the host
-                # runs ahead and dispatches the next step while this one computes.
+                # No host sync here: the metrics stay on the device until a hook flushes them, so
+                # the host runs ahead and dispatches the next step while this one computes.
                 steps.add(step, m, batch["inputs"].shape)
-                hooks.after_step(StepState(step, params, opt_state, rng, position,
-                                           stopping=should_stop(stop_request, step, jax.process_count())))
+                hooks.after_step(
+                    StepState(step, params, opt_state, rng, position,
+                              stopping=should_stop(stop_request, step, jax.process_count())))
             if not last_val and start == tc.steps and "validate" in hooks.names:
-                # Resumed at the last step (the final validation was cut short, or never recorded): redo it.
-                logger.info("step %d was saved but its final validation never completed: running it now", start)
+                # Resumed at the last step (the final validation was cut short, or never recorded):
+                # redo it.
+                logger.info(
+                    "step %d was saved but its final validation never completed: running it now",
+                    start)
                 last_val[:] = [_validation(run, params, mesh, start, validate, log)]
         checkpoints.wait()
     finally:

@@ -1,4 +1,5 @@
-"""Where a run's numbers go: metrics.jsonl (one line per step, plus validation lines), the trackers, a PNG.
+"""Where a run's numbers go: metrics.jsonl (one line per step, plus validation lines), the trackers,
+a PNG.
 
 ``run.trackers`` chooses the trackers: ``jsonl`` (always on), ``tensorboard``
 (needs ``seqjax[tensorboard]``) and ``wandb`` (needs ``seqjax[wandb]``). One
@@ -48,7 +49,8 @@ def unigram_perplexity(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_
     layout; the first token has no context and is not scored (as in eval), so
     ``len(eval_tokens) - 1`` tokens are predicted.
     """
-    counts = np.bincount(np.asarray(train_tokens[1:], np.int64), minlength=vocab_size).astype(np.float64) + 1.0
+    counts = np.bincount(np.asarray(train_tokens[1:], np.int64), minlength=vocab_size).astype(
+        np.float64) + 1.0
     log_probs = np.log(counts) - np.log(counts.sum())
     scored = np.asarray(eval_tokens[1:], np.int64)
     return float(np.exp(-log_probs[scored].mean()))
@@ -60,7 +62,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
-    """(the rows of every complete line, the 1-based numbers of lines that are not JSON: cut short by a kill)."""
+    """(the rows of every complete line, the 1-based numbers of lines that are not JSON: cut short
+    by a kill)."""
     rows, cut = [], []
     if path.is_file():
         for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -71,7 +74,8 @@ def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     return rows, cut
 
 
-# The package each of config.TRACKERS needs (None: nothing beyond seqjax); the extra seqjax[<tracker>] installs it.
+# The package each of config.TRACKERS needs (None: nothing beyond seqjax); the extra
+# seqjax[<tracker>] installs it.
 TRACKER_PACKAGES = {"jsonl": None, "tensorboard": "tensorboardX", "wandb": "wandb"}
 
 
@@ -104,15 +108,18 @@ class _TensorBoard:
 
 
 class _Wandb:
-    """Scalars to Weights & Biases: one wandb run per ``run.dir`` (a resumed seqjax run continues it)."""
+    """Scalars to Weights & Biases: one wandb run per ``run.dir`` (a resumed seqjax run continues
+    it)."""
 
     def __init__(self, run_dir: Path, resume_step: int, config: Config | None):
         # optional dependency (seqjax[wandb]), imported only when asked for
         import wandb
 
-        run_id = hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:16]  # the same folder, the same run
-        self.run = wandb.init(project=config.run.wandb_project if config else "seqjax", name=run_dir.name, id=run_id,
-                              resume="allow", dir=str(run_dir), config=config.to_dict() if config else None)
+        # the same folder, the same run
+        run_id = hashlib.sha256(str(run_dir.absolute()).encode()).hexdigest()[:16]
+        self.run = wandb.init(project=config.run.wandb_project if config else "seqjax",
+                              name=run_dir.name, id=run_id, resume="allow", dir=str(run_dir),
+                              config=config.to_dict() if config else None)
 
     def write(self, row: dict[str, Any], prefix: str) -> None:
         self.run.log({f"{prefix}/{key}": value for key, value in _scalars(row)}, step=row["step"])
@@ -125,8 +132,8 @@ _TRACKER_CLASSES = {"tensorboard": _TensorBoard, "wandb": _Wandb}
 
 
 def _scalars(row: dict[str, Any], prefix: str = ""):
-    """The finite numbers of a row, without its step (the trackers' x axis); nested ones (a mixture's
-    ``val_sources``) as ``val_sources/<name>/loss``."""
+    """The finite numbers of a row, without its step (the trackers' x axis); nested ones (a
+    mixture's ``val_sources``) as ``val_sources/<name>/loss``."""
     for key, value in row.items():
         if isinstance(value, dict):
             yield from _scalars(value, f"{prefix}{key}/")
@@ -136,7 +143,8 @@ def _scalars(row: dict[str, Any], prefix: str = ""):
 
 
 class MetricsWriteError(RuntimeError):
-    """metrics.jsonl could not be written (full disk, read-only folder): the run stops at that step in one line."""
+    """metrics.jsonl could not be written (full disk, read-only folder): the run stops at that step
+    in one line."""
 
 
 class MetricsLog:
@@ -155,8 +163,9 @@ class MetricsLog:
         config: Config | None = None,
         checkpoint_row: dict[str, Any] | None = None,
     ):
-        """``resume_step`` 0 starts a new log; above 0 the log is cut back to it (``checkpoint_row``: that step's
-        row as the checkpoint kept it, put back if the file lost it)."""
+        """``resume_step`` 0 starts a new log; above 0 the log is cut back to it
+        (``checkpoint_row``: that step's row as the checkpoint kept it, put back if the file lost
+        it)."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.trackers: list[Any] = []
@@ -165,22 +174,25 @@ class MetricsLog:
         path = self.run_dir / METRICS_FILE
         rows, cut = _read_rows(path)
         if resume_step == 0:
-            if path.exists() and (rows or cut):  # a new run in an old folder: keep the old history, not cut it
+            # a new run in an old folder: keep the old history, not cut it
+            if path.exists() and (rows or cut):
                 aside = path.with_name(f"metrics.{time.strftime('%Y%m%dT%H%M%S')}.jsonl")
                 path.rename(aside)
-                log.warning("%s holds %d rows but no checkpoint to resume: it was moved to %s and a new log started",
-                            path, len(rows), aside.name)
+                log.warning(
+                    "%s holds %d rows but no checkpoint to resume: it was moved to %s and a new log started",
+                    path, len(rows), aside.name)
             kept = []
         else:
             if cut:
-                log.warning("%s: line(s) %s were cut short (a kill while writing) and are dropped", path,
-                            ", ".join(map(str, cut)))
+                log.warning("%s: line(s) %s were cut short (a kill while writing) and are dropped",
+                            path, ", ".join(map(str, cut)))
             kept = [row for row in rows if row.get("step", 0) <= resume_step]
             if checkpoint_row and not any(r.get("step") == resume_step and "loss" in r for r in kept):
                 at = sum(1 for r in kept if r.get("step", 0) < resume_step)
                 kept.insert(at, checkpoint_row)
-                log.warning("%s had no row for step %d, the checkpoint's own; it was restored from the checkpoint",
-                            path, resume_step)
+                log.warning(
+                    "%s had no row for step %d, the checkpoint's own; it was restored from the checkpoint",
+                    path, resume_step)
         # Cut back to the resumed step atomically: a kill here must not lose the run's history.
         path = write_text_atomic(path, "".join(json_text(row) + "\n" for row in kept))
         self.file = path.open("a")
@@ -196,9 +208,11 @@ class MetricsLog:
             tracker.write(row, prefix)
 
     def note(self, row: dict[str, Any]) -> None:
-        """A row for metrics.jsonl only (an event such as a resume; no tracker plots it). NaN is written as null.
+        """A row for metrics.jsonl only (an event such as a resume; no tracker plots it). NaN is
+        written as null.
 
-        A write the disk refuses (full, read-only) stops the run with one line: :class:`MetricsWriteError`.
+        A write the disk refuses (full, read-only) stops the run with one line:
+        :class:`MetricsWriteError`.
         """
         if not self.enabled:
             return
@@ -213,7 +227,8 @@ class MetricsLog:
                 "from the newest checkpoint") from None
 
     def _drop_file(self) -> None:
-        """Close the log, dropping what its buffer still holds (the disk refused it; close must not retry)."""
+        """Close the log, dropping what its buffer still holds (the disk refused it; close must not
+        retry)."""
         try:
             self.file.close()
         except OSError:
@@ -238,7 +253,8 @@ def plot_losses(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     rows = read_metrics(run_dir)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r and r["loss"] is not None and math.isfinite(r["loss"])]
+    train = [(r["step"], r["loss"]) for r in rows
+             if "loss" in r and r["loss"] is not None and math.isfinite(r["loss"])]
     valid = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
@@ -257,7 +273,8 @@ def plot_losses(run_dir: str | Path) -> Path:
 
 
 class StepWindow:
-    """The steps dispatched since the last host sync, and the throughput of the windows flushed so far.
+    """The steps dispatched since the last host sync, and the throughput of the windows flushed so
+    far.
 
     The loop adds each step's metrics (device arrays) without waiting for them;
     :meth:`fetch` brings the whole window to the host in one ``device_get``
@@ -283,7 +300,8 @@ class StepWindow:
         self._metrics.append(metrics)
 
     def fetch(self) -> tuple[list[dict[str, Any]], float]:
-        """(host metrics per step, mean seconds per step over the window); blocks until the window ran."""
+        """(host metrics per step, mean seconds per step over the window); blocks until the window
+        ran."""
         fetched = jax.device_get(self._metrics)
         now = time.perf_counter()
         seconds = (now - self._start) / max(len(fetched), 1)
@@ -311,37 +329,44 @@ class StepWindow:
 
 
 def peak_memory_bytes() -> int | None:
-    """The largest peak of device memory in use over this process's devices (None where unreported, e.g. CPU)."""
+    """The largest peak of device memory in use over this process's devices (None where unreported,
+    e.g. CPU)."""
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     peaks = [p for p in peaks if p is not None]
     return max(peaks) if peaks else None
 
 
 class NonFiniteLoss(RuntimeError):
-    """A step produced a NaN/inf loss or gradient under ``train.nonfinite=stop``, or every step of a window did."""
+    """A step produced a NaN/inf loss or gradient under ``train.nonfinite=stop``, or every step of a
+    window did."""
 
 
 def nonfinite_what(loss: float, grad_norm: float) -> str:
-    """Which of a step's numbers was not finite, named first: ``non-finite gradient (grad norm nan; loss 6.238)``."""
+    """Which of a step's numbers was not finite, named first: ``non-finite gradient (grad norm nan;
+    loss 6.238)``."""
     if not math.isfinite(loss):
         return f"non-finite loss {loss} (grad norm {grad_norm})"
     return f"non-finite gradient (grad norm {grad_norm}; loss {loss:.4g})"
 
 
 class StepLogger:
-    """The loop's one reporter of steps: the window of un-fetched metrics, their rows, the bar, the NaN check.
+    """The loop's one reporter of steps: the window of un-fetched metrics, their rows, the bar, the
+    NaN check.
 
-    ``add`` after each dispatched step (no host sync); ``flush`` fetches the window in one ``device_get``,
-    checks each step (a non-finite one raises :class:`NonFiniteLoss` before anything can save it, under
-    ``nonfinite=stop``; under ``skip`` a window in which every step was skipped stops the run, since nothing
-    is learning), writes a row per step to the metrics log and moves the bar. Where the bar is off
-    (:func:`seqjax.core.progress.on_terminal`), a plain log line every ``log_every`` steps takes its place.
+    ``add`` after each dispatched step (no host sync); ``flush`` fetches the window in one
+    ``device_get``, checks each step (a non-finite one raises :class:`NonFiniteLoss` before anything
+    can save it, under ``nonfinite=stop``; under ``skip`` a window in which every step was skipped
+    stops the run, since nothing is learning), writes a row per step to the metrics log and moves
+    the bar. Where the bar is off (:func:`seqjax.core.progress.on_terminal`), a plain log line every
+    ``log_every`` steps takes its place.
     """
 
-    def __init__(self, log: MetricsLog, *, steps: int, start_step: int, tokens_seen: int, log_every: int,
-                 learning_rates: np.ndarray, flops_per_token: Any, peak: float | None, z_loss: bool,
-                 nonfinite: str, last_good: Any, primary: bool = True):
-        """``flops_per_token(row_length)`` for MFU; ``last_good()`` names the newest checkpoint for the NaN message."""
+    def __init__(self, log: MetricsLog, *, steps: int, start_step: int, tokens_seen: int,
+                 log_every: int, learning_rates: np.ndarray, flops_per_token: Any,
+                 peak: float | None, z_loss: bool, nonfinite: str, last_good: Any,
+                 primary: bool = True):
+        """``flops_per_token(row_length)`` for MFU; ``last_good()`` names the newest checkpoint for
+        the NaN message."""
         from seqjax.core.progress import on_terminal, progress_bar  # (tqdm: only the loop needs it)
 
         self.log, self.steps, self.start_step, self.tokens_seen = log, steps, start_step, tokens_seen
@@ -351,7 +376,8 @@ class StepLogger:
         self.last_row: dict[str, Any] = {}
         self.skipped_in_a_row = 0
         self.plain = primary and not on_terminal()
-        self.bar = progress_bar(total=steps, initial=start_step, desc="train", unit="step", enabled=primary)
+        self.bar = progress_bar(total=steps, initial=start_step, desc="train", unit="step",
+                                enabled=primary)
 
     def __enter__(self) -> StepLogger:
         self.window.restart()
@@ -364,11 +390,13 @@ class StepLogger:
         self.window.add(step, metrics, shape)
 
     def restart(self) -> None:
-        """Time spent since the last flush is not training (validation): leave it out of throughput."""
+        """Time spent since the last flush is not training (validation): leave it out of
+        throughput."""
         self.window.restart()
 
     def due(self, step: int) -> bool:
-        """Flush now? Every ``log_every`` steps, at the end, and the first step alone (mostly compilation)."""
+        """Flush now? Every ``log_every`` steps, at the end, and the first step alone (mostly
+        compilation)."""
         return step == self.start_step + 1 or step % self.log_every == 0 or step == self.steps
 
     def flush(self, step: int) -> None:
@@ -385,23 +413,29 @@ class StepLogger:
             log.info("step %d/%d: loss %.4f, %.0f tokens/s", step, self.steps, self.last_row["loss"],
                      self.last_row["tokens_per_s"])
 
-    def _row(self, step: int, length: int, rows: int, m: dict[str, Any], seconds: float) -> dict[str, Any]:
+    def _row(self, step: int, length: int, rows: int, m: dict[str, Any],
+             seconds: float) -> dict[str, Any]:
         if not bool(m["finite"]) and self.nonfinite == "stop":
-            raise NonFiniteLoss(f"{nonfinite_what(float(m['loss']), float(m['grad_norm']))} at step "
-                                f"{step}; stopping without saving it. Last good checkpoint: {self.last_good()}. "
-                                "Lower train.lr or set train.nonfinite=skip.")
+            raise NonFiniteLoss(
+                f"{nonfinite_what(float(m['loss']), float(m['grad_norm']))} at step "
+                f"{step}; stopping without saving it. Last good checkpoint: {self.last_good()}. "
+                "Lower train.lr or set train.nonfinite=skip.")
         tokens = int(m["tokens"])
         self.tokens_seen += tokens
         self.window.count(tokens, seconds, first=step == self.start_step + 1)
         tokens_per_s = tokens / seconds
-        row = {"step": step, "loss": float(m["loss"]), "learning_rate": float(self.learning_rates[step]),
-               "grad_norm": float(m["grad_norm"]), "tokens_per_s": tokens_per_s,
-               "mfu": mfu(tokens_per_s, self.flops_per_token(length), jax.device_count(), self.peak),
-               "tokens_seen": self.tokens_seen, "padding_fraction": 1.0 - tokens / (rows * length),
-               "seconds": seconds}
+        row = {
+            "step": step, "loss": float(m["loss"]),
+            "learning_rate": float(self.learning_rates[step]), "grad_norm": float(m["grad_norm"]),
+            "tokens_per_s": tokens_per_s, "mfu": mfu(tokens_per_s, self.flops_per_token(length),
+                                                     jax.device_count(),
+                                                     self.peak), "tokens_seen": self.tokens_seen,
+            "padding_fraction": 1.0 - tokens / (rows * length), "seconds": seconds
+        }
         if self.z_loss:
             row["objective"] = float(m["objective"])
-        # what the objective reports (train.objective's rows: TRL's rewards/*, ...), already divided by its count
+        # what the objective reports (train.objective's rows: TRL's rewards/*, ...), already divided
+        # by its count
         row.update({name: float(value) for name, value in m.get("reported", {}).items()})
         if not bool(m["finite"]):
             row["skipped"] = True
@@ -410,7 +444,8 @@ class StepLogger:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if row.get("skipped") else 0
         if self.skipped_in_a_row >= max(self.log_every, 2):
             # skip is for the odd spike; a whole log window of them means nothing is being learned
-            raise NonFiniteLoss(f"the last {self.skipped_in_a_row} steps (to step {step}) were all non-finite and "
-                                f"skipped (train.nonfinite=skip): stopping, as nothing is being learned. Last good "
-                                f"checkpoint: {self.last_good()}. Check the data and the initial weights, or lower "
-                                "train.lr.")
+            raise NonFiniteLoss(
+                f"the last {self.skipped_in_a_row} steps (to step {step}) were all non-finite and "
+                f"skipped (train.nonfinite=skip): stopping, as nothing is being learned. Last good "
+                f"checkpoint: {self.last_good()}. Check the data and the initial weights, or lower "
+                "train.lr.")

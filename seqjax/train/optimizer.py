@@ -1,4 +1,5 @@
-"""The optimizer: optax AdamW with a weight-decay mask, a learning-rate schedule and global-norm clipping.
+"""The optimizer: optax AdamW with a weight-decay mask, a learning-rate schedule and global-norm
+clipping.
 
 Step numbering: the update that produces optimizer step ``s`` (1-based, the
 ``step`` in metrics.jsonl) uses ``learning_rate(s)``. Warmup therefore reaches
@@ -26,7 +27,8 @@ def learning_rate_schedule(train: TrainConfig) -> Callable[[Any], Any]:
     peak, warmup = train.lr, train.warmup_steps
     floor = peak * train.min_lr_ratio
     if train.schedule == "cosine":
-        body = optax.cosine_decay_schedule(peak, decay_steps=max(train.steps - warmup, 1), alpha=train.min_lr_ratio)
+        body = optax.cosine_decay_schedule(peak, decay_steps=max(train.steps - warmup, 1),
+                                           alpha=train.min_lr_ratio)
     elif train.schedule == "linear":
         body = optax.linear_schedule(peak, floor, transition_steps=max(train.steps - warmup, 1))
     else:
@@ -43,7 +45,8 @@ def decay_mask(params: Any, decay_embeddings: bool = False) -> Any:
     def decays(path, leaf) -> bool:
         if leaf.ndim < 2:  # norm scales and biases
             return False
-        is_embedding = any("embed" in str(getattr(k, "key", getattr(k, "name", k))).lower() for k in path)
+        is_embedding = any("embed" in str(getattr(k, "key", getattr(k, "name", k))).lower()
+                           for k in path)
         return decay_embeddings or not is_embedding
 
     return jax.tree_util.tree_map_with_path(decays, params)
@@ -60,7 +63,8 @@ def build_optimizer(train: TrainConfig) -> tuple[optax.GradientTransformation, C
     # optax counts updates from 0; our step s is count + 1.
     by_count = lambda count: schedule(count + 1)  # noqa: E731
     chain = []
-    if train.grad_clip:  # null or 0: off (HF's max_grad_norm=0 is no clipping; a 0 threshold zeroes every update)
+    # null or 0: off (HF's max_grad_norm=0 is no clipping; a 0 threshold zeroes every update)
+    if train.grad_clip:
         chain.append(optax.clip_by_global_norm(train.grad_clip))
     chain.append(
         optax.adamw(

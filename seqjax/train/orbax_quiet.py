@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def _from_a_closed_event_loop(unraisable: Any) -> bool:
-    """An exception raised in asyncio by a callback that outlived its event loop (orbax's, after a write failed)."""
+    """An exception raised in asyncio by a callback that outlived its event loop (orbax's, after a
+    write failed)."""
     tb = unraisable.exc_traceback
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
@@ -28,7 +29,8 @@ def _from_a_closed_event_loop(unraisable: Any) -> bool:
 
 
 class _Raised:
-    """An exception and its traceback, shaped as sys.unraisablehook's argument (what the checks above read)."""
+    """An exception and its traceback, shaped as sys.unraisablehook's argument (what the checks
+    above read)."""
 
     def __init__(self, value: BaseException, tb: Any):
         self.exc_value, self.exc_traceback = value, tb
@@ -43,11 +45,13 @@ def _raised_in_orbax(tb: Any) -> bool:
 
 
 class _OrphanedReads(logging.Filter):
-    """asyncio's "Task exception was never retrieved" for orbax reads of a step already reported damaged."""
+    """asyncio's "Task exception was never retrieved" for orbax reads of a step already reported
+    damaged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and _raised_in_orbax(record.exc_info[2]):
-            log.debug("an orphaned read of a damaged checkpoint: %s", (record.getMessage().splitlines() or [""])[0])
+            log.debug("an orphaned read of a damaged checkpoint: %s",
+                      (record.getMessage().splitlines() or [""])[0])
             return False
         return True
 
@@ -56,10 +60,11 @@ _ORPHANED = _OrphanedReads()
 
 
 def quiet_orphaned_reads() -> None:
-    """Before reading a checkpoint that may be damaged, and from then on (the whole process: orbax's event loop
-    reports its orphaned tasks whenever they are collected, even at exit), drop asyncio's reports of orbax reads
-    that failed; seqjax says it in one line. Installed before the read, not after its failure: TensorStore's
-    callbacks for a failed step's other arrays can fire while the failure is still being handled."""
+    """Before reading a checkpoint that may be damaged, and from then on (the whole process: orbax's
+    event loop reports its orphaned tasks whenever they are collected, even at exit), drop asyncio's
+    reports of orbax reads that failed; seqjax says it in one line. Installed before the read, not
+    after its failure: TensorStore's callbacks for a failed step's other arrays can fire while the
+    failure is still being handled."""
     logging.getLogger("asyncio").addFilter(_ORPHANED)  # (adding it twice keeps one)
     previous = sys.unraisablehook
     if getattr(previous, "seqjax_orphaned_reads", False):
@@ -73,8 +78,9 @@ def quiet_orphaned_reads() -> None:
 
     hook.seqjax_orphaned_reads = True
     sys.unraisablehook = hook
-    # TensorStore's callbacks for those reads can still fire once orbax closed its event loop; the error they hit
-    # is printed through sys.excepthook (PyErr_Print), a traceback per read thread, after seqjax's one line.
+    # TensorStore's callbacks for those reads can still fire once orbax closed its event loop; the
+    # error they hit is printed through sys.excepthook (PyErr_Print), a traceback per read thread,
+    # after seqjax's one line.
     previous_excepthook = sys.excepthook
 
     def excepthook(kind: type, value: BaseException, tb: Any) -> None:
@@ -96,7 +102,8 @@ class QuietOrbax(logging.Filter):
     unraisable hook, for as long as the checkpointer is open.
     """
 
-    LOGGERS = ("absl", "asyncio")  # orbax logs through absl; its event loops' orphaned tasks through asyncio
+    # orbax logs through absl; its event loops' orphaned tasks through asyncio
+    LOGGERS = ("absl", "asyncio")
 
     def __init__(self):
         super().__init__()
@@ -120,7 +127,8 @@ class QuietOrbax(logging.Filter):
             return True
         if record.name == "absl" and "orbax" in record.pathname:
             self.messages.append(record.getMessage().splitlines()[0])
-        elif not (record.name == "asyncio" and record.exc_info and _raised_in_orbax(record.exc_info[2])):
+        elif not (record.name == "asyncio" and record.exc_info
+                  and _raised_in_orbax(record.exc_info[2])):
             return True
         log.debug("%s: %s", record.name, record.getMessage(), exc_info=record.exc_info)
         return False
@@ -129,10 +137,10 @@ class QuietOrbax(logging.Filter):
         if _from_a_closed_event_loop(unraisable):
             log.debug("after a failed write: %r", unraisable.exc_value)
         elif _raised_in_orbax(unraisable.exc_traceback):
-            # a damaged step's other array reads: orbax stops at the first failure and leaves the rest's
-            # coroutines with their exceptions unretrieved, one "Exception ignored" traceback each
-            log.debug("reading a damaged checkpoint: %s", (str(unraisable.exc_value).splitlines() or [""])[0])
+            # a damaged step's other array reads: orbax stops at the first failure and leaves the
+            # rest's coroutines with their exceptions unretrieved, one "Exception ignored" traceback
+            # each
+            first = (str(unraisable.exc_value).splitlines() or [""])[0]
+            log.debug("reading a damaged checkpoint: %s", first)
         else:
             self._previous_hook(unraisable)
-
-

@@ -1,4 +1,5 @@
-"""Batches built and put on the device ahead of the step that needs them, with the data position of each.
+"""Batches built and put on the device ahead of the step that needs them, with the data position of
+each.
 
 The train loop dispatches a step and moves on; the device runs it while the
 host builds the next batch. Without prefetch the host's work (cutting rows from
@@ -40,7 +41,8 @@ class IteratorPosition:
 
 
 class DevicePrefetch:
-    """Iterate ``(device_batch, position)`` pairs; a background thread keeps ``depth`` of them ready.
+    """Iterate ``(device_batch, position)`` pairs; a background thread keeps ``depth`` of them
+    ready.
 
     ``iterator``: a Grain ``DatasetIterator`` of host batches (dicts of numpy
     arrays); ``to_device``: host batch -> global device batch. ``depth=0``
@@ -62,7 +64,8 @@ class DevicePrefetch:
 
     def _one(self) -> tuple[dict, IteratorPosition]:
         host = next(self._iterator)
-        # A copy of the state right after this batch: the iterator moves on while the batch waits in the queue.
+        # A copy of the state right after this batch: the iterator moves on while the batch waits in
+        # the queue.
         position = IteratorPosition(json.loads(json.dumps(self._iterator.get_state())))
         return self._to_device(host), position
 
@@ -91,7 +94,8 @@ class DevicePrefetch:
         return item
 
     def close(self) -> None:
-        """Stop the thread (a batch it is building is dropped: the saved positions never include it)."""
+        """Stop the thread (a batch it is building is dropped: the saved positions never include
+        it)."""
         self._stop.set()
         if self._thread is not None:
             while self._thread.is_alive():

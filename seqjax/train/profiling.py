@@ -1,4 +1,5 @@
-"""``train.profile: [start, n]``: a jax.profiler trace of steps start .. start+n-1, for TensorBoard or Perfetto.
+"""``train.profile: [start, n]``: a jax.profiler trace of steps start .. start+n-1, for TensorBoard
+or Perfetto.
 
 The trace lands in ``run.dir/profile/plugins/profile/<time>/<host>.xplane.pb``
 (``tensorboard --logdir run.dir/profile``, or open the ``.trace.json.gz`` in
@@ -33,14 +34,16 @@ class ProfileWindow:
             self._start_trace()
 
     def due(self, state: Any) -> bool:
-        """After step start-1 the trace starts; after the window's last step it stops (a training hook)."""
+        """After step start-1 the trace starts; after the window's last step it stops (a training
+        hook)."""
         return self.start is not None and state.step in (self.start - 1, self.last)
 
     def after(self, state: Any) -> None:
         if state.step == self.start - 1 and not self.active:
             self._start_trace()
         elif self.active and state.step == self.last:
-            jax.block_until_ready(state.params)  # the last traced step's device work belongs in the trace
+            # the last traced step's device work belongs in the trace
+            jax.block_until_ready(state.params)
             self.close()
             log.warning("profile of steps %d-%d written under %s", self.start, state.step, self.log_dir)
 

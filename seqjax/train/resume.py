@@ -1,4 +1,5 @@
-"""Resume planning: what a checkpoint says about itself, and whether (and how) this run may continue from it.
+"""Resume planning: what a checkpoint says about itself, and whether (and how) this run may continue
+from it.
 
 Before any array is read, a step's own config and orbax's metadata (every
 array's shape and dtype) are compared with what the current run would restore
@@ -34,7 +35,8 @@ CORRUPT = "checkpoints_corrupt"
 CONFIG_FILE = "config.yaml"
 # The run's own copy of its tokenizer: a run folder copied to another machine still has it.
 TOKENIZER_FILE = "tokenizer.json"
-ITEMS_CHECKED = ("params", "opt_state", "rng")  # the arrays whose shapes and dtypes a restore must match
+# the arrays whose shapes and dtypes a restore must match
+ITEMS_CHECKED = ("params", "opt_state", "rng")
 PARAMS_ONLY = "params_only"  # the meta key of a checkpoint of parameters alone (seqjax.import's)
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,8 @@ T = TypeVar("T")
 
 @dataclass
 class Restored:
-    """What a resume continues from; ``data_state`` is None when the data restarts from its beginning."""
+    """What a resume continues from; ``data_state`` is None when the data restarts from its
+    beginning."""
 
     step: int
     params: Any
@@ -52,7 +55,8 @@ class Restored:
     meta: dict[str, Any]
     data_state: dict[str, Any] | None
     changes: list[ConfigChange] = field(default_factory=list)
-    data_restart: dict[str, Any] | None = None  # set when a changed config restarted the data (the position used)
+    # set when a changed config restarted the data (the position used)
+    data_restart: dict[str, Any] | None = None
 
 
 @dataclass
@@ -73,7 +77,8 @@ def abstract(tree: Any) -> Any:
 
 
 def like_target(target: Any, restored: Any) -> Any:
-    """Give restored leaves the target's tree structure (orbax returns optax's NamedTuples as plain tuples)."""
+    """Give restored leaves the target's tree structure (orbax returns optax's NamedTuples as plain
+    tuples)."""
     return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(restored))
 
 
@@ -85,19 +90,24 @@ def _key_name(key: Any) -> str:
 
 
 def array_table(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``{"blocks/0/mlp/w_up": ((32, 64), "float32"), ...}`` for a pytree of arrays or of orbax array metadata.
+    """``{"blocks/0/mlp/w_up": ((32, 64), "float32"), ...}`` for a pytree of arrays or of orbax
+    array metadata.
 
     Paths are written the same way for both (a NamedTuple field, a dict key
     and a list index all become one path part), so a template and a
     checkpoint's metadata compare directly.
     """
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key_name(k) for k in path): (tuple(int(d) for d in leaf.shape), str(np.dtype(leaf.dtype)))
-            for path, leaf in leaves}
+    return {
+        "/".join(_key_name(k) for k in path): (tuple(int(d) for d in leaf.shape),
+                                               str(np.dtype(leaf.dtype)))
+        for path, leaf in leaves
+    }
 
 
 def array_differences(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
-    """Each array whose presence, shape or dtype differs: ``path: checkpoint (64, 32) float32, now (128, 32) ...``."""
+    """Each array whose presence, shape or dtype differs: ``path: checkpoint (64, 32) float32, now
+    (128, 32) ...``."""
     def show(entry):
         return "absent" if entry is None else f"{entry[0]} {entry[1]}"
 
@@ -107,7 +117,8 @@ def array_differences(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list
 
 def newest_readable(steps: Iterable[int], restore: Callable[[int], T],
                     unreadable: Callable[[int, Exception], None]) -> tuple[int, T] | None:
-    """``(step, restore(step))`` for the first step, newest first, that restores; None when none does.
+    """``(step, restore(step))`` for the first step, newest first, that restores; None when none
+    does.
 
     Each step that fails is handed to ``unreadable`` (which reports it, and may
     move it aside) before the next older one is tried. A
@@ -125,15 +136,17 @@ def newest_readable(steps: Iterable[int], restore: Callable[[int], T],
 
 
 def first_line(err: BaseException) -> str:
-    """The error's type and first line, without the TensorStore spec orbax appends to a failed read."""
+    """The error's type and first line, without the TensorStore spec orbax appends to a failed
+    read."""
     line = (str(err).splitlines() or [""])[0].split(" See full TensorStore details")[0]
     return f"{type(err).__name__}: {line[:300]}"
 
 
-def read_saved(step_dir: Path, fallback_config: Path | None = None, items: tuple[str, ...] = ITEMS_CHECKED) -> Saved:
-    """A step folder's config, meta, array table (of ``items``) and data positions; raises if any of them is
-    unreadable. A parameters-only checkpoint (:func:`save_params`) has no data positions: it reads with
-    ``items=("params",)`` and gives none."""
+def read_saved(step_dir: Path, fallback_config: Path | None = None,
+               items: tuple[str, ...] = ITEMS_CHECKED) -> Saved:
+    """A step folder's config, meta, array table (of ``items``) and data positions; raises if any of
+    them is unreadable. A parameters-only checkpoint (:func:`save_params`) has no data positions: it
+    reads with ``items=("params",)`` and gives none."""
     meta = read_meta(step_dir)
     config_file = step_dir / "config" / "metadata"
     if config_file.exists():
@@ -145,14 +158,18 @@ def read_saved(step_dir: Path, fallback_config: Path | None = None, items: tuple
             config = None
     handler = ocp.StandardCheckpointHandler()
     arrays = {item: array_table(handler.metadata(epath.Path(step_dir / item)).tree) for item in items}
-    data_states = {p.name: json.loads(p.read_text()) for p in sorted((step_dir / "data").glob("process_*.json"))}
+    data_states = {
+        p.name: json.loads(p.read_text())
+        for p in sorted((step_dir / "data").glob("process_*.json"))
+    }
     if not data_states and not meta.get(PARAMS_ONLY):
         raise FileNotFoundError(f"{step_dir / 'data'}: no data position (process_*.json)")
     return Saved(int(step_dir.name), step_dir, config, meta, arrays, data_states)
 
 
 def _data_state(saved: Saved, process_index: int, process_count: int) -> dict[str, Any] | None:
-    """This process's saved position; a position of seqjax's epochs ({epoch, batch}) is global, so any file serves."""
+    """This process's saved position; a position of seqjax's epochs ({epoch, batch}) is global, so
+    any file serves."""
     own = f"process_{process_index}-of-{process_count}.json"
     if own in saved.data_states:
         return saved.data_states[own]
@@ -161,13 +178,16 @@ def _data_state(saved: Saved, process_index: int, process_count: int) -> dict[st
 
 
 def likely_causes_first(changes: list[ConfigChange]) -> list[ConfigChange]:
-    return sorted(changes, key=lambda c: c.kind == "exact")  # stable: config order within each group
+    # stable: config order within each group
+    return sorted(changes, key=lambda c: c.kind == "exact")
 
 
-def plan_resume(saved: Saved, config: Config, templates: dict[str, Any], identity: dict[str, Any],
-                process_index: int, process_count: int) -> tuple[list[ConfigChange], dict[str, Any] | None,
-                                                              dict[str, Any] | None]:
-    """Decide how ``saved`` resumes under ``config``: (changes, data state to set, data restart or None).
+def plan_resume(
+        saved: Saved, config: Config, templates: dict[str, Any], identity: dict[str, Any],
+        process_index: int, process_count: int
+) -> tuple[list[ConfigChange], dict[str, Any] | None, dict[str, Any] | None]:
+    """Decide how ``saved`` resumes under ``config``: (changes, data state to set, data restart or
+    None).
 
     Raises :class:`~seqjax.core.errors.CheckpointMismatchError`, touching nothing,
     when the arrays do not fit ``templates`` (shape, dtype or tree), or when a
@@ -180,26 +200,32 @@ def plan_resume(saved: Saved, config: Config, templates: dict[str, Any], identit
     """
     changes = resume_changes(saved.config, config) if saved.config is not None else []
     if saved.config is None:
-        log.warning("checkpoint %s carries no config (no config/metadata, and no config.yaml beside checkpoints/ "
-                    "that loads): no change to the batches or the model since it can be seen, so none is refused. "
-                    "The run resumes its parameters, optimizer and data position under the config given now",
-                    saved.path)
+        log.warning(
+            "checkpoint %s carries no config (no config/metadata, and no config.yaml beside checkpoints/ "
+            "that loads): no change to the batches or the model since it can be seen, so none is refused. "
+            "The run resumes its parameters, optimizer and data position under the config given now",
+            saved.path)
     old_identity = saved.meta.get("data_identity")
     if old_identity is not None:
-        for name, label in (("tokenizer", "tokenizer (sha256)"), ("sources", "training text (xxh3 of each file)")):
+        for name, label in (("tokenizer", "tokenizer (sha256)"),
+                            ("sources", "training text (xxh3 of each file)")):
             if old_identity.get(name) != identity.get(name):
                 changes.append(ConfigChange(label, old_identity.get(name), identity.get(name), DATA))
     state = _data_state(saved, process_index, process_count)
-    if state is None:  # Grain's packers keep one position per process: another process count cannot continue it
+    # Grain's packers keep one position per process: another process count cannot continue it
+    if state is None:
         old = len(saved.data_states)
-        changes.append(ConfigChange("processes (Grain packer positions are per process)", old, process_count, DATA))
+        changes.append(
+            ConfigChange("processes (Grain packer positions are per process)", old, process_count,
+                         DATA))
     where = f"checkpoint {saved.path}"
     wrong_arrays = [f"{item}/{line}" for item in ITEMS_CHECKED
                     for line in array_differences(saved.arrays[item], array_table(templates[item]))]
     if wrong_arrays:
-        shown = "; ".join(wrong_arrays[:4]) + (f"; and {len(wrong_arrays) - 4} more" if len(wrong_arrays) > 4 else "")
-        # Every change is listed, the likely causes first: optimizer keys (train.grad_clip, train.nonfinite) change
-        # the state's tree too.
+        shown = "; ".join(wrong_arrays[:4]) + (f"; and {len(wrong_arrays) - 4} more"
+                                               if len(wrong_arrays) > 4 else "")
+        # Every change is listed, the likely causes first: optimizer keys (train.grad_clip,
+        # train.nonfinite) change the state's tree too.
         keys = "; ".join(map(str, likely_causes_first(changes))) or "no config key (the code changed?)"
         raise CheckpointMismatchError(
             f"{where} does not fit this config, which changed {keys}. Its arrays differ: {shown}. "
@@ -209,10 +235,10 @@ def plan_resume(saved: Saved, config: Config, templates: dict[str, Any], identit
     if refused and not config.train.allow_config_change:
         raise CheckpointMismatchError(
             f"{where} was written under another config: {'; '.join(map(str, refused))}. Resuming would not "
-            "continue the same " + ("batches" if any(c.kind == DATA for c in refused) else "model") +
+            "continue the same " + ("batches" if any(c.kind == DATA
+                                                     for c in refused) else "model") +
             ". Nothing was moved: restore those values, or set train.allow_config_change=true to resume anyway "
-            "(the data then restarts at the next epoch boundary)"
-        )
+            "(the data then restarts at the next epoch boundary)")
     if not any(c.kind == DATA for c in changes):
         return changes, state, None
     restart = next_epoch_start(state, config)
@@ -233,5 +259,3 @@ def params_only(step_dir: Path) -> bool:
         return bool(read_meta(step_dir).get(PARAMS_ONLY))
     except (OSError, ValueError, AttributeError):
         return False  # unreadable: restore_latest treats it as damage
-
-

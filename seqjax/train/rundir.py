@@ -1,4 +1,5 @@
-"""One training run owns its ``run.dir``: an OS lock on ``<run.dir>/run.lock`` for as long as it runs.
+"""One training run owns its ``run.dir``: an OS lock on ``<run.dir>/run.lock`` for as long as it
+runs.
 
 Two runs writing one folder destroy each other's checkpoints and metrics, so
 the second is refused before any work, with the holder's name::
@@ -52,7 +53,8 @@ def _describe(holder: dict[str, Any] | None) -> str:
 
 
 def read_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """What the lock file says about its last holder (None when it is missing, empty or being written)."""
+    """What the lock file says about its last holder (None when it is missing, empty or being
+    written)."""
     try:
         return json.loads((Path(run_dir) / LOCK_FILE).read_text())
     except (OSError, ValueError):
@@ -60,7 +62,8 @@ def read_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 class RunLock:
-    """The lock a training run holds on its ``run.dir`` (a context manager; released on exit or process death).
+    """The lock a training run holds on its ``run.dir`` (a context manager; released on exit or
+    process death).
 
     ``process_index``/``process_count`` make every process of a multi-host job
     call it together: only process 0 takes the OS lock (see the module doc).
@@ -72,7 +75,8 @@ class RunLock:
         self.process_index = process_index
         self.process_count = process_count
         self._handle = None
-        self._created = False  # this lock made run.dir: a run refused before writing anything removes it again
+        # this lock made run.dir: a run refused before writing anything removes it again
+        self._created = False
 
     def __enter__(self) -> RunLock:
         token = secrets.token_bytes(_TOKEN_BYTES)
@@ -87,7 +91,8 @@ class RunLock:
         if not held:
             self.__exit__()
             holder = read_holder(self.run_dir)
-            if holder is None:  # the holder took the lock an instant ago and is writing its description
+            # the holder took the lock an instant ago and is writing its description
+            if holder is None:
                 time.sleep(0.2)
                 holder = read_holder(self.run_dir)
             raise RunDirInUseError(
@@ -104,15 +109,17 @@ class RunLock:
         return self
 
     def _try_lock(self, job: str) -> bool:
-        """Take the OS lock without waiting and write this run's description into the file; False if held."""
+        """Take the OS lock without waiting and write this run's description into the file; False if
+        held."""
         try:
             self._created = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # "a": open without truncating, so a refused run never blanks the holder's description.
             handle = open(self.path, "a+")
         except OSError as err:
-            raise ConfigError(f"run.dir: cannot write {self.path} ([Errno {err.errno}] {err.strerror}); "
-                              "expected a folder this run may write") from None
+            raise ConfigError(
+                f"run.dir: cannot write {self.path} ([Errno {err.errno}] {err.strerror}); "
+                "expected a folder this run may write") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -123,8 +130,11 @@ class RunLock:
         self._handle = handle
         handle.seek(0)
         handle.truncate()
-        handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                                 "job": job, "processes": self.process_count}) + "\n")
+        handle.write(
+            json.dumps({
+                "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                "job": job, "processes": self.process_count
+            }) + "\n")
         handle.flush()
         return True
 

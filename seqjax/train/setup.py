@@ -1,9 +1,10 @@
-"""What a run holds before its first step: the resolved config, the data, the model's state placed on the mesh, the
-optimizer state and the compiled step; and, when the run dir holds checkpoints, that state restored.
+"""What a run holds before its first step: the resolved config, the data, the model's state placed
+on the mesh, the optimizer state and the compiled step; and, when the run dir holds checkpoints,
+that state restored.
 
-The model's state is split as training needs it (:func:`seqjax.model.split_params`): what trains (every weight,
-or ``model.lora``'s adapters) and, under adapters, the frozen base, stored as ``model.lora.quantize`` says
-(:func:`seqjax.model.assembly.stored_base`). Where each part starts:
+The model's state is split as training needs it (:func:`seqjax.model.split_params`): what trains
+(every weight, or ``model.lora``'s adapters) and, under adapters, the frozen base, stored as
+``model.lora.quantize`` says (:func:`seqjax.model.assembly.stored_base`). Where each part starts:
 
 ==================  =============================================  ==============================================
 part                new run                                         resumed run
@@ -56,7 +57,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Setup:
-    """What a run builds before its first step: the resolved config, data, sharded state and the compiled step."""
+    """What a run builds before its first step: the resolved config, data, sharded state and the
+    compiled step."""
 
     config: Config
     run_dir: Path
@@ -74,7 +76,8 @@ class Setup:
     data_iterator: Any
     identity: dict[str, Any]
     frozen: tuple  # () or (the frozen base under model.lora,): the step's last argument
-    base: dict[str, Any] | None  # model.lora: the base the adapters belong to (train.init_from and a hash)
+    # model.lora: the base the adapters belong to (train.init_from and a hash)
+    base: dict[str, Any] | None
     objective: Objective
     step_fn: Callable
     to_device: Callable
@@ -82,8 +85,9 @@ class Setup:
 
 @dataclasses.dataclass
 class Placed:
-    """The model split for training and placed on the mesh: what trains (every parameter, or model.lora's adapters)
-    and, under adapters, the frozen base, each a pure dict with its shardings."""
+    """The model split for training and placed on the mesh: what trains (every parameter, or
+    model.lora's adapters) and, under adapters, the frozen base, each a pure dict with its
+    shardings."""
 
     graphdef: nnx.GraphDef
     rest: nnx.State
@@ -94,35 +98,38 @@ class Placed:
 
 
 def with_vocab(config: Config, vocab_size: int) -> Config:
-    """Fill model.vocab_size from the tokenizer; a larger one (padded rows) is fine, a smaller one is refused.
+    """Fill model.vocab_size from the tokenizer; a larger one (padded rows) is fine, a smaller one
+    is refused.
 
     A smaller embedding would only show up as NaN losses under jit, where
     out-of-range ids cannot raise, so it is stopped here, before any work.
     """
     if config.model.vocab_size is None:
-        return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab_size))
+        return dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                     vocab_size=vocab_size))
     if config.model.vocab_size < vocab_size:
         raise ConfigError(
             f"model.vocab_size: got {config.model.vocab_size}, expected at least the tokenizer's {vocab_size} "
-            "(or null to take it from the tokenizer)"
-        )
+            "(or null to take it from the tokenizer)")
     return config
 
 
 def with_data_dir(config: Config) -> Config:
-    """data.dir filled from $SEQJAX_DATA_DIR when unset, so the saved config.yaml finds the corpus again.
+    """data.dir filled from $SEQJAX_DATA_DIR when unset, so the saved config.yaml finds the corpus
+    again.
 
     (The eval command run after a train command then needs no environment of its own.)
     """
     env = os.environ.get(DATA_DIR_ENV)
     if config.data.dir is not None or not env:
         return config
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, dir=str(Path(env).expanduser().resolve())))
+    return dataclasses.replace(
+        config, data=dataclasses.replace(config.data, dir=str(Path(env).expanduser().resolve())))
 
 
 def keep_tokenizer(tokenizer_path: Path, run_dir: Path) -> None:
-    """Copy the tokenizer (and its chat template, if any) into run.dir (the saved config points there), so the
-    run folder stands alone."""
+    """Copy the tokenizer (and its chat template, if any) into run.dir (the saved config points
+    there), so the run folder stands alone."""
     own = run_dir / TOKENIZER_FILE
     if tokenizer_path.resolve() != own.resolve():
         write_text_atomic(own, tokenizer_path.read_text(encoding="utf-8"))
@@ -132,7 +139,8 @@ def keep_tokenizer(tokenizer_path: Path, run_dir: Path) -> None:
 
 
 def sharded_model(config: Config, mesh) -> Placed:
-    """The model of ``run.seed``'s initialization, split (what trains; the frozen base) and placed on the mesh."""
+    """The model of ``run.seed``'s initialization, split (what trains; the frozen base) and placed
+    on the mesh."""
     model = build_model(config, rngs=nnx.Rngs(config.run.seed))
     graphdef, trained, frozen, rest = split_params(model)
     placed = Placed(graphdef, rest, {}, sharding.param_shardings(trained, mesh))
@@ -143,26 +151,32 @@ def sharded_model(config: Config, mesh) -> Placed:
     return placed
 
 
-def starting_weights(config: Config, mesh, source: init_from.Source | None) -> tuple[Placed, dict | None]:
-    """The placed model with its starting weights (``train.init_from``, ``train.init_adapter``), the base stored as
-    QLoRA asks; and the record of the base the adapters belong to (None without adapters)."""
+def starting_weights(config: Config, mesh,
+                     source: init_from.Source | None) -> tuple[Placed, dict | None]:
+    """The placed model with its starting weights (``train.init_from``, ``train.init_adapter``), the
+    base stored as QLoRA asks; and the record of the base the adapters belong to (None without
+    adapters)."""
     placed = sharded_model(config, mesh)
     lora = config.model.lora
     if source is not None:
         loaded = init_from.load_params(source, config.model.param_dtype, config.model.scan_layers)
-        if lora.rank:  # the source is the frozen base; the adapters start as LoRA starts (B = 0: the base's function)
+        # the source is the frozen base; the adapters start as LoRA starts (B = 0: the base's
+        # function)
+        if lora.rank:
             placed.frozen = sharding.place(loaded, placed.frozen_shardings)
         else:
             placed.params = sharding.place(loaded, placed.param_shardings)
         log.info("%s from %s (optimizer, step and data position start fresh)",
                  "base parameters" if lora.rank else "parameters", source.path)
     # What the adapters belong to: the base as read, before QLoRA stores it quantized.
-    base = None if placed.frozen is None else adapters.base_identity(placed.frozen, config.train.init_from)
+    base = None if placed.frozen is None else adapters.base_identity(placed.frozen,
+                                                                     config.train.init_from)
     if lora.quantize != "none":
         frozen = stored_base(placed.frozen, config.model)
         log.info("base stored with its projections as %s: %.1f MB (%.1f MB as read)", lora.quantize,
                  quant.stored_bytes(frozen) / 1e6, quant.stored_bytes(placed.frozen) / 1e6)
-        placed.frozen_shardings = quant.shardings(placed.frozen_shardings, frozen, sharding.replicated(mesh))
+        placed.frozen_shardings = quant.shardings(placed.frozen_shardings, frozen,
+                                                  sharding.replicated(mesh))
         placed.frozen = sharding.place(frozen, placed.frozen_shardings)
     if config.train.init_adapter:
         placed.params = sharding.place(adapters.read_adapter(config.train.init_adapter, config),
@@ -171,34 +185,41 @@ def starting_weights(config: Config, mesh, source: init_from.Source | None) -> t
     return placed, base
 
 
-def sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, param_shardings: dict, replicated):
-    """AdamW's state created directly on the mesh: moments sharded like their parameters, counters replicated."""
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_shardings, transform_non_params=lambda _: replicated
-    )
+def sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, param_shardings: dict,
+                            replicated):
+    """AdamW's state created directly on the mesh: moments sharded like their parameters, counters
+    replicated."""
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params),
+                                          param_shardings,
+                                          transform_non_params=lambda _: replicated)
     return jax.jit(tx.init, out_shardings=opt_shardings)(params), opt_shardings
 
 
 def resolved(config: Config) -> tuple[Config, Any]:
-    """The config with the tokenizer's vocabulary, $SEQJAX_DATA_DIR and the trained length filled in; the stores."""
+    """The config with the tokenizer's vocabulary, $SEQJAX_DATA_DIR and the trained length filled
+    in; the stores."""
     # The tokenizer first: a model vocabulary too small for it is refused before any store is built.
     config = with_data_dir(with_vocab(config, prepare(config, splits=()).tokenizer.vocab_size))
-    # The longest sequence it trains on becomes the saved model's limit: eval and generate then refuse longer ones
-    # alike (model.max_seq_len=N on their command line evaluates beyond it, on purpose).
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_seq_len=config.max_seq_len))
+    # The longest sequence it trains on becomes the saved model's limit: eval and generate then
+    # refuse longer ones alike (model.max_seq_len=N on their command line evaluates beyond it, on
+    # purpose).
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, max_seq_len=config.max_seq_len))
     validation = has_split(config, config.eval.split)
     if not validation:
-        log.warning("no %s split (no %s_files, and data.validation_split_percentage is 0): training without "
-                    "validation", config.eval.split, config.eval.split)
+        log.warning(
+            "no %s split (no %s_files, and data.validation_split_percentage is 0): training without "
+            "validation", config.eval.split, config.eval.split)
     prepared = prepare(config, splits=("train", config.eval.split) if validation else ("train",))
-    # The run keeps its own copy of the tokenizer (written once the resume is accepted, with config.yaml).
+    # The run keeps its own copy of the tokenizer (written once the resume is accepted, with
+    # config.yaml).
     tokenizer = dataclasses.replace(config.tokenizer, path=str(Path(config.run.dir) / TOKENIZER_FILE))
     return dataclasses.replace(config, tokenizer=tokenizer), prepared
 
 
 def objective_of(config: Config) -> Objective:
-    """``train.objective``'s row (or weighted sum of rows), refused in one line when unknown or when it reads a
-    batch field the data does not give."""
+    """``train.objective``'s row (or weighted sum of rows), refused in one line when unknown or when
+    it reads a batch field the data does not give."""
     tc = config.train
     objective = resolve(tc.objective, tc.objective_weights)
     check_reads(objective.reads, config.data, f"train.objective={','.join(tc.objective)}")
@@ -206,7 +227,8 @@ def objective_of(config: Config) -> Objective:
 
 
 def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
-    """Tokenizer and stores, the sharded model and optimizer state, the data iterator and the jitted step."""
+    """Tokenizer and stores, the sharded model and optimizer state, the data iterator and the jitted
+    step."""
     config, prepared = resolved(config)
     tc = config.train
     train_store, valid_store = prepared.stores["train"], prepared.stores.get(config.eval.split)
@@ -214,49 +236,67 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     placed, base = starting_weights(config, mesh, source)
     tx, schedule = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
-    opt_state, opt_shardings = sharded_optimizer_state(tx, placed.params, placed.param_shardings, replicated)
+    opt_state, opt_shardings = sharded_optimizer_state(tx, placed.params, placed.param_shardings,
+                                                       replicated)
     batch_sharding = sharding.batch_sharding(mesh)
     process_index, process_count = jax.process_index(), jax.process_count()
     settings = {key: getattr(tc, key) for key in objective.settings}
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss,
                            objective=objective, settings=settings)
     return Setup(
-        config=config, run_dir=Path(config.run.dir), primary=process_index == 0,
-        tokenizer_source=Path(prepared.tokenizer.path), valid_store=valid_store,
-        unigram=None if valid_store is None else unigram_perplexity(train_store.tokens, valid_store.tokens,
-                                                                     config.model.vocab_size),
-        graphdef=placed.graphdef, rest=placed.rest, params=placed.params, opt_state=opt_state,
-        frozen=() if placed.frozen is None else (placed.frozen,),
+        config=config,
+        run_dir=Path(config.run.dir),
+        primary=process_index == 0,
+        tokenizer_source=Path(prepared.tokenizer.path),
+        valid_store=valid_store,
+        unigram=None if valid_store is None else unigram_perplexity(
+            train_store.tokens, valid_store.tokens, config.model.vocab_size),
+        graphdef=placed.graphdef,
+        rest=placed.rest,
+        params=placed.params,
+        opt_state=opt_state,
+        frozen=() if placed.frozen is None else (placed.frozen, ),
         rng=sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated),
         num_params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(placed.params)),
-        # Every step's learning rate up front: one small computation instead of eager ops in the loop.
+        # Every step's learning rate up front: one small computation instead of eager ops in the
+        # loop.
         learning_rates=np.asarray(jax.jit(jax.vmap(schedule))(np.arange(tc.steps + 1))),
-        data_iterator=iter(build_pipeline(config, train_store, process_index=process_index,
-                                          process_count=process_count)),
-        # What the batches are cut from; a checkpoint records it, so a resume on other text or tokenizer is seen.
+        data_iterator=iter(
+            build_pipeline(config, train_store, process_index=process_index,
+                           process_count=process_count)),
+        # What the batches are cut from; a checkpoint records it, so a resume on other text or
+        # tokenizer is seen.
         identity={"tokenizer": prepared.tokenizer.hash, "sources": train_store.text_identity},
-        base=base, objective=objective,
+        base=base,
+        objective=objective,
         step_fn=jax.jit(
             step,
-            in_shardings=(placed.param_shardings, opt_shardings, batch_sharding, replicated, replicated,
+            in_shardings=(placed.param_shardings, opt_shardings, batch_sharding, replicated,
+                          replicated,
                           *([] if placed.frozen is None else [placed.frozen_shardings])),
             out_shardings=(placed.param_shardings, opt_shardings, replicated),
             donate_argnums=(0, 1),
         ),
-        to_device=functools.partial(sharding.global_batch, sharding=batch_sharding, process_count=process_count),
+        to_device=functools.partial(sharding.global_batch, sharding=batch_sharding,
+                                    process_count=process_count),
     )
 
 
 def restore(checkpoints: Checkpointer, run: Setup) -> Restored | None:
-    """Resume from the newest readable checkpoint (None: a new run), and say what the resume changed."""
+    """Resume from the newest readable checkpoint (None: a new run), and say what the resume
+    changed."""
     config = run.config
     try:
         restored = checkpoints.restore_latest(run.params, run.opt_state, run.rng, config, run.identity)
         if restored is not None and restored.step > config.train.steps:
-            raise ConfigError(f"train.steps: got {config.train.steps}, expected at least {restored.step}, the step "
-                              f"of the newest checkpoint in {checkpoints.directory} (raise it to continue the run)")
-        if restored is not None and run.base is not None:  # adapters belong to one base: another is refused
-            adapters.check_base(restored.meta.get("lora_base"), run.base, checkpoints.directory / str(restored.step))
+            raise ConfigError(
+                f"train.steps: got {config.train.steps}, expected at least {restored.step}, the step "
+                f"of the newest checkpoint in {checkpoints.directory} (raise it to continue the run)"
+            )
+        # adapters belong to one base: another is refused
+        if restored is not None and run.base is not None:
+            adapters.check_base(restored.meta.get("lora_base"), run.base,
+                                checkpoints.directory / str(restored.step))
     except BaseException:
         checkpoints.close()
         raise
@@ -267,19 +307,24 @@ def restore(checkpoints: Checkpointer, run: Setup) -> Restored | None:
         run.data_iterator.set_state(restored.data_state)
     log.info("resuming from %s (step %d)", checkpoints.directory / str(step), step)
     if restored.changes:
-        log.warning("config changes since checkpoint %d: %s", step, "; ".join(map(str, restored.changes)))
+        log.warning("config changes since checkpoint %d: %s", step,
+                    "; ".join(map(str, restored.changes)))
     if restored.data_restart is not None:
-        log.warning("the data restarts at %s of the new config (train.allow_config_change), not where "
-                    "checkpoint %d stopped (%s)", restored.data_restart["to"], step, restored.data_restart["from"])
+        log.warning(
+            "the data restarts at %s of the new config (train.allow_config_change), not where "
+            "checkpoint %d stopped (%s)", restored.data_restart["to"], step,
+            restored.data_restart["from"])
     was = (restored.meta.get("processes"), restored.meta.get("devices"))
     if None not in was and was != (jax.process_count(), jax.device_count()):
-        log.info("elastic resume: checkpoint %d was written by %d process(es) on %d device(s), now %d on %d",
-                 step, *was, jax.process_count(), jax.device_count())
+        log.info(
+            "elastic resume: checkpoint %d was written by %d process(es) on %d device(s), now %d on %d",
+            step, *was, jax.process_count(), jax.device_count())
     return restored
 
 
 def resume_row(restored: Restored) -> dict[str, Any]:
-    """The metrics.jsonl row that marks a resume: what changed since the checkpoint, and where the data went on."""
+    """The metrics.jsonl row that marks a resume: what changed since the checkpoint, and where the
+    data went on."""
     was = restored.meta
     row: dict[str, Any] = {"step": restored.step, "event": "resume",
                            "config_changes": {c.key: [c.old, c.new] for c in restored.changes}}

@@ -40,7 +40,8 @@ class StopRequest:
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        logger.warning("%s: saving a checkpoint after this step, then exiting", signal.Signals(signum).name)
+        logger.warning("%s: saving a checkpoint after this step, then exiting",
+                       signal.Signals(signum).name)
 
     def __enter__(self):
         if not self.enabled:
@@ -55,7 +56,8 @@ class StopRequest:
 
 
 def should_stop(stop: StopRequest, step: int, process_count: int) -> bool:
-    """Single process: a signal arrived. Multi-host: JAX's preemption sync point, so all processes stop at one step."""
+    """Single process: a signal arrived. Multi-host: JAX's preemption sync point, so all processes
+    stop at one step."""
     if process_count > 1:
         return multihost_utils.reached_preemption_sync_point(step)
     return stop.signum is not None

@@ -1,14 +1,13 @@
 """One optimizer step: gradients summed over micro-batches, divided once by the global denominator.
 
-The loss is ``train.objective``'s (:mod:`seqjax.objectives`); the step never names one. Each returns sums and
-what they are divided by: for the default, docs/design.md's contract 3, ``loss = sum(weights * nll) /
-sum(weights)`` over the *global* batch. With gradient accumulation the micro-batches generally hold
-different numbers of scored tokens (packing, padding, eval-style weights), so
-averaging per-micro-batch means (what ``optax.MultiSteps`` does) would weight
-tokens unequally. Here each micro-batch contributes its *sums*
-(``loss_i * weight_sum_i``), a ``lax.scan`` adds them up inside the one jitted
-step, and the total is divided once: k micro-batches give the update of one
-big batch (tested).
+The loss is ``train.objective``'s (:mod:`seqjax.objectives`); the step never names one. Each returns
+sums and what they are divided by: for the default, docs/design.md's contract 3, ``loss =
+sum(weights * nll) / sum(weights)`` over the *global* batch. With gradient accumulation the
+micro-batches generally hold different numbers of scored tokens (packing, padding, eval-style
+weights), so averaging per-micro-batch means (what ``optax.MultiSteps`` does) would weight tokens
+unequally. Here each micro-batch contributes its *sums* (``loss_i * weight_sum_i``), a ``lax.scan``
+adds them up inside the one jitted step, and the total is divided once: k micro-batches give the
+update of one big batch (tested).
 
 Micro-batch ``j`` takes rows ``j, j + k, j + 2k, ...`` of the global batch:
 with rows sharded contiguously over ``data x fsdp`` every device keeps its
@@ -36,23 +35,26 @@ from seqjax.data.contract import Batch
 from seqjax.objectives import DEFAULT, Inputs, Objective
 from seqjax.objectives.base import safe_divide
 
-# The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...; dropout keys
-# come from a copy folded with this tag first, so no mask ever reuses an initializer's key.
+# The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...;
+# dropout keys come from a copy folded with this tag first, so no mask ever reuses an initializer's
+# key.
 DROPOUT_STREAM = 0x64726F70  # "drop"
 
 
 def dropout_key(rng: jax.Array, step, micro) -> jax.Array:
-    """The dropout key of micro-batch ``micro`` of step ``step``: a pure function of (run key, step, micro).
+    """The dropout key of micro-batch ``micro`` of step ``step``: a pure function of (run key, step,
+    micro).
 
-    ``rng`` is the run's key data (``jax.random.key_data(jax.random.key(run.seed))``, saved in checkpoints).
+    ``rng`` is the run's key data (``jax.random.key_data(jax.random.key(run.seed))``, saved in
+    checkpoints).
     """
     stream = jax.random.fold_in(jax.random.wrap_key_data(rng), DROPOUT_STREAM)
     return jax.random.fold_in(jax.random.fold_in(stream, step), micro)
 
 
 def micro_batches(batch: Batch, k: int) -> Batch:
-    """[B, ...] fields -> [k, B / k, ...]; micro-batch j holds rows j, j + k, ... (every field, the optional ones
-    too, is cut by rows)."""
+    """[B, ...] fields -> [k, B / k, ...]; micro-batch j holds rows j, j + k, ... (every field, the
+    optional ones too, is cut by rows)."""
 
     def split(x):
         return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
@@ -61,21 +63,28 @@ def micro_batches(batch: Batch, k: int) -> Batch:
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef, rest: Any, tx: optax.GradientTransformation, *, grad_accum: int, z_loss: float = 0.0,
-    objective: Objective = DEFAULT, settings: Mapping[str, Any] | None = None,
+    graphdef: nnx.GraphDef,
+    rest: Any,
+    tx: optax.GradientTransformation,
+    *,
+    grad_accum: int,
+    z_loss: float = 0.0,
+    objective: Objective = DEFAULT,
+    settings: Mapping[str, Any] | None = None,
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
-    """``step(params, opt_state, batch, rng=None, step=0, frozen=None) -> (params, opt_state, metrics)``, pure and
-    jittable.
+    """``step(params, opt_state, batch, rng=None, step=0, frozen=None) -> (params, opt_state,
+    metrics)``, pure and jittable.
 
-    ``graphdef``/``rest`` come from :func:`seqjax.model.split_params`; ``params`` is the state that trains as a
-    pure dict (every parameter, or ``model.lora``'s adapters alone), ``frozen`` the base under adapters (an
-    argument, not a constant baked into the compiled step; it gets no gradient and no optimizer state).
-    ``rng`` (the run's key data) and ``step`` (the step's number) seed dropout; with ``rng=None`` nothing is
-    dropped, whatever ``model.dropout`` says. ``objective`` (``train.objective``, :mod:`seqjax.objectives`) is
-    what each micro-batch's loss computes, ``settings`` the ``train.*`` values it reads (``z_loss`` by default).
-    ``metrics`` holds ``loss`` (the objective's loss), ``objective`` (plus regularizers such as z-loss),
-    ``grad_norm`` (before clipping), ``weight_sum`` (what the loss was divided by: scored tokens, pairs),
-    ``tokens`` (non-padding input tokens of the global batch), ``finite``, and ``reported``: the metrics the
+    ``graphdef``/``rest`` come from :func:`seqjax.model.split_params`; ``params`` is the state that
+    trains as a pure dict (every parameter, or ``model.lora``'s adapters alone), ``frozen`` the base
+    under adapters (an argument, not a constant baked into the compiled step; it gets no gradient
+    and no optimizer state). ``rng`` (the run's key data) and ``step`` (the step's number) seed
+    dropout; with ``rng=None`` nothing is dropped, whatever ``model.dropout`` says. ``objective``
+    (``train.objective``, :mod:`seqjax.objectives`) is what each micro-batch's loss computes,
+    ``settings`` the ``train.*`` values it reads (``z_loss`` by default). ``metrics`` holds ``loss``
+    (the objective's loss), ``objective`` (plus regularizers such as z-loss), ``grad_norm`` (before
+    clipping), ``weight_sum`` (what the loss was divided by: scored tokens, pairs), ``tokens``
+    (non-padding input tokens of the global batch), ``finite``, and ``reported``: the metrics the
     objective reports (TRL's rewards/*, ...), each already divided by its count.
     """
     settings = {"z_loss": z_loss, **(settings or {})}

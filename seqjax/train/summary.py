@@ -1,7 +1,9 @@
-"""summary.json: what a run did, its throughput and its final validation; and whether a run already finished.
+"""summary.json: what a run did, its throughput and its final validation; and whether a run already
+finished.
 
-A run whose summary says it reached ``train.steps`` and completed its final validation is finished: running
-the same command again changes nothing (a scheduler that requeues a finished job lands there).
+A run whose summary says it reached ``train.steps`` and completed its final validation is finished:
+running the same command again changes nothing (a scheduler that requeues a finished job lands
+there).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def finished_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
     """The summary of a run that reached ``steps`` and completed its final validation, else None.
 
     A summary without the final validation (a run killed while validating, or one written before the
-    ``finished`` key existed with null losses) does not count: the run is resumed and the validation redone.
+    ``finished`` key existed with null losses) does not count: the run is resumed and the validation
+    redone.
     """
     try:
         summary = json.loads((run_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
@@ -34,13 +37,15 @@ def finished_summary(run_dir: Path, steps: int) -> dict[str, Any] | None:
         return None
     if not isinstance(summary, dict) or summary.get("steps") != steps:
         return None
-    validated = summary.get("val_loss") is not None or summary.get("validation") is False  # (none asked for)
+    # (none asked for)
+    validated = summary.get("val_loss") is not None or summary.get("validation") is False
     return summary if summary.get("finished") and validated else None
 
 
 def write_summary(run, steps: StepLogger, restored: Restored | None, last_val: dict[str, Any] | None,
                   flops_per_tok: float, peak: float | None, wall_start: float) -> dict[str, Any]:
-    """summary.json (written by the primary process, with loss.png) for the run ``run`` (a train.setup.Setup)."""
+    """summary.json (written by the primary process, with loss.png) for the run ``run`` (a
+    train.setup.Setup)."""
     config, window = run.config, steps.window
     # A run resumed at its last step took no step: its last train row is the checkpoint's.
     last_row = steps.last_row or (restored.meta.get("row") if restored else None) or {}
@@ -59,16 +64,21 @@ def write_summary(run, steps: StepLogger, restored: Restored | None, last_val: d
         "peak_memory_bytes": peak_memory_bytes(),
         "wall_seconds": time.perf_counter() - wall_start,
         "final_train_loss": last_row.get("loss"),
-        **{key: last_val and val.get(key) for key in ("val_loss", "val_perplexity", "val_word_perplexity",
-                                                        "val_bits_per_byte", "val_sources")},
+        **{
+            key: last_val and val.get(key)
+            for key in ("val_loss", "val_perplexity", "val_word_perplexity", "val_bits_per_byte", "val_sources")
+        },
         "unigram_perplexity": run.unigram,
         "eval": dataclasses.asdict(config.eval),
-        # What the final validation really used (the keys above may be null: their defaults resolved here).
+        # What the final validation really used (the keys above may be null: their defaults resolved
+        # here).
         "eval_context": config.eval_context,
         "eval_stride": resolve_stride(config.eval.mode, config.eval_context, config.eval.stride),
-        # The final validation completed and is recorded above: a re-run of this command changes nothing.
+        # The final validation completed and is recorded above: a re-run of this command changes
+        # nothing.
         "finished": (last_val is not None and bool(val.get("val_complete", True))) or (
-            run.valid_store is None and last_val is None),  # (no validation data: reaching the last step is all)
+            # (no validation data: reaching the last step is all)
+            run.valid_store is None and last_val is None),
         "validation": run.valid_store is not None,
     }
     if run.primary:
