@@ -76,7 +76,7 @@ def direct_document_nll(model, store: TokenStore) -> float:
 
 def direct_nll_per_document(model, store: TokenStore) -> np.ndarray:
     """Each article [EOT] + text + [EOT] as one whole row of its own (no windows, no packing): its nll."""
-    units = [np.asarray(store.doc_with_context(i), np.int64) for i in range(store.num_docs)]
+    units = [np.asarray(store.doc_sequence(i), np.int64) for i in range(store.num_docs)]
     width = max(len(u) for u in units) - 1
     inputs, targets, segment_ids = (np.zeros((len(units), width), np.int32) for _ in range(3))
     for row, unit in enumerate(units):

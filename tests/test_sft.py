@@ -195,8 +195,9 @@ def test_fractional_loss_weights_are_kept_as_float32_when_asked_and_refused_as_b
     config = load_config(None, overrides(tmp_path, chat_folder, "tokenized", files,
                                          **{"data.loss_weights_dtype": "float32"}))
     store = prepare(config, splits=("train",)).stores["train"]
-    assert store.mask.dtype == np.float32 and store.scored_tokens == 5
-    np.testing.assert_array_equal(np.asarray(store.mask), np.float32([0, 0, 0.1, 1, 2.5, 0, 1, 0, 1, 0]))
+    # (each example's first id is no target, as in transformers' shifted labels: its weight is 0)
+    assert store.mask.dtype == np.float32 and store.scored_tokens == 4
+    np.testing.assert_array_equal(np.asarray(store.mask), np.float32([0, 0, 0.1, 1, 2.5, 0, 0, 0, 1, 0]))
     manifest = json.loads((store.path / "manifest.json").read_text())
     assert {s.get("weights_dtype") for s in manifest["shards"]} == {"float32"}
     again = TokenStore.open(store.path, verify=True)
@@ -222,13 +223,9 @@ def test_evaluation_with_fractional_weights_is_the_weighted_mean_nll(chat_folder
     result = evaluate(model, store, config, progress=False)
     w = np.asarray(store.mask, np.float64)
     assert result["tokens"] == int(np.count_nonzero(w)) and result["bits_per_byte"] is None
-    nll = []  # each example alone, from the separator before it
-    for ids, _ in examples:
-        row = {"inputs": np.asarray([[0] + ids]), "targets": np.asarray([ids + [0]]),
-               "positions": np.arange(len(ids) + 1)[None], "segment_ids": np.ones((1, len(ids) + 1), np.int32),
-               "weights": np.ones((1, len(ids) + 1), np.float32)}
-        nll.append(contract_loss(model, row)[2][0].astype(np.float64))
-    np.testing.assert_allclose(result["token_perplexity"], np.exp(np.average(np.concatenate(nll), weights=w[1:])),
+    nll = [contract_loss(model, one_alone(ids, list(ws)))[2][0].astype(np.float64) for ids, ws in examples]
+    weights = np.concatenate([np.asarray(ws[1:], np.float64) for _, ws in examples])
+    np.testing.assert_allclose(result["token_perplexity"], np.exp(np.average(np.concatenate(nll), weights=weights)),
                                rtol=1e-5)
 
 
@@ -277,9 +274,17 @@ def test_instruction_formats_refuse_strategies_that_cut_examples_and_loss_on_the
 
 
 def example_store(examples: list[tuple[list[int], list[int]]], eot: int = 0) -> TokenStore:
-    """An in-memory instruction store: each example's ids and 0/1 weights (its closing EOT not scored)."""
+    """An in-memory instruction store: each example's ids and each id's weight as a target (the first id is
+    never one: nothing comes before it)."""
     return TokenStore.from_documents([ids for ids, _ in examples], eot_id=eot, vocab_size=64,
-                                     weights=[list(w) + [0] for _, w in examples])
+                                     weights=[list(w) for _, w in examples])
+
+
+def one_alone(ids: list[int], weights: list[float]) -> dict:
+    """One example as transformers and TRL train it: inputs ids[:-1], targets ids[1:], nothing before or after."""
+    n = len(ids) - 1
+    return {"inputs": np.asarray([ids[:-1]]), "targets": np.asarray([ids[1:]]), "positions": np.arange(n)[None],
+            "segment_ids": np.ones((1, n), np.int32), "weights": np.asarray([weights[1:]], np.float32)}
 
 
 examples_strategy = st.lists(
@@ -304,7 +309,7 @@ def epoch_batches(config, store, n_batches: int) -> list[dict]:
 @settings(max_examples=25, deadline=None)
 @given(examples=examples_strategy, layout=st.sampled_from(LAYOUTS))
 def test_no_target_crosses_an_example_positions_restart_and_weights_are_the_mask(examples, layout):
-    assume(any(sum(w) for _, w in examples))
+    assume(any(sum(w[1:]) for _, w in examples))
     store = example_store(examples)
     config = config_for("best_fit", **{"data.batch_size": 1, **layout})  # (a batch per row: any store has an epoch)
     grain = layout.get("data.packer", "").startswith("grain")
@@ -317,14 +322,13 @@ def test_no_target_crosses_an_example_positions_restart_and_weights_are_the_mask
                 assert np.all(np.diff(where) == 1)  # one contiguous run per example
                 np.testing.assert_array_equal(batch["positions"][row, where], np.arange(len(where)))
                 piece = np.concatenate([batch["inputs"][row, where], batch["targets"][row, where[-1:]]])
-                # the piece is a slice of one example framed by its EOTs: never two examples' tokens
-                owner = [i for i, (ids, _) in enumerate(examples)
-                         if _is_slice(piece, np.asarray([0] + list(ids) + [0]))]
+                # the piece is a slice of one example's ids: never two examples' tokens, never a separator
+                owner = [i for i, (ids, _) in enumerate(examples) if _is_slice(piece, np.asarray(ids))]
                 assert owner, f"segment {piece} is not inside one example"
         seen_scored += int(batch["weights"].sum())
         assert set(np.unique(batch["weights"])) <= {0.0, 1.0}
     if not grain:  # (Grain's iterator runs on across epochs: its three batches are checked row by row above)
-        assert seen_scored == sum(sum(w) for _, w in examples)
+        assert seen_scored == sum(sum(w[1:]) for _, w in examples)
 
 
 def _is_slice(piece: np.ndarray, seq: np.ndarray) -> bool:
@@ -400,11 +404,8 @@ def test_a_packed_batch_and_the_examples_unpacked_give_the_same_loss_and_gradien
     # the reference, computed apart from the contract: each example run alone, its scored tokens' losses
     per_example = []  # (the weights, the losses) of each example's targets
     for ids, weights in examples:
-        row = {"inputs": np.asarray([[0] + ids]), "targets": np.asarray([ids + [0]]),
-               "positions": np.arange(len(ids) + 1)[None], "segment_ids": np.ones((1, len(ids) + 1), np.int32),
-               "weights": np.asarray([weights + [0]], np.float32)}
-        _, _, nll = contract_loss(model, row)
-        per_example.append((np.asarray(weights + [0], np.float64), nll[0].astype(np.float64)))
+        _, _, nll = contract_loss(model, one_alone(ids, weights))
+        per_example.append((np.asarray(weights[1:], np.float64), nll[0].astype(np.float64)))
     expected = (np.mean([np.average(nll, weights=w) for w, nll in per_example]) if normalization == "examples"
                 else np.average(np.concatenate([nll for _, nll in per_example]),
                                 weights=np.concatenate([w for w, _ in per_example])))
@@ -417,7 +418,8 @@ def test_examples_normalization_weighs_each_example_one_in_all_and_split_pieces_
     config = config_for("best_fit", 16, **{"train.loss_normalization": "examples", "data.batch_size": 1})
     batch = whole_epoch(config, store)
     assert batch["weights"].sum() == pytest.approx(3.0)  # one per example, the 50-token one split into pieces
-    np.testing.assert_allclose(np.unique(batch["weights"]), [0.0, 1 / 50, 1 / 5, 1 / 2], rtol=1e-6)
+    # (49 of the first's targets are scored: its first id is none)
+    np.testing.assert_allclose(np.unique(batch["weights"]), [0.0, 1 / 49, 1 / 5, 1 / 2], rtol=1e-6)
 
 
 def test_two_processes_read_the_rows_and_weights_of_one_process_in_examples_mode():
@@ -485,9 +487,9 @@ def test_overlong_examples_follow_the_policy_and_truncation_keeps_the_start(over
     if overlong == "drop":
         assert long_tokens == []
     elif overlong == "truncate":
-        assert long_tokens == list(range(1, 16))  # its EOT and first 15 tokens: the start is kept
-    else:
-        assert sorted(long_tokens) == list(range(1, 41))
+        assert long_tokens == list(range(1, 17))  # its first 16 inputs (17 ids, 16 targets): the start is kept
+    else:  # every id is an input once but the last, which is only a target
+        assert sorted(long_tokens) == list(range(1, 40)) and 40 in batch["targets"]
     assert 52 in batch["targets"]  # the short example is always there, whole
 
 
@@ -506,13 +508,13 @@ def test_the_data_report_counts_scored_targets_and_the_examples_dropped_or_trunc
     store = example_store(examples)
     config = config_for("best_fit", 16, **{"data.overlong": overlong, "data.batch_size": 1, **layout})
     stats = epoch_stats(config, store)
-    # What the policy leaves of each example's targets (its tokens, then its closing EOT, never scored).
-    targets = [w + [0] for _, w in examples]
+    # What the policy leaves of each example's targets (its ids but the first).
+    targets = [w[1:] for _, w in examples]
     kept = [t for t in targets if len(t) <= 16] if overlong == "drop" else [t[:16] for t in targets]
     assert stats["examples"] == len(examples) and stats["real_tokens"] == sum(map(len, kept))
     assert stats["scored_targets"] == sum(map(sum, kept))
     assert stats["scored_fraction"] == pytest.approx(sum(map(sum, kept)) / sum(map(len, kept)))
-    too_long = sum(n + 1 > 16 for n in lengths)
+    too_long = sum(n - 1 > 16 for n in lengths)
     assert stats["documents_dropped"] == (too_long if overlong == "drop" else 0)
     if "grain" not in layout.get("data.packer", ""):  # (Grain's packers report no truncation or rows per epoch)
         assert stats["documents_truncated"] == (too_long if overlong == "truncate" else 0)
@@ -599,7 +601,7 @@ def test_text_under_a_llama_tokenizer_is_framed_with_its_bos_and_the_report_says
     bos = tokenizer.token_id("<s>")
     assert store.eot_id == bos and tokenizer.separator_id == bos != tokenizer.eot_id
     for i, doc in enumerate(docs):
-        framed = np.asarray(store.doc_with_context(i))
+        framed = np.asarray(store.doc_sequence(i))
         assert framed[0] == bos and framed[-1] == bos
         assert tokenizer.decode(framed[1:-1]) == doc["text"]
     assert prepared.summary["train"]["framing"].startswith("<s> document <s> document")

@@ -4,10 +4,11 @@ Two ways to keep documents whole (``data.strategy`` pack and length_grouped),
 one module, because both start from the same *items* and end in the same CSR
 rows (starts, lengths, row_ptr) that :class:`seqjax.data.plan.RowPlan` holds.
 
-Items. A document's sequence is ``[EOT] + text + [EOT]``
-(``store.doc_with_context``): it predicts ``doc_lengths[i]`` tokens. An *item*
-is such a sequence, or a piece of one after the overlong policy; its *weight*
-is the number of tokens it predicts, and a row holds at most ``seq_len`` of them.
+Items. A document's sequence is ``[EOT] + text + [EOT]``, or an instruction
+example's ids (``store.doc_spans``); it predicts one token fewer than it holds.
+An *item* is such a sequence, or a piece of one after the overlong policy; its
+*weight* is the number of tokens it predicts, and a row holds at most
+``seq_len`` of them.
 
 Packing (``pack``). The packers return, for items in the order given, the row
 each one goes to; :func:`rows_from_assignment` turns that into CSR rows.
@@ -53,38 +54,40 @@ class Arranged(NamedTuple):
     widths: np.ndarray | None = None
 
 
-def check_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> None:
-    """Under ``error``, refuse the store before any work, naming the first overlong document."""
+def check_overlong(predictions: np.ndarray, seq_len: int, overlong: str) -> None:
+    """Under ``error``, refuse the store before any work, naming the first overlong document
+    (``predictions``: each document's targets, ``store.doc_predictions``)."""
     if overlong != "error":
         return
-    over = np.flatnonzero(doc_lengths > seq_len)
+    over = np.flatnonzero(predictions > seq_len)
     if len(over):
         i = int(over[0])
         raise DataError(
-            f"data.overlong=error: document {i} predicts {int(doc_lengths[i])} tokens, "
+            f"data.overlong=error: document {i} predicts {int(predictions[i])} tokens, "
             f"more than data.seq_len={seq_len} "
             f"({len(over)} documents are too long); choose data.overlong=drop, truncate or split"
         )
 
 
-def dropped_as_overlong(doc_lengths: np.ndarray, seq_len: int, overlong: str) -> np.ndarray:
+def dropped_as_overlong(predictions: np.ndarray, seq_len: int, overlong: str) -> np.ndarray:
     """Which documents the overlong policy leaves out: under ``drop``, those predicting more than
     ``seq_len``."""
-    doc_lengths = np.asarray(doc_lengths)
-    return doc_lengths > seq_len if overlong == "drop" else np.zeros(len(doc_lengths), bool)
+    predictions = np.asarray(predictions)
+    return predictions > seq_len if overlong == "drop" else np.zeros(len(predictions), bool)
 
 
-def document_items(
-    doc_offsets: np.ndarray, order: np.ndarray, seq_len: int, overlong: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, lengths)`` of the sequences of documents ``order`` after the overlong policy.
+def document_items(spans: tuple[np.ndarray, np.ndarray], order: np.ndarray, seq_len: int,
+                   overlong: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of the sequences of documents ``order`` after the overlong policy;
+    ``spans`` is every document's sequence (``store.doc_spans()``).
 
     ``split`` cuts a long document into pieces of ``seq_len`` predictions, each
     its own sequence (the piece reads the token before it as context);
     ``keep`` leaves documents whole (the ``fill`` packer splits them itself).
     """
-    starts = np.asarray(doc_offsets[:-1], np.int64)[order] - 1
-    weights = np.diff(doc_offsets)[order]
+    starts = np.asarray(spans[0], np.int64)[order]
+    weights = np.asarray(spans[1], np.int64)[order] - 1
+    starts, weights = starts[weights > 0], weights[weights > 0]  # (a one-token example has no target)
     if overlong == "drop":
         keep = ~dropped_as_overlong(weights, seq_len, overlong)
         starts, weights = starts[keep], weights[keep]

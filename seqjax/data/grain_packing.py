@@ -72,7 +72,7 @@ def _packed_epoch(config: Config, store: TokenStore, pack: GrainPacker, epoch: i
     """One epoch's documents, in that epoch's shuffled order, through the configured Grain packer,
     as contract rows."""
     d = config.data
-    starts, lengths = document_rows.document_items(store.doc_offsets, np.arange(store.num_docs),
+    starts, lengths = document_rows.document_items(store.doc_spans(), np.arange(store.num_docs),
                                                    d.seq_len, d.overlong)
     tokens = store.tokens
     scores = target_weights(store, config.train.loss_normalization)

@@ -112,7 +112,7 @@ class RowPlan:
         width = int(self.widths[0]) if len(self.widths) else 0
         return RowPlan.from_rows(starts, lengths, exclusive_cumsum(counts), self.batch_size, width)
 
-    def split_at(self, boundaries: np.ndarray) -> "RowPlan":
+    def split_at(self, boundaries: np.ndarray, parents: bool = False):
         """Split every piece at the stream positions in ``boundaries`` (sorted) that fall strictly
         inside it.
 
@@ -131,7 +131,29 @@ class RowPlan:
         starts = np.where(j == 0, self.starts[owner], first)
         ends = np.where(j == cuts[owner], last[owner], end)
         row_ptr = exclusive_cumsum(cuts + 1)[self.row_ptr]
-        return RowPlan(starts, ends - starts + 1, row_ptr, self.batch_size, self.widths)
+        plan = RowPlan(starts, ends - starts + 1, row_ptr, self.batch_size, self.widths)
+        return (plan, owner) if parents else plan  # (parents: the piece each new one was cut from)
+
+    def clip(self, span_starts: np.ndarray, span_lengths: np.ndarray, parents: bool = False):
+        """Every piece cut to the spans it overlaps (sorted, disjoint), the rest of it dropped, and
+        parts that predict nothing (one token) dropped too.
+
+        Used with an instruction store's example spans (``store.doc_spans``): each example gets its
+        own segment holding exactly its ids, and the separators between examples belong to none.
+        """
+        span_ends = span_starts + span_lengths
+        ends = self.starts + self.lengths
+        first = np.searchsorted(span_ends, self.starts, "right")
+        count = np.maximum(np.searchsorted(span_starts, ends, "left") - first, 0)
+        owner, j = ragged_arange(count)
+        span = first[owner] + j
+        starts = np.maximum(self.starts[owner], span_starts[span])
+        lengths = np.minimum(ends[owner], span_ends[span]) - starts
+        keep = lengths >= 2
+        kept = np.bincount(owner[keep], minlength=len(self.starts))
+        row_ptr = exclusive_cumsum(kept)[self.row_ptr]
+        plan = RowPlan(starts[keep], lengths[keep], row_ptr, self.batch_size, self.widths)
+        return (plan, owner[keep]) if parents else plan
 
     def batch_rows(self, batches: np.ndarray, process_index: int = 0,
                    process_count: int = 1) -> np.ndarray:
@@ -151,6 +173,16 @@ class RowPlan:
         owner, j = ragged_arange(counts)
         piece = self.row_ptr[safe][owner] + j
         return self.starts[piece], self.lengths[piece], owner
+
+
+def per_document(plan: RowPlan, store: TokenStore, parents: bool = False):
+    """``plan``'s pieces cut so that each document is its own segment: a text store's at its EOTs
+    (each EOT ends one document as its last target and opens the next as its first input), an
+    instruction store's to each example's ids exactly (:meth:`TokenStore.doc_spans`). With
+    ``parents``, also the index of the piece each new one was cut from."""
+    if store.mask is None or not (store.examples or any(s.examples for s in store.source_stores)):
+        return plan.split_at(np.asarray(store.doc_offsets, np.int64) - 1, parents)
+    return plan.clip(*store.doc_spans(), parents)
 
 
 def coverage(plan: RowPlan, n_tokens: int) -> np.ndarray:
@@ -278,6 +310,8 @@ class EpochPlanner:
         if d.shuffle and self.strategy.shuffles:
             plan = plan.take(rng.permutation(plan.num_rows))
         if not d.cross_document_attention and len(starts):
+            if self.store.mask is not None:  # instruction examples: each one's ids exactly
+                return per_document(plan, self.store)
             # the EOTs (segment boundaries) inside this window's stretch of the stream, not the
             # whole store's
             offsets = self.store.doc_offsets
@@ -291,7 +325,7 @@ class EpochPlanner:
         d = self.data
         count = end - first
         order = first + (rng.permutation(count) if d.shuffle else np.arange(count))
-        starts, lengths = document_rows.document_items(self.store.doc_offsets, order, d.seq_len,
+        starts, lengths = document_rows.document_items(self.store.doc_spans(), order, d.seq_len,
                                                        item_overlong(d))
         strategy = STRATEGIES[d.strategy]
         arranged = strategy.document_rows(starts, lengths, self.config)

@@ -17,7 +17,7 @@ from seqjax.data import strategies
 from seqjax.data.document_rows import dropped_as_overlong
 from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.pipeline import build_pipeline
-from seqjax.data.plan import EpochPlanner, RowPlan, coverage
+from seqjax.data.plan import EpochPlanner, RowPlan, coverage, per_document
 from seqjax.data.ragged import ragged_arange
 from seqjax.store.reader import TokenStore
 
@@ -47,7 +47,7 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         # Grain's packers see documents after the overlong policy (document_rows.document_items)
         counts = {
             "documents_dropped": int(
-                dropped_as_overlong(store.doc_lengths, d.seq_len, d.overlong).sum()),
+                dropped_as_overlong(store.doc_predictions, d.seq_len, d.overlong).sum()),
             "documents_truncated": None, "documents_split": None
         }
         rows, n_batches = len(segs), len(batches)
@@ -148,12 +148,16 @@ def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, An
 def document_coverage(plan: RowPlan, store: TokenStore) -> tuple[dict[str, int], int]:
     """Documents never predicted (dropped), cut across rows or left partly unpredicted, and the
     stream tokens never predicted this epoch."""
-    covered = coverage(plan, store.num_tokens)[1:] > 0
-    doc_of = np.searchsorted(store.doc_offsets, np.arange(1, store.num_tokens), "right") - 1
+    starts, lengths = store.doc_spans()
+    owner, j = ragged_arange(lengths - 1)
+    targets = np.zeros(store.num_tokens, bool)  # the stream positions some document's sequence predicts
+    targets[starts[owner] + j + 1] = True
+    covered = (coverage(plan, store.num_tokens) > 0)[targets]
+    doc_of = np.searchsorted(store.doc_offsets, np.flatnonzero(targets), "right") - 1
     predicted = np.bincount(doc_of, weights=covered, minlength=store.num_docs)
     dropped = int(np.sum(predicted == 0))
-    truncated = int(np.sum((predicted > 0) & (predicted < store.doc_lengths)))
-    pieces = plan.split_at(np.asarray(store.doc_offsets) - 1)
+    truncated = int(np.sum((predicted > 0) & (predicted < store.doc_predictions)))
+    pieces = per_document(plan, store)
     piece_doc = np.searchsorted(store.doc_offsets, pieces.starts + 1, "right") - 1
     piece_row = np.repeat(np.arange(pieces.num_rows), pieces.segments_per_row)
     pairs = np.unique(np.stack([piece_doc, piece_row]), axis=1)

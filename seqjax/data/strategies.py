@@ -402,7 +402,7 @@ def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
         )
     strategy = STRATEGIES[d.strategy]
     if strategy.documents:
-        document_rows.check_overlong(store.doc_lengths, d.seq_len, d.overlong)
+        document_rows.check_overlong(store.doc_predictions, d.seq_len, d.overlong)
     if strategy.needs_full_row:
         sequences.check_fits(store.num_tokens, d.seq_len, d.strategy)
     if strategy.check_store is not None:

@@ -2,8 +2,9 @@
 what each row scores.
 
 A *unit* is a run of tokens scored on its own: the whole split's stream
-(``blocks``, ``sliding``) or one article ``[EOT] + text + [EOT]``
-(``documents``, ``store.doc_with_context(i)``). A window reads ``context``
+(``blocks``, ``sliding``) or one document's sequence (``documents``,
+``store.doc_spans()``): an article ``[EOT] + text + [EOT]``, or an instruction
+example's ids. A window reads ``context``
 input tokens ``u[a : a + context]`` and predicts the next ones
 ``u[a + 1 : a + context + 1]``; its ``weights`` mark only the targets it is
 responsible for, so that across all windows
@@ -12,10 +13,11 @@ responsible for, so that across all windows
 
 **The first-token rule.** The first token of every unit is context only,
 never a target: it is always the ``<|endoftext|>`` that opens the stream or
-the article. So every text token, the first word of an article included, is
-predicted from at least that one token, and every mode scores exactly
-``store.predicted_tokens == len(store.tokens) - 1`` tokens (each text token
-plus each article's closing EOT).
+the article (an instruction example's first id, which nothing precedes). So
+every text token, the first word of an article included, is predicted from at
+least that one token, and every mode scores exactly ``store.predicted_tokens``
+tokens (for text, ``len(store.tokens) - 1``: each text token plus each
+article's closing EOT).
 
 The modes:
 
@@ -54,7 +56,7 @@ import numpy as np
 
 from seqjax.data import document_rows
 from seqjax.data.contract import Batch, contract_batch
-from seqjax.data.plan import RowPlan
+from seqjax.data.plan import RowPlan, per_document
 from seqjax.data.ragged import exclusive_cumsum, ragged_arange, starts_in_groups
 from seqjax.data.scored import target_weights
 from seqjax.store.reader import TokenStore
@@ -134,7 +136,24 @@ class EvalWindows:
         ``cross_document_attention``; the weights then keep only the targets each
         window is responsible for (stream positions ``lo < p <= hi``).
         """
-        index = np.asarray(index, np.int64)
+        plan, row_of_piece, targets = self._layout(np.asarray(index, np.int64))
+        # instruction data: only the answers' tokens count
+        batch = contract_batch(self.store.tokens, plan.starts, plan.lengths, row_of_piece, len(index),
+                               self.context, target_weights(self.store))
+        batch["weights"] *= targets >= 0
+        return batch
+
+    def target_positions(self, index: np.ndarray) -> np.ndarray:
+        """``[len(index), context]``: the stream position of the target each slot of rows ``index``
+        scores (a window's own targets, ``lo < p <= hi``), or -1 where the slot scores nothing."""
+        return self._layout(np.asarray(index, np.int64))[2]
+
+    def _layout(self, index: np.ndarray) -> tuple[RowPlan, np.ndarray, np.ndarray]:
+        """(the rows' pieces, each piece's row, each slot's target position or -1) of rows ``index``.
+
+        A window's pieces sit in its row one after another from its first slot; slot ``k`` of a
+        piece starting at stream position ``s`` predicts ``s + 1 + k``.
+        """
         windows, row_of_window = self._windows_of(index)
         starts = self.starts[windows]
         # a window never reads past its unit
@@ -142,37 +161,23 @@ class EvalWindows:
         row_ptr = exclusive_cumsum(np.bincount(row_of_window, minlength=len(index)))
         plan = RowPlan.from_rows(starts, predicted + 1, row_ptr, batch_size=max(len(index), 1),
                                  width=self.context)
+        window_of_piece = np.arange(len(windows))
         if not self.cross_document_attention:
             # An input belongs to the article of the token it predicts, so the EOT between two
-            # articles is the first (context-only) token of the second one's segment.
-            plan = plan.split_at(np.asarray(self.store.doc_offsets, np.int64) - 1)
+            # articles is the first (context-only) token of the second one's segment; an instruction
+            # example is its ids alone.
+            plan, parent = per_document(plan, self.store, parents=True)
+            window_of_piece = window_of_piece[parent]
         row_of_piece = np.repeat(np.arange(plan.num_rows), plan.segments_per_row)
-        batch = contract_batch(
-            self.store.tokens,
-            plan.starts,
-            plan.lengths,
-            row_of_piece,
-            len(index),
-            self.context,
-            # instruction data: only the answers' tokens count
-            target_weights(self.store))
-        batch["weights"] *= self.target_positions(index) >= 0
-        return batch
-
-    def target_positions(self, index: np.ndarray) -> np.ndarray:
-        """``[len(index), context]``: the stream position of the target each slot of rows ``index``
-        scores (a window's own targets, ``lo < p <= hi``), or -1 where the slot scores nothing."""
-        index = np.asarray(index, np.int64)
-        windows, row_of_window = self._windows_of(index)
-        predicted = np.minimum(self.context, self.ends[windows] - self.starts[windows])
-        # (windows come in row order)
-        first_slot = starts_in_groups(predicted, row_of_window, len(index))
-        owner, k = ragged_arange(predicted)
-        target = self.starts[windows][owner] + 1 + k
-        mine = (target > self.lo[windows][owner]) & (target <= self.hi[windows][owner])
+        per_piece = plan.lengths - 1
+        first_slot = starts_in_groups(per_piece, row_of_piece, len(index))
+        owner, k = ragged_arange(per_piece)
+        target = plan.starts[owner] + 1 + k
+        window = windows[window_of_piece[owner]]
+        mine = (target > self.lo[window]) & (target <= self.hi[window])
         out = np.full((len(index), self.context), -1, np.int64)
-        out[row_of_window[owner], first_slot[owner] + k] = np.where(mine, target, -1)
-        return out
+        out[row_of_piece[owner], first_slot[owner] + k] = np.where(mine, target, -1)
+        return plan, row_of_piece, out
 
     def batches(self, batch_size: int) -> Iterator[Batch]:
         """Rows in order, ``batch_size`` at a time; the last batch is padded with empty rows."""
@@ -241,9 +246,9 @@ def eval_windows(
     ``pack`` packs ``documents``' windows into rows (:meth:`EvalWindows.packed`); the stream modes'
     windows are full rows already but the last, so they are left one per row."""
     stride = resolve_stride(mode, context, stride)
-    if mode == "documents":
-        unit_start = np.asarray(store.doc_offsets[:-1], np.int64) - 1
-        unit_end = np.asarray(store.doc_offsets[1:], np.int64) - 1
+    if mode == "documents":  # each document's sequence (store.doc_spans): [EOT] + text + [EOT], or an example
+        unit_start, lengths = store.doc_spans()
+        unit_end = unit_start + lengths - 1
     else:
         unit_start = np.zeros(1, np.int64)
         unit_end = np.asarray([len(store.tokens) - 1], np.int64)

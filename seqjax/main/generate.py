@@ -138,12 +138,10 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     outputs = generate(
         model,
-        # Chats as the store encodes a rendered chat (one string), prompts as it encodes text (line
-        # by line).
-        [
-            tokenizer.opened(tokenizer.encode_text(text) if args.chat else tokenizer.encode(text))
-            for text in texts
-        ],
+        # A chat's ids exactly as its template renders them (the store keeps examples so, and
+        # transformers' apply_chat_template(tokenize=True) gives them); a prompt as the store encodes
+        # text, line by line, after the opening token every document has.
+        [tokenizer.encode_text(text) if args.chat else tokenizer.opened(tokenizer.encode(text)) for text in texts],
         eot_id=stop_ids,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,

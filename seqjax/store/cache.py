@@ -24,7 +24,7 @@ import xxhash
 from seqjax.config.tree import Config, SourceConfig
 
 # Bump when the way text becomes a store changes, so old caches are rebuilt rather than trusted.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3  # 3: instruction examples stored as they are (no separator trained)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from seqjax.store.corpus import count_lines, count_words
-from seqjax.store.examples import ExampleSpec, encode_example, framed
+from seqjax.store.examples import ExampleSpec, encode_example
 from seqjax.store.tokenizer import Tokenizer
 
 # At most this many chunks per worker are queued or being encoded at once.
@@ -58,20 +58,20 @@ class EncodedChunk:
 
 def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
                     records: list[tuple[str, dict]]) -> EncodedChunk:
-    """Records as stored examples: ids, per-token weights (with each closing EOT's), and what they
-    counted.
+    """Records as stored examples: their ids exactly, a weight per stored token (the separator
+    after each example weighs 0: it belongs to no example), and what they counted.
 
-    An example with nothing scored, or nothing left between its separators, is dropped and counted.
+    An example with nothing scored (a single token has no target) is dropped and counted.
     """
     ids, lengths, weights = [], [], []
     counts = {"bytes": 0, "scored_tokens": 0, "scored_bytes": 0, "dropped_unscored": 0}
     for where, record in records:
-        example = framed(encode_example(spec, tokenizer, record, where), tokenizer.separator_id)
-        if example.scored == 0 or len(example.ids) == 0:
+        example = encode_example(spec, tokenizer, record, where)
+        if example.scored == 0:
             counts["dropped_unscored"] += 1
             continue
         ids.append(example.ids)
-        weights += [example.mask, np.asarray([example.close])]
+        weights += [example.mask, np.zeros(1)]
         lengths.append(len(example.ids))
         counts["bytes"] += example.bytes
         counts["scored_tokens"] += example.scored

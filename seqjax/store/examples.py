@@ -36,12 +36,15 @@ is scored when any of its characters is** (transformers' assistant mask does
 the same: a token straddling a boundary is in). An example with no scored token
 is dropped and counted.
 
-**Framing.** The store separates examples with its end-of-text token (EOT,
-:mod:`seqjax.store.reader`), which also opens the next one. So an example's
-leading token is dropped when it *is* that token (it would be doubled), and a
-trailing one becomes the example's closing separator, keeping its weight. For
-a tokenizer whose EOT is ``<|endoftext|>`` the example ``[EOT] p p c c [EOT]``
-is stored as ``p p c c`` + closing EOT with weights ``0 0 1 1`` + ``1``.
+**Stored as they are.** An example's ids are exactly what transformers'
+tokenizer or ``apply_chat_template(..., tokenize=True)`` gives: no token is
+added before or after them. The store still separates examples with its
+separator token (:mod:`seqjax.store.reader`), but for instruction data that
+token belongs to no example: a packed row trains on each example's ids alone
+(inputs ``ids[:-1]``, targets ``ids[1:]``), as TRL does. A Qwen chat
+``<|im_start|>user ... <|im_end|>\n`` is stored between separators and trained
+as those ids, with no ``<|endoftext|>`` before it; a Llama 3 chat keeps the
+``<|begin_of_text|>`` its template renders. The first id is never a target.
 """
 
 from __future__ import annotations
@@ -120,19 +123,24 @@ def _scored_bytes(text: str, offsets: np.ndarray, mask: np.ndarray) -> int:
 
 @dataclass
 class Example:
-    """One example as the store keeps it: ids without the separators, their weights, the closing
-    EOT's weight."""
+    """One example as the store keeps it: its ids exactly (what transformers' tokenizer or chat
+    template gives), and the weight of each id as a target. The first id is never a target (nothing
+    comes before it), so its weight is 0 whatever the record says."""
 
     ids: np.ndarray
     mask: np.ndarray
-    close: float
     bytes: int
     scored_bytes: int
+
+    def __post_init__(self) -> None:
+        if len(self.mask):
+            self.mask = self.mask.copy()
+            self.mask[0] = 0
 
     @property
     def scored(self) -> int:
         """Targets with a weight above 0 (a count, whatever the weights are)."""
-        return int(np.count_nonzero(self.mask)) + int(self.close != 0)
+        return int(np.count_nonzero(self.mask))
 
 
 def _text_ids(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
@@ -159,13 +167,13 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
                                np.ones(len(c_ids))]).astype(np.uint8)
         scored_bytes = len(answer.encode("utf-8")) if spec.loss_on != "all" else len(
             (prompt + answer).encode())
-        return Example(ids, mask, 0, len((prompt + answer).encode("utf-8")), scored_bytes)
+        return Example(ids, mask, len((prompt + answer).encode("utf-8")), scored_bytes)
     if spec.format == "chat":
         text, spans = chat_spans(spec, record.get(spec.messages_field), where,
                                  record.get(spec.tools_field))
         ids, offsets = _text_ids(tokenizer, text)
         mask = char_spans_to_mask(offsets, spans)
-        return Example(ids, mask, 0, len(text.encode("utf-8")), _scored_bytes(text, offsets, mask))
+        return Example(ids, mask, len(text.encode("utf-8")), _scored_bytes(text, offsets, mask))
     ids = record.get(spec.input_ids_field)
     if not isinstance(ids, list) or not ids or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -189,7 +197,7 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
             f"{where}: neither {spec.labels_field!r} nor {spec.loss_weights_field!r}; expected one of "
             "them, or data.loss_on=all to score every token")
     text_bytes = len(tokenizer.decode(ids).encode("utf-8"))
-    return Example(ids, mask, 0, text_bytes,
+    return Example(ids, mask, text_bytes,
                    len(tokenizer.decode(ids[mask.astype(bool)]).encode("utf-8")))
 
 
@@ -237,14 +245,3 @@ def loss_weights(spec: ExampleSpec, weights: Any, n: int, where: str) -> np.ndar
             f"{where}: field {field!r} holds {bad}; data.loss_weights_dtype=uint8 keeps 0/1 weights "
             "only (set data.loss_weights_dtype=float32 to keep fractional ones)")
     return values.astype(spec.weights_dtype)
-
-
-def framed(example: Example, separator: int) -> Example:
-    """The example as stored between separators: a leading separator dropped, a trailing one made
-    the closing one."""
-    ids, mask, close = example.ids, example.mask, 0
-    if len(ids) and ids[0] == separator:
-        ids, mask = ids[1:], mask[1:]
-    if len(ids) and ids[-1] == separator:
-        ids, mask, close = ids[:-1], mask[:-1], mask[-1].item()
-    return Example(ids, mask, close, example.bytes, example.scored_bytes)

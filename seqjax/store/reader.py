@@ -26,13 +26,17 @@ its EOT; the token just before it is always an EOT. So:
 - every token after position 0 has context, so evaluation scores
   ``len(tokens) - 1`` tokens in every mode (the ``predicted_tokens`` count).
 
-**Scored tokens.** A store of instruction examples (``data.format``
-prompt_completion, chat or tokenized) also holds ``weights.bin``: ``mask[p]``
-is 1 when predicting ``tokens[p]`` counts in the loss (an answer's token), 0
-on prompts and on every separator. It has the tokens' shards, checksums and
-reuse rules, and becomes the batch contract's ``weights``
-(:class:`seqjax.data.scored.TargetWeights`). A text store has no mask: every
-target is scored.
+**Instruction examples are stored as they are.** A store of instruction
+examples (``data.format`` prompt_completion, chat or tokenized) has the same
+stream, but an example's sequence is its ids alone, ``tokens[doc_offsets[i] :
+doc_offsets[i + 1] - 1]``: the separators around it belong to no example, so a
+chat trains on exactly the ids transformers renders (:meth:`TokenStore.doc_spans`
+says which sequence each document is). It also holds ``weights.bin``:
+``mask[p]`` is 1 when predicting ``tokens[p]`` counts in the loss (an answer's
+token), 0 on prompts, on each example's first token (it has no context) and on
+every separator. It has the tokens' shards, checksums and reuse rules, and
+becomes the batch contract's ``weights`` (:class:`seqjax.data.scored.TargetWeights`).
+A text store has no mask: every target is scored.
 
 ``line_offsets`` are token boundaries of the text's lines (each line was
 tokenized on its own, so line boundaries are token boundaries). Every document
@@ -156,6 +160,7 @@ class TokenStore:
         # the mixture's sources, one (name, weight, first document, end document) each; see concat()
         self.sources: list[tuple[str, float, int, int]] = []
         self.source_stores: list[TokenStore] = []
+        self.source_bases = np.zeros(0, np.int64)  # where each source's stream starts in this one
         # built in memory: check it now (an opened store was checked when it was built)
         if manifest is None:
             self.validate()
@@ -178,13 +183,16 @@ class TokenStore:
 
         ``lines``, if given, holds for each document the token lengths of its
         lines (summing to the document's length); by default a document is one line.
-        ``weights``, if given, makes a store of instruction examples: for each
-        document, 1/0 per token and one more for its closing EOT (see ``mask``).
+        ``weights``, if given, makes a store of instruction examples (stored as they are: see
+        :meth:`doc_spans`): for each document, the weight of each token as a target (the first one's
+        is taken as 0: nothing comes before it), as prepare stores them.
         """
         dtype = token_dtype(vocab_size)
         # 0/1 weights as bytes, as prepare keeps them; any others as float32
         if weights is not None:
-            mask = np.concatenate([np.zeros(1)] + [np.asarray(w, np.float64) for w in weights])
+            if [len(w) for w in weights] != [len(d) for d in docs]:
+                raise StoreError("weights: expected one weight per token of each document")
+            mask = np.concatenate([np.zeros(1)] + [np.r_[0, np.asarray(w[1:], np.float64), 0] for w in weights])
             mask = mask.astype(MASK_DTYPE if np.all((mask == 0) | (mask == 1)) else np.float32)
         else:
             mask = None
@@ -298,6 +306,7 @@ class TokenStore:
         merged.sources = [(n, float(w), int(docs[i]), int(docs[i + 1]))
                           for i, (n, w) in enumerate(zip(names, weights))]
         merged.source_stores = list(stores)
+        merged.source_bases = bases
         return merged
 
     # -- queries ----------------------------------------------------------
@@ -329,8 +338,11 @@ class TokenStore:
 
     @property
     def predicted_tokens(self) -> int:
-        """Tokens that have context: every text token plus each document's closing EOT."""
-        return len(self.tokens) - 1
+        """Targets the documents' sequences hold: every text token plus each document's closing EOT;
+        each example's ids but its first."""
+        if self.source_stores:
+            return sum(s.predicted_tokens for s in self.source_stores)
+        return int(self.doc_predictions.sum()) if self.examples else len(self.tokens) - 1
 
     @property
     def scored_tokens(self) -> int:
@@ -358,13 +370,45 @@ class TokenStore:
         """Length of each document, its closing EOT included."""
         return np.diff(self.doc_offsets)
 
+    @property
+    def examples(self) -> bool:
+        """Whether the documents are instruction examples, stored as they are (see :meth:`doc_spans`)."""
+        return self.mask is not None and not self.source_stores
+
+    def doc_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, lengths)`` in the stream of the sequence each document trains and is scored as.
+
+        A text document's is ``[EOT] + text + [EOT]``: ``tokens[doc_offsets[i] - 1 :
+        doc_offsets[i + 1]]``, its opening separator as context and its closing one as its last
+        target. An instruction example's is its ids exactly, without the separators around them
+        (``tokens[doc_offsets[i] : doc_offsets[i + 1] - 1]``): what transformers renders and TRL
+        trains on. A mixture's are each source's, in stream order.
+        """
+        if getattr(self, "_spans", None) is None:  # (computed once: a read of doc_offsets)
+            if self.source_stores:
+                spans = [s.doc_spans() for s in self.source_stores]
+                self._spans = (np.concatenate([a + b for (a, _), b in zip(spans, self.source_bases)]),
+                               np.concatenate([n for _, n in spans]))
+            else:
+                offsets = np.asarray(self.doc_offsets, np.int64)
+                self._spans = (offsets[:-1], np.diff(offsets) - 1) if self.examples else \
+                    (offsets[:-1] - 1, np.diff(offsets) + 1)
+        return self._spans
+
+    @property
+    def doc_predictions(self) -> np.ndarray:
+        """How many targets each document's sequence has (:meth:`doc_spans` lengths - 1)."""
+        return self.doc_spans()[1] - 1
+
     def doc(self, i: int) -> np.ndarray:
         """Document ``i`` with its closing EOT (no leading EOT)."""
         return self.tokens[self.doc_offsets[i] : self.doc_offsets[i + 1]]
 
-    def doc_with_context(self, i: int) -> np.ndarray:
-        """``[EOT] + text + [EOT]``: the sequence a per-document strategy trains and scores on."""
-        return self.tokens[self.doc_offsets[i] - 1 : self.doc_offsets[i + 1]]
+    def doc_sequence(self, i: int) -> np.ndarray:
+        """The sequence document ``i`` trains and is scored as (:meth:`doc_spans`): ``[EOT] + text +
+        [EOT]``, or an instruction example's ids."""
+        starts, lengths = self.doc_spans()
+        return np.asarray(self.tokens[starts[i] : starts[i] + lengths[i]])
 
     def validate(self) -> None:
         """Check the layout invariants above; a store that breaks them is refused, not used."""
