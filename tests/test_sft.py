@@ -495,6 +495,33 @@ def test_overlong_examples_follow_the_policy_and_truncation_keeps_the_start(over
 
 @pytest.mark.parametrize("layout", [{"data.packer": "best_fit"}, {"data.packer": "grain_best_fit"},
                                     {"data.strategy": "length_grouped"}])
+def test_instruction_data_truncates_by_default_and_a_cut_example_left_without_an_answer_is_left_out(layout):
+    """TRL's default: an example longer than a row keeps its start (no piece whose answers lost their prompt).
+    One whose answers all lie past the row would train nothing, so it is left out, and the report counts it."""
+    from seqjax.data.stats import overlong_counts, overlong_line
+
+    examples = [(list(range(1, 41)), [0] * 30 + [1] * 10),  # answers at ids 31-40: past a row of 16
+                (list(range(41, 61)), [0] * 5 + [1] * 15),  # cut, but its first answers are in
+                ([61, 62, 63], [0, 1, 1])]
+    store = example_store(examples)
+    config = config_for("best_fit", 16, **{"data.overlong": "null", "data.batch_size": 1, **layout})
+    assert config.data.resolved_overlong == "truncate"
+    grain = "grain" in layout.get("data.packer", "")
+    batch = joined(epoch_batches(config, store, 2)) if grain else whole_epoch(config, store)
+    inputs = batch["inputs"][batch["segment_ids"] > 0].tolist()
+    assert not set(range(1, 41)) & set(inputs)  # left out whole
+    assert [t for t in inputs if 41 <= t <= 60] == list(range(41, 57)) and 63 in batch["targets"]
+    report = overlong_counts(config, store)
+    assert report["longer_than_a_row"] == report["truncated"] == 2 and report["left_out_without_answer"] == 1
+    assert overlong_line(report, "examples") == (
+        "data.overlong=truncate: 2 of 3 examples are longer than a row of data.seq_len=16: truncated: their ends "
+        "are not trained; 1 cut ones kept no scored token and are left out")
+    split = overlong_counts(config_for("best_fit", 16, **{"data.overlong": "split"}), store)
+    assert split["split"] == 2 and split["pieces"] == 5 and split["left_out_without_answer"] == 1  # (ids 2-17)
+
+
+@pytest.mark.parametrize("layout", [{"data.packer": "best_fit"}, {"data.packer": "grain_best_fit"},
+                                    {"data.strategy": "length_grouped"}])
 @pytest.mark.parametrize("overlong", ["drop", "truncate"])
 def test_the_data_report_counts_scored_targets_and_the_examples_dropped_or_truncated(layout, overlong):
     """python -m seqjax.data's numbers, against the epoch's own batches: the scored fraction of the real targets,
@@ -582,6 +609,8 @@ def test_chats_train_under_every_layout_and_both_normalizations(chat_folder, tok
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r and r.get("split") is None]
     assert summary["finished"] and np.isfinite(summary["val_loss"]) and len(losses) >= 1
+    if layout.get("data.strategy") != "block":  # what data.overlong did is in the summary (and the log)
+        assert summary["overlong"]["policy"] == "truncate" and summary["overlong"]["documents"] > 0
     assert np.all(np.isfinite(losses)) and losses[0] == pytest.approx(np.log(tokenizer.vocab_size), rel=0.1)
     jax.clear_caches()
 

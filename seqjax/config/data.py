@@ -168,8 +168,11 @@ class DataConfig:
         min=1,
         resume=DATA,
     )
-    overlong: str = setting("split", "pack: documents longer than a row",
-                            choices=("drop", "truncate", "split", "error"), resume=DATA)
+    overlong: str | None = setting(
+        None, "pack, length_grouped: a document or example longer than a row is dropped, truncated (its start "
+        "kept), split into several (each its own segment), or an error; null: truncate instruction examples, as "
+        "TRL does (a split example's later answers lose their prompt), split text documents",
+        choices=("drop", "truncate", "split", "error"), resume=DATA)
     max_segments_per_row: int | None = setting(None, "pack: cap on segments in one row", min=1,
                                                resume=DATA)
     bucket_lengths: list[int] = setting(
@@ -237,6 +240,16 @@ class DataConfig:
                 raise ConfigError(
                     "data.cross_document_attention: got true, expected false for instruction data: "
                     "each example attends only to itself")
+
+    @property
+    def instruction(self) -> bool:
+        """Whether some source holds instruction examples (data.format other than text)."""
+        return any(source.format != "text" for source in self.resolved_sources())
+
+    @property
+    def resolved_overlong(self) -> str:
+        """``data.overlong``, or its default: truncate for instruction data, split for text."""
+        return self.overlong or ("truncate" if self.instruction else "split")
 
     @property
     def resolved_stride(self) -> int:

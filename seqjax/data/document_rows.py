@@ -77,29 +77,58 @@ def dropped_as_overlong(predictions: np.ndarray, seq_len: int, overlong: str) ->
 
 
 def document_items(spans: tuple[np.ndarray, np.ndarray], order: np.ndarray, seq_len: int,
-                   overlong: str) -> tuple[np.ndarray, np.ndarray]:
+                   overlong: str, has_target=None) -> tuple[np.ndarray, np.ndarray]:
     """``(starts, lengths)`` of the sequences of documents ``order`` after the overlong policy;
     ``spans`` is every document's sequence (``store.doc_spans()``).
 
     ``split`` cuts a long document into pieces of ``seq_len`` predictions, each
     its own sequence (the piece reads the token before it as context);
     ``keep`` leaves documents whole (the ``fill`` packer splits them itself).
+    ``has_target(starts, predictions)`` (instruction data: :func:`seqjax.data.scored.has_scored_target`)
+    says which cut items still hold a scored target: a truncated chat that lost every answer, or a
+    split piece with none, would train nothing and is left out (:func:`overlong_report` counts them).
     """
     starts = np.asarray(spans[0], np.int64)[order]
     weights = np.asarray(spans[1], np.int64)[order] - 1
     starts, weights = starts[weights > 0], weights[weights > 0]  # (a one-token example has no target)
+    cut = weights > seq_len
     if overlong == "drop":
         keep = ~dropped_as_overlong(weights, seq_len, overlong)
-        starts, weights = starts[keep], weights[keep]
+        starts, weights, cut = starts[keep], weights[keep], cut[keep]
     elif overlong == "truncate":
         weights = np.minimum(weights, seq_len)
     elif overlong == "split":
         owner, j = ragged_arange(-(-weights // seq_len))
         starts = starts[owner] + j * seq_len
         weights = np.minimum(seq_len, weights[owner] - j * seq_len)
+        cut = cut[owner]
     else:
         check_overlong(weights, seq_len, overlong)
+    if has_target is not None and overlong in ("truncate", "split") and cut.any():
+        keep = np.ones(len(starts), bool)
+        keep[cut] = has_target(starts[cut], weights[cut])
+        starts, weights = starts[keep], weights[keep]
     return starts, weights + 1
+
+
+def overlong_report(predictions: np.ndarray, seq_len: int, overlong: str, spans=None,
+                    has_target=None) -> dict[str, int | str]:
+    """What ``overlong`` does to the documents longer than a row, for the train log and the data report:
+    how many there are, and how many it drops, truncates or splits (into how many pieces); with
+    ``has_target``, how many cut items hold no scored target and are left out."""
+    predictions = np.asarray(predictions, np.int64)
+    over = predictions > seq_len
+    report: dict[str, int | str] = {"policy": overlong, "longer_than_a_row": int(over.sum()),
+                                    "seq_len": seq_len}
+    if not over.any() or overlong not in ("truncate", "split", "drop"):
+        return report
+    report[{"drop": "dropped", "truncate": "truncated", "split": "split"}[overlong]] = int(over.sum())
+    if overlong == "split":
+        report["pieces"] = int((-(-predictions[over] // seq_len)).sum())
+    if has_target is not None and spans is not None and overlong != "drop":
+        starts, lengths = document_items(spans, np.flatnonzero(over), seq_len, overlong)
+        report["left_out_without_answer"] = int((~has_target(starts, lengths - 1)).sum())
+    return report
 
 
 def greedy(weights: np.ndarray, capacity: int, max_segments: int | None) -> np.ndarray:

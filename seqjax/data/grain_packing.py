@@ -20,7 +20,7 @@ import numpy as np
 from seqjax.config.tree import Config
 from seqjax.data import document_rows
 from seqjax.data.contract import from_grain_packed
-from seqjax.data.scored import target_weights
+from seqjax.data.scored import scored_in, target_weights
 from seqjax.store.reader import TokenStore
 
 # (an epoch's dataset of sequences, the fields' lengths, data config, seed) -> that dataset packed
@@ -73,7 +73,7 @@ def _packed_epoch(config: Config, store: TokenStore, pack: GrainPacker, epoch: i
     as contract rows."""
     d = config.data
     starts, lengths = document_rows.document_items(store.doc_spans(), np.arange(store.num_docs),
-                                                   d.seq_len, d.overlong)
+                                                   d.seq_len, d.resolved_overlong, scored_in(store))
     tokens = store.tokens
     scores = target_weights(store, config.train.loss_normalization)
 

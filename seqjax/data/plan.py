@@ -59,6 +59,7 @@ from seqjax.config.tree import Config
 from seqjax.core.errors import DataError
 from seqjax.data import document_rows
 from seqjax.data.ragged import exclusive_cumsum, ragged_arange
+from seqjax.data.scored import scored_in
 from seqjax.data.strategies import STRATEGIES, Rows, item_overlong
 from seqjax.store.reader import TokenStore
 
@@ -326,7 +327,7 @@ class EpochPlanner:
         count = end - first
         order = first + (rng.permutation(count) if d.shuffle else np.arange(count))
         starts, lengths = document_rows.document_items(self.store.doc_spans(), order, d.seq_len,
-                                                       item_overlong(d))
+                                                       item_overlong(d), scored_in(self.store))
         strategy = STRATEGIES[d.strategy]
         arranged = strategy.document_rows(starts, lengths, self.config)
         widths = arranged.widths if arranged.widths is not None else d.seq_len
@@ -350,8 +351,8 @@ class EpochPlanner:
         else:  # many windows: a corpus this large holds a batch; the first window must give rows
             count = max(self.window_plan(0, 0).num_rows, d.batch_size)
         if count == 0:
-            why = " (data.overlong=drop dropped every document)" if d.overlong == "drop" and self.strategy.documents \
-                else ""
+            dropped = d.resolved_overlong == "drop" and self.strategy.documents
+            why = " (data.overlong=drop dropped every document)" if dropped else ""
             raise DataError(
                 f"data.strategy={d.strategy}: the store gives no rows at data.seq_len={d.seq_len}{why}"
             )

@@ -14,11 +14,12 @@ import numpy as np
 
 from seqjax.config.tree import Config
 from seqjax.data import strategies
-from seqjax.data.document_rows import dropped_as_overlong
+from seqjax.data.document_rows import dropped_as_overlong, overlong_report
 from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner, RowPlan, coverage, per_document
 from seqjax.data.ragged import ragged_arange
+from seqjax.data.scored import scored_in
 from seqjax.store.reader import TokenStore
 
 
@@ -47,7 +48,7 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         # Grain's packers see documents after the overlong policy (document_rows.document_items)
         counts = {
             "documents_dropped": int(
-                dropped_as_overlong(store.doc_predictions, d.seq_len, d.overlong).sum()),
+                dropped_as_overlong(store.doc_predictions, d.seq_len, d.resolved_overlong).sum()),
             "documents_truncated": None, "documents_split": None
         }
         rows, n_batches = len(segs), len(batches)
@@ -74,6 +75,7 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         "rows": rows,
         "tokens_dropped": int(dropped),
         **counts,
+        "overlong": overlong_counts(config, store),
         "segments_per_row_mean": float(segs.mean()) if len(segs) else 0.0,
         "segments_per_row_max": int(segs.max()) if len(segs) else 0,
         "batches_per_epoch": n_batches,
@@ -164,3 +166,33 @@ def document_coverage(plan: RowPlan, store: TokenStore) -> tuple[dict[str, int],
     split = int(np.sum(np.bincount(pairs[0], minlength=store.num_docs) > 1))
     return {"documents_dropped": dropped, "documents_truncated": truncated, "documents_split": split}, \
         int((~covered).sum())
+
+
+def overlong_counts(config: Config, store: TokenStore) -> dict[str, Any] | None:
+    """What ``data.overlong`` does to this store's documents longer than a row (None where no strategy applies
+    it): how many, and how many are dropped, truncated or split; for instruction data, how many cut examples
+    kept no answer and are left out. The train log says it at the start of a run; the data report includes it."""
+    d = config.data
+    if not strategies.STRATEGIES[d.strategy].documents:
+        return None
+    report = overlong_report(store.doc_predictions, d.seq_len, d.resolved_overlong, store.doc_spans(),
+                             scored_in(store))
+    report["documents"] = store.num_docs
+    return report
+
+
+def overlong_line(report: dict[str, Any], what: str) -> str | None:
+    """The train log's line for an :func:`overlong_counts` report, or None when nothing is longer than a row."""
+    n = report["longer_than_a_row"]
+    if not n:
+        return None
+    policy = report["policy"]
+    done = {"drop": "dropped", "truncate": "truncated: their ends are not trained",
+            "split": f"split into {report.get('pieces')} pieces, each its own segment (later ones without the "
+                     "start: a chat's later answers lose their prompt)",
+            "error": "refused"}[policy]
+    line = (f"data.overlong={policy}: {n} of {report['documents']} {what} are longer than a row of "
+            f"data.seq_len={report['seq_len']}: {done}")
+    if report.get("left_out_without_answer"):
+        line += f"; {report['left_out_without_answer']} cut ones kept no scored token and are left out"
+    return line

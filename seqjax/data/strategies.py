@@ -324,7 +324,7 @@ def check_config(config: Config) -> None:
             f"data.strategy: got {d.strategy!r}, expected another strategy with data.sources: "
             f"{d.strategy}'s rows continue each other from batch to batch, and a mixture moves rows "
             "between sources")
-    if d.overlong != "split" and not strategy.documents:
+    if d.overlong not in (None, "split") and not strategy.documents:
         whole = " and ".join(name for name, row in STRATEGIES.items() if row.documents)
         raise ConfigError(
             f"data.overlong: got {d.overlong!r} with data.strategy={d.strategy}, expected split (the "
@@ -356,8 +356,9 @@ def item_overlong(d: DataConfig) -> str:
     (across rows), so they reach it whole.
     """
     packing = packer(d)
-    return "keep" if packing is not None and packing.rows is not None and packing.splits and d.overlong == "split" \
-        else d.overlong
+    overlong = d.resolved_overlong
+    return "keep" if packing is not None and packing.rows is not None and packing.splits and overlong == "split" \
+        else overlong
 
 
 def uses_grain_packer(d: DataConfig) -> bool:
@@ -402,7 +403,7 @@ def check(config: Config, store: TokenStore, process_count: int = 1) -> None:
         )
     strategy = STRATEGIES[d.strategy]
     if strategy.documents:
-        document_rows.check_overlong(store.doc_predictions, d.seq_len, d.overlong)
+        document_rows.check_overlong(store.doc_predictions, d.seq_len, d.resolved_overlong)
     if strategy.needs_full_row:
         sequences.check_fits(store.num_tokens, d.seq_len, d.strategy)
     if strategy.check_store is not None:

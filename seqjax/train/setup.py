@@ -38,6 +38,7 @@ from seqjax.config.tree import DATA_DIR_ENV, Config, ConfigError
 from seqjax.core.files import write_text_atomic
 from seqjax.data.contract import check_reads
 from seqjax.data.pipeline import build_pipeline
+from seqjax.data.stats import overlong_counts, overlong_line
 from seqjax.model import build_model, quant, sharding, split_params
 from seqjax.model.assembly import stored_base
 from seqjax.objectives import Objective, resolve
@@ -79,6 +80,7 @@ class Setup:
     # model.lora: the base the adapters belong to (train.init_from and a hash)
     base: dict[str, Any] | None
     objective: Objective
+    overlong: dict[str, Any] | None  # what data.overlong did to the train split (the log's line, summary.json)
     step_fn: Callable
     to_device: Callable
 
@@ -233,6 +235,10 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     tc = config.train
     train_store, valid_store = prepared.stores["train"], prepared.stores.get(config.eval.split)
     objective = objective_of(config)
+    overlong = overlong_counts(config, train_store)
+    line = overlong and overlong_line(overlong, "examples" if train_store.mask is not None else "documents")
+    if line and jax.process_index() == 0:
+        log.warning("%s", line)
     placed, base = starting_weights(config, mesh, source)
     tx, schedule = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
@@ -269,6 +275,7 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         identity={"tokenizer": prepared.tokenizer.hash, "sources": train_store.text_identity},
         base=base,
         objective=objective,
+        overlong=overlong,
         step_fn=jax.jit(
             step,
             in_shardings=(placed.param_shardings, opt_shardings, batch_sharding, replicated,

@@ -80,6 +80,7 @@ def write_summary(run, steps: StepLogger, restored: Restored | None, last_val: d
             # (no validation data: reaching the last step is all)
             run.valid_store is None and last_val is None),
         "validation": run.valid_store is not None,
+        "overlong": run.overlong,
     }
     if run.primary:
         plot_losses(run.run_dir)
