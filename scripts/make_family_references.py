@@ -11,7 +11,9 @@ GeGLU, sliding windows interleaved with full layers, per-layer RoPE bases and sc
   and the versions that made it;
 - ``<family>.safetensors``: for each of two sequences run alone (``seq0``, ``seq1``, 12 and 7 tokens), its ids
   and transformers' float32 logits; a prompt and transformers' greedy continuation (``generate``,
-  ``do_sample=False``).
+  ``do_sample=False``); and ``tied_own_head.seq0.logits``: seq0 under a folder whose config.json ties the head
+  (``tie_word_embeddings: true``) but which holds its own, different ``lm_head.weight``, as
+  ``from_pretrained`` loads it.
 
 The weights are not stored: :func:`reference_weights` draws each tensor from its name alone, so the tests
 rebuild exactly these weights without torch (tests/test_families.py) and compare seqjax's logits to these.
@@ -66,6 +68,25 @@ def reference_weights(shapes: dict[str, list[int]]) -> dict[str, np.ndarray]:
     return out
 
 
+def _tied_with_own_head(class_name: str, settings: dict, shapes: dict[str, list[int]]) -> np.ndarray:
+    """seq0's logits from a folder whose config.json ties the head to the embeddings but which holds its own,
+    different lm_head.weight, as transformers' from_pretrained loads it (it keeps the file's head)."""
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+
+    config = getattr(transformers, class_name)(**COMMON, **{**settings, "tie_word_embeddings": True})
+    shapes = {**shapes, "lm_head.weight": shapes["model.embed_tokens.weight"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        save_file(reference_weights(shapes), f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(torch.tensor([SEQUENCES["seq0"]])).logits[0].float().numpy()
+
+
 def make(family: str, out: Path) -> None:
     import torch
     import transformers
@@ -91,6 +112,7 @@ def make(family: str, out: Path) -> None:
                                    pad_token_id=COMMON["pad_token_id"], eos_token_id=None)
     tensors["prompt.ids"] = np.asarray(PROMPT, np.int32)
     tensors["greedy.ids"] = generated[0, len(PROMPT):].numpy().astype(np.int32)
+    tensors["tied_own_head.seq0.logits"] = _tied_with_own_head(class_name, settings, shapes)
     folder = out / family
     model.config.architectures = [type(model).__name__]  # as model.save_pretrained records it
     model.config.save_pretrained(folder)  # config.json as transformers writes it

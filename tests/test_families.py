@@ -93,6 +93,22 @@ def test_logits_equal_transformers_own_model_alone_and_packed(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", EACH)
+def test_a_tied_config_with_its_own_head_in_the_file_computes_transformers_logits(family, tmp_path):
+    """config.json says tie_word_embeddings, the folder holds a different lm_head.weight: transformers 5 keeps the
+    file's head, untied, and seqjax reads the folder the same way (logits equal to transformers' own)."""
+    record, ref = reference(family)
+    folder = hf_folder(family, tmp_path / family)
+    (folder / "config.json").write_text(json.dumps({**record["config"], "tie_word_embeddings": True}))
+    shapes = {**record["tensors"], "lm_head.weight": record["tensors"]["model.embed_tokens.weight"]}
+    save_file(SCRIPT.reference_weights(shapes), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    read = hf.read_folder(folder)
+    assert read.model.tie_embeddings is False
+    model = hf.model_with_params(hf.run_config(read, ["model.attention=xla"]), hf.read_params(read))
+    assert_close(logits(model, ref["seq0.ids"]), ref["tied_own_head.seq0.logits"])
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("family", EACH)
 def test_greedy_tokens_equal_transformers_generate(family, tmp_path):
     model, _ = load(family, tmp_path)
     _, ref = reference(family)

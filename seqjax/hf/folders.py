@@ -198,12 +198,34 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
         raise CheckpointError(f"{tokenizer}: not a valid tokenizer.json ({err})") from None
     eos, bos, pad = _special_tokens(path, config_json, hf_tokenizer)
+    model = _own_head(path, model, weight_map)
     vocab = hf_tokenizer.get_vocab_size(with_added_tokens=True)
     if vocab > model.vocab_size:
         raise CheckpointError(
             f"{tokenizer}: {vocab} tokens, but {CONFIG_JSON} vocab_size is {model.vocab_size} (too few embedding rows)"
         )
     return HFFolder(path, config_json, model, weight_map, tokenizer, eos, bos, pad)
+
+
+def _own_head(path: Path, model: ModelConfig, weight_map: dict[str, Path]) -> ModelConfig:
+    """``model`` untied when config.json ties the head to the embeddings but the folder holds its own, different
+    ``lm_head.weight``: transformers (5.x) then keeps the file's head, and so does seqjax."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if not model.tie_embeddings or head not in weight_map or embed not in weight_map:
+        return model
+    try:
+        tensors = []
+        for name in (head, embed):
+            with safe_open(weight_map[name], framework="numpy") as f:
+                tensors.append(f.get_tensor(name))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path}: cannot read {head} or {embed} ({err})") from None
+    if tensors[0].shape == tensors[1].shape and np.array_equal(tensors[0], tensors[1]):
+        return model
+    log.warning("%s: config.json ties the head to the embeddings (tie_word_embeddings), but the folder holds its "
+                "own, different %s: reading it as transformers does, untied (model.tie_embeddings=false)", path,
+                head)
+    return dataclasses.replace(model, tie_embeddings=False)
 
 
 def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
