@@ -271,6 +271,14 @@ class Block(nnx.Module):
         return getattr(self, f"post_{which}_norm")(branch) if self.post_norms else branch
 
 
+def unrolled_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
+    """``n_layers`` blocks, one module each (``model.scan_layers: false``), each initialized from the key
+    :func:`stacked_blocks` gives its layer: the same seed gives the same starting weights in either layout,
+    so switching a compile option never changes a run's curve (tests/test_scan.py)."""
+    keys = jax.random.split(rngs.params(), cfg.n_layers)  # what nnx.split_rngs hands the stacked layers
+    return nnx.List([Block(cfg, rngs=nnx.Rngs(params=key)) for key in keys])
+
+
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     """``n_layers`` blocks as one Block whose parameters carry a leading layer axis
     (``model.scan_layers``).
@@ -285,7 +293,7 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     def make(rngs: nnx.Rngs) -> Block:
         return Block(cfg, rngs=rngs)
 
-    blocks = make(rngs)
+    blocks = make(rngs)  # (split_rngs: layer i draws from split(fold_in(key, count), n_layers)[i])
     for _, variable in nnx.iter_graph(blocks):
         if isinstance(variable, nnx.Param):
             variable.set_metadata(axes=("layers", *getattr(variable, "axes", ())))

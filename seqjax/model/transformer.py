@@ -25,7 +25,7 @@ from flax import nnx
 
 from seqjax.config.tree import Config, ModelConfig
 from seqjax.model.attention import TILED, resolve_backend
-from seqjax.model.block import Block, RMSNorm, drop, normal_param, split_keys, stacked_blocks
+from seqjax.model.block import Block, RMSNorm, drop, normal_param, split_keys, stacked_blocks, unrolled_blocks
 from seqjax.model.cache import KVCache, LayerCache
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata  # plain JAX
@@ -81,8 +81,7 @@ class TransformerLM(nnx.Module):
         self.embed_dropout = nnx.Dropout(cfg.dropout)
         # one draw per token: [B, T, 1]
         self.token_dropout = nnx.Dropout(cfg.token_dropout, broadcast_dims=(-1,))
-        self.blocks = stacked_blocks(cfg, rngs) if cfg.scan_layers else nnx.List(
-            [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.blocks = stacked_blocks(cfg, rngs) if cfg.scan_layers else unrolled_blocks(cfg, rngs)
         self.final_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.lm_head = None if cfg.tie_embeddings else normal_param(
             rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
