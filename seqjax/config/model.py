@@ -291,6 +291,16 @@ class ModelConfig:
                 f"model.n_kv_heads: got {kv}, expected a divisor of model.n_heads={self.n_heads}")
         self.rope_scaling.check()
         self.lora.check()
+        if self.lora.quantize == "nf4":
+            # nf4 scales every quant_block inputs along each projection's last input axis: d_model (q, k, v,
+            # gate, up), head_dim (o), d_ff (down); a block that does not divide one would be no block at all
+            widths = {"d_model": self.d_model, "head_dim": self.head_dim, "d_ff": self.d_ff}
+            bad = {k: v for k, v in widths.items() if v % self.lora.quant_block}
+            if bad:
+                raise ConfigError(
+                    f"model.lora.quant_block: got {self.lora.quant_block}, expected a divisor of every quantized "
+                    f"projection's input width ({', '.join(f'{k}={v}' for k, v in widths.items())}); "
+                    f"{', '.join(bad)} is not a multiple of it")
         unknown = [name for name in self.remat_names if name not in REMAT_NAMES]
         if unknown:
             raise ConfigError(
