@@ -88,6 +88,45 @@ def test_sigterm_saves_a_checkpoint_then_exits_and_resumes(reference, tiny_root,
     assert train_losses(run_dir) == reference
 
 
+# Ctrl-C twice: the first after step 3 asks for a stop (save, then exit); the second lands while that save is being
+# written (orbax's manager.save is wrapped to signal first). The write must finish, not be cut in half.
+DOUBLE_CTRL_C = """
+import os, signal, sys
+import orbax.checkpoint as ocp
+from seqjax.train import hooks
+after_step, save = hooks.Hooks.after_step, ocp.CheckpointManager.save
+def first(self, state):
+    if state.step == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+        state = type(state)(**{**state.__dict__, "stopping": True})
+    return after_step(self, state)
+def second(self, step, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return save(self, step, *args, **kwargs)
+hooks.Hooks.after_step, ocp.CheckpointManager.save = first, second
+from seqjax.main.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_second_ctrl_c_while_the_stop_is_saving_lets_the_save_finish(reference, tiny_root, tmp_path):
+    """Issue: a double Ctrl-C left only a 3.orbax-checkpoint-tmp folder and two orbax thread tracebacks; the next
+    start removed it and began at step 0. The save the first Ctrl-C asked for now finishes, and the run resumes
+    from it."""
+    run_dir = tmp_path / "run"
+    overrides = tiny_overrides(tiny_root, run_dir, **{"train.checkpoint_every": 1000})
+    proc = subprocess.run([sys.executable, "-c", DOUBLE_CTRL_C, *overrides], cwd=REPO, env=cli_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+    assert "a checkpoint is being written; it finishes first" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert checkpoint_steps(run_dir) == [3]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
+    resumed = run_cli(overrides)
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stderr and train_losses(run_dir) == reference
+
+
 def truncate_params(run_dir: Path, step: int) -> None:
     for f in (run_dir / "checkpoints" / str(step) / "params").rglob("*"):
         if f.is_file() and f.stat().st_size > 1:

@@ -31,6 +31,7 @@ done. :func:`builtin_hooks` defines the built-in ones, here, over the objects th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 from typing import Any, Callable, Sequence
@@ -110,7 +111,7 @@ class Duties:
     ``meta()``: what a checkpoint records besides the state; ``config``: the resolved config, saved
     with each checkpoint; ``validate(state)``: one validation, logged (None: the run has no
     validation data); ``stop_signal()``: the signal a stop was requested with; ``profiler``: the
-    ProfileWindow.
+    ProfileWindow; ``critical()``: a context in which no signal cuts a checkpoint write short.
     """
 
     steps: Any
@@ -120,6 +121,7 @@ class Duties:
     validate: Callable[[StepState], Any] | None
     stop_signal: Callable[[], int | None]
     profiler: Any
+    critical: Callable[[], Any] = contextlib.nullcontext
 
 
 def builtin_hooks(duties: Duties, *, last_step: int, checkpoint_every: int, eval_every: int) -> Hooks:
@@ -131,15 +133,17 @@ def builtin_hooks(duties: Duties, *, last_step: int, checkpoint_every: int, eval
         duties.checkpoints.check()  # a background save that failed stops the run here, not later
 
     def checkpoint(state: StepState) -> None:
-        duties.checkpoints.save(state.step, state.params, state.opt_state, state.rng,
-                                state.position, duties.meta(), duties.config.to_dict())
+        with duties.critical():  # a Ctrl-C never cuts a save in half: the write finishes first
+            duties.checkpoints.save(state.step, state.params, state.opt_state, state.rng,
+                                    state.position, duties.meta(), duties.config.to_dict())
 
     def validate(state: StepState) -> None:
         duties.validate(state)
         duties.steps.restart()  # validation time is not training throughput
 
     def stop(state: StepState) -> None:
-        duties.checkpoints.wait()
+        with duties.critical():
+            duties.checkpoints.wait()
         raise Interrupted(duties.stop_signal() or signal.SIGTERM, state.step)
 
     hooks = Hooks(Hook("flush", flush, when=lambda s: duties.steps.due(s.step)), last_step=last_step)

@@ -198,6 +198,26 @@ def _flops_per_token(run: Setup):
                              vocab_size=run.config.model.vocab_size)
 
 
+def _builtin_hooks(run: Setup, mesh, validate, log: MetricsLog, steps: StepLogger, checkpoints: Checkpointer,
+                   stop_request: StopRequest, profiler: ProfileWindow, last_val: list) -> Any:
+    """The run's own hooks (seqjax.train.hooks.builtin_hooks) over this run's objects; the validate hook keeps
+    its newest row in ``last_val``."""
+    tc = run.config.train
+    meta = {"processes": jax.process_count(), "devices": jax.device_count(), "data_identity": run.identity,
+            **({"lora_base": run.base} if run.base is not None else {})}
+
+    def validation(state: StepState) -> None:
+        last_val[:] = [_validation(run, state.params, mesh, state.step, validate, log)]
+
+    def checkpoint_meta() -> dict[str, Any]:
+        return {"tokens_seen": steps.tokens_seen, "row": steps.last_row or None, **meta}
+
+    validating = run.valid_store is not None or validate is not None
+    duties = Duties(steps, checkpoints, checkpoint_meta, run.config, validation if validating else None,
+                    lambda: stop_request.signum, profiler, stop_request.critical)
+    return builtin_hooks(duties, last_step=tc.steps, checkpoint_every=tc.checkpoint_every, eval_every=tc.eval_every)
+
+
 def _train(config: Config, mesh, wall_start: float, validate, source: init_from.Source | None,
            extra_hooks: Sequence[Hook]) -> dict[str, Any]:
     run = setup(config, mesh, source)
@@ -224,21 +244,7 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
     profiler = ProfileWindow(tc.profile, run.run_dir / "profile")
     last_val: list[dict[str, Any]] = []  # the newest validation row, kept by the validate hook
     stop_request = StopRequest(enabled=jax.process_count() == 1)
-    meta = {
-        "processes": jax.process_count(), "devices": jax.device_count(),
-        "data_identity": run.identity, **({"lora_base": run.base} if run.base is not None else {})
-    }
-    def validation(state: StepState) -> None:
-        last_val[:] = [_validation(run, state.params, mesh, state.step, validate, log)]
-
-    def checkpoint_meta() -> dict[str, Any]:
-        return {"tokens_seen": steps.tokens_seen, "row": steps.last_row or None, **meta}
-
-    validating = run.valid_store is not None or validate is not None
-    duties = Duties(steps, checkpoints, checkpoint_meta, config, validation if validating else None,
-                    lambda: stop_request.signum, profiler)
-    hooks = builtin_hooks(duties, last_step=tc.steps, checkpoint_every=tc.checkpoint_every,
-                          eval_every=tc.eval_every)
+    hooks = _builtin_hooks(run, mesh, validate, log, steps, checkpoints, stop_request, profiler, last_val)
     hooks.extend(extra_hooks)
     try:
         with stop_request, steps, DevicePrefetch(run.data_iterator, run.to_device,
@@ -261,10 +267,12 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
                     "step %d was saved but its final validation never completed: running it now",
                     start)
                 last_val[:] = [_validation(run, params, mesh, start, validate, log)]
-        checkpoints.wait()
+        with stop_request.critical():
+            checkpoints.wait()
     finally:
         profiler.close()
-        checkpoints.close()
+        with stop_request.critical():  # (a write under way, after a second Ctrl-C, finishes first)
+            checkpoints.close()
         log.close()
     return write_summary(run, steps, restored, last_val[0] if last_val else None,
                          _flops_per_token(run)(config.data.seq_len), peak, wall_start)

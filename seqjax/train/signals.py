@@ -2,11 +2,14 @@
 
 A step is never cut in half: a signal sets a flag the loop checks after each
 step, the loop saves a checkpoint of that step and raises :class:`Interrupted`
-(the CLI exits 128 + the signal's number). A second SIGINT interrupts at once.
+(the CLI exits 128 + the signal's number). A second SIGINT interrupts at once,
+except while a checkpoint is being written (:meth:`StopRequest.critical`): a
+save a stop asked for always finishes, so the run keeps its last good step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 
@@ -26,8 +29,10 @@ class Interrupted(Exception):
 class StopRequest:
     """Turns SIGINT/SIGTERM into a flag the loop checks between steps (a step is never cut in half).
 
-    A second SIGINT interrupts at once, for a user who does not want to wait.
-    Multi-host runs leave SIGTERM to JAX's preemption notifier (see
+    A second SIGINT interrupts at once, for a user who does not want to wait, unless a checkpoint is
+    being written (inside :meth:`critical`): then it is noted and the write finishes first (a write
+    cut in half would leave only a temporary folder, and the next start would lose the steps since
+    the last checkpoint). Multi-host runs leave SIGTERM to JAX's preemption notifier (see
     :func:`should_stop`), so the handlers are only installed for one process.
     """
 
@@ -35,8 +40,23 @@ class StopRequest:
         self.signum: int | None = None
         self.enabled = enabled
         self._previous = {}
+        self._critical = 0
+
+    @contextlib.contextmanager
+    def critical(self):
+        """A section no signal cuts short (a checkpoint being written): signals that arrive are noted."""
+        self._critical += 1
+        try:
+            yield
+        finally:
+            self._critical -= 1
 
     def _handle(self, signum, frame):
+        if self._critical:
+            logger.warning("%s: a checkpoint is being written; it finishes first, then the run stops",
+                           signal.Signals(signum).name)
+            self.signum = self.signum or signum
+            return
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
