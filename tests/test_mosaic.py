@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from seqjax.core.errors import ConfigError
 from seqjax.model.attention import reference_attention
 from seqjax.model.kernels.block_ranges import block_metadata
 from seqjax.model.kernels.mosaic import BLOCK_SIZES, mosaic_attention
@@ -94,7 +95,9 @@ def test_refuses_what_it_cannot_compute(monkeypatch):
         mosaic_attention(q, k, v, ids, metadata=block_metadata(ids, BLOCK_SIZES, 8), window=8)
     # the interpreter on too few XLA CPU threads would hang (a 2-core machine without PJRT_NPROC): refused instead
     monkeypatch.setenv("PJRT_NPROC", "2")
-    with pytest.raises(RuntimeError, match="needs 3 XLA CPU threads and this process has 2 .*PJRT_NPROC=4"):
+    # a SeqjaxError (ConfigError): the commands print it as one line, exit 2
+    with pytest.raises(ConfigError, match="model.attention=pallas_mosaic: interpret mode .*needs 3 XLA CPU threads "
+                                          "and this process has 2 .*PJRT_NPROC=4"):
         mosaic_attention(q, k, v, ids, interpret=True)
 
 

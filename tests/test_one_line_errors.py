@@ -125,3 +125,36 @@ except RuntimeError:
     proc = run("-c", script)
     assert "Event loop is closed" not in proc.stderr, proc.stderr
     assert proc.stderr.count("Traceback") == 1 and "a real failure" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("name, content", [
+    ("template.jinja", "{# caf\xe9 #}{{ messages[0].content }}".encode("latin-1")),
+    ("tokenizer_config.json", '{"chat_template": "caf\xe9"}'.encode("latin-1")),
+])
+def test_every_file_seqjax_reads_that_is_not_utf8_is_one_line_naming_it(tmp_path, name, content):
+    """Issue: a latin-1 data.chat_template file ended in a UnicodeDecodeError traceback."""
+    from seqjax.core.errors import CorpusError
+    from seqjax.store.chat import chat_template
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(CorpusError, match=rf"{name}: byte \d+ \(0x[0-9a-f]{{2}}\) is not UTF-8; expected a UTF-8"):
+        if name.endswith(".jinja"):
+            chat_template(str(tmp_path / name), None)
+        else:
+            chat_template(None, tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rope_scaling", "linear", "rope_scaling: got 'linear', expected a mapping with rope_type and its factors"),
+    ("max_position_embeddings", None, "max_position_embeddings: got None, expected a positive integer"),
+    ("num_hidden_layers", "2", "num_hidden_layers: got '2', expected a positive integer"),
+])
+def test_a_config_json_with_a_field_of_the_wrong_kind_is_one_line_at_import(field, value, message):
+    """Issue: rope_scaling as a string and max_position_embeddings: null ended in tracebacks at import."""
+    from seqjax.core.errors import CheckpointError
+    from seqjax.hf.families import model_config_from_hf
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 64}
+    with pytest.raises(CheckpointError, match=f"config.json: {message}"):
+        model_config_from_hf({**config, field: value}, "config.json")

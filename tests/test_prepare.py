@@ -221,3 +221,38 @@ def test_a_cache_on_a_read_only_file_system_is_one_line_from_prepare(tmp_path, m
                                 "tokenizer.vocab_size=300", f"data.cache_dir={cache}"])
     with pytest.raises(StoreError, match=rf"data.cache_dir: cannot write {cache}.* \(Read-only file system\)"):
         prepare(config, splits=("train", "valid"))
+
+
+def test_a_complete_cache_on_a_read_only_mount_is_read_without_a_lock(tmp_path, monkeypatch):
+    """Issue: a complete token cache on a read-only mount was refused ("cannot write .lock") for train and eval.
+    Reading takes no lock; what the cache lacks is still one line (simulated at access(), as root ignores modes)."""
+    import builtins
+
+    from seqjax.core.errors import StoreError
+    from seqjax.store import build
+    from seqjax.store import cache as cache_module
+    from seqjax.store.build import prepare
+
+    corpus = tmp_path / "t.jsonl"
+    corpus.write_text('{"text": "a b c"}\n{"text": "d e"}\n')
+    overrides = ["data.corpus=jsonl", f"data.train_files=[{corpus}]", f"data.valid_files=[{corpus}]",
+                 "tokenizer.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}"]
+    built = prepare(load_config(None, overrides), splits=("train", "valid"))
+    real_open = builtins.open
+
+    def no_writes(file, mode="r", *args, **kwargs):
+        if str(tmp_path / "cache") in str(file) and any(m in mode for m in "wax+"):
+            raise PermissionError(30, "Read-only file system", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_writes)
+    monkeypatch.setattr(cache_module.os, "access", lambda path, mode: str(tmp_path / "cache") not in str(path))
+    monkeypatch.setattr(build, "VERIFY_EVERY_REUSE_BYTES", 0)  # (no "verified" record is written either)
+    again = prepare(load_config(None, overrides), splits=("train", "valid"))
+    assert again.summary["train"]["reused"] and again.summary["valid"]["reused"]
+    assert again.stores["train"].num_tokens == built.stores["train"].num_tokens
+    other = tmp_path / "v.jsonl"
+    other.write_text('{"text": "e f"}\n')
+    with pytest.raises(StoreError, match=r"data.cache_dir: .* is read-only and holds no complete valid store for "
+                                         r"this config"):
+        prepare(load_config(None, [*overrides, f"data.valid_files=[{other}]"]), splits=("train", "valid"))

@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-from seqjax.core.errors import UsageError
+from seqjax.core.errors import SeqjaxError, UsageError
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -142,3 +142,20 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive
         return True
     return True
+
+
+def read_utf8(path: str | os.PathLike, error: type[SeqjaxError] = UsageError, what: str = "") -> str:
+    """A text file a user hands seqjax (a chat template, a JSON config, a prompts file) as strict UTF-8; an
+    unreadable file or a byte that is not UTF-8 is one ``error`` naming the file, the byte offset and what was
+    expected. ``what`` names the file's role in the message (``data.chat_template``)."""
+    path = Path(path)
+    role = f"{what}: " if what else ""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise error(f"{role}{path}: cannot be read ({err.strerror or err}); expected a readable file") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise error(f"{role}{path}: byte {err.start} (0x{data[err.start]:02x}) is not UTF-8; expected a UTF-8 "
+                    "text file (re-save it as UTF-8)") from None

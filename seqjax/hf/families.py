@@ -70,11 +70,11 @@ def _scaling(params: dict[str, Any] | None, field: str,
              source: str) -> tuple[float | None, RopeScalingConfig]:
     """(rope_theta if the section names one, scaling) of one RoPE section (rope_scaling /
     rope_parameters[...])."""
+    if params and not isinstance(params, dict):
+        raise _refuse(source, field, params, "a mapping with rope_type and its factors")
     theta = (params or {}).get("rope_theta")
     if not params:
         return theta, RopeScalingConfig()
-    if not isinstance(params, dict):
-        raise _refuse(source, field, params, "a mapping with rope_type and its factors")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise _refuse(source, f"{field}.rope_type", kind, f"one of {', '.join(ROPE_TYPES)}")

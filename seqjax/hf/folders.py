@@ -47,7 +47,7 @@ from tokenizers import processors
 from seqjax.config.load import load_config
 from seqjax.config.tree import Config, ModelConfig
 from seqjax.core.errors import CheckpointError
-from seqjax.core.files import write_text_atomic
+from seqjax.core.files import read_utf8, write_text_atomic
 from seqjax.core.progress import progress_bar
 from seqjax.hf.families import hf_config, model_config_from_hf
 from seqjax.hf.tensors import from_hf as params_from_hf
@@ -92,10 +92,11 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    text = read_utf8(path, CheckpointError)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: not a readable JSON file ({err})") from None
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from seqjax.core.errors import UsageError
-from seqjax.core.files import json_text
+from seqjax.core.files import json_text, read_utf8
 from seqjax.main import cli, trained
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
@@ -52,7 +52,7 @@ def read_chats(path_text: str) -> list[tuple[Any, Any]]:
         raise UsageError(
             f"--chat {path_text!r}: no such file (expected one conversation per line, as JSON)")
     chats = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(read_utf8(path, UsageError, "--chat").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -85,7 +85,7 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
         path = Path(prompts_file)
         if not path.is_file():
             raise UsageError(f"--prompts {prompts_file!r}: no such file (expected one prompt per line)")
-        prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts += [line for line in read_utf8(path, UsageError, "--prompts").splitlines() if line.strip()]
     if not prompts:
         raise UsageError("expected --prompt TEXT or --prompts FILE with at least one non-empty line")
     return prompts

@@ -61,11 +61,20 @@ from seqjax.config.tree import Config, ConfigError, SourceConfig
 from seqjax.core.errors import CorpusError, StoreError
 from seqjax.core.files import write_text_atomic
 from seqjax.core.progress import progress_bar
-from seqjax.store.cache import BUILDER_VERSION, ProcessGroup, content_hash, corpus_key, digest, file_identity, locked
+from seqjax.store.cache import (
+    BUILDER_VERSION,
+    ProcessGroup,
+    content_hash,
+    corpus_key,
+    digest,
+    file_identity,
+    locked,
+    writable,
+)
 from seqjax.store.corpus import SPLITS, source_files
 from seqjax.store.encoding import available_cores
 from seqjax.store.examples import ExampleSpec, example_spec
-from seqjax.store.reader import MANIFEST, TokenStore, read_manifest, shard_problems
+from seqjax.store.reader import MANIFEST, REBUILD_HINT, TokenStore, read_manifest, shard_problems
 from seqjax.store.shard import build_shard, plan_shards
 from seqjax.store.splits import carved, split_sources
 from seqjax.store.tokenizer import Tokenizer, check_vocab_size, obtain_tokenizer, special_tokens
@@ -116,9 +125,9 @@ def _stale_sources(shard: dict[str, Any]) -> list[str]:
     return stale
 
 
-def _reuse(path: Path, build_key: dict[str, Any], run: ProcessGroup) -> bool:
+def _reuse(path: Path, build_key: dict[str, Any], run: ProcessGroup, read_only: bool = False) -> bool:
     """Process 0: whether the store at ``path`` can be reused as it is; damaged shards are set
-    aside."""
+    aside (on a read-only mount they are named in one line instead)."""
     try:
         manifest = read_manifest(path)
     except StoreError:
@@ -136,11 +145,15 @@ def _reuse(path: Path, build_key: dict[str, Any], run: ProcessGroup) -> bool:
             problems = _stale_sources(shard)
         if problems:
             damaged[shard["name"]] = problems
+    if damaged and read_only:
+        first = next(iter(damaged.values()))[0]
+        raise StoreError(f"token store {path} is damaged ({first}) and read-only, so it cannot be rebuilt there; "
+                         f"{REBUILD_HINT}")
     if damaged:
         _set_aside(path, list(damaged), [p for ps in damaged.values() for p in ps])
         return False
     # verified once: later reuses trust unchanged files
-    if checksums and total > VERIFY_EVERY_REUSE_BYTES:
+    if checksums and total > VERIFY_EVERY_REUSE_BYTES and not read_only:
         write_text_atomic(path / MANIFEST, json.dumps({**manifest, "verified": stamps}, indent=2))
     return True
 
@@ -190,9 +203,15 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
         names.append((f"shard-{i:05d}-{key[:12]}", [files[j] for j in group]))
     build_key = {"builder_version": BUILDER_VERSION, "tokenizer_hash": tokenizer.hash, **corpus,
                  "shards": [name for name, _ in names]}
-    lock = locked(path.parent) if run.process_count == 1 else nullcontext()
+    # a complete store on a read-only mount is read as it is: reading takes no lock that writes
+    read_only = run.process_count == 1 and not writable(path.parent)
+    lock = locked(path.parent) if run.process_count == 1 and not read_only else nullcontext()
     with lock:
-        reused = _reuse(path, build_key, run) if run.main else False
+        reused = _reuse(path, build_key, run, read_only) if run.main else False
+        if read_only and not reused:
+            raise StoreError(f"data.cache_dir: {path.parent} is read-only and holds no complete {split} store for "
+                             "this config and tokenizer; expected a writable folder, or one prepared for this "
+                             "config (python -m seqjax.prepare)")
         run.wait(f"seqjax-prepare-reuse-{path}")
         if run.process_count > 1:
             reused = _manifest_key(path) == build_key

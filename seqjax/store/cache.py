@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -88,6 +89,14 @@ def corpus_key(source: SourceConfig | Config, split: str = "train") -> str:
     if source.format != "text":
         settings.append(source.format)
     return f"{source.corpus}-{digest(settings)[:12]}"
+
+
+def writable(folder: Path) -> bool:
+    """Whether ``folder`` (or, when it does not exist yet, its nearest existing parent) can be written."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return os.access(folder, os.W_OK)
 
 
 @contextmanager

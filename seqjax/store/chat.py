@@ -25,6 +25,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from seqjax.core.errors import CorpusError
+from seqjax.core.files import read_utf8
 from seqjax.store.spec import TEMPLATE_FILES, ExampleSpec
 
 log = logging.getLogger(__name__)
@@ -69,15 +70,16 @@ def chat_template(path: str | None, tokenizer_path: Path | None) -> tuple[str, s
             raise CorpusError(
                 f"data.chat_template: {file} not found; expected a Jinja chat template file or one of "
                 f"{', '.join(SHIPPED_TEMPLATES)}")
-        return file.read_text(encoding="utf-8"), str(file)
+        return read_utf8(file, CorpusError, "data.chat_template"), str(file)
     folder = tokenizer_path.parent if tokenizer_path is not None else None
     if folder is not None and (folder / TEMPLATE_FILES[0]).is_file():
-        return (folder / TEMPLATE_FILES[0]).read_text(encoding="utf-8"), str(folder / TEMPLATE_FILES[0])
+        return read_utf8(folder / TEMPLATE_FILES[0], CorpusError), str(folder / TEMPLATE_FILES[0])
     if folder is not None and (folder / TEMPLATE_FILES[1]).is_file():
-        try:
-            found = json.loads(
-                (folder / TEMPLATE_FILES[1]).read_text(encoding="utf-8")).get("chat_template")
-        except ValueError as err:
+        text = read_utf8(folder / TEMPLATE_FILES[1], CorpusError)
+        try:  # (json's error is a ValueError, as every SeqjaxError is: read first, then parse)
+            found = json.loads(text)
+            found = found.get("chat_template") if isinstance(found, dict) else None
+        except json.JSONDecodeError as err:
             raise CorpusError(f"{folder / TEMPLATE_FILES[1]}: not valid JSON ({err})") from None
         if isinstance(found, list):  # named templates: transformers uses "default"
             found = next((t.get("template") for t in found if t.get("name") == "default"), None)

@@ -349,7 +349,7 @@ def obtain_tokenizer(config: Config, sources: list[SourceConfig],
     }
     folder = Path(config.data.cache_dir).expanduser() / "tokenizers" / digest(recipe)[:16]
     path = folder / "tokenizer.json"
-    if run.main:
+    if run.main and not path.is_file():  # (a trained tokenizer is read as it is: no lock, none written)
         with locked(folder):
             if not path.is_file():
                 log.info("training a %d-token byte-level BPE on up to %s bytes of the train split",

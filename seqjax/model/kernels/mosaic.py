@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from seqjax.core.errors import ConfigError
 from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, kernel_metadata, tiled_vjp, window_operand
 from seqjax.model.mask import allowed, check_attention_inputs
 
@@ -71,8 +72,10 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if interpret and (pool := xla_cpu_threads()) < 1 + THREADS:
-        raise RuntimeError(f"mosaic_attention: interpret mode needs {1 + THREADS} XLA CPU threads and this process "
-                           f"has {pool} (it would hang); set PJRT_NPROC={2 + THREADS} before JAX starts")
+        # a SeqjaxError: the commands say it in one line (docs/gpu.md), not a traceback
+        raise ConfigError(f"model.attention=pallas_mosaic: interpret mode (no GPU) needs {1 + THREADS} XLA CPU "
+                          f"threads and this process has {pool} (it would hang); set PJRT_NPROC={2 + THREADS} "
+                          "before JAX starts")
     if d not in HEAD_DIMS:
         raise ValueError(f"mosaic_attention: head_dim {d}, expected one of {HEAD_DIMS} (wgmma tiles)")
     allowed_dtypes = GPU_DTYPES + ((jnp.float32,) if interpret else ())
