@@ -187,9 +187,10 @@ def overlong_line(report: dict[str, Any], what: str) -> str | None:
     if not n:
         return None
     policy = report["policy"]
-    done = {"drop": "dropped", "truncate": "truncated: their ends are not trained",
-            "split": f"split into {report.get('pieces')} pieces, each its own segment (later ones without the "
-                     "start: a chat's later answers lose their prompt)",
+    split = f"split into {report.get('pieces')} pieces, each its own segment"
+    if what == "examples":
+        split += " (a piece after the first lacks the example's start: its answers lose their prompt)"
+    done = {"drop": "dropped", "truncate": "truncated: their ends are not trained", "split": split,
             "error": "refused"}[policy]
     line = (f"data.overlong={policy}: {n} of {report['documents']} {what} are longer than a row of "
             f"data.seq_len={report['seq_len']}: {done}")

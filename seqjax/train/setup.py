@@ -236,9 +236,10 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     train_store, valid_store = prepared.stores["train"], prepared.stores.get(config.eval.split)
     objective = objective_of(config)
     overlong = overlong_counts(config, train_store)
-    line = overlong and overlong_line(overlong, "examples" if train_store.mask is not None else "documents")
-    if line and jax.process_index() == 0:
-        log.warning("%s", line)
+    examples = train_store.mask is not None
+    line = overlong and overlong_line(overlong, "examples" if examples else "documents")
+    if line and jax.process_index() == 0:  # (instruction data: a warning; long text documents are usual)
+        log.log(logging.WARNING if examples else logging.INFO, "%s", line)
     placed, base = starting_weights(config, mesh, source)
     tx, schedule = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
