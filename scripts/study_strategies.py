@@ -257,7 +257,8 @@ def run_one(settings: dict, name: str, seed: int, run_dir: Path, prepared, subse
                 "val_word_perplexity": r["word_perplexity"], "val_bits_per_byte": r["bits_per_byte"],
                 "val_target_tokens": plan.cumulative[step - 1]}
 
-    # train() prints the resolved config (also saved as config.yaml): the study's stdout holds only its results.
+    # (train() writes nothing to stdout; the redirect keeps the study's stdout its results alone, whatever a
+    # library below prints)
     with contextlib.redirect_stdout(io.StringIO()):
         summary = train(config, validate=validate)
     if not final:  # a rerun after the last step was trained but not scored: the final checkpoint is the model

@@ -40,7 +40,7 @@ def test_a_second_run_on_the_same_run_dir_exits_2_naming_the_holder_and_the_firs
     assert second.returncode == 2, second.stderr[-3000:]
     assert f"run.dir {run_dir} is in use by another training run (host " in second.stderr
     assert f"PID {first.pid}, started " in second.stderr and "Traceback" not in second.stderr
-    assert "resolved config" not in second.stdout  # refused before any work
+    assert "resolved config" not in second.stderr  # refused before any work (nothing saved, nothing named)
     assert first.returncode == 0, first_err[-3000:]
     assert train_losses(run_dir) == {step: reference[step] for step in range(1, 31)}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import logging
 import math
 import os
 import re
@@ -276,11 +277,12 @@ def _source_of_error(path: Path | None, from_file: dict[str, Any],
 
 
 def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yaml") -> Path:
-    """Print the resolved config (stdout, where a tool's results go) and save it beside the outputs
-    it produced."""
-    print("# resolved config", flush=True)
-    print(config.to_yaml(), flush=True)
-    return config.save(Path(out_dir) / name)
+    """Save the resolved config beside the outputs it produced, and say where in one line (stderr): the file
+    holds every key, so the log does not repeat them (the command line's overrides are logged when it is read,
+    :func:`seqjax.main.cli.load`)."""
+    path = config.save(Path(out_dir) / name)
+    logging.getLogger("seqjax.config").info("resolved config: %s", path)
+    return path
 
 
 def describe_keys() -> str:

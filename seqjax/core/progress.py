@@ -1,4 +1,4 @@
-"""Progress bars on a terminal, plain lines everywhere else.
+"""Progress bars on a terminal, plain lines everywhere else; and notices said once.
 
 A tqdm bar redraws itself with carriage returns. On a terminal that is one
 line that moves; under a scheduler (SLURM, Kubernetes: stderr is a file or a
@@ -9,6 +9,7 @@ the callers log plain lines (``step 100/700: loss ...``) where it is off.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Any
@@ -26,3 +27,17 @@ def progress_bar(*, enabled: bool = True, **kwargs: Any) -> tqdm:
     """A tqdm bar on stderr, drawn only when ``enabled`` and :func:`on_terminal` (else a silent
     counter)."""
     return tqdm(file=sys.stderr, disable=not (enabled and on_terminal()), **kwargs)
+
+
+_SAID: set[tuple[str, int, str]] = set()
+
+
+def log_once(logger: logging.Logger, level: int, message: str, *args: Any) -> None:
+    """Log ``message % args`` the first time this process says it, and never again: a notice that a
+    step, each evaluation and each re-trace reach (which attention backend ``auto`` chose, which
+    template scores the chats) is said once per run."""
+    text = message % args if args else message
+    key = (logger.name, level, text)
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.log(level, "%s", text)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from seqjax.core.errors import ConfigError
+from seqjax.core.progress import log_once
 from seqjax.model.mask import check_attention_inputs, segment_mask
 from seqjax.model.sharding import BATCH_AXES, HEAD_AXIS
 
@@ -246,20 +247,18 @@ def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> s
         if reason is None:
             return "pallas"
         if jnp.dtype(dtype) in map(jnp.dtype, _HALF):
-            log.warning("attention auto: using cudnn, not pallas (%s)", reason)
+            log_once(log, logging.WARNING, "attention auto: using cudnn, not pallas (%s)", reason)
             return "cudnn"
-        log.warning(
-            "attention auto: using xla (pallas unavailable: %s; cudnn needs bfloat16/float16, got %s)",
-            reason,
-            jnp.dtype(dtype).name)
+        log_once(log, logging.WARNING, "attention auto: using xla (pallas unavailable: %s; cudnn needs "
+                 "bfloat16/float16, got %s)", reason, jnp.dtype(dtype).name)
         return "xla"
     if platform == "tpu":
         reason = _kernel_missing("splash")
         if reason is None:
             return "splash"
-        log.warning("attention auto: using xla, not splash (%s)", reason)
+        log_once(log, logging.WARNING, "attention auto: using xla, not splash (%s)", reason)
         return "xla"
-    log.info("attention auto: using xla on platform %s (the kernels need a GPU or TPU)", platform)
+    log_once(log, logging.INFO, "attention auto: using xla on platform %s (the kernels need a GPU or TPU)", platform)
     return "xla"
 
 

@@ -58,6 +58,7 @@ import numpy as np
 
 from seqjax.config.tree import Config, SourceConfig
 from seqjax.core.errors import CorpusError
+from seqjax.core.progress import log_once
 from seqjax.store.chat import chat_spans, chat_template, twin_template
 from seqjax.store.spec import NOT_SCORED, ExampleSpec
 
@@ -80,10 +81,9 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
         template, name = chat_template(d.chat_template, tokenizer_path)
         twin = twin_template(template, config.tokenizer.bos_token, eot_token)
         if twin is not None:
-            log.info(
-                f"the chat template {name} has no {{% generation %}} blocks; its chats are scored as seqjax's "
-                f"{twin} template marks them wherever that renders them the same (docs/instruction.md)"
-            )
+            log_once(log, logging.INFO,
+                     f"the chat template {name} has no {{% generation %}} blocks; its chats are scored as seqjax's "
+                     f"{twin} template marks them wherever that renders them the same (docs/instruction.md)")
     return ExampleSpec(format=source.format, loss_on=loss_on, prompt_field=d.prompt_field,
                        completion_field=d.completion_field, prompt_separator=d.prompt_separator,
                        messages_field=d.messages_field, tools_field=d.tools_field,
