@@ -148,9 +148,10 @@ EVAL_MODES = ("blocks", "sliding", "documents", "lm_eval")
 @dataclass
 class EvalConfig:
     split: str = setting("valid", "split to score", choices=("valid", "test"))
-    mode: str = setting(
-        "sliding",
-        "evaluation protocol; lm_eval: the lm-evaluation-harness wikitext task (raw WikiText-2, its detokenizer)",
+    mode: str | None = setting(
+        None,
+        "evaluation protocol; lm_eval: the lm-evaluation-harness wikitext task (raw WikiText-2, its detokenizer); "
+        "null: documents for instruction data (each example scored alone, its per-example figure), else sliding",
         choices=EVAL_MODES,
     )
     context: int | None = setting(
@@ -215,6 +216,8 @@ class Config:
         """Run every section's own rules, then the rules that span sections."""
         for f in dataclasses.fields(self):
             getattr(self, f.name).check()
+        if self.eval.mode is None:  # (filled in, as model.head_dim is: every reader sees the protocol used)
+            self.eval.mode = "documents" if self.data.instruction else "sliding"
         limit = self.model.max_seq_len
         if limit is not None and self.data.seq_len > limit:
             raise ConfigError(
