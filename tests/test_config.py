@@ -141,12 +141,14 @@ def test_help_config_lists_every_key(capsys):
     assert leaves <= listed
 
 
-def test_resolved_config_is_printed_and_saved_and_loads_back(tmp_path, capsys):
+def test_resolved_config_is_saved_named_with_its_overrides_and_loads_back(tmp_path, caplog, capsys):
+    """The file holds every key; the log names it and the overrides (stdout is for results alone)."""
     config = load_config(CPU_CONFIG, ["data.seq_len=64", "train.lr=3e-4", "data.corpus=text",
                                       "data.train_files=[a.txt]"])
-    saved = announce(config, tmp_path / "out")
-    assert saved == tmp_path / "out" / "config.yaml"
-    assert "seq_len: 64" in capsys.readouterr().out
+    with caplog.at_level("INFO", logger="seqjax.config"):
+        saved = announce(config, tmp_path / "out")
+    assert saved == tmp_path / "out" / "config.yaml" and capsys.readouterr().out == ""
+    assert f"resolved config: {saved} (from {CPU_CONFIG}; overrides: data.seq_len=64 train.lr=3e-4" in caplog.text
     assert load_config(saved) == config
 
 

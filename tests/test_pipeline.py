@@ -173,7 +173,8 @@ def test_bad_input_is_refused_before_iteration():
 
 
 def test_an_empty_store_is_refused():
-    from seqjax.store.reader import StoreError, TokenStore
+    from seqjax.core.errors import StoreError
+    from seqjax.store.reader import TokenStore
 
     with pytest.raises(StoreError, match="empty"):  # the store refuses to exist...
         TokenStore.from_documents([], EOT, 10)

@@ -22,10 +22,12 @@ import numpy as np
 import pytest
 
 from seqjax.config.load import load_config
+from seqjax.core.errors import StoreError
 from seqjax.data.pipeline import build_pipeline
 from seqjax.store import build, shard
 from seqjax.store.build import prepare
-from seqjax.store.reader import MANIFEST, StoreError, TokenStore
+from seqjax.store.layout import MANIFEST
+from seqjax.store.reader import TokenStore
 from seqjax.store.stream import TokenStream
 from test_multiprocess import free_port
 from test_pipeline import CASES, IDS

@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 
 from corpus_factory import make_text_corpus
 from seqjax.config.load import load_config
+from seqjax.core.errors import StoreError
 from seqjax.store import build
 from seqjax.store import tokenizer as tokenizer_module
 from seqjax.store.build import prepare
-from seqjax.store.reader import MANIFEST, StoreError, TokenStore, token_dtype
+from seqjax.store.layout import MANIFEST, token_dtype
+from seqjax.store.reader import TokenStore
 from seqjax.store.writer import ShardWriter, StoreWriter, write_store
 
 

@@ -209,6 +209,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
                 base: dict[str, Any] | None = None) -> Config:
     """Read a YAML config (or start from ``base``, a tree of section mappings, or the defaults),
     apply dotted overrides, validate everything."""
+    global _GIVEN
+    _GIVEN = (None if path is None else str(path), [str(o) for o in overrides])
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         path = Path(path)
@@ -281,8 +283,14 @@ def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yam
     holds every key, so the log does not repeat them (the command line's overrides are logged when it is read,
     :func:`seqjax.main.cli.load`)."""
     path = config.save(Path(out_dir) / name)
-    logging.getLogger("seqjax.config").info("resolved config: %s", path)
+    file, overrides = _GIVEN
+    logging.getLogger("seqjax.config").info("resolved config: %s (from %s%s)", path, file or "the defaults",
+                                            f"; overrides: {' '.join(overrides)}" if overrides else "")
     return path
+
+
+# What the last load_config call read (a command reads one config): the file and the overrides, for announce.
+_GIVEN: tuple[str | None, list[str]] = (None, [])
 
 
 def describe_keys() -> str:

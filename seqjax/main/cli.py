@@ -88,8 +88,6 @@ def load(args: argparse.Namespace) -> Config:
     exits 2."""
     config = load_config(args.config, args.overrides)
     check_config(config)
-    log.info("config: %s%s", args.config or "the defaults",
-             f"; overrides: {' '.join(args.overrides)}" if args.overrides else "")
     return config
 
 

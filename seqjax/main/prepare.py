@@ -49,10 +49,12 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         splits = [s for s in SPLITS if has_split(config, s)]
     else:
         splits = [s.strip() for s in args.splits.split(",") if s.strip()]
-    announce(config, cache_dir(config, writable=True), "prepare.yaml")
+    cache = cache_dir(config, writable=True)
     start = time.perf_counter()
     processes = _processes(config)
     prepared = prepare(config, splits, verify=args.verify, **processes)
+    # (after the stores: a config whose files are missing gets its one line, and nothing before it)
+    announce(config, cache, "prepare.yaml")
     # beside every store it built or reused: the settings that made it
     if processes["process_index"] == 0:
         for folder in {Path(entry["store"]).parent for entry in prepared.summary.values()}:

@@ -71,10 +71,12 @@ from seqjax.store.cache import (
     locked,
     writable,
 )
+from seqjax.store.checks import read_manifest, shard_problems
 from seqjax.store.corpus import SPLITS, source_files
 from seqjax.store.encoding import available_cores
 from seqjax.store.examples import ExampleSpec, example_spec
-from seqjax.store.reader import MANIFEST, REBUILD_HINT, TokenStore, read_manifest, shard_problems
+from seqjax.store.layout import MANIFEST, REBUILD_HINT
+from seqjax.store.reader import TokenStore
 from seqjax.store.shard import build_shard, plan_shards
 from seqjax.store.splits import carved, split_sources
 from seqjax.store.tokenizer import Tokenizer, check_vocab_size, obtain_tokenizer, special_tokens

@@ -76,42 +76,25 @@ store built by another tokenizer.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import xxhash
 
 from seqjax.core.errors import StoreError
+from seqjax.store.checks import check_files, id_range_problem, read_manifest
+from seqjax.store.layout import (
+    DOC_OFFSETS,
+    LINE_OFFSETS,
+    MASK_DTYPE,
+    OFFSET_DTYPE,
+    REBUILD_HINT,
+    TOKENS,
+    WEIGHTS,
+    token_dtype,
+)
 from seqjax.store.stream import TokenStream, concat_offsets
-
-MANIFEST = "manifest.json"
-SHARD_RECORD = "shard.json"
-FORMAT_VERSION = 2
-TOKENS, DOC_OFFSETS, LINE_OFFSETS = "tokens.bin", "doc_offsets.bin", "line_offsets.bin"
-WEIGHTS = "weights.bin"  # instruction data only: which targets are scored
-FILES = (TOKENS, DOC_OFFSETS, LINE_OFFSETS)
-MASK_DTYPE = np.dtype(np.uint8)
-OFFSET_DTYPE = np.dtype("<i8")
-READ_BLOCK = 1 << 24  # bytes per read when checksumming a file
-REBUILD_HINT = "delete it and run python -m seqjax.prepare to rebuild it (inside its cache prepare does this itself)"
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 halves the memory and bandwidth whenever the ids fit."""
-    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
-
-
-def file_checksum(path: Path) -> str:
-    """xxh3-64 of a file's bytes, read in blocks (several GB/s, memory flat)."""
-    digest = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while block := f.read(READ_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
 
 # ---------------------------------------------------------------------------
 # The store
@@ -433,78 +416,3 @@ class TokenStore:
 
 # ---------------------------------------------------------------------------
 # Manifests and integrity
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The store's manifest, or a StoreError saying why there is no usable one."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise StoreError(
-            f"no complete token store at {path} (missing {MANIFEST}); run python -m seqjax.prepare")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except ValueError as err:
-        raise StoreError(
-            f"token store {path}: {MANIFEST} is not valid JSON ({err}); {REBUILD_HINT}") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise StoreError(
-            f"token store {path} has format_version {manifest.get('format_version')}, "
-            f"expected {FORMAT_VERSION}; rebuild it"
-        )
-    return manifest
-
-
-def check_files(path: Path, manifest: dict[str, Any], *, checksums: bool) -> list[str]:
-    """What is wrong with the store's files against its manifest: sizes always, checksums when
-    asked."""
-    return [
-        problem for shard in manifest["shards"] for problem in shard_problems(
-            path, shard, checksums=checksums, vocab_size=manifest["vocab_size"])
-    ]
-
-
-def shard_problems(path: Path, shard: dict[str, Any], *, checksums: bool, vocab_size: int) -> list[str]:
-    """What is wrong with one shard's files: each problem names the file, what the manifest records
-    and what is found.
-
-    Sizes are always compared; with ``checksums`` every file is hashed too,
-    and a token file whose checksum changed is searched for out-of-vocabulary
-    ids, so that damage is named for what it would do.
-    """
-    problems = []
-    for name, record in shard["files"].items():
-        file = path / shard["name"] / name
-        if not file.is_file():
-            problems.append(f"{file} is missing (the manifest records {record['bytes']:,} bytes)")
-            continue
-        size = file.stat().st_size
-        if size != record["bytes"]:
-            problems.append(
-                f"{file} is {size:,} bytes, the manifest records {record['bytes']:,} (truncated or "
-                "overwritten)")
-        elif checksums and (found := file_checksum(file)) != record["xxh3"]:
-            problem = (
-                f"{file} has checksum xxh3:{found}, the manifest records xxh3:{record['xxh3']} (its contents "
-                "changed after the build)")
-            if name == TOKENS:
-                tokens = np.memmap(file, dtype=token_dtype(vocab_size), mode="r")
-                outside = np.flatnonzero(tokens >= vocab_size)
-                if len(outside):
-                    problem += (
-                        f"; it holds token id {int(tokens[outside[0]])} at position {int(outside[0])}, "
-                        f"outside the vocabulary of {vocab_size}")
-            problems.append(problem)
-    return problems
-
-
-def id_range_problem(store: TokenStore, manifest: dict[str, Any]) -> str | None:
-    """An out-of-vocabulary id in the tokens, or a maximum that disagrees with the manifest's, as a
-    message."""
-    tokens = store.tokens
-    parts = tokens.parts if isinstance(tokens, TokenStream) else [tokens]
-    found = max(int(np.max(p)) for p in parts)
-    if found >= store.vocab_size:
-        return f"its tokens hold id {found}, outside the vocabulary of {store.vocab_size}"
-    if "max_id" in manifest and found != manifest["max_id"]:
-        return f"its largest token id is {found}, the manifest records {manifest['max_id']}"
-    return None

@@ -24,7 +24,7 @@ import xxhash
 
 from seqjax.core.errors import StoreError
 from seqjax.core.files import write_text_atomic
-from seqjax.store.reader import (
+from seqjax.store.layout import (
     DOC_OFFSETS,
     FILES,
     FORMAT_VERSION,
@@ -35,9 +35,9 @@ from seqjax.store.reader import (
     SHARD_RECORD,
     TOKENS,
     WEIGHTS,
-    TokenStore,
     token_dtype,
 )
+from seqjax.store.reader import TokenStore
 
 
 def _alive(pid: int) -> bool:
