@@ -8,10 +8,12 @@ For each family seqjax loads (Llama, Mistral, Qwen2, Qwen3, Gemma 3) this writes
   family's special tokens and opening-token rule (Llama 3's and Gemma 3's tokenizers open text with their BOS,
   Qwen's with nothing), and the name of the official chat template it uses;
 - ``chats.jsonl``: the chats (system prompts, several turns, tools and tool calls where the template takes them,
-  an assistant turn with ``tool_calls`` and no content, Qwen3 reasoning);
-- ``reference.json``: for each chat, ``apply_chat_template(chat, tools=..., tokenize=True)``'s ids, and the ids of
-  its prompt (all but the last assistant turn) with ``add_generation_prompt=True``: what transformers and TRL
-  train and generate on.
+  an assistant turn with ``tool_calls`` and no content, Qwen3 reasoning, and Qwen3 chats with their own
+  ``chat_template_kwargs``, ``{"enable_thinking": false}``, TRL's per-record field);
+- ``reference.json``: for each chat, ``apply_chat_template(chat, tools=..., tokenize=True, **chat_template_kwargs)``'s
+  ids, and the ids of its prompt (all but the last assistant turn) with ``add_generation_prompt=True``: what
+  transformers and TRL train and generate on; for Qwen3 also every prompt with ``enable_thinking=False``
+  passed to all chats (``data.chat_template_kwargs``).
 
 The templates are not copied: they are TRL 1.16's copies of the official ones (``trl/chat_templates/``), which
 the test reads from the same installed package (Mistral's is not among them: its chats use Qwen2.5's ChatML).
@@ -69,6 +71,8 @@ def chats(family: str, seed: int = 0) -> list[dict]:
             record["tools"] = TOOLS
         if family == "qwen3" and i == 4:
             messages[-1]["reasoning_content"] = sentence(rng, 5)
+        if family == "qwen3" and i in (1, 6):
+            record["chat_template_kwargs"] = {"enable_thinking": False}
         out.append(record)
     return out
 
@@ -110,12 +114,17 @@ def make(family: str, out: Path) -> None:
     text = template(name)
     records, refs = chats(family), []
     for record in records:
-        messages, tools = record["messages"], record.get("tools")
+        messages, tools, kwargs = record["messages"], record.get("tools"), record.get("chat_template_kwargs", {})
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        ids = tok.apply_chat_template(messages, tools=tools, chat_template=text, tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(messages, tools=tools, chat_template=text, tokenize=True, return_dict=False,
+                                      **kwargs)
         prompt = tok.apply_chat_template(messages[:last], tools=tools, chat_template=text, tokenize=True,
-                                         add_generation_prompt=True, return_dict=False)
+                                         add_generation_prompt=True, return_dict=False, **kwargs)
         refs.append({"ids": list(map(int, ids)), "prompt_ids": list(map(int, prompt))})
+        if family == "qwen3":
+            refs[-1]["no_thinking_prompt_ids"] = list(map(int, tok.apply_chat_template(
+                messages[:last], tools=tools, chat_template=text, tokenize=True, add_generation_prompt=True,
+                return_dict=False, enable_thinking=False)))
     (folder / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (folder / "reference.json").write_text(json.dumps({
         "family": family, "template": name, "chats": refs,

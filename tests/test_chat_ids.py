@@ -90,5 +90,40 @@ def test_a_chat_prompt_is_transformers_generation_prompt(family, tmp_path):
     for record, chat in zip(records, chats):
         messages = record["messages"]
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        text = chat_prompt(spec, messages[:last], "test", record.get("tools"))
+        text = chat_prompt(spec, messages[:last], "test", record.get("tools"), record.get("chat_template_kwargs"))
         assert tokenizer.encode_text(text) == chat["prompt_ids"]
+
+
+def test_qwen3s_enable_thinking_reaches_the_template_as_transformers_passes_it(tmp_path):
+    """data.chat_template_kwargs for every chat, a record's own chat_template_kwargs (TRL's field) over them, in
+    the store and in generate --chat: the prompt ids are transformers' with enable_thinking=False."""
+    from seqjax.main.generate import chat_prompts
+
+    records = [json.loads(line) for line in (DATA / "qwen3" / "chats.jsonl").read_text().splitlines()]
+    assert sum("chat_template_kwargs" in r for r in records) == 2
+    for extra, key in (((), "prompt_ids"), (("data.chat_template_kwargs={enable_thinking: false}",),
+                                            "no_thinking_prompt_ids")):
+        config, chats = family_config("qwen3", tmp_path, *extra)
+        tokenizer = Tokenizer(config.tokenizer.path, config.tokenizer.special_tokens[0], config.tokenizer.bos_token)
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({**r, "messages": r["messages"][:max(
+            i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]}) + "\n" for r in records))
+        texts, _ = chat_prompts(str(prompts), config, tokenizer)
+        assert [tokenizer.encode_text(t) for t in texts] == [chat[key] for chat in chats]
+        store = prepare(config, splits=("train",)).stores["train"]
+        assert [store.doc_sequence(i).tolist() for i in range(len(chats))] == [chat["ids"] for chat in chats]
+    assert chats[0]["prompt_ids"] != chats[0]["no_thinking_prompt_ids"]
+
+
+def test_template_variables_seqjax_passes_itself_are_refused_in_one_line(tmp_path):
+    from seqjax.config.tree import ConfigError
+    from seqjax.core.errors import CorpusError
+
+    with pytest.raises(ConfigError, match="data.chat_template_kwargs: got 'tools', which seqjax itself passes"):
+        family_config("qwen3", tmp_path, "data.chat_template_kwargs={tools: []}")
+    bad = tmp_path / "bad.jsonl"
+    record = json.loads((DATA / "qwen3" / "chats.jsonl").read_text().splitlines()[0])
+    bad.write_text(json.dumps({**record, "chat_template_kwargs": ["enable_thinking"]}) + "\n")
+    config, _ = family_config("qwen3", tmp_path, f"data.train_files=[{bad}]", f"data.cache_dir={tmp_path / 'c2'}")
+    with pytest.raises(CorpusError, match=r"bad.jsonl:1: field 'chat_template_kwargs' is list; expected an object"):
+        prepare(config, splits=("train",))

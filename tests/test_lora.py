@@ -135,8 +135,57 @@ def test_a_train_step_moves_the_adapters_only_and_leaves_the_base_bit_identical(
     assert optimizer_arrays == 2 * sum(x.size for x in jax.tree.leaves(adapters))  # AdamW's moments, adapters only
 
 
-def test_peft_round_trip_and_the_merged_weights_compute_the_lora_model():
-    config = load_config(None, TINY + LORA)
+VARIANTS = ["model.lora.dora=true", "model.lora.rslora=true", "model.lora.modules_to_save=[embed]"]
+
+
+@pytest.mark.parametrize("layout", [["model.scan_layers=false"],
+                                    ["model.scan_layers=true", "model.remat=full", "model.loss_chunk_tokens=8"]])
+def test_dora_rslora_and_modules_to_save_train_what_they_should_and_nothing_else(layout):
+    """Under scan, remat and the chunked loss, with accumulation: the adapters, DoRA's magnitudes and the saved
+    embeddings all move; the frozen base stays bit-identical; the optimizer holds state for what trains only."""
+    config = load_config(None, TINY + LORA + VARIANTS + layout + ["train.lr=1e-2", "train.warmup_steps=0"])
+    model = build_model(config, rngs=nnx.Rngs(0))
+    graphdef, trained, frozen, rest = split_params(model)
+    trained, frozen = nnx.to_pure_dict(trained), nnx.to_pure_dict(frozen)
+    assert "embed" in trained and "embed" not in frozen
+    before = jax.tree.map(np.asarray, frozen)
+    tx, _ = build_optimizer(config.train)
+    step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=2, z_loss=0.0))
+    opt_state = tx.init(trained)
+    new, opt_state, metrics = step(trained, opt_state, batch(1, b=4), None, 1, frozen)
+    new, _, _ = step(new, opt_state, batch(2, b=4), None, 2, frozen)
+    assert np.isfinite(float(metrics["loss"]))
+    flat_new, flat_old = (dict(jax.tree_util.tree_leaves_with_path(t)) for t in (new, trained))
+    moved = {jax.tree_util.keystr(k) for k in flat_new if np.any(np.asarray(flat_new[k]) != np.asarray(flat_old[k]))}
+    assert moved == {jax.tree_util.keystr(k) for k in flat_new}  # every A, B, magnitude and the embeddings
+    assert any("magnitude" in k for k in moved)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, frozen))
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_dora_starts_at_the_function_of_the_base_it_is_put_on(quantize):
+    """A new DoRA adapter on weights read later (train.init_from): its magnitudes are set to the norms of that
+    base (QLoRA's as read back), so before any step it computes the base exactly (to rounding)."""
+    from seqjax.model import quant
+    from seqjax.model.assembly import dora_magnitudes, stored_base
+
+    config = load_config(None, TINY + LORA + ["model.lora.dora=true", f"model.lora.quantize={quantize}",
+                                             "model.lora.quant_block=8"])
+    graphdef, trained, frozen, rest = split_params(build_model(config, rngs=nnx.Rngs(0)))
+    plain = build_model(load_config(None, TINY), rngs=nnx.Rngs(5))  # the base to put it on: other weights
+    stored = stored_base(nnx.to_pure_dict(nnx.state(plain, BASE_PARAMS)), config.model)
+    nnx.update(plain, quant.dequantize_base(stored, "float32"))  # (what the quantized base computes)
+    data = batch(4)
+    stale = nnx.merge(graphdef, nnx.to_pure_dict(trained), stored, rest)
+    assert np.abs(np.asarray(logits(stale, data)) - np.asarray(logits(plain, data))).max() > 1e-2
+    fresh = nnx.merge(graphdef, dora_magnitudes(nnx.to_pure_dict(trained), stored, config.model), stored, rest)
+    np.testing.assert_allclose(np.asarray(logits(fresh, data)), np.asarray(logits(plain, data)), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [[], VARIANTS])
+def test_peft_round_trip_and_the_merged_weights_compute_the_lora_model(variant):
+    config = load_config(None, TINY + LORA + variant)
     model = build_model(config, rngs=nnx.Rngs(0))
     graphdef, adapters, frozen, rest = split_params(model)
     adapters = jax.tree.map(lambda a: np.asarray(a + 0.05 * jax.random.normal(jax.random.key(3), a.shape)),
@@ -184,10 +233,28 @@ def test_a_lora_run_resumes_exactly_saves_small_refuses_another_base_and_exports
     export.main(["--run", str(whole), "--out", str(tmp_path / "adapter")])
     config = json.loads((tmp_path / "adapter" / peft.ADAPTER_CONFIG).read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
+    # the base is a seqjax run imported from no HF folder: no path peft could read is written, and it says so
+    assert config["base_model_name_or_path"] is None
+    assert "is no Hugging Face model folder" in capsys.readouterr().err
     tensors = load_file(str(tmp_path / "adapter" / peft.ADAPTER_WEIGHTS))
     assert len(tensors) == 2 * 7 * 2 and all(name.startswith("base_model.model.model.layers.") for name in tensors)
     export.main(["--run", str(whole), "--out", str(tmp_path / "merged"), "--merge"])
     assert (tmp_path / "merged" / "model.safetensors").is_file() and not (tmp_path / "merged" / "adapter_config.json"
                                                                           ).exists()
     capsys.readouterr()
+
+    # the base moved away: eval, generate and export name it, not "expected a run directory"
+    moved = tmp_path / "moved_base"
+    shutil.copytree(base, moved)
+    assert_ok(run_cli(tiny_overrides(tiny_root, tmp_path / "on_moved", **{**lora, "train.init_from": moved,
+                                                                          "train.steps": 2})))
+    moved.rename(tmp_path / "elsewhere")
+    with pytest.raises(SystemExit):
+        export.main(["--run", str(tmp_path / "on_moved"), "--out", str(tmp_path / "never")])
+    err = capsys.readouterr().err
+    assert f"train.init_from: {moved}, the base the LoRA run" in err and "is missing (moved or deleted)" in err
+    assert "expected a run directory" not in err and not (tmp_path / "never").exists()
+    export.main(["--run", str(tmp_path / "on_moved"), "--out", str(tmp_path / "found"),
+                 f"train.init_from={tmp_path / 'elsewhere'}"])
+    assert (tmp_path / "found" / peft.ADAPTER_WEIGHTS).is_file()
     jax.clear_caches()

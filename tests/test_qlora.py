@@ -110,10 +110,11 @@ def test_a_quantized_base_needs_adapters():
 def test_an_nf4_block_that_does_not_divide_a_projections_inputs_is_refused():
     """Issue: quant_block=24 on 32- and 64-wide inputs fell back to one scale per channel without a word."""
     with pytest.raises(ConfigError, match=r"model.lora.quant_block: got 24, expected a divisor of every quantized "
-                                          r"projection's input width \(d_model=128, head_dim=32, d_ff=256\); d_model, "
-                                          r"head_dim, d_ff is not"):
+                                          r"projection's input width larger than it \(d_model=128, head_dim=32, "
+                                          r"d_ff=256\); d_model, head_dim, d_ff is not"):
         load_config(None, SHAPE + LORA + ["model.lora.quantize=nf4", "model.lora.quant_block=24"])
     load_config(None, SHAPE + LORA + ["model.lora.quantize=nf4", "model.lora.quant_block=8"])
+    load_config(None, SHAPE + LORA + ["model.lora.quantize=nf4", "model.lora.quant_block=64"])  # head_dim: one block
     load_config(None, SHAPE + LORA + ["model.lora.quantize=int8", "model.lora.quant_block=24"])  # (int8: no blocks)
 
 

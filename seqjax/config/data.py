@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from seqjax.config.fields import DATA, DATA_DIR_ENV, setting
 from seqjax.core.errors import ConfigError
 
+# What seqjax passes a chat template itself: data.chat_template_kwargs names others.
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
 # The names data.strategy and data.packer take; seqjax.data.strategies has a row for each
 # (tests/test_packing.py).
 STRATEGIES = ("window", "random_offset", "sequential", "random_window", "concat_chunk", "block", "pack",
@@ -24,12 +27,13 @@ PACKERS = ("greedy", "first_fit", "best_fit", "best_fit_decreasing", "fill", "gr
 
 CORPORA = ("wikitext2", "text", "jsonl", "parquet", "hf")
 # What one record of a corpus is (seqjax.store.examples): a document, or an instruction example.
-FORMATS = ("text", "prompt_completion", "chat", "tokenized")
+FORMATS = ("text", "prompt_completion", "chat", "tokenized", "preference")
 LOSS_ON = ("auto", "completion", "assistant", "last_assistant", "all")
 WEIGHT_DTYPES = ("uint8", "float32")
 # Which loss_on each format takes; "auto" is completion / assistant / the records' own labels.
 LOSS_ON_FOR = {"text": ("auto", "all"), "prompt_completion": ("auto", "completion", "all"),
-               "chat": ("auto", "assistant", "last_assistant", "all"), "tokenized": ("auto", "all")}
+               "chat": ("auto", "assistant", "last_assistant", "all"), "tokenized": ("auto", "all"),
+               "preference": ("auto", "completion")}
 
 @dataclass
 class SourceConfig:
@@ -84,8 +88,17 @@ class DataConfig:
         "auto",
         "instruction data: which tokens are scored (auto: completion for prompt_completion, "
         "assistant for chat, the records' labels for tokenized)", choices=LOSS_ON, resume=DATA)
-    prompt_field: str = setting("prompt", "prompt_completion: the key or column holding the prompt",
+    prompt_field: str = setting(
+        "prompt", "prompt_completion, preference: the key or column holding the prompt (preference: "
+        "absent means implicit, the shared start of chosen and rejected, as TRL's extract_prompt)",
+        resume=DATA)
+    chosen_field: str = setting("chosen", "preference: the key or column holding the preferred completion",
                                 resume=DATA)
+    rejected_field: str = setting("rejected", "preference: the key or column holding the other completion",
+                                  resume=DATA)
+    shared_prompt: bool = setting(
+        False, "preference: pack each pair's prompt once, both completions attending to it and not to "
+        "each other (the same numbers as the prompt twice, its compute saved; XLA attention)", resume=DATA)
     completion_field: str = setting("completion",
                                     "prompt_completion: the key or column holding the answer",
                                     resume=DATA)
@@ -102,6 +115,10 @@ class DataConfig:
         None,
         "chat: a Jinja chat template file (null: the tokenizer's, from its tokenizer_config.json or "
         "chat_template.jinja)", resume=DATA)
+    chat_template_kwargs: dict[str, Any] = setting(
+        {}, "chat: extra variables the template reads, passed as apply_chat_template(**kwargs) passes them "
+        "(Qwen3's {enable_thinking: false}); a record's own chat_template_kwargs field (TRL's) adds to and "
+        "overrides these", resume=DATA)
     input_ids_field: str = setting("input_ids",
                                    "tokenized: the key or column holding the token ids",
                                    resume=DATA)
@@ -182,6 +199,10 @@ class DataConfig:
                                    resume=DATA)
 
     def check(self) -> None:
+        taken = sorted(set(self.chat_template_kwargs) & set(TEMPLATE_VARIABLES))
+        if taken:
+            raise ConfigError(f"data.chat_template_kwargs: got {taken[0]!r}, which seqjax itself passes the "
+                              f"template; expected other names than {', '.join(TEMPLATE_VARIABLES)}")
         if self.sources:
             for split in ("train", "valid", "test"):
                 if getattr(self, f"{split}_files"):
@@ -235,6 +256,17 @@ class DataConfig:
             if self.loss_on not in LOSS_ON_FOR[fmt]:
                 raise ConfigError(f"data.loss_on: got {self.loss_on!r}, expected one of "
                                   f"{', '.join(LOSS_ON_FOR[fmt])} for data.format={fmt}")
+        if "preference" in formats:
+            if formats != {"preference"} or self.sources:
+                raise ConfigError("data.format: got preference with data.sources or other formats, expected "
+                                  "preference pairs as the one source of a run")
+            if self.resolved_overlong == "split":
+                raise ConfigError("data.overlong: got split, expected truncate (TRL's: each sequence cut to "
+                                  "data.seq_len / 2, a pair whose prompt fills that dropped), drop or error for "
+                                  "preference pairs, which are packed whole")
+        elif self.shared_prompt:
+            raise ConfigError(f"data.shared_prompt: got true with data.format={self.format}, expected "
+                              "data.format=preference (it shares a pair's prompt)")
         if formats != {"text"}:
             if self.cross_document_attention:
                 raise ConfigError(

@@ -48,9 +48,12 @@ def _field_metadata(cls: type = Config,
 
 
 def _flatten(tree: typing.Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to values; a key whose value is itself a mapping (data.chat_template_kwargs) stays
+    one key."""
     out = {}
+    mappings = {key for key, (default, _) in _field_metadata().items() if isinstance(default, dict)}
     for name, value in tree.items():
-        if isinstance(value, typing.Mapping):
+        if isinstance(value, typing.Mapping) and prefix + name not in mappings:
             out.update(_flatten(value, f"{prefix}{name}."))
         else:
             out[prefix + name] = value

@@ -66,6 +66,10 @@ def _coerce(key: str, value: Any, tp: Any, meta: typing.Mapping[str, Any]) -> An
                 item_tp):  # data.sources: a list of mappings, each checked like a section
             return [_build_item(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
         return [_coerce(f"{key}[{i}]", v, item_tp, {}) for i, v in enumerate(value)]
+    if origin is dict:  # data.chat_template_kwargs: a mapping passed on as it is
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: got {value!r}, expected a mapping of names to values")
+        return dict(value)
     if base is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: got {value!r}, expected true or false")

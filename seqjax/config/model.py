@@ -61,16 +61,25 @@ class RopeScalingConfig:
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# PEFT's names of the same projections (its target_modules), accepted beside seqjax's.
+PEFT_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
+                "up_proj": "up", "down_proj": "down"}
+# model.lora.modules_to_save: the whole modules that train beside the adapters (PEFT's names too).
+SAVED_MODULES = ("embed", "head")
+PEFT_SAVED = {"embed_tokens": "embed", "lm_head": "head"}
+LORA_INITS = ("peft", "gaussian", "flax")
 
 
 @dataclass
 class LoraConfig:
     """Low-rank adapters (``model.lora``): the base frozen, each target projection W used as W +
-    (alpha / rank) B A.
+    s A B with s = alpha / rank (alpha / sqrt(rank) under ``rslora``), or, under ``dora``, as DoRA's
+    m (W + s A B) / ||W + s A B|| (a magnitude per output, the norm over inputs).
 
-    Flax's ``nnx.LoRA`` holds each adapter (A ~ its default init, B = 0, so a new adapter changes
-    nothing); only the adapters get gradients, optimizer state and checkpoints. ``rank: 0`` is off
-    (every weight trains).
+    Every adapter starts at B = 0, so a new adapter changes nothing; only the adapters (and
+    ``modules_to_save``) get gradients, optimizer state and checkpoints. ``rank: 0`` is off (every
+    weight trains). These are PEFT's settings by its own names in parentheses, and an adapter
+    trained under them exports to a folder peft loads (seqjax.hf.peft).
     """
 
     rank: int = setting(0, "adapter rank r (0: no adapters, every weight trains)", min=0,
@@ -81,34 +90,61 @@ class LoraConfig:
         0.0, "training only: dropout on each adapter's input (PEFT's lora_dropout)", min=0.0)
     targets: list[str] = setting(
         list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down "
-        "(PEFT's target_modules q_proj, ..., down_proj)", resume=MODEL)
+        "(or PEFT's target_modules names q_proj, ..., down_proj)", resume=MODEL)
+    rslora: bool = setting(
+        False, "rank-stabilized LoRA: scale by alpha / sqrt(rank) instead of alpha / rank (PEFT's "
+        "use_rslora)", resume=MODEL)
+    dora: bool = setting(
+        False, "DoRA: each adapted weight is a trained magnitude per output times the direction of "
+        "W + s A B (PEFT's use_dora); costs a weight-sized norm per projection per step", resume=MODEL)
+    init: str = setting(
+        "peft", "how A starts (B starts at 0 in all): peft: PEFT's default, uniform within "
+        "1/sqrt(inputs); gaussian: normal with std 1/rank (PEFT's init_lora_weights=gaussian); "
+        "flax: nnx.LoRA's he_uniform, sqrt(6) times PEFT's bound", choices=LORA_INITS)
+    modules_to_save: list[str] = setting(
+        [], "whole modules that train beside the adapters: embed, head (or PEFT's embed_tokens, "
+        "lm_head); on tied embeddings, embed trains both", resume=MODEL)
     quantize: str = setting(
         "none", "QLoRA: the frozen base's projections stored as int8 (per-channel scales) or nf4 "
         "(4-bit NormalFloat, per-block scales), dequantized per layer in the forward pass",
         choices=("none", "int8", "nf4"), resume=MODEL)
     quant_block: int = setting(
-        64, "nf4: inputs per scale block of each output channel (bitsandbytes' 64)", min=2,
+        64, "nf4: inputs per scale block of each output channel (bitsandbytes' 64); it must divide each "
+        "input width larger than it, and a narrower one is one block", min=2,
         resume=MODEL)
 
     def check(self) -> None:
+        """The rules of model.lora; PEFT's names in targets and modules_to_save become seqjax's."""
+        self.targets = [PEFT_TARGETS.get(name, name) for name in self.targets]
+        self.modules_to_save = [PEFT_SAVED.get(name, name) for name in self.modules_to_save]
         unknown = [name for name in self.targets if name not in LORA_TARGETS]
         if unknown:
             raise ConfigError(
-                f"model.lora.targets: got {unknown[0]!r}, expected names from {list(LORA_TARGETS)}")
+                f"model.lora.targets: got {unknown[0]!r}, expected names from {list(LORA_TARGETS)} "
+                f"or {list(PEFT_TARGETS)}")
+        unknown = [name for name in self.modules_to_save if name not in SAVED_MODULES]
+        if unknown:
+            raise ConfigError(
+                f"model.lora.modules_to_save: got {unknown[0]!r}, expected names from "
+                f"{list(SAVED_MODULES)} or {list(PEFT_SAVED)}")
         if self.rank and not self.targets:
             raise ConfigError(
                 "model.lora.targets: got [], expected at least one projection with model.lora.rank > 0"
             )
         if not self.dropout < 1.0:
             raise ConfigError(f"model.lora.dropout: got {self.dropout}, expected a rate in [0, 1)")
-        if self.quantize != "none" and not self.rank:
-            raise ConfigError(
-                f"model.lora.quantize: got {self.quantize!r} with model.lora.rank 0; a quantized base "
-                "is frozen, so it needs adapters to train (set model.lora.rank)")
+        for key in ("quantize", "modules_to_save", "dora", "rslora"):
+            if getattr(self, key) not in ("none", [], False) and not self.rank:
+                raise ConfigError(
+                    f"model.lora.{key}: got {getattr(self, key)!r} with model.lora.rank 0; it "
+                    "belongs to adapters (set model.lora.rank)")
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank if self.rank else 0.0
+        """s of W + s A B: alpha / rank, or alpha / sqrt(rank) under rslora."""
+        if not self.rank:
+            return 0.0
+        return self.alpha / (self.rank**0.5 if self.rslora else self.rank)
 
 
 @dataclass
@@ -291,15 +327,20 @@ class ModelConfig:
                 f"model.n_kv_heads: got {kv}, expected a divisor of model.n_heads={self.n_heads}")
         self.rope_scaling.check()
         self.lora.check()
+        if self.tie_embeddings and "head" in self.lora.modules_to_save:
+            raise ConfigError(
+                "model.lora.modules_to_save: got 'head' with model.tie_embeddings true, where the head is "
+                "the embedding table; expected 'embed' (it trains both, as PEFT's ensure_weight_tying)")
         if self.lora.quantize == "nf4":
             # nf4 scales every quant_block inputs along each projection's last input axis: d_model (q, k, v,
             # gate, up), head_dim (o), d_ff (down); a block that does not divide one would be no block at all
             widths = {"d_model": self.d_model, "head_dim": self.head_dim, "d_ff": self.d_ff}
-            bad = {k: v for k, v in widths.items() if v % self.lora.quant_block}
+            # (a width no larger than the block is one block: the whole axis shares its scale)
+            bad = {k: v for k, v in widths.items() if v % self.lora.quant_block and v > self.lora.quant_block}
             if bad:
                 raise ConfigError(
                     f"model.lora.quant_block: got {self.lora.quant_block}, expected a divisor of every quantized "
-                    f"projection's input width ({', '.join(f'{k}={v}' for k, v in widths.items())}); "
+                    f"projection's input width larger than it ({', '.join(f'{k}={v}' for k, v in widths.items())}); "
                     f"{', '.join(bad)} is not a multiple of it")
         unknown = [name for name in self.remat_names if name not in REMAT_NAMES]
         if unknown:

@@ -69,10 +69,21 @@ class OptionalField:
     given_by: str  # the data that gives it, as a message names it ("data.format=preference")
     gives: Callable[[Any], bool]  # (data config) -> whether its batches carry the field
     model: bool = False
+    # an objective must read it: a batch that carries it means something else to one that does not
+    needs_reader: bool = False
 
 
 # The optional fields, by name: the one table of what may enter a batch besides the contract's five.
-OPTIONAL_FIELDS: dict[str, OptionalField] = {}
+OPTIONAL_FIELDS: dict[str, OptionalField] = {
+    "pair_ids": OptionalField(
+        np.int32, "preference pairs (seqjax.data.pairs): 2p - 1 on pair p's chosen sequence of the row, 2p on its "
+        "rejected one, 0 on a shared prompt and on padding", "data.format=preference",
+        lambda d: d.format == "preference", needs_reader=True),
+    "prefix_ids": OptionalField(
+        np.int32, "data.shared_prompt: the segment id of the prompt a completion also attends to (0: none); the "
+        "mask's one extension (seqjax.model.mask)", "data.shared_prompt=true",
+        lambda d: d.format == "preference" and d.shared_prompt, model=True),
+}
 
 
 def given_fields(d: Any) -> tuple[str, ...]:
@@ -88,6 +99,11 @@ def check_reads(reads: tuple[str, ...], d: Any, who: str) -> None:
             raise ConfigError(
                 f"{who} reads the batch field {name!r}, which data.format={d.format} does not give; "
                 f"expected {OPTIONAL_FIELDS[name].given_by}")
+    for name, field in OPTIONAL_FIELDS.items():
+        if field.needs_reader and field.gives(d) and name not in reads:
+            raise ConfigError(
+                f"{who} does not read the batch field {name!r} that {field.given_by} gives ({field.meaning}); "
+                "expected an objective that does (docs/preference.md)")
 
 
 def model_fields(batch: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +115,8 @@ def model_fields(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                   row_of_piece: np.ndarray, n_rows: int, width: int, scores: Any = None) -> Batch:
+                   row_of_piece: np.ndarray, n_rows: int, width: int, scores: Any = None,
+                   offsets: np.ndarray | None = None, piece_fields: dict[str, np.ndarray] | None = None) -> Batch:
     """The batch contract for rows made of stream pieces: the single definition used by every
     strategy.
 
@@ -107,6 +124,9 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
     segment id of its row (1, 2, ...), positions restart at 0, and the row is
     right-padded with segment id 0 and weight 0. ``scores[p]``, when given,
     is the weight of the target at stream position ``p`` (else 1).
+
+    Preference pairs (:mod:`seqjax.data.pairs`) add ``offsets[j]``, where piece ``j``'s positions
+    start, and ``piece_fields``: fields of one int32 value per piece, spread as its segment id is.
 
     Speed: every prediction is computed once in row-major order and written
     with one boolean-mask assignment per field (rows are filled from column 0),
@@ -139,7 +159,8 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
         "inputs": inputs,
         "targets": targets,
         "segment_ids": np.repeat(segment, predicted),
-        "positions": position,
+        "positions": position if offsets is None else position + np.repeat(np.asarray(offsets, index), predicted),
+        **{name: np.repeat(np.asarray(values, np.int32), predicted) for name, values in (piece_fields or {}).items()},
     }
     if scores is not None:
         # the target of input source[i] is the stream's next token

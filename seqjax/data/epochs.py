@@ -21,6 +21,7 @@ import grain
 import numpy as np
 
 from seqjax.core.errors import DataError
+from seqjax.data import pairs
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.scored import target_weights
@@ -61,7 +62,10 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
     """
     plan = planner.window_plan(epoch, position)
     tokens = planner.store.tokens
-    scores = target_weights(planner.store, planner.config.train.loss_normalization)
+    d = planner.config.data
+    # pairs: the raw 0/1 weights (a preference objective sums log-probabilities by them)
+    normalization = "tokens" if d.format == "preference" else planner.config.train.loss_normalization
+    scores = target_weights(planner.store, normalization)
     local = plan.batch_size // process_count
     group = max(1, BUILD_SLOTS // (local * int(plan.widths.max()))) if plan.num_batches else 1
     cache: dict[int, Batch] = {}
@@ -70,7 +74,11 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
         batches = np.arange(g * group, min((g + 1) * group, plan.num_batches))
         rows = plan.batch_rows(batches, process_index, process_count)
         width = int(plan.widths[batches].max())
-        return contract_batch(tokens, *plan.pieces(rows), len(rows), width, scores)
+        starts, lengths, row_of_piece = plan.pieces(rows)
+        if d.format != "preference":
+            return contract_batch(tokens, starts, lengths, row_of_piece, len(rows), width, scores)
+        offsets, fields = pairs.piece_labels(planner.store, starts, lengths, row_of_piece, d.shared_prompt)
+        return contract_batch(tokens, starts, lengths, row_of_piece, len(rows), width, scores, offsets, fields)
 
     def batch(k: int) -> Batch:
         g, i = divmod(k, group)

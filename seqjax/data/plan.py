@@ -50,6 +50,7 @@ A worked example: rows ``[piece 0 | piece 1]`` and ``[piece 2]`` are
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ import numpy as np
 
 from seqjax.config.tree import Config
 from seqjax.core.errors import DataError
-from seqjax.data import document_rows
+from seqjax.data import document_rows, pairs
 from seqjax.data.ragged import exclusive_cumsum, ragged_arange
 from seqjax.data.scored import scored_in
 from seqjax.data.strategies import STRATEGIES, Rows, item_overlong
@@ -221,6 +222,9 @@ class EpochPlanner:
             cuts = np.searchsorted(
                 store.doc_offsets,
                 np.arange(1, store.num_tokens // d.plan_window_tokens + 1) * d.plan_window_tokens)
+            if d.format == "preference":  # a window holds whole pairs (examples 2k and 2k + 1)
+                pairs.check_pairs(store)
+                cuts -= cuts % 2
             self.doc_bounds = np.unique(np.concatenate([[0], cuts[(cuts > 0) & (cuts < store.num_docs)],
                                                         [store.num_docs]]))
         self._plans: dict[tuple[int, int], RowPlan] = {}
@@ -324,6 +328,8 @@ class EpochPlanner:
         """Documents first..end-1 in (shuffled) order after data.overlong, arranged by the
         strategy's table entry."""
         d = self.data
+        if d.format == "preference":
+            return self._pair_rows(first // 2, end // 2, rng)
         count = end - first
         order = first + (rng.permutation(count) if d.shuffle else np.arange(count))
         starts, lengths = document_rows.document_items(self.store.doc_spans(), order, d.seq_len,
@@ -335,6 +341,25 @@ class EpochPlanner:
                                  widths)
         return plan.take(rng.permutation(
             plan.num_rows)) if d.shuffle and strategy.reshuffle_rows else plan
+
+    def _pair_rows(self, first: int, end: int, rng: np.random.Generator) -> RowPlan:
+        """Pairs first..end-1 in (shuffled) order after data.overlong, each packed whole as one item
+        of the strategy's (:mod:`seqjax.data.pairs`)."""
+        d = self.data
+        order = first + (rng.permutation(end - first) if d.shuffle else np.arange(end - first))
+        kept, chosen, rejected, n = pairs.pair_sequences(self.store, order, d.seq_len, d.resolved_overlong)
+        predictions = pairs.pair_predictions(chosen, rejected, n, d.shared_prompt)
+        strategy = STRATEGIES[d.strategy]
+        config = self.config
+        if d.max_segments_per_row is not None:  # (it counts segments: a pair is two, three with a shared prompt)
+            per_pair = max(1, d.max_segments_per_row // (3 if d.shared_prompt else 2))
+            config = dataclasses.replace(config, data=dataclasses.replace(d, max_segments_per_row=per_pair))
+        arranged = strategy.document_rows(np.arange(len(kept)), predictions + 1, config)
+        starts, lengths, per_pair = pairs.pair_pieces(self.store, kept, chosen, rejected, n, d.shared_prompt)
+        starts, lengths, row_ptr = pairs.expand(arranged.row_ptr, arranged.starts, starts, lengths, per_pair)
+        widths = arranged.widths if arranged.widths is not None else d.seq_len
+        plan = RowPlan.from_rows(starts, lengths, row_ptr, d.batch_size, widths)
+        return plan.take(rng.permutation(plan.num_rows)) if d.shuffle and strategy.reshuffle_rows else plan
 
     def check_rows(self, whole_batch: bool = True) -> None:
         """Refuse a strategy that gives no row, or (``whole_batch``) an epoch smaller than a batch,

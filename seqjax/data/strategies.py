@@ -333,6 +333,11 @@ def check_config(config: Config) -> None:
         raise ConfigError(
             f"data.max_segments_per_row: got {d.max_segments_per_row}, expected null: packer "
             f"{d.packer} {packing.what} cannot cap segments; unset it or pick another packer")
+    if d.format == "preference" and (not strategy.documents or (packing is not None and packing.rows is None)):
+        raise ConfigError(
+            f"data.strategy: got {label(d)}, expected pack (with a seqjax packer: greedy, first_fit, best_fit, "
+            "best_fit_decreasing) or length_grouped for data.format=preference, which packs each pair whole "
+            "(its two sequences in one row)")
     instruction = {source.format for source in d.resolved_sources()} != {"text"}
     if instruction and not keeps_documents_whole(d):
         how = {"pack": f" with packer={d.packer!r}", "block": f" with break_mode={d.break_mode!r}"}

@@ -1,31 +1,42 @@
-"""PEFT LoRA adapters <-> seqjax's (``model.lora``), and folding adapters into their base, as pure
-functions.
+"""PEFT LoRA adapters <-> seqjax's (``model.lora``), as pure functions.
 
 A PEFT adapter folder holds ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``,
 ``target_modules``, ...) and ``adapter_model.safetensors``, whose tensors are named after the base
 model's modules, per layer i and target (q_proj ... down_proj):
 
-==========================================================================  ==========  ========================
-PEFT tensor                                                                 shape       seqjax (blocks.i.)
-==========================================================================  ==========  ========================
-base_model.model.model.layers.i.self_attn.q_proj.lora_A.weight              [r, in]     attn.lora.q.lora_a [in, r]
-base_model.model.model.layers.i.self_attn.q_proj.lora_B.weight              [out, r]    attn.lora.q.lora_b [r, out]
+=====================================================================  ========  ==========================
+PEFT tensor (base_model.model.model.layers.i.)                         shape     seqjax (blocks.i.)
+=====================================================================  ========  ==========================
+self_attn.q_proj.lora_A.weight                                         [r, in]   attn.lora.q.lora_a [in, r]
+self_attn.q_proj.lora_B.weight                                         [out, r]  attn.lora.q.lora_b [r, out]
+self_attn.q_proj.lora_magnitude_vector (use_dora)                      [out]     attn.lora.q.magnitude
 ... k_proj, v_proj, o_proj (self_attn); gate_proj, up_proj, down_proj (mlp)
-==========================================================================  ==========  ========================
+base_model.model.model.embed_tokens.weight (modules_to_save)           [V, D]    embed.embedding
+base_model.model.lm_head.weight (modules_to_save)                      [V, D]    lm_head [D, V]
+=====================================================================  ========  ==========================
 
-A projection's output is x W + (lora_alpha / r) x A B in both: PEFT's default scaling (no rsLoRA, no
-DoRA), which is what seqjax reads and writes; anything else is refused naming the field. ``in`` and
-``out`` are the HF projection's features: q's out is heads x head_dim, in the order seqjax's [D, H,
-Dh] flattens to.
+``in`` and ``out`` are the HF projection's features: q's out is heads x head_dim, in the order
+seqjax's [D, H, Dh] flattens to. A projection computes what :mod:`seqjax.model.lora` says, with
+PEFT's scaling (``lora_alpha / r``, or ``/ sqrt(r)`` under ``use_rslora``) and DoRA under
+``use_dora``.
+
+Reading an ``adapter_config.json`` (:func:`lora_from_adapter_config`) goes field by field: the
+fields seqjax computes (``r``, ``lora_alpha``, ``target_modules`` as PEFT matches it: names, full
+module paths, ``all-linear`` or a regular expression; ``exclude_modules``, ``use_rslora``,
+``use_dora``, ``modules_to_save``, ``ensure_weight_tying``), bookkeeping it ignores, and every
+other field, which must be unset: an adapter of any other PEFT variant (aLoRA, ``rank_pattern``,
+``layers_to_transform``, LoRA on the embeddings, ...) is refused naming its field, never read as
+plain LoRA.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 
-from seqjax.config.model import LORA_TARGETS, LoraConfig, ModelConfig
+from seqjax.config.model import LORA_TARGETS, PEFT_SAVED, LoraConfig, ModelConfig
 from seqjax.core.errors import CheckpointError
 from seqjax.model.assembly import ADAPTED
 from seqjax.model.stacking import blocks_layout
@@ -38,80 +49,231 @@ HF_MODULES = {
 }
 MODULES = {target: (HF_MODULES[target], *ADAPTED[target]) for target in HF_MODULES}
 TARGET_OF = {hf.rsplit(".", 1)[1]: target for target, (hf, _, _) in MODULES.items()}
-# adapter_config.json fields that change what an adapter computes, and the one value seqjax
-# computes.
-_MUST_BE = {"peft_type": ("LORA",), "use_rslora": (False, None), "use_dora": (False, None),
-            "fan_in_fan_out": (False, None), "bias": ("none", None), "modules_to_save": (None, []),
-            "layers_to_transform": (None,), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
-            "lora_bias": (False, None), "layer_replication": (None,), "target_parameters": (None,)}
+# modules_to_save -> (HF module path, its tensor in an adapter file)
+SAVED = {"embed": ("model.embed_tokens", "base_model.model.model.embed_tokens.weight"),
+         "head": ("lm_head", "base_model.model.lm_head.weight")}
+# adapter_config.json fields that say nothing about what the adapter computes.
+BOOKKEEPING = ("task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+               "inference_mode", "megatron_core", "runtime_config", "qalora_group_size",
+               "layers_pattern", "lora_dropout")
+# Fields with one value seqjax computes.
+_MUST_BE = {"peft_type": "LORA", "bias": "none", "fan_in_fan_out": False}
+# init_lora_weights values that start from the base as saved (the others rewrite the base weights).
+_PLAIN_INITS = (True, False, "gaussian")
+_READ = ("r", "lora_alpha", "target_modules", "exclude_modules", "use_rslora", "use_dora",
+         "modules_to_save", "ensure_weight_tying", "init_lora_weights")
 
 
 def _name(layer: int, target: str, which: str) -> str:
-    return f"base_model.model.model.layers.{layer}.{MODULES[target][0]}.lora_{which}.weight"
+    suffix = "lora_magnitude_vector" if which == "m" else f"lora_{which}.weight"
+    return f"base_model.model.model.layers.{layer}.{MODULES[target][0]}.{suffix}"
 
 
-def adapter_config(lora: LoraConfig, base: str | None) -> dict[str, Any]:
+def adapter_config(lora: LoraConfig, base: str | None, tied: bool) -> dict[str, Any]:
     """The ``adapter_config.json`` PEFT writes for these adapters."""
+    saved = [PEFT_NAME[m] for m in lora.modules_to_save]
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-        "target_modules": sorted(MODULES[t][0].rsplit(".", 1)[1]
-                                 for t in lora.targets), "bias": "none", "fan_in_fan_out": False,
-        "use_rslora": False, "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
+        "target_modules": sorted(MODULES[t][0].rsplit(".", 1)[1] for t in lora.targets),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": lora.rslora, "use_dora": lora.dora,
+        "modules_to_save": saved or None, "ensure_weight_tying": bool(tied and saved),
+        "init_lora_weights": "gaussian" if lora.init == "gaussian" else True,
         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True
     }
 
 
-def lora_from_adapter_config(config: dict[str, Any], source: str) -> LoraConfig:
-    """``model.lora`` of a PEFT ``adapter_config.json``, or a CheckpointError naming the field it
-    cannot compute."""
-    for field, allowed in _MUST_BE.items():
-        if config.get(field) not in allowed:
+PEFT_NAME = {ours: theirs for theirs, ours in PEFT_SAVED.items()}
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value is False or value == {} or value == []
+
+
+def _names(value: Any, source: str, field: str) -> str | list[str] | None:
+    """A target_modules-like field: null, one string (a regex, or all-linear) or a list of names."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise CheckpointError(f"{source}: {field}: got {value!r}, expected a module name, a regular "
+                          "expression, all-linear, or a list of module names")
+
+
+def _matches(pattern: str | list[str], module: str) -> bool:
+    """Whether PEFT's target_modules (or exclude_modules) ``pattern`` selects ``module``: a string
+    is a regular expression matched against the whole path; a list names modules by their path or
+    its last parts."""
+    if isinstance(pattern, str):
+        return re.fullmatch(pattern, module) is not None
+    return any(module == name or module.endswith("." + name) for name in pattern)
+
+
+def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]:
+    """The seqjax targets PEFT's target_modules (less exclude_modules) selects on a base of
+    ``cfg.n_layers`` layers: a projection in every layer or in none, and no other module."""
+    targets = _names(config.get("target_modules"), source, "target_modules")
+    excluded = _names(config.get("exclude_modules"), source, "exclude_modules") or []
+    if targets is None:
+        raise CheckpointError(f"{source}: target_modules: got null, expected the modules that hold adapters")
+    linear = [f"model.layers.{i}.{HF_MODULES[t]}" for i in range(cfg.n_layers) for t in LORA_TARGETS]
+    others = ["lm_head", "model.embed_tokens"]
+    if targets == "all-linear":  # PEFT: every linear layer but the output layer
+        chosen = list(linear)
+    else:
+        chosen = [m for m in linear + others if _matches(targets, m)]
+    chosen = [m for m in chosen if not _matches(excluded, m)]
+    other = [m for m in chosen if m in others]
+    if other:
+        raise CheckpointError(f"{source}: target_modules: selects {other[0]}; seqjax puts adapters on "
+                              "the seven projections (q, k, v, o, gate, up, down) only")
+    if not chosen:
+        raise CheckpointError(f"{source}: target_modules: got {targets!r}, which selects none of "
+                              f"the projections {sorted(TARGET_OF)} of a {cfg.n_layers}-layer base")
+    found = []
+    for target in LORA_TARGETS:
+        layers = [i for i in range(cfg.n_layers) if f"model.layers.{i}.{HF_MODULES[target]}" in chosen]
+        if layers and len(layers) < cfg.n_layers:
             raise CheckpointError(
-                f"{source}: {field}: got {config.get(field)!r}, expected {allowed[0]!r}; seqjax "
-                "cannot compute it")
-    modules = config.get("target_modules")
-    modules = [modules] if isinstance(modules, str) else list(modules or [])
-    unknown = [m for m in modules if m not in TARGET_OF]
-    if unknown:
-        raise CheckpointError(f"{source}: target_modules: got {unknown[0]!r}, expected names from "
-                              f"{sorted(TARGET_OF)}")
-    return LoraConfig(rank=int(config["r"]), alpha=float(config.get("lora_alpha", 8)),
-                      dropout=float(config.get("lora_dropout") or 0.0),
-                      targets=[t for t in LORA_TARGETS if MODULES[t][0].rsplit(".", 1)[1] in modules])
+                f"{source}: target_modules: selects {HF_MODULES[target]} in layers {layers} of "
+                f"{cfg.n_layers}; seqjax puts an adapter on a projection in every layer or in none")
+        if layers:
+            found.append(target)
+    return found
 
 
-def to_peft(adapters: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """seqjax adapter parameters (the pure dict of the model's ``nnx.LoRAParam``) -> PEFT tensors by
-    name."""
-    blocks = blocks_layout(adapters, stacked=False)["blocks"]
+def _saved(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]:
+    """modules_to_save as seqjax's names (embed, head)."""
+    names = config.get("modules_to_save") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{source}: modules_to_save: got {names!r}, expected a list of module names")
+    saved = []
+    for name in names:
+        ours = PEFT_SAVED.get(name.rsplit(".", 1)[-1])
+        if ours is None:
+            raise CheckpointError(f"{source}: modules_to_save: got {name!r}; seqjax trains "
+                                  f"{sorted(PEFT_SAVED)} whole, and no other module")
+        if ours not in saved:
+            saved.append(ours)
+    if cfg.tie_embeddings and saved:
+        if not config.get("ensure_weight_tying"):
+            raise CheckpointError(
+                f"{source}: modules_to_save: got {names!r} on a base with tied embeddings and "
+                "ensure_weight_tying false, where PEFT trains one of the two alone; seqjax keeps them "
+                "tied (ensure_weight_tying: true)")
+        saved = ["embed"]
+    return saved
+
+
+def lora_from_adapter_config(config: Any, source: str, cfg: ModelConfig) -> LoraConfig:
+    """``model.lora`` of a PEFT ``adapter_config.json`` for a base of ``cfg``'s shape, or a
+    CheckpointError naming the field it cannot compute."""
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: got a JSON {type(config).__name__}, expected an object of "
+                              "PEFT's LoraConfig fields")
+    for field, value in _MUST_BE.items():
+        if field in config and config[field] != value:
+            raise CheckpointError(
+                f"{source}: {field}: got {config[field]!r}, expected {value!r}; seqjax cannot compute it")
+    if config.get("peft_type") is None:
+        raise CheckpointError(f"{source}: peft_type: missing, expected 'LORA'")
+    for field, value in config.items():
+        if field not in _MUST_BE and field not in BOOKKEEPING and field not in _READ and not _unset(value):
+            raise CheckpointError(
+                f"{source}: {field}: got {value!r}; seqjax computes LoRA, rsLoRA and DoRA adapters "
+                f"({', '.join(_READ[:-1])}) and cannot compute an adapter with this setting")
+    init = config.get("init_lora_weights", True)
+    if init not in _PLAIN_INITS:
+        raise CheckpointError(
+            f"{source}: init_lora_weights: got {init!r}, an initialisation that rewrites the base's "
+            "weights; seqjax reads adapters on the base as saved (expected true, false or 'gaussian')")
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise CheckpointError(f"{source}: r: got {rank!r}, expected a positive integer rank")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
+        raise CheckpointError(f"{source}: lora_alpha: got {alpha!r}, expected a non-negative number")
+    flags = {}
+    for field in ("use_rslora", "use_dora", "ensure_weight_tying"):
+        flags[field] = config.get(field) or False
+        if not isinstance(flags[field], bool):
+            raise CheckpointError(f"{source}: {field}: got {config[field]!r}, expected true or false")
+    dropout = config.get("lora_dropout") or 0.0
+    if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise CheckpointError(f"{source}: lora_dropout: got {dropout!r}, expected a rate in [0, 1)")
+    return LoraConfig(rank=rank, alpha=float(alpha), dropout=float(dropout),
+                      targets=_targets(config, cfg, source), rslora=flags["use_rslora"],
+                      dora=flags["use_dora"], modules_to_save=_saved(config, cfg, source),
+                      init="gaussian" if init == "gaussian" else "peft")
+
+
+def to_peft(trained: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """What a ``model.lora`` run trains (the pure dict of its adapters and ``modules_to_save``) ->
+    PEFT tensors by name."""
+    trained = blocks_layout(trained, stacked=False)
+    blocks = trained["blocks"]
     out = {}
     for i in range(cfg.n_layers):
         for target in cfg.lora.targets:
             module = blocks[i][MODULES[target][1]]["lora"][target]
             out[_name(i, target, "A")] = np.ascontiguousarray(np.asarray(module["lora_a"]).T)
             out[_name(i, target, "B")] = np.ascontiguousarray(np.asarray(module["lora_b"]).T)
+            if cfg.lora.dora:
+                out[_name(i, target, "m")] = np.asarray(module["magnitude"])
+    if "embed" in cfg.lora.modules_to_save:
+        out[SAVED["embed"][1]] = np.asarray(trained["embed"]["embedding"])
+        if cfg.tie_embeddings:  # PEFT's ensure_weight_tying writes the tied head too
+            out[SAVED["head"][1]] = out[SAVED["embed"][1]]
+    if "head" in cfg.lora.modules_to_save:
+        out[SAVED["head"][1]] = np.ascontiguousarray(np.asarray(trained["lm_head"]).T)
     return out
 
 
+def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each tensor an adapter of ``cfg.lora`` on a base of ``cfg`` holds, and its shape."""
+    lora, shapes = cfg.lora, {}
+    widths = {"q": (cfg.d_model, cfg.n_heads * cfg.head_dim), "k": (cfg.d_model, cfg.kv_heads * cfg.head_dim),
+              "v": (cfg.d_model, cfg.kv_heads * cfg.head_dim), "o": (cfg.n_heads * cfg.head_dim, cfg.d_model),
+              "gate": (cfg.d_model, cfg.d_ff), "up": (cfg.d_model, cfg.d_ff), "down": (cfg.d_ff, cfg.d_model)}
+    for i in range(cfg.n_layers):
+        for target in lora.targets:
+            n_in, n_out = widths[target]
+            shapes[_name(i, target, "A")] = (lora.rank, n_in)
+            shapes[_name(i, target, "B")] = (n_out, lora.rank)
+            if lora.dora:
+                shapes[_name(i, target, "m")] = (n_out, )
+    for module in lora.modules_to_save:
+        shapes[SAVED[module][1]] = (cfg.vocab_size, cfg.d_model)
+    return shapes
+
+
 def from_peft(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> dict[str, Any]:
-    """PEFT tensors -> seqjax adapter parameters (unrolled layout); a missing, extra or misshapen
-    one is refused."""
-    expected = {_name(i, t, w) for i in range(cfg.n_layers) for t in cfg.lora.targets for w in "AB"}
-    extra, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
+    """PEFT tensors -> what a ``model.lora`` run trains (unrolled layout); a missing, extra or
+    misshapen tensor is refused in one line."""
+    expected = _expected(cfg)
+    if cfg.tie_embeddings and "embed" in cfg.lora.modules_to_save:
+        tensors = {k: v for k, v in tensors.items() if k != SAVED["head"][1]}  # the tied copy
+    extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
     if extra or missing:
         what = f"tensor {missing[0]} is missing" if missing else f"holds {extra[0]}, which this model has no place for"
-        raise CheckpointError(f"{source}: {what} (rank {cfg.lora.rank}, targets {cfg.lora.targets})")
+        raise CheckpointError(f"{source}: {what} (rank {cfg.lora.rank}, targets {cfg.lora.targets}, "
+                              f"dora {cfg.lora.dora}, modules_to_save {cfg.lora.modules_to_save})")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise CheckpointError(
+                f"{source}: {name} has shape {list(tensors[name].shape)}, expected {list(shape)} for a base "
+                f"of d_model {cfg.d_model}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size} at rank {cfg.lora.rank}: "
+                "an adapter of another base or rank")
     blocks: dict[int, Any] = {}
     for i in range(cfg.n_layers):
         for target in cfg.lora.targets:
-            a, b = tensors[_name(i, target, "A")], tensors[_name(i, target, "B")]
-            if a.shape[0] != cfg.lora.rank or b.shape[1] != cfg.lora.rank:
-                raise CheckpointError(
-                    f"{source}: {_name(i, target, 'A')} has rank {a.shape[0]}, expected "
-                    f"{cfg.lora.rank} (adapter_config.json's r)")
             module = blocks.setdefault(i, {}).setdefault(MODULES[target][1], {}).setdefault("lora", {})
-            module[target] = {
-                "lora_a": np.asarray(a, np.float32).T, "lora_b": np.asarray(b, np.float32).T
-            }
-    return {"blocks": blocks}
+            module[target] = {"lora_a": np.asarray(tensors[_name(i, target, "A")], np.float32).T,
+                              "lora_b": np.asarray(tensors[_name(i, target, "B")], np.float32).T}
+            if cfg.lora.dora:
+                module[target]["magnitude"] = np.asarray(tensors[_name(i, target, "m")], np.float32)
+    out: dict[str, Any] = {"blocks": blocks}
+    if "embed" in cfg.lora.modules_to_save:
+        out["embed"] = {"embedding": np.asarray(tensors[SAVED["embed"][1]], np.float32)}
+    if "head" in cfg.lora.modules_to_save:
+        out["lm_head"] = np.asarray(tensors[SAVED["head"][1]], np.float32).T
+    return out

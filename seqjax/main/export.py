@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,7 +31,11 @@ from seqjax.hf import folders as hf
 from seqjax.hf import peft
 from seqjax.main import cli, trained
 from seqjax.model.assembly import full_weights
+from seqjax.model.lora import trained_filter
 from seqjax.store.chat import find_chat_template
+from seqjax.train.inference import newest_meta
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,8 +73,8 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = trained.trained_tokenizer(args, config)
     cfg = model.cfg
     if cfg.lora.rank and not args.merge:
-        adapters = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
-        return _export_adapter(args, cfg, adapters, config.train.init_from)
+        adapters = nnx.to_pure_dict(nnx.state(model, trained_filter(cfg.lora)))
+        return _export_adapter(args, cfg, adapters, _peft_base(args, config))
     if args.merge and not cfg.lora.rank:
         raise UsageError(
             "--merge: the run has no adapters (model.lora.rank is 0); export it without --merge")
@@ -93,6 +98,28 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _peft_base(args: argparse.Namespace, config) -> str | None:
+    """What adapter_config.json's ``base_model_name_or_path`` names: the Hugging Face folder the base
+    was read from (``--hf``, ``train.init_from``, or the folder a seqjax run was imported from), else
+    the hub id its config.json recorded; None, said in one line, when the base is no HF model."""
+    if getattr(args, "hf", None):
+        return str(Path(args.hf).resolve())
+    source = config.train.init_from
+    if source and hf.is_hf_folder(Path(source).expanduser()):
+        return str(Path(source).expanduser().resolve())
+    meta = newest_meta(source) if source else {}
+    imported = meta.get("imported_from")
+    if imported and hf.is_hf_folder(imported):
+        return imported
+    name = meta.get("name_or_path")
+    if name and (hf.is_hf_folder(name) or not Path(name).is_absolute()):  # a hub id, or a folder that is there
+        return name
+    log.warning("export: the adapters' base (%s) is no Hugging Face model folder and records none it was "
+                "imported from, so adapter_config.json's base_model_name_or_path is null; export the base "
+                "as a folder and pass it to PeftModel.from_pretrained", source or "run.seed's initialization")
+    return None
+
+
 def _export_adapter(args: argparse.Namespace, cfg, adapters: dict[str, Any],
                     base: str | None) -> dict[str, Any]:
     """The run's adapters as a PEFT adapter folder, in ``--dtype``."""
@@ -100,7 +127,7 @@ def _export_adapter(args: argparse.Namespace, cfg, adapters: dict[str, Any],
     with staged_folder(args.out, overwrite=args.overwrite) as staging:
         save_file(tensors, str(staging / peft.ADAPTER_WEIGHTS), metadata={"format": "pt"})
         write_text_atomic(staging / peft.ADAPTER_CONFIG,
-                          json.dumps(peft.adapter_config(cfg.lora, base), indent=2))
+                          json.dumps(peft.adapter_config(cfg.lora, base, cfg.tie_embeddings), indent=2))
     result = {
         "out": str(args.out), "files": [peft.ADAPTER_CONFIG, peft.ADAPTER_WEIGHTS],
         "dtype": args.dtype, "adapter_parameters": int(sum(t.size for t in tensors.values())),

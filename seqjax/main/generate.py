@@ -38,15 +38,15 @@ from seqjax.main import cli, trained
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
 from seqjax.store.chat import chat_prompt, chat_template, end_of_turn
-from seqjax.store.spec import ExampleSpec
+from seqjax.store.spec import KWARGS_FIELD, ExampleSpec
 
 log = logging.getLogger("seqjax.generate")  # the command's name, as its log lines show it
 
 
-def read_chats(path_text: str) -> list[tuple[Any, Any]]:
-    """``(messages, tools)`` of each conversation of ``--chat FILE.jsonl``: each line a
-    ``{"messages": [...]}`` object (with the chat's ``"tools"``, if any) or the list of messages
-    itself."""
+def read_chats(path_text: str) -> list[tuple[Any, Any, Any]]:
+    """``(messages, tools, template variables)`` of each conversation of ``--chat FILE.jsonl``: each
+    line a ``{"messages": [...]}`` object (with the chat's ``"tools"`` and
+    ``"chat_template_kwargs"``, if any) or the list of messages itself."""
     path = Path(path_text)
     if not path.is_file():
         raise UsageError(
@@ -59,8 +59,8 @@ def read_chats(path_text: str) -> list[tuple[Any, Any]]:
             record = json.loads(line)
         except ValueError as err:
             raise UsageError(f"--chat {path_text}:{number}: not JSON ({err})") from None
-        chats.append((record.get("messages"),
-                      record.get("tools")) if isinstance(record, dict) else (record, None))
+        chats.append((record.get("messages"), record.get("tools"),
+                      record.get(KWARGS_FIELD)) if isinstance(record, dict) else (record, None, None))
     if not chats:
         raise UsageError(
             f"--chat {path_text!r}: no conversation in it; expected one JSON line per conversation")
@@ -71,9 +71,10 @@ def chat_prompts(path_text: str, config, tokenizer) -> tuple[list[str], list[int
     """(each conversation rendered with the generation prompt, the ids a reply stops at)."""
     template, name = chat_template(config.data.chat_template, Path(tokenizer.path))
     spec = ExampleSpec(format="chat", loss_on="assistant", chat_template=template, template_name=name,
-                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eot_token)
-    texts = [chat_prompt(spec, messages, f"--chat {path_text}:conversation {k + 1}", tools)
-             for k, (messages, tools) in enumerate(read_chats(path_text))]
+                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eot_token,
+                       template_kwargs=json.dumps(config.data.chat_template_kwargs, sort_keys=True))
+    texts = [chat_prompt(spec, messages, f"--chat {path_text}:conversation {k + 1}", tools, kwargs)
+             for k, (messages, tools, kwargs) in enumerate(read_chats(path_text))]
     turn_end = end_of_turn(spec, tokenizer)
     return texts, [tokenizer.eot_id] + ([turn_end] if turn_end is not None else [])
 

@@ -74,7 +74,10 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
         template = find_chat_template(folder.tokenizer)
         if template is not None:  # beside the run's tokenizer, where data.format=chat finds it
             write_text_atomic(staging / CHAT_TEMPLATE_FILE, template)
-        save_params(staging, 0, params, {"tokens_seen": 0, "imported_from": str(folder.path.resolve())})
+        # where the weights came from: what a LoRA run on this base names as its base on export
+        name = folder.config_json.get("_name_or_path")
+        save_params(staging, 0, params, {"tokens_seen": 0, "imported_from": str(folder.path.resolve()),
+                                         "name_or_path": name if isinstance(name, str) and name else None})
         announce(config, staging)
     result = {
         "out": str(out),

@@ -18,7 +18,7 @@ from seqjax.core.errors import UsageError
 from seqjax.hf import folders as hf
 from seqjax.store.build import prepare
 from seqjax.store.tokenizer import Tokenizer
-from seqjax.train.inference import check_tokenizer, load_for_inference
+from seqjax.train.inference import check_tokenizer, load_for_inference, with_adapter
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -31,12 +31,16 @@ def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--hf", metavar="DIR", help=
         "a Hugging Face model folder (config.json, *.safetensors, tokenizer.json), read directly")
+    p.add_argument(
+        "--adapter", metavar="PEFT_DIR",
+        help="a PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) put on the model "
+        "given as its base, with no training step")
 
 
 def load_checkpoint(args: argparse.Namespace,
                     overrides: Sequence[str] | None = None) -> tuple[Config, Any]:
     """(config, model with trained weights) from ``--run``, ``--checkpoint`` or ``--hf``, with the
-    overrides.
+    overrides, and ``--adapter``'s adapters on it.
 
     Raises a SeqjaxError (exit 2 inside :func:`seqjax.main.cli.run`) for ``--config``, a missing
     folder, or a folder without a readable checkpoint.
@@ -47,11 +51,15 @@ def load_checkpoint(args: argparse.Namespace,
         )
     overrides = list(args.overrides if overrides is None else overrides)
     if getattr(args, "hf", None):
-        return hf.load(args.hf, overrides)
-    path = args.run or args.checkpoint
-    if not Path(path).is_dir():
-        raise UsageError(f"{'--run' if args.run else '--checkpoint'} {path!r}: no such folder")
-    return load_for_inference(path, overrides)
+        config, model = hf.load(args.hf, overrides)
+    else:
+        path = args.run or args.checkpoint
+        if not Path(path).is_dir():
+            raise UsageError(f"{'--run' if args.run else '--checkpoint'} {path!r}: no such folder")
+        config, model = load_for_inference(path, overrides)
+    if getattr(args, "adapter", None):
+        config, model = with_adapter(config, model, args.adapter)
+    return config, model
 
 
 def trained_tokenizer(args: argparse.Namespace, config: Config) -> Tokenizer:

@@ -10,7 +10,9 @@ formula:
 
 :func:`stored_base` is the frozen base a run keeps; :func:`assemble` puts parts together into a
 module; :func:`full_weights` takes a module apart into plain weights (dequantized, adapters folded
-in) for ``export --merge`` and for starting a new run from a LoRA run's weights.
+in) for ``export --merge`` and for starting a new run from a LoRA run's weights. Under DoRA
+(``model.lora.dora``) the folded weight is m (W + s A B) / ||W + s A B||, and
+:func:`dora_magnitudes` starts m at the base's own norms.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
 
 from seqjax.config.model import ModelConfig
 from seqjax.model import quant
-from seqjax.model.lora import BASE_PARAMS
+from seqjax.model.lora import BASE_PARAMS, column_norms
 from seqjax.model.stacking import blocks_layout
 
 # Each model.lora target: (the block's module holding it, the base weight it adapts).
@@ -45,28 +49,58 @@ def assemble(graphdef: nnx.GraphDef, trained: Any, frozen: Any | None, rest: Any
 
 
 def fold(base: dict[str, Any], adapters: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    """The base weights with every adapter folded in: W + (alpha / r) A B, in W's own layout
-    (unrolled), computed in float64 and stored in W's dtype."""
+    """The base weights with every adapter folded in: W + s A B (under DoRA scaled to m per output),
+    in W's own layout (unrolled), computed in float64 and stored in W's dtype; ``modules_to_save`` in
+    ``adapters`` (what trains) replace the base's."""
     base = blocks_layout(base, stacked=False)
     blocks = blocks_layout(adapters, stacked=False)["blocks"]
-    out = {**base, "blocks": {}}
+    out = {**base, **{k: v for k, v in adapters.items() if k != "blocks"}, "blocks": {}}
     for i in range(cfg.n_layers):
         block = {k: dict(v) if isinstance(v, dict) else v for k, v in base["blocks"][i].items()}
         for target in cfg.lora.targets:
             module, weight = ADAPTED[target]
             lora = blocks[i][module]["lora"][target]
             w = np.asarray(block[module][weight])
-            delta = cfg.lora.scale * (
-                np.asarray(lora["lora_a"], np.float64) @ np.asarray(lora["lora_b"], np.float64))
-            block[module][weight] = (w.astype(np.float64) + delta.reshape(w.shape)).astype(w.dtype)
+            a, b = np.asarray(lora["lora_a"], np.float64), np.asarray(lora["lora_b"], np.float64)
+            merged = w.astype(np.float64).reshape(a.shape[0], b.shape[1]) + cfg.lora.scale * (a @ b)
+            if cfg.lora.dora:
+                merged *= np.asarray(lora["magnitude"], np.float64) / np.linalg.norm(merged, axis=0)
+            block[module][weight] = merged.reshape(w.shape).astype(w.dtype)
         out["blocks"][i] = block
     return out
 
 
+def dora_magnitudes(trained: dict[str, Any], frozen: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """``trained`` with each DoRA magnitude set to ||W + s A B|| of the base it sits on (QLoRA's
+    read back): what DoRA starts from once its base's weights are read, so g = 1 and a new
+    adapter changes nothing (PEFT's initialisation). Unchanged without ``model.lora.dora``."""
+    if not cfg.lora.dora:
+        return trained
+
+    def norms(w, a, b):
+        w = qwix.dequantize(w) if isinstance(w, qwix.QArray) else w
+        return column_norms(w, a, b, cfg.lora.scale)
+
+    def set_block(block: dict, base_block: dict, fn) -> dict:
+        block = jax.tree.map(lambda x: x, block)  # a new tree: the caller's stays as it was
+        for target in cfg.lora.targets:
+            module, weight = ADAPTED[target]
+            lora = block[module]["lora"][target]
+            m = fn(base_block[module][weight], lora["lora_a"], lora["lora_b"])
+            lora["magnitude"] = jnp.asarray(m, jnp.asarray(lora["magnitude"]).dtype)
+        return block
+
+    if cfg.scan_layers:  # every layer at once, the layer axis first
+        blocks = set_block(trained["blocks"], frozen["blocks"], jax.vmap(norms))
+    else:
+        blocks = {i: set_block(trained["blocks"][i], frozen["blocks"][i], norms) for i in trained["blocks"]}
+    return {**trained, "blocks": blocks}
+
+
 def full_weights(model: nnx.Module, dtype: str | None = None) -> dict[str, Any]:
     """Every base weight of ``model`` as plain arrays (a QLoRA base read back), the adapters folded
-    in: the model without ``model.lora``, computing what this one computes. ``dtype``: cast every
-    weight to it (None: keep)."""
+    in and ``modules_to_save`` as trained: the model without ``model.lora``, computing what this one
+    computes. ``dtype``: cast every weight to it (None: keep)."""
     cfg = model.cfg
     params = quant.dequantize_base(nnx.to_pure_dict(nnx.state(model, BASE_PARAMS)), cfg.param_dtype)
     if cfg.lora.rank:

@@ -135,6 +135,8 @@ def attention(
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
     window: int | jax.Array | None = None,
+    prefix_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Segment-masked causal self-attention (contract 2) on the chosen backend.
 
@@ -147,9 +149,19 @@ def attention(
     implements: ``auto`` then runs xla, and any other backend refuses it rather than silently not
     dropping. Without a key (evaluation), ``auto`` keeps its fastest kernel. ``window``: a sliding
     layer's window (contract 2); a backend without windows refuses it, never attending to the whole
-    segment instead (:func:`resolve_backend`).
+    segment instead (:func:`resolve_backend`). ``prefix_ids`` (with the tokens' ``positions``): a
+    shared prompt that segments also attend to (:func:`seqjax.model.mask.allowed`), which only the
+    dense mask computes: xla (auto's choice then); every other backend refuses it.
     """
     check_attention_inputs(q, k, v, segment_ids)
+    if prefix_ids is not None:
+        if backend not in ("xla", "auto"):
+            raise ConfigError(f"model.attention: got {backend!r}, which cannot honour a shared prompt's mask "
+                              "(data.shared_prompt); expected xla or auto")
+        mask = segment_mask(segment_ids, q_index=positions, kv_index=positions, window=window,
+                            q_prefix_ids=prefix_ids)
+        return masked_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate,
+                                dropout_key=dropout_key if dropout_rate else None)
     if dropout_key is not None and dropout_rate:
         if backend not in ("xla", "auto"):
             raise ValueError(f"attention dropout needs model.attention=xla (or auto), got {backend!r}")

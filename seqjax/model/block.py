@@ -123,9 +123,10 @@ class Attention(nnx.Module):
         self.dropout = nnx.Dropout(cfg.dropout)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq: jax.Array,
-                 window=None, metadata=None, dropout_key: jax.Array | None = None) -> jax.Array:
+                 window=None, metadata=None, dropout_key: jax.Array | None = None,
+                 prefix_ids: jax.Array | None = None) -> jax.Array:
         """x [B, T, D] -> [B, T, D], attending within each segment (contract 2) on the configured
-        backend.
+        backend; ``prefix_ids``: the shared prompt a segment also attends to (preference pairs).
 
         ``rope_freq``: this layer's RoPE frequencies; ``window``: its sliding window (None: the
         whole segment). ``metadata``: the pallas kernel's block ranges, computed once per forward
@@ -139,7 +140,7 @@ class Attention(nnx.Module):
         def attend(window):
             return attention(q, k, v, segment_ids, backend=self.backend, scale=self.scale,
                              metadata=metadata, dropout_rate=self.attention_dropout,
-                             dropout_key=probs_key, window=window)
+                             dropout_key=probs_key, window=window, prefix_ids=prefix_ids, positions=positions)
 
         if (isinstance(window, jax.core.Tracer) and self.sliding_window
                 and resolve_backend(self.backend, q.dtype, windows=True) == "splash"):
@@ -175,9 +176,9 @@ class Attention(nnx.Module):
         """Queries [B, T, H, Dh] and keys [B, T, K, Dh] rotated to ``positions``, values [B, T, K,
         Dh]."""
         dt = x.dtype
-        q = self._adapted("q", x, jnp.einsum("btd,dhk->bthk", x, weight(self.wq, dt)), lora_key)
-        k = self._adapted("k", x, jnp.einsum("btd,dhk->bthk", x, weight(self.wk, dt)), lora_key)
-        v = self._adapted("v", x, jnp.einsum("btd,dhk->bthk", x, weight(self.wv, dt)), lora_key)
+        q = self._adapted("q", x, weight(self.wq, dt), lora_key)
+        k = self._adapted("k", x, weight(self.wk, dt), lora_key)
+        v = self._adapted("v", x, weight(self.wv, dt), lora_key)
         if self.qkv_bias:
             q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[
                 ...].astype(dt)
@@ -188,16 +189,17 @@ class Attention(nnx.Module):
         return checkpoint_name(q, "q"), checkpoint_name(k, "k"), checkpoint_name(v, "v")
 
     def _out(self, o: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
-        out = jnp.einsum("bthk,hkd->btd", o, weight(self.wo, o.dtype))
-        delta = self.lora.delta("o", o.reshape(*o.shape[:2], -1), lora_key)
-        return out if delta is None else out + delta
+        w = weight(self.wo, o.dtype)
+        return self.lora.apply("o", o.reshape(*o.shape[:2], -1), jnp.einsum("bthk,hkd->btd", o, w), w, lora_key)
 
-    def _adapted(self, name: str, x: jax.Array, projected: jax.Array,
-                 key: jax.Array | None) -> jax.Array:
-        """A head projection [B, T, n, Dh] plus its adapter's output (reshaped to the heads), if it
-        has one."""
-        delta = self.lora.delta(name, x, key)
-        return projected if delta is None else projected + delta.reshape(projected.shape)
+    def _adapted(self, name: str, x: jax.Array, w: jax.Array, key: jax.Array | None) -> jax.Array:
+        """x [B, T, D] through a head projection w [D, n, Dh] -> [B, T, n, Dh], with its adapter (on
+        the heads flattened)."""
+        projected = jnp.einsum("btd,dhk->bthk", x, w)
+        if name not in self.lora.names:
+            return projected
+        flat = self.lora.apply(name, x, projected.reshape(*projected.shape[:2], -1), w, key)
+        return flat.reshape(projected.shape)
 
 
 class SwiGLU(nnx.Module):
@@ -227,8 +229,7 @@ class SwiGLU(nnx.Module):
         return drop(self.dropout, checkpoint_name(out, "mlp_out"), dropout_key)
 
     def _linear(self, name: str, x: jax.Array, w: jax.Array, key: jax.Array | None) -> jax.Array:
-        delta = self.lora.delta(name, x, key)
-        return x @ w if delta is None else x @ w + delta
+        return self.lora.apply(name, x, x @ w, w, key)
 
 
 class Block(nnx.Module):
@@ -251,11 +252,12 @@ class Block(nnx.Module):
         self.post_norms = cfg.post_norms
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq: jax.Array,
-                 window=None, metadata=None, dropout_key: jax.Array | None = None) -> jax.Array:
+                 window=None, metadata=None, dropout_key: jax.Array | None = None,
+                 prefix_ids: jax.Array | None = None) -> jax.Array:
         attn_key, mlp_key = split_keys(dropout_key, 2)
         x = x + self._post(
             self.attn(self.attn_norm(x), positions, segment_ids, rope_freq, window, metadata,
-                      dropout_key=attn_key), "attn")
+                      dropout_key=attn_key, prefix_ids=prefix_ids), "attn")
         return x + self._post(self.mlp(self.mlp_norm(x), dropout_key=mlp_key), "mlp")
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,

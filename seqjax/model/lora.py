@@ -1,10 +1,22 @@
 """``model.lora``: the low-rank adapters of a block's projections, and the split of a model's state
 into what trains and what stays frozen.
 
-Flax's ``nnx.LoRA`` holds each adapter (A [in, r] from its default init, B [r, out] zeros), so a new
-adapter adds 0 and a LoRA model starts as its base, bit for bit. Its parameters are
-``nnx.LoRAParam``, a subclass of ``nnx.Param``: one filter tells the adapters (what trains) from the
-base (what is frozen), and checkpoints hold only the adapters.
+Flax's ``nnx.LoRA`` holds each adapter (A [in, r], B [r, out] zeros), so a new adapter adds 0 and a
+LoRA model starts as its base, bit for bit. Its parameters are ``nnx.LoRAParam``, a subclass of
+``nnx.Param``: one filter tells the adapters (what trains) from the base (what is frozen), and
+checkpoints hold only what trains. ``model.lora.modules_to_save`` adds whole modules (the
+embeddings, the head) to what trains, as PEFT's ``modules_to_save`` does.
+
+What a projection x -> x W computes with its adapter (s = alpha / r, or alpha / sqrt(r) under
+``rslora``; x_d is x after the adapters' dropout, x itself outside training)::
+
+    LoRA    x W + s (x_d A) B
+    DoRA    x W + (g - 1) (x_d W) + g s (x_d A) B,   g = m / ||W + s A B||   (one per output)
+
+DoRA's ``g`` rescales each output column to its trained magnitude ``m`` (started at ||W||, so a new
+adapter changes nothing); the norm runs over the inputs and is not differentiated (the DoRA paper's
+section 4.3, which PEFT follows). Without dropout the DoRA line is ``g (x W + s x A B)``: the
+direction W + s A B, scaled to m. A bias is added after, unscaled, as PEFT does.
 """
 
 from __future__ import annotations
@@ -15,7 +27,64 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from seqjax.config.model import ModelConfig
+from seqjax.config.model import LoraConfig, ModelConfig
+
+LORA_STREAM = 0x6C6F7261  # "lora"
+# The model's own weights: every nnx.Param but the adapters (nnx.LoRAParam, a Param subclass).
+BASE_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+# model.lora.modules_to_save -> the model's top-level attribute holding that module's weights.
+SAVED_ATTRIBUTES = {"embed": "embed", "head": "lm_head"}
+# How A starts (B starts at 0): PEFT's kaiming_uniform(a=sqrt(5)) bounds A by 1/sqrt(in), which is
+# variance scaling 1/3 over fan_in, uniform; flax's he_uniform bounds it by sqrt(6 / in).
+A_INITS = {
+    "peft": lambda rank: nnx.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
+    "gaussian": lambda rank: nnx.initializers.normal(1 / rank),
+    "flax": lambda rank: nnx.initializers.he_uniform(),
+}
+
+
+def trained_filter(lora: LoraConfig):
+    """What trains under ``model.lora``: the adapters, and the modules of ``modules_to_save``."""
+    saved = [nnx.All(nnx.Param, nnx.PathContains(SAVED_ATTRIBUTES[m])) for m in lora.modules_to_save]
+    return nnx.Any(nnx.LoRAParam, *saved)
+
+
+def frozen_part(weights: dict, lora: LoraConfig) -> dict:
+    """A model's whole weights (pure dict) without what trains beside the adapters: the frozen base
+    of a ``model.lora`` run."""
+    saved = {SAVED_ATTRIBUTES[m] for m in lora.modules_to_save}
+    return {key: value for key, value in weights.items() if key not in saved}
+
+
+def saved_part(weights: dict, lora: LoraConfig) -> dict:
+    """The weights of ``modules_to_save`` alone (what they start from, a base's own)."""
+    return {SAVED_ATTRIBUTES[m]: weights[SAVED_ATTRIBUTES[m]] for m in lora.modules_to_save}
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None, nnx.State]:
+    """(graphdef, the parameters that train, the frozen base or None, the rest of the state).
+
+    Without adapters every parameter trains (no frozen part); with ``model.lora`` only the adapters
+    (and ``modules_to_save``) do, and the base rides along frozen. ``nnx.merge(graphdef, trained,
+    *([frozen] if frozen else []), rest)`` rebuilds it.
+    """
+    lora = model.cfg.lora
+    if lora.rank:
+        trained = trained_filter(lora)
+        return nnx.split(model, trained, nnx.All(nnx.Param, nnx.Not(trained)), ...)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, params, None, rest
+
+
+def adapters_off(graphdef: nnx.GraphDef, *states) -> nnx.GraphDef:
+    """The graph of ``graphdef`` with every adapter switched off: merged with the same states (the
+    adapters included, unused), it computes the base alone. A preference objective's reference under
+    ``model.lora``, with no second copy of any weight."""
+    model = nnx.merge(graphdef, *states)
+    for _, module in model.iter_modules():
+        if isinstance(module, Adapters):
+            module.active = False
+    return nnx.graphdef(model)
 
 
 def _drop(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Array:
@@ -23,32 +92,26 @@ def _drop(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Array:
     return layer(x, deterministic=key is None, rngs=key)
 
 
-LORA_STREAM = 0x6C6F7261  # "lora"
-# The base model's parameters: every nnx.Param but the adapters (nnx.LoRAParam, a Param subclass).
-BASE_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
-
-
-def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None, nnx.State]:
-    """(graphdef, the parameters that train, the frozen base or None, the rest of the state).
-
-    Without adapters every parameter trains (no frozen part); with ``model.lora`` only the adapters
-    do, and the base rides along frozen. ``nnx.merge(graphdef, trained, *([frozen] if frozen else
-    []), rest)`` rebuilds it.
-    """
-    if model.cfg.lora.rank:
-        return nnx.split(model, nnx.LoRAParam, BASE_PARAMS, ...)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return graphdef, params, None, rest
+def column_norms(w: jax.Array, a: jax.Array | None = None, b: jax.Array | None = None,
+                 scale: float = 0.0) -> jax.Array:
+    """||W + s A B|| over the inputs, one per output, in float32 (||W|| without A and B): w is the
+    weight with its inputs first, [in, out] or in its own layout with A and B (flattened by their
+    sizes)."""
+    if a is None:
+        return jnp.linalg.norm(w.astype(jnp.float32), axis=0)
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.linalg.norm(w.reshape(a.shape[0], b.shape[1]).astype(jnp.float32) + scale * (a @ b), axis=0)
 
 
 class Adapters(nnx.Module):
     """``model.lora``'s low-rank adapters of one module's projections: flax's ``nnx.LoRA`` each (A
-    [in, r] from its default init, B [r, out] zeros: a new adapter adds 0), scaled by alpha / r,
-    with dropout on their input.
+    [in, r] from ``model.lora.init``, B [r, out] zeros: a new adapter adds 0), scaled by s, with
+    dropout on their input, and under DoRA a magnitude per output (``magnitude`` [out]).
 
-    ``delta(name, x)`` is what adapter ``name`` adds to its projection's output: x [..., in] ->
-    [..., out] (0 when the projection has none). Their parameters are ``nnx.LoRAParam``: the train
-    step differentiates those alone, and checkpoints hold only them.
+    ``apply(name, x, out, w)`` is the projection's output with adapter ``name``'s part: x [..., in]
+    its input, out [..., out] its output x W, w its weight (both flattened to [in], [out]; returned
+    unchanged when the projection has no adapter). Their parameters are ``nnx.LoRAParam``: the
+    train step differentiates those alone, and checkpoints hold only them.
 
     ``projections[name]`` is ``(weight, n)``: the projection's weight, whose first ``n`` dimensions
     are its input (wo's [heads, head_dim]; the others' one). A reads the input flattened, B writes
@@ -61,14 +124,19 @@ class Adapters(nnx.Module):
                  rngs: nnx.Rngs):
         lora = cfg.lora
         self.names = tuple(name for name in projections if lora.rank and name in lora.targets)
-        self.scale = lora.scale
+        self.scale, self.dora = lora.scale, lora.dora
+        self.active = True  # static: False is the base alone (a preference objective's reference)
         self.dropout = nnx.Dropout(lora.dropout)
+        pdt = jnp.dtype(cfg.param_dtype)
         for name in self.names:
             weight, n = projections[name]
             module = nnx.LoRA(math.prod(weight.shape[:n]), lora.rank, math.prod(weight.shape[n:]),
-                              param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+                              param_dtype=pdt, a_initializer=A_INITS[lora.init](lora.rank), rngs=rngs)
             module.lora_a.set_metadata(axes=(weight.axes[0], "lora_rank"))
             module.lora_b.set_metadata(axes=("lora_rank", weight.axes[n]))
+            if self.dora:  # m = ||W||: g = 1 while B = 0 (set again once the base's weights are read)
+                flat = weight[...].reshape(module.in_features, module.out_features)
+                module.magnitude = nnx.LoRAParam(column_norms(flat).astype(pdt), axes=(weight.axes[n],))
             setattr(self, name, module)
 
     def key(self, dropout_key: jax.Array | None) -> jax.Array | None:
@@ -77,11 +145,19 @@ class Adapters(nnx.Module):
         return None if dropout_key is None or not self.dropout.rate else jax.random.fold_in(
             dropout_key, LORA_STREAM)
 
-    def delta(self, name: str, x: jax.Array, key: jax.Array | None = None) -> jax.Array | None:
-        if name not in self.names:
-            return None
+    def apply(self, name: str, x: jax.Array, out: jax.Array, w: jax.Array,
+              key: jax.Array | None = None) -> jax.Array:
+        if name not in self.names or not self.active:
+            return out
         module = getattr(self, name)
         dt = x.dtype
         if key is not None:  # each adapter its own mask, as PEFT gives each target its own dropout
             x = _drop(self.dropout, x, jax.random.fold_in(key, self.names.index(name)))
-        return (x @ module.lora_a[...].astype(dt)) @ (self.scale * module.lora_b[...]).astype(dt)
+        low_rank = (x @ module.lora_a[...].astype(dt)) @ (self.scale * module.lora_b[...]).astype(dt)
+        if not self.dora:
+            return out + low_rank
+        norms = jax.lax.stop_gradient(column_norms(w, module.lora_a[...], module.lora_b[...], self.scale))
+        g = (module.magnitude[...].astype(jnp.float32) / norms).astype(dt)
+        if key is None:
+            return g * (out + low_rank)
+        return out + (g - 1) * (x @ w.reshape(x.shape[-1], -1)) + g * low_rank

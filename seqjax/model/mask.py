@@ -26,6 +26,7 @@ def segment_mask(
     q_index: jax.Array | None = None,
     kv_index: jax.Array | None = None,
     window: int | jax.Array | None = None,
+    q_prefix_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Boolean mask [B, Tq, Tk]: True where query i may attend to key j.
 
@@ -35,6 +36,8 @@ def segment_mask(
     so the same definition serves prefill and decode. ``window``: a sliding
     layer's window (None: the whole segment); it may be traced (one scanned
     layer body serving sliding and full layers, FULL standing for none).
+    ``q_prefix_ids`` [B, Tq]: the shared prompt each query's segment also
+    attends to (see :func:`allowed`).
     """
     if kv_segment_ids is None:
         kv_segment_ids = q_segment_ids
@@ -44,14 +47,25 @@ def segment_mask(
     if kv_index is None:
         kv_index = jnp.arange(tk)[None, :]
     return allowed(q_segment_ids[:, :, None], kv_segment_ids[:, None, :], q_index[:, :, None],
-                   kv_index[:, None, :], window)
+                   kv_index[:, None, :], window, None if q_prefix_ids is None else q_prefix_ids[:, :, None])
 
 
-def allowed(q_segment, kv_segment, q_index, kv_index, window=None):
+def allowed(q_segment, kv_segment, q_index, kv_index, window=None, q_prefix=None):
     """Contract 2 elementwise, on operands already broadcast to one shape: the body of
     :func:`segment_mask`, which a kernel calls on its own tiles (a Mosaic GPU tile's rows and
-    columns come broadcast in its register layout)."""
-    ok = (q_segment == kv_segment) & (q_segment != 0) & (kv_index <= q_index)
+    columns come broadcast in its register layout).
+
+    The one extension, a **shared prompt** (preference pairs, ``data.shared_prompt``): a query
+    whose segment continues prompt segment ``q_prefix`` (its ``prefix_ids``) may also attend to
+    that segment's keys. The indices are then the tokens' *positions*, not their places in the row:
+    a completion continues its prompt's positions, so ``kv_index <= q_index`` and the window count
+    the distance each token has in its own, unpacked sequence (the chosen completion lies between
+    the prompt and the rejected one in the row, and counts for neither).
+    """
+    same = q_segment == kv_segment
+    if q_prefix is not None:
+        same = same | (q_prefix == kv_segment)
+    ok = same & (kv_segment != 0) & (q_segment != 0) & (kv_index <= q_index)
     return ok if window is None else ok & (q_index - kv_index < window)
 
 

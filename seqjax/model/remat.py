@@ -14,8 +14,9 @@ import jax
 from flax import nnx
 
 
-def _call_block(block, x, positions, segment_ids, rope_freq, window, metadata, key):
-    return block(x, positions, segment_ids, rope_freq, window, metadata=metadata, dropout_key=key)
+def _call_block(block, x, positions, segment_ids, rope_freq, window, metadata, key, prefix_ids=None):
+    return block(x, positions, segment_ids, rope_freq, window, metadata=metadata, dropout_key=key,
+                 prefix_ids=prefix_ids)
 
 
 def remat_policy(remat: str, names: tuple[str, ...]):
@@ -30,7 +31,7 @@ def remat_policy(remat: str, names: tuple[str, ...]):
 
 @functools.lru_cache(maxsize=None)
 def remat_block(remat: str, names: tuple[str, ...]):
-    """``(block, x, positions, segment_ids, rope_freq, window, metadata, key) -> x`` for one block,
+    """``(block, x, positions, segment_ids, rope_freq, window, metadata, key, prefix_ids) -> x`` for one block,
     rematerialized as model.remat says."""
     if remat == "none":
         return _call_block

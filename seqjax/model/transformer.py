@@ -87,18 +87,20 @@ class TransformerLM(nnx.Module):
             rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
 
     def __call__(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
-                 dropout_key: jax.Array | None = None) -> jax.Array:
+                 dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None) -> jax.Array:
         """Logits [B, T, V] float32 for a batch (contract 1): the training and evaluation forward
         pass.
 
         ``dropout_key``: the training step's key, which turns dropout on; None (evaluation) is
-        deterministic.
+        deterministic. ``prefix_ids``: the batch's optional field of that name (a shared prompt that
+        preference completions also attend to; :mod:`seqjax.model.mask`).
         """
         return head_logits(*self.features_and_head(inputs, positions=positions, segment_ids=segment_ids,
-                                                   dropout_key=dropout_key))
+                                                   dropout_key=dropout_key, prefix_ids=prefix_ids))
 
     def features_and_head(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
-                          dropout_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                          dropout_key: jax.Array | None = None,
+                          prefix_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The forward pass up to the LM head: (final-normed features [B, T, D], head [D, V]), both
         compute dtype.
 
@@ -109,8 +111,8 @@ class TransformerLM(nnx.Module):
         token_key, embed_key, blocks_key = split_keys(dropout_key, 3)
         x = drop(self.embed_dropout, drop(self.token_dropout, self.embed_tokens(inputs), token_key),
                  embed_key)
-        x = self.final_norm(
-            self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=blocks_key))
+        x = self.final_norm(self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=blocks_key,
+                                        prefix_ids=prefix_ids))
         return x, self.head().astype(x.dtype)
 
     def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
@@ -158,7 +160,7 @@ class TransformerLM(nnx.Module):
             self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=dropout_key))
 
     def hidden(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
-               dropout_key: jax.Array | None = None) -> jax.Array:
+               dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None) -> jax.Array:
         """The blocks on embeddings x [B, T, D]: the last block's output [B, T, D], before the final
         norm.
 
@@ -168,12 +170,13 @@ class TransformerLM(nnx.Module):
         """
         metadata = self.attention_metadata(segment_ids)
         if self.cfg.scan_layers:
-            return self._scanned(x, positions, segment_ids, metadata, dropout_key)
+            return self._scanned(x, positions, segment_ids, metadata, dropout_key, prefix_ids)
         run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
         freqs = self.rope_freqs()
         for i, (block, key) in enumerate(zip(self.blocks, split_keys(dropout_key, len(self.blocks)))):
             layer_metadata = metadata and metadata[i]
-            x = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), layer_metadata, key)
+            x = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), layer_metadata, key,
+                    prefix_ids)
         return x
 
     def rope_freqs(self) -> jax.Array:
@@ -191,7 +194,7 @@ class TransformerLM(nnx.Module):
             return None
         return jnp.asarray([self.cfg.window_of(i) or FULL for i in range(self.cfg.n_layers)], jnp.int32)
 
-    def _scanned(self, x, positions, segment_ids, metadata, dropout_key):
+    def _scanned(self, x, positions, segment_ids, metadata, dropout_key, prefix_ids=None):
         """The stacked blocks under ``jax.lax.scan``: one block's body traced and compiled, whatever
         the depth.
 
@@ -205,7 +208,7 @@ class TransformerLM(nnx.Module):
             layer_state, key, rope_freq, window, metadata = xs
             block = nnx.merge(graphdef, layer_state)
             return block(carry, positions, segment_ids, rope_freq, window, metadata=metadata,
-                         dropout_key=key), None
+                         dropout_key=key, prefix_ids=prefix_ids), None
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat,

@@ -4,7 +4,16 @@
 objective   loss                                                              reads
 ==========  ================================================================  =====================
 lm          next-token cross-entropy on the scored targets (contract 3)      the contract's five
+dpo         DPO's sigmoid loss (cDPO with label_smoothing), per pair         pair_ids, reference
+ipo         IPO's squared loss on length-normalized log-ratios               pair_ids, reference
+hinge       SLiC's hinge on beta * the log-ratio difference                   pair_ids, reference
+robust      robust DPO under label_smoothing flips                            pair_ids, reference
+simpo       SimPO: reference-free, length-normalized, margin simpo_gamma     pair_ids
+sft         NLL of the chosen completions, per chosen token                   pair_ids
+orpo        ORPO: sft + the odds-ratio term                                    pair_ids
 ==========  ================================================================  =====================
+
+The preference rows and their formulas: :mod:`seqjax.objectives.preference`.
 
 Each is a row (:class:`~seqjax.objectives.base.Objective`): a function from the
 policy and a micro-batch to sums (:class:`~seqjax.objectives.base.Terms`),
@@ -30,8 +39,9 @@ from seqjax.core.errors import ConfigError
 from seqjax.data.contract import Batch
 from seqjax.objectives.base import Inputs, Objective, Terms
 from seqjax.objectives.lm import LM
+from seqjax.objectives.preference import DPO, HINGE, IPO, ODDS_RATIO, ROBUST, SFT, SIMPO
 
-OBJECTIVES: dict[str, Objective] = {"lm": LM}
+OBJECTIVES: dict[str, Objective] = {row.name: row for row in (LM, DPO, IPO, HINGE, ROBUST, SIMPO, SFT)}
 # train.objective's default: the first entry, what every run computed before objectives were rows
 DEFAULT = LM
 
@@ -73,7 +83,7 @@ def resolve(names: Sequence[str], weights: Sequence[float] = ()) -> Objective:
     return _weighted(rows, list(weights) or [1.0] * len(rows))
 
 
-def _weighted(rows: list[Objective], weights: list[float]) -> Objective:
+def _weighted(rows: list[Objective], weights: list[float], name: str | None = None) -> Objective:
     """Several objectives as one: each row's sum scaled to the first's denominator, so dividing the
     summed value by the first's summed denominator gives ``sum_i w_i * value_i / denominator_i``
     over the global batch."""
@@ -93,7 +103,7 @@ def _weighted(rows: list[Objective], weights: list[float]) -> Objective:
         return Terms(value, denominator, loss_sum, reported)
 
     return Objective(
-        name="+".join(row.name for row in rows), loss=loss, denominator=rows[0].denominator,
+        name=name or "+".join(row.name for row in rows), loss=loss, denominator=rows[0].denominator,
         reads=tuple(dict.fromkeys(f for row in rows for f in row.reads)),
         settings=tuple(dict.fromkeys(s for row in rows for s in row.settings)),
         reference=any(row.reference for row in rows), doc=" + ".join(row.doc for row in rows),
@@ -102,5 +112,8 @@ def _weighted(rows: list[Objective], weights: list[float]) -> Objective:
                 [*(n for row in rows for n in row.reports),
                  *(f"{row.name}/loss" for row in rows)])))
 
+
+# ORPO (Hong et al. 2024): the chosen completions' NLL plus its odds-ratio term, one row
+OBJECTIVES["orpo"] = _weighted([SFT, ODDS_RATIO], [1.0, 1.0], name="orpo")
 
 __all__ = ["DEFAULT", "Inputs", "OBJECTIVES", "Objective", "Terms", "register", "resolve"]

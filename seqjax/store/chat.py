@@ -24,9 +24,10 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from seqjax.config.data import TEMPLATE_VARIABLES
 from seqjax.core.errors import CorpusError
 from seqjax.core.files import read_utf8
-from seqjax.store.spec import TEMPLATE_FILES, ExampleSpec
+from seqjax.store.spec import KWARGS_FIELD, TEMPLATE_FILES, ExampleSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,10 @@ def shipped_template(name: str) -> str:
             SHIPPED_TEMPLATES[name]).read_text(encoding="utf-8")
 
 
-def chat_template(path: str | None, tokenizer_path: Path | None) -> tuple[str, str]:
+def chat_template(path: str | None, tokenizer_path: Path | None, required: bool = True) -> tuple[str | None, str]:
     """``(template text, where it came from)``: ``data.chat_template`` (a shipped template's name,
-    or a file), else beside the tokenizer.json."""
+    or a file), else beside the tokenizer.json; ``(None, "")`` when there is none and it is not
+    ``required`` (preference pairs of plain text need none)."""
     if path in SHIPPED_TEMPLATES:
         return shipped_template(path), f"{path} (seqjax's {SHIPPED_TEMPLATES[path]})"
     if path:
@@ -85,6 +87,8 @@ def chat_template(path: str | None, tokenizer_path: Path | None) -> tuple[str, s
             found = next((t.get("template") for t in found if t.get("name") == "default"), None)
         if isinstance(found, str):
             return found, f"{folder / TEMPLATE_FILES[1]} (chat_template)"
+    if not required:
+        return None, ""
     where = f" beside {tokenizer_path}" if tokenizer_path is not None else ""
     raise CorpusError(
         f"data.format=chat: no chat template: data.chat_template is null and there is no "
@@ -168,12 +172,15 @@ def twin_template(template: str, bos_token: str | None, eos_token: str) -> str |
 
 
 def render_chat(spec: ExampleSpec, messages: list[dict], add_generation_prompt: bool = False,
-                tools: list[dict] | None = None) -> tuple[str, list]:
-    """``(text, generation spans)`` of ``messages`` (and the chat's ``tools``) under the spec's
-    template, the spans from its generation blocks."""
+                tools: list[dict] | None = None, kwargs: dict | None = None) -> tuple[str, list]:
+    """``(text, generation spans)`` of ``messages`` (and the chat's ``tools`` and template
+    variables ``kwargs``, by default the spec's) under the spec's template, the spans from its
+    generation blocks."""
+    variables = json.loads(spec.template_kwargs) if kwargs is None else kwargs
     raw = _compiled(spec.chat_template).render(messages=messages, tools=tools,
                                                add_generation_prompt=add_generation_prompt,
-                                               bos_token=spec.bos_token or "", eos_token=spec.eos_token)
+                                               bos_token=spec.bos_token or "", eos_token=spec.eos_token,
+                                               **variables)
     spans, text, at = [], [], 0
     for piece in re.split(f"([{OPEN_MARK}{CLOSE_MARK}])", raw):
         if piece == OPEN_MARK:
@@ -187,9 +194,9 @@ def render_chat(spec: ExampleSpec, messages: list[dict], add_generation_prompt: 
 
 
 def _render(spec: ExampleSpec, messages: list[dict], where: str, generation_prompt: bool = False,
-            tools: list[dict] | None = None):
+            tools: list[dict] | None = None, kwargs: dict | None = None):
     try:
-        return render_chat(spec, messages, generation_prompt, tools)
+        return render_chat(spec, messages, generation_prompt, tools, kwargs)
     except jinja2.exceptions.TemplateError as err:
         raise CorpusError(
             f"{where}: the chat template {spec.template_name} failed on {len(messages)} message(s): "
@@ -230,11 +237,35 @@ def chat_tools(spec: ExampleSpec, tools: Any, where: str) -> list[dict] | None:
     return tools or None
 
 
-def chat_prompt(spec: ExampleSpec, messages: Any, where: str, tools: Any = None) -> str:
+def chat_kwargs(spec: ExampleSpec, own: Any, where: str) -> dict:
+    """The template variables of one chat: ``data.chat_template_kwargs`` with the record's own
+    ``chat_template_kwargs`` (an object, or absent) over them."""
+    if own is None:
+        own = {}
+    if not isinstance(own, dict):
+        raise CorpusError(f"{where}: field {KWARGS_FIELD!r} is {type(own).__name__}; expected an object of "
+                          "template variables (such as {\"enable_thinking\": false})")
+    taken = sorted(set(own) & set(TEMPLATE_VARIABLES))
+    if taken:
+        raise CorpusError(f"{where}: field {KWARGS_FIELD!r} sets {taken[0]!r}, which seqjax itself passes the "
+                          "template; expected other names")
+    return {**json.loads(spec.template_kwargs), **own}
+
+
+def chat_prompt(spec: ExampleSpec, messages: Any, where: str, tools: Any = None, kwargs: Any = None) -> str:
     """``messages`` rendered with the generation prompt (the assistant's turn opened), for
-    generation."""
+    generation; ``kwargs``: the chat's own template variables."""
     _check_messages(messages, where, spec.messages_field)
-    return _render(spec, messages, where, True, chat_tools(spec, tools, where))[0]
+    return _render(spec, messages, where, True, chat_tools(spec, tools, where), chat_kwargs(spec, kwargs, where))[0]
+
+
+def chat_text(spec: ExampleSpec, messages: Any, where: str, generation_prompt: bool = False, tools: Any = None,
+              kwargs: Any = None) -> str:
+    """``messages`` rendered as ``apply_chat_template(messages, tools=..., **kwargs)`` renders them
+    (checked first; one line naming ``where`` for a bad message or a template that fails)."""
+    _check_messages(messages, where, spec.messages_field)
+    return _render(spec, messages, where, generation_prompt, chat_tools(spec, tools, where),
+                   chat_kwargs(spec, kwargs, where))[0]
 
 
 def end_of_turn(spec: ExampleSpec, tokenizer) -> int | None:
@@ -250,13 +281,14 @@ def end_of_turn(spec: ExampleSpec, tokenizer) -> int | None:
     return ids[0] if ids and tokenizer.is_special(ids[0]) else None
 
 
-def chat_spans(spec: ExampleSpec, messages: Any, where: str,
-               tools: Any = None) -> tuple[str, list[tuple[int, int]]]:
+def chat_spans(spec: ExampleSpec, messages: Any, where: str, tools: Any = None,
+               kwargs: Any = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered chat and the character spans of its scored assistant messages
-    (``data.loss_on``)."""
+    (``data.loss_on``); ``kwargs``: the chat's own template variables."""
     _check_messages(messages, where, spec.messages_field)
     tools = chat_tools(spec, tools, where)
-    text, marked = _render(spec, messages, where, tools=tools)
+    kwargs = chat_kwargs(spec, kwargs, where)
+    text, marked = _render(spec, messages, where, tools=tools, kwargs=kwargs)
     if spec.loss_on == "all":
         return text, [(0, len(text))]
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
@@ -268,33 +300,33 @@ def chat_spans(spec: ExampleSpec, messages: Any, where: str,
                 f"block(s) for {len(turns)} assistant message(s); expected one per assistant message"
             )
     else:
-        spans = _twin_spans(spec, messages, tools, text, len(turns)) if spec.twin else None
+        spans = _twin_spans(spec, messages, tools, kwargs, text, len(turns)) if spec.twin else None
         if spans is None:
-            spans = [_prefix_span(spec, messages, tools, k, text, where) for k in turns]
+            spans = [_prefix_span(spec, messages, tools, kwargs, k, text, where) for k in turns]
     return text, spans[-1:] if spec.loss_on == "last_assistant" else spans
 
 
-def _twin_spans(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, text: str,
+def _twin_spans(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, kwargs: dict, text: str,
                 n_turns: int) -> list[tuple[int, int]] | None:
     """The answers' spans as the spec's twin marks them, when the twin renders ``messages`` to
     ``text`` too."""
     try:
         twin = dataclasses.replace(spec, chat_template=shipped_template(spec.twin))
-        twin_text, spans = render_chat(twin, messages, tools=tools)
+        twin_text, spans = render_chat(twin, messages, tools=tools, kwargs=kwargs)
     except jinja2.exceptions.TemplateError:
         return None
     return spans if twin_text == text and len(spans) == n_turns else None
 
 
-def _prefix_span(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, k: int, text: str,
-                 where: str) -> tuple[int, int]:
+def _prefix_span(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, kwargs: dict, k: int,
+                 text: str, where: str) -> tuple[int, int]:
     """Assistant message ``k``'s span: what ``messages[:k + 1]`` adds to ``messages[:k]`` with the
     generation prompt."""
     try:
-        before = _render(spec, messages[:k], where, True, tools)[0] if k else ""
+        before = _render(spec, messages[:k], where, True, tools, kwargs)[0] if k else ""
     except CorpusError:
         before = ""  # a template that cannot render an empty chat: the turn starts the text
-    upto = _render(spec, messages[: k + 1], where, tools=tools)[0]
+    upto = _render(spec, messages[: k + 1], where, tools=tools, kwargs=kwargs)[0]
     if not upto.startswith(before) or not text.startswith(upto):
         raise CorpusError(
             f"{where}: the chat template {spec.template_name} rewrites earlier turns: rendered up to "

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from seqjax.store.corpus import count_lines, count_words
-from seqjax.store.examples import ExampleSpec, encode_example
+from seqjax.store.examples import ExampleSpec, encode_example, pair_examples
 from seqjax.store.tokenizer import Tokenizer
 
 # At most this many chunks per worker are queued or being encoded at once.
@@ -66,6 +66,15 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
     ids, lengths, weights = [], [], []
     counts = {"bytes": 0, "scored_tokens": 0, "scored_bytes": 0, "dropped_unscored": 0}
     for where, record in records:
+        if spec.format == "preference":  # a pair: two examples, prompt + chosen then prompt + rejected
+            for example in pair_examples(spec, tokenizer, record, where):
+                ids.append(example.ids)
+                weights += [example.mask, np.zeros(1)]
+                lengths.append(len(example.ids))
+                counts["scored_tokens"] += example.scored
+                counts["scored_bytes"] += example.scored_bytes
+            counts["bytes"] += example.bytes
+            continue
         example = encode_example(spec, tokenizer, record, where)
         if example.scored == 0:
             counts["dropped_unscored"] += 1

@@ -49,6 +49,7 @@ as those ids, with no ``<|endoftext|>`` before it; a Llama 3 chat keeps the
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,8 @@ from seqjax.config.tree import Config, SourceConfig
 from seqjax.core.errors import CorpusError
 from seqjax.core.progress import log_once
 from seqjax.store.chat import chat_spans, chat_template, twin_template
-from seqjax.store.spec import NOT_SCORED, ExampleSpec
+from seqjax.store.pairs import encode_pair
+from seqjax.store.spec import KWARGS_FIELD, NOT_SCORED, ExampleSpec
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +76,11 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
     d = config.data
     loss_on = d.loss_on
     if loss_on == "auto":
-        loss_on = {"prompt_completion": "completion", "chat": "assistant",
-                   "tokenized": "labels"}[source.format]
+        loss_on = {"prompt_completion": "completion", "chat": "assistant", "tokenized": "labels",
+                   "preference": "completion"}[source.format]
     template, name, twin = None, "", None
+    if source.format == "preference":  # conversational pairs render through the template, if there is one
+        template, name = chat_template(d.chat_template, tokenizer_path, required=False)
     if source.format == "chat":
         template, name = chat_template(d.chat_template, tokenizer_path)
         twin = twin_template(template, config.tokenizer.bos_token, eot_token)
@@ -86,11 +90,13 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
                      f"{twin} template marks them wherever that renders them the same (docs/instruction.md)")
     return ExampleSpec(format=source.format, loss_on=loss_on, prompt_field=d.prompt_field,
                        completion_field=d.completion_field, prompt_separator=d.prompt_separator,
+                       chosen_field=d.chosen_field, rejected_field=d.rejected_field,
                        messages_field=d.messages_field, tools_field=d.tools_field,
                        input_ids_field=d.input_ids_field, labels_field=d.labels_field,
                        loss_weights_field=d.loss_weights_field, chat_template=template,
                        template_name=name, bos_token=config.tokenizer.bos_token,
-                       eos_token=eot_token, weights_dtype=d.loss_weights_dtype, twin=twin)
+                       eos_token=eot_token, weights_dtype=d.loss_weights_dtype, twin=twin,
+                       template_kwargs=json.dumps(d.chat_template_kwargs, sort_keys=True))
 
 
 def char_spans_to_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -170,7 +176,7 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
         return Example(ids, mask, len((prompt + answer).encode("utf-8")), scored_bytes)
     if spec.format == "chat":
         text, spans = chat_spans(spec, record.get(spec.messages_field), where,
-                                 record.get(spec.tools_field))
+                                 record.get(spec.tools_field), record.get(KWARGS_FIELD))
         ids, offsets = _text_ids(tokenizer, text)
         mask = char_spans_to_mask(offsets, spans)
         return Example(ids, mask, len(text.encode("utf-8")), _scored_bytes(text, offsets, mask))
@@ -199,6 +205,17 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
     text_bytes = len(tokenizer.decode(ids).encode("utf-8"))
     return Example(ids, mask, text_bytes,
                    len(tokenizer.decode(ids[mask.astype(bool)]).encode("utf-8")))
+
+
+def pair_examples(spec: ExampleSpec, tokenizer, record: dict, where: str) -> tuple[Example, Example]:
+    """A preference record as its two examples (:mod:`seqjax.store.pairs`): prompt + chosen and
+    prompt + rejected, each scored on its completion."""
+    chosen, rejected, n, size = encode_pair(spec, tokenizer, record, where)
+    out = []
+    for ids in (chosen, rejected):
+        mask = (np.arange(len(ids)) >= n).astype(np.uint8)
+        out.append(Example(ids, mask, size // 2, len(tokenizer.decode(ids[n:]).encode("utf-8"))))
+    return out[0], out[1]
 
 
 def labels_mask(spec: ExampleSpec, labels: Any, ids: np.ndarray, where: str) -> np.ndarray:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# A chat record's own template variables (TRL's column name), over data.chat_template_kwargs.
+KWARGS_FIELD = "chat_template_kwargs"
 TEMPLATE_FILES = (CHAT_TEMPLATE_FILE, "tokenizer_config.json")
 NOT_SCORED = -100  # HF's label for a token the loss skips
 
@@ -21,6 +23,8 @@ class ExampleSpec:
     prompt_field: str = "prompt"
     completion_field: str = "completion"
     prompt_separator: str = ""
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     messages_field: str = "messages"
     tools_field: str = "tools"
     input_ids_field: str = "input_ids"
@@ -35,14 +39,18 @@ class ExampleSpec:
     # (:func:`twin_template`): a template without generation blocks is scored as its twin marks each
     # chat it renders identically.
     twin: str | None = None
+    # data.chat_template_kwargs as JSON text (sorted keys: hashable, and one store key per meaning)
+    template_kwargs: str = "{}"
 
     @property
     def fields(self) -> tuple[str, ...]:
         """The record fields read, the required one first."""
         return {
             "prompt_completion": (self.prompt_field, self.completion_field),
-            "chat": (self.messages_field, self.tools_field),
+            "chat": (self.messages_field, self.tools_field, KWARGS_FIELD),
             "tokenized": (self.input_ids_field, self.labels_field, self.loss_weights_field),
+            "preference": (self.chosen_field, self.rejected_field, self.prompt_field, self.tools_field,
+                           KWARGS_FIELD),
         }[self.format]
 
     def identity(self) -> dict[str, Any]:

@@ -138,6 +138,12 @@ class Tokenizer:
             return self._hf.encode(text, add_special_tokens=True).ids
         return [self.bos_id] + self.encode_text(text)
 
+    def encode_special(self, text: str) -> list[int]:
+        """Ids of ``text`` as transformers' ``tokenizer(text)`` gives them for this tokenizer.json:
+        with the special tokens its own post-processor adds (a Llama's BOS), none otherwise (TRL
+        tokenizes standard preference text so)."""
+        return self._hf.encode(text, add_special_tokens=True).ids
+
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ``text`` encoded as one string, without special tokens (as HF's ``encode``
         with ``add_special_tokens=False``, which the lm-evaluation-harness uses); may differ from
@@ -318,14 +324,18 @@ def _source_texts(source: SourceConfig, path: Path, data: Any = None) -> Iterato
             "set tokenizer.path to the tokenizer that made them")
     else:
         data = data if data is not None else Config().data
-        fields = ((data.prompt_field, data.completion_field) if source.format == "prompt_completion"
-                  else (data.messages_field,))
+        fields = {"prompt_completion": (data.prompt_field, data.completion_field),
+                  "preference": (data.chosen_field, data.rejected_field, data.prompt_field)}.get(
+                      source.format, (data.messages_field, ))
         for _, record in file_records(source, path, fields):
-            values = record.get(fields[0])
-            if isinstance(values, list):
-                yield "\n".join(str(m.get("content", "")) for m in values if isinstance(m, dict))
-            else:
-                yield "\n".join(str(record.get(f, "")) for f in fields)
+            texts = []
+            for f in fields:
+                values = record.get(f)
+                if isinstance(values, list):
+                    texts += [str(m.get("content", "")) for m in values if isinstance(m, dict)]
+                elif values is not None:
+                    texts.append(str(values))
+            yield "\n".join(texts)
 
 
 def obtain_tokenizer(config: Config, sources: list[SourceConfig],

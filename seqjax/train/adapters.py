@@ -17,12 +17,16 @@ from typing import Any
 import jax
 import numpy as np
 import xxhash
+from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
+from seqjax.config.model import LoraConfig, ModelConfig
 from seqjax.config.tree import Config, ConfigError
 from seqjax.core.errors import CheckpointError, CheckpointMismatchError
+from seqjax.core.files import read_utf8
 from seqjax.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, from_peft, lora_from_adapter_config
 from seqjax.model.stacking import blocks_layout
+from seqjax.train.resume import first_line
 
 
 def base_identity(base: Any, path: str | None) -> dict[str, Any]:
@@ -50,26 +54,43 @@ def check_base(saved: dict[str, Any] | None, now: dict[str, Any], where: Path) -
             "mean something on their own base. Nothing was moved: set train.init_from to that base")
 
 
-def read_adapter(folder: str, config: Config) -> dict[str, Any]:
-    """A PEFT adapter folder's weights as this run's adapters (layout of model.scan_layers), after
-    checking that its rank, alpha and targets are the run's ``model.lora``."""
+def peft_folder(folder: str, key: str, cfg: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """A PEFT adapter folder's ``model.lora`` for a base of ``cfg``'s shape and its tensors; every
+    problem with it (a missing or unreadable file, a field seqjax cannot compute) is one line
+    naming ``key``'s value and the file."""
     path = Path(folder).expanduser()
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
-        raise ConfigError(
-            f"train.init_adapter: {folder} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; expected a "
-            "PEFT LoRA adapter folder")
+        raise ConfigError(f"{key}: {folder} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; expected a "
+                          "PEFT LoRA adapter folder")
+    text = read_utf8(path / ADAPTER_CONFIG, CheckpointError)
     try:
-        theirs = lora_from_adapter_config(json.loads((path / ADAPTER_CONFIG).read_text()),
-                                          str(path / ADAPTER_CONFIG))
-    except ValueError as err:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
         raise CheckpointError(f"{path / ADAPTER_CONFIG}: not valid JSON ({err})") from None
+    lora = lora_from_adapter_config(config, str(path / ADAPTER_CONFIG), cfg)
+    try:
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: unreadable as safetensors ({first_line(err)}); "
+                              "expected the adapter_model.safetensors PEFT saved") from None
+    return lora, tensors
+
+
+def read_adapter(folder: str, config: Config) -> dict[str, Any]:
+    """A PEFT adapter folder's weights as this run's adapters (layout of model.scan_layers), after
+    checking that what it computes (rank, alpha, targets, rsLoRA, DoRA, modules_to_save) is the
+    run's ``model.lora``."""
+    theirs, tensors = peft_folder(folder, "train.init_adapter", config.model)
     ours = config.model.lora
-    for key in ("rank", "alpha", "targets"):
+    for key in ("rank", "alpha", "targets", "rslora", "dora", "modules_to_save"):
         if getattr(theirs, key) != getattr(ours, key):
             raise ConfigError(
                 f"model.lora.{key}: got {getattr(ours, key)!r}, but the adapter {folder} has "
                 f"{getattr(theirs, key)!r}; set model.lora.{key} to match it")
-    adapters = from_peft(load_file(str(path / ADAPTER_WEIGHTS)), config.model,
-                         str(path / ADAPTER_WEIGHTS))
-    return blocks_layout(jax.tree.map(lambda a: a.astype(config.model.param_dtype), adapters),
-                         stacked=config.model.scan_layers)
+    return adapter_params(tensors, config.model, str(Path(folder).expanduser() / ADAPTER_WEIGHTS))
+
+
+def adapter_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> dict[str, Any]:
+    """PEFT tensors as what a run of ``cfg`` trains: its dtype, its layout (model.scan_layers)."""
+    trained = from_peft(tensors, cfg, source)
+    return blocks_layout(jax.tree.map(lambda a: a.astype(cfg.param_dtype), trained), stacked=cfg.scan_layers)

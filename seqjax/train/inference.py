@@ -7,6 +7,7 @@ parameters are read, on the default device.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,13 @@ from seqjax.config.load import load_config
 from seqjax.config.tree import Config, ConfigError
 from seqjax.core.errors import CheckpointError, CheckpointMismatchError
 from seqjax.hf import folders as hf
+from seqjax.hf.peft import ADAPTER_WEIGHTS
 from seqjax.model import build_model, split_params
 from seqjax.model.assembly import assemble, full_weights, stored_base
+from seqjax.model.lora import frozen_part
 from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite
-from seqjax.train.adapters import base_identity, check_base
+from seqjax.train.adapters import adapter_params, base_identity, check_base, peft_folder
 from seqjax.train.orbax_quiet import quiet_orphaned_reads
 from seqjax.train.resume import (
     CHECKPOINTS,
@@ -57,25 +60,27 @@ def locate(path: str | Path) -> tuple[Path, Path, int | None]:
         f"such as <run.dir>/{CHECKPOINTS}/1000")
 
 
-def trained_tokenizer_hash(path: str | Path) -> str | None:
-    """The sha256 of the tokenizer a run (or step folder) was trained with, as its newest checkpoint
-    records it.
-
-    None when the folder is not a run or its checkpoints predate the record.
-    """
+def newest_meta(path: str | Path) -> dict[str, Any]:
+    """The meta item of a run's newest readable checkpoint (or of a step folder); {} when the folder
+    is not a run or none is readable."""
     try:
-        _, checkpoints, step = locate(path)
+        _, checkpoints, step = locate(Path(path).expanduser())
     except ConfigError:
-        return None
+        return {}
     steps = [step] if step is not None else sorted(
         (int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()), reverse=True)
     for candidate in steps:
         try:
-            meta = read_meta(checkpoints / str(candidate))
+            return read_meta(checkpoints / str(candidate))
         except (OSError, ValueError):
             continue
-        return (meta.get("data_identity") or {}).get("tokenizer")
-    return None
+    return {}
+
+
+def trained_tokenizer_hash(path: str | Path) -> str | None:
+    """The sha256 of the tokenizer a run (or step folder) was trained with, as its newest checkpoint
+    records it; None when the folder is not a run or its checkpoints predate the record."""
+    return (newest_meta(path).get("data_identity") or {}).get("tokenizer")
 
 
 def check_tokenizer(where: str | Path, tokenizer_hash: str, tokenizer_path: str | Path,
@@ -136,11 +141,40 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     else:  # the adapters' base, checked against the record of it the checkpoint holds
         base = nnx.to_pure_dict(frozen)
         if config.train.init_from:
-            base = base_weights(config.train.init_from, config.model.param_dtype, config.model.scan_layers)
+            base = frozen_part(_lora_base(config, config_file), config.model.lora)
         check_base(read_meta(step_dir).get("lora_base"), base_identity(base, config.train.init_from), step_dir)
         model = assemble(graphdef, restored, stored_base(base, config.model), rest)  # QLoRA: as trained
     model.checkpoint_step = step  # which step was read (an older one when the newest is unreadable)
     return config, model
+
+
+def with_adapter(config: Config, model: Any, folder: str) -> tuple[Config, Any]:
+    """``config`` and ``model`` (a base without adapters) with a PEFT adapter folder's adapters on
+    it, as ``--adapter`` gives eval, generate and export: the adapter's own settings become
+    ``model.lora``, and no step is trained."""
+    if config.model.lora.rank:
+        raise ConfigError(f"--adapter: the model already has model.lora adapters (rank {config.model.lora.rank}); "
+                          "expected a base model without adapters")
+    lora, tensors = peft_folder(folder, "--adapter", config.model)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, lora=lora))
+    config.model.check()
+    graphdef, _, _, rest = split_params(build_model(config, rngs=nnx.Rngs(config.run.seed)))
+    weights = blocks_layout(full_weights(model), stacked=config.model.scan_layers)
+    # the adapters, and the adapter's own copies of modules_to_save
+    trained = adapter_params(tensors, config.model, str(Path(folder) / ADAPTER_WEIGHTS))
+    model = assemble(graphdef, trained, stored_base(frozen_part(weights, lora), config.model), rest)
+    return config, model
+
+
+def _lora_base(config: Config, config_file: Path) -> dict[str, Any]:
+    """The weights a LoRA run's adapters sit on (its ``train.init_from``), or one line saying the
+    base is gone from where the run found it."""
+    where = config.train.init_from
+    if not Path(where).expanduser().exists():
+        raise ConfigError(
+            f"train.init_from: {where}, the base the LoRA run {config_file.parent} trained its adapters on, is "
+            "missing (moved or deleted); expected that folder, or train.init_from=NEW_PATH where it now is")
+    return base_weights(where, config.model.param_dtype, config.model.scan_layers)
 
 
 def _newest_params(config: Config, config_file: Path, checkpoints: Path, step: int | None,

@@ -11,8 +11,9 @@ part                new run                                         resumed run
 ==================  =============================================  ==============================================
 trained weights     ``run.seed``'s initialization, or              the newest readable checkpoint
                     ``train.init_from`` (no adapters)
-adapters            flax's LoRA init (B = 0), or                    the newest readable checkpoint
-                    ``train.init_adapter`` (a PEFT folder)
+adapters            ``model.lora.init`` (B = 0; DoRA's m = ||W||),  the newest readable checkpoint
+                    or ``train.init_adapter`` (a PEFT folder)
+modules_to_save     as the trained weights                          the newest readable checkpoint
 frozen base         ``train.init_from``, or ``run.seed``'s init     the same again, checked against the
                                                                     checkpoint's record of it (xxh3)
 optimizer, RNG,     fresh                                           the checkpoint
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -40,7 +42,8 @@ from seqjax.data.contract import check_reads
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.stats import overlong_counts, overlong_line
 from seqjax.model import build_model, quant, sharding, split_params
-from seqjax.model.assembly import stored_base
+from seqjax.model.assembly import dora_magnitudes, stored_base
+from seqjax.model.lora import adapters_off, frozen_part, saved_part
 from seqjax.objectives import Objective, resolve
 from seqjax.store.build import prepare
 from seqjax.store.chat import find_chat_template
@@ -76,7 +79,9 @@ class Setup:
     learning_rates: np.ndarray
     data_iterator: Any
     identity: dict[str, Any]
-    frozen: tuple  # () or (the frozen base under model.lora,): the step's last argument
+    # the step's last arguments: () ; (the frozen base under model.lora,) ; and, for a preference
+    # objective's frozen reference copy, (base or None, the copy)
+    frozen: tuple
     # model.lora: the base the adapters belong to (train.init_from and a hash)
     base: dict[str, Any] | None
     objective: Objective
@@ -162,10 +167,12 @@ def starting_weights(config: Config, mesh,
     lora = config.model.lora
     if source is not None:
         loaded = init_from.load_params(source, config.model.param_dtype, config.model.scan_layers)
-        # the source is the frozen base; the adapters start as LoRA starts (B = 0: the base's
-        # function)
+        # the source is the frozen base (and where modules_to_save start); the adapters start as
+        # LoRA starts (B = 0: the base's function)
         if lora.rank:
-            placed.frozen = sharding.place(loaded, placed.frozen_shardings)
+            placed.frozen = sharding.place(frozen_part(loaded, lora), placed.frozen_shardings)
+            placed.params = sharding.place({**placed.params, **saved_part(loaded, lora)},
+                                           placed.param_shardings)
         else:
             placed.params = sharding.place(loaded, placed.param_shardings)
         log.info("%s from %s (optimizer, step and data position start fresh)",
@@ -184,6 +191,9 @@ def starting_weights(config: Config, mesh,
         placed.params = sharding.place(adapters.read_adapter(config.train.init_adapter, config),
                                        placed.param_shardings)
         log.info("adapters from %s", config.train.init_adapter)
+    elif source is not None and lora.dora:  # DoRA's magnitudes start at the norms of the base read
+        placed.params = sharding.place(dora_magnitudes(placed.params, placed.frozen, config.model),
+                                       placed.param_shardings)
     return placed, base
 
 
@@ -220,12 +230,34 @@ def resolved(config: Config) -> tuple[Config, Any]:
 
 
 def objective_of(config: Config) -> Objective:
-    """``train.objective``'s row (or weighted sum of rows), refused in one line when unknown or when
-    it reads a batch field the data does not give."""
+    """``train.objective``'s row (or weighted sum of rows), refused in one line when unknown, when
+    it reads a batch field the data does not give, or ignores one the data needs read."""
     tc = config.train
     objective = resolve(tc.objective, tc.objective_weights)
-    check_reads(objective.reads, config.data, f"train.objective={','.join(tc.objective)}")
+    who = f"train.objective={','.join(tc.objective)}"
+    check_reads(objective.reads, config.data, who)
+    lora = config.model.lora
+    if objective.reference and lora.rank and lora.modules_to_save and tc.reference == "auto":
+        raise ConfigError(
+            f"train.reference: got auto with {who} and model.lora.modules_to_save {lora.modules_to_save}: the "
+            "base with its adapters off still has the trained modules; expected train.reference=copy")
     return objective
+
+
+def reference_arguments(placed: Placed, config: Config, objective: Objective):
+    """(the step's extra arguments, their shardings, the reference graph or None): the frozen base
+    under adapters and, for an objective with a reference model, a frozen copy of what trains, or
+    under model.lora the same state with its adapters off (train.reference)."""
+    extras = () if placed.frozen is None else (placed.frozen, )
+    shardings = () if placed.frozen is None else (placed.frozen_shardings, )
+    if not objective.reference:
+        return extras, shardings, None
+    if config.model.lora.rank and config.train.reference == "auto":
+        return extras, shardings, adapters_off(placed.graphdef, placed.params, placed.frozen, placed.rest)
+    # a copy of the starting weights (the step donates what trains, so the copy is its own buffers)
+    copy = sharding.place(jax.tree.map(jnp.copy, placed.params), placed.param_shardings)
+    log.info("the reference model: a frozen copy of the starting %s", "adapters" if placed.frozen else "weights")
+    return (placed.frozen, copy), (placed.frozen_shardings, placed.param_shardings), None
 
 
 def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
@@ -248,8 +280,9 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     batch_sharding = sharding.batch_sharding(mesh)
     process_index, process_count = jax.process_index(), jax.process_count()
     settings = {key: getattr(tc, key) for key in objective.settings}
+    extras, extra_shardings, reference_graphdef = reference_arguments(placed, config, objective)
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss,
-                           objective=objective, settings=settings)
+                           objective=objective, settings=settings, reference_graphdef=reference_graphdef)
     return Setup(
         config=config,
         run_dir=Path(config.run.dir),
@@ -262,7 +295,7 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         rest=placed.rest,
         params=placed.params,
         opt_state=opt_state,
-        frozen=() if placed.frozen is None else (placed.frozen, ),
+        frozen=extras,
         rng=sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated),
         num_params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(placed.params)),
         # Every step's learning rate up front: one small computation instead of eager ops in the
@@ -280,8 +313,7 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         step_fn=jax.jit(
             step,
             in_shardings=(placed.param_shardings, opt_shardings, batch_sharding, replicated,
-                          replicated,
-                          *([] if placed.frozen is None else [placed.frozen_shardings])),
+                          replicated, *extra_shardings),
             out_shardings=(placed.param_shardings, opt_shardings, replicated),
             donate_argnums=(0, 1),
         ),

@@ -33,7 +33,7 @@ from flax import nnx
 
 from seqjax.data.contract import Batch
 from seqjax.objectives import DEFAULT, Inputs, Objective
-from seqjax.objectives.base import safe_divide
+from seqjax.objectives.base import safe_divide, target_logprobs
 
 # The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...;
 # dropout keys come from a copy folded with this tag first, so no mask ever reuses an initializer's
@@ -62,6 +62,25 @@ def micro_batches(batch: Batch, k: int) -> Batch:
     return {name: split(x) for name, x in batch.items()}
 
 
+def reference_model(objective: Objective, graphdef: nnx.GraphDef, reference_graphdef: nnx.GraphDef | None,
+                    rest: Any) -> Callable:
+    """``(params, frozen, reference) -> None or (micro-batch -> the reference model's per-target
+    log-probabilities)``: a frozen copy (``reference``) or, when there is none, the same state under
+    ``reference_graphdef`` (the adapters off). No dropout, no gradient."""
+
+    def reference_logprobs(params, frozen, reference):
+        if not objective.reference:
+            return None
+        base = [] if frozen is None else [frozen]
+        if reference is not None:
+            model = nnx.merge(graphdef, reference, *base, rest)
+        else:
+            model = nnx.merge(reference_graphdef, params, *base, rest)
+        return lambda micro: jax.lax.stop_gradient(target_logprobs(model, micro, None, micro["weights"] > 0))
+
+    return reference_logprobs
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     rest: Any,
@@ -71,39 +90,43 @@ def make_train_step(
     z_loss: float = 0.0,
     objective: Objective = DEFAULT,
     settings: Mapping[str, Any] | None = None,
+    reference_graphdef: nnx.GraphDef | None = None,
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
-    """``step(params, opt_state, batch, rng=None, step=0, frozen=None) -> (params, opt_state,
-    metrics)``, pure and jittable.
+    """``step(params, opt_state, batch, rng=None, step=0, frozen=None, reference=None) -> (params,
+    opt_state, metrics)``, pure and jittable.
 
-    ``graphdef``/``rest`` come from :func:`seqjax.model.split_params`; ``params`` is the state that
-    trains as a pure dict (every parameter, or ``model.lora``'s adapters alone), ``frozen`` the base
-    under adapters (an argument, not a constant baked into the compiled step; it gets no gradient
-    and no optimizer state). ``rng`` (the run's key data) and ``step`` (the step's number) seed
-    dropout; with ``rng=None`` nothing is dropped, whatever ``model.dropout`` says. ``objective``
-    (``train.objective``, :mod:`seqjax.objectives`) is what each micro-batch's loss computes,
+    ``graphdef``/``rest``: from :func:`seqjax.model.split_params`; ``params``: the state that trains
+    (every parameter, or the adapters), ``frozen`` the base under adapters (an argument, not a
+    constant: no gradient, no optimizer state). ``rng`` (the run's key data) and ``step`` seed
+    dropout; with ``rng=None`` nothing is dropped. ``objective`` (``train.objective``,
+    :mod:`seqjax.objectives`) is what each micro-batch's loss computes,
     ``settings`` the ``train.*`` values it reads (``z_loss`` by default). ``metrics`` holds ``loss``
     (the objective's loss), ``objective`` (plus regularizers such as z-loss), ``grad_norm`` (before
     clipping), ``weight_sum`` (what the loss was divided by: scored tokens, pairs), ``tokens``
     (non-padding input tokens of the global batch), ``finite``, and ``reported``: the metrics the
     objective reports (TRL's rewards/*, ...), each already divided by its count.
+
+    A reference model (DPO, ...): ``reference`` or ``reference_graphdef`` (:func:`reference_model`).
     """
     settings = {"z_loss": z_loss, **(settings or {})}
+    reference_logprobs = reference_model(objective, graphdef, reference_graphdef, rest)
 
-    def summed_objective(params, micro: Batch, key, frozen, totals):
+    def summed_objective(params, micro: Batch, key, frozen, totals, reference):
         model = nnx.merge(graphdef, params, *([] if frozen is None else [frozen]), rest)
-        terms = objective.loss(Inputs(model, key, settings, totals), micro)
+        inputs = Inputs(model, key, settings, totals, reference_logprobs(params, frozen, reference))
+        terms = objective.loss(inputs, micro)
         return terms.value, terms
 
     value_and_grad = jax.value_and_grad(summed_objective, has_aux=True)
 
-    def step(params, opt_state, batch: Batch, rng=None, step=0, frozen=None):
+    def step(params, opt_state, batch: Batch, rng=None, step=0, frozen=None, reference=None):
         totals = objective.totals(batch)  # data only: every denominator over the global batch, once
 
         def accumulate(carry, xs):
             micro, index = xs
             grads, sums = carry
             key = None if rng is None else dropout_key(rng, step, index)
-            (_, terms), g = value_and_grad(params, micro, key, frozen, totals)
+            (_, terms), g = value_and_grad(params, micro, key, frozen, totals, reference)
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, terms)), None
 
         init = (jax.tree.map(jnp.zeros_like, params), objective.zero_terms())

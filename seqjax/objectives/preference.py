@@ -1,0 +1,199 @@
+"""Preference objectives on packed pairs: DPO, IPO, hinge, robust DPO, SimPO, ORPO and the SFT term.
+
+Each pair's log-probabilities are one reduction shared by every objective: the scored targets'
+log p summed by the batch's ``pair_ids`` (2p - 1: pair p's chosen sequence in its row, 2p: its
+rejected one; :mod:`seqjax.data.pairs`), which gives the same per-pair sums from a packed row as
+from one pair per row. With ``c`` and ``r`` the policy's sums, ``c0`` and ``r0`` the reference's,
+``|c|`` the scored tokens, ``d = (c - c0) - (r - r0)`` and ``b = train.beta``, per pair:
+
+=======  =======================================================================  ===========================
+name     loss                                                                     TRL 1.16
+=======  =======================================================================  ===========================
+dpo      -(1 - e) log s(b d) - e log s(-b d)           (e: label_smoothing)       sigmoid (which ignores e)
+ipo      ((c - c0) / |c| - (r - r0) / |r| - 1 / (2 b))^2                          ipo
+hinge    max(0, 1 - b d)                                                          hinge
+robust   ((1 - e) (-log s(b d)) - e (-log s(-b d))) / (1 - 2 e)                   robust
+simpo    -(1 - e) log s(b (c/|c| - r/|r|) - g) - e log s(-(...))   (g: gamma)     CPO's simpo, cpo_alpha=0
+orpo     sft + odds: -b log s(log odds(c/|c|) - log odds(r/|r|))                  ORPO
+sft      -sum of the chosen tokens' log p / chosen tokens                         sft
+=======  =======================================================================  ===========================
+
+(s is the sigmoid, log odds(x) = x - log(1 - exp(x)).) Where TRL departs from the published
+formula the paper is followed: TRL's sigmoid loss ignores ``label_smoothing``, and ``dpo`` here is
+the conservative DPO (cDPO) the DPO authors define with it (equal to TRL's at the default 0). IPO
+is TRL's length-normalized form, which the IPO authors confirmed is what their paper's results
+used.
+
+Each objective returns the sum of its per-pair losses over the micro-batch and the pairs it holds
+(``sft``: the chosen tokens), so the train step's one division gives a mean over the global batch's
+pairs however it is packed or cut into micro-batches. Each reports TRL's metrics, averaged over
+pairs: ``rewards/chosen`` (b (c - c0); reference-free objectives: b c / |c|, as TRL's CPO and ORPO
+log), ``rewards/rejected``, ``rewards/accuracies`` (chosen reward above rejected), ``rewards/margins``,
+``logps/chosen`` and ``logps/rejected`` (c and r).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from seqjax.data.contract import Batch
+from seqjax.model.loss import segment_sums
+from seqjax.objectives.base import Inputs, Objective, Terms, target_logprobs
+
+REPORTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def pair_sums(values: jax.Array, micro: Batch) -> tuple[jax.Array, jax.Array]:
+    """Per-pair sums of ``values`` [B, T] over the scored targets: (chosen [B, P], rejected [B, P])
+    with P = T // 2 pair slots per row (a pair takes at least two tokens)."""
+    slots = micro["pair_ids"].shape[1] // 2
+    sums = segment_sums(values * (micro["weights"] > 0), micro["pair_ids"], 2 * slots)
+    sums = sums.reshape(sums.shape[0], slots, 2)
+    return sums[..., 0], sums[..., 1]
+
+
+def pair_count(batch: Batch) -> jax.Array:
+    """Pairs in a batch: the chosen sequences with a scored target."""
+    chosen, _ = pair_sums(jnp.ones(batch["weights"].shape, jnp.float32), batch)
+    return jnp.sum(chosen > 0).astype(jnp.float32)
+
+
+def chosen_tokens(batch: Batch) -> jax.Array:
+    """Scored targets of the chosen sequences (the SFT term's denominator)."""
+    chosen, _ = pair_sums(jnp.ones(batch["weights"].shape, jnp.float32), batch)
+    return jnp.sum(chosen)
+
+
+class Pairs:
+    """What a micro-batch's pairs give an objective: the policy's per-pair sums ``c``, ``r``, their
+    scored token counts, the reference's ``c0``, ``r0`` (when asked for), and which slots hold a
+    pair."""
+
+    def __init__(self, inputs: Inputs, micro: Batch, reference: bool):
+        scored = micro["weights"] > 0
+        self.logp = target_logprobs(inputs.model, micro, inputs.key, scored)
+        self.c, self.r = pair_sums(self.logp, micro)
+        self.nc, self.nr = pair_sums(jnp.ones_like(self.logp), micro)
+        self.valid = self.nc > 0
+        self.c0 = self.r0 = None
+        if reference:
+            ref = inputs.reference(micro)
+            self.c0, self.r0 = pair_sums(ref, micro)
+
+    def mean(self, per_pair: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(self.valid, per_pair, 0.0))
+
+    def report(self, chosen_reward: jax.Array, rejected_reward: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """TRL's metrics, each a (sum over pairs, pairs)."""
+        count = jnp.sum(self.valid).astype(jnp.float32)
+        chosen_reward, rejected_reward = jax.lax.stop_gradient((chosen_reward, rejected_reward))
+        values = {
+            "rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward,
+            "rewards/accuracies": (chosen_reward > rejected_reward).astype(jnp.float32),
+            "rewards/margins": chosen_reward - rejected_reward,
+            "logps/chosen": jax.lax.stop_gradient(self.c), "logps/rejected": jax.lax.stop_gradient(self.r),
+        }
+        return {name: (self.mean(value), count) for name, value in values.items()}
+
+    @property
+    def average(self) -> tuple[jax.Array, jax.Array]:
+        """Length-normalized log-probabilities c / |c|, r / |r|."""
+        return self.c / jnp.maximum(self.nc, 1.0), self.r / jnp.maximum(self.nr, 1.0)
+
+
+def _logsigmoid(x):
+    return jax.nn.log_sigmoid(x)
+
+
+def _smoothed(x: jax.Array, eps) -> jax.Array:
+    """-(1 - e) log s(x) - e log s(-x): the loss of a preference flipped with chance e."""
+    return -(1 - eps) * _logsigmoid(x) - eps * _logsigmoid(-x)
+
+
+def _with_reference(per_pair: Callable[[Pairs, dict], jax.Array]):
+    """An objective's loss from its per-pair formula on (policy - reference) log-ratios."""
+
+    def loss(inputs: Inputs, micro: Batch) -> Terms:
+        pairs, s = Pairs(inputs, micro, reference=True), inputs.settings
+        total = pairs.mean(per_pair(pairs, s))
+        beta = s["beta"]
+        reported = pairs.report(beta * (pairs.c - pairs.c0), beta * (pairs.r - pairs.r0))
+        return Terms(total, pair_count(micro), total, reported)
+
+    return loss
+
+
+def _delta(p: Pairs) -> jax.Array:
+    return (p.c - p.c0) - (p.r - p.r0)
+
+
+def _dpo(p: Pairs, s) -> jax.Array:
+    return _smoothed(s["beta"] * _delta(p), s["label_smoothing"])
+
+
+def _ipo(p: Pairs, s) -> jax.Array:
+    chosen = (p.c - p.c0) / jnp.maximum(p.nc, 1.0)
+    rejected = (p.r - p.r0) / jnp.maximum(p.nr, 1.0)
+    return (chosen - rejected - 1 / (2 * s["beta"]))**2
+
+
+def _hinge(p: Pairs, s) -> jax.Array:
+    return jax.nn.relu(1 - s["beta"] * _delta(p))
+
+
+def _robust(p: Pairs, s) -> jax.Array:
+    eps, x = s["label_smoothing"], s["beta"] * _delta(p)
+    return (-(1 - eps) * _logsigmoid(x) + eps * _logsigmoid(-x)) / (1 - 2 * eps)
+
+
+def _simpo(inputs: Inputs, micro: Batch) -> Terms:
+    pairs, s = Pairs(inputs, micro, reference=False), inputs.settings
+    c, r = pairs.average
+    beta = s["beta"]
+    total = pairs.mean(_smoothed(beta * (c - r) - s["simpo_gamma"], s["label_smoothing"]))
+    return Terms(total, pair_count(micro), total, pairs.report(beta * c, beta * r))
+
+
+def _log_odds(avg: jax.Array) -> jax.Array:
+    """log(p / (1 - p)) of a length-normalized log-probability avg = log p (< 0)."""
+    return avg - jnp.log1p(-jnp.exp(jnp.minimum(avg, -1e-7)))
+
+
+def _odds_ratio(inputs: Inputs, micro: Batch) -> Terms:
+    pairs, beta = Pairs(inputs, micro, reference=False), inputs.settings["beta"]
+    c, r = pairs.average
+    total = pairs.mean(-beta * _logsigmoid(_log_odds(c) - _log_odds(r)))
+    return Terms(total, pair_count(micro), total, pairs.report(beta * c, beta * r))
+
+
+def _sft(inputs: Inputs, micro: Batch) -> Terms:
+    logp = target_logprobs(inputs.model, micro, inputs.key, micro["weights"] > 0)
+    chosen, _ = pair_sums(logp, micro)
+    return Terms(-jnp.sum(chosen), chosen_tokens(micro), -jnp.sum(chosen))
+
+
+SETTINGS = ("beta", "label_smoothing")
+READS = ("pair_ids", )
+
+
+def _row(name: str, loss, doc: str, settings=SETTINGS, reference: bool = True,
+         denominator=pair_count) -> Objective:
+    return Objective(name, loss, denominator=denominator, reads=READS, settings=settings, reference=reference,
+                     doc=doc, reports=REPORTS if denominator is pair_count else ())
+
+
+DPO = _row("dpo", _with_reference(_dpo), "DPO's sigmoid loss on beta * (chosen - rejected log-ratio), "
+           "conservative with label_smoothing")
+IPO = _row("ipo", _with_reference(_ipo), "IPO's squared loss on the length-normalized log-ratios")
+HINGE = _row("hinge", _with_reference(_hinge), "SLiC's hinge on beta * the log-ratio difference")
+ROBUST = _row("robust", _with_reference(_robust), "robust DPO, unbiased under label_smoothing flips")
+SIMPO = _row("simpo", _simpo, "SimPO: reference-free, length-normalized, margin simpo_gamma",
+             settings=("beta", "label_smoothing", "simpo_gamma"), reference=False)
+ODDS_RATIO = _row("odds_ratio", _odds_ratio, "ORPO's odds-ratio term, -beta log s(log odds ratio)",
+                  settings=("beta", ), reference=False)
+SFT = _row("sft", _sft, "negative log-likelihood of the chosen completions, per chosen token", settings=(),
+           reference=False, denominator=chosen_tokens)

@@ -1,0 +1,202 @@
+"""Preference pairs packed: whole pairs in rows, with or without a shared prompt, give exactly the per-pair
+log-probabilities, loss and gradients of one pair per row; bad pairs and unsupported combinations are one line.
+
+(TRL's own numbers on the same model and pairs: tests/test_preference_trl.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
+from seqjax.core.errors import CorpusError
+from seqjax.data.pipeline import build_pipeline
+from seqjax.model import build_model, split_params
+from seqjax.objectives import resolve
+from seqjax.objectives.base import Inputs, target_logprobs
+from seqjax.objectives.preference import pair_sums
+from seqjax.store.reader import TokenStore
+from seqjax.train.step import make_train_step
+
+VOCAB = 64
+MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=48",
+         f"model.vocab_size={VOCAB}", "model.attention=xla", "model.max_seq_len=256"]
+
+
+def config(*extra: str):
+    return load_config(None, ["data.corpus=jsonl", "data.format=preference", "data.train_files=[x.jsonl]",
+                              "data.shuffle=false", "data.strategy=pack", "data.packer=greedy", *MODEL, *extra])
+
+
+def store_of(pairs: list[tuple[list[int], list[int], list[int]]]) -> TokenStore:
+    """A preference store: pair k as examples 2k (prompt + chosen) and 2k + 1 (prompt + rejected)."""
+    docs, weights = [], []
+    for prompt, chosen, rejected in pairs:
+        for completion in (chosen, rejected):
+            docs.append(prompt + completion)
+            weights.append([0] * len(prompt) + [1] * len(completion))
+    return TokenStore.from_documents(docs, eot_id=0, vocab_size=VOCAB, weights=weights)
+
+
+def draw_pairs(data, count: int) -> list:
+    ids = st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=9)
+    return [(data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12)), data.draw(ids),
+             data.draw(ids)) for _ in range(count)]
+
+
+def batch_of(cfg, store) -> dict:
+    return {k: jnp.asarray(v) for k, v in next(iter(build_pipeline(cfg, store))).items()}
+
+
+LAYOUTS = {  # (rows, overrides): one pair per row; all packed in one row; packed with the prompt once
+    "one per row": (4, ["data.max_segments_per_row=2"]),
+    "packed": (1, []),
+    "shared prompt": (1, ["data.shared_prompt=true"]),
+}
+COMPILED: dict = {}
+
+
+def compiled(window):
+    """Per layout, one jitted (loss, gradients, chosen and rejected sums) of the DPO objective, for a model
+    with or without a sliding layer (shapes are fixed: a few compilations serve every drawn example)."""
+    if window not in COMPILED:
+        windowed = [] if window is None else [f"model.sliding_window={window}", "model.layer_types=[sliding,full]"]
+        cfg = config(*windowed)
+        model, reference = build_model(cfg, rngs=nnx.Rngs(0)), build_model(cfg, rngs=nnx.Rngs(1))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        objective = resolve(["dpo"])
+
+        def run(p, batch):
+            def loss(p):
+                m = nnx.merge(graphdef, p, rest)
+                inputs = Inputs(m, None, {"beta": 0.1, "label_smoothing": 0.0}, objective.totals(batch),
+                                lambda micro: target_logprobs(reference, micro, None, micro["weights"] > 0))
+                terms = objective.loss(inputs, batch)
+                return terms.value / terms.denominator
+
+            m = nnx.merge(graphdef, p, rest)
+            c, r = pair_sums(target_logprobs(m, batch, None, batch["weights"] > 0), batch)
+            return jax.value_and_grad(loss)(p), c, r
+
+        COMPILED[window] = (windowed, params, jax.jit(run))
+    return COMPILED[window]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), window=st.sampled_from([None, 3]))
+def test_packed_pairs_give_the_log_probabilities_loss_and_gradients_of_one_pair_per_row(data, window):
+    """Under hypothesis-drawn lengths (one-token prompts included, and a sliding window that the shared prompt
+    must count in each sequence's own positions): per-pair log-probabilities, the DPO loss and its gradients."""
+    count = 4  # (a batch of four rows: one pair each, or all four in one)
+    pairs = draw_pairs(data, count)
+    assume(all(c != r for _, c, r in pairs))
+    store = store_of(pairs)
+    windowed, params, run = compiled(window)
+    results = {}
+    for name, (rows, extra) in LAYOUTS.items():
+        batch = batch_of(config(*windowed, f"data.batch_size={rows}", "data.seq_len=128", *extra), store)
+        (value, grads), c, r = run(params, batch)
+        valid = np.asarray(pair_sums(jnp.ones(batch["weights"].shape), batch)[0]) > 0
+        assert valid.sum() == count
+        results[name] = (np.asarray(c)[valid], np.asarray(r)[valid], float(value), grads)
+    c, r, value, grads = results["one per row"]
+    for name in ("packed", "shared prompt"):
+        c2, r2, value2, grads2 = results[name]
+        np.testing.assert_allclose(c2, c, rtol=1e-6, atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(r2, r, rtol=1e-6, atol=2e-5, err_msg=name)
+        assert abs(value2 - value) < 1e-6, name
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads2, grads)
+
+
+def test_gradient_accumulation_over_pairs_gives_the_one_batch_update():
+    """The loss is a mean over the global batch's pairs: two micro-batches of uneven pairs give the update of one."""
+    rng = np.random.default_rng(0)
+    pairs = [(list(rng.integers(1, VOCAB, n)), list(rng.integers(1, VOCAB, m)), list(rng.integers(1, VOCAB, m + 1)))
+             for n, m in ((3, 2), (9, 5), (1, 7), (4, 1))]
+    cfg = config("data.batch_size=4", "data.seq_len=64", "data.max_segments_per_row=2")
+    batch = batch_of(cfg, store_of(pairs))
+    graphdef, params, _, rest = split_params(build_model(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    reference = jax.tree.map(lambda a: a * 1.01, params)
+    out = []
+    for accum in (1, 2):
+        step = make_train_step(graphdef, rest, optax.sgd(1.0), grad_accum=accum, objective=resolve(["dpo"]),
+                               settings={"beta": 0.1, "label_smoothing": 0.0})
+        new, _, metrics = jax.jit(step)(params, optax.sgd(1.0).init(params), batch, None, 0, None, reference)
+        out.append((new, metrics))
+    (a, ma), (b, mb) = out
+    assert float(ma["weight_sum"]) == float(mb["weight_sum"]) == 4.0  # pairs
+    np.testing.assert_allclose(float(ma["loss"]), float(mb["loss"]), rtol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7), a, b)
+    assert {"rewards/accuracies", "rewards/margins", "logps/chosen"} <= set(ma["reported"])
+
+
+def test_a_lora_runs_reference_is_its_base_exactly():
+    """train.reference=auto under model.lora: the same state with the adapters off computes the base's
+    log-probabilities bit for bit."""
+    from seqjax.model import BASE_PARAMS
+    from seqjax.model.lora import adapters_off
+
+    lora_cfg = config("model.lora.rank=4", "model.lora.alpha=8", "data.batch_size=1", "data.seq_len=64")
+    graphdef, adapters, frozen, rest = split_params(build_model(lora_cfg, rngs=nnx.Rngs(0)))
+    adapters = jax.tree.map(lambda a: a + 0.1, nnx.to_pure_dict(adapters))  # B != 0: the policy differs
+    base_model = build_model(config(), rngs=nnx.Rngs(0))
+    nnx.update(base_model, nnx.state(nnx.merge(graphdef, adapters, frozen, rest), BASE_PARAMS))
+    batch = batch_of(lora_cfg, store_of([([5, 6, 7], [8, 9], [10])]))
+    scored = batch["weights"] > 0
+    off = nnx.merge(adapters_off(graphdef, adapters, frozen, rest), adapters, frozen, rest)
+    policy = nnx.merge(graphdef, adapters, frozen, rest)
+    np.testing.assert_array_equal(np.asarray(target_logprobs(off, batch, None, scored)),
+                                  np.asarray(target_logprobs(base_model, batch, None, scored)))
+    assert np.abs(np.asarray(target_logprobs(policy, batch, None, scored) - target_logprobs(off, batch, None, scored))
+                  ).max() > 1e-3
+
+
+def test_bad_pairs_are_one_line_naming_the_record(tmp_path):
+    from seqjax.store.build import prepare
+
+    good = {"prompt": "Q: a b", "chosen": " c d", "rejected": " e f"}
+    cases = {"equals 'rejected'": {**good, "rejected": " c d"},
+             "field 'chosen' is empty after the prompt": {**good, "chosen": ""},
+             "expected all text (standard) or all lists": {**good, "chosen": [{"role": "assistant", "content": "x"}]}}
+    for i, (expected, record) in enumerate(cases.items()):
+        path = tmp_path / f"bad{i}.jsonl"
+        path.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
+        cfg = load_config(None, ["data.corpus=jsonl", "data.format=preference", f"data.train_files=[{path}]",
+                                 f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300"])
+        with pytest.raises(CorpusError, match=f"bad{i}.jsonl:2: .*{re.escape(expected)}"):
+            prepare(cfg, splits=("train",))
+
+
+def test_unsupported_combinations_are_one_line():
+    from seqjax.data.strategies import check_config
+    from seqjax.model.attention import attention
+    from seqjax.train.setup import objective_of
+
+    with pytest.raises(ConfigError, match="train.objective=lm does not read the batch field 'pair_ids'"):
+        objective_of(config())
+    with pytest.raises(ConfigError, match="data.overlong: got split, expected truncate"):
+        config("data.overlong=split")
+    with pytest.raises(ConfigError, match="data.shared_prompt: got true with data.format=chat"):
+        load_config(None, ["data.corpus=jsonl", "data.format=chat", "data.train_files=[x]", "data.shared_prompt=true"])
+    with pytest.raises(ConfigError, match="data.strategy: got block, expected pack .* for data.format=preference"):
+        check_config(config("data.strategy=block", "data.break_mode=complete_doc"))
+    with pytest.raises(ConfigError, match="train.reference: got auto with train.objective=dpo and "
+                                          "model.lora.modules_to_save"):
+        objective_of(config("train.objective=dpo", "model.lora.rank=4", "model.lora.modules_to_save=[head]",
+                            "model.tie_embeddings=false"))
+    q = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ConfigError, match="model.attention: got 'pallas', which cannot honour a shared prompt"):
+        attention(q, q, q, jnp.ones((1, 4), jnp.int32), backend="pallas", prefix_ids=jnp.zeros((1, 4), jnp.int32),
+                  positions=jnp.arange(4)[None])
