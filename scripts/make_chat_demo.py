@@ -6,9 +6,12 @@ writes ``chat_demo/llama/`` (a Hugging Face Llama folder: random weights, a
 byte-level BPE tokenizer.json with ``<s>``/``</s>`` and chat special tokens,
 and a Zephyr-like chat template in tokenizer_config.json) and
 ``chat_demo/train.jsonl`` / ``valid.jsonl`` (``{"messages": [...]}`` chats of
-one to three user/assistant exchanges, a system prompt in about a third). The
-README's "Fine-tuning on instruction data" runs on it; the model is tiny (the
-shape of the README's test model), so every step takes seconds on a CPU.
+one to three user/assistant exchanges, a system prompt in about a third), and
+``pairs_train.jsonl`` / ``pairs_valid.jsonl``: conversational preference pairs
+(``{"prompt": [...], "chosen": [...], "rejected": [...]}``, the chat up to its
+last answer, that answer chosen and another chat's rejected). The README's
+"Fine-tuning on instruction data" and docs/preference.md run on it; the model
+is tiny (the shape of the README's test model), so every step takes seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
         chats = synthetic_chats(n, seed)
         (out / f"{split}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
         counts[split] = n
+        pairs = [{"prompt": c["messages"][:-1], "chosen": c["messages"][-1:],
+                  "rejected": chats[(i + 1) % n]["messages"][-1:]} for i, c in enumerate(chats)
+                 if chats[(i + 1) % n]["messages"][-1] != c["messages"][-1]]
+        (out / f"pairs_{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+        counts[f"pairs_{split}"] = len(pairs)
     result = {"out": str(out), "llama": str(llama), "chats": counts, "vocab_size": tokenizer.vocab_size}
     print(json.dumps(result), flush=True)
     return result

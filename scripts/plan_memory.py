@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from seqjax.config.load import load_config
     from seqjax.core.errors import SeqjaxError
+    from seqjax.data.contract import given_fields
     from seqjax.model import build_model, quant, sharding, split_params
+    from seqjax.model.lora import adapters_off
+    from seqjax.objectives import resolve
     from seqjax.train.optimizer import build_optimizer
     from seqjax.train.step import make_train_step
 
@@ -106,13 +109,29 @@ def main(argv: list[str] | None = None) -> dict:
                              opt_shardings)
     batch_sharding = sharding.batch_sharding(mesh)
     b, t = config.data.batch_size, config.data.seq_len
-    batch = {name: jax.ShapeDtypeStruct((b, t), np.float32 if name == "weights" else np.int32, sharding=batch_sharding)
-             for name in ("inputs", "targets", "segment_ids", "positions", "weights")}
+    # the batch the data gives (preference pairs add pair_ids, and prefix_ids with a shared prompt)
+    objective = resolve(config.train.objective, config.train.objective_weights)
+    precomputed = objective.reference and config.train.reference == "precompute"  # (the batch carries them)
+    batch = {name: jax.ShapeDtypeStruct((b, t), np.float32 if name in ("weights", "reference_logps") else np.int32,
+                                        sharding=batch_sharding)
+             for name in (*given_fields(config.data), *(["reference_logps"] if precomputed else []))}
     rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=replicated)
     extra = [] if frozen is None else [frozen]
-    step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=config.train.grad_accum, z_loss=config.train.z_loss),
+    extra_shardings = [] if frozen is None else [frozen_shardings]
+    # the train.objective the run computes, and its reference model: under model.lora the same state with the
+    # adapters off (no memory), otherwise a frozen copy of the trained weights (their bytes again)
+    reference_graphdef, reference = None, None
+    if objective.reference and lora.rank and config.train.reference == "auto":
+        reference_graphdef = adapters_off(graphdef, param_state, frozen_state, rest)
+    elif objective.reference and not precomputed:
+        reference = params
+        extra, extra_shardings = [frozen, params], [frozen_shardings, param_shardings]
+    settings = {key: getattr(config.train, key) for key in objective.settings}
+    step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=config.train.grad_accum, z_loss=config.train.z_loss,
+                                   objective=objective, settings=settings, reference_graphdef=reference_graphdef,
+                                   precomputed=precomputed),
                    in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated,
-                                 *([] if frozen is None else [frozen_shardings])),
+                                 *extra_shardings),
                    out_shardings=(param_shardings, opt_shardings, replicated), donate_argnums=(0, 1))
     start = time.perf_counter()
     compiled = step.lower(params, opt_state, batch, rng, 0, *extra).compile()
@@ -132,7 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
         "remat": config.model.remat, "loss_chunk_tokens": config.model.loss_chunk_tokens,
         "param_dtype": config.model.param_dtype, "compute_dtype": config.model.compute_dtype,
         "trainable_parameters": trainable, "lora_rank": config.model.lora.rank, "base_storage": lora.quantize,
-        "param_bytes_per_device": per_device(params) + per_device(frozen or {}),
+        "objective": config.train.objective, "reference": "none" if not objective.reference else
+        "precomputed" if precomputed else "a frozen copy" if reference is not None else "the base, adapters off",
+        "param_bytes_per_device": per_device(params) * (2 if reference is not None else 1) + per_device(frozen or {}),
         "optimizer_bytes_per_device": per_device(opt_state),
         "batch_bytes_per_device": per_device(batch),
         "temp_bytes_per_device": int(stats.temp_size_in_bytes),

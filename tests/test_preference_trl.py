@@ -163,9 +163,11 @@ def test_every_objectives_first_step_and_metrics_are_trls(kind, tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_dpo_follows_trls_curve_on_the_same_pairs(tmp_path):
+@pytest.mark.parametrize("reference_kind", ["auto", "precompute"])
+def test_lora_dpo_follows_trls_curve_on_the_same_pairs(reference_kind, tmp_path):
     """8 steps, four pairs a step in order, AdamW at a constant rate, clipping at 1: the per-step loss and
-    rewards/margins track TRL's."""
+    rewards/margins track TRL's, with the reference run in the step (the base, adapters off) or its
+    log-probabilities precomputed once (train.reference=precompute)."""
     from seqjax.train.loop import train
     from seqjax.train.metrics import read_metrics
 
@@ -175,11 +177,134 @@ def test_lora_dpo_follows_trls_curve_on_the_same_pairs(tmp_path):
                            f"train.lr={s['lr']}", "train.warmup_steps=0", "train.min_lr_ratio=1.0",
                            "train.weight_decay=0.0", "train.b2=0.999", "train.grad_clip=1.0",
                            f"run.dir={tmp_path / 'run'}", "train.eval_every=0", "train.log_every=1",
-                           "train.checkpoint_every=100")
+                           "train.checkpoint_every=100", f"train.reference={reference_kind}")
     train(dataclasses.replace(config))
+    assert (tmp_path / "run" / "reference" / "train.npz").exists() == (reference_kind == "precompute")
     rows = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
     ours = [row["loss"] for row in rows]
     theirs = [row["loss"] for row in ref["curve"]]
     np.testing.assert_allclose(ours, theirs, atol=3e-5)
     np.testing.assert_allclose([row["rewards/margins"] for row in rows],
                                [row["rewards/margins"] for row in ref["curve"]], atol=3e-5)
+
+
+@pytest.mark.slow
+def test_the_dpo_lora_config_trains_packed_chat_pairs_evaluates_and_exports_at_a_reduced_size(tmp_path, capsys):
+    """configs/qwen3_dpo_lora.yaml with the model reduced to the reference Qwen3 (shared prompt, scan, remat, chunked
+    loss, LoRA with dropout): it trains on the conversational pairs, its validation and the eval command report
+    TRL's metrics, and its exported adapter reads back onto the base (peft loads such folders: test_lora_peft.py)."""
+    from seqjax.main import eval as eval_cli
+    from seqjax.main import export
+    from seqjax.train.inference import with_adapter
+    from test_train_support import REPO, assert_ok, run_cli
+
+    ref = reference("chat")
+    base, _ = folders(ref, tmp_path)
+    c = ref["config"]
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
+                                  for r in ref["records"]))
+    specials = json.dumps(["<|im_end|>", "<|endoftext|>", "<|im_start|>", "<tool_call>", "</tool_call>",
+                           "<tool_response>", "</tool_response>", "<think>", "</think>"])
+    run = tmp_path / "run"
+    overrides = [f"run.dir={run}", f"train.init_from={base}", f"data.train_files=[{pairs_file}]",
+                 f"data.valid_files=[{pairs_file}]", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=256",
+                 "data.batch_size=4", f"data.chat_template={trl_template('qwen3')}",
+                 f"tokenizer.path={base / 'tokenizer.json'}", f"tokenizer.special_tokens={specials}",
+                 f"model.vocab_size={c['vocab_size']}", f"model.d_model={c['hidden_size']}",
+                 f"model.n_layers={c['num_hidden_layers']}", f"model.n_heads={c['num_attention_heads']}",
+                 f"model.n_kv_heads={c['num_key_value_heads']}", f"model.head_dim={c['head_dim']}",
+                 f"model.d_ff={c['intermediate_size']}", "model.max_seq_len=256", "model.loss_chunk_tokens=64",
+                 "model.param_dtype=float32", "model.compute_dtype=float32",
+                 f"model.rope_theta={c['rope_parameters']['rope_theta']}",
+                 "model.lora.rank=4", "model.lora.alpha=8", "train.steps=3", "train.warmup_steps=0",
+                 "train.grad_accum=2", "train.eval_every=3", "train.checkpoint_every=3"]
+    assert_ok(run_cli(["--config", str(REPO / "configs" / "qwen3_dpo_lora.yaml"), *overrides]))
+    valid = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
+    assert valid and {"val_rewards/accuracies", "val_rewards/margins", "val_logps/chosen"} <= set(valid[-1])
+    result = eval_cli.score(eval_cli_args(run))
+    assert result["loss"] == pytest.approx(valid[-1]["val_loss"], rel=1e-5)
+    assert result["pairs"] == valid[-1]["val_pairs"]
+    export.main(["--run", str(run), "--out", str(tmp_path / "exported")])
+    config, model = hf.load(base, ["model.attention=xla"])
+    config, _ = with_adapter(config, model, str(tmp_path / "exported"))
+    assert config.model.lora.rank == 4
+    capsys.readouterr()
+
+
+def eval_cli_args(run: Path):
+    import argparse
+
+    return argparse.Namespace(config=None, overrides=[], run=str(run), checkpoint=None, hf=None, adapter=None,
+                              split=None, per_example=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference_kind", ["auto", "precompute"])
+def test_a_full_dpo_run_resumes_exactly_against_its_frozen_copy(reference_kind, tmp_path):
+    """Without LoRA the reference is a frozen copy of the starting weights (not of the resumed ones), or their
+    precomputed log-probabilities: a run cut at step 2 and resumed takes the uninterrupted run's steps, bit for
+    bit."""
+    from test_train_support import assert_ok, run_cli, train_losses
+
+    config, _ = run_config("text", tmp_path, "train.init_adapter=null", "model.lora.rank=0",
+                           f"train.reference={reference_kind}",
+                           "train.objective=[dpo,sft]", "train.objective_weights=[1,0.5]", "train.warmup_steps=0",
+                           "train.min_lr_ratio=1.0", "train.lr=1e-3", "train.checkpoint_every=2", "train.eval_every=0")
+    config.save(tmp_path / "dpo.yaml")
+    common = ["--config", str(tmp_path / "dpo.yaml")]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert_ok(run_cli([f"run.dir={whole}", "train.steps=4", *common]))
+    assert_ok(run_cli([f"run.dir={cut}", "train.steps=2", *common]))
+    assert_ok(run_cli([f"run.dir={cut}", "train.steps=4", *common]))
+    assert train_losses(cut) == train_losses(whole) and len(train_losses(whole)) == 4
+
+
+@pytest.mark.slow
+def test_qlora_dpo_with_a_shared_prompt_takes_the_one_device_steps_on_a_mesh(tmp_path):
+    """QLoRA (nf4) DPO on packed pairs with the prompt once, scanned and rematerialized: two host devices as an
+    fsdp mesh give the one-device run's losses."""
+    from test_train_support import assert_ok, run_cli, train_losses
+
+    config, _ = run_config("chat", tmp_path, "model.lora.quantize=nf4", "model.lora.quant_block=16",
+                           "data.shared_prompt=true", "data.max_segments_per_row=null", "model.scan_layers=true",
+                           "model.remat=full", "train.objective=dpo", "train.steps=3", "train.warmup_steps=0",
+                           "train.eval_every=0", "train.checkpoint_every=100")
+    config.save(tmp_path / "qlora_dpo.yaml")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(run_cli(["--config", str(tmp_path / "qlora_dpo.yaml"), f"run.dir={one}"]))
+    assert_ok(run_cli(["--config", str(tmp_path / "qlora_dpo.yaml"), f"run.dir={two}", "mesh.data=1", "mesh.fsdp=2"],
+                      devices=2))
+    a, b = train_losses(one), train_losses(two)
+    assert sorted(a) == [1, 2, 3] and all(abs(a[k] - b[k]) < 2e-5 for k in a), (a, b)
+
+
+def test_precomputed_reference_log_probabilities_resume_after_a_stop_and_belong_to_one_model(tmp_path):
+    """train.reference=precompute's table: stopped after one batch (its work saved), then finished, it equals the
+    table computed in one go and each pair's reference sums; read back without computing; of another model, one
+    line."""
+    from seqjax.core.errors import CheckpointMismatchError
+    from seqjax.train.reference import precompute, table_path
+
+    config, ref = run_config("text", tmp_path, "data.batch_size=2", f"run.dir={tmp_path / 'run'}")
+    store = prepare(config, splits=("train",)).stores["train"]
+    _, reference_model = models(config)
+    logprobs = jax.jit(lambda batch: target_logprobs(reference_model, batch, None, batch["weights"] > 0))
+    identity = {"init_from": "qwen3", "xxh3": "1"}
+    partial = precompute(config, store, "train", logprobs, identity, max_batches=1)
+    assert (partial[:, 0] != 0).sum() == 2 and table_path(tmp_path / "run", "train.partial").exists()
+    whole = precompute(config, store, "train", logprobs, identity)
+    assert not table_path(tmp_path / "run", "train.partial").exists()
+    theirs = ref["per_pair"]
+    np.testing.assert_allclose(whole[:len(theirs), 0], [p["ref_chosen"] for p in theirs], rtol=2e-6, atol=2e-4)
+    np.testing.assert_allclose(whole[:len(theirs), 1], [p["ref_rejected"] for p in theirs], rtol=2e-6, atol=2e-4)
+    config2 = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(tmp_path / "again")))
+    np.testing.assert_array_equal(precompute(config2, store, "train", logprobs, identity), whole)
+
+    def never(batch):
+        raise AssertionError("the table is read back, not computed")
+
+    np.testing.assert_array_equal(precompute(config, store, "train", never, identity), whole)
+    with pytest.raises(CheckpointMismatchError, match="reference log-probabilities of another model than"):
+        precompute(config, store, "train", never, {"init_from": "qwen3", "xxh3": "2"})
+    jax.clear_caches()

@@ -17,7 +17,8 @@ from seqjax.config.fields import DATA, DATA_DIR_ENV, setting
 from seqjax.core.errors import ConfigError
 
 # What seqjax passes a chat template itself: data.chat_template_kwargs names others.
-TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                      "raise_exception")
 # The names data.strategy and data.packer take; seqjax.data.strategies has a row for each
 # (tests/test_packing.py).
 STRATEGIES = ("window", "random_offset", "sequential", "random_window", "concat_chunk", "block", "pack",
@@ -92,13 +93,17 @@ class DataConfig:
         "prompt", "prompt_completion, preference: the key or column holding the prompt (preference: "
         "absent means implicit, the shared start of chosen and rejected, as TRL's extract_prompt)",
         resume=DATA)
-    chosen_field: str = setting("chosen", "preference: the key or column holding the preferred completion",
+    chosen_field: str = setting("chosen",
+                                "preference: the key or column holding the preferred completion",
                                 resume=DATA)
-    rejected_field: str = setting("rejected", "preference: the key or column holding the other completion",
+    rejected_field: str = setting("rejected",
+                                  "preference: the key or column holding the other completion",
                                   resume=DATA)
     shared_prompt: bool = setting(
-        False, "preference: pack each pair's prompt once, both completions attending to it and not to "
-        "each other (the same numbers as the prompt twice, its compute saved; XLA attention)", resume=DATA)
+        False,
+        "preference: pack each pair's prompt once, both completions attending to it and not to "
+        "each other (the same numbers as the prompt twice, its compute saved; XLA attention)",
+        resume=DATA)
     completion_field: str = setting("completion",
                                     "prompt_completion: the key or column holding the answer",
                                     resume=DATA)
@@ -116,7 +121,8 @@ class DataConfig:
         "chat: a Jinja chat template file (null: the tokenizer's, from its tokenizer_config.json or "
         "chat_template.jinja)", resume=DATA)
     chat_template_kwargs: dict[str, Any] = setting(
-        {}, "chat: extra variables the template reads, passed as apply_chat_template(**kwargs) passes them "
+        {},
+        "chat: extra variables the template reads, passed as apply_chat_template(**kwargs) passes them "
         "(Qwen3's {enable_thinking: false}); a record's own chat_template_kwargs field (TRL's) adds to and "
         "overrides these", resume=DATA)
     input_ids_field: str = setting("input_ids",
@@ -186,7 +192,8 @@ class DataConfig:
         resume=DATA,
     )
     overlong: str | None = setting(
-        None, "pack, length_grouped: a document or example longer than a row is dropped, truncated (its start "
+        None,
+        "pack, length_grouped: a document or example longer than a row is dropped, truncated (its start "
         "kept), split into several (each its own segment), or an error; null: truncate instruction examples, as "
         "TRL does (a split example's later answers lose their prompt), split text documents",
         choices=("drop", "truncate", "split", "error"), resume=DATA)
@@ -201,8 +208,9 @@ class DataConfig:
     def check(self) -> None:
         taken = sorted(set(self.chat_template_kwargs) & set(TEMPLATE_VARIABLES))
         if taken:
-            raise ConfigError(f"data.chat_template_kwargs: got {taken[0]!r}, which seqjax itself passes the "
-                              f"template; expected other names than {', '.join(TEMPLATE_VARIABLES)}")
+            raise ConfigError(
+                f"data.chat_template_kwargs: got {taken[0]!r}, which seqjax itself passes the "
+                f"template; expected other names than {', '.join(TEMPLATE_VARIABLES)}")
         if self.sources:
             for split in ("train", "valid", "test"):
                 if getattr(self, f"{split}_files"):
@@ -258,12 +266,14 @@ class DataConfig:
                                   f"{', '.join(LOSS_ON_FOR[fmt])} for data.format={fmt}")
         if "preference" in formats:
             if formats != {"preference"} or self.sources:
-                raise ConfigError("data.format: got preference with data.sources or other formats, expected "
-                                  "preference pairs as the one source of a run")
+                raise ConfigError(
+                    "data.format: got preference with data.sources or other formats, expected "
+                    "preference pairs as the one source of a run")
             if self.resolved_overlong == "split":
-                raise ConfigError("data.overlong: got split, expected truncate (TRL's: each sequence cut to "
-                                  "data.seq_len / 2, a pair whose prompt fills that dropped), drop or error for "
-                                  "preference pairs, which are packed whole")
+                raise ConfigError(
+                    "data.overlong: got split, expected truncate (TRL's: each sequence cut to "
+                    "data.seq_len / 2, a pair whose prompt fills that dropped), drop or error for "
+                    "preference pairs, which are packed whole")
         elif self.shared_prompt:
             raise ConfigError(f"data.shared_prompt: got true with data.format={self.format}, expected "
                               "data.format=preference (it shares a pair's prompt)")

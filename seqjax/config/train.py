@@ -42,16 +42,21 @@ class TrainConfig:
         [], "the weight of each train.objective entry (TRL's loss_weights); []: 1 each")
     # Preference objectives (seqjax.objectives.preference; TRL's names and defaults)
     beta: float = setting(
-        0.1, "preference: how far the policy may move from the reference (DPO's beta; IPO's tau; SimPO's and "
+        0.1,
+        "preference: how far the policy may move from the reference (DPO's beta; IPO's tau; SimPO's and "
         "ORPO's beta)", min=0.0)
     label_smoothing: float = setting(
-        0.0, "dpo, robust, simpo: the chance a pair's preference is flipped (cDPO's and robust DPO's epsilon)",
+        0.0,
+        "dpo, robust, simpo: the chance a pair's preference is flipped (cDPO's and robust DPO's epsilon)",
         min=0.0)
     simpo_gamma: float = setting(0.5, "simpo: the target reward margin gamma", min=0.0)
     reference: str = setting(
-        "auto", "the reference model of dpo/ipo/hinge/robust: auto (the base with adapters off under "
-        "model.lora, else a frozen copy of the starting weights) or copy (a frozen copy under model.lora "
-        "too: for a run that starts from trained adapters)", choices=("auto", "copy"))
+        "auto",
+        "the reference model of dpo/ipo/hinge/robust: auto (the base with adapters off under "
+        "model.lora, else a frozen copy of the starting weights), copy (a frozen copy under model.lora "
+        "too: for a run that starts from trained adapters) or precompute (auto's reference log-probabilities "
+        "computed once before training and stored with the run: no reference in the step)",
+        choices=("auto", "copy", "precompute"))
     init_from: str | None = setting(
         None,
         "start from these weights: a seqjax run or checkpoint folder, or a Hugging Face folder of a family seqjax "
@@ -96,7 +101,9 @@ class TrainConfig:
 
     def check(self) -> None:
         if not self.label_smoothing < 0.5:
-            raise ConfigError(f"train.label_smoothing: got {self.label_smoothing}, expected a flip chance below 0.5")
+            raise ConfigError(
+                f"train.label_smoothing: got {self.label_smoothing}, expected a flip chance below 0.5"
+            )
         if self.profile and (len(self.profile) != 2 or self.profile[0] < 1 or self.profile[1] < 1):
             raise ConfigError(
                 f"train.profile: got {self.profile}, expected [start_step, num_steps], both >= 1, or []"

@@ -76,13 +76,25 @@ class OptionalField:
 # The optional fields, by name: the one table of what may enter a batch besides the contract's five.
 OPTIONAL_FIELDS: dict[str, OptionalField] = {
     "pair_ids": OptionalField(
-        np.int32, "preference pairs (seqjax.data.pairs): 2p - 1 on pair p's chosen sequence of the row, 2p on its "
+        np.int32,
+        "preference pairs (seqjax.data.pairs): 2p - 1 on pair p's chosen sequence of the row, 2p on its "
         "rejected one, 0 on a shared prompt and on padding", "data.format=preference",
         lambda d: d.format == "preference", needs_reader=True),
     "prefix_ids": OptionalField(
-        np.int32, "data.shared_prompt: the segment id of the prompt a completion also attends to (0: none); the "
+        np.int32,
+        "data.shared_prompt: the segment id of the prompt a completion also attends to (0: none); the "
         "mask's one extension (seqjax.model.mask)", "data.shared_prompt=true",
         lambda d: d.format == "preference" and d.shared_prompt, model=True),
+    "pair_index": OptionalField(
+        np.int32,
+        "preference pairs: 1 + the pair's number in the store, on both its sequences (0 on a shared prompt "
+        "and on padding); what precomputed reference log-probabilities are looked up by",
+        "data.format=preference", lambda d: d.format == "preference"),
+    "reference_logps": OptionalField(
+        np.float32,
+        "train.reference=precompute: each sequence's reference log-probability, on its last scored target "
+        "(0 elsewhere); added by the train loop from the run's table (seqjax.train.reference), not by the data",
+        "train.reference=precompute", lambda d: False),
 }
 
 
@@ -116,7 +128,8 @@ def model_fields(batch: dict[str, Any]) -> dict[str, Any]:
 
 def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                    row_of_piece: np.ndarray, n_rows: int, width: int, scores: Any = None,
-                   offsets: np.ndarray | None = None, piece_fields: dict[str, np.ndarray] | None = None) -> Batch:
+                   offsets: np.ndarray | None = None,
+                   piece_fields: dict[str, np.ndarray] | None = None) -> Batch:
     """The batch contract for rows made of stream pieces: the single definition used by every
     strategy.
 
@@ -159,19 +172,30 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
         "inputs": inputs,
         "targets": targets,
         "segment_ids": np.repeat(segment, predicted),
-        "positions": position if offsets is None else position + np.repeat(np.asarray(offsets, index), predicted),
-        **{name: np.repeat(np.asarray(values, np.int32), predicted) for name, values in (piece_fields or {}).items()},
+        "positions": position if offsets is None else position +
+        np.repeat(np.asarray(offsets, index), predicted),
+        **{
+            name: np.repeat(np.asarray(values, np.int32), predicted)
+            for name, values in (piece_fields or {}).items()
+        },
     }
     if scores is not None:
         # the target of input source[i] is the stream's next token
         fields["weights"] = scores[source + 1]
-    if len(position) == n_rows * width:  # every row full (the common case): a reshape, no mask
+    return _as_rows(fields, per_row, n_rows, width, weighted=scores is not None)
+
+
+def _as_rows(fields: dict[str, np.ndarray], per_row: np.ndarray, n_rows: int, width: int,
+             weighted: bool) -> Batch:
+    """Each field's values, in row-major order, as ``[n_rows, width]`` right-padded with 0; the
+    weights, unless given, are 1 on every filled place."""
+    if per_row.sum() == n_rows * width:  # every row full (the common case): a reshape, no mask
         out = {
             key: np.asarray(values,
                             np.float32 if key == "weights" else np.int32).reshape(n_rows, width)
             for key, values in fields.items()
         }
-        if scores is None:
+        if not weighted:
             out["weights"] = np.ones((n_rows, width), np.float32)
         return out
     filled = np.arange(width) < per_row[:, None]
@@ -179,7 +203,7 @@ def contract_batch(tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
     for key, values in fields.items():
         out[key] = np.zeros((n_rows, width), np.float32 if key == "weights" else np.int32)
         out[key][filled] = values
-    if scores is None:
+    if not weighted:
         out["weights"] = filled.astype(np.float32)
     return out
 

@@ -26,12 +26,17 @@ def layout_image(batch: Batch) -> np.ndarray:
     # hues (golden-ratio steps).
     before = np.concatenate([[0], np.cumsum(segments.max(axis=1))[:-1]])
     example = np.where(segments > 0, segments + before[:, None], 0)
+    value = np.where(scored, 0.8, 0.97)
+    if "pair_ids" in batch:  # preference pairs: one hue per pair, its rejected sequence darker, a shared prompt grey
+        pair_ids = np.asarray(batch["pair_ids"])
+        per_row = (pair_ids.max(axis=1) + 1) // 2
+        before = np.concatenate([[0], np.cumsum(per_row)[:-1]])
+        example = np.where(pair_ids > 0, (pair_ids + 1) // 2 + before[:, None], 0)
+        value = np.where(scored & (pair_ids % 2 == 0), 0.55, value)
     hue = (example * 0.618034) % 1.0
     import matplotlib.colors as colors  # (imported only when a picture is drawn)
 
-    rgb = colors.hsv_to_rgb(
-        np.stack([hue, np.where(scored, 0.85, 0.3),
-                  np.where(scored, 0.8, 0.97)], -1))
+    rgb = colors.hsv_to_rgb(np.stack([hue, np.where(scored, 0.85, 0.3) * (example > 0), value], -1))
     rgb[segments == 0] = 1.0
     return rgb
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from seqjax.config.tree import Config
-from seqjax.data import strategies
+from seqjax.data import pairs, strategies
 from seqjax.data.document_rows import dropped_as_overlong, overlong_report
 from seqjax.data.epochs import EpochsIterDataset
 from seqjax.data.pipeline import build_pipeline
@@ -152,7 +152,8 @@ def document_coverage(plan: RowPlan, store: TokenStore) -> tuple[dict[str, int],
     stream tokens never predicted this epoch."""
     starts, lengths = store.doc_spans()
     owner, j = ragged_arange(lengths - 1)
-    targets = np.zeros(store.num_tokens, bool)  # the stream positions some document's sequence predicts
+    # the stream positions some document's sequence predicts
+    targets = np.zeros(store.num_tokens, bool)
     targets[starts[owner] + j + 1] = True
     covered = (coverage(plan, store.num_tokens) > 0)[targets]
     doc_of = np.searchsorted(store.doc_offsets, np.flatnonzero(targets), "right") - 1
@@ -169,12 +170,15 @@ def document_coverage(plan: RowPlan, store: TokenStore) -> tuple[dict[str, int],
 
 
 def overlong_counts(config: Config, store: TokenStore) -> dict[str, Any] | None:
-    """What ``data.overlong`` does to this store's documents longer than a row (None where no strategy applies
-    it): how many, and how many are dropped, truncated or split; for instruction data, how many cut examples
-    kept no answer and are left out. The train log says it at the start of a run; the data report includes it."""
+    """What ``data.overlong`` does to this store's documents longer than a row (None where no
+    strategy applies it): how many, and how many are dropped, truncated or split; for instruction
+    data, how many cut examples kept no answer and are left out. The train log says it at the start
+    of a run; the data report includes it."""
     d = config.data
     if not strategies.STRATEGIES[d.strategy].documents:
         return None
+    if d.format == "preference":
+        return pairs.overlong_pairs(store, d.seq_len, d.resolved_overlong)
     report = overlong_report(store.doc_predictions, d.seq_len, d.resolved_overlong, store.doc_spans(),
                              scored_in(store))
     report["documents"] = store.num_docs
@@ -182,11 +186,17 @@ def overlong_counts(config: Config, store: TokenStore) -> dict[str, Any] | None:
 
 
 def overlong_line(report: dict[str, Any], what: str) -> str | None:
-    """The train log's line for an :func:`overlong_counts` report, or None when nothing is longer than a row."""
+    """The train log's line for an :func:`overlong_counts` report, or None when nothing is longer
+    than a row."""
     n = report["longer_than_a_row"]
     if not n:
         return None
     policy = report["policy"]
+    if "pairs" in report:  # preference pairs: each sequence against half a row
+        return (
+            f"data.overlong={policy}: {n} of {report['pairs']} pairs have a sequence longer than data.seq_len / 2 "
+            f"= {report['limit']}: {report['dropped']} dropped ({report['prompt_too_long']} whose prompt alone "
+            f"reaches it), {report['truncated']} cut to it")
     split = f"split into {report.get('pieces')} pieces, each its own segment"
     if what == "examples":
         split += " (a piece after the first lacks the example's start: its answers lose their prompt)"

@@ -25,7 +25,7 @@ import numpy as np
 
 from seqjax.core.errors import UsageError
 from seqjax.data import strategies
-from seqjax.data.contract import FIELDS
+from seqjax.data.contract import given_fields
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.ragged import ragged_arange, starts_in_groups
@@ -96,7 +96,7 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
         width = max(b["inputs"].shape[1] for b in batches)
         arrays = {
             k: np.stack([np.pad(b[k], ((0, 0), (0, width - b[k].shape[1]))) for b in batches])
-            for k in FIELDS
+            for k in given_fields(config.data)  # the five, and the optional ones (pairs: pair_ids, prefix_ids)
         }
         if not strategies.uses_grain_packer(config.data) and not store.sources:
             arrays["documents"], arrays["epochs"] = sources_of(config, store, len(batches), width)

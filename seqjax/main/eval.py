@@ -22,8 +22,10 @@ from seqjax.core.files import json_text, write_text_atomic
 from seqjax.eval.evaluate import evaluate, evaluate_lm_eval
 from seqjax.eval.lm_eval import MODE as LM_EVAL
 from seqjax.eval.lm_eval import read_lm_eval_split
+from seqjax.eval.pairs import evaluate_pairs
 from seqjax.main import cli, trained
 from seqjax.store.build import prepare
+from seqjax.train.inference import reference_for
 
 RESULTS_FILE = "eval_results.json"
 
@@ -58,6 +60,9 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     if config.eval.mode == LM_EVAL:  # raw pages with the model's tokenizer, no token store
         docs = read_lm_eval_split(config, split, prepare(config, splits=()).tokenizer)
         result = evaluate_lm_eval(model, docs, config, split=split)
+    elif config.data.format == "preference":  # the objective and TRL's metrics, against the run's reference
+        store = prepare(config, splits=(split,)).stores[split]
+        result = evaluate_pairs(model, reference_for(config, model), store, config, split=split)
     else:
         prepared = prepare(config, splits=(split,))
         result = evaluate(model, prepared.stores[split], config, split=split,

@@ -28,8 +28,8 @@ Each objective returns the sum of its per-pair losses over the micro-batch and t
 (``sft``: the chosen tokens), so the train step's one division gives a mean over the global batch's
 pairs however it is packed or cut into micro-batches. Each reports TRL's metrics, averaged over
 pairs: ``rewards/chosen`` (b (c - c0); reference-free objectives: b c / |c|, as TRL's CPO and ORPO
-log), ``rewards/rejected``, ``rewards/accuracies`` (chosen reward above rejected), ``rewards/margins``,
-``logps/chosen`` and ``logps/rejected`` (c and r).
+log), ``rewards/rejected``, ``rewards/accuracies`` (chosen reward above rejected),
+``rewards/margins``, ``logps/chosen`` and ``logps/rejected`` (c and r).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from seqjax.data.contract import Batch
 from seqjax.model.loss import segment_sums
 from seqjax.objectives.base import Inputs, Objective, Terms, target_logprobs
 
-REPORTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
+REPORTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
 
 
 def pair_sums(values: jax.Array, micro: Batch) -> tuple[jax.Array, jax.Array]:
@@ -87,15 +87,18 @@ class Pairs:
     def mean(self, per_pair: jax.Array) -> jax.Array:
         return jnp.sum(jnp.where(self.valid, per_pair, 0.0))
 
-    def report(self, chosen_reward: jax.Array, rejected_reward: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+    def report(self, chosen_reward: jax.Array,
+               rejected_reward: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
         """TRL's metrics, each a (sum over pairs, pairs)."""
         count = jnp.sum(self.valid).astype(jnp.float32)
         chosen_reward, rejected_reward = jax.lax.stop_gradient((chosen_reward, rejected_reward))
         values = {
-            "rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward,
+            "rewards/chosen": chosen_reward,
+            "rewards/rejected": rejected_reward,
             "rewards/accuracies": (chosen_reward > rejected_reward).astype(jnp.float32),
             "rewards/margins": chosen_reward - rejected_reward,
-            "logps/chosen": jax.lax.stop_gradient(self.c), "logps/rejected": jax.lax.stop_gradient(self.r),
+            "logps/chosen": jax.lax.stop_gradient(self.c),
+            "logps/rejected": jax.lax.stop_gradient(self.r),
         }
         return {name: (self.mean(value), count) for name, value in values.items()}
 
@@ -182,8 +185,9 @@ READS = ("pair_ids", )
 
 def _row(name: str, loss, doc: str, settings=SETTINGS, reference: bool = True,
          denominator=pair_count) -> Objective:
-    return Objective(name, loss, denominator=denominator, reads=READS, settings=settings, reference=reference,
-                     doc=doc, reports=REPORTS if denominator is pair_count else ())
+    return Objective(name, loss, denominator=denominator, reads=READS, settings=settings,
+                     reference=reference, doc=doc, reports=REPORTS if denominator is pair_count else
+                     ())
 
 
 DPO = _row("dpo", _with_reference(_dpo), "DPO's sigmoid loss on beta * (chosen - rejected log-ratio), "
@@ -195,5 +199,5 @@ SIMPO = _row("simpo", _simpo, "SimPO: reference-free, length-normalized, margin 
              settings=("beta", "label_smoothing", "simpo_gamma"), reference=False)
 ODDS_RATIO = _row("odds_ratio", _odds_ratio, "ORPO's odds-ratio term, -beta log s(log odds ratio)",
                   settings=("beta", ), reference=False)
-SFT = _row("sft", _sft, "negative log-likelihood of the chosen completions, per chosen token", settings=(),
-           reference=False, denominator=chosen_tokens)
+SFT = _row("sft", _sft, "negative log-likelihood of the chosen completions, per chosen token",
+           settings=(), reference=False, denominator=chosen_tokens)

@@ -60,7 +60,8 @@ def shipped_template(name: str) -> str:
             SHIPPED_TEMPLATES[name]).read_text(encoding="utf-8")
 
 
-def chat_template(path: str | None, tokenizer_path: Path | None, required: bool = True) -> tuple[str | None, str]:
+def chat_template(path: str | None, tokenizer_path: Path | None,
+                  required: bool = True) -> tuple[str | None, str]:
     """``(template text, where it came from)``: ``data.chat_template`` (a shipped template's name,
     or a file), else beside the tokenizer.json; ``(None, "")`` when there is none and it is not
     ``required`` (preference pairs of plain text need none)."""
@@ -204,19 +205,22 @@ def _render(spec: ExampleSpec, messages: list[dict], where: str, generation_prom
 
 
 def _valid_message(m: Any) -> bool:
-    """A ``{role, content}`` object with string values; an assistant turn that makes tool calls may have no
-    content (null, or no key), as OpenAI's and TRL's format writes it and transformers renders it."""
+    """A ``{role, content}`` object with string values; an assistant turn that makes tool calls may
+    have no content (null, or no key), as OpenAI's and TRL's format writes it and transformers
+    renders it."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         return False
     calls = m.get("tool_calls")
-    return isinstance(m.get("content"), str) or (m.get("content") is None and isinstance(calls, list) and calls)
+    return isinstance(m.get("content"), str) or (m.get("content") is None and
+                                                 isinstance(calls, list) and calls)
 
 
 def _check_messages(messages: Any, where: str, field: str) -> None:
     if not isinstance(messages, list) or not messages or not all(map(_valid_message, messages)):
         raise CorpusError(f"{where}: {field!r} must be a non-empty list of {{role, content}} objects "
                           "with string values (an assistant turn with tool_calls may have no content)")
-    if any(OPEN_MARK in (m.get("content") or "") or CLOSE_MARK in (m.get("content") or "") for m in messages):
+    if any(OPEN_MARK in (m.get("content") or "") or CLOSE_MARK in (m.get("content") or "")
+           for m in messages):
         raise CorpusError(f"{where}: a message holds U+E000 or U+E001, which mark generation blocks")
 
 
@@ -243,24 +247,28 @@ def chat_kwargs(spec: ExampleSpec, own: Any, where: str) -> dict:
     if own is None:
         own = {}
     if not isinstance(own, dict):
-        raise CorpusError(f"{where}: field {KWARGS_FIELD!r} is {type(own).__name__}; expected an object of "
-                          "template variables (such as {\"enable_thinking\": false})")
+        raise CorpusError(
+            f"{where}: field {KWARGS_FIELD!r} is {type(own).__name__}; expected an object of "
+            "template variables (such as {\"enable_thinking\": false})")
     taken = sorted(set(own) & set(TEMPLATE_VARIABLES))
     if taken:
-        raise CorpusError(f"{where}: field {KWARGS_FIELD!r} sets {taken[0]!r}, which seqjax itself passes the "
-                          "template; expected other names")
+        raise CorpusError(
+            f"{where}: field {KWARGS_FIELD!r} sets {taken[0]!r}, which seqjax itself passes the "
+            "template; expected other names")
     return {**json.loads(spec.template_kwargs), **own}
 
 
-def chat_prompt(spec: ExampleSpec, messages: Any, where: str, tools: Any = None, kwargs: Any = None) -> str:
+def chat_prompt(spec: ExampleSpec, messages: Any, where: str, tools: Any = None,
+                kwargs: Any = None) -> str:
     """``messages`` rendered with the generation prompt (the assistant's turn opened), for
     generation; ``kwargs``: the chat's own template variables."""
     _check_messages(messages, where, spec.messages_field)
-    return _render(spec, messages, where, True, chat_tools(spec, tools, where), chat_kwargs(spec, kwargs, where))[0]
+    return _render(spec, messages, where, True, chat_tools(spec, tools, where),
+                   chat_kwargs(spec, kwargs, where))[0]
 
 
-def chat_text(spec: ExampleSpec, messages: Any, where: str, generation_prompt: bool = False, tools: Any = None,
-              kwargs: Any = None) -> str:
+def chat_text(spec: ExampleSpec, messages: Any, where: str, generation_prompt: bool = False,
+              tools: Any = None, kwargs: Any = None) -> str:
     """``messages`` rendered as ``apply_chat_template(messages, tools=..., **kwargs)`` renders them
     (checked first; one line naming ``where`` for a bad message or a template that fails)."""
     _check_messages(messages, where, spec.messages_field)
@@ -306,8 +314,8 @@ def chat_spans(spec: ExampleSpec, messages: Any, where: str, tools: Any = None,
     return text, spans[-1:] if spec.loss_on == "last_assistant" else spans
 
 
-def _twin_spans(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, kwargs: dict, text: str,
-                n_turns: int) -> list[tuple[int, int]] | None:
+def _twin_spans(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, kwargs: dict,
+                text: str, n_turns: int) -> list[tuple[int, int]] | None:
     """The answers' spans as the spec's twin marks them, when the twin renders ``messages`` to
     ``text`` too."""
     try:
@@ -318,8 +326,8 @@ def _twin_spans(spec: ExampleSpec, messages: list[dict], tools: list[dict] | Non
     return spans if twin_text == text and len(spans) == n_turns else None
 
 
-def _prefix_span(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, kwargs: dict, k: int,
-                 text: str, where: str) -> tuple[int, int]:
+def _prefix_span(spec: ExampleSpec, messages: list[dict], tools: list[dict] | None, kwargs: dict,
+                 k: int, text: str, where: str) -> tuple[int, int]:
     """Assistant message ``k``'s span: what ``messages[:k + 1]`` adds to ``messages[:k]`` with the
     generation prompt."""
     try:

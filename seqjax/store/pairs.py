@@ -35,7 +35,8 @@ from seqjax.store.spec import KWARGS_FIELD, ExampleSpec
 
 def conversational(value: Any) -> bool:
     """A list of ``{role, ...}`` messages (TRL's ``is_conversational``)."""
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and "role" in m for m in value)
 
 
 def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
@@ -66,7 +67,8 @@ def pair_texts(spec: ExampleSpec, record: dict, where: str) -> tuple[str, str, s
     equal completion, is one line."""
     chosen, rejected = record.get(spec.chosen_field), record.get(spec.rejected_field)
     prompt = record.get(spec.prompt_field)
-    if prompt is None or conversational(chosen) != conversational(prompt):  # implicit (TRL's maybe_extract)
+    if prompt is None or conversational(chosen) != conversational(
+            prompt):  # implicit (TRL's maybe_extract)
         prompt, chosen, rejected = extract_prompt(chosen, rejected) if isinstance(chosen, (str, list)) and \
             isinstance(rejected, (str, list)) else (None, chosen, rejected)
     form = "conversational" if conversational(chosen) else "standard"
@@ -81,34 +83,40 @@ def pair_texts(spec: ExampleSpec, record: dict, where: str) -> tuple[str, str, s
         which = spec.chosen_field if not chosen else spec.rejected_field
         raise CorpusError(f"{where}: field {which!r} is empty after the prompt; expected a completion")
     if chosen == rejected:
-        raise CorpusError(f"{where}: {spec.chosen_field!r} equals {spec.rejected_field!r}; expected two "
-                          "different completions (a pair teaches nothing otherwise)")
+        raise CorpusError(
+            f"{where}: {spec.chosen_field!r} equals {spec.rejected_field!r}; expected two "
+            "different completions (a pair teaches nothing otherwise)")
     if form == "standard":
         eos = spec.eos_token
         return (prompt, prompt + chosen + ("" if chosen.endswith(eos) else eos),
                 prompt + rejected + ("" if rejected.endswith(eos) else eos), False)
     if spec.chat_template is None:
-        raise CorpusError(f"{where}: a conversational pair, and no chat template; set data.chat_template")
+        raise CorpusError(
+            f"{where}: a conversational pair, and no chat template; set data.chat_template")
     tools, kwargs = record.get(spec.tools_field), record.get(KWARGS_FIELD)
     return (chat_text(spec, prompt, where, True, tools, kwargs) if prompt else "",
             chat_text(spec, prompt + chosen, where, tools=tools, kwargs=kwargs),
             chat_text(spec, prompt + rejected, where, tools=tools, kwargs=kwargs), True)
 
 
-def encode_pair(spec: ExampleSpec, tokenizer, record: dict, where: str) -> tuple[np.ndarray, np.ndarray, int, int]:
+def encode_pair(spec: ExampleSpec, tokenizer, record: dict,
+                where: str) -> tuple[np.ndarray, np.ndarray, int, int]:
     """``(chosen ids, rejected ids, prompt length, bytes)``: both sequences start with the same
     ``prompt length`` ids; everything after them is the completion."""
     prompt, with_chosen, with_rejected, chat = pair_texts(spec, record, where)
-    # a rendered chat holds its special tokens itself; plain text gets the tokenizer's own (TRL's _tokenize)
+    # a rendered chat holds its special tokens itself; plain text gets the tokenizer's own (TRL's
+    # _tokenize)
     encode = tokenizer.encode_text if chat else tokenizer.encode_special
     prompt_ids = encode(prompt) if prompt else []
     chosen_ids, rejected_ids = encode(with_chosen), encode(with_rejected)
     n = min(_common_prefix(prompt_ids, chosen_ids), _common_prefix(prompt_ids, rejected_ids))
     if n == 0:
-        raise CorpusError(f"{where}: the prompt is empty (no shared first token); expected a prompt the "
-                          "completions follow")
+        raise CorpusError(
+            f"{where}: the prompt is empty (no shared first token); expected a prompt the "
+            "completions follow")
     if n >= min(len(chosen_ids), len(rejected_ids)):
-        raise CorpusError(f"{where}: a completion tokenizes to nothing after the prompt; expected at least "
-                          "one token of each")
+        raise CorpusError(
+            f"{where}: a completion tokenizes to nothing after the prompt; expected at least "
+            "one token of each")
     return (np.asarray(chosen_ids, np.int64), np.asarray(rejected_ids, np.int64), n,
             len((with_chosen + with_rejected).encode("utf-8")))

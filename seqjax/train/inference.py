@@ -24,7 +24,7 @@ from seqjax.hf import folders as hf
 from seqjax.hf.peft import ADAPTER_WEIGHTS
 from seqjax.model import build_model, split_params
 from seqjax.model.assembly import assemble, full_weights, stored_base
-from seqjax.model.lora import frozen_part
+from seqjax.model.lora import adapters_off, frozen_part
 from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite
 from seqjax.train.adapters import adapter_params, base_identity, check_base, peft_folder
@@ -116,7 +116,8 @@ def base_weights(path: str, dtype: str, scan_layers: bool) -> dict[str, Any]:
     return blocks_layout(full_weights(model, dtype), stacked=scan_layers)
 
 
-def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Any]:
+def load_for_inference(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Any]:
     """(config, model with trained weights) from a run dir (its newest readable checkpoint) or a
     step folder.
 
@@ -134,7 +135,8 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     if own_tokenizer.is_file() and not any(o.startswith("tokenizer.path=") for o in overrides):
         config.tokenizer.path = str(own_tokenizer)  # the run's copy, wherever the run folder now is
     graphdef, params, frozen, rest = split_params(build_model(config, rngs=nnx.Rngs(config.run.seed)))
-    step, restored = _newest_params(config, config_file, checkpoints, step, abstract(nnx.to_pure_dict(params)))
+    step, restored = _newest_params(config, config_file, checkpoints, step,
+                                    abstract(nnx.to_pure_dict(params)))
     step_dir = checkpoints / str(step)
     if frozen is None:
         model = assemble(graphdef, restored, None, rest)
@@ -142,8 +144,11 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
         base = nnx.to_pure_dict(frozen)
         if config.train.init_from:
             base = frozen_part(_lora_base(config, config_file), config.model.lora)
-        check_base(read_meta(step_dir).get("lora_base"), base_identity(base, config.train.init_from), step_dir)
-        model = assemble(graphdef, restored, stored_base(base, config.model), rest)  # QLoRA: as trained
+        check_base(
+            read_meta(step_dir).get("lora_base"), base_identity(base, config.train.init_from),
+            step_dir)
+        # QLoRA: as trained
+        model = assemble(graphdef, restored, stored_base(base, config.model), rest)
     model.checkpoint_step = step  # which step was read (an older one when the newest is unreadable)
     return config, model
 
@@ -153,8 +158,9 @@ def with_adapter(config: Config, model: Any, folder: str) -> tuple[Config, Any]:
     it, as ``--adapter`` gives eval, generate and export: the adapter's own settings become
     ``model.lora``, and no step is trained."""
     if config.model.lora.rank:
-        raise ConfigError(f"--adapter: the model already has model.lora adapters (rank {config.model.lora.rank}); "
-                          "expected a base model without adapters")
+        raise ConfigError(
+            f"--adapter: the model already has model.lora adapters (rank {config.model.lora.rank}); "
+            "expected a base model without adapters")
     lora, tensors = peft_folder(folder, "--adapter", config.model)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, lora=lora))
     config.model.check()
@@ -166,6 +172,24 @@ def with_adapter(config: Config, model: Any, folder: str) -> tuple[Config, Any]:
     return config, model
 
 
+def reference_for(config: Config, model: Any) -> Any:
+    """A trained model's preference reference, as its run trained against it: under ``model.lora``
+    (``train.reference=auto`` or ``precompute``) the same model with its adapters off; otherwise its
+    starting weights (``train.init_from``, or ``run.seed``'s initialization)."""
+    if config.model.lora.rank and config.train.reference in ("auto", "precompute"):
+        graphdef, state = nnx.split(model)
+        return nnx.merge(adapters_off(graphdef, state), state)
+    if config.model.lora.rank:
+        raise ConfigError(
+            "train.reference: got copy with model.lora: the starting adapters are not kept with the "
+            "run; evaluate with train.reference=auto (the base) instead")
+    graphdef, params, _, rest = split_params(build_model(config, rngs=nnx.Rngs(config.run.seed)))
+    if config.train.init_from:
+        params = base_weights(config.train.init_from, config.model.param_dtype,
+                              config.model.scan_layers)
+    return assemble(graphdef, params, None, rest)
+
+
 def _lora_base(config: Config, config_file: Path) -> dict[str, Any]:
     """The weights a LoRA run's adapters sit on (its ``train.init_from``), or one line saying the
     base is gone from where the run found it."""
@@ -173,19 +197,21 @@ def _lora_base(config: Config, config_file: Path) -> dict[str, Any]:
     if not Path(where).expanduser().exists():
         raise ConfigError(
             f"train.init_from: {where}, the base the LoRA run {config_file.parent} trained its adapters on, is "
-            "missing (moved or deleted); expected that folder, or train.init_from=NEW_PATH where it now is")
+            "missing (moved or deleted); expected that folder, or train.init_from=NEW_PATH where it now is"
+        )
     return base_weights(where, config.model.param_dtype, config.model.scan_layers)
 
 
 def _newest_params(config: Config, config_file: Path, checkpoints: Path, step: int | None,
                    target: Any) -> tuple[int, Any]:
-    """(step, parameters) of ``step`` or, when None, the newest readable checkpoint, in the layout of
-    ``model.scan_layers``; finite, and shaped as ``target``."""
+    """(step, parameters) of ``step`` or, when None, the newest readable checkpoint, in the layout
+    of ``model.scan_layers``; finite, and shaped as ``target``."""
     errors = []
 
     def restore(candidate: int) -> Any:
         saved = read_saved(checkpoints / str(candidate), config_file, items=("params",))
-        # read in the layout it was saved in (model.scan_layers), then converted to the one asked for
+        # read in the layout it was saved in (model.scan_layers), then converted to the one asked
+        # for
         as_saved = blocks_layout(target, stacked=saved_stacked(saved.arrays["params"]))
         wrong = array_differences(saved.arrays["params"], array_table(as_saved))
         if wrong:
@@ -194,17 +220,22 @@ def _newest_params(config: Config, config_file: Path, checkpoints: Path, step: i
             raise CheckpointMismatchError(
                 f"checkpoint {checkpoints / str(candidate)} does not fit the model asked for ({keys}): its "
                 f"parameters differ: {'; '.join(wrong[:4])}{'; ...' if len(wrong) > 4 else ''}")
-        # Only the params item is read, so no CheckpointManager (which also wants to manage the folder).
+        # Only the params item is read, so no CheckpointManager (which also wants to manage the
+        # folder).
         with ocp.StandardCheckpointer() as reader:
-            restored = like_target(as_saved, reader.restore(checkpoints / str(candidate) / "params", as_saved))
+            restored = like_target(
+                as_saved, reader.restore(checkpoints / str(candidate) / "params", as_saved))
         return blocks_layout(restored, stacked=config.model.scan_layers)
 
     def unreadable(candidate: int, err: Exception) -> None:
         errors.append(f"step {candidate}: {first_line(err)}")
         log.warning("checkpoint %s is unreadable; trying an older one", checkpoints / str(candidate))
 
-    # A step folder is named by its number only once orbax has committed it (in-progress writes have a suffix).
-    steps = [step] if step is not None else [int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()]
+    # A step folder is named by its number only once orbax has committed it (in-progress writes have
+    # a suffix).
+    steps = [step] if step is not None else [
+        int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()
+    ]
     if not steps:
         raise CheckpointError(f"no complete checkpoint in {checkpoints}")
     quiet_orphaned_reads()  # a damaged step's orphaned reads would each print a traceback

@@ -37,6 +37,7 @@ from seqjax.config.load import announce
 from seqjax.config.tree import Config, ConfigError
 from seqjax.data.strategies import check_config
 from seqjax.eval.evaluate import evaluate
+from seqjax.eval.pairs import evaluate_pairs
 from seqjax.model import sharding
 from seqjax.model.assembly import assemble
 from seqjax.model.attention import resolve_backend
@@ -118,6 +119,11 @@ def _init_source(config: Config) -> tuple[Config, init_from.Source | None]:
         logger.info(
             "run.dir %s holds checkpoints (newest: step %d): the adapters resume from them, on their "
             "base train.init_from=%s", config.run.dir, max(saved), config.train.init_from)
+    elif saved and objective_of(config).reference and (not config.model.lora.rank or config.train.reference == "copy"):
+        logger.info(
+            "run.dir %s holds checkpoints (newest: step %d): the run resumes from them, and the reference "
+            "model is again a frozen copy of train.init_from=%s", config.run.dir, max(saved),
+            config.train.init_from)
     elif saved:
         # said before any work: resuming the run's own checkpoints wins (as a requeued job expects)
         logger.warning("run.dir %s holds checkpoints (newest: step %d): the run resumes from them and "
@@ -148,9 +154,13 @@ def _validation(run: Setup, params, mesh, step: int, validate, log: MetricsLog) 
         row = {"step": step, **validate(model, step)}
     else:
         cap = None if step == config.train.steps else config.train.eval_batches
-        row = {"step": step, **_scores(model, run.valid_store, config, mesh, cap, run.primary)}
+        row = {"step": step, **_scores(model, run.valid_store, config, mesh, cap, run.primary,
+                                       _reference(run, params, model))}
     log.write(row, prefix="valid")
-    if run.primary:
+    if run.primary and "val_rewards/accuracies" in row:
+        logger.info("step %d: validation loss %.4f, reward accuracy %.3f, margin %.4f", step,
+                    row["val_loss"], row["val_rewards/accuracies"], row["val_rewards/margins"])
+    elif run.primary:
         logger.info("step %d: validation loss %.4f, perplexity %.2f", step, row["val_loss"],
                     row["val_perplexity"])
         for name, source in row.get("val_sources", {}).items():
@@ -159,8 +169,30 @@ def _validation(run: Setup, params, mesh, step: int, validate, log: MetricsLog) 
     return row
 
 
-def _scores(model, store, config: Config, mesh, max_batches: int | None,
-            progress: bool) -> dict[str, Any]:
+def _reference(run: Setup, params, model):
+    """The preference objective's reference model as training uses it: its frozen copy, or the state
+    with the adapters off (the policy itself when the objective has none); or the validation
+    split's precomputed table."""
+    if run.reference_tables is not None:  # train.reference=precompute: the split's table
+        return run.reference_tables[run.config.eval.split]
+    base = run.frozen[0] if run.frozen else None
+    if len(run.frozen) == 2:
+        return assemble(run.graphdef, run.frozen[1], base, run.rest)
+    if run.reference_graphdef is not None:
+        return assemble(run.reference_graphdef, params, base, run.rest)
+    return model
+
+
+def _scores(model, store, config: Config, mesh, max_batches: int | None, progress: bool,
+            reference=None) -> dict[str, Any]:
+    if config.data.format == "preference":  # the objective and TRL's metrics over pairs
+        result = evaluate_pairs(model, reference, store, config, max_batches=max_batches)
+        return {
+            "val_loss": result["loss"], "val_complete": result["complete"],
+            "val_pairs": result["pairs"],
+            **{f"val_{k}": v
+               for k, v in result.items() if k.startswith(("rewards/", "logps/"))}
+        }
     result = evaluate(model, store, config, mesh=mesh, max_batches=max_batches, progress=progress)
     val_loss = result["nll_sum"] / result["tokens"]
     row = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss), "val_tokens": result["tokens"],
@@ -194,17 +226,20 @@ def _step_logger(run: Setup, log: MetricsLog, restored: Restored | None, checkpo
 
 
 def _flops_per_token(run: Setup):
-    return functools.partial(flops_per_token, run.config.model, num_params=run.num_params,
-                             vocab_size=run.config.model.vocab_size)
+    return functools.partial(flops_per_token, run.config.model, num_params=run.model_params,
+                             vocab_size=run.config.model.vocab_size, trained=run.num_params)
 
 
-def _builtin_hooks(run: Setup, mesh, validate, log: MetricsLog, steps: StepLogger, checkpoints: Checkpointer,
-                   stop_request: StopRequest, profiler: ProfileWindow, last_val: list) -> Any:
-    """The run's own hooks (seqjax.train.hooks.builtin_hooks) over this run's objects; the validate hook keeps
-    its newest row in ``last_val``."""
+def _builtin_hooks(run: Setup, mesh, validate, log: MetricsLog, steps: StepLogger,
+                   checkpoints: Checkpointer, stop_request: StopRequest, profiler: ProfileWindow,
+                   last_val: list) -> Any:
+    """The run's own hooks (seqjax.train.hooks.builtin_hooks) over this run's objects; the validate
+    hook keeps its newest row in ``last_val``."""
     tc = run.config.train
-    meta = {"processes": jax.process_count(), "devices": jax.device_count(), "data_identity": run.identity,
-            **({"lora_base": run.base} if run.base is not None else {})}
+    meta = {
+        "processes": jax.process_count(), "devices": jax.device_count(),
+        "data_identity": run.identity, **({"lora_base": run.base} if run.base is not None else {})
+    }
 
     def validation(state: StepState) -> None:
         last_val[:] = [_validation(run, state.params, mesh, state.step, validate, log)]
@@ -215,7 +250,8 @@ def _builtin_hooks(run: Setup, mesh, validate, log: MetricsLog, steps: StepLogge
     validating = run.valid_store is not None or validate is not None
     duties = Duties(steps, checkpoints, checkpoint_meta, run.config, validation if validating else None,
                     lambda: stop_request.signum, profiler, stop_request.critical)
-    return builtin_hooks(duties, last_step=tc.steps, checkpoint_every=tc.checkpoint_every, eval_every=tc.eval_every)
+    return builtin_hooks(duties, last_step=tc.steps, checkpoint_every=tc.checkpoint_every,
+                         eval_every=tc.eval_every)
 
 
 def _train(config: Config, mesh, wall_start: float, validate, source: init_from.Source | None,
@@ -244,7 +280,8 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
     profiler = ProfileWindow(tc.profile, run.run_dir / "profile")
     last_val: list[dict[str, Any]] = []  # the newest validation row, kept by the validate hook
     stop_request = StopRequest(enabled=jax.process_count() == 1)
-    hooks = _builtin_hooks(run, mesh, validate, log, steps, checkpoints, stop_request, profiler, last_val)
+    hooks = _builtin_hooks(run, mesh, validate, log, steps, checkpoints, stop_request, profiler,
+                           last_val)
     hooks.extend(extra_hooks)
     try:
         with stop_request, steps, DevicePrefetch(run.data_iterator, run.to_device,

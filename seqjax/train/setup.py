@@ -39,6 +39,7 @@ from flax import nnx
 from seqjax.config.tree import DATA_DIR_ENV, Config, ConfigError
 from seqjax.core.files import write_text_atomic
 from seqjax.data.contract import check_reads
+from seqjax.data.pairs import with_reference
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.stats import overlong_counts, overlong_line
 from seqjax.model import build_model, quant, sharding, split_params
@@ -49,7 +50,7 @@ from seqjax.store.build import prepare
 from seqjax.store.chat import find_chat_template
 from seqjax.store.spec import CHAT_TEMPLATE_FILE
 from seqjax.store.splits import has_split
-from seqjax.train import adapters, init_from
+from seqjax.train import adapters, init_from, reference
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.metrics import unigram_perplexity
 from seqjax.train.optimizer import build_optimizer
@@ -75,7 +76,8 @@ class Setup:
     params: Any
     opt_state: Any
     rng: jax.Array
-    num_params: int
+    num_params: int  # what trains
+    model_params: int  # the whole model's (the frozen base included)
     learning_rates: np.ndarray
     data_iterator: Any
     identity: dict[str, Any]
@@ -85,7 +87,12 @@ class Setup:
     # model.lora: the base the adapters belong to (train.init_from and a hash)
     base: dict[str, Any] | None
     objective: Objective
-    overlong: dict[str, Any] | None  # what data.overlong did to the train split (the log's line, summary.json)
+    # model.lora's graph with the adapters off (a preference reference), or None
+    reference_graphdef: Any
+    # train.reference=precompute: each split's reference log-probabilities [pairs, 2], else None
+    reference_tables: dict[str, np.ndarray] | None
+    overlong: dict[
+        str, Any] | None  # what data.overlong did to the train split (the log's line, summary.json)
     step_fn: Callable
     to_device: Callable
 
@@ -102,6 +109,7 @@ class Placed:
     param_shardings: dict
     frozen: dict | None = None
     frozen_shardings: dict | None = None
+    model_params: int = 0  # every parameter, the frozen base's as built (before QLoRA stores it)
 
 
 def with_vocab(config: Config, vocab_size: int) -> Config:
@@ -145,6 +153,11 @@ def keep_tokenizer(tokenizer_path: Path, run_dir: Path) -> None:
             write_text_atomic(run_dir / CHAT_TEMPLATE_FILE, template)
 
 
+def count(tree) -> int:
+    """The number of parameters in ``tree``."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
 def sharded_model(config: Config, mesh) -> Placed:
     """The model of ``run.seed``'s initialization, split (what trains; the frozen base) and placed
     on the mesh."""
@@ -155,6 +168,7 @@ def sharded_model(config: Config, mesh) -> Placed:
     if frozen is not None:
         placed.frozen_shardings = sharding.param_shardings(frozen, mesh)
         placed.frozen = sharding.place(nnx.to_pure_dict(frozen), placed.frozen_shardings)
+    placed.model_params = count(placed.params) + count(placed.frozen)
     return placed
 
 
@@ -240,7 +254,8 @@ def objective_of(config: Config) -> Objective:
     if objective.reference and lora.rank and lora.modules_to_save and tc.reference == "auto":
         raise ConfigError(
             f"train.reference: got auto with {who} and model.lora.modules_to_save {lora.modules_to_save}: the "
-            "base with its adapters off still has the trained modules; expected train.reference=copy")
+            "base with its adapters off still has the trained modules; expected train.reference=copy"
+        )
     return objective
 
 
@@ -250,14 +265,32 @@ def reference_arguments(placed: Placed, config: Config, objective: Objective):
     under model.lora the same state with its adapters off (train.reference)."""
     extras = () if placed.frozen is None else (placed.frozen, )
     shardings = () if placed.frozen is None else (placed.frozen_shardings, )
-    if not objective.reference:
+    if not objective.reference or config.train.reference == "precompute":  # (precompute: the batch has it)
         return extras, shardings, None
     if config.model.lora.rank and config.train.reference == "auto":
-        return extras, shardings, adapters_off(placed.graphdef, placed.params, placed.frozen, placed.rest)
+        return extras, shardings, adapters_off(placed.graphdef, placed.params, placed.frozen,
+                                               placed.rest)
     # a copy of the starting weights (the step donates what trains, so the copy is its own buffers)
     copy = sharding.place(jax.tree.map(jnp.copy, placed.params), placed.param_shardings)
-    log.info("the reference model: a frozen copy of the starting %s", "adapters" if placed.frozen else "weights")
+    log.info("the reference model: a frozen copy of the starting %s",
+             "adapters" if placed.frozen else "weights")
     return (placed.frozen, copy), (placed.frozen_shardings, placed.param_shardings), None
+
+
+def precomputed_reference(config: Config, placed: Placed, base: dict[str, Any] | None, objective: Objective,
+                          stores: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """``train.reference=precompute``: each split's table of reference log-probabilities
+    (:mod:`seqjax.train.reference`), of the model ``auto`` would use: the base with the adapters off
+    under model.lora, else the starting weights. None for any other reference."""
+    if not objective.reference or config.train.reference != "precompute":
+        return None
+    frozen = () if placed.frozen is None else (placed.frozen, )
+    if config.model.lora.rank:
+        graphdef = adapters_off(placed.graphdef, placed.params, *frozen, placed.rest)
+    else:
+        graphdef, base = placed.graphdef, adapters.base_identity(placed.params, config.train.init_from)
+    return reference.reference_tables(config, graphdef, (placed.params, *frozen, placed.rest), base,
+                                      {k: v for k, v in stores.items() if v is not None})
 
 
 def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
@@ -270,9 +303,12 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     overlong = overlong_counts(config, train_store)
     examples = train_store.mask is not None
     line = overlong and overlong_line(overlong, "examples" if examples else "documents")
-    if line and jax.process_index() == 0:  # (instruction data: a warning; long text documents are usual)
+    if line and jax.process_index(
+    ) == 0:  # (instruction data: a warning; long text documents are usual)
         log.log(logging.WARNING if examples else logging.INFO, "%s", line)
     placed, base = starting_weights(config, mesh, source)
+    tables = precomputed_reference(config, placed, base, objective,
+                                   {"train": train_store, config.eval.split: valid_store})
     tx, schedule = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
     opt_state, opt_shardings = sharded_optimizer_state(tx, placed.params, placed.param_shardings,
@@ -281,8 +317,10 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     process_index, process_count = jax.process_index(), jax.process_count()
     settings = {key: getattr(tc, key) for key in objective.settings}
     extras, extra_shardings, reference_graphdef = reference_arguments(placed, config, objective)
-    step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss,
-                           objective=objective, settings=settings, reference_graphdef=reference_graphdef)
+    step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum,
+                           z_loss=tc.z_loss, objective=objective, settings=settings,
+                           reference_graphdef=reference_graphdef, precomputed=tables is not None)
+    data = build_pipeline(config, train_store, process_index=process_index, process_count=process_count)
     return Setup(
         config=config,
         run_dir=Path(config.run.dir),
@@ -297,18 +335,20 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         opt_state=opt_state,
         frozen=extras,
         rng=sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated),
-        num_params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(placed.params)),
+        num_params=count(placed.params),
+        model_params=placed.model_params,
         # Every step's learning rate up front: one small computation instead of eager ops in the
         # loop.
         learning_rates=np.asarray(jax.jit(jax.vmap(schedule))(np.arange(tc.steps + 1))),
-        data_iterator=iter(
-            build_pipeline(config, train_store, process_index=process_index,
-                           process_count=process_count)),
+        data_iterator=iter(data if tables is None else
+                           data.map(functools.partial(with_reference, logps=tables["train"]))),
+        reference_tables=tables,
         # What the batches are cut from; a checkpoint records it, so a resume on other text or
         # tokenizer is seen.
         identity={"tokenizer": prepared.tokenizer.hash, "sources": train_store.text_identity},
         base=base,
         objective=objective,
+        reference_graphdef=reference_graphdef,
         overlong=overlong,
         step_fn=jax.jit(
             step,

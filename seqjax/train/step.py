@@ -63,14 +63,17 @@ def micro_batches(batch: Batch, k: int) -> Batch:
 
 
 def reference_model(objective: Objective, graphdef: nnx.GraphDef, reference_graphdef: nnx.GraphDef | None,
-                    rest: Any) -> Callable:
+                    rest: Any, precomputed: bool = False) -> Callable:
     """``(params, frozen, reference) -> None or (micro-batch -> the reference model's per-target
     log-probabilities)``: a frozen copy (``reference``) or, when there is none, the same state under
-    ``reference_graphdef`` (the adapters off). No dropout, no gradient."""
+    ``reference_graphdef`` (the adapters off); ``precomputed``: the batch's ``reference_logps``
+    (``train.reference=precompute``), no model run. No dropout, no gradient."""
 
     def reference_logprobs(params, frozen, reference):
         if not objective.reference:
             return None
+        if precomputed:
+            return lambda micro: micro["reference_logps"]
         base = [] if frozen is None else [frozen]
         if reference is not None:
             model = nnx.merge(graphdef, reference, *base, rest)
@@ -91,6 +94,7 @@ def make_train_step(
     objective: Objective = DEFAULT,
     settings: Mapping[str, Any] | None = None,
     reference_graphdef: nnx.GraphDef | None = None,
+    precomputed: bool = False,
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
     """``step(params, opt_state, batch, rng=None, step=0, frozen=None, reference=None) -> (params,
     opt_state, metrics)``, pure and jittable.
@@ -100,16 +104,16 @@ def make_train_step(
     constant: no gradient, no optimizer state). ``rng`` (the run's key data) and ``step`` seed
     dropout; with ``rng=None`` nothing is dropped. ``objective`` (``train.objective``,
     :mod:`seqjax.objectives`) is what each micro-batch's loss computes,
-    ``settings`` the ``train.*`` values it reads (``z_loss`` by default). ``metrics`` holds ``loss``
+    ``settings`` the ``train.*`` values it reads (``z_loss`` by default). ``metrics``: ``loss``
     (the objective's loss), ``objective`` (plus regularizers such as z-loss), ``grad_norm`` (before
     clipping), ``weight_sum`` (what the loss was divided by: scored tokens, pairs), ``tokens``
     (non-padding input tokens of the global batch), ``finite``, and ``reported``: the metrics the
     objective reports (TRL's rewards/*, ...), each already divided by its count.
 
-    A reference model (DPO, ...): ``reference`` or ``reference_graphdef`` (:func:`reference_model`).
+    A reference (DPO, ...): ``reference``, ``reference_graphdef``, ``precomputed`` (:func:`reference_model`).
     """
     settings = {"z_loss": z_loss, **(settings or {})}
-    reference_logprobs = reference_model(objective, graphdef, reference_graphdef, rest)
+    reference_logprobs = reference_model(objective, graphdef, reference_graphdef, rest, precomputed)
 
     def summed_objective(params, micro: Batch, key, frozen, totals, reference):
         model = nnx.merge(graphdef, params, *([] if frozen is None else [frozen]), rest)
