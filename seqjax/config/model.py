@@ -109,9 +109,9 @@ class LoraConfig:
         "(4-bit NormalFloat, per-block scales), dequantized per layer in the forward pass",
         choices=("none", "int8", "nf4"), resume=MODEL)
     quant_block: int = setting(
-        64, "nf4: inputs per scale block of each output channel (bitsandbytes' 64); it must divide each "
-        "input width larger than it, and a narrower one is one block", min=2,
-        resume=MODEL)
+        64,
+        "nf4: inputs per scale block of each output channel (bitsandbytes' 64); it must divide each "
+        "input width larger than it, and a narrower one is one block", min=2, resume=MODEL)
 
     def check(self) -> None:
         """The rules of model.lora; PEFT's names in targets and modules_to_save become seqjax's."""
@@ -330,13 +330,19 @@ class ModelConfig:
         if self.tie_embeddings and "head" in self.lora.modules_to_save:
             raise ConfigError(
                 "model.lora.modules_to_save: got 'head' with model.tie_embeddings true, where the head is "
-                "the embedding table; expected 'embed' (it trains both, as PEFT's ensure_weight_tying)")
+                "the embedding table; expected 'embed' (it trains both, as PEFT's ensure_weight_tying)"
+            )
         if self.lora.quantize == "nf4":
-            # nf4 scales every quant_block inputs along each projection's last input axis: d_model (q, k, v,
-            # gate, up), head_dim (o), d_ff (down); a block that does not divide one would be no block at all
+            # nf4 scales every quant_block inputs along each projection's last input axis: d_model
+            # (q, k, v, gate, up), head_dim (o), d_ff (down); a block that does not divide one would
+            # be no block at all
             widths = {"d_model": self.d_model, "head_dim": self.head_dim, "d_ff": self.d_ff}
             # (a width no larger than the block is one block: the whole axis shares its scale)
-            bad = {k: v for k, v in widths.items() if v % self.lora.quant_block and v > self.lora.quant_block}
+            bad = {
+                k: v
+                for k, v in widths.items()
+                if v % self.lora.quant_block and v > self.lora.quant_block
+            }
             if bad:
                 raise ConfigError(
                     f"model.lora.quant_block: got {self.lora.quant_block}, expected a divisor of every quantized "

@@ -347,19 +347,25 @@ class EpochPlanner:
         of the strategy's (:mod:`seqjax.data.pairs`)."""
         d = self.data
         order = first + (rng.permutation(end - first) if d.shuffle else np.arange(end - first))
-        kept, chosen, rejected, n = pairs.pair_sequences(self.store, order, d.seq_len, d.resolved_overlong)
+        kept, chosen, rejected, n = pairs.pair_sequences(self.store, order, d.seq_len,
+                                                         d.resolved_overlong)
         predictions = pairs.pair_predictions(chosen, rejected, n, d.shared_prompt)
         strategy = STRATEGIES[d.strategy]
         config = self.config
-        if d.max_segments_per_row is not None:  # (it counts segments: a pair is two, three with a shared prompt)
+        # (it counts segments: a pair is two, three with a shared prompt)
+        if d.max_segments_per_row is not None:
             per_pair = max(1, d.max_segments_per_row // (3 if d.shared_prompt else 2))
-            config = dataclasses.replace(config, data=dataclasses.replace(d, max_segments_per_row=per_pair))
+            config = dataclasses.replace(config,
+                                         data=dataclasses.replace(d, max_segments_per_row=per_pair))
         arranged = strategy.document_rows(np.arange(len(kept)), predictions + 1, config)
-        starts, lengths, per_pair = pairs.pair_pieces(self.store, kept, chosen, rejected, n, d.shared_prompt)
-        starts, lengths, row_ptr = pairs.expand(arranged.row_ptr, arranged.starts, starts, lengths, per_pair)
+        starts, lengths, per_pair = pairs.pair_pieces(self.store, kept, chosen, rejected, n,
+                                                      d.shared_prompt)
+        starts, lengths, row_ptr = pairs.expand(arranged.row_ptr, arranged.starts, starts, lengths,
+                                                per_pair)
         widths = arranged.widths if arranged.widths is not None else d.seq_len
         plan = RowPlan.from_rows(starts, lengths, row_ptr, d.batch_size, widths)
-        return plan.take(rng.permutation(plan.num_rows)) if d.shuffle and strategy.reshuffle_rows else plan
+        return plan.take(rng.permutation(
+            plan.num_rows)) if d.shuffle and strategy.reshuffle_rows else plan
 
     def check_rows(self, whole_batch: bool = True) -> None:
         """Refuse a strategy that gives no row, or (``whole_batch``) an epoch smaller than a batch,

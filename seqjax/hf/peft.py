@@ -115,7 +115,8 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
     targets = _names(config.get("target_modules"), source, "target_modules")
     excluded = _names(config.get("exclude_modules"), source, "exclude_modules") or []
     if targets is None:
-        raise CheckpointError(f"{source}: target_modules: got null, expected the modules that hold adapters")
+        raise CheckpointError(
+            f"{source}: target_modules: got null, expected the modules that hold adapters")
     linear = [f"model.layers.{i}.{HF_MODULES[t]}" for i in range(cfg.n_layers) for t in LORA_TARGETS]
     others = ["lm_head", "model.embed_tokens"]
     if targets == "all-linear":  # PEFT: every linear layer but the output layer
@@ -146,7 +147,8 @@ def _saved(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]:
     """modules_to_save as seqjax's names (embed, head)."""
     names = config.get("modules_to_save") or []
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise CheckpointError(f"{source}: modules_to_save: got {names!r}, expected a list of module names")
+        raise CheckpointError(
+            f"{source}: modules_to_save: got {names!r}, expected a list of module names")
     saved = []
     for name in names:
         ours = PEFT_SAVED.get(name.rsplit(".", 1)[-1])
@@ -174,11 +176,13 @@ def lora_from_adapter_config(config: Any, source: str, cfg: ModelConfig) -> Lora
     for field, value in _MUST_BE.items():
         if field in config and config[field] != value:
             raise CheckpointError(
-                f"{source}: {field}: got {config[field]!r}, expected {value!r}; seqjax cannot compute it")
+                f"{source}: {field}: got {config[field]!r}, expected {value!r}; seqjax cannot compute it"
+            )
     if config.get("peft_type") is None:
         raise CheckpointError(f"{source}: peft_type: missing, expected 'LORA'")
     for field, value in config.items():
-        if field not in _MUST_BE and field not in BOOKKEEPING and field not in _READ and not _unset(value):
+        if field not in _MUST_BE and field not in BOOKKEEPING and field not in _READ and not _unset(
+                value):
             raise CheckpointError(
                 f"{source}: {field}: got {value!r}; seqjax computes LoRA, rsLoRA and DoRA adapters "
                 f"({', '.join(_READ[:-1])}) and cannot compute an adapter with this setting")
@@ -231,9 +235,13 @@ def to_peft(trained: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
 def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each tensor an adapter of ``cfg.lora`` on a base of ``cfg`` holds, and its shape."""
     lora, shapes = cfg.lora, {}
-    widths = {"q": (cfg.d_model, cfg.n_heads * cfg.head_dim), "k": (cfg.d_model, cfg.kv_heads * cfg.head_dim),
-              "v": (cfg.d_model, cfg.kv_heads * cfg.head_dim), "o": (cfg.n_heads * cfg.head_dim, cfg.d_model),
-              "gate": (cfg.d_model, cfg.d_ff), "up": (cfg.d_model, cfg.d_ff), "down": (cfg.d_ff, cfg.d_model)}
+    widths = {
+        "q": (cfg.d_model, cfg.n_heads * cfg.head_dim),
+        "k": (cfg.d_model, cfg.kv_heads * cfg.head_dim),
+        "v": (cfg.d_model, cfg.kv_heads * cfg.head_dim),
+        "o": (cfg.n_heads * cfg.head_dim, cfg.d_model), "gate": (cfg.d_model, cfg.d_ff),
+        "up": (cfg.d_model, cfg.d_ff), "down": (cfg.d_ff, cfg.d_model)
+    }
     for i in range(cfg.n_layers):
         for target in lora.targets:
             n_in, n_out = widths[target]

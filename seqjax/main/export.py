@@ -99,9 +99,10 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _peft_base(args: argparse.Namespace, config) -> str | None:
-    """What adapter_config.json's ``base_model_name_or_path`` names: the Hugging Face folder the base
-    was read from (``--hf``, ``train.init_from``, or the folder a seqjax run was imported from), else
-    the hub id its config.json recorded; None, said in one line, when the base is no HF model."""
+    """What adapter_config.json's ``base_model_name_or_path`` names: the Hugging Face folder the
+    base was read from (``--hf``, ``train.init_from``, or the folder a seqjax run was imported
+    from), else the hub id its config.json recorded; None, said in one line, when the base is no HF
+    model."""
     if getattr(args, "hf", None):
         return str(Path(args.hf).resolve())
     source = config.train.init_from
@@ -112,11 +113,14 @@ def _peft_base(args: argparse.Namespace, config) -> str | None:
     if imported and hf.is_hf_folder(imported):
         return imported
     name = meta.get("name_or_path")
-    if name and (hf.is_hf_folder(name) or not Path(name).is_absolute()):  # a hub id, or a folder that is there
+    if name and (hf.is_hf_folder(name) or
+                 not Path(name).is_absolute()):  # a hub id, or a folder that is there
         return name
-    log.warning("export: the adapters' base (%s) is no Hugging Face model folder and records none it was "
-                "imported from, so adapter_config.json's base_model_name_or_path is null; export the base "
-                "as a folder and pass it to PeftModel.from_pretrained", source or "run.seed's initialization")
+    log.warning(
+        "export: the adapters' base (%s) is no Hugging Face model folder and records none it was "
+        "imported from, so adapter_config.json's base_model_name_or_path is null; export the base "
+        "as a folder and pass it to PeftModel.from_pretrained", source or
+        "run.seed's initialization")
     return None
 
 

@@ -50,8 +50,8 @@ def assemble(graphdef: nnx.GraphDef, trained: Any, frozen: Any | None, rest: Any
 
 def fold(base: dict[str, Any], adapters: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     """The base weights with every adapter folded in: W + s A B (under DoRA scaled to m per output),
-    in W's own layout (unrolled), computed in float64 and stored in W's dtype; ``modules_to_save`` in
-    ``adapters`` (what trains) replace the base's."""
+    in W's own layout (unrolled), computed in float64 and stored in W's dtype; ``modules_to_save``
+    in ``adapters`` (what trains) replace the base's."""
     base = blocks_layout(base, stacked=False)
     blocks = blocks_layout(adapters, stacked=False)["blocks"]
     out = {**base, **{k: v for k, v in adapters.items() if k != "blocks"}, "blocks": {}}
@@ -70,7 +70,8 @@ def fold(base: dict[str, Any], adapters: dict[str, Any], cfg: ModelConfig) -> di
     return out
 
 
-def dora_magnitudes(trained: dict[str, Any], frozen: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+def dora_magnitudes(trained: dict[str, Any], frozen: dict[str, Any],
+                    cfg: ModelConfig) -> dict[str, Any]:
     """``trained`` with each DoRA magnitude set to ||W + s A B|| of the base it sits on (QLoRA's
     read back): what DoRA starts from once its base's weights are read, so g = 1 and a new
     adapter changes nothing (PEFT's initialisation). Unchanged without ``model.lora.dora``."""
@@ -93,7 +94,10 @@ def dora_magnitudes(trained: dict[str, Any], frozen: dict[str, Any], cfg: ModelC
     if cfg.scan_layers:  # every layer at once, the layer axis first
         blocks = set_block(trained["blocks"], frozen["blocks"], jax.vmap(norms))
     else:
-        blocks = {i: set_block(trained["blocks"][i], frozen["blocks"][i], norms) for i in trained["blocks"]}
+        blocks = {
+            i: set_block(trained["blocks"][i], frozen["blocks"][i], norms)
+            for i in trained["blocks"]
+        }
     return {**trained, "blocks": blocks}
 
 

@@ -156,8 +156,9 @@ def attention(
     check_attention_inputs(q, k, v, segment_ids)
     if prefix_ids is not None:
         if backend not in ("xla", "auto"):
-            raise ConfigError(f"model.attention: got {backend!r}, which cannot honour a shared prompt's mask "
-                              "(data.shared_prompt); expected xla or auto")
+            raise ConfigError(
+                f"model.attention: got {backend!r}, which cannot honour a shared prompt's mask "
+                "(data.shared_prompt); expected xla or auto")
         mask = segment_mask(segment_ids, q_index=positions, kv_index=positions, window=window,
                             q_prefix_ids=prefix_ids)
         return masked_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate,
@@ -270,7 +271,8 @@ def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> s
             return "splash"
         log_once(log, logging.WARNING, "attention auto: using xla, not splash (%s)", reason)
         return "xla"
-    log_once(log, logging.INFO, "attention auto: using xla on platform %s (the kernels need a GPU or TPU)", platform)
+    log_once(log, logging.INFO,
+             "attention auto: using xla on platform %s (the kernels need a GPU or TPU)", platform)
     return "xla"
 
 

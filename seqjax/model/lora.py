@@ -81,7 +81,7 @@ def adapters_off(graphdef: nnx.GraphDef, *states) -> nnx.GraphDef:
     adapters included, unused), it computes the base alone. A preference objective's reference under
     ``model.lora``, with no second copy of any weight."""
     model = nnx.merge(graphdef, *states)
-    for _, module in model.iter_modules():
+    for _, module in nnx.iter_modules(model):
         if isinstance(module, Adapters):
             module.active = False
     return nnx.graphdef(model)
@@ -100,7 +100,8 @@ def column_norms(w: jax.Array, a: jax.Array | None = None, b: jax.Array | None =
     if a is None:
         return jnp.linalg.norm(w.astype(jnp.float32), axis=0)
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.linalg.norm(w.reshape(a.shape[0], b.shape[1]).astype(jnp.float32) + scale * (a @ b), axis=0)
+    return jnp.linalg.norm(
+        w.reshape(a.shape[0], b.shape[1]).astype(jnp.float32) + scale * (a @ b), axis=0)
 
 
 class Adapters(nnx.Module):
@@ -134,7 +135,8 @@ class Adapters(nnx.Module):
                               param_dtype=pdt, a_initializer=A_INITS[lora.init](lora.rank), rngs=rngs)
             module.lora_a.set_metadata(axes=(weight.axes[0], "lora_rank"))
             module.lora_b.set_metadata(axes=("lora_rank", weight.axes[n]))
-            if self.dora:  # m = ||W||: g = 1 while B = 0 (set again once the base's weights are read)
+            # m = ||W||: g = 1 while B = 0 (set again once the base's weights are read)
+            if self.dora:
                 flat = weight[...].reshape(module.in_features, module.out_features)
                 module.magnitude = nnx.LoRAParam(column_norms(flat).astype(pdt), axes=(weight.axes[n],))
             setattr(self, name, module)
@@ -156,7 +158,8 @@ class Adapters(nnx.Module):
         low_rank = (x @ module.lora_a[...].astype(dt)) @ (self.scale * module.lora_b[...]).astype(dt)
         if not self.dora:
             return out + low_rank
-        norms = jax.lax.stop_gradient(column_norms(w, module.lora_a[...], module.lora_b[...], self.scale))
+        norms = jax.lax.stop_gradient(
+            column_norms(w, module.lora_a[...], module.lora_b[...], self.scale))
         g = (module.magnitude[...].astype(jnp.float32) / norms).astype(dt)
         if key is None:
             return g * (out + low_rank)

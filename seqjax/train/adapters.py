@@ -60,8 +60,9 @@ def peft_folder(folder: str, key: str, cfg: ModelConfig) -> tuple[LoraConfig, di
     naming ``key``'s value and the file."""
     path = Path(folder).expanduser()
     if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
-        raise ConfigError(f"{key}: {folder} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; expected a "
-                          "PEFT LoRA adapter folder")
+        raise ConfigError(
+            f"{key}: {folder} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}; expected a "
+            "PEFT LoRA adapter folder")
     text = read_utf8(path / ADAPTER_CONFIG, CheckpointError)
     try:
         config = json.loads(text)
@@ -71,8 +72,9 @@ def peft_folder(folder: str, key: str, cfg: ModelConfig) -> tuple[LoraConfig, di
     try:
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
     except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: unreadable as safetensors ({first_line(err)}); "
-                              "expected the adapter_model.safetensors PEFT saved") from None
+        raise CheckpointError(
+            f"{path / ADAPTER_WEIGHTS}: unreadable as safetensors ({first_line(err)}); "
+            "expected the adapter_model.safetensors PEFT saved") from None
     return lora, tensors
 
 
@@ -93,4 +95,5 @@ def read_adapter(folder: str, config: Config) -> dict[str, Any]:
 def adapter_params(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> dict[str, Any]:
     """PEFT tensors as what a run of ``cfg`` trains: its dtype, its layout (model.scan_layers)."""
     trained = from_peft(tensors, cfg, source)
-    return blocks_layout(jax.tree.map(lambda a: a.astype(cfg.param_dtype), trained), stacked=cfg.scan_layers)
+    return blocks_layout(jax.tree.map(lambda a: a.astype(cfg.param_dtype), trained),
+                         stacked=cfg.scan_layers)
