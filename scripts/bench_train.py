@@ -42,7 +42,7 @@ from seqjax.train.flops import flops_per_token, peak_flops_per_device
 from seqjax.train.metrics import peak_memory_bytes
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.prefetch import DevicePrefetch
-from seqjax.train.setup import sharded_model, sharded_optimizer_state, with_vocab
+from seqjax.train.setup import objective_of, reference_arguments, sharded_optimizer_state, starting_weights, with_vocab
 from seqjax.train.step import make_train_step
 
 
@@ -66,32 +66,41 @@ def main(argv=None) -> dict:
     sharding.check_batch_fits(config.data.batch_size, mesh, tc.grad_accum)
     prepared = prepare(config, splits=("train",))
     config = with_vocab(config, prepared.tokenizer.vocab_size)
-    placed = sharded_model(config, mesh)  # (full fine-tuning: every parameter trains, nothing frozen)
-    graphdef, rest, params, param_shardings = placed.graphdef, placed.rest, placed.params, placed.param_shardings
-    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    # the training run's own placement: the frozen base and a reference model ride as extra arguments
+    placed, _ = starting_weights(config, mesh, None)
+    params, num_params = placed.params, placed.model_params
+    trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    objective = objective_of(config)
+    extras, extra_shardings, reference_graphdef = reference_arguments(placed, config, objective)
     tx, _ = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
-    opt_state, opt_shardings = sharded_optimizer_state(tx, params, param_shardings, replicated)
+    opt_state, opt_shardings = sharded_optimizer_state(tx, params, placed.param_shardings, replicated)
     batch_sharding = sharding.batch_sharding(mesh)
-    step_fn = jax.jit(
-        make_train_step(graphdef, rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss),
-        in_shardings=(param_shardings, opt_shardings, batch_sharding),
-        out_shardings=(param_shardings, opt_shardings, replicated),
+    step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss,
+                           objective=objective, settings={key: getattr(tc, key) for key in objective.settings},
+                           reference_graphdef=reference_graphdef)
+    rng = sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated)
+    jitted = jax.jit(
+        step,
+        in_shardings=(placed.param_shardings, opt_shardings, batch_sharding, replicated, replicated,
+                      *extra_shardings),
+        out_shardings=(placed.param_shardings, opt_shardings, replicated),
         donate_argnums=(0, 1),
     )
+    step_fn = lambda params, opt_state, batch: jitted(params, opt_state, batch, rng, 0, *extras)  # noqa: E731
     iterator = iter(build_pipeline(config, prepared.stores["train"]))
     to_device = lambda b: sharding.global_batch(b, batch_sharding, 1)  # noqa: E731
 
     first = to_device(next(iterator))
     start = time.perf_counter()
-    compiled = step_fn.lower(params, opt_state, first).compile()
+    compiled = jitted.lower(params, opt_state, first, rng, 0, *extras).compile()
     compile_s = time.perf_counter() - start
     for _ in range(args.warmup):
         params, opt_state, m = step_fn(params, opt_state, to_device(next(iterator)))
     jax.block_until_ready(m)
 
     rows, length = first["inputs"].shape
-    flops_tok = flops_per_token(config.model, length, num_params, config.model.vocab_size)
+    flops_tok = flops_per_token(config.model, length, num_params, config.model.vocab_size, trained=trained)
     peak = peak_flops_per_device(override=tc.peak_flops)
     results = {}
     for mode in args.loops.split(","):
@@ -145,6 +154,7 @@ def main(argv=None) -> dict:
         "attention": config.model.attention,
         "compute_dtype": config.model.compute_dtype,
         "parameters": num_params,
+        "trained_parameters": trained,
         "batch": {"rows": rows, "seq_len": length, "grad_accum": tc.grad_accum, "strategy": config.data.strategy},
         "flops_per_token": flops_tok,
         "peak_flops_per_device": peak,

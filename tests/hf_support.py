@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,7 @@ def script_module(name: str):
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)  # (a dataclass in the script looks its module up there)
     spec.loader.exec_module(module)
     return module
 

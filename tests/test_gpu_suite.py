@@ -19,13 +19,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
-    proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--finetune-plain", "--out",
+                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     summary = json.loads((tmp_path / "summary.json").read_text())
     stages = summary["stages"]
     assert proc.returncode == 0, (proc.stdout[-2000:], {n: r.get("status") for n, r in stages.items()})
-    assert list(stages) == ["setup", "env", "tests", "attention", "levanter", "finetune", "throughput", "profile",
-                            "recipe"]
+    # the default: one call of about 8 minutes on a lent GPU, in the order of value, each stage within its budget
+    assert list(stages) == ["setup", "env", "tests", "attention", "finetune", "lora8b", "dpo", "throughput"]
+    from hf_support import script_module
+
+    suite = script_module("gpu_suite")
+    assert sum(suite.STAGES[name].budget_s for name in stages) <= 480 == suite.parse_args(["--out", "x"]).budget_s
     assert all(r["status"] == "ok" for r in stages.values())
     # Each stage really ran its tool: records, timings, a trace, a validation.
     assert {r["impl"] for r in stages["attention"]["records"]} >= {"flash", "mosaic", "xla"}  # both kernels
@@ -33,20 +37,33 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
     assert all(r["rel_err_vs_flash"] < 1e-2 for r in mosaic)  # the interpreter's Mosaic kernel agrees with flash
     assert all(r["fwd_ms"] > 0 for r in stages["attention"]["records"])
     assert stages["tests"]["tests"] >= 5 and stages["tests"]["failures"] == 0  # collected; skipped off the GPU
-    loops = stages["throughput"]["backends"]["xla"]["loops"]
-    assert loops["sync"]["tokens_per_s"] > 0 and loops["async"]["tokens_per_s"] > 0
-    assert stages["throughput"]["backends"]["xla model.loss_chunk_tokens=8192"]["loops"]["async"]["tokens_per_s"] > 0
+    loops = stages["throughput"]["backends"]["xla model.loss_chunk_tokens=8192"]["loops"]
+    assert loops["sync"]["tokens_per_s"] > 0 and loops["async"]["tokens_per_s"] > 0  # the chunked loss's throughput
+    assert stages["lora8b"]["result"]["loops"]["async"]["tokens_per_s"] > 0 and stages["lora8b"][
+        "planned_bytes_per_device"] > 0
+    dpo = stages["dpo"]["result"]
+    assert {"packed", "shared_prompt", "pair_per_row", "trl_layout"} <= set(dpo)
+    assert dpo["shared_prompt"]["rows_per_epoch"] <= dpo["packed"]["rows_per_epoch"] < dpo["pair_per_row"][
+        "rows_per_epoch"]
     for variant in stages["finetune"]["variants"].values():  # the 1B stage's plumbing: throughput beside the plan
         assert variant["loops"]["async"]["tokens_per_s"] > 0 and variant["planned_bytes_per_device"] > 0
     assert (stages["finetune"]["variants"]["plain loss, no remat"]["planned_bytes_per_device"]
             > stages["finetune"]["variants"]["as configured"]["planned_bytes_per_device"])  # remat saves memory
-    assert stages["profile"]["traces"] and stages["profile"]["traces"][0]["bytes"] > 0
-    assert stages["recipe"]["validation"]["val_perplexity"] > 1
     for name in stages:
         assert name == "setup" or (tmp_path / f"{name}.log").is_file()
     assert [t["target"] for t in summary["targets"]][:2] == ["dense causal D=128 T=8k forward TFLOP/s",
                                                               "dense causal D=128 T=8k fwd+bwd TFLOP/s"]
-    assert "stage" in proc.stdout and "recipe" in proc.stdout  # the closing table
+    assert "stage" in proc.stdout and "throughput" in proc.stdout  # the closing table
+
+
+def test_the_opt_in_profile_and_recipe_stages_run_dry(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
+    proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--only",
+                           "profile,recipe"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
+    assert proc.returncode == 0, {n: r.get("status") for n, r in stages.items()}
+    assert stages["profile"]["traces"] and stages["profile"]["traces"][0]["bytes"] > 0
+    assert stages["recipe"]["validation"]["val_perplexity"] > 1
 
 
 def test_the_opt_in_quality_and_study_stages_run_dry(tmp_path):

@@ -14,6 +14,10 @@ The count (PaLM, appendix B; Chinchilla's approximation)::
   tokens. The full ``T x T`` square is counted (no causal discount), as PaLM
   does, because dense attention computes it; packing does not change it.
 
+A frozen weight (the base under ``model.lora``) costs 4 FLOPs a token, not 6:
+its backward pass computes the gradient of the activation and none of its
+own. With ``N_t`` of the ``N`` trained, ``6 * N`` becomes ``4 * N + 2 * N_t``.
+
 MFU = achieved model FLOP/s / (devices x peak FLOP/s per device). The peak is
 ``train.peak_flops`` when set, else the dense bf16 tensor-core peak of a known
 accelerator. On a CPU there is no trustworthy peak, so MFU is reported as
@@ -48,10 +52,13 @@ def matmul_params(num_params: int, model: ModelConfig, vocab_size: int) -> int:
     return num_params if model.tie_embeddings else num_params - table
 
 
-def flops_per_token(model: ModelConfig, seq_len: int, num_params: int, vocab_size: int) -> float:
-    """Training FLOPs per token (forward + backward), by the formula in the module docstring."""
+def flops_per_token(model: ModelConfig, seq_len: int, num_params: int, vocab_size: int,
+                    trained: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward), by the formula in the module docstring:
+    ``num_params`` every parameter of the model, ``trained`` those that train (None: all)."""
     n = matmul_params(num_params, model, vocab_size)
-    return 6.0 * n + 12.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
+    n_trained = n if trained is None else min(trained, n)
+    return 4.0 * n + 2.0 * n_trained + 12.0 * model.n_layers * model.n_heads * model.head_dim * seq_len
 
 
 def peak_flops_per_device(device: jax.Device | None = None,

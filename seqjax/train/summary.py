@@ -55,6 +55,7 @@ def write_summary(run, steps: StepLogger, restored: Restored | None, last_val: d
         "steps": config.train.steps,
         "resumed_from": restored.step if restored else 0,
         "parameters": run.num_params,
+        "model_parameters": run.model_params,
         "devices": jax.device_count(),
         "processes": jax.process_count(),
         "tokens_seen": steps.tokens_seen,
