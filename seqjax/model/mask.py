@@ -27,6 +27,7 @@ def segment_mask(
     kv_index: jax.Array | None = None,
     window: int | jax.Array | None = None,
     q_prefix_ids: jax.Array | None = None,
+    causal: bool = True,
 ) -> jax.Array:
     """Boolean mask [B, Tq, Tk]: True where query i may attend to key j.
 
@@ -37,7 +38,8 @@ def segment_mask(
     layer's window (None: the whole segment); it may be traced (one scanned
     layer body serving sliding and full layers, FULL standing for none).
     ``q_prefix_ids`` [B, Tq]: the shared prompt each query's segment also
-    attends to (see :func:`allowed`).
+    attends to (see :func:`allowed`). ``causal=False``: the patches of an
+    image (a vision encoder's segments) see their whole segment.
     """
     if kv_segment_ids is None:
         kv_segment_ids = q_segment_ids
@@ -47,10 +49,11 @@ def segment_mask(
     if kv_index is None:
         kv_index = jnp.arange(tk)[None, :]
     return allowed(q_segment_ids[:, :, None], kv_segment_ids[:, None, :], q_index[:, :, None],
-                   kv_index[:, None, :], window, None if q_prefix_ids is None else q_prefix_ids[:, :, None])
+                   kv_index[:, None, :], window,
+                   None if q_prefix_ids is None else q_prefix_ids[:, :, None], causal)
 
 
-def allowed(q_segment, kv_segment, q_index, kv_index, window=None, q_prefix=None):
+def allowed(q_segment, kv_segment, q_index, kv_index, window=None, q_prefix=None, causal=True):
     """Contract 2 elementwise, on operands already broadcast to one shape: the body of
     :func:`segment_mask`, which a kernel calls on its own tiles (a Mosaic GPU tile's rows and
     columns come broadcast in its register layout).
@@ -61,11 +64,21 @@ def allowed(q_segment, kv_segment, q_index, kv_index, window=None, q_prefix=None
     a completion continues its prompt's positions, so ``kv_index <= q_index`` and the window count
     the distance each token has in its own, unpacked sequence (the chosen completion lies between
     the prompt and the rejected one in the row, and counts for neither).
+
+    The non-causal form (``causal=False``): a query attends to every key of its segment, before or
+    after it. A vision encoder's packed patch stream uses it: each image is a segment, and no patch
+    sees another image's (Qwen2.5-VL's windows are segments too: its patches are reordered window by
+    window, so no distance rule is needed).
     """
+    if not causal and window is not None:
+        raise ValueError("segment_mask: a window with causal=False; expected windows as segments")
     same = q_segment == kv_segment
     if q_prefix is not None:
         same = same | (q_prefix == kv_segment)
-    ok = same & (kv_segment != 0) & (q_segment != 0) & (kv_index <= q_index)
+    ok = same & (kv_segment != 0) & (q_segment != 0)
+    if not causal:
+        return ok
+    ok = ok & (kv_index <= q_index)
     return ok if window is None else ok & (q_index - kv_index < window)
 
 

@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from seqjax.config.model import RopeScalingConfig
 
@@ -46,9 +47,36 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
     Driven by the batch's positions rather than the row index, so each packed
     segment is rotated as if it started the row. ``inv_freq`` [Dh / 2]: the layer's
-    frequencies (:func:`rope_frequencies`).
+    frequencies (:func:`rope_frequencies`). ``positions`` may also be [B, T, Dh / 2], a position
+    per frequency: multimodal RoPE (:func:`mrope_positions`), where each frequency follows one of
+    an image token's time, row and column.
     """
-    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [B, T, 1, half]
+    per_frequency = positions if positions.ndim == 3 else positions[:, :, None]
+    angles = per_frequency.astype(jnp.float32)[:, :, None, :] * inv_freq  # [B, T, 1, half]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def mrope_axes(half: int, section: tuple[int, ...], interleaved: bool) -> np.ndarray:
+    """Which of (time, row, column) each of ``half`` frequencies follows: Qwen3-VL's interleaved
+    layout (frequency j follows the row when j % 3 == 1 and j < 3 * section[1], the column when
+    j % 3 == 2 and j < 3 * section[2], else time); Qwen2.5-VL's contiguous one (the first
+    section[0] frequencies time, the next section[1] rows, the rest columns).
+
+    >>> mrope_axes(8, (2, 3, 3), True).tolist()
+    [0, 1, 2, 0, 1, 2, 0, 1]
+    """
+    if sum(section) != half:
+        raise ValueError(f"mrope_section {list(section)} sums to {sum(section)}, expected head_dim / 2 = {half}")
+    if not interleaved:
+        return np.repeat(np.arange(3), section)
+    axes = np.zeros(half, np.int32)
+    for axis, offset in ((1, 1), (2, 2)):
+        axes[offset:3 * section[axis]:3] = axis
+    return axes
+
+
+def mrope_positions(positions_3d: jax.Array, axes: np.ndarray) -> jax.Array:
+    """[B, T, 3] (time, row, column) positions -> [B, T, half], each frequency's (for :func:`rope`)."""
+    return jnp.take(positions_3d, jnp.asarray(axes), axis=-1)

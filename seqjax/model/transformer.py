@@ -160,16 +160,21 @@ class TransformerLM(nnx.Module):
             self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=dropout_key))
 
     def hidden(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
-               dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None) -> jax.Array:
+               dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None,
+               injections: jax.Array | None = None) -> jax.Array:
         """The blocks on embeddings x [B, T, D]: the last block's output [B, T, D], before the final
         norm.
 
         Under ``model.remat`` each block is one rematerialized unit: its backward pass recomputes
         what the policy does not keep (:func:`seqjax.model.remat.remat_policy`), trading compute for
-        activation memory.
+        activation memory. ``injections`` [k, B, T, D]: added to the output of the first k blocks
+        (Qwen3-VL's DeepStack features, zero away from image tokens).
         """
         metadata = self.attention_metadata(segment_ids)
         if self.cfg.scan_layers:
+            if injections is not None:
+                raise ValueError("model.scan_layers: DeepStack features are added between the first blocks, which "
+                                 "a scan does not stop at; expected model.scan_layers=false with images")
             return self._scanned(x, positions, segment_ids, metadata, dropout_key, prefix_ids)
         run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
         freqs = self.rope_freqs()
@@ -177,6 +182,8 @@ class TransformerLM(nnx.Module):
             layer_metadata = metadata and metadata[i]
             x = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), layer_metadata, key,
                     prefix_ids)
+            if injections is not None and i < len(injections):
+                x = x + injections[i].astype(x.dtype)
         return x
 
     def rope_freqs(self) -> jax.Array:

@@ -1,0 +1,122 @@
+"""Qwen3-VL's vision encoder (Flax NNX) over a packed stream of patches: every image of a batch in one
+sequence, each its own segment.
+
+Shapes (P patches in the stream, D hidden_size, F intermediate_size, m spatial merge size, O out_hidden_size)::
+
+    patches [P, 3 * t * p * p]  --patch_embed-->  [P, D]  + learned positions (bilinear from a square table)
+    depth x block:  x + attn(norm1(x)),  x + mlp(norm2(x))        2-D rotary positions (row, column)
+    merger:         norm, then m * m neighbours as one [P / m^2, m^2 D] row -> fc1 -> gelu -> fc2 -> [P / m^2, O]
+    deepstack:      after the blocks in ``deepstack_visual_indexes``, a merger (norm after the regrouping) each
+
+Attention is the one mask (:func:`seqjax.model.mask.segment_mask`) in its non-causal form: a patch sees every
+patch of its image and none of another's; padding patches (segment 0) see nothing and give zeros. transformers
+runs the same thing as variable-length attention over ``cu_seqlens``; here the boundaries are the segment ids,
+so packing images changes nothing an image computes (tests/test_vision_tower.py).
+
+Host-side inputs (:func:`seqjax.store.images.patch_inputs`): each patch's image (segment id), row and column in
+its image's grid, and the four table entries and weights of its learned position (transformers'
+``get_vision_interpolation_indices_and_weights``, bilinear, corners aligned). A shortcut admitted: the dense
+[P, P] mask is built in full, fine for the thousands of patches of a fine-tuning batch, not for video.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from seqjax.config.vision import VisionConfig
+from seqjax.model.attention import masked_attention
+from seqjax.model.mask import segment_mask
+
+EPS = 1e-6  # every LayerNorm of the encoder
+
+
+def _linear(n_in: int, n_out: int, rngs: nnx.Rngs, dtype) -> nnx.Linear:
+    return nnx.Linear(n_in, n_out, use_bias=True, param_dtype=jnp.float32, dtype=dtype, rngs=rngs)
+
+
+def _norm(width: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(width, epsilon=EPS, param_dtype=jnp.float32, dtype=jnp.float32, rngs=rngs)
+
+
+def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
+    """x [P, H, Dh] rotated by ``angles`` [P, Dh / 2] ("rotate half" layout), in float32."""
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class VisionBlock(nnx.Module):
+
+    def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        d = cfg.hidden_size
+        self.heads = cfg.num_heads
+        self.exact_gelu = cfg.hidden_act == "gelu"
+        self.norm1, self.norm2 = _norm(d, rngs), _norm(d, rngs)
+        self.qkv, self.proj = _linear(d, 3 * d, rngs, dtype), _linear(d, d, rngs, dtype)
+        self.fc1, self.fc2 = _linear(d, cfg.intermediate_size, rngs, dtype), _linear(cfg.intermediate_size, d, rngs,
+                                                                                     dtype)
+
+    def __call__(self, x: jax.Array, angles: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attend(self.norm1(x), angles, mask)
+        h = jax.nn.gelu(self.fc1(self.norm2(x)), approximate=not self.exact_gelu)
+        return x + self.fc2(h)
+
+    def attend(self, x: jax.Array, angles: jax.Array, mask: jax.Array) -> jax.Array:
+        p = x.shape[0]
+        q, k, v = jnp.moveaxis(self.qkv(x).reshape(p, 3, self.heads, -1), 1, 0)  # each [P, H, Dh]
+        q, k = rotate(q, angles), rotate(k, angles)
+        out = masked_attention(q[None], k[None], v[None], mask)[0]  # [P, H, Dh]
+        return self.proj(out.reshape(p, -1))
+
+
+class Merger(nnx.Module):
+    """``m * m`` neighbouring patches into one token of the language model's width. The final merger
+    normalizes each patch first; DeepStack's normalize the regrouped row (``post_shuffle``)."""
+
+    def __init__(self, cfg: VisionConfig, post_shuffle: bool, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.group = cfg.spatial_merge_size**2
+        wide = cfg.hidden_size * self.group
+        self.post_shuffle = post_shuffle
+        self.norm = _norm(wide if post_shuffle else cfg.hidden_size, rngs)
+        self.fc1, self.fc2 = _linear(wide, wide, rngs, dtype), _linear(wide, cfg.out_hidden_size, rngs, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        rows = x.shape[0] // self.group
+        x = self.norm(x.reshape(rows, -1)) if self.post_shuffle else self.norm(x).reshape(rows, -1)
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
+
+
+class VisionTower(nnx.Module):
+    """Patches in, the language model's image tokens out (and DeepStack's features for its first layers)."""
+
+    def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.patch_embed = _linear(cfg.patch_dim, cfg.hidden_size, rngs, dtype)
+        self.pos_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(),
+                                                            (cfg.num_position_embeddings, cfg.hidden_size)))
+        self.blocks = nnx.List([VisionBlock(cfg, rngs, dtype) for _ in range(cfg.depth)])
+        self.merger = Merger(cfg, False, rngs, dtype)
+        self.deepstack = nnx.List([Merger(cfg, True, rngs, dtype) for _ in cfg.deepstack_visual_indexes])
+
+    def __call__(self, patches: jax.Array, segment_ids: jax.Array, rows: jax.Array, columns: jax.Array,
+                 table_index: jax.Array, table_weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """patches [P, patch_dim]; segment_ids, rows, columns [P] int; table_index, table_weight [P, 4].
+
+        Returns (image tokens [P / m^2, O], DeepStack features [len(deepstack_visual_indexes), P / m^2, O]).
+        """
+        x = self.patch_embed(patches)
+        x = x + jnp.einsum("pk,pkd->pd", table_weight, self.pos_embed[...][table_index]).astype(x.dtype)
+        half = self.cfg.head_dim // 2  # rows rotate the first half of each head's pairs, columns the second
+        inv_freq = 1.0 / (self.cfg.rope_theta**(jnp.arange(0, half, 2, dtype=jnp.float32) / half))
+        angles = jnp.concatenate([rows[:, None] * inv_freq, columns[:, None] * inv_freq], axis=-1)
+        mask = segment_mask(segment_ids[None], causal=False)  # [1, P, P]
+        features = []
+        for layer, block in enumerate(self.blocks):
+            x = block(x, angles, mask)
+            if layer in self.cfg.deepstack_visual_indexes:
+                features.append(self.deepstack[self.cfg.deepstack_visual_indexes.index(layer)](x))
+        out = self.merger(x)
+        stacked = jnp.stack(features) if features else jnp.zeros((0, *out.shape), out.dtype)
+        return out, stacked
