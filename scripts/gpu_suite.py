@@ -446,8 +446,8 @@ def stage_lora8b(s: Suite) -> dict:
 
 def stage_dpo(s: Suite) -> dict:
     """LoRA DPO at the 1B shape: packed, shared prompt, one pair per row and TRL's padding, on the same pairs."""
-    toy = ["--shape", "toy", "--pairs", "24", "--seq-len", "256", "--prompt-median", "40", "--completion-median", "10",
-           "--steps", "2"]
+    toy = ["--shape", "toy", "--pairs", "12", "--seq-len", "128", "--prompt-median", "24", "--completion-median", "8",
+           "--steps", "1"]
     size = toy if s.dry else ["--shape", "1b", "--pairs", "256", "--seq-len", "4096", "--steps", "5", "--batch", "2",
                               "--pairs-per-step", "8", "--dtype", "bfloat16"]
     code, stdout = s.call("dpo", s.python("scripts/bench_preference.py", *size), 120)
