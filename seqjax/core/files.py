@@ -28,10 +28,27 @@ from seqjax.core.errors import SeqjaxError, UsageError
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to a temporary sibling, then rename it over ``path`` (atomic on POSIX)."""
+    return _replace_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """:func:`write_text_atomic` for bytes (a table that took long to compute, say), flushed to disk
+    before the rename."""
+    return _replace_atomic(path, lambda tmp: tmp.write_bytes(data), sync=True)
+
+
+def _replace_atomic(path: str | os.PathLike, write, sync: bool = False) -> Path:
+    """``write(tmp)`` to a temporary sibling (``sync``: flushed to disk), then renamed over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    write(tmp)
+    if sync:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     os.replace(tmp, path)
     return path
 

@@ -15,11 +15,13 @@ the epoch's windows.
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Iterator
 
 import grain
 import numpy as np
 
+from seqjax.config.tree import Config
 from seqjax.core.errors import DataError
 from seqjax.data import pairs
 from seqjax.data.contract import Batch, contract_batch
@@ -91,6 +93,27 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
         return {key: value[i * local : (i + 1) * local, :width] for key, value in built.items()}
 
     return grain.MapDataset.range(plan.num_batches).map(batch)
+
+
+def epoch_in_order(config: Config, store: Any, start: int = 0) -> tuple[int, Iterator[Batch]]:
+    """``(batches in the epoch, an iterator over them from batch start)``: every global batch of
+    one unshuffled epoch of ``store`` (``data.shuffle`` off), in order. What scores or precomputes
+    over a whole split (every pair once) reads."""
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, shuffle=False))
+    planner = EpochPlanner(config, store)
+    windows = len(planner.windows(0))
+    total = sum(planner.window_batches(0, w) for w in range(windows))
+
+    def batches() -> Iterator[Batch]:
+        k = 0
+        for position in range(windows):
+            dataset = window_dataset(planner, 0, position, 0, 1)
+            for i in range(len(dataset)):
+                if k >= start:
+                    yield dataset[i]
+                k += 1
+
+    return total, batches()
 
 
 class EpochsIterDataset(grain.IterDataset):

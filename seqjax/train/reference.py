@@ -18,10 +18,9 @@ the reference's sums back, whatever the packing or the micro-batches.
 
 from __future__ import annotations
 
-import dataclasses
+import io
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,10 +31,10 @@ from flax import nnx
 
 from seqjax.config.tree import Config, ConfigError
 from seqjax.core.errors import CheckpointMismatchError
+from seqjax.core.files import write_bytes_atomic
 from seqjax.core.progress import progress_bar
 from seqjax.data import pairs
-from seqjax.data.epochs import window_dataset
-from seqjax.data.plan import EpochPlanner
+from seqjax.data.epochs import epoch_in_order
 from seqjax.objectives.base import target_logprobs
 from seqjax.store.reader import TokenStore
 
@@ -58,13 +57,9 @@ def table_path(run_dir: Path, split: str) -> Path:
 
 
 def _save(path: Path, logps: np.ndarray, meta: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(path.name + ".tmp")
-    with open(staging, "wb") as f:
-        np.savez(f, logps=logps, meta=np.asarray(json.dumps(meta)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(staging, path)
+    buffer = io.BytesIO()
+    np.savez(buffer, logps=logps, meta=np.asarray(json.dumps(meta)))
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def _load(path: Path) -> tuple[np.ndarray, dict[str, Any]]:
@@ -98,28 +93,19 @@ def precompute(config: Config, store: TokenStore, split: str, reference_logprobs
         logps, meta = _load(partial)
         _check(meta, now, partial)
         done = int(meta["batches"])
-    config = dataclasses.replace(config, data=dataclasses.replace(config.data, shuffle=False))
-    planner = EpochPlanner(config, store)
-    total = sum(planner.window_batches(0, w) for w in range(len(planner.windows(0))))
-    k, saved, new = 0, time.monotonic(), 0
+    total, in_order = epoch_in_order(config, store, start=done)
+    saved = time.monotonic()
     with progress_bar(total=total, initial=done, desc=f"reference log-probabilities ({split})",
                       unit="batch") as bar:
-        for position in range(len(planner.windows(0))):
-            batches = window_dataset(planner, 0, position, 0, 1)
-            for i in range(len(batches)):
-                k += 1
-                if k <= done:
-                    continue
-                if max_batches is not None and new >= max_batches:
-                    _save(partial, logps, {"identity": now, "batches": k - 1})
-                    return logps
-                batch = batches[i]
-                pairs.add_to_table(logps, batch, np.asarray(jax.device_get(reference_logprobs(batch)), np.float64))
-                new += 1
-                bar.update()
-                if time.monotonic() - saved > SAVE_EVERY_S:
-                    _save(partial, logps, {"identity": now, "batches": k})
-                    saved = time.monotonic()
+        for k, batch in enumerate(in_order, start=done + 1):
+            if max_batches is not None and k - done > max_batches:
+                _save(partial, logps, {"identity": now, "batches": k - 1})
+                return logps
+            pairs.add_to_table(logps, batch, np.asarray(jax.device_get(reference_logprobs(batch)), np.float64))
+            bar.update()
+            if time.monotonic() - saved > SAVE_EVERY_S:
+                _save(partial, logps, {"identity": now, "batches": k})
+                saved = time.monotonic()
     logps = logps.astype(np.float32)
     _save(path, logps, {"identity": now})
     partial.unlink(missing_ok=True)
