@@ -67,24 +67,19 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
     counts = {"bytes": 0, "scored_tokens": 0, "scored_bytes": 0, "dropped_unscored": 0}
     for where, record in records:
         if spec.format == "preference":  # a pair: two examples, prompt + chosen then prompt + rejected
-            for example in pair_examples(spec, tokenizer, record, where):
-                ids.append(example.ids)
-                weights += [example.mask, np.zeros(1)]
-                lengths.append(len(example.ids))
-                counts["scored_tokens"] += example.scored
-                counts["scored_bytes"] += example.scored_bytes
+            examples = pair_examples(spec, tokenizer, record, where)  # (each holds half the record's bytes)
+        else:
+            examples = (encode_example(spec, tokenizer, record, where), )
+            if examples[0].scored == 0:
+                counts["dropped_unscored"] += 1
+                continue
+        for example in examples:
+            ids.append(example.ids)
+            weights += [example.mask, np.zeros(1)]
+            lengths.append(len(example.ids))
             counts["bytes"] += example.bytes
-            continue
-        example = encode_example(spec, tokenizer, record, where)
-        if example.scored == 0:
-            counts["dropped_unscored"] += 1
-            continue
-        ids.append(example.ids)
-        weights += [example.mask, np.zeros(1)]
-        lengths.append(len(example.ids))
-        counts["bytes"] += example.bytes
-        counts["scored_tokens"] += example.scored
-        counts["scored_bytes"] += example.scored_bytes
+            counts["scored_tokens"] += example.scored
+            counts["scored_bytes"] += example.scored_bytes
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     doc_lengths = np.asarray(lengths, np.int64)
     return EncodedChunk(
