@@ -42,7 +42,14 @@ from seqjax.train.flops import flops_per_token, peak_flops_per_device
 from seqjax.train.metrics import peak_memory_bytes
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.prefetch import DevicePrefetch
-from seqjax.train.setup import objective_of, reference_arguments, sharded_optimizer_state, starting_weights, with_vocab
+from seqjax.train.setup import (
+    count,
+    objective_of,
+    reference_arguments,
+    sharded_optimizer_state,
+    starting_weights,
+    with_vocab,
+)
 from seqjax.train.step import make_train_step
 
 
@@ -69,7 +76,7 @@ def main(argv=None) -> dict:
     # the training run's own placement: the frozen base and a reference model ride as extra arguments
     placed, _ = starting_weights(config, mesh, None)
     params, num_params = placed.params, placed.model_params
-    trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    trained = count(params)
     objective = objective_of(config)
     extras, extra_shardings, reference_graphdef = reference_arguments(placed, config, objective)
     tx, _ = build_optimizer(tc)

@@ -77,23 +77,6 @@ def synthetic(args) -> tuple[np.ndarray, np.ndarray]:
     return tokens[keep], patches[keep]
 
 
-def first_fit_rows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
-    """lmms-engine's packing: first fit by text length, in the data's order (each example into the first row
-    with room for its tokens; its images follow it)."""
-    free: list[int] = []
-    row = np.empty(len(tokens), np.int64)
-    for i, t in enumerate(tokens):
-        for r, f in enumerate(free):
-            if f >= t:
-                free[r] -= t
-                row[i] = r
-                break
-        else:
-            free.append(seq_len - t)
-            row[i] = len(free) - 1
-    return row
-
-
 def summary(name: str, tokens, patches, batch, args, budget: int | None, seconds: float) -> dict:
     n = int(batch.max()) + 1
     per_batch = np.bincount(batch, weights=patches, minlength=n)
@@ -106,6 +89,7 @@ def summary(name: str, tokens, patches, batch, args, budget: int | None, seconds
 
 
 def packing(args, tokens, patches) -> list[dict]:
+    from seqjax.data.document_rows import fit
     from seqjax.data.image_rows import pack_two_budgets
 
     out = []
@@ -113,7 +97,9 @@ def packing(args, tokens, patches) -> list[dict]:
     batch, _ = pack_two_budgets(tokens, patches, args.rows, args.seq_len, args.patch_budget)
     out.append(summary("two_budget", tokens, patches, batch, args, args.patch_budget, time.perf_counter() - start))
     start = time.perf_counter()
-    batch = first_fit_rows(tokens, args.seq_len) // args.rows
+    # lmms-engine's packing: first fit by text length in the data's order, every row left open (its images
+    # follow their text); seqjax's own first-fit packer computes exactly that
+    batch = fit(tokens, args.seq_len, None, open_rows=len(tokens), best=False, decreasing=False)[0] // args.rows
     out.append(summary("lmms_first_fit", tokens, patches, batch, args, None, time.perf_counter() - start))
     batch = np.arange(len(tokens)) // args.rows
     out.append(summary("one_per_row", tokens, patches, batch, args, None, 0.0))  # (nothing to pack)

@@ -116,17 +116,23 @@ def test_adapter_gradients_are_the_chain_rule_through_the_merged_weight():
             np.testing.assert_allclose(np.asarray(got["lora_b"]), s * a.T @ g, rtol=2e-4, atol=1e-7)
 
 
-def test_a_train_step_moves_the_adapters_only_and_leaves_the_base_bit_identical():
-    config = load_config(None, TINY + LORA + ["train.lr=1e-2", "train.warmup_steps=0"])
-    model = build_model(config, rngs=nnx.Rngs(0))
-    graphdef, adapters, frozen, rest = split_params(model)
-    adapters, frozen = nnx.to_pure_dict(adapters), nnx.to_pure_dict(frozen)
+def two_adapter_steps(overrides: list[str]):
+    """Two steps (2 micro-batches each, lr 1e-2) of TINY + LORA + ``overrides``: (what trains before, after,
+    the optimizer state, the first step's metrics, the frozen base, a copy of the base from before)."""
+    config = load_config(None, TINY + LORA + overrides + ["train.lr=1e-2", "train.warmup_steps=0"])
+    graphdef, trained, frozen, rest = split_params(build_model(config, rngs=nnx.Rngs(0)))
+    trained, frozen = nnx.to_pure_dict(trained), nnx.to_pure_dict(frozen)
     before = jax.tree.map(np.asarray, frozen)
     tx, _ = build_optimizer(config.train)
     step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=2, z_loss=0.0))
-    opt_state = tx.init(adapters)
-    new, opt_state, metrics = step(adapters, opt_state, batch(1, b=4), None, 1, frozen)
+    opt_state = tx.init(trained)
+    new, opt_state, metrics = step(trained, opt_state, batch(1, b=4), None, 1, frozen)
     new, _, _ = step(new, opt_state, batch(2, b=4), None, 2, frozen)
+    return trained, new, opt_state, metrics, frozen, before
+
+
+def test_a_train_step_moves_the_adapters_only_and_leaves_the_base_bit_identical():
+    adapters, new, opt_state, metrics, frozen, before = two_adapter_steps([])
     assert np.isfinite(float(metrics["loss"]))
     moved = [np.any(np.asarray(x) != np.asarray(y)) for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(adapters))]
     assert all(moved)
@@ -143,17 +149,8 @@ VARIANTS = ["model.lora.dora=true", "model.lora.rslora=true", "model.lora.module
 def test_dora_rslora_and_modules_to_save_train_what_they_should_and_nothing_else(layout):
     """Under scan, remat and the chunked loss, with accumulation: the adapters, DoRA's magnitudes and the saved
     embeddings all move; the frozen base stays bit-identical; the optimizer holds state for what trains only."""
-    config = load_config(None, TINY + LORA + VARIANTS + layout + ["train.lr=1e-2", "train.warmup_steps=0"])
-    model = build_model(config, rngs=nnx.Rngs(0))
-    graphdef, trained, frozen, rest = split_params(model)
-    trained, frozen = nnx.to_pure_dict(trained), nnx.to_pure_dict(frozen)
+    trained, new, _, metrics, frozen, before = two_adapter_steps(VARIANTS + layout)
     assert "embed" in trained and "embed" not in frozen
-    before = jax.tree.map(np.asarray, frozen)
-    tx, _ = build_optimizer(config.train)
-    step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=2, z_loss=0.0))
-    opt_state = tx.init(trained)
-    new, opt_state, metrics = step(trained, opt_state, batch(1, b=4), None, 1, frozen)
-    new, _, _ = step(new, opt_state, batch(2, b=4), None, 2, frozen)
     assert np.isfinite(float(metrics["loss"]))
     flat_new, flat_old = (dict(jax.tree_util.tree_leaves_with_path(t)) for t in (new, trained))
     moved = {jax.tree_util.keystr(k) for k in flat_new if np.any(np.asarray(flat_new[k]) != np.asarray(flat_old[k]))}

@@ -45,6 +45,6 @@ class VisionLanguageModel(nnx.Module):
         where = jnp.maximum(image_index, 0)
         x = jnp.where(is_image, tokens[where].astype(x.dtype), x)
         injections = jnp.where(is_image[None], deep[:, where], 0.0) if deep.shape[0] else None
-        positions = mrope_positions(positions_3d, jnp.asarray(self.axes))
+        positions = mrope_positions(positions_3d, self.axes)
         return self.lm.logits(self.lm.hidden(x, positions=positions, segment_ids=segment_ids,
                                              injections=injections))

@@ -77,6 +77,6 @@ def mrope_axes(half: int, section: tuple[int, ...], interleaved: bool) -> np.nda
     return axes
 
 
-def mrope_positions(positions_3d: jax.Array, axes: np.ndarray) -> jax.Array:
+def mrope_positions(positions_3d: jax.Array, axes) -> jax.Array:
     """[B, T, 3] (time, row, column) positions -> [B, T, half], each frequency's (for :func:`rope`)."""
     return jnp.take(positions_3d, jnp.asarray(axes), axis=-1)
