@@ -7,7 +7,8 @@ The set: text lengths log-normal (median ``--text-median`` tokens), 0 to 3 image
 uniformly in [160, 1600] pixels a side, each resized as Qwen3-VL's processor does (patch 16, merge 2, its pixel
 bounds) and taking one token per merged group plus its vision start and end. Every method then needs static
 shapes: ``rows`` x ``seq_len`` tokens and a patch budget a batch. The two-budget packer
-(seqjax.data.image_rows) keeps every batch within ``--patch-budget`` (default: the set's patches per token
+(seqjax.data.image_rows) keeps every batch within ``--patch-budget`` (``two_budget``), or every row within its
+share of it (``two_budget_per_row``: the layout batches are trained in) (default: the set's patches per token
 times a batch's tokens, plus 10%); the others pack by tokens alone, so their budget has to be the most patches
 any of their batches holds. Reported for each: batches, token padding, the patch budget it needs, patch padding
 at that budget, batches over the two-budget packer's budget, and the packer's examples/s.
@@ -96,6 +97,13 @@ def packing(args, tokens, patches) -> list[dict]:
     start = time.perf_counter()
     batch, _ = pack_two_budgets(tokens, patches, args.rows, args.seq_len, args.patch_budget)
     out.append(summary("two_budget", tokens, patches, batch, args, args.patch_budget, time.perf_counter() - start))
+    # the layout a batch is trained in (seqjax.data.image_rows.image_batch): each row its own patch stream of
+    # patch_budget / rows; rows are bins of both budgets, and consecutive rows make a batch
+    per_row = args.patch_budget // args.rows
+    start = time.perf_counter()
+    row, _ = pack_two_budgets(tokens, patches, 1, args.seq_len, per_row)
+    out.append(summary("two_budget_per_row", tokens, patches, row // args.rows, args, per_row * args.rows,
+                       time.perf_counter() - start))
     start = time.perf_counter()
     # lmms-engine's packing: first fit by text length in the data's order, every row left open (its images
     # follow their text); seqjax's own first-fit packer computes exactly that

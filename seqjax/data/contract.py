@@ -97,6 +97,21 @@ OPTIONAL_FIELDS: dict[str, OptionalField] = {
         "train.reference=precompute", lambda d: False),
 }
 
+# Images (seqjax.data.image_rows.image_batch, docs/vision.md): read by a vision-language model's forward pass.
+# Each row carries its own images in a patch stream of P patches; image chats are not read into the store yet,
+# so no data config gives them.
+_IMAGES = "image-and-text examples (seqjax.data.image_rows; not yet a data.format)"
+OPTIONAL_FIELDS.update({
+    name: OptionalField(dtype, meaning, _IMAGES, lambda d: False, model=True) for name, dtype, meaning in (
+        ("positions_3d", np.int32, "[B, T, 3] each example's (time, row, column) rope index, from 0"),
+        ("image_index", np.int32, "[B, T] which of its row's image tokens an image-pad token takes; -1 on text"),
+        ("patches", np.float32, "[B, P, patch_dim] each row's images' patches, right-padded"),
+        ("patch_segment_ids", np.int32, "[B, P] image 1, 2, ... of the row; 0 on padding"),
+        ("patch_rows", np.int32, "[B, P] a patch's row in its image's grid"),
+        ("patch_columns", np.int32, "[B, P] a patch's column in its image's grid"),
+        ("patch_table_index", np.int32, "[B, P, 4] the learned-position table entries bilinear resampling mixes"),
+        ("patch_table_weight", np.float32, "[B, P, 4] their weights"))})
+
 
 def given_fields(d: Any) -> tuple[str, ...]:
     """The fields batches of data config ``d`` carry: the five, and the optional ones it gives."""

@@ -17,11 +17,23 @@ patches.
 
 lmms-engine packs by text length alone, so the patches a batch holds vary and a static budget must be the
 largest any batch reaches (scripts/bench_vision.py measures the padding both leave).
+
+**Rows carry their own patches.** :func:`image_batch` lays a batch out as the model reads it: the five contract
+fields from the one builder (:func:`seqjax.data.contract.contract_batch`), and each row's images in that row's
+own patch stream of ``patches_per_row``, every image field with the rows as its leading axis. Micro-batches,
+process slices and a mesh's data shards then cut images with the rows that read them. The packer for that layout
+is :func:`pack_two_budgets` with ``rows=1``: each bin one row, with a row's tokens and a row's patches.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from seqjax.data.contract import Batch, contract_batch
+from seqjax.data.ragged import exclusive_cumsum
+from seqjax.store.images import patch_inputs, rope_index
 
 
 def pack_two_budgets(tokens: np.ndarray, patches: np.ndarray, rows: int, seq_len: int, patch_budget: int,
@@ -66,3 +78,80 @@ def pack_two_budgets(tokens: np.ndarray, patches: np.ndarray, rows: int, seq_len
     for provisional in [*closed, *ids]:  # number the batches in the order they closed, then the open ones
         final[int(provisional)] = len(final)
     return np.asarray([final[int(b)] for b in batch_of]), row_of
+
+
+@dataclass(frozen=True)
+class ImageExample:
+    """One image-and-text example as a batch reads it: ``ids`` [n] with one image-pad token per merged patch
+    group of each image, in the images' order; ``weights`` [n]: the weight of ``ids[i]`` as a target (0 on
+    prompts and on image tokens); ``pixels`` [patches, patch_dim] float32: its images' patches in order
+    (:func:`seqjax.store.images.pixel_values`), ``grids``: each image's (t, h, w) in patches."""
+
+    ids: np.ndarray
+    weights: np.ndarray
+    pixels: np.ndarray
+    grids: tuple[tuple[int, int, int], ...]
+
+    @property
+    def patches(self) -> int:
+        return len(self.pixels)
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """What laying images into rows needs of the model: the image-pad token, the merge size and the side of the
+    tower's square table of learned positions (:class:`seqjax.config.vision.VisionConfig`)."""
+
+    image_token_id: int
+    merge_size: int
+    grid_side: int
+    patch_dim: int
+
+
+def image_batch(examples: list[ImageExample], row_of: np.ndarray, n_rows: int, seq_len: int,
+                patches_per_row: int, layout: ImageLayout) -> Batch:
+    """A batch of ``n_rows`` rows of ``seq_len`` from ``examples`` (example i in row ``row_of[i]``, in the
+    order given within a row): the contract's five fields, plus
+
+    - ``positions_3d`` [B, T, 3]: each example's 3-D rope index from 0 (:func:`rope_index` of its ids alone);
+    - ``image_index`` [B, T]: the row's i-th image token takes the row's i-th merged patch group, -1 on text;
+    - ``patches`` [B, P, patch_dim] and ``patch_segment_ids``, ``patch_rows``, ``patch_columns`` [B, P],
+      ``patch_table_index``, ``patch_table_weight`` [B, P, 4]: each row's images, one segment each
+      (:func:`seqjax.store.images.patch_inputs`), right-padded to P = ``patches_per_row``.
+
+    An example of n ids is one sequence, as the contract makes it: inputs ``ids[:-1]``, targets ``ids[1:]``.
+    """
+    row_of = np.asarray(row_of, np.int64)
+    order = np.argsort(row_of, kind="stable")
+    lengths = np.asarray([len(examples[i].ids) for i in order], np.int64)
+    starts = exclusive_cumsum(lengths)[:-1]
+    stream = np.concatenate([examples[i].ids for i in order]).astype(np.int32)
+    scores = np.concatenate([np.asarray(examples[i].weights, np.float32) for i in order])
+    batch = contract_batch(stream, starts, lengths, row_of[order], n_rows, seq_len, scores=scores)
+    positions_3d = np.zeros((n_rows, seq_len, 3), np.int32)
+    image_index = np.full((n_rows, seq_len), -1, np.int32)
+    fields = {"patches": np.zeros((n_rows, patches_per_row, layout.patch_dim), np.float32)}
+    at, images_before, patches_at = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int64), [[] for _ in range(n_rows)]
+    for i in order:
+        e, r = examples[i], int(row_of[i])
+        n = len(e.ids) - 1  # its inputs
+        is_image = np.asarray(e.ids) == layout.image_token_id
+        place = slice(at[r], at[r] + n)
+        positions_3d[r, place] = rope_index(is_image, list(e.grids), layout.merge_size).T[:n]
+        counted = images_before[r] + np.cumsum(is_image) - 1
+        image_index[r, place] = np.where(is_image, counted, -1)[:n]
+        images_before[r] += int(is_image.sum())
+        at[r] += n
+        patches_at[r].append(e)
+    for r, placed in enumerate(patches_at):
+        pixels = [e.pixels for e in placed if e.patches]
+        if pixels:
+            stream_r = np.concatenate(pixels)
+            if len(stream_r) > patches_per_row:
+                raise ValueError(f"row {r}: {len(stream_r)} patches, more than data.patches_per_row="
+                                 f"{patches_per_row}")
+            fields["patches"][r, :len(stream_r)] = stream_r
+        grids = [g for e in placed for g in e.grids]
+        for name, values in patch_inputs(grids, layout.merge_size, layout.grid_side, patches_per_row).items():
+            fields.setdefault(f"patch_{name}", np.zeros((n_rows, *values.shape), values.dtype))[r] = values
+    return {**batch, "positions_3d": positions_3d, "image_index": image_index, **fields}

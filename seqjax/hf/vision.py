@@ -13,11 +13,17 @@ import dataclasses
 from typing import Any, Callable
 
 import numpy as np
+from flax import nnx
 
 from seqjax.config.model import ModelConfig
 from seqjax.config.vision import VisionConfig, vision_from_hf
 from seqjax.core.errors import CheckpointError
 from seqjax.hf.families import model_config_from_hf
+from seqjax.hf.tensors import from_hf
+from seqjax.model.multimodal import VisionLanguageModel
+from seqjax.model.stacking import blocks_layout
+from seqjax.model.transformer import build_model
+from seqjax.model.vision import VisionTower
 
 PREFIX = "model.visual."
 
@@ -111,3 +117,20 @@ def text_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         elif name == "lm_head.weight":
             out[name] = tensor
     return out
+
+
+def vision_language_model(tensors: dict[str, np.ndarray], vl: VisionLanguage, text: ModelConfig | None = None,
+                          source: str = "model.safetensors", seed: int = 0) -> VisionLanguageModel:
+    """A :class:`VisionLanguageModel` holding a Qwen3-VL checkpoint's ``tensors``. ``text``: the language
+    model's config as a run sets it (``vl.text`` with its attention backend, ``model.lora``, scan, remat, the
+    chunked loss); adapters start as :func:`build_model` draws them from ``seed`` (B = 0: the base's function)."""
+    cfg = text or vl.text
+    lm = build_model(cfg, rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(lm)
+    words = text_tensors(tensors)
+    nnx.replace_by_pure_dict(state, blocks_layout(from_hf(words.__getitem__, words, cfg, source), cfg.scan_layers))
+    tower = VisionTower(vl.vision, nnx.Rngs(seed))
+    tower_graph, tower_state = nnx.split(tower)
+    nnx.replace_by_pure_dict(tower_state, vision_params(tensors, vl.vision, source=source))
+    return VisionLanguageModel(nnx.merge(graphdef, state), nnx.merge(tower_graph, tower_state), vl.mrope_section,
+                               vl.mrope_interleaved)

@@ -172,10 +172,7 @@ class TransformerLM(nnx.Module):
         """
         metadata = self.attention_metadata(segment_ids)
         if self.cfg.scan_layers:
-            if injections is not None:
-                raise ValueError("model.scan_layers: DeepStack features are added between the first blocks, which "
-                                 "a scan does not stop at; expected model.scan_layers=false with images")
-            return self._scanned(x, positions, segment_ids, metadata, dropout_key, prefix_ids)
+            return self._scanned(x, positions, segment_ids, metadata, dropout_key, prefix_ids, injections)
         run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
         freqs = self.rope_freqs()
         for i, (block, key) in enumerate(zip(self.blocks, split_keys(dropout_key, len(self.blocks)))):
@@ -201,21 +198,24 @@ class TransformerLM(nnx.Module):
             return None
         return jnp.asarray([self.cfg.window_of(i) or FULL for i in range(self.cfg.n_layers)], jnp.int32)
 
-    def _scanned(self, x, positions, segment_ids, metadata, dropout_key, prefix_ids=None):
+    def _scanned(self, x, positions, segment_ids, metadata, dropout_key, prefix_ids=None, injections=None):
         """The stacked blocks under ``jax.lax.scan``: one block's body traced and compiled, whatever
         the depth.
 
         Each step merges layer ``i``'s slice of the stacked state into a Block and
         runs it (rematerialized as ``model.remat`` says); its dropout key is the
         ``i``-th of the same split the unrolled loop uses, so both give the same numbers.
+        With ``injections`` [k, B, T, D] the first k layers are one scan that adds layer i's after it, the
+        rest another: two bodies, nothing added to the layers that take none.
         """
         graphdef, state = nnx.split(self.blocks)
 
         def layer(carry, xs):
-            layer_state, key, rope_freq, window, metadata = xs
+            layer_state, key, rope_freq, window, metadata, extra = xs
             block = nnx.merge(graphdef, layer_state)
-            return block(carry, positions, segment_ids, rope_freq, window, metadata=metadata,
-                         dropout_key=key, prefix_ids=prefix_ids), None
+            out = block(carry, positions, segment_ids, rope_freq, window, metadata=metadata, dropout_key=key,
+                        prefix_ids=prefix_ids)
+            return (out if extra is None else out + extra.astype(out.dtype)), None
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat,
@@ -225,7 +225,12 @@ class TransformerLM(nnx.Module):
         # alike.
         stacked = None if metadata is None else jax.tree.map(lambda *layers: jnp.stack(layers), *
                                                              metadata)
-        x, _ = jax.lax.scan(layer, x, (state, keys, self.rope_freqs(), self.windows(), stacked))
+        xs = (state, keys, self.rope_freqs(), self.windows(), stacked)
+        k = 0 if injections is None else len(injections)
+        if k:
+            x, _ = jax.lax.scan(layer, x, (*jax.tree.map(lambda a: a[:k], xs), injections))
+        if k < self.cfg.n_layers:
+            x, _ = jax.lax.scan(layer, x, (*jax.tree.map(lambda a: a[k:], xs), None))
         return x
 
     def layer(self, i: int) -> "Block":
