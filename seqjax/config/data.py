@@ -125,6 +125,16 @@ class DataConfig:
         "chat: extra variables the template reads, passed as apply_chat_template(**kwargs) passes them "
         "(Qwen3's {enable_thinking: false}); a record's own chat_template_kwargs field (TRL's) adds to and "
         "overrides these", resume=DATA)
+    image_processor: str | None = setting(
+        None, "chat with images: the processor's preprocessor_config.json, or the model folder holding it "
+        "(Qwen2.5-VL's, Qwen3-VL's); null: a chat with an image part is refused", resume=DATA)
+    images_field: str = setting(
+        "images", "chat with images: the key or column listing a record's images in the order of its "
+        "{type: image} parts (TRL's): paths relative to the data file, or bytes in parquet; a part may name "
+        "its own (image, path or url)", resume=DATA)
+    image_token: str = setting(
+        "<|image_pad|>", "chat with images: the token the template puts for an image, repeated once per "
+        "merged patch group as the processor does (Qwen-VL's)", resume=DATA)
     input_ids_field: str = setting("input_ids",
                                    "tokenized: the key or column holding the token ids",
                                    resume=DATA)
@@ -274,7 +284,10 @@ class DataConfig:
                     "data.overlong: got split, expected truncate (TRL's: each sequence cut to "
                     "data.seq_len / 2, a pair whose prompt fills that dropped), drop or error for "
                     "preference pairs, which are packed whole")
-        elif self.shared_prompt:
+        if self.image_processor is not None and (formats != {"chat"} or self.sources):
+            raise ConfigError(f"data.image_processor: got {self.image_processor!r} with data.format={self.format}"
+                              f"{' and data.sources' if self.sources else ''}; expected data.format=chat, one source")
+        if self.shared_prompt and "preference" not in formats:
             raise ConfigError(f"data.shared_prompt: got true with data.format={self.format}, expected "
                               "data.format=preference (it shares a pair's prompt)")
         if formats != {"text"}:

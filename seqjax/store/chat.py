@@ -205,20 +205,21 @@ def _render(spec: ExampleSpec, messages: list[dict], where: str, generation_prom
 
 
 def _valid_message(m: Any) -> bool:
-    """A ``{role, content}`` object with string values; an assistant turn that makes tool calls may
-    have no content (null, or no key), as OpenAI's and TRL's format writes it and transformers
-    renders it."""
+    """A ``{role, content}`` object with string values, or content as a list of ``{type, ...}`` parts (text and
+    images: :mod:`seqjax.store.image_chats`); an assistant turn that makes tool calls may have no content (null,
+    or no key), as OpenAI's and TRL's format writes it and transformers renders it."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         return False
-    calls = m.get("tool_calls")
-    return isinstance(m.get("content"), str) or (m.get("content") is None and
-                                                 isinstance(calls, list) and calls)
+    calls, content = m.get("tool_calls"), m.get("content")
+    parts = isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)
+    return isinstance(content, str) or parts or (content is None and isinstance(calls, list) and calls)
 
 
 def _check_messages(messages: Any, where: str, field: str) -> None:
     if not isinstance(messages, list) or not messages or not all(map(_valid_message, messages)):
         raise CorpusError(f"{where}: {field!r} must be a non-empty list of {{role, content}} objects "
-                          "with string values (an assistant turn with tool_calls may have no content)")
+                          "with string values or lists of {type, ...} parts (an assistant turn with tool_calls may "
+                          "have no content)")
     if any(OPEN_MARK in (m.get("content") or "") or CLOSE_MARK in (m.get("content") or "")
            for m in messages):
         raise CorpusError(f"{where}: a message holds U+E000 or U+E001, which mark generation blocks")

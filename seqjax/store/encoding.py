@@ -54,6 +54,9 @@ class EncodedChunk:
     scored_tokens: int = 0
     scored_bytes: int = 0
     dropped_unscored: int = 0
+    # chats with images: every example's images in order (uint8 [H, W, 3]), and how many each example has
+    images: list[np.ndarray] | None = None
+    doc_images: np.ndarray | None = None
 
 
 def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
@@ -63,7 +66,7 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
 
     An example with nothing scored (a single token has no target) is dropped and counted.
     """
-    ids, lengths, weights = [], [], []
+    ids, lengths, weights, images, doc_images = [], [], [], [], []
     counts = {"bytes": 0, "scored_tokens": 0, "scored_bytes": 0, "dropped_unscored": 0}
     for where, record in records:
         if spec.format == "preference":  # a pair: two examples, prompt + chosen then prompt + rejected
@@ -77,6 +80,8 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
             ids.append(example.ids)
             weights += [example.mask, np.zeros(1)]
             lengths.append(len(example.ids))
+            images += example.images
+            doc_images.append(len(example.images))
             counts["bytes"] += example.bytes
             counts["scored_tokens"] += example.scored
             counts["scored_bytes"] += example.scored_bytes
@@ -86,7 +91,9 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
         ids=np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype),
         doc_lengths=doc_lengths, line_lengths=doc_lengths.copy(), words=0, lines=len(lengths),
         weights=np.concatenate(weights).astype(spec.weights_dtype) if weights else np.zeros(
-            0, spec.weights_dtype), **counts)
+            0, spec.weights_dtype), **counts,
+        images=images if spec.image_spec is not None else None,
+        doc_images=np.asarray(doc_images, np.int64) if spec.image_spec is not None else None)
 
 
 def encode_chunk(tokenizer: Tokenizer, documents: list[str]) -> EncodedChunk:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from seqjax.config.tree import Config, SourceConfig
 from seqjax.core.errors import CorpusError
 from seqjax.core.progress import log_once
 from seqjax.store.chat import chat_spans, chat_template, twin_template
+from seqjax.store.image_chats import expand_images, image_sources, read_image_spec, without_nulls
 from seqjax.store.pairs import encode_pair
 from seqjax.store.spec import KWARGS_FIELD, NOT_SCORED, ExampleSpec
 
@@ -96,7 +97,9 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
                        loss_weights_field=d.loss_weights_field, chat_template=template,
                        template_name=name, bos_token=config.tokenizer.bos_token,
                        eos_token=eot_token, weights_dtype=d.loss_weights_dtype, twin=twin,
-                       template_kwargs=json.dumps(d.chat_template_kwargs, sort_keys=True))
+                       template_kwargs=json.dumps(d.chat_template_kwargs, sort_keys=True),
+                       image_spec=read_image_spec(d.image_processor) if source.format == "chat" else None,
+                       images_field=d.images_field, image_token=d.image_token)
 
 
 def char_spans_to_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -137,6 +140,7 @@ class Example:
     mask: np.ndarray
     bytes: int
     scored_bytes: int
+    images: list[np.ndarray] = field(default_factory=list)  # chats with images: each resized, uint8 [H, W, 3]
 
     def __post_init__(self) -> None:
         if len(self.mask):
@@ -175,11 +179,17 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
             (prompt + answer).encode())
         return Example(ids, mask, len((prompt + answer).encode("utf-8")), scored_bytes)
     if spec.format == "chat":
+        record = {**record, spec.messages_field: without_nulls(record.get(spec.messages_field))}
+        sources = image_sources(spec, record, where)
         text, spans = chat_spans(spec, record.get(spec.messages_field), where,
                                  record.get(spec.tools_field), record.get(KWARGS_FIELD))
         ids, offsets = _text_ids(tokenizer, text)
         mask = char_spans_to_mask(offsets, spans)
-        return Example(ids, mask, len(text.encode("utf-8")), _scored_bytes(text, offsets, mask))
+        scored_bytes = _scored_bytes(text, offsets, mask)
+        images = []
+        if sources:
+            ids, mask, images = expand_images(ids, mask, sources, spec, tokenizer.token_id(spec.image_token), where)
+        return Example(ids, mask, len(text.encode("utf-8")), scored_bytes, images)
     ids = record.get(spec.input_ids_field)
     if not isinstance(ids, list) or not ids or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in ids):

@@ -52,6 +52,32 @@ class ImageSpec:
         return self.patch_size * self.merge_size
 
 
+def image_spec_from_hf(config: dict, source: str = "preprocessor_config.json") -> ImageSpec:
+    """A Qwen-VL ``preprocessor_config.json`` (a dict) as an :class:`ImageSpec`: the pixel bounds from
+    ``min_pixels``/``max_pixels`` or ``size`` (``shortest_edge``/``longest_edge``, transformers 5's names), every
+    setting that changes the computation read, or refused in one line when seqjax computes something else."""
+    size = config.get("size") or {}
+    values = {"patch_size": config.get("patch_size", 14), "merge_size": config.get("merge_size", 2),
+              "temporal_patch_size": config.get("temporal_patch_size", 2),
+              "min_pixels": config.get("min_pixels", size.get("shortest_edge", ImageSpec.min_pixels)),
+              "max_pixels": config.get("max_pixels", size.get("longest_edge", ImageSpec.max_pixels)),
+              "image_mean": tuple(config.get("image_mean", CLIP_MEAN)),
+              "image_std": tuple(config.get("image_std", CLIP_STD))}
+    computed = {"do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+                "resample": 3, "rescale_factor": 1 / 255}
+    for key, wanted in computed.items():
+        if key in config and config[key] != wanted and not (key == "rescale_factor"
+                                                            and abs(config[key] - wanted) < 1e-12):
+            raise CorpusError(f"{source}: {key} is {config[key]!r}; seqjax preprocesses images with {key}="
+                              f"{wanted!r} only")
+    for key in ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"):
+        if not isinstance(values[key], int) or values[key] < 1:
+            raise CorpusError(f"{source}: {key} is {values[key]!r}; expected a positive integer")
+    if len(values["image_mean"]) != 3 or len(values["image_std"]) != 3:
+        raise CorpusError(f"{source}: image_mean and image_std need three values (RGB)")
+    return ImageSpec(**values)
+
+
 QWEN3_VL = ImageSpec(patch_size=16, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5))
 
 
@@ -98,10 +124,21 @@ def to_rgb(image):
 
 def pixel_values(image, spec: ImageSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
     """``(patches [grid_h * grid_w, 3 * t * p * p] float32, grid (1, grid_h, grid_w))`` of an image."""
+    return patchify(resized(image, spec), spec)
+
+
+def resized(image, spec: ImageSpec) -> np.ndarray:
+    """Steps 1 of the processor: the image as 8-bit RGB [H, W, 3] at ``smart_resize``'s size (what a store
+    keeps: the rest is exact arithmetic on it, 8 times smaller than the float patches)."""
     image = to_rgb(image)
     height, width = smart_resize(image.height, image.width, spec)
-    resized = np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC), np.uint8)
-    pixels = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)  # [H, W, 3]
+    return np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC), np.uint8)
+
+
+def patchify(pixels_8bit: np.ndarray, spec: ImageSpec) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Steps 2 and 3 on a :func:`resized` image: ``(patches, grid)`` as :func:`pixel_values`."""
+    height, width = pixels_8bit.shape[:2]
+    pixels = (np.asarray(pixels_8bit).astype(np.float64) * (1 / 255)).astype(np.float32)  # [H, W, 3]
     pixels = (pixels - np.asarray(spec.image_mean, np.float32)) / np.asarray(spec.image_std, np.float32)
     p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     gh, gw = height // p, width // p

@@ -85,6 +85,7 @@ import numpy as np
 from seqjax.core.errors import StoreError
 from seqjax.store.checks import check_files, id_range_problem, read_manifest
 from seqjax.store.layout import (
+    DOC_IMAGES,
     DOC_OFFSETS,
     LINE_OFFSETS,
     MASK_DTYPE,
@@ -94,6 +95,7 @@ from seqjax.store.layout import (
     WEIGHTS,
     token_dtype,
 )
+from seqjax.store.stored_images import StoredImages
 from seqjax.store.stream import TokenStream, concat_offsets
 
 # ---------------------------------------------------------------------------
@@ -144,6 +146,8 @@ class TokenStore:
         self.sources: list[tuple[str, float, int, int]] = []
         self.source_stores: list[TokenStore] = []
         self.source_bases = np.zeros(0, np.int64)  # where each source's stream starts in this one
+        # chats with images: each document's images (seqjax.store.stored_images.StoredImages), or None
+        self.images: StoredImages | None = None
         # built in memory: check it now (an opened store was checked when it was built)
         if manifest is None:
             self.validate()
@@ -239,6 +243,8 @@ class TokenStore:
             mask = masks[0] if len(masks) == 1 else TokenStream(masks)
         store = cls(tokens, offsets(DOC_OFFSETS), offsets(LINE_OFFSETS), eot_id=manifest["eot_id"],
                     vocab_size=manifest["vocab_size"], manifest=manifest, path=path, mask=mask)
+        if all(DOC_IMAGES in shard["files"] for shard in manifest["shards"]):
+            store.images = StoredImages(shards)
         if verify:
             store.validate()
             problem = id_range_problem(store, manifest)

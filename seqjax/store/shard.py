@@ -15,7 +15,8 @@ from seqjax.core.errors import CorpusError
 from seqjax.store.cache import content_hash, file_identity
 from seqjax.store.corpus import file_documents, file_records
 from seqjax.store.encoding import encode_in_order
-from seqjax.store.spec import ExampleSpec
+from seqjax.store.image_chats import image_parts
+from seqjax.store.spec import IMAGE_BASE, ExampleSpec
 from seqjax.store.splits import in_carved_split
 from seqjax.store.tokenizer import Tokenizer
 from seqjax.store.writer import ShardWriter
@@ -23,6 +24,9 @@ from seqjax.store.writer import ShardWriter
 # Characters of text per encoding task: large enough to amortize the hand-off, small enough for
 # bounded memory.
 CHUNK_CHARS = 1 << 22
+# Chats with images: what one image adds to a chunk's size (its resized pixels, up to a few MB, cross the
+# process boundary).
+IMAGE_CHARS = 1 << 17
 # A shard with less source than this is encoded in this process: starting worker processes would
 # cost more.
 POOL_MIN_BYTES = 1 << 23
@@ -66,11 +70,14 @@ def records(source: SourceConfig, files: list[Path], spec: ExampleSpec, counts: 
     chunk, size = [], 0
     for path in files:
         for where, record in file_records(source, path, spec.fields):
+            if spec.image_spec is not None:  # where a record's image paths start
+                record[IMAGE_BASE] = str(path.parent)
             if carve is not None and not in_carved_split(json.dumps(record, sort_keys=True), carve):
                 counts.carved_out += 1
                 continue
             chunk.append((where, record))
-            size += len(str(record))
+            # an image counts as IMAGE_CHARS: a chunk holds a few dozen resized images, not thousands
+            size += len(str(record)) + IMAGE_CHARS * len(image_parts(record.get(spec.messages_field) or []))
             if size >= CHUNK_CHARS:
                 yield chunk
                 chunk, size = [], 0
@@ -111,9 +118,11 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
         source, files, spec, counts, carve)
     with ShardWriter(path, name, eot_id=tokenizer.separator_id, vocab_size=tokenizer.vocab_size,
                      scored=spec is not None,
-                     weights_dtype=spec.weights_dtype if spec else "uint8") as writer:
+                     weights_dtype=spec.weights_dtype if spec else "uint8",
+                     images=spec is not None and spec.image_spec is not None) as writer:
         for chunk in encode_in_order(tokenizer, chunks, use, spec):
-            writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths, chunk.weights)
+            writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths, chunk.weights, chunk.images,
+                             chunk.doc_images)
             counts.documents += len(chunk.doc_lengths)
             for key in ("bytes", "words", "lines", "scored_tokens", "scored_bytes", "dropped_unscored"):
                 setattr(counts, key, getattr(counts, key) + getattr(chunk, key))

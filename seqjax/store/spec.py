@@ -4,6 +4,7 @@ the chat template and the tokens that frame it; shared by :mod:`seqjax.store.cha
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,8 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 KWARGS_FIELD = "chat_template_kwargs"
 TEMPLATE_FILES = (CHAT_TEMPLATE_FILE, "tokenizer_config.json")
 NOT_SCORED = -100  # HF's label for a token the loss skips
+# Chats with images: the folder a record's relative image paths start from (its data file's), added by the reader
+IMAGE_BASE = "__image_base__"
 
 
 @dataclass(frozen=True)
@@ -41,13 +44,18 @@ class ExampleSpec:
     twin: str | None = None
     # data.chat_template_kwargs as JSON text (sorted keys: hashable, and one store key per meaning)
     template_kwargs: str = "{}"
+    # chats with images (data.image_processor): the processor's settings (seqjax.store.images.ImageSpec), the
+    # images' column and the token the template puts for each
+    image_spec: Any = None
+    images_field: str = "images"
+    image_token: str = "<|image_pad|>"
 
     @property
     def fields(self) -> tuple[str, ...]:
         """The record fields read, the required one first."""
         return {
             "prompt_completion": (self.prompt_field, self.completion_field),
-            "chat": (self.messages_field, self.tools_field, KWARGS_FIELD),
+            "chat": (self.messages_field, self.tools_field, KWARGS_FIELD, self.images_field),
             "tokenized": (self.input_ids_field, self.labels_field, self.loss_weights_field),
             "preference": (self.chosen_field, self.rejected_field, self.prompt_field, self.tools_field,
                            KWARGS_FIELD),
@@ -56,6 +64,6 @@ class ExampleSpec:
     def identity(self) -> dict[str, Any]:
         """What the store's cache key takes from the spec: everything that changes the ids or the
         mask."""
-        return {k: v for k, v in self.__dict__.items()}
+        return {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v) for k, v in self.__dict__.items()}
 
 

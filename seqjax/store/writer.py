@@ -25,13 +25,17 @@ import xxhash
 from seqjax.core.errors import StoreError
 from seqjax.core.files import write_text_atomic
 from seqjax.store.layout import (
+    DOC_IMAGES,
     DOC_OFFSETS,
     FILES,
     FORMAT_VERSION,
+    IMAGE_FILES,
+    IMAGE_SHAPES,
     LINE_OFFSETS,
     MANIFEST,
     MASK_DTYPE,
     OFFSET_DTYPE,
+    PIXELS,
     SHARD_RECORD,
     TOKENS,
     WEIGHTS,
@@ -97,16 +101,21 @@ class ShardWriter:
     """
 
     def __init__(self, path: str | os.PathLike, name: str, *, eot_id: int, vocab_size: int,
-                 scored: bool = False, weights_dtype: str = MASK_DTYPE.name):
+                 scored: bool = False, weights_dtype: str = MASK_DTYPE.name, images: bool = False):
         self.path, self.name = Path(path), name
         self.scored = scored  # instruction examples: a weights.bin beside the tokens
+        self.images = images  # chats with images: their pixels beside the tokens (IMAGE_FILES)
         # uint8 (0/1) or float32 (data.loss_weights_dtype)
         self.weights_dtype = np.dtype(weights_dtype)
         self.eot_id = int(eot_id)
         self.vocab_size = int(vocab_size)
         self.dtype = token_dtype(vocab_size)
         self._tmp = staging_dir(self.path, name)
-        self._files = {n: _HashedFile(self._tmp / n) for n in FILES + ((WEIGHTS,) if scored else ())}
+        self._files = {n: _HashedFile(self._tmp / n)
+                       for n in FILES + ((WEIGHTS,) if scored else ()) + (IMAGE_FILES if images else ())}
+        if images:
+            self._files[DOC_IMAGES].write(np.zeros(1, OFFSET_DTYPE))
+            self.num_images = 0
         self._files[TOKENS].write(np.asarray([self.eot_id], self.dtype))
         if scored:
             self._files[WEIGHTS].write(np.zeros(1, self.weights_dtype))
@@ -116,7 +125,8 @@ class ShardWriter:
         self.max_id = self.eot_id
 
     def add_chunk(self, ids: np.ndarray, doc_lengths: np.ndarray, line_lengths: np.ndarray,
-                  weights: np.ndarray | None = None) -> None:
+                  weights: np.ndarray | None = None, images: list[np.ndarray] | None = None,
+                  doc_images: np.ndarray | None = None) -> None:
         """Append documents given flat: all their text ids, tokens per document, tokens per line
         (EOTs are added).
 
@@ -124,6 +134,8 @@ class ShardWriter:
         appends ``5 6 EOT 7 EOT``: documents end at +3 and +5, lines at +1, +3, +5.
         A scored shard also takes ``weights``, one per appended token (each
         document's tokens, then its closing EOT): ``[0, 1, 1, 1, 0]`` above.
+        A shard of images also takes ``images`` (uint8 [H, W, 3] each, in order) and ``doc_images``,
+        how many of them each document has.
         """
         if self.scored != (weights is not None):
             raise StoreError(
@@ -155,6 +167,8 @@ class ShardWriter:
             if len(weights) != len(out):
                 raise StoreError(f"shard {self.name}: {len(weights)} weights for {len(out)} tokens")
             self._files[WEIGHTS].write(np.asarray(weights, self.weights_dtype))
+        if self.images:
+            self._add_images(images or [], np.zeros(len(doc_lengths), np.int64) if doc_images is None else doc_images)
         self._files[TOKENS].write(out)
         self._files[DOC_OFFSETS].write((out_ends + self.num_tokens).astype(OFFSET_DTYPE))
         self._files[LINE_OFFSETS].write((line_ends_out + self.num_tokens).astype(OFFSET_DTYPE))
@@ -163,6 +177,16 @@ class ShardWriter:
         self.num_lines += len(line_lengths)
         if len(ids):
             self.max_id = max(self.max_id, int(ids.max()))
+
+    def _add_images(self, images: list[np.ndarray], doc_images: np.ndarray) -> None:
+        if sum(doc_images) != len(images):
+            raise StoreError(f"shard {self.name}: {len(images)} images for documents that have {sum(doc_images)}")
+        for image in images:
+            self._files[PIXELS].write(np.asarray(image, np.uint8))
+        shapes = np.asarray([image.shape[:2] for image in images], np.int32).reshape(-1, 2)
+        self._files[IMAGE_SHAPES].write(shapes)
+        self._files[DOC_IMAGES].write((self.num_images + np.cumsum(doc_images)).astype(OFFSET_DTYPE))
+        self.num_images += len(images)
 
     def add_document(self, lines: list[list[int]], weights: list[int] | None = None) -> None:
         """Append one document given as the token ids of each of its lines (text only; the EOT is
@@ -191,6 +215,8 @@ class ShardWriter:
         # (absent: uint8, as every store before float32 weights)
         if self.scored and self.weights_dtype != MASK_DTYPE:
             entry["weights_dtype"] = self.weights_dtype.name
+        if self.images:
+            entry["num_images"] = self.num_images
         write_text_atomic(self._tmp / SHARD_RECORD, json.dumps(entry, indent=2))
         self.path.mkdir(parents=True, exist_ok=True)
         target = self.path / self.name

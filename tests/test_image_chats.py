@@ -1,0 +1,216 @@
+"""Chats with images into the token store, equal to transformers' Qwen3-VL processor: for each chat the store
+holds exactly the ids ``processor.apply_chat_template(chat, tokenize=True)`` gives (one image-pad token per merged
+patch group), its images give the processor's pixel values and grids, and what is scored is the processor's
+assistant mask without the image tokens. Images come as paths relative to the data file (TRL's ``images`` column
+or a part's own ``image``), or as bytes in parquet; a missing or broken image is one line naming the record.
+
+The reference is transformers itself (4.57, the test environment's: its Qwen3VLProcessor and the numpy image
+processor), with TRL 1.16's Qwen3-VL templates, run live.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from seqjax.config.load import load_config
+from seqjax.core.errors import ConfigError, CorpusError
+from seqjax.store.build import prepare
+from seqjax.store.image_chats import read_image_spec
+
+CHAT = Path(__file__).parent / "data" / "chat" / "qwen3"
+VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+PROCESSOR = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3,
+             "image_std": [0.5] * 3, "min_pixels": 32 * 32 * 2, "max_pixels": 32 * 32 * 24,
+             "image_processor_type": "Qwen2VLImageProcessor"}
+# (an RGBA image is composited on white by transformers 5's processor, whose numbers seqjax's are (test_images.py);
+# 4.57's, run here, drops the alpha instead: a grey one is the same in both)
+SIZES = {"wide.png": (70, 130), "tall.png": (190, 45), "odd.png": (33, 47), "grey.png": (64, 64)}
+
+
+def trl_template(name: str) -> Path:
+    found = importlib.util.find_spec("trl")  # the package's templates, without importing it
+    path = Path(found.submodule_search_locations[0]) / "chat_templates" / f"{name}.jinja" if found else None
+    if path is None or not path.is_file():
+        pytest.skip("TRL's chat templates come with its package: scripts/setup.sh installs trl==1.16.0")
+    return path
+
+
+def chats() -> list[dict]:
+    """Four chats: TRL's images column, a part naming its own image, two images in one turn, text only."""
+    def user(*parts):
+        return {"role": "user", "content": list(parts)}
+
+    def answer(text):
+        return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+    image, text = {"type": "image"}, lambda t: {"type": "text", "text": t}
+    return [
+        {"messages": [user(image, text("what is this")), answer("a wide picture")], "images": ["img/wide.png"]},
+        {"messages": [user(text("and this"), {"type": "image", "image": "img/tall.png"}), answer("tall")]},
+        {"messages": [user(image, image, text("compare")), answer("one is odd"), user(text("sure?")),
+                      answer("yes")], "images": ["img/odd.png", "img/grey.png"]},
+        {"messages": [user(text("no picture")), answer("fine")]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A data folder (chats.jsonl, img/), a tokenizer with Qwen-VL's special tokens and a preprocessor config."""
+    from tokenizers import AddedToken, Tokenizer
+
+    root = tmp_path_factory.mktemp("image_chats")
+    (root / "img").mkdir()
+    rng = np.random.default_rng(0)
+    for name, (h, w) in SIZES.items():
+        shape = (h, w) if name.startswith("grey") else (h, w, 3)
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(root / "img" / name)
+    tokenizer = Tokenizer.from_file(str(CHAT / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in VISION])
+    tokenizer.save(str(root / "tokenizer.json"))
+    (root / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats()))
+    return root
+
+
+def config(folder: Path, tmp_path: Path, template: str = "qwen3_vl_training", *extra: str, files=None):
+    specials = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+    return load_config(None, [
+        "data.corpus=jsonl", "data.format=chat", f"data.train_files=[{files or folder / 'chats.jsonl'}]",
+        f"data.cache_dir={tmp_path / 'cache'}", f"data.chat_template={trl_template(template)}",
+        f"tokenizer.path={folder / 'tokenizer.json'}", f"tokenizer.special_tokens={json.dumps([t['content'] for t in specials])}",
+        "tokenizer.bos_token=null", f"data.image_processor={folder}", "data.seq_len=1024", "data.batch_size=2",
+        *extra])
+
+
+def transformers_processor(folder: Path, template: str):
+    from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen3VLProcessor
+
+    tokenizer = Qwen2TokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    settings = {k: v for k, v in PROCESSOR.items() if k != "image_processor_type"}
+
+    class ImagesOnly(Qwen3VLProcessor):  # its video processor needs torchvision; no chat here has a video
+        def check_argument_for_proper_class(self, name, argument):
+            return None
+
+    return ImagesOnly(image_processor=Qwen2VLImageProcessor(**settings), tokenizer=tokenizer,
+                      video_processor=None, chat_template=trl_template(template).read_text())
+
+
+def with_images(chat: dict, folder: Path) -> list[dict]:
+    """The chat as transformers' processor takes it: each image part holding its PIL image."""
+    given = iter(chat.get("images", []))
+    messages = json.loads(json.dumps(chat["messages"]))
+    for m in messages:
+        for part in m["content"]:
+            if part["type"] == "image":
+                part["image"] = Image.open(folder / (part.get("image") or next(given)))
+    return messages
+
+
+def test_the_store_holds_each_chat_as_transformers_processor_gives_it(folder, tmp_path):
+    store = prepare(config(folder, tmp_path), splits=("train",)).stores["train"]
+    spec = read_image_spec(str(folder))
+    processor = transformers_processor(folder, "qwen3_vl_training")
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert store.num_docs == len(chats()) and store.images is not None
+    for i, chat in enumerate(chats()):
+        theirs = processor.apply_chat_template(with_images(chat, folder), tokenize=True, return_dict=True,
+                                               return_tensors="np", return_assistant_tokens_mask=True)
+        ids = store.doc_sequence(i)
+        assert ids.tolist() == theirs["input_ids"][0].tolist(), f"chat {i}"
+        pixels, grids = store.images.patches(i, spec)
+        assert len(grids) == len(chat.get("images", [])) + sum(
+            "image" in p for m in chat["messages"] for p in m["content"])
+        if grids:
+            assert [list(g) for g in grids] == theirs["image_grid_thw"].tolist()
+            np.testing.assert_allclose(pixels, theirs["pixel_values"], rtol=0, atol=1e-6)
+        # what is scored: the tokenizer's assistant mask (4.57's processor returns zeros for it with images),
+        # each image token repeated as the processor repeats it, and never scored
+        text = processor.tokenizer.apply_chat_template(chat["messages"], tokenize=True, return_dict=True,
+                                                       return_assistant_tokens_mask=True,
+                                                       chat_template=processor.chat_template)
+        short = np.asarray(text["input_ids"])
+        repeats = np.ones(len(short), np.int64)
+        repeats[short == image_id] = [g[0] * g[1] * g[2] // 4 for g in theirs.get("image_grid_thw", [])]
+        assert np.repeat(short, repeats).tolist() == ids.tolist()
+        wanted = np.repeat(np.asarray(text["assistant_masks"], bool) & (short != image_id), repeats)
+        wanted[0] = False  # the first token is never a target
+        start = int(store.doc_offsets[i])
+        np.testing.assert_array_equal(np.asarray(store.mask[start:start + len(ids)]) > 0, wanted)
+        assert wanted.sum() > 0
+
+
+def test_images_as_bytes_in_parquet_give_the_same_store(folder, tmp_path):
+    """A Hugging Face dataset's layout: messages as nested structs (every part gets every key, null where it has
+    none), images as {bytes, path} structs, in the column or in a part."""
+    rows = []
+    for chat in chats():
+        messages = json.loads(json.dumps(chat["messages"]))
+        for m in messages:
+            for part in m["content"]:
+                if "image" in part:
+                    part["image"] = {"bytes": (folder / part["image"]).read_bytes(), "path": None}
+        given = [{"bytes": (folder / path).read_bytes(), "path": None} for path in chat.get("images", [])]
+        rows.append({"messages": messages, "images": given})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chats.parquet")
+    ours = prepare(config(folder, tmp_path, "qwen3_vl_training", "data.corpus=parquet",
+                          files=tmp_path / "chats.parquet"), splits=("train",)).stores["train"]
+    jsonl = prepare(config(folder, tmp_path / "jsonl"), splits=("train",)).stores["train"]
+    np.testing.assert_array_equal(np.asarray(ours.tokens), np.asarray(jsonl.tokens))
+    np.testing.assert_array_equal(np.asarray(ours.mask), np.asarray(jsonl.mask))
+    for i in range(len(rows)):
+        for a, b in zip(ours.images.of(i), jsonl.images.of(i), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c[0].update(images=["img/missing.png"]), r"chats.jsonl:1: image .*missing.png not found"),
+    (lambda c: c[0].update(images=["img/wide.png", "img/tall.png"]), r"chats.jsonl:1: 2 images in 'images' for 1"),
+    (lambda c: c[2].update(images=["img/odd.png"]), r"chats.jsonl:3: 2 image parts but 1 images"),
+    (lambda c: c[3]["messages"][0]["content"].append({"type": "video"}), r"chats.jsonl:4: a video part"),
+    (lambda c: c[0].update(images=["http://x/y.png"]), r"chats.jsonl:1: image 'http://x/y.png' is a URL"),
+])
+def test_a_bad_image_or_count_is_one_line_naming_the_record(folder, tmp_path, change, message):
+    records = chats()
+    change(records)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in records))
+    (tmp_path / "img").symlink_to(folder / "img")
+    with pytest.raises(CorpusError, match=message):
+        prepare(config(folder, tmp_path, files=tmp_path / "chats.jsonl"), splits=("train",))
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("manifest.json"))
+
+
+def test_a_truncated_image_and_a_chat_with_images_but_no_processor_are_one_line(folder, tmp_path):
+    (tmp_path / "img").mkdir()
+    for name in SIZES:
+        (tmp_path / "img" / name).write_bytes((folder / "img" / name).read_bytes())
+    broken = (folder / "img" / "wide.png").read_bytes()
+    (tmp_path / "img" / "wide.png").write_bytes(broken[:len(broken) // 2])
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats()))
+    with pytest.raises(CorpusError, match=r"chats.jsonl:1: image .*wide.png is unreadable or truncated"):
+        prepare(config(folder, tmp_path, files=tmp_path / "chats.jsonl"), splits=("train",))
+    with pytest.raises(CorpusError, match=r"chats.jsonl:1: a chat with 1 image parts, but data.image_processor is null"):
+        prepare(config(folder, tmp_path, "qwen3_vl_training", "data.image_processor=null",
+                       files=tmp_path / "chats.jsonl"), splits=("train",))
+
+
+def test_the_processor_settings_are_read_or_refused(folder, tmp_path):
+    spec = read_image_spec(str(folder / "preprocessor_config.json"))
+    assert (spec.patch_size, spec.merge_size, spec.max_pixels) == (16, 2, 32 * 32 * 24)
+    (tmp_path / "p.json").write_text(json.dumps({**PROCESSOR, "do_normalize": False}))
+    with pytest.raises(CorpusError, match="p.json: do_normalize is False; seqjax preprocesses images with "
+                                          "do_normalize=True only"):
+        read_image_spec(str(tmp_path / "p.json"))
+    with pytest.raises(ConfigError, match="data.image_processor: .*nothing.json is not a readable JSON file"):
+        read_image_spec(str(tmp_path / "nothing.json"))
+    with pytest.raises(ConfigError, match="data.image_processor: got .* with data.format=text"):
+        load_config(None, ["data.corpus=jsonl", "data.format=text", f"data.image_processor={folder}"])
