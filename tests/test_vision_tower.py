@@ -27,7 +27,7 @@ from seqjax.config.vision import VisionConfig, vision_from_hf
 from seqjax.core.errors import CheckpointError, ConfigError
 from seqjax.hf.vision import vision_params
 from seqjax.model.mask import segment_mask
-from seqjax.model.vision import VisionTower
+from seqjax.model.vision import VisionTower, table_taps
 from seqjax.store.images import QWEN3_VL, ImageSpec, patch_inputs, pixel_values
 
 DATA = Path(__file__).parent / "data" / "vision"
@@ -53,11 +53,11 @@ def images() -> list[np.ndarray]:
 
 
 def run(model: VisionTower, chosen: list[tuple[np.ndarray, tuple]], budget: int | None = None):
-    inputs = patch_inputs([grid for _, grid in chosen], CFG.spatial_merge_size, CFG.grid_side, budget)
+    inputs = patch_inputs([grid for _, grid in chosen], CFG.spatial_merge_size, budget)
     pixels = np.concatenate([p for p, _ in chosen])
     pixels = np.concatenate([pixels, np.zeros((len(inputs["rows"]) - len(pixels), pixels.shape[1]), np.float32)])
     tokens, deepstack = jax.jit(lambda m, *a: m(*a))(model, jnp.asarray(pixels), *map(jnp.asarray, (
-        inputs["segment_ids"], inputs["rows"], inputs["columns"], inputs["table_index"], inputs["table_weight"])))
+        inputs["segment_ids"], inputs["rows"], inputs["columns"], inputs["heights"], inputs["widths"])))
     return np.asarray(tokens), np.asarray(deepstack)
 
 
@@ -113,18 +113,21 @@ def test_the_non_causal_mask_joins_exactly_the_patches_of_one_image(segments):
 
 
 def test_patch_inputs_follow_the_processors_merge_order_and_pad_to_the_budget():
-    inputs = patch_inputs([(1, 2, 4), (1, 2, 2)], 2, 4, budget=16)
+    inputs = patch_inputs([(1, 2, 4), (1, 2, 2)], 2, budget=16)
     assert inputs["segment_ids"].tolist() == [1] * 8 + [2] * 4 + [0] * 4
     assert inputs["rows"][:8].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
     assert inputs["columns"][:8].tolist() == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert inputs["heights"][:12].tolist() == [2] * 12 and inputs["widths"][:12].tolist() == [4] * 8 + [2] * 4
     # corners aligned: the grid's first and last patch take the table's corners with weight 1
-    assert inputs["table_index"][0].tolist()[0] == 0 and inputs["table_weight"][0][0] == 1
-    last = 7 - 2  # row 1, column 3 of the first image: patch 7 in merge order is (1, 3)
-    assert (inputs["rows"][7], inputs["columns"][7]) == (1, 3) and last == 5
-    assert inputs["table_index"][7][0] == 3 * 4 + 3 and inputs["table_weight"][7][0] == 1
-    np.testing.assert_allclose(inputs["table_weight"][:12].sum(axis=1), 1, rtol=1e-6)
+    index, weight = map(np.asarray, table_taps(*(jnp.asarray(inputs[k]) for k in ("rows", "columns", "heights",
+                                                                                 "widths")), 4))
+    assert index[0][0] == 0 and weight[0][0] == 1
+    assert (inputs["rows"][7], inputs["columns"][7]) == (1, 3)  # patch 7 in merge order
+    assert index[7][0] == 3 * 4 + 3 and weight[7][0] == 1
+    np.testing.assert_allclose(weight[:12].sum(axis=1), 1, rtol=1e-6)
+    assert np.isfinite(weight).all()  # padding too
     with pytest.raises(ValueError, match="more than the budget of 4"):
-        patch_inputs([(1, 2, 4)], 2, 4, budget=4)
+        patch_inputs([(1, 2, 4)], 2, budget=4)
 
 
 @pytest.mark.parametrize("fields, match", [

@@ -51,7 +51,7 @@ def example(name: str) -> ImageExample:
     return ImageExample(ids, (ids != VL.image_token_id).astype(np.float32), pixels, tuple(grids))
 
 
-LAYOUT = ImageLayout(VL.image_token_id, VL.vision.spatial_merge_size, VL.vision.grid_side, VL.vision.patch_dim)
+LAYOUT = ImageLayout(VL.image_token_id, VL.vision.spatial_merge_size, VL.vision.patch_dim)
 
 
 def logits(model, rows: list[list[str]], width: int, patches_per_row: int) -> np.ndarray:

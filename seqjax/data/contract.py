@@ -109,8 +109,8 @@ OPTIONAL_FIELDS.update({
         ("patch_segment_ids", np.int32, "[B, P] image 1, 2, ... of the row; 0 on padding"),
         ("patch_rows", np.int32, "[B, P] a patch's row in its image's grid"),
         ("patch_columns", np.int32, "[B, P] a patch's column in its image's grid"),
-        ("patch_table_index", np.int32, "[B, P, 4] the learned-position table entries bilinear resampling mixes"),
-        ("patch_table_weight", np.float32, "[B, P, 4] their weights"))})
+        ("patch_heights", np.int32, "[B, P] the height of a patch's image, in patches"),
+        ("patch_widths", np.int32, "[B, P] the width of a patch's image, in patches"))})
 
 
 def given_fields(d: Any) -> tuple[str, ...]:

@@ -99,12 +99,11 @@ class ImageExample:
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """What laying images into rows needs of the model: the image-pad token, the merge size and the side of the
-    tower's square table of learned positions (:class:`seqjax.config.vision.VisionConfig`)."""
+    """What laying images into rows needs: the image-pad token's id, the processor's merge size and the size of
+    one patch's values (:class:`seqjax.store.images.ImageSpec`)."""
 
     image_token_id: int
     merge_size: int
-    grid_side: int
     patch_dim: int
 
 
@@ -116,7 +115,7 @@ def image_batch(examples: list[ImageExample], row_of: np.ndarray, n_rows: int, s
     - ``positions_3d`` [B, T, 3]: each example's 3-D rope index from 0 (:func:`rope_index` of its ids alone);
     - ``image_index`` [B, T]: the row's i-th image token takes the row's i-th merged patch group, -1 on text;
     - ``patches`` [B, P, patch_dim] and ``patch_segment_ids``, ``patch_rows``, ``patch_columns`` [B, P],
-      ``patch_table_index``, ``patch_table_weight`` [B, P, 4]: each row's images, one segment each
+      ``patch_heights``, ``patch_widths`` [B, P]: each row's images, one segment each
       (:func:`seqjax.store.images.patch_inputs`), right-padded to P = ``patches_per_row``.
 
     An example of n ids is one sequence, as the contract makes it: inputs ``ids[:-1]``, targets ``ids[1:]``.
@@ -152,6 +151,6 @@ def image_batch(examples: list[ImageExample], row_of: np.ndarray, n_rows: int, s
                                  f"{patches_per_row}")
             fields["patches"][r, :len(stream_r)] = stream_r
         grids = [g for e in placed for g in e.grids]
-        for name, values in patch_inputs(grids, layout.merge_size, layout.grid_side, patches_per_row).items():
+        for name, values in patch_inputs(grids, layout.merge_size, patches_per_row).items():
             fields.setdefault(f"patch_{name}", np.zeros((n_rows, *values.shape), values.dtype))[r] = values
     return {**batch, "positions_3d": positions_3d, "image_index": image_index, **fields}

@@ -52,19 +52,19 @@ class VisionLanguageModel(nnx.Module):
     def features_and_head(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                           positions_3d: jax.Array, image_index: jax.Array, patches: jax.Array,
                           patch_segment_ids: jax.Array, patch_rows: jax.Array, patch_columns: jax.Array,
-                          patch_table_index: jax.Array, patch_table_weight: jax.Array,
+                          patch_heights: jax.Array, patch_widths: jax.Array,
                           dropout_key: jax.Array | None = None,
                           prefix_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """(final-normed features [B, T, D], head [D, V]). ``image_index`` [B, T]: which of its row's image tokens
-        each image-pad token takes, -1 on text; ``patches`` [B, P, patch_dim] and the patch fields [B, P] (the
-        table's [B, P, 4]) are :func:`seqjax.data.image_rows.image_batch`'s. ``positions`` (1-D) are unused: the
+        each image-pad token takes, -1 on text; ``patches`` [B, P, patch_dim] and the patch fields [B, P] are
+        :func:`seqjax.data.image_rows.image_batch`'s. ``positions`` (1-D) are unused: the
         rows rotate by ``positions_3d``."""
         del positions, dropout_key  # no dropout (refused at construction)
         if prefix_ids is not None:
             raise ValueError("prefix_ids (a shared prompt) with images: expected data.shared_prompt=false")
         self.lm.check_batch(inputs, positions_3d[..., 0], segment_ids)
         tokens, deep = jax.vmap(self.tower)(patches, patch_segment_ids, patch_rows, patch_columns,
-                                            patch_table_index, patch_table_weight)  # per row
+                                            patch_heights, patch_widths)  # per row
         x = self.lm.embed_tokens(inputs)
         is_image = (image_index >= 0)[..., None]
         where = jnp.maximum(image_index, 0)[..., None]  # [B, T, 1]

@@ -13,10 +13,11 @@ patch of its image and none of another's; padding patches (segment 0) see nothin
 runs the same thing as variable-length attention over ``cu_seqlens``; here the boundaries are the segment ids,
 so packing images changes nothing an image computes (tests/test_vision_tower.py).
 
-Host-side inputs (:func:`seqjax.store.images.patch_inputs`): each patch's image (segment id), row and column in
-its image's grid, and the four table entries and weights of its learned position (transformers'
-``get_vision_interpolation_indices_and_weights``, bilinear, corners aligned). A shortcut admitted: the dense
-[P, P] mask is built in full, fine for the thousands of patches of a fine-tuning batch, not for video.
+Host-side inputs (:func:`seqjax.store.images.patch_inputs`): each patch's image (segment id), its row and
+column in its image's grid, and that grid's height and width. The learned position of a patch is the square
+table resampled bilinearly to its image's grid, corners aligned (:func:`table_taps`: transformers'
+``fast_pos_embed_interpolate``, in float32 as it computes it). A shortcut admitted: the dense [P, P] mask is
+built in full, fine for the thousands of patches of a fine-tuning batch, not for video.
 """
 
 from __future__ import annotations
@@ -45,6 +46,23 @@ def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def table_taps(rows: jax.Array, columns: jax.Array, heights: jax.Array, widths: jax.Array,
+               side: int) -> tuple[jax.Array, jax.Array]:
+    """The four entries of a ``side x side`` table that bilinear resampling (corners aligned) mixes for each
+    patch, and their weights: ([P, 4] int32, [P, 4] float32)."""
+
+    def axis(index, size):  # the two taps along one axis and their weights
+        source = index.astype(jnp.float32) * jnp.float32(side - 1) / jnp.maximum(size - 1, 1).astype(jnp.float32)
+        taps = jnp.floor(source)[:, None] + jnp.arange(2, dtype=jnp.float32)
+        weights = jnp.maximum(1 - jnp.abs(source[:, None] - taps), 0)
+        return jnp.clip(taps, 0, side - 1).astype(jnp.int32), weights
+
+    r_taps, r_weights = axis(rows, heights)
+    c_taps, c_weights = axis(columns, widths)
+    index = (r_taps[:, :, None] * side + c_taps[:, None, :]).reshape(-1, 4)
+    return index, (r_weights[:, :, None] * c_weights[:, None, :]).reshape(-1, 4)
 
 
 class VisionBlock(nnx.Module):
@@ -101,12 +119,14 @@ class VisionTower(nnx.Module):
         self.deepstack = nnx.List([Merger(cfg, True, rngs, dtype) for _ in cfg.deepstack_visual_indexes])
 
     def __call__(self, patches: jax.Array, segment_ids: jax.Array, rows: jax.Array, columns: jax.Array,
-                 table_index: jax.Array, table_weight: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """patches [P, patch_dim]; segment_ids, rows, columns [P] int; table_index, table_weight [P, 4].
+                 heights: jax.Array, widths: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """patches [P, patch_dim]; segment_ids, rows, columns, heights, widths [P] int
+        (:func:`seqjax.store.images.patch_inputs`).
 
         Returns (image tokens [P / m^2, O], DeepStack features [len(deepstack_visual_indexes), P / m^2, O]).
         """
         x = self.patch_embed(patches)
+        table_index, table_weight = table_taps(rows, columns, heights, widths, self.cfg.grid_side)
         x = x + jnp.einsum("pk,pkd->pd", table_weight, self.pos_embed[...][table_index]).astype(x.dtype)
         half = self.cfg.head_dim // 2  # rows rotate the first half of each head's pairs, columns the second
         inv_freq = 1.0 / (self.cfg.rope_theta**(jnp.arange(0, half, 2, dtype=jnp.float32) / half))

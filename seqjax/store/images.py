@@ -187,47 +187,32 @@ def rope_index(image_token: np.ndarray, grids: list[tuple[int, int, int]], merge
     return out
 
 
-def patch_inputs(grids: list[tuple[int, int, int]], merge_size: int, grid_side: int,
+def patch_inputs(grids: list[tuple[int, int, int]], merge_size: int,
                  budget: int | None = None) -> dict[str, np.ndarray]:
     """What a vision encoder reads besides the pixels, for images of ``grids`` packed in one patch stream (in
     the processor's order: each ``m x m`` group of neighbouring patches consecutive), padded to ``budget``
     patches: ``segment_ids`` (image 1, 2, ...; 0 on padding), each patch's ``rows`` and ``columns`` in its
-    image's grid, and ``table_index`` / ``table_weight`` [P, 4], the entries of a square ``grid_side`` table of
-    learned positions that bilinear resampling to the image's grid (corners aligned) mixes, and their weights.
+    image's grid, and that grid's ``heights`` and ``widths`` (which the tower's learned positions are resampled
+    to: :class:`seqjax.model.vision.VisionTower`).
 
-    >>> patch_inputs([(1, 2, 4)], 2, 3)["columns"].tolist()
+    >>> patch_inputs([(1, 2, 4)], 2)["columns"].tolist()
     [0, 1, 0, 1, 2, 3, 2, 3]
     """
-    segments, rows, columns, heights, widths = [], [], [], [], []
+    parts = {"segment_ids": [], "rows": [], "columns": [], "heights": [], "widths": []}
     for image, (t, h, w) in enumerate(grids, start=1):
         if h % merge_size or w % merge_size:
             raise ValueError(f"image grid {(t, h, w)}: sides must be multiples of the merge size {merge_size}")
         r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
         blocks = (h // merge_size, merge_size, w // merge_size, merge_size)
-        rows.append(np.tile(r.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1), t))
-        columns.append(np.tile(c.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1), t))
-        segments.append(np.full(t * h * w, image))
-        heights.append(np.full(t * h * w, h))
-        widths.append(np.full(t * h * w, w))
-    out = {name: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
-           for name, parts in (("segment_ids", segments), ("rows", rows), ("columns", columns))}
-    r_taps, r_weights = _bilinear(out["rows"], np.concatenate(heights or [[]]), grid_side)
-    c_taps, c_weights = _bilinear(out["columns"], np.concatenate(widths or [[]]), grid_side)
-    out["table_index"] = (r_taps[:, :, None] * grid_side + c_taps[:, None, :]).reshape(-1, 4).astype(np.int32)
-    out["table_weight"] = (r_weights[:, :, None] * c_weights[:, None, :]).reshape(-1, 4).astype(np.float32)
+        parts["rows"].append(np.tile(r.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1), t))
+        parts["columns"].append(np.tile(c.reshape(blocks).transpose(0, 2, 1, 3).reshape(-1), t))
+        for name, value in (("segment_ids", image), ("heights", h), ("widths", w)):
+            parts[name].append(np.full(t * h * w, value))
+    out = {name: np.concatenate(values).astype(np.int32) if values else np.zeros(0, np.int32)
+           for name, values in parts.items()}
     if budget is not None:
         n = len(out["rows"])
         if n > budget:
             raise ValueError(f"{n} patches, more than the budget of {budget}")
-        out = {k: np.concatenate([v, np.zeros((budget - n, *v.shape[1:]), v.dtype)]) for k, v in out.items()}
+        out = {k: np.concatenate([v, np.zeros(budget - n, v.dtype)]) for k, v in out.items()}
     return out
-
-
-def _bilinear(index: np.ndarray, size: np.ndarray, side: int) -> tuple[np.ndarray, np.ndarray]:
-    """The two table entries along one axis that position ``index`` of ``size`` resamples (corners aligned:
-    the first and last positions land on the table's ends), and their weights; float32 as transformers."""
-    source = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
-    floor = np.floor(source)
-    taps = floor[:, None] + np.arange(2, dtype=np.float32)
-    weights = np.maximum(1 - np.abs(source[:, None] - taps), 0).astype(np.float32)
-    return np.clip(taps, 0, side - 1).astype(np.int64), weights
