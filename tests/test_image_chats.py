@@ -19,11 +19,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from tokenizers import AddedToken, Tokenizer
 
 from seqjax.config.load import load_config
 from seqjax.core.errors import ConfigError, CorpusError
+from seqjax.data.pipeline import build_pipeline
+from seqjax.data.plan import EpochPlanner
+from seqjax.data.strategies import check_config
 from seqjax.store.build import prepare
 from seqjax.store.image_chats import read_image_spec
+from seqjax.store.images import rope_index
 
 CHAT = Path(__file__).parent / "data" / "chat" / "qwen3"
 VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -64,8 +69,6 @@ def chats() -> list[dict]:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     """A data folder (chats.jsonl, img/), a tokenizer with Qwen-VL's special tokens and a preprocessor config."""
-    from tokenizers import AddedToken, Tokenizer
-
     root = tmp_path_factory.mktemp("image_chats")
     (root / "img").mkdir()
     rng = np.random.default_rng(0)
@@ -87,10 +90,12 @@ def config(folder: Path, tmp_path: Path, template: str = "qwen3_vl_training", *e
         f"data.cache_dir={tmp_path / 'cache'}", f"data.chat_template={trl_template(template)}",
         f"tokenizer.path={folder / 'tokenizer.json'}", f"tokenizer.special_tokens={json.dumps(specials)}",
         "tokenizer.bos_token=null", f"data.image_processor={folder}", "data.seq_len=1024", "data.batch_size=2",
+        "data.patches_per_row=256",
         *extra])
 
 
 def transformers_processor(folder: Path, template: str):
+    # (transformers takes seconds to import: only the tests that compare with it pay for it)
     from transformers import Qwen2TokenizerFast, Qwen2VLImageProcessor, Qwen3VLProcessor
 
     tokenizer = Qwen2TokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="<|im_end|>",
@@ -214,3 +219,55 @@ def test_the_processor_settings_are_read_or_refused(folder, tmp_path):
         read_image_spec(str(tmp_path / "nothing.json"))
     with pytest.raises(ConfigError, match="data.image_processor: got .* with data.format=text"):
         load_config(None, ["data.corpus=jsonl", "data.format=text", f"data.image_processor={folder}"])
+    with pytest.raises(ConfigError, match="data.overlong: got 'truncate' with images; expected drop"):
+        config(folder, tmp_path, "qwen3_vl_training", "data.overlong=truncate")
+    with pytest.raises(ConfigError, match="data.patches_per_row: got 0 with data.image_processor set"):
+        config(folder, tmp_path, "qwen3_vl_training", "data.patches_per_row=0")
+    with pytest.raises(ConfigError, match="data.strategy: got pack/first_fit with images, expected pack with packer "
+                                          "best_fit"):
+        check_config(config(folder, tmp_path, "qwen3_vl_training", "data.packer=first_fit"))
+
+
+def test_batches_from_the_store_hold_both_budgets_every_example_once_and_resume_exactly(folder, tmp_path):
+    """Packed rows of a store of image chats: each row within data.seq_len tokens and data.patches_per_row
+    patches; every example once an epoch with its own 3-D positions (counted from 0), its own patches in its
+    row's stream, its image tokens pointing at them and never scored; a resumed iterator gives the same next
+    batch."""
+    records = [dict(chat, messages=chat["messages"] + [{"role": "user", "content": [{"type": "text", "text": t}]},
+                                                        {"role": "assistant", "content": [{"type": "text",
+                                                                                          "text": t[::-1]}]}])
+               for t in ("one", "two", "three") for chat in chats()]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in records))
+    (tmp_path / "img").symlink_to(folder / "img")
+    cfg = config(folder, tmp_path, "qwen3_vl_training", "data.seq_len=128", "data.patches_per_row=128",
+                 "data.batch_size=2", files=tmp_path / "chats.jsonl")
+    store = prepare(cfg, splits=("train",)).stores["train"]
+    spec = read_image_spec(str(folder))
+    image_id = store.images.image_token_id
+    sequences = {i: store.doc_sequence(i) for i in range(store.num_docs)}
+    iterator = iter(build_pipeline(cfg, store))
+    seen, states, batches = [], [], []
+    for _ in range(EpochPlanner(cfg, store).plan(0).num_batches):  # one epoch
+        states.append(iterator.get_state())
+        batch = next(iterator)
+        batches.append(batch)
+        for r in range(batch["inputs"].shape[0]):
+            assert (batch["patch_segment_ids"][r] > 0).sum() <= 128
+            for s in sorted(set(batch["segment_ids"][r][batch["segment_ids"][r] > 0].tolist())):
+                where = np.flatnonzero(batch["segment_ids"][r] == s)
+                ids = np.r_[batch["inputs"][r, where], batch["targets"][r, where[-1]]]
+                doc = next(i for i, seq in sequences.items() if np.array_equal(seq, ids))
+                seen.append(doc)
+                pixels, grids = store.images.patches(doc, spec)
+                np.testing.assert_array_equal(batch["positions_3d"][r, where],
+                                              rope_index(ids == image_id, list(grids), 2).T[:-1])
+                index = batch["image_index"][r, where][ids[:-1] == image_id]
+                assert (batch["weights"][r, where][ids[1:] == image_id] == 0).all()
+                if len(index):  # consecutive merged groups of the row's stream: this example's patches
+                    assert index.tolist() == list(range(index[0], index[0] + len(index)))
+                    np.testing.assert_array_equal(batch["patches"][r, 4 * index[0]:4 * (index[-1] + 1)], pixels)
+    assert sorted(seen) == list(range(store.num_docs))
+    resumed = iter(build_pipeline(cfg, store))
+    resumed.set_state(states[2])
+    for key, value in next(resumed).items():
+        np.testing.assert_array_equal(value, batches[2][key])

@@ -132,6 +132,9 @@ class DataConfig:
         "images", "chat with images: the key or column listing a record's images in the order of its "
         "{type: image} parts (TRL's): paths relative to the data file, or bytes in parquet; a part may name "
         "its own (image, path or url)", resume=DATA)
+    patches_per_row: int = setting(
+        0, "chat with images: the patches each row's images may hold, a static budget beside data.seq_len's "
+        "tokens (the packer fills both)", min=0, resume=DATA)
     image_token: str = setting(
         "<|image_pad|>", "chat with images: the token the template puts for an image, repeated once per "
         "merged patch group as the processor does (Qwen-VL's)", resume=DATA)
@@ -284,9 +287,17 @@ class DataConfig:
                     "data.overlong: got split, expected truncate (TRL's: each sequence cut to "
                     "data.seq_len / 2, a pair whose prompt fills that dropped), drop or error for "
                     "preference pairs, which are packed whole")
-        if self.image_processor is not None and (formats != {"chat"} or self.sources):
-            raise ConfigError(f"data.image_processor: got {self.image_processor!r} with data.format={self.format}"
-                              f"{' and data.sources' if self.sources else ''}; expected data.format=chat, one source")
+        if self.image_processor is not None:
+            if formats != {"chat"} or self.sources:
+                raise ConfigError(f"data.image_processor: got {self.image_processor!r} with data.format={self.format}"
+                                  f"{' and data.sources' if self.sources else ''}; expected data.format=chat, one "
+                                  "source")
+            if self.resolved_overlong not in ("drop", "error"):
+                raise ConfigError(f"data.overlong: got {self.overlong!r} with images; expected drop (the default "
+                                  "with images) or error: a cut example would cut an image's tokens from its patches")
+            if self.patches_per_row < 1:
+                raise ConfigError("data.patches_per_row: got 0 with data.image_processor set; expected the patches "
+                                  "a row's images may hold (at least the largest example's)")
         if self.shared_prompt and "preference" not in formats:
             raise ConfigError(f"data.shared_prompt: got true with data.format={self.format}, expected "
                               "data.format=preference (it shares a pair's prompt)")
@@ -303,8 +314,9 @@ class DataConfig:
 
     @property
     def resolved_overlong(self) -> str:
-        """``data.overlong``, or its default: truncate for instruction data, split for text."""
-        return self.overlong or ("truncate" if self.instruction else "split")
+        """``data.overlong``, or its default: drop for chats with images (a cut would cut an image), truncate
+        for other instruction data, split for text."""
+        return self.overlong or ("drop" if self.image_processor else "truncate" if self.instruction else "split")
 
     @property
     def resolved_stride(self) -> int:

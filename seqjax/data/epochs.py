@@ -23,7 +23,7 @@ import numpy as np
 
 from seqjax.config.tree import Config
 from seqjax.core.errors import DataError
-from seqjax.data import pairs
+from seqjax.data import image_rows, pairs
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.scored import target_weights
@@ -77,6 +77,10 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
         rows = plan.batch_rows(batches, process_index, process_count)
         width = int(plan.widths[batches].max())
         starts, lengths, row_of_piece = plan.pieces(rows)
+        if planner.image_spec is not None:  # chats with images: each row's own patches beside its tokens
+            return {**contract_batch(tokens, starts, lengths, row_of_piece, len(rows), width, scores),
+                    **image_rows.stored_image_fields(planner.store, planner.image_spec, starts, lengths, row_of_piece,
+                                                     len(rows), width, d.patches_per_row)}
         if d.format != "preference":
             return contract_batch(tokens, starts, lengths, row_of_piece, len(rows), width, scores)
         offsets, fields = pairs.piece_labels(planner.store, starts, lengths, row_of_piece, d.shared_prompt)
@@ -90,7 +94,8 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
             cache.clear()
             cache[g] = built
         width = int(plan.widths[k])
-        return {key: value[i * local : (i + 1) * local, :width] for key, value in built.items()}
+        return {key: value[i * local : (i + 1) * local] if key in image_rows.PATCH_FIELDS else
+                value[i * local : (i + 1) * local, :width] for key, value in built.items()}
 
     return grain.MapDataset.range(plan.num_batches).map(batch)
 

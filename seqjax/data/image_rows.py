@@ -107,50 +107,73 @@ class ImageLayout:
     patch_dim: int
 
 
+# the fields with a patch axis, not a token axis (a batch's width never cuts them)
+PATCH_FIELDS = ("patches", "patch_segment_ids", "patch_rows", "patch_columns", "patch_heights", "patch_widths")
+
+
 def image_batch(examples: list[ImageExample], row_of: np.ndarray, n_rows: int, seq_len: int,
                 patches_per_row: int, layout: ImageLayout) -> Batch:
     """A batch of ``n_rows`` rows of ``seq_len`` from ``examples`` (example i in row ``row_of[i]``, in the
-    order given within a row): the contract's five fields, plus
-
-    - ``positions_3d`` [B, T, 3]: each example's 3-D rope index from 0 (:func:`rope_index` of its ids alone);
-    - ``image_index`` [B, T]: the row's i-th image token takes the row's i-th merged patch group, -1 on text;
-    - ``patches`` [B, P, patch_dim] and ``patch_segment_ids``, ``patch_rows``, ``patch_columns`` [B, P],
-      ``patch_heights``, ``patch_widths`` [B, P]: each row's images, one segment each
-      (:func:`seqjax.store.images.patch_inputs`), right-padded to P = ``patches_per_row``.
-
-    An example of n ids is one sequence, as the contract makes it: inputs ``ids[:-1]``, targets ``ids[1:]``.
-    """
+    order given within a row): the contract's five fields (:func:`contract_batch`, an example of n ids one
+    sequence: inputs ``ids[:-1]``, targets ``ids[1:]``) and :func:`image_fields`'."""
     row_of = np.asarray(row_of, np.int64)
     order = np.argsort(row_of, kind="stable")
     lengths = np.asarray([len(examples[i].ids) for i in order], np.int64)
-    starts = exclusive_cumsum(lengths)[:-1]
     stream = np.concatenate([examples[i].ids for i in order]).astype(np.int32)
     scores = np.concatenate([np.asarray(examples[i].weights, np.float32) for i in order])
-    batch = contract_batch(stream, starts, lengths, row_of[order], n_rows, seq_len, scores=scores)
+    batch = contract_batch(stream, exclusive_cumsum(lengths)[:-1], lengths, row_of[order], n_rows, seq_len,
+                           scores=scores)
+    placed = [(examples[i].ids, examples[i].pixels, examples[i].grids) for i in order]
+    return {**batch, **image_fields(placed, row_of[order], n_rows, seq_len, patches_per_row, layout)}
+
+
+def image_fields(pieces: list[tuple[np.ndarray, np.ndarray, tuple]], row_of_piece: np.ndarray, n_rows: int,
+                 seq_len: int, patches_per_row: int, layout: ImageLayout) -> dict[str, np.ndarray]:
+    """The image fields of rows of ``pieces`` ``(ids, pixels, grids)``, given in row order as
+    :func:`contract_batch` takes them (each piece a sequence: its inputs are ``ids[:-1]``):
+
+    - ``positions_3d`` [B, T, 3]: each example's 3-D rope index from 0 (:func:`rope_index` of its ids alone);
+    - ``image_index`` [B, T]: the row's i-th image token takes the row's i-th merged patch group, -1 on text;
+    - ``patches`` [B, P, patch_dim] and ``patch_segment_ids``, ``patch_rows``, ``patch_columns``,
+      ``patch_heights``, ``patch_widths`` [B, P]: each row's images, one segment each
+      (:func:`seqjax.store.images.patch_inputs`), right-padded to P = ``patches_per_row``.
+    """
     positions_3d = np.zeros((n_rows, seq_len, 3), np.int32)
     image_index = np.full((n_rows, seq_len), -1, np.int32)
     fields = {"patches": np.zeros((n_rows, patches_per_row, layout.patch_dim), np.float32)}
-    at, images_before, patches_at = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int64), [[] for _ in range(n_rows)]
-    for i in order:
-        e, r = examples[i], int(row_of[i])
-        n = len(e.ids) - 1  # its inputs
-        is_image = np.asarray(e.ids) == layout.image_token_id
+    at, images_before = np.zeros(n_rows, np.int64), np.zeros(n_rows, np.int64)
+    in_row: list[list[tuple[np.ndarray, tuple]]] = [[] for _ in range(n_rows)]
+    for (ids, pixels, grids), r in zip(pieces, np.asarray(row_of_piece, np.int64).tolist()):
+        n = len(ids) - 1  # its inputs
+        is_image = np.asarray(ids) == layout.image_token_id
         place = slice(at[r], at[r] + n)
-        positions_3d[r, place] = rope_index(is_image, list(e.grids), layout.merge_size).T[:n]
-        counted = images_before[r] + np.cumsum(is_image) - 1
-        image_index[r, place] = np.where(is_image, counted, -1)[:n]
+        positions_3d[r, place] = rope_index(is_image, list(grids), layout.merge_size).T[:n]
+        image_index[r, place] = np.where(is_image, images_before[r] + np.cumsum(is_image) - 1, -1)[:n]
         images_before[r] += int(is_image.sum())
         at[r] += n
-        patches_at[r].append(e)
-    for r, placed in enumerate(patches_at):
-        pixels = [e.pixels for e in placed if e.patches]
+        in_row[r].append((pixels, grids))
+    for r, placed in enumerate(in_row):
+        pixels = [values for values, _ in placed if len(values)]
         if pixels:
-            stream_r = np.concatenate(pixels)
-            if len(stream_r) > patches_per_row:
-                raise ValueError(f"row {r}: {len(stream_r)} patches, more than data.patches_per_row="
-                                 f"{patches_per_row}")
-            fields["patches"][r, :len(stream_r)] = stream_r
-        grids = [g for e in placed for g in e.grids]
+            stream = np.concatenate(pixels)
+            if len(stream) > patches_per_row:
+                raise ValueError(f"row {r}: {len(stream)} patches, more than data.patches_per_row={patches_per_row}")
+            fields["patches"][r, :len(stream)] = stream
+        grids = [g for _, piece_grids in placed for g in piece_grids]
         for name, values in patch_inputs(grids, layout.merge_size, patches_per_row).items():
             fields.setdefault(f"patch_{name}", np.zeros((n_rows, *values.shape), values.dtype))[r] = values
-    return {**batch, "positions_3d": positions_3d, "image_index": image_index, **fields}
+    return {"positions_3d": positions_3d, "image_index": image_index, **fields}
+
+
+def stored_image_fields(store, spec, starts: np.ndarray, lengths: np.ndarray, row_of_piece: np.ndarray, n_rows: int,
+                        width: int, patches_per_row: int) -> dict[str, np.ndarray]:
+    """:func:`image_fields` of rows of a token store's pieces (``starts``, ``lengths``, each a whole example with
+    images, in row order): their ids read from the store, their images from its memory map."""
+    docs = np.searchsorted(np.asarray(store.doc_offsets), starts, "right") - 1
+    pieces = []
+    for start, length, doc in zip(starts.tolist(), lengths.tolist(), docs.tolist()):
+        pixels, grids = store.images.patches(doc, spec)
+        pieces.append((np.asarray(store.tokens[start:start + length]), pixels, grids))
+    layout = ImageLayout(store.images.image_token_id, spec.merge_size,
+                         3 * spec.temporal_patch_size * spec.patch_size ** 2)
+    return image_fields(pieces, row_of_piece, n_rows, width, patches_per_row, layout)

@@ -58,10 +58,11 @@ import numpy as np
 
 from seqjax.config.tree import Config
 from seqjax.core.errors import DataError
-from seqjax.data import document_rows, pairs
+from seqjax.data import document_rows, image_rows, pairs
 from seqjax.data.ragged import exclusive_cumsum, ragged_arange
 from seqjax.data.scored import scored_in
 from seqjax.data.strategies import STRATEGIES, Rows, item_overlong
+from seqjax.store.image_chats import read_image_spec
 from seqjax.store.reader import TokenStore
 
 
@@ -229,6 +230,12 @@ class EpochPlanner:
                                                         [store.num_docs]]))
         self._plans: dict[tuple[int, int], RowPlan] = {}
         self._epochs: dict[int, tuple[Rows | None, np.ndarray]] = {}
+        self.image_spec = None  # chats with images: the processor's settings, and each example's patches
+        if store.images is not None:
+            self.image_spec = read_image_spec(d.image_processor)
+            if self.image_spec is None:
+                raise DataError("the token store holds images; expected data.image_processor set as it was built")
+            self.patch_counts = store.images.patch_counts(self.image_spec.patch_size)
 
     def rng(self, epoch: int, window: int | None = None) -> np.random.Generator:
         key = [self.seed, epoch] if window is None else [self.seed, epoch, window]
@@ -330,6 +337,8 @@ class EpochPlanner:
         d = self.data
         if d.format == "preference":
             return self._pair_rows(first // 2, end // 2, rng)
+        if self.image_spec is not None:
+            return self._image_rows(first, end, rng)
         count = end - first
         order = first + (rng.permutation(count) if d.shuffle else np.arange(count))
         starts, lengths = document_rows.document_items(self.store.doc_spans(), order, d.seq_len,
@@ -341,6 +350,26 @@ class EpochPlanner:
                                  widths)
         return plan.take(rng.permutation(
             plan.num_rows)) if d.shuffle and strategy.reshuffle_rows else plan
+
+    def _image_rows(self, first: int, end: int, rng: np.random.Generator) -> RowPlan:
+        """Examples first..end-1 with images, in (shuffled) order after data.overlong, into rows of both
+        budgets: data.seq_len tokens and data.patches_per_row patches (:mod:`seqjax.data.image_rows`)."""
+        d = self.data
+        order = first + (rng.permutation(end - first) if d.shuffle else np.arange(end - first))
+        starts, lengths = document_rows.document_items(self.store.doc_spans(), order, d.seq_len,
+                                                       item_overlong(d), scored_in(self.store))
+        docs = np.searchsorted(np.asarray(self.store.doc_offsets), starts, "right") - 1
+        patches = self.patch_counts[docs]
+        over = np.flatnonzero(patches > d.patches_per_row)
+        if len(over):
+            raise DataError(f"example {int(docs[over[0]])}: its images take {int(patches[over[0]])} patches, more "
+                            f"than data.patches_per_row={d.patches_per_row}; expected a budget that holds the "
+                            "largest example's")
+        row, _ = image_rows.pack_two_budgets(lengths - 1, patches, 1, d.seq_len, d.patches_per_row)
+        by_row = np.argsort(row, kind="stable")
+        row_ptr = np.concatenate([[0], np.cumsum(np.bincount(row, minlength=int(row.max(initial=-1)) + 1))])
+        plan = RowPlan.from_rows(starts[by_row], lengths[by_row], row_ptr, d.batch_size, d.seq_len)
+        return plan.take(rng.permutation(plan.num_rows)) if d.shuffle else plan
 
     def _pair_rows(self, first: int, end: int, rng: np.random.Generator) -> RowPlan:
         """Pairs first..end-1 in (shuffled) order after data.overlong, each packed whole as one item

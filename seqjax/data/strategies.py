@@ -338,6 +338,9 @@ def check_config(config: Config) -> None:
             f"data.strategy: got {label(d)}, expected pack (with a seqjax packer: greedy, first_fit, best_fit, "
             "best_fit_decreasing) or length_grouped for data.format=preference, which packs each pair whole "
             "(its two sequences in one row)")
+    if d.image_processor is not None and (d.strategy != "pack" or d.packer != "best_fit"):
+        raise ConfigError(f"data.strategy: got {label(d)} with images, expected pack with packer best_fit, which "
+                          "images extend to two budgets: a row's tokens and its patches (seqjax.data.image_rows)")
     instruction = {source.format for source in d.resolved_sources()} != {"text"}
     if instruction and not keeps_documents_whole(d):
         how = {"pack": f" with packer={d.packer!r}", "block": f" with break_mode={d.break_mode!r}"}

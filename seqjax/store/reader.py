@@ -244,7 +244,7 @@ class TokenStore:
         store = cls(tokens, offsets(DOC_OFFSETS), offsets(LINE_OFFSETS), eot_id=manifest["eot_id"],
                     vocab_size=manifest["vocab_size"], manifest=manifest, path=path, mask=mask)
         if all(DOC_IMAGES in shard["files"] for shard in manifest["shards"]):
-            store.images = StoredImages(shards)
+            store.images = StoredImages(shards, int(manifest["shards"][0]["image_token_id"]))
         if verify:
             store.validate()
             problem = id_range_problem(store, manifest)

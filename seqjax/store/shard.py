@@ -140,4 +140,7 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
         if carve is not None:  # documents that went to the other split of the carve
             keys += ("carved_out",)
         stats = {k: getattr(counts, k) for k in keys}
-        return writer.commit({"sources": sources, "stats": stats})
+        record: dict[str, Any] = {"sources": sources, "stats": stats}
+        if writer.images:  # what a batch finds an image's tokens by
+            record["image_token_id"] = tokenizer.token_id(spec.image_token)
+        return writer.commit(record)

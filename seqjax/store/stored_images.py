@@ -26,13 +26,23 @@ from seqjax.store.layout import DOC_IMAGES, IMAGE_SHAPES, OFFSET_DTYPE, PIXELS
 class StoredImages:
     """The images of a store's shards, read as one list by document number."""
 
-    def __init__(self, shards: list[Path]):
+    def __init__(self, shards: list[Path], image_token_id: int):
+        self.image_token_id = image_token_id  # the token each merged patch group takes in the text
         self.pixels = [np.memmap(s / PIXELS, np.uint8, mode="r") if (s / PIXELS).stat().st_size else
                        np.zeros(0, np.uint8) for s in shards]
         self.shapes = [np.fromfile(s / IMAGE_SHAPES, np.int32).reshape(-1, 2) for s in shards]
         self.doc_images = [np.fromfile(s / DOC_IMAGES, OFFSET_DTYPE) for s in shards]
         self.starts = [np.concatenate([[0], np.cumsum(np.prod(sh, axis=1, dtype=np.int64) * 3)]) for sh in self.shapes]
         self.doc_bases = np.cumsum([0] + [len(d) - 1 for d in self.doc_images])
+
+    def patch_counts(self, patch_size: int) -> np.ndarray:
+        """Patches of each document's images [n_docs] (an image of H x W pixels has H W / p^2)."""
+        out = []
+        for shapes, offsets in zip(self.shapes, self.doc_images):
+            per_image = np.prod(shapes, axis=1, dtype=np.int64) // (patch_size * patch_size)
+            totals = np.concatenate([[0], np.cumsum(per_image)])
+            out.append(totals[offsets[1:]] - totals[offsets[:-1]])
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     def _where(self, doc: int) -> tuple[int, int]:
         shard = int(np.searchsorted(self.doc_bases, doc, "right")) - 1
