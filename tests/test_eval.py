@@ -88,6 +88,7 @@ def direct_nll_per_document(model, store: TokenStore) -> np.ndarray:
     return -(logp * segment_ids).sum(axis=1)
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_modes_agree_when_the_context_covers_the_split(tiny_model):
     store = small_store()
     context = store.predicted_tokens  # one window holds the whole split: every article is seen whole
@@ -136,6 +137,7 @@ def test_a_context_whose_batch_cannot_fit_the_device_is_refused_before_any_batch
         evaluate(model, small_store(), huge, progress=False)
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_counts_match_the_prepare_summary(wikitext_prepared, wikitext_config):
     """Every protocol scores the tokens prepare counted; words and bytes are the split text's (from the manifest)."""
     vocab = wikitext_prepared.tokenizer.vocab_size

@@ -114,6 +114,7 @@ def test_matches_reference_bfloat16_head_dim_64(lengths):
     check_against_reference(FLASH_SMALL, q, k, v, segment_ids, cotangent, tol=3e-2)
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_each_pass_may_use_its_own_tiles():
     """Forward 16x32, dK/dV 32 keys x 16 queries, dQ 32 queries x 16 keys: the ranges of each pass follow its tiles."""
     blocks = BlockSizes(block_q=16, block_k=32, block_q_bwd=16, block_k_bwd=32, block_q_dq=32, block_k_dq=16)
@@ -124,6 +125,7 @@ def test_each_pass_may_use_its_own_tiles():
     check_against_reference(flash, q, k, v, segment_ids, cotangent, tol=2e-5)
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_shared_metadata_gives_the_same_result_and_is_checked():
     """A model computes BlockMetadata once per forward and passes it to every layer."""
     q, k, v, _ = F32_QKV

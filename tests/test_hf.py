@@ -269,6 +269,7 @@ def test_a_folder_without_weights_or_tokenizer_is_refused_by_the_import_cli_in_o
         hf.read_folder(folder)
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path):
     from seqjax.core.errors import CheckpointMismatchError
     from seqjax.main import import_hf

@@ -146,6 +146,7 @@ VARIANTS = ["model.lora.dora=true", "model.lora.rslora=true", "model.lora.module
 
 @pytest.mark.parametrize("layout", [["model.scan_layers=false"],
                                     ["model.scan_layers=true", "model.remat=full", "model.loss_chunk_tokens=8"]])
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_dora_rslora_and_modules_to_save_train_what_they_should_and_nothing_else(layout):
     """Under scan, remat and the chunked loss, with accumulation: the adapters, DoRA's magnitudes and the saved
     embeddings all move; the frozen base stays bit-identical; the optimizer holds state for what trains only."""

@@ -277,6 +277,7 @@ def test_a_peft_folder_given_as_init_from_points_at_init_adapter(tmp_path):
         locate(str(tmp_path / "adapter"))
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_generate_runs_on_a_base_plus_a_peft_adapter_folder_with_no_training_step(tmp_path, capsys):
     """generate --hf BASE --adapter PEFT_DIR: the adapter's own settings (here DoRA on all-linear) on the base,
     read as --adapter's reader reads it; without --adapter the base alone answers otherwise."""

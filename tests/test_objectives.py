@@ -109,6 +109,7 @@ def tiny_step(objective, settings=None, grad_accum=1):
     return step, nnx.to_pure_dict(params), model
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_a_weighted_sum_of_objectives_is_each_loss_weighted_and_accumulates_as_one_batch(toy):
     """[lm, toy] with weights [1, 0.5]: the logged objective is lm's mean + 0.5 * toy's mean over the global batch,
     and 2 micro-batches give the update of one (each part divided by its own global denominator)."""

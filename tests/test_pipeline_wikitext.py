@@ -35,6 +35,7 @@ def wikitext_overrides(wikitext_config) -> list[str]:
         ("block", ["data.break_mode=complete_doc"]),
     ],
 )
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_real_store_batches_keep_the_contract(wikitext_prepared, wikitext_config, strategy, extra):
     store = wikitext_prepared.stores["train"]
     cfg = load_config(

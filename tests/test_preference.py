@@ -93,6 +93,7 @@ def compiled(window):
     return COMPILED[window]
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), window=st.sampled_from([None, 3]))
 def test_packed_pairs_give_the_log_probabilities_loss_and_gradients_of_one_pair_per_row(data, window):
@@ -119,6 +120,7 @@ def test_packed_pairs_give_the_log_probabilities_loss_and_gradients_of_one_pair_
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads2, grads)
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 def test_gradient_accumulation_over_pairs_gives_the_one_batch_update():
     """The loss is a mean over the global batch's pairs: two micro-batches of uneven pairs give the update of one."""
     rng = np.random.default_rng(0)

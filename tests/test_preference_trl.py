@@ -137,6 +137,7 @@ OBJECTIVES = {"sigmoid": (["dpo"], [], {}), "ipo": (["ipo"], [], {}), "hinge": (
               "simpo": (["simpo"], [], {"beta": 2.0, "simpo_gamma": 0.5}), "orpo": (["orpo"], [], {"beta": 0.1})}
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 @pytest.mark.parametrize("kind", ["chat", "text"])
 def test_every_objectives_first_step_and_metrics_are_trls(kind, tmp_path):
     """On TRL's first batch of four pairs: each objective's loss (SimPO and ORPO through TRL's CPO and ORPO loss

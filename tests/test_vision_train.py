@@ -20,6 +20,7 @@ from seqjax.model.stacking import blocks_layout
 from seqjax.train.step import make_train_step
 from vision_support import batch, vl_model
 
+pytestmark = pytest.mark.slow  # (two minutes of compiling train steps; test_vision_language.py is the fast proof)
 LORA = LoraConfig(rank=4, alpha=8.0, init="gaussian")
 PACKED = [["two_images", "text_only", "one_image"], ["one_image"]]
 ONE_PER_ROW = [["two_images"], ["one_image"], ["text_only"], ["one_image"]]
