@@ -98,10 +98,11 @@ def packing(args, tokens, patches) -> list[dict]:
     batch, _ = pack_two_budgets(tokens, patches, args.rows, args.seq_len, args.patch_budget)
     out.append(summary("two_budget", tokens, patches, batch, args, args.patch_budget, time.perf_counter() - start))
     # the layout a batch is trained in (seqjax.data.image_rows.image_batch): each row its own patch stream of
-    # patch_budget / rows; rows are bins of both budgets, and consecutive rows make a batch
-    per_row = args.patch_budget // args.rows
+    # patch_budget / rows, or the largest example's patches where that is more (a row must hold it); rows are
+    # bins of both budgets (as many open as the batches' rows above), and consecutive rows make a batch
+    per_row = max(args.patch_budget // args.rows, int(patches.max()))
     start = time.perf_counter()
-    row, _ = pack_two_budgets(tokens, patches, 1, args.seq_len, per_row)
+    row, _ = pack_two_budgets(tokens, patches, 1, args.seq_len, per_row, open_batches=64 * args.rows)
     out.append(summary("two_budget_per_row", tokens, patches, row // args.rows, args, per_row * args.rows,
                        time.perf_counter() - start))
     start = time.perf_counter()

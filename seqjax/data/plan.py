@@ -365,7 +365,9 @@ class EpochPlanner:
             raise DataError(f"example {int(docs[over[0]])}: its images take {int(patches[over[0]])} patches, more "
                             f"than data.patches_per_row={d.patches_per_row}; expected a budget that holds the "
                             "largest example's")
-        row, _ = image_rows.pack_two_budgets(lengths - 1, patches, 1, d.seq_len, d.patches_per_row)
+        # each row a bin; as many rows open as 64 batches have (scripts/bench_vision.py: fewer starve the fit)
+        row, _ = image_rows.pack_two_budgets(lengths - 1, patches, 1, d.seq_len, d.patches_per_row,
+                                             open_batches=64 * d.batch_size)
         by_row = np.argsort(row, kind="stable")
         row_ptr = np.concatenate([[0], np.cumsum(np.bincount(row, minlength=int(row.max(initial=-1)) + 1))])
         plan = RowPlan.from_rows(starts[by_row], lengths[by_row], row_ptr, d.batch_size, d.seq_len)
