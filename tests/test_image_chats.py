@@ -271,3 +271,23 @@ def test_batches_from_the_store_hold_both_budgets_every_example_once_and_resume_
     resumed.set_state(states[2])
     for key, value in next(resumed).items():
         np.testing.assert_array_equal(value, batches[2][key])
+
+
+def test_an_image_changed_after_prepare_rebuilds_the_store_not_reuses_it(folder, tmp_path):
+    """The data file names its images, so its own size and time do not cover them: a store records each image
+    file it read and a reuse compares them; a changed one sets the shard aside (kept, in damaged/) and rebuilds."""
+    (tmp_path / "img").mkdir()
+    for name in SIZES:
+        (tmp_path / "img" / name).write_bytes((folder / "img" / name).read_bytes())
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats()))
+    cfg = config(folder, tmp_path, files=tmp_path / "chats.jsonl")
+    spec = read_image_spec(str(folder))
+    before = prepare(cfg, splits=("train",)).stores["train"].images.patches(0, spec)[0]
+    again = prepare(cfg, splits=("train",)).stores["train"]  # unchanged: reused
+    np.testing.assert_array_equal(again.images.patches(0, spec)[0], before)
+    assert not list((tmp_path / "cache").rglob("damaged"))
+    Image.fromarray(np.zeros((80, 120, 3), np.uint8)).save(tmp_path / "img" / "wide.png")  # other pixels, size
+    after = prepare(cfg, splits=("train",)).stores["train"].images.patches(0, spec)[0]
+    assert after.shape != before.shape or not np.array_equal(after, before)
+    np.testing.assert_allclose(after, -1.0)  # black, normalized by mean 0.5 and std 0.5
+    assert list((tmp_path / "cache").rglob("damaged"))  # the old shard is kept aside, not deleted

@@ -75,6 +75,7 @@ from seqjax.store.checks import read_manifest, shard_problems
 from seqjax.store.corpus import SPLITS, source_files
 from seqjax.store.encoding import available_cores
 from seqjax.store.examples import ExampleSpec, example_spec
+from seqjax.store.image_chats import changed_images
 from seqjax.store.layout import MANIFEST, REBUILD_HINT
 from seqjax.store.reader import TokenStore
 from seqjax.store.shard import build_shard, plan_shards
@@ -142,7 +143,8 @@ def _reuse(path: Path, build_key: dict[str, Any], run: ProcessGroup, read_only: 
     checksums = run.verify or total <= VERIFY_EVERY_REUSE_BYTES or manifest.get("verified") != stamps
     damaged: dict[str, list[str]] = {}
     for shard in manifest["shards"]:
-        problems = shard_problems(path, shard, checksums=checksums, vocab_size=manifest["vocab_size"])
+        problems = shard_problems(path, shard, checksums=checksums,
+                                  vocab_size=manifest["vocab_size"]) or changed_images(shard)
         if run.verify and not problems:
             problems = _stale_sources(shard)
         if problems:
@@ -174,7 +176,7 @@ def _finished_shard(path: Path, name: str, run: ProcessGroup, vocab_size: int) -
     record = read_shard(path, name)
     if record is None:
         return False
-    problems = shard_problems(path, record, checksums=True, vocab_size=vocab_size)
+    problems = shard_problems(path, record, checksums=True, vocab_size=vocab_size) or changed_images(record)
     if run.verify and not problems:
         problems = _stale_sources(record)
     if problems:

@@ -57,6 +57,7 @@ class EncodedChunk:
     # chats with images: every example's images in order (uint8 [H, W, 3]), and how many each example has
     images: list[np.ndarray] | None = None
     doc_images: np.ndarray | None = None
+    image_files: list[tuple[str, int, int]] | None = None  # the image files they read: (path, bytes, mtime_ns)
 
 
 def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
@@ -66,7 +67,7 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
 
     An example with nothing scored (a single token has no target) is dropped and counted.
     """
-    ids, lengths, weights, images, doc_images = [], [], [], [], []
+    ids, lengths, weights, images, doc_images, files = [], [], [], [], [], []
     counts = {"bytes": 0, "scored_tokens": 0, "scored_bytes": 0, "dropped_unscored": 0}
     for where, record in records:
         if spec.format == "preference":  # a pair: two examples, prompt + chosen then prompt + rejected
@@ -82,6 +83,7 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
             lengths.append(len(example.ids))
             images += example.images
             doc_images.append(len(example.images))
+            files += example.image_files
             counts["bytes"] += example.bytes
             counts["scored_tokens"] += example.scored
             counts["scored_bytes"] += example.scored_bytes
@@ -93,7 +95,8 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
         weights=np.concatenate(weights).astype(spec.weights_dtype) if weights else np.zeros(
             0, spec.weights_dtype), **counts,
         images=images if spec.image_spec is not None else None,
-        doc_images=np.asarray(doc_images, np.int64) if spec.image_spec is not None else None)
+        doc_images=np.asarray(doc_images, np.int64) if spec.image_spec is not None else None,
+        image_files=files if spec.image_spec is not None else None)
 
 
 def encode_chunk(tokenizer: Tokenizer, documents: list[str]) -> EncodedChunk:

@@ -61,7 +61,7 @@ from seqjax.config.tree import Config, SourceConfig
 from seqjax.core.errors import CorpusError
 from seqjax.core.progress import log_once
 from seqjax.store.chat import chat_spans, chat_template, twin_template
-from seqjax.store.image_chats import expand_images, image_sources, read_image_spec, without_nulls
+from seqjax.store.image_chats import expand_images, image_files, image_sources, read_image_spec, without_nulls
 from seqjax.store.pairs import encode_pair
 from seqjax.store.spec import KWARGS_FIELD, NOT_SCORED, ExampleSpec
 
@@ -141,6 +141,7 @@ class Example:
     bytes: int
     scored_bytes: int
     images: list[np.ndarray] = field(default_factory=list)  # chats with images: each resized, uint8 [H, W, 3]
+    image_files: list[tuple[str, int, int]] = field(default_factory=list)  # (path, bytes, mtime_ns) of each file
 
     def __post_init__(self) -> None:
         if len(self.mask):
@@ -189,7 +190,7 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
         images = []
         if sources:
             ids, mask, images = expand_images(ids, mask, sources, spec, tokenizer.token_id(spec.image_token), where)
-        return Example(ids, mask, len(text.encode("utf-8")), scored_bytes, images)
+        return Example(ids, mask, len(text.encode("utf-8")), scored_bytes, images, image_files(sources))
     ids = record.get(spec.input_ids_field)
     if not isinstance(ids, list) or not ids or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in ids):

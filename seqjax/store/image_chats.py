@@ -17,6 +17,7 @@ naming the record; nothing is written for a store that fails (:mod:`seqjax.store
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,31 @@ def _source(value: Any, base: Path, where: str) -> str | bytes:
                               "the image's bytes (nothing is downloaded)")
         return str(base / value)
     raise CorpusError(f"{where}: an image given as {type(value).__name__}; expected a path or bytes")
+
+
+def image_files(sources: list[str | bytes]) -> list[tuple[str, int, int]]:
+    """(path, bytes, mtime_ns) of the images read from files: what a store's reuse compares (its data files
+    name them, so their own identity does not cover them)."""
+    out = []
+    for source in sources:
+        if isinstance(source, str):
+            stat = os.stat(source)
+            out.append((str(Path(source).resolve()), stat.st_size, stat.st_mtime_ns))
+    return out
+
+
+def changed_images(shard: dict[str, Any]) -> list[str]:
+    """The images a shard was built from that changed since (size or time), or are gone, each as a line."""
+    problems = []
+    for path, size, mtime_ns in shard.get("image_files", []):
+        try:
+            stat = os.stat(path)
+        except OSError:
+            problems.append(f"image {path} is gone since the build")
+            continue
+        if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
+            problems.append(f"image {path} changed since the build ({size:,} bytes then, {stat.st_size:,} now)")
+    return problems
 
 
 def expand_images(ids: np.ndarray, mask: np.ndarray, sources: list[str | bytes], spec: ExampleSpec,

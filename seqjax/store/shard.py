@@ -120,9 +120,11 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
                      scored=spec is not None,
                      weights_dtype=spec.weights_dtype if spec else "uint8",
                      images=spec is not None and spec.image_spec is not None) as writer:
+        read: set[tuple[str, int, int]] = set()  # image files
         for chunk in encode_in_order(tokenizer, chunks, use, spec):
             writer.add_chunk(chunk.ids, chunk.doc_lengths, chunk.line_lengths, chunk.weights, chunk.images,
                              chunk.doc_images)
+            read.update(chunk.image_files or [])
             counts.documents += len(chunk.doc_lengths)
             for key in ("bytes", "words", "lines", "scored_tokens", "scored_bytes", "dropped_unscored"):
                 setattr(counts, key, getattr(counts, key) + getattr(chunk, key))
@@ -141,6 +143,7 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
             keys += ("carved_out",)
         stats = {k: getattr(counts, k) for k in keys}
         record: dict[str, Any] = {"sources": sources, "stats": stats}
-        if writer.images:  # what a batch finds an image's tokens by
+        if writer.images:  # what a batch finds an image's tokens by; the files a reuse checks
             record["image_token_id"] = tokenizer.token_id(spec.image_token)
+            record["image_files"] = [list(f) for f in sorted(read)]
         return writer.commit(record)
