@@ -69,3 +69,60 @@ def test_scan_remat_and_the_chunked_loss_give_the_unrolled_update(packed_step):
     np.testing.assert_allclose(float(s_metrics["loss"]), float(metrics["loss"]), rtol=1e-6)
     jax.tree.map(lambda s, p, b: np.testing.assert_allclose(s - b, p - b, rtol=2e-4, atol=1e-8), scanned, packed,
                  before)
+
+
+MESH_RUN = """
+import json, sys
+import jax, numpy as np, optax
+from flax import nnx
+sys.path.insert(0, "tests")
+from vision_support import batch, vl_model
+from seqjax.config.model import LoraConfig
+from seqjax.model import sharding
+from seqjax.model.lora import split_params
+from seqjax.train.step import make_train_step
+
+rows = [["two_images", "text_only", "one_image"], ["one_image"], ["two_images"], ["text_only", "one_image"]]
+data = batch(rows, 52, 96)
+graphdef, trained, frozen, rest = split_params(vl_model(lora=LoraConfig(rank=4, alpha=8.0, init="gaussian")))
+tx = optax.sgd(1.0)
+out = {}
+for name, shape, accum in (("one device", (1, 1, 1), 1), ("data 2 x fsdp 2", (2, 2, 1), 1),
+                           ("data 2, two micro-batches", (2, 1, 1), 2)):
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), devices=jax.devices()[:int(np.prod(shape))],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    params = sharding.place(nnx.to_pure_dict(trained), sharding.param_shardings(trained, mesh))
+    base = sharding.place(nnx.to_pure_dict(frozen), sharding.param_shardings(frozen, mesh))
+    rows_of = sharding.batch_sharding(mesh)
+    placed = sharding.place(data, {k: rows_of for k in data})
+    step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=accum))
+    new, _, metrics = step(params, tx.init(params), placed, None, 0, base)
+    out[name] = {"loss": float(metrics["loss"]), "update": [np.asarray(a - b).ravel().tolist() for a, b in
+                                                            zip(jax.tree.leaves(new), jax.tree.leaves(params))],
+                 "patches_sharding": str(placed["patches"].sharding.spec)}
+print(json.dumps(out))
+"""
+
+
+def test_on_a_mesh_rows_take_their_images_and_the_step_is_one_devices():
+    """On 4 forced host devices (data 2 x fsdp 2; data 2 with two micro-batches): every image field is cut by rows
+    as the text is, and the LoRA step on packed image rows is the one-device step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_train_support import REPO
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", MESH_RUN], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    one = result.pop("one device")
+    assert max(max(map(abs, u)) for u in one["update"]) > 1e-4
+    for mesh in result.values():
+        assert mesh["patches_sharding"] == "P(('data', 'fsdp'), None)"  # rows over data x fsdp
+        np.testing.assert_allclose(mesh["loss"], one["loss"], rtol=1e-6)
+        for a, b in zip(mesh["update"], one["update"], strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-8)
