@@ -26,9 +26,11 @@ from seqjax.core.errors import ConfigError, CorpusError
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.strategies import check_config
+from seqjax.main import data as data_cli
 from seqjax.store.build import prepare
 from seqjax.store.image_chats import read_image_spec
 from seqjax.store.images import rope_index
+from seqjax.train.setup import objective_of
 
 CHAT = Path(__file__).parent / "data" / "chat" / "qwen3"
 VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -291,3 +293,31 @@ def test_an_image_changed_after_prepare_rebuilds_the_store_not_reuses_it(folder,
     assert after.shape != before.shape or not np.array_equal(after, before)
     np.testing.assert_allclose(after, -1.0)  # black, normalized by mean 0.5 and std 0.5
     assert list((tmp_path / "cache").rglob("damaged"))  # the old shard is kept aside, not deleted
+
+
+def test_the_data_report_dump_and_plot_show_both_budgets_and_the_model_commands_refuse_in_one_line(folder,
+                                                                                               tmp_path, capsys):
+    """``python -m seqjax.data``: the epoch's patch use beside its token padding, a dump with every image field,
+    a plot whose title gives the patch budget's use; train and eval say in one line that they do not take
+    images yet (no traceback mid-run)."""
+    overrides = ["data.corpus=jsonl", "data.format=chat", f"data.train_files=[{folder / 'chats.jsonl'}]",
+                 f"data.cache_dir={tmp_path / 'cache'}", f"data.chat_template={trl_template('qwen3_vl_training')}",
+                 f"tokenizer.path={folder / 'tokenizer.json'}", "tokenizer.bos_token=null",
+                 f"data.image_processor={folder}", "data.seq_len=128", "data.batch_size=2",
+                 "data.patches_per_row=160"]
+    cfg = config(folder, tmp_path, "qwen3_vl_training", "data.seq_len=128", "data.patches_per_row=160")
+    specials = [f"tokenizer.special_tokens={json.dumps(cfg.tokenizer.special_tokens)}"]
+    dump, plot = tmp_path / "batches.npz", tmp_path / "layout.png"
+    data_cli.main([*overrides, *specials, "--dump", str(dump), "--plot", str(plot)])
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    spec = read_image_spec(str(folder))
+    store = prepare(cfg, splits=("train",)).stores["train"]
+    total = int(store.images.patch_counts(spec.patch_size).sum())
+    assert stats["real_patches"] == total and stats["patches_per_row"] == 160
+    assert stats["patch_padding_fraction"] == pytest.approx(1 - total / (stats["rows"] * 160))
+    arrays = np.load(dump)
+    assert arrays["patches"].shape[2:] == (160, 3 * 2 * 16 * 16) and arrays["positions_3d"].shape[-1] == 3
+    assert plot.stat().st_size > 0
+    with pytest.raises(ConfigError, match="data.image_processor: got .*; seqjax.train does not run a model on chats "
+                                          "with images yet"):
+        objective_of(cfg)

@@ -97,12 +97,12 @@ OPTIONAL_FIELDS: dict[str, OptionalField] = {
         "train.reference=precompute", lambda d: False),
 }
 
-# Images (seqjax.data.image_rows.image_batch, docs/vision.md): read by a vision-language model's forward pass.
-# Each row carries its own images in a patch stream of P patches; image chats are not read into the store yet,
-# so no data config gives them.
-_IMAGES = "image-and-text examples (seqjax.data.image_rows; not yet a data.format)"
+# Images (seqjax.data.image_rows, docs/vision.md): chats with images, read by a vision-language model's forward
+# pass. Each row carries its own images in a patch stream of P = data.patches_per_row patches.
 OPTIONAL_FIELDS.update({
-    name: OptionalField(dtype, meaning, _IMAGES, lambda d: False, model=True) for name, dtype, meaning in (
+    name: OptionalField(dtype, meaning, "data.image_processor (chats with images)",
+                        lambda d: getattr(d, "image_processor", None) is not None, model=True)
+    for name, dtype, meaning in (
         ("positions_3d", np.int32, "[B, T, 3] each example's (time, row, column) rope index, from 0"),
         ("image_index", np.int32, "[B, T] which of its row's image tokens an image-pad token takes; -1 on text"),
         ("patches", np.float32, "[B, P, patch_dim] each row's images' patches, right-padded"),

@@ -1,28 +1,30 @@
-"""Packing with two budgets: image-and-text examples into batches of ``rows`` rows of ``seq_len`` tokens whose
-images together take at most ``patch_budget`` patches, both static shapes for XLA.
+"""Packing with two budgets: image-and-text examples into batches of ``rows`` rows of ``seq_len``
+tokens whose images together take at most ``patch_budget`` patches, both static shapes for XLA.
 
-An example is ``(tokens, patches)``: its text with one image-pad token per merged patch group, and the patches of
-its images. A batch is full when either budget is; the packer fills both:
+An example is ``(tokens, patches)``: its text with one image-pad token per merged patch group, and
+the patches of its images. A batch is full when either budget is; the packer fills both:
 
 1. examples by decreasing tokens, then decreasing patches (the large first, as best-fit decreasing);
-2. each into the tightest place among the open batches' rows with room for its tokens and patches: the one
-   leaving the least of both budgets free, each counted as a fraction of its own (best fit in two dimensions);
-3. none fits: a new batch opens. At most ``open_batches`` stay open; the fullest is closed when a new one would
-   exceed that (a stream's memory stays bounded).
+2. each into the tightest place among the open batches' rows with room for its tokens and patches:
+   the one leaving the least of both budgets free, each counted as a fraction of its own (best fit
+   in two dimensions);
+3. none fits: a new batch opens. At most ``open_batches`` stay open; the fullest is closed when a
+   new one would exceed that (a stream's memory stays bounded).
 
-For example, rows=2, seq_len=10, patch_budget=8 and examples (tokens, patches) (6, 8), (5, 0), (4, 4), (4, 0):
-(6, 8) opens batch 0; (5, 0) joins it in row 1; (4, 4) needs 4 patches, batch 0 has none left: batch 1;
-(4, 0) fits row 0 of batch 0 (6 + 4 = 10 tokens, no patches). Batch 0 then holds 20 of 20 tokens and 8 of 8
-patches.
+For example, rows=2, seq_len=10, patch_budget=8 and examples (tokens, patches) (6, 8), (5, 0),
+(4, 4), (4, 0): (6, 8) opens batch 0; (5, 0) joins it in row 1; (4, 4) needs 4 patches, batch 0 has
+none left: batch 1; (4, 0) fits row 0 of batch 0 (6 + 4 = 10 tokens, no patches). Batch 0 then
+holds 20 of 20 tokens and 8 of 8 patches.
 
-lmms-engine packs by text length alone, so the patches a batch holds vary and a static budget must be the
-largest any batch reaches (scripts/bench_vision.py measures the padding both leave).
+lmms-engine packs by text length alone, so the patches a batch holds vary and a static budget must
+be the largest any batch reaches (scripts/bench_vision.py measures the padding both leave).
 
-**Rows carry their own patches.** :func:`image_batch` lays a batch out as the model reads it: the five contract
-fields from the one builder (:func:`seqjax.data.contract.contract_batch`), and each row's images in that row's
-own patch stream of ``patches_per_row``, every image field with the rows as its leading axis. Micro-batches,
-process slices and a mesh's data shards then cut images with the rows that read them. The packer for that layout
-is :func:`pack_two_budgets` with ``rows=1``: each bin one row, with a row's tokens and a row's patches.
+**Rows carry their own patches.** :func:`image_batch` lays a batch out as the model reads it: the
+five contract fields from the one builder (:func:`seqjax.data.contract.contract_batch`), and each
+row's images in that row's own patch stream of ``patches_per_row``, every image field with the rows
+as its leading axis. Micro-batches, process slices and a mesh's data shards then cut images with the
+rows that read them. The packer for that layout is :func:`pack_two_budgets` with ``rows=1``: each
+bin one row, with a row's tokens and a row's patches.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from seqjax.core.errors import ConfigError
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.ragged import exclusive_cumsum
 from seqjax.store.images import patch_inputs, rope_index
@@ -58,7 +61,8 @@ def pack_two_budgets(tokens: np.ndarray, patches: np.ndarray, rows: int, seq_len
     for i in order:
         t, p = tokens[i], patches[i]
         fits = (free_tokens >= t) & (free_patches >= p)[:, None]
-        if fits.any():  # the tightest place: the least left of both budgets, each as a fraction of its own
+        # the tightest place: the least left of both budgets, each as a fraction of its own
+        if fits.any():
             key = (free_tokens - t) * patch_budget + (free_patches - p)[:, None] * seq_len
             b, r = np.unravel_index(np.argmin(np.where(fits, key, np.iinfo(np.int64).max)), key.shape)
         else:
@@ -75,17 +79,19 @@ def pack_two_budgets(tokens: np.ndarray, patches: np.ndarray, rows: int, seq_len
         free_tokens[b, r] -= t
         free_patches[b] -= p
         batch_of[i], row_of[i] = ids[b], r
-    for provisional in [*closed, *ids]:  # number the batches in the order they closed, then the open ones
+    # number the batches in the order they closed, then the open ones
+    for provisional in [*closed, *ids]:
         final[int(provisional)] = len(final)
     return np.asarray([final[int(b)] for b in batch_of]), row_of
 
 
 @dataclass(frozen=True)
 class ImageExample:
-    """One image-and-text example as a batch reads it: ``ids`` [n] with one image-pad token per merged patch
-    group of each image, in the images' order; ``weights`` [n]: the weight of ``ids[i]`` as a target (0 on
-    prompts and on image tokens); ``pixels`` [patches, patch_dim] float32: its images' patches in order
-    (:func:`seqjax.store.images.pixel_values`), ``grids``: each image's (t, h, w) in patches."""
+    """One image-and-text example as a batch reads it: ``ids`` [n] with one image-pad token per
+    merged patch group of each image, in the images' order; ``weights`` [n]: the weight of
+    ``ids[i]`` as a target (0 on prompts and on image tokens); ``pixels`` [patches, patch_dim]
+    float32: its images' patches in order (:func:`seqjax.store.images.pixel_values`), ``grids``:
+    each image's (t, h, w) in patches."""
 
     ids: np.ndarray
     weights: np.ndarray
@@ -99,8 +105,8 @@ class ImageExample:
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """What laying images into rows needs: the image-pad token's id, the processor's merge size and the size of
-    one patch's values (:class:`seqjax.store.images.ImageSpec`)."""
+    """What laying images into rows needs: the image-pad token's id, the processor's merge size and
+    the size of one patch's values (:class:`seqjax.store.images.ImageSpec`)."""
 
     image_token_id: int
     merge_size: int
@@ -113,9 +119,9 @@ PATCH_FIELDS = ("patches", "patch_segment_ids", "patch_rows", "patch_columns", "
 
 def image_batch(examples: list[ImageExample], row_of: np.ndarray, n_rows: int, seq_len: int,
                 patches_per_row: int, layout: ImageLayout) -> Batch:
-    """A batch of ``n_rows`` rows of ``seq_len`` from ``examples`` (example i in row ``row_of[i]``, in the
-    order given within a row): the contract's five fields (:func:`contract_batch`, an example of n ids one
-    sequence: inputs ``ids[:-1]``, targets ``ids[1:]``) and :func:`image_fields`'."""
+    """A batch of ``n_rows`` rows of ``seq_len`` from ``examples`` (example i in row ``row_of[i]``,
+    in the order given within a row): the contract's five fields (:func:`contract_batch`, an example
+    of n ids one sequence: inputs ``ids[:-1]``, targets ``ids[1:]``) and :func:`image_fields`'."""
     row_of = np.asarray(row_of, np.int64)
     order = np.argsort(row_of, kind="stable")
     lengths = np.asarray([len(examples[i].ids) for i in order], np.int64)
@@ -132,8 +138,10 @@ def image_fields(pieces: list[tuple[np.ndarray, np.ndarray, tuple]], row_of_piec
     """The image fields of rows of ``pieces`` ``(ids, pixels, grids)``, given in row order as
     :func:`contract_batch` takes them (each piece a sequence: its inputs are ``ids[:-1]``):
 
-    - ``positions_3d`` [B, T, 3]: each example's 3-D rope index from 0 (:func:`rope_index` of its ids alone);
-    - ``image_index`` [B, T]: the row's i-th image token takes the row's i-th merged patch group, -1 on text;
+    - ``positions_3d`` [B, T, 3]: each example's 3-D rope index from 0 (:func:`rope_index` of its
+      ids alone);
+    - ``image_index`` [B, T]: the row's i-th image token takes the row's i-th merged patch group, -1
+      on text;
     - ``patches`` [B, P, patch_dim] and ``patch_segment_ids``, ``patch_rows``, ``patch_columns``,
       ``patch_heights``, ``patch_widths`` [B, P]: each row's images, one segment each
       (:func:`seqjax.store.images.patch_inputs`), right-padded to P = ``patches_per_row``.
@@ -167,8 +175,9 @@ def image_fields(pieces: list[tuple[np.ndarray, np.ndarray, tuple]], row_of_piec
 
 def stored_image_fields(store, spec, starts: np.ndarray, lengths: np.ndarray, row_of_piece: np.ndarray, n_rows: int,
                         width: int, patches_per_row: int) -> dict[str, np.ndarray]:
-    """:func:`image_fields` of rows of a token store's pieces (``starts``, ``lengths``, each a whole example with
-    images, in row order): their ids read from the store, their images from its memory map."""
+    """:func:`image_fields` of rows of a token store's pieces (``starts``, ``lengths``, each a whole
+    example with images, in row order): their ids read from the store, their images from its memory
+    map."""
     docs = np.searchsorted(np.asarray(store.doc_offsets), starts, "right") - 1
     pieces = []
     for start, length, doc in zip(starts.tolist(), lengths.tolist(), docs.tolist()):
@@ -177,3 +186,12 @@ def stored_image_fields(store, spec, starts: np.ndarray, lengths: np.ndarray, ro
     layout = ImageLayout(store.images.image_token_id, spec.merge_size,
                          3 * spec.temporal_patch_size * spec.patch_size ** 2)
     return image_fields(pieces, row_of_piece, n_rows, width, patches_per_row, layout)
+
+
+def refuse_models_on_images(d, command: str) -> None:
+    """One line for a command that would run a model on chats with images: the store and the batches
+    are built (``prepare``, ``python -m seqjax.data``), the commands that train or score a model on
+    them are not yet."""
+    if d.image_processor is not None:
+        raise ConfigError(f"data.image_processor: got {d.image_processor!r}; {command} does not run a model on chats "
+                          "with images yet (docs/vision.md: prepare and python -m seqjax.data read them)")

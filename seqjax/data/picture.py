@@ -57,8 +57,11 @@ def draw_batch(batch: Batch, path: str | Path, title: str) -> None:
     ax.set_ylabel("row")
     scored = float(np.asarray(batch["weights"]).astype(bool).mean())
     padding = float((np.asarray(batch["segment_ids"]) == 0).mean())
+    patches = ""
+    if "patch_segment_ids" in batch:  # chats with images: the second budget
+        patches = f"; patches: {float((np.asarray(batch['patch_segment_ids']) > 0).mean()):.1%} of the rows' budget"
     ax.set_title(f"{title}\none colour per example; pale: not scored (prompt); white: padding "
-                 f"({padding:.1%}); scored: {scored:.1%} of slots", fontsize=9)
+                 f"({padding:.1%}); scored: {scored:.1%} of slots{patches}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

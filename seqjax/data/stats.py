@@ -69,6 +69,8 @@ def epoch_stats(config: Config, store: TokenStore, epoch: int = 0) -> dict[str, 
         real = int((plan.lengths - 1).sum())
         counts, dropped = document_coverage(plan, store)
         rows, n_batches = int(len(segs)), plan.num_batches
+        if planner.image_spec is not None:  # the second budget: each row's patches
+            counts.update(patch_use(planner, plan, rows))
     return {
         **_filled(d, real, slots),
         **example_counts(config, store, batches if strategies.uses_grain_packer(d) else plan),
@@ -145,6 +147,15 @@ def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, An
             for i, (name, w, *_) in enumerate(store.sources)
         },
     }
+
+
+def patch_use(planner: EpochPlanner, plan: RowPlan, rows: int) -> dict[str, Any]:
+    """Chats with images: the patches an epoch's rows hold against their budget (data.patches_per_row each)."""
+    docs = np.searchsorted(np.asarray(planner.store.doc_offsets), plan.starts, "right") - 1
+    real = int(planner.patch_counts[docs].sum())
+    slots = rows * planner.data.patches_per_row
+    return {"patches_per_row": planner.data.patches_per_row, "real_patches": real,
+            "patch_padding_fraction": 1.0 - real / slots if slots else 0.0}
 
 
 def document_coverage(plan: RowPlan, store: TokenStore) -> tuple[dict[str, int], int]:

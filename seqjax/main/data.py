@@ -26,6 +26,7 @@ import numpy as np
 from seqjax.core.errors import UsageError
 from seqjax.data import strategies
 from seqjax.data.contract import given_fields
+from seqjax.data.image_rows import PATCH_FIELDS
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.plan import EpochPlanner
 from seqjax.data.ragged import ragged_arange, starts_in_groups
@@ -94,9 +95,10 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
     if args.dump:
         batches = list(islice(iter(pipeline), args.batches))
         width = max(b["inputs"].shape[1] for b in batches)
-        arrays = {
-            k: np.stack([np.pad(b[k], ((0, 0), (0, width - b[k].shape[1]))) for b in batches])
-            for k in given_fields(config.data)  # the five, and the optional ones (pairs: pair_ids, prefix_ids)
+        arrays = {  # the five, and the optional ones (pairs: pair_ids, prefix_ids; images: positions_3d, patches..)
+            k: np.stack([b[k] if k in PATCH_FIELDS else np.pad(
+                b[k], ((0, 0), (0, width - b[k].shape[1])) + ((0, 0),) * (b[k].ndim - 2)) for b in batches])
+            for k in given_fields(config.data)
         }
         if not strategies.uses_grain_packer(config.data) and not store.sources:
             arrays["documents"], arrays["epochs"] = sources_of(config, store, len(batches), width)

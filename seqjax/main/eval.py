@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 from seqjax.core.errors import UsageError
 from seqjax.core.files import json_text, write_text_atomic
+from seqjax.data.image_rows import refuse_models_on_images
 from seqjax.eval.evaluate import evaluate, evaluate_lm_eval
 from seqjax.eval.lm_eval import MODE as LM_EVAL
 from seqjax.eval.lm_eval import read_lm_eval_split
@@ -50,6 +51,7 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     JSON line."""
     overrides = list(args.overrides) + ([f"eval.split={args.split}"] if args.split else [])
     config, model = trained.load_checkpoint(args, overrides)
+    refuse_models_on_images(config.data, "seqjax.eval")
     # a tokenizer the model cannot read is refused before the store is built
     trained.trained_tokenizer(args, config)
     split = config.eval.split

@@ -1,7 +1,8 @@
-"""Qwen3-VL: the vision tower's image tokens in place of the text's image-pad tokens, multimodal RoPE, and
-DeepStack's features added after the first blocks, over rows packed with segment ids.
+"""Qwen3-VL: the vision tower's image tokens in place of the text's image-pad tokens, multimodal
+RoPE, and DeepStack's features added after the first blocks, over rows packed with segment ids.
 
-One forward pass, for B rows of T tokens, each row with its own P patches (its images, packed in one stream)::
+One forward pass, for B rows of T tokens, each row with its own P patches (its images, packed in one
+stream)::
 
     x = embed(inputs)                                   [B, T, D]
     tokens, deep = tower(patches) per row               [B, P / 4, D], [k, B, P / 4, D]
@@ -11,11 +12,12 @@ One forward pass, for B rows of T tokens, each row with its own P patches (its i
     logits = head(final_norm(x))                        [B, T, V]
 
 Every image field has the rows as its leading axis (the batch contract's rule, docs/design.md), so
-micro-batches, process slices and a mesh's data shards cut images with the rows that read them: nothing
-crosses rows. ``positions_3d`` are each example's own (:func:`seqjax.store.images.rope_index`, counted from 0
-at its first token), so a packed example is rotated as it is alone; the causal mask is the one mask over the
-text's segment ids, and the tower's keeps each image to itself. The text model is a :class:`TransformerLM` as it
-is (a Qwen3 row of the family table), not a copy: LoRA, scan, remat and the chunked loss are its own.
+micro-batches, process slices and a mesh's data shards cut images with the rows that read them:
+nothing crosses rows. ``positions_3d`` are each example's own
+(:func:`seqjax.store.images.rope_index`, counted from 0 at its first token), so a packed example is
+rotated as it is alone; the causal mask is the one mask over the text's segment ids, and the tower's
+keeps each image to itself. The text model is a :class:`TransformerLM` as it is (a Qwen3 row of the
+family table), not a copy: LoRA, scan, remat and the chunked loss are its own.
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ class VisionLanguageModel(nnx.Module):
                           patch_heights: jax.Array, patch_widths: jax.Array,
                           dropout_key: jax.Array | None = None,
                           prefix_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """(final-normed features [B, T, D], head [D, V]). ``image_index`` [B, T]: which of its row's image tokens
-        each image-pad token takes, -1 on text; ``patches`` [B, P, patch_dim] and the patch fields [B, P] are
-        :func:`seqjax.data.image_rows.image_batch`'s. ``positions`` (1-D) are unused: the
-        rows rotate by ``positions_3d``."""
+        """(final-normed features [B, T, D], head [D, V]). ``image_index`` [B, T]: which of its
+        row's image tokens each image-pad token takes, -1 on text; ``patches`` [B, P, patch_dim] and
+        the patch fields [B, P] are :func:`seqjax.data.image_rows.image_batch`'s. ``positions``
+        (1-D) are unused: the rows rotate by ``positions_3d``."""
         del positions, dropout_key  # no dropout (refused at construction)
         if prefix_ids is not None:
             raise ValueError("prefix_ids (a shared prompt) with images: expected data.shared_prompt=false")

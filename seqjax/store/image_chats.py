@@ -1,17 +1,18 @@
-"""Chats with images, as TRL and transformers' processors take them: messages whose content is a list of parts,
-``{"type": "text", "text": ...}`` and ``{"type": "image"}``, the images in the record's ``images`` column (in
-the order of the image parts), or named by a part itself (``image``, ``path`` or ``url``). A path is relative
-to the data file; parquet rows may hold the bytes (``{"bytes": ...}``, as a Hugging Face dataset stores an
-image).
+"""Chats with images, as TRL and transformers' processors take them: messages whose content is a
+list of parts, ``{"type": "text", "text": ...}`` and ``{"type": "image"}``, the images in the
+record's ``images`` column (in the order of the image parts), or named by a part itself (``image``,
+``path`` or ``url``). A path is relative to the data file; parquet rows may hold the bytes
+(``{"bytes": ...}``, as a Hugging Face dataset stores an image).
 
-The chat template renders each image part as the image token (Qwen-VL's ``<|vision_start|><|image_pad|>
-<|vision_end|>``); the processor then repeats the image token once per merged group of patches. Here the
-template's text is tokenized as any chat (:mod:`seqjax.store.examples`) and each image token's one id becomes
-``t * h * w / m^2`` copies, never scored. For example an image of 100 x 60 pixels under patch 14, merge 2
-resizes to 112 x 56, a grid of (1, 8, 4): its one ``<|image_pad|>`` becomes 8.
+The chat template renders each image part as the image token (Qwen-VL's
+``<|vision_start|><|image_pad|> <|vision_end|>``); the processor then repeats the image token once
+per merged group of patches. Here the template's text is tokenized as any chat
+(:mod:`seqjax.store.examples`) and each image token's one id becomes ``t * h * w / m^2`` copies,
+never scored. For example an image of 100 x 60 pixels under patch 14, merge 2 resizes to 112 x 56, a
+grid of (1, 8, 4): its one ``<|image_pad|>`` becomes 8.
 
-A missing, unreadable or truncated image, or image parts that do not match the images given, is one line
-naming the record; nothing is written for a store that fails (:mod:`seqjax.store.writer`).
+A missing, unreadable or truncated image, or image parts that do not match the images given, is one
+line naming the record; nothing is written for a store that fails (:mod:`seqjax.store.writer`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ OWN_SOURCE = ("image", "path", "url")  # what a part may name its own image by (
 
 
 def read_image_spec(path: str | None) -> ImageSpec | None:
-    """``data.image_processor`` (a preprocessor_config.json, or a folder holding one) as an ImageSpec."""
+    """``data.image_processor`` (a preprocessor_config.json, or a folder holding one) as an
+    ImageSpec."""
     if path is None:
         return None
     file = Path(path) / PREPROCESSOR if Path(path).is_dir() else Path(path)
@@ -46,9 +48,9 @@ def read_image_spec(path: str | None) -> ImageSpec | None:
 
 
 def without_nulls(messages: Any) -> Any:
-    """Messages with each content part's null keys dropped: a Hugging Face dataset (parquet) gives every part
-    every key of the column's struct, and a template asking ``'image' in content`` would take a text part with
-    ``image: null`` for an image."""
+    """Messages with each content part's null keys dropped: a Hugging Face dataset (parquet) gives
+    every part every key of the column's struct, and a template asking ``'image' in content`` would
+    take a text part with ``image: null`` for an image."""
     if not isinstance(messages, list):
         return messages
     return [{**m, "content": [{k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
@@ -63,8 +65,8 @@ def image_parts(messages: Any) -> list[dict]:
 
 
 def image_sources(spec: ExampleSpec, record: dict, where: str) -> list[str | bytes]:
-    """Each image part's image (a path made absolute, or bytes), in order; parts without their own take the
-    ``images`` column's in turn, and both counts must agree."""
+    """Each image part's image (a path made absolute, or bytes), in order; parts without their own
+    take the ``images`` column's in turn, and both counts must agree."""
     messages = record.get(spec.messages_field) or []
     parts = image_parts(messages)
     if any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
@@ -110,8 +112,8 @@ def _source(value: Any, base: Path, where: str) -> str | bytes:
 
 
 def image_files(sources: list[str | bytes]) -> list[tuple[str, int, int]]:
-    """(path, bytes, mtime_ns) of the images read from files: what a store's reuse compares (its data files
-    name them, so their own identity does not cover them)."""
+    """(path, bytes, mtime_ns) of the images read from files: what a store's reuse compares (its
+    data files name them, so their own identity does not cover them)."""
     out = []
     for source in sources:
         if isinstance(source, str):
@@ -121,7 +123,8 @@ def image_files(sources: list[str | bytes]) -> list[tuple[str, int, int]]:
 
 
 def changed_images(shard: dict[str, Any]) -> list[str]:
-    """The images a shard was built from that changed since (size or time), or are gone, each as a line."""
+    """The images a shard was built from that changed since (size or time), or are gone, each as a
+    line."""
     problems = []
     for path, size, mtime_ns in shard.get("image_files", []):
         try:
@@ -136,8 +139,8 @@ def changed_images(shard: dict[str, Any]) -> list[str]:
 
 def expand_images(ids: np.ndarray, mask: np.ndarray, sources: list[str | bytes], spec: ExampleSpec,
                   image_id: int, where: str) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """(ids with each image token repeated once per merged patch group, the mask 0 on them, the images
-    resized as 8-bit RGB)."""
+    """(ids with each image token repeated once per merged patch group, the mask 0 on them, the
+    images resized as 8-bit RGB)."""
     at = np.flatnonzero(ids == image_id)
     if len(at) != len(sources):
         raise CorpusError(f"{where}: the chat template put {len(at)} {spec.image_token} tokens for {len(sources)} "

@@ -1,7 +1,7 @@
-"""A store's images (chats with images, :mod:`seqjax.store.image_chats`): each image as the processor resizes
-it, 8-bit RGB, flat on disk and memory-mapped, so a corpus of many images reads with flat memory (the pages a
-batch touches) and every later step (rescale, normalize, patches) is exact arithmetic on those bytes, 8 times
-smaller than the float patches.
+"""A store's images (chats with images, :mod:`seqjax.store.image_chats`): each image as the
+processor resizes it, 8-bit RGB, flat on disk and memory-mapped, so a corpus of many images reads
+with flat memory (the pages a batch touches) and every later step (rescale, normalize, patches) is
+exact arithmetic on those bytes, 8 times smaller than the float patches.
 
 Per shard, beside the tokens (:mod:`seqjax.store.reader`)::
 
@@ -9,8 +9,9 @@ Per shard, beside the tokens (:mod:`seqjax.store.reader`)::
     image_shapes.bin    int32 [n_images, 2]: each image's (H, W)
     doc_images.bin      int64 [n_docs + 1]: document i's images are doc_images[i] .. doc_images[i + 1] - 1
 
-For example two documents, the first with images of 32 x 64 and 64 x 32 pixels and the second with none, give
-``image_shapes [[32, 64], [64, 32]]``, ``doc_images [0, 2, 2]`` and 12,288 bytes of pixels.
+For example two documents, the first with images of 32 x 64 and 64 x 32 pixels and the second with
+none, give ``image_shapes [[32, 64], [64, 32]]``, ``doc_images [0, 2, 2]`` and 12,288 bytes of
+pixels.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class StoredImages:
         return out
 
     def patches(self, doc: int, spec: ImageSpec) -> tuple[np.ndarray, tuple[tuple[int, int, int], ...]]:
-        """Document ``doc``'s images as a vision encoder reads them: (patches [n, patch_dim] float32, grids)."""
+        """Document ``doc``'s images as a vision encoder reads them: (patches [n, patch_dim]
+        float32, grids)."""
         pieces = [patchify(image, spec) for image in self.of(doc)]
         if not pieces:
             p = spec.patch_size

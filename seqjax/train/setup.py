@@ -39,6 +39,7 @@ from flax import nnx
 from seqjax.config.tree import DATA_DIR_ENV, Config, ConfigError
 from seqjax.core.files import write_text_atomic
 from seqjax.data.contract import check_reads
+from seqjax.data.image_rows import refuse_models_on_images
 from seqjax.data.pairs import with_reference
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.stats import overlong_counts, overlong_line
@@ -247,6 +248,7 @@ def objective_of(config: Config) -> Objective:
     """``train.objective``'s row (or weighted sum of rows), refused in one line when unknown, when
     it reads a batch field the data does not give, or ignores one the data needs read."""
     tc = config.train
+    refuse_models_on_images(config.data, "seqjax.train")
     objective = resolve(tc.objective, tc.objective_weights)
     who = f"train.objective={','.join(tc.objective)}"
     check_reads(objective.reads, config.data, who)
