@@ -173,8 +173,9 @@ def test_every_field_that_changes_the_model_is_read_or_refused():
     assert families.model_config_from_hf(old, "c") == families.model_config_from_hf(base, "c")
 
 
-@pytest.mark.parametrize("backend", ["pallas", pytest.param("splash", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (the fast loop: tests/test_flash.py's sliding windows against the dense mask)
+@pytest.mark.parametrize("backend", ["pallas", "splash"])
+@pytest.mark.parametrize("scan", [False, True])
 def test_the_kernels_compute_sliding_layers_as_transformers_does(backend, scan, tmp_path):
     """Gemma 3's sliding (window 4) and global layers on the flash kernel and on splash (both in interpret mode
     here), packed: each document's logits are transformers' own. Under scan_layers the window is traced, so the

@@ -183,6 +183,7 @@ def between(ranges: np.ndarray, lo: int, hi: int, n_cols: int) -> np.ndarray:
     return (columns >= ranges[..., lo : lo + 1]) & (columns < ranges[..., hi : hi + 1])
 
 
+@pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), length=st.sampled_from([5, 100]), window=st.one_of(st.none(), st.integers(1, 70)))
 def test_visited_tiles_are_the_tightest_cover_and_unmasked_tiles_are_full(data, length, window):

@@ -58,6 +58,7 @@ def test_real_store_batches_keep_the_contract(wikitext_prepared, wikitext_config
         assert np.isin(batch["targets"][real], tokens).all()
 
 
+@pytest.mark.slow  # (WikiText-2 end to end: the fast loop leaves the real corpus to the full suite)
 def test_data_cli_prints_stats_and_dumps_batches(wikitext_prepared, wikitext_config, tmp_path, capsys):
     dump = tmp_path / "batches.npz"
     args = [

@@ -110,7 +110,8 @@ def test_the_store_holds_each_pair_as_trl_tokenizes_it(kind, tmp_path):
     assert [pair for pair in ours if pair in theirs] == theirs  # TRL's, in order
 
 
-@pytest.mark.parametrize("kind", ["chat", "text", pytest.param("chat_implicit", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", [pytest.param("chat", marks=pytest.mark.slow), "text",
+                                  pytest.param("chat_implicit", marks=pytest.mark.slow)])
 def test_per_pair_log_probabilities_from_packed_rows_are_trls(kind, tmp_path):
     """Policy and reference (the base, adapters off), summed over each completion, as TRL computes them alone."""
     config, ref = run_config(kind, tmp_path, f"data.batch_size={len(ref_pairs(kind))}")

@@ -116,6 +116,7 @@ def test_cli_errors_exit_2_with_the_message(tmp_path, capsys):
 WORDS = {"train": 2_088_628, "valid": 217_646, "test": 245_569}
 
 
+@pytest.mark.slow  # (WikiText-2 end to end: the fast loop leaves the real corpus to the full suite)
 def test_cli_on_wikitext2_prints_the_published_counts(wikitext_prepared, wikitext_config):
     """The session fixture built the stores; the CLI, run as a user runs it, finds and reuses them."""
     args = [
@@ -140,6 +141,7 @@ def test_cli_on_wikitext2_prints_the_published_counts(wikitext_prepared, wikitex
         )
 
 
+@pytest.mark.slow  # (WikiText-2 end to end: the fast loop leaves the real corpus to the full suite)
 def test_wikitext2_store_decodes_back_to_its_articles_line_by_line(wikitext_prepared, wikitext):
     tokenizer, store = wikitext_prepared.tokenizer, wikitext_prepared.stores["valid"]
     articles = wikitext_articles(read_text(wikitext / "wikitext-2" / "wiki.valid.tokens"))
@@ -155,6 +157,7 @@ def test_wikitext2_store_decodes_back_to_its_articles_line_by_line(wikitext_prep
         assert tokenizer.decode(piece) == lines[j]
 
 
+@pytest.mark.slow  # (WikiText-2 end to end: the fast loop leaves the real corpus to the full suite)
 def test_raw_variant_prepares_valid_and_test_with_an_existing_tokenizer(wikitext_prepared, wikitext_config, capsys):
     """wiki.train.raw is not shipped, so the raw splits use the tokenizer trained on the word-level train split."""
     args = [

@@ -39,7 +39,8 @@ def frozen_base(scan: bool = False, *extra: str):
     return config, graphdef, nnx.to_pure_dict(adapters), nnx.to_pure_dict(frozen), rest
 
 
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (the fast loop reads nf4 back in test_dora_starts_at_the_function_of_the_base_it_is_put_on)
+@pytest.mark.parametrize("scan", [False, True])
 def test_the_projections_are_stored_quantized_and_read_back_within_their_step(scan):
     _, _, _, frozen, _ = frozen_base(scan)
     for qtype, bits in (("int8", 8), ("nf4", 4)):

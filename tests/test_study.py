@@ -135,6 +135,7 @@ def test_a_rerun_reuses_scored_runs_scores_a_trained_one_alike_and_refuses_other
     assert "its runs were made with target_tokens=1024, not 2048" in line
 
 
+@pytest.mark.slow  # (WikiText-2 end to end: the fast loop leaves the real corpus to the full suite)
 def test_an_article_subset_counts_the_words_and_bytes_of_exactly_its_text(wikitext_prepared):
     store, tokenizer = wikitext_prepared.stores["valid"], wikitext_prepared.tokenizer
     whole = study.article_subset(store, tokenizer, 0)

@@ -85,6 +85,7 @@ def test_hash_identifies_the_file(small, tmp_path):
     assert Tokenizer(changed, EOT).hash != small.hash
 
 
+@pytest.mark.slow  # (WikiText-2 end to end: the fast loop leaves the real corpus to the full suite)
 def test_round_trip_on_the_raw_wikitext_files(wikitext_prepared, wikitext):
     tokenizer = wikitext_prepared.tokenizer
     files = sorted((wikitext / "wikitext-2-raw").glob("wiki.*.raw"))
@@ -94,6 +95,7 @@ def test_round_trip_on_the_raw_wikitext_files(wikitext_prepared, wikitext):
         assert tokenizer.decode(tokenizer.encode(text)) == text, path
 
 
+@pytest.mark.slow  # (WikiText-2 end to end: the fast loop leaves the real corpus to the full suite)
 def test_unk_is_one_token_in_the_word_level_store(wikitext_prepared, wikitext):
     tokenizer, store = wikitext_prepared.tokenizer, wikitext_prepared.stores["valid"]
     unk = tokenizer.token_id("<unk>")
