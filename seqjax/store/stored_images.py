@@ -49,11 +49,6 @@ class StoredImages:
         shard = int(np.searchsorted(self.doc_bases, doc, "right")) - 1
         return shard, doc - int(self.doc_bases[shard])
 
-    def count(self, doc: int) -> int:
-        """How many images document ``doc`` has."""
-        shard, i = self._where(doc)
-        return int(self.doc_images[shard][i + 1] - self.doc_images[shard][i])
-
     def of(self, doc: int) -> list[np.ndarray]:
         """Document ``doc``'s images, uint8 [H, W, 3] each (views of the memory map)."""
         shard, i = self._where(doc)
