@@ -7,14 +7,16 @@ alone) were made by transformers itself from the committed script scripts/make_i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from seqjax.core.errors import CheckpointError
-from seqjax.hf.vision import vision_language_config
-from vision_support import LOGITS, REFERENCE, logits, vl_model
+from seqjax.hf.vision import read_vision_language_folder, vision_language_config
+from vision_support import DATA, LOGITS, REFERENCE, VL, logits, vl_model
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +57,23 @@ def test_a_qwen3_vl_config_without_mrope_or_token_ids_is_one_line():
     config["vision_config"]["out_hidden_size"] = 7
     with pytest.raises(CheckpointError, match="out_hidden_size 7; expected the text model's hidden_size 24"):
         vision_language_config(config)
+
+
+def test_a_qwen3_vl_folder_with_sharded_weights_reads_as_the_same_model(model, tmp_path):
+    """The reference checkpoint saved as a Hugging Face folder (config.json, two shards and their index) reads
+    back as the same model: the same logits on a packed batch, bit for bit."""
+    tensors = load_file(str(DATA / "vl.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({name: tensors[name] for name in part}, str(tmp_path / file))
+    index = {"weight_map": {name: file for file, part in halves.items() for name in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps(REFERENCE["config"]))
+    vl, read = read_vision_language_folder(tmp_path, dataclasses.replace(VL.text, attention="xla"))
+    assert vl == VL
+    rows = [["two_images", "text_only"], ["one_image"]]
+    np.testing.assert_array_equal(logits(read, rows, 40, 96), logits(model, rows, 40, 96))
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="no config.json; expected a Hugging Face Qwen3-VL folder"):
+        read_vision_language_folder(tmp_path)

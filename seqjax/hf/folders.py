@@ -91,7 +91,7 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
     return (path / CONFIG_JSON).is_file() and not (path / "checkpoints").is_dir()
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     text = read_utf8(path, CheckpointError)
     try:
         data = json.loads(text)
@@ -102,7 +102,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _weight_map(path: Path) -> dict[str, Path]:
+def tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it: the single file when there is one, else the
     index.
 
@@ -114,7 +114,7 @@ def _weight_map(path: Path) -> dict[str, Path]:
         log.warning("%s holds both %s and %s: reading %s, as transformers does", path, WEIGHTS,
                     INDEX, WEIGHTS)
     if not single.is_file() and index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(
                 f"{index}: expected a non-empty weight_map of tensor name -> shard file")
@@ -152,7 +152,7 @@ def _special_tokens(path: Path, config_json: dict[str, Any],
     found: dict[str, str | None] = {"eos": None, "bos": None, "pad": None}
     for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP):
         if (path / name).is_file():
-            data = _read_json(path / name)
+            data = read_json(path / name)
             for kind in found:
                 found[kind] = found[kind] or _token_text(data.get(f"{kind}_token"))
     for kind in found:
@@ -185,9 +185,9 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
             f"{path}: no such folder (expected a Hugging Face model folder holding {CONFIG_JSON})")
     if not (path / CONFIG_JSON).is_file():
         raise CheckpointError(f"{path}: no {CONFIG_JSON}; expected a Hugging Face model folder")
-    config_json = _read_json(path / CONFIG_JSON)
+    config_json = read_json(path / CONFIG_JSON)
     model = model_config_from_hf(config_json, str(path / CONFIG_JSON))
-    weight_map = _weight_map(path)
+    weight_map = tensor_files(path)
     tokenizer = path / TOKENIZER
     if not tokenizer.is_file():
         slow = " (it has tokenizer.model: save a fast tokenizer, e.g. LlamaTokenizerFast)" if (
