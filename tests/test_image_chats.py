@@ -321,3 +321,24 @@ def test_the_data_report_dump_and_plot_show_both_budgets_and_the_model_commands_
     with pytest.raises(ConfigError, match="data.image_processor: got .*; seqjax.train does not run a model on chats "
                                           "with images yet"):
         objective_of(cfg)
+
+
+def test_a_carved_validation_split_of_image_chats_is_the_same_wherever_the_folder_is(folder, tmp_path):
+    """The carve hashes each record as read: moving the data folder (its images' base) moves no record between
+    train and valid."""
+    valid = []
+    for where in ("a", "b/c"):
+        root = tmp_path / where
+        root.mkdir(parents=True)
+        (root / "img").symlink_to(folder / "img")
+        turn = [{"role": "user", "content": [{"type": "text", "text": "{i}"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]
+        records = [dict(c, messages=c["messages"] + json.loads(json.dumps(turn).replace("{i}", str(i))))
+                   for i in range(10) for c in chats()]
+        (root / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        cfg = config(folder, root, "qwen3_vl_training", "data.validation_split_percentage=40",
+                     files=root / "chats.jsonl")
+        stores = prepare(cfg, splits=("train", "valid")).stores
+        valid.append([stores["valid"].doc_sequence(i).tolist() for i in range(stores["valid"].num_docs)])
+        assert 0 < stores["valid"].num_docs < 40
+    assert valid[0] == valid[1]

@@ -70,11 +70,11 @@ def records(source: SourceConfig, files: list[Path], spec: ExampleSpec, counts: 
     chunk, size = [], 0
     for path in files:
         for where, record in file_records(source, path, spec.fields):
-            if spec.image_spec is not None:  # where a record's image paths start
-                record[IMAGE_BASE] = str(path.parent)
             if carve is not None and not in_carved_split(json.dumps(record, sort_keys=True), carve):
                 counts.carved_out += 1
                 continue
+            if spec.image_spec is not None:  # where its image paths start (after the carve: not part of its hash)
+                record[IMAGE_BASE] = str(path.parent)
             chunk.append((where, record))
             # an image counts as IMAGE_CHARS: a chunk holds a few dozen resized images, not thousands
             size += len(str(record)) + IMAGE_CHARS * len(image_parts(record.get(spec.messages_field) or []))
