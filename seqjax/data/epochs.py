@@ -77,12 +77,12 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
         rows = plan.batch_rows(batches, process_index, process_count)
         width = int(plan.widths[batches].max())
         starts, lengths, row_of_piece = plan.pieces(rows)
-        if planner.image_spec is not None:  # chats with images: each row's own patches beside its tokens
-            return {**contract_batch(tokens, starts, lengths, row_of_piece, len(rows), width, scores),
-                    **image_rows.stored_image_fields(planner.store, planner.image_spec, starts, lengths, row_of_piece,
-                                                     len(rows), width, d.patches_per_row)}
         if d.format != "preference":
-            return contract_batch(tokens, starts, lengths, row_of_piece, len(rows), width, scores)
+            built = contract_batch(tokens, starts, lengths, row_of_piece, len(rows), width, scores)
+            if planner.image_spec is not None:  # chats with images: each row's own patches beside its tokens
+                built.update(image_rows.stored_image_fields(planner.store, planner.image_spec, starts, lengths,
+                                                            row_of_piece, len(rows), width, d.patches_per_row))
+            return built
         offsets, fields = pairs.piece_labels(planner.store, starts, lengths, row_of_piece, d.shared_prompt)
         return contract_batch(tokens, starts, lengths, row_of_piece, len(rows), width, scores, offsets, fields)
 

@@ -98,10 +98,6 @@ class ImageExample:
     pixels: np.ndarray
     grids: tuple[tuple[int, int, int], ...]
 
-    @property
-    def patches(self) -> int:
-        return len(self.pixels)
-
 
 @dataclass(frozen=True)
 class ImageLayout:
@@ -178,13 +174,12 @@ def stored_image_fields(store, spec, starts: np.ndarray, lengths: np.ndarray, ro
     """:func:`image_fields` of rows of a token store's pieces (``starts``, ``lengths``, each a whole
     example with images, in row order): their ids read from the store, their images from its memory
     map."""
-    docs = np.searchsorted(np.asarray(store.doc_offsets), starts, "right") - 1
+    docs = store.documents_at(starts)
     pieces = []
     for start, length, doc in zip(starts.tolist(), lengths.tolist(), docs.tolist()):
         pixels, grids = store.images.patches(doc, spec)
         pieces.append((np.asarray(store.tokens[start:start + length]), pixels, grids))
-    layout = ImageLayout(store.images.image_token_id, spec.merge_size,
-                         3 * spec.temporal_patch_size * spec.patch_size ** 2)
+    layout = ImageLayout(store.images.image_token_id, spec.merge_size, spec.patch_dim)
     return image_fields(pieces, row_of_piece, n_rows, width, patches_per_row, layout)
 
 

@@ -337,12 +337,12 @@ class EpochPlanner:
         d = self.data
         if d.format == "preference":
             return self._pair_rows(first // 2, end // 2, rng)
-        if self.image_spec is not None:
-            return self._image_rows(first, end, rng)
         count = end - first
         order = first + (rng.permutation(count) if d.shuffle else np.arange(count))
         starts, lengths = document_rows.document_items(self.store.doc_spans(), order, d.seq_len,
                                                        item_overlong(d), scored_in(self.store))
+        if self.image_spec is not None:
+            return self._image_rows(starts, lengths, rng)
         strategy = STRATEGIES[d.strategy]
         arranged = strategy.document_rows(starts, lengths, self.config)
         widths = arranged.widths if arranged.widths is not None else d.seq_len
@@ -351,14 +351,11 @@ class EpochPlanner:
         return plan.take(rng.permutation(
             plan.num_rows)) if d.shuffle and strategy.reshuffle_rows else plan
 
-    def _image_rows(self, first: int, end: int, rng: np.random.Generator) -> RowPlan:
-        """Examples first..end-1 with images, in (shuffled) order after data.overlong, into rows of both
+    def _image_rows(self, starts: np.ndarray, lengths: np.ndarray, rng: np.random.Generator) -> RowPlan:
+        """Examples with images (``starts``, ``lengths``: in order, after data.overlong) into rows of both
         budgets: data.seq_len tokens and data.patches_per_row patches (:mod:`seqjax.data.image_rows`)."""
         d = self.data
-        order = first + (rng.permutation(end - first) if d.shuffle else np.arange(end - first))
-        starts, lengths = document_rows.document_items(self.store.doc_spans(), order, d.seq_len,
-                                                       item_overlong(d), scored_in(self.store))
-        docs = np.searchsorted(np.asarray(self.store.doc_offsets), starts, "right") - 1
+        docs = self.store.documents_at(starts)
         patches = self.patch_counts[docs]
         over = np.flatnonzero(patches > d.patches_per_row)
         if len(over):
@@ -368,9 +365,7 @@ class EpochPlanner:
         # each row a bin; as many rows open as 64 batches have (scripts/bench_vision.py: fewer starve the fit)
         row, _ = image_rows.pack_two_budgets(lengths - 1, patches, 1, d.seq_len, d.patches_per_row,
                                              open_batches=64 * d.batch_size)
-        by_row = np.argsort(row, kind="stable")
-        row_ptr = np.concatenate([[0], np.cumsum(np.bincount(row, minlength=int(row.max(initial=-1)) + 1))])
-        plan = RowPlan.from_rows(starts[by_row], lengths[by_row], row_ptr, d.batch_size, d.seq_len)
+        plan = RowPlan.from_rows(*document_rows.rows_from_assignment(starts, lengths, row), d.batch_size, d.seq_len)
         return plan.take(rng.permutation(plan.num_rows)) if d.shuffle else plan
 
     def _pair_rows(self, first: int, end: int, rng: np.random.Generator) -> RowPlan:

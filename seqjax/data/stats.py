@@ -151,8 +151,7 @@ def mixture_stats(config: Config, store: TokenStore, steps: int) -> dict[str, An
 
 def patch_use(planner: EpochPlanner, plan: RowPlan, rows: int) -> dict[str, Any]:
     """Chats with images: the patches an epoch's rows hold against their budget (data.patches_per_row each)."""
-    docs = np.searchsorted(np.asarray(planner.store.doc_offsets), plan.starts, "right") - 1
-    real = int(planner.patch_counts[docs].sum())
+    real = int(planner.patch_counts[planner.store.documents_at(plan.starts)].sum())
     slots = rows * planner.data.patches_per_row
     return {"patches_per_row": planner.data.patches_per_row, "real_patches": real,
             "patch_padding_fraction": 1.0 - real / slots if slots else 0.0}

@@ -128,6 +128,13 @@ def _stale_sources(shard: dict[str, Any]) -> list[str]:
     return stale
 
 
+def _shard_problems(path: Path, shard: dict[str, Any], checksums: bool, vocab_size: int, verify: bool) -> list[str]:
+    """Why a built shard cannot be reused: its files against its record, the images it read (chats with
+    images: the data files name them), and under ``verify`` its sources' contents."""
+    problems = shard_problems(path, shard, checksums=checksums, vocab_size=vocab_size) or changed_images(shard)
+    return problems or (_stale_sources(shard) if verify else [])
+
+
 def _reuse(path: Path, build_key: dict[str, Any], run: ProcessGroup, read_only: bool = False) -> bool:
     """Process 0: whether the store at ``path`` can be reused as it is; damaged shards are set
     aside (on a read-only mount they are named in one line instead)."""
@@ -143,10 +150,7 @@ def _reuse(path: Path, build_key: dict[str, Any], run: ProcessGroup, read_only: 
     checksums = run.verify or total <= VERIFY_EVERY_REUSE_BYTES or manifest.get("verified") != stamps
     damaged: dict[str, list[str]] = {}
     for shard in manifest["shards"]:
-        problems = shard_problems(path, shard, checksums=checksums,
-                                  vocab_size=manifest["vocab_size"]) or changed_images(shard)
-        if run.verify and not problems:
-            problems = _stale_sources(shard)
+        problems = _shard_problems(path, shard, checksums, manifest["vocab_size"], run.verify)
         if problems:
             damaged[shard["name"]] = problems
     if damaged and read_only:
@@ -176,9 +180,7 @@ def _finished_shard(path: Path, name: str, run: ProcessGroup, vocab_size: int) -
     record = read_shard(path, name)
     if record is None:
         return False
-    problems = shard_problems(path, record, checksums=True, vocab_size=vocab_size) or changed_images(record)
-    if run.verify and not problems:
-        problems = _stale_sources(record)
+    problems = _shard_problems(path, record, True, vocab_size, run.verify)
     if problems:
         _set_aside(path, [name], problems)
         return False

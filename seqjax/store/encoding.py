@@ -94,9 +94,8 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
         doc_lengths=doc_lengths, line_lengths=doc_lengths.copy(), words=0, lines=len(lengths),
         weights=np.concatenate(weights).astype(spec.weights_dtype) if weights else np.zeros(
             0, spec.weights_dtype), **counts,
-        images=images if spec.image_spec is not None else None,
-        doc_images=np.asarray(doc_images, np.int64) if spec.image_spec is not None else None,
-        image_files=files if spec.image_spec is not None else None)
+        **({"images": images, "doc_images": np.asarray(doc_images, np.int64), "image_files": files}
+           if spec.image_spec is not None else {}))
 
 
 def encode_chunk(tokenizer: Tokenizer, documents: list[str]) -> EncodedChunk:

@@ -47,6 +47,11 @@ class ImageSpec:
     image_std: tuple[float, ...] = CLIP_STD
 
     @property
+    def patch_dim(self) -> int:
+        """Values in one patch: 3 channels x the temporal pair x p x p."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+    @property
     def factor(self) -> int:
         """What both resized sides are multiples of: one merged group of patches."""
         return self.patch_size * self.merge_size

@@ -393,6 +393,11 @@ class TokenStore:
         """Document ``i`` with its closing EOT (no leading EOT)."""
         return self.tokens[self.doc_offsets[i] : self.doc_offsets[i + 1]]
 
+    def documents_at(self, positions: np.ndarray) -> np.ndarray:
+        """The document each stream position lies in (an example's first id is at its ``doc_offsets``
+        entry)."""
+        return np.searchsorted(np.asarray(self.doc_offsets), positions, "right") - 1
+
     def doc_sequence(self, i: int) -> np.ndarray:
         """The sequence document ``i`` trains and is scored as (:meth:`doc_spans`): ``[EOT] + text +
         [EOT]``, or an instruction example's ids."""

@@ -64,6 +64,5 @@ class StoredImages:
         float32, grids)."""
         pieces = [patchify(image, spec) for image in self.of(doc)]
         if not pieces:
-            p = spec.patch_size
-            return np.zeros((0, 3 * spec.temporal_patch_size * p * p), np.float32), ()
+            return np.zeros((0, spec.patch_dim), np.float32), ()
         return np.concatenate([values for values, _ in pieces]), tuple(grid for _, grid in pieces)
