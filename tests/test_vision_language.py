@@ -74,6 +74,10 @@ def test_a_qwen3_vl_folder_with_sharded_weights_reads_as_the_same_model(model, t
     assert vl == VL
     rows = [["two_images", "text_only"], ["one_image"]]
     np.testing.assert_array_equal(logits(read, rows, 40, 96), logits(model, rows, 40, 96))
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:200])  # truncated
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: cannot read tensor"):
+        read_vision_language_folder(tmp_path)
     (tmp_path / "config.json").unlink()
     with pytest.raises(CheckpointError, match="no config.json; expected a Hugging Face Qwen3-VL folder"):
         read_vision_language_folder(tmp_path)

@@ -33,7 +33,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -229,14 +229,13 @@ def _own_head(path: Path, model: ModelConfig, weight_map: dict[str, Path]) -> Mo
     return dataclasses.replace(model, tie_embeddings=False)
 
 
-def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
-    """The folder's tensors as seqjax parameters (``nnx.to_pure_dict`` layout), cast to
-    ``dtype``."""
+def tensor_reader(weight_map: dict[str, Path]) -> Callable[[str], np.ndarray]:
+    """``read(name)``: one tensor of a folder (:func:`tensor_files`), each file opened once; an unreadable or
+    non-finite tensor is one line naming the file and the tensor."""
     handles: dict[Path, Any] = {}
-    bar = progress_bar(total=len(hf.weight_map), desc=f"read {hf.path.name}", unit="tensor")
 
     def read(name: str) -> np.ndarray:
-        file = hf.weight_map[name]
+        file = weight_map[name]
         try:
             if file not in handles:
                 handles[file] = safe_open(file, framework="numpy")
@@ -244,8 +243,21 @@ def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{file}: cannot read tensor {name} ({err})") from None
         check_finite(tensor, name, str(file))
-        bar.update()
         return tensor
+
+    return read
+
+
+def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
+    """The folder's tensors as seqjax parameters (``nnx.to_pure_dict`` layout), cast to
+    ``dtype``."""
+    tensor = tensor_reader(hf.weight_map)
+    bar = progress_bar(total=len(hf.weight_map), desc=f"read {hf.path.name}", unit="tensor")
+
+    def read(name: str) -> np.ndarray:
+        out = tensor(name)
+        bar.update()
+        return out
 
     source = str(hf.path / (WEIGHTS if (hf.path / WEIGHTS).is_file() else INDEX))
     with bar:

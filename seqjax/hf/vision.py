@@ -15,13 +15,12 @@ from typing import Any, Callable
 
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from seqjax.config.model import ModelConfig
 from seqjax.config.vision import VisionConfig, vision_from_hf
 from seqjax.core.errors import CheckpointError
 from seqjax.hf.families import model_config_from_hf
-from seqjax.hf.folders import CONFIG_JSON, read_json, tensor_files
+from seqjax.hf.folders import CONFIG_JSON, read_json, tensor_files, tensor_reader
 from seqjax.hf.tensors import from_hf
 from seqjax.model.multimodal import VisionLanguageModel
 from seqjax.model.stacking import blocks_layout
@@ -143,13 +142,11 @@ def read_vision_language_folder(path: str | Path, text: ModelConfig | None = Non
                                 seed: int = 0) -> tuple[VisionLanguage, VisionLanguageModel]:
     """A Hugging Face Qwen3-VL folder (config.json, model.safetensors or an index with its shards) as seqjax's
     model; ``text`` and ``seed`` as :func:`vision_language_model` takes them (``text`` built from the folder's
-    own text config when given as None). A missing or unreadable file is one line naming it."""
+    own text config when given as None). A missing or unreadable file or tensor is one line naming it."""
     folder = Path(path).expanduser()
     if not (folder / CONFIG_JSON).is_file():
         raise CheckpointError(f"{folder}: no {CONFIG_JSON}; expected a Hugging Face Qwen3-VL folder")
     vl = vision_language_config(read_json(folder / CONFIG_JSON), str(folder / CONFIG_JSON))
-    tensors: dict[str, np.ndarray] = {}
-    for file in sorted(set(tensor_files(folder).values())):
-        with safe_open(file, framework="numpy") as f:
-            tensors.update({name: f.get_tensor(name) for name in f.keys()})
-    return vl, vision_language_model(tensors, vl, text, str(folder), seed)
+    files = tensor_files(folder)
+    read = tensor_reader(files)
+    return vl, vision_language_model({name: read(name) for name in files}, vl, text, str(folder), seed)
