@@ -10,7 +10,6 @@ processor), with TRL 1.16's Qwen3-VL templates, run live.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from seqjax.store.build import prepare
 from seqjax.store.image_chats import read_image_spec
 from seqjax.store.images import rope_index
 from seqjax.train.setup import objective_of
+from vision_support import trl_template
 
 CHAT = Path(__file__).parent / "data" / "chat" / "qwen3"
 VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -40,14 +40,6 @@ PROCESSOR = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image
 # (an RGBA image is composited on white by transformers 5's processor, whose numbers seqjax's are (test_images.py);
 # 4.57's, run here, drops the alpha instead: a grey one is the same in both)
 SIZES = {"wide.png": (70, 130), "tall.png": (190, 45), "odd.png": (33, 47), "grey.png": (64, 64)}
-
-
-def trl_template(name: str) -> Path:
-    found = importlib.util.find_spec("trl")  # the package's templates, without importing it
-    path = Path(found.submodule_search_locations[0]) / "chat_templates" / f"{name}.jinja" if found else None
-    if path is None or not path.is_file():
-        pytest.skip("TRL's chat templates come with its package: scripts/setup.sh installs trl==1.16.0")
-    return path
 
 
 def chats() -> list[dict]:
@@ -318,8 +310,7 @@ def test_the_data_report_dump_and_plot_show_both_budgets_and_the_model_commands_
     arrays = np.load(dump)
     assert arrays["patches"].shape[2:] == (160, 3 * 2 * 16 * 16) and arrays["positions_3d"].shape[-1] == 3
     assert plot.stat().st_size > 0
-    with pytest.raises(ConfigError, match="data.image_processor: got .*; seqjax.train does not run a model on chats "
-                                          "with images yet"):
+    with pytest.raises(ConfigError, match="data.image_processor: got .* for a model without a vision tower"):
         objective_of(cfg)
 
 

@@ -39,7 +39,8 @@ CFG = vision_from_hf({**REFERENCE["config"], "model_type": "qwen3_vl"})
 def tower() -> VisionTower:
     model = VisionTower(CFG, nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    nnx.replace_by_pure_dict(state, vision_params(load_file(str(DATA / "tower.safetensors")), CFG, prefix=""))
+    tensors = load_file(str(DATA / "tower.safetensors"))
+    nnx.replace_by_pure_dict(state, vision_params(tensors.__getitem__, set(tensors), CFG, prefix=""))
     return nnx.merge(graphdef, state)
 
 
@@ -146,5 +147,5 @@ def test_a_missing_vision_tensor_is_one_line_naming_it():
     tensors = load_file(str(DATA / "tower.safetensors"))
     del tensors["blocks.1.attn.qkv.bias"]
     with pytest.raises(CheckpointError, match="tensor blocks.1.attn.qkv.bias is missing"):
-        vision_params(tensors, CFG, prefix="", source="tower.safetensors")
+        vision_params(tensors.__getitem__, set(tensors), CFG, prefix="", source="tower.safetensors")
     assert VisionConfig().grid_side == 48

@@ -38,7 +38,7 @@ def adapter_step(batch_: dict, grad_accum: int = 1, **text):
     new, _, metrics = step(trained, tx.init(trained), batch_, None, 0, frozen)
 
     def unrolled(tree):
-        return {**tree, "lm": blocks_layout(jax.tree.map(np.asarray, tree["lm"]), False)}
+        return blocks_layout(jax.tree.map(np.asarray, tree), False)
 
     return unrolled(trained), unrolled(new), metrics, frozen_before, frozen
 
@@ -50,7 +50,7 @@ def packed_step():
 
 def test_packed_rows_and_one_example_per_row_over_two_micro_batches_give_one_update(packed_step):
     before, packed, metrics, frozen_before, frozen = packed_step
-    assert set(before) == {"lm"}  # the adapters only: the tower and the base are frozen
+    assert set(before) == {"blocks"}  # the adapters only: the tower and the base are frozen
     jax.tree.map(np.testing.assert_array_equal, frozen_before, jax.tree.map(np.asarray, frozen))
     _, alone, alone_metrics, _, _ = adapter_step(batch(ONE_PER_ROW, 30, 64), grad_accum=2)
     assert float(metrics["weight_sum"]) == float(alone_metrics["weight_sum"]) > 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from seqjax.config.fields import MODEL, setting
+from seqjax.config.vision import VisionConfig
 from seqjax.core.errors import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "cudnn_packed", "pallas", "pallas_mosaic", "splash")
@@ -269,6 +270,19 @@ class ModelConfig:
         "RoPE base of the sliding layers, which take no rope_scaling (Gemma 3's rope_local_base_freq; null: "
         "rope_theta and rope_scaling for every layer)", min=1.0, resume=MODEL)
 
+    vision: VisionConfig = field(
+        default_factory=VisionConfig, metadata={
+            "help": "a vision tower (Qwen3-VL's) whose image tokens replace the text's image-pad tokens "
+                    "(model.vision.depth > 0; docs/vision.md)"
+        })
+    mrope_section: list[int] = setting(
+        [], "multimodal RoPE (Qwen3-VL): how many of each head's rotary frequencies turn with the time, row "
+        "and column positions (three sizes summing to head_dim / 2); empty: one position per token",
+        resume=MODEL)
+    mrope_interleaved: bool = setting(
+        True, "with mrope_section: the three axes' frequencies interleaved (Qwen3-VL), else in three runs "
+        "(Qwen2-VL)", resume=MODEL)
+
     def window_of(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None where it attends to its whole segment."""
         kind = self.layer_types[layer] if self.layer_types else (
@@ -348,6 +362,7 @@ class ModelConfig:
                     f"model.lora.quant_block: got {self.lora.quant_block}, expected a divisor of every quantized "
                     f"projection's input width larger than it ({', '.join(f'{k}={v}' for k, v in widths.items())}); "
                     f"{', '.join(bad)} is not a multiple of it")
+        self.check_vision()
         unknown = [name for name in self.remat_names if name not in REMAT_NAMES]
         if unknown:
             raise ConfigError(
@@ -356,3 +371,29 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    def check_vision(self) -> None:
+        """model.vision's and model.mrope_section's rules: the tower's width is the residual's, and
+        its image tokens are placed by 3-D positions."""
+        self.vision.check()
+        if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2):
+            raise ConfigError(
+                f"model.mrope_section: got {self.mrope_section}, expected three sizes (time, row, column) summing "
+                f"to head_dim / 2 = {self.head_dim // 2}")
+        if not self.vision.depth:
+            return
+        if self.vision.out_hidden_size != self.d_model:
+            raise ConfigError(
+                f"model.vision.out_hidden_size: got {self.vision.out_hidden_size}, expected model.d_model="
+                f"{self.d_model} (the tower's tokens enter the residual stream)")
+        if not self.mrope_section:
+            raise ConfigError("model.mrope_section: got [] with a vision tower (model.vision.depth="
+                              f"{self.vision.depth}); expected three sizes (time, row, column)")
+        for name in ("dropout", "token_dropout"):
+            if getattr(self, name):
+                raise ConfigError(f"model.{name}: got {getattr(self, name)} with a vision tower; expected 0 "
+                                  "(a vision-language model trains without dropout here)")
+        if len(self.vision.deepstack_visual_indexes) > self.n_layers:
+            raise ConfigError(
+                f"model.vision.deepstack_visual_indexes: got {len(self.vision.deepstack_visual_indexes)}, "
+                f"expected at most model.n_layers={self.n_layers} (one decoder layer each)")

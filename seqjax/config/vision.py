@@ -1,4 +1,5 @@
-"""A Qwen3-VL vision encoder's settings, read from a Hugging Face ``config.json``'s ``vision_config``.
+"""``model.vision``: a Qwen3-VL vision encoder's settings, read from a Hugging Face ``config.json``'s
+``vision_config`` (or a run's config.yaml).
 
 Every field that changes the computation is read, or refused when another encoder's (:data:`REFUSED`):
 :func:`vision_from_hf` names the field, the value and what is supported. Qwen2.5-VL's encoder (windowed
@@ -10,26 +11,41 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from seqjax.config.fields import MODEL, setting
 from seqjax.core.errors import ConfigError
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
-    """Qwen3-VL's vision tower (transformers' ``Qwen3VLVisionConfig``, its defaults)."""
+    """``model.vision``: Qwen3-VL's vision tower (transformers' ``Qwen3VLVisionConfig``, its defaults except
+    ``depth``, whose 0 means a text model). A Hugging Face folder's ``vision_config`` fills it
+    (:func:`vision_from_hf`); a run's config.yaml keeps it, so eval, export and a resume build the same tower."""
 
-    depth: int = 27
-    hidden_size: int = 1152
-    intermediate_size: int = 4304
-    num_heads: int = 16
-    in_channels: int = 3
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    out_hidden_size: int = 3584
-    num_position_embeddings: int = 2304
-    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
-    hidden_act: str = "gelu_pytorch_tanh"
-    rope_theta: float = 10000.0
+    depth: int = setting(0, "vision blocks (0: no vision tower, a text model)", min=0, resume=MODEL)
+    hidden_size: int = setting(1152, "the tower's width", min=1, resume=MODEL)
+    intermediate_size: int = setting(4304, "the tower's MLP width", min=1, resume=MODEL)
+    num_heads: int = setting(16, "the tower's attention heads", min=1, resume=MODEL)
+    in_channels: int = setting(3, "image channels", min=1, resume=MODEL)
+    patch_size: int = setting(16, "a patch's side in pixels", min=1, resume=MODEL)
+    temporal_patch_size: int = setting(2, "frames per patch (an image is repeated)", min=1, resume=MODEL)
+    spatial_merge_size: int = setting(2, "m: m x m patches merge into one language-model token", min=1,
+                                      resume=MODEL)
+    out_hidden_size: int = setting(3584, "the merger's output width (the language model's d_model)", min=1,
+                                   resume=MODEL)
+    num_position_embeddings: int = setting(2304, "entries of the square table of learned positions", min=1,
+                                           resume=MODEL)
+    deepstack_visual_indexes: list[int] = setting(
+        [8, 16, 24], "the blocks whose features DeepStack adds to the first decoder layers", resume=MODEL)
+    hidden_act: str = setting("gelu_pytorch_tanh", "the tower's MLP activation (gelu_pytorch_tanh or gelu)",
+                              resume=MODEL)
+    rope_theta: float = setting(10000.0, "the tower's 2-D RoPE base", min=1.0, resume=MODEL)
+
+    def __hash__(self) -> int:  # (the tower keeps it as static graph data; lists as tuples)
+        return hash(tuple(_frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     @property
     def head_dim(self) -> int:
@@ -45,9 +61,25 @@ class VisionConfig:
         """The side of the square table of learned position embeddings."""
         return int(round(self.num_position_embeddings**0.5))
 
+    def check(self, where: str = "model.vision") -> None:
+        """The tower's rules (nothing to check at depth 0); ``where`` names the section in the line."""
+        if not self.depth:
+            return
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"{where}: hidden_act {self.hidden_act!r}; expected one of {', '.join(ACTIVATIONS)}")
+        if self.grid_side**2 != self.num_position_embeddings:
+            raise ConfigError(f"{where}: num_position_embeddings {self.num_position_embeddings} is not a square")
+        if self.hidden_size % self.num_heads or self.head_dim % 4:
+            raise ConfigError(f"{where}: hidden_size {self.hidden_size} over num_heads {self.num_heads} must be a "
+                              "whole head width divisible by 4 (2-D rotary positions)")
+        bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
+        if bad:
+            raise ConfigError(f"{where}: deepstack_visual_indexes {list(self.deepstack_visual_indexes)}; expected "
+                              f"layers below depth {self.depth}")
+
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
-# read as they are (a list becomes a tuple)
+# read as they are
 READ = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size", "temporal_patch_size",
         "spatial_merge_size", "out_hidden_size", "num_position_embeddings", "deepstack_visual_indexes", "hidden_act")
 # fields of other encoders that change the computation (Qwen2.5-VL's windows, Qwen2-VL's widths): refused
@@ -71,21 +103,13 @@ def vision_from_hf(fields: dict[str, Any], where: str = "config.json vision_conf
                 raise ConfigError(f"{where}: {key} {values[key]} is not square; expected one size")
             values[key] = values[key][0]
     if "deepstack_visual_indexes" in values:
-        values["deepstack_visual_indexes"] = tuple(values["deepstack_visual_indexes"])
+        values["deepstack_visual_indexes"] = list(values["deepstack_visual_indexes"])
+    values.setdefault("depth", 27)  # (transformers' default; seqjax's 0 means no tower)
     rope = fields.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") not in ("axial", "default"):
         raise ConfigError(f"{where}: rope_parameters.rope_type {rope['rope_type']!r}; expected axial")
     values["rope_theta"] = float(rope.get("rope_theta", fields.get("rope_theta", 10000.0)))
     config = VisionConfig(**values)
-    if config.hidden_act not in ACTIVATIONS:
-        raise ConfigError(f"{where}: hidden_act {config.hidden_act!r}; expected one of {', '.join(ACTIVATIONS)}")
-    if config.grid_side**2 != config.num_position_embeddings:
-        raise ConfigError(f"{where}: num_position_embeddings {config.num_position_embeddings} is not a square")
-    if config.hidden_size % config.num_heads or config.head_dim % 4:
-        raise ConfigError(f"{where}: hidden_size {config.hidden_size} over num_heads {config.num_heads} must be a "
-                          "whole head width divisible by 4 (2-D rotary positions)")
-    bad = [i for i in config.deepstack_visual_indexes if not 0 <= i < config.depth]
-    if bad:
-        raise ConfigError(f"{where}: deepstack_visual_indexes {list(config.deepstack_visual_indexes)}; expected "
-                          f"layers below depth {config.depth}")
+    config.check(where)
     return config
+

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from seqjax.core.errors import ConfigError
 from seqjax.data.contract import Batch, contract_batch
 from seqjax.data.ragged import exclusive_cumsum
 from seqjax.store.images import patch_inputs, rope_index
@@ -181,12 +180,3 @@ def stored_image_fields(store, spec, starts: np.ndarray, lengths: np.ndarray, ro
         pieces.append((np.asarray(store.tokens[start:start + length]), pixels, grids))
     layout = ImageLayout(store.images.image_token_id, spec.merge_size, spec.patch_dim)
     return image_fields(pieces, row_of_piece, n_rows, width, patches_per_row, layout)
-
-
-def refuse_models_on_images(d, command: str) -> None:
-    """One line for a command that would run a model on chats with images: the store and the batches
-    are built (``prepare``, ``python -m seqjax.data``), the commands that train or score a model on
-    them are not yet."""
-    if d.image_processor is not None:
-        raise ConfigError(f"data.image_processor: got {d.image_processor!r}; {command} does not run a model on chats "
-                          "with images yet (docs/vision.md: prepare and python -m seqjax.data read them)")

@@ -52,6 +52,7 @@ from seqjax.core.progress import progress_bar
 from seqjax.hf.families import hf_config, model_config_from_hf
 from seqjax.hf.tensors import from_hf as params_from_hf
 from seqjax.hf.tensors import to_hf
+from seqjax.hf.vision import is_vision_language, vision_language_config, vision_language_params
 from seqjax.model import build_model
 from seqjax.model.stacking import blocks_layout
 from seqjax.model.transformer import TransformerLM
@@ -186,7 +187,10 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     if not (path / CONFIG_JSON).is_file():
         raise CheckpointError(f"{path}: no {CONFIG_JSON}; expected a Hugging Face model folder")
     config_json = read_json(path / CONFIG_JSON)
-    model = model_config_from_hf(config_json, str(path / CONFIG_JSON))
+    if is_vision_language(config_json):  # Qwen3-VL: a Qwen3 with model.vision set
+        model = vision_language_config(config_json, str(path / CONFIG_JSON)).text
+    else:
+        model = model_config_from_hf(config_json, str(path / CONFIG_JSON))
     weight_map = tensor_files(path)
     tokenizer = path / TOKENIZER
     if not tokenizer.is_file():
@@ -261,6 +265,8 @@ def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
 
     source = str(hf.path / (WEIGHTS if (hf.path / WEIGHTS).is_file() else INDEX))
     with bar:
+        if hf.model.vision.depth:
+            return vision_language_params(read, hf.weight_map, hf.model, source, DTYPES[dtype])
         return params_from_hf(read, hf.weight_map, hf.model, source, DTYPES[dtype])
 
 
@@ -375,6 +381,9 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
     ``{"format": "pt"}`` metadata transformers expects, in one file or in
     shards of at most ``max_shard_bytes`` with an index.
     """
+    if cfg.vision.depth:
+        raise CheckpointError(f"{out}: writing a Qwen3-VL folder (the tower's tensors, its config.json) is not built; "
+                              "expected a text model (a vision-language run exports its adapters as a PEFT folder)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     bos = bos_token or eos_token

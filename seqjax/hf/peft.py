@@ -15,6 +15,9 @@ base_model.model.model.embed_tokens.weight (modules_to_save)           [V, D]   
 base_model.model.lm_head.weight (modules_to_save)                      [V, D]    lm_head [D, V]
 =====================================================================  ========  ==========================
 
+A Qwen3-VL base (``model.vision``) has its text model under ``model.language_model`` (so
+``base_model.model.model.language_model.layers.i.``); its tower holds no adapters.
+
 ``in`` and ``out`` are the HF projection's features: q's out is heads x head_dim, in the order
 seqjax's [D, H, Dh] flattens to. A projection computes what :mod:`seqjax.model.lora` says, with
 PEFT's scaling (``lora_alpha / r``, or ``/ sqrt(r)`` under ``use_rslora``) and DoRA under
@@ -49,9 +52,6 @@ HF_MODULES = {
 }
 MODULES = {target: (HF_MODULES[target], *ADAPTED[target]) for target in HF_MODULES}
 TARGET_OF = {hf.rsplit(".", 1)[1]: target for target, (hf, _, _) in MODULES.items()}
-# modules_to_save -> (HF module path, its tensor in an adapter file)
-SAVED = {"embed": ("model.embed_tokens", "base_model.model.model.embed_tokens.weight"),
-         "head": ("lm_head", "base_model.model.lm_head.weight")}
 # adapter_config.json fields that say nothing about what the adapter computes.
 BOOKKEEPING = ("task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
                "inference_mode", "megatron_core", "runtime_config", "qalora_group_size",
@@ -64,9 +64,22 @@ _READ = ("r", "lora_alpha", "target_modules", "exclude_modules", "use_rslora", "
          "modules_to_save", "ensure_weight_tying", "init_lora_weights")
 
 
-def _name(layer: int, target: str, which: str) -> str:
+def text_root(cfg: ModelConfig) -> str:
+    """The HF module path of the text model's layers and embeddings: ``model``, or Qwen3-VL's
+    ``model.language_model`` (its tower, ``model.visual``, holds no adapters)."""
+    return "model.language_model" if cfg.vision.depth else "model"
+
+
+def _name(layer: int, target: str, which: str, cfg: ModelConfig) -> str:
     suffix = "lora_magnitude_vector" if which == "m" else f"lora_{which}.weight"
-    return f"base_model.model.model.layers.{layer}.{MODULES[target][0]}.{suffix}"
+    return f"base_model.model.{text_root(cfg)}.layers.{layer}.{MODULES[target][0]}.{suffix}"
+
+
+def saved_name(module: str, cfg: ModelConfig) -> str:
+    """A modules_to_save module's tensor in an adapter file (embed, head)."""
+    if module == "head":
+        return "base_model.model.lm_head.weight"
+    return f"base_model.model.{text_root(cfg)}.embed_tokens.weight"
 
 
 def adapter_config(lora: LoraConfig, base: str | None, tied: bool) -> dict[str, Any]:
@@ -117,8 +130,12 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
     if targets is None:
         raise CheckpointError(
             f"{source}: target_modules: got null, expected the modules that hold adapters")
-    linear = [f"model.layers.{i}.{HF_MODULES[t]}" for i in range(cfg.n_layers) for t in LORA_TARGETS]
-    others = ["lm_head", "model.embed_tokens"]
+    root = text_root(cfg)
+    linear = [f"{root}.layers.{i}.{HF_MODULES[t]}" for i in range(cfg.n_layers) for t in LORA_TARGETS]
+    others = ["lm_head", f"{root}.embed_tokens"]
+    if targets == "all-linear" and cfg.vision.depth:
+        raise CheckpointError(f"{source}: target_modules: got all-linear on a vision-language base, which selects the "
+                              "vision tower's layers too; seqjax adapts the language model's projections only")
     if targets == "all-linear":  # PEFT: every linear layer but the output layer
         chosen = list(linear)
     else:
@@ -133,7 +150,7 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
                               f"the projections {sorted(TARGET_OF)} of a {cfg.n_layers}-layer base")
     found = []
     for target in LORA_TARGETS:
-        layers = [i for i in range(cfg.n_layers) if f"model.layers.{i}.{HF_MODULES[target]}" in chosen]
+        layers = [i for i in range(cfg.n_layers) if f"{root}.layers.{i}.{HF_MODULES[target]}" in chosen]
         if layers and len(layers) < cfg.n_layers:
             raise CheckpointError(
                 f"{source}: target_modules: selects {HF_MODULES[target]} in layers {layers} of "
@@ -219,16 +236,16 @@ def to_peft(trained: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
     for i in range(cfg.n_layers):
         for target in cfg.lora.targets:
             module = blocks[i][MODULES[target][1]]["lora"][target]
-            out[_name(i, target, "A")] = np.ascontiguousarray(np.asarray(module["lora_a"]).T)
-            out[_name(i, target, "B")] = np.ascontiguousarray(np.asarray(module["lora_b"]).T)
+            out[_name(i, target, "A", cfg)] = np.ascontiguousarray(np.asarray(module["lora_a"]).T)
+            out[_name(i, target, "B", cfg)] = np.ascontiguousarray(np.asarray(module["lora_b"]).T)
             if cfg.lora.dora:
-                out[_name(i, target, "m")] = np.asarray(module["magnitude"])
+                out[_name(i, target, "m", cfg)] = np.asarray(module["magnitude"])
     if "embed" in cfg.lora.modules_to_save:
-        out[SAVED["embed"][1]] = np.asarray(trained["embed"]["embedding"])
+        out[saved_name("embed", cfg)] = np.asarray(trained["embed"]["embedding"])
         if cfg.tie_embeddings:  # PEFT's ensure_weight_tying writes the tied head too
-            out[SAVED["head"][1]] = out[SAVED["embed"][1]]
+            out[saved_name("head", cfg)] = out[saved_name("embed", cfg)]
     if "head" in cfg.lora.modules_to_save:
-        out[SAVED["head"][1]] = np.ascontiguousarray(np.asarray(trained["lm_head"]).T)
+        out[saved_name("head", cfg)] = np.ascontiguousarray(np.asarray(trained["lm_head"]).T)
     return out
 
 
@@ -245,12 +262,12 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.n_layers):
         for target in lora.targets:
             n_in, n_out = widths[target]
-            shapes[_name(i, target, "A")] = (lora.rank, n_in)
-            shapes[_name(i, target, "B")] = (n_out, lora.rank)
+            shapes[_name(i, target, "A", cfg)] = (lora.rank, n_in)
+            shapes[_name(i, target, "B", cfg)] = (n_out, lora.rank)
             if lora.dora:
-                shapes[_name(i, target, "m")] = (n_out, )
+                shapes[_name(i, target, "m", cfg)] = (n_out, )
     for module in lora.modules_to_save:
-        shapes[SAVED[module][1]] = (cfg.vocab_size, cfg.d_model)
+        shapes[saved_name(module, cfg)] = (cfg.vocab_size, cfg.d_model)
     return shapes
 
 
@@ -259,7 +276,7 @@ def from_peft(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> 
     misshapen tensor is refused in one line."""
     expected = _expected(cfg)
     if cfg.tie_embeddings and "embed" in cfg.lora.modules_to_save:
-        tensors = {k: v for k, v in tensors.items() if k != SAVED["head"][1]}  # the tied copy
+        tensors = {k: v for k, v in tensors.items() if k != saved_name("head", cfg)}  # the tied copy
     extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
     if extra or missing:
         what = f"tensor {missing[0]} is missing" if missing else f"holds {extra[0]}, which this model has no place for"
@@ -275,13 +292,13 @@ def from_peft(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> 
     for i in range(cfg.n_layers):
         for target in cfg.lora.targets:
             module = blocks.setdefault(i, {}).setdefault(MODULES[target][1], {}).setdefault("lora", {})
-            module[target] = {"lora_a": np.asarray(tensors[_name(i, target, "A")], np.float32).T,
-                              "lora_b": np.asarray(tensors[_name(i, target, "B")], np.float32).T}
+            module[target] = {"lora_a": np.asarray(tensors[_name(i, target, "A", cfg)], np.float32).T,
+                              "lora_b": np.asarray(tensors[_name(i, target, "B", cfg)], np.float32).T}
             if cfg.lora.dora:
-                module[target]["magnitude"] = np.asarray(tensors[_name(i, target, "m")], np.float32)
+                module[target]["magnitude"] = np.asarray(tensors[_name(i, target, "m", cfg)], np.float32)
     out: dict[str, Any] = {"blocks": blocks}
     if "embed" in cfg.lora.modules_to_save:
-        out["embed"] = {"embedding": np.asarray(tensors[SAVED["embed"][1]], np.float32)}
+        out["embed"] = {"embedding": np.asarray(tensors[saved_name("embed", cfg)], np.float32)}
     if "head" in cfg.lora.modules_to_save:
-        out["lm_head"] = np.asarray(tensors[SAVED["head"][1]], np.float32).T
+        out["lm_head"] = np.asarray(tensors[saved_name("head", cfg)], np.float32).T
     return out

@@ -19,11 +19,10 @@ from typing import Any, Sequence
 
 from seqjax.core.errors import UsageError
 from seqjax.core.files import json_text, write_text_atomic
-from seqjax.data.image_rows import refuse_models_on_images
 from seqjax.eval.evaluate import evaluate, evaluate_lm_eval
 from seqjax.eval.lm_eval import MODE as LM_EVAL
 from seqjax.eval.lm_eval import read_lm_eval_split
-from seqjax.eval.pairs import evaluate_pairs
+from seqjax.eval.objective import evaluate_objective
 from seqjax.main import cli, trained
 from seqjax.store.build import prepare
 from seqjax.train.inference import reference_for
@@ -51,7 +50,9 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     JSON line."""
     overrides = list(args.overrides) + ([f"eval.split={args.split}"] if args.split else [])
     config, model = trained.load_checkpoint(args, overrides)
-    refuse_models_on_images(config.data, "seqjax.eval")
+    if config.data.image_processor is not None and (args.per_example or config.eval.mode == LM_EVAL):
+        raise UsageError("--per-example and eval.mode=lm_eval: got them with chats with images "
+                         "(data.image_processor), which are scored in the batches training builds; expected neither")
     # a tokenizer the model cannot read is refused before the store is built
     trained.trained_tokenizer(args, config)
     split = config.eval.split
@@ -64,7 +65,10 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
         result = evaluate_lm_eval(model, docs, config, split=split)
     elif config.data.format == "preference":  # the objective and TRL's metrics, against the run's reference
         store = prepare(config, splits=(split,)).stores[split]
-        result = evaluate_pairs(model, reference_for(config, model), store, config, split=split)
+        result = evaluate_objective(model, reference_for(config, model), store, config, split=split)
+    elif config.data.image_processor is not None:  # chats with images: scored in the batches training builds
+        store = prepare(config, splits=(split,)).stores[split]
+        result = evaluate_objective(model, None, store, config, split=split)
     else:
         prepared = prepare(config, splits=(split,))
         result = evaluate(model, prepared.stores[split], config, split=split,

@@ -30,8 +30,10 @@ from seqjax.model.cache import KVCache, LayerCache
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata  # plain JAX
 from seqjax.model.mask import FULL
+from seqjax.model.multimodal import IMAGE_FIELDS, with_images
 from seqjax.model.remat import remat_block, remat_policy
-from seqjax.model.rope import rope_frequencies
+from seqjax.model.rope import mrope_axes, mrope_positions, rope_frequencies
+from seqjax.model.vision import VisionTower
 
 
 def _frozen(value: Any) -> Any:
@@ -85,35 +87,66 @@ class TransformerLM(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.lm_head = None if cfg.tie_embeddings else normal_param(
             rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
+        # Qwen3-VL: the tower (float32 parameters whatever param_dtype) and which rotary frequencies turn
+        # with the time, row and column positions
+        self.vision = VisionTower(cfg.vision, rngs) if cfg.vision.depth else None
+        self.mrope_axes = tuple(int(a) for a in mrope_axes(cfg.head_dim // 2, tuple(cfg.mrope_section),
+                                                           cfg.mrope_interleaved)) if cfg.mrope_section else None
 
     def __call__(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
-                 dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None) -> jax.Array:
+                 dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None,
+                 **images: jax.Array) -> jax.Array:
         """Logits [B, T, V] float32 for a batch (contract 1): the training and evaluation forward
         pass.
 
         ``dropout_key``: the training step's key, which turns dropout on; None (evaluation) is
         deterministic. ``prefix_ids``: the batch's optional field of that name (a shared prompt that
-        preference completions also attend to; :mod:`seqjax.model.mask`).
+        preference completions also attend to; :mod:`seqjax.model.mask`). ``images``: the batch's
+        image fields, for a model with a vision tower (:meth:`features_and_head`).
         """
         return head_logits(*self.features_and_head(inputs, positions=positions, segment_ids=segment_ids,
-                                                   dropout_key=dropout_key, prefix_ids=prefix_ids))
+                                                   dropout_key=dropout_key, prefix_ids=prefix_ids, **images))
 
     def features_and_head(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
-                          dropout_key: jax.Array | None = None,
-                          prefix_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                          dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None,
+                          positions_3d: jax.Array | None = None,
+                          **images: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The forward pass up to the LM head: (final-normed features [B, T, D], head [D, V]), both
         compute dtype.
 
         ``model.loss_chunk_tokens`` takes the loss from here (seqjax.model.loss.chunked_lm_loss), so
-        the whole logits are never built.
+        the whole logits are never built. With a vision tower, ``positions_3d`` [B, T, 3] rotate the
+        rows (a text-only batch, without them, turns every axis with ``positions``, as Qwen3-VL does)
+        and ``images`` (:data:`seqjax.model.multimodal.IMAGE_FIELDS`) put the images in
+        (:func:`seqjax.model.multimodal.with_images`).
         """
         self.check_batch(inputs, positions, segment_ids)
         token_key, embed_key, blocks_key = split_keys(dropout_key, 3)
         x = drop(self.embed_dropout, drop(self.token_dropout, self.embed_tokens(inputs), token_key),
                  embed_key)
-        x = self.final_norm(self.hidden(x, positions=positions, segment_ids=segment_ids, dropout_key=blocks_key,
-                                        prefix_ids=prefix_ids))
+        if (positions_3d is None) != (self.mrope_axes is None or not images):
+            if positions_3d is not None or images:
+                raise ValueError("positions_3d and the image fields go together, to a model with "
+                                 "model.mrope_section set")
+        injections = None
+        if images:
+            x, injections = self.with_images(x, prefix_ids, images)
+        rotary = positions if positions_3d is None else mrope_positions(positions_3d, self.mrope_axes)
+        x = self.final_norm(self.hidden(x, positions=rotary, segment_ids=segment_ids, dropout_key=blocks_key,
+                                        prefix_ids=prefix_ids, injections=injections))
         return x, self.head().astype(x.dtype)
+
+    def with_images(self, x: jax.Array, prefix_ids, images: dict[str, jax.Array]):
+        """(embeddings with the images in, DeepStack's additions or None); a model without a tower, a
+        shared prompt or a missing field is refused."""
+        if self.vision is None:
+            raise ValueError(f"the batch has image fields ({', '.join(sorted(images))}) but the model has no vision "
+                             "tower (model.vision.depth 0)")
+        if prefix_ids is not None:
+            raise ValueError("prefix_ids (a shared prompt) with images: expected data.shared_prompt=false")
+        if sorted(images) != sorted(IMAGE_FIELDS):
+            raise ValueError(f"image fields: got {sorted(images)}, expected {sorted(IMAGE_FIELDS)} (and positions_3d)")
+        return with_images(self.vision, x, **images)
 
     def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                cache: KVCache) -> tuple[jax.Array, KVCache]:

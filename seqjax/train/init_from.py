@@ -144,7 +144,9 @@ def check_shapes(config: Config, source: Source) -> None:
     ours, theirs = _shapes(config), _shapes(source.model)
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):
-            if name not in ours or name not in theirs:
+            if name.startswith("vision."):
+                fields = "model.vision"
+            elif name not in ours or name not in theirs:
                 fields = "model.tie_embeddings"
             elif name.startswith(("embed.", "lm_head")):
                 fields = "model.vocab_size (and d_model)"
@@ -154,6 +156,10 @@ def check_shapes(config: Config, source: Source) -> None:
                 f"train.init_from: {source.path} has {name} of shape {theirs.get(name, 'none (tied embeddings)')}, "
                 f"but the config's model gives {ours.get(name, 'none (tied embeddings)')}; "
                 f"make {fields} match the source")
+    for field in ("mrope_section", "mrope_interleaved"):  # where the image tokens sit: never a fine-tune's choice
+        if getattr(config.model, field) != getattr(source.model, field):
+            raise ConfigError(f"model.{field}: got {getattr(config.model, field)}, but {source.path} has "
+                              f"{getattr(source.model, field)}; make it match the source")
     for field in FUNCTION_FIELDS:
         if getattr(config.model, field) != getattr(source.model, field):
             log.warning("fine-tuning with model.%s=%s where %s used %s", field,

@@ -37,7 +37,7 @@ from seqjax.config.load import announce
 from seqjax.config.tree import Config, ConfigError
 from seqjax.data.strategies import check_config
 from seqjax.eval.evaluate import evaluate
-from seqjax.eval.pairs import evaluate_pairs
+from seqjax.eval.objective import evaluate_objective
 from seqjax.model import sharding
 from seqjax.model.assembly import assemble
 from seqjax.model.attention import resolve_backend
@@ -186,13 +186,17 @@ def _reference(run: Setup, params, model):
 def _scores(model, store, config: Config, mesh, max_batches: int | None, progress: bool,
             reference=None) -> dict[str, Any]:
     if config.data.format == "preference":  # the objective and TRL's metrics over pairs
-        result = evaluate_pairs(model, reference, store, config, max_batches=max_batches)
+        result = evaluate_objective(model, reference, store, config, max_batches=max_batches)
         return {
             "val_loss": result["loss"], "val_complete": result["complete"],
             "val_pairs": result["pairs"],
             **{f"val_{k}": v
                for k, v in result.items() if k.startswith(("rewards/", "logps/"))}
         }
+    if config.data.image_processor is not None:  # chats with images: the batches training builds
+        result = evaluate_objective(model, None, store, config, max_batches=max_batches)
+        return {"val_loss": result["loss"], "val_perplexity": math.exp(result["loss"]),
+                "val_tokens": result["weight"], "val_complete": result["complete"]}
     result = evaluate(model, store, config, mesh=mesh, max_batches=max_batches, progress=progress)
     val_loss = result["nll_sum"] / result["tokens"]
     row = {"val_loss": val_loss, "val_perplexity": math.exp(val_loss), "val_tokens": result["tokens"],

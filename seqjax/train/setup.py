@@ -39,7 +39,6 @@ from flax import nnx
 from seqjax.config.tree import DATA_DIR_ENV, Config, ConfigError
 from seqjax.core.files import write_text_atomic
 from seqjax.data.contract import check_reads
-from seqjax.data.image_rows import refuse_models_on_images
 from seqjax.data.pairs import with_reference
 from seqjax.data.pipeline import build_pipeline
 from seqjax.data.stats import overlong_counts, overlong_line
@@ -246,9 +245,14 @@ def resolved(config: Config) -> tuple[Config, Any]:
 
 def objective_of(config: Config) -> Objective:
     """``train.objective``'s row (or weighted sum of rows), refused in one line when unknown, when
-    it reads a batch field the data does not give, or ignores one the data needs read."""
+    it reads a batch field the data does not give, or ignores one the data needs read; images
+    need a model with a vision tower."""
     tc = config.train
-    refuse_models_on_images(config.data, "seqjax.train")
+    if config.data.image_processor is not None and not config.model.vision.depth:
+        raise ConfigError(
+            f"data.image_processor: got {config.data.image_processor!r} for a model without a vision tower "
+            "(model.vision.depth 0); expected model.vision and model.mrope_section set as the checkpoint's "
+            "(configs/qwen3_vl_lora.yaml)")
     objective = resolve(tc.objective, tc.objective_weights)
     who = f"train.objective={','.join(tc.objective)}"
     check_reads(objective.reads, config.data, who)

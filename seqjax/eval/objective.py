@@ -1,11 +1,13 @@
-"""Evaluation on preference pairs (``data.format=preference``): the run's objective over a split,
-and TRL's metrics.
+"""Evaluation by the run's objective over a split's batches as training builds them: preference
+pairs (``data.format=preference``), with TRL's metrics, and chats with images
+(``data.image_processor``), whose batches only the training pipeline builds.
 
-Every pair of the split is scored once, in order (the pairs packed as training packs them,
-unshuffled): the objective's loss (a mean over pairs; ``sft``: over chosen tokens) and, averaged
-over pairs, ``rewards/accuracies`` (the fraction whose chosen reward is above the rejected one),
-``rewards/margins``, ``rewards/chosen``, ``rewards/rejected``, ``logps/chosen`` and
-``logps/rejected``, as TRL's evaluation reports them. The reference model is the training run's
+Every pair (example) of the split is scored once, in order (packed as training packs them,
+unshuffled): the objective's loss (a mean over pairs; ``sft``: over chosen tokens; ``lm``: the
+mean nll per scored token) and, on pairs, averaged over them, ``rewards/accuracies`` (the
+fraction whose chosen reward is above the rejected one), ``rewards/margins``,
+``rewards/chosen``, ``rewards/rejected``, ``logps/chosen`` and ``logps/rejected``, as TRL's
+evaluation reports them. The reference model is the training run's
 (:func:`seqjax.train.inference.reference_for`).
 """
 
@@ -26,17 +28,20 @@ from seqjax.objectives.base import target_logprobs
 from seqjax.store.reader import TokenStore
 
 
-def evaluate_pairs(model: nnx.Module, reference: nnx.Module | np.ndarray, store: TokenStore, config: Config, *,
-                   max_batches: int | None = None, split: str | None = None) -> dict[str, Any]:
-    """The objective ``train.objective`` and TRL's metrics over the pairs of ``store`` (the first
-    ``max_batches`` batches only, when given: ``complete`` is then false). ``reference``: the
-    reference model, or its precomputed table of the split (``train.reference=precompute``)."""
+def evaluate_objective(model: nnx.Module, reference: nnx.Module | np.ndarray | None, store: TokenStore,
+                       config: Config, *, max_batches: int | None = None,
+                       split: str | None = None) -> dict[str, Any]:
+    """The objective ``train.objective`` (and, on pairs, TRL's metrics) over the batches of ``store``
+    (the first ``max_batches`` batches only, when given: ``complete`` is then false).
+    ``reference``: the reference model, or its precomputed table of the split
+    (``train.reference=precompute``), or None for an objective without one."""
     tc = config.train
     objective = resolve(tc.objective, tc.objective_weights)
     settings = {key: getattr(tc, key) for key in objective.settings}
     graphdef, state = nnx.split(model)
     table = reference if isinstance(reference, np.ndarray) else None
-    reference_graphdef, reference_state = (None, None) if table is not None else nnx.split(reference)
+    reference_graphdef, reference_state = (None, None) if table is not None or reference is None else nnx.split(
+        reference)
 
     def reference_logprobs(reference_state, micro):
         if reference_graphdef is None:  # the precomputed table, in the batch
@@ -66,6 +71,6 @@ def evaluate_pairs(model: nnx.Module, reference: nnx.Module | np.ndarray, store:
         "objective": "+".join(tc.objective), "complete": batches >= total, "batches": batches,
         "loss": loss / count if count else None, "weight": count,
         **{name: (s / n if n else None) for name, (s, n) in sorted(reported.items())},
-        "pairs": int(np.round(reported.get("rewards/accuracies", (0, 0))[1])),
+        **({"pairs": int(np.round(reported["rewards/accuracies"][1]))} if "rewards/accuracies" in reported else {}),
         "seconds": round(time.perf_counter() - start, 3),
     }
