@@ -1,0 +1,89 @@
+"""peft's own LoRA on the tiny Qwen3-VL of tests/data/vision: what a LoRA adapter of a vision-language model is in
+peft's format, and what peft computes with it.
+
+    python scripts/make_vl_peft_reference.py --out tests/data/vision    # needs torch, transformers >= 5 and peft
+
+The base is ``vl.safetensors`` (made by scripts/make_image_references.py) loaded into transformers'
+Qwen3VLForConditionalGeneration; ``get_peft_model`` puts ``LoraConfig(r=4, lora_alpha=8, target_modules=[q, k, v,
+o, gate, up, down])`` on it (peft matches those names in the language model only: the tower's layers are named
+qkv, proj and linear_fc*), every adapter tensor is drawn (so B is not 0), and ``save_pretrained`` writes the folder
+``vl_peft/`` (adapter_config.json, adapter_model.safetensors). ``vl_peft_logits.safetensors``: peft's float32
+logits of each reference example (vl.json) with the adapter on. tests/test_vision_peft.py reads the folder as
+seqjax's adapters, compares seqjax's logits with these, and writes the adapters back as peft wrote them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+RANK, ALPHA = 4, 8
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def image_references():
+    """scripts/make_image_references.py as a module (its images, processor settings and examples)."""
+    path = Path(__file__).with_name("make_image_references.py")
+    spec = importlib.util.spec_from_file_location("make_image_references", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("tests/data/vision"))
+    out = parser.parse_args().out
+    import peft
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    refs = image_references()
+    vl = json.loads((out / "vl.json").read_text())
+    config = transformers.Qwen3VLConfig(text_config=vl["text_config"], vision_config=vl["vision_config"],
+                                        **vl["tokens"])
+    model = transformers.Qwen3VLForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    model.load_state_dict(load_file(str(out / "vl.safetensors")))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS))
+    torch.manual_seed(2)
+    adapted = []
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0.0, 0.2)
+                adapted.append(name)
+    assert not [n for n in adapted if "visual" in n], "peft put an adapter on the vision tower"
+    processor = Qwen2VLImageProcessorPil(**refs.SETTINGS["qwen3_vl"], **vl["bounds"])
+    drawn = refs.images()
+    logits = {}
+    for name, example in vl["examples"].items():
+        ids = example["ids"]
+        inputs = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([[
+            int(i == vl["tokens"]["image_token_id"]) for i in ids]])}
+        if example["images"]:
+            batch = processor(images=[drawn[n] for n in example["images"]], return_tensors="pt")
+            inputs.update(pixel_values=batch["pixel_values"].float(), image_grid_thw=batch["image_grid_thw"])
+        with torch.no_grad():
+            logits[name] = model(**inputs).logits[0].contiguous()
+    target = out / "vl_peft"
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        target.mkdir(exist_ok=True)
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copy(Path(tmp) / file, target / file)
+    save_file(logits, str(out / "vl_peft_logits.safetensors"))
+    (out / "vl_peft.json").write_text(json.dumps({
+        "adapted": len(adapted), "made_by": {"transformers": transformers.__version__, "torch": torch.__version__,
+                                             "peft": peft.__version__, "script": "scripts/make_vl_peft_reference.py"}
+    }) + "\n")
+    print(json.dumps({"adapter_tensors": len(adapted), "examples": sorted(logits)}))
+
+
+if __name__ == "__main__":
+    main()
