@@ -1,5 +1,5 @@
 """A LoRA adapter of a Qwen3-VL model in peft's format, both ways: peft's own adapter on the tiny reference model
-(tests/data/vision/vl_peft/, made by peft and transformers from scripts/make_vl_peft_reference.py) read by seqjax
+(tests/data/vision/vl_peft/, made by peft and transformers from scripts/make_vl_references.py) read by seqjax
 computes peft's logits on image-and-text examples, and seqjax writes those adapters back as the tensors, names and
 shapes peft saved (what ``python -m seqjax.export`` writes for a VL run, tests/test_vision_run.py): adapters on the
 language model (``base_model.model.model.language_model.layers.i``), none on the tower.

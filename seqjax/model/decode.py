@@ -80,12 +80,16 @@ def prefill(
     segment_ids=None,
     *,
     max_len: int,
+    images: dict[str, np.ndarray] | None = None,
 ) -> tuple[jax.Array, DecodeCache]:
     """Run the prompts [B, T] once, filling a cache of ``max_len`` slots; return (next-token logits
     [B, V], cache).
 
     positions/segment_ids default to one segment per row starting at 0 (no
-    padding). The logits are those of each row's last non-padding token.
+    padding). The logits are those of each row's last non-padding token. ``images``: the prompts'
+    ``positions_3d`` and image fields (:func:`seqjax.data.image_rows.image_batch`'s, rows as the
+    prompts'), for a model with a vision tower; each row then goes on from its last token's
+    position (the text after an image: one past the image's largest).
     """
     inputs = jnp.asarray(inputs, jnp.int32)
     if segment_ids is None:
@@ -100,8 +104,9 @@ def prefill(
             f"and model.max_seq_len={model.cfg.max_seq_len}"
         )
     graphdef, state = nnx.split(model)
+    images = {k: jnp.asarray(v) for k, v in (images or {}).items()}
     return _prefill_fn()(graphdef, state, inputs, jnp.asarray(positions, jnp.int32),
-                         jnp.asarray(segment_ids, jnp.int32), max_len)
+                         jnp.asarray(segment_ids, jnp.int32), max_len, images)
 
 
 def decode_step(model: TransformerLM, tokens, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
@@ -120,10 +125,12 @@ def decode_step(model: TransformerLM, tokens, cache: DecodeCache) -> tuple[jax.A
 
 @functools.cache
 def _prefill_fn():
-    def run(graphdef, state, inputs, positions, segment_ids, max_len):
+    def run(graphdef, state, inputs, positions, segment_ids, max_len, images):
         model = nnx.merge(graphdef, state)
         kv = KVCache.empty(model.cfg, inputs.shape[0], max_len)
-        logits, kv = model.decode(inputs, positions=positions, segment_ids=segment_ids, cache=kv)
+        logits, kv = model.decode(inputs, positions=positions, segment_ids=segment_ids, cache=kv, **images)
+        if "positions_3d" in images:  # (the last token is text: its three positions are one)
+            positions = images["positions_3d"][..., 0]
         t = inputs.shape[1]
         last = t - 1 - jnp.argmax((segment_ids != 0)[:, ::-1], axis=1)  # each row's last real token
         take = lambda a: jnp.take_along_axis(a, last[:, None], axis=1)[:, 0]  # noqa: E731
@@ -165,9 +172,10 @@ def generate(
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(temperature=0.0),
     seed: int = 0,
+    images: dict[str, np.ndarray] | None = None,
 ) -> list[Generation]:
     """Continue each token list in ``prompts`` (each already starting with its context) by up to
-    ``max_new_tokens``.
+    ``max_new_tokens``. ``images``: the prompts' image fields, as :func:`prefill` takes them.
 
     A row stops at its first ``eot_id`` (several ids: at the first of any, e.g. a chat's end of
     turn; None: never, every row gets ``max_new_tokens``).
@@ -189,7 +197,7 @@ def generate(
     settings = sampling.arrays()
     stops = np.asarray([] if eot_id is None else np.atleast_1d(eot_id), np.int64)
     key = jax.random.key(seed)
-    logits, cache = prefill(model, inputs, positions, segment_ids, max_len=max_len)
+    logits, cache = prefill(model, inputs, positions, segment_ids, max_len=max_len, images=images)
     new = np.zeros((len(prompts), max_new_tokens), np.int64)
     done = np.zeros(len(prompts), bool)
     length = np.full(len(prompts), max_new_tokens)

@@ -149,24 +149,32 @@ class TransformerLM(nnx.Module):
         return with_images(self.vision, x, **images)
 
     def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
-               cache: KVCache) -> tuple[jax.Array, KVCache]:
+               cache: KVCache, positions_3d: jax.Array | None = None,
+               **images: jax.Array) -> tuple[jax.Array, KVCache]:
         """Logits [B, T, V] float32 for ``inputs`` written into ``cache`` at slots
         ``cache.length..``; (logits, cache).
 
         A prefill passes the prompts (T tokens), a decode step one token per row (T = 1);
-        seqjax.model.decode wraps both.
+        seqjax.model.decode wraps both. A prompt with images passes ``positions_3d`` and the image
+        fields as :meth:`features_and_head` takes them; the tokens after it rotate by one position
+        on every axis, as Qwen3-VL's text does.
         """
         self.check_batch(inputs, positions, segment_ids)
-        x = self.embed_tokens(inputs)
+        x, injections = self.embed_tokens(inputs), None
+        if images:
+            x, injections = self.with_images(x, None, images)
+        rotary = positions if positions_3d is None else mrope_positions(positions_3d, self.mrope_axes)
         start = cache.length
         seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32),
                                                   start, axis=1)
         layers = []
         freqs = self.rope_freqs()
         for i, (keys, values) in enumerate(zip(cache.keys, cache.values)):
-            x, layer = self.layer(i).decode(x, positions, segment_ids,
+            x, layer = self.layer(i).decode(x, rotary, segment_ids,
                                             LayerCache(keys, values, seg, start), freqs[i],
                                             self.cfg.window_of(i))
+            if injections is not None and i < len(injections):
+                x = x + injections[i].astype(x.dtype)
             layers.append(layer)
         cache = KVCache(tuple(c.keys for c in layers), tuple(c.values for c in layers), seg,
                         start + inputs.shape[1])

@@ -1,7 +1,12 @@
-"""peft's own LoRA on the tiny Qwen3-VL of tests/data/vision: what a LoRA adapter of a vision-language model is in
-peft's format, and what peft computes with it.
+"""transformers' greedy generation and peft's own LoRA on the tiny Qwen3-VL of tests/data/vision: what the model
+generates after a prompt with images, what a LoRA adapter of a vision-language model is in peft's format, and what
+peft computes with it.
 
-    python scripts/make_vl_peft_reference.py --out tests/data/vision    # needs torch, transformers >= 5 and peft
+    python scripts/make_vl_references.py --out tests/data/vision    # needs torch, transformers >= 5 and peft
+
+``vl_greedy.json``: the tokens ``generate(do_sample=False)`` gives after each reference example (vl.json) as the
+prompt (:data:`NEW_TOKENS` of them), and ``vl_greedy_logits.safetensors`` the logits each was picked from
+(tests/test_vision_generate.py).
 
 The base is ``vl.safetensors`` (made by scripts/make_image_references.py) loaded into transformers'
 Qwen3VLForConditionalGeneration; ``get_peft_model`` puts ``LoraConfig(r=4, lora_alpha=8, target_modules=[q, k, v,
@@ -22,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 RANK, ALPHA = 4, 8
+NEW_TOKENS = 8
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -50,6 +56,30 @@ def main() -> None:
                                         **vl["tokens"])
     model = transformers.Qwen3VLForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
     model.load_state_dict(load_file(str(out / "vl.safetensors")))
+    processor = Qwen2VLImageProcessorPil(**refs.SETTINGS["qwen3_vl"], **vl["bounds"])
+    drawn = refs.images()
+
+    def inputs_of(example):
+        ids = example["ids"]
+        inputs = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([[
+            int(i == vl["tokens"]["image_token_id"]) for i in ids]])}
+        if example["images"]:
+            batch = processor(images=[drawn[n] for n in example["images"]], return_tensors="pt")
+            inputs.update(pixel_values=batch["pixel_values"].float(), image_grid_thw=batch["image_grid_thw"])
+        return inputs
+
+    greedy, step_logits = {}, {}
+    with torch.no_grad():
+        for name, example in vl["examples"].items():
+            made = model.generate(**inputs_of(example), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  min_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0,
+                                  output_logits=True, return_dict_in_generate=True)
+            greedy[name] = made.sequences[0, len(example["ids"]):].tolist()
+            step_logits[name] = torch.cat(made.logits).float().contiguous()  # [NEW_TOKENS, V]
+    save_file(step_logits, str(out / "vl_greedy_logits.safetensors"))
+    (out / "vl_greedy.json").write_text(json.dumps({
+        "new_tokens": greedy, "made_by": {"transformers": transformers.__version__, "torch": torch.__version__,
+                                          "script": "scripts/make_vl_references.py"}}) + "\n")
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS))
     torch.manual_seed(2)
     adapted = []
@@ -59,18 +89,10 @@ def main() -> None:
                 parameter.normal_(0.0, 0.2)
                 adapted.append(name)
     assert not [n for n in adapted if "visual" in n], "peft put an adapter on the vision tower"
-    processor = Qwen2VLImageProcessorPil(**refs.SETTINGS["qwen3_vl"], **vl["bounds"])
-    drawn = refs.images()
     logits = {}
     for name, example in vl["examples"].items():
-        ids = example["ids"]
-        inputs = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([[
-            int(i == vl["tokens"]["image_token_id"]) for i in ids]])}
-        if example["images"]:
-            batch = processor(images=[drawn[n] for n in example["images"]], return_tensors="pt")
-            inputs.update(pixel_values=batch["pixel_values"].float(), image_grid_thw=batch["image_grid_thw"])
         with torch.no_grad():
-            logits[name] = model(**inputs).logits[0].contiguous()
+            logits[name] = model(**inputs_of(example)).logits[0].contiguous()
     target = out / "vl_peft"
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
@@ -80,9 +102,9 @@ def main() -> None:
     save_file(logits, str(out / "vl_peft_logits.safetensors"))
     (out / "vl_peft.json").write_text(json.dumps({
         "adapted": len(adapted), "made_by": {"transformers": transformers.__version__, "torch": torch.__version__,
-                                             "peft": peft.__version__, "script": "scripts/make_vl_peft_reference.py"}
+                                             "peft": peft.__version__, "script": "scripts/make_vl_references.py"}
     }) + "\n")
-    print(json.dumps({"adapter_tensors": len(adapted), "examples": sorted(logits)}))
+    print(json.dumps({"adapter_tensors": len(adapted), "examples": sorted(logits), "greedy": greedy}))
 
 
 if __name__ == "__main__":
