@@ -108,8 +108,8 @@ def test_qwen3s_enable_thinking_reaches_the_template_as_transformers_passes_it(t
         prompts = tmp_path / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({**r, "messages": r["messages"][:max(
             i for i, m in enumerate(r["messages"]) if m["role"] == "assistant")]}) + "\n" for r in records))
-        texts, _ = chat_prompts(str(prompts), config, tokenizer)
-        assert [tokenizer.encode_text(t) for t in texts] == [chat[key] for chat in chats]
+        texts, ids, images, _ = chat_prompts(str(prompts), config, tokenizer)
+        assert [tokenizer.encode_text(t) for t in texts] == ids == [chat[key] for chat in chats] and images is None
         store = prepare(config, splits=("train",)).stores["train"]
         assert [store.doc_sequence(i).tolist() for i in range(len(chats))] == [chat["ids"] for chat in chats]
     assert chats[0]["prompt_ids"] != chats[0]["no_thinking_prompt_ids"]

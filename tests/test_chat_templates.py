@@ -217,7 +217,8 @@ def test_generate_chat_prompts_carry_each_conversations_tools(tmp_path):
     """``generate --chat FILE.jsonl``: a line's tools reach the template, as in transformers' generation prompt."""
     (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": CHAT[1:2], "tools": WEATHER}) + "\n"
                                           + json.dumps(CHAT[1:2]) + "\n")
-    (with_tools, tools, _), (plain, none, _) = read_chats(str(tmp_path / "chats.jsonl"))
+    first, second = read_chats(str(tmp_path / "chats.jsonl"))
+    with_tools, tools, plain, none = first["messages"], first.get("tools"), second["messages"], second.get("tools")
     assert tools == WEATHER and none is None and with_tools == plain == CHAT[1:2]
     for name in ("qwen3", "chatml"):
         prompt = chat_prompt(spec(name), with_tools, "here", tools)

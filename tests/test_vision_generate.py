@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from seqjax.data.image_rows import ImageExample, image_batch
+from seqjax.data.image_rows import ImageExample, prompt_image_fields
 from seqjax.model.decode import decode_step, generate, prefill
 from seqjax.model.decode import prompt_batch as text_batch
 from vision_support import DATA, LAYOUT, example, vl_model
@@ -24,13 +24,9 @@ STEP_LOGITS = load_file(str(DATA / "vl_greedy_logits.safetensors"))
 def prompt_batch(names: list[str]) -> tuple[list, dict]:
     """(the examples as prompts, their image fields, right-padded one a row)."""
     prompts = [example(name) for name in names]
-    width = max(len(p.ids) for p in prompts)
-    # (a batch row's inputs are its example's ids but the last: one more id makes the whole prompt the inputs)
     rows = [ImageExample(np.append(p.ids, 0), np.zeros(len(p.ids) + 1, np.float32), p.pixels, p.grids)
             for p in prompts]
-    batch = image_batch(rows, np.arange(len(rows)), len(rows), width, 96, LAYOUT)
-    return prompts, {k: v for k, v in batch.items()
-                     if k not in ("inputs", "targets", "weights", "positions", "segment_ids")}
+    return prompts, prompt_image_fields(rows, LAYOUT)
 
 
 @pytest.mark.parametrize("names", [["one_image"], ["two_images", "text_only"]], ids=["one", "two_rows"])

@@ -51,6 +51,7 @@ def config(world, run: str):
 def test_a_qwen3_vl_folder_fine_tunes_on_image_chats_resumes_exactly_exports_and_evaluates(world, tmp_path, capsys):
     from seqjax.main import eval as eval_cli
     from seqjax.main import export
+    from seqjax.main import generate as generate_cli
     from seqjax.train.hooks import Hook
     from seqjax.train.loop import train
     from seqjax.train.signals import Interrupted
@@ -87,3 +88,18 @@ def test_a_qwen3_vl_folder_fine_tunes_on_image_chats_resumes_exactly_exports_and
     assert eval_cli.main(["--run", str(root / "whole")]) == 0
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert scored["complete"] and scored["loss"] == pytest.approx(whole["val_loss"], rel=1e-6)
+
+    # generate takes a chat with an image, as the data file gives it (its path relative to the file)
+    chats = root / "data" / "chats.jsonl"
+    first = json.loads(chats.read_text().splitlines()[0])
+    prompt = tmp_path / "data" / "ask.jsonl"
+    prompt.parent.mkdir()
+    (prompt.parent / "img").symlink_to(root / "data" / "img")
+    prompt.write_text(json.dumps({"messages": first["messages"][:1], "images": first["images"]}) + "\n")
+    assert generate_cli.main(["--run", str(root / "whole"), "--chat", str(prompt), "--max-new-tokens", "4",
+                              "--temperature", "0"]) == 0
+    sample = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["samples"][0]
+    assert 0 < sample["new_tokens"] <= 4 and len(sample["token_ids"]) == sample["new_tokens"]
+    with pytest.raises(SystemExit):
+        generate_cli.main(["--run", str(root / "whole"), "--prompt", "a cat"])
+    assert "expected --chat FILE.jsonl" in capsys.readouterr().err

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from seqjax.data.contract import Batch, contract_batch
+from seqjax.data.contract import FIELDS, Batch, contract_batch
 from seqjax.data.ragged import exclusive_cumsum
-from seqjax.store.images import patch_inputs, rope_index
+from seqjax.store.images import patch_inputs, patchify, rope_index
 
 
 def pack_two_budgets(tokens: np.ndarray, patches: np.ndarray, rows: int, seq_len: int, patch_budget: int,
@@ -180,3 +180,22 @@ def stored_image_fields(store, spec, starts: np.ndarray, lengths: np.ndarray, ro
         pieces.append((np.asarray(store.tokens[start:start + length]), pixels, grids))
     layout = ImageLayout(store.images.image_token_id, spec.merge_size, spec.patch_dim)
     return image_fields(pieces, row_of_piece, n_rows, width, patches_per_row, layout)
+
+
+def image_example(ids: np.ndarray, images: list[np.ndarray], spec) -> ImageExample:
+    """A prompt of ``ids`` (image tokens expanded) with its resized images as a row reads it: its
+    inputs are all of ``ids`` (one id more is appended, a row's inputs leaving out the last), none
+    scored."""
+    pieces = [patchify(image, spec) for image in images]
+    pixels = np.concatenate([p for p, _ in pieces]) if pieces else np.zeros((0, spec.patch_dim), np.float32)
+    ids = np.append(np.asarray(ids, np.int64), 0)
+    return ImageExample(ids, np.zeros(len(ids), np.float32), pixels, tuple(tuple(g) for _, g in pieces))
+
+
+def prompt_image_fields(examples: list[ImageExample], layout: ImageLayout) -> dict[str, np.ndarray]:
+    """The image fields of prompts (:func:`image_example`), one a row, right-padded as
+    :func:`seqjax.model.decode.prompt_batch` pads their ids: what ``generate(images=...)`` takes."""
+    width = max(len(e.ids) - 1 for e in examples)
+    patches = max(layout.merge_size**2, max(len(e.pixels) for e in examples))  # (a whole merged group at least)
+    batch = image_batch(examples, np.arange(len(examples)), len(examples), width, patches, layout)
+    return {k: v for k, v in batch.items() if k not in FIELDS}

@@ -20,7 +20,9 @@ row has, or after ``--max-new-tokens``.
 [...], "tools": [...]}``, tools optional, or the list of messages itself): each is rendered with the
 run's chat template and its generation prompt, as transformers' ``apply_chat_template(...,
 add_generation_prompt=True)`` does, the reply stops at the template's end-of-turn token
-(``<|im_end|>``, ``</s>``) too, and the reply alone is printed.
+(``<|im_end|>``, ``</s>``) too, and the reply alone is printed. A run trained on chats with images
+(``data.image_processor``) reads their image parts as training does (TRL's ``images`` column or a
+part's own path, relative to the file): the prompt's images go through the vision tower.
 """
 
 from __future__ import annotations
@@ -32,21 +34,25 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from seqjax.core.errors import UsageError
 from seqjax.core.files import json_text, read_utf8
+from seqjax.data.image_rows import ImageLayout, image_example, prompt_image_fields
 from seqjax.main import cli, trained
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
 from seqjax.store.chat import chat_prompt, chat_template, end_of_turn
-from seqjax.store.spec import KWARGS_FIELD, ExampleSpec
+from seqjax.store.image_chats import expand_images, image_sources, read_image_spec, without_nulls
+from seqjax.store.spec import IMAGE_BASE, KWARGS_FIELD, ExampleSpec
 
 log = logging.getLogger("seqjax.generate")  # the command's name, as its log lines show it
 
 
-def read_chats(path_text: str) -> list[tuple[Any, Any, Any]]:
-    """``(messages, tools, template variables)`` of each conversation of ``--chat FILE.jsonl``: each
-    line a ``{"messages": [...]}`` object (with the chat's ``"tools"`` and
-    ``"chat_template_kwargs"``, if any) or the list of messages itself."""
+def read_chats(path_text: str) -> list[dict[str, Any]]:
+    """Each conversation of ``--chat FILE.jsonl`` as a record: each line a ``{"messages": [...]}``
+    object (with the chat's ``"tools"``, ``"chat_template_kwargs"`` and ``"images"``, if any) or the
+    list of messages itself; image paths are relative to the file."""
     path = Path(path_text)
     if not path.is_file():
         raise UsageError(
@@ -59,24 +65,42 @@ def read_chats(path_text: str) -> list[tuple[Any, Any, Any]]:
             record = json.loads(line)
         except ValueError as err:
             raise UsageError(f"--chat {path_text}:{number}: not JSON ({err})") from None
-        chats.append((record.get("messages"), record.get("tools"),
-                      record.get(KWARGS_FIELD)) if isinstance(record, dict) else (record, None, None))
+        record = record if isinstance(record, dict) else {"messages": record}
+        chats.append({**record, IMAGE_BASE: str(path.resolve().parent)})
     if not chats:
         raise UsageError(
             f"--chat {path_text!r}: no conversation in it; expected one JSON line per conversation")
     return chats
 
 
-def chat_prompts(path_text: str, config, tokenizer) -> tuple[list[str], list[int]]:
-    """(each conversation rendered with the generation prompt, the ids a reply stops at)."""
+def chat_prompts(path_text: str, config, tokenizer) -> tuple[list[str], list[list[int]], dict | None, list[int]]:
+    """(each conversation rendered with the generation prompt, its ids, the image fields of the
+    batch of them or None, the ids a reply stops at). With ``data.image_processor`` each image part
+    becomes one image token per merged patch group, as the store expands it."""
     template, name = chat_template(config.data.chat_template, Path(tokenizer.path))
+    d = config.data
     spec = ExampleSpec(format="chat", loss_on="assistant", chat_template=template, template_name=name,
                        bos_token=tokenizer.bos_token, eos_token=tokenizer.eot_token,
-                       template_kwargs=json.dumps(config.data.chat_template_kwargs, sort_keys=True))
-    texts = [chat_prompt(spec, messages, f"--chat {path_text}:conversation {k + 1}", tools, kwargs)
-             for k, (messages, tools, kwargs) in enumerate(read_chats(path_text))]
+                       template_kwargs=json.dumps(d.chat_template_kwargs, sort_keys=True),
+                       image_spec=read_image_spec(d.image_processor), images_field=d.images_field,
+                       image_token=d.image_token)
+    texts, ids, examples = [], [], []
+    for k, record in enumerate(read_chats(path_text)):
+        where = f"--chat {path_text}:conversation {k + 1}"
+        record = {**record, "messages": without_nulls(record.get("messages"))}
+        texts.append(chat_prompt(spec, record["messages"], where, record.get("tools"), record.get(KWARGS_FIELD)))
+        ids.append(tokenizer.encode_text(texts[-1]))
+        if spec.image_spec is not None:  # (the record's images: its parts' paths, or its images column)
+            sources = image_sources(spec, record, where)
+            expanded, _, images = expand_images(np.asarray(ids[-1]), np.zeros(len(ids[-1])), sources, spec,
+                                                tokenizer.token_id(spec.image_token), where)
+            ids[-1] = expanded.tolist()
+            examples.append(image_example(expanded, images, spec.image_spec))
     turn_end = end_of_turn(spec, tokenizer)
-    return texts, [tokenizer.eot_id] + ([turn_end] if turn_end is not None else [])
+    fields = None if spec.image_spec is None else prompt_image_fields(
+        examples, ImageLayout(tokenizer.token_id(spec.image_token), spec.image_spec.merge_size,
+                              spec.image_spec.patch_dim))
+    return texts, ids, fields, [tokenizer.eot_id] + ([turn_end] if turn_end is not None else [])
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
@@ -132,18 +156,23 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     config, model = trained.load_checkpoint(args)
     # the run's tokenizer, reused from the cache
     tokenizer = trained.trained_tokenizer(args, config)
-    stop_ids = [tokenizer.eot_id]
+    stop_ids, images = [tokenizer.eot_id], None
     if texts is None:
-        texts, stop_ids = chat_prompts(args.chat, config, tokenizer)
+        texts, ids, images, stop_ids = chat_prompts(args.chat, config, tokenizer)
+    elif config.data.image_processor is not None:
+        raise UsageError("--prompt/--prompts: got text for a model trained on chats with images; expected "
+                         "--chat FILE.jsonl (its image parts read as training reads them)")
+    else:  # a prompt as the store encodes text, line by line, after the opening token every document has
+        ids = [tokenizer.opened(tokenizer.encode(text)) for text in texts]
     seed = config.run.seed if args.seed is None else args.seed
     start = time.perf_counter()
     outputs = generate(
         model,
         # A chat's ids exactly as its template renders them (the store keeps examples so, and
-        # transformers' apply_chat_template(tokenize=True) gives them); a prompt as the store encodes
-        # text, line by line, after the opening token every document has.
-        [tokenizer.encode_text(text) if args.chat else tokenizer.opened(tokenizer.encode(text)) for text in texts],
+        # transformers' apply_chat_template(tokenize=True) gives them)
+        ids,
         eot_id=stop_ids,
+        images=images,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=seed,
