@@ -2,6 +2,7 @@
 
     python scripts/plan_memory.py --config configs/llama3_1b_finetune.yaml --devices 1 [key=value ...]
     python scripts/plan_memory.py --config configs/llama3_8b_fsdp.yaml --devices 8 mesh.fsdp=4 mesh.tensor=2
+    python scripts/plan_memory.py --config configs/qwen3_vl_lora.yaml --devices 1
 
 It compiles the real train step (the one ``python -m seqjax.train`` runs: the
 model's full shape, the optimizer, gradient accumulation, the mesh's
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from seqjax.config.load import load_config
     from seqjax.core.errors import SeqjaxError
-    from seqjax.data.contract import given_fields
+    from seqjax.data.contract import OPTIONAL_FIELDS, given_fields
     from seqjax.model import build_model, quant, sharding, split_params
     from seqjax.model.lora import adapters_off
     from seqjax.objectives import resolve
@@ -112,8 +113,18 @@ def main(argv: list[str] | None = None) -> dict:
     # the batch the data gives (preference pairs add pair_ids, and prefix_ids with a shared prompt)
     objective = resolve(config.train.objective, config.train.objective_weights)
     precomputed = objective.reference and config.train.reference == "precompute"  # (the batch carries them)
-    batch = {name: jax.ShapeDtypeStruct((b, t), np.float32 if name in ("weights", "reference_logps") else np.int32,
-                                        sharding=batch_sharding)
+    patches, patch_dim = config.data.patches_per_row, config.model.vision.patch_dim
+
+    def shape_of(name: str) -> tuple[tuple[int, ...], type]:  # (chats with images: a row's patches beside its tokens)
+        dtype = OPTIONAL_FIELDS[name].dtype if name in OPTIONAL_FIELDS else (
+            np.float32 if name == "weights" else np.int32)
+        if name == "positions_3d":
+            return (b, t, 3), dtype
+        if name == "patches":
+            return (b, patches, patch_dim), dtype
+        return ((b, patches) if name.startswith("patch_") else (b, t)), dtype
+
+    batch = {name: jax.ShapeDtypeStruct(*shape_of(name), sharding=batch_sharding)
              for name in (*given_fields(config.data), *(["reference_logps"] if precomputed else []))}
     rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=replicated)
     extra = [] if frozen is None else [frozen]
@@ -148,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         "config": args.config, "overrides": args.overrides, "devices": args.devices,
         "mesh": dict(mesh.shape), "parameters": total_params,
         "batch_size": b, "seq_len": t, "grad_accum": config.train.grad_accum,
+        "patches_per_row": patches if config.data.image_processor is not None else None,
         "remat": config.model.remat, "loss_chunk_tokens": config.model.loss_chunk_tokens,
         "param_dtype": config.model.param_dtype, "compute_dtype": config.model.compute_dtype,
         "trainable_parameters": trainable, "lora_rank": config.model.lora.rank, "base_storage": lora.quantize,
