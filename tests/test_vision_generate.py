@@ -29,6 +29,7 @@ def prompt_batch(names: list[str]) -> tuple[list, dict]:
     return prompts, prompt_image_fields(rows, LAYOUT)
 
 
+@pytest.mark.slow  # (the fast loop: the logits test below, which a wrong position fails and greedy tokens may not)
 @pytest.mark.parametrize("names", [["one_image"], ["two_images", "text_only"]], ids=["one", "two_rows"])
 def test_greedy_tokens_after_a_prompt_with_images_equal_transformers(names):
     prompts, images = prompt_batch(names)
