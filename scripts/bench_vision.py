@@ -15,6 +15,11 @@ at that budget, batches over the two-budget packer's budget, and the packer's ex
 
 With ``--hf-python`` (a Python with transformers >= 5 and Pillow), preprocessing is timed on the same decoded
 images: seqjax.store.images.pixel_values against transformers' Qwen2VLImageProcessorPil (Qwen3-VL's settings).
+
+With ``--store N``, N image chats (JPEG files, sides in [64, 640]) are written to a temporary folder, prepared
+into a token store and read for one epoch of batches: the process's resident memory (VmRSS) after the prepare,
+after the first batch and every tenth of the epoch, against the bytes of the images the store holds, to show that
+reading stays flat (the images are memory-mapped, each batch reads its rows' own).
 The last line printed is one JSON object.
 """
 
@@ -133,6 +138,76 @@ def preprocessing(args) -> dict:
     return result
 
 
+def resident_mb() -> dict[str, float]:
+    """This process's resident memory, in MB: its own (RssAnon) and the file pages it maps (RssFile: the
+    memory-mapped store, which the kernel may drop and read again)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key = line.split(":")[0]
+        if key in ("RssAnon", "RssFile"):
+            fields[key] = round(int(line.split()[1]) / 1024, 1)
+    return {"anon_mb": fields.get("RssAnon"), "file_mb": fields.get("RssFile")}
+
+
+def store_memory(args) -> dict:
+    """Resident memory while one epoch of batches is read from a store of ``args.store`` image chats."""
+    import importlib.util
+    import tempfile
+
+    from PIL import Image
+    from tokenizers import AddedToken, Tokenizer
+
+    from seqjax.config.load import load_config
+    from seqjax.data.pipeline import build_pipeline
+    from seqjax.data.plan import EpochPlanner
+    from seqjax.store.build import prepare
+
+    repo = Path(__file__).resolve().parents[1]
+    rng = np.random.default_rng(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "img").mkdir()
+        tokenizer = Tokenizer.from_file(str(repo / "tests" / "data" / "chat" / "qwen3" / "tokenizer.json"))
+        tokenizer.add_special_tokens([AddedToken(t, special=True) for t in
+                                      ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")])
+        tokenizer.save(str(root / "tokenizer.json"))
+        (root / "preprocessor_config.json").write_text(json.dumps({
+            "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": MEAN_STD,
+            "image_std": MEAN_STD, "min_pixels": 32 * 32, "max_pixels": 640 * 640}))
+        with open(root / "chats.jsonl", "w") as f:
+            for i in range(args.store):
+                h, w = (int(x) for x in rng.integers(64, 641, 2))
+                Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / "img" / f"{i}.jpg")
+                f.write(json.dumps({"messages": [
+                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "a picture " * 8}]}],
+                    "images": [f"img/{i}.jpg"]}) + "\n")
+        template = Path(importlib.util.find_spec("trl").submodule_search_locations[0]) / "chat_templates"
+        specials = [t["content"] for t in json.loads((root / "tokenizer.json").read_text())["added_tokens"]]
+        config = load_config(None, [
+            "data.corpus=jsonl", "data.format=chat", f"data.train_files=[{root / 'chats.jsonl'}]",
+            f"data.cache_dir={root / 'cache'}", f"data.chat_template={template / 'qwen3_vl_training.jinja'}",
+            f"tokenizer.path={root / 'tokenizer.json'}", f"tokenizer.special_tokens={json.dumps(specials)}",
+            "tokenizer.bos_token=null", f"data.image_processor={root}", "data.seq_len=2048", "data.batch_size=8",
+            "data.patches_per_row=8192", "data.validation_split_percentage=0"])
+        start = time.perf_counter()
+        store = prepare(config, splits=("train",)).stores["train"]
+        prepared_s = time.perf_counter() - start
+        image_bytes = sum(len(pixels) for pixels in store.images.pixels)  # (each shard's memory map)
+        planner = EpochPlanner(config, store)
+        batches = sum(planner.window_batches(0, w) for w in range(len(planner.windows(0))))
+        data = iter(build_pipeline(config, store))
+        rss = [{"after": "prepare", **resident_mb()}]
+        start = time.perf_counter()
+        for k in range(batches):
+            next(data)
+            if k == 0 or (k + 1) % max(1, batches // 10) == 0:
+                rss.append({"after": f"batch {k + 1}", **resident_mb()})
+        seconds = time.perf_counter() - start
+    return {"chats": args.store, "images_in_store_mb": image_bytes / 1e6, "batches": batches,
+            "prepare_seconds": round(prepared_s, 1), "batches_per_s": round(batches / seconds, 2), "rss": rss}
+
+
 def main() -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--examples", type=int, default=4000)
@@ -144,6 +219,7 @@ def main() -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-python", default=None)
     p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--store", type=int, default=0, help="also read one epoch from a store of this many image chats")
     args = p.parse_args()
     if args.hf_worker:
         hf_worker(args.images, args.seed)
@@ -156,7 +232,7 @@ def main() -> dict:
            "host": platform.node(), "command": " ".join(["python scripts/bench_vision.py", *sys.argv[1:]]),
            "examples": len(tokens), "tokens": int(tokens.sum()), "patches": int(patches.sum()), "rows": args.rows,
            "seq_len": args.seq_len, "patch_budget": args.patch_budget, "packing": packing(args, tokens, patches),
-           "preprocessing": preprocessing(args)}
+           "preprocessing": preprocessing(args), **({"store": store_memory(args)} if args.store else {})}
     print(json.dumps(out), flush=True)
     return out
 

@@ -267,6 +267,33 @@ def test_batches_from_the_store_hold_both_budgets_every_example_once_and_resume_
         np.testing.assert_array_equal(value, batches[2][key])
 
 
+def test_a_batch_of_image_chats_reads_its_own_rows_images_only(folder, tmp_path, monkeypatch):
+    """Reading batch k builds batch k's image fields alone (its rows' patches), never a group of batches at once:
+    a batch's patches weigh far more than its tokens (scripts/bench_vision.py --store: resident memory stays flat as
+    the corpus of images grows)."""
+    from seqjax.data import epochs, image_rows
+
+    records = [chat for _ in range(6) for chat in chats()]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in records))
+    (tmp_path / "img").symlink_to(folder / "img")
+    cfg = config(folder, tmp_path, "qwen3_vl_training", "data.seq_len=128", "data.patches_per_row=128",
+                 "data.batch_size=2", files=tmp_path / "chats.jsonl")
+    store = prepare(cfg, splits=("train",)).stores["train"]
+    built, real = [], image_rows.stored_image_fields
+
+    def counted(*args, **kwargs):
+        built.append(args[5])  # n_rows
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(image_rows, "stored_image_fields", counted)
+    planner = EpochPlanner(cfg, store)
+    dataset = epochs.window_dataset(planner, 0, 0, 0, 1)
+    assert len(dataset) > 2
+    for k in (0, 1, len(dataset) - 1):
+        assert dataset[k]["patches"].shape[0] == 2
+    assert built == [2, 2, 2]  # one batch's rows each time
+
+
 def test_an_image_changed_after_prepare_rebuilds_the_store_not_reuses_it(folder, tmp_path):
     """The data file names its images, so its own size and time do not cover them: a store records each image
     file it read and a reuse compares them; a changed one sets the shard aside (kept, in damaged/) and rebuilds."""

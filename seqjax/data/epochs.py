@@ -70,6 +70,8 @@ def window_dataset(planner: EpochPlanner, epoch: int, position: int, process_ind
     scores = target_weights(planner.store, normalization)
     local = plan.batch_size // process_count
     group = max(1, BUILD_SLOTS // (local * int(plan.widths.max()))) if plan.num_batches else 1
+    if planner.image_spec is not None:  # a batch's patches weigh more than a group of token rows: one at a time
+        group = 1
     cache: dict[int, Batch] = {}
 
     def build(g: int) -> Batch:
