@@ -7,15 +7,19 @@ alone) were made by transformers itself from the committed script scripts/make_i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from seqjax.core.errors import CheckpointError
 from seqjax.hf import folders
 from seqjax.hf.vision import vision_language_config
-from vision_support import LOGITS, REFERENCE, VL, logits, vl_model, write_hf_folder
+from seqjax.model import build_model
+from vision_support import LOGITS, REFERENCE, VL, batch, logits, vl_model, write_hf_folder
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +76,14 @@ def test_a_qwen3_vl_folder_with_sharded_weights_reads_as_the_same_model(model, t
     shard.write_bytes(shard.read_bytes()[:200])  # truncated
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: cannot read tensor"):
         folders.load(folder)
+
+
+def test_image_fields_without_a_tower_or_without_their_positions_are_one_line(model):
+    fields = {k: jnp.asarray(v) for k, v in batch([["one_image"]], 30, 64).items() if k not in ("targets", "weights")}
+    inputs = fields.pop("inputs")
+    text_model = build_model(dataclasses.replace(VL.text, vision=dataclasses.replace(VL.text.vision, depth=0),
+                                                 mrope_section=[]), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="the batch has image fields .* but the model has no vision tower"):
+        text_model(inputs, **fields)
+    with pytest.raises(ValueError, match="positions_3d and the image fields go together"):
+        model(inputs, **{k: v for k, v in fields.items() if k != "positions_3d"})

@@ -124,10 +124,7 @@ class TransformerLM(nnx.Module):
         token_key, embed_key, blocks_key = split_keys(dropout_key, 3)
         x = drop(self.embed_dropout, drop(self.token_dropout, self.embed_tokens(inputs), token_key),
                  embed_key)
-        if (positions_3d is None) != (self.mrope_axes is None or not images):
-            if positions_3d is not None or images:
-                raise ValueError("positions_3d and the image fields go together, to a model with "
-                                 "model.mrope_section set")
+        self.check_images(positions_3d, images)
         injections = None
         if images:
             x, injections = self.with_images(x, prefix_ids, images)
@@ -136,12 +133,17 @@ class TransformerLM(nnx.Module):
                                         prefix_ids=prefix_ids, injections=injections))
         return x, self.head().astype(x.dtype)
 
+    def check_images(self, positions_3d, images: dict[str, jax.Array]) -> None:
+        """Image fields need a tower, and come with their 3-D positions (trace time, one line)."""
+        if images and self.vision is None:
+            raise ValueError(f"the batch has image fields ({', '.join(sorted(images))}) but the model has no "
+                             "vision tower (model.vision.depth 0)")
+        if bool(images) != (positions_3d is not None):
+            raise ValueError("positions_3d and the image fields go together: expected both or neither")
+
     def with_images(self, x: jax.Array, prefix_ids, images: dict[str, jax.Array]):
-        """(embeddings with the images in, DeepStack's additions or None); a model without a tower, a
-        shared prompt or a missing field is refused."""
-        if self.vision is None:
-            raise ValueError(f"the batch has image fields ({', '.join(sorted(images))}) but the model has no vision "
-                             "tower (model.vision.depth 0)")
+        """(embeddings with the images in, DeepStack's additions or None); a shared prompt or a
+        missing field is refused."""
         if prefix_ids is not None:
             raise ValueError("prefix_ids (a shared prompt) with images: expected data.shared_prompt=false")
         if sorted(images) != sorted(IMAGE_FIELDS):
@@ -160,6 +162,7 @@ class TransformerLM(nnx.Module):
         on every axis, as Qwen3-VL's text does.
         """
         self.check_batch(inputs, positions, segment_ids)
+        self.check_images(positions_3d, images)
         x, injections = self.embed_tokens(inputs), None
         if images:
             x, injections = self.with_images(x, None, images)
