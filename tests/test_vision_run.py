@@ -81,6 +81,9 @@ def test_a_qwen3_vl_folder_fine_tunes_on_image_chats_resumes_exactly_exports_and
     assert len(exported["whole"]) == n_layers * 7 * 2
     assert all(n.startswith("base_model.model.model.language_model.layers.") for n in exported["whole"])
     assert max(np.abs(t).max() for n, t in exported["whole"].items() if "lora_B" in n) > 0  # trained off B = 0
+    with pytest.raises(SystemExit):  # a whole VL folder is not written: one line, nothing created
+        export.main(["--run", str(root / "whole"), "--out", str(tmp_path / "merged"), "--merge"])
+    assert "writing a Qwen3-VL folder" in capsys.readouterr().err and not (tmp_path / "merged").exists()
     adapter = json.loads((tmp_path / "whole" / peft.ADAPTER_CONFIG).read_text())
     assert adapter["base_model_name_or_path"] == str(folder) and adapter["r"] == 4
     capsys.readouterr()

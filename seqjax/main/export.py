@@ -75,6 +75,9 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     if cfg.lora.rank and not args.merge:
         adapters = nnx.to_pure_dict(nnx.state(model, trained_filter(cfg.lora)))
         return _export_adapter(args, cfg, adapters, _peft_base(args, config))
+    if cfg.vision.depth:  # (before any weight is merged or written)
+        raise UsageError(f"--out {args.out}: writing a Qwen3-VL folder (the tower's tensors, its config.json) is not "
+                         "built; expected a model.lora run without --merge (its adapters export as a PEFT folder)")
     if args.merge and not cfg.lora.rank:
         raise UsageError(
             "--merge: the run has no adapters (model.lora.rank is 0); export it without --merge")
