@@ -1,9 +1,9 @@
-"""``model.vision``: a Qwen3-VL vision encoder's settings, read from a Hugging Face ``config.json``'s
-``vision_config`` (or a run's config.yaml).
+"""``model.vision``: a Qwen3-VL vision encoder's settings, read from a Hugging Face
+``config.json``'s ``vision_config`` (or a run's config.yaml).
 
-Every field that changes the computation is read, or refused when another encoder's (:data:`REFUSED`):
-:func:`vision_from_hf` names the field, the value and what is supported. Qwen2.5-VL's encoder (windowed
-blocks, a gated MLP, RMSNorm) is refused for now.
+Every field that changes the computation is read, or refused when another encoder's
+(:data:`REFUSED`): :func:`vision_from_hf` names the field, the value and what is supported.
+Qwen2.5-VL's encoder (windowed blocks, a gated MLP, RMSNorm) is refused for now.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ def _frozen(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
-    """``model.vision``: Qwen3-VL's vision tower (transformers' ``Qwen3VLVisionConfig``, its defaults except
-    ``depth``, whose 0 means a text model). A Hugging Face folder's ``vision_config`` fills it
-    (:func:`vision_from_hf`); a run's config.yaml keeps it, so eval, export and a resume build the same tower."""
+    """``model.vision``: Qwen3-VL's vision tower (transformers' ``Qwen3VLVisionConfig``, its
+    defaults except ``depth``, whose 0 means a text model). A Hugging Face folder's
+    ``vision_config`` fills it (:func:`vision_from_hf`); a run's config.yaml keeps it, so eval,
+    export and a resume build the same tower."""
 
     depth: int = setting(0, "vision blocks (0: no vision tower, a text model)", min=0, resume=MODEL)
     hidden_size: int = setting(1152, "the tower's width", min=1, resume=MODEL)
@@ -62,7 +63,8 @@ class VisionConfig:
         return int(round(self.num_position_embeddings**0.5))
 
     def check(self, where: str = "model.vision") -> None:
-        """The tower's rules (nothing to check at depth 0); ``where`` names the section in the line."""
+        """The tower's rules (nothing to check at depth 0); ``where`` names the section in the
+        line."""
         if not self.depth:
             return
         if self.hidden_act not in ACTIVATIONS:
@@ -82,12 +84,14 @@ ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 # read as they are
 READ = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size", "temporal_patch_size",
         "spatial_merge_size", "out_hidden_size", "num_position_embeddings", "deepstack_visual_indexes", "hidden_act")
-# fields of other encoders that change the computation (Qwen2.5-VL's windows, Qwen2-VL's widths): refused
+# fields of other encoders that change the computation (Qwen2.5-VL's windows, Qwen2-VL's widths):
+# refused
 REFUSED = ("window_size", "fullatt_block_indexes", "tokens_per_second", "embed_dim", "mlp_ratio", "in_chans")
 
 
 def vision_from_hf(fields: dict[str, Any], where: str = "config.json vision_config") -> VisionConfig:
-    """The settings of a Qwen3-VL ``vision_config``; a field or value seqjax does not compute is one line."""
+    """The settings of a Qwen3-VL ``vision_config``; a field or value seqjax does not compute is one
+    line."""
     model_type = fields.get("model_type", "qwen3_vl")
     if model_type not in ("qwen3_vl", "qwen3_vl_vision"):
         raise ConfigError(f"{where}: model_type {model_type!r} is not supported; expected qwen3_vl (Qwen2.5-VL's "

@@ -196,6 +196,7 @@ def prompt_image_fields(examples: list[ImageExample], layout: ImageLayout) -> di
     """The image fields of prompts (:func:`image_example`), one a row, right-padded as
     :func:`seqjax.model.decode.prompt_batch` pads their ids: what ``generate(images=...)`` takes."""
     width = max(len(e.ids) - 1 for e in examples)
-    patches = max(layout.merge_size**2, max(len(e.pixels) for e in examples))  # (a whole merged group at least)
+    # (a whole merged group at least)
+    patches = max(layout.merge_size**2, max(len(e.pixels) for e in examples))
     batch = image_batch(examples, np.arange(len(examples)), len(examples), width, patches, layout)
     return {k: v for k, v in batch.items() if k not in FIELDS}

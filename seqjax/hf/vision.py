@@ -1,11 +1,12 @@
-"""Qwen3-VL from a Hugging Face ``config.json`` and tensors: the text model as a Qwen3 (the family table's
-row, its tensors renamed), the vision tower (``model.visual.*``) as the ``vision`` subtree of a
-TransformerLM's ``nnx.to_pure_dict`` layout (:class:`seqjax.model.vision.VisionTower`).
+"""Qwen3-VL from a Hugging Face ``config.json`` and tensors: the text model as a Qwen3 (the family
+table's row, its tensors renamed), the vision tower (``model.visual.*``) as the ``vision`` subtree
+of a TransformerLM's ``nnx.to_pure_dict`` layout (:class:`seqjax.model.vision.VisionTower`).
 :mod:`seqjax.hf.folders` reads a Qwen3-VL folder through here.
 
-transformers stores a linear layer as ``weight [out, in]`` (seqjax: ``kernel [in, out]``), a LayerNorm as
-``weight``/``bias`` (seqjax: ``scale``/``bias``), and the patch embedding as a 3-D convolution whose kernel
-equals its stride, ``[D, C, t, p, p]``: on one patch flattened in that (C, t, p, p) order it is a linear layer.
+transformers stores a linear layer as ``weight [out, in]`` (seqjax: ``kernel [in, out]``), a
+LayerNorm as ``weight``/``bias`` (seqjax: ``scale``/``bias``), and the patch embedding as a 3-D
+convolution whose kernel equals its stride, ``[D, C, t, p, p]``: on one patch flattened in that (C,
+t, p, p) order it is a linear layer.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def _merger(read: Callable[[str], np.ndarray], name: str) -> dict[str, Any]:
 
 def vision_params(read: Callable[[str], np.ndarray], names: set[str], cfg: VisionConfig, prefix: str = PREFIX,
                   source: str = "the checkpoint") -> dict[str, Any]:
-    """The tower's parameters (float32): ``read(name)`` gives a tensor of the checkpoint, ``names`` are those it
-    holds; a missing tensor or a wrong shape is one line naming it."""
+    """The tower's parameters (float32): ``read(name)`` gives a tensor of the checkpoint, ``names``
+    are those it holds; a missing tensor or a wrong shape is one line naming it."""
     def get(name: str) -> np.ndarray:
         full = prefix + name
         if full not in names:
@@ -71,8 +72,8 @@ def vision_params(read: Callable[[str], np.ndarray], names: set[str], cfg: Visio
 
 @dataclasses.dataclass(frozen=True)
 class VisionLanguage:
-    """A Qwen3-VL ``config.json`` as seqjax reads it: the model (a Qwen3 row of the family table with
-    ``model.vision`` and ``model.mrope_section`` set) and the special tokens."""
+    """A Qwen3-VL ``config.json`` as seqjax reads it: the model (a Qwen3 row of the family table
+    with ``model.vision`` and ``model.mrope_section`` set) and the special tokens."""
 
     text: ModelConfig
     image_token_id: int
@@ -81,8 +82,9 @@ class VisionLanguage:
 
 
 def vision_language_config(config: dict[str, Any], source: str = "config.json") -> VisionLanguage:
-    """Qwen3-VL's ``config.json`` (a dict): its text_config read as Qwen3's (every field read or refused there),
-    its vision_config by :func:`vision_from_hf`; a video-only or missing field is one line."""
+    """Qwen3-VL's ``config.json`` (a dict): its text_config read as Qwen3's (every field read or
+    refused there), its vision_config by :func:`vision_from_hf`; a video-only or missing field is
+    one line."""
     text = dict(config.get("text_config") or {})
     rope = dict(text.get("rope_parameters") or {})
     section = rope.pop("mrope_section", None)
@@ -117,15 +119,16 @@ def is_vision_language(config: dict[str, Any]) -> bool:
 
 
 def text_name(name: str) -> str:
-    """A Qwen3-VL tensor's name as a Qwen3's (``model.language_model.X`` -> ``model.X``); others unchanged."""
+    """A Qwen3-VL tensor's name as a Qwen3's (``model.language_model.X`` -> ``model.X``); others
+    unchanged."""
     return "model." + name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
 
 
 def vision_language_params(read: Callable[[str], np.ndarray], names: Iterable[str], cfg: ModelConfig,
                            source: str, dtype: Any = np.float32) -> dict[str, Any]:
-    """A Qwen3-VL checkpoint's tensors as the ``nnx.to_pure_dict`` layout of a TransformerLM with a tower:
-    the text model's read as a Qwen3's (:func:`seqjax.hf.tensors.from_hf`, every tensor checked there),
-    ``vision`` the tower's (float32)."""
+    """A Qwen3-VL checkpoint's tensors as the ``nnx.to_pure_dict`` layout of a TransformerLM with a
+    tower: the text model's read as a Qwen3's (:func:`seqjax.hf.tensors.from_hf`, every tensor
+    checked there), ``vision`` the tower's (float32)."""
     names = set(names)
     words = {text_name(n): n for n in names if not n.startswith(PREFIX)}
     text = from_hf(lambda name: read(words[name]), words, cfg, source, dtype)
@@ -134,9 +137,10 @@ def vision_language_params(read: Callable[[str], np.ndarray], names: Iterable[st
 
 def vision_language_model(tensors: dict[str, np.ndarray], vl: VisionLanguage, text: ModelConfig | None = None,
                           source: str = "model.safetensors", seed: int = 0) -> TransformerLM:
-    """A :class:`TransformerLM` with a tower holding a Qwen3-VL checkpoint's ``tensors``. ``text``: the model's
-    config as a run sets it (``vl.text`` with its attention backend, ``model.lora``, scan, remat, the chunked
-    loss); adapters start as :func:`build_model` draws them from ``seed`` (B = 0: the base's function)."""
+    """A :class:`TransformerLM` with a tower holding a Qwen3-VL checkpoint's ``tensors``. ``text``:
+    the model's config as a run sets it (``vl.text`` with its attention backend, ``model.lora``,
+    scan, remat, the chunked loss); adapters start as :func:`build_model` draws them from ``seed``
+    (B = 0: the base's function)."""
     cfg = text or vl.text
     graphdef, state = nnx.split(build_model(cfg, rngs=nnx.Rngs(seed)))
     params = vision_language_params(tensors.__getitem__, tensors, cfg, source)

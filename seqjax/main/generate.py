@@ -90,7 +90,8 @@ def chat_prompts(path_text: str, config, tokenizer) -> tuple[list[str], list[lis
         record = {**record, "messages": without_nulls(record.get("messages"))}
         texts.append(chat_prompt(spec, record["messages"], where, record.get("tools"), record.get(KWARGS_FIELD)))
         ids.append(tokenizer.encode_text(texts[-1]))
-        if spec.image_spec is not None:  # (the record's images: its parts' paths, or its images column)
+        # (the record's images: its parts' paths, or its images column)
+        if spec.image_spec is not None:
             sources = image_sources(spec, record, where)
             expanded, _, images = expand_images(np.asarray(ids[-1]), np.zeros(len(ids[-1])), sources, spec,
                                                 tokenizer.token_id(spec.image_token), where)
@@ -162,7 +163,7 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     elif config.data.image_processor is not None:
         raise UsageError("--prompt/--prompts: got text for a model trained on chats with images; expected "
                          "--chat FILE.jsonl (its image parts read as training reads them)")
-    else:  # a prompt as the store encodes text, line by line, after the opening token every document has
+    else:  # a prompt as the store encodes text, after the opening token every document has
         ids = [tokenizer.opened(tokenizer.encode(text)) for text in texts]
     seed = config.run.seed if args.seed is None else args.seed
     start = time.perf_counter()

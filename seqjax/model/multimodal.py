@@ -1,7 +1,8 @@
-"""Qwen3-VL's images in a packed row: the vision tower's tokens in place of the text's image-pad tokens,
-and DeepStack's features for the first blocks. :class:`seqjax.model.transformer.TransformerLM` calls
-:func:`with_images` when its config has a tower (``model.vision``); the rest of the forward pass is the
-text model's, so LoRA, scan, remat and the chunked loss are its own.
+"""Qwen3-VL's images in a packed row: the vision tower's tokens in place of the text's image-pad
+tokens, and DeepStack's features for the first blocks.
+:class:`seqjax.model.transformer.TransformerLM` calls :func:`with_images` when its config has a
+tower (``model.vision``); the rest of the forward pass is the text model's, so LoRA, scan, remat and
+the chunked loss are its own.
 
 One forward pass, for B rows of T tokens, each row with its own P patches (its images, packed in one
 stream)::
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 
 from seqjax.model.vision import VisionTower
 
-# The batch fields a tower reads (seqjax.data.contract.OPTIONAL_FIELDS lists them with their shapes).
+# The batch fields a tower reads (seqjax.data.contract.OPTIONAL_FIELDS lists them with their
+# shapes).
 IMAGE_FIELDS = ("image_index", "patches", "patch_segment_ids", "patch_rows", "patch_columns", "patch_heights",
                 "patch_widths")
 
@@ -37,9 +39,9 @@ def with_images(tower: VisionTower, x: jax.Array, image_index: jax.Array, patche
                 patch_segment_ids: jax.Array, patch_rows: jax.Array, patch_columns: jax.Array,
                 patch_heights: jax.Array, patch_widths: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """(x [B, T, D] with each image-pad token's embedding replaced by its image token, DeepStack's
-    additions [k, B, T, D], zero on text, or None without DeepStack). ``image_index`` [B, T]: which of
-    its row's image tokens each image-pad token takes, -1 on text; ``patches`` [B, P, patch_dim] and
-    the patch fields [B, P] are :func:`seqjax.data.image_rows.image_batch`'s."""
+    additions [k, B, T, D], zero on text, or None without DeepStack). ``image_index`` [B, T]: which
+    of its row's image tokens each image-pad token takes, -1 on text; ``patches`` [B, P, patch_dim]
+    and the patch fields [B, P] are :func:`seqjax.data.image_rows.image_batch`'s."""
     tokens, deep = jax.vmap(tower)(patches, patch_segment_ids, patch_rows, patch_columns, patch_heights,
                                    patch_widths)  # per row
     is_image = (image_index >= 0)[..., None]

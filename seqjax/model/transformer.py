@@ -87,8 +87,8 @@ class TransformerLM(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.lm_head = None if cfg.tie_embeddings else normal_param(
             rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, pdt, ("embed", "vocab"))
-        # Qwen3-VL: the tower (float32 parameters whatever param_dtype) and which rotary frequencies turn
-        # with the time, row and column positions
+        # Qwen3-VL: the tower (float32 parameters whatever param_dtype) and which rotary frequencies
+        # turn with the time, row and column positions
         self.vision = VisionTower(cfg.vision, rngs) if cfg.vision.depth else None
         self.mrope_axes = tuple(int(a) for a in mrope_axes(cfg.head_dim // 2, tuple(cfg.mrope_section),
                                                            cfg.mrope_interleaved)) if cfg.mrope_section else None
@@ -116,8 +116,8 @@ class TransformerLM(nnx.Module):
 
         ``model.loss_chunk_tokens`` takes the loss from here (seqjax.model.loss.chunked_lm_loss), so
         the whole logits are never built. With a vision tower, ``positions_3d`` [B, T, 3] rotate the
-        rows (a text-only batch, without them, turns every axis with ``positions``, as Qwen3-VL does)
-        and ``images`` (:data:`seqjax.model.multimodal.IMAGE_FIELDS`) put the images in
+        rows (a text-only batch, without them, turns every axis with ``positions``, as Qwen3-VL
+        does) and ``images`` (:data:`seqjax.model.multimodal.IMAGE_FIELDS`) put the images in
         (:func:`seqjax.model.multimodal.with_images`).
         """
         self.check_batch(inputs, positions, segment_ids)
@@ -246,11 +246,11 @@ class TransformerLM(nnx.Module):
         """The stacked blocks under ``jax.lax.scan``: one block's body traced and compiled, whatever
         the depth.
 
-        Each step merges layer ``i``'s slice of the stacked state into a Block and
-        runs it (rematerialized as ``model.remat`` says); its dropout key is the
-        ``i``-th of the same split the unrolled loop uses, so both give the same numbers.
-        With ``injections`` [k, B, T, D] the first k layers are one scan that adds layer i's after it, the
-        rest another: two bodies, nothing added to the layers that take none.
+        Each step merges layer ``i``'s slice of the stacked state into a Block and runs it
+        (rematerialized as ``model.remat`` says); its dropout key is the ``i``-th of the same split
+        the unrolled loop uses, so both give the same numbers. With ``injections`` [k, B, T, D] the
+        first k layers are one scan that adds layer i's after it, the rest another: two bodies,
+        nothing added to the layers that take none.
         """
         graphdef, state = nnx.split(self.blocks)
 
