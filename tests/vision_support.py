@@ -12,14 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from PIL import Image
 from safetensors.numpy import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
 from hf_support import script_module
 from seqjax.data.image_rows import ImageExample, ImageLayout, image_batch
-from seqjax.hf.vision import vision_language_config, vision_language_model
-from seqjax.model.transformer import TransformerLM
+from seqjax.hf.vision import vision_language_config, vision_language_params
+from seqjax.model.stacking import blocks_layout
+from seqjax.model.transformer import TransformerLM, build_model
 from seqjax.store.images import QWEN3_VL, ImageSpec, pixel_values
 
 DATA = Path(__file__).parent / "data" / "vision"
@@ -30,9 +32,14 @@ VL = vision_language_config(REFERENCE["config"])
 
 
 def vl_model(**text) -> TransformerLM:
-    """The reference checkpoint as a seqjax model; ``text``: language-model settings (lora, scan_layers, ...)."""
+    """The reference checkpoint as a seqjax model; ``text``: language-model settings (lora, scan_layers, ...).
+    Adapters start as build_model draws them (B = 0: the base's function)."""
     cfg = dataclasses.replace(VL.text, attention="xla", **text)
-    return vision_language_model(load_file(str(DATA / "vl.safetensors")), VL, cfg, "vl.safetensors")
+    graphdef, state = nnx.split(build_model(cfg, rngs=nnx.Rngs(0)))
+    tensors = load_file(str(DATA / "vl.safetensors"))
+    params = vision_language_params(tensors.__getitem__, tensors, cfg, "vl.safetensors")
+    nnx.replace_by_pure_dict(state, blocks_layout(params, cfg.scan_layers))
+    return nnx.merge(graphdef, state)
 
 
 def spec() -> ImageSpec:

@@ -34,3 +34,9 @@ def setting(default, help: str, **meta):
 # refused unless train.allow_config_change.
 RESUME_KINDS = ("exact", "data", "model")
 DATA, MODEL = "data", "model"
+
+
+def hashable(value):
+    """A config value in a form that hashes: lists (model.remat_names,
+    model.vision.deepstack_visual_indexes) as tuples, at any depth."""
+    return tuple(map(hashable, value)) if isinstance(value, (list, tuple)) else value

@@ -11,12 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from seqjax.config.fields import MODEL, setting
+from seqjax.config.fields import MODEL, hashable, setting
 from seqjax.core.errors import ConfigError
-
-
-def _frozen(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +42,7 @@ class VisionConfig:
     rope_theta: float = setting(10000.0, "the tower's 2-D RoPE base", min=1.0, resume=MODEL)
 
     def __hash__(self) -> int:  # (the tower keeps it as static graph data; lists as tuples)
-        return hash(tuple(_frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))
+        return hash(hashable(dataclasses.astuple(self)))
 
     @property
     def head_dim(self) -> int:

@@ -15,15 +15,12 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 import numpy as np
-from flax import nnx
 
 from seqjax.config.model import ModelConfig
 from seqjax.config.vision import VisionConfig, vision_from_hf
 from seqjax.core.errors import CheckpointError, ConfigError
 from seqjax.hf.families import model_config_from_hf
 from seqjax.hf.tensors import from_hf
-from seqjax.model.stacking import blocks_layout
-from seqjax.model.transformer import TransformerLM, build_model
 
 PREFIX = "model.visual."
 TEXT_PREFIX = "model.language_model."
@@ -133,16 +130,3 @@ def vision_language_params(read: Callable[[str], np.ndarray], names: Iterable[st
     words = {text_name(n): n for n in names if not n.startswith(PREFIX)}
     text = from_hf(lambda name: read(words[name]), words, cfg, source, dtype)
     return {**text, "vision": vision_params(read, names, cfg.vision, source=source)}
-
-
-def vision_language_model(tensors: dict[str, np.ndarray], vl: VisionLanguage, text: ModelConfig | None = None,
-                          source: str = "model.safetensors", seed: int = 0) -> TransformerLM:
-    """A :class:`TransformerLM` with a tower holding a Qwen3-VL checkpoint's ``tensors``. ``text``:
-    the model's config as a run sets it (``vl.text`` with its attention backend, ``model.lora``,
-    scan, remat, the chunked loss); adapters start as :func:`build_model` draws them from ``seed``
-    (B = 0: the base's function)."""
-    cfg = text or vl.text
-    graphdef, state = nnx.split(build_model(cfg, rngs=nnx.Rngs(seed)))
-    params = vision_language_params(tensors.__getitem__, tensors, cfg, source)
-    nnx.replace_by_pure_dict(state, blocks_layout(params, cfg.scan_layers))
-    return nnx.merge(graphdef, state)

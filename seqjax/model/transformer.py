@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from seqjax.config.fields import hashable
 from seqjax.config.tree import Config, ModelConfig
 from seqjax.model.attention import TILED, resolve_backend
 from seqjax.model.block import Block, RMSNorm, drop, normal_param, split_keys, stacked_blocks, unrolled_blocks
@@ -36,17 +36,12 @@ from seqjax.model.rope import mrope_axes, mrope_positions, rope_frequencies
 from seqjax.model.vision import VisionTower
 
 
-def _frozen(value: Any) -> Any:
-    """Lists (model.remat_names) as tuples, at any depth, so the config hashes."""
-    return tuple(map(_frozen, value)) if isinstance(value, (list, tuple)) else value
-
-
 class _HashableModelConfig(ModelConfig):
     """The model's config, hashable so it can sit in the static graph definition that jit keys
     on."""
 
     def __hash__(self) -> int:
-        return hash(_frozen(dataclasses.astuple(self)))
+        return hash(hashable(dataclasses.astuple(self)))
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "_HashableModelConfig":
@@ -124,31 +119,30 @@ class TransformerLM(nnx.Module):
         token_key, embed_key, blocks_key = split_keys(dropout_key, 3)
         x = drop(self.embed_dropout, drop(self.token_dropout, self.embed_tokens(inputs), token_key),
                  embed_key)
-        self.check_images(positions_3d, images)
-        injections = None
-        if images:
-            x, injections = self.with_images(x, prefix_ids, images)
-        rotary = positions if positions_3d is None else mrope_positions(positions_3d, self.mrope_axes)
+        x, rotary, injections = self.with_images(x, positions, positions_3d, images, prefix_ids)
         x = self.final_norm(self.hidden(x, positions=rotary, segment_ids=segment_ids, dropout_key=blocks_key,
                                         prefix_ids=prefix_ids, injections=injections))
         return x, self.head().astype(x.dtype)
 
-    def check_images(self, positions_3d, images: dict[str, jax.Array]) -> None:
-        """Image fields need a tower, and come with their 3-D positions (trace time, one line)."""
+    def with_images(self, x: jax.Array, positions: jax.Array, positions_3d: jax.Array | None,
+                    images: dict[str, jax.Array], prefix_ids: jax.Array | None = None):
+        """(embeddings x with the images in, the positions the blocks rotate by, DeepStack's
+        additions or None). Without image fields: (x, ``positions``, None). Image fields without a
+        tower, without their 3-D positions, with a shared prompt or missing one are refused (trace
+        time, one line)."""
         if images and self.vision is None:
             raise ValueError(f"the batch has image fields ({', '.join(sorted(images))}) but the model has no "
                              "vision tower (model.vision.depth 0)")
         if bool(images) != (positions_3d is not None):
             raise ValueError("positions_3d and the image fields go together: expected both or neither")
-
-    def with_images(self, x: jax.Array, prefix_ids, images: dict[str, jax.Array]):
-        """(embeddings with the images in, DeepStack's additions or None); a shared prompt or a
-        missing field is refused."""
+        if not images:
+            return x, positions, None
         if prefix_ids is not None:
             raise ValueError("prefix_ids (a shared prompt) with images: expected data.shared_prompt=false")
         if sorted(images) != sorted(IMAGE_FIELDS):
             raise ValueError(f"image fields: got {sorted(images)}, expected {sorted(IMAGE_FIELDS)} (and positions_3d)")
-        return with_images(self.vision, x, **images)
+        x, injections = with_images(self.vision, x, **images)
+        return x, mrope_positions(positions_3d, self.mrope_axes), injections
 
     def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                cache: KVCache, positions_3d: jax.Array | None = None,
@@ -162,11 +156,7 @@ class TransformerLM(nnx.Module):
         on every axis, as Qwen3-VL's text does.
         """
         self.check_batch(inputs, positions, segment_ids)
-        self.check_images(positions_3d, images)
-        x, injections = self.embed_tokens(inputs), None
-        if images:
-            x, injections = self.with_images(x, None, images)
-        rotary = positions if positions_3d is None else mrope_positions(positions_3d, self.mrope_axes)
+        x, rotary, injections = self.with_images(self.embed_tokens(inputs), positions, positions_3d, images)
         start = cache.length
         seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32),
                                                   start, axis=1)
