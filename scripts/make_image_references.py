@@ -14,6 +14,11 @@ transformers with a fixed seed) and what it computes on :data:`TOWER_IMAGES` pre
 and given to it together (transformers packs them with ``cu_seqlens``): the image tokens (``pooler_output``) and
 the DeepStack features.
 
+``vl25.safetensors``, ``vl25.json`` and ``vl25_logits.safetensors``: the same for a tiny Qwen2.5-VL (:data:`VL25_TEXT`,
+:data:`VL25_TOWER`: windowed blocks with one full block, a gated MLP, RMSNorm, patch 14; bounds :data:`VL25_BOUNDS`
+so the images span several windows), and ``vl25_saved.json`` the tensor names ``save_pretrained`` writes for it
+(Hugging Face's Qwen2.5-VL checkpoints keep the older ``visual.*`` and ``model.layers.*`` names).
+
 ``rope.json``: the 3-D rope index transformers' ``get_rope_index`` gives (Qwen2.5-VL's and Qwen3-VL's, tiny models
 built here) for sequences of text and images of several grids (:data:`SEQUENCES`), each alone.
 """
@@ -47,6 +52,15 @@ VL_TEXT = {"hidden_size": 24, "num_hidden_layers": 3, "num_attention_heads": 4, 
                                "mrope_interleaved": True}}
 VL_TOKENS = {"image_token_id": 120, "vision_start_token_id": 121, "vision_end_token_id": 122}
 VL_EXAMPLES = {"one_image": [5, "wide", 4], "two_images": [3, "odd", 2, "small", 3], "text_only": [6]}
+# A tiny Qwen2.5-VL: a Qwen2 text model (biases on q, k, v; M-RoPE in three runs), a tower with 56-pixel windows
+# (2 x 2 merged groups) in blocks 0 and 2 and full attention in block 1.
+VL25_TEXT = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "intermediate_size": 48, "vocab_size": 128, "rms_norm_eps": 1e-6,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+VL25_TOWER = {"depth": 3, "hidden_size": 16, "num_heads": 2, "intermediate_size": 24, "out_hidden_size": 32,
+              "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 56,
+              "fullatt_block_indexes": [1], "hidden_act": "silu"}
+VL25_BOUNDS = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 30, "merge_size": 2, "temporal_patch_size": 2}
 # text runs (ints: their lengths) and images (grids t, h, w in patches), in order; merge size 2
 SEQUENCES = {"one_image": [3, (1, 4, 6), 5], "two_images": [2, (1, 8, 4), 3, (1, 2, 2), 1],
              "image_first": [(1, 6, 6), 4], "tall": [1, (1, 12, 2), 2], "text_only": [7]}
@@ -82,8 +96,13 @@ def sample_positions(name: str, shape: tuple[int, int]) -> np.ndarray:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("tests/data/vision"))
+    p.add_argument("--only", choices=["vl25"], help="make only these references (the others are left as they are)")
     args = p.parse_args()
     import transformers
+
+    if args.only == "vl25":
+        print(json.dumps({"vl25": vl25_references(transformers, args.out)}))
+        return
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +122,55 @@ def main() -> None:
     (args.out / "rope.json").write_text(json.dumps(rope_references(transformers)) + "\n")
     tower = tower_references(transformers, args.out)
     vl = vl_references(transformers, args.out)
-    print(json.dumps({"images": len(record["images"]), "rope": len(SEQUENCES), "tower": tower, "vl": vl}))
+    vl25 = vl25_references(transformers, args.out)
+    print(json.dumps({"images": len(record["images"]), "rope": len(SEQUENCES), "tower": tower, "vl": vl,
+                      "vl25": vl25}))
+
+
+def vl25_references(transformers, out: Path) -> dict:
+    """The tiny Qwen2.5-VL's weights (vl25.safetensors), each example's logits alone (vl25_logits.safetensors) and
+    the names save_pretrained gives its tensors (vl25_saved.json)."""
+    import tempfile
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    torch.manual_seed(3)
+    config = transformers.Qwen2_5_VLConfig(text_config=VL25_TEXT, vision_config=VL25_TOWER, **VL_TOKENS)
+    model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.3)
+    processor = Qwen2VLImageProcessorPil(**SETTINGS["qwen2_5_vl"], **VL25_BOUNDS)
+    drawn = images()
+    grids = {name: processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+             for name, image in drawn.items()}
+    logits, examples = {}, {}
+    for name in VL_EXAMPLES:
+        ids, names = vl_example(name, grids)
+        inputs = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([[
+            int(i == VL_TOKENS["image_token_id"]) for i in ids]])}
+        if names:
+            batch = processor(images=[drawn[n] for n in names], return_tensors="pt")
+            inputs.update(pixel_values=batch["pixel_values"].float(), image_grid_thw=batch["image_grid_thw"])
+        with torch.no_grad():
+            logits[name] = model(**inputs).logits[0].contiguous()
+        examples[name] = {"ids": ids, "images": names, "grids": [grids[n] for n in names]}
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        with safe_open(str(Path(tmp) / "model.safetensors"), "pt") as f:
+            saved = sorted(f.keys())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "vl25.safetensors"))
+    save_file(logits, str(out / "vl25_logits.safetensors"))
+    made_by = {"transformers": transformers.__version__, "torch": torch.__version__,
+               "script": "scripts/make_image_references.py"}
+    (out / "vl25_saved.json").write_text(json.dumps({"names": saved, "made_by": made_by}) + "\n")
+    (out / "vl25.json").write_text(json.dumps({
+        "text_config": VL25_TEXT, "vision_config": VL25_TOWER, "tokens": VL_TOKENS, "bounds": VL25_BOUNDS,
+        "examples": examples, "config": config.to_dict(), "made_by": made_by}) + "\n")
+    return {name: e["grids"] for name, e in examples.items()}
 
 
 def vl_example(name: str, grids: dict) -> tuple[list[int], list[str]]:

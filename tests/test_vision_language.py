@@ -1,14 +1,17 @@
-"""Qwen3-VL's forward pass (tower, image tokens in the text, interleaved M-RoPE, DeepStack) equal to
-transformers' Qwen3VLForConditionalGeneration: each example alone, and the three packed into one row with padding.
+"""The forward passes of Qwen3-VL (tower, image tokens in the text, interleaved M-RoPE, DeepStack) and Qwen2.5-VL
+(a windowed tower with a full block, M-RoPE in three runs, a Qwen2 text model) equal to transformers'
+Qwen3VLForConditionalGeneration and Qwen2_5_VLForConditionalGeneration: each example alone, and the three packed
+into one row with padding.
 
-The references (tests/data/vision/vl*.{json,safetensors}: a tiny random Qwen3-VL and each example's logits computed
-alone) were made by transformers itself from the committed script scripts/make_image_references.py.
+The references (tests/data/vision/vl*.{json,safetensors}, vl25*: tiny random models and each example's logits
+computed alone) were made by transformers itself from the committed script scripts/make_image_references.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,34 +22,47 @@ from seqjax.core.errors import CheckpointError
 from seqjax.hf import folders
 from seqjax.hf.vision import vision_language_config
 from seqjax.model import build_model
-from vision_support import LOGITS, REFERENCE, VL, batch, logits, vl_model, write_hf_folder
+from vision_support import QWEN2_5, REFERENCE, REFERENCES, VL, batch, hub_name, vl_model, write_hf_folder
+
+MODELS: dict = {}
+
+
+def model_of(family: str):
+    """Each reference as a seqjax model, built once per module."""
+    if family not in MODELS:
+        MODELS[family] = REFERENCES[family].model()
+    return MODELS[family]
 
 
 @pytest.fixture(scope="module")
 def model():
-    return vl_model()
+    return model_of("qwen3_vl")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(REFERENCE["examples"]))
-def test_each_image_and_text_example_alone_equals_transformers(model, name):
-    n = len(REFERENCE["examples"][name]["ids"]) - 1  # the inputs: the last id is only a target
-    ours = logits(model, [[name]], n, 64)[0]
-    theirs = LOGITS[name][:n]
+@pytest.mark.parametrize("family,name", [(f, n) for f, ref in REFERENCES.items() for n in sorted(ref.record["examples"])])
+def test_each_image_and_text_example_alone_equals_transformers(family, name):
+    ref = REFERENCES[family]
+    n = len(ref.record["examples"][name]["ids"]) - 1  # the inputs: the last id is only a target
+    ours = ref.logits(model_of(family), [[name]], n, 64)[0]
+    theirs = ref.logits_of[name][:n]
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
 
 
-def test_the_examples_packed_in_rows_equal_transformers_each_alone(model):
+@pytest.mark.parametrize("family", sorted(REFERENCES))
+def test_the_examples_packed_in_rows_equal_transformers_each_alone(family):
     """Three examples (two with images, one with two of different sizes) in one padded row, their four images in
     the row's padded patch stream, and a second row with one of them again: each example's logits are
-    transformers' for it alone, whatever it shares its row with."""
+    transformers' for it alone, whatever it shares its row with. Qwen2.5-VL's images span several windows each
+    (the last ones cut by the image's edges), and its middle block sees the whole image."""
+    ref = REFERENCES[family]
     rows = [["two_images", "text_only", "one_image"], ["one_image"]]
-    ours = logits(model, rows, 52, 96)
+    ours = ref.logits(model_of(family), rows, 52, 96)
     for r, names in enumerate(rows):
         at = 0
         for name in names:
-            n = len(REFERENCE["examples"][name]["ids"]) - 1
-            theirs = LOGITS[name][:n]
+            n = len(ref.record["examples"][name]["ids"]) - 1
+            theirs = ref.logits_of[name][:n]
             np.testing.assert_allclose(ours[r, at:at + n], theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
             at += n
 
@@ -62,6 +78,33 @@ def test_a_qwen3_vl_config_without_mrope_or_token_ids_is_one_line():
         vision_language_config(config)
 
 
+def test_a_qwen2_5_vl_config_field_of_the_other_encoder_or_a_window_under_a_group_is_one_line():
+    config = json.loads(json.dumps(QWEN2_5.record["config"]))
+    config["vision_config"]["deepstack_visual_indexes"] = [0]
+    with pytest.raises(CheckpointError, match="deepstack_visual_indexes are not read by seqjax's qwen2_5_vl"):
+        vision_language_config(config)
+    config = json.loads(json.dumps(QWEN2_5.record["config"]))
+    config["vision_config"]["window_size"] = 20
+    with pytest.raises(CheckpointError, match="window_size 20 is under one merged group .28 pixels."):
+        vision_language_config(config)
+
+
+def test_a_hub_qwen2_5_vl_folder_reads_as_the_same_model(tmp_path):
+    """The Qwen2.5-VL reference as the Hub keeps such checkpoints, which is also what transformers' save_pretrained
+    writes for it (``visual.*`` and ``model.layers.*``, vl25_saved.json), with the text model's fields flat in
+    config.json and M-RoPE as rope_scaling of type mrope: the same logits on a packed batch, bit for bit."""
+    saved = set(json.loads((Path(__file__).parent / "data" / "vision" / "vl25_saved.json").read_text())["names"])
+    assert {hub_name(name) for name in QWEN2_5.tensors()} == saved
+    folder = write_hf_folder(tmp_path / "vl25", ref=QWEN2_5, hub_layout=True)
+    assert "text_config" not in json.loads((folder / "config.json").read_text())
+    config, read = folders.load(folder, ["model.attention=xla"])
+    assert config.model.vision == QWEN2_5.vl.text.vision and not config.model.mrope_interleaved
+    rows = [["two_images", "text_only"], ["one_image"]]
+    vocab = QWEN2_5.record["config"]["text_config"]["vocab_size"]
+    np.testing.assert_array_equal(QWEN2_5.logits(read, rows, 40, 96)[..., :vocab],
+                                  QWEN2_5.logits(model_of("qwen2_5_vl"), rows, 40, 96))
+
+
 def test_a_qwen3_vl_folder_with_sharded_weights_reads_as_the_same_model(model, tmp_path):
     """The reference checkpoint saved as a Hugging Face folder (config.json, two shards and their index, a
     tokenizer) reads back through the one folder reader as the same model: the same logits on a packed batch,
@@ -71,7 +114,8 @@ def test_a_qwen3_vl_folder_with_sharded_weights_reads_as_the_same_model(model, t
     assert config.model.vision == VL.text.vision and config.model.mrope_section == VL.text.mrope_section
     rows = [["two_images", "text_only"], ["one_image"]]
     vocab = REFERENCE["config"]["text_config"]["vocab_size"]
-    np.testing.assert_array_equal(logits(read, rows, 40, 96)[..., :vocab], logits(model, rows, 40, 96))
+    np.testing.assert_array_equal(REFERENCES["qwen3_vl"].logits(read, rows, 40, 96)[..., :vocab],
+                                  REFERENCES["qwen3_vl"].logits(model, rows, 40, 96))
     shard = folder / "model-00002-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:200])  # truncated
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: cannot read tensor"):

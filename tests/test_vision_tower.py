@@ -1,4 +1,4 @@
-"""Qwen3-VL's vision encoder over a packed patch stream: equal to transformers' on four images of different grids
+"""The vision encoder over a packed patch stream (Qwen3-VL's; Qwen2.5-VL's windows as segments): equal to transformers' on four images of different grids
 given together, and packing-proof: an image computes the same alone, in any order, beside any other image, with
 padding patches after it (the non-causal form of the one mask).
 
@@ -27,7 +27,7 @@ from seqjax.config.vision import VisionConfig, vision_from_hf
 from seqjax.core.errors import CheckpointError, ConfigError
 from seqjax.hf.vision import vision_params
 from seqjax.model.mask import segment_mask
-from seqjax.model.vision import VisionTower, table_taps
+from seqjax.model.vision import VisionTower, table_taps, window_segments
 from seqjax.store.images import QWEN3_VL, ImageSpec, patch_inputs, pixel_values
 
 DATA = Path(__file__).parent / "data" / "vision"
@@ -113,6 +113,26 @@ def test_the_non_causal_mask_joins_exactly_the_patches_of_one_image(segments):
     assert (mask == expected).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 7), st.integers(1, 7)), min_size=1, max_size=4), st.integers(1, 3),
+       st.integers(0, 6))
+def test_window_segments_join_exactly_the_patches_of_one_window_of_one_image(groups, window, pad):
+    """Qwen2.5-VL's windows as segments: two patches share an id iff they are of the same image and the same
+    window (``window`` x ``window`` merged groups from the image's top-left corner, transformers'
+    get_vision_window_index), and padding patches have 0; so the non-causal mask over these ids keeps every window
+    to itself, whatever the images' sizes and order."""
+    grids = [(1, 2 * h, 2 * w) for h, w in groups]  # merged groups high and wide
+    inputs = patch_inputs(grids, 2, sum(h * w for _, h, w in grids) + 4 * pad)
+    side = 2 * window
+    ids = np.asarray(window_segments(*(jnp.asarray(inputs[k]) for k in ("segment_ids", "rows", "columns", "widths")),
+                                     side))
+    seg, rows, cols = inputs["segment_ids"], inputs["rows"], inputs["columns"]
+    key = [(s, r // side, c // side) if s else None for s, r, c in zip(seg, rows, cols)]
+    expected = np.asarray([[a is not None and a == b for b in key] for a in key])
+    assert ((ids[:, None] == ids[None, :]) & (ids[:, None] != 0) == expected).all()
+    assert ((ids == 0) == (seg == 0)).all()
+
+
 def test_patch_inputs_follow_the_processors_merge_order_and_pad_to_the_budget():
     inputs = patch_inputs([(1, 2, 4), (1, 2, 2)], 2, budget=16)
     assert inputs["segment_ids"].tolist() == [1] * 8 + [2] * 4 + [0] * 4
@@ -132,9 +152,13 @@ def test_patch_inputs_follow_the_processors_merge_order_and_pad_to_the_budget():
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"model_type": "qwen2_5_vl"}, "model_type 'qwen2_5_vl' is not supported"),
-    ({"window_size": 112}, "window_size are not read"),
-    ({"hidden_act": "silu"}, "hidden_act 'silu'"),
+    ({"model_type": "qwen2_vl"}, "model_type 'qwen2_vl' is not supported"),
+    ({"window_size": 112}, "window_size are not read by seqjax's qwen3_vl"),
+    ({"model_type": "qwen2_5_vl", "num_position_embeddings": 16}, "num_position_embeddings are not read"),
+    ({"model_type": "qwen2_5_vl", "in_chans": 4}, "in_chans 4 differs from in_channels 3"),
+    ({"model_type": "qwen2_5_vl", "fullatt_block_indexes": [40]}, r"fullatt_block_indexes \[40\]; expected layers "
+     "below depth 32"),
+    ({"hidden_act": "quick_gelu"}, "hidden_act 'quick_gelu'"),
     ({"num_position_embeddings": 10}, "num_position_embeddings 10 is not a square"),
     ({"deepstack_visual_indexes": [5], "depth": 3}, r"deepstack_visual_indexes \[5\]"),
 ])

@@ -52,7 +52,7 @@ from seqjax.core.progress import progress_bar
 from seqjax.hf.families import hf_config, model_config_from_hf
 from seqjax.hf.tensors import from_hf as params_from_hf
 from seqjax.hf.tensors import to_hf
-from seqjax.hf.vision import is_vision_language, vision_language_config, vision_language_params
+from seqjax.hf.vision import TEXT_PREFIX, is_vision_language, vision_language_config, vision_language_params
 from seqjax.model import build_model
 from seqjax.model.stacking import blocks_layout
 from seqjax.model.transformer import TransformerLM
@@ -187,7 +187,7 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     if not (path / CONFIG_JSON).is_file():
         raise CheckpointError(f"{path}: no {CONFIG_JSON}; expected a Hugging Face model folder")
     config_json = read_json(path / CONFIG_JSON)
-    if is_vision_language(config_json):  # Qwen3-VL: a Qwen3 with model.vision set
+    if is_vision_language(config_json):  # Qwen3-VL or Qwen2.5-VL: a Qwen3 or Qwen2 with model.vision set
         model = vision_language_config(config_json, str(path / CONFIG_JSON)).text
     else:
         model = model_config_from_hf(config_json, str(path / CONFIG_JSON))
@@ -215,8 +215,10 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
 def _own_head(path: Path, model: ModelConfig, weight_map: dict[str, Path]) -> ModelConfig:
     """``model`` untied when config.json ties the head to the embeddings but the folder holds its own, different
     ``lm_head.weight``: transformers (5.x) then keeps the file's head, and so does seqjax."""
-    head, embed = "lm_head.weight", "model.embed_tokens.weight"
-    if not model.tie_embeddings or head not in weight_map or embed not in weight_map:
+    head = "lm_head.weight"
+    embed = next((n for n in ("model.embed_tokens.weight", f"{TEXT_PREFIX}embed_tokens.weight") if n in weight_map),
+                 None)  # (a text model's, or a VL model's in transformers 5's names)
+    if not model.tie_embeddings or head not in weight_map or embed is None:
         return model
     try:
         tensors = []

@@ -1,5 +1,14 @@
-"""Qwen3-VL's vision encoder (Flax NNX) over a packed stream of patches: every image of a batch in one
-sequence, each its own segment.
+"""The vision encoder of Qwen3-VL and Qwen2.5-VL (Flax NNX) over a packed stream of patches: every image of a
+batch row in one sequence, each its own segment. The two are settings of this one tower
+(:class:`seqjax.config.vision.VisionConfig`):
+
+    setting          Qwen3-VL                       Qwen2.5-VL
+    norm             layer_norm                     rms_norm
+    gated_mlp        no: fc2(act(fc1(x)))           yes: down(act(gate(x)) * up(x)), act silu
+    patch_bias       yes                            no
+    positions        learned table + 2-D rotary     2-D rotary only (num_position_embeddings 0)
+    window_size      0                              windows of window_size pixels, except fullatt_block_indexes
+    deepstack        deepstack_visual_indexes       none
 
 Shapes (P patches in the stream, D hidden_size, F intermediate_size, m spatial merge size, O out_hidden_size)::
 
@@ -7,6 +16,13 @@ Shapes (P patches in the stream, D hidden_size, F intermediate_size, m spatial m
     depth x block:  x + attn(norm1(x)),  x + mlp(norm2(x))        2-D rotary positions (row, column)
     merger:         norm, then m * m neighbours as one [P / m^2, m^2 D] row -> fc1 -> gelu -> fc2 -> [P / m^2, O]
     deepstack:      after the blocks in ``deepstack_visual_indexes``, a merger (norm after the regrouping) each
+
+Qwen2.5-VL's windows are segments too (:func:`window_segments`): a windowed block's mask is the same
+non-causal mask over ids that give every (image, window) pair its own segment. transformers instead
+reorders the patches window by window, runs variable-length attention over ``cu_window_seqlens`` and
+restores the order after the merger; attention does not depend on the order of its keys, and the
+merger's groups of m * m patches stay whole either way, so both compute the same thing, and here no
+patch moves.
 
 Attention is the one mask (:func:`seqjax.model.mask.segment_mask`) in its non-causal form: a patch sees every
 patch of its image and none of another's; padding patches (segment 0) see nothing and give zeros. transformers
@@ -30,15 +46,18 @@ from seqjax.config.vision import VisionConfig
 from seqjax.model.attention import masked_attention
 from seqjax.model.mask import segment_mask
 
-EPS = 1e-6  # every LayerNorm of the encoder
+EPS = 1e-6  # every norm of the encoder
+ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu}
 
 
-def _linear(n_in: int, n_out: int, rngs: nnx.Rngs, dtype) -> nnx.Linear:
-    return nnx.Linear(n_in, n_out, use_bias=True, param_dtype=jnp.float32, dtype=dtype, rngs=rngs)
+def _linear(n_in: int, n_out: int, rngs: nnx.Rngs, dtype, bias: bool = True) -> nnx.Linear:
+    return nnx.Linear(n_in, n_out, use_bias=bias, param_dtype=jnp.float32, dtype=dtype, rngs=rngs)
 
 
-def _norm(width: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(width, epsilon=EPS, param_dtype=jnp.float32, dtype=jnp.float32, rngs=rngs)
+def _norm(cfg: VisionConfig, width: int, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm:
+    kind = nnx.RMSNorm if cfg.norm == "rms_norm" else nnx.LayerNorm
+    return kind(width, epsilon=EPS, param_dtype=jnp.float32, dtype=jnp.float32, rngs=rngs)
 
 
 def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
@@ -65,21 +84,45 @@ def table_taps(rows: jax.Array, columns: jax.Array, heights: jax.Array, widths: 
     return index, (r_weights[:, :, None] * c_weights[:, None, :]).reshape(-1, 4)
 
 
+def window_segments(segment_ids: jax.Array, rows: jax.Array, columns: jax.Array, widths: jax.Array,
+                    side: int) -> jax.Array:
+    """[P] ids that give every (image, window) pair its own segment, 0 on padding: Qwen2.5-VL's windows
+    of ``side`` x ``side`` patches (window_size // patch_size), counted from each image's top-left
+    corner, the last ones cut by its edges (transformers' ``get_vision_window_index``).
+
+    An image's patches are contiguous in the stream; its windows are numbered from the index of its
+    first patch, and an image has fewer windows than patches, so no two images share an id.
+    """
+    index = jnp.arange(segment_ids.shape[0])
+    starts = segment_ids != jnp.concatenate([jnp.full((1,), -1, segment_ids.dtype), segment_ids[:-1]])
+    first = jax.lax.cummax(jnp.where(starts, index, 0))  # each patch's image's first patch
+    window = (rows // side) * -(-widths // side) + columns // side
+    return jnp.where(segment_ids > 0, first + window + 1, 0)
+
+
 class VisionBlock(nnx.Module):
 
     def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs, dtype=jnp.float32):
-        d = cfg.hidden_size
+        d, f = cfg.hidden_size, cfg.intermediate_size
         self.heads = cfg.num_heads
-        self.exact_gelu = cfg.hidden_act == "gelu"
-        self.norm1, self.norm2 = _norm(d, rngs), _norm(d, rngs)
+        self.act = cfg.hidden_act
+        self.norm1, self.norm2 = _norm(cfg, d, rngs), _norm(cfg, d, rngs)
         self.qkv, self.proj = _linear(d, 3 * d, rngs, dtype), _linear(d, d, rngs, dtype)
-        self.fc1, self.fc2 = _linear(d, cfg.intermediate_size, rngs, dtype), _linear(cfg.intermediate_size, d, rngs,
-                                                                                     dtype)
+        if cfg.gated_mlp:  # Qwen2.5-VL
+            self.gate, self.up, self.down = _linear(d, f, rngs, dtype), _linear(d, f, rngs, dtype), _linear(
+                f, d, rngs, dtype)
+        else:
+            self.fc1, self.fc2 = _linear(d, f, rngs, dtype), _linear(f, d, rngs, dtype)
 
     def __call__(self, x: jax.Array, angles: jax.Array, mask: jax.Array) -> jax.Array:
         x = x + self.attend(self.norm1(x), angles, mask)
-        h = jax.nn.gelu(self.fc1(self.norm2(x)), approximate=not self.exact_gelu)
-        return x + self.fc2(h)
+        return x + self.mlp(self.norm2(x))
+
+    def mlp(self, x: jax.Array) -> jax.Array:
+        act = ACTIVATIONS[self.act]
+        if hasattr(self, "gate"):
+            return self.down(act(self.gate(x)) * self.up(x))
+        return self.fc2(act(self.fc1(x)))
 
     def attend(self, x: jax.Array, angles: jax.Array, mask: jax.Array) -> jax.Array:
         p = x.shape[0]
@@ -97,7 +140,7 @@ class Merger(nnx.Module):
         self.group = cfg.spatial_merge_size**2
         wide = cfg.hidden_size * self.group
         self.post_shuffle = post_shuffle
-        self.norm = _norm(wide if post_shuffle else cfg.hidden_size, rngs)
+        self.norm = _norm(cfg, wide if post_shuffle else cfg.hidden_size, rngs)
         self.fc1, self.fc2 = _linear(wide, wide, rngs, dtype), _linear(wide, cfg.out_hidden_size, rngs, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -111,9 +154,10 @@ class VisionTower(nnx.Module):
 
     def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
-        self.patch_embed = _linear(cfg.patch_dim, cfg.hidden_size, rngs, dtype)
-        self.pos_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(),
-                                                            (cfg.num_position_embeddings, cfg.hidden_size)))
+        self.patch_embed = _linear(cfg.patch_dim, cfg.hidden_size, rngs, dtype, bias=cfg.patch_bias)
+        if cfg.num_position_embeddings:  # Qwen3-VL's learned positions
+            self.pos_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(),
+                                                                (cfg.num_position_embeddings, cfg.hidden_size)))
         self.blocks = nnx.List([VisionBlock(cfg, rngs, dtype) for _ in range(cfg.depth)])
         self.merger = Merger(cfg, False, rngs, dtype)
         self.deepstack = nnx.List([Merger(cfg, True, rngs, dtype) for _ in cfg.deepstack_visual_indexes])
@@ -126,15 +170,20 @@ class VisionTower(nnx.Module):
         Returns (image tokens [P / m^2, O], DeepStack features [len(deepstack_visual_indexes), P / m^2, O]).
         """
         x = self.patch_embed(patches)
-        table_index, table_weight = table_taps(rows, columns, heights, widths, self.cfg.grid_side)
-        x = x + jnp.einsum("pk,pkd->pd", table_weight, self.pos_embed[...][table_index]).astype(x.dtype)
+        if self.cfg.num_position_embeddings:
+            table_index, table_weight = table_taps(rows, columns, heights, widths, self.cfg.grid_side)
+            x = x + jnp.einsum("pk,pkd->pd", table_weight, self.pos_embed[...][table_index]).astype(x.dtype)
         half = self.cfg.head_dim // 2  # rows rotate the first half of each head's pairs, columns the second
         inv_freq = 1.0 / (self.cfg.rope_theta**(jnp.arange(0, half, 2, dtype=jnp.float32) / half))
         angles = jnp.concatenate([rows[:, None] * inv_freq, columns[:, None] * inv_freq], axis=-1)
         mask = segment_mask(segment_ids[None], causal=False)  # [1, P, P]
+        windowed = mask  # Qwen2.5-VL's windows: segments of their own
+        if self.cfg.window_size:
+            windows = window_segments(segment_ids, rows, columns, widths, self.cfg.window_patches)
+            windowed = segment_mask(windows[None], causal=False)
         features = []
         for layer, block in enumerate(self.blocks):
-            x = block(x, angles, mask)
+            x = block(x, angles, mask if layer in self.cfg.fullatt_block_indexes else windowed)
             if layer in self.cfg.deepstack_visual_indexes:
                 features.append(self.deepstack[self.cfg.deepstack_visual_indexes.index(layer)](x))
         out = self.merger(x)
