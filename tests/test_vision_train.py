@@ -1,4 +1,4 @@
-"""A Qwen3-VL model trains through the one train step (seqjax.train.step, the lm objective) with LoRA on its
+"""A Qwen3-VL model (and a Qwen2.5-VL one) trains through the one train step (seqjax.train.step, the lm objective) with LoRA on its
 language model and the vision tower frozen: packed rows give the update of one example per row, two micro-batches
 the update of one batch, and scan, remat and the chunked loss the unrolled model's numbers.
 
@@ -18,7 +18,7 @@ from seqjax.config.model import LoraConfig
 from seqjax.model.lora import split_params
 from seqjax.model.stacking import blocks_layout
 from seqjax.train.step import make_train_step
-from vision_support import batch, vl_model
+from vision_support import QWEN2_5, batch, vl_model
 
 pytestmark = pytest.mark.slow  # (two minutes of compiling train steps; test_vision_language.py is the fast proof)
 LORA = LoraConfig(rank=4, alpha=8.0, init="gaussian")
@@ -26,10 +26,10 @@ PACKED = [["two_images", "text_only", "one_image"], ["one_image"]]
 ONE_PER_ROW = [["two_images"], ["one_image"], ["text_only"], ["one_image"]]
 
 
-def adapter_step(batch_: dict, grad_accum: int = 1, **text):
-    """One SGD step (lr 1) of the LoRA model on ``batch_``: (adapters before, after, metrics, the frozen part
-    before and after), the adapters' blocks unrolled whatever the model's layout."""
-    model = vl_model(lora=LORA, **text)
+def adapter_step(batch_: dict, grad_accum: int = 1, ref=None, **text):
+    """One SGD step (lr 1) of the LoRA model (Qwen3-VL's reference, or ``ref``'s) on ``batch_``: (adapters before,
+    after, metrics, the frozen part before and after), the adapters' blocks unrolled whatever the model's layout."""
+    model = (ref.model if ref else vl_model)(lora=LORA, **text)
     graphdef, trained, frozen, rest = split_params(model)
     trained, frozen = nnx.to_pure_dict(trained), nnx.to_pure_dict(frozen)
     frozen_before = jax.tree.map(np.array, frozen)
@@ -68,6 +68,22 @@ def test_scan_remat_and_the_chunked_loss_give_the_unrolled_update(packed_step):
     jax.tree.map(np.testing.assert_array_equal, s_before, before)  # the same seed draws the same adapters
     np.testing.assert_allclose(float(s_metrics["loss"]), float(metrics["loss"]), rtol=1e-6)
     jax.tree.map(lambda s, p, b: np.testing.assert_allclose(s - b, p - b, rtol=2e-4, atol=1e-8), scanned, packed,
+                 before)
+
+
+def test_qwen2_5_vl_packed_under_scan_remat_and_the_chunked_loss_gives_one_example_per_rows_update():
+    """Qwen2.5-VL's reference (a windowed tower, a Qwen2 text model): the packed batch under scan, full remat and
+    the chunked loss gives the update of the unrolled model on one example per row over two micro-batches."""
+    before, packed, metrics, frozen_before, frozen = adapter_step(
+        QWEN2_5.batch(PACKED, 52, 96), ref=QWEN2_5, scan_layers=True, remat="full", loss_chunk_tokens=16)
+    jax.tree.map(np.testing.assert_array_equal, frozen_before, jax.tree.map(np.asarray, frozen))
+    a_before, alone, alone_metrics, _, _ = adapter_step(QWEN2_5.batch(ONE_PER_ROW, 30, 64), grad_accum=2,
+                                                        ref=QWEN2_5)
+    jax.tree.map(np.testing.assert_array_equal, a_before, before)
+    assert float(metrics["weight_sum"]) == float(alone_metrics["weight_sum"]) > 0
+    np.testing.assert_allclose(float(metrics["loss"]), float(alone_metrics["loss"]), rtol=1e-6)
+    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), packed, before))) > 1e-4
+    jax.tree.map(lambda p, a, b: np.testing.assert_allclose(p - b, a - b, rtol=2e-4, atol=1e-8), packed, alone,
                  before)
 
 
