@@ -17,12 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import safe_open
 
 from seqjax.core.errors import CheckpointError
 from seqjax.hf import folders
 from seqjax.hf.vision import vision_language_config
 from seqjax.model import build_model
-from vision_support import QWEN2_5, REFERENCE, REFERENCES, VL, batch, hub_name, vl_model, write_hf_folder
+from seqjax.model.assembly import full_weights
+from vision_support import QWEN2_5, REFERENCE, REFERENCES, VL, batch, hub_name, write_hf_folder
 
 MODELS: dict = {}
 
@@ -40,7 +42,8 @@ def model():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,name", [(f, n) for f, ref in REFERENCES.items() for n in sorted(ref.record["examples"])])
+@pytest.mark.parametrize("family,name", [(f, n) for f, ref in REFERENCES.items()
+                                         for n in sorted(ref.record["examples"])])
 def test_each_image_and_text_example_alone_equals_transformers(family, name):
     ref = REFERENCES[family]
     n = len(ref.record["examples"][name]["ids"]) - 1  # the inputs: the last id is only a target
@@ -131,3 +134,50 @@ def test_image_fields_without_a_tower_or_without_their_positions_are_one_line(mo
         text_model(inputs, **fields)
     with pytest.raises(ValueError, match="positions_3d and the image fields go together"):
         model(inputs, **{k: v for k, v in fields.items() if k != "positions_3d"})
+
+
+@pytest.mark.parametrize("family", sorted(REFERENCES))
+def test_a_vl_model_written_as_a_hugging_face_folder_reads_back_as_the_same_model(family, tmp_path):
+    """seqjax.hf.write_folder on a VL model (what ``seqjax.export --merge`` calls): the tensors under the names
+    transformers' save_pretrained gives them (Qwen3-VL: model.language_model.*, model.visual.*; Qwen2.5-VL: the
+    Hub's model.* and visual.*, vl25_saved.json), config.json with transformers' own values for every field it
+    writes (the reference's config.json, made by transformers), the processor's preprocessor_config.json beside
+    them; read back, the same logits bit for bit."""
+    ref = REFERENCES[family]
+    base = write_hf_folder(tmp_path / "base", ref=ref)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": ref.spec.patch_size}))
+    config, model = folders.load(base, ["model.attention=xla"])
+    written = folders.write_folder(tmp_path / "out", model.cfg, full_weights(model), tokenizer_json=base /
+                                   "tokenizer.json", eos_token="<|im_end|>", bos_token=None,
+                                   image_processor=tmp_path / "preprocessor_config.json")
+    out = Path(written["out"])
+    assert json.loads((out / "preprocessor_config.json").read_text()) == {"patch_size": ref.spec.patch_size}
+    names = set(safe_open(str(out / "model.safetensors"), "np").keys())
+    theirs = {hub_name(n) if family == "qwen2_5_vl" else n for n in ref.tensors()}
+    assert names == theirs
+    ours, reference = json.loads((out / "config.json").read_text()), json.loads((base / "config.json").read_text())
+    for section in ("vision_config", "text_config"):
+        for key, value in ours[section].items():
+            # (the tokenizer's ids, seqjax's context length, and max_window_layers, which nothing reads without
+            # use_sliding_window, are the run's)
+            if key in reference[section] and key not in ("bos_token_id", "eos_token_id", "max_position_embeddings",
+                                                         "max_window_layers"):
+                assert reference[section][key] == value, (section, key)
+    assert {k: ours[k] for k in ("architectures", "model_type", "image_token_id", "vision_start_token_id",
+                                 "vision_end_token_id", "video_token_id")} == {
+        k: reference[k] for k in ("architectures", "model_type", "image_token_id", "vision_start_token_id",
+                                  "vision_end_token_id", "video_token_id")}
+    _, read = folders.load(out, ["model.attention=xla"])
+    assert read.cfg.vision == model.cfg.vision
+    rows = [["two_images", "text_only"], ["one_image"]]
+    np.testing.assert_array_equal(ref.logits(read, rows, 40, 96), ref.logits(model, rows, 40, 96))
+
+
+def test_a_tower_mixed_from_both_models_writes_no_folder(tmp_path):
+    model = model_of("qwen3_vl")
+    mixed = dataclasses.replace(model.cfg, vision=dataclasses.replace(model.cfg.vision, window_size=64,
+                                                                      fullatt_block_indexes=[1]))
+    with pytest.raises(CheckpointError, match="is neither Qwen3-VL's nor Qwen2.5-VL's settings"):
+        folders.write_folder(tmp_path / "out", mixed, full_weights(model), tokenizer_json=tmp_path / "none.json",
+                             eos_token="<|im_end|>", bos_token=None)
+    assert not (tmp_path / "out").exists()

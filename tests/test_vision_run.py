@@ -3,8 +3,8 @@ checkpoint whose logits test_vision_language.py checks against transformers, wit
 LoRA-fine-tuned on packed image-and-text chats from a JSONL file with image paths, with scan, remat, the chunked
 loss, two micro-batches and validation on image chats. A run stopped by SIGTERM and resumed gives the uninterrupted
 run's losses and adapters bit for bit; the adapters export as a PEFT folder for the VL model (the tensor names peft
-gives Qwen3VLForConditionalGeneration's language model, test_vision_peft.py), and the eval command scores the split
-as training's validation does.
+gives Qwen3VLForConditionalGeneration's language model, test_vision_peft.py) or merged as a Qwen3-VL folder that
+computes what the LoRA model does, and the eval command scores the split as training's validation does.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from seqjax.config.load import load_config
-from seqjax.hf import peft
+from seqjax.hf import folders, peft
+from seqjax.train.inference import load_for_inference
 from test_train_support import train_losses
-from vision_support import PROCESSOR, image_chats, tiny_overrides, trl_template, write_hf_folder
+from vision_support import PROCESSOR, QWEN3, image_chats, tiny_overrides, trl_template, write_hf_folder
 
 pytestmark = pytest.mark.slow  # (three short runs of a tiny VL model: about a minute of compiling)
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwen3_vl_lora.yaml"
@@ -81,9 +82,18 @@ def test_a_qwen3_vl_folder_fine_tunes_on_image_chats_resumes_exactly_exports_and
     assert len(exported["whole"]) == n_layers * 7 * 2
     assert all(n.startswith("base_model.model.model.language_model.layers.") for n in exported["whole"])
     assert max(np.abs(t).max() for n, t in exported["whole"].items() if "lora_B" in n) > 0  # trained off B = 0
-    with pytest.raises(SystemExit):  # a whole VL folder is not written: one line, nothing created
-        export.main(["--run", str(root / "whole"), "--out", str(tmp_path / "merged"), "--merge"])
-    assert "writing a Qwen3-VL folder" in capsys.readouterr().err and not (tmp_path / "merged").exists()
+    # --merge: the base with the adapters folded in, as a Qwen3-VL folder (its processor beside it) that reads back
+    # as a model computing what the LoRA run's does
+    export.main(["--run", str(root / "whole"), "--out", str(tmp_path / "merged"), "--merge"])
+    assert (tmp_path / "merged" / "preprocessor_config.json").read_text() == (
+        folder / "preprocessor_config.json").read_text()
+    _, merged = folders.load(tmp_path / "merged", ["model.attention=xla"])
+    _, lora = load_for_inference(root / "whole")
+    rows = [["two_images", "text_only"], ["one_image"]]
+    ours, theirs = QWEN3.logits(merged, rows, 40, 96), QWEN3.logits(lora, rows, 40, 96)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
+    base = QWEN3.logits(folders.load(folder, ["model.attention=xla"])[1], rows, 40, 96)
+    assert np.abs(base - theirs).max() > 1e-3 * np.abs(theirs).max()  # (the adapters moved them)
     adapter = json.loads((tmp_path / "whole" / peft.ADAPTER_CONFIG).read_text())
     assert adapter["base_model_name_or_path"] == str(folder) and adapter["r"] == 4
     capsys.readouterr()

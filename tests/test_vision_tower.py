@@ -1,11 +1,12 @@
-"""The vision encoder over a packed patch stream (Qwen3-VL's; Qwen2.5-VL's windows as segments): equal to transformers' on four images of different grids
-given together, and packing-proof: an image computes the same alone, in any order, beside any other image, with
-padding patches after it (the non-causal form of the one mask).
+"""The vision encoder over a packed patch stream (Qwen3-VL's; Qwen2.5-VL's windows as segments):
+equal to transformers' on four images of different grids given together, and packing-proof: an image
+computes the same alone, in any order, beside any other image, with padding patches after it (the
+non-causal form of the one mask).
 
-The references (tests/data/vision/tower.*) were made by transformers itself (Qwen3VLVisionModel, eager attention,
-random weights) from the committed script scripts/make_image_references.py; the images are drawn from their names
-by that script's own function and preprocessed here by seqjax (equal to transformers' processor:
-tests/test_images.py).
+The references (tests/data/vision/tower.*) were made by transformers itself (Qwen3VLVisionModel,
+eager attention, random weights) from the committed script scripts/make_image_references.py; the
+images are drawn from their names by that script's own function and preprocessed here by seqjax
+(equal to transformers' processor: tests/test_images.py).
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def test_image_tokens_and_deepstack_features_equal_transformers_on_images_packed
 @settings(max_examples=6, deadline=None)
 @given(st.permutations(range(4)), st.integers(1, 4), st.integers(0, 3))
 def test_an_image_computes_the_same_alone_as_packed_in_any_order_with_padding(order, count, pad_groups):
-    """No patch attends across images: each image's tokens, packed with others in a drawn order and padded by a
-    drawn number of merge groups, equal that image's tokens computed alone."""
+    """No patch attends across images: each image's tokens, packed with others in a drawn order and
+    padded by a drawn number of merge groups, equal that image's tokens computed alone."""
     chosen = images()
     picked = [chosen[i] for i in order[:count]]
     group = CFG.spatial_merge_size**2
@@ -117,10 +118,10 @@ def test_the_non_causal_mask_joins_exactly_the_patches_of_one_image(segments):
 @given(st.lists(st.tuples(st.integers(1, 7), st.integers(1, 7)), min_size=1, max_size=4), st.integers(1, 3),
        st.integers(0, 6))
 def test_window_segments_join_exactly_the_patches_of_one_window_of_one_image(groups, window, pad):
-    """Qwen2.5-VL's windows as segments: two patches share an id iff they are of the same image and the same
-    window (``window`` x ``window`` merged groups from the image's top-left corner, transformers'
-    get_vision_window_index), and padding patches have 0; so the non-causal mask over these ids keeps every window
-    to itself, whatever the images' sizes and order."""
+    """Qwen2.5-VL's windows as segments: two patches share an id iff they are of the same image and
+    the same window (``window`` x ``window`` merged groups from the image's top-left corner,
+    transformers' get_vision_window_index), and padding patches have 0; so the non-causal mask over
+    these ids keeps every window to itself, whatever the images' sizes and order."""
     grids = [(1, 2 * h, 2 * w) for h, w in groups]  # merged groups high and wide
     inputs = patch_inputs(grids, 2, sum(h * w for _, h, w in grids) + 4 * pad)
     side = 2 * window

@@ -1,9 +1,11 @@
-"""A Qwen3-VL model (and a Qwen2.5-VL one) trains through the one train step (seqjax.train.step, the lm objective) with LoRA on its
-language model and the vision tower frozen: packed rows give the update of one example per row, two micro-batches
-the update of one batch, and scan, remat and the chunked loss the unrolled model's numbers.
+"""A Qwen3-VL model (and a Qwen2.5-VL one) trains through the one train step (seqjax.train.step, the
+lm objective) with LoRA on its language model and the vision tower frozen: packed rows give the
+update of one example per row, two micro-batches the update of one batch, and scan, remat and the
+chunked loss the unrolled model's numbers.
 
-The model is the tiny random Qwen3-VL of tests/data/vision (transformers' own weights; test_vision_language.py
-checks its logits against transformers), its examples the reference chats with images of three sizes.
+The model is the tiny random Qwen3-VL of tests/data/vision (transformers' own weights;
+test_vision_language.py checks its logits against transformers), its examples the reference chats
+with images of three sizes.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ from seqjax.model.stacking import blocks_layout
 from seqjax.train.step import make_train_step
 from vision_support import QWEN2_5, batch, vl_model
 
-pytestmark = pytest.mark.slow  # (two minutes of compiling train steps; test_vision_language.py is the fast proof)
+# (two minutes of compiling train steps; test_vision_language.py is the fast proof)
+pytestmark = pytest.mark.slow
 LORA = LoraConfig(rank=4, alpha=8.0, init="gaussian")
 PACKED = [["two_images", "text_only", "one_image"], ["one_image"]]
 ONE_PER_ROW = [["two_images"], ["one_image"], ["text_only"], ["one_image"]]
 
 
 def adapter_step(batch_: dict, grad_accum: int = 1, ref=None, **text):
-    """One SGD step (lr 1) of the LoRA model (Qwen3-VL's reference, or ``ref``'s) on ``batch_``: (adapters before,
-    after, metrics, the frozen part before and after), the adapters' blocks unrolled whatever the model's layout."""
+    """One SGD step (lr 1) of the LoRA model (Qwen3-VL's reference, or ``ref``'s) on ``batch_``:
+    (adapters before, after, metrics, the frozen part before and after), the adapters' blocks
+    unrolled whatever the model's layout."""
     model = (ref.model if ref else vl_model)(lora=LORA, **text)
     graphdef, trained, frozen, rest = split_params(model)
     trained, frozen = nnx.to_pure_dict(trained), nnx.to_pure_dict(frozen)
@@ -65,15 +69,17 @@ def test_scan_remat_and_the_chunked_loss_give_the_unrolled_update(packed_step):
     before, packed, metrics, _, _ = packed_step
     s_before, scanned, s_metrics, _, _ = adapter_step(batch(PACKED, 52, 96), scan_layers=True, remat="full",
                                                       loss_chunk_tokens=16)
-    jax.tree.map(np.testing.assert_array_equal, s_before, before)  # the same seed draws the same adapters
+    # the same seed draws the same adapters
+    jax.tree.map(np.testing.assert_array_equal, s_before, before)
     np.testing.assert_allclose(float(s_metrics["loss"]), float(metrics["loss"]), rtol=1e-6)
     jax.tree.map(lambda s, p, b: np.testing.assert_allclose(s - b, p - b, rtol=2e-4, atol=1e-8), scanned, packed,
                  before)
 
 
 def test_qwen2_5_vl_packed_under_scan_remat_and_the_chunked_loss_gives_one_example_per_rows_update():
-    """Qwen2.5-VL's reference (a windowed tower, a Qwen2 text model): the packed batch under scan, full remat and
-    the chunked loss gives the update of the unrolled model on one example per row over two micro-batches."""
+    """Qwen2.5-VL's reference (a windowed tower, a Qwen2 text model): the packed batch under scan,
+    full remat and the chunked loss gives the update of the unrolled model on one example per row
+    over two micro-batches."""
     before, packed, metrics, frozen_before, frozen = adapter_step(
         QWEN2_5.batch(PACKED, 52, 96), ref=QWEN2_5, scan_layers=True, remat="full", loss_chunk_tokens=16)
     jax.tree.map(np.testing.assert_array_equal, frozen_before, jax.tree.map(np.asarray, frozen))
@@ -121,8 +127,8 @@ print(json.dumps(out))
 
 
 def test_on_a_mesh_rows_take_their_images_and_the_step_is_one_devices():
-    """On 4 forced host devices (data 2 x fsdp 2; data 2 with two micro-batches): every image field is cut by rows
-    as the text is, and the LoRA step on packed image rows is the one-device step."""
+    """On 4 forced host devices (data 2 x fsdp 2; data 2 with two micro-batches): every image field
+    is cut by rows as the text is, and the LoRA step on packed image rows is the one-device step."""
     import json
     import os
     import subprocess

@@ -1,5 +1,5 @@
-"""Shared helpers for the image tests: the tiny Qwen3-VL and Qwen2.5-VL reference checkpoints (tests/data/vision/, made by
-transformers from scripts/make_image_references.py) as a seqjax model, its examples as batches read them."""
+"""Shared helpers for the image tests: the tiny Qwen3-VL and Qwen2.5-VL reference checkpoints (tests/data/vision/,
+made by transformers from scripts/make_image_references.py) as a seqjax model, its examples as batches read them."""
 
 from __future__ import annotations
 

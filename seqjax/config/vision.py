@@ -64,6 +64,17 @@ class VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
+    def encoder(self) -> str | None:
+        """``qwen3_vl`` or ``qwen2_5_vl`` when the settings are that model's tower, else None (a
+        tower config.yaml mixed from both, which no Hugging Face model computes)."""
+        if all(getattr(self, k) == v for k, v in QWEN2_5_VL.items()):
+            return "qwen2_5_vl"
+        plain = (self.norm, self.gated_mlp, self.patch_bias, self.window_size) == ("layer_norm", False, True, 0)
+        if plain and self.num_position_embeddings and not self.fullatt_block_indexes:
+            return "qwen3_vl"
+        return None
+
+    @property
     def window_patches(self) -> int:
         """A window's side in patches: whole merged groups (transformers' ``window_size //
         spatial_merge_size // patch_size`` of them)."""

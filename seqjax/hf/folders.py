@@ -52,11 +52,19 @@ from seqjax.core.progress import progress_bar
 from seqjax.hf.families import hf_config, model_config_from_hf
 from seqjax.hf.tensors import from_hf as params_from_hf
 from seqjax.hf.tensors import to_hf
-from seqjax.hf.vision import TEXT_PREFIX, is_vision_language, vision_language_config, vision_language_params
+from seqjax.hf.vision import (
+    TEXT_PREFIX,
+    encoder_of,
+    is_vision_language,
+    vision_language_config,
+    vision_language_folder,
+    vision_language_params,
+)
 from seqjax.model import build_model
 from seqjax.model.stacking import blocks_layout
 from seqjax.model.transformer import TransformerLM
 from seqjax.model.weights import check_finite
+from seqjax.store.image_chats import PREPROCESSOR
 
 CONFIG_JSON = "config.json"
 WEIGHTS = "model.safetensors"
@@ -187,7 +195,8 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     if not (path / CONFIG_JSON).is_file():
         raise CheckpointError(f"{path}: no {CONFIG_JSON}; expected a Hugging Face model folder")
     config_json = read_json(path / CONFIG_JSON)
-    if is_vision_language(config_json):  # Qwen3-VL or Qwen2.5-VL: a Qwen3 or Qwen2 with model.vision set
+    # Qwen3-VL or Qwen2.5-VL: a Qwen3 or Qwen2 with model.vision set
+    if is_vision_language(config_json):
         model = vision_language_config(config_json, str(path / CONFIG_JSON)).text
     else:
         model = model_config_from_hf(config_json, str(path / CONFIG_JSON))
@@ -213,8 +222,9 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
 
 
 def _own_head(path: Path, model: ModelConfig, weight_map: dict[str, Path]) -> ModelConfig:
-    """``model`` untied when config.json ties the head to the embeddings but the folder holds its own, different
-    ``lm_head.weight``: transformers (5.x) then keeps the file's head, and so does seqjax."""
+    """``model`` untied when config.json ties the head to the embeddings but the folder holds its
+    own, different ``lm_head.weight``: transformers (5.x) then keeps the file's head, and so does
+    seqjax."""
     head = "lm_head.weight"
     embed = next((n for n in ("model.embed_tokens.weight", f"{TEXT_PREFIX}embed_tokens.weight") if n in weight_map),
                  None)  # (a text model's, or a VL model's in transformers 5's names)
@@ -236,8 +246,8 @@ def _own_head(path: Path, model: ModelConfig, weight_map: dict[str, Path]) -> Mo
 
 
 def tensor_reader(weight_map: dict[str, Path]) -> Callable[[str], np.ndarray]:
-    """``read(name)``: one tensor of a folder (:func:`tensor_files`), each file opened once; an unreadable or
-    non-finite tensor is one line naming the file and the tensor."""
+    """``read(name)``: one tensor of a folder (:func:`tensor_files`), each file opened once; an
+    unreadable or non-finite tensor is one line naming the file and the tensor."""
     handles: dict[Path, Any] = {}
 
     def read(name: str) -> np.ndarray:
@@ -353,7 +363,8 @@ def _tokenizer_with_opening_token(tokenizer_json: Path, bos: str) -> str:
 
 def _write_weights(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int,
                    dtype: str) -> tuple[list[str], int]:
-    """model.safetensors, or shards of at most ``max_shard_bytes`` with their index; (files, shards)."""
+    """model.safetensors, or shards of at most ``max_shard_bytes`` with their index; (files,
+    shards)."""
     groups = _shards(tensors, max_shard_bytes)
     log.info("writing %d tensors (%s, %.1f MB) to %s in %d file(s)", len(tensors), dtype,
              sum(t.nbytes for t in tensors.values()) / 1e6, out, len(groups))
@@ -376,23 +387,23 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
                  tokenizer_json: Path, eos_token: str, bos_token: str | None,
                  pad_token: str | None = None, dtype: str = "float32",
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 chat_template: str | None = None) -> dict[str, Any]:
-    """Write an HF Llama folder for ``cfg`` and ``params``; returns what was written.
+                 chat_template: str | None = None, image_token: str = "<|image_pad|>",
+                 image_processor: Path | None = None) -> dict[str, Any]:
+    """Write an HF folder for ``cfg`` and ``params`` (its family's, or Qwen3-VL's or Qwen2.5-VL's
+    with a tower, and then ``image_processor``'s preprocessor_config.json); returns what was
+    written.
 
     Tensors are cast to ``dtype`` and written by ``safetensors`` with the
     ``{"format": "pt"}`` metadata transformers expects, in one file or in
     shards of at most ``max_shard_bytes`` with an index.
     """
-    if cfg.vision.depth:
-        raise CheckpointError(f"{out}: writing a Qwen3-VL folder (the tower's tensors, its config.json) is not built; "
-                              "expected a text model (a vision-language run exports its adapters as a PEFT folder)")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if cfg.vision.depth:
+        # (a tower no Hugging Face model computes: refused before anything)
+        encoder_of(cfg, str(out))
     bos = bos_token or eos_token
     hf_tok = HFTokenizer.from_file(str(tokenizer_json))
     bos_id, eos_id = hf_tok.token_to_id(bos), hf_tok.token_to_id(eos_token)
-    tensors = {name: t.astype(DTYPES[dtype]) for name, t in to_hf(params, cfg).items()}
-    files, shards = _write_weights(out, tensors, max_shard_bytes, dtype)
     special = {"bos_token": bos, "eos_token": eos_token}
     pad_id = None
     if pad_token is not None:
@@ -400,9 +411,20 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
         if pad_id is None:
             raise CheckpointError(f"{tokenizer_json}: has no token {pad_token!r} (tokenizer.pad_token)")
         special["pad_token"] = pad_token
-    write_text_atomic(out / CONFIG_JSON, json.dumps(
-        hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype) | (
-            {"pad_token_id": pad_id} if pad_id is not None else {}), indent=2))
+    tensors = to_hf(params, cfg)
+    config_json = hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype) | (
+        {"pad_token_id": pad_id} if pad_id is not None else {})
+    # Qwen3-VL or Qwen2.5-VL: the text model under its VL names, the tower, their config
+    if cfg.vision.depth:
+        tensors, config_json = vision_language_folder(tensors, params["vision"], cfg, config_json,
+                                                      hf_tok.token_to_id, image_token, str(out))
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.astype(DTYPES[dtype]) for name, t in tensors.items()}
+    files, shards = _write_weights(out, tensors, max_shard_bytes, dtype)
+    write_text_atomic(out / CONFIG_JSON, json.dumps(config_json, indent=2))
+    if image_processor is not None:  # the processor the run's images were read with, as it was
+        write_text_atomic(out / PREPROCESSOR, image_processor.read_text(encoding="utf-8"))
+        files.append(PREPROCESSOR)
     write_text_atomic(out / TOKENIZER, _tokenizer_with_opening_token(tokenizer_json, bos))
     if hf_tok.token_to_id("<unk>") is not None:
         special["unk_token"] = "<unk>"

@@ -66,7 +66,8 @@ def block_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Converte
         ("self_attn.v_proj.weight", ("attn", "wv"), *heads_in(k)),
         ("self_attn.o_proj.weight", ("attn", "wo"), lambda w: w.reshape(h * dh, d).T,
          lambda t: t.T.reshape(h, dh, d)),
-        # Llama's post_attention_layernorm is its pre-MLP norm; Gemma's is the attention branch's post-norm
+        # Llama's post_attention_layernorm is its pre-MLP norm; Gemma's is the attention branch's
+        # post-norm
         ("post_attention_layernorm.weight",
          ("post_attn_norm", "scale") if gemma_norms else ("mlp_norm", "scale"), *same),
         ("mlp.gate_proj.weight", ("mlp", "w_gate"), *linear),
@@ -117,13 +118,15 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+def tree_get(tree: dict[str, Any], path: tuple) -> Any:
+    """The value at ``path`` (keys) of a nested dict."""
     for key in path:
         tree = tree[key]
     return tree
 
 
-def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+def tree_put(tree: dict[str, Any], path: tuple, value: Any) -> None:
+    """``value`` at ``path`` of a nested dict, making the dicts on the way."""
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
@@ -139,7 +142,7 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
     for i in range(cfg.n_layers):
         for name, path, to_hf_layout, _ in block_tensors(cfg):
             out[_layer(i) + name] = np.ascontiguousarray(
-                to_hf_layout(np.asarray(_get(params["blocks"][i], path))))
+                to_hf_layout(np.asarray(tree_get(params["blocks"][i], path))))
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
     return out
@@ -185,7 +188,7 @@ def from_hf(read: Callable[[str], np.ndarray], names: Iterable[str], cfg: ModelC
     for i in range(cfg.n_layers):
         block: dict[str, Any] = {}
         for name, path, _, from_hf_layout in block_tensors(cfg):
-            _put(block, path, np.ascontiguousarray(from_hf_layout(get(_layer(i) + name))))
+            tree_put(block, path, np.ascontiguousarray(from_hf_layout(get(_layer(i) + name))))
         params["blocks"][i] = block
     if not cfg.tie_embeddings:
         params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)

@@ -29,10 +29,12 @@ from seqjax.core.errors import UsageError
 from seqjax.core.files import check_new_folder, staged_folder, write_text_atomic
 from seqjax.hf import folders as hf
 from seqjax.hf import peft
+from seqjax.hf.vision import encoder_of
 from seqjax.main import cli, trained
 from seqjax.model.assembly import full_weights
 from seqjax.model.lora import trained_filter
 from seqjax.store.chat import find_chat_template
+from seqjax.store.image_chats import image_processor_file
 from seqjax.train.inference import newest_meta
 
 log = logging.getLogger(__name__)
@@ -75,9 +77,10 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     if cfg.lora.rank and not args.merge:
         adapters = nnx.to_pure_dict(nnx.state(model, trained_filter(cfg.lora)))
         return _export_adapter(args, cfg, adapters, _peft_base(args, config))
-    if cfg.vision.depth:  # (before any weight is merged or written)
-        raise UsageError(f"--out {args.out}: writing a Qwen3-VL folder (the tower's tensors, its config.json) is not "
-                         "built; expected a model.lora run without --merge (its adapters export as a PEFT folder)")
+    processor = None
+    if cfg.vision.depth:  # a VL folder: its settings checked before any weight is merged or written
+        encoder_of(cfg, f"--out {args.out}")
+        processor = _processor_file(config.data.image_processor)
     if args.merge and not cfg.lora.rank:
         raise UsageError(
             "--merge: the run has no adapters (model.lora.rank is 0); export it without --merge")
@@ -95,10 +98,24 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
             dtype=args.dtype,
             max_shard_bytes=args.max_shard_bytes,
             chat_template=find_chat_template(Path(tokenizer.path), config.data.chat_template),
+            image_token=config.data.image_token,
+            image_processor=processor,
         )
     result["out"] = str(args.out)
     print(json.dumps(result), flush=True)
     return result
+
+
+def _processor_file(image_processor: str | None) -> Path | None:
+    """The preprocessor_config.json a VL run read its images with, to go beside the weights; None,
+    said in one line, when the run names none or it is gone."""
+    file = image_processor_file(image_processor) if image_processor else None
+    if file is None or not file.is_file():
+        missing = f"data.image_processor's {file} is not there" if file else "the run names no data.image_processor"
+        log.warning("export: %s, so the folder gets no preprocessor_config.json; copy the base model's "
+                    "beside it", missing)
+        return None
+    return file
 
 
 def _peft_base(args: argparse.Namespace, config) -> str | None:

@@ -1,5 +1,5 @@
-"""The vision encoder of Qwen3-VL and Qwen2.5-VL (Flax NNX) over a packed stream of patches: every image of a
-batch row in one sequence, each its own segment. The two are settings of this one tower
+"""The vision encoder of Qwen3-VL and Qwen2.5-VL (Flax NNX) over a packed stream of patches: every
+image of a batch row in one sequence, each its own segment. The two are settings of this one tower
 (:class:`seqjax.config.vision.VisionConfig`):
 
     setting          Qwen3-VL                       Qwen2.5-VL
@@ -10,7 +10,8 @@ batch row in one sequence, each its own segment. The two are settings of this on
     window_size      0                              windows of window_size pixels, except fullatt_block_indexes
     deepstack        deepstack_visual_indexes       none
 
-Shapes (P patches in the stream, D hidden_size, F intermediate_size, m spatial merge size, O out_hidden_size)::
+Shapes (P patches in the stream, D hidden_size, F intermediate_size, m spatial merge size, O
+out_hidden_size)::
 
     patches [P, 3 * t * p * p]  --patch_embed-->  [P, D]  + learned positions (bilinear from a square table)
     depth x block:  x + attn(norm1(x)),  x + mlp(norm2(x))        2-D rotary positions (row, column)
@@ -24,16 +25,18 @@ restores the order after the merger; attention does not depend on the order of i
 merger's groups of m * m patches stay whole either way, so both compute the same thing, and here no
 patch moves.
 
-Attention is the one mask (:func:`seqjax.model.mask.segment_mask`) in its non-causal form: a patch sees every
-patch of its image and none of another's; padding patches (segment 0) see nothing and give zeros. transformers
-runs the same thing as variable-length attention over ``cu_seqlens``; here the boundaries are the segment ids,
-so packing images changes nothing an image computes (tests/test_vision_tower.py).
+Attention is the one mask (:func:`seqjax.model.mask.segment_mask`) in its non-causal form: a patch
+sees every patch of its image and none of another's; padding patches (segment 0) see nothing and
+give zeros. transformers runs the same thing as variable-length attention over ``cu_seqlens``; here
+the boundaries are the segment ids, so packing images changes nothing an image computes
+(tests/test_vision_tower.py).
 
-Host-side inputs (:func:`seqjax.store.images.patch_inputs`): each patch's image (segment id), its row and
-column in its image's grid, and that grid's height and width. The learned position of a patch is the square
-table resampled bilinearly to its image's grid, corners aligned (:func:`table_taps`: transformers'
-``fast_pos_embed_interpolate``, in float32 as it computes it). A shortcut admitted: the dense [P, P] mask is
-built in full, fine for the thousands of patches of a fine-tuning batch, not for video.
+Host-side inputs (:func:`seqjax.store.images.patch_inputs`): each patch's image (segment id), its
+row and column in its image's grid, and that grid's height and width. The learned position of a
+patch is the square table resampled bilinearly to its image's grid, corners aligned
+(:func:`table_taps`: transformers' ``fast_pos_embed_interpolate``, in float32 as it computes it). A
+shortcut admitted: the dense [P, P] mask is built in full, fine for the thousands of patches of a
+fine-tuning batch, not for video.
 """
 
 from __future__ import annotations
@@ -69,8 +72,8 @@ def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
 
 def table_taps(rows: jax.Array, columns: jax.Array, heights: jax.Array, widths: jax.Array,
                side: int) -> tuple[jax.Array, jax.Array]:
-    """The four entries of a ``side x side`` table that bilinear resampling (corners aligned) mixes for each
-    patch, and their weights: ([P, 4] int32, [P, 4] float32)."""
+    """The four entries of a ``side x side`` table that bilinear resampling (corners aligned) mixes
+    for each patch, and their weights: ([P, 4] int32, [P, 4] float32)."""
 
     def axis(index, size):  # the two taps along one axis and their weights
         source = index.astype(jnp.float32) * jnp.float32(side - 1) / jnp.maximum(size - 1, 1).astype(jnp.float32)
@@ -86,9 +89,9 @@ def table_taps(rows: jax.Array, columns: jax.Array, heights: jax.Array, widths: 
 
 def window_segments(segment_ids: jax.Array, rows: jax.Array, columns: jax.Array, widths: jax.Array,
                     side: int) -> jax.Array:
-    """[P] ids that give every (image, window) pair its own segment, 0 on padding: Qwen2.5-VL's windows
-    of ``side`` x ``side`` patches (window_size // patch_size), counted from each image's top-left
-    corner, the last ones cut by its edges (transformers' ``get_vision_window_index``).
+    """[P] ids that give every (image, window) pair its own segment, 0 on padding: Qwen2.5-VL's
+    windows of ``side`` x ``side`` patches (window_size // patch_size), counted from each image's
+    top-left corner, the last ones cut by its edges (transformers' ``get_vision_window_index``).
 
     An image's patches are contiguous in the stream; its windows are numbered from the index of its
     first patch, and an image has fewer windows than patches, so no two images share an id.
@@ -150,7 +153,8 @@ class Merger(nnx.Module):
 
 
 class VisionTower(nnx.Module):
-    """Patches in, the language model's image tokens out (and DeepStack's features for its first layers)."""
+    """Patches in, the language model's image tokens out (and DeepStack's features for its first
+    layers)."""
 
     def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         self.cfg = cfg
@@ -167,13 +171,15 @@ class VisionTower(nnx.Module):
         """patches [P, patch_dim]; segment_ids, rows, columns, heights, widths [P] int
         (:func:`seqjax.store.images.patch_inputs`).
 
-        Returns (image tokens [P / m^2, O], DeepStack features [len(deepstack_visual_indexes), P / m^2, O]).
+        Returns (image tokens [P / m^2, O], DeepStack features [len(deepstack_visual_indexes), P /
+        m^2, O]).
         """
         x = self.patch_embed(patches)
         if self.cfg.num_position_embeddings:
             table_index, table_weight = table_taps(rows, columns, heights, widths, self.cfg.grid_side)
             x = x + jnp.einsum("pk,pkd->pd", table_weight, self.pos_embed[...][table_index]).astype(x.dtype)
-        half = self.cfg.head_dim // 2  # rows rotate the first half of each head's pairs, columns the second
+        # rows rotate the first half of each head's pairs, columns the second
+        half = self.cfg.head_dim // 2
         inv_freq = 1.0 / (self.cfg.rope_theta**(jnp.arange(0, half, 2, dtype=jnp.float32) / half))
         angles = jnp.concatenate([rows[:, None] * inv_freq, columns[:, None] * inv_freq], axis=-1)
         mask = segment_mask(segment_ids[None], causal=False)  # [1, P, P]

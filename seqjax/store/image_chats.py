@@ -33,12 +33,18 @@ IMAGE_PARTS = ("image", "image_url")
 OWN_SOURCE = ("image", "path", "url")  # what a part may name its own image by (transformers' keys)
 
 
+def image_processor_file(path: str) -> Path:
+    """The preprocessor_config.json ``data.image_processor`` names (the file, or the folder holding
+    it)."""
+    return Path(path) / PREPROCESSOR if Path(path).is_dir() else Path(path)
+
+
 def read_image_spec(path: str | None) -> ImageSpec | None:
     """``data.image_processor`` (a preprocessor_config.json, or a folder holding one) as an
     ImageSpec."""
     if path is None:
         return None
-    file = Path(path) / PREPROCESSOR if Path(path).is_dir() else Path(path)
+    file = image_processor_file(path)
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
