@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.model.attention import reference_attention
+from seqjax.model.attention import masked_attention, reference_attention
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata, full_blocks, visited_blocks
 from seqjax.model.kernels.flash import flash_attention
 from seqjax.model.mask import segment_mask
@@ -155,14 +155,14 @@ def test_bad_inputs_raise_before_work():
 # ------------------------------------------------------------------------------------------- block skipping
 
 
-SEGMENT_MASK = jax.jit(segment_mask)
-BLOCK_METADATA = jax.jit(block_metadata, static_argnums=1)
+SEGMENT_MASK = jax.jit(segment_mask, static_argnames="causal")
+BLOCK_METADATA = jax.jit(block_metadata, static_argnums=1, static_argnames="causal")
 
 
 def tiles(segment_ids: np.ndarray, block_rows: int, block_cols: int, by_key: bool,
-          window=None) -> tuple[np.ndarray, np.ndarray]:
+          window=None, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """([B, n_rows, n_cols] tiles with any allowed pair, tiles with every pair allowed), from segment_mask."""
-    mask = np.asarray(SEGMENT_MASK(jnp.asarray(segment_ids), window=window))  # [B, query, key]
+    mask = np.asarray(SEGMENT_MASK(jnp.asarray(segment_ids), window=window, causal=causal))  # [B, query, key]
     if by_key:
         mask = mask.transpose(0, 2, 1)
     b, t, _ = mask.shape
@@ -343,3 +343,58 @@ def test_lowers_to_triton_for_h100(head_dim, dtype, window):
     assert text.count("__gpu$xla.gpu.triton") == 3
     for kernel in ("seqjax_flash_forward", "seqjax_flash_dq", "seqjax_flash_dkv"):
         assert kernel in text
+
+
+# ------------------------------------------------------------------------------------------- non-causal
+
+
+def exact_non_causal(q, k, v, segment_ids):
+    with jax.default_matmul_precision("highest"):
+        return masked_attention(q, k, v, segment_mask(segment_ids, causal=False))
+
+
+NON_CAUSAL_REFERENCE = output_and_grads(exact_non_causal)
+NON_CAUSAL_FLASH = output_and_grads(lambda q, k, v, s: flash_attention(q, k, v, s, block_sizes=SMALL, causal=False))
+
+
+@settings(max_examples=15, deadline=None)
+@given(segment_ids=packed_batch(2, 72))
+def test_the_non_causal_form_matches_the_dense_mask_over_packings(segment_ids):
+    """Contract 2's non-causal form (a vision encoder's images: each sees its whole segment, nothing else): output
+    and all three gradients equal the XLA path on segment_mask(causal=False), padding exact zeros."""
+    q, k, v, cotangent = F32_QKV
+    segment_ids = jnp.asarray(segment_ids)
+    out, grads = NON_CAUSAL_FLASH(q, k, v, segment_ids, cotangent)
+    ref_out, ref_grads = NON_CAUSAL_REFERENCE(q, k, v, segment_ids, cotangent)
+    assert_close(out, ref_out, 2e-5, "output")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(got, want, 2e-5, name)
+    padding = np.asarray(segment_ids) == 0
+    assert not np.asarray(out)[padding].any()
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), length=st.sampled_from([5, 100]))
+def test_non_causal_tiles_are_the_tightest_cover_and_unmasked_tiles_are_full(data, length):
+    """The non-causal ranges visit every tile with an allowed pair (above the diagonal too), no wider than
+    needed, and run unmasked only tiles whose every pair is allowed."""
+    blocks = BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
+    segment_ids = data.draw(packed_batch(2, length))
+    metadata = BLOCK_METADATA(jnp.asarray(segment_ids), blocks, causal=False)
+    padded = np.pad(segment_ids, ((0, 0), (0, metadata.seq_len - length)))
+    for ranges, rows, cols, by_key in ((metadata.fwd_kv, blocks.block_q, blocks.block_k, False),
+                                       (metadata.dkv_q, blocks.block_k_bwd, blocks.block_q_bwd, True)):
+        ranges = np.asarray(ranges)
+        needed, full = tiles(padded, rows, cols, by_key, causal=False)
+        assert (np.diff(ranges, axis=-1) >= 0).all()
+        np.testing.assert_array_equal(ranges[..., [0, 3]], tightest_cover(needed))
+        assert not (between(ranges, 1, 2, needed.shape[-1]) & ~full).any(), "an unmasked tile has a masked pair"
+
+
+def test_non_causal_metadata_is_checked_and_takes_no_window():
+    q, k, v, _ = F32_QKV
+    segment_ids = jnp.ones((2, 72), jnp.int32)
+    with pytest.raises(ValueError, match="metadata was computed with causal=True, not causal=False"):
+        flash_attention(q, k, v, segment_ids, causal=False, metadata=block_metadata(segment_ids, SMALL))
+    with pytest.raises(ValueError, match="a window with causal=False"):
+        block_metadata(segment_ids, SMALL, window=8, causal=False)

@@ -19,11 +19,13 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from seqjax.core.errors import CheckpointError
+from seqjax.config.load import load_config
+from seqjax.core.errors import CheckpointError, ConfigError
 from seqjax.hf import folders
 from seqjax.hf.vision import vision_language_config
 from seqjax.model import build_model
 from seqjax.model.assembly import full_weights
+from seqjax.model.attention import attention
 from vision_support import QWEN2_5, REFERENCE, REFERENCES, VL, batch, hub_name, write_hf_folder
 
 MODELS: dict = {}
@@ -181,3 +183,20 @@ def test_a_tower_mixed_from_both_models_writes_no_folder(tmp_path):
         folders.write_folder(tmp_path / "out", mixed, full_weights(model), tokenizer_json=tmp_path / "none.json",
                              eos_token="<|im_end|>", bos_token=None)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", sorted(REFERENCES))
+def test_the_towers_flash_kernel_in_its_non_causal_form_gives_the_dense_masks_logits(family):
+    """model.vision.attention=pallas (the flash kernel's non-causal form, interpreted on a CPU; Qwen2.5-VL's
+    windows and its full block as two sets of segment ids) gives the dense mask's logits on a packed batch with
+    padding patches; a backend that cannot honour the non-causal mask is one line."""
+    ref = REFERENCES[family]
+    kernel = ref.model(vision=dataclasses.replace(ref.vl.text.vision, attention="pallas"))
+    rows = [["two_images", "text_only", "one_image"], ["one_image"]]
+    ours, dense = ref.logits(kernel, rows, 52, 96), ref.logits(model_of(family), rows, 52, 96)
+    np.testing.assert_allclose(ours, dense, rtol=0, atol=1e-5 * np.abs(dense).max())
+    q = jnp.ones((1, 8, 2, 16))
+    with pytest.raises(ConfigError, match="got 'cudnn', which cannot honour the non-causal mask"):
+        attention(q, q, q, jnp.ones((1, 8), jnp.int32), backend="cudnn", causal=False)
+    with pytest.raises(ConfigError, match="model.vision.attention"):
+        load_config(None, ["model.vision.attention=cudnn"])

@@ -50,6 +50,9 @@ class VisionConfig:
                                "windows (Qwen2.5-VL); 0: every block sees its whole image", min=0, resume=MODEL)
     fullatt_block_indexes: list[int] = setting([], "with window_size: the blocks that see the whole image",
                                                resume=MODEL)
+    attention: str = setting("xla", "the tower's attention backend: xla (the dense non-causal mask) or pallas (the "
+                             "flash kernel's non-causal form; not measured on a GPU yet); others cannot "
+                             "honour the non-causal mask", choices=("xla", "pallas"))
 
     def __hash__(self) -> int:  # (the tower keeps it as static graph data; lists as tuples)
         return hash(hashable(dataclasses.astuple(self)))

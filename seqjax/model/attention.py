@@ -137,6 +137,7 @@ def attention(
     window: int | jax.Array | None = None,
     prefix_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
+    causal: bool = True,
 ) -> jax.Array:
     """Segment-masked causal self-attention (contract 2) on the chosen backend.
 
@@ -151,18 +152,16 @@ def attention(
     layer's window (contract 2); a backend without windows refuses it, never attending to the whole
     segment instead (:func:`resolve_backend`). ``prefix_ids`` (with the tokens' ``positions``): a
     shared prompt that segments also attend to (:func:`seqjax.model.mask.allowed`), which only the
-    dense mask computes: xla (auto's choice then); every other backend refuses it.
+    dense mask computes: xla (auto's choice then); every other backend refuses it. ``causal=False``:
+    contract 2's non-causal form (a vision encoder's images), which xla and pallas compute; every
+    other backend refuses it.
     """
     check_attention_inputs(q, k, v, segment_ids)
+    if not causal:
+        return _non_causal(q, k, v, segment_ids, backend, scale, metadata)
     if prefix_ids is not None:
-        if backend not in ("xla", "auto"):
-            raise ConfigError(
-                f"model.attention: got {backend!r}, which cannot honour a shared prompt's mask "
-                "(data.shared_prompt); expected xla or auto")
-        mask = segment_mask(segment_ids, q_index=positions, kv_index=positions, window=window,
-                            q_prefix_ids=prefix_ids)
-        return masked_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate,
-                                dropout_key=dropout_key if dropout_rate else None)
+        return _shared_prompt(q, k, v, segment_ids, backend, scale, dropout_rate, dropout_key, window,
+                              prefix_ids, positions)
     if dropout_key is not None and dropout_rate:
         if backend not in ("xla", "auto"):
             raise ValueError(f"attention dropout needs model.attention=xla (or auto), got {backend!r}")
@@ -192,6 +191,33 @@ def attention(
     extra_specs = jax.tree.map(lambda a: P() if jnp.ndim(a) == 0 else per_row, extra)
     return jax.shard_map(run, mesh=mesh, in_specs=(per_head, per_head, per_head, per_row, extra_specs),
                          out_specs=per_head, check_vma=False)(q, k, v, segment_ids, extra)
+
+
+def _shared_prompt(q, k, v, segment_ids, backend: str, scale, dropout_rate, dropout_key, window,
+                   prefix_ids, positions) -> jax.Array:
+    """A shared prompt's mask (:func:`seqjax.model.mask.allowed`), which only the dense path
+    computes."""
+    if backend not in ("xla", "auto"):
+        raise ConfigError(f"model.attention: got {backend!r}, which cannot honour a shared prompt's mask "
+                          "(data.shared_prompt); expected xla or auto")
+    mask = segment_mask(segment_ids, q_index=positions, kv_index=positions, window=window,
+                        q_prefix_ids=prefix_ids)
+    return masked_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate,
+                            dropout_key=dropout_key if dropout_rate else None)
+
+
+NON_CAUSAL = ("xla", "pallas")  # the backends that compute the non-causal form
+
+
+def _non_causal(q, k, v, segment_ids, backend: str, scale, metadata) -> jax.Array:
+    """Each query attends to its whole segment (no window, no dropout): the dense mask, or the flash
+    kernel's non-causal form (one call: a tower runs per row)."""
+    if backend not in NON_CAUSAL:
+        raise ConfigError(f"model.attention: got {backend!r}, which cannot honour the non-causal mask of a "
+                          f"vision encoder's images; expected one of {', '.join(NON_CAUSAL)}")
+    if backend == "xla":
+        return masked_attention(q, k, v, segment_mask(segment_ids, causal=False), scale=scale)
+    return _load_kernel("pallas")(q, k, v, segment_ids, scale=scale, metadata=metadata, causal=False)
 
 
 def _device_layout(q: jax.Array, k: jax.Array, segment_ids: jax.Array):

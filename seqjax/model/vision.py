@@ -41,12 +41,15 @@ fine-tuning batch, not for video.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from seqjax.config.vision import VisionConfig
-from seqjax.model.attention import masked_attention
+from seqjax.model.attention import attention, masked_attention
+from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, block_metadata
 from seqjax.model.mask import segment_mask
 
 EPS = 1e-6  # every norm of the encoder
@@ -103,6 +106,30 @@ def window_segments(segment_ids: jax.Array, rows: jax.Array, columns: jax.Array,
     return jnp.where(segment_ids > 0, first + window + 1, 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """The non-causal mask of one set of segment ids [P] (images, or Qwen2.5-VL's windows), as the
+    tower's backend (``model.vision.attention``) takes it, built once per forward for every block:
+    xla the dense [1, P, P] mask; pallas the flash kernel's tile ranges (:func:`block_metadata` with
+    ``causal=False``), so a block visits only its images' tiles."""
+
+    ids: jax.Array
+    dense: jax.Array | None
+    metadata: BlockMetadata | None
+
+    @classmethod
+    def of(cls, ids: jax.Array, backend: str, head_dim: int) -> Mask:
+        if backend == "pallas":
+            return cls(ids, None, block_metadata(ids[None], BlockSizes.for_head_dim(head_dim), causal=False))
+        return cls(ids, segment_mask(ids[None], causal=False), None)
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """q, k, v [1, P, H, Dh] -> [1, P, H, Dh]."""
+        if self.metadata is None:
+            return masked_attention(q, k, v, self.dense)
+        return attention(q, k, v, self.ids[None], backend="pallas", metadata=self.metadata, causal=False)
+
+
 class VisionBlock(nnx.Module):
 
     def __init__(self, cfg: VisionConfig, rngs: nnx.Rngs, dtype=jnp.float32):
@@ -117,7 +144,7 @@ class VisionBlock(nnx.Module):
         else:
             self.fc1, self.fc2 = _linear(d, f, rngs, dtype), _linear(f, d, rngs, dtype)
 
-    def __call__(self, x: jax.Array, angles: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, angles: jax.Array, mask: Mask) -> jax.Array:
         x = x + self.attend(self.norm1(x), angles, mask)
         return x + self.mlp(self.norm2(x))
 
@@ -127,11 +154,11 @@ class VisionBlock(nnx.Module):
             return self.down(act(self.gate(x)) * self.up(x))
         return self.fc2(act(self.fc1(x)))
 
-    def attend(self, x: jax.Array, angles: jax.Array, mask: jax.Array) -> jax.Array:
+    def attend(self, x: jax.Array, angles: jax.Array, mask: Mask) -> jax.Array:
         p = x.shape[0]
         q, k, v = jnp.moveaxis(self.qkv(x).reshape(p, 3, self.heads, -1), 1, 0)  # each [P, H, Dh]
         q, k = rotate(q, angles), rotate(k, angles)
-        out = masked_attention(q[None], k[None], v[None], mask)[0]  # [P, H, Dh]
+        out = mask.attend(q[None], k[None], v[None])[0]  # [P, H, Dh]
         return self.proj(out.reshape(p, -1))
 
 
@@ -182,11 +209,11 @@ class VisionTower(nnx.Module):
         half = self.cfg.head_dim // 2
         inv_freq = 1.0 / (self.cfg.rope_theta**(jnp.arange(0, half, 2, dtype=jnp.float32) / half))
         angles = jnp.concatenate([rows[:, None] * inv_freq, columns[:, None] * inv_freq], axis=-1)
-        mask = segment_mask(segment_ids[None], causal=False)  # [1, P, P]
+        mask = Mask.of(segment_ids, self.cfg.attention, self.cfg.head_dim)
         windowed = mask  # Qwen2.5-VL's windows: segments of their own
         if self.cfg.window_size:
             windows = window_segments(segment_ids, rows, columns, widths, self.cfg.window_patches)
-            windowed = segment_mask(windows[None], causal=False)
+            windowed = Mask.of(windows, self.cfg.attention, self.cfg.head_dim)
         features = []
         for layer, block in enumerate(self.blocks):
             x = block(x, angles, mask if layer in self.cfg.fullatt_block_indexes else windowed)

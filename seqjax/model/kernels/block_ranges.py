@@ -1,22 +1,26 @@
-"""Which (query block, key block) tiles of a packed row can hold an allowed pair, computed once per forward.
+"""Which (query block, key block) tiles of a packed row can hold an allowed pair, computed once per
+forward.
 
-Under contract 2 (docs/design.md) query i sees key j iff ``segment_ids[i] == segment_ids[j] != 0`` and ``j <= i``,
-and, in a sliding layer of window w, ``i - j < w``. So a real query i sees only keys in ``[max(first(i), i - w + 1),
-i]``, where ``first(i)`` is the first index of i's segment, and a real key j is seen only by queries in ``[j,
-min(last(j), j + w - 1)]`` (w = FULL, a length no row reaches, in a global layer). Reducing those intervals over a
-tile gives a contiguous range of tiles per block: for each query block the key blocks ``[kv_lo, kv_hi)`` its loop
-visits, and for each key block the query blocks ``[q_lo, q_hi)`` the dK/dV loop visits. Blocks outside the ranges
-hold no allowed pair, so packing leaves them empty and the kernel never loads them; an all-padding block gets the
-empty range and costs nothing.
+Under contract 2 (docs/design.md) query i sees key j iff ``segment_ids[i] == segment_ids[j] != 0``
+and ``j <= i``, and, in a sliding layer of window w, ``i - j < w``. So a real query i sees only keys
+in ``[max(first(i), i - w + 1), i]``, where ``first(i)`` is the first index of i's segment, and a
+real key j is seen only by queries in ``[j, min(last(j), j + w - 1)]`` (w = FULL, a length no row
+reaches, in a global layer). Reducing those intervals over a tile gives a contiguous range of tiles
+per block: for each query block the key blocks ``[kv_lo, kv_hi)`` its loop visits, and for each key
+block the query blocks ``[q_lo, q_hi)`` the dK/dV loop visits. Blocks outside the ranges hold no
+allowed pair, so packing leaves them empty and the kernel never loads them; an all-padding block
+gets the empty range and costs nothing.
 
-The ranges depend only on ``segment_ids``, the block sizes and the window, not on the layer's weights, so a model
-computes one :class:`BlockMetadata` per distinct window per forward (``block_metadata(segment_ids, block_sizes,
-window)``) and passes it to every layer's ``flash_attention(..., metadata=...)``; it is a pytree, so it crosses
-``jit``/``scan``/``remat`` boundaries, and a scanned model stacks one per layer. A sliding window narrows every
-range to a band around the diagonal: tiles outside the band are skipped like tiles outside the segment.
+The ranges depend only on ``segment_ids``, the block sizes and the window, not on the layer's
+weights, so a model computes one :class:`BlockMetadata` per distinct window per forward
+(``block_metadata(segment_ids, block_sizes, window)``) and passes it to every layer's
+``flash_attention(..., metadata=...)``; it is a pytree, so it crosses ``jit``/``scan``/``remat``
+boundaries, and a scanned model stacks one per layer. A sliding window narrows every range to a band
+around the diagonal: tiles outside the band are skipped like tiles outside the segment.
 
-Both tiled kernels (``flash.py`` on Triton, ``mosaic.py`` on Mosaic GPU) also share what sits around their passes
-here: the metadata check (:func:`kernel_metadata`), the window operand and the custom VJP (:func:`tiled_vjp`).
+Both tiled kernels (``flash.py`` on Triton, ``mosaic.py`` on Mosaic GPU) also share what sits around
+their passes here: the metadata check (:func:`kernel_metadata`), the window operand and the custom
+VJP (:func:`tiled_vjp`).
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ class BlockSizes:
 
     - forward: ``block_q`` queries per program, streaming ``block_k`` keys per step;
     - dK/dV: ``block_k_bwd`` keys per program, streaming ``block_q_bwd`` queries per step;
-    - dQ: ``block_q_dq`` queries per program, streaming ``block_k_dq`` keys per step (default: the dK/dV
-      pass's ``block_q_bwd`` x ``block_k_bwd``).
+    - dQ: ``block_q_dq`` queries per program, streaming ``block_k_dq`` keys per step (default: the
+      dK/dV pass's ``block_q_bwd`` x ``block_k_bwd``).
 
-    ``num_warps``/``num_stages`` go to Triton for the forward pass, ``num_warps_bwd``/``num_stages_bwd`` for the
-    two backward passes (default: the forward's); all four are ignored in interpret mode.
+    ``num_warps``/``num_stages`` go to Triton for the forward pass,
+    ``num_warps_bwd``/``num_stages_bwd`` for the two backward passes (default: the forward's); all
+    four are ignored in interpret mode.
     """
 
     block_q: int = 128
@@ -59,7 +64,8 @@ class BlockSizes:
         for name, default in (("block_q_dq", self.block_q_bwd), ("block_k_dq", self.block_k_bwd),
                               ("num_warps_bwd", self.num_warps), ("num_stages_bwd", self.num_stages)):
             if getattr(self, name) is None:
-                object.__setattr__(self, name, default)  # frozen: resolved once, so equal settings compare equal
+                # frozen: resolved once, so equal settings compare equal
+                object.__setattr__(self, name, default)
         for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq"):
             size = getattr(self, name)
             if size < 16 or size & (size - 1):
@@ -67,10 +73,11 @@ class BlockSizes:
 
     @classmethod
     def for_head_dim(cls, head_dim: int) -> BlockSizes:
-        """Tiles per head_dim, from the block-size sweep on an H100 (BENCHMARKS.md, scripts/gpu_suite.py sweep).
+        """Tiles per head_dim, from the block-size sweep on an H100 (BENCHMARKS.md,
+        scripts/gpu_suite.py sweep).
 
-        The float32 accumulators (block_q x head_dim) must fit in registers, and the backward passes keep
-        more tiles live than the forward, so they use smaller tiles with 4 warps.
+        The float32 accumulators (block_q x head_dim) must fit in registers, and the backward passes
+        keep more tiles live than the forward, so they use smaller tiles with 4 warps.
         """
         if head_dim <= 64:
             return cls(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64, num_warps=4, num_stages=3,
@@ -89,24 +96,28 @@ class BlockSizes:
         return -(-seq_len // self.multiple) * self.multiple
 
 
-# The Mosaic GPU kernel's tiles (seqjax.model.kernels.mosaic): 64 x 64 in every pass, one warpgroup's wgmma M.
+# The Mosaic GPU kernel's tiles (seqjax.model.kernels.mosaic): 64 x 64 in every pass, one
+# warpgroup's wgmma M.
 MOSAIC_BLOCKS = BlockSizes(block_q=64, block_k=64, block_q_bwd=64, block_k_bwd=64)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockMetadata:
-    """Per-block visiting ranges for one batch of segment ids: int32 [B, n_blocks, 4], column blocks.
+    """Per-block visiting ranges for one batch of segment ids: int32 [B, n_blocks, 4], column
+    blocks.
 
-    Each row is ``(lo, full_lo, full_hi, hi)`` with ``lo <= full_lo <= full_hi <= hi``: the loop visits
-    ``[lo, hi)``; tiles in ``[full_lo, full_hi)`` have every pair allowed (one segment, wholly below the
-    diagonal), so the kernel skips building the mask there; the tiles either side are masked.
+    Each row is ``(lo, full_lo, full_hi, hi)`` with ``lo <= full_lo <= full_hi <= hi``: the loop
+    visits ``[lo, hi)``; tiles in ``[full_lo, full_hi)`` have every pair allowed (one segment,
+    wholly below the diagonal), so the kernel skips building the mask there; the tiles either side
+    are masked.
 
-    ``fwd_kv``: for each forward query block (``block_q``), key blocks (``block_k``).
-    ``dq_kv``: the same for the dQ pass's tiles (``block_q_dq`` x ``block_k_dq``).
-    ``dkv_q``: for each backward key block (``block_k_bwd``), query blocks (``block_q_bwd``).
-    ``window``: int32 scalar, the sliding window they were computed for (FULL: none); the kernel's edge tiles
-    mask with it. ``seq_len`` is the padded length they were computed for.
+    ``fwd_kv``: for each forward query block (``block_q``), key blocks (``block_k``). ``dq_kv``: the
+    same for the dQ pass's tiles (``block_q_dq`` x ``block_k_dq``). ``dkv_q``: for each backward key
+    block (``block_k_bwd``), query blocks (``block_q_bwd``). ``window``: int32 scalar, the sliding
+    window they were computed for (FULL: none); the kernel's edge tiles mask with it. ``seq_len`` is
+    the padded length they were computed for. ``causal=False``: the non-causal mask (a vision
+    encoder's images, contract 2's ``causal=False``): a position sees its whole segment.
     """
 
     fwd_kv: jax.Array
@@ -115,13 +126,15 @@ class BlockMetadata:
     window: jax.Array
     seq_len: int = dataclasses.field(metadata=dict(static=True))
     block_sizes: BlockSizes = dataclasses.field(metadata=dict(static=True))
+    causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
 
 def segment_extents(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(first, last) [B, T]: the first and last index in the row holding the same segment id as each position.
+    """(first, last) [B, T]: the first and last index in the row holding the same segment id as each
+    position.
 
-    Computed by a stable sort, so it is right even if an id recurs non-contiguously (the contract says
-    segments are contiguous runs; then these are simply each segment's start and end).
+    Computed by a stable sort, so it is right even if an id recurs non-contiguously (the contract
+    says segments are contiguous runs; then these are simply each segment's start and end).
     """
     t = segment_ids.shape[-1]
     order = jnp.argsort(segment_ids, axis=-1, stable=True)
@@ -138,7 +151,8 @@ def segment_extents(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def run_extents(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(start, end) [B, T]: the first and last index of the contiguous run of equal ids holding each position."""
+    """(start, end) [B, T]: the first and last index of the contiguous run of equal ids holding each
+    position."""
     t = segment_ids.shape[-1]
     index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
@@ -151,9 +165,10 @@ def run_extents(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _ranges(real, lo, hi, full, full_lo, full_hi, block_rows: int, block_cols: int) -> jax.Array:
     """(lo, full_lo, full_hi, hi) per row block, in column blocks.
 
-    ``lo``/``hi`` [B, T]: the inclusive column interval each real position needs; the visited range covers
-    them all. ``full`` [B, n_rows]: whether the row block lies in one real run; ``full_lo``/``full_hi``
-    [B, n_rows]: the inclusive column interval every row of the block may see; the full tiles lie inside it.
+    ``lo``/``hi`` [B, T]: the inclusive column interval each real position needs; the visited range
+    covers them all. ``full`` [B, n_rows]: whether the row block lies in one real run;
+    ``full_lo``/``full_hi`` [B, n_rows]: the inclusive column interval every row of the block may
+    see; the full tiles lie inside it.
     """
     b, t = real.shape
     big = jnp.iinfo(jnp.int32).max
@@ -168,12 +183,18 @@ def _ranges(real, lo, hi, full, full_lo, full_hi, block_rows: int, block_cols: i
     return jnp.stack([lo, first_full, end_full, hi], axis=-1).astype(jnp.int32)
 
 
-def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None) -> BlockMetadata:
+def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None, causal: bool = True
+                   ) -> BlockMetadata:
     """Visiting ranges for ``segment_ids`` [B, T] (T any length: padded here as the kernel pads it).
 
-    Use the block sizes the kernel will use: ``BlockSizes.for_head_dim(head_dim)`` unless you pass your own.
-    ``window``: the layer's sliding window (None or FULL: the whole segment); an int or a traced int32 scalar.
+    Use the block sizes the kernel will use: ``BlockSizes.for_head_dim(head_dim)`` unless you pass
+    your own. ``window``: the layer's sliding window (None or FULL: the whole segment); an int or a
+    traced int32 scalar. ``causal=False``: every position of a segment sees all of it (no window
+    then), so a block visits its segments' whole extents, and a block inside one run is full against
+    that run's every block.
     """
+    if not causal and window is not None:
+        raise ValueError("block_metadata: a window with causal=False; expected windows as segments")
     w = jnp.asarray(FULL if window is None else window, jnp.int32)
     t = segment_ids.shape[-1]
     padded = block_sizes.padded_length(t)
@@ -184,18 +205,22 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None)
     real = segment_ids != 0
 
     def by_queries(bq: int, bk: int) -> jax.Array:
-        # A query block in one run sees in full every key from the run's start (or its last query's window start)
-        # up to the block's first query.
+        # A query block in one run sees in full every key from the run's start (or its last query's
+        # window start) up to the block's first query.
         q_start, q_end = index[:, ::bq], index[:, bq - 1 :: bq]
         one_run = (run_start[:, bq - 1 :: bq] <= q_start) & real[:, ::bq]
+        if not causal:
+            return _ranges(real, first, last, one_run, run_start[:, ::bq], run_end[:, ::bq], bq, bk)
         full_lo = jnp.maximum(run_start[:, ::bq], q_end - w + 1)
         return _ranges(real, jnp.maximum(first, index - w + 1), index, one_run, full_lo, q_start, bq, bk)
 
     def by_keys(bk: int, bq: int) -> jax.Array:
-        # A key block in one run is seen in full by every query from the block's last key to the run's end (or to
-        # the last query whose window still reaches the block's first key).
+        # A key block in one run is seen in full by every query from the block's last key to the
+        # run's end (or to the last query whose window still reaches the block's first key).
         k_start, k_end = index[:, ::bk], index[:, bk - 1 :: bk]
         one_run = (run_end[:, ::bk] >= k_end) & real[:, ::bk]
+        if not causal:
+            return _ranges(real, first, last, one_run, run_start[:, ::bk], run_end[:, ::bk], bk, bq)
         full_hi = jnp.minimum(run_end[:, ::bk], k_start + w - 1)
         return _ranges(real, index, jnp.minimum(last, index + w - 1), one_run, k_end, full_hi, bk, bq)
 
@@ -207,16 +232,20 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None)
         window=w,
         seq_len=padded,
         block_sizes=block_sizes,
+        causal=causal,
     )
 
 
 def kernel_metadata(kernel: str, segment_ids: jax.Array, metadata: BlockMetadata | None, window,
-                    block_sizes: BlockSizes | None, default: BlockSizes) -> BlockMetadata:
-    """The metadata a kernel runs with: ``metadata`` as given (checked against ``block_sizes`` when set and against
-    these ids' batch and padded length), or computed here with ``block_sizes or default`` for ``window``.
-    Both kernels (flash, mosaic) call this, so their refusals are one set of lines naming ``kernel``."""
+                    block_sizes: BlockSizes | None, default: BlockSizes, causal: bool = True) -> BlockMetadata:
+    """The metadata a kernel runs with: ``metadata`` as given (checked against ``block_sizes`` and
+    ``causal`` when set and against these ids' batch and padded length), or computed here with
+    ``block_sizes or default`` for ``window``. Both kernels (flash, mosaic) call this, so their
+    refusals are one set of lines naming ``kernel``."""
     if metadata is None:
-        metadata = block_metadata(segment_ids, block_sizes or default, window)
+        metadata = block_metadata(segment_ids, block_sizes or default, window, causal)
+    elif metadata.causal != causal:
+        raise ValueError(f"{kernel}: metadata was computed with causal={metadata.causal}, not causal={causal}")
     elif window is not None:
         raise ValueError(f"{kernel}: pass the window to block_metadata, which the given metadata came from")
     elif block_sizes is not None and block_sizes != metadata.block_sizes:
@@ -230,12 +259,14 @@ def kernel_metadata(kernel: str, segment_ids: jax.Array, metadata: BlockMetadata
 
 
 def window_operand(metadata: BlockMetadata) -> jax.Array:
-    """The metadata's window as the [1] int32 array a kernel pass reads (a scalar operand, traced under scan)."""
+    """The metadata's window as the [1] int32 array a kernel pass reads (a scalar operand, traced
+    under scan)."""
     return jnp.reshape(metadata.window, (1,)).astype(jnp.int32)
 
 
 def visited_blocks(ranges: jax.Array, n_cols: int) -> jax.Array:
-    """Boolean [B, n_rows, n_cols]: True for the tiles a kernel loop visits under ``ranges`` [B, n_rows, 4]."""
+    """Boolean [B, n_rows, n_cols]: True for the tiles a kernel loop visits under ``ranges`` [B,
+    n_rows, 4]."""
     col = jnp.arange(n_cols)
     return (col >= ranges[..., :1]) & (col < ranges[..., 3:])
 
@@ -249,11 +280,14 @@ def full_blocks(ranges: jax.Array, n_cols: int) -> jax.Array:
 def tiled_vjp(forward: Callable, backward: Callable) -> Callable:
     """The differentiable attention both tiled kernels (flash, mosaic) expose, from their passes:
 
-    - ``forward(q, k, v, segment_ids, metadata, scale, interpret) -> (out [B, T, H, D], lse [B, H, T])``;
-    - ``backward(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do) -> (dq, dk, dv)``.
+    - ``forward(q, k, v, segment_ids, metadata, scale, interpret) -> (out [B, T, H, D], lse [B, H,
+      T])``;
+    - ``backward(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do) -> (dq, dk,
+      dv)``.
 
-    The forward saves its inputs, output and log-sum-exp; the backward computes the softmax row term once and
-    hands it to the kernel's dQ and dK/dV passes. Segment ids and metadata get no cotangent."""
+    The forward saves its inputs, output and log-sum-exp; the backward computes the softmax row term
+    once and hands it to the kernel's dQ and dK/dV passes. Segment ids and metadata get no
+    cotangent."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
     def attention(q, k, v, segment_ids, metadata, scale, interpret):
@@ -265,7 +299,8 @@ def tiled_vjp(forward: Callable, backward: Callable) -> Callable:
 
     def attention_bwd(scale, interpret, residuals, do):
         q, k, v, segment_ids, metadata, out, lse = residuals
-        # delta_i = sum_d out_i * dout_i: the softmax-backward row term, one fused XLA reduction, [B, H, T].
+        # delta_i = sum_d out_i * dout_i: the softmax-backward row term, one fused XLA reduction,
+        # [B, H, T].
         delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
         dq, dk, dv = backward(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do)
         return dq, dk, dv, None, None

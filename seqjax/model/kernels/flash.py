@@ -1,21 +1,24 @@
-"""Flash attention for segment-masked causal attention in Pallas, skipping the tiles packing leaves empty.
+"""Flash attention for segment-masked causal attention in Pallas, skipping the tiles packing leaves
+empty.
 
 Three ``pallas_call`` passes joined by ``jax.custom_vjp``, in the FlashAttention-2 arrangement:
 
-- forward: one program per (query block, batch row, query head); it streams key blocks through an online
-  softmax (base-2 exponentials, float32 accumulators) and saves the log-sum-exp for the backward pass;
+- forward: one program per (query block, batch row, query head); it streams key blocks through an
+  online softmax (base-2 exponentials, float32 accumulators) and saves the log-sum-exp for the
+  backward pass;
 - dQ: one program per (query block, row, query head), streaming key blocks again;
-- dK/dV: one program per (key block, row, key/value head), streaming query blocks of every query head that
-  shares this kv head (GQA), so dK/dV are summed in registers with no atomics and no extra reduction.
+- dK/dV: one program per (key block, row, key/value head), streaming query blocks of every query
+  head that shares this kv head (GQA), so dK/dV are summed in registers with no atomics and no extra
+  reduction.
 
-Every loop visits only the ranges in :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`; tiles inside
-one document and below the diagonal (and inside a sliding layer's window) run without a mask, the edge tiles apply
-contract 2's :func:`seqjax.model.mask.segment_mask`, window included. Fully masked queries (segment 0) give
-zero output and zero gradients.
+Every loop visits only the ranges in :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`;
+tiles inside one document and below the diagonal (and inside a sliding layer's window) run without a
+mask, the edge tiles apply contract 2's :func:`seqjax.model.mask.segment_mask`, window included.
+Fully masked queries (segment 0) give zero output and zero gradients.
 
-The kernels lower through Pallas's Triton backend on NVIDIA GPUs (``interpret=False``), and run in Pallas's
-interpreter anywhere else (``interpret=True``), which is how CI checks their numerics on a CPU. ``interpret=None``
-chooses: compiled on a GPU, interpreted elsewhere.
+The kernels lower through Pallas's Triton backend on NVIDIA GPUs (``interpret=False``), and run in
+Pallas's interpreter anywhere else (``interpret=True``), which is how CI checks their numerics on a
+CPU. ``interpret=None`` chooses: compiled on a GPU, interpreted elsewhere.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from jax.experimental.pallas import triton as plgpu
 from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, kernel_metadata, tiled_vjp, window_operand
 from seqjax.model.mask import check_attention_inputs, segment_mask
 
-# Why the fuser import above: jax registers the tracing-context flag ``pallas_fuser_disable_nested_fuse`` when
-# that module is first imported, which a pallas_call otherwise does lazily while it runs. The flag changes the
-# jit cache key, so the first jitted function that ran this kernel (a whole train step) would compile twice.
+# Why the fuser import above: jax registers the tracing-context flag
+# ``pallas_fuser_disable_nested_fuse`` when that module is first imported, which a pallas_call
+# otherwise does lazily while it runs. The flag changes the jit cache key, so the first jitted
+# function that ran this kernel (a whole train step) would compile twice.
 
 LOG2_E = math.log2(math.e)
-# A finite stand-in for -inf: masked logits and the running max start here, so no exp2(-inf - -inf) = NaN.
+# A finite stand-in for -inf: masked logits and the running max start here, so no exp2(-inf - -inf)
+# = NaN.
 MASKED = -1e30
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -53,17 +58,20 @@ def flash_attention(
     block_sizes: BlockSizes | None = None,
     metadata: BlockMetadata | None = None,
     window=None,
+    causal: bool = True,
 ) -> jax.Array:
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D] with Hkv dividing H.
 
-    ``segment_ids`` [B, T] int: contract 2 (0 = padding). ``scale`` defaults to D**-0.5. T need not be a
-    multiple of the block sizes: the kernel pads with segment 0 (which costs no tile) and slices back. D is
-    zero-padded to a power of two >= 16 (Triton's tile rule; zero columns change no logit, and their output
-    columns are dropped); 64, 128 and 256 need no padding. ``block_sizes`` defaults to
-    ``BlockSizes.for_head_dim(D)``. ``metadata``: precomputed
-    :func:`block_metadata` for these segment ids and block sizes — compute it once per forward and pass it to
-    every layer; computed here when omitted. ``window``: a sliding layer's window (contract 2; an int or a traced
-    int32 scalar); it lives in the metadata, so pass it here only when the metadata is computed here.
+    ``segment_ids`` [B, T] int: contract 2 (0 = padding). ``scale`` defaults to D**-0.5. T need not
+    be a multiple of the block sizes: the kernel pads with segment 0 (which costs no tile) and
+    slices back. D is zero-padded to a power of two >= 16 (Triton's tile rule; zero columns change
+    no logit, and their output columns are dropped); 64, 128 and 256 need no padding.
+    ``block_sizes`` defaults to ``BlockSizes.for_head_dim(D)``. ``metadata``: precomputed
+    :func:`block_metadata` for these segment ids and block sizes — compute it once per forward and
+    pass it to every layer; computed here when omitted. ``window``: a sliding layer's window
+    (contract 2; an int or a traced int32 scalar); it lives in the metadata, so pass it here only
+    when the metadata is computed here. ``causal=False``: contract 2's non-causal form (a vision
+    encoder's images: a query sees its whole segment); the metadata must have been computed so.
     """
     _check_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
@@ -71,7 +79,7 @@ def flash_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     metadata = kernel_metadata("flash_attention", segment_ids, metadata, window, block_sizes,
-                               BlockSizes.for_head_dim(d))
+                               BlockSizes.for_head_dim(d), causal)
     padded = metadata.seq_len
     pad = ((0, 0), (0, padded - t), (0, 0), (0, max(16, pl.next_power_of_2(d)) - d))
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
@@ -85,29 +93,34 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
         raise ValueError(f"flash_attention: dtype {q.dtype}, expected bfloat16, float16 or float32")
 
 
-def _tile_mask(seg_q, seg_k, q_start, k_start, window):
-    """Contract 2's mask for one tile: [block_q, block_k] bool, from the one definition in attention.py."""
+def _tile_mask(seg_q, seg_k, q_start, k_start, window, causal):
+    """Contract 2's mask for one tile: [block_q, block_k] bool, from the one definition in
+    mask.py."""
     q_index = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_q.shape[0]), 1)
     k_index = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_k.shape[0]), 1)
+    if not causal:
+        return segment_mask(seg_q[None], seg_k[None], causal=False)[0]
     return segment_mask(seg_q[None], seg_k[None], q_index=q_index, kv_index=k_index, window=window)[0]
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
-    """Tile matmul with float32 accumulation; float32 tiles stay exact (no TF32) so tests can be tight."""
+    """Tile matmul with float32 accumulation; float32 tiles stay exact (no TF32) so tests can be
+    tight."""
     precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
-def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool, window):
-    """Scaled logits of one tile in log2 units, and its mask (None on a full tile, where every pair is allowed).
+def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool, window, causal: bool):
+    """Scaled logits of one tile in log2 units, and its mask (None on a full tile, where every pair
+    is allowed).
 
-    Masked logits become MASKED; callers also zero their probabilities, so a row with no allowed key so far
-    (running max still MASKED) adds nothing.
+    Masked logits become MASKED; callers also zero their probabilities, so a row with no allowed key
+    so far (running max still MASKED) adds nothing.
     """
     s = _dot(q, k, trans_b=True) * qk_scale
     if not masked:
         return s, None
-    mask = _tile_mask(seg_q, seg_k, q_start, k_start, window)
+    mask = _tile_mask(seg_q, seg_k, q_start, k_start, window, causal)
     return jnp.where(mask, s, MASKED), mask
 
 
@@ -117,10 +130,11 @@ def _exp2(x, mask):
 
 
 def _visit_tiles(ranges_ref, row, step, carry):
-    """One block's loop over its ranges (lo, full_lo, full_hi, hi): masked edge, unmasked full tiles, masked edge.
+    """One block's loop over its ranges (lo, full_lo, full_hi, hi): masked edge, unmasked full
+    tiles, masked edge.
 
-    ``step(masked)`` returns the fori_loop body; splitting the loop keeps the mask arithmetic off the bulk of a
-    long document's tiles, as FlashAttention-2 does for the causal diagonal.
+    ``step(masked)`` returns the fori_loop body; splitting the loop keeps the mask arithmetic off
+    the bulk of a long document's tiles, as FlashAttention-2 does for the causal diagonal.
     """
     lo, full_lo, full_hi, hi = (ranges_ref[row, c] for c in range(4))
     carry = jax.lax.fori_loop(lo, full_lo, step(True), carry)
@@ -128,12 +142,14 @@ def _visit_tiles(ranges_ref, row, step, carry):
     return jax.lax.fori_loop(full_hi, hi, step(True), carry)
 
 
-# ---------------------------------------------------------------------------------------------- forward
+# ----------------------------------------------------------------------------------------------
+# forward
 
 
 def _query_block():
-    """This program's query block. Programs launch in grid order, so the last query blocks (the longest rows of
-    a causal triangle) go first and the short ones fill in at the end: less idle tail on the last wave."""
+    """This program's query block. Programs launch in grid order, so the last query blocks (the
+    longest rows of a causal triangle) go first and the short ones fill in at the end: less idle
+    tail on the last wave."""
     return pl.num_programs(0) - 1 - pl.program_id(0)
 
 
@@ -144,7 +160,7 @@ def _reversed(n: int):
 
 
 def _forward_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale,
-                    block_k):
+                    block_k, causal):
     i = _query_block()
     block_q, d = q_ref.shape
     q, seg_q, window = q_ref[...], seg_q_ref[...], window_ref[0]
@@ -154,7 +170,7 @@ def _forward_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, 
             acc, m, row_sum = carry
             keys = pl.ds(j * block_k, block_k)
             s, mask = _log2_logits(q, k_ref[keys, :], seg_q, seg_k_ref[keys], i * block_q, j * block_k, qk_scale,
-                                   masked, window)
+                                   masked, window, causal)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = _exp2(s - m_new[:, None], mask)
             correction = jnp.exp2(m - m_new)
@@ -167,19 +183,21 @@ def _forward_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, 
     rows = jnp.zeros((block_q,), jnp.float32)
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full_like(rows, MASKED), rows)
     acc, m, row_sum = _visit_tiles(ranges_ref, i, step, init)
-    empty = row_sum == 0.0  # padding queries, and queries of tiles with no allowed key: zeros, not NaN
+    # padding queries, and queries of tiles with no allowed key: zeros, not NaN
+    empty = row_sum == 0.0
     o_ref[...] = (acc / jnp.where(empty, 1.0, row_sum)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, 0.0, m + jnp.log2(jnp.where(empty, 1.0, row_sum)))
 
 
 def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interpret: bool):
-    """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T] (float32) the backward pass reuses."""
+    """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T] (float32) the backward pass
+    reuses."""
     b, t, h, d = q.shape
     group = h // k.shape[2]
     bs = metadata.block_sizes
     n_q = t // bs.block_q
     rev = _reversed(n_q)
-    kernel = functools.partial(_forward_kernel, qk_scale=scale * LOG2_E, block_k=bs.block_k)
+    kernel = functools.partial(_forward_kernel, qk_scale=scale * LOG2_E, block_k=bs.block_k, causal=metadata.causal)
     return pl.pallas_call(
         kernel,
         grid=(n_q, b, h),
@@ -203,11 +221,12 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
     )(metadata.fwd_kv, window_operand(metadata), segment_ids, segment_ids, q, k, v)
 
 
-# ---------------------------------------------------------------------------------------------- backward
+# ----------------------------------------------------------------------------------------------
+# backward
 
 
 def _dq_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               *, scale, block_k):
+               *, scale, block_k, causal):
     i = _query_block()
     block_q, d = q_ref.shape
     q, do, seg_q, window = q_ref[...], do_ref[...], seg_q_ref[...], window_ref[0]
@@ -218,7 +237,7 @@ def _dq_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref
             keys = pl.ds(j * block_k, block_k)
             k, v = k_ref[keys, :], v_ref[keys, :]
             s, mask = _log2_logits(q, k, seg_q, seg_k_ref[keys], i * block_q, j * block_k, scale * LOG2_E, masked,
-                                   window)
+                                   window, causal)
             p = _exp2(s - lse[:, None], mask)
             ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
             return dq + _dot(ds.astype(k.dtype), k)
@@ -230,7 +249,7 @@ def _dq_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref
 
 
 def _dkv_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, *, scale, block_q):
+                dv_ref, *, scale, block_q, causal):
     j = pl.program_id(0)
     block_k, d = k_ref.shape
     group = q_ref.shape[1]
@@ -243,7 +262,7 @@ def _dkv_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_re
                 queries = pl.ds(i * block_q, block_q)
                 q, do = q_ref[queries, g, :], do_ref[queries, g, :]
                 s, mask = _log2_logits(q, k, seg_q_ref[queries], seg_k, i * block_q, j * block_k, scale * LOG2_E,
-                                       masked, window)
+                                       masked, window, causal)
                 p = _exp2(s - lse_ref[g, queries][:, None], mask)
                 dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
                 ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, queries][:, None])
@@ -272,7 +291,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
     n_q = t // bq_dq
     rev = _reversed(n_q)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, block_k=bk_dq),
+        functools.partial(_dq_kernel, scale=scale, block_k=bk_dq, causal=metadata.causal),
         grid=(n_q, b, h),
         in_specs=[
             pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
@@ -295,7 +314,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
 
     n_k = t // bk
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, block_q=bq),
+        functools.partial(_dkv_kernel, scale=scale, block_q=bq, causal=metadata.causal),
         grid=(n_k, b, hkv),
         in_specs=[
             pl.BlockSpec((None, n_k, 4), lambda j, r, hd: (r, 0, 0)),
@@ -321,7 +340,8 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
     return dq, dk, dv
 
 
-# ---------------------------------------------------------------------------------------------- custom VJP
+# ----------------------------------------------------------------------------------------------
+# custom VJP
 
 
 _flash = tiled_vjp(_forward, _backward)
