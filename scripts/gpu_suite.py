@@ -71,7 +71,7 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STAGES = ("setup", "env", "tests", "attention", "finetune", "lora8b", "dpo", "throughput")
-OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study")
+OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision")
 PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
          "tokamax", "torch", "transformers")
 # A toy model and corpus for --dry-run: every stage's plumbing runs on a CPU in seconds.
@@ -486,6 +486,15 @@ def stage_study(s: Suite) -> dict:
     return {"status": status(code), "out": str(out), "result": last_json(stdout)}
 
 
+def stage_vision(s: Suite) -> dict:
+    """The vision tower's forward at Qwen2.5-VL-7B's shape on 8192 packed patches: the dense non-causal mask
+    against the flash kernel's non-causal form (scripts/bench_vision_tower.py)."""
+    size = (["--shape", "toy", "--patches", "1024", "--dtype", "float32", "--iters", "1"] if s.dry
+            else ["--shape", "qwen2_5_vl_7b", "--patches", "8192", "--iters", "5"])
+    code, stdout = s.call("vision", s.python("scripts/bench_vision_tower.py", *size), 120)
+    return {"status": status(code), "result": last_json(stdout) if code == 0 else None}
+
+
 # Each default stage's budget, in seconds (the eight add up to the default --budget-s of 480).
 STAGES = {stage.name: stage for stage in (
     Stage("setup", 30, stage_setup), Stage("env", 20, stage_env), Stage("tests", 100, stage_tests),
@@ -493,7 +502,7 @@ STAGES = {stage.name: stage for stage in (
     Stage("dpo", 50, stage_dpo), Stage("throughput", 50, stage_throughput),
     Stage("levanter", 90, stage_levanter), Stage("sweep", 150, stage_sweep), Stage("ncu", 150, stage_ncu),
     Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
-    Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study),
+    Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study), Stage("vision", 90, stage_vision),
 )}
 
 

@@ -49,6 +49,27 @@ def test_long_packed_rows_match_the_reference_in_bfloat16():
     check_against_reference(FLASH, q, k, v, jnp.asarray(rows), cotangent, tol=3e-2)
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(jnp.float32, 64), (jnp.bfloat16, 128)], ids=["float32-64",
+                                                                                          "bfloat16-128"])
+@settings(max_examples=4, deadline=None)
+@given(segment_ids=packed_batch(2, 500))
+def test_the_compiled_non_causal_form_matches_the_dense_mask(dtype, head_dim, segment_ids):
+    """A vision tower's mask (each segment sees itself whole), compiled at the kernel's real tiles: output and
+    gradients against the dense non-causal mask (tests/test_flash.py checks it interpreted)."""
+    from test_flash import NON_CAUSAL_REFERENCE, assert_close
+
+    q, k, v, cotangent = CASES[(dtype, 64)] if head_dim == 64 else random_qkv((2, 500, 8, 128), 2, dtype, seed=5)
+    segment_ids = jnp.asarray(segment_ids)
+    out, grads = NON_CAUSAL_FLASH(q, k, v, segment_ids, cotangent)
+    ref_out, ref_grads = NON_CAUSAL_REFERENCE(q, k, v, segment_ids, cotangent)
+    assert_close(out, ref_out, TOLERANCE[dtype], "output")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(got, want, TOLERANCE[dtype], name)
+
+
+NON_CAUSAL_FLASH = output_and_grads(lambda q, k, v, s: flash_attention(q, k, v, s, causal=False))
+
+
 def test_auto_picks_pallas_on_a_gpu():
     assert resolve_backend("auto", jnp.bfloat16) == "pallas"
     assert resolve_backend("auto", jnp.float32) == "pallas"
