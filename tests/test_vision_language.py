@@ -26,7 +26,8 @@ from seqjax.hf.vision import vision_language_config
 from seqjax.model import build_model
 from seqjax.model.assembly import full_weights
 from seqjax.model.attention import attention
-from vision_support import QWEN2_5, REFERENCE, REFERENCES, VL, batch, hub_name, write_hf_folder
+from seqjax.train import init_from
+from vision_support import QWEN2_5, REFERENCE, REFERENCES, VL, batch, hub_name, tiny_overrides, write_hf_folder
 
 MODELS: dict = {}
 
@@ -200,3 +201,17 @@ def test_the_towers_flash_kernel_in_its_non_causal_form_gives_the_dense_masks_lo
         attention(q, q, q, jnp.ones((1, 8), jnp.int32), backend="cudnn", causal=False)
     with pytest.raises(ConfigError, match="model.vision.attention"):
         load_config(None, ["model.vision.attention=cudnn"])
+
+
+def test_configs_qwen2_5_vl_lora_at_reduced_size_adopts_a_hub_qwen2_5_vl_folder(tmp_path):
+    """configs/qwen2_5_vl_lora.yaml (Qwen2.5-VL-7B's settings) at the reference's size takes the Hub-layout folder
+    as train.init_from; a tower setting with no shape of its own (the windows) that differs from the folder's is
+    one line, never a tower computing something else."""
+    folder = write_hf_folder(tmp_path / "vl25", ref=QWEN2_5, hub_layout=True)
+    config_file = Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_vl_lora.yaml"
+    overrides = [*tiny_overrides(QWEN2_5), f"train.init_from={folder}", "model.vocab_size=null"]
+    config = init_from.adopt(load_config(config_file, overrides), init_from.locate(str(folder)))
+    assert config.model.vision == QWEN2_5.vl.text.vision and config.model.qkv_bias
+    windowless = load_config(config_file, [*overrides, "model.vision.window_size=0"])
+    with pytest.raises(ConfigError, match="model.vision.window_size: got 0, but .* has 56; make it match"):
+        init_from.adopt(windowless, init_from.locate(str(folder)))

@@ -192,9 +192,11 @@ def image_chats(root: Path, n: int, seed: int = 0) -> Path:
     return root / "chats.jsonl"
 
 
-def tiny_overrides() -> list[str]:
-    """configs/qwen3_vl_lora.yaml's model section at the reference checkpoint's size."""
-    text, vision = VL.text, VL.text.vision
+def tiny_overrides(ref: Reference | None = None) -> list[str]:
+    """configs/qwen3_vl_lora.yaml's model section at the reference checkpoint's size (or
+    configs/qwen2_5_vl_lora.yaml's at ``ref``'s)."""
+    text = (ref or QWEN3).vl.text
+    vision = text.vision
     model = {"d_model": text.d_model, "n_layers": text.n_layers, "n_heads": text.n_heads,
              "n_kv_heads": text.n_kv_heads, "head_dim": text.head_dim, "d_ff": text.d_ff, "vocab_size": "null",
              "rope_theta": text.rope_theta, "norm_eps": text.norm_eps, "mrope_section": json.dumps(text.mrope_section)}

@@ -160,6 +160,12 @@ def check_shapes(config: Config, source: Source) -> None:
         if getattr(config.model, field) != getattr(source.model, field):
             raise ConfigError(f"model.{field}: got {getattr(config.model, field)}, but {source.path} has "
                               f"{getattr(source.model, field)}; make it match the source")
+    if source.model.vision.depth:  # the tower's settings with no shape of their own (windows, activation, ...)
+        for field in dataclasses.fields(source.model.vision):
+            ours, theirs = getattr(config.model.vision, field.name), getattr(source.model.vision, field.name)
+            if field.name != "attention" and ours != theirs:
+                raise ConfigError(f"model.vision.{field.name}: got {ours}, but {source.path} has {theirs}; make "
+                                  "it match the source (the frozen tower computes what it was trained to)")
     for field in FUNCTION_FIELDS:
         if getattr(config.model, field) != getattr(source.model, field):
             log.warning("fine-tuning with model.%s=%s where %s used %s", field,
