@@ -1,8 +1,11 @@
-"""transformers' greedy generation and peft's own LoRA on the tiny Qwen3-VL of tests/data/vision: what the model
-generates after a prompt with images, what a LoRA adapter of a vision-language model is in peft's format, and what
-peft computes with it.
+"""transformers' greedy generation and peft's own LoRA on a tiny VL model of tests/data/vision (Qwen3-VL's, ``vl``, or
+Qwen2.5-VL's, ``vl25``): what the model generates after a prompt with images, what a LoRA adapter of a
+vision-language model is in peft's format, and what peft computes with it.
 
-    python scripts/make_vl_references.py --out tests/data/vision    # needs torch, transformers >= 5 and peft
+    python scripts/make_vl_references.py --out tests/data/vision               # needs torch, transformers >= 5, peft
+    python scripts/make_vl_references.py --out tests/data/vision --stem vl25   # the same for the tiny Qwen2.5-VL
+
+The files below are named for ``--stem`` (``vl``: vl_greedy.json, ...).
 
 ``vl_greedy.json``: the tokens ``generate(do_sample=False)`` gives after each reference example (vl.json) as the
 prompt (:data:`NEW_TOKENS` of them), and ``vl_greedy_logits.safetensors`` the logits each was picked from
@@ -12,7 +15,8 @@ The base is ``vl.safetensors`` (made by scripts/make_image_references.py) loaded
 Qwen3VLForConditionalGeneration; ``get_peft_model`` puts ``LoraConfig(r=4, lora_alpha=8, target_modules=[q, k, v,
 o, gate, up, down])`` on it (peft matches those names in the language model only: the tower's layers are named
 qkv, proj and linear_fc*), every adapter tensor is drawn (so B is not 0), and ``save_pretrained`` writes the folder
-``vl_peft/`` (adapter_config.json, adapter_model.safetensors). ``vl_peft_logits.safetensors``: peft's float32
+``vl_peft/`` (adapter_config.json, adapter_model.safetensors). For Qwen2.5-VL, whose tower has gate_proj, up_proj
+and down_proj too, target_modules is a pattern that leaves the tower out. ``vl_peft_logits.safetensors``: peft's float32
 logits of each reference example (vl.json) with the adapter on. tests/test_vision_peft.py reads the folder as
 seqjax's adapters, compares seqjax's logits with these, and writes the adapters back as peft wrote them.
 """
@@ -43,7 +47,9 @@ def image_references():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/data/vision"))
-    out = parser.parse_args().out
+    parser.add_argument("--stem", choices=["vl", "vl25"], default="vl")
+    args = parser.parse_args()
+    out, stem = args.out, args.stem
     import peft
     import torch
     import transformers
@@ -51,12 +57,15 @@ def main() -> None:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     refs = image_references()
-    vl = json.loads((out / "vl.json").read_text())
-    config = transformers.Qwen3VLConfig(text_config=vl["text_config"], vision_config=vl["vision_config"],
-                                        **vl["tokens"])
-    model = transformers.Qwen3VLForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
-    model.load_state_dict(load_file(str(out / "vl.safetensors")))
-    processor = Qwen2VLImageProcessorPil(**refs.SETTINGS["qwen3_vl"], **vl["bounds"])
+    vl = json.loads((out / f"{stem}.json").read_text())
+    family = vl["config"]["model_type"]
+    config_class, model_class = {
+        "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
+        "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration)}[family]
+    config = config_class(text_config=vl["text_config"], vision_config=vl["vision_config"], **vl["tokens"])
+    model = model_class._from_config(config, attn_implementation="eager").eval()
+    model.load_state_dict(load_file(str(out / f"{stem}.safetensors")))
+    processor = Qwen2VLImageProcessorPil(**refs.SETTINGS[family], **vl["bounds"])
     drawn = refs.images()
 
     def inputs_of(example):
@@ -76,11 +85,14 @@ def main() -> None:
                                   output_logits=True, return_dict_in_generate=True)
             greedy[name] = made.sequences[0, len(example["ids"]):].tolist()
             step_logits[name] = torch.cat(made.logits).float().contiguous()  # [NEW_TOKENS, V]
-    save_file(step_logits, str(out / "vl_greedy_logits.safetensors"))
-    (out / "vl_greedy.json").write_text(json.dumps({
+    save_file(step_logits, str(out / f"{stem}_greedy_logits.safetensors"))
+    (out / f"{stem}_greedy.json").write_text(json.dumps({
         "new_tokens": greedy, "made_by": {"transformers": transformers.__version__, "torch": torch.__version__,
                                           "script": "scripts/make_vl_references.py"}}) + "\n")
-    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS))
+    # Qwen2.5-VL's tower has gate_proj, up_proj and down_proj too: the names would adapt it, so its adapter
+    # targets the language model with a pattern that leaves the tower out (as LLaMA-Factory writes one)
+    targets = TARGETS if family == "qwen3_vl" else rf"^(?!.*visual).*\.({'|'.join(TARGETS)})"
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets))
     torch.manual_seed(2)
     adapted = []
     with torch.no_grad():
@@ -93,14 +105,14 @@ def main() -> None:
     for name, example in vl["examples"].items():
         with torch.no_grad():
             logits[name] = model(**inputs_of(example)).logits[0].contiguous()
-    target = out / "vl_peft"
+    target = out / f"{stem}_peft"
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         target.mkdir(exist_ok=True)
         for file in ("adapter_config.json", "adapter_model.safetensors"):
             shutil.copy(Path(tmp) / file, target / file)
-    save_file(logits, str(out / "vl_peft_logits.safetensors"))
-    (out / "vl_peft.json").write_text(json.dumps({
+    save_file(logits, str(out / f"{stem}_peft_logits.safetensors"))
+    (out / f"{stem}_peft.json").write_text(json.dumps({
         "adapted": len(adapted), "made_by": {"transformers": transformers.__version__, "torch": torch.__version__,
                                              "peft": peft.__version__, "script": "scripts/make_vl_references.py"}
     }) + "\n")

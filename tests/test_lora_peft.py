@@ -116,7 +116,7 @@ def test_an_exported_variant_reads_back_to_the_same_tensors_and_config(name, tmp
     assert sorted(ours) == sorted(theirs)
     for key in ours:
         np.testing.assert_array_equal(ours[key], theirs[key])
-    written = peft.adapter_config(config.model.lora, "base", config.model.tie_embeddings)
+    written = peft.adapter_config(config.model, "base")
     back = peft.lora_from_adapter_config(written, "adapter_config.json", config.model)
     assert back == config.model.lora
 
@@ -259,8 +259,7 @@ def test_peft_loads_seqjaxs_exported_adapter_onto_the_hf_base_with_equal_logits(
     out.mkdir()
     tensors = peft.to_peft(nnx.to_pure_dict(nnx.state(model, trained_filter(model.cfg.lora))), model.cfg)
     save_file(tensors, str(out / peft.ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / peft.ADAPTER_CONFIG).write_text(json.dumps(peft.adapter_config(model.cfg.lora, None,
-                                                                        model.cfg.tie_embeddings)))
+    (out / peft.ADAPTER_CONFIG).write_text(json.dumps(peft.adapter_config(model.cfg, None)))
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family, attn_implementation="eager")
     theirs = peft_lib.PeftModel.from_pretrained(base, out).eval()
     ids = load_file(str(REFERENCES / f"{name}.safetensors"))["seq0.ids"]

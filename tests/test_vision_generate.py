@@ -1,8 +1,9 @@
 """Greedy generation after a prompt with images equals transformers': the tiny reference Qwen3-VL
-(tests/data/vision) continues each reference example with the tokens ``generate(do_sample=False)`` gave
-(tests/data/vision/vl_greedy.json, made by transformers from scripts/make_vl_references.py). The prompt's images go
-through the tower in the prefill, DeepStack's features into the first layers, and every new token turns one
-position past the largest of the prompt's 3-D positions on all three axes, through the KV cache."""
+and Qwen2.5-VL (tests/data/vision) continue each reference example with the tokens
+``generate(do_sample=False)`` gave (tests/data/vision/vl_greedy.json and vl25_greedy.json, made by
+transformers from scripts/make_vl_references.py). The prompt's images go through the tower in the
+prefill, DeepStack's features into the first layers, and every new token turns one position past the
+largest of the prompt's 3-D positions on all three axes, through the KV cache."""
 
 from __future__ import annotations
 
@@ -15,39 +16,52 @@ from safetensors.numpy import load_file
 from seqjax.data.image_rows import ImageExample, prompt_image_fields
 from seqjax.model.decode import decode_step, generate, prefill
 from seqjax.model.decode import prompt_batch as text_batch
-from vision_support import DATA, LAYOUT, example, vl_model
+from vision_support import DATA, REFERENCES
 
-GREEDY = json.loads((DATA / "vl_greedy.json").read_text())["new_tokens"]
-STEP_LOGITS = load_file(str(DATA / "vl_greedy_logits.safetensors"))
+FAMILIES = sorted(REFERENCES)
 
 
-def prompt_batch(names: list[str]) -> tuple[list, dict]:
+def greedy(family: str) -> tuple[dict, dict]:
+    """(transformers' new tokens, and the logits each was picked from) for the reference's
+    examples."""
+    stem = REFERENCES[family].stem
+    return (json.loads((DATA / f"{stem}_greedy.json").read_text())["new_tokens"],
+            load_file(str(DATA / f"{stem}_greedy_logits.safetensors")))
+
+
+def prompt_batch(family: str, names: list[str]) -> tuple[list, dict]:
     """(the examples as prompts, their image fields, right-padded one a row)."""
-    prompts = [example(name) for name in names]
+    ref = REFERENCES[family]
+    prompts = [ref.example(name) for name in names]
     rows = [ImageExample(np.append(p.ids, 0), np.zeros(len(p.ids) + 1, np.float32), p.pixels, p.grids)
             for p in prompts]
-    return prompts, prompt_image_fields(rows, LAYOUT)
+    return prompts, prompt_image_fields(rows, ref.layout)
 
 
-@pytest.mark.slow  # (the fast loop: the logits test below, which a wrong position fails and greedy tokens may not)
+# (the fast loop: the logits test below, which a wrong position fails and greedy tokens may not)
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("names", [["one_image"], ["two_images", "text_only"]], ids=["one", "two_rows"])
-def test_greedy_tokens_after_a_prompt_with_images_equal_transformers(names):
-    prompts, images = prompt_batch(names)
-    out = generate(vl_model(), [p.ids.tolist() for p in prompts], eot_id=None, max_new_tokens=8, images=images)
-    assert [g.tokens for g in out] == [GREEDY[name] for name in names]
+def test_greedy_tokens_after_a_prompt_with_images_equal_transformers(family, names):
+    prompts, images = prompt_batch(family, names)
+    out = generate(REFERENCES[family].model(), [p.ids.tolist() for p in prompts], eot_id=None, max_new_tokens=8,
+                   images=images)
+    assert [g.tokens for g in out] == [greedy(family)[0][name] for name in names]
 
 
-def test_each_new_tokens_logits_equal_transformers_through_the_cache():
-    """The logits of every generation step, the prefill's and the cached steps', are transformers' to 1e-5 of
-    scale (a new token at the wrong position would change them)."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_new_tokens_logits_equal_transformers_through_the_cache(family):
+    """The logits of every generation step, the prefill's and the cached steps', are transformers'
+    to 1e-5 of scale (a new token at the wrong position would change them)."""
     names = ["two_images", "one_image"]
-    prompts, images = prompt_batch(names)
-    model = vl_model()
+    prompts, images = prompt_batch(family, names)
+    model = REFERENCES[family].model()
+    tokens, step_logits = greedy(family)
     inputs, positions, segment_ids = text_batch([p.ids.tolist() for p in prompts])
     logits, cache = prefill(model, inputs, positions, segment_ids, max_len=inputs.shape[1] + 8, images=images)
     for step in range(8):
         for row, name in enumerate(names):
-            theirs = STEP_LOGITS[name][step]
+            theirs = step_logits[name][step]
             np.testing.assert_allclose(np.asarray(logits[row]), theirs, rtol=0, atol=1e-5 * np.abs(theirs).max(),
                                        err_msg=f"{name}, step {step}")
-        logits, cache = decode_step(model, np.asarray([GREEDY[name][step] for name in names]), cache)
+        logits, cache = decode_step(model, np.asarray([tokens[name][step] for name in names]), cache)

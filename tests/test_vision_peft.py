@@ -1,8 +1,11 @@
-"""A LoRA adapter of a Qwen3-VL model in peft's format, both ways: peft's own adapter on the tiny reference model
-(tests/data/vision/vl_peft/, made by peft and transformers from scripts/make_vl_references.py) read by seqjax
-computes peft's logits on image-and-text examples, and seqjax writes those adapters back as the tensors, names and
-shapes peft saved (what ``python -m seqjax.export`` writes for a VL run, tests/test_vision_run.py): adapters on the
-language model (``base_model.model.model.language_model.layers.i``), none on the tower.
+"""A LoRA adapter of a VL model in peft's format, both ways, for Qwen3-VL and Qwen2.5-VL: peft's own adapter on a
+tiny reference model (tests/data/vision/vl_peft/ and vl25_peft/, made by peft and transformers from
+scripts/make_vl_references.py) read by seqjax computes peft's logits on image-and-text examples, and seqjax writes
+those adapters back as the tensors, names and shapes peft saved (what ``python -m seqjax.export`` writes for a VL
+run, tests/test_vision_run.py): adapters on the language model
+(``base_model.model.model.language_model.layers.i``), none on the tower. Qwen2.5-VL's tower has gate_proj,
+up_proj and down_proj too, so a list of module names would adapt it: peft's adapter there targets a pattern that
+leaves the tower out, seqjax writes one, and names that reach the tower are refused.
 """
 
 from __future__ import annotations
@@ -17,55 +20,67 @@ from safetensors.numpy import load_file
 
 from seqjax.core.errors import CheckpointError
 from seqjax.hf import peft
-from vision_support import DATA, REFERENCE, VL, logits, vl_model
+from vision_support import DATA, QWEN2_5, REFERENCES
 
-FOLDER = DATA / "vl_peft"
-PEFT_LOGITS = load_file(str(DATA / "vl_peft_logits.safetensors"))
-
-
-def adapter():
-    """(the model's config with peft's LoRA settings, peft's tensors, and them as seqjax's adapters)."""
-    fields = json.loads((FOLDER / peft.ADAPTER_CONFIG).read_text())
-    lora = peft.lora_from_adapter_config(fields, str(FOLDER), VL.text)
-    cfg = dataclasses.replace(VL.text, lora=lora)
-    tensors = load_file(str(FOLDER / peft.ADAPTER_WEIGHTS))
-    return cfg, tensors, peft.from_peft(tensors, cfg, str(FOLDER))
+FAMILIES = sorted(REFERENCES)
 
 
-def test_seqjax_with_pefts_vl_adapter_computes_pefts_logits():
-    cfg, _, adapters = adapter()
-    model = vl_model(lora=cfg.lora)
+def adapter(family: str):
+    """(the reference's config with peft's LoRA settings, peft's tensors, and them as seqjax's adapters)."""
+    ref = REFERENCES[family]
+    folder = DATA / f"{ref.stem}_peft"
+    fields = json.loads((folder / peft.ADAPTER_CONFIG).read_text())
+    lora = peft.lora_from_adapter_config(fields, str(folder), ref.vl.text)
+    cfg = dataclasses.replace(ref.vl.text, lora=lora)
+    tensors = load_file(str(folder / peft.ADAPTER_WEIGHTS))
+    return cfg, tensors, peft.from_peft(tensors, cfg, str(folder))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_seqjax_with_pefts_vl_adapter_computes_pefts_logits(family):
+    ref = REFERENCES[family]
+    cfg, _, adapters = adapter(family)
+    model = ref.model(lora=cfg.lora)
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, adapters)
     model = nnx.merge(graphdef, state)
-    names = sorted(REFERENCE["examples"])
-    lengths = [len(REFERENCE["examples"][name]["ids"]) - 1 for name in names]
-    rows = logits(model, [[name] for name in names], max(lengths), 64)  # each alone in its padded row
+    expected = load_file(str(DATA / f"{ref.stem}_peft_logits.safetensors"))
+    names = sorted(ref.record["examples"])
+    lengths = [len(ref.record["examples"][name]["ids"]) - 1 for name in names]
+    rows = ref.logits(model, [[name] for name in names], max(lengths), 64)  # each alone in its padded row
     for name, n, ours in zip(names, lengths, rows):
-        theirs = PEFT_LOGITS[name][:n]
+        theirs = expected[name][:n]
         np.testing.assert_allclose(ours[:n], theirs, rtol=0, atol=1e-5 * np.abs(theirs).max(), err_msg=name)
 
 
-def test_the_adapters_write_back_as_peft_saved_them():
-    cfg, tensors, adapters = adapter()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_adapters_write_back_as_peft_saved_them(family):
+    cfg, tensors, adapters = adapter(family)
     written = peft.to_peft(adapters, cfg)
     assert sorted(written) == sorted(tensors)
     assert all(name.startswith("base_model.model.model.language_model.layers.") for name in written)
     for name, tensor in tensors.items():
         np.testing.assert_array_equal(written[name], tensor, err_msg=name)
-    fields = peft.adapter_config(cfg.lora, None, cfg.tie_embeddings)
-    theirs = json.loads((FOLDER / peft.ADAPTER_CONFIG).read_text())
+    fields = peft.adapter_config(cfg, None)
+    theirs = json.loads((DATA / f"{REFERENCES[family].stem}_peft" / peft.ADAPTER_CONFIG).read_text())
     assert {k: fields[k] for k in ("r", "lora_alpha", "use_dora", "use_rslora", "peft_type")} == {
         k: theirs[k] for k in ("r", "lora_alpha", "use_dora", "use_rslora", "peft_type")}
-    assert sorted(fields["target_modules"]) == sorted(theirs["target_modules"])
+    # seqjax's target_modules (a pattern of the language model's layers) selects what peft's did, and no module
+    # of the tower (one would be refused)
+    assert peft.lora_from_adapter_config(fields, "ours", cfg) == peft.lora_from_adapter_config(theirs, "theirs", cfg)
 
 
 def test_an_adapter_peft_would_put_on_the_tower_is_refused_in_one_line():
-    fields = {**json.loads((FOLDER / peft.ADAPTER_CONFIG).read_text()), "target_modules": "all-linear"}
+    folder = DATA / "vl_peft"
+    fields = {**json.loads((folder / peft.ADAPTER_CONFIG).read_text()), "target_modules": "all-linear"}
+    cfg, tensors, _ = adapter("qwen3_vl")
     with pytest.raises(CheckpointError, match="all-linear on a vision-language base, which selects the vision tower"):
-        peft.lora_from_adapter_config(fields, str(FOLDER), VL.text)
-    _, tensors, _ = adapter()
-    text_only = dataclasses.replace(VL.text, vision=dataclasses.replace(VL.text.vision, depth=0), mrope_section=[])
-    text_only = dataclasses.replace(text_only, lora=adapter()[0].lora)
+        peft.lora_from_adapter_config(fields, str(folder), cfg)
+    # Qwen2.5-VL: the module names alone reach the tower's MLP
+    names = {**fields, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+    with pytest.raises(CheckpointError, match="selects model.visual.blocks.0.mlp.gate_proj; seqjax puts adapters on "
+                                              "the language model's"):
+        peft.lora_from_adapter_config(names, str(folder), QWEN2_5.vl.text)
+    text_only = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, depth=0), mrope_section=[])
     with pytest.raises(CheckpointError, match="tensor base_model.model.model.layers.0.* is missing"):
-        peft.from_peft(tensors, text_only, str(FOLDER))
+        peft.from_peft(tensors, text_only, str(folder))

@@ -15,8 +15,10 @@ base_model.model.model.embed_tokens.weight (modules_to_save)           [V, D]   
 base_model.model.lm_head.weight (modules_to_save)                      [V, D]    lm_head [D, V]
 =====================================================================  ========  ==========================
 
-A Qwen3-VL base (``model.vision``) has its text model under ``model.language_model`` (so
-``base_model.model.model.language_model.layers.i.``); its tower holds no adapters.
+A VL base (``model.vision``: Qwen3-VL, Qwen2.5-VL) has its text model under
+``model.language_model`` (so ``base_model.model.model.language_model.layers.i.``); its tower holds
+no adapters: target_modules is written as a pattern of the language model's layers, and one that
+selects a module of the tower is refused.
 
 ``in`` and ``out`` are the HF projection's features: q's out is heads x head_dim, in the order
 seqjax's [D, H, Dh] flattens to. A projection computes what :mod:`seqjax.model.lora` says, with
@@ -41,6 +43,7 @@ import numpy as np
 
 from seqjax.config.model import LORA_TARGETS, PEFT_SAVED, LoraConfig, ModelConfig
 from seqjax.core.errors import CheckpointError
+from seqjax.hf.vision import PREFIX, tower_tensors
 from seqjax.model.assembly import ADAPTED
 from seqjax.model.stacking import blocks_layout
 
@@ -82,13 +85,24 @@ def saved_name(module: str, cfg: ModelConfig) -> str:
     return f"base_model.model.{text_root(cfg)}.embed_tokens.weight"
 
 
-def adapter_config(lora: LoraConfig, base: str | None, tied: bool) -> dict[str, Any]:
-    """The ``adapter_config.json`` PEFT writes for these adapters."""
+def target_modules(cfg: ModelConfig) -> str | list[str]:
+    """``target_modules`` for ``cfg.lora``'s targets: their module names, or on a VL base a regular
+    expression of the language model's layers (Qwen2.5-VL's tower has gate_proj, up_proj and
+    down_proj too, which the names would select; LLaMA-Factory writes such a pattern too)."""
+    names = sorted(MODULES[t][0].rsplit(".", 1)[1] for t in cfg.lora.targets)
+    if not cfg.vision.depth:
+        return names
+    return rf"{re.escape(text_root(cfg))}\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(names)})"
+
+
+def adapter_config(cfg: ModelConfig, base: str | None) -> dict[str, Any]:
+    """The ``adapter_config.json`` PEFT writes for ``cfg.lora``'s adapters."""
+    lora, tied = cfg.lora, cfg.tie_embeddings
     saved = [PEFT_NAME[m] for m in lora.modules_to_save]
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-        "target_modules": sorted(MODULES[t][0].rsplit(".", 1)[1] for t in lora.targets),
+        "target_modules": target_modules(cfg),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": lora.rslora, "use_dora": lora.dora,
         "modules_to_save": saved or None, "ensure_weight_tying": bool(tied and saved),
         "init_lora_weights": "gaussian" if lora.init == "gaussian" else True,
@@ -132,7 +146,7 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
             f"{source}: target_modules: got null, expected the modules that hold adapters")
     root = text_root(cfg)
     linear = [f"{root}.layers.{i}.{HF_MODULES[t]}" for i in range(cfg.n_layers) for t in LORA_TARGETS]
-    others = ["lm_head", f"{root}.embed_tokens"]
+    others = ["lm_head", f"{root}.embed_tokens", *tower_modules(cfg)]
     if targets == "all-linear" and cfg.vision.depth:
         raise CheckpointError(f"{source}: target_modules: got all-linear on a vision-language base, which selects the "
                               "vision tower's layers too; seqjax adapts the language model's projections only")
@@ -143,8 +157,8 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
     chosen = [m for m in chosen if not _matches(excluded, m)]
     other = [m for m in chosen if m in others]
     if other:
-        raise CheckpointError(f"{source}: target_modules: selects {other[0]}; seqjax puts adapters on "
-                              "the seven projections (q, k, v, o, gate, up, down) only")
+        raise CheckpointError(f"{source}: target_modules: selects {other[0]}; seqjax puts adapters on the "
+                              "language model's seven projections (q, k, v, o, gate, up, down) only")
     if not chosen:
         raise CheckpointError(f"{source}: target_modules: got {targets!r}, which selects none of "
                               f"the projections {sorted(TARGET_OF)} of a {cfg.n_layers}-layer base")
@@ -158,6 +172,15 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
         if layers:
             found.append(target)
     return found
+
+
+def tower_modules(cfg: ModelConfig) -> list[str]:
+    """The vision tower's linear layers as transformers 5 names its modules (``model.visual.*``);
+    none for a text model."""
+    if not cfg.vision.depth:
+        return []
+    weights = (name for name, _, linear in tower_tensors(cfg.vision) if linear)
+    return [PREFIX + name.removesuffix(".weight") for name in weights]
 
 
 def _saved(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]:

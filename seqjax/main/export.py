@@ -151,7 +151,7 @@ def _export_adapter(args: argparse.Namespace, cfg, adapters: dict[str, Any],
     with staged_folder(args.out, overwrite=args.overwrite) as staging:
         save_file(tensors, str(staging / peft.ADAPTER_WEIGHTS), metadata={"format": "pt"})
         write_text_atomic(staging / peft.ADAPTER_CONFIG,
-                          json.dumps(peft.adapter_config(cfg.lora, base, cfg.tie_embeddings), indent=2))
+                          json.dumps(peft.adapter_config(cfg, base), indent=2))
     result = {
         "out": str(args.out), "files": [peft.ADAPTER_CONFIG, peft.ADAPTER_WEIGHTS],
         "dtype": args.dtype, "adapter_parameters": int(sum(t.size for t in tensors.values())),
