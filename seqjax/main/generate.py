@@ -28,6 +28,7 @@ part's own path, relative to the file): the prompt's images go through the visio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -42,9 +43,10 @@ from seqjax.data.image_rows import ImageLayout, image_example, prompt_image_fiel
 from seqjax.main import cli, trained
 from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
-from seqjax.store.chat import chat_prompt, chat_template, end_of_turn
-from seqjax.store.image_chats import expand_images, image_sources, read_image_spec, without_nulls
-from seqjax.store.spec import IMAGE_BASE, KWARGS_FIELD, ExampleSpec
+from seqjax.store.chat import chat_prompt, end_of_turn
+from seqjax.store.examples import example_spec
+from seqjax.store.image_chats import expand_images, image_sources, without_nulls
+from seqjax.store.spec import IMAGE_BASE, KWARGS_FIELD
 
 log = logging.getLogger("seqjax.generate")  # the command's name, as its log lines show it
 
@@ -77,13 +79,9 @@ def chat_prompts(path_text: str, config, tokenizer) -> tuple[list[str], list[lis
     """(each conversation rendered with the generation prompt, its ids, the image fields of the
     batch of them or None, the ids a reply stops at). With ``data.image_processor`` each image part
     becomes one image token per merged patch group, as the store expands it."""
-    template, name = chat_template(config.data.chat_template, Path(tokenizer.path))
-    d = config.data
-    spec = ExampleSpec(format="chat", loss_on="assistant", chat_template=template, template_name=name,
-                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eot_token,
-                       template_kwargs=json.dumps(d.chat_template_kwargs, sort_keys=True),
-                       image_spec=read_image_spec(d.image_processor), images_field=d.images_field,
-                       image_token=d.image_token)
+    # the store's spec of the run's chats: the template, its tokens and the image settings it read them with
+    chats = dataclasses.replace(config.data.resolved_sources()[0], format="chat")
+    spec = example_spec(config, chats, Path(tokenizer.path), tokenizer.eot_token)
     texts, ids, examples = [], [], []
     for k, record in enumerate(read_chats(path_text)):
         where = f"--chat {path_text}:conversation {k + 1}"
