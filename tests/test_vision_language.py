@@ -215,3 +215,17 @@ def test_configs_qwen2_5_vl_lora_at_reduced_size_adopts_a_hub_qwen2_5_vl_folder(
     windowless = load_config(config_file, [*overrides, "model.vision.window_size=0"])
     with pytest.raises(ConfigError, match="model.vision.window_size: got 0, but .* has 56; make it match"):
         init_from.adopt(windowless, init_from.locate(str(folder)))
+
+
+def test_an_image_processor_that_cuts_other_patches_than_the_towers_is_one_line(tmp_path):
+    """Qwen3-VL's processor (patch 16) for Qwen2.5-VL's tower (patch 14): refused before any image is read."""
+    from seqjax.train.setup import objective_of
+
+    processor = tmp_path / "preprocessor_config.json"
+    processor.write_text(json.dumps({"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}))
+    config_file = Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_vl_lora.yaml"
+    config = load_config(config_file, [*tiny_overrides(QWEN2_5), f"data.image_processor={processor}"])
+    with pytest.raises(ConfigError, match="has patch_size 16, but model.vision's tower takes 14"):
+        objective_of(config)
+    processor.write_text(json.dumps({"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}))
+    assert objective_of(config) is not None

@@ -48,6 +48,7 @@ from seqjax.model.lora import adapters_off, frozen_part, saved_part
 from seqjax.objectives import Objective, resolve
 from seqjax.store.build import prepare
 from seqjax.store.chat import find_chat_template
+from seqjax.store.image_chats import read_image_spec
 from seqjax.store.spec import CHAT_TEMPLATE_FILE
 from seqjax.store.splits import has_split
 from seqjax.train import adapters, init_from, reference
@@ -253,6 +254,8 @@ def objective_of(config: Config) -> Objective:
             f"data.image_processor: got {config.data.image_processor!r} for a model without a vision tower "
             "(model.vision.depth 0); expected model.vision and model.mrope_section set as the checkpoint's "
             "(configs/qwen3_vl_lora.yaml)")
+    if config.data.image_processor is not None:
+        check_processor(config)
     objective = resolve(tc.objective, tc.objective_weights)
     who = f"train.objective={','.join(tc.objective)}"
     check_reads(objective.reads, config.data, who)
@@ -263,6 +266,17 @@ def objective_of(config: Config) -> Objective:
             "base with its adapters off still has the trained modules; expected train.reference=copy"
         )
     return objective
+
+
+def check_processor(config: Config) -> None:
+    """The image processor cuts the patches the tower takes: its patch, temporal pair and merge
+    sizes are the tower's, or one line before any image is read."""
+    spec, vision = read_image_spec(config.data.image_processor), config.model.vision
+    for key, ours in (("patch_size", vision.patch_size), ("temporal_patch_size", vision.temporal_patch_size),
+                      ("merge_size", vision.spatial_merge_size)):
+        if getattr(spec, key) != ours:
+            raise ConfigError(f"data.image_processor: {config.data.image_processor} has {key} {getattr(spec, key)}, "
+                              f"but model.vision's tower takes {ours}; expected the processor of the model's tower")
 
 
 def reference_arguments(placed: Placed, config: Config, objective: Objective):
