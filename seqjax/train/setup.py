@@ -271,12 +271,14 @@ def objective_of(config: Config) -> Objective:
 def check_processor(config: Config) -> None:
     """The image processor cuts the patches the tower takes: its patch, temporal pair and merge
     sizes are the tower's, or one line before any image is read."""
-    spec, vision = read_image_spec(config.data.image_processor), config.model.vision
-    for key, ours in (("patch_size", vision.patch_size), ("temporal_patch_size", vision.temporal_patch_size),
-                      ("merge_size", vision.spatial_merge_size)):
+    processor, vision = config.data.image_processor, config.model.vision
+    spec = read_image_spec(processor)
+    tower = {"patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+             "merge_size": vision.spatial_merge_size}
+    for key, ours in tower.items():
         if getattr(spec, key) != ours:
-            raise ConfigError(f"data.image_processor: {config.data.image_processor} has {key} {getattr(spec, key)}, "
-                              f"but model.vision's tower takes {ours}; expected the processor of the model's tower")
+            raise ConfigError(f"data.image_processor: {processor} has {key} {getattr(spec, key)}, but "
+                              f"model.vision's tower takes {ours}; expected the processor of its tower")
 
 
 def reference_arguments(placed: Placed, config: Config, objective: Objective):
