@@ -229,3 +229,31 @@ def test_an_image_processor_that_cuts_other_patches_than_the_towers_is_one_line(
         objective_of(config)
     processor.write_text(json.dumps({"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}))
     assert objective_of(config) is not None
+
+
+# The Hub's Qwen2.5-VL-7B-Instruct config.json (its published fields, flat as the Hub keeps them)
+HUB_QWEN2_5_VL_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 128000,
+    "max_window_layers": 28, "model_type": "qwen2_5_vl", "num_attention_heads": 28, "num_hidden_layers": 28,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.41.2", "use_cache": True,
+    "use_sliding_window": False,
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064}
+
+
+def test_the_hubs_qwen2_5_vl_7b_config_reads_as_configs_qwen2_5_vl_lora_yamls_model():
+    """Every field of the real checkpoint's config.json is read (none refused), and the model it describes is the
+    shipped config's, but for what a run chooses (dtypes, remat, scan, the chunked loss, LoRA, the context)."""
+    read = vision_language_config(HUB_QWEN2_5_VL_7B).text
+    shipped = load_config(Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_vl_lora.yaml").model
+    chosen = {"max_seq_len", "param_dtype", "compute_dtype", "remat", "scan_layers", "loss_chunk_tokens", "lora"}
+    differ = {f.name for f in dataclasses.fields(shipped) if getattr(read, f.name) != getattr(shipped, f.name)}
+    assert differ <= chosen, differ
+    assert read.vision.encoder == "qwen2_5_vl" and read.qkv_bias and not read.mrope_interleaved
