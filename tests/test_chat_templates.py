@@ -1,14 +1,17 @@
-"""The training templates seqjax ships (data.chat_template=chatml|qwen3|gemma): what each renders, which tokens
-it scores, and a Qwen3 model fine-tuned packed on chats under Qwen3's official template, sliding layers and all.
+"""The training templates seqjax ships (data.chat_template=chatml|qwen3|gemma|qwen3_vl|qwen2_5_vl):
+what each renders, which tokens it scores, and a Qwen3 model fine-tuned packed on chats under
+Qwen3's official template, sliding layers and all.
 
-The references are the models' official templates (Qwen2.5, Qwen3, Gemma 3), as TRL 1.16 ships copies of them
-(TRL patches a template by comparing its text with these copies, so they are the models' own), rendered by
-transformers itself: each shipped template must render every chat to the same text. scripts/setup.sh installs
-TRL's package without its dependencies (nothing of TRL is imported: only the .jinja files are read).
+The references are the models' official templates (Qwen2.5, Qwen3, Gemma 3), as TRL 1.16 ships
+copies of them (TRL patches a template by comparing its text with these copies, so they are the
+models' own), rendered by transformers itself: each shipped template must render every chat to the
+same text. scripts/setup.sh installs TRL's package without its dependencies (nothing of TRL is
+imported: only the .jinja files are read).
 
-A template that drops earlier turns' reasoning when it renders a later turn (Qwen3's official one does) cannot be
-scored by prefix rendering; it trains through its twin, the shipped template that renders the same text, and a
-rewriting template without a twin is refused with a pointer to the shipped ones.
+A template that drops earlier turns' reasoning when it renders a later turn (Qwen3's official one
+does) cannot be scored by prefix rendering; it trains through its twin, the shipped template that
+renders the same text, and a rewriting template without a twin is refused with a pointer to the
+shipped ones.
 """
 
 from __future__ import annotations
@@ -51,27 +54,32 @@ def spec(name: str, template: str | None = None) -> ExampleSpec:
                        twin=twin_template(text, "<bos>", "<|endoftext|>") if template else None)
 
 
-# seqjax's template -> the official template it renders as (TRL 1.16's copy, trl/chat_templates/NAME.jinja)
-OFFICIAL = {"qwen3": "qwen3", "chatml": "qwen2_5", "gemma": "gemma3"}
+# seqjax's template -> the official template it renders as (TRL 1.16's copy,
+# trl/chat_templates/NAME.jinja)
+OFFICIAL = {"qwen3": "qwen3", "chatml": "qwen2_5", "gemma": "gemma3", "qwen3_vl": "qwen3_vl",
+            "qwen2_5_vl": "qwen2_5_vl"}
+VL = ("qwen3_vl", "qwen2_5_vl")
 
 
 def official(name: str) -> str:
-    found = importlib.util.find_spec("trl")  # finds the package without importing it (TRL imports torch)
+    # finds the package without importing it (TRL imports torch)
+    found = importlib.util.find_spec("trl")
     file = Path(found.submodule_search_locations[0]) / "chat_templates" / f"{OFFICIAL[name]}.jinja" if found else None
     if file is None or not file.is_file():
         pytest.skip("the official chat templates come with TRL's package: scripts/setup.sh installs trl==1.16.0")
     return file.read_text(encoding="utf-8")
 
 
-def transformers_render(template: str, messages: list[dict], generation_prompt: bool, tools=None) -> str:
-    """``messages`` (and ``tools``) rendered by transformers' own apply_chat_template."""
+def transformers_render(template: str, messages: list[dict], generation_prompt: bool, tools=None, **kwargs) -> str:
+    """``messages`` (and ``tools``, and template variables) rendered by transformers' own
+    apply_chat_template."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
                                   bos_token="<bos>", eos_token="<|endoftext|>")
     return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                   add_generation_prompt=generation_prompt, tools=tools)
+                                   add_generation_prompt=generation_prompt, tools=tools, **kwargs)
 
 
 TEXT = st.lists(st.sampled_from(["a", " ", "\n", "<think>", "</think>", "<tool_response>", "</tool_response>"]),
@@ -79,8 +87,8 @@ TEXT = st.lists(st.sampled_from(["a", " ", "\n", "<think>", "</think>", "<tool_r
 CALL = st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]),
                               "arguments": st.one_of(st.dictionaries(st.sampled_from("xy"), st.integers(0, 9)),
                                                      st.just('{"z": 1}'))})
-# Tool definitions as datasets carry them: OpenAI's {"type": "function", "function": schema} or the bare schema,
-# non-ASCII descriptions included (tojson keeps them).
+# Tool definitions as datasets carry them: OpenAI's {"type": "function", "function": schema} or the
+# bare schema, non-ASCII descriptions included (tojson keeps them).
 SCHEMA = st.fixed_dictionaries({"name": st.sampled_from(["get_weather", "f"]),
                                 "description": st.sampled_from(["", "Météo à Zürich", "a \"quoted\" tool"]),
                                 "parameters": st.fixed_dictionaries({"type": st.just("object"), "properties":
@@ -92,19 +100,28 @@ WEATHER = [{"type": "function", "function": {"name": "get_weather", "description
                                              "parameters": {"type": "object", "properties": {"city": {}}}}}]
 
 
+# A VL chat's content: text, or parts as TRL and transformers write them (an image or video by type
+# or by key, text parts)
+PART = st.one_of(st.just({"type": "image"}), st.just({"type": "image", "image": "a.png"}), st.just({"image": "b.png"}),
+                 st.just({"type": "image_url", "image_url": {"url": "c.png"}}), st.just({"type": "video"}),
+                 TEXT.map(lambda t: {"type": "text", "text": t}))
+
+
 @st.composite
 def chats(draw, template: str):
-    """Chats as the template's family writes them: Gemma alternates user/assistant after an optional system
-    message; Qwen chats mix every role, answers with reasoning (reasoning_content or a <think> prefix) and tool
-    calls (arguments as objects or JSON text, bare or under "function"), tool results in a row."""
-    system = [{"role": "system", "content": draw(TEXT)}] if draw(st.booleans()) else []
+    """Chats as the template's family writes them: Gemma alternates user/assistant after an optional
+    system message; Qwen chats mix every role, answers with reasoning (reasoning_content or a
+    <think> prefix) and tool calls (arguments as objects or JSON text, bare or under "function"),
+    tool results in a row; a VL chat's contents are text or lists of image, video and text parts."""
+    content = st.one_of(TEXT, st.lists(PART, max_size=4)) if template in VL else TEXT
+    system = [{"role": "system", "content": draw(content)}] if draw(st.booleans()) else []
     if template == "gemma":
         turns = draw(st.integers(1, 4))
         return system + [{"role": ("user", "assistant")[k % 2], "content": draw(TEXT)} for k in range(turns)]
     messages = []
     for role in draw(st.lists(st.sampled_from(["user", "assistant", "assistant", "tool", "system"]), min_size=1,
                               max_size=6)):
-        message = {"role": role, "content": draw(TEXT)}
+        message = {"role": role, "content": draw(content)}
         if role == "assistant" and draw(st.booleans()):
             message["reasoning_content"] = draw(TEXT)
         if role == "assistant" and draw(st.booleans()):
@@ -114,8 +131,9 @@ def chats(draw, template: str):
     return system + messages
 
 
-# Each branch of the official templates, drawn or not: answers after the last query with and without reasoning,
-# tool calls with and without an answer, tool results in a row, a wrapped tool result in a user turn.
+# Each branch of the official templates, drawn or not: answers after the last query with and without
+# reasoning, tool calls with and without an answer, tool results in a row, a wrapped tool result in
+# a user turn.
 EDGES = [CHAT, CHAT[1:3],
          [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
           {"role": "assistant", "content": "a2"}, {"role": "assistant", "content": "a3", "reasoning_content": "r"},
@@ -132,8 +150,9 @@ EDGES = [CHAT, CHAT[1:3],
 @given(data=st.data())
 def test_each_shipped_template_renders_every_chat_as_the_official_one(name, data):
     messages, prompt, tools = data.draw(chats(name)), data.draw(st.booleans()), data.draw(TOOLS)
-    assert render_chat(spec(name), messages, prompt, tools)[0] == transformers_render(official(name), messages,
-                                                                                      prompt, tools)
+    kwargs = {"add_vision_id": data.draw(st.booleans())} if name in VL else {}
+    assert render_chat(spec(name), messages, prompt, tools, kwargs)[0] == transformers_render(
+        official(name), messages, prompt, tools, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "chatml"])
@@ -146,8 +165,9 @@ def test_each_branch_of_the_official_qwen_templates_renders_alike(name):
 
 
 def test_the_official_templates_train_through_their_twins():
-    """The official templates, as found beside an imported model, are scored as the shipped twin marks them:
-    Qwen3's, which rewrites earlier turns, included. A chat the twin renders differently is not scored by it."""
+    """The official templates, as found beside an imported model, are scored as the shipped twin
+    marks them: Qwen3's, which rewrites earlier turns, included. A chat the twin renders differently
+    is not scored by it."""
     for name in OFFICIAL:
         assert twin_template(official(name), "<bos>", "<|endoftext|>") == name
         chat = CHAT if name != "chatml" else CHAT[1:]
@@ -156,7 +176,8 @@ def test_the_official_templates_train_through_their_twins():
                                                                                              tools)
     qwen3 = spec("qwen3", official("qwen3"))
     assert "first thought" not in chat_spans(qwen3, CHAT, "here")[0]
-    with pytest.raises(CorpusError, match="rewrites earlier turns"):  # a twin that renders otherwise is not used
+    # a twin that renders otherwise is not used
+    with pytest.raises(CorpusError, match="rewrites earlier turns"):
         chat_spans(dataclasses.replace(qwen3, twin="chatml"), CHAT, "here")
     gemma = spec("gemma", official("gemma"))
     with pytest.raises(CorpusError, match="roles must alternate"):
@@ -170,7 +191,8 @@ def scored(name: str, messages=CHAT) -> tuple[str, list[str]]:
 
 def test_chatml_scores_each_answer_and_its_im_end():
     text, parts = scored("chatml", CHAT[1:])
-    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")  # Qwen2.5's default
+    # Qwen2.5's default
+    assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
     assert parts == [CHAT[2]["content"] + "<|im_end|>", "ran far<|im_end|>"]
     assert "<|im_start|>assistant\n" + parts[1] + "\n" in text
 
@@ -191,8 +213,9 @@ def test_gemma_folds_the_system_prompt_into_the_first_turn_and_scores_model_turn
 
 
 def test_a_records_tools_are_rendered_as_context_from_a_list_or_json_text_and_never_scored(tmp_path):
-    """A chat record's tools (data.tools_field), read from a jsonl file as prepare reads it: the list and its JSON
-    text give the same ids; the tools lengthen the text but add no scored token; a bad value is one line."""
+    """A chat record's tools (data.tools_field), read from a jsonl file as prepare reads it: the
+    list and its JSON text give the same ids; the tools lengthen the text but add no scored token; a
+    bad value is one line."""
     words = "the cat sat on a mat get_weather city Météo".split()
     train_tokenizer([" ".join(words)] * 20, tmp_path / "tokenizer.json", vocab_size=300, special_tokens=SPECIALS)
     tokenizer = Tokenizer(tmp_path / "tokenizer.json", "<|endoftext|>")
@@ -214,7 +237,8 @@ def test_a_records_tools_are_rendered_as_context_from_a_list_or_json_text_and_ne
 
 
 def test_generate_chat_prompts_carry_each_conversations_tools(tmp_path):
-    """``generate --chat FILE.jsonl``: a line's tools reach the template, as in transformers' generation prompt."""
+    """``generate --chat FILE.jsonl``: a line's tools reach the template, as in transformers'
+    generation prompt."""
     (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": CHAT[1:2], "tools": WEATHER}) + "\n"
                                           + json.dumps(CHAT[1:2]) + "\n")
     first, second = read_chats(str(tmp_path / "chats.jsonl"))
@@ -227,7 +251,8 @@ def test_generate_chat_prompts_carry_each_conversations_tools(tmp_path):
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_pointing_at_the_shipped_one():
-    # Qwen3-like: earlier answers lose their reasoning once a later turn is rendered; no generation blocks
+    # Qwen3-like: earlier answers lose their reasoning once a later turn is rendered; no generation
+    # blocks
     rewriting = ("{%- for m in messages -%}{%- set c = m.content -%}{%- if m.role == 'assistant' and not loop.last "
                  "-%}{%- set c = c.split('</think>')[-1] -%}{%- endif -%}"
                  "{{- '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' -}}{%- endfor -%}")
@@ -239,16 +264,16 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_pointing_at_the_shipp
 
 def test_an_unknown_template_name_or_file_is_one_line():
     with pytest.raises(CorpusError, match="data.chat_template: .*qwen4.* not found; expected a Jinja chat template "
-                                          "file or one of chatml, qwen3, gemma"):
+                                          "file or one of chatml, qwen3, gemma, qwen3_vl, qwen2_5_vl"):
         chat_template("qwen4", None)
 
 
 @pytest.mark.slow  # a two-step fine-tune in this process
 def test_a_qwen3_model_fine_tunes_packed_on_chats_under_its_official_template(tmp_path):
-    """The Qwen3 reference model (sliding layers from the second on) imported with Qwen3's official template in its
-    tokenizer_config.json, fine-tuned on multi-turn chats with reasoning, packed, loss on the assistant turns only,
-    half of them with tools, with no data.chat_template set: the store scores what data.chat_template=qwen3
-    scores, on the same text."""
+    """The Qwen3 reference model (sliding layers from the second on) imported with Qwen3's official
+    template in its tokenizer_config.json, fine-tuned on multi-turn chats with reasoning, packed,
+    loss on the assistant turns only, half of them with tools, with no data.chat_template set: the
+    store scores what data.chat_template=qwen3 scores, on the same text."""
     from seqjax.main import import_hf
     from seqjax.train.loop import train
 
@@ -289,7 +314,8 @@ def test_a_qwen3_model_fine_tunes_packed_on_chats_under_its_official_template(tm
     np.testing.assert_array_equal(mask, np.asarray(shipped.mask).astype(bool))
     assert 0 < mask.mean() < 0.6  # the answers (and <|im_end|>), not the prompts
     lengths = np.diff(np.asarray(store.doc_offsets))  # the store keeps the file's order
-    assert len(lengths) == 40 and lengths[1::2].min() > lengths[::2].max()  # the tools' section, in the odd chats
+    # the tools' section, in the odd chats
+    assert len(lengths) == 40 and lengths[1::2].min() > lengths[::2].max()
     summary = train(official_run)
     assert official_run.model.has_windows and summary["finished"] and np.isfinite(summary["val_loss"])
     assert summary["tokens_seen"] < 2 * 4 * 64 and ids.size > 0  # whole chats: rows end in padding

@@ -34,6 +34,10 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl_run")
     folder = write_hf_folder(root / "Qwen3-VL-tiny")
     (folder / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
+    # the model's own template, where Qwen3-VL's Hub folder keeps it: no generation blocks, so the run scores
+    # the answers as its twin, seqjax's qwen3_vl template, marks them
+    official = trl_template("qwen3_vl").read_text()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": official}))
     return root, folder, image_chats(root / "data", 24)
 
 
@@ -41,7 +45,7 @@ def config(world, run: str):
     root, folder, chats = world
     return load_config(CONFIG, [
         *tiny_overrides(), f"run.dir={root / run}", f"train.init_from={folder}", f"data.image_processor={folder}",
-        f"data.chat_template={trl_template('qwen3_vl_training')}", f"data.train_files=[{chats}]",
+        f"data.train_files=[{chats}]",
         f"data.cache_dir={root / 'cache'}", "data.validation_split_percentage=25", "data.seq_len=160",
         "data.patches_per_row=128", "data.batch_size=4", "train.steps=4", "train.checkpoint_every=2",
         "train.eval_every=2", "train.eval_batches=1", "train.warmup_steps=1", "train.lr=1e-2",

@@ -51,7 +51,8 @@ def find_chat_template(tokenizer_path: Path, configured: str | None = None) -> s
 # Training templates seqjax ships, by name (data.chat_template=qwen3): each family's chat format
 # with {% generation %} blocks, so assistant-only loss needs no prefix rendering
 # (docs/instruction.md, "Templates").
-SHIPPED_TEMPLATES = {"chatml": "chatml.jinja", "qwen3": "qwen3.jinja", "gemma": "gemma.jinja"}
+SHIPPED_TEMPLATES = {"chatml": "chatml.jinja", "qwen3": "qwen3.jinja", "gemma": "gemma.jinja",
+                     "qwen3_vl": "qwen3_vl.jinja", "qwen2_5_vl": "qwen2_5_vl.jinja"}
 
 
 @functools.cache
@@ -77,17 +78,11 @@ def chat_template(path: str | None, tokenizer_path: Path | None,
     folder = tokenizer_path.parent if tokenizer_path is not None else None
     if folder is not None and (folder / TEMPLATE_FILES[0]).is_file():
         return read_utf8(folder / TEMPLATE_FILES[0], CorpusError), str(folder / TEMPLATE_FILES[0])
-    if folder is not None and (folder / TEMPLATE_FILES[1]).is_file():
-        text = read_utf8(folder / TEMPLATE_FILES[1], CorpusError)
-        try:  # (json's error is a ValueError, as every SeqjaxError is: read first, then parse)
-            found = json.loads(text)
-            found = found.get("chat_template") if isinstance(found, dict) else None
-        except json.JSONDecodeError as err:
-            raise CorpusError(f"{folder / TEMPLATE_FILES[1]}: not valid JSON ({err})") from None
-        if isinstance(found, list):  # named templates: transformers uses "default"
-            found = next((t.get("template") for t in found if t.get("name") == "default"), None)
-        if isinstance(found, str):
-            return found, f"{folder / TEMPLATE_FILES[1]} (chat_template)"
+    for name in TEMPLATE_FILES[1:] if folder is not None else ():
+        if (folder / name).is_file():
+            found = _json_template(folder / name)
+            if isinstance(found, str):
+                return found, f"{folder / name} (chat_template)"
     if not required:
         return None, ""
     where = f" beside {tokenizer_path}" if tokenizer_path is not None else ""
@@ -95,6 +90,20 @@ def chat_template(path: str | None, tokenizer_path: Path | None,
         f"data.format=chat: no chat template: data.chat_template is null and there is no "
         f"{' or '.join(TEMPLATE_FILES)} with a chat_template{where}; set data.chat_template to a file"
     )
+
+
+def _json_template(file: Path) -> str | None:
+    """The ``chat_template`` of a tokenizer_config.json or chat_template.json (transformers' named
+    templates: the ``default`` one), or None."""
+    text = read_utf8(file, CorpusError)
+    try:  # (json's error is a ValueError, as every SeqjaxError is: read first, then parse)
+        found = json.loads(text)
+        found = found.get("chat_template") if isinstance(found, dict) else None
+    except json.JSONDecodeError as err:
+        raise CorpusError(f"{file}: not valid JSON ({err})") from None
+    if isinstance(found, list):  # named templates: transformers uses "default"
+        found = next((t.get("template") for t in found if t.get("name") == "default"), None)
+    return found if isinstance(found, str) else None
 
 
 # ---------------------------------------------------------------------------

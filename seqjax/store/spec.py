@@ -11,7 +11,8 @@ from typing import Any
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # A chat record's own template variables (TRL's column name), over data.chat_template_kwargs.
 KWARGS_FIELD = "chat_template_kwargs"
-TEMPLATE_FILES = (CHAT_TEMPLATE_FILE, "tokenizer_config.json")
+# (chat_template.json: where a VL model's processor keeps its template, as Qwen-VL's Hub folders do)
+TEMPLATE_FILES = (CHAT_TEMPLATE_FILE, "tokenizer_config.json", "chat_template.json")
 NOT_SCORED = -100  # HF's label for a token the loss skips
 # Chats with images: the folder a record's relative image paths start from (its data file's), added by the reader
 IMAGE_BASE = "__image_base__"
