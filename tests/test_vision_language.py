@@ -139,7 +139,8 @@ def test_image_fields_without_a_tower_or_without_their_positions_are_one_line(mo
         model(inputs, **{k: v for k, v in fields.items() if k != "positions_3d"})
 
 
-@pytest.mark.parametrize("family", sorted(REFERENCES))
+# (the fast loop writes Qwen2.5-VL's; the VL round trip, tests/test_vision_run.py, merges Qwen3-VL's)
+@pytest.mark.parametrize("family", [pytest.param("qwen3_vl", marks=pytest.mark.slow), "qwen2_5_vl"])
 def test_a_vl_model_written_as_a_hugging_face_folder_reads_back_as_the_same_model(family, tmp_path):
     """seqjax.hf.write_folder on a VL model (what ``seqjax.export --merge`` calls): the tensors under the names
     transformers' save_pretrained gives them (Qwen3-VL: model.language_model.*, model.visual.*; Qwen2.5-VL: the
@@ -186,6 +187,7 @@ def test_a_tower_mixed_from_both_models_writes_no_folder(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # (the fast loop checks the kernel's non-causal form itself: tests/test_flash.py)
 @pytest.mark.parametrize("family", sorted(REFERENCES))
 def test_the_towers_flash_kernel_in_its_non_causal_form_gives_the_dense_masks_logits(family):
     """model.vision.attention=pallas (the flash kernel's non-causal form, interpreted on a CPU; Qwen2.5-VL's

@@ -36,7 +36,8 @@ def adapter(family: str):
     return cfg, tensors, peft.from_peft(tensors, cfg, str(folder))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# (the fast loop: Qwen3-VL's; Qwen2.5-VL's adapter writes back there)
+@pytest.mark.parametrize("family", ["qwen3_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.slow)])
 def test_seqjax_with_pefts_vl_adapter_computes_pefts_logits(family):
     ref = REFERENCES[family]
     cfg, _, adapters = adapter(family)
