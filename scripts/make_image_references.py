@@ -139,11 +139,39 @@ def vl25_references(transformers, out: Path) -> dict:
 
     torch.manual_seed(3)
     config = transformers.Qwen2_5_VLConfig(text_config=VL25_TEXT, vision_config=VL25_TOWER, **VL_TOKENS)
-    model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
+    model = scaled(transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation="eager"))
+    processor = Qwen2VLImageProcessorPil(**SETTINGS["qwen2_5_vl"], **VL25_BOUNDS)
+    logits, examples = examples_logits(model, processor)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        with safe_open(str(Path(tmp) / "model.safetensors"), "pt") as f:
+            saved = sorted(f.keys())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "vl25.safetensors"))
+    save_file(logits, str(out / "vl25_logits.safetensors"))
+    made_by = {"transformers": transformers.__version__, "torch": torch.__version__,
+               "script": "scripts/make_image_references.py"}
+    (out / "vl25_saved.json").write_text(json.dumps({"names": saved, "made_by": made_by}) + "\n")
+    (out / "vl25.json").write_text(json.dumps({
+        "text_config": VL25_TEXT, "vision_config": VL25_TOWER, "tokens": VL_TOKENS, "bounds": VL25_BOUNDS,
+        "examples": examples, "config": config.to_dict(), "made_by": made_by}) + "\n")
+    return {name: e["grids"] for name, e in examples.items()}
+
+
+def scaled(model):
+    """``model`` in eval mode with every parameter drawn from N(0, 0.3): a trained-looking scale (the defaults'
+    0.02 leave every output near zero)."""
+    import torch
+
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.3)
-    processor = Qwen2VLImageProcessorPil(**SETTINGS["qwen2_5_vl"], **VL25_BOUNDS)
+    return model.eval()
+
+
+def examples_logits(model, processor) -> tuple[dict, dict]:
+    """(each of VL_EXAMPLES' logits alone under ``model``, and the example: its ids, images and grids)."""
+    import torch
+
     drawn = images()
     grids = {name: processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
              for name, image in drawn.items()}
@@ -158,19 +186,7 @@ def vl25_references(transformers, out: Path) -> dict:
         with torch.no_grad():
             logits[name] = model(**inputs).logits[0].contiguous()
         examples[name] = {"ids": ids, "images": names, "grids": [grids[n] for n in names]}
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        with safe_open(str(Path(tmp) / "model.safetensors"), "pt") as f:
-            saved = sorted(f.keys())
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "vl25.safetensors"))
-    save_file(logits, str(out / "vl25_logits.safetensors"))
-    made_by = {"transformers": transformers.__version__, "torch": torch.__version__,
-               "script": "scripts/make_image_references.py"}
-    (out / "vl25_saved.json").write_text(json.dumps({"names": saved, "made_by": made_by}) + "\n")
-    (out / "vl25.json").write_text(json.dumps({
-        "text_config": VL25_TEXT, "vision_config": VL25_TOWER, "tokens": VL_TOKENS, "bounds": VL25_BOUNDS,
-        "examples": examples, "config": config.to_dict(), "made_by": made_by}) + "\n")
-    return {name: e["grids"] for name, e in examples.items()}
+    return logits, examples
 
 
 def vl_example(name: str, grids: dict) -> tuple[list[int], list[str]]:
@@ -198,25 +214,9 @@ def vl_references(transformers, out: Path) -> dict:
     torch.manual_seed(1)
     config = transformers.Qwen3VLConfig(text_config=VL_TEXT, vision_config={**TOWER, "out_hidden_size": 24},
                                         **VL_TOKENS)
-    model = transformers.Qwen3VLForConditionalGeneration._from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.3)
+    model = scaled(transformers.Qwen3VLForConditionalGeneration._from_config(config, attn_implementation="eager"))
     processor = Qwen2VLImageProcessorPil(**SETTINGS["qwen3_vl"], **TOWER_BOUNDS)
-    drawn = images()
-    grids = {name: processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
-             for name, image in drawn.items()}
-    logits, examples = {}, {}
-    for name in VL_EXAMPLES:
-        ids, names = vl_example(name, grids)
-        inputs = {"input_ids": torch.tensor([ids]), "mm_token_type_ids": torch.tensor([[
-            int(i == VL_TOKENS["image_token_id"]) for i in ids]])}
-        if names:
-            batch = processor(images=[drawn[n] for n in names], return_tensors="pt")
-            inputs.update(pixel_values=batch["pixel_values"].float(), image_grid_thw=batch["image_grid_thw"])
-        with torch.no_grad():
-            logits[name] = model(**inputs).logits[0].contiguous()
-        examples[name] = {"ids": ids, "images": names, "grids": [grids[n] for n in names]}
+    logits, examples = examples_logits(model, processor)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "vl.safetensors"))
     save_file(logits, str(out / "vl_logits.safetensors"))
     (out / "vl.json").write_text(json.dumps({
@@ -236,10 +236,7 @@ def tower_references(transformers, out: Path) -> dict:
 
     torch.manual_seed(0)
     config = transformers.Qwen3VLConfig(vision_config=TOWER).vision_config
-    model = Qwen3VLVisionModel._from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():  # a trained-looking scale: the defaults' 0.02 leave every output near zero
-        for parameter in model.parameters():
-            parameter.normal_(0.0, 0.3)
+    model = scaled(Qwen3VLVisionModel._from_config(config, attn_implementation="eager"))
     processor = Qwen2VLImageProcessorPil(**SETTINGS["qwen3_vl"], **TOWER_BOUNDS)
     drawn = images()
     batch = processor(images=[drawn[name] for name in TOWER_IMAGES], return_tensors="pt")
