@@ -398,9 +398,8 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
     shards of at most ``max_shard_bytes`` with an index.
     """
     out = Path(out)
-    if cfg.vision.depth:
-        # (a tower no Hugging Face model computes: refused before anything)
-        encoder_of(cfg, str(out))
+    # Qwen3-VL or Qwen2.5-VL; a tower no Hugging Face model computes is refused before anything
+    model_type = encoder_of(cfg, str(out)) if cfg.vision.depth else None
     bos = bos_token or eos_token
     hf_tok = HFTokenizer.from_file(str(tokenizer_json))
     bos_id, eos_id = hf_tok.token_to_id(bos), hf_tok.token_to_id(eos_token)
@@ -415,9 +414,10 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
     config_json = hf_config(cfg, bos_token_id=bos_id, eos_token_id=eos_id, dtype=dtype) | (
         {"pad_token_id": pad_id} if pad_id is not None else {})
     # Qwen3-VL or Qwen2.5-VL: the text model under its VL names, the tower, their config
-    if cfg.vision.depth:
-        tensors, config_json = vision_language_folder(tensors, params["vision"], cfg, config_json,
-                                                      hf_tok.token_to_id, image_token, str(out))
+    if model_type is not None:
+        tensors, config_json = vision_language_folder(model_type, tensors, params["vision"], cfg,
+                                                      config_json, hf_tok.token_to_id, image_token,
+                                                      str(out))
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.astype(DTYPES[dtype]) for name, t in tensors.items()}
     files, shards = _write_weights(out, tensors, max_shard_bytes, dtype)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from seqjax.config.model import ModelConfig
-from seqjax.config.vision import VisionConfig, vision_from_hf
+from seqjax.config.vision import OWN, VisionConfig, vision_from_hf
 from seqjax.core.errors import CheckpointError, ConfigError
 from seqjax.hf.families import model_config_from_hf
 from seqjax.hf.tensors import from_hf, tree_get, tree_put
@@ -176,11 +176,9 @@ def vision_language_config(config: dict[str, Any], source: str = "config.json") 
     # (older configs' default)
     if rope.pop("type", None) == "mrope" or rope.get("rope_type") == "mrope":
         rope["rope_type"] = "default"
-    text.update(
-        architectures=[f"{family.capitalize()}ForCausalLM"], model_type=family,
-        rope_parameters=rope, tie_word_embeddings=config.get("tie_word_embeddings",
-                                                             text.get("tie_word_embeddings",
-                                                                      False)))
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    text.update(architectures=[f"{family.capitalize()}ForCausalLM"], model_type=family,
+                rope_parameters=rope, tie_word_embeddings=tied)
     model = model_config_from_hf(text, f"{source} text_config")
     try:
         vision = vision_from_hf({"model_type": model_type, **(config.get("vision_config") or {})},
@@ -208,11 +206,10 @@ def vision_language_config(config: dict[str, Any], source: str = "config.json") 
 def flat_text(config: dict[str, Any]) -> dict[str, Any]:
     """The text model's fields of a config.json without a text_config (the Hub's Qwen2.5-VL
     checkpoints keep them beside vision_config, and transformers reads them so)."""
-    return {
-        k: v
-        for k, v in config.items() if k not in ("vision_config", "architectures", "model_type") and
-        not k.endswith("_token_id") or k in ("bos_token_id", "eos_token_id", "pad_token_id")
-    }
+    kept = ("bos_token_id", "eos_token_id", "pad_token_id")  # (other *_token_id: the VL model's)
+    dropped = ("vision_config", "architectures", "model_type")
+    return {k: v for k, v in config.items()
+            if k in kept or (k not in dropped and not k.endswith("_token_id"))}
 
 
 def vision_language_type(config: dict[str, Any]) -> str | None:
@@ -235,9 +232,9 @@ def text_name(name: str) -> str:
     return "model." + name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
 
 
-def vision_language_params(read: Callable[[str],
-                                          np.ndarray], names: Iterable[str], cfg: ModelConfig,
-                           source: str, dtype: Any = np.float32) -> dict[str, Any]:
+def vision_language_params(read: Callable[[str], np.ndarray], names: Iterable[str],
+                           cfg: ModelConfig, source: str,
+                           dtype: Any = np.float32) -> dict[str, Any]:
     """A VL checkpoint's tensors as the ``nnx.to_pure_dict`` layout of a TransformerLM with a tower:
     the text model's read as a Qwen3's or Qwen2's (:func:`seqjax.hf.tensors.from_hf`, every tensor
     checked there), ``vision`` the tower's (float32)."""
@@ -263,15 +260,15 @@ def encoder_of(cfg: ModelConfig, where: str) -> str:
     return model_type
 
 
-def vision_language_folder(text_tensors: dict[str, np.ndarray], vision: dict[str, Any],
-                           cfg: ModelConfig, text_config: dict[str, Any],
+def vision_language_folder(model_type: str, text_tensors: dict[str, np.ndarray],
+                           vision: dict[str, Any], cfg: ModelConfig, text_config: dict[str, Any],
                            token_id: Callable[[str], int | None], image_token: str,
                            where: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(tensors, config.json) of a VL model as transformers' ``save_pretrained`` writes them:
-    ``text_tensors`` and ``text_config`` are the text model's (seqjax.hf.tensors.to_hf,
-    seqjax.hf.families.hf_config), ``vision`` the tower's parameters; ``token_id(token)`` looks the
-    special tokens up in the tokenizer (one line naming a missing one)."""
-    model_type = encoder_of(cfg, where)
+    """(tensors, config.json) of a VL model (``model_type``: :func:`encoder_of`'s answer for it) as
+    transformers' ``save_pretrained`` writes them: ``text_tensors`` and ``text_config`` are the text
+    model's (seqjax.hf.tensors.to_hf, seqjax.hf.families.hf_config), ``vision`` the tower's
+    parameters; ``token_id(token)`` looks the special tokens up in the tokenizer (one line naming a
+    missing one)."""
     text_prefix, vision_prefix_ = LAYOUT[model_type]
     tensors = {(text_prefix + n[len("model."):] if n.startswith("model.") else n): t
                for n, t in text_tensors.items()}
@@ -288,10 +285,8 @@ def vision_language_folder(text_tensors: dict[str, np.ndarray], vision: dict[str
         rope["mrope_interleaved"] = True
     dropped = ("architectures", "rope_theta", "rope_scaling", "torch_dtype", "tie_word_embeddings")
     text = {k: v for k, v in text_config.items() if k not in dropped}
-    own = ("window_size", "fullatt_block_indexes") if model_type == "qwen2_5_vl" else (
-        "num_position_embeddings", "deepstack_visual_indexes")
     vision_config = {"model_type": f"{model_type}_vision",
-                     **{k: getattr(cfg.vision, k) for k in VISION_FIELDS + own},
+                     **{k: getattr(cfg.vision, k) for k in VISION_FIELDS + OWN[model_type]},
                      "rope_parameters": {"rope_type": "axial", "rope_theta": cfg.vision.rope_theta}}
     architecture = next(a for a, t in ARCHITECTURES.items() if t == model_type)
     config = {"architectures": [architecture], "model_type": model_type,

@@ -35,8 +35,9 @@ Host-side inputs (:func:`seqjax.store.images.patch_inputs`): each patch's image 
 row and column in its image's grid, and that grid's height and width. The learned position of a
 patch is the square table resampled bilinearly to its image's grid, corners aligned
 (:func:`table_taps`: transformers' ``fast_pos_embed_interpolate``, in float32 as it computes it). A
-shortcut admitted: the dense [P, P] mask is built in full, fine for the thousands of patches of a
-fine-tuning batch, not for video.
+shortcut admitted on the default backend (``model.vision.attention: xla``): the dense [P, P] mask is
+built in full, fine for the thousands of patches of a fine-tuning batch, not for video; ``pallas``
+visits only each image's (or window's) tiles.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ class VisionBlock(nnx.Module):
         self.act = cfg.hidden_act
         self.norm1, self.norm2 = _norm(cfg, d, rngs), _norm(cfg, d, rngs)
         self.qkv, self.proj = _linear(d, 3 * d, rngs, dtype), _linear(d, d, rngs, dtype)
+        self.gated = cfg.gated_mlp
         if cfg.gated_mlp:  # Qwen2.5-VL
             self.gate, self.up, self.down = _linear(d, f, rngs, dtype), _linear(d, f, rngs, dtype), _linear(
                 f, d, rngs, dtype)
@@ -150,7 +152,7 @@ class VisionBlock(nnx.Module):
 
     def mlp(self, x: jax.Array) -> jax.Array:
         act = ACTIVATIONS[self.act]
-        if hasattr(self, "gate"):
+        if self.gated:
             return self.down(act(self.gate(x)) * self.up(x))
         return self.fc2(act(self.fc1(x)))
 
