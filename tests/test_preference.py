@@ -165,6 +165,69 @@ def test_a_lora_runs_reference_is_its_base_exactly():
                   ).max() > 1e-3
 
 
+def noisy_pairs_batch(*extra: str):
+    """A batch of 16 rows x 256 tokens packed with pairs over a 320-token vocabulary: at this size XLA's CPU
+    backend computes a policy under jax.grad and its equal reference apart an ulp or two apart, on some tokens."""
+    vocab, rng = 320, np.random.default_rng(0)
+    docs, weights = [], []
+    for _ in range(64):
+        prompt = list(rng.integers(1, vocab, rng.integers(5, 60)))
+        for _ in range(2):
+            completion = list(rng.integers(1, vocab, rng.integers(1, 30)))
+            docs.append(prompt + completion)
+            weights.append([0] * len(prompt) + [1] * len(completion))
+    store = TokenStore.from_documents(docs, eot_id=0, vocab_size=vocab, weights=weights)
+    cfg = load_config(None, [
+        "data.corpus=jsonl", "data.format=preference", "data.train_files=[x.jsonl]", "data.shuffle=false",
+        "data.strategy=pack", "data.packer=greedy", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+        "model.n_kv_heads=4", "model.d_ff=64", f"model.vocab_size={vocab}", "model.attention=xla",
+        "model.max_seq_len=256", "data.batch_size=16", "data.seq_len=256", "train.objective=dpo", *extra])
+    return cfg, batch_of(cfg, store)
+
+
+@pytest.mark.parametrize("reference", ["copy", "lora", "precompute"])
+def test_a_reference_with_the_policys_weights_gives_rewards_of_exactly_zero_in_the_step(reference):
+    """TRL logs rewards/accuracies 0 at step 1, where the reference is the policy (LoRA's B = 0, a copy not yet
+    moved from): in the train step too, every reward is exactly 0, however XLA fuses the two forward passes. A
+    reference that differs (the copy moved, B != 0, a later step) is computed as before."""
+    from seqjax.model.lora import adapters_off
+    from seqjax.train.setup import same_weights_rule
+
+    extra = {"copy": ["train.reference=copy"], "lora": ["model.lora.rank=4", "model.lora.alpha=8"],
+             "precompute": ["train.reference=precompute"]}[reference]
+    cfg, batch = noisy_pairs_batch(*extra)
+    objective = resolve(["dpo"])
+    graphdef, params, frozen, rest = split_params(build_model(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    frozen = None if frozen is None else nnx.to_pure_dict(frozen)
+    step = make_train_step(graphdef, rest, optax.sgd(0.0), grad_accum=1, objective=objective,
+                           settings={"beta": 0.1, "label_smoothing": 0.0},
+                           reference_graphdef=adapters_off(graphdef, params, frozen, rest) if frozen else None,
+                           same_weights=same_weights_rule(cfg, objective))
+    if reference == "precompute":  # (the starting weights' own log-probabilities, computed apart as the table is)
+        scored = batch["weights"] > 0
+        batch = {**batch, "reference_logps": jax.jit(lambda p: target_logprobs(
+            nnx.merge(graphdef, p, rest), batch, None, scored))(params)}
+        step = make_train_step(graphdef, rest, optax.sgd(0.0), grad_accum=1, objective=objective,
+                               settings={"beta": 0.1, "label_smoothing": 0.0}, precomputed=True,
+                               same_weights=same_weights_rule(cfg, objective))
+    run = jax.jit(step)
+    copy = jax.tree.map(jnp.copy, params) if reference == "copy" else None
+    args = (frozen, copy) if frozen is not None else (None, copy)
+    reported = run(params, optax.sgd(0.0).init(params), batch, None, 1, *args)[2]["reported"]
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert float(reported[name]) == 0.0, (reference, name, float(reported[name]))
+    # the weights apart: the reference's own numbers again
+    if reference == "lora":
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, a: a + 0.05 if "lora_b" in jax.tree_util.keystr(path) else a, params)
+    elif reference == "copy":
+        copy = jax.tree.map(lambda a: a * 1.05, copy)
+        args = (None, copy)
+    later = run(params, optax.sgd(0.0).init(params), batch, None, 2, *args)[2]["reported"]
+    assert float(later["rewards/margins"]) != 0.0 and float(later["rewards/accuracies"]) > 0.0
+
+
 def test_bad_pairs_are_one_line_naming_the_record(tmp_path):
     from seqjax.store.build import prepare
 

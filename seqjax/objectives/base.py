@@ -45,7 +45,8 @@ class Inputs:
     objective's denominator over the global batch, computed once before the micro-batches (a
     weighted sum of objectives needs them); ``reference``: a function of a micro-batch giving the
     reference model's per-token log-probabilities, for the objectives that compare against one (None
-    otherwise).
+    otherwise); ``policy_is_reference``: a boolean scalar, true when the reference's weights are the
+    policy's (:meth:`reference_logprobs`).
     """
 
     model: Any
@@ -53,6 +54,21 @@ class Inputs:
     settings: Mapping[str, Any]
     totals: Mapping[str, jax.Array]
     reference: Callable[[Batch], jax.Array] | None = None
+    policy_is_reference: jax.Array | bool = False
+
+    def reference_logprobs(self, micro: Batch, policy: jax.Array) -> jax.Array:
+        """The reference's per-token log-probabilities of ``micro``, given the policy's (``policy``).
+
+        When the reference's weights are the policy's (LoRA's base with every B still 0, a frozen
+        copy not yet moved from), they are the policy's own, bit for bit. Computed apart they would
+        not be: XLA fuses a forward pass differently when its backward pass needs its activations,
+        and the two sums then differ by an ulp or two, enough to make TRL's ``rewards/accuracies``
+        count float32 noise at step 1 (TRL, in eager PyTorch, logs 0 there).
+        """
+        theirs = self.reference(micro)
+        if self.policy_is_reference is False:
+            return theirs
+        return jnp.where(self.policy_is_reference, jax.lax.stop_gradient(policy), theirs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,7 +81,7 @@ class Pairs:
         self.valid = self.nc > 0
         self.c0 = self.r0 = None
         if reference:
-            ref = inputs.reference(micro)
+            ref = inputs.reference_logprobs(micro, self.logp)
             self.c0, self.r0 = pair_sums(ref, micro)
 
     def mean(self, per_pair: jax.Array) -> jax.Array:

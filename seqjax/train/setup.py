@@ -299,6 +299,40 @@ def reference_arguments(placed: Placed, config: Config, objective: Objective):
     return (placed.frozen, copy), (placed.frozen_shardings, placed.param_shardings), None
 
 
+def same_weights_rule(config: Config, objective: Objective) -> Callable[[Any, Any, Any], jax.Array] | None:
+    """``(params, reference, step) -> bool scalar``: whether the step's reference has the policy's weights
+    (the step then takes the policy's log-probabilities as the reference's, bit for bit:
+    :meth:`seqjax.objectives.base.Inputs.reference_logprobs`); None where it never can.
+
+    The base with the adapters off (``auto``, and what ``precompute`` computed under LoRA) is the policy while
+    every LoRA B is 0 (DoRA rescales even then: never); a frozen copy is the policy while every trained weight
+    equals its copy; ``precompute``'s starting weights are a full fine-tune's only at step 1. A policy with
+    dropout is never its reference (the reference runs without it).
+    """
+    model, lora, kind = config.model, config.model.lora, config.train.reference
+    if not objective.reference or model.dropout or model.token_dropout or model.attention_dropout:
+        return None
+    if lora.rank and kind in ("auto", "precompute"):
+        if lora.dora:
+            return None
+        return lambda params, reference, step: _all(
+            jnp.all(leaf == 0) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+            if "lora_b" in jax.tree_util.keystr(path))
+    if kind == "copy":
+        return lambda params, reference, step: _all(
+            jnp.all(a == b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)))
+    if kind == "precompute":
+        return lambda params, reference, step: jnp.asarray(step) == 1
+    return None
+
+
+def _all(flags) -> jax.Array:
+    out = jnp.asarray(True)
+    for flag in flags:
+        out = out & flag
+    return out
+
+
 def precomputed_reference(config: Config, placed: Placed, base: dict[str, Any] | None, objective: Objective,
                           stores: dict[str, Any]) -> dict[str, np.ndarray] | None:
     """``train.reference=precompute``: each split's table of reference log-probabilities
@@ -341,7 +375,8 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     extras, extra_shardings, reference_graphdef = reference_arguments(placed, config, objective)
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum,
                            z_loss=tc.z_loss, objective=objective, settings=settings,
-                           reference_graphdef=reference_graphdef, precomputed=tables is not None)
+                           reference_graphdef=reference_graphdef, precomputed=tables is not None,
+                           same_weights=same_weights_rule(config, objective))
     data = build_pipeline(config, train_store, process_index=process_index, process_count=process_count)
     return Setup(
         config=config,

@@ -95,6 +95,7 @@ def make_train_step(
     settings: Mapping[str, Any] | None = None,
     reference_graphdef: nnx.GraphDef | None = None,
     precomputed: bool = False,
+    same_weights: Callable[[Any, Any, Any], jax.Array] | None = None,
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
     """``step(params, opt_state, batch, rng=None, step=0, frozen=None, reference=None) -> (params,
     opt_state, metrics)``, pure and jittable.
@@ -110,14 +111,16 @@ def make_train_step(
     (non-padding input tokens of the global batch), ``finite``, and ``reported``: the metrics the
     objective reports (TRL's rewards/*, ...), each already divided by its count.
 
-    A reference (DPO, ...): ``reference``, ``reference_graphdef``, ``precomputed`` (:func:`reference_model`).
+    A reference (DPO, ...): ``reference``, ``reference_graphdef``, ``precomputed`` (:func:`reference_model`);
+    ``same_weights(params, reference, step)``: a boolean scalar, true when the reference's weights are the
+    policy's, whose log-probabilities are then the reference's too (:meth:`Inputs.reference_logprobs`).
     """
     settings = {"z_loss": z_loss, **(settings or {})}
     reference_logprobs = reference_model(objective, graphdef, reference_graphdef, rest, precomputed)
 
-    def summed_objective(params, micro: Batch, key, frozen, totals, reference):
+    def summed_objective(params, micro: Batch, key, frozen, totals, reference, same):
         model = nnx.merge(graphdef, params, *([] if frozen is None else [frozen]), rest)
-        inputs = Inputs(model, key, settings, totals, reference_logprobs(params, frozen, reference))
+        inputs = Inputs(model, key, settings, totals, reference_logprobs(params, frozen, reference), same)
         terms = objective.loss(inputs, micro)
         return terms.value, terms
 
@@ -125,12 +128,14 @@ def make_train_step(
 
     def step(params, opt_state, batch: Batch, rng=None, step=0, frozen=None, reference=None):
         totals = objective.totals(batch)  # data only: every denominator over the global batch, once
+        # once a step, before any micro-batch: is the reference the policy itself?
+        same = False if same_weights is None or not objective.reference else same_weights(params, reference, step)
 
         def accumulate(carry, xs):
             micro, index = xs
             grads, sums = carry
             key = None if rng is None else dropout_key(rng, step, index)
-            (_, terms), g = value_and_grad(params, micro, key, frozen, totals, reference)
+            (_, terms), g = value_and_grad(params, micro, key, frozen, totals, reference, same)
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, terms)), None
 
         init = (jax.tree.map(jnp.zeros_like, params), objective.zero_terms())
