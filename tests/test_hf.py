@@ -215,6 +215,12 @@ def refused(folder, match):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"config\.json: rope_scaling\.rope_type: got 'yarn'"),
     ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, r"config\.json: rope_scaling\.rope_type: got 'longrope'"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_parameters\.rope_type: got 'dynamic'"),
+    # (a string, which transformers refuses: never read as no scaling, beside transformers 5's rope_parameters too)
+    ({"rope_scaling": "linear"}, r"config\.json: rope_scaling: got 'linear', expected a mapping"),
+    ({"rope_scaling": "linear", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     r"config\.json: rope_scaling: got 'linear', expected a mapping"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_parameters": {"rope_type": "default"}},
+     r"config\.json: rope_scaling: got .*linear.*, expected null, or the scaling rope_parameters gives"),
     ({"num_key_value_heads": 3}, r"config\.json: model\.n_kv_heads: got 3, expected a divisor"),
 ])
 def test_unsupported_config_fields_are_refused_naming_the_file_field_and_value(fields, match, tmp_path):
@@ -274,7 +280,7 @@ def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path)
     from seqjax.core.errors import CheckpointMismatchError
     from seqjax.main import import_hf
     from seqjax.train.checkpoint import Checkpointer
-    from seqjax.train.inference import load_for_inference
+    from seqjax.weights.inference import load_for_inference
 
     folder = write_llama_folder(tmp_path / "llama", rope_theta=500000.0, head_dim=16)
     import_hf.main([str(folder), "--out", str(tmp_path / "run"), "model.attention=xla"])
@@ -436,7 +442,7 @@ def test_non_finite_weights_are_refused_where_they_are_read_naming_the_tensor(tm
 
     from seqjax.main import import_hf
     from seqjax.train.checkpoint import save_params
-    from seqjax.train.inference import load_for_inference
+    from seqjax.weights.inference import load_for_inference
 
     tensors = llama_tensors(dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2))

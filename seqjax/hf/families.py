@@ -95,9 +95,23 @@ def _scaling(params: dict[str, Any] | None, field: str,
     )
 
 
+def _legacy_scaling(hf: dict[str, Any], source: str) -> None:
+    """A ``rope_scaling`` beside transformers 5's ``rope_parameters`` is read by neither: a string (``"linear"``)
+    or one that says other than the parameters is one line, never a model computed without it."""
+    legacy, params = hf.get("rope_scaling"), hf.get("rope_parameters")
+    if legacy is None:
+        return
+    if not isinstance(legacy, dict):
+        raise _refuse(source, "rope_scaling", legacy, "a mapping with rope_type (or type) and factor, or null")
+    if params is not None and legacy.get("rope_type", legacy.get("type", "default")) != "default" and \
+            _scaling(legacy, "rope_scaling", source)[1] != _scaling(params, "rope_parameters", source)[1]:
+        raise _refuse(source, "rope_scaling", legacy, "null, or the scaling rope_parameters gives")
+
+
 def one_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """rope_theta and rope_scaling, from transformers 4's rope_theta + rope_scaling or 5's
     rope_parameters."""
+    _legacy_scaling(hf, source)
     params = hf.get("rope_parameters")
     field = "rope_parameters" if params is not None else "rope_scaling"
     theta, scaling = _scaling(params if params is not None else hf.get("rope_scaling"), field, source)
@@ -108,6 +122,8 @@ def rope_per_layer_type(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """Gemma 3: the full layers' rope_theta and rope_scaling, and the sliding layers' own base
     (rope_local_theta), from 4's rope_scaling + rope_local_base_freq or 5's rope_parameters per
     layer type."""
+    if not isinstance(hf.get("rope_scaling") or {}, dict):
+        raise _refuse(source, "rope_scaling", hf["rope_scaling"], "a mapping with rope_type and factor, or null")
     params = hf.get("rope_parameters")
     if params and "full_attention" in params:
         full_theta, scaling = _scaling(params.get("full_attention"),
