@@ -69,7 +69,9 @@ def test_data_cli_prints_stats_and_dumps_batches(wikitext_prepared, wikitext_con
         "data.batch_size=4",
     ]
     assert main([*args, "--dump", str(dump), "--batches", "2"]) == 0
-    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1  # stdout is the JSON line alone (| jq works); --show-config prints the config on stderr
+    stats = json.loads(out[-1])
     for key in (
         "strategy",
         "rows",

@@ -1,7 +1,7 @@
 """``python -m seqjax.data --config FILE [key=value ...]``: what the configured strategy makes of
 the training split.
 
-Prints the resolved config, then as its last line one JSON object with the
+Prints one line on stdout, a JSON object with the
 epoch's statistics (rows, padding, coverage, segments, tokens/s); for a
 mixture (``data.sources``), the rows and tokens each source gave over
 ``--steps`` batches beside its weight: the realized proportions. With
@@ -9,7 +9,7 @@ mixture (``data.sources``), the rows and tokens each source gave over
 contract field, stacked as ``[N, batch, L]`` (length_grouped batches are
 padded to the widest of them). ``--plot FILE.png`` draws the first batch's
 layout: rows by positions, a colour per example, prompt tokens pale
-(:mod:`seqjax.data.picture`).
+(:mod:`seqjax.data.picture`). ``--show-config`` prints the resolved config on stderr.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from itertools import islice
 from pathlib import Path
 from typing import Any, Sequence
@@ -44,6 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--split", default="train", choices=("train", "valid", "test"),
                    help="which split's store to cut")
     p.add_argument("--dump", metavar="FILE.npz", help="write the first --batches batches here")
+    p.add_argument("--show-config", action="store_true", help="print the resolved config (YAML) on stderr")
     p.add_argument("--batches", type=int, default=1, help="how many batches --dump writes")
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw the first batch's layout (examples, prompts, padding)")
@@ -86,8 +88,8 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--dump {args.dump}: expected a file name ending in .npz (numpy would write "
                          f"{args.dump.rstrip('/')}.npz beside it otherwise)")
     config = cli.load(args)
-    print("# resolved config", flush=True)
-    print(config.to_yaml(), flush=True)
+    if args.show_config:  # (stderr: stdout holds the one JSON line, for jq)
+        print(f"# resolved config\n{config.to_yaml()}", file=sys.stderr, flush=True)
     store = prepare(config, splits=(args.split,)).stores[args.split]
     # checks the store against the config before any batch is built
     pipeline = build_pipeline(config, store)
