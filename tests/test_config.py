@@ -136,9 +136,14 @@ def test_help_config_lists_every_key(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.parse(cli.parser("seqjax.test", "test"), ["--help-config"])
     assert exit_.value.code == 0
-    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    out = capsys.readouterr().out
+    listed = {line.split()[0] for line in out.splitlines() if line.strip()}
     leaves = {k for k in all_keys() if "." in k}
     assert leaves <= listed
+    from seqjax.objectives import OBJECTIVES  # every objective of the table, one line with its description
+
+    objectives = {line.split()[0]: line for line in out.split("train.objective takes one of these")[1].splitlines()[1:]}
+    assert set(objectives) == set(OBJECTIVES) and all(row.doc in objectives[name] for name, row in OBJECTIVES.items())
 
 
 def test_resolved_config_is_saved_named_with_its_overrides_and_loads_back(tmp_path, caplog, capsys):

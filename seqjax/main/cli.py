@@ -64,6 +64,16 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def objective_table() -> str:
+    """``train.objective``'s values, one line each, from the objectives' table (--help-config's end)."""
+    # (only here: the table imports JAX, which --help and every refusal before any work do without)
+    from seqjax.objectives import OBJECTIVES
+
+    rows = [f"  {name:16s} {row.doc}" for name, row in OBJECTIVES.items()]
+    return "\ntrain.objective takes one of these, or a list of them weighted by train.objective_weights:\n" + \
+        "\n".join(rows)
+
+
 def run(p: argparse.ArgumentParser, argv: Sequence[str] | None, work: Callable[[argparse.Namespace],
                                                                                T]) -> T:
     """Parse the flags, set up logging and run ``work(args)``; a SeqjaxError becomes one line and
@@ -114,6 +124,7 @@ def _parse_flags(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argp
     configure_logging(args.log_level)
     if args.help_config:
         print(describe_keys())
+        print(objective_table())
         sys.exit(0)
     return args
 
