@@ -191,7 +191,7 @@ def test_a_reference_with_the_policys_weights_gives_rewards_of_exactly_zero_in_t
     moved from): in the train step too, every reward is exactly 0, however XLA fuses the two forward passes. A
     reference that differs (the copy moved, B != 0, a later step) is computed as before."""
     from seqjax.model.lora import adapters_off
-    from seqjax.train.setup import same_weights_rule
+    from seqjax.weights.reference import decide, same_weights_rule
 
     extra = {"copy": ["train.reference=copy"], "lora": ["model.lora.rank=4", "model.lora.alpha=8"],
              "precompute": ["train.reference=precompute"]}[reference]
@@ -203,14 +203,14 @@ def test_a_reference_with_the_policys_weights_gives_rewards_of_exactly_zero_in_t
     step = make_train_step(graphdef, rest, optax.sgd(0.0), grad_accum=1, objective=objective,
                            settings={"beta": 0.1, "label_smoothing": 0.0},
                            reference_graphdef=adapters_off(graphdef, params, frozen, rest) if frozen else None,
-                           same_weights=same_weights_rule(cfg, objective))
+                           same_weights=same_weights_rule(decide(cfg, True), cfg))
     if reference == "precompute":  # (the starting weights' own log-probabilities, computed apart as the table is)
         scored = batch["weights"] > 0
         batch = {**batch, "reference_logps": jax.jit(lambda p: target_logprobs(
             nnx.merge(graphdef, p, rest), batch, None, scored))(params)}
         step = make_train_step(graphdef, rest, optax.sgd(0.0), grad_accum=1, objective=objective,
                                settings={"beta": 0.1, "label_smoothing": 0.0}, precomputed=True,
-                               same_weights=same_weights_rule(cfg, objective))
+                               same_weights=same_weights_rule(decide(cfg, True), cfg))
     run = jax.jit(step)
     copy = jax.tree.map(jnp.copy, params) if reference == "copy" else None
     args = (frozen, copy) if frozen is not None else (None, copy)
@@ -232,16 +232,62 @@ def test_bad_pairs_are_one_line_naming_the_record(tmp_path):
     from seqjax.store.build import prepare
 
     good = {"prompt": "Q: a b", "chosen": " c d", "rejected": " e f"}
-    cases = {"equals 'rejected'": {**good, "rejected": " c d"},
-             "field 'chosen' is empty after the prompt": {**good, "chosen": ""},
-             "expected all text (standard) or all lists": {**good, "chosen": [{"role": "assistant", "content": "x"}]}}
-    for i, (expected, record) in enumerate(cases.items()):
+    cases = {"equals 'rejected'": ({**good, "rejected": " c d"}, "data.degenerate_pairs=error"),
+             "field 'chosen' is empty after the prompt": ({**good, "chosen": ""}, "data.degenerate_pairs=error"),
+             "expected all text (standard) or all lists": (
+                 {**good, "chosen": [{"role": "assistant", "content": "x"}]}, "data.degenerate_pairs=keep")}
+    for i, (expected, (record, policy)) in enumerate(cases.items()):
         path = tmp_path / f"bad{i}.jsonl"
         path.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
         cfg = load_config(None, ["data.corpus=jsonl", "data.format=preference", f"data.train_files=[{path}]",
-                                 f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300"])
+                                 f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300", policy])
         with pytest.raises(CorpusError, match=f"bad{i}.jsonl:2: .*{re.escape(expected)}"):
             prepare(cfg, splits=("train",))
+    # a lone UTF-16 surrogate (JSON's "\ud800" reads as one; the tokenizer would raise a TypeError), in a pair and
+    # in a chat: one line naming the file and the line
+    for fmt, record in (("preference", {**good, "chosen": " c \ud800"}),
+                        ("chat", {"messages": [{"role": "user", "content": "hi \udc00"},
+                                               {"role": "assistant", "content": "ok"}]})):
+        path = tmp_path / f"surrogate_{fmt}.jsonl"
+        path.write_text(json.dumps(good if fmt == "preference" else record) + "\n" + json.dumps(record) + "\n")
+        cfg = load_config(None, ["data.corpus=jsonl", f"data.format={fmt}", f"data.train_files=[{path}]",
+                                 f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300",
+                                 "data.chat_template=chatml"])
+        line = 2 if fmt == "preference" else 1
+        with pytest.raises(CorpusError, match=rf"surrogate_{fmt}.jsonl:{line}: holds a lone UTF-16 surrogate"):
+            prepare(cfg, splits=("train",))
+
+
+def test_pairs_of_equal_or_empty_completions_are_kept_as_trl_keeps_them_or_dropped_and_counted(tmp_path):
+    """data.degenerate_pairs: keep (TRL's DPOTrainer trains them; an empty standard completion is its EOS alone)
+    or drop; prepare's summary counts them either way. An EOS after every completion under data.pair_eos=always,
+    and never a second one."""
+    from seqjax.store.build import prepare, summarize
+
+    records = [{"prompt": "Q: a b", "chosen": " c d", "rejected": " e f"},
+               {"prompt": "Q: g", "chosen": " h", "rejected": " h"},
+               {"prompt": "Q: i", "chosen": "", "rejected": " j"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stores = {}
+    for policy in ("keep", "drop"):
+        for eos in ("template", "always"):
+            cfg = load_config(None, ["data.corpus=jsonl", "data.format=preference", f"data.train_files=[{path}]",
+                                     f"data.cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300",
+                                     f"data.degenerate_pairs={policy}", f"data.pair_eos={eos}"])
+            store = prepare(cfg, splits=("train",)).stores["train"]
+            summary = summarize(store, 0.0, False)
+            assert (summary["pairs_identical"], summary["pairs_empty"]) == (1, 1)
+            assert summary["pairs_dropped"] == (2 if policy == "drop" else 0)
+            assert store.num_docs == (6 if policy == "keep" else 2)
+            stores[policy, eos] = store
+    kept = stores["keep", "template"]
+    eos_id = kept.doc_sequence(0)[-1]
+    assert kept.doc_sequence(2).tolist() == kept.doc_sequence(3).tolist()  # the equal pair, as it is
+    empty = kept.doc_sequence(4)
+    assert empty[-1] == eos_id and int(np.asarray(kept.mask[kept.doc_spans()[0][4]:][:len(empty)]).sum()) == 1
+    # (standard text already ends with its EOS: always adds none)
+    assert all(stores["keep", "always"].doc_sequence(k).tolist() == kept.doc_sequence(k).tolist() for k in range(6))
 
 
 def test_unsupported_combinations_are_one_line():
@@ -257,8 +303,7 @@ def test_unsupported_combinations_are_one_line():
         load_config(None, ["data.corpus=jsonl", "data.format=chat", "data.train_files=[x]", "data.shared_prompt=true"])
     with pytest.raises(ConfigError, match="data.strategy: got block, expected pack .* for data.format=preference"):
         check_config(config("data.strategy=block", "data.break_mode=complete_doc"))
-    with pytest.raises(ConfigError, match="train.reference: got auto with train.objective=dpo and "
-                                          "model.lora.modules_to_save"):
+    with pytest.raises(ConfigError, match="train.reference: got auto with model.lora.modules_to_save"):
         objective_of(config("train.objective=dpo", "model.lora.rank=4", "model.lora.modules_to_save=[head]",
                             "model.tie_embeddings=false"))
     q = jnp.zeros((1, 4, 2, 8))

@@ -104,6 +104,16 @@ class DataConfig:
         "preference: pack each pair's prompt once, both completions attending to it and not to "
         "each other (the same numbers as the prompt twice, its compute saved; XLA attention)",
         resume=DATA)
+    pair_eos: str = setting(
+        "auto",
+        "preference: template (TRL's DPOTrainer: standard text gets the EOS, a chat ends as its template renders "
+        "it), always (its CPO and ORPO trainers: an EOS after every completion that does not end with one), or "
+        "auto (always for simpo and orpo, else template)", choices=("auto", "template", "always"), resume=DATA)
+    degenerate_pairs: str = setting(
+        "keep",
+        "preference: a pair whose chosen equals its rejected, or whose completion is empty: keep it (TRL trains "
+        "it), drop it, or error (one line naming the record); prepare's summary counts them",
+        choices=("keep", "drop", "error"), resume=DATA)
     completion_field: str = setting("completion",
                                     "prompt_completion: the key or column holding the answer",
                                     resume=DATA)

@@ -78,7 +78,7 @@ from seqjax.store.examples import ExampleSpec, example_spec
 from seqjax.store.image_chats import changed_images
 from seqjax.store.layout import MANIFEST, REBUILD_HINT
 from seqjax.store.reader import TokenStore
-from seqjax.store.shard import build_shard, plan_shards
+from seqjax.store.shard import PAIR_COUNTS, build_shard, plan_shards
 from seqjax.store.splits import carved, split_sources
 from seqjax.store.tokenizer import Tokenizer, check_vocab_size, obtain_tokenizer, special_tokens
 from seqjax.store.writer import publish, read_shard
@@ -276,7 +276,8 @@ def summarize(store: TokenStore, seconds: float, reused: bool) -> dict[str, Any]
         examples = {
             "scored_tokens": stats["scored_tokens"],
             "scored_fraction": round(stats["scored_tokens"] / max(1, store.predicted_tokens), 4),
-            "scored_bytes": stats["scored_bytes"], "dropped_unscored": stats["dropped_unscored"]
+            "scored_bytes": stats["scored_bytes"], "dropped_unscored": stats["dropped_unscored"],
+            **{key: stats[key] for key in PAIR_COUNTS if key in stats},
         }
     return {
         "documents": stats["documents"],

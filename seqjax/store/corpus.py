@@ -40,6 +40,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -383,6 +384,33 @@ def file_documents(source: SourceConfig, path: Path) -> Iterator[str]:
 # Records: instruction examples (data.format != text) read several fields of a row
 
 
+def lone_surrogate(value: Any) -> str | None:
+    """The first lone UTF-16 surrogate in a record's strings (JSON's ``"\\ud800"`` reads as one), or None."""
+    if isinstance(value, str):
+        return None if value.isascii() else next((c for c in value if "\ud800" <= c <= "\udfff"), None)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((found for found in map(lone_surrogate, items) if found is not None), None)
+
+
+def _pick(where: str, row: dict, fields: tuple[str, ...]) -> dict:
+    """The ``fields`` of one row present (at least the first), its strings checked; else one line."""
+    if not isinstance(row, dict):
+        raise CorpusError(f"{where}: expected a JSON object with the field {fields[0]!r}, got "
+                          f"{type(row).__name__}")
+    if fields[0] not in row or row[fields[0]] is None:
+        keys = ", ".join(map(repr, list(row)[:8])) or "none"
+        raise CorpusError(
+            f"{where}: no field {fields[0]!r} (keys: {keys}); expected the data.*_field key to "
+            "name it")
+    record = {f: row[f] for f in fields if f in row and row[f] is not None}
+    surrogate = lone_surrogate(record)
+    if surrogate is not None:
+        raise CorpusError(f"{where}: holds a lone UTF-16 surrogate ({surrogate!r}), which no tokenizer reads; "
+                          "expected valid Unicode text (an escaped pair such as \\ud83d\\ude00 is one "
+                          "character, one half alone is not)")
+    return record
+
+
 def file_records(source: SourceConfig, path: Path,
                  fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
     """``(where, record)`` for each row of a jsonl/parquet/hf file: the ``fields`` present (at least
@@ -390,16 +418,6 @@ def file_records(source: SourceConfig, path: Path,
 
     ``where`` names the file and line or row, for messages about that record.
     """
-    def pick(where: str, row: dict) -> dict:
-        if not isinstance(row, dict):
-            raise CorpusError(f"{where}: expected a JSON object with the field {fields[0]!r}, got "
-                              f"{type(row).__name__}")
-        if fields[0] not in row or row[fields[0]] is None:
-            keys = ", ".join(map(repr, list(row)[:8])) or "none"
-            raise CorpusError(
-                f"{where}: no field {fields[0]!r} (keys: {keys}); expected the data.*_field key to "
-                "name it")
-        return {f: row[f] for f in fields if f in row and row[f] is not None}
 
     if source.corpus == "jsonl":
         number = 0
@@ -413,7 +431,7 @@ def file_records(source: SourceConfig, path: Path,
                     raise CorpusError(
                         f"{path}:{number}: not valid UTF-8 JSON ({err}); expected one object per "
                         "line") from None
-                yield f"{path}:{number}", pick(f"{path}:{number}", row)
+                yield f"{path}:{number}", _pick(f"{path}:{number}", row, fields)
         except stream_errors() as err:
             raise damaged(path, number + 1, err) from None
     elif source.corpus == "parquet":
@@ -433,7 +451,7 @@ def file_records(source: SourceConfig, path: Path,
             row = 0
             for group in range(reader.num_row_groups):
                 for record in reader.read_row_group(group, columns=columns).to_pylist():
-                    yield f"{path}: row {row}", pick(f"{path}: row {row}", record)
+                    yield f"{path}: row {row}", _pick(f"{path}: row {row}", record, fields)
                     row += 1
     elif source.corpus == "hf":
         datasets = _datasets()
@@ -447,7 +465,7 @@ def file_records(source: SourceConfig, path: Path,
                                   f"{', '.join(SUFFIXES['hf'])} or a save_to_disk folder")
             rows = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True)
         for row, record in enumerate(rows):
-            yield f"{path}: row {row}", pick(f"{path}: row {row}", record)
+            yield f"{path}: row {row}", _pick(f"{path}: row {row}", record, fields)
     else:
         raise CorpusError(
             f"data.format: instruction examples need corpus jsonl, parquet or hf, not {source.corpus!r}"

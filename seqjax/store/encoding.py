@@ -32,6 +32,7 @@ import numpy as np
 
 from seqjax.store.corpus import count_lines, count_words
 from seqjax.store.examples import ExampleSpec, encode_example, pair_examples
+from seqjax.store.pairs import degenerate
 from seqjax.store.tokenizer import Tokenizer
 
 # At most this many chunks per worker are queued or being encoded at once.
@@ -54,6 +55,10 @@ class EncodedChunk:
     scored_tokens: int = 0
     scored_bytes: int = 0
     dropped_unscored: int = 0
+    # preference: pairs of equal completions, of an empty one, and those left out (data.degenerate_pairs)
+    pairs_identical: int = 0
+    pairs_empty: int = 0
+    pairs_dropped: int = 0
     # chats with images: every example's images in order (uint8 [H, W, 3]), and how many each example has
     images: list[np.ndarray] | None = None
     doc_images: np.ndarray | None = None
@@ -69,9 +74,15 @@ def encode_examples(tokenizer: Tokenizer, spec: ExampleSpec,
     """
     ids, lengths, weights, images, doc_images, files = [], [], [], [], [], []
     counts = {"bytes": 0, "scored_tokens": 0, "scored_bytes": 0, "dropped_unscored": 0}
+    if spec.format == "preference":
+        counts |= {"pairs_identical": 0, "pairs_empty": 0, "pairs_dropped": 0}
     for where, record in records:
         if spec.format == "preference":  # a pair: two examples, prompt + chosen then prompt + rejected
             examples = pair_examples(spec, tokenizer, record, where)  # (each holds half the record's bytes)
+            kind = degenerate(spec, record)
+            if kind is not None:
+                counts[f"pairs_{kind}"] += 1
+            counts["pairs_dropped"] += not examples
         else:
             examples = (encode_example(spec, tokenizer, record, where), )
             if examples[0].scored == 0:

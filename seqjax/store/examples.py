@@ -62,10 +62,21 @@ from seqjax.core.errors import CorpusError
 from seqjax.core.progress import log_once
 from seqjax.store.chat import chat_spans, chat_template, twin_template
 from seqjax.store.image_chats import expand_images, image_files, image_sources, read_image_spec, without_nulls
-from seqjax.store.pairs import encode_pair
+from seqjax.store.pairs import degenerate, encode_pair
 from seqjax.store.spec import KWARGS_FIELD, NOT_SCORED, ExampleSpec
 
 log = logging.getLogger(__name__)
+
+
+# The objectives whose TRL trainers (CPOTrainer, ORPOTrainer) put an EOS after every completion.
+ALWAYS_EOS = ("simpo", "orpo", "odds_ratio", "sft_sequence")
+
+
+def pair_eos(config: Config) -> str:
+    """``data.pair_eos`` resolved: auto is always for the objectives TRL trains with its CPO and ORPO trainers."""
+    if config.data.pair_eos != "auto":
+        return config.data.pair_eos
+    return "always" if set(config.train.objective) & set(ALWAYS_EOS) else "template"
 
 
 def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | None,
@@ -98,6 +109,8 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
                        template_name=name, bos_token=config.tokenizer.bos_token,
                        eos_token=eot_token, weights_dtype=d.loss_weights_dtype, twin=twin,
                        template_kwargs=json.dumps(d.chat_template_kwargs, sort_keys=True),
+                       **({"pair_eos": pair_eos(config), "degenerate_pairs": d.degenerate_pairs}
+                          if source.format == "preference" else {}),
                        image_spec=read_image_spec(d.image_processor) if source.format == "chat" else None,
                        images_field=d.images_field, image_token=d.image_token)
 
@@ -218,10 +231,14 @@ def encode_example(spec: ExampleSpec, tokenizer, record: dict, where: str) -> Ex
                    len(tokenizer.decode(ids[mask.astype(bool)]).encode("utf-8")))
 
 
-def pair_examples(spec: ExampleSpec, tokenizer, record: dict, where: str) -> tuple[Example, Example]:
+def pair_examples(spec: ExampleSpec, tokenizer, record: dict, where: str) -> tuple[Example, ...]:
     """A preference record as its two examples (:mod:`seqjax.store.pairs`): prompt + chosen and
-    prompt + rejected, each scored on its completion."""
-    chosen, rejected, n, size = encode_pair(spec, tokenizer, record, where)
+    prompt + rejected, each scored on its completion; none for a pair left out
+    (``data.degenerate_pairs``)."""
+    encoded = encode_pair(spec, tokenizer, record, where)
+    if encoded is None or (spec.degenerate_pairs == "drop" and degenerate(spec, record)):
+        return ()
+    chosen, rejected, n, size = encoded
     out = []
     for ids in (chosen, rejected):
         mask = (np.arange(len(ids)) >= n).astype(np.uint8)

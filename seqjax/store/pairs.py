@@ -18,8 +18,9 @@ and the completion is what follows the first ``n`` ids, TRL's rule when a templa
 prompt alone differently from the prompt followed by an answer. ``tokenize`` is the tokenizer with
 its own special tokens (a Llama tokenizer opens text with its BOS), as ``tokenizer(text)`` gives.
 
-A pair whose chosen and rejected are the same, whose completion is empty, or that is not one of the
-two forms is one line naming the record.
+A pair whose chosen and rejected are the same, or whose completion is empty, is kept as TRL keeps it,
+dropped or refused (``data.degenerate_pairs``); one that is not one of the two forms is one line naming the
+record. ``data.pair_eos=always`` puts an EOS after every completion, as TRL's CPO and ORPO trainers do.
 """
 
 from __future__ import annotations
@@ -79,13 +80,14 @@ def pair_texts(spec: ExampleSpec, record: dict, where: str) -> tuple[str, str, s
             f"{where}: fields {spec.prompt_field!r}, {spec.chosen_field!r}, {spec.rejected_field!r} are "
             f"{', '.join(type(v).__name__ for v in (prompt, chosen, rejected))}; expected all text (standard) or "
             "all lists of {role, content} messages (conversational), the prompt optional")
-    if not chosen or not rejected:
+    if spec.degenerate_pairs == "error" and (not chosen or not rejected):
         which = spec.chosen_field if not chosen else spec.rejected_field
-        raise CorpusError(f"{where}: field {which!r} is empty after the prompt; expected a completion")
-    if chosen == rejected:
+        raise CorpusError(f"{where}: field {which!r} is empty after the prompt; expected a completion "
+                          "(data.degenerate_pairs=keep trains such a pair as TRL does, drop leaves it out)")
+    if spec.degenerate_pairs == "error" and chosen == rejected:
         raise CorpusError(
-            f"{where}: {spec.chosen_field!r} equals {spec.rejected_field!r}; expected two "
-            "different completions (a pair teaches nothing otherwise)")
+            f"{where}: {spec.chosen_field!r} equals {spec.rejected_field!r}; expected two different completions "
+            "(data.degenerate_pairs=keep trains such a pair as TRL does, drop leaves it out)")
     if form == "standard":
         eos = spec.eos_token
         return (prompt, prompt + chosen + ("" if chosen.endswith(eos) else eos),
@@ -99,10 +101,26 @@ def pair_texts(spec: ExampleSpec, record: dict, where: str) -> tuple[str, str, s
             chat_text(spec, prompt + rejected, where, tools=tools, kwargs=kwargs), True)
 
 
+def degenerate(spec: ExampleSpec, record: dict) -> str | None:
+    """``identical`` (chosen equals rejected), ``empty`` (a completion is empty) or None, of a record that
+    :func:`pair_texts` read."""
+    chosen, rejected = record.get(spec.chosen_field), record.get(spec.rejected_field)
+    prompt = record.get(spec.prompt_field)
+    if prompt is None or conversational(chosen) != conversational(prompt):
+        _, chosen, rejected = extract_prompt(chosen, rejected)
+    if not chosen or not rejected:
+        return "empty"
+    return "identical" if chosen == rejected else None
+
+
 def encode_pair(spec: ExampleSpec, tokenizer, record: dict,
-                where: str) -> tuple[np.ndarray, np.ndarray, int, int]:
+                where: str) -> tuple[np.ndarray, np.ndarray, int, int] | None:
     """``(chosen ids, rejected ids, prompt length, bytes)``: both sequences start with the same
-    ``prompt length`` ids; everything after them is the completion."""
+    ``prompt length`` ids; everything after them is the completion. None: a completion of no token
+    at all, which nothing can score (``data.degenerate_pairs`` keep or drop; counted by the caller).
+
+    Under ``data.pair_eos=always`` each completion ends with the EOS, appended where its last token is
+    another (TRL's CPO and ORPO trainers: after a chat template's closing ``<|im_end|>\n`` too)."""
     prompt, with_chosen, with_rejected, chat = pair_texts(spec, record, where)
     # a rendered chat holds its special tokens itself; plain text gets the tokenizer's own (TRL's
     # _tokenize)
@@ -114,9 +132,15 @@ def encode_pair(spec: ExampleSpec, tokenizer, record: dict,
         raise CorpusError(
             f"{where}: the prompt is empty (no shared first token); expected a prompt the "
             "completions follow")
+    if spec.pair_eos == "always":
+        eos = tokenizer.token_id(spec.eos_token)
+        chosen_ids, rejected_ids = ([*ids, eos] if len(ids) == n or ids[-1] != eos else ids
+                                    for ids in (chosen_ids, rejected_ids))
     if n >= min(len(chosen_ids), len(rejected_ids)):
+        if spec.degenerate_pairs != "error":
+            return None
         raise CorpusError(
             f"{where}: a completion tokenizes to nothing after the prompt; expected at least "
-            "one token of each")
+            "one token of each (data.degenerate_pairs=drop leaves such a pair out)")
     return (np.asarray(chosen_ids, np.int64), np.asarray(rejected_ids, np.int64), n,
             len((with_chosen + with_rejected).encode("utf-8")))

@@ -30,6 +30,9 @@ IMAGE_CHARS = 1 << 17
 # A shard with less source than this is encoded in this process: starting worker processes would
 # cost more.
 POOL_MIN_BYTES = 1 << 23
+# preference stores: pairs of equal completions, of an empty one, and pairs left out (data.degenerate_pairs)
+PAIR_COUNTS = ("pairs_identical", "pairs_empty", "pairs_dropped")
+
 
 @dataclass
 class Counts:
@@ -41,6 +44,9 @@ class Counts:
     scored_tokens: int = 0
     scored_bytes: int = 0
     dropped_unscored: int = 0
+    pairs_identical: int = 0
+    pairs_empty: int = 0
+    pairs_dropped: int = 0
     carved_out: int = 0
     sources: list[dict[str, Any]] = field(default_factory=list)
 
@@ -126,7 +132,8 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
                              chunk.doc_images)
             read.update(chunk.image_files or [])
             counts.documents += len(chunk.doc_lengths)
-            for key in ("bytes", "words", "lines", "scored_tokens", "scored_bytes", "dropped_unscored"):
+            for key in ("bytes", "words", "lines", "scored_tokens", "scored_bytes", "dropped_unscored",
+                        *PAIR_COUNTS):
                 setattr(counts, key, getattr(counts, key) + getattr(chunk, key))
             bar.update(chunk.bytes)
         if counts.documents == 0:
@@ -139,6 +146,8 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
         keys = ("documents", "skipped_empty", "bytes", "words", "lines")
         if spec is not None:
             keys += ("scored_tokens", "scored_bytes", "dropped_unscored")
+        if spec is not None and spec.format == "preference":
+            keys += PAIR_COUNTS
         if carve is not None:  # documents that went to the other split of the carve
             keys += ("carved_out",)
         stats = {k: getattr(counts, k) for k in keys}

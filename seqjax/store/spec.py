@@ -50,6 +50,10 @@ class ExampleSpec:
     image_spec: Any = None
     images_field: str = "images"
     image_token: str = "<|image_pad|>"
+    # preference: an EOS after each completion as TRL's DPOTrainer (template) or its CPO and ORPO trainers
+    # (always) put one; what a pair of equal or empty completions becomes (keep, drop, error)
+    pair_eos: str = "template"
+    degenerate_pairs: str = "keep"
 
     @property
     def fields(self) -> tuple[str, ...]:
