@@ -14,7 +14,7 @@ by two writers, one after the other, in one run:
   config item, waits for the previous write first, probes the folder for
   writing, compares its free space with the last checkpoint's size, and
   confirms each write; its restore first reads every array's metadata and the
-  checkpoint's own config (:func:`seqjax.train.resume.plan_resume`).
+  checkpoint's own config (:func:`seqjax.weights.saved.plan_resume`).
 
 ``save_s`` is the time the training loop is blocked by ``save()``; ``total_s``
 adds waiting for the background write to commit. Medians over the reps. The

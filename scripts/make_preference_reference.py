@@ -22,6 +22,11 @@ implicit prompts on some, multi-turn prompts) and standard text ones. For each i
   (AdamW, constant learning rate, no weight decay, gradient clipping at 1).
 
 tests/test_preference_trl.py rebuilds the model and reads the same pairs with seqjax, and compares.
+
+    python scripts/make_preference_reference.py --trainers --datasets chat text
+
+writes ``trainers_<kind>.json`` (:func:`trainers`): TRL's own CPO and ORPO trainers, and DPO against a reference
+model that is not the policy's base.
 """
 
 from __future__ import annotations
@@ -232,14 +237,90 @@ def _write(out: Path, kind: str, records, tokenized, per_pair, step1, curve) -> 
     print(json.dumps({"dataset": kind, "pairs": len(tokenized), "curve": [round(r["loss"], 4) for r in curve]}))
 
 
+OTHER_SCALE = 1.05  # the distinct reference model: the base with every weight scaled by this
+
+
+def trainers(kind: str, out: Path) -> None:
+    """``trainers_<kind>.json``: TRL's own CPO and ORPO trainers, and DPO against a reference that is not the
+    policy's base, on the first batch of the same pairs and model.
+
+    - ``cpo`` (``loss_type="simpo"``, TRL's default ``cpo_alpha=1``) and ``cpo_alpha0`` (the SimPO paper's loss),
+      ``orpo``: the trainers' own tokenization (``tokenize_row``: ids and labels, the EOS they append) and
+      ``get_batch_loss_metrics`` on the first four pairs (loss and every metric they log);
+    - ``dpo_other_reference``: DPOTrainer with ``ref_model`` the base with every weight times ``OTHER_SCALE``:
+      the first step's loss and metrics, and a ``STEPS``-step curve.
+    """
+    import datasets
+    import torch
+    import trl
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    records = pairs(kind)
+    result = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        common = dict(output_dir=tmp, per_device_train_batch_size=BATCH, max_length=MAX_LENGTH, bf16=False,
+                      report_to=[], seed=0, use_cpu=True, save_strategy="no")
+        made = {
+            "cpo": (CPOTrainer, CPOConfig(**common, beta=2.0, simpo_gamma=0.5, loss_type="simpo")),
+            "cpo_alpha0": (CPOTrainer, CPOConfig(**common, beta=2.0, simpo_gamma=0.5, loss_type="simpo",
+                                                 cpo_alpha=0.0)),
+            "orpo": (ORPOTrainer, ORPOConfig(**common, beta=0.1)),
+        }
+        for name, (cls, args) in made.items():
+            policy, _, tokenizer = build(CHAT)
+            t = cls(model=policy, args=args, train_dataset=datasets.Dataset.from_list(records),
+                    processing_class=tokenizer)
+            data = t.train_dataset
+            tokenized = [{k: list(map(int, row[k])) for k in ("prompt_input_ids", "chosen_input_ids",
+                                                               "rejected_input_ids", "chosen_labels")}
+                         for row in data]
+            t.model.train()
+            with torch.no_grad():
+                loss, metrics = t.get_batch_loss_metrics(t.model, t.data_collator([data[i] for i in range(BATCH)]))
+            result[name] = {"tokenized": tokenized, "loss": float(loss),
+                            "settings": {"beta": args.beta, **({"simpo_gamma": args.simpo_gamma,
+                                                                "cpo_alpha": args.cpo_alpha}
+                                                               if cls is CPOTrainer else {})},
+                            "metrics": {k: float(v) for k, v in metrics.items()}}
+        policy, base, tokenizer = build(CHAT)
+        with torch.no_grad():
+            for param in base.parameters():
+                param.mul_(OTHER_SCALE)
+
+        class InOrder(trl.DPOTrainer):
+            def _get_train_sampler(self, *args, **kwargs):
+                return torch.utils.data.SequentialSampler(self.train_dataset)
+
+        args = trl.DPOConfig(output_dir=tmp, per_device_train_batch_size=BATCH, max_length=MAX_LENGTH,
+                             learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                             max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                             max_steps=STEPS, logging_steps=1, bf16=False, report_to=[], seed=0, beta=BETA,
+                             use_cpu=True, dataloader_drop_last=True, save_strategy="no", optim="adamw_torch")
+        t = InOrder(model=policy, ref_model=base, args=args, train_dataset=datasets.Dataset.from_list(records),
+                    processing_class=tokenizer)
+        t.train()
+        names = ("loss", "rewards/", "logps/", "logits/", "entropy", "mean_token_accuracy")
+        result["dpo_other_reference"] = {
+            "scale": OTHER_SCALE,
+            "curve": [{k: float(v) for k, v in row.items() if k.startswith(names)}
+                      for row in t.state.log_history if "loss" in row]}
+    (out / f"trainers_{kind}.json").write_text(json.dumps({"records": records, **result, "made_by": {
+        "trl": trl.__version__, "torch": torch.__version__, "script": "scripts/make_preference_reference.py"}},
+        indent=1) + "\n")
+    print(json.dumps({"dataset": kind, **{k: v["loss"] for k, v in result.items() if "loss" in v}}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("tests/data/preference"))
     p.add_argument("--datasets", nargs="*", default=["chat", "text", "chat_implicit", "text_implicit"])
+    p.add_argument("--trainers", action="store_true",
+                   help="only trainers_<kind>.json: TRL's CPO and ORPO trainers, and DPO against another model")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for kind in args.datasets:
-        make(kind, args.out)
+        trainers(kind, args.out) if args.trainers else make(kind, args.out)
 
 
 if __name__ == "__main__":

@@ -78,9 +78,9 @@ from seqjax.store.corpus import count_words
 from seqjax.store.reader import TokenStore
 from seqjax.store.tokenizer import Tokenizer
 from seqjax.train.flops import flops_per_token
-from seqjax.train.inference import load_for_inference
 from seqjax.train.loop import train
 from seqjax.train.metrics import read_metrics
+from seqjax.weights.inference import load_for_inference
 
 log = logging.getLogger("seqjax.study")
 

@@ -25,9 +25,9 @@ from seqjax.data.pipeline import build_pipeline
 from seqjax.hf import folders as hf
 from seqjax.model.loss import lm_loss
 from seqjax.store.build import prepare
-from seqjax.train import init_from
-from seqjax.train.inference import load_for_inference
 from seqjax.train.loop import train
+from seqjax.weights import init_from
+from seqjax.weights.inference import load_for_inference
 from test_train_support import REPO, assert_ok, cli_env, run_cli, tiny_overrides, train_losses
 
 # The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.
@@ -63,19 +63,25 @@ def test_step_zero_loss_of_an_init_from_run_equals_the_imported_models_loss_on_t
     assert summary["resumed_from"] == 0 and sorted(train_losses(run_dir)) == [1, 2]  # step and optimizer fresh
 
 
-def test_a_vocabulary_or_shape_mismatch_is_refused_before_any_work(llama, tiny_root, tmp_path):
+def test_the_folder_decides_the_model_and_a_command_line_key_that_contradicts_it_is_refused_before_any_work(
+        llama, tiny_root, tmp_path):
+    """train.init_from=<HF folder>: its config.json is the model, whatever shape a config file carries; a model key
+    the command line sets that contradicts it is one line, before any tokenizing or run folder."""
+    from seqjax.train.loop import _init_source
+
     cache = tmp_path / "cache"
     base = tiny_overrides(tiny_root, tmp_path / "run", **LLAMA_MODEL, **{"train.init_from": llama,
                                                                          "data.cache_dir": cache})
-    with pytest.raises(ConfigError, match=r"train.init_from: .*llama has embed.embedding of shape \(300, 32\), but "
-                                          r"the config.s model gives \(512, 32\); make model.vocab_size"):
-        train(load_config(None, base + ["model.vocab_size=512"]))
-    with pytest.raises(ConfigError, match=r"has blocks.0.attn.wk of shape \(32, 2, 8\), but the config's model "
-                                          r"gives \(32, 4, 8\)"):
-        train(load_config(None, base + ["model.n_kv_heads=4"]))
-    with pytest.raises(ConfigError, match=r"has lm_head of shape \(32, 300\), but the config's model gives none "
-                                          r".*model.tie_embeddings"):
-        train(load_config(None, base + ["model.tie_embeddings=true"]))
+    file = tmp_path / "other_shape.yaml"  # a recipe written for another size of the family
+    file.write_text("model:\n  d_model: 64\n  n_layers: 5\n  n_kv_heads: 4\n  vocab_size: 4096\n")
+    config, _ = _init_source(load_config(file, [o for o in base if not o.startswith(("model.", "tokenizer."))]))
+    assert (config.model.d_model, config.model.n_layers, config.model.n_kv_heads, config.model.vocab_size) == (
+        32, 2, 2, 300)
+    for override, folder_value in (("model.vocab_size=512", 300), ("model.n_kv_heads=4", 2),
+                                   ("model.tie_embeddings=true", False)):
+        with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}: got .* on the command line, but "
+                                              rf"train.init_from=.*llama has {folder_value}; leave it out"):
+            train(load_config(None, base + [override]))
     with pytest.raises(ConfigError, match="tokenizer.path: got .* comes with its own tokenizer"):
         other = tmp_path / "other.json"
         other.write_text((llama / "tokenizer.json").read_text().replace("mat", "rug", 1))
@@ -84,7 +90,7 @@ def test_a_vocabulary_or_shape_mismatch_is_refused_before_any_work(llama, tiny_r
 
 
 def test_init_from_a_seqjax_run_takes_its_weights_and_tokenizer(reference, tiny_root):
-    source = init_from.locate(str(tiny_root / "reference"))
+    source = init_from.read_source(str(tiny_root / "reference"))
     assert source.tokenizer["path"] == str(tiny_root / "reference" / "tokenizer.json")
     config = init_from.adopt(load_config(None, tiny_overrides(tiny_root, tiny_root / "unused")), source)
     params = init_from.load_params(source, "float32")
@@ -92,9 +98,10 @@ def test_init_from_a_seqjax_run_takes_its_weights_and_tokenizer(reference, tiny_
     assert config.model.vocab_size == trained.cfg.vocab_size
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(nnx.to_pure_dict(nnx.state(trained, nnx.Param)))):
         np.testing.assert_array_equal(got, want)
-    with pytest.raises(ConfigError, match=r"has blocks.0.mlp.w_down of shape \(64, 32\), but the config's "
-                                          r"model gives \(96, 32\)"):
-        init_from.adopt(dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=96)), source)
+    wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=96))
+    assert init_from.adopt(wider, source).model.d_ff == 64  # the run's own config.yaml decides
+    with pytest.raises(ConfigError, match=r"model.d_ff: got 96 on the command line, but train.init_from=.* has 64"):
+        init_from.adopt(wider, source, {"model.d_ff"})
 
 
 def test_a_copied_run_folder_evaluates_and_generates_without_the_corpus_or_cache(reference, tiny_root, tmp_path):

@@ -10,6 +10,8 @@ ones before it, never from a later one):
     model     seqjax.model.*    the Transformer, attention, loss, decoding; the mesh and placement rules
     objectives seqjax.objectives.* what a step's loss is (train.objective): the table and its rows
     hf        seqjax.hf.*       Hugging Face folders in and out
+    weights   seqjax.weights.*  where a model's weights come from: run, step, HF and adapter folders, the
+                                reference model, checkpoints as read
     eval      seqjax.eval.*     perplexity and the evaluation protocols
     train     seqjax.train.*    the step, the loop and its hooks, checkpoints, resume
     main      seqjax.main.*     the commands, and the small modules that ``python -m`` runs them by
@@ -42,6 +44,7 @@ STAGES = [
     ("model", ("seqjax.model",)),
     ("objectives", ("seqjax.objectives",)),
     ("hf", ("seqjax.hf",)),
+    ("weights", ("seqjax.weights",)),
     ("eval", ("seqjax.eval",)),
     ("train", ("seqjax.train",)),
     ("main", ("seqjax.main",) + ENTRY_POINTS),

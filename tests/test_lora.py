@@ -22,8 +22,8 @@ from seqjax.model.assembly import fold
 from seqjax.model.loss import lm_loss
 from seqjax.model.sharding import param_spec
 from seqjax.train.optimizer import build_optimizer
-from seqjax.train.resume import read_saved
 from seqjax.train.step import make_train_step
+from seqjax.weights.saved import read_saved
 from test_train_support import assert_ok, run_cli, tiny_overrides, train_losses
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=48",

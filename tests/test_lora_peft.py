@@ -12,6 +12,7 @@ by peft live.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -26,9 +27,9 @@ from seqjax.hf import folders as hf
 from seqjax.hf import peft
 from seqjax.model import build_model, split_params
 from seqjax.model.stacking import blocks_layout
-from seqjax.train.adapters import read_adapter
-from seqjax.train.inference import with_adapter
-from seqjax.train.init_from import locate
+from seqjax.weights.adapters import read_adapter
+from seqjax.weights.inference import with_adapter
+from seqjax.weights.init_from import read_source
 from test_families import FAMILIES, SCRIPT, assert_close, hf_folder, logits
 
 REFERENCES = Path(__file__).parent / "data" / "lora"
@@ -268,12 +269,32 @@ def test_peft_loads_seqjaxs_exported_adapter_onto_the_hf_base_with_equal_logits(
     assert_close(logits(model, ids), expected)
 
 
+def test_an_adapter_holding_a_nan_is_one_line_naming_the_file_and_the_tensor(tmp_path):
+    """eval --adapter scored a NaN adapter as a null loss, and training blamed the learning rate: the adapter's
+    file and tensor are named when it is read, for every reader (--adapter, train.init_adapter)."""
+    from safetensors.numpy import load_file
+
+    from seqjax.core.errors import CheckpointError
+    from seqjax.weights.adapters import peft_folder as read_peft
+
+    folder = peft_folder("llama", tmp_path / "adapter")
+    tensors = load_file(str(folder / peft.ADAPTER_WEIGHTS))
+    name = sorted(tensors)[3]
+    tensors[name] = tensors[name].copy()
+    tensors[name].reshape(-1)[5] = np.nan
+    save_file(tensors, str(folder / peft.ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config, _ = hf.load(hf_folder("llama", tmp_path / "llama"), ["model.attention=xla"])
+    with pytest.raises(CheckpointError, match=rf"adapter/adapter_model.safetensors: tensor {re.escape(name)} holds 1 "
+                                              r"non-finite value"):
+        read_peft(str(folder), "--adapter", config.model)
+
+
 def test_a_peft_folder_given_as_init_from_points_at_init_adapter(tmp_path):
     """A PEFT adapter folder holds no model: train.init_from refuses it in one line naming the key that reads it."""
     peft_folder("llama", tmp_path / "adapter")
     with pytest.raises(ConfigError, match=r"train.init_from: .*adapter is a PEFT adapter folder \(adapter_config.json"
                                           r"\), not a model; set train.init_adapter=.*adapter for its adapters"):
-        locate(str(tmp_path / "adapter"))
+        read_source(str(tmp_path / "adapter"))
 
 
 @pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)

@@ -110,7 +110,7 @@ def test_a_read_callback_after_orbax_closed_its_loop_prints_nothing_but_other_er
     failure was handled): a closed loop's RuntimeError from asyncio is dropped, anything else still prints."""
     script = """
 import asyncio, sys
-from seqjax.train.orbax_quiet import quiet_orphaned_reads
+from seqjax.weights.orbax_quiet import quiet_orphaned_reads
 quiet_orphaned_reads()
 loop = asyncio.new_event_loop(); loop.close()
 try:

@@ -36,7 +36,7 @@ from seqjax.objectives import resolve
 from seqjax.objectives.base import Inputs, target_logprobs
 from seqjax.objectives.preference import pair_sums
 from seqjax.store.build import prepare
-from seqjax.train.adapters import read_adapter
+from seqjax.weights.adapters import read_adapter
 from test_chat_ids import trl_template
 
 DATA = Path(__file__).parent / "data"
@@ -64,11 +64,12 @@ def folders(ref: dict, tmp_path: Path) -> tuple[Path, Path]:
     return base, adapter
 
 
-def run_config(kind: str, tmp_path: Path, *extra: str):
+def run_config(kind: str, tmp_path: Path, *extra: str, drop: tuple[str, ...] = ()):
+    """The reference's model and pairs as a seqjax run (``drop``: record fields left out)."""
     ref = reference(kind)
     base, adapter = folders(ref, tmp_path)
     data = tmp_path / f"{kind}.jsonl"
-    data.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
+    data.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None and k not in drop}) + "\n"
                             for r in ref["records"]))
     s = ref["settings"]
     specials = [t["content"] for t in json.loads((base / "tokenizer.json").read_text())["added_tokens"]]
@@ -135,7 +136,8 @@ def ref_pairs(kind: str) -> list:
 OBJECTIVES = {"sigmoid": (["dpo"], [], {}), "ipo": (["ipo"], [], {}), "hinge": (["hinge"], [], {}),
               "robust": (["robust"], [], {"label_smoothing": 0.1}), "sft": (["sft"], [], {}),
               "sigmoid+sft": (["dpo", "sft"], [1.0, 0.5], {}),
-              "simpo": (["simpo"], [], {"beta": 2.0, "simpo_gamma": 0.5}), "orpo": (["orpo"], [], {"beta": 0.1})}
+              "simpo": (["simpo"], [], {"beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0}),
+              "orpo": (["sft", "odds_ratio"], [], {"beta": 0.1})}  # (the papers' forms: TRL's own trainers below)
 
 
 @pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
@@ -164,30 +166,93 @@ def test_every_objectives_first_step_and_metrics_are_trls(kind, tmp_path):
     jax.clear_caches()
 
 
+def trainers(kind: str) -> dict:
+    return json.loads((DATA / "preference" / f"trainers_{kind}.json").read_text())
+
+
+TRAINERS = {"cpo": ("simpo", ["simpo_gamma", "cpo_alpha"]), "cpo_alpha0": ("simpo", ["simpo_gamma", "cpo_alpha"]),
+            "orpo": ("orpo", [])}
+
+
+@pytest.mark.parametrize("kind", [pytest.param("chat", marks=pytest.mark.slow), "text"])
+def test_simpo_and_orpo_are_trls_own_cpo_and_orpo_trainers(kind, tmp_path):
+    """TRL 1.16's CPOTrainer (loss_type=simpo, at its default cpo_alpha 1 and the SimPO paper's 0) and ORPOTrainer,
+    run on the same model and pairs: the ids they train on (an EOS after every completion, after a template's
+    closing <|im_end|> too), and on their first batch the loss and every metric they log (but logits/*, which
+    they average over padded positions)."""
+    ref = trainers(kind)
+    for name, (objective, keys) in TRAINERS.items():
+        trl = ref[name]
+        settings = {"beta": trl["settings"]["beta"], **{k: trl["settings"][k] for k in keys}}
+        (tmp_path / name).mkdir()
+        # (TRL's experimental CPO and ORPO trainers render a chat without its record's tools, where its DPOTrainer
+        # and seqjax pass them: the pairs go in as they read them, tools left out)
+        config, _ = run_config(kind, tmp_path / name, f"train.objective={objective}",
+                               *(f"train.{k}={v}" for k, v in settings.items()), drop=("tools",))
+        store, batch = first_batch(config)
+        ours = [(store.doc_sequence(2 * k).tolist(), store.doc_sequence(2 * k + 1).tolist(),
+                 np.asarray(store.mask[store.doc_spans()[0][2 * k]:][:len(store.doc_sequence(2 * k))]).tolist())
+                for k in range(store.num_docs // 2)]
+        theirs = [(t["chosen_input_ids"], t["rejected_input_ids"], [int(label != -100) for label in t["chosen_labels"]])
+                  for t in trl["tokenized"]]
+        assert [o[:2] for o in ours] == [t[:2] for t in theirs], name
+        assert [o[2] for o in ours] == [t[2] for t in theirs], name
+        policy, _ = models(config)
+        objective_row = resolve([objective])
+        inputs = Inputs(policy, None, {"label_smoothing": 0.0, **settings}, objective_row.totals(batch))
+        terms = objective_row.loss(inputs, batch)
+        assert float(terms.loss / terms.denominator) == pytest.approx(trl["loss"], rel=2e-6, abs=2e-6), name
+        for metric, value in trl["metrics"].items():
+            if metric.startswith("logits/") or (metric == "nll_loss" and settings.get("cpo_alpha") == 0):
+                continue  # (at cpo_alpha 0 TRL skips the NLL and logs 0; seqjax logs the chosen NLL still)
+            total, count = terms.reported[metric]
+            np.testing.assert_allclose(float(total / count), value, rtol=1e-5, atol=2e-6, err_msg=f"{name} {metric}")
+    jax.clear_caches()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("reference_kind", ["auto", "precompute"])
+@pytest.mark.parametrize("reference_kind", ["auto", "precompute", "other model", "other model, precomputed"])
 def test_lora_dpo_follows_trls_curve_on_the_same_pairs(reference_kind, tmp_path):
     """8 steps, four pairs a step in order, AdamW at a constant rate, clipping at 1: the per-step loss and
     rewards/margins track TRL's, with the reference run in the step (the base, adapters off) or its
-    log-probabilities precomputed once (train.reference=precompute)."""
+    log-probabilities precomputed once (train.precompute_reference); and against a reference model that is not the
+    policy's base (TRL's ref_model: the base with every weight scaled), where TRL's entropy, logits/* and
+    mean_token_accuracy are checked too."""
     from seqjax.train.loop import train
     from seqjax.train.metrics import read_metrics
 
     ref = reference("text")  # (16 pairs: four whole batches an epoch, as TRL's dataloader serves them)
     s = ref["settings"]
+    other = tmp_path / "other"
+    extra = {"auto": [], "precompute": ["train.precompute_reference=true"],
+             "other model": [f"train.reference={other}"],
+             "other model, precomputed": [f"train.reference={other}", "train.precompute_reference=true"]}
     config, _ = run_config("text", tmp_path, "train.objective=dpo", f"train.steps={s['steps']}",
                            f"train.lr={s['lr']}", "train.warmup_steps=0", "train.min_lr_ratio=1.0",
                            "train.weight_decay=0.0", "train.b2=0.999", "train.grad_clip=1.0",
                            f"run.dir={tmp_path / 'run'}", "train.eval_every=0", "train.log_every=1",
-                           "train.checkpoint_every=100", f"train.reference={reference_kind}")
+                           "train.checkpoint_every=100", *extra[reference_kind])
+    expected = ref["curve"]
+    if reference_kind.startswith("other"):
+        theirs = trainers("text")["dpo_other_reference"]
+        base = Path(config.train.init_from)
+        other.mkdir()
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(base / name, other / name)
+        save_file({k: v * theirs["scale"] for k, v in FAMILY.reference_weights(ref["tensors"]).items()},
+                  str(other / "model.safetensors"), metadata={"format": "pt"})
+        expected = theirs["curve"]
     train(dataclasses.replace(config))
-    assert (tmp_path / "run" / "reference" / "train.npz").exists() == (reference_kind == "precompute")
+    assert (tmp_path / "run" / "reference" / "train.npz").exists() == ("precompute" in reference_kind)
     rows = [row for row in read_metrics(tmp_path / "run") if "loss" in row]
-    ours = [row["loss"] for row in rows]
-    theirs = [row["loss"] for row in ref["curve"]]
-    np.testing.assert_allclose(ours, theirs, atol=3e-5)
+    np.testing.assert_allclose([row["loss"] for row in rows], [row["loss"] for row in expected], atol=3e-5)
     np.testing.assert_allclose([row["rewards/margins"] for row in rows],
-                               [row["rewards/margins"] for row in ref["curve"]], atol=3e-5)
+                               [row["rewards/margins"] for row in expected], atol=3e-5)
+    if reference_kind.startswith("other"):
+        for name, tolerance in (("entropy", 1e-5), ("logits/chosen", 1e-6), ("logits/rejected", 1e-6),
+                                ("mean_token_accuracy", 0.0)):
+            np.testing.assert_allclose([row[name] for row in rows], [row[name] for row in expected],
+                                       atol=tolerance, rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.slow
@@ -197,7 +262,7 @@ def test_the_dpo_lora_config_trains_packed_chat_pairs_evaluates_and_exports_at_a
     TRL's metrics, and its exported adapter reads back onto the base (peft loads such folders: test_lora_peft.py)."""
     from seqjax.main import eval as eval_cli
     from seqjax.main import export
-    from seqjax.train.inference import with_adapter
+    from seqjax.weights.inference import with_adapter
     from test_train_support import REPO, assert_ok, run_cli
 
     ref = reference("chat")
@@ -284,7 +349,7 @@ def test_precomputed_reference_log_probabilities_resume_after_a_stop_and_belong_
     table computed in one go and each pair's reference sums; read back without computing; of another model, one
     line."""
     from seqjax.core.errors import CheckpointMismatchError
-    from seqjax.train.reference import precompute, table_path
+    from seqjax.train.precompute import precompute, table_path
 
     config, ref = run_config("text", tmp_path, "data.batch_size=2", f"run.dir={tmp_path / 'run'}")
     store = prepare(config, splits=("train",)).stores["train"]

@@ -116,7 +116,7 @@ def test_with_the_override_the_data_restarts_at_thenext_epoch_start(reference, t
     from seqjax.data.pipeline import build_pipeline
     from seqjax.model.loss import lm_loss
     from seqjax.store.build import prepare
-    from seqjax.train.inference import load_for_inference
+    from seqjax.weights.inference import load_for_inference
 
     run_dir = copy_reference(tiny_root, tmp_path / "run")
     stopped = json.loads((run_dir / "checkpoints" / "60" / "data" / "process_0-of-1.json").read_text())

@@ -112,7 +112,7 @@ def test_scanned_layers_decode_with_the_kv_cache_as_the_unrolled_model_does():
 def test_a_step_of_the_scanned_model_equals_the_unrolled_one_in_a_train_run(tmp_path):
     """Saved scanned, read unrolled (and back): eval and export see the same weights either way."""
     from seqjax.train.checkpoint import save_params
-    from seqjax.train.inference import load_for_inference
+    from seqjax.weights.inference import load_for_inference
 
     _, scanned = pair()
     config = load_config(None, THREE + ["model.scan_layers=true", f"run.dir={tmp_path}"])

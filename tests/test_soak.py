@@ -21,8 +21,8 @@ import pytest
 from flax import nnx
 
 from seqjax.train.checkpoint import TMP_SUFFIX
-from seqjax.train.inference import load_for_inference
 from seqjax.train.metrics import read_metrics
+from seqjax.weights.inference import load_for_inference
 from test_train_support import assert_ok, checkpoint_steps, run_cli, start_cli, tiny_overrides, train_losses
 
 # The CLI in subprocesses, on a trained tiny run: the full suite runs these, the fast loop does not.

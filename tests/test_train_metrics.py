@@ -93,7 +93,7 @@ def test_load_for_inference_from_a_run_dir_and_from_a_step_folder(reference, tin
     import jax
     from flax import nnx
 
-    from seqjax.train.inference import load_for_inference
+    from seqjax.weights.inference import load_for_inference
 
     run_dir = tiny_root / "reference"
     config, model = load_for_inference(run_dir)
@@ -160,7 +160,7 @@ def test_a_tracker_that_is_not_installed_is_refused_before_any_work(tiny_root, t
 
 
 def test_newest_readable_tries_steps_newest_first_and_reports_each_unreadable_one():
-    from seqjax.train.resume import newest_readable
+    from seqjax.weights.saved import newest_readable
 
     unreadable = []
 

@@ -26,7 +26,7 @@ from seqjax.hf.vision import vision_language_config
 from seqjax.model import build_model
 from seqjax.model.assembly import full_weights
 from seqjax.model.attention import attention
-from seqjax.train import init_from
+from seqjax.weights import init_from
 from vision_support import QWEN2_5, REFERENCE, REFERENCES, VL, batch, hub_name, tiny_overrides, write_hf_folder
 
 MODELS: dict = {}
@@ -205,18 +205,22 @@ def test_the_towers_flash_kernel_in_its_non_causal_form_gives_the_dense_masks_lo
         load_config(None, ["model.vision.attention=cudnn"])
 
 
-def test_configs_qwen2_5_vl_lora_at_reduced_size_adopts_a_hub_qwen2_5_vl_folder(tmp_path):
-    """configs/qwen2_5_vl_lora.yaml (Qwen2.5-VL-7B's settings) at the reference's size takes the Hub-layout folder
-    as train.init_from; a tower setting with no shape of its own (the windows) that differs from the folder's is
-    one line, never a tower computing something else."""
+def test_configs_qwen2_5_vl_lora_takes_a_small_hub_qwen2_5_vl_folder_by_its_path_alone(tmp_path):
+    """configs/qwen2_5_vl_lora.yaml (Qwen2.5-VL-7B's settings) with a tiny Hub-layout folder as train.init_from and
+    no model key on the command line: the folder's config.json decides the model, tower included. A model key the
+    command line sets that contradicts the folder (the windows, which no shape would show) is one line, never a
+    tower computing something else."""
     folder = write_hf_folder(tmp_path / "vl25", ref=QWEN2_5, hub_layout=True)
     config_file = Path(__file__).resolve().parents[1] / "configs" / "qwen2_5_vl_lora.yaml"
-    overrides = [*tiny_overrides(QWEN2_5), f"train.init_from={folder}", "model.vocab_size=null"]
-    config = init_from.adopt(load_config(config_file, overrides), init_from.locate(str(folder)))
+    given = load_config(config_file, [f"train.init_from={folder}"])
+    assert given.model.d_model != QWEN2_5.vl.text.d_model  # (the file's 7B shape)
+    config = init_from.adopt(given, init_from.read_source(str(folder)), given.explicit)
     assert config.model.vision == QWEN2_5.vl.text.vision and config.model.qkv_bias
-    windowless = load_config(config_file, [*overrides, "model.vision.window_size=0"])
-    with pytest.raises(ConfigError, match="model.vision.window_size: got 0, but .* has 56; make it match"):
-        init_from.adopt(windowless, init_from.locate(str(folder)))
+    assert config.model.d_model == QWEN2_5.vl.text.d_model and config.model.lora.rank == given.model.lora.rank
+    windowless = load_config(config_file, [f"train.init_from={folder}", "model.vision.window_size=0"])
+    with pytest.raises(ConfigError, match="model.vision.window_size: got 0 on the command line, but .* has 56; "
+                                          "leave it out"):
+        init_from.adopt(windowless, init_from.read_source(str(folder)), windowless.explicit)
 
 
 def test_an_image_processor_that_cuts_other_patches_than_the_towers_is_one_line(tmp_path):

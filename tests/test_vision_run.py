@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 
 from seqjax.config.load import load_config
 from seqjax.hf import folders, peft
-from seqjax.train.inference import load_for_inference
+from seqjax.weights.inference import load_for_inference
 from test_train_support import train_losses
 from vision_support import PROCESSOR, QWEN3, image_chats, tiny_overrides, trl_template, write_hf_folder
 

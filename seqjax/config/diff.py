@@ -4,7 +4,7 @@ its kind.
 Each key's ``resume`` metadata in :mod:`seqjax.config.tree` says what changing it does
 to a resumed run (exact resume, other batches, another model);
 :func:`resume_changes` lists the changed keys with that kind, and
-:mod:`seqjax.train.resume` decides from them.
+:mod:`seqjax.weights.saved` decides from them.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ def resume_changes(saved: typing.Mapping[str, Any], current: Config) -> list[Con
     ConfigChange("train.steps", 1000, 900, "exact")]``.
     """
     old, new = _flatten(saved), _flatten(current.to_dict())
+    if old.get("train.reference") == "precompute":  # read as TrainConfig.check reads its older spelling
+        old["train.reference"], old["train.precompute_reference"] = "auto", True
     changes = []
     for key, (default, meta) in _field_metadata().items():
         if key in _NOT_COMPARED:

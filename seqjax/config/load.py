@@ -257,6 +257,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     except ConfigError as err:
         raise ConfigError(f"{err}{_source_of_error(path, from_file, overrides)}") from None
     config.check()
+    # the keys the command line set (a model folder's own config yields to the file's, not to these:
+    # seqjax.weights.init_from.adopt_model)
+    config.explicit = frozenset(parse_override(item)[0] for item in overrides)
     return config
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from seqjax.config.fields import DATA, setting
+from seqjax.config.fields import DATA, MODEL, setting
 from seqjax.core.errors import ConfigError
 
 
@@ -50,13 +50,20 @@ class TrainConfig:
         "dpo, robust, simpo: the chance a pair's preference is flipped (cDPO's and robust DPO's epsilon)",
         min=0.0)
     simpo_gamma: float = setting(0.5, "simpo: the target reward margin gamma", min=0.0)
+    cpo_alpha: float = setting(
+        1.0, "simpo: the weight of the chosen completions' NLL added to SimPO's loss (TRL's CPO default; 0: the "
+        "SimPO paper's loss alone)", min=0.0)
     reference: str = setting(
         "auto",
-        "the reference model of dpo/ipo/hinge/robust: auto (the base with adapters off under "
-        "model.lora, else a frozen copy of the starting weights), copy (a frozen copy under model.lora "
-        "too: for a run that starts from trained adapters) or precompute (auto's reference log-probabilities "
-        "computed once before training and stored with the run: no reference in the step)",
-        choices=("auto", "copy", "precompute"))
+        "the reference model of dpo/ipo/hinge/robust (TRL's ref_model): auto (the base with adapters off under "
+        "model.lora, else a frozen copy of the starting weights), copy (a frozen copy under model.lora too: for a "
+        "run that starts from trained adapters), or a model of your choosing: a Hugging Face folder, a seqjax run "
+        "or one of its step folders. (precompute: auto with train.precompute_reference=true, its older spelling)",
+        resume=MODEL)
+    precompute_reference: bool = setting(
+        False,
+        "compute the reference's log-probabilities once before training and store them with the run: no "
+        "reference in the step (TRL's precompute_ref_log_probs)", resume=MODEL)
     init_from: str | None = setting(
         None,
         "start from these weights: a seqjax run or checkpoint folder, or a Hugging Face folder of a family seqjax "
@@ -100,6 +107,10 @@ class TrainConfig:
         min=0.0)
 
     def check(self) -> None:
+        if self.reference == "precompute":  # (its older spelling, in the config.yaml of earlier runs too)
+            self.reference, self.precompute_reference = "auto", True
+        if not self.reference:
+            raise ConfigError("train.reference: got '', expected auto, copy, or the path of a model folder")
         if not self.label_smoothing < 0.5:
             raise ConfigError(
                 f"train.label_smoothing: got {self.label_smoothing}, expected a flip chance below 0.5"

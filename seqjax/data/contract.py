@@ -93,7 +93,7 @@ OPTIONAL_FIELDS: dict[str, OptionalField] = {
     "reference_logps": OptionalField(
         np.float32,
         "train.reference=precompute: each sequence's reference log-probability, on its last scored target "
-        "(0 elsewhere); added by the train loop from the run's table (seqjax.train.reference), not by the data",
+        "(0 elsewhere); added by the train loop from the run's table (seqjax.train.precompute), not by the data",
         "train.reference=precompute", lambda d: False),
 }
 

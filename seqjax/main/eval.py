@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any, Sequence
 
+from seqjax.config.load import load_config
 from seqjax.core.errors import UsageError
 from seqjax.core.files import json_text, write_text_atomic
 from seqjax.eval.evaluate import evaluate, evaluate_lm_eval
@@ -24,8 +25,10 @@ from seqjax.eval.lm_eval import MODE as LM_EVAL
 from seqjax.eval.lm_eval import read_lm_eval_split
 from seqjax.eval.objective import evaluate_objective
 from seqjax.main import cli, trained
+from seqjax.objectives import resolve
 from seqjax.store.build import prepare
-from seqjax.train.inference import reference_for
+from seqjax.weights import sources
+from seqjax.weights.reference import reference_for
 
 RESULTS_FILE = "eval_results.json"
 
@@ -40,7 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--per-example", metavar="FILE.jsonl", help=
         "also write one JSON line per scored document (example): its index in the split's store, "
-        "targets scored, weight, nll and mean nll")
+        "targets scored, weight, nll and mean nll; per preference pair: its log-probabilities, the reference's, "
+        "and the rewards")
     cli.run(p, argv, score)
     return 0
 
@@ -50,9 +54,12 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
     JSON line."""
     overrides = list(args.overrides) + ([f"eval.split={args.split}"] if args.split else [])
     config, model = trained.load_checkpoint(args, overrides)
-    if config.data.image_processor is not None and (args.per_example or config.eval.mode == LM_EVAL):
-        raise UsageError("--per-example and eval.mode=lm_eval: got them with chats with images "
-                         "(data.image_processor), which are scored in the batches training builds; expected neither")
+    if config.data.image_processor is not None and config.eval.mode == LM_EVAL:
+        raise UsageError("eval.mode=lm_eval: got it with chats with images (data.image_processor), which are scored "
+                         "in the batches training builds; expected blocks, sliding or documents")
+    if config.data.image_processor is not None and args.per_example:
+        raise UsageError("--per-example: got it with chats with images (data.image_processor), which are scored in "
+                         "the batches training builds; expected it without")
     # a tokenizer the model cannot read is refused before the store is built
     trained.trained_tokenizer(args, config)
     split = config.eval.split
@@ -65,7 +72,10 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
         result = evaluate_lm_eval(model, docs, config, split=split)
     elif config.data.format == "preference":  # the objective and TRL's metrics, against the run's reference
         store = prepare(config, splits=(split,)).stores[split]
-        result = evaluate_objective(model, reference_for(config, model), store, config, split=split)
+        result = evaluate_objective(model, _reference(args, config, model), store, config, split=split,
+                                    per_example=bool(args.per_example))
+        if args.per_example:  # one line a pair: its log-probabilities, the reference's, the rewards
+            _write_rows(args.per_example, result.pop("per_example"), "pairs")
     elif config.data.image_processor is not None:  # chats with images: scored in the batches training builds
         store = prepare(config, splits=(split,)).stores[split]
         result = evaluate_objective(model, None, store, config, split=split)
@@ -74,9 +84,7 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
         result = evaluate(model, prepared.stores[split], config, split=split,
                           per_document=bool(args.per_example))
         if args.per_example:
-            rows = result.pop("per_document")
-            write_text_atomic(Path(args.per_example), "".join(json_text(row) + "\n" for row in rows))
-            log.info("wrote %d documents' figures to %s", len(rows), args.per_example)
+            _write_rows(args.per_example, result.pop("per_document"), "documents")
     result["checkpoint_step"] = getattr(model, "checkpoint_step", None)  # None: an HF folder (--hf)
     if args.run:
         try:
@@ -86,6 +94,23 @@ def score(args: argparse.Namespace) -> dict[str, Any]:
                         Path(args.run) / RESULTS_FILE, err.strerror)
     print(json_text(result), flush=True)
     return result
+
+
+def _write_rows(path: str, rows: list[dict[str, Any]], what: str) -> None:
+    write_text_atomic(Path(path), "".join(json_text(row) + "\n" for row in rows))
+    log.info("wrote %d %s' figures to %s", len(rows), what, path)
+
+
+def _reference(args: argparse.Namespace, config, model):
+    """The reference the pairs are scored against: a model that never trained here (``--hf``, an imported
+    run) is its own; a run's is the one it trained against."""
+    own = bool(getattr(args, "hf", None)) or getattr(model, "params_only", False)
+    trained = True
+    if not own:
+        saved = load_config(sources.locate(args.run or args.checkpoint, "--run" if args.run else "--checkpoint",
+                                           (sources.RUN, sources.STEP)).config_file)
+        trained = resolve(saved.train.objective, saved.train.objective_weights).reference
+    return reference_for(config, model, own=own, trained=trained)
 
 
 def record(run_dir: Path, result: dict[str, Any], config) -> Path:

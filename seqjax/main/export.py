@@ -35,7 +35,7 @@ from seqjax.model.assembly import full_weights
 from seqjax.model.lora import trained_filter
 from seqjax.store.chat import find_chat_template
 from seqjax.store.image_chats import image_processor_file
-from seqjax.train.inference import newest_meta
+from seqjax.weights.inference import newest_meta
 
 log = logging.getLogger(__name__)
 

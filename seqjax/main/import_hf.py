@@ -32,7 +32,7 @@ from seqjax.model.stacking import blocks_layout
 from seqjax.store.chat import find_chat_template
 from seqjax.store.spec import CHAT_TEMPLATE_FILE
 from seqjax.train.checkpoint import save_params
-from seqjax.train.resume import TOKENIZER_FILE
+from seqjax.weights.saved import TOKENIZER_FILE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,10 +15,9 @@ from typing import Any, Sequence
 
 from seqjax.config.tree import Config
 from seqjax.core.errors import UsageError
-from seqjax.hf import folders as hf
 from seqjax.store.build import prepare
 from seqjax.store.tokenizer import Tokenizer
-from seqjax.train.inference import check_tokenizer, load_for_inference, with_adapter
+from seqjax.weights.inference import check_tokenizer, load_folder, load_for_inference, with_adapter
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +50,7 @@ def load_checkpoint(args: argparse.Namespace,
         )
     overrides = list(args.overrides if overrides is None else overrides)
     if getattr(args, "hf", None):
-        config, model = hf.load(args.hf, overrides)
+        config, model = load_folder(args.hf, overrides)
     else:
         path = args.run or args.checkpoint
         if not Path(path).is_dir():

@@ -110,9 +110,11 @@ def chunked_lm_loss(
     return loss, {"nll_sum": nll_sum, "weight_sum": weight_sum, "z_loss_sum": z_loss_sum}
 
 
-def _chunk_stats(x, head, ids, w):
-    """One chunk: x [C, D] -> (log_z [C], target logit [C]), float32, as lm_loss computes them."""
-    logits = jnp.einsum("cd,dv->cv", x, head, preferred_element_type=jnp.float32)
+def _chunk_stats(x, head, ids, w, logits=None):
+    """One chunk: x [C, D] -> (log_z [C], target logit [C]), float32, as lm_loss computes them (from
+    ``logits`` when the caller made them)."""
+    if logits is None:
+        logits = jnp.einsum("cd,dv->cv", x, head, preferred_element_type=jnp.float32)
     scored = w != 0
     vocab = logits.shape[-1]
     safe = jnp.where(scored, ids, 0)
@@ -175,6 +177,30 @@ def _chunked_sums_bwd(residuals, cotangents):
 _chunked_sums.defvjp(_chunked_sums_fwd, _chunked_sums_bwd)
 
 
+# What token_stats gives per token, besides the log-probability: TRL 1.16's per-token metrics.
+STATS = ("entropy", "mean_logit", "top1")
+
+
+def _stats(logits: jax.Array, target_logit: jax.Array, log_z: jax.Array) -> tuple[jax.Array, ...]:
+    """(entropy, mean logit, whether the target is the most likely token) per token of float32 ``logits``
+    [..., V], its target's logit and its log-normalizer."""
+    probs = jnp.exp(logits - log_z[..., None])
+    entropy = log_z - jnp.sum(probs * logits, axis=-1)
+    return entropy, jnp.mean(logits, axis=-1), (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
+
+
+def token_stats(logits: jax.Array, targets: jax.Array, scored: jax.Array) -> dict[str, jax.Array]:
+    """TRL's per-token metrics from ``logits`` [B, T, V], each [B, T] float32 and 0 where ``scored`` is False:
+    ``entropy`` (of the model's next-token distribution), ``mean_logit`` (over the vocabulary: TRL's
+    ``logits/*``), ``top1`` (1 where the target is the most likely token: ``mean_token_accuracy``). No
+    gradient flows through them."""
+    logits = jax.lax.stop_gradient(logits).astype(jnp.float32)
+    ids = jnp.where(scored, targets, 0)
+    target = jnp.take_along_axis(logits, jnp.clip(ids, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+    values = _stats(logits, target, jax.nn.logsumexp(logits, axis=-1))
+    return {name: jnp.where(scored, value, 0.0) for name, value in zip(STATS, values)}
+
+
 def token_logprobs(logits: jax.Array, targets: jax.Array, scored: jax.Array) -> jax.Array:
     """log p(targets) [B, T], float32, from ``logits`` [B, T, V]; 0 where ``scored`` is False (never
     read there).
@@ -185,10 +211,10 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, scored: jax.Array) -> 
 
 
 def chunked_token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, scored: jax.Array, *,
-                           chunk_tokens: int) -> jax.Array:
+                           chunk_tokens: int, stats: bool = False):
     """:func:`token_logprobs` of ``hidden`` [B, T, D] @ ``head`` [D, V], a chunk of tokens at a
     time: the [B*T, V] logits never exist whole, in the forward pass or (a custom VJP) the backward
-    one."""
+    one. ``stats``: also :func:`token_stats`, from the same chunks' logits: ``(logp, stats)``."""
     b, t, d = hidden.shape
     if targets.shape != (b, t) or scored.shape != (b, t) or head.shape[0] != d:
         raise ValueError(
@@ -200,27 +226,40 @@ def chunked_token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Arra
     x = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, chunk, d)
     ids = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
     w = jnp.pad(scored.astype(jnp.float32).reshape(n), (0, pad)).reshape(-1, chunk)
-    return _chunked_logprobs(x, head.astype(hidden.dtype), ids, w).reshape(-1)[:n].reshape(b, t)
+    out = _chunked_logprobs(x, head.astype(hidden.dtype), ids, w)
+    logp, values = out[0], jax.lax.stop_gradient(out[1:])
+
+    def unchunk(v):
+        return v.reshape(-1)[:n].reshape(b, t)
+
+    if not stats:
+        return unchunk(logp)
+    return unchunk(logp), {name: unchunk(v) for name, v in zip(STATS, values)}
 
 
 @jax.custom_vjp
 def _chunked_logprobs(x, head, ids, w):
-    """log p(ids) [N/C, C] for chunks x [N/C, C, D] (0 where w is 0)."""
+    """(log p(ids), entropy, mean logit, top1), each [N/C, C], for chunks x [N/C, C, D] (0 where w is 0);
+    only the first has a gradient."""
     return _chunked_logprobs_fwd(x, head, ids, w)[0]
 
 
 def _chunked_logprobs_fwd(x, head, ids, w):
     def body(_, chunk):
         xc, idc, wc = chunk
-        log_z, target = _chunk_stats(xc, head, idc, wc)
-        return None, (jnp.where(wc != 0, target - log_z, 0.0), log_z)
+        logits = jnp.einsum("cd,dv->cv", xc, head, preferred_element_type=jnp.float32)
+        log_z, target = _chunk_stats(xc, head, idc, wc, logits)
+        scored = wc != 0
+        values = (target - log_z, *_stats(logits, target, log_z))
+        return None, (tuple(jnp.where(scored, v, 0.0) for v in values), log_z)
 
-    _, (logp, log_z) = jax.lax.scan(body, None, (x, ids, w))
-    return logp, (x, head, ids, w, log_z)
+    _, (out, log_z) = jax.lax.scan(body, None, (x, ids, w))
+    return out, (x, head, ids, w, log_z)
 
 
-def _chunked_logprobs_bwd(residuals, g):
+def _chunked_logprobs_bwd(residuals, cotangents):
     x, head, ids, w, log_z = residuals
+    g = cotangents[0]  # (the statistics have no gradient)
 
     def body(dhead, chunk):
         xc, idc, wc, lzc, gc = chunk

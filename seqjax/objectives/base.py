@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from seqjax.data.contract import Batch, model_fields
-from seqjax.model.loss import chunked_token_logprobs, token_logprobs
+from seqjax.model.loss import chunked_token_logprobs, token_logprobs, token_stats
 
 
 class Terms(NamedTuple):
@@ -114,14 +114,16 @@ def model_outputs(model, micro: Batch, key: jax.Array | None):
     return model(micro["inputs"], **args), None
 
 
-def target_logprobs(model, micro: Batch, key: jax.Array | None, scored: jax.Array) -> jax.Array:
+def target_logprobs(model, micro: Batch, key: jax.Array | None, scored: jax.Array, stats: bool = False):
     """log p(targets) [B, T] float32 under ``model``, 0 where ``scored`` is False; the chunked path
-    never builds the whole logits."""
+    never builds the whole logits. ``stats``: ``(logp, token_stats)``, TRL's per-token metrics from the
+    same logits (:func:`seqjax.model.loss.token_stats`)."""
     outputs, head = model_outputs(model, micro, key)
     if head is None:
-        return token_logprobs(outputs, micro["targets"], scored)
+        logp = token_logprobs(outputs, micro["targets"], scored)
+        return (logp, token_stats(outputs, micro["targets"], scored)) if stats else logp
     return chunked_token_logprobs(outputs, head, micro["targets"], scored,
-                                  chunk_tokens=model.cfg.loss_chunk_tokens)
+                                  chunk_tokens=model.cfg.loss_chunk_tokens, stats=stats)
 
 
 def safe_divide(total: jax.Array, count: jax.Array) -> jax.Array:

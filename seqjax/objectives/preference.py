@@ -44,7 +44,7 @@ from seqjax.model.loss import segment_sums
 from seqjax.objectives.base import Inputs, Objective, Terms, target_logprobs
 
 REPORTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-           "logps/chosen", "logps/rejected")
+           "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
 
 
 def pair_sums(values: jax.Array, micro: Batch) -> tuple[jax.Array, jax.Array]:
@@ -75,10 +75,12 @@ class Pairs:
 
     def __init__(self, inputs: Inputs, micro: Batch, reference: bool):
         scored = micro["weights"] > 0
-        self.logp = target_logprobs(inputs.model, micro, inputs.key, scored)
+        self.logp, self.stats = target_logprobs(inputs.model, micro, inputs.key, scored, stats=True)
         self.c, self.r = pair_sums(self.logp, micro)
         self.nc, self.nr = pair_sums(jnp.ones_like(self.logp), micro)
         self.valid = self.nc > 0
+        chosen = scored & (micro["pair_ids"] % 2 == 1)
+        self.masks = {"chosen": chosen, "rejected": scored & ~chosen}
         self.c0 = self.r0 = None
         if reference:
             ref = inputs.reference_logprobs(micro, self.logp)
@@ -87,20 +89,34 @@ class Pairs:
     def mean(self, per_pair: jax.Array) -> jax.Array:
         return jnp.sum(jnp.where(self.valid, per_pair, 0.0))
 
-    def report(self, chosen_reward: jax.Array,
-               rejected_reward: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
-        """TRL's metrics, each a (sum over pairs, pairs)."""
+    def report(self, chosen_reward: jax.Array, rejected_reward: jax.Array,
+               per_token: bool = False) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """TRL's metrics, each a (sum, count): the rewards and log-probabilities over pairs (``per_token``: each
+        sequence's log-probability as a mean per token, as TRL's CPO and ORPO log it; else a sum, as its DPO
+        does), the rest over completion tokens, as TRL 1.16's DPOTrainer counts them: ``logits/*`` the mean
+        logit, ``entropy`` over both completions, ``mean_token_accuracy`` over the chosen one."""
         count = jnp.sum(self.valid).astype(jnp.float32)
         chosen_reward, rejected_reward = jax.lax.stop_gradient((chosen_reward, rejected_reward))
+        c, r = jax.lax.stop_gradient(self.average if per_token else (self.c, self.r))
         values = {
             "rewards/chosen": chosen_reward,
             "rewards/rejected": rejected_reward,
             "rewards/accuracies": (chosen_reward > rejected_reward).astype(jnp.float32),
             "rewards/margins": chosen_reward - rejected_reward,
-            "logps/chosen": jax.lax.stop_gradient(self.c),
-            "logps/rejected": jax.lax.stop_gradient(self.r),
+            "logps/chosen": c,
+            "logps/rejected": r,
         }
-        return {name: (self.mean(value), count) for name, value in values.items()}
+        out = {name: (self.mean(value), count) for name, value in values.items()}
+        chosen, rejected = self.masks["chosen"], self.masks["rejected"]
+
+        def over(value, mask):
+            return jnp.sum(jnp.where(mask, value, 0.0)), jnp.sum(mask).astype(jnp.float32)
+
+        out["logits/chosen"] = over(self.stats["mean_logit"], chosen)
+        out["logits/rejected"] = over(self.stats["mean_logit"], rejected)
+        out["entropy"] = over(self.stats["entropy"], chosen | rejected)
+        out["mean_token_accuracy"] = over(self.stats["top1"], chosen)
+        return out
 
     @property
     def average(self) -> tuple[jax.Array, jax.Array]:
@@ -158,7 +174,7 @@ def _simpo(inputs: Inputs, micro: Batch) -> Terms:
     c, r = pairs.average
     beta = s["beta"]
     total = pairs.mean(_smoothed(beta * (c - r) - s["simpo_gamma"], s["label_smoothing"]))
-    return Terms(total, pair_count(micro), total, pairs.report(beta * c, beta * r))
+    return Terms(total, pair_count(micro), total, pairs.report(beta * c, beta * r, per_token=True))
 
 
 def _log_odds(avg: jax.Array) -> jax.Array:
@@ -169,8 +185,13 @@ def _log_odds(avg: jax.Array) -> jax.Array:
 def _odds_ratio(inputs: Inputs, micro: Batch) -> Terms:
     pairs, beta = Pairs(inputs, micro, reference=False), inputs.settings["beta"]
     c, r = pairs.average
-    total = pairs.mean(-beta * _logsigmoid(_log_odds(c) - _log_odds(r)))
-    return Terms(total, pair_count(micro), total, pairs.report(beta * c, beta * r))
+    log_odds = _log_odds(c) - _log_odds(r)
+    total = pairs.mean(-beta * _logsigmoid(log_odds))
+    reported = pairs.report(beta * c, beta * r, per_token=True)
+    count = jnp.sum(pairs.valid).astype(jnp.float32)
+    reported["log_odds_ratio"] = (jax.lax.stop_gradient(pairs.mean(_logsigmoid(log_odds))), count)
+    reported["log_odds_chosen"] = (jax.lax.stop_gradient(pairs.mean(log_odds)), count)
+    return Terms(total, pair_count(micro), total, reported)
 
 
 def _sft(inputs: Inputs, micro: Batch) -> Terms:
@@ -179,15 +200,32 @@ def _sft(inputs: Inputs, micro: Batch) -> Terms:
     return Terms(-jnp.sum(chosen), chosen_tokens(micro), -jnp.sum(chosen))
 
 
+def chosen_sequence(batch: Batch) -> jax.Array:
+    """Every target of the chosen sequences, prompt and completion [B, T]: their tokens, and a shared
+    prompt's (whose pair_ids are 0 on real tokens)."""
+    pair_ids = batch["pair_ids"]
+    return (batch["segment_ids"] != 0) & ((pair_ids % 2 == 1) | (pair_ids == 0))
+
+
+def chosen_sequence_tokens(batch: Batch) -> jax.Array:
+    """Targets of the chosen sequences, prompt and completion (the ``sft_sequence`` denominator)."""
+    return jnp.sum(chosen_sequence(batch)).astype(jnp.float32)
+
+
+def _sft_sequence(inputs: Inputs, micro: Batch) -> Terms:
+    mask = chosen_sequence(micro)
+    nll = -jnp.sum(target_logprobs(inputs.model, micro, inputs.key, mask))
+    return Terms(nll, chosen_sequence_tokens(micro), nll)
+
+
 SETTINGS = ("beta", "label_smoothing")
 READS = ("pair_ids", )
 
 
 def _row(name: str, loss, doc: str, settings=SETTINGS, reference: bool = True,
-         denominator=pair_count) -> Objective:
+         denominator=pair_count, reports=REPORTS) -> Objective:
     return Objective(name, loss, denominator=denominator, reads=READS, settings=settings,
-                     reference=reference, doc=doc, reports=REPORTS if denominator is pair_count else
-                     ())
+                     reference=reference, doc=doc, reports=reports if denominator is pair_count else ())
 
 
 DPO = _row("dpo", _with_reference(_dpo), "DPO's sigmoid loss on beta * (chosen - rejected log-ratio), "
@@ -195,9 +233,12 @@ DPO = _row("dpo", _with_reference(_dpo), "DPO's sigmoid loss on beta * (chosen -
 IPO = _row("ipo", _with_reference(_ipo), "IPO's squared loss on the length-normalized log-ratios")
 HINGE = _row("hinge", _with_reference(_hinge), "SLiC's hinge on beta * the log-ratio difference")
 ROBUST = _row("robust", _with_reference(_robust), "robust DPO, unbiased under label_smoothing flips")
-SIMPO = _row("simpo", _simpo, "SimPO: reference-free, length-normalized, margin simpo_gamma",
+SIMPO = _row("simpo_loss", _simpo, "SimPO's loss alone: reference-free, length-normalized, margin simpo_gamma",
              settings=("beta", "label_smoothing", "simpo_gamma"), reference=False)
 ODDS_RATIO = _row("odds_ratio", _odds_ratio, "ORPO's odds-ratio term, -beta log s(log odds ratio)",
-                  settings=("beta", ), reference=False)
+                  settings=("beta", ), reference=False, reports=(*REPORTS, "log_odds_ratio", "log_odds_chosen"))
 SFT = _row("sft", _sft, "negative log-likelihood of the chosen completions, per chosen token",
            settings=(), reference=False, denominator=chosen_tokens)
+SFT_SEQUENCE = _row("sft_sequence", _sft_sequence, "negative log-likelihood of the chosen sequences, prompt and "
+                    "completion, per token (TRL's ORPO)", settings=(), reference=False,
+                    denominator=chosen_sequence_tokens)

@@ -57,8 +57,8 @@ from jax.experimental import multihost_utils
 
 from seqjax.config.tree import Config, TrainConfig
 from seqjax.core.errors import CheckpointMismatchError
-from seqjax.train.orbax_quiet import QuietOrbax, quiet_orphaned_reads
-from seqjax.train.resume import (
+from seqjax.weights.orbax_quiet import QuietOrbax, quiet_orphaned_reads
+from seqjax.weights.saved import (
     CHECKPOINTS,
     CONFIG_FILE,
     CORRUPT,

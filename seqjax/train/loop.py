@@ -13,7 +13,7 @@ readable one: parameters, optimizer state, RNG and the data iterator's
 position come back, so the steps after it are the ones an uninterrupted run
 would have taken (tests/test_resume.py compares the losses exactly).
 ``train.init_from`` starts a new run from another model's parameters
-(:mod:`seqjax.train.init_from`).
+(:mod:`seqjax.weights.init_from`).
 
 The loop is this module: what a run holds before its first step is
 :mod:`seqjax.train.setup`, the step itself :mod:`seqjax.train.step` (whose loss
@@ -41,7 +41,6 @@ from seqjax.eval.objective import evaluate_objective
 from seqjax.model import sharding
 from seqjax.model.assembly import assemble
 from seqjax.model.attention import resolve_backend
-from seqjax.train import init_from
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, peak_flops_per_device
@@ -49,11 +48,13 @@ from seqjax.train.hooks import Duties, Hook, StepState, builtin_hooks
 from seqjax.train.metrics import MetricsLog, StepLogger, check_trackers
 from seqjax.train.prefetch import DevicePrefetch
 from seqjax.train.profiling import ProfileWindow
-from seqjax.train.resume import CHECKPOINTS, Restored
 from seqjax.train.rundir import RunLock
 from seqjax.train.setup import Setup, keep_tokenizer, objective_of, restore, resume_row, setup
 from seqjax.train.signals import StopRequest, should_stop
 from seqjax.train.summary import SUMMARY_FILE, finished_summary, write_summary
+from seqjax.weights import init_from
+from seqjax.weights.reference import COPY, decide
+from seqjax.weights.saved import CHECKPOINTS, Restored
 
 __all__ = ["SUMMARY_FILE", "finished_summary", "train"]
 
@@ -82,6 +83,8 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
             "eval.mode: got 'lm_eval' for training's validation, expected blocks, sliding or documents "
             "(lm_eval scores raw pages with python -m seqjax.eval after training)")
     check_config(config)  # the strategy tables' rules, as every command checks them after loading
+    # the model train.init_from's weights are (their own config decides its shape), their tokenizer
+    config, source = _init_source(config)
     # an unknown objective, or one reading fields the data lacks: refused before any work
     objective_of(config)
     # a tracker asked for but not installed: refused before any work
@@ -92,7 +95,6 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     resolve_backend(config.model.attention, config.model.compute_dtype,
                     windows=config.model.has_windows)
     sharding.check_batch_fits(config.data.batch_size, mesh, config.train.grad_accum)
-    config, source = _init_source(config)
     with RunLock(config.run.dir, jax.process_index(), jax.process_count()):
         finished = finished_summary(Path(config.run.dir), config.train.steps)
         if finished is not None:
@@ -111,15 +113,15 @@ def _init_source(config: Config) -> tuple[Config, init_from.Source | None]:
     resumes them)."""
     if not config.train.init_from:
         return config, None
-    source = init_from.locate(config.train.init_from)
-    config = init_from.adopt(config, source)
+    source = init_from.read_source(config.train.init_from)
+    config = init_from.adopt(config, source, getattr(config, "explicit", ()))
     saved = _saved_steps(Path(config.run.dir))
     # checkpoints hold the adapters only: their base is read again
     if saved and config.model.lora.rank:
         logger.info(
             "run.dir %s holds checkpoints (newest: step %d): the adapters resume from them, on their "
             "base train.init_from=%s", config.run.dir, max(saved), config.train.init_from)
-    elif saved and objective_of(config).reference and (not config.model.lora.rank or config.train.reference == "copy"):
+    elif saved and decide(config, objective_of(config).reference).kind == COPY:
         logger.info(
             "run.dir %s holds checkpoints (newest: step %d): the run resumes from them, and the reference "
             "model is again a frozen copy of train.init_from=%s", config.run.dir, max(saved),
@@ -170,17 +172,24 @@ def _validation(run: Setup, params, mesh, step: int, validate, log: MetricsLog) 
 
 
 def _reference(run: Setup, params, model):
-    """The preference objective's reference model as training uses it: its frozen copy, or the state
-    with the adapters off (the policy itself when the objective has none); or the validation
-    split's precomputed table."""
-    if run.reference_tables is not None:  # train.reference=precompute: the split's table
+    """The preference objective's reference model as the step runs it (:mod:`seqjax.weights.reference`): a
+    frozen copy or a named model, the state with the adapters off (on the run's base, or a named model's), the
+    policy itself when the objective has none; or the validation split's precomputed table."""
+    if run.reference_tables is not None:  # train.precompute_reference: the split's table
         return run.reference_tables[run.config.eval.split]
     base = run.frozen[0] if run.frozen else None
+    if len(run.frozen) == 2 and run.reference_graphdef is not None:  # a named model as the adapters' base
+        return assemble(run.reference_graphdef, params, run.frozen[1], run.rest)
     if len(run.frozen) == 2:
         return assemble(run.graphdef, run.frozen[1], base, run.rest)
     if run.reference_graphdef is not None:
         return assemble(run.reference_graphdef, params, base, run.rest)
     return model
+
+
+def run_reports(config: Config) -> tuple[str, ...]:
+    """The metrics the run's objective reports (validation logs them as val_<name>)."""
+    return objective_of(config).reports
 
 
 def _scores(model, store, config: Config, mesh, max_batches: int | None, progress: bool,
@@ -190,8 +199,7 @@ def _scores(model, store, config: Config, mesh, max_batches: int | None, progres
         return {
             "val_loss": result["loss"], "val_complete": result["complete"],
             "val_pairs": result["pairs"],
-            **{f"val_{k}": v
-               for k, v in result.items() if k.startswith(("rewards/", "logps/"))}
+            **{f"val_{k}": v for k, v in result.items() if k in run_reports(config)}
         }
     if config.data.image_processor is not None:  # chats with images: the batches training builds
         result = evaluate_objective(model, None, store, config, max_batches=max_batches)
@@ -242,7 +250,8 @@ def _builtin_hooks(run: Setup, mesh, validate, log: MetricsLog, steps: StepLogge
     tc = run.config.train
     meta = {
         "processes": jax.process_count(), "devices": jax.device_count(),
-        "data_identity": run.identity, **({"lora_base": run.base} if run.base is not None else {})
+        "data_identity": run.identity, **({"lora_base": run.base} if run.base is not None else {}),
+        **({"reference": run.reference_identity} if run.reference_identity is not None else {})
     }
 
     def validation(state: StepState) -> None:

@@ -406,12 +406,17 @@ class StepLogger:
             self._row(s, length, rows, m, seconds)
         self.window.clear()
         self.bar.update(step - self.bar.n)
-        if self.last_row:
-            self.bar.set_postfix(loss=f"{self.last_row['loss']:.3f}",
-                                 tok_s=f"{self.last_row['tokens_per_s']:,.0f}", refresh=False)
-        if self.plain and self.last_row and (step % self.log_every == 0 or step == self.steps):
-            log.info("step %d/%d: loss %.4f, %.0f tokens/s", step, self.steps, self.last_row["loss"],
-                     self.last_row["tokens_per_s"])
+        row = self.last_row
+        rewards = row and "rewards/accuracies" in row and "rewards/margins" in row
+        if row:
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
+                                 **({"acc": f"{row['rewards/accuracies']:.2f}"} if rewards else {}),
+                                 refresh=False)
+        if self.plain and row and (step % self.log_every == 0 or step == self.steps):
+            # (a preference objective's reward accuracy and margin, as TRL's console shows them)
+            log.info("step %d/%d: loss %.4f, %s%.0f tokens/s", step, self.steps, row["loss"],
+                     f"reward accuracy {row['rewards/accuracies']:.3f}, margin {row['rewards/margins']:.4f}, "
+                     if rewards else "", row["tokens_per_s"])
 
     def _row(self, step: int, length: int, rows: int, m: dict[str, Any],
              seconds: float) -> dict[str, Any]:

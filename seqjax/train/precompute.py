@@ -4,7 +4,7 @@ first step, and stored with the run; the step then reads them from the batch ins
 The table of a split is ``run.dir/reference/<split>.npz``: ``logps [pairs, 2]`` (each pair's chosen and
 rejected sequence: the sum of the reference's log-probabilities over its scored targets) and ``identity``: the
 store's (tokenizer, text, pair count) and the data keys that cut the sequences, and the reference model's
-(``train.init_from`` and an xxh3 over its weights, :func:`seqjax.train.adapters.base_identity`). A table of
+(``train.init_from`` and an xxh3 over its weights, :func:`seqjax.weights.adapters.base_identity`). A table of
 another store or model is refused in one line; nothing is recomputed silently.
 
 Every pair is scored once, in store order, packed as training packs them (unshuffled). The work is saved every

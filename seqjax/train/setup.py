@@ -37,6 +37,7 @@ import optax
 from flax import nnx
 
 from seqjax.config.tree import DATA_DIR_ENV, Config, ConfigError
+from seqjax.core.errors import CheckpointMismatchError
 from seqjax.core.files import write_text_atomic
 from seqjax.data.contract import check_reads
 from seqjax.data.pairs import with_reference
@@ -51,12 +52,14 @@ from seqjax.store.chat import find_chat_template
 from seqjax.store.image_chats import read_image_spec
 from seqjax.store.spec import CHAT_TEMPLATE_FILE
 from seqjax.store.splits import has_split
-from seqjax.train import adapters, init_from, reference
+from seqjax.train import precompute
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.metrics import unigram_perplexity
 from seqjax.train.optimizer import build_optimizer
-from seqjax.train.resume import TOKENIZER_FILE, Restored
 from seqjax.train.step import make_train_step
+from seqjax.weights import adapters, init_from
+from seqjax.weights.reference import BASE, MODEL, Reference, decide, named_weights, same_weights_rule
+from seqjax.weights.saved import TOKENIZER_FILE, Restored
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,9 @@ class Setup:
     frozen: tuple
     # model.lora: the base the adapters belong to (train.init_from and a hash)
     base: dict[str, Any] | None
+    # the preference objective's reference (weights.reference), and a named model's identity (path and hash)
+    reference: Reference
+    reference_identity: dict[str, Any] | None
     objective: Objective
     # model.lora's graph with the adapters off (a preference reference), or None
     reference_graphdef: Any
@@ -259,12 +265,7 @@ def objective_of(config: Config) -> Objective:
     objective = resolve(tc.objective, tc.objective_weights)
     who = f"train.objective={','.join(tc.objective)}"
     check_reads(objective.reads, config.data, who)
-    lora = config.model.lora
-    if objective.reference and lora.rank and lora.modules_to_save and tc.reference == "auto":
-        raise ConfigError(
-            f"train.reference: got auto with {who} and model.lora.modules_to_save {lora.modules_to_save}: the "
-            "base with its adapters off still has the trained modules; expected train.reference=copy"
-        )
+    decide(config, objective.reference)  # (a reference that cannot be: one line before any work)
     return objective
 
 
@@ -281,72 +282,69 @@ def check_processor(config: Config) -> None:
                               f"model.vision's tower takes {ours}; expected the processor of its tower")
 
 
-def reference_arguments(placed: Placed, config: Config, objective: Objective):
-    """(the step's extra arguments, their shardings, the reference graph or None): the frozen base
-    under adapters and, for an objective with a reference model, a frozen copy of what trains, or
-    under model.lora the same state with its adapters off (train.reference)."""
+def reference_arguments(placed: Placed, config: Config, ref: Reference):
+    """(the step's extra arguments, their shardings, the reference graph or None, a named reference's identity
+    or None): the frozen base under
+    adapters and the reference the step runs (:mod:`seqjax.weights.reference`): none (the batch has its
+    precomputed log-probabilities, or the objective has none); the same state with the adapters off; a frozen
+    copy of what trains; or a named model's weights, in the copy's place (a full fine-tune) or the base's (its
+    adapters off)."""
     extras = () if placed.frozen is None else (placed.frozen, )
     shardings = () if placed.frozen is None else (placed.frozen_shardings, )
-    if not objective.reference or config.train.reference == "precompute":  # (precompute: the batch has it)
-        return extras, shardings, None
-    if config.model.lora.rank and config.train.reference == "auto":
-        return extras, shardings, adapters_off(placed.graphdef, placed.params, placed.frozen,
-                                               placed.rest)
+    if not ref.in_step:
+        return extras, shardings, None, None
+    off = None if placed.frozen is None else adapters_off(placed.graphdef, placed.params, placed.frozen,
+                                                          placed.rest)
+    if ref.kind == BASE:
+        return extras, shardings, off, None
+    if ref.kind == MODEL:
+        named = named_weights(ref, config)
+        identity = adapters.base_identity(named, ref.path)
+        log.info("the reference model: %s", ref.path)
+        if placed.frozen is None:
+            return (None, sharding.place(named, placed.param_shardings)), (None, placed.param_shardings), None, \
+                identity
+        stored = stored_base(frozen_part(named, config.model.lora), config.model)
+        return ((placed.frozen, sharding.place(stored, placed.frozen_shardings)),
+                (placed.frozen_shardings, placed.frozen_shardings), off, identity)
     # a copy of the starting weights (the step donates what trains, so the copy is its own buffers)
     copy = sharding.place(jax.tree.map(jnp.copy, placed.params), placed.param_shardings)
     log.info("the reference model: a frozen copy of the starting %s",
              "adapters" if placed.frozen else "weights")
-    return (placed.frozen, copy), (placed.frozen_shardings, placed.param_shardings), None
+    return (placed.frozen, copy), (placed.frozen_shardings, placed.param_shardings), None, None
 
 
-def same_weights_rule(config: Config, objective: Objective) -> Callable[[Any, Any, Any], jax.Array] | None:
-    """``(params, reference, step) -> bool scalar``: whether the step's reference has the policy's weights
-    (the step then takes the policy's log-probabilities as the reference's, bit for bit:
-    :meth:`seqjax.objectives.base.Inputs.reference_logprobs`); None where it never can.
-
-    The base with the adapters off (``auto``, and what ``precompute`` computed under LoRA) is the policy while
-    every LoRA B is 0 (DoRA rescales even then: never); a frozen copy is the policy while every trained weight
-    equals its copy; ``precompute``'s starting weights are a full fine-tune's only at step 1. A policy with
-    dropout is never its reference (the reference runs without it).
-    """
-    model, lora, kind = config.model, config.model.lora, config.train.reference
-    if not objective.reference or model.dropout or model.token_dropout or model.attention_dropout:
-        return None
-    if lora.rank and kind in ("auto", "precompute"):
-        if lora.dora:
-            return None
-        return lambda params, reference, step: _all(
-            jnp.all(leaf == 0) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-            if "lora_b" in jax.tree_util.keystr(path))
-    if kind == "copy":
-        return lambda params, reference, step: _all(
-            jnp.all(a == b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)))
-    if kind == "precompute":
-        return lambda params, reference, step: jnp.asarray(step) == 1
-    return None
-
-
-def _all(flags) -> jax.Array:
-    out = jnp.asarray(True)
-    for flag in flags:
-        out = out & flag
-    return out
-
-
-def precomputed_reference(config: Config, placed: Placed, base: dict[str, Any] | None, objective: Objective,
+def precomputed_reference(config: Config, placed: Placed, base: dict[str, Any] | None, ref: Reference,
                           stores: dict[str, Any]) -> dict[str, np.ndarray] | None:
-    """``train.reference=precompute``: each split's table of reference log-probabilities
-    (:mod:`seqjax.train.reference`), of the model ``auto`` would use: the base with the adapters off
-    under model.lora, else the starting weights. None for any other reference."""
-    if not objective.reference or config.train.reference != "precompute":
+    """``train.precompute_reference``: each split's table of the reference's log-probabilities
+    (:mod:`seqjax.train.precompute`): of the base with the adapters off, the starting weights, or the model
+    ``train.reference`` names. None for a reference the step runs, or none."""
+    if ref.kind is None or not ref.precompute:
         return None
     frozen = () if placed.frozen is None else (placed.frozen, )
-    if config.model.lora.rank:
-        graphdef = adapters_off(placed.graphdef, placed.params, *frozen, placed.rest)
-    else:
-        graphdef, base = placed.graphdef, adapters.base_identity(placed.params, config.train.init_from)
-    return reference.reference_tables(config, graphdef, (placed.params, *frozen, placed.rest), base,
-                                      {k: v for k, v in stores.items() if v is not None})
+    graphdef = placed.graphdef if placed.frozen is None else adapters_off(placed.graphdef, placed.params,
+                                                                          *frozen, placed.rest)
+    states = (placed.params, *frozen, placed.rest)
+    if ref.kind == MODEL:
+        named = named_weights(ref, config)
+        base = adapters.base_identity(named, ref.path)
+        states = (named, placed.rest) if placed.frozen is None else (
+            placed.params, stored_base(frozen_part(named, config.model.lora), config.model), placed.rest)
+    elif placed.frozen is None:
+        base = adapters.base_identity(placed.params, config.train.init_from)
+    return precompute.reference_tables(config, graphdef, states, base,
+                                       {k: v for k, v in stores.items() if v is not None})
+
+
+def _overlong(config: Config, store) -> dict[str, Any] | None:
+    """What data.overlong did to the train split, said in one line (instruction data: a warning; long text
+    documents are usual)."""
+    overlong = overlong_counts(config, store)
+    examples = store.mask is not None
+    line = overlong and overlong_line(overlong, "examples" if examples else "documents")
+    if line and jax.process_index() == 0:
+        log.log(logging.WARNING if examples else logging.INFO, "%s", line)
+    return overlong
 
 
 def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
@@ -356,14 +354,10 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     tc = config.train
     train_store, valid_store = prepared.stores["train"], prepared.stores.get(config.eval.split)
     objective = objective_of(config)
-    overlong = overlong_counts(config, train_store)
-    examples = train_store.mask is not None
-    line = overlong and overlong_line(overlong, "examples" if examples else "documents")
-    if line and jax.process_index(
-    ) == 0:  # (instruction data: a warning; long text documents are usual)
-        log.log(logging.WARNING if examples else logging.INFO, "%s", line)
+    overlong = _overlong(config, train_store)
     placed, base = starting_weights(config, mesh, source)
-    tables = precomputed_reference(config, placed, base, objective,
+    ref = decide(config, objective.reference)
+    tables = precomputed_reference(config, placed, base, ref,
                                    {"train": train_store, config.eval.split: valid_store})
     tx, schedule = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
@@ -372,11 +366,11 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     batch_sharding = sharding.batch_sharding(mesh)
     process_index, process_count = jax.process_index(), jax.process_count()
     settings = {key: getattr(tc, key) for key in objective.settings}
-    extras, extra_shardings, reference_graphdef = reference_arguments(placed, config, objective)
+    extras, extra_shardings, reference_graphdef, named = reference_arguments(placed, config, ref)
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum,
                            z_loss=tc.z_loss, objective=objective, settings=settings,
                            reference_graphdef=reference_graphdef, precomputed=tables is not None,
-                           same_weights=same_weights_rule(config, objective))
+                           same_weights=same_weights_rule(ref, config))
     data = build_pipeline(config, train_store, process_index=process_index, process_count=process_count)
     return Setup(
         config=config,
@@ -404,6 +398,8 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         # tokenizer is seen.
         identity={"tokenizer": prepared.tokenizer.hash, "sources": train_store.text_identity},
         base=base,
+        reference=ref,
+        reference_identity=named,
         objective=objective,
         reference_graphdef=reference_graphdef,
         overlong=overlong,
@@ -434,6 +430,13 @@ def restore(checkpoints: Checkpointer, run: Setup) -> Restored | None:
         if restored is not None and run.base is not None:
             adapters.check_base(restored.meta.get("lora_base"), run.base,
                                 checkpoints.directory / str(restored.step))
+        # a named reference model: the one the checkpoint was trained against (its folder may have changed)
+        saved_reference = None if restored is None else restored.meta.get("reference")
+        if run.reference_identity is not None and saved_reference not in (None, run.reference_identity):
+            raise CheckpointMismatchError(
+                f"train.reference: {run.reference.path} has xxh3 {run.reference_identity['xxh3']}, but checkpoint "
+                f"{checkpoints.directory / str(restored.step)} was trained against {saved_reference.get('init_from')} "
+                f"(xxh3 {saved_reference.get('xxh3')}); expected that reference model")
     except BaseException:
         checkpoints.close()
         raise

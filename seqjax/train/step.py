@@ -65,9 +65,10 @@ def micro_batches(batch: Batch, k: int) -> Batch:
 def reference_model(objective: Objective, graphdef: nnx.GraphDef, reference_graphdef: nnx.GraphDef | None,
                     rest: Any, precomputed: bool = False) -> Callable:
     """``(params, frozen, reference) -> None or (micro-batch -> the reference model's per-target
-    log-probabilities)``: a frozen copy (``reference``) or, when there is none, the same state under
-    ``reference_graphdef`` (the adapters off); ``precomputed``: the batch's ``reference_logps``
-    (``train.reference=precompute``), no model run. No dropout, no gradient."""
+    log-probabilities)`` (:mod:`seqjax.weights.reference` decides which): a frozen copy of what trains
+    (``reference``, no ``reference_graphdef``); the same state under ``reference_graphdef`` (the adapters off)
+    on the run's base, or on another (``reference``: a named model's); ``precomputed``: the batch's
+    ``reference_logps``, no model run. No dropout, no gradient."""
 
     def reference_logprobs(params, frozen, reference):
         if not objective.reference:
@@ -75,10 +76,12 @@ def reference_model(objective: Objective, graphdef: nnx.GraphDef, reference_grap
         if precomputed:
             return lambda micro: micro["reference_logps"]
         base = [] if frozen is None else [frozen]
-        if reference is not None:
+        if reference_graphdef is None:
             model = nnx.merge(graphdef, reference, *base, rest)
-        else:
+        elif reference is None:
             model = nnx.merge(reference_graphdef, params, *base, rest)
+        else:
+            model = nnx.merge(reference_graphdef, params, reference, rest)
         return lambda micro: jax.lax.stop_gradient(target_logprobs(model, micro, None, micro["weights"] > 0))
 
     return reference_logprobs
@@ -146,16 +149,20 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        loss = sums.loss / denom
-        metrics = {
-            "loss": loss,
-            "objective": sums.value / denom,
-            "grad_norm": grad_norm,
-            "weight_sum": sums.denominator,
-            "tokens": jnp.sum(batch["segment_ids"] != 0),
-            "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
-            "reported": {name: safe_divide(*pair) for name, pair in sums.reported.items()},
-        }
-        return params, opt_state, metrics
+        return params, opt_state, _metrics(sums, denom, grad_norm, batch)
 
     return step
+
+
+def _metrics(sums, denom: jax.Array, grad_norm: jax.Array, batch: Batch) -> dict[str, Any]:
+    """The step's metrics (:func:`make_train_step`) from the summed terms."""
+    loss = sums.loss / denom
+    return {
+        "loss": loss,
+        "objective": sums.value / denom,
+        "grad_norm": grad_norm,
+        "weight_sum": sums.denominator,
+        "tokens": jnp.sum(batch["segment_ids"] != 0),
+        "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
+        "reported": {name: safe_divide(*pair) for name, pair in sums.reported.items()},
+    }

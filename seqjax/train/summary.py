@@ -19,7 +19,7 @@ import jax
 from seqjax.core.files import json_text, write_text_atomic
 from seqjax.eval.windows import resolve_stride
 from seqjax.train.metrics import StepLogger, peak_memory_bytes, plot_losses
-from seqjax.train.resume import Restored
+from seqjax.weights.saved import Restored
 
 SUMMARY_FILE = "summary.json"
 
@@ -65,10 +65,15 @@ def write_summary(run, steps: StepLogger, restored: Restored | None, last_val: d
         "peak_memory_bytes": peak_memory_bytes(),
         "wall_seconds": time.perf_counter() - wall_start,
         "final_train_loss": last_row.get("loss"),
+        # what the objective reports (a preference objective's rewards/*, logps/*, entropy, ...): the last step's
+        **({"final_train_metrics": {k: last_row[k] for k in run.objective.reports if k in last_row}}
+           if run.objective.reports else {}),
         **{
             key: last_val and val.get(key)
             for key in ("val_loss", "val_perplexity", "val_word_perplexity", "val_bits_per_byte", "val_sources")
         },
+        **({"val_metrics": {k: v for k, v in val.items() if k.removeprefix("val_") in run.objective.reports}}
+           if last_val and run.objective.reports else {}),
         "unigram_perplexity": run.unigram,
         "eval": dataclasses.asdict(config.eval),
         # What the final validation really used (the keys above may be null: their defaults resolved

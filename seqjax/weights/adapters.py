@@ -26,7 +26,8 @@ from seqjax.core.errors import CheckpointError, CheckpointMismatchError
 from seqjax.core.files import read_utf8
 from seqjax.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, from_peft, lora_from_adapter_config
 from seqjax.model.stacking import blocks_layout
-from seqjax.train.resume import first_line
+from seqjax.model.weights import check_finite
+from seqjax.weights.saved import first_line
 
 
 def base_identity(base: Any, path: str | None) -> dict[str, Any]:
@@ -75,6 +76,8 @@ def peft_folder(folder: str, key: str, cfg: ModelConfig) -> tuple[LoraConfig, di
         raise CheckpointError(
             f"{path / ADAPTER_WEIGHTS}: unreadable as safetensors ({first_line(err)}); "
             "expected the adapter_model.safetensors PEFT saved") from None
+    for name, tensor in tensors.items():  # a NaN would only show as a null loss, or a "divergence"
+        check_finite(tensor, name, str(path / ADAPTER_WEIGHTS))
     return lora, tensors
 
 

@@ -17,21 +17,20 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from seqjax.config.diff import resume_changes
-from seqjax.config.load import load_config
+from seqjax.config.load import load_config, parse_override
 from seqjax.config.tree import Config, ConfigError
 from seqjax.core.errors import CheckpointError, CheckpointMismatchError
 from seqjax.hf import folders as hf
 from seqjax.hf.peft import ADAPTER_WEIGHTS
 from seqjax.model import build_model, split_params
 from seqjax.model.assembly import assemble, full_weights, stored_base
-from seqjax.model.lora import adapters_off, frozen_part
+from seqjax.model.lora import frozen_part
 from seqjax.model.stacking import blocks_layout, saved_stacked
 from seqjax.model.weights import check_finite
-from seqjax.train.adapters import adapter_params, base_identity, check_base, peft_folder
-from seqjax.train.orbax_quiet import quiet_orphaned_reads
-from seqjax.train.resume import (
-    CHECKPOINTS,
-    CONFIG_FILE,
+from seqjax.weights import sources
+from seqjax.weights.adapters import adapter_params, base_identity, check_base, peft_folder
+from seqjax.weights.orbax_quiet import quiet_orphaned_reads
+from seqjax.weights.saved import (
     TOKENIZER_FILE,
     abstract,
     array_differences,
@@ -40,6 +39,7 @@ from seqjax.train.resume import (
     like_target,
     likely_causes_first,
     newest_readable,
+    params_only,
     read_meta,
     read_saved,
 )
@@ -47,26 +47,14 @@ from seqjax.train.resume import (
 log = logging.getLogger(__name__)
 
 
-def locate(path: str | Path) -> tuple[Path, Path, int | None]:
-    """(config.yaml, checkpoints folder, step or None for the latest) for a run dir or a step
-    folder."""
-    path = Path(path).absolute()
-    if (path / CHECKPOINTS).is_dir():
-        return path / CONFIG_FILE, path / CHECKPOINTS, None
-    if path.name.isdigit() and path.parent.name == CHECKPOINTS:
-        return path.parent.parent / CONFIG_FILE, path.parent, int(path.name)
-    raise ConfigError(
-        f"{path}: expected a run directory holding {CHECKPOINTS}/ (a train run.dir) or one checkpoint step folder "
-        f"such as <run.dir>/{CHECKPOINTS}/1000")
-
-
 def newest_meta(path: str | Path) -> dict[str, Any]:
     """The meta item of a run's newest readable checkpoint (or of a step folder); {} when the folder
     is not a run or none is readable."""
-    try:
-        _, checkpoints, step = locate(Path(path).expanduser())
-    except ConfigError:
+    kind = sources.kind_of(Path(path).expanduser())
+    if kind not in (sources.RUN, sources.STEP):
         return {}
+    place = sources.Place(kind, Path(path).expanduser())
+    checkpoints, step = place.checkpoints, place.step
     steps = [step] if step is not None else sorted(
         (int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()), reverse=True)
     for candidate in steps:
@@ -116,8 +104,21 @@ def base_weights(path: str, dtype: str, scan_layers: bool) -> dict[str, Any]:
     return blocks_layout(full_weights(model, dtype), stacked=scan_layers)
 
 
-def load_for_inference(
-    path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Any]:
+def load_folder(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Any]:
+    """(config, model with the folder's weights) from a Hugging Face folder, as ``--hf`` reads it: its own
+    config.json decides the model; a model override on the command line that contradicts it is one line
+    (:func:`seqjax.weights.sources.adopt_model`)."""
+    place = sources.locate(path, "--hf", (sources.HF,))
+    folder = hf.read_folder(place.path)
+    config = hf.run_config(folder, overrides)
+    explicit = [hf_key for hf_key, _ in map(parse_override, overrides)]
+    model = sources.adopt_model(config.model, folder.model, explicit, f"--hf {path}")
+    config = dataclasses.replace(config, model=model)
+    return config, hf.model_with_params(config, hf.read_params(folder, model.param_dtype))
+
+
+def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
+                       key: str = "--run") -> tuple[Config, Any]:
     """(config, model with trained weights) from a run dir (its newest readable checkpoint) or a
     step folder.
 
@@ -129,7 +130,8 @@ def load_for_inference(
     keys before any array is read. Under ``model.lora`` a checkpoint holds the adapters only: their
     base is read again (``train.init_from``, or ``run.seed``'s initialization) and checked.
     """
-    config_file, checkpoints, step = locate(path)
+    place = sources.locate(path, key, (sources.RUN, sources.STEP))
+    config_file, checkpoints, step = place.config_file, place.checkpoints, place.step
     config = load_config(config_file, list(overrides))
     own_tokenizer = config_file.parent / TOKENIZER_FILE
     if own_tokenizer.is_file() and not any(o.startswith("tokenizer.path=") for o in overrides):
@@ -150,6 +152,7 @@ def load_for_inference(
         # QLoRA: as trained
         model = assemble(graphdef, restored, stored_base(base, config.model), rest)
     model.checkpoint_step = step  # which step was read (an older one when the newest is unreadable)
+    model.params_only = params_only(step_dir)  # parameters alone: what seqjax.import wrote, never trained here
     return config, model
 
 
@@ -170,24 +173,6 @@ def with_adapter(config: Config, model: Any, folder: str) -> tuple[Config, Any]:
     trained = adapter_params(tensors, config.model, str(Path(folder) / ADAPTER_WEIGHTS))
     model = assemble(graphdef, trained, stored_base(frozen_part(weights, lora), config.model), rest)
     return config, model
-
-
-def reference_for(config: Config, model: Any) -> Any:
-    """A trained model's preference reference, as its run trained against it: under ``model.lora``
-    (``train.reference=auto`` or ``precompute``) the same model with its adapters off; otherwise its
-    starting weights (``train.init_from``, or ``run.seed``'s initialization)."""
-    if config.model.lora.rank and config.train.reference in ("auto", "precompute"):
-        graphdef, state = nnx.split(model)
-        return nnx.merge(adapters_off(graphdef, state), state)
-    if config.model.lora.rank:
-        raise ConfigError(
-            "train.reference: got copy with model.lora: the starting adapters are not kept with the "
-            "run; evaluate with train.reference=auto (the base) instead")
-    graphdef, params, _, rest = split_params(build_model(config, rngs=nnx.Rngs(config.run.seed)))
-    if config.train.init_from:
-        params = base_weights(config.train.init_from, config.model.param_dtype,
-                              config.model.scan_layers)
-    return assemble(graphdef, params, None, rest)
 
 
 def _lora_base(config: Config, config_file: Path) -> dict[str, Any]:

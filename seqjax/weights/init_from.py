@@ -26,7 +26,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from flax import nnx
 from tokenizers import Tokenizer as HFTokenizer
@@ -34,16 +34,14 @@ from tokenizers import Tokenizer as HFTokenizer
 from seqjax.config.load import load_config
 from seqjax.config.tree import Config, ConfigError, ModelConfig
 from seqjax.hf import folders as hf
-from seqjax.hf.peft import ADAPTER_CONFIG
 from seqjax.model import BASE_PARAMS, build_model
 from seqjax.model.stacking import blocks_layout
 from seqjax.store.build import prepare
-from seqjax.train import inference
-from seqjax.train.resume import TOKENIZER_FILE
+from seqjax.weights import inference, sources
+from seqjax.weights.saved import TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
-# Fields that leave every shape alone but change what the model computes.
-FUNCTION_FIELDS = ("rope_theta", "rope_scaling", "norm_eps")
+
 
 
 @dataclass
@@ -56,29 +54,19 @@ class Source:
     folder: hf.HFFolder | None = None  # for an HF source
 
 
-def locate(path: str) -> Source:
-    """Read what the source says about itself (configs and tokenizer location only; no tensors)."""
-    where = Path(path).expanduser()
-    if not where.exists():
-        raise ConfigError(
-            f"train.init_from: {path!r} not found (expected a seqjax run or step folder, or an HF model folder)"
-        )
-    if (where / ADAPTER_CONFIG).is_file() and not hf.is_hf_folder(where):
-        raise ConfigError(
-            f"train.init_from: {path} is a PEFT adapter folder ({ADAPTER_CONFIG}), not a model; set "
-            f"train.init_adapter={path} for its adapters and train.init_from to its base model")
-    if hf.is_hf_folder(where):
+def read_source(path: str, key: str = "train.init_from") -> Source:
+    """What the model at ``path`` (a run, step or HF folder that ``key`` names) says about itself: its configs
+    and tokenizer (no tensors)."""
+    place = sources.locate(path, key)
+    where = place.path
+    if place.kind == sources.HF:
         folder = hf.read_folder(where)
         tokenizer = {
             "path": str(folder.tokenizer), "special_tokens": [folder.eos_token],
             "bos_token": folder.bos_token, "pad_token": folder.pad_token
         }
         return Source(where, folder.model, tokenizer, folder)
-    try:
-        config_file, _, _ = inference.locate(where)
-    except ConfigError as err:
-        raise ConfigError(
-            f"train.init_from: {err}, or a Hugging Face model folder (config.json)") from None
+    config_file = place.config_file
     source = load_config(config_file)
     own = config_file.parent / TOKENIZER_FILE
     tokenizer = dataclasses.asdict(source.tokenizer)
@@ -90,7 +78,7 @@ def locate(path: str) -> Source:
     model = dataclasses.replace(source.model, max_seq_len=source.max_seq_len)
     if model.vocab_size is None:
         raise ConfigError(
-            f"train.init_from: {config_file} has model.vocab_size null; expected a trained run's config"
+            f"{key}: {config_file} has model.vocab_size null; expected a trained run's config"
         )
     # The weights only mean something under the tokenizer they were trained with (a step folder of a
     # run whose tokenizer was rebuilt on resume was not): checked as eval, generate and export check
@@ -99,16 +87,16 @@ def locate(path: str) -> Source:
     vocab = HFTokenizer.from_str(data.decode("utf-8")).get_vocab_size(with_added_tokens=True)
     inference.check_tokenizer(where,
                               hashlib.sha256(data).hexdigest(), tokenizer["path"], model.vocab_size,
-                              vocab, "train.init_from")
+                              vocab, key)
     return Source(where, model, tokenizer)
 
 
-def adopt(config: Config, source: Source) -> Config:
-    """``config`` with the source's tokenizer (and vocabulary when null), after checking every
-    parameter shape.
+def adopt(config: Config, source: Source, explicit: Collection[str] = ()) -> Config:
+    """``config`` with the source's model (:func:`adopt_model`) and tokenizer, the shapes checked.
 
-    A ``tokenizer.path`` set to another file is refused: the weights only mean
-    something under their own tokenizer.
+    ``explicit``: the keys the command line set (``load_config`` records them); a model key among them that
+    contradicts the source is refused. A ``tokenizer.path`` set to another file is refused: the weights only
+    mean something under their own tokenizer.
     """
     given = config.tokenizer.path
     if given and Path(given).expanduser().read_bytes() != Path(source.tokenizer["path"]).read_bytes():
@@ -116,9 +104,7 @@ def adopt(config: Config, source: Source) -> Config:
             f"tokenizer.path: got {given!r}, but train.init_from={str(source.path)!r} comes with its own tokenizer "
             f"{source.tokenizer['path']}; leave tokenizer.path null")
     tokenizer = dataclasses.replace(config.tokenizer, **source.tokenizer)
-    model = config.model
-    if model.vocab_size is None:
-        model = dataclasses.replace(model, vocab_size=source.model.vocab_size)
+    model = sources.adopt_model(config.model, source.model, explicit, f"train.init_from={source.path}")
     config = dataclasses.replace(config, tokenizer=tokenizer, model=model)
     check_shapes(config, source)
     return config
@@ -139,37 +125,15 @@ def _shapes(cfg: Config | ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def check_shapes(config: Config, source: Source) -> None:
+def check_shapes(config: Config, source: Source, key: str = "train.init_from") -> None:
     """Refuse a configured model whose parameters do not have the source's shapes, naming both."""
     ours, theirs = _shapes(config), _shapes(source.model)
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):
-            if name.startswith("vision."):
-                fields = "model.vision"
-            elif name not in ours or name not in theirs:
-                fields = "model.tie_embeddings"
-            elif name.startswith(("embed.", "lm_head")):
-                fields = "model.vocab_size (and d_model)"
-            else:
-                fields = "model.d_model, n_layers, n_heads, n_kv_heads, head_dim and d_ff"
             raise ConfigError(
-                f"train.init_from: {source.path} has {name} of shape {theirs.get(name, 'none (tied embeddings)')}, "
-                f"but the config's model gives {ours.get(name, 'none (tied embeddings)')}; "
-                f"make {fields} match the source")
-    for field in ("mrope_section", "mrope_interleaved"):  # where the image tokens sit: never a fine-tune's choice
-        if getattr(config.model, field) != getattr(source.model, field):
-            raise ConfigError(f"model.{field}: got {getattr(config.model, field)}, but {source.path} has "
-                              f"{getattr(source.model, field)}; make it match the source")
-    if source.model.vision.depth:  # the tower's settings with no shape of their own (windows, activation, ...)
-        for field in dataclasses.fields(source.model.vision):
-            ours, theirs = getattr(config.model.vision, field.name), getattr(source.model.vision, field.name)
-            if field.name != "attention" and ours != theirs:
-                raise ConfigError(f"model.vision.{field.name}: got {ours}, but {source.path} has {theirs}; make "
-                                  "it match the source (the frozen tower computes what it was trained to)")
-    for field in FUNCTION_FIELDS:
-        if getattr(config.model, field) != getattr(source.model, field):
-            log.warning("fine-tuning with model.%s=%s where %s used %s", field,
-                        getattr(config.model, field), source.path, getattr(source.model, field))
+                f"{key}: {source.path} has {name} of shape {theirs.get(name, 'none (tied embeddings)')}, "
+                f"but the run's model gives {ours.get(name, 'none (tied embeddings)')}; expected a model of the "
+                "run's shape")
 
 
 def load_params(source: Source, dtype: str, scan_layers: bool = False) -> dict[str, Any]:
