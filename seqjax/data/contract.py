@@ -92,9 +92,9 @@ OPTIONAL_FIELDS: dict[str, OptionalField] = {
         "data.format=preference", lambda d: d.format == "preference"),
     "reference_logps": OptionalField(
         np.float32,
-        "train.reference=precompute: each sequence's reference log-probability, on its last scored target "
+        "train.precompute_reference: each sequence's reference log-probability, on its last scored target "
         "(0 elsewhere); added by the train loop from the run's table (seqjax.train.precompute), not by the data",
-        "train.reference=precompute", lambda d: False),
+        "train.precompute_reference", lambda d: False),
 }
 
 # Images (seqjax.data.image_rows, docs/vision.md): chats with images, read by a vision-language model's forward
