@@ -267,6 +267,24 @@ def test_batches_from_the_store_hold_both_budgets_every_example_once_and_resume_
         np.testing.assert_array_equal(value, batches[2][key])
 
 
+def test_max_segments_per_row_holds_for_chats_with_images_too(folder, tmp_path):
+    """data.max_segments_per_row is a third budget of the two-budget fit: 1 gives one example a row (it gave 2)."""
+    from seqjax.data.stats import epoch_stats
+
+    (tmp_path / "img").symlink_to(folder / "img")
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats() * 3))
+    for cap in (None, 1, 2):
+        cfg = config(folder, tmp_path, "qwen3_vl_training", "data.seq_len=256", "data.patches_per_row=512",
+                     "data.batch_size=2", f"data.max_segments_per_row={'null' if cap is None else cap}",
+                     files=tmp_path / "chats.jsonl")
+        store = prepare(cfg, splits=("train",)).stores["train"]
+        stats = epoch_stats(cfg, store)
+        if cap is None:
+            assert stats["segments_per_row_max"] > 2  # (room for more: the cap is what holds them back)
+        else:
+            assert stats["segments_per_row_max"] == cap
+
+
 def test_a_batch_of_image_chats_reads_its_own_rows_images_only(folder, tmp_path, monkeypatch):
     """Reading batch k builds batch k's image fields alone (its rows' patches), never a group of batches at once:
     a batch's patches weigh far more than its tokens (scripts/bench_vision.py --store: resident memory stays flat as

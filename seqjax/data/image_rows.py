@@ -39,8 +39,9 @@ from seqjax.store.images import patch_inputs, patchify, rope_index
 
 
 def pack_two_budgets(tokens: np.ndarray, patches: np.ndarray, rows: int, seq_len: int, patch_budget: int,
-                     open_batches: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """``(batch, row)`` of each example (batches numbered in the order they close or end open).
+                     open_batches: int = 64, max_segments: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(batch, row)`` of each example (batches numbered in the order they close or end open); at most
+    ``max_segments`` examples a row (``data.max_segments_per_row``), when given.
 
     >>> pack_two_budgets(np.array([6, 5, 4, 4]), np.array([8, 0, 4, 0]), 2, 10, 8)
     (array([0, 0, 1, 0]), array([0, 1, 0, 0]))
@@ -53,13 +54,15 @@ def pack_two_budgets(tokens: np.ndarray, patches: np.ndarray, rows: int, seq_len
                          f"tokens or a batch's {patch_budget} patches")
     order = np.lexsort((-patches, -tokens))
     free_tokens = np.zeros((0, rows), np.int64)  # [open, rows]
+    free_slots = np.zeros((0, rows), np.int64)  # examples a row may still take
+    slots = len(tokens) + 1 if max_segments is None else max_segments
     free_patches = np.zeros(0, np.int64)
     ids = np.zeros(0, np.int64)  # each open batch's provisional id
     batch_of, row_of = np.empty(len(tokens), np.int64), np.empty(len(tokens), np.int64)
     opened, closed, final = 0, [], {}
     for i in order:
         t, p = tokens[i], patches[i]
-        fits = (free_tokens >= t) & (free_patches >= p)[:, None]
+        fits = (free_tokens >= t) & (free_patches >= p)[:, None] & (free_slots > 0)
         # the tightest place: the least left of both budgets, each as a fraction of its own
         if fits.any():
             key = (free_tokens - t) * patch_budget + (free_patches - p)[:, None] * seq_len
@@ -70,12 +73,15 @@ def pack_two_budgets(tokens: np.ndarray, patches: np.ndarray, rows: int, seq_len
                 closed.append(ids[full])
                 keep = np.arange(len(ids)) != full
                 free_tokens, free_patches, ids = free_tokens[keep], free_patches[keep], ids[keep]
+                free_slots = free_slots[keep]
             free_tokens = np.vstack([free_tokens, np.full((1, rows), seq_len)])
+            free_slots = np.vstack([free_slots, np.full((1, rows), slots)])
             free_patches = np.append(free_patches, patch_budget)
             ids = np.append(ids, opened)
             opened += 1
             b, r = len(ids) - 1, 0
         free_tokens[b, r] -= t
+        free_slots[b, r] -= 1
         free_patches[b] -= p
         batch_of[i], row_of[i] = ids[b], r
     # number the batches in the order they closed, then the open ones

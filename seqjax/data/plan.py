@@ -364,7 +364,7 @@ class EpochPlanner:
                             "largest example's")
         # each row a bin; as many rows open as 64 batches have (scripts/bench_vision.py: fewer starve the fit)
         row, _ = image_rows.pack_two_budgets(lengths - 1, patches, 1, d.seq_len, d.patches_per_row,
-                                             open_batches=64 * d.batch_size)
+                                             open_batches=64 * d.batch_size, max_segments=d.max_segments_per_row)
         plan = RowPlan.from_rows(*document_rows.rows_from_assignment(starts, lengths, row), d.batch_size, d.seq_len)
         return plan.take(rng.permutation(plan.num_rows)) if d.shuffle else plan
 
