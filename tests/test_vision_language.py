@@ -223,6 +223,27 @@ def test_configs_qwen2_5_vl_lora_takes_a_small_hub_qwen2_5_vl_folder_by_its_path
         init_from.adopt(windowless, init_from.read_source(str(folder)), windowless.explicit)
 
 
+def test_a_vl_folder_and_its_import_carry_their_image_processor(tmp_path):
+    """A Qwen3-VL folder's preprocessor_config.json, and the copy seqjax.import keeps beside the run's tokenizer:
+    a command that reads chats takes it (and a patch budget of four per token) with no data.image_processor."""
+    from seqjax.main import import_hf
+    from seqjax.weights.inference import load_folder, load_for_inference
+    from vision_support import PROCESSOR
+
+    folder = write_hf_folder(tmp_path / "vl")
+    (folder / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
+    import_hf.main([str(folder), "--out", str(tmp_path / "imported")])
+    assert (tmp_path / "imported" / "preprocessor_config.json").read_text() == json.dumps(PROCESSOR)
+    chats = ["data.corpus=jsonl", "data.format=chat", "data.train_files=[x.jsonl]", "data.seq_len=64",
+             "model.attention=xla"]
+    for config, where in ((load_for_inference(tmp_path / "imported", chats)[0], tmp_path / "imported"),
+                          (load_folder(folder, chats)[0], folder)):
+        assert config.data.image_processor == str(where / "preprocessor_config.json")
+        assert config.data.patches_per_row == 4 * 64
+    text_only = load_folder(folder, ["model.attention=xla"])[0]  # (no chats: nothing to read images with)
+    assert text_only.data.image_processor is None
+
+
 def test_an_image_processor_that_cuts_other_patches_than_the_towers_is_one_line(tmp_path):
     """Qwen3-VL's processor (patch 16) for Qwen2.5-VL's tower (patch 14): refused before any image is read."""
     from seqjax.train.setup import objective_of

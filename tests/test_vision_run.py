@@ -23,7 +23,7 @@ from seqjax.config.load import load_config
 from seqjax.hf import folders, peft
 from seqjax.weights.inference import load_for_inference
 from test_train_support import train_losses
-from vision_support import PROCESSOR, QWEN3, image_chats, tiny_overrides, trl_template, write_hf_folder
+from vision_support import PROCESSOR, QWEN3, image_chats, trl_template, write_hf_folder
 
 pytestmark = pytest.mark.slow  # (three short runs of a tiny VL model: about a minute of compiling)
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "qwen3_vl_lora.yaml"
@@ -43,9 +43,10 @@ def world(tmp_path_factory):
 
 def config(world, run: str):
     root, folder, chats = world
+    # (the config file and the folder's path alone: the folder's config.json decides the model, its own
+    # preprocessor_config.json the image processor)
     return load_config(CONFIG, [
-        *tiny_overrides(), f"run.dir={root / run}", f"train.init_from={folder}", f"data.image_processor={folder}",
-        f"data.train_files=[{chats}]",
+        f"run.dir={root / run}", f"train.init_from={folder}", f"data.train_files=[{chats}]",
         f"data.cache_dir={root / 'cache'}", "data.validation_split_percentage=25", "data.seq_len=160",
         "data.patches_per_row=128", "data.batch_size=4", "train.steps=4", "train.checkpoint_every=2",
         "train.eval_every=2", "train.eval_batches=1", "train.warmup_steps=1", "train.lr=1e-2",
@@ -82,7 +83,7 @@ def test_a_qwen3_vl_folder_fine_tunes_on_image_chats_resumes_exactly_exports_and
     assert exported["whole"].keys() == exported["resumed"].keys()
     for name, tensor in exported["whole"].items():
         np.testing.assert_array_equal(tensor, exported["resumed"][name], err_msg=name)
-    n_layers = config(world, "whole").model.n_layers
+    n_layers = load_config(root / "whole" / "config.yaml").model.n_layers  # (the folder's, as the run saved it)
     assert len(exported["whole"]) == n_layers * 7 * 2
     assert all(n.startswith("base_model.model.model.language_model.layers.") for n in exported["whole"])
     assert max(np.abs(t).max() for n, t in exported["whole"].items() if "lora_B" in n) > 0  # trained off B = 0

@@ -30,6 +30,7 @@ from seqjax.hf import folders as hf
 from seqjax.main import cli
 from seqjax.model.stacking import blocks_layout
 from seqjax.store.chat import find_chat_template
+from seqjax.store.image_chats import PREPROCESSOR
 from seqjax.store.spec import CHAT_TEMPLATE_FILE
 from seqjax.train.checkpoint import save_params
 from seqjax.weights.saved import TOKENIZER_FILE
@@ -74,6 +75,8 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
         template = find_chat_template(folder.tokenizer)
         if template is not None:  # beside the run's tokenizer, where data.format=chat finds it
             write_text_atomic(staging / CHAT_TEMPLATE_FILE, template)
+        if (folder.path / PREPROCESSOR).is_file():  # a VL model's image processor: the run carries it
+            shutil.copyfile(folder.path / PREPROCESSOR, staging / PREPROCESSOR)
         # where the weights came from: what a LoRA run on this base names as its base on export
         name = folder.config_json.get("_name_or_path")
         save_params(staging, 0, params, {"tokens_seen": 0, "imported_from": str(folder.path.resolve()),

@@ -52,7 +52,7 @@ from seqjax.train.rundir import RunLock
 from seqjax.train.setup import Setup, keep_tokenizer, objective_of, restore, resume_row, setup
 from seqjax.train.signals import StopRequest, should_stop
 from seqjax.train.summary import SUMMARY_FILE, finished_summary, write_summary
-from seqjax.weights import init_from
+from seqjax.weights import init_from, sources
 from seqjax.weights.reference import COPY, decide
 from seqjax.weights.saved import CHECKPOINTS, Restored
 
@@ -115,6 +115,7 @@ def _init_source(config: Config) -> tuple[Config, init_from.Source | None]:
         return config, None
     source = init_from.read_source(config.train.init_from)
     config = init_from.adopt(config, source, getattr(config, "explicit", ()))
+    config = sources.adopt_processor(config, source.home, getattr(config, "explicit", ()))
     saved = _saved_steps(Path(config.run.dir))
     # checkpoints hold the adapters only: their base is read again
     if saved and config.model.lora.rank:

@@ -113,7 +113,7 @@ def load_folder(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     config = hf.run_config(folder, overrides)
     explicit = [hf_key for hf_key, _ in map(parse_override, overrides)]
     model = sources.adopt_model(config.model, folder.model, explicit, f"--hf {path}")
-    config = dataclasses.replace(config, model=model)
+    config = sources.adopt_processor(dataclasses.replace(config, model=model), folder.path, explicit)
     return config, hf.model_with_params(config, hf.read_params(folder, model.param_dtype))
 
 
@@ -132,7 +132,8 @@ def load_for_inference(path: str | Path, overrides: list[str] | tuple[str, ...] 
     """
     place = sources.locate(path, key, (sources.RUN, sources.STEP))
     config_file, checkpoints, step = place.config_file, place.checkpoints, place.step
-    config = load_config(config_file, list(overrides))
+    config = sources.adopt_processor(load_config(config_file, list(overrides)), config_file.parent,
+                                     [parse_override(o)[0] for o in overrides])
     own_tokenizer = config_file.parent / TOKENIZER_FILE
     if own_tokenizer.is_file() and not any(o.startswith("tokenizer.path=") for o in overrides):
         config.tokenizer.path = str(own_tokenizer)  # the run's copy, wherever the run folder now is

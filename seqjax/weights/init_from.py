@@ -52,6 +52,7 @@ class Source:
     model: ModelConfig  # the source's, max_seq_len and vocab_size resolved
     tokenizer: dict[str, Any]  # the run's tokenizer section: path, special_tokens, bos_token
     folder: hf.HFFolder | None = None  # for an HF source
+    home: Path | None = None  # the folder of its config (config.json or config.yaml), and what came with it
 
 
 def read_source(path: str, key: str = "train.init_from") -> Source:
@@ -65,7 +66,7 @@ def read_source(path: str, key: str = "train.init_from") -> Source:
             "path": str(folder.tokenizer), "special_tokens": [folder.eos_token],
             "bos_token": folder.bos_token, "pad_token": folder.pad_token
         }
-        return Source(where, folder.model, tokenizer, folder)
+        return Source(where, folder.model, tokenizer, folder, home=where)
     config_file = place.config_file
     source = load_config(config_file)
     own = config_file.parent / TOKENIZER_FILE
@@ -88,7 +89,7 @@ def read_source(path: str, key: str = "train.init_from") -> Source:
     inference.check_tokenizer(where,
                               hashlib.sha256(data).hexdigest(), tokenizer["path"], model.vocab_size,
                               vocab, key)
-    return Source(where, model, tokenizer)
+    return Source(where, model, tokenizer, home=config_file.parent)
 
 
 def adopt(config: Config, source: Source, explicit: Collection[str] = ()) -> Config:

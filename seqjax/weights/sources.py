@@ -24,9 +24,10 @@ import logging
 from pathlib import Path
 from typing import Any, Collection
 
-from seqjax.config.tree import ConfigError, ModelConfig
+from seqjax.config.tree import Config, ConfigError, ModelConfig
 from seqjax.hf import folders as hf
 from seqjax.hf.peft import ADAPTER_CONFIG
+from seqjax.store.image_chats import PREPROCESSOR
 from seqjax.weights.saved import CHECKPOINTS, CONFIG_FILE
 
 RUN, STEP, HF, ADAPTER = "run", "step", "hf", "adapter"
@@ -130,3 +131,23 @@ def adopt_model(model: ModelConfig, theirs: ModelConfig, explicit: Collection[st
 def _short(value: Any) -> str:
     text = str(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def adopt_processor(config: Config, folder: Path, explicit: Collection[str] = ()) -> Config:
+    """A vision-language model's own image processor (``folder``'s ``preprocessor_config.json``: an HF folder's,
+    or the copy an imported run keeps) for a run that reads chats: the folder carries what it came with. As
+    with the model's keys, a ``data.image_processor`` the command line sets (``explicit``) wins; one a config
+    file sets yields to the folder's. ``data.patches_per_row``, when 0, four patches per token of
+    ``data.seq_len`` (room for a row of image tokens alone)."""
+    data = config.data
+    if not config.model.vision.depth or data.format != "chat":
+        return config
+    processor = data.image_processor
+    if "data.image_processor" not in explicit and (Path(folder) / PREPROCESSOR).is_file():
+        processor = str(Path(folder) / PREPROCESSOR)
+        log.info("data.image_processor: %s (the model's own)", processor)
+    if processor is None:
+        return config
+    patches = data.patches_per_row or 4 * data.seq_len
+    return dataclasses.replace(config, data=dataclasses.replace(data, image_processor=processor,
+                                                                patches_per_row=patches))
