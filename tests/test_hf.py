@@ -276,7 +276,7 @@ def test_a_folder_without_weights_or_tokenizer_is_refused_by_the_import_cli_in_o
 
 
 @pytest.mark.slow  # (the fast loop keeps its cheaper twins: suite time, BENCHMARKS.md)
-def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path):
+def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path, capsys):
     from seqjax.core.errors import CheckpointMismatchError
     from seqjax.main import import_hf
     from seqjax.train.checkpoint import Checkpointer
@@ -284,6 +284,9 @@ def test_import_writes_a_run_folder_that_eval_generate_and_export_read(tmp_path)
 
     folder = write_llama_folder(tmp_path / "llama", rope_theta=500000.0, head_dim=16)
     import_hf.main([str(folder), "--out", str(tmp_path / "run"), "model.attention=xla"])
+    # the log names the config where it is, not in the staging folder renamed into place (run.partial)
+    err = capsys.readouterr().err
+    assert f"resolved config: {tmp_path / 'run' / 'config.yaml'} " in err and ".partial" not in err
     config, model = load_for_inference(tmp_path / "run")
     assert config.tokenizer.path == str(tmp_path / "run" / "tokenizer.json")
     assert config.model.rope_theta == 500000.0 and config.model.head_dim == 16 and config.data.variant == "raw"

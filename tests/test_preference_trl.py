@@ -27,6 +27,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from hf_support import script_module
+from seqjax.config.load import load_config
 from seqjax.data.pipeline import build_pipeline
 from seqjax.hf import folders as hf
 from seqjax.hf import peft
@@ -271,28 +272,26 @@ def test_the_dpo_lora_config_trains_packed_chat_pairs_evaluates_and_exports_at_a
     pairs_file = tmp_path / "pairs.jsonl"
     pairs_file.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
                                   for r in ref["records"]))
-    specials = json.dumps(["<|im_end|>", "<|endoftext|>", "<|im_start|>", "<tool_call>", "</tool_call>",
-                           "<tool_response>", "</tool_response>", "<think>", "</think>"])
     run = tmp_path / "run"
+    # (the folder's path alone: its config.json is the model, whatever the config's 8B shape says)
     overrides = [f"run.dir={run}", f"train.init_from={base}", f"data.train_files=[{pairs_file}]",
                  f"data.valid_files=[{pairs_file}]", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=256",
-                 "data.batch_size=4", f"data.chat_template={trl_template('qwen3')}",
-                 f"tokenizer.path={base / 'tokenizer.json'}", f"tokenizer.special_tokens={specials}",
-                 f"model.vocab_size={c['vocab_size']}", f"model.d_model={c['hidden_size']}",
-                 f"model.n_layers={c['num_hidden_layers']}", f"model.n_heads={c['num_attention_heads']}",
-                 f"model.n_kv_heads={c['num_key_value_heads']}", f"model.head_dim={c['head_dim']}",
-                 f"model.d_ff={c['intermediate_size']}", "model.max_seq_len=256", "model.loss_chunk_tokens=64",
-                 "model.param_dtype=float32", "model.compute_dtype=float32",
-                 f"model.rope_theta={c['rope_parameters']['rope_theta']}",
+                 "data.batch_size=4", f"data.chat_template={trl_template('qwen3')}", "model.max_seq_len=256",
+                 "model.loss_chunk_tokens=64", "model.param_dtype=float32", "model.compute_dtype=float32",
                  "model.lora.rank=4", "model.lora.alpha=8", "train.steps=3", "train.warmup_steps=0",
                  "train.grad_accum=2", "train.eval_every=3", "train.checkpoint_every=3"]
     assert_ok(run_cli(["--config", str(REPO / "configs" / "qwen3_dpo_lora.yaml"), *overrides]))
+    assert load_config(run / "config.yaml").model.d_model == c["hidden_size"]
     valid = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in line]
     assert valid and {"val_rewards/accuracies", "val_rewards/margins", "val_logps/chosen"} <= set(valid[-1])
     result = eval_cli.score(eval_cli_args(run))
     assert result["loss"] == pytest.approx(valid[-1]["val_loss"], rel=1e-5)
     assert result["pairs"] == valid[-1]["val_pairs"]
     export.main(["--run", str(run), "--out", str(tmp_path / "exported")])
+    # the tokenizer and the chat template the run trained with, beside the adapter, as TRL saves them
+    saved = json.loads((tmp_path / "exported" / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == trl_template("qwen3").read_text() and saved["eos_token"] == "<|im_end|>"
+    assert (tmp_path / "exported" / "tokenizer.json").is_file()
     config, model = hf.load(base, ["model.attention=xla"])
     config, _ = with_adapter(config, model, str(tmp_path / "exported"))
     assert config.model.lora.rank == 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -33,6 +33,19 @@ def small(tmp_path_factory):
 @given(st.text())
 def test_round_trip_on_random_unicode(small, text):
     assert small.decode(small.encode(text)) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(min_size=1))
+def test_a_generation_cut_inside_a_character_decodes_without_its_part(small, text):
+    """Byte-level tokens can end inside a UTF-8 character (where generate stopped); decode_whole gives the text of
+    the whole characters before it, never U+FFFD (what the README's sample printed)."""
+    assume("\ufffd" not in text)
+    ids = small.encode(text)
+    for end in range(1, len(ids) + 1):
+        whole = small.decode_whole(ids[:end])
+        assert "\ufffd" not in whole and text.startswith(whole)
+        assert len(whole) >= len(small.decode(ids[:end]).rstrip("\ufffd")) - 1
 
 
 @settings(max_examples=50, deadline=None)

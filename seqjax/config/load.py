@@ -285,13 +285,16 @@ def _source_of_error(path: Path | None, from_file: dict[str, Any],
     return ""
 
 
-def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yaml") -> Path:
+def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yaml",
+             final: str | os.PathLike | None = None) -> Path:
     """Save the resolved config beside the outputs it produced, and say where in one line (stderr): the file
     holds every key, so the log does not repeat them (the command line's overrides are logged when it is read,
-    :func:`seqjax.main.cli.load`)."""
+    :func:`seqjax.main.cli.load`). ``final``: the folder the file will be in once ``out_dir`` (a staging folder)
+    is renamed into place, which the line names."""
     path = config.save(Path(out_dir) / name)
     file, overrides = _GIVEN
-    logging.getLogger("seqjax.config").info("resolved config: %s (from %s%s)", path, file or "the defaults",
+    shown = path if final is None else Path(final) / name
+    logging.getLogger("seqjax.config").info("resolved config: %s (from %s%s)", shown, file or "the defaults",
                                             f"; overrides: {' '.join(overrides)}" if overrides else "")
     return path
 

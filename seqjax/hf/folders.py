@@ -383,6 +383,26 @@ def _write_weights(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: i
     return files + [INDEX], len(groups)
 
 
+def write_tokenizer(out: Path, tokenizer_json: Path, special: dict[str, str], max_length: int,
+                    chat_template: str | None) -> list[str]:
+    """The tokenizer's files as transformers' ``save_pretrained`` writes them (tokenizer.json with the opening
+    token, special_tokens_map.json, tokenizer_config.json with the chat template): an HF folder's, and beside an
+    exported adapter, as TRL saves them. ``special``: bos_token, eos_token (and pad_token)."""
+    special = dict(special)
+    write_text_atomic(out / TOKENIZER, _tokenizer_with_opening_token(tokenizer_json, special["bos_token"]))
+    if HFTokenizer.from_file(str(tokenizer_json)).token_to_id("<unk>") is not None:
+        special["unk_token"] = "<unk>"
+    write_text_atomic(out / SPECIAL_TOKENS_MAP, json.dumps(special, indent=2))
+    write_text_atomic(out / TOKENIZER_CONFIG, json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        **({"chat_template": chat_template} if chat_template is not None else {}),
+    }, indent=2))
+    return [TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP]
+
+
 def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any], *,
                  tokenizer_json: Path, eos_token: str, bos_token: str | None,
                  pad_token: str | None = None, dtype: str = "float32",
@@ -425,22 +445,12 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
     if image_processor is not None:  # the processor the run's images were read with, as it was
         write_text_atomic(out / PREPROCESSOR, image_processor.read_text(encoding="utf-8"))
         files.append(PREPROCESSOR)
-    write_text_atomic(out / TOKENIZER, _tokenizer_with_opening_token(tokenizer_json, bos))
-    if hf_tok.token_to_id("<unk>") is not None:
-        special["unk_token"] = "<unk>"
-    write_text_atomic(out / SPECIAL_TOKENS_MAP, json.dumps(special, indent=2))
-    write_text_atomic(out / TOKENIZER_CONFIG, json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **special,
-        "model_max_length": cfg.max_seq_len,
-        "clean_up_tokenization_spaces": False,
-        **({"chat_template": chat_template} if chat_template is not None else {}),
-    }, indent=2))
+    files += write_tokenizer(out, tokenizer_json, special, cfg.max_seq_len, chat_template)
     write_text_atomic(
         out / GENERATION_CONFIG,
         json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id} |
                    ({"pad_token_id": pad_id} if pad_id is not None else {}), indent=2))
-    files += [CONFIG_JSON, TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, GENERATION_CONFIG]
+    files += [CONFIG_JSON, GENERATION_CONFIG]
     return {
         "out": str(out),
         "files": files,

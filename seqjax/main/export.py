@@ -76,7 +76,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     cfg = model.cfg
     if cfg.lora.rank and not args.merge:
         adapters = nnx.to_pure_dict(nnx.state(model, trained_filter(cfg.lora)))
-        return _export_adapter(args, cfg, adapters, _peft_base(args, config))
+        return _export_adapter(args, cfg, adapters, _peft_base(args, config), config, tokenizer)
     processor = None
     if cfg.vision.depth:  # a VL folder: its settings checked before any weight is merged or written
         encoder_of(cfg, f"--out {args.out}")
@@ -145,15 +145,20 @@ def _peft_base(args: argparse.Namespace, config) -> str | None:
 
 
 def _export_adapter(args: argparse.Namespace, cfg, adapters: dict[str, Any],
-                    base: str | None) -> dict[str, Any]:
-    """The run's adapters as a PEFT adapter folder, in ``--dtype``."""
+                    base: str | None, config, tokenizer) -> dict[str, Any]:
+    """The run's adapters as a PEFT adapter folder, in ``--dtype``, with the tokenizer and chat template the
+    run trained with beside them, as TRL's trainers save them."""
     tensors = {name: t.astype(hf.DTYPES[args.dtype]) for name, t in peft.to_peft(adapters, cfg).items()}
+    special = {"bos_token": config.tokenizer.bos_token or tokenizer.eot_token, "eos_token": tokenizer.eot_token,
+               **({"pad_token": config.tokenizer.pad_token} if config.tokenizer.pad_token else {})}
     with staged_folder(args.out, overwrite=args.overwrite) as staging:
         save_file(tensors, str(staging / peft.ADAPTER_WEIGHTS), metadata={"format": "pt"})
         write_text_atomic(staging / peft.ADAPTER_CONFIG,
                           json.dumps(peft.adapter_config(cfg, base), indent=2))
+        files = hf.write_tokenizer(staging, Path(tokenizer.path), special, cfg.max_seq_len,
+                                   find_chat_template(Path(tokenizer.path), config.data.chat_template))
     result = {
-        "out": str(args.out), "files": [peft.ADAPTER_CONFIG, peft.ADAPTER_WEIGHTS],
+        "out": str(args.out), "files": [peft.ADAPTER_CONFIG, peft.ADAPTER_WEIGHTS, *files],
         "dtype": args.dtype, "adapter_parameters": int(sum(t.size for t in tensors.values())),
         "bytes": int(sum(t.nbytes for t in tensors.values()))
     }

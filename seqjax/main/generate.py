@@ -179,7 +179,7 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     samples = []
     for text, out in zip(texts, outputs):
-        completion = tokenizer.decode(out.tokens)
+        completion = tokenizer.decode_whole(out.tokens)
         log.info("--- %r\n%s%s", text, text, completion)
         samples.append({"prompt": text, "completion": completion, "new_tokens": len(out.tokens),
                         "stopped_at_eot": out.stopped, "token_ids": out.tokens})

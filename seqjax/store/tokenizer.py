@@ -204,6 +204,18 @@ class Tokenizer:
         """Text of ``ids``; special tokens are kept as their text so that round trips are exact."""
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def decode_whole(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` without a last character they hold only part of (byte-level tokens can end inside a
+        UTF-8 character, where generation stopped: decoded as a whole it reads U+FFFD), as a streamer holds it
+        back until its other bytes come."""
+        ids = [int(i) for i in ids]
+        text = self.decode(ids)
+        for cut in range(1, min(4, len(ids)) + 1):  # (a character is at most four bytes)
+            if not text.endswith("\ufffd"):
+                break
+            text = self.decode(ids[:-cut])
+        return text if not text.endswith("\ufffd") else self.decode(ids)
+
     def __repr__(self) -> str:
         return (
             f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id}, hash={self.hash[:12]})"
