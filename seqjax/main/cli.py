@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence, TypeVar
@@ -98,7 +99,29 @@ def load(args: argparse.Namespace) -> Config:
     exits 2."""
     config = load_config(args.config, args.overrides)
     check_config(config)
+    compilation_cache(config)
     return config
+
+
+# The persistent XLA cache every command keeps beside the token stores (data.cache_dir/xla), unless the
+# environment names one; programs that compiled faster than this are not worth a file.
+CACHE_MIN_COMPILE_S = 0.1
+
+
+def compilation_cache(config: Config) -> Path | None:
+    """Turn on JAX's persistent compilation cache in ``data.cache_dir/xla`` (one already set, as
+    ``JAX_COMPILATION_CACHE_DIR`` sets it, wins; ``SEQJAX_XLA_CACHE=0`` turns it off): a command run again reads
+    its programs back instead of compiling them (BENCHMARKS.md, "Start-up")."""
+    if os.environ.get("SEQJAX_XLA_CACHE") == "0":
+        return None
+    import jax  # (only once a config is loaded: --help and the refusals before any work do without JAX)
+
+    if jax.config.jax_compilation_cache_dir:
+        return None
+    path = Path(config.data.cache_dir).expanduser() / "xla"
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S)
+    return path
 
 
 def parse(p: argparse.ArgumentParser,

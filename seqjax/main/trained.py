@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from seqjax.config.tree import Config
 from seqjax.core.errors import UsageError
+from seqjax.main.cli import compilation_cache
 from seqjax.store.build import prepare
 from seqjax.store.tokenizer import Tokenizer
 from seqjax.weights.inference import check_tokenizer, load_folder, load_for_inference, with_adapter
@@ -58,6 +59,7 @@ def load_checkpoint(args: argparse.Namespace,
         config, model = load_for_inference(path, overrides)
     if getattr(args, "adapter", None):
         config, model = with_adapter(config, model, args.adapter)
+    compilation_cache(config)
     return config, model
 
 

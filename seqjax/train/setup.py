@@ -355,6 +355,9 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     train_store, valid_store = prepared.stores["train"], prepared.stores.get(config.eval.split)
     objective = objective_of(config)
     overlong = _overlong(config, train_store)
+    process_index, process_count = jax.process_index(), jax.process_count()
+    # the data's plan before any weight is read: a batch larger than an epoch is one line at once
+    data = build_pipeline(config, train_store, process_index=process_index, process_count=process_count)
     placed, base = starting_weights(config, mesh, source)
     ref = decide(config, objective.reference)
     tables = precomputed_reference(config, placed, base, ref,
@@ -364,14 +367,12 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     opt_state, opt_shardings = sharded_optimizer_state(tx, placed.params, placed.param_shardings,
                                                        replicated)
     batch_sharding = sharding.batch_sharding(mesh)
-    process_index, process_count = jax.process_index(), jax.process_count()
     settings = {key: getattr(tc, key) for key in objective.settings}
     extras, extra_shardings, reference_graphdef, named = reference_arguments(placed, config, ref)
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum,
                            z_loss=tc.z_loss, objective=objective, settings=settings,
                            reference_graphdef=reference_graphdef, precomputed=tables is not None,
                            same_weights=same_weights_rule(ref, config))
-    data = build_pipeline(config, train_store, process_index=process_index, process_count=process_count)
     return Setup(
         config=config,
         run_dir=Path(config.run.dir),
