@@ -257,3 +257,28 @@ def test_bars_are_drawn_only_on_a_terminal_and_tqdm_disable_turns_them_off(monke
     assert on_terminal()
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     assert progress_bar(total=3).disable
+
+
+def test_off_a_terminal_a_long_phase_says_how_far_it_is_every_half_minute(monkeypatch, caplog):
+    """No phase is silent in a log file: a bar that is off logs a plain line every PLAIN_EVERY_S seconds (the final
+    validation and eval on pairs said nothing for minutes); the train bar leaves its lines to the step logger."""
+    import sys
+
+    from seqjax.core import progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    bar = progress.progress_bar(total=10, desc="dpo on valid", unit="batch")
+    with caplog.at_level("INFO", logger="seqjax"):
+        for _ in range(10):
+            clock[0] += 7.0
+            bar.update()
+    lines = [r.getMessage() for r in caplog.records if "dpo on valid" in r.getMessage()]
+    assert lines == ["dpo on valid: 5/10 batch, 35 s", "dpo on valid: 10/10 batch, 70 s"]
+    quiet = progress.progress_bar(total=10, desc="train", plain=False)
+    with caplog.at_level("INFO", logger="seqjax"):
+        for _ in range(10):
+            clock[0] += 40.0
+            quiet.update()
+    assert not any("train:" in r.getMessage() for r in caplog.records)

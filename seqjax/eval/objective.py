@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from seqjax.config.tree import Config
+from seqjax.core.progress import progress_bar
 from seqjax.data.epochs import epoch_in_order
 from seqjax.data.pairs import add_to_table, with_reference
 from seqjax.objectives import Inputs, resolve
@@ -30,7 +31,7 @@ from seqjax.store.reader import TokenStore
 
 def evaluate_objective(model: nnx.Module, reference: nnx.Module | np.ndarray | None, store: TokenStore,
                        config: Config, *, max_batches: int | None = None, split: str | None = None,
-                       per_example: bool = False) -> dict[str, Any]:
+                       per_example: bool = False, progress: bool = True) -> dict[str, Any]:
     """The objective ``train.objective`` (and, on pairs, TRL's metrics) over the batches of ``store``
     (the first ``max_batches`` batches only, when given: ``complete`` is then false).
     ``reference``: the reference model, or its precomputed table of the split
@@ -67,9 +68,13 @@ def evaluate_objective(model: nnx.Module, reference: nnx.Module | np.ndarray | N
     tables = {name: np.zeros((pairs, 2)) for name in ("policy", "reference", "tokens")} if per_example else None
     start, loss, count, reported, batches = time.perf_counter(), 0.0, 0.0, {}, 0
     total, in_order = epoch_in_order(config, store)
+    bar = progress_bar(total=total if max_batches is None else min(total, max_batches), unit="batch",
+                       desc=f"{objective.name} on {split or store.manifest.get('split') or config.eval.split}",
+                       enabled=progress)
     for batch in in_order:
         if max_batches is not None and batches >= max_batches:
             break
+        bar.update()
         batch = batch if table is None else with_reference(batch, table)
         if tables is not None:
             ours, theirs = logprobs(state, reference_state, batch)
@@ -82,6 +87,7 @@ def evaluate_objective(model: nnx.Module, reference: nnx.Module | np.ndarray | N
         for name, (s, n) in metrics.items():
             a, b = reported.get(name, (0.0, 0.0))
             reported[name] = (a + float(s), b + float(n))
+    bar.close()
     return {
         "split": split or store.manifest.get("split") or config.eval.split,
         "objective": "+".join(tc.objective), "complete": batches >= total, "batches": batches,

@@ -377,7 +377,7 @@ class StepLogger:
         self.skipped_in_a_row = 0
         self.plain = primary and not on_terminal()
         self.bar = progress_bar(total=steps, initial=start_step, desc="train", unit="step",
-                                enabled=primary)
+                                enabled=primary, plain=False)  # (its own plain lines: flush)
 
     def __enter__(self) -> StepLogger:
         self.window.restart()
