@@ -75,8 +75,16 @@ def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(prepare, "prepare", interrupted)
-    with pytest.raises(SystemExit) as exit_:
-        prepare.main(["--config", "configs/wikitext2_cpu.yaml"])
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            prepare.main(["--config", "configs/wikitext2_cpu.yaml"])
+        # a second Ctrl-C while the interpreter shuts down (atexit callbacks) is ignored, not a printed traceback
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert exit_.value.code == 130
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C): stopped" in err and "Traceback" not in err

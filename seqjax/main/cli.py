@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence, TypeVar
@@ -86,7 +87,9 @@ def run(p: argparse.ArgumentParser, argv: Sequence[str] | None, work: Callable[[
         refuse(p, err)
     except KeyboardInterrupt:
         # What seqjax writes is staged and renamed into place: a stop leaves finished work and
-        # nothing half-written.
+        # nothing half-written. A second Ctrl-C while the interpreter shuts down (its atexit callbacks:
+        # thread pools, orbax) would only print "Exception ignored in atexit callback": ignored from here.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         log.error(
             "%s: interrupted (Ctrl-C): stopped; what was finished is kept, nothing half-written is",
             p.prog)
