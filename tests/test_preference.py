@@ -49,9 +49,15 @@ def store_of(pairs: list[tuple[list[int], list[int], list[int]]]) -> TokenStore:
     return TokenStore.from_documents(docs, eot_id=0, vocab_size=VOCAB, weights=weights)
 
 
+PROMPT_MAX, COMPLETION_MAX = 12, 9
+# The one packed row holds the longest four pairs the draws allow: no pair is ever left out, whatever is drawn
+# (a row of 128 held 3 of 4 pairs at random, 2026-11-27).
+ROW_HOLDS = 4 * 2 * (PROMPT_MAX + COMPLETION_MAX)
+
+
 def draw_pairs(data, count: int) -> list:
-    ids = st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=9)
-    return [(data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12)), data.draw(ids),
+    ids = st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=COMPLETION_MAX)
+    return [(data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=PROMPT_MAX)), data.draw(ids),
              data.draw(ids)) for _ in range(count)]
 
 
@@ -99,14 +105,14 @@ def compiled(window):
 def test_packed_pairs_give_the_log_probabilities_loss_and_gradients_of_one_pair_per_row(data, window):
     """Under hypothesis-drawn lengths (one-token prompts included, and a sliding window that the shared prompt
     must count in each sequence's own positions): per-pair log-probabilities, the DPO loss and its gradients."""
-    count = 4  # (a batch of four rows: one pair each, or all four in one)
+    count = 4  # (a batch of four rows: one pair each, or all four in one row of ROW_HOLDS tokens)
     pairs = draw_pairs(data, count)
     assume(all(c != r for _, c, r in pairs))
     store = store_of(pairs)
     windowed, params, run = compiled(window)
     results = {}
     for name, (rows, extra) in LAYOUTS.items():
-        batch = batch_of(config(*windowed, f"data.batch_size={rows}", "data.seq_len=128", *extra), store)
+        batch = batch_of(config(*windowed, f"data.batch_size={rows}", f"data.seq_len={ROW_HOLDS}", *extra), store)
         (value, grads), c, r = run(params, batch)
         valid = np.asarray(pair_sums(jnp.ones(batch["weights"].shape), batch)[0]) > 0
         assert valid.sum() == count
