@@ -259,3 +259,32 @@ def test_a_complete_cache_on_a_read_only_mount_is_read_without_a_lock(tmp_path, 
     with pytest.raises(StoreError, match=r"data.cache_dir: .* is read-only and holds no complete valid store for "
                                          r"this config"):
         prepare(load_config(None, [*overrides, f"data.valid_files=[{other}]"]), splits=("train", "valid"))
+
+
+@pytest.mark.parametrize("identity", ["stat", "content"])
+def test_a_cache_moved_with_its_sources_is_reused_under_content_identity(tmp_path, identity):
+    """data.cache_identity=content: a tokenizer and store built in one folder, moved with their corpus to another
+    (other paths, other modification times: another machine), are reused, no tokenizer trained again; under stat
+    (path and time) they are built again."""
+    import os
+    import shutil
+
+    from seqjax.store.build import prepare
+
+    def overrides(root):
+        return ["data.corpus=jsonl", f"data.train_files=[{root / 't.jsonl'}]", f"data.valid_files=[{root / 't.jsonl'}]",
+                "tokenizer.vocab_size=300", f"data.cache_dir={root / 'cache'}", f"data.cache_identity={identity}"]
+
+    first = tmp_path / "here"
+    first.mkdir()
+    (first / "t.jsonl").write_text("".join(f'{{"text": "a b c {i} d e"}}\n' for i in range(50)))
+    built = prepare(load_config(None, overrides(first)), splits=("train",))
+    moved = tmp_path / "there"
+    shutil.copytree(first, moved)
+    os.utime(moved / "t.jsonl", ns=(1, 1))
+    shutil.rmtree(first)
+    again = prepare(load_config(None, overrides(moved)), splits=("train",))
+    assert again.summary["train"]["reused"] == (identity == "content")
+    assert again.tokenizer.hash == built.tokenizer.hash
+    tokenizers = list((moved / "cache" / "tokenizers").iterdir())
+    assert len(tokenizers) == (1 if identity == "content" else 2)  # (stat: trained again under its new key)

@@ -67,6 +67,10 @@ class DataConfig:
     )
     cache_dir: str = setting(".cache/seqjax",
                              "where the tokenizer and token store are built and reused")
+    cache_identity: str = setting(
+        "stat", "how a cached tokenizer or store knows its source files: stat (path, size and modification time: "
+        "no file read) or content (name, size and a hash of the bytes: a cache moved with its sources to another "
+        "folder or machine is reused, as scripts/gpu_suite.py --prepare carries it)", choices=("stat", "content"))
     corpus: str = setting("wikitext2", "text source", choices=CORPORA)
     variant: str = setting("tokens", "WikiText-2 variant: word-level (tokens, with <unk>) or raw",
                            choices=("tokens", "raw"))

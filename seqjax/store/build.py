@@ -192,7 +192,7 @@ def prepare_store(path: Path, source: SourceConfig, split: str, files: list[Path
                   spec: ExampleSpec | None = None) -> tuple[TokenStore, bool]:
     """The store of one source's split at ``path``: reused, completed or built; returns it opened
     and if reused."""
-    identities = [file_identity(p) for p in files]
+    identities = [file_identity(p, config.data.cache_identity == "content") for p in files]
     corpus = {"corpus": source.corpus, "text_field": source.text_field,
               "variant": source.variant if source.corpus == "wikitext2" else None}
     corpus["separator"] = tokenizer.separator_id  # the framing: a store's documents open with it
@@ -401,10 +401,17 @@ def _prepare(config: Config, splits: Sequence[str], *, process_index: int, proce
     for split in splits:
         stores[split], summary[split] = _split_store(config, split, per_split[split], files, base, tokenizer, run,
                                                      specs)
-    folders = {corpus_key(sources[0], "train" if carved(sources[0], split, percentage) else split)
+    folders = {_folder(config, sources[0], "train" if carved(sources[0], split, percentage) else split, files)
                for split in splits}
     root = base / folders.pop() if len(sources) == 1 and len(folders) == 1 else base
     return Prepared(tokenizer=tokenizer, stores=stores, summary=summary, root=root)
+
+
+def _folder(config: Config, source: SourceConfig, split: str, files: dict) -> str:
+    """A source's store folder for ``split``: by its files' paths, or under ``data.cache_identity=content`` by
+    what they hold (a cache moved with its sources finds its stores)."""
+    content = config.data.cache_identity == "content" and source.corpus != "wikitext2"
+    return corpus_key(source, split, files.get((source.name, split)) if content else None)
 
 
 def _split_store(config: Config, split: str, sources: list[SourceConfig], files: dict, base: Path,
@@ -414,7 +421,7 @@ def _split_store(config: Config, split: str, sources: list[SourceConfig], files:
     built, entries = [], {}
     for source in sources:
         origin = "train" if carved(source, split, percentage) else split  # a carve lives beside its train store
-        path = base / corpus_key(source, origin) / split
+        path = base / _folder(config, source, origin, files) / split
         store, reused = prepare_store(path, source, split, files[(source.name, split)], tokenizer, config, run,
                                       specs[source.name])
         built.append((source, store))

@@ -48,11 +48,14 @@ class ProcessGroup:
             self.barrier(name)
 
 
-def file_identity(path: Path) -> dict[str, Any]:
+def file_identity(path: Path, content: bool = False) -> dict[str, Any]:
     """What reuse compares for a source: path, size and modification time (a folder: over the files
-    inside)."""
+    inside); ``content`` (``data.cache_identity=content``): its name, size and an xxh3 of its bytes, the same
+    wherever the file was moved or copied."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     stats = [p.stat() for p in files]
+    if content:
+        return {"name": path.name, "bytes": sum(s.st_size for s in stats), "xxh3": content_hash(path)}
     return {"path": str(path.resolve()), "bytes": sum(s.st_size for s in stats),
             "mtime_ns": max((s.st_mtime_ns for s in stats), default=0)}
 
@@ -72,7 +75,7 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def corpus_key(source: SourceConfig | Config, split: str = "train") -> str:
+def corpus_key(source: SourceConfig | Config, split: str = "train", files: list[Path] | None = None) -> str:
     """The folder of one split's store: ``wikitext2-tokens``, or ``jsonl-<hash of what makes that
     split>``.
 
@@ -83,7 +86,8 @@ def corpus_key(source: SourceConfig | Config, split: str = "train") -> str:
         source = source.data.resolved_sources()[0]
     if source.corpus == "wikitext2":
         return f"wikitext2-{source.variant}"
-    settings = [getattr(source, f"{split}_files")]
+    # (data.cache_identity=content passes the split's files: named by what they hold, not where they are)
+    settings = [getattr(source, f"{split}_files") if files is None else [file_identity(p, True) for p in files]]
     if source.text_field != "text":
         settings.append(source.text_field)
     if source.format != "text":

@@ -362,7 +362,7 @@ def obtain_tokenizer(config: Config, sources: list[SourceConfig],
         "builder_version": BUILDER_VERSION,
         "sources": [{
             "corpus": s.corpus, "text_field": s.text_field, "format": s.format, "weight": s.weight,
-            "files": [file_identity(p) for p in train_files[s.name]]
+            "files": [file_identity(p, config.data.cache_identity == "content") for p in train_files[s.name]]
         } for s in sources],
         "train_bytes": config.tokenizer.train_bytes,
         "vocab_size": config.tokenizer.vocab_size,
