@@ -51,6 +51,7 @@ from seqjax.train.setup import (
     with_vocab,
 )
 from seqjax.train.step import make_train_step
+from seqjax.weights.reference import decide, same_weights_rule
 
 
 def compiled_bytes(compiled) -> int | None:
@@ -78,14 +79,15 @@ def main(argv=None) -> dict:
     params, num_params = placed.params, placed.model_params
     trained = count(params)
     objective = objective_of(config)
-    extras, extra_shardings, reference_graphdef = reference_arguments(placed, config, objective)
+    ref = decide(config, objective.reference)
+    extras, extra_shardings, reference_graphdef, _ = reference_arguments(placed, config, ref)
     tx, _ = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
     opt_state, opt_shardings = sharded_optimizer_state(tx, params, placed.param_shardings, replicated)
     batch_sharding = sharding.batch_sharding(mesh)
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss,
                            objective=objective, settings={key: getattr(tc, key) for key in objective.settings},
-                           reference_graphdef=reference_graphdef)
+                           reference_graphdef=reference_graphdef, same_weights=same_weights_rule(ref, config))
     rng = sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated)
     jitted = jax.jit(
         step,

@@ -71,6 +71,8 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STAGES = ("setup", "env", "tests", "attention", "finetune", "lora8b", "dpo", "throughput")
+FIRST_CALL_S, RERUN_CALL_S = 540.0, 240.0  # a lent GPU's 15 minutes: one call of 9, one rerun of 4, start-up
+MIN_STAGE_S = 5.0  # a stage given less than this is skipped
 OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision")
 PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
          "tokamax", "torch", "transformers")
@@ -93,6 +95,7 @@ class Suite:
         self.args = args
         self.out = args.out.resolve()
         self.dry = args.dry_run
+        self.prepared = args.prepared.resolve() if args.prepared else None
         # (a dry run on a CPU checks the plumbing, not the timing: its budgets stretch)
         self.stretch = 10.0 if args.dry_run else 1.0
         self.deadline = time.monotonic() + args.budget_s * self.stretch
@@ -105,12 +108,22 @@ class Suite:
         self.summary: dict[str, Any] = {
             "suite": "gpu", "dry_run": self.dry, "command": " ".join(["python3", *sys.argv]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": platform.node(), "budget_s": args.budget_s, "stages": {},
+            "host": platform.node(), "budget_s": args.budget_s, "planned": list(args.stages), "stages": {},
         }
 
+    def suite_left(self) -> float:
+        """Seconds left of the whole call's budget."""
+        return self.deadline - time.monotonic()
+
+    def begin(self, budget_s: float) -> float:
+        """Start a stage: its own deadline, ``budget_s`` from now (cut to the call's end), whatever the stage
+        before it spent. Returns the seconds it has."""
+        self.stage_end = min(self.deadline, time.monotonic() + budget_s)
+        return self.remaining()
+
     def remaining(self) -> float:
-        """Seconds left: to the end of the running stage's own budget, or of the suite's."""
-        return min(self.deadline, getattr(self, "stage_end", self.deadline)) - time.monotonic()
+        """Seconds left to the running stage's own deadline (:meth:`begin`)."""
+        return getattr(self, "stage_end", self.deadline) - time.monotonic()
 
     def call(self, name: str, argv: list[str], timeout: float, cwd: Path = REPO) -> tuple[int | None, str]:
         """Run argv with the suite's environment; stdout+stderr go to OUT/<name>.log. (returncode or None, stdout)."""
@@ -285,9 +298,10 @@ def stage_sweep(s: Suite) -> dict:
 def stage_throughput(s: Suite) -> dict:
     backends = ["xla"] if s.dry else s.args.backends.split(",")
     # argparse takes the options first, then the key=value overrides as one group.
-    options = ["--config", "configs/gpt2_small.yaml", *(["--steps", "3", "--warmup", "1"] if s.dry
-                                                        else ["--steps", str(s.args.train_steps)])]
-    overrides = [f"run.dir={s.out / 'runs' / 'bench_train'}", *(s.tiny_corpus() if s.dry else [])]
+    options = ["--config", PREPARED_STAGES["throughput"][0], *(["--steps", "3", "--warmup", "1"] if s.dry
+                                                                else ["--steps", str(s.args.train_steps)])]
+    overrides = [f"run.dir={s.out / 'runs' / 'bench_train'}", *(s.tiny_corpus() if s.dry else stage_data(s,
+                                                                                                         "throughput"))]
     results, codes = {}, []
     variants = [v.split() for v in s.args.train_variants.split(";")] if s.args.train_variants else [[]]
     for backend in backends:
@@ -380,6 +394,8 @@ def synthetic_answers(root: Path, records: int, seed: int = 0) -> list[str]:
     import random
 
     rng = random.Random(seed)
+    if (root / "valid.jsonl").is_file():  # (written before: the same records, and a prepared cache's sources)
+        return _answers_overrides(root)
     words = ("the model reads a question and writes an answer about packing rows of tokens into batches while the "
              "loss counts only what the assistant says in reply to each user turn").split()
     root.mkdir(parents=True, exist_ok=True)
@@ -389,28 +405,60 @@ def synthetic_answers(root: Path, records: int, seed: int = 0) -> list[str]:
                 prompt = " ".join(rng.choices(words, k=rng.randint(8, 120)))
                 answer = " ".join(rng.choices(words, k=rng.choice([rng.randint(4, 60), rng.randint(100, 600)])))
                 f.write(json.dumps({"prompt": prompt, "completion": answer}) + "\n")
+    return _answers_overrides(root)
+
+
+def _answers_overrides(root: Path) -> list[str]:
     return ["data.corpus=jsonl", "data.format=prompt_completion", "data.loss_on=completion",
             f"data.train_files=[{root / 'train.jsonl'}]", f"data.valid_files=[{root / 'valid.jsonl'}]",
             "data.strategy=pack", "data.packer=best_fit_decreasing"]
 
 
+# The stages whose tokenizer and stores --prepare builds on the CPU: (config, records of synthetic answers or None
+# for the config's own data, the data overrides).
+# (finetune and lora8b read the same records: one tokenizer, one store. 5,000 answers are 1.3M tokens, three times
+# what the timed steps read.)
+PREPARED_STAGES = {
+    "finetune": ("configs/llama3_1b_finetune.yaml", 5000, ["tokenizer.vocab_size=8000"]),
+    "lora8b": ("configs/llama3_8b_lora.yaml", 5000, ["tokenizer.vocab_size=8000"]),
+    "throughput": ("configs/gpt2_small.yaml", None, []),
+}
+PREPARED_DATA = ("wikitext-2", )  # (gpt2_small's; the opt-in recipe and quality stages read wikitext-2-raw too)
+PREPARED_LIMIT_MB = 60  # what a device call may carry is 64 MiB
+
+
+def stage_data(s: Suite, name: str) -> list[str]:
+    """A stage's data overrides: its synthetic answers (written once) or the config's own, and where its
+    tokenizer and stores are: the prepared folder's (built on the CPU by --prepare, reused by content), or the
+    call's own cache."""
+    _, records, extra = PREPARED_STAGES[name]
+    if s.dry:
+        records = records and 300
+    data: list[str] = []
+    if records:
+        root = (s.prepared / "data" if s.prepared else s.out) / f"answers_{records}"
+        data = synthetic_answers(root, records)
+    cache = ([f"data.cache_dir={s.prepared / 'cache'}", "data.cache_identity=content"] if s.prepared
+             else [f"data.cache_dir={s.out / 'cache'}"])
+    return [*data, *cache, *([] if s.dry else extra)]
+
+
 def stage_finetune(s: Suite) -> dict:
     """Llama-3.2-1B's shape fine-tuning on packed answers: the config's settings, then the plain loss, no remat."""
-    config = "configs/llama3_1b_finetune.yaml"
-    data = synthetic_answers(s.out / "answers", 300 if s.dry else 20000)
-    cache = f"data.cache_dir={s.out / 'cache_answers'}"
+    config = PREPARED_STAGES["finetune"][0]
+    data = stage_data(s, "finetune")
     if s.dry:  # toy model, toy rows; the same stages of the pipeline
         shape = [*TINY_MODEL, "model.n_kv_heads=2", "model.head_dim=16"]
         steps = ["--steps", "3", "--warmup", "1"]
     else:  # the config's own shape and rows; a tokenizer trained on the records, the 1B's vocabulary for the model
-        shape = ["tokenizer.vocab_size=8000", "model.vocab_size=128256", "model.attention=" + s.args.finetune_attention]
+        shape = ["model.vocab_size=128256", "model.attention=" + s.args.finetune_attention]
         steps = ["--steps", str(s.args.finetune_steps)]
     variants = {"as configured": []}
     if s.args.finetune_plain:
         variants["plain loss, no remat"] = ["model.loss_chunk_tokens=0", "model.remat=none"]
     results, codes = {}, []
     for name, variant in variants.items():
-        overrides = [f"run.dir={s.out / 'runs' / 'finetune'}", *data, cache, *shape, *variant]
+        overrides = [f"run.dir={s.out / 'runs' / 'finetune'}", *data, *shape, *variant]
         code, stdout = s.call("finetune", s.python("scripts/bench_train.py", "--config", config, "--loops", "async",
                                                    *steps, *overrides), 120)
         codes.append(code)
@@ -424,13 +472,13 @@ def stage_finetune(s: Suite) -> dict:
 
 def stage_lora8b(s: Suite) -> dict:
     """Llama-3-8B's shape with LoRA r=16 on one GPU (random weights): tokens/s and peak memory beside the plan."""
-    config = "configs/llama3_8b_lora.yaml"
-    data = [*synthetic_answers(s.out / "answers", 300 if s.dry else 4000), f"data.cache_dir={s.out / 'cache_answers'}"]
+    config = PREPARED_STAGES["lora8b"][0]
+    data = stage_data(s, "lora8b")
     if s.dry:
         shape = [*TINY_MODEL, "model.n_kv_heads=2", "model.head_dim=16"]
         steps = ["--steps", "2", "--warmup", "1"]
     else:
-        shape = ["tokenizer.vocab_size=8000", "model.attention=" + s.args.finetune_attention]
+        shape = ["model.attention=" + s.args.finetune_attention]
         steps = ["--steps", str(s.args.lora_steps), "--warmup", "2"]
     overrides = [f"run.dir={s.out / 'runs' / 'lora8b'}", "train.init_from=null", *data, *shape]
     plan_code, plan = s.call("lora8b", s.python("scripts/plan_memory.py", "--config", config, *overrides), 60)
@@ -495,11 +543,15 @@ def stage_vision(s: Suite) -> dict:
     return {"status": status(code), "result": last_json(stdout) if code == 0 else None}
 
 
-# Each default stage's budget, in seconds (the eight add up to the default --budget-s of 480).
+# Each stage's budget in seconds, from what the stages took on the H200 on 2026-11-27 (BENCHMARKS.md, "GPU"):
+# setup 5.3 and env 9.3; the GPU tests 146 s with no limit; attention ran out at 70 s after the dense rows of five
+# kernels; finetune finished in 54.4; lora8b, dpo and throughput ran out at 80, 50 and 50 s before measuring.
+# The first call's stages, in the order of value, fit FIRST_CALL_S; what is left, failed or cut goes to the
+# second call (--rerun), RERUN_CALL_S.
 STAGES = {stage.name: stage for stage in (
-    Stage("setup", 30, stage_setup), Stage("env", 20, stage_env), Stage("tests", 100, stage_tests),
-    Stage("attention", 70, stage_attention), Stage("finetune", 80, stage_finetune), Stage("lora8b", 80, stage_lora8b),
-    Stage("dpo", 50, stage_dpo), Stage("throughput", 50, stage_throughput),
+    Stage("setup", 15, stage_setup), Stage("env", 15, stage_env), Stage("tests", 165, stage_tests),
+    Stage("attention", 150, stage_attention), Stage("finetune", 70, stage_finetune),
+    Stage("lora8b", 120, stage_lora8b), Stage("dpo", 90, stage_dpo), Stage("throughput", 90, stage_throughput),
     Stage("levanter", 90, stage_levanter), Stage("sweep", 150, stage_sweep), Stage("ncu", 150, stage_ncu),
     Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
     Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study), Stage("vision", 90, stage_vision),
@@ -577,12 +629,24 @@ def print_table(summary: dict) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gpu_suite", description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="folder for summary.json and the logs (created)")
+    p.add_argument("--out", type=Path, default=None, help="folder for summary.json and the logs (created)")
     p.add_argument("--dry-run", action="store_true", help="CPU, toy sizes: checks every stage's plumbing (CI)")
     p.add_argument("--wheels", type=Path, default=REPO / ".whl", help="wheels to install with --no-deps")
     p.add_argument("--data", type=Path, default=Path(os.environ.get("SEQJAX_DATA_DIR", REPO.parent / "shared/data")),
                    help="the folder holding wikitext-2/ (default: $SEQJAX_DATA_DIR, else ../shared/data)")
-    p.add_argument("--budget-s", type=float, default=480.0, help="the whole suite's time limit in seconds")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"the call's time limit in seconds (default {FIRST_CALL_S:.0f}; "
+                        f"with --rerun {RERUN_CALL_S:.0f})")
+    p.add_argument("--budgets", default="", help="name=seconds,... : stages' own budgets instead of the table's")
+    p.add_argument("--rerun", type=Path, default=None, metavar="PREVIOUS_OUT",
+                   help="the second call: the stages of PREVIOUS_OUT/summary.json that did not end ok (failed, cut "
+                        "at their budget, skipped, or not reached), in the same order")
+    p.add_argument("--prepared", type=Path, default=None, metavar="DIR",
+                   help="a folder --prepare wrote (carried to the GPU machine): its wheels, data and the stages' "
+                        "tokenizers and stores, reused as they are")
+    p.add_argument("--prepare", type=Path, default=None, metavar="DIR",
+                   help="on the CPU: write DIR for --prepared (wheels, data, the stages' tokenizers and stores, the "
+                        "project at HEAD), checked below PREPARED_LIMIT_MB, and exit")
     p.add_argument("--only", default=None, help="comma-separated stages to run (default: " + ",".join(DEFAULT_STAGES)
                    + "; opt-in: " + ",".join(OPTIONAL_STAGES) + ")")
     p.add_argument("--skip", default="", help="comma-separated stages to leave out")
@@ -613,37 +677,113 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recipe-overhead-s", type=float, default=45.0,
                    help="recipe seconds besides its steps: start, compilation, validations")
     args = p.parse_args(argv)
+    if args.out is None and args.prepare is None:
+        p.error("--out: expected the folder for summary.json and the logs")
+    if args.prepared is not None:  # its wheels and data, unless named otherwise
+        args.wheels = args.wheels if args.wheels != REPO / ".whl" else args.prepared / "wheels"
+        args.data = args.data if "--data" in (argv or sys.argv) else args.prepared / "data"
+    if args.budget_s is None:
+        args.budget_s = RERUN_CALL_S if args.rerun else FIRST_CALL_S
+    try:
+        args.budgets = {k: float(v) for k, v in (item.split("=") for item in args.budgets.split(",") if item)}
+    except ValueError:
+        p.error(f"--budgets: got {args.budgets!r}, expected name=seconds,...")
+    if args.rerun is not None:  # the stages the first call planned that did not end ok, setup first again
+        previous = json.loads((args.rerun / "summary.json").read_text())
+        planned, ended = previous.get("planned", list(DEFAULT_STAGES)), previous["stages"]
+        args.only = ",".join(["setup", *(n for n in planned
+                                         if n != "setup" and (ended.get(n) or {}).get("status") != "ok")])
     names = args.only.split(",") if args.only else list(DEFAULT_STAGES)
-    unknown = [n for n in names + [n for n in args.skip.split(",") if n] if n not in STAGES]
+    unknown = [n for n in names + [n for n in args.skip.split(",") if n] + list(args.budgets) if n not in STAGES]
     if unknown:
         p.error(f"unknown stage(s) {', '.join(unknown)}; expected among {', '.join(STAGES)}")
     args.stages = [n for n in names if n not in args.skip.split(",")]
     return args
 
 
+# The wheels the GPU image lacks (its jax, jaxlib and CUDA plugin are 0.11.2; jax 0.12.0.1's pure-Python wheel
+# runs over that jaxlib): the list that worked on the H200 on 2026-11-27 (../shared/gpu/h200-2026-11-27/README.md).
+WHEELS = ("jax==0.12.0.1", "flax==0.12.12", "optax==0.2.8", "orbax-checkpoint==0.12.8", "chex==0.1.92", "qwix==0.1.8",
+          "grain==0.2.18", "array_record==0.8.6", "portpicker==1.6.0", "kvax==0.1.0", "jax-triton==0.4.1",
+          "tokamax==0.0.17", "einshape", "immutabledict", "pydantic==2.14.4", "pydantic-core", "annotated-types",
+          "typing-inspection")
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def prepare_folder(args: argparse.Namespace) -> dict:
+    """--prepare DIR, on the CPU: the wheels (pip download --no-deps), WikiText-2, each prepared stage's synthetic
+    answers and its tokenizer and stores (python -m seqjax.prepare under data.cache_identity=content, so the GPU
+    machine reuses them wherever the folder lands), and the project at HEAD (git archive); refused above
+    PREPARED_LIMIT_MB. Nothing on the GPU then trains a tokenizer or builds a store."""
+    out = args.prepare.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    args.out = args.out or out / "prepare_logs"
+    args.out.mkdir(parents=True, exist_ok=True)
+    wheels = out / "wheels"
+    if not any(wheels.glob("*.whl")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *WHEELS],
+                       check=True)
+    data = out / "data"
+    for name in PREPARED_DATA:
+        if not (data / name).is_dir():
+            shutil.copytree(args.data / name, data / name)
+    args.prepared, args.dry_run = out, False
+    suite = Suite(args)
+    suite.env["SEQJAX_DATA_DIR"] = str(data)
+    for name, (config, _, _) in PREPARED_STAGES.items():
+        code, _ = suite.call(f"prepare_{name}", suite.python("-m", "seqjax.prepare", "--config", config,
+                                                             *stage_data(suite, name)), 1800)
+        if code != 0:
+            log = suite.out / f"prepare_{name}.log"
+            raise SystemExit(f"--prepare: {name}'s tokenizer and stores failed: see {log}")
+    archive = out / "project.tar.gz"
+    subprocess.run(["git", "archive", "--format=tar.gz", "-o", str(archive), "HEAD"], cwd=REPO, check=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    parts = {p.name: folder_bytes(p) if p.is_dir() else p.stat().st_size for p in out.iterdir()
+             if p.name != "prepared.json"}
+    manifest = {"commit": commit, "wheels": sorted(p.name for p in wheels.glob("*.whl")), "bytes": parts,
+                "total_mb": round(sum(parts.values()) / 2**20, 1), "limit_mb": PREPARED_LIMIT_MB,
+                "stages": {name: stage_data(suite, name) for name in PREPARED_STAGES}}
+    (out / "prepared.json").write_text(json.dumps(manifest, indent=1))
+    if manifest["total_mb"] > PREPARED_LIMIT_MB:
+        biggest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+        raise SystemExit(f"--prepare: {out} holds {manifest['total_mb']} MiB, more than {PREPARED_LIMIT_MB} MiB a "
+                         f"device call may carry; the largest: {biggest}")
+    return manifest
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.prepare is not None:  # (on the CPU: the folder a GPU call carries, then exit)
+        print(json.dumps(prepare_folder(args)))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     suite = Suite(args)
     for name in args.stages:
-        if suite.remaining() < 5:
-            suite.summary["stages"][name] = {"status": "skipped", "reason": "the suite's time budget is spent"}
+        if suite.suite_left() < MIN_STAGE_S:
+            suite.summary["stages"][name] = {"status": "skipped", "reason": "the call's time budget is spent"}
             continue
-        print(f"[gpu_suite] {name} ({suite.remaining():.0f} s left)", file=sys.stderr, flush=True)
         start = time.monotonic()
-        suite.stage_end = start + STAGES[name].budget_s * suite.stretch  # (its calls are cut there; the next runs)
+        # Its own deadline, set before anything of it runs: a stage before that overran costs only itself.
+        budget = args.budgets.get(name, STAGES[name].budget_s * suite.stretch)
+        given = suite.begin(budget)
+        print(f"[gpu_suite] {name}: {given:.0f} s ({suite.suite_left():.0f} s left in the call)", file=sys.stderr,
+              flush=True)
         try:
             result = STAGES[name].run(suite)
         except Exception as err:  # noqa: BLE001  (one broken stage must not lose the others' results)
             result = {"status": f"failed ({type(err).__name__}: {err})"}
-        result["seconds"] = round(time.monotonic() - start, 1)
+        result["seconds"], result["budget_s"] = round(time.monotonic() - start, 1), round(given, 1)
         suite.summary["stages"][name] = result
         (suite.out / "summary.json").write_text(json.dumps(suite.summary, indent=1))
     suite.stage_end = suite.deadline
     suite.summary["targets"] = targets(suite.summary)
     for row in suite.summary["targets"] if suite.dry else ():  # toy shapes on another device: no verdict
         row["met"] = None
-    suite.summary["seconds"] = round(args.budget_s * suite.stretch - suite.remaining(), 1)
+    suite.summary["seconds"] = round(args.budget_s * suite.stretch - suite.suite_left(), 1)
     (suite.out / "summary.json").write_text(json.dumps(suite.summary, indent=1))
     print_table(suite.summary)
     failed = [n for n, r in suite.summary["stages"].items() if r.get("status") not in ("ok", "skipped")]

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     from seqjax.objectives import resolve
     from seqjax.train.optimizer import build_optimizer
     from seqjax.train.step import make_train_step
+    from seqjax.weights.reference import BASE, MODEL, decide
 
     # The attention the CPU compiles is XLA's (the GPU kernels cannot lower here); the rest is the run's own.
     try:
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     b, t = config.data.batch_size, config.data.seq_len
     # the batch the data gives (preference pairs add pair_ids, and prefix_ids with a shared prompt)
     objective = resolve(config.train.objective, config.train.objective_weights)
-    precomputed = objective.reference and config.train.reference == "precompute"  # (the batch carries them)
+    ref = decide(config, objective.reference)  # (the run's one decision: seqjax.weights.reference)
+    precomputed = ref.kind is not None and ref.precompute  # (the batch carries them)
     patches, patch_dim = config.data.patches_per_row, config.model.vision.patch_dim
 
     def shape_of(name: str) -> tuple[tuple[int, ...], type]:  # (chats with images: a row's patches beside its tokens)
@@ -132,9 +134,12 @@ def main(argv: list[str] | None = None) -> dict:
     # the train.objective the run computes, and its reference model: under model.lora the same state with the
     # adapters off (no memory), otherwise a frozen copy of the trained weights (their bytes again)
     reference_graphdef, reference = None, None
-    if objective.reference and lora.rank and config.train.reference == "auto":
+    if ref.in_step and ref.kind == BASE:
         reference_graphdef = adapters_off(graphdef, param_state, frozen_state, rest)
-    elif objective.reference and not precomputed:
+    elif ref.in_step and ref.kind == MODEL and lora.rank:  # (another base: the frozen base's bytes again)
+        reference_graphdef, reference = adapters_off(graphdef, param_state, frozen_state, rest), frozen
+        extra, extra_shardings = [frozen, frozen], [frozen_shardings, frozen_shardings]
+    elif ref.in_step:
         reference = params
         extra, extra_shardings = [frozen, params], [frozen_shardings, param_shardings]
     settings = {key: getattr(config.train, key) for key in objective.settings}
@@ -165,7 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
         "trainable_parameters": trainable, "lora_rank": config.model.lora.rank, "base_storage": lora.quantize,
         "objective": config.train.objective, "reference": "none" if not objective.reference else
         "precomputed" if precomputed else "a frozen copy" if reference is not None else "the base, adapters off",
-        "param_bytes_per_device": per_device(params) * (2 if reference is not None else 1) + per_device(frozen or {}),
+        "param_bytes_per_device": per_device(params) + per_device(frozen or {}) + (
+            per_device(reference) if reference is not None else 0),
         "optimizer_bytes_per_device": per_device(opt_state),
         "batch_bytes_per_device": per_device(batch),
         "temp_bytes_per_device": int(stats.temp_size_in_bytes),
