@@ -13,10 +13,14 @@ shape), the batch's bytes, and the temporary bytes of XLA's compiled memory
 analysis (activations and everything else the step allocates), and their
 total against an 80 GB (H100) and a 141 GB (H200) GPU.
 
-The CPU compiler assigns buffers differently from the GPU's (other fusions,
-no cuDNN or Pallas kernels: attention here is the XLA path), so the temporary
-bytes are an estimate of the activations' order, not the GPU's figure; a GPU
-run measures the gap. The last line printed is one JSON object.
+The GPU kernels cannot lower on a CPU, so the step compiles here with XLA's attention. For a run whose attention
+is a kernel (``auto``, ``pallas``, ``pallas_mosaic``, the cuDNN ones) that would count what the kernel never
+keeps: the dense path's [T, T] scores and probabilities of every head, 2.9 GB a 2,048-token row at
+Llama-3.2-1B's shape, which made the plan 43.5 GB where the H200 measured 23.0 GB (2026-11-27). So the attention
+compiles as a stand-in with a flash kernel's memory (:func:`flash_memory`: its output and the log-sum-exp rows it
+keeps for the backward pass, never a [T, T] array); the dense path stays where the run takes it (``xla``,
+attention dropout, a shared prompt). The CPU compiler still assigns buffers differently from the GPU's; BENCHMARKS.md
+records the plan beside what GPUs measured. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -51,6 +55,35 @@ def with_vocab(config):
     return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
 
 
+def flash_memory(q, k, v, segment_ids, *, scale=None, dropout_rate=0.0, dropout_key=None, window=None):
+    """An attention stand-in for planning with a flash kernel's device memory: it keeps q, k, v, its output
+    and the log-sum-exp rows [B, T, H] for the backward pass, and makes dq, dk, dv; no [T, T] array exists.
+    Its numbers mean nothing: only the shapes and lifetimes of what it allocates are the kernel's."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def kernel(q, k, v):
+        return forward(q, k, v)[0]
+
+    def forward(q, k, v):
+        group = q.shape[2] // k.shape[2]
+        out = q * jnp.repeat(k + v, group, axis=2)  # ([B, T, H, D]: the output, reading all three)
+        lse = jnp.sum(q.astype(jnp.float32), axis=-1)  # [B, T, H]
+        return out, (q, k, v, out, lse)
+
+    def backward(residuals, g):
+        q, k, v, out, lse = residuals
+        group = q.shape[2] // k.shape[2]
+        delta = jnp.sum((g * out).astype(jnp.float32), axis=-1) + lse  # [B, T, H], as flash's backward makes
+        dq = g * delta[..., None].astype(g.dtype)
+        dkv = jnp.sum((g * q).reshape(*k.shape[:2], k.shape[2], group, k.shape[3]), axis=3)
+        return dq, dkv * k, dkv * v
+
+    kernel.defvjp(forward, backward)
+    return kernel(q, k, v)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
@@ -67,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     from seqjax.config.load import load_config
     from seqjax.core.errors import SeqjaxError
     from seqjax.data.contract import OPTIONAL_FIELDS, given_fields
+    from seqjax.model import attention as attention_module
     from seqjax.model import build_model, quant, sharding, split_params
     from seqjax.model.lora import adapters_off
     from seqjax.objectives import resolve
@@ -74,7 +108,16 @@ def main(argv: list[str] | None = None) -> dict:
     from seqjax.train.step import make_train_step
     from seqjax.weights.reference import BASE, MODEL, decide
 
-    # The attention the CPU compiles is XLA's (the GPU kernels cannot lower here); the rest is the run's own.
+    # The attention the CPU compiles is XLA's (the GPU kernels cannot lower here); the rest is the run's own. A
+    # kernel's run plans with its memory: flash_memory stands in for the dense path's scores.
+    try:
+        asked = load_config(args.config, args.overrides).model
+    except SeqjaxError:
+        asked = None  # (the refusal comes below, with its message)
+    # (attention dropout runs the dense path whatever the backend: auto picks xla for it)
+    kernel_memory = asked is not None and asked.attention != "xla" and not asked.attention_dropout
+    if kernel_memory:
+        attention_module.reference_attention = flash_memory
     try:
         config = with_vocab(load_config(args.config, [*args.overrides, "model.attention=xla", "train.init_from=null"]))
     except SeqjaxError as err:
@@ -168,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
         "remat": config.model.remat, "loss_chunk_tokens": config.model.loss_chunk_tokens,
         "param_dtype": config.model.param_dtype, "compute_dtype": config.model.compute_dtype,
         "trainable_parameters": trainable, "lora_rank": config.model.lora.rank, "base_storage": lora.quantize,
+        "attention_memory": "a flash kernel's (output and log-sum-exp rows)" if kernel_memory else
+        "XLA's dense path ([T, T] scores)",
         "objective": config.train.objective, "reference": "none" if not objective.reference else
         "precomputed" if precomputed else "a frozen copy" if reference is not None else "the base, adapters off",
         "param_bytes_per_device": per_device(params) + per_device(frozen or {}) + (
