@@ -37,6 +37,7 @@ import numpy as np
 from seqjax.data.pipeline import build_pipeline
 from seqjax.main.cli import parse, parser
 from seqjax.model import sharding
+from seqjax.objectives import settings_of
 from seqjax.store.build import prepare
 from seqjax.train.flops import flops_per_token, peak_flops_per_device
 from seqjax.train.metrics import peak_memory_bytes
@@ -86,7 +87,7 @@ def main(argv=None) -> dict:
     opt_state, opt_shardings = sharded_optimizer_state(tx, params, placed.param_shardings, replicated)
     batch_sharding = sharding.batch_sharding(mesh)
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum, z_loss=tc.z_loss,
-                           objective=objective, settings={key: getattr(tc, key) for key in objective.settings},
+                           objective=objective, settings=settings_of(config, objective),
                            reference_graphdef=reference_graphdef, same_weights=same_weights_rule(ref, config))
     rng = sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated)
     jitted = jax.jit(

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     from seqjax.model import attention as attention_module
     from seqjax.model import build_model, quant, sharding, split_params
     from seqjax.model.lora import adapters_off
-    from seqjax.objectives import resolve
+    from seqjax.objectives import resolve, settings_of
     from seqjax.train.optimizer import build_optimizer
     from seqjax.train.step import make_train_step
     from seqjax.weights.reference import BASE, MODEL, decide
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         return ((b, patches) if name.startswith("patch_") else (b, t)), dtype
 
     batch = {name: jax.ShapeDtypeStruct(*shape_of(name), sharding=batch_sharding)
-             for name in (*given_fields(config.data), *(["reference_logps"] if precomputed else []))}
+             for name in given_fields(config)}
     rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=replicated)
     extra = [] if frozen is None else [frozen]
     extra_shardings = [] if frozen is None else [frozen_shardings]
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif ref.in_step:
         reference = params
         extra, extra_shardings = [frozen, params], [frozen_shardings, param_shardings]
-    settings = {key: getattr(config.train, key) for key in objective.settings}
+    settings = settings_of(config, objective)
     step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=config.train.grad_accum, z_loss=config.train.z_loss,
                                    objective=objective, settings=settings, reference_graphdef=reference_graphdef,
                                    precomputed=precomputed),

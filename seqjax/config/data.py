@@ -28,13 +28,13 @@ PACKERS = ("greedy", "first_fit", "best_fit", "best_fit_decreasing", "fill", "gr
 
 CORPORA = ("wikitext2", "text", "jsonl", "parquet", "hf")
 # What one record of a corpus is (seqjax.store.examples): a document, or an instruction example.
-FORMATS = ("text", "prompt_completion", "chat", "tokenized", "preference")
+FORMATS = ("text", "prompt_completion", "chat", "tokenized", "preference", "prompt")
 LOSS_ON = ("auto", "completion", "assistant", "last_assistant", "all")
 WEIGHT_DTYPES = ("uint8", "float32")
 # Which loss_on each format takes; "auto" is completion / assistant / the records' own labels.
 LOSS_ON_FOR = {"text": ("auto", "all"), "prompt_completion": ("auto", "completion", "all"),
                "chat": ("auto", "assistant", "last_assistant", "all"), "tokenized": ("auto", "all"),
-               "preference": ("auto", "completion")}
+               "preference": ("auto", "completion"), "prompt": ("auto", )}
 
 @dataclass
 class SourceConfig:
@@ -301,6 +301,9 @@ class DataConfig:
                     "data.overlong: got split, expected truncate (TRL's: each sequence cut to "
                     "data.seq_len / 2, a pair whose prompt fills that dropped), drop or error for "
                     "preference pairs, which are packed whole")
+        if "prompt" in formats and (formats != {"prompt"} or self.sources):
+            raise ConfigError("data.format: got prompt with data.sources or other formats, expected the prompts of "
+                              "an online RL run (rl.*) as the one source")
         if self.image_processor is not None:
             if formats != {"chat"} or self.sources:
                 raise ConfigError(f"data.image_processor: got {self.image_processor!r} with data.format={self.format}"

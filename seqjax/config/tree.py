@@ -39,6 +39,7 @@ import yaml
 from seqjax.config.data import DataConfig, SourceConfig
 from seqjax.config.fields import DATA, DATA_DIR_ENV, RESUME_KINDS, setting
 from seqjax.config.model import LoraConfig, ModelConfig, RopeScalingConfig
+from seqjax.config.rl import RLConfig
 from seqjax.config.train import TrainConfig
 from seqjax.core.errors import ConfigError
 from seqjax.core.files import write_text_atomic
@@ -47,7 +48,7 @@ from seqjax.core.files import write_text_atomic
 # them.
 __all__ = [
     "Config", "ConfigError", "DATA_DIR_ENV", "DataConfig", "DistributedConfig", "EvalConfig",
-    "LoraConfig", "MeshConfig", "ModelConfig", "RESUME_KINDS", "RopeScalingConfig", "RunConfig",
+    "LoraConfig", "MeshConfig", "ModelConfig", "RESUME_KINDS", "RLConfig", "RopeScalingConfig", "RunConfig",
     "SourceConfig", "TokenizerConfig", "TrainConfig"
 ]
 
@@ -186,6 +187,7 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     dist: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

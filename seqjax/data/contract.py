@@ -60,17 +60,30 @@ FIELDS = tuple(Batch.__annotations__)
 @dataclass(frozen=True)
 class OptionalField:
     """A field a batch may carry beyond the five (docs/design.md, contract 1): its dtype, what it
-    holds, which data gives it, and who reads it (``model``: the forward pass takes it as a keyword
+    holds, what gives it, and who reads it (``model``: the forward pass takes it as a keyword
     argument; else the objectives that name it in their ``reads``). Its leading axis is the batch's
-    rows, so micro-batches cut it like the five."""
+    rows, so micro-batches cut it like the five.
+
+    ``gives(config)``: whether a run of ``config`` has batches that carry it. The data gives most fields
+    (``contract_batch`` builds them); ``added_by`` names the part of the loop that adds a field to the data's
+    batches instead (a precomputed reference's table, the rollouts of an RL run)."""
 
     dtype: Any
     meaning: str
-    given_by: str  # the data that gives it, as a message names it ("data.format=preference")
-    gives: Callable[[Any], bool]  # (data config) -> whether its batches carry the field
+    given_by: str  # what gives it, as a message names it ("data.format=preference")
+    gives: Callable[[Any], bool]  # (the run's config) -> whether its batches carry the field
     model: bool = False
     # an objective must read it: a batch that carries it means something else to one that does not
     needs_reader: bool = False
+    added_by: str | None = None  # the loop's part that adds it (None: the data's batches carry it)
+
+
+def _rollout_field(dtype, meaning: str, needs_reader: bool = False) -> OptionalField:
+    """A field the rollouts of an RL run carry (seqjax.data.rollouts builds the batch, the rollouts source adds
+    what the model gives)."""
+    return OptionalField(dtype, meaning, "data.format=prompt (an RL run's rollouts)",
+                         lambda c: c.data.format == "prompt", needs_reader=needs_reader,
+                         added_by="the rollouts source (seqjax.train.rollouts)")
 
 
 # The optional fields, by name: the one table of what may enter a batch besides the contract's five.
@@ -79,29 +92,46 @@ OPTIONAL_FIELDS: dict[str, OptionalField] = {
         np.int32,
         "preference pairs (seqjax.data.pairs): 2p - 1 on pair p's chosen sequence of the row, 2p on its "
         "rejected one, 0 on a shared prompt and on padding", "data.format=preference",
-        lambda d: d.format == "preference", needs_reader=True),
+        lambda c: c.data.format == "preference", needs_reader=True),
     "prefix_ids": OptionalField(
         np.int32,
-        "data.shared_prompt: the segment id of the prompt a completion also attends to (0: none); the "
-        "mask's one extension (seqjax.model.mask)", "data.shared_prompt=true",
-        lambda d: d.format == "preference" and d.shared_prompt, model=True),
+        "data.shared_prompt, and an RL group's prompt packed once: the segment id of the prompt a completion also "
+        "attends to (0: none); the mask's one extension (seqjax.model.mask)",
+        "data.shared_prompt=true, or rl.layout=prompt_once",
+        lambda c: (c.data.format == "preference" and c.data.shared_prompt)
+        or (c.data.format == "prompt" and c.rl.layout == "prompt_once"), model=True),
     "pair_index": OptionalField(
         np.int32,
         "preference pairs: 1 + the pair's number in the store, on both its sequences (0 on a shared prompt "
         "and on padding); what precomputed reference log-probabilities are looked up by",
-        "data.format=preference", lambda d: d.format == "preference"),
+        "data.format=preference", lambda c: c.data.format == "preference"),
     "reference_logps": OptionalField(
         np.float32,
         "train.precompute_reference: each sequence's reference log-probability, on its last scored target "
-        "(0 elsewhere); added by the train loop from the run's table (seqjax.train.precompute), not by the data",
-        "train.precompute_reference", lambda d: False),
+        "(0 elsewhere), looked up in the run's table", "train.precompute_reference",
+        lambda c: c.data.format == "preference" and c.train.precompute_reference,
+        added_by="the train loop (seqjax.train.precompute)"),
+    # an RL run's rollouts (seqjax.data.rollouts, docs/rl.md)
+    "completion": _rollout_field(np.int32, "1 + the completion's number in its generation batch, on its tokens"),
+    "advantages": _rollout_field(np.float32, "the completion's advantage, on its scored targets", needs_reader=True),
+    "token_share": _rollout_field(
+        np.float32, "[B, 1]: the generation batch's scored completion tokens / (its steps x rows), summing to "
+        "DAPO's normalizer over a step's rows"),
+    "old_logps": _rollout_field(
+        np.float32, "per target: the log-probability under the policy that sampled it (0 where not scored)"),
+    "fresh": _rollout_field(
+        np.int32, "[B, 1]: 1 where the policy is still the one that sampled the row (its ratio is exactly 1)"),
+    "rollout_reference_logps": _rollout_field(
+        np.float32, "per target: the reference model's log-probability (rl.beta > 0)"),
+    "reference_is_policy": _rollout_field(
+        np.int32, "[B, 1]: 1 where the reference's weights are the policy's (the KL is then exactly 0)"),
 }
 
 # Images (seqjax.data.image_rows, docs/vision.md): chats with images, read by a vision-language model's forward
 # pass. Each row carries its own images in a patch stream of P = data.patches_per_row patches.
 OPTIONAL_FIELDS.update({
     name: OptionalField(dtype, meaning, "data.image_processor (chats with images)",
-                        lambda d: getattr(d, "image_processor", None) is not None, model=True)
+                        lambda c: getattr(c.data, "image_processor", None) is not None, model=True)
     for name, dtype, meaning in (
         ("positions_3d", np.int32, "[B, T, 3] each example's (time, row, column) rope index, from 0"),
         ("image_index", np.int32, "[B, T] which of its row's image tokens an image-pad token takes; -1 on text"),
@@ -113,24 +143,26 @@ OPTIONAL_FIELDS.update({
         ("patch_widths", np.int32, "[B, P] the width of a patch's image, in patches"))})
 
 
-def given_fields(d: Any) -> tuple[str, ...]:
-    """The fields batches of data config ``d`` carry: the five, and the optional ones it gives."""
-    return FIELDS + tuple(name for name, field in OPTIONAL_FIELDS.items() if field.gives(d))
+def given_fields(config: Any, data_only: bool = False) -> tuple[str, ...]:
+    """The fields batches of a run of ``config`` carry: the five, and the optional ones it gives (``data_only``:
+    the data's own, without what the loop adds)."""
+    return FIELDS + tuple(name for name, field in OPTIONAL_FIELDS.items()
+                          if field.gives(config) and not (data_only and field.added_by))
 
 
-def check_reads(reads: tuple[str, ...], d: Any, who: str) -> None:
-    """Refuse, before any work, a reader (``who``: ``train.objective=dpo``) of a field data ``d``
+def check_reads(reads: tuple[str, ...], config: Any, who: str) -> None:
+    """Refuse, before any work, a reader (``who``: ``train.objective=dpo``) of a field a run of ``config``
     does not give."""
     for name in reads:
-        if name not in given_fields(d):
+        if name not in given_fields(config):
             raise ConfigError(
-                f"{who} reads the batch field {name!r}, which data.format={d.format} does not give; "
+                f"{who} reads the batch field {name!r}, which data.format={config.data.format} does not give; "
                 f"expected {OPTIONAL_FIELDS[name].given_by}")
     for name, field in OPTIONAL_FIELDS.items():
-        if field.needs_reader and field.gives(d) and name not in reads:
+        if field.needs_reader and field.gives(config) and name not in reads:
             raise ConfigError(
                 f"{who} does not read the batch field {name!r} that {field.given_by} gives ({field.meaning}); "
-                "expected an objective that does (docs/preference.md)")
+                "expected an objective that does (train.objective: docs/preference.md, docs/rl.md)")
 
 
 def model_fields(batch: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from seqjax.config.tree import Config
 from seqjax.core.progress import progress_bar
 from seqjax.data.epochs import epoch_in_order
 from seqjax.data.pairs import add_to_table, with_reference
-from seqjax.objectives import Inputs, resolve
+from seqjax.objectives import Inputs, resolve, settings_of
 from seqjax.objectives.base import target_logprobs
 from seqjax.store.reader import TokenStore
 
@@ -39,7 +39,7 @@ def evaluate_objective(model: nnx.Module, reference: nnx.Module | np.ndarray | N
     ``per_example`` in the result, one row per pair (:func:`pair_rows`)."""
     tc = config.train
     objective = resolve(tc.objective, tc.objective_weights)
-    settings = {key: getattr(tc, key) for key in objective.settings}
+    settings = settings_of(config, objective)
     graphdef, state = nnx.split(model)
     table = reference if isinstance(reference, np.ndarray) else None
     reference_graphdef, reference_state = (None, None) if table is not None or reference is None else nnx.split(

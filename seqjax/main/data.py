@@ -100,7 +100,7 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
         arrays = {  # the five, and the optional ones (pairs: pair_ids, prefix_ids; images: positions_3d, patches..)
             k: np.stack([b[k] if k in PATCH_FIELDS else np.pad(
                 b[k], ((0, 0), (0, width - b[k].shape[1])) + ((0, 0),) * (b[k].ndim - 2)) for b in batches])
-            for k in given_fields(config.data)
+            for k in given_fields(config, data_only=True)
         }
         if not strategies.uses_grain_packer(config.data) and not store.sources:
             arrays["documents"], arrays["epochs"] = sources_of(config, store, len(batches), width)

@@ -214,3 +214,61 @@ def generate(
     return [
         Generation(new[row, :length[row]].tolist(), bool(done[row])) for row in range(len(prompts))
     ]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _sample_rollouts(graphdef, state, inputs, positions, segment_ids, key, max_new: int, stops, settings):
+    """Prefill, then a ``lax.while_loop`` of decode steps on the device until every row stopped or
+    ``max_new`` tokens: no host round trip per token."""
+    model = nnx.merge(graphdef, state)
+    rows = inputs.shape[0]
+    kv = KVCache.empty(model.cfg, rows, inputs.shape[1] + max_new)
+    logits, kv = model.decode(inputs, positions=positions, segment_ids=segment_ids, cache=kv)
+    last = inputs.shape[1] - 1 - jnp.argmax((segment_ids != 0)[:, ::-1], axis=1)
+    take = lambda a: jnp.take_along_axis(a, last[:, None], axis=1)[:, 0]  # noqa: E731
+    logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    cache = DecodeCache(kv, take(positions) + 1, take(segment_ids))
+    tokens = jnp.zeros((rows, max_new), jnp.int32)
+    length = jnp.full((rows, ), max_new, jnp.int32)
+    done = jnp.zeros((rows, ), bool)
+
+    def more(carry):
+        step, _, _, _, _, done = carry
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        step, logits, cache, tokens, length, done = carry
+        token = jnp.where(done, 0, sample(logits, jax.random.fold_in(key, step), **settings))
+        tokens = tokens.at[:, step].set(token)
+        stopped = ~done & jnp.isin(token, stops)
+        length = jnp.where(stopped, step + 1, length)  # (the stop token is the completion's last, as TRL keeps it)
+        done = done | stopped
+        logits, kv = model.decode(token[:, None], positions=cache.positions[:, None],
+                                  segment_ids=cache.segment_ids[:, None], cache=cache.kv)
+        return step + 1, logits[:, 0], DecodeCache(kv, cache.positions + 1, cache.segment_ids), tokens, length, done
+
+    carry = jax.lax.while_loop(more, body, (jnp.int32(0), logits, cache, tokens, length, done))
+    return carry[3], carry[4], carry[5]
+
+
+def sample_rollouts(model: nnx.Module, prompts: Sequence[Sequence[int]], *, stop_ids: Sequence[int],
+                    max_new_tokens: int, sampling: SamplingConfig, key: jax.Array,
+                    state=None) -> list[Generation]:
+    """Every prompt of ``prompts`` continued at once (an RL run's generation batch, ``G`` copies of each
+    prompt), by up to ``max_new_tokens`` sampled tokens; a row stops after the first of ``stop_ids``, which it
+    keeps (TRL keeps the EOS in a completion and trains on it). One jitted program: a prefill and a device-side
+    loop of cached decode steps, for the model's shardings as they are (``state``: the model's state placed
+    on the mesh, when given). Each row's randomness is the key's fold at each step: the same key gives the same
+    completions."""
+    inputs, positions, segment_ids = prompt_batch(prompts)
+    if inputs.shape[1] + max_new_tokens > model.cfg.max_seq_len:
+        raise UsageError(
+            f"rl.max_completion_length: {max_new_tokens} new tokens after a prompt of {inputs.shape[1]} exceed "
+            f"model.max_seq_len={model.cfg.max_seq_len}; expected prompts and completions that fit")
+    graphdef, own = nnx.split(model)
+    tokens, length, done = _sample_rollouts(graphdef, own if state is None else state, jnp.asarray(inputs),
+                                            jnp.asarray(positions), jnp.asarray(segment_ids), key,
+                                            max_new_tokens, jnp.asarray(list(stop_ids), jnp.int32),
+                                            sampling.arrays())
+    tokens, length, done = np.asarray(tokens), np.asarray(length), np.asarray(done)
+    return [Generation(tokens[row, :length[row]].tolist(), bool(done[row])) for row in range(len(prompts))]

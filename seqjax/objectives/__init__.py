@@ -13,6 +13,11 @@ sft           NLL of the chosen completions, per chosen token                 pa
 sft_sequence  NLL of the chosen sequences, prompt included, per token         pair_ids
 odds_ratio    ORPO's odds-ratio term alone                                    pair_ids
 orpo          TRL's ORPO: sft_sequence + odds_ratio                           pair_ids
+grpo, bnpo,   TRL's GRPOTrainer's loss types on an RL run's rollouts          advantages, old_logps, ...
+dr_grpo,      (seqjax.objectives.rl; dapo is TRL's default)
+dapo, cispo,
+sapo, luspo,
+vespo
 ============  ==============================================================  ==========================
 
 The preference rows and their formulas: :mod:`seqjax.objectives.preference`. The papers' forms where TRL
@@ -34,7 +39,7 @@ loop. A new batch field it reads goes in the contract's table
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax.numpy as jnp
 
@@ -43,13 +48,24 @@ from seqjax.data.contract import Batch
 from seqjax.objectives.base import Inputs, Objective, Terms
 from seqjax.objectives.lm import LM
 from seqjax.objectives.preference import DPO, HINGE, IPO, ODDS_RATIO, ROBUST, SFT, SFT_SEQUENCE, SIMPO
+from seqjax.objectives.rl import ROWS as RL_ROWS
 
 OBJECTIVES: dict[str, Objective] = {
-    row.name: row for row in (LM, DPO, IPO, HINGE, ROBUST, SFT, SFT_SEQUENCE, ODDS_RATIO)}
+    row.name: row for row in (LM, DPO, IPO, HINGE, ROBUST, SFT, SFT_SEQUENCE, ODDS_RATIO, *RL_ROWS)}
 # The names TRL logs a part's loss under (its CPO and ORPO trainers' nll_loss), besides <part>/loss.
 TRL_NAMES = {"sft": "nll_loss", "sft_sequence": "nll_loss"}
 # train.objective's default: the first entry, what every run computed before objectives were rows
 DEFAULT = LM
+
+
+def settings_of(config, objective: Objective) -> dict[str, Any]:
+    """The values of the keys ``objective`` reads (``Objective.settings``): ``beta`` is ``train.beta``,
+    ``rl.epsilon`` is ``rl.epsilon``."""
+    out = {}
+    for key in objective.settings:
+        section, _, name = key.rpartition(".")
+        out[key] = getattr(getattr(config, section or "train"), name)
+    return out
 
 
 def register(objective: Objective) -> Objective:
@@ -135,4 +151,4 @@ OBJECTIVES["simpo"] = _weighted([SIMPO, SFT], [1.0, "cpo_alpha"], name="simpo",
 OBJECTIVES["orpo"] = _weighted([SFT_SEQUENCE, ODDS_RATIO], [1.0, 1.0], name="orpo",
                                doc="ORPO as TRL's ORPOTrainer computes it: sft_sequence + odds_ratio")
 
-__all__ = ["DEFAULT", "Inputs", "OBJECTIVES", "Objective", "Terms", "register", "resolve"]
+__all__ = ["DEFAULT", "Inputs", "OBJECTIVES", "Objective", "Terms", "register", "resolve", "settings_of"]

@@ -392,6 +392,10 @@ def lone_surrogate(value: Any) -> str | None:
     return next((found for found in map(lone_surrogate, items) if found is not None), None)
 
 
+# In file_records' fields: every column of a record, beside the named ones.
+ALL_FIELDS = "*"
+
+
 def _pick(where: str, row: dict, fields: tuple[str, ...]) -> dict:
     """The ``fields`` of one row present (at least the first), its strings checked; else one line."""
     if not isinstance(row, dict):
@@ -402,7 +406,8 @@ def _pick(where: str, row: dict, fields: tuple[str, ...]) -> dict:
         raise CorpusError(
             f"{where}: no field {fields[0]!r} (keys: {keys}); expected the data.*_field key to "
             "name it")
-    record = {f: row[f] for f in fields if f in row and row[f] is not None}
+    every = ALL_FIELDS in fields  # (the prompts of an RL run keep every column, for the reward functions)
+    record = {f: v for f, v in row.items() if v is not None and (every or f in fields)}
     surrogate = lone_surrogate(record)
     if surrogate is not None:
         raise CorpusError(f"{where}: holds a lone UTF-16 surrogate ({surrogate!r}), which no tokenizer reads; "
@@ -442,7 +447,7 @@ def file_records(source: SourceConfig, path: Path,
                 f"{path}: not a readable parquet file ({err}); expected a complete parquet file"
             ) from None
         with reader:
-            columns = [f for f in fields if f in reader.schema_arrow.names]
+            columns = [f for f in reader.schema_arrow.names if ALL_FIELDS in fields or f in fields]
             if fields[0] not in columns:
                 raise CorpusError(
                     f"{path}: no column {fields[0]!r} (columns: "

@@ -89,9 +89,9 @@ def example_spec(config: Config, source: SourceConfig, tokenizer_path: Path | No
     loss_on = d.loss_on
     if loss_on == "auto":
         loss_on = {"prompt_completion": "completion", "chat": "assistant", "tokenized": "labels",
-                   "preference": "completion"}[source.format]
+                   "preference": "completion", "prompt": "completion"}[source.format]
     template, name, twin = None, "", None
-    if source.format == "preference":  # conversational pairs render through the template, if there is one
+    if source.format in ("preference", "prompt"):  # conversational ones render through the template, if any
         template, name = chat_template(d.chat_template, tokenizer_path, required=False)
     if source.format == "chat":
         template, name = chat_template(d.chat_template, tokenizer_path)

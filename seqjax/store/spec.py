@@ -64,6 +64,7 @@ class ExampleSpec:
             "tokenized": (self.input_ids_field, self.labels_field, self.loss_weights_field),
             "preference": (self.chosen_field, self.rejected_field, self.prompt_field, self.tools_field,
                            KWARGS_FIELD),
+            "prompt": (self.prompt_field, self.tools_field, KWARGS_FIELD),
         }[self.format]
 
     def identity(self) -> dict[str, Any]:

@@ -204,6 +204,11 @@ class Tokenizer:
         """Text of ``ids``; special tokens are kept as their text so that round trips are exact."""
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def decode_text(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` without the special tokens (what a reward function reads, as transformers'
+        ``batch_decode(..., skip_special_tokens=True)`` gives it to TRL's)."""
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=True)
+
     def decode_whole(self, ids: Iterable[int]) -> str:
         """Text of ``ids`` without a last character they hold only part of (byte-level tokens can end inside a
         UTF-8 character, where generation stopped: decoded as a whole it reads U+FFFD), as a streamer holds it
@@ -337,7 +342,8 @@ def _source_texts(source: SourceConfig, path: Path, data: Any = None) -> Iterato
     else:
         data = data if data is not None else Config().data
         fields = {"prompt_completion": (data.prompt_field, data.completion_field),
-                  "preference": (data.chosen_field, data.rejected_field, data.prompt_field)}.get(
+                  "preference": (data.chosen_field, data.rejected_field, data.prompt_field),
+                  "prompt": (data.prompt_field, )}.get(
                       source.format, (data.messages_field, ))
         for _, record in file_records(source, path, fields):
             texts = []

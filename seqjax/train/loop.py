@@ -46,7 +46,6 @@ from seqjax.train.distributed import initialize_distributed
 from seqjax.train.flops import flops_per_token, peak_flops_per_device
 from seqjax.train.hooks import Duties, Hook, StepState, builtin_hooks
 from seqjax.train.metrics import MetricsLog, StepLogger, check_trackers
-from seqjax.train.prefetch import DevicePrefetch
 from seqjax.train.profiling import ProfileWindow
 from seqjax.train.rundir import RunLock
 from seqjax.train.setup import Setup, keep_tokenizer, objective_of, restore, resume_row, setup
@@ -298,16 +297,16 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
                            last_val)
     hooks.extend(extra_hooks)
     try:
-        with stop_request, steps, DevicePrefetch(run.data_iterator, run.to_device,
-                                                 depth=tc.prefetch) as prefetch:
+        with stop_request, steps, run.source as source:
             profiler.begin(start + 1)
             for step in range(start + 1, tc.steps + 1):
-                batch, position = next(prefetch)
+                # the store's batches (built ahead), or an RL run's rollouts of the current policy
+                batch, position, extra = source.next(params, step)
                 # rng, step: dropout's key; run.frozen: the base under adapters, if any
                 params, opt_state, m = run.step_fn(params, opt_state, batch, rng, step, *run.frozen)
                 # No host sync here: the metrics stay on the device until a hook flushes them, so
                 # the host runs ahead and dispatches the next step while this one computes.
-                steps.add(step, m, batch["inputs"].shape)
+                steps.add(step, {**m, "reported": {**m["reported"], **extra}}, batch["inputs"].shape)
                 hooks.after_step(
                     StepState(step, params, opt_state, rng, position,
                               stopping=should_stop(stop_request, step, jax.process_count())))

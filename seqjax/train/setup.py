@@ -46,7 +46,7 @@ from seqjax.data.stats import overlong_counts, overlong_line
 from seqjax.model import build_model, quant, sharding, split_params
 from seqjax.model.assembly import dora_magnitudes, stored_base
 from seqjax.model.lora import adapters_off, frozen_part, saved_part
-from seqjax.objectives import Objective, resolve
+from seqjax.objectives import Objective, resolve, settings_of
 from seqjax.store.build import prepare
 from seqjax.store.chat import find_chat_template
 from seqjax.store.image_chats import read_image_spec
@@ -56,6 +56,8 @@ from seqjax.train import precompute
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.metrics import unigram_perplexity
 from seqjax.train.optimizer import build_optimizer
+from seqjax.train.rollouts import build_source
+from seqjax.train.source import OfflineSource
 from seqjax.train.step import make_train_step
 from seqjax.weights import adapters, init_from
 from seqjax.weights.reference import BASE, MODEL, Reference, decide, named_weights, same_weights_rule
@@ -83,7 +85,8 @@ class Setup:
     num_params: int  # what trains
     model_params: int  # the whole model's (the frozen base included)
     learning_rates: np.ndarray
-    data_iterator: Any
+    data_iterator: Any  # (the offline source's; None for an RL run)
+    source: Any  # where the batches come from (seqjax.train.source): offline, or an RL run's rollouts
     identity: dict[str, Any]
     # the step's last arguments: () ; (the frozen base under model.lora,) ; and, for a preference
     # objective's frozen reference copy, (base or None, the copy)
@@ -238,6 +241,11 @@ def resolved(config: Config) -> tuple[Config, Any]:
     # purpose).
     config = dataclasses.replace(
         config, model=dataclasses.replace(config.model, max_seq_len=config.max_seq_len))
+    if config.data.format == "prompt":  # an RL run reads its prompts whole (seqjax.store.prompts): no store
+        log.info("an RL run: no validation split (the rewards of its rollouts are its measure)")
+        prepared = prepare(config, splits=())
+        tokenizer = dataclasses.replace(config.tokenizer, path=str(Path(config.run.dir) / TOKENIZER_FILE))
+        return dataclasses.replace(config, tokenizer=tokenizer), prepared
     validation = has_split(config, config.eval.split)
     if not validation:
         log.warning(
@@ -264,7 +272,7 @@ def objective_of(config: Config) -> Objective:
         check_processor(config)
     objective = resolve(tc.objective, tc.objective_weights)
     who = f"train.objective={','.join(tc.objective)}"
-    check_reads(objective.reads, config.data, who)
+    check_reads(objective.reads, config, who)
     decide(config, objective.reference)  # (a reference that cannot be: one line before any work)
     return objective
 
@@ -352,34 +360,46 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     step."""
     config, prepared = resolved(config)
     tc = config.train
-    train_store, valid_store = prepared.stores["train"], prepared.stores.get(config.eval.split)
+    train_store, valid_store = prepared.stores.get("train"), prepared.stores.get(config.eval.split)
     objective = objective_of(config)
-    overlong = _overlong(config, train_store)
+    rl = config.data.format == "prompt"
+    overlong = None if rl else _overlong(config, train_store)
     process_index, process_count = jax.process_index(), jax.process_count()
     # the data's plan before any weight is read: a batch larger than an epoch is one line at once
-    data = build_pipeline(config, train_store, process_index=process_index, process_count=process_count)
+    data = None if rl else build_pipeline(config, train_store, process_index=process_index,
+                                          process_count=process_count)
     placed, base = starting_weights(config, mesh, source)
-    ref = decide(config, objective.reference)
-    tables = precomputed_reference(config, placed, base, ref,
-                                   {"train": train_store, config.eval.split: valid_store})
+    # (an RL run's reference scores its rollouts, in the source: the step runs none)
+    ref = decide(config, objective.reference or (rl and config.rl.beta > 0))
+    tables = None if rl else precomputed_reference(config, placed, base, ref,
+                                                   {"train": train_store, config.eval.split: valid_store})
     tx, schedule = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
     opt_state, opt_shardings = sharded_optimizer_state(tx, placed.params, placed.param_shardings,
                                                        replicated)
     batch_sharding = sharding.batch_sharding(mesh)
-    settings = {key: getattr(tc, key) for key in objective.settings}
+    settings = settings_of(config, objective)
     extras, extra_shardings, reference_graphdef, named = reference_arguments(placed, config, ref)
+    to_device = functools.partial(sharding.global_batch, sharding=batch_sharding, process_count=process_count)
+    if rl:
+        batch_source = build_source(config, prepared, placed, mesh, ref, (extras, reference_graphdef), to_device)
+        extras, extra_shardings = extras[:1], extra_shardings[:1]  # (the step runs no reference)
+        reference_graphdef = None
+    else:
+        batch_source = OfflineSource(data if tables is None else
+                                     data.map(functools.partial(with_reference, logps=tables["train"])),
+                                     to_device, depth=tc.prefetch)
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum,
                            z_loss=tc.z_loss, objective=objective, settings=settings,
                            reference_graphdef=reference_graphdef, precomputed=tables is not None,
-                           same_weights=same_weights_rule(ref, config))
+                           same_weights=None if rl else same_weights_rule(ref, config))
     return Setup(
         config=config,
         run_dir=Path(config.run.dir),
         primary=process_index == 0,
         tokenizer_source=Path(prepared.tokenizer.path),
         valid_store=valid_store,
-        unigram=None if valid_store is None else unigram_perplexity(
+        unigram=None if valid_store is None or train_store is None else unigram_perplexity(
             train_store.tokens, valid_store.tokens, config.model.vocab_size),
         graphdef=placed.graphdef,
         rest=placed.rest,
@@ -392,12 +412,13 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         # Every step's learning rate up front: one small computation instead of eager ops in the
         # loop.
         learning_rates=np.asarray(jax.jit(jax.vmap(schedule))(np.arange(tc.steps + 1))),
-        data_iterator=iter(data if tables is None else
-                           data.map(functools.partial(with_reference, logps=tables["train"]))),
+        data_iterator=getattr(batch_source, "iterator", None),
+        source=batch_source,
         reference_tables=tables,
         # What the batches are cut from; a checkpoint records it, so a resume on other text or
         # tokenizer is seen.
-        identity={"tokenizer": prepared.tokenizer.hash, "sources": train_store.text_identity},
+        identity={"tokenizer": prepared.tokenizer.hash,
+                  "sources": None if train_store is None else train_store.text_identity},
         base=base,
         reference=ref,
         reference_identity=named,
@@ -411,8 +432,7 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
             out_shardings=(placed.param_shardings, opt_shardings, replicated),
             donate_argnums=(0, 1),
         ),
-        to_device=functools.partial(sharding.global_batch, sharding=batch_sharding,
-                                    process_count=process_count),
+        to_device=to_device,
     )
 
 
@@ -445,7 +465,7 @@ def restore(checkpoints: Checkpointer, run: Setup) -> Restored | None:
         return None
     step = restored.step
     if restored.data_state is not None:
-        run.data_iterator.set_state(restored.data_state)
+        run.source.set_state(restored.data_state, step)
     log.info("resuming from %s (step %d)", checkpoints.directory / str(step), step)
     if restored.changes:
         log.warning("config changes since checkpoint %d: %s", step,

@@ -75,16 +75,21 @@ def reference_model(objective: Objective, graphdef: nnx.GraphDef, reference_grap
             return None
         if precomputed:
             return lambda micro: micro["reference_logps"]
-        base = [] if frozen is None else [frozen]
-        if reference_graphdef is None:
-            model = nnx.merge(graphdef, reference, *base, rest)
-        elif reference is None:
-            model = nnx.merge(reference_graphdef, params, *base, rest)
-        else:
-            model = nnx.merge(reference_graphdef, params, reference, rest)
+        model = nnx.merge(*reference_states(graphdef, reference_graphdef, rest, params, frozen, reference))
         return lambda micro: jax.lax.stop_gradient(target_logprobs(model, micro, None, micro["weights"] > 0))
 
     return reference_logprobs
+
+
+def reference_states(graphdef, reference_graphdef, rest, params, frozen, reference) -> tuple:
+    """``(graph, *states)`` of the reference model (:func:`reference_model` says which): what ``nnx.merge``
+    makes it from."""
+    base = [] if frozen is None else [frozen]
+    if reference_graphdef is None:
+        return (graphdef, reference, *base, rest)
+    if reference is None:
+        return (reference_graphdef, params, *base, rest)
+    return (reference_graphdef, params, reference, rest)
 
 
 def make_train_step(
