@@ -252,6 +252,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             _set_dotted(tree, key, value)
         except ConfigError as err:
             raise ConfigError(f"{err} (from the command line: {item})") from None
+    _format_defaults(tree)
     try:
         config = _build(Config, tree, "")
     except ConfigError as err:
@@ -261,6 +262,20 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     # seqjax.weights.init_from.adopt_model)
     config.explicit = frozenset(parse_override(item)[0] for item in overrides)
     return config
+
+
+# defaults that follow data.format, where the field's own default (lm) is not what such a run trains with:
+# an RL run's objective is TRL's default loss type
+FORMAT_DEFAULTS = {"prompt": {("train", "objective"): ["dapo"]}}
+
+
+def _format_defaults(tree: dict[str, Any]) -> None:
+    data = tree.get("data")
+    fmt = data.get("format") if isinstance(data, dict) else None
+    for (section, key), value in FORMAT_DEFAULTS.get(fmt, {}).items():
+        part = tree.setdefault(section, {})
+        if isinstance(part, dict) and key not in part:
+            part[key] = value
 
 
 def _source_of_error(path: Path | None, from_file: dict[str, Any],

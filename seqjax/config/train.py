@@ -36,7 +36,8 @@ class TrainConfig:
     objective: list[str] = setting(
         ["lm"],
         "what the loss is (seqjax.objectives' table): lm, next-token cross-entropy; a list adds several, "
-        "weighted by train.objective_weights (TRL's loss_type=[...]); a single name is a list of one",
+        "weighted by train.objective_weights (TRL's loss_type=[...]); a single name is a list of one; with "
+        "data.format=prompt, dapo (TRL's default loss_type) unless named",
         one_or_list=True)
     objective_weights: list[float] = setting(
         [], "the weight of each train.objective entry (TRL's loss_weights); []: 1 each")

@@ -124,7 +124,8 @@ OPTIONAL_FIELDS: dict[str, OptionalField] = {
     "rollout_reference_logps": _rollout_field(
         np.float32, "per target: the reference model's log-probability (rl.beta > 0)"),
     "reference_is_policy": _rollout_field(
-        np.int32, "[B, 1]: 1 where the reference's weights are the policy's (the KL is then exactly 0)"),
+        np.int32, "[B, 1]: 1 where the reference's weights were the sampling policy's (on a fresh row the KL is then "
+        "exactly 0; rollout_reference_logps holds the sampling policy's for later passes)"),
 }
 
 # Images (seqjax.data.image_rows, docs/vision.md): chats with images, read by a vision-language model's forward

@@ -95,6 +95,7 @@ def _policy_terms(inputs: Inputs, micro: Batch, loss_type: str):
     log_ratio = (logp - old) * seqs.mask
     sequence = s["rl.importance_sampling_level"] == "sequence"
     coef_1 = jnp.exp(seqs.mean(log_ratio) if sequence else log_ratio)
+    phi = None
     advantages = micro["advantages"]
     eps_low, eps_high = s["rl.epsilon"], s["rl.epsilon_upper"]
     if loss_type == "cispo":
@@ -103,20 +104,23 @@ def _policy_terms(inputs: Inputs, micro: Batch, loss_type: str):
         t = jnp.where(advantages > 0, s["rl.sapo_temperature_pos"], s["rl.sapo_temperature_neg"])
         loss = -jax.nn.sigmoid(t * (coef_1 - 1)) * 4 / t * advantages
     elif loss_type == "vespo":
-        loss = -jax.lax.stop_gradient(_vespo_phi(seqs, log_ratio, advantages)) * advantages * logp
+        phi = jax.lax.stop_gradient(_vespo_phi(seqs, log_ratio, advantages))
+        loss = -phi * advantages * logp
     else:
         coef_2 = jnp.clip(coef_1, 1 - eps_low, 1 + eps_high)
         capped = coef_1 if s["rl.delta"] is None else jnp.minimum(coef_1, s["rl.delta"])
         loss = -jnp.minimum(capped * advantages, coef_2 * advantages)
     kl = None
     if s["rl.beta"]:
-        same = micro["reference_is_policy"] > 0  # ([B, 1])
+        # (the reference's weights were the policy's when the batch was sampled: its log-probabilities are the
+        # policy's own on the batch's first pass, and the sampling policy's, kept as the reference's, after)
+        same = (micro["reference_is_policy"] > 0) & fresh  # ([B, 1])
         ref = jnp.where(same, jax.lax.stop_gradient(logp), micro["rollout_reference_logps"])
         kl = jnp.exp(ref - logp) - (ref - logp) - 1
         if s["rl.use_bias_correction_kl"]:
             kl = kl * coef_1
         loss = loss + s["rl.beta"] * kl
-    return loss * seqs.mask, seqs, coef_1, advantages, kl, stats["entropy"]
+    return loss * seqs.mask, seqs, coef_1, advantages, kl, stats["entropy"], phi
 
 
 def _vespo_phi(seqs: Completions, log_ratio: jax.Array, advantages: jax.Array) -> jax.Array:
@@ -132,7 +136,7 @@ def _vespo_phi(seqs: Completions, log_ratio: jax.Array, advantages: jax.Array) -
 
 def _loss(loss_type: str):
     def loss(inputs: Inputs, micro: Batch) -> Terms:
-        per_token, seqs, coef_1, advantages, kl, entropy = _policy_terms(inputs, micro, loss_type)
+        per_token, seqs, coef_1, advantages, kl, entropy, phi = _policy_terms(inputs, micro, loss_type)
         s = inputs.settings
         tokens = jnp.sum(seqs.mask)
         if loss_type in ("grpo", "sapo"):  # each completion's token mean
@@ -141,7 +145,7 @@ def _loss(loss_type: str):
             value = jnp.sum(per_token) / s["rl.max_completion_length"]
         else:  # bnpo, dapo, cispo, vespo, luspo: a sum of tokens
             value = jnp.sum(per_token)
-        reported = _reports(loss_type, seqs, coef_1, advantages, kl, entropy, s)
+        reported = _reports(loss_type, seqs, coef_1, advantages, kl, entropy, phi, s)
         return Terms(value, _denominator(loss_type, micro, s, seqs, tokens), value, reported)
 
     return loss
@@ -156,7 +160,7 @@ def _denominator(loss_type: str, micro: Batch, s, seqs: Completions, tokens: jax
     return seqs.count  # grpo, sapo, luspo, dr_grpo
 
 
-def _reports(loss_type, seqs: Completions, coef_1, advantages, kl, entropy, s) -> dict:
+def _reports(loss_type, seqs: Completions, coef_1, advantages, kl, entropy, phi, s) -> dict:
     """TRL's metrics, each (sum, count) over the step: token-level means over scored tokens (one value per
     completion when the ratio is per completion, as TRL's ``global_masked_mean``)."""
     mask = seqs.mask
@@ -179,6 +183,9 @@ def _reports(loss_type, seqs: Completions, coef_1, advantages, kl, entropy, s) -
         out["clip_ratio/region_mean"] = masked(jnp.maximum(low, high))
     elif loss_type == "cispo":
         out["cispo_clip_ratio"] = masked(((coef_1 > s["rl.epsilon_upper"]) & (advantages > 0)).astype(jnp.float32))
+    elif loss_type == "vespo":  # (one weight per completion: its mean over completions)
+        first = _first_tokens(seqs)
+        out["vespo/phi_seq_mean"] = (jnp.sum(phi * first), jnp.sum(first))
     return out
 
 
@@ -195,7 +202,8 @@ def _row(loss_type: str, doc: str) -> Objective:
                      settings=SETTINGS, doc=doc,
                      reports=("entropy", "kl", *(("clip_ratio/low_mean", "clip_ratio/high_mean",
                                                   "clip_ratio/region_mean") if loss_type in CLIPPED else ()),
-                              *(("cispo_clip_ratio", ) if loss_type == "cispo" else ())))
+                              *(("cispo_clip_ratio", ) if loss_type == "cispo" else ()),
+                              *(("vespo/phi_seq_mean", ) if loss_type == "vespo" else ())))
 
 
 def _global_denominator(loss_type: str):

@@ -168,7 +168,9 @@ class RolloutSource:
             zeros = np.zeros_like(batch["weights"])
             batch["old_logps"] = (np.asarray(self._logprobs(parts["graphdef"], policy, device), np.float32)
                                   if self.every > 1 else zeros)
-            batch["rollout_reference_logps"] = zeros
+            # (the reference is the sampling policy: its log-probabilities are the old ones, and on the first
+            # pass the step's own, bit for bit)
+            batch["rollout_reference_logps"] = batch["old_logps"] if same else zeros
             batch["reference_is_policy"] = np.full((len(batch["inputs"]), 1), int(bool(same)), np.int32)
             if self.rl.beta and not same:
                 graphdef, states = parts["reference"](params)
