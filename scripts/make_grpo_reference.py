@@ -14,6 +14,7 @@ normalizes and trains on exactly these; the reward functions are tests/grpo_rewa
   ``scale_rewards`` (group, batch, none), with the sequence-level ratio (GSPO) and with ``beta`` 0.1: the first
   batch's advantages and per-token log-probabilities (by prompt and completion), the loss and the gradient's norm
   (``compute_loss``, then ``backward``), and every metric TRL logs for that batch;
+- ``rewards``: TRL's built-in ``think_format_reward`` and soft overlong punishment on chosen completions;
 - ``curves``: two optimizer steps with ``num_iterations=2`` (the second trains on the same completions with the
   policy moved: the ratio leaves 1, the clip and the KL work), per loss type, TRL's logged loss, grad norm and
   metrics each step.
@@ -63,6 +64,22 @@ def completions(tokenizer, seed: int = 0) -> list[list[list[int]]]:
             group.append(ids)
         out.append(group)
     return out
+
+
+FORMAT_TEXTS = ["<think>\nreasoning\n</think>\nanswer", "<think>reasoning", "answer <think>x</think>",
+                "<think>a</think><think>b</think>", "<think>\n</think>", "\n<think>x</think>y", "<think>x\n</think>\n\ny\n"]
+
+
+def built_in_rewards() -> dict:
+    """TRL's think_format_reward on chosen texts (conversational, as TRL passes them) and its soft overlong
+    punishment (max_completion_len 8, soft_punish_cache 2) on completions of 0 to 10 tokens."""
+    from trl.rewards import get_soft_overlong_punishment, think_format_reward
+
+    ids = [list(range(n)) for n in range(11)]
+    return {"format_texts": FORMAT_TEXTS,
+            "think_format_reward": think_format_reward([[{"role": "assistant", "content": t}] for t in FORMAT_TEXTS]),
+            "overlong": {"max_completion_len": MAX_COMPLETION, "soft_punish_cache": 2, "lengths": list(range(11)),
+                         "rewards": get_soft_overlong_punishment(MAX_COMPLETION, 2)(ids)}}
 
 
 def trainer(tmp: str, completion_ids, loss_type: str, **settings):
@@ -130,8 +147,8 @@ def curve(tmp: str, completion_ids, loss_type: str, **settings) -> list[dict]:
     """Two optimizer steps with num_iterations=2 on the same completions: TRL's logged rows."""
     t, _ = trainer(tmp, completion_ids, loss_type, num_iterations=2, max_steps=2, **settings)
     t.train()
-    return [{k: float(v) for k, v in row.items() if isinstance(v, (int, float))} for row in t.state.log_history
-            if "loss" in row]
+    return [{k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and k != "step_time"}
+            for row in t.state.log_history if "loss" in row]  # (a wall-clock time: not reproducible)
 
 
 def main() -> None:
@@ -163,7 +180,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grpo.json").write_text(json.dumps({
         "prompts": [{"prompt": p, "target": t} for p, t in zip(PROMPTS, TARGETS)], "completions": drawn,
-        "cases": cases, "curves": curves,
+        "cases": cases, "curves": curves, "rewards": built_in_rewards(),
         "settings": {"num_generations": G, "max_completion_length": MAX_COMPLETION, "lr": LR,
                      "reward_weights": [1.0, 0.5], "rank": pref.RANK, "alpha": pref.ALPHA, "adapter_scale": 0.3,
                      "targets": pref.TARGETS, "eos_token_id": tokenizer.eos_token_id},

@@ -114,7 +114,7 @@ def _accuracy(config: Config) -> Callable[..., list]:
 
 
 def _format(config: Config) -> Callable[..., list]:
-    pattern = re.compile(config.rl.format_pattern, re.DOTALL)
+    pattern = re.compile(config.rl.format_pattern, re.DOTALL | re.MULTILINE)  # (TRL's flags)
     return lambda prompts, completions, completion_ids, **_: [
         1.0 if pattern.match(_text(c)) else 0.0 for c in completions]
 
