@@ -67,7 +67,8 @@ def completions(tokenizer, seed: int = 0) -> list[list[list[int]]]:
 
 
 FORMAT_TEXTS = ["<think>\nreasoning\n</think>\nanswer", "<think>reasoning", "answer <think>x</think>",
-                "<think>a</think><think>b</think>", "<think>\n</think>", "\n<think>x</think>y", "<think>x\n</think>\n\ny\n"]
+                "<think>a</think><think>b</think>", "<think>\n</think>", "\n<think>x</think>y",
+                "<think>x\n</think>\n\ny\n"]
 
 
 def built_in_rewards() -> dict:

@@ -13,7 +13,7 @@ import pytest
 
 from seqjax.config.load import load_config
 from seqjax.config.tree import ConfigError
-from seqjax.train.rewards import RewardError, Reward, advantages, extract_answer, load_rewards, same_answer, score
+from seqjax.train.rewards import Reward, RewardError, advantages, extract_answer, load_rewards, same_answer, score
 from test_one_line_errors import one_line, run
 from test_train_support import assert_ok, run_cli, train_losses
 
@@ -65,7 +65,8 @@ def test_a_grpo_run_samples_its_own_completions_and_learns_a_verifiable_reward(t
                                                                          "generation_000029.npz"]
     table = [json.loads(line) for line in (run_dir / "completions" / "step_000010.jsonl").read_text().splitlines()]
     assert len(table) == 32 and {"prompt", "completion", "rewards", "advantage"} <= set(table[0])
-    assert "| prompt | completion | even_tokens | advantage |" in (run_dir / "completions" / "step_000010.md").read_text()
+    markdown = (run_dir / "completions" / "step_000010.md").read_text()
+    assert "| prompt | completion | even_tokens | advantage |" in markdown
 
 
 @pytest.mark.slow

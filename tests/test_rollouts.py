@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from seqjax.config.load import load_config
-from seqjax.core.errors import DataError
 from seqjax.config.rl import LAYOUTS
+from seqjax.core.errors import DataError
 from seqjax.data.rollouts import Group, rollout_batches
 from seqjax.model import build_model
 from seqjax.objectives import Inputs, resolve
@@ -25,8 +25,8 @@ from seqjax.objectives.rl import ROWS
 
 VOCAB = 64
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=48",
-        f"model.vocab_size={VOCAB}", "model.max_seq_len=64", "data.seq_len=64", "model.attention=xla", "model.param_dtype=float32",
-        "model.compute_dtype=float32"]
+        f"model.vocab_size={VOCAB}", "model.max_seq_len=64", "data.seq_len=64", "model.attention=xla",
+        "model.param_dtype=float32", "model.compute_dtype=float32"]
 # the draws' bounds, and each layout's batch shape holding whatever they draw: at most 3 groups of 4 completions
 # of 6 tokens after a prompt of 6 (a group once: 5 + 4 x 7 = 33 predictions; a completion with its prompt: 11)
 MAX_GROUPS, MAX_G, MAX_PROMPT, MAX_COMPLETION = 3, 4, 6, 6
