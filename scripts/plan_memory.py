@@ -111,11 +111,13 @@ def main(argv: list[str] | None = None) -> dict:
     # The attention the CPU compiles is XLA's (the GPU kernels cannot lower here); the rest is the run's own. A
     # kernel's run plans with its memory: flash_memory stands in for the dense path's scores.
     try:
-        asked = load_config(args.config, args.overrides).model
+        asked = load_config(args.config, args.overrides)
     except SeqjaxError:
         asked = None  # (the refusal comes below, with its message)
-    # (attention dropout runs the dense path whatever the backend: auto picks xla for it)
-    kernel_memory = asked is not None and asked.attention != "xla" and not asked.attention_dropout
+    # (attention dropout runs the dense path whatever the backend: auto picks xla for it, as it does for a shared
+    # prompt's mask, which only the dense path computes)
+    kernel_memory = (asked is not None and asked.model.attention != "xla" and not asked.model.attention_dropout
+                     and "prefix_ids" not in given_fields(asked))
     if kernel_memory:
         attention_module.reference_attention = flash_memory
     try:

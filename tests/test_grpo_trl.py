@@ -150,3 +150,37 @@ def test_two_passes_over_one_generation_batch_follow_trls_rows(case, layout, tmp
         assert_trls(ours, row, f"{case} step {row['step']}")
     if "beta" in case:
         assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 1e-3  # (the reference is the policy until it moves)
+
+
+@pytest.mark.slow
+def test_the_grpo_lora_config_samples_trains_and_exports_at_a_reduced_size(tmp_path):
+    """configs/qwen3_grpo_lora.yaml with the model reduced to the reference Qwen3 (its folder's path alone), on
+    conversational prompts through the shipped qwen3 template: it samples, scores with accuracy and format,
+    trains scanned and rematerialized with the loss in chunks and two micro-batches, logs its completions, and
+    its exported adapter reads back onto the base."""
+    from seqjax.main import export
+    from seqjax.weights.inference import with_adapter
+    from test_train_support import REPO, assert_ok, run_cli
+
+    base, _ = folders(reference(), tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                                           "answer": str(a + b)}) + "\n" for a, b in ((1, 2), (3, 4), (5, 6))))
+    run = tmp_path / "run"
+    overrides = [f"run.dir={run}", f"train.init_from={base}", f"data.train_files=[{prompts}]",
+                 f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=256", "data.batch_size=2",
+                 "model.max_seq_len=256", "model.loss_chunk_tokens=64", "model.param_dtype=float32",
+                 "model.compute_dtype=float32", "model.lora.rank=4", "model.lora.alpha=8", "rl.num_generations=4",
+                 "rl.prompts_per_step=2", "rl.max_completion_length=16", "rl.log_completions_every=1",
+                 "train.steps=2", "train.warmup_steps=0", "train.grad_accum=2", "train.checkpoint_every=2"]
+    assert_ok(run_cli(["--config", str(REPO / "configs" / "qwen3_grpo_lora.yaml"), *overrides]))
+    from seqjax.train.metrics import read_metrics
+
+    rows = [row for row in read_metrics(run) if "loss" in row]
+    assert len(rows) == 2 and all({"reward", "rewards/accuracy/mean", "rewards/format/mean"} <= set(r) for r in rows)
+    logged = [json.loads(line) for line in (run / "completions" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(logged) == 8 and logged[0]["prompt"].startswith("<|im_start|>user\nWhat is ")
+    export.main(["--run", str(run), "--out", str(tmp_path / "exported")])
+    config, model = hf.load(base, ["model.attention=xla"])
+    config, _ = with_adapter(config, model, str(tmp_path / "exported"))
+    assert config.model.lora.rank == 4

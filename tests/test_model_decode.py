@@ -85,3 +85,28 @@ def test_bad_sizes_raise(model):
         decode_step(model, [1, 2], cache)
     with pytest.raises(ValueError, match="at least one token"):
         prompt_batch([[1], []])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rollouts_prefill_each_prompt_once_and_sample_as_generate_does_for_its_copies(model, temperature):
+    """sample_rollouts(prompts, copies=3) in one device loop, each prompt prefilled once and its cache copied to
+    its three rows, gives what the step-by-step generate gives for the prompts written out three times with the
+    same key: greedily, or sampled (each copy its own draw); the stop token is kept, as TRL keeps it."""
+    import jax
+
+    from seqjax.model.decode import generate, sample_rollouts
+    from seqjax.model.sampling import SamplingConfig
+
+    prompts = [[5, 9, 1, 33, 2], [7, 40]]
+    sampling = SamplingConfig(temperature=temperature)
+    free = generate(model, [p for p in prompts for _ in range(3)], eot_id=None, max_new_tokens=8,
+                    sampling=sampling, seed=4)
+    stop = free[0].tokens[2]  # (a token the first row writes third: a row that stops)
+    theirs = generate(model, [p for p in prompts for _ in range(3)], eot_id=stop, max_new_tokens=8,
+                      sampling=sampling, seed=4)
+    ours = sample_rollouts(model, prompts, stop_ids=[stop], max_new_tokens=8, sampling=sampling,
+                           key=jax.random.key(4), copies=3)
+    assert [g.tokens for g in ours] == [g.tokens + [stop] * g.stopped for g in theirs]
+    assert [g.stopped for g in ours] == [g.stopped for g in theirs] and ours[0].stopped
+    if temperature:
+        assert len({tuple(g.tokens) for g in ours[:3]}) > 1  # (the copies draw apart)

@@ -216,18 +216,22 @@ def generate(
     ]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
-def _sample_rollouts(graphdef, state, inputs, positions, segment_ids, key, max_new: int, stops, settings):
-    """Prefill, then a ``lax.while_loop`` of decode steps on the device until every row stopped or
-    ``max_new`` tokens: no host round trip per token."""
+@functools.partial(jax.jit, static_argnums=(0, 6, 7))
+def _sample_rollouts(graphdef, state, inputs, positions, segment_ids, key, max_new: int, copies: int, stops,
+                     settings):
+    """Prefill each prompt once, its cache and next-token logits copied to its ``copies`` rows, then a
+    ``lax.while_loop`` of decode steps on the device until every row stopped or ``max_new`` tokens: no host
+    round trip per token."""
     model = nnx.merge(graphdef, state)
-    rows = inputs.shape[0]
-    kv = KVCache.empty(model.cfg, rows, inputs.shape[1] + max_new)
+    kv = KVCache.empty(model.cfg, inputs.shape[0], inputs.shape[1] + max_new)
     logits, kv = model.decode(inputs, positions=positions, segment_ids=segment_ids, cache=kv)
     last = inputs.shape[1] - 1 - jnp.argmax((segment_ids != 0)[:, ::-1], axis=1)
     take = lambda a: jnp.take_along_axis(a, last[:, None], axis=1)[:, 0]  # noqa: E731
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
     cache = DecodeCache(kv, take(positions) + 1, take(segment_ids))
+    # (rows prompt-major: a prompt's copies side by side, each sampling with its own row of the key's folds)
+    logits, cache = jax.tree.map(lambda a: jnp.repeat(a, copies, axis=0) if jnp.ndim(a) else a, (logits, cache))
+    rows = logits.shape[0]
     tokens = jnp.zeros((rows, max_new), jnp.int32)
     length = jnp.full((rows, ), max_new, jnp.int32)
     done = jnp.zeros((rows, ), bool)
@@ -252,13 +256,14 @@ def _sample_rollouts(graphdef, state, inputs, positions, segment_ids, key, max_n
 
 
 def sample_rollouts(model: nnx.Module, prompts: Sequence[Sequence[int]], *, stop_ids: Sequence[int],
-                    max_new_tokens: int, sampling: SamplingConfig, key: jax.Array,
+                    max_new_tokens: int, sampling: SamplingConfig, key: jax.Array, copies: int = 1,
                     state=None) -> list[Generation]:
-    """Every prompt of ``prompts`` continued at once (an RL run's generation batch, ``G`` copies of each
-    prompt), by up to ``max_new_tokens`` sampled tokens; a row stops after the first of ``stop_ids``, which it
-    keeps (TRL keeps the EOS in a completion and trains on it). One jitted program: a prefill and a device-side
-    loop of cached decode steps, for the model's shardings as they are (``state``: the model's state placed
-    on the mesh, when given). Each row's randomness is the key's fold at each step: the same key gives the same
+    """``copies`` completions of every prompt of ``prompts`` at once (an RL run's generation batch: ``G`` of
+    each), in prompt order, by up to ``max_new_tokens`` sampled tokens; a row stops after the first of
+    ``stop_ids``, which it keeps (TRL keeps the EOS in a completion and trains on it). One jitted program: a
+    prefill of each prompt once (not ``G`` times), its cache copied to its rows, and a device-side loop of
+    cached decode steps, for the model's shardings as they are (``state``: the model's state placed on the
+    mesh, when given). Each row's randomness is the key's fold at each step: the same key gives the same
     completions."""
     inputs, positions, segment_ids = prompt_batch(prompts)
     if inputs.shape[1] + max_new_tokens > model.cfg.max_seq_len:
@@ -268,7 +273,7 @@ def sample_rollouts(model: nnx.Module, prompts: Sequence[Sequence[int]], *, stop
     graphdef, own = nnx.split(model)
     tokens, length, done = _sample_rollouts(graphdef, own if state is None else state, jnp.asarray(inputs),
                                             jnp.asarray(positions), jnp.asarray(segment_ids), key,
-                                            max_new_tokens, jnp.asarray(list(stop_ids), jnp.int32),
+                                            max_new_tokens, copies, jnp.asarray(list(stop_ids), jnp.int32),
                                             sampling.arrays())
     tokens, length, done = np.asarray(tokens), np.asarray(length), np.asarray(done)
-    return [Generation(tokens[row, :length[row]].tolist(), bool(done[row])) for row in range(len(prompts))]
+    return [Generation(tokens[row, :length[row]].tolist(), bool(done[row])) for row in range(len(tokens))]

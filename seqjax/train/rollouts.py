@@ -119,9 +119,9 @@ class RolloutSource:
         parts = self.parts
         model = nnx.merge(parts["graphdef"], params, *parts["frozen"], parts["rest"])
         sampling = SamplingConfig(self.rl.temperature, self.rl.top_k, self.rl.top_p)
-        rows = [p.ids.tolist() for p in prompts for _ in range(g)]
-        made = sample_rollouts(model, rows, stop_ids=self.stop_ids, max_new_tokens=self.rl.max_completion_length,
-                               sampling=sampling, key=jax.random.fold_in(self.key, generation))
+        made = sample_rollouts(model, [p.ids.tolist() for p in prompts], stop_ids=self.stop_ids,
+                               max_new_tokens=self.rl.max_completion_length, sampling=sampling,
+                               key=jax.random.fold_in(self.key, generation), copies=g)
         return [(m.tokens, m.stopped) for m in made]
 
     def _generate(self, params, generation: int, step: int) -> dict[str, Any]:
