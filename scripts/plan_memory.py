@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
             np.float32 if name == "weights" else np.int32)
         if name == "positions_3d":
             return (b, t, 3), dtype
+        if name in OPTIONAL_FIELDS and OPTIONAL_FIELDS[name].per_row:
+            return (b, 1), dtype
         if name == "patches":
             return (b, patches, patch_dim), dtype
         return ((b, patches) if name.startswith("patch_") else (b, t)), dtype
@@ -226,10 +228,46 @@ def main(argv: list[str] | None = None) -> dict:
     }
     total = row["param_bytes_per_device"] + row["optimizer_bytes_per_device"] + row["batch_bytes_per_device"] + \
         row["temp_bytes_per_device"]
+    if config.data.format == "prompt":  # (an RL run's other program: sampling its completions, between steps)
+        row |= sampling_memory(config, model, mesh, row["param_bytes_per_device"] + row["optimizer_bytes_per_device"])
+        total = max(total, row["sampling_total_bytes_per_device"])
     row |= {"total_bytes_per_device": total, "fits_80GB": total <= 80e9, "fits_141GB": total <= 141e9,
             "date": datetime.date.today().isoformat(), "backend": jax.default_backend()}
     print(json.dumps(row), flush=True)
     return row
+
+
+def sampling_memory(config, model, mesh, resident: int) -> dict:
+    """An RL run's sampling program (seqjax.model.decode.sample_rollouts) compiled for its generation batch: each
+    prompt at the longest a row holds beside its completions (data.seq_len less rl.num_generations x
+    rl.max_completion_length in the prompt-once layout, less one completion otherwise), prefilled once, its KV
+    cache copied to its G rows and grown by rl.max_completion_length. ``resident``: the weights and optimizer
+    state that stay on the device meanwhile."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from seqjax.model import sharding
+    from seqjax.model.decode import _sample_rollouts
+    from seqjax.model.sampling import SamplingConfig
+
+    rl = config.rl
+    prompt = config.data.seq_len - rl.max_completion_length * (rl.num_generations if rl.layout == "prompt_once" else 1)
+    graphdef, state = nnx.split(model)
+    shardings = sharding.param_shardings(state, mesh)
+    pure = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), nnx.to_pure_dict(state),
+                        shardings)
+    nnx.replace_by_pure_dict(state, pure)
+    prompts = jax.ShapeDtypeStruct((rl.generation_prompts, max(prompt, 1)), np.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    start = time.perf_counter()
+    compiled = _sample_rollouts.lower(graphdef, state, prompts, prompts, prompts, key, rl.max_completion_length,
+                                      rl.num_generations, np.zeros(1, np.int32),
+                                      SamplingConfig(rl.temperature, rl.top_k, rl.top_p).arrays()).compile()
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    return {"sampling_rows": rl.generation_prompts * rl.num_generations, "sampling_prompt_tokens": prompt,
+            "sampling_temp_bytes_per_device": temp, "sampling_total_bytes_per_device": resident + temp,
+            "sampling_compile_seconds": round(time.perf_counter() - start, 2)}
 
 
 if __name__ == "__main__":

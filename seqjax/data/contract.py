@@ -76,6 +76,7 @@ class OptionalField:
     # an objective must read it: a batch that carries it means something else to one that does not
     needs_reader: bool = False
     added_by: str | None = None  # the loop's part that adds it (None: the data's batches carry it)
+    per_row: bool = False  # one value a row ([B, 1]) instead of one a position ([B, T])
 
 
 def _rollout_field(dtype, meaning: str, needs_reader: bool = False) -> OptionalField:
@@ -83,7 +84,7 @@ def _rollout_field(dtype, meaning: str, needs_reader: bool = False) -> OptionalF
     what the model gives)."""
     return OptionalField(dtype, meaning, "data.format=prompt (an RL run's rollouts)",
                          lambda c: c.data.format == "prompt", needs_reader=needs_reader,
-                         added_by="the rollouts source (seqjax.train.rollouts)")
+                         added_by="the rollouts source (seqjax.train.rollouts)", per_row=meaning.startswith("[B, 1]"))
 
 
 # The optional fields, by name: the one table of what may enter a batch besides the contract's five.
