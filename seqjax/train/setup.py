@@ -386,8 +386,8 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         extras, extra_shardings = extras[:1], extra_shardings[:1]  # (the step runs no reference)
         reference_graphdef = None
     else:
-        batch_source = OfflineSource(data if tables is None else
-                                     data.map(functools.partial(with_reference, logps=tables["train"])),
+        batch_source = OfflineSource(iter(data if tables is None else
+                                          data.map(functools.partial(with_reference, logps=tables["train"]))),
                                      to_device, depth=tc.prefetch)
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum,
                            z_loss=tc.z_loss, objective=objective, settings=settings,
