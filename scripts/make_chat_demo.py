@@ -9,8 +9,9 @@ and a Zephyr-like chat template in tokenizer_config.json) and
 one to three user/assistant exchanges, a system prompt in about a third), and
 ``pairs_train.jsonl`` / ``pairs_valid.jsonl``: conversational preference pairs
 (``{"prompt": [...], "chosen": [...], "rejected": [...]}``, the chat up to its
-last answer, that answer chosen and another chat's rejected). The README's
-"Fine-tuning on instruction data" and docs/preference.md run on it; the model
+last answer, that answer chosen and another chat's rejected), and
+``prompts_train.jsonl``: conversational sums to answer (``{"prompt": [...], "answer": "12"}``), an RL run's
+prompts. The README's "Fine-tuning on instruction data", docs/preference.md and docs/rl.md run on it; the model
 is tiny (the shape of the README's test model), so every step takes seconds on a CPU.
 """
 
@@ -46,6 +47,16 @@ def synthetic_chats(n: int, seed: int = 0, max_turns: int = 3) -> list[dict]:
                          {"role": "assistant", "content": sentence(1, 10)}]
         chats.append({"messages": messages})
     return chats
+
+
+def math_prompts(n: int, seed: int = 0) -> list[dict]:
+    """``n`` conversational prompts asking for a sum of two numbers below 50, with the ``answer``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        a, b = (int(x) for x in rng.integers(0, 50, 2))
+        out.append({"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}], "answer": str(a + b)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -86,6 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
                  if chats[(i + 1) % n]["messages"][-1] != c["messages"][-1]]
         (out / f"pairs_{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
         counts[f"pairs_{split}"] = len(pairs)
+    prompts = math_prompts(args.examples, args.seed + 3)
+    (out / "prompts_train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    counts["prompts_train"] = len(prompts)
     result = {"out": str(out), "llama": str(llama), "chats": counts, "vocab_size": tokenizer.vocab_size}
     print(json.dumps(result), flush=True)
     return result

@@ -101,8 +101,9 @@ def adopt_model(model: ModelConfig, theirs: ModelConfig, explicit: Collection[st
 
     A key the command line set (``explicit``) that contradicts them is one line, except the fields that change
     the function but no shape (:data:`FUNCTION_FIELDS`: stretching a model's context is a fine-tune), kept
-    with a warning. Keys a config file set are theirs, said in one line: a shipped config's 8B shape does not
-    stop its recipe from running on a smaller folder of the family.
+    with a warning (a null on the command line is no setting: theirs). Keys a config file set are theirs, said
+    in one line: a shipped config's 8B shape does not stop its recipe from running on a smaller folder of the
+    family.
     """
     adopted = dataclasses.replace(theirs, **{name: getattr(model, name) for name in RUN_CHOICES},
                                   vision=dataclasses.replace(theirs.vision, attention=model.vision.attention))
@@ -115,7 +116,7 @@ def adopt_model(model: ModelConfig, theirs: ModelConfig, explicit: Collection[st
         if ours == own:
             continue
         name = key.split(".", 1)[1]
-        if not any(k == key or k.startswith(key + ".") for k in explicit):
+        if ours is None or not any(k == key or k.startswith(key + ".") for k in explicit):  # (null: unset)
             replaced.append(f"{name} {_short(ours)} -> {_short(own)}")
         elif name in FUNCTION_FIELDS:
             adopted = dataclasses.replace(adopted, **{name: ours})
