@@ -144,3 +144,55 @@ def test_a_reward_function_is_called_as_trl_calls_it_and_its_failures_are_one_li
             score([Reward("bad", fn)], [], ["p"] * 3, ["a", "b", "c"], [[1]] * 3, {})
     with pytest.raises(ConfigError, match="rl.reward_funcs\\[0\\]: got 'nope', expected one of accuracy"):
         load_rewards(load_config(None, ["data.corpus=jsonl", "data.format=prompt", "rl.reward_funcs=[nope]"]))
+
+
+def test_the_data_command_lays_out_and_draws_a_generation_batch(tmp_path):
+    """seqjax.data on prompts: the first generation batch in each layout, the prompt-once layout computing fewer
+    positions than one sequence per completion (as many as it, for the other two), and its picture."""
+    from seqjax.main import data
+
+    common = [a for a in rl_overrides(tmp_path, tmp_path / "run") if not a.startswith(("run.dir", "train."))]
+    stats = {}
+    for layout in ("prompt_once", "prompt_per_completion", "padded"):
+        rows = "data.batch_size=4" if layout == "prompt_once" else "data.batch_size=32"
+        stats[layout] = data.describe(data_args(tmp_path, [*common, rows, f"rl.layout={layout}"]))
+    once = stats["prompt_once"]
+    assert once["groups"] == 4 and once["completions"] == 32 and once["positions"] < \
+        once["positions_one_sequence_per_completion"]
+    assert stats["padded"]["positions"] == stats["prompt_per_completion"]["positions"] == \
+        once["positions_one_sequence_per_completion"]
+    data.describe(data_args(tmp_path, [*common, "data.batch_size=4"], plot=str(tmp_path / "group.png")))
+    assert (tmp_path / "group.png").stat().st_size > 1000
+
+
+def data_args(tmp_path: Path, overrides: list[str], plot: str | None = None):
+    import argparse
+
+    return argparse.Namespace(config=None, overrides=overrides, split="train", dump=None, show_config=False,
+                              batches=1, plot=plot, steps=1)
+
+
+def test_lora_grpo_with_a_kl_term_starts_at_exactly_zero(tmp_path):
+    """LoRA adapters start with B = 0, so at step 1 the reference (the base, adapters off) is the policy: the KL is
+    exactly 0, then grows as the adapters move."""
+    from seqjax.train.metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    assert_ok(run_cli(rl_overrides(tmp_path, run_dir, "train.steps=3", "model.lora.rank=4", "model.lora.alpha=8",
+                                   "rl.beta=0.04", "train.lr=5e-2")))
+    kl = [row["kl"] for row in read_metrics(run_dir) if "kl" in row]
+    assert kl[0] == 0.0 and kl[2] > 1e-6, kl
+
+
+@pytest.mark.slow
+def test_qlora_grpo_on_a_mesh_takes_the_one_device_steps(tmp_path):
+    """QLoRA (an nf4 base), scanned and rematerialized: two host devices as an fsdp mesh sample the same
+    completions and take the one-device run's losses."""
+    common = ["train.steps=3", "model.lora.rank=4", "model.lora.alpha=8", "model.lora.quantize=nf4",
+              "model.lora.quant_block=16", "model.scan_layers=true", "model.remat=full"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(run_cli(rl_overrides(tmp_path, one, *common)))
+    assert_ok(run_cli(rl_overrides(tmp_path, two, *common, "mesh.data=1", "mesh.fsdp=2"), devices=2))
+    a, b = train_losses(one), train_losses(two)
+    assert rewards_of(one) == pytest.approx(rewards_of(two), abs=1e-6)
+    assert sorted(a) == [1, 2, 3] and all(abs(a[k] - b[k]) < 2e-5 for k in a), (a, b)

@@ -90,6 +90,8 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
     config = cli.load(args)
     if args.show_config:  # (stderr: stdout holds the one JSON line, for jq)
         print(f"# resolved config\n{config.to_yaml()}", file=sys.stderr, flush=True)
+    if config.data.format == "prompt":
+        return describe_groups(args, config)
     store = prepare(config, splits=(args.split,)).stores[args.split]
     # checks the store against the config before any batch is built
     pipeline = build_pipeline(config, store)
@@ -112,5 +114,45 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
         title = f"{strategies.label(config.data)}, seq_len {config.data.seq_len}"
         draw_batch(next(iter(pipeline)), Path(args.plot), title)
         log.info("drew the first batch's layout in %s", args.plot)
+    print(json.dumps(stats), flush=True)
+    return stats
+
+
+def describe_groups(args: argparse.Namespace, config) -> dict[str, Any]:
+    """An RL run's first generation batch laid out as ``rl.layout`` packs it, with completions from
+    ``rl.rollouts_file``, else each at ``rl.max_completion_length`` tokens (the most a group can take: what the
+    rows must hold). Its statistics beside one sequence per completion; ``--plot`` draws it."""
+    from seqjax.data.rollouts import Group, rollout_batches
+    from seqjax.train.rollouts import load_prompts, read_rollouts
+
+    if args.dump:
+        raise UsageError("--dump: data.format=prompt has no batches before the policy samples them; expected "
+                         "--plot or the statistics alone")
+    tokenizer = prepare(config, splits=()).tokenizer
+    prompts, stop_ids = load_prompts(config, tokenizer)
+    rl = config.rl
+    given = read_rollouts(rl.rollouts_file, tokenizer) if rl.rollouts_file else {}
+    groups = []
+    for prompt in prompts[:rl.generation_prompts]:
+        made = given.get(prompt.index) or [[stop_ids[0]] * rl.max_completion_length] * rl.num_generations
+        completions = [np.asarray(c, np.int64) for c in made[:rl.num_generations]]
+        groups.append(Group(prompt.ids, completions, np.zeros(len(completions), np.float32),
+                            np.zeros(len(completions), bool)))
+    batches = rollout_batches(groups, rl.layout, config.data.seq_len, config.data.batch_size,
+                              rl.steps_per_generation)
+    positions = sum(int((b["segment_ids"] > 0).sum()) for b in batches)
+    slots = sum(b["segment_ids"].size for b in batches)
+    alone = sum(len(g.prompt) - 1 + len(c) for g in groups for c in g.completions)
+    stats = {"layout": rl.layout, "prompts": len(prompts), "groups": len(groups),
+             "completions": sum(len(g.completions) for g in groups),
+             "completions_from": rl.rollouts_file or f"each at rl.max_completion_length={rl.max_completion_length}",
+             "steps": len(batches), "rows": len(batches) * config.data.batch_size, "positions": positions,
+             "positions_one_sequence_per_completion": alone, "padding": round(1 - positions / slots, 4)}
+    if args.plot:
+        from seqjax.data.picture import draw_batch  # (matplotlib: only when asked)
+
+        title = f"rl.layout={rl.layout}, {rl.num_generations} completions a prompt, seq_len {config.data.seq_len}"
+        draw_batch(batches[0], Path(args.plot), title)
+        log.info("drew the first step's groups in %s", args.plot)
     print(json.dumps(stats), flush=True)
     return stats

@@ -286,16 +286,30 @@ def read_rollouts(path: str, tokenizer) -> dict[int, list[list[int]]]:
     return out
 
 
+def load_prompts(config: Config, tokenizer) -> tuple[list[Prompt], list[int]]:
+    """The run's prompts (its training files) and the tokens that stop a completion: the tokenizer's end of
+    text, and a chat template's end of turn for conversational prompts."""
+    from seqjax.store.chat import end_of_turn
+    from seqjax.store.corpus import source_files
+    from seqjax.store.examples import example_spec
+    from seqjax.store.prompts import read_prompts
+
+    source = config.data.resolved_sources()[0]
+    spec = example_spec(config, source, Path(tokenizer.path), tokenizer.eot_token)
+    prompts = read_prompts(config, source_files(source, "train"), tokenizer, spec)
+    stop_ids = [tokenizer.eot_id]
+    if spec.chat_template is not None and isinstance(prompts[0].prompt, list):
+        turn = end_of_turn(spec, tokenizer)
+        stop_ids += [] if turn is None else [turn]
+    return prompts, stop_ids
+
+
 def build_source(config: Config, prepared, placed, mesh, ref, reference: tuple, to_device) -> RolloutSource:
     """The rollouts source of a run set up by :func:`seqjax.train.setup.setup`: its prompts read, its reward
     functions loaded, its stop tokens (the tokenizer's end of text, and a chat template's end of turn), and the
     reference model of ``rl.beta`` (``ref``, :mod:`seqjax.weights.reference`) as ``reference`` gives its
     weights (the step's extra arguments and the graph with the adapters off)."""
     from seqjax.model.sharding import BATCH_AXES  # (the mesh's row axes: how many shards a step's rows feed)
-    from seqjax.store.chat import end_of_turn
-    from seqjax.store.corpus import source_files
-    from seqjax.store.examples import example_spec
-    from seqjax.store.prompts import read_prompts
     from seqjax.train.rewards import load_rewards
     from seqjax.train.step import reference_states
     from seqjax.weights.reference import same_weights_rule
@@ -304,13 +318,7 @@ def build_source(config: Config, prepared, placed, mesh, ref, reference: tuple, 
         raise DataError(f"data.format=prompt: got {jax.process_count()} processes; an RL run samples in one "
                         "process (docs/rl.md, not built)")
     tokenizer = prepared.tokenizer
-    source = config.data.resolved_sources()[0]
-    spec = example_spec(config, source, Path(tokenizer.path), tokenizer.eot_token)
-    prompts = read_prompts(config, source_files(source, "train"), tokenizer, spec)
-    stop_ids = [tokenizer.eot_id]
-    if spec.chat_template is not None and isinstance(prompts[0].prompt, list):
-        turn = end_of_turn(spec, tokenizer)
-        stop_ids += [] if turn is None else [turn]
+    prompts, stop_ids = load_prompts(config, tokenizer)
     extras, reference_graphdef = reference
     frozen = [] if placed.frozen is None else [placed.frozen]
     parts = {"graphdef": placed.graphdef, "rest": placed.rest, "frozen": frozen}
