@@ -204,14 +204,10 @@ def sampling(groups, args) -> dict:
 
 
 def trl_worker(spec: dict) -> dict:
-    """(Run with --trl-worker under an interpreter with torch, transformers, peft and TRL.) transformers'
-    generate and TRL's GRPOTrainer step on the same shapes."""
-    import datasets
-    import peft
-    import tokenizers
+    """(Run with --trl-worker under an interpreter with torch and transformers, and for TRL's step peft and TRL.)
+    transformers' generate and TRL's GRPOTrainer step on the same shapes."""
     import torch
     import transformers
-    import trl
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,8 +237,25 @@ def trl_worker(spec: dict) -> dict:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     new = int((made.shape[1] - width) * made.shape[0])
-    out["transformers_generate"] = {"seconds": round(seconds, 3), "new_tokens_per_s": round(new / seconds, 1)}
+    out["transformers_generate"] = {"seconds": round(seconds, 3), "new_tokens_per_s": round(new / seconds, 1),
+                                    "transformers": transformers.__version__, "device": device}
+    try:
+        out["trl"] = trl_step(spec, model, dtype, device)
+    except ImportError as err:  # (the GPU image has no TRL: its generate still counts)
+        out["trl"] = {"error": f"not installed: {err.name}"}
+    return out
 
+
+def trl_step(spec: dict, model, dtype, device: str) -> dict:
+    """TRL's GRPOTrainer (peft's LoRA) on the groups' completions through its rollout_func: step time."""
+    import datasets
+    import peft
+    import tokenizers
+    import torch
+    import transformers
+    import trl
+
+    groups, g, max_new = spec["groups"], spec["generations"], spec["max_completion"]
     vocab = {f"w{i}": i for i in range(spec["vocab"])}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
@@ -287,10 +300,8 @@ def trl_worker(spec: dict) -> dict:
     seconds = sum(times[1:])
     steps = len(times) - 1
     completion = np.mean([sum(len(c) for c in cs) for _, cs in groups]) * spec["batch"]
-    out["trl"] = {"step_s": round(seconds / steps, 4),
-                  "completion_tokens_per_s": round(completion * steps / seconds, 1), "trl": trl.__version__,
-                  "torch": torch.__version__, "device": device}
-    return out
+    return {"step_s": round(seconds / steps, 4), "completion_tokens_per_s": round(completion * steps / seconds, 1),
+            "trl": trl.__version__, "torch": torch.__version__, "device": device}
 
 
 def main() -> None:

@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STAGES = ("setup", "env", "tests", "attention", "finetune", "lora8b", "dpo", "throughput")
 FIRST_CALL_S, RERUN_CALL_S = 540.0, 240.0  # a lent GPU's 15 minutes: one call of 9, one rerun of 4, start-up
 MIN_STAGE_S = 5.0  # a stage given less than this is skipped
-OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision")
+OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision", "grpo")
 PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
          "tokamax", "torch", "transformers")
 # A toy model and corpus for --dry-run: every stage's plumbing runs on a CPU in seconds.
@@ -502,6 +502,18 @@ def stage_dpo(s: Suite) -> dict:
     return {"status": status(code), "result": last_json(stdout) if code == 0 else None}
 
 
+def stage_grpo(s: Suite) -> dict:
+    """GRPO's two programs at the 1B shape: a DAPO step on the same groups in each layout and TRL's padding, and
+    sampling the groups (seqjax's sampler and generate; transformers' generate in the image's torch, and TRL's
+    GRPOTrainer where TRL is installed)."""
+    toy = ["--shape", "toy", "--prompts", "4", "--batch", "2", "--steps", "1", "--prompt-median", "16",
+           "--completion-median", "8", "--max-completion", "16", "--seq-len", "256"]
+    size = toy if s.dry else ["--shape", "1b", "--prompts", "16", "--batch", "4", "--steps", "4", "--dtype",
+                              "bfloat16", "--max-completion", "256", "--seq-len", "2560"]
+    code, stdout = s.call("grpo", s.python("scripts/bench_grpo.py", *size, "--trl-python", sys.executable), 150)
+    return {"status": status(code), "result": last_json(stdout) if code == 0 else None}
+
+
 def stage_quality(s: Suite) -> dict:
     """The quality run, resumed from --quality-dir on every call until it ends; then the test split's perplexity."""
     run_dir = s.args.quality_dir
@@ -555,6 +567,7 @@ STAGES = {stage.name: stage for stage in (
     Stage("levanter", 90, stage_levanter), Stage("sweep", 150, stage_sweep), Stage("ncu", 150, stage_ncu),
     Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
     Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study), Stage("vision", 90, stage_vision),
+    Stage("grpo", 150, stage_grpo),
 )}
 
 

@@ -68,11 +68,12 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
 
 def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     """The opt-in stages in one call, at toy size: a profile trace, the recipe's validation, the
-    quality run (resumed per call, then scored) and the vision tower's two backends. (The study
+    quality run (resumed per call, then scored), the vision tower's two backends and GRPO's layouts and
+    sampler. (The study
     stage only calls scripts/study_strategies.py, whose --quick run tests/test_study.py covers.)"""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
     proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--only",
-                           "profile,recipe,quality,vision"], cwd=REPO, env=env, capture_output=True, text=True,
+                           "profile,recipe,quality,vision,grpo"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
     assert proc.returncode == 0, {n: r.get("status") for n, r in stages.items()}
@@ -83,6 +84,9 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     # the tower: dense mask and kernel
     vision = {r["impl"]: r for r in stages["vision"]["result"]["records"]}
     assert vision["xla"]["fwd_ms"] > 0 and vision["pallas"]["rel_err_vs_first"] < 1e-5
+    grpo = stages["grpo"]["result"]
+    assert grpo["prompt_once"]["positions_computed_per_step"] < grpo["trl_layout"]["positions_computed_per_step"]
+    assert grpo["sampling"]["sample_rollouts"]["new_tokens_per_s"] > 0
 
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:
