@@ -258,3 +258,33 @@ def test_the_model_reads_positions_from_the_batch(forward):
     shuffled[0, :12] = np.random.default_rng(0).permutation(12)
     assert not np.allclose(np.asarray(forward(inputs, positions, segment_ids)),
                            np.asarray(forward(inputs, shuffled, segment_ids)), atol=1e-4)
+
+
+@pytest.mark.parametrize("precision, expected", [("default", "DEFAULT"), ("highest", "HIGHEST")])
+def test_matmul_precision_reaches_every_matmul_of_the_train_step(precision, expected):
+    """model.matmul_precision=highest: the train step's every dot (the blocks', the head's, their gradients')
+    asks for full float32 (a GPU otherwise runs float32 matmuls as TF32); default leaves JAX's choice."""
+    import optax
+
+    from seqjax.config.load import load_config
+    from seqjax.model import build_model, split_params
+    from seqjax.train.step import make_train_step
+
+    config = load_config(None, ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
+                                "model.vocab_size=64", "model.max_seq_len=16", "data.seq_len=16",
+                                "model.attention=xla", "model.loss_chunk_tokens=8",
+                                f"model.matmul_precision={precision}"])
+    try:
+        graphdef, params, _, rest = split_params(build_model(config, rngs=nnx.Rngs(0)))
+        tx = optax.adamw(1e-3)
+        step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=1))
+        batch = {k: jnp.ones((2, 16), jnp.float32 if k == "weights" else jnp.int32)
+                 for k in ("inputs", "targets", "segment_ids", "positions", "weights")}
+        text = step.lower(params, tx.init(params), batch).as_text()
+        dots = [line for line in text.splitlines() if "dot_general" in line]
+        assert len(dots) > 6
+        precisions = {line.split("precision = [")[1].split(",")[0] if "precision = [" in line else None
+                      for line in dots}
+        assert precisions == {expected}
+    finally:
+        jax.config.update("jax_default_matmul_precision", None)

@@ -186,6 +186,10 @@ class ModelConfig:
     compute_dtype: str = setting("float32",
                                  "matmul/activation dtype (softmax and loss stay float32)",
                                  choices=DTYPES, resume=MODEL)
+    matmul_precision: str = setting(
+        "default", "float32 matmuls: default keeps JAX's choice (TF32 on an NVIDIA GPU, full float32 on a CPU), "
+        "highest computes them in true float32 on every device (slower on a GPU; docs/gpu.md)",
+        choices=("default", "high", "highest"))
     attention: str = setting("auto", "attention backend", choices=ATTENTION_BACKENDS)
     remat: str = setting(
         "none",

@@ -341,7 +341,16 @@ def build_model(config: Config | ModelConfig, vocab_size: int | None = None, *,
         cfg = dataclasses.replace(cfg, max_seq_len=config.max_seq_len)
     if vocab_size is not None:
         cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+    use_matmul_precision(cfg)
     return TransformerLM(cfg, rngs=rngs)
+
+
+def use_matmul_precision(cfg: ModelConfig) -> None:
+    """``model.matmul_precision`` for every matmul this process traces from now on (the model's, the loss
+    head's, their gradients', decoding's): JAX's default precision, set process-wide where a model is built.
+    ``default`` leaves JAX's own setting as it is (``JAX_DEFAULT_MATMUL_PRECISION``, if set, still wins)."""
+    if cfg.matmul_precision != "default":
+        jax.config.update("jax_default_matmul_precision", cfg.matmul_precision)
 
 
 def param_count(model: TransformerLM) -> dict[str, int]:

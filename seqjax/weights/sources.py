@@ -34,8 +34,8 @@ RUN, STEP, HF, ADAPTER = "run", "step", "hf", "adapter"
 # Fields that leave every shape alone but change what the model computes.
 FUNCTION_FIELDS = ("rope_theta", "rope_scaling", "norm_eps")
 # The model keys a run chooses for itself; every other one is its weights' own (config.json, a run's config.yaml).
-RUN_CHOICES = ("max_seq_len", "param_dtype", "compute_dtype", "attention", "remat", "remat_names", "scan_layers",
-               "loss_chunk_tokens", "init_std", "dropout", "token_dropout", "attention_dropout", "lora")
+RUN_CHOICES = ("max_seq_len", "param_dtype", "compute_dtype", "matmul_precision", "attention", "remat", "remat_names",
+               "scan_layers", "loss_chunk_tokens", "init_std", "dropout", "token_dropout", "attention_dropout", "lora")
 MODELS = (RUN, STEP, HF)  # the kinds that hold a whole model
 DESCRIBED = {RUN: "a seqjax run folder (checkpoints/)", STEP: f"a step folder (<run.dir>/{CHECKPOINTS}/<N>)",
              HF: "a Hugging Face model folder (config.json)",
