@@ -73,7 +73,8 @@ from seqjax.model.kernels.flash import flash_attention
 from seqjax.model.kernels.mosaic import mosaic_attention
 
 FORMULA = "forward = sum over documents of 4*H*L^2*D/2 (causal); forward+backward = 3.5 x forward (backward = 2.5 x)"
-IMPLS = ("flash", "mosaic", "xla", "cudnn", "cudnn_mask", "cudnn_packed", "bundled", "kvax", "tokamax", "mgpu_fa3")
+IMPLS = ("flash", "mosaic", "xla", "cudnn", "cudnn_mask", "cudnn_packed", "cudnn_packed_t", "bundled", "kvax",
+         "tokamax", "mgpu_fa3")
 INPUTS = ("dense", "packed", "varlen")
 BLOCK_FIELDS = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "num_warps", "num_stages", "block_q_dq",
                 "block_k_dq", "num_warps_bwd", "num_stages_bwd")
@@ -198,8 +199,14 @@ def implementation(impl: str, scale: float, blocks: BlockSizes, interpret: bool,
     if impl == "mosaic":  # seqjax's Mosaic GPU kernel: its own 64 x 64 tiles, the same ranges
         return (lambda s: (s, block_metadata(s, MOSAIC_BLOCKS)),
                 lambda q, k, v, a: mosaic_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret))
-    if impl == "cudnn_packed":  # cuDNN's packed layout: the offsets are computed once per batch, like the metadata
-        return (lambda s: (s, packed_offsets(s))), (lambda q, k, v, a: _cudnn_packed_attention(
+    if impl in ("cudnn_packed", "cudnn_packed_t"):  # cuDNN's packed layout: offsets computed once per batch
+        # M, the most segments a row may hold: the batch's own most (what data.max_segments_per_row gives a run),
+        # or T (cudnn_packed_t: what model.attention=cudnn_packed passed on the H200, 2026-11-27, where the
+        # backward asked for 1.02 TiB and the forward ran at a quarter of cuDNN's dense speed)
+        ids = np.asarray(segment_ids)
+        starts = (ids != 0) & np.concatenate([np.ones_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], 1)
+        m = ids.shape[1] if impl == "cudnn_packed_t" else max(1, int(starts.sum(1).max()))
+        return (lambda s: (s, packed_offsets(s, m))), (lambda q, k, v, a: _cudnn_packed_attention(
             q, k, v, a[0], scale=scale, offsets=a[1]))
     if impl == "xla":
         return (lambda s: s), (lambda q, k, v, s: reference_attention(q, k, v, s, scale=scale))
@@ -404,7 +411,8 @@ def skip_reason(impl: str, kind: str, heads: int, kv_heads: int, head_dim: int =
         return "the bundled kernel has no GQA; varlen is seqjax's ideal"
     if impl == "mosaic" and head_dim not in (64, 128):
         return "the Mosaic kernel's wgmma tiles take D = 64 or 128"
-    if impl in ("xla", "cudnn_mask", "cudnn_packed", "mosaic", "kvax", "tokamax", "mgpu_fa3") and kind == "varlen":
+    if impl in ("xla", "cudnn_mask", "cudnn_packed", "cudnn_packed_t", "mosaic", "kvax", "tokamax", "mgpu_fa3") and \
+            kind == "varlen":
         return "varlen is the ideal of seqjax's kernel on separate rows"
     if impl == "mgpu_fa3" and kind != "dense":
         return "JAX's Mosaic GPU FA3 takes no segment ids: dense only"

@@ -194,6 +194,14 @@ def test_packed_offsets_give_cudnn_the_segments_of_segment_mask(rows):
     np.testing.assert_array_equal(rebuilt == 0, segment_ids == 0)
 
 
+def test_cudnn_packed_is_refused_as_a_runs_backend_even_on_a_gpu(monkeypatch):
+    """Until a GPU shows cuDNN's packed layout works, a run that names it is refused in one line, with why."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ConfigError, match="got 'cudnn_packed', refused until a GPU shows it works: on an H200"):
+        resolve_backend("cudnn_packed", jnp.bfloat16)
+    assert resolve_backend("cudnn", jnp.bfloat16) == "cudnn"
+
+
 def test_cudnn_packed_is_refused_off_a_gpu_in_float32_and_with_windows():
     q, k, v = qkv(0)
     ids = segments_from_lengths([T], T)
@@ -209,10 +217,9 @@ def test_cudnn_packed_matches_xla_in_bfloat16():
     q, k, v = qkv(3, b=2, t=128, dtype=jnp.bfloat16)
     segment_ids = np.concatenate([segments_from_lengths([40, 1, 59], 128), segments_from_lengths([128], 128)])
 
-    def run(backend):
-        return np.asarray(jax.jit(lambda *a: attention(*a, backend=backend))(q, k, v, segment_ids), np.float32)
-
-    packed, xla = run("cudnn_packed"), run("xla")
+    packed = np.asarray(jax.jit(lambda *a: attn._cudnn_packed_attention(*a, max_segments=3))(
+        q, k, v, segment_ids), np.float32)
+    xla = np.asarray(jax.jit(lambda *a: attention(*a, backend="xla"))(q, k, v, segment_ids), np.float32)
     np.testing.assert_allclose(packed, xla, rtol=2e-2, atol=2e-2)
     assert (packed[0, 100:] == 0).all()
 

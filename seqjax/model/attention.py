@@ -13,8 +13,8 @@ xla        :func:`reference_attention`: einsum + float32 softmax, any platform
 cudnn      ``jax.nn.dot_product_attention(implementation="cudnn")`` with the dense
            segment mask; GPU only, bfloat16/float16 only (cuDNN takes no segment ids)
 cudnn_packed  cuDNN's packed layout (``q_offsets``/``kv_offsets`` and per-segment lengths from
-           :func:`packed_offsets`), causal inside each segment; Hopper and later, bfloat16/
-           float16; no sliding windows (refused until a GPU shows cuDNN honours them packed)
+           :func:`packed_offsets`), causal inside each segment: refused as a run's backend until a
+           GPU shows it works (:data:`CUDNN_PACKED_REFUSED`); the attention benchmark still times it
 pallas     ``seqjax.model.kernels.flash.flash_attention`` (GPU; interpret mode elsewhere); skips
            the tiles outside each segment and outside a sliding layer's band
 pallas_mosaic  ``seqjax.model.kernels.mosaic.mosaic_attention``: the same ranges on Mosaic GPU
@@ -254,6 +254,28 @@ def _device_layout(q: jax.Array, k: jax.Array, segment_ids: jax.Array):
 WINDOWED = ("xla", "cudnn", "pallas", "pallas_mosaic", "splash")  # not cudnn_packed
 
 
+# cuDNN's packed layout, refused as a run's backend until a GPU shows it works (scripts/bench_attention.py still
+# times it, impls cudnn_packed and cudnn_packed_t, for the next GPU to decide)
+CUDNN_PACKED_REFUSED = (
+    "model.attention: got 'cudnn_packed', refused until a GPU shows it works: on an H200 (2026-11-27) its backward "
+    "asked for 1.02 TiB and its forward ran at a quarter of cuDNN's dense speed, given as many segments a row as "
+    "tokens (8,192); expected pallas, cudnn, xla or auto")
+
+
+def _check_explicit(backend: str, dtype) -> None:
+    """A named backend this platform and dtype can run, or one line saying what is missing."""
+    if backend not in BACKENDS:
+        raise ValueError(f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")
+    if backend in ("cudnn", "cudnn_packed") and jax.default_backend() != "gpu":
+        raise ConfigError(
+            f"model.attention: got {backend!r}, which needs an NVIDIA GPU; this machine's JAX "
+            f"platform is {jax.default_backend()} (use xla, or auto)")
+    if backend in ("cudnn", "cudnn_packed") and jnp.dtype(dtype) not in map(jnp.dtype, _HALF):
+        raise ConfigError(
+            f"model.attention: got {backend!r}, which needs bfloat16 or float16, got "
+            f"{jnp.dtype(dtype).name} (set model.compute_dtype, or use pallas, xla or auto)")
+
+
 def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> str:
     """Turn ``auto`` into the fastest backend this platform can run for ``dtype``; check explicit
     names.
@@ -268,17 +290,9 @@ def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> s
         raise ConfigError(f"model.attention: got {backend!r}, which does not compute sliding windows "
                           f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
     if backend != "auto":
-        if backend not in BACKENDS:
-            raise ValueError(
-                f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")
-        if backend in ("cudnn", "cudnn_packed") and jax.default_backend() != "gpu":
-            raise ConfigError(
-                f"model.attention: got {backend!r}, which needs an NVIDIA GPU; this machine's JAX "
-                f"platform is {jax.default_backend()} (use xla, or auto)")
-        if backend in ("cudnn", "cudnn_packed") and jnp.dtype(dtype) not in map(jnp.dtype, _HALF):
-            raise ConfigError(
-                f"model.attention: got {backend!r}, which needs bfloat16 or float16, got "
-                f"{jnp.dtype(dtype).name} (set model.compute_dtype, or use pallas, xla or auto)")
+        _check_explicit(backend, dtype)
+        if backend == "cudnn_packed":
+            raise ConfigError(CUDNN_PACKED_REFUSED)
         return backend
     platform = jax.default_backend()
     if platform == "gpu":
@@ -373,8 +387,10 @@ def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, ma
     """cuDNN's fused attention on the packed layout: each segment causal on its own, padding rows
     zeroed after. ``offsets``: :func:`packed_offsets` of these ids, when the caller computed them
     once for several layers."""
-    # a GPU, half precision, no window
-    resolve_backend("cudnn_packed", q.dtype, windows=window is not None)
+    # a GPU, half precision, no window (called directly: as a run's backend it is refused, CUDNN_PACKED_REFUSED)
+    if window is not None:
+        raise ConfigError("model.attention: got 'cudnn_packed', which does not compute sliding windows")
+    _check_explicit("cudnn_packed", q.dtype)
     try:
         # private, and only where this backend runs
         from jax._src.cudnn import fused_attention_stablehlo as cudnn
