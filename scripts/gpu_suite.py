@@ -286,7 +286,9 @@ def stage_attention(s: Suite) -> dict:
 
 
 def stage_levanter(s: Suite) -> dict:
-    return bench_attention(s, "levanter", ["--levanter", "--impls", "flash,mosaic,cudnn_mask,cudnn_packed,kvax,tokamax",
+    # (kvax is left out: it does not import under jax 0.12, whose jax.experimental.shard_map has no Specs, as the
+    # H200 showed on 2026-11-27; tokamax runs, its xprof-only benchmarking imports stubbed)
+    return bench_attention(s, "levanter", ["--levanter", "--impls", "flash,mosaic,cudnn_mask,cudnn_packed,tokamax",
                                            "--iters", "5", "--repeats", "3"], 90)
 
 
@@ -599,7 +601,7 @@ def targets(summary: dict) -> list[dict]:
         for peer, goal, better in (("varlen", "<= 1.25x ideal varlen", lambda r: r <= 1.25),
                                    ("bundled", ">= 4x faster than bundled mha", lambda r: r <= 0.25),
                                    ("cudnn_mask", "faster than cuDNN + dense segment mask", lambda r: r < 1.0),
-                                   ("kvax", "no slower than kvax", lambda r: r <= 1.0)):
+                                   ("tokamax", "no slower than tokamax", lambda r: r <= 1.0)):
             other = (_pick(grid, impl="flash", input="varlen", seq_len=8192, head_dim=head_dim) if peer == "varlen"
                      else _pick(grid, impl=peer, input="packed", seq_len=8192, head_dim=head_dim))
             for key in ("fwd_bwd_ms", "fwd_ms"):
@@ -715,9 +717,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # The wheels the GPU image lacks (its jax, jaxlib and CUDA plugin are 0.11.2; jax 0.12.0.1's pure-Python wheel
-# runs over that jaxlib): the list that worked on the H200 on 2026-11-27 (../shared/gpu/h200-2026-11-27/README.md).
+# runs over that jaxlib): the list that worked on the H200 on 2026-11-27 (../shared/gpu/h200-2026-11-27/README.md),
+# less kvax, which does not import under jax 0.12.
 WHEELS = ("jax==0.12.0.1", "flax==0.12.12", "optax==0.2.8", "orbax-checkpoint==0.12.8", "chex==0.1.92", "qwix==0.1.8",
-          "grain==0.2.18", "array_record==0.8.6", "portpicker==1.6.0", "kvax==0.1.0", "jax-triton==0.4.1",
+          "grain==0.2.18", "array_record==0.8.6", "portpicker==1.6.0", "jax-triton==0.4.1",
           "tokamax==0.0.17", "einshape", "immutabledict", "pydantic==2.14.4", "pydantic-core", "annotated-types",
           "typing-inspection")
 
