@@ -73,8 +73,8 @@ from seqjax.model.kernels.flash import flash_attention
 from seqjax.model.kernels.mosaic import mosaic_attention
 
 FORMULA = "forward = sum over documents of 4*H*L^2*D/2 (causal); forward+backward = 3.5 x forward (backward = 2.5 x)"
-IMPLS = ("flash", "mosaic", "xla", "cudnn", "cudnn_mask", "cudnn_packed", "cudnn_packed_t", "bundled", "kvax",
-         "tokamax", "mgpu_fa3")
+IMPLS = ("flash", "mosaic", "mosaic_s3", "mosaic_s4", "xla", "cudnn", "cudnn_mask", "cudnn_packed", "cudnn_packed_t",
+         "bundled", "kvax", "tokamax", "mgpu_fa3")
 INPUTS = ("dense", "packed", "varlen")
 BLOCK_FIELDS = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "num_warps", "num_stages", "block_q_dq",
                 "block_k_dq", "num_warps_bwd", "num_stages_bwd")
@@ -196,9 +196,11 @@ def implementation(impl: str, scale: float, blocks: BlockSizes, interpret: bool,
     if impl == "flash":
         return (lambda s: (s, block_metadata(s, blocks)),
                 lambda q, k, v, a: flash_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret))
-    if impl == "mosaic":  # seqjax's Mosaic GPU kernel: its own 64 x 64 tiles, the same ranges
+    if impl in ("mosaic", "mosaic_s3", "mosaic_s4"):  # seqjax's Mosaic GPU kernel: 64 x 64 tiles, the same ranges;
+        slots = 2 if impl == "mosaic" else int(impl[-1])  # (_s3, _s4: the deeper TMA pipelines a GPU sweep weighs)
         return (lambda s: (s, block_metadata(s, MOSAIC_BLOCKS)),
-                lambda q, k, v, a: mosaic_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret))
+                lambda q, k, v, a: mosaic_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret,
+                                                    slots=slots))
     if impl in ("cudnn_packed", "cudnn_packed_t"):  # cuDNN's packed layout: offsets computed once per batch
         # M, the most segments a row may hold: the batch's own most (what data.max_segments_per_row gives a run),
         # or T (cudnn_packed_t: what model.attention=cudnn_packed passed on the H200, 2026-11-27, where the
@@ -411,7 +413,8 @@ def skip_reason(impl: str, kind: str, heads: int, kv_heads: int, head_dim: int =
         return "the bundled kernel has no GQA; varlen is seqjax's ideal"
     if impl == "mosaic" and head_dim not in (64, 128):
         return "the Mosaic kernel's wgmma tiles take D = 64 or 128"
-    if impl in ("xla", "cudnn_mask", "cudnn_packed", "cudnn_packed_t", "mosaic", "kvax", "tokamax", "mgpu_fa3") and \
+    if impl in ("xla", "cudnn_mask", "cudnn_packed", "cudnn_packed_t", "mosaic", "mosaic_s3", "mosaic_s4", "kvax",
+                "tokamax", "mgpu_fa3") and \
             kind == "varlen":
         return "varlen is the ideal of seqjax's kernel on separate rows"
     if impl == "mgpu_fa3" and kind != "dense":
@@ -429,7 +432,7 @@ def main(argv=None) -> None:
         if not args.smoke:
             return
         args.seq_lens, args.tokens, args.head_dims, args.width, args.heads = [64], 128, [64], 128, None
-        args.impls = [i for i in args.impls if i in ("flash", "mosaic", "xla")] or ["flash"]
+        args.impls = [i for i in args.impls if i in ("flash", "mosaic", "mosaic_s3", "mosaic_s4", "xla")] or ["flash"]
         args.inputs, args.warmup, args.iters, args.repeats = ["dense", "packed"], 1, 1, 1
         args.doc_len, args.block_q, args.block_k, args.block_q_bwd, args.block_k_bwd = 16, 16, 16, 16, 16
         if args.sweep:

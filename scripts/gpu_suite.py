@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STAGES = ("setup", "env", "tests", "attention", "finetune", "lora8b", "dpo", "throughput")
 FIRST_CALL_S, RERUN_CALL_S = 540.0, 240.0  # a lent GPU's 15 minutes: one call of 9, one rerun of 4, start-up
 MIN_STAGE_S = 5.0  # a stage given less than this is skipped
-OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision", "grpo")
+OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision", "grpo", "mosaic")
 PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
          "tokamax", "torch", "transformers")
 # A toy model and corpus for --dry-run: every stage's plumbing runs on a CPU in seconds.
@@ -295,6 +295,14 @@ def stage_levanter(s: Suite) -> dict:
 def stage_sweep(s: Suite) -> dict:
     args = [] if s.dry else ["--seq-lens", "8192", "--head-dims", s.args.sweep_head_dims, "--inputs", "dense,packed"]
     return bench_attention(s, "sweep", [*args, "--sweep", s.args.sweep_configs], 300)
+
+
+def stage_mosaic(s: Suite) -> dict:
+    """The Mosaic kernel's variants side by side (its producers' rings of 2, 3 and 4 stages) beside flash, at
+    T = 8k, D = 128, dense and packed: which deeper TMA pipeline, if any, the kernel should default to."""
+    size = [] if s.dry else ["--seq-lens", "8192", "--head-dims", "128", "--inputs", "dense,packed"]
+    return bench_attention(s, "mosaic", [*size, "--impls", "flash,mosaic,mosaic_s3,mosaic_s4", "--iters", "5",
+                                         "--repeats", "3"], 120)
 
 
 def stage_throughput(s: Suite) -> dict:
@@ -569,7 +577,7 @@ STAGES = {stage.name: stage for stage in (
     Stage("levanter", 90, stage_levanter), Stage("sweep", 150, stage_sweep), Stage("ncu", 150, stage_ncu),
     Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
     Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study), Stage("vision", 90, stage_vision),
-    Stage("grpo", 150, stage_grpo),
+    Stage("grpo", 150, stage_grpo), Stage("mosaic", 120, stage_mosaic),
 )}
 
 

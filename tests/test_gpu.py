@@ -1,5 +1,6 @@
-"""On an NVIDIA GPU, compiled (not interpreted): the flash kernel and its three gradients against contract 2's
-reference at the kernel's real tile sizes, ``auto`` picking pallas, and bf16 training with pallas tracking xla.
+"""On an NVIDIA GPU, compiled (not interpreted): the flash and Mosaic kernels and their three gradients against
+contract 2's reference at the kernels' real tile sizes, ``auto`` picking pallas, bf16 training with pallas tracking
+xla against a noise floor, and float32 with the highest matmul precision against torch.
 
 Skipped without a GPU; ``scripts/gpu_suite.py`` runs them (``pytest -m gpu``) on the GPU machine. The CPU suite
 checks the same kernel's numerics in Pallas interpret mode (tests/test_flash.py).
@@ -12,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from seqjax.model.attention import resolve_backend
 from seqjax.model.kernels.flash import flash_attention
-from test_flash import check_against_reference, output_and_grads, packed_batch, random_qkv
+from seqjax.model.mask import FULL
+from test_flash import assert_close, check_against_reference, output_and_grads, packed_batch, random_qkv
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (scripts/gpu_suite.py)")]
@@ -156,3 +159,28 @@ def test_float32_is_float32_against_torchs_llama_with_the_highest_matmul_precisi
     got = [ours[:len(docs[0])], ours[len(docs[0]):]]
     for a, b in zip(got, expected):
         assert np.max(np.abs(a - b)) / np.max(np.abs(b)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("slots", [2, 3])
+@settings(max_examples=4, deadline=None)
+@given(segment_ids=packed_batch(2, 500), window=st.one_of(st.just(FULL), st.integers(1, 600)))
+def test_the_mosaic_kernel_compiled_matches_the_reference_over_packings_and_windows(dtype, head_dim, slots,
+                                                                                    segment_ids, window):
+    """pallas_mosaic compiled for the GPU (wgmma, TMA): forward and its three gradients against contract 2's
+    reference over drawn packings and sliding windows, T = 500 (padded to 512: eight 64-token tiles a row), 4
+    query heads on 2 kv heads, its default ring of 2 stages and the deeper variant of 3."""
+    from seqjax.model.kernels.mosaic import mosaic_attention
+    from test_mosaic import REFERENCE, _vjp
+
+    q, k, v, cotangent = random_qkv((2, 500, 4, head_dim), kv_heads=2, dtype=dtype, seed=head_dim + slots)
+    ids, w = jnp.asarray(segment_ids), jnp.int32(window)
+    attend = jax.jit(lambda q, k, v, s, w, ct: _vjp(
+        lambda q, k, v, s, w: mosaic_attention(q, k, v, s, window=w, interpret=False, slots=slots),
+        q, k, v, s, w, ct))
+    out, grads = attend(q, k, v, ids, w, cotangent)
+    ref_out, ref_grads = REFERENCE(q, k, v, ids, w, cotangent)
+    for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert_close(got, want, TOLERANCE[jnp.bfloat16], name)
+    assert not np.asarray(out, np.float32)[np.asarray(segment_ids) == 0].any()  # padding: exact zeros

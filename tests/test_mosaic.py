@@ -82,6 +82,24 @@ def test_matches_the_reference_in_half_precision_at_head_dim_128(lengths, dtype)
     check(q, k, v, jnp.asarray(rows), jnp.int32(FULL), cotangent, tol=3e-2)
 
 
+@pytest.mark.parametrize("slots", [pytest.param(3, marks=pytest.mark.slow), 4])
+def test_a_deeper_tma_pipeline_computes_the_same(slots):
+    """The variant a GPU sweep weighs: the producers' rings of 3 or 4 stages instead of 2 (more tiles in flight);
+    a packed row with a padding tail and more tiles a pass streams than there are slots, so every slot is
+    reused, forward and the three gradients in float32, exact in the interpreter."""
+    q, k, v, cotangent = random_qkv((1, 384, 2, 64), kv_heads=1, dtype=jnp.float32, seed=7)
+    rows = np.repeat([1, 2, 0], [330, 40, 14])[None].astype(np.int32)  # (the last query block streams 6 tiles)
+    attend = jax.jit(lambda q, k, v, s, ct: _vjp(
+        lambda q, k, v, s, w: mosaic_attention(q, k, v, s, slots=slots), q, k, v, s, None, ct))
+    out, grads = attend(q, k, v, jnp.asarray(rows), cotangent)
+    ref_out, ref_grads = REFERENCE(q, k, v, jnp.asarray(rows), jnp.int32(FULL), cotangent)
+    assert_close(out, ref_out, 2e-5, "output")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(got, want, 2e-5, name)
+    with pytest.raises(ValueError, match=r"slots 5, expected one of \(2, 3, 4\)"):
+        mosaic_attention(q, k, v, jnp.asarray(rows), slots=5)
+
+
 def test_refuses_what_it_cannot_compute(monkeypatch):
     q, k, v, _ = F32
     ids = jnp.ones((2, 120), jnp.int32)

@@ -19,7 +19,8 @@ loaded; inside ``[full_lo, full_hi)`` no mask is built; edge tiles apply :func:`
 contract 2's rule. Tiles are 64 x 64 (one warpgroup's wgmma M); D is 64 or 128.
 
 Shortcuts, stated: one consumer warpgroup (the bundled kernel ping-pongs two, which a GPU run should weigh);
-the producer's ring has ``SLOTS`` = 2 stages. Until a GPU measures it, ``auto`` does not pick this kernel.
+the producer's ring has ``SLOTS`` = 2 stages by default, 3 or 4 as a variant (``slots=``: a deeper TMA pipeline
+for a GPU sweep to weigh; the interpreter checks each). Until a GPU measures it, ``auto`` does not pick this kernel.
 
 Interpret mode (``interpret=True``, or ``None`` off a GPU) runs the same kernels on a CPU through Pallas's Mosaic
 GPU interpreter, which is how CI checks their numbers; it also accepts float32 there, where a GPU's wgmma would
@@ -34,6 +35,7 @@ when JAX starts; interpret mode refuses a smaller pool in one line instead of ha
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -48,7 +50,8 @@ from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, kern
 from seqjax.model.mask import allowed, check_attention_inputs
 
 BLOCK = MOSAIC_BLOCKS.block_q  # query and key tile rows, every pass: one warpgroup's wgmma M
-SLOTS = 2  # stages of the producer's shared-memory ring
+SLOTS = 2  # stages of the producer's shared-memory ring (the default; a variant takes more)
+SLOT_CHOICES = (2, 3, 4)  # the deeper TMA pipelines a GPU sweep chooses among
 THREADS = 2  # warpgroups per CTA: the TMA producer and the wgmma consumer
 LOG2_E = math.log2(math.e)
 MASKED = -1e30  # a finite -inf: masked logits and the running max start here (no exp2(-inf - -inf) = NaN)
@@ -57,9 +60,19 @@ HEAD_DIMS = (64, 128)
 GPU_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How the kernel is built, a static argument of every pass: ``interpret`` (Pallas's Mosaic GPU interpreter)
+    and ``slots``, the stages of the producers' shared-memory rings (a deeper TMA pipeline keeps more tiles in
+    flight, at ``slots x`` the ring's shared memory: 2 stages of k, v at D = 128 in bfloat16 take 64 KiB)."""
+
+    interpret: bool
+    slots: int = SLOTS
+
+
 def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, scale: float | None = None,
                      interpret: bool | None = None, metadata: BlockMetadata | None = None,
-                     window=None) -> jax.Array:
+                     window=None, slots: int = SLOTS) -> jax.Array:
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D], Hkv dividing H; D 64 or 128.
 
     ``segment_ids`` [B, T]: contract 2 (0 = padding). T is padded to a multiple of 64 with segment 0 (no tile
@@ -87,17 +100,21 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
     scale = float(d**-0.5 if scale is None else scale)
-    out = _attention(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale, bool(interpret))
+    if slots not in SLOT_CHOICES:
+        raise ValueError(f"mosaic_attention: slots {slots}, expected one of {SLOT_CHOICES}")
+    out = _attention(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale,
+                     Variant(bool(interpret), slots))
     return out[:, :t]
 
 
 # ---------------------------------------------------------------------------------------------- pieces
 
 
-def _tile(dtype, d: int):
-    """A [BLOCK, d] shared-memory tile in wgmma's layout: 8-row tiles, swizzled 128 bytes wide."""
+def _tile(dtype, d: int, slots: int):
+    """A ring of ``slots`` [BLOCK, d] shared-memory tiles in wgmma's layout: 8-row tiles, swizzled 128 bytes
+    wide."""
     columns = 128 // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM((SLOTS, BLOCK, d), dtype, transforms=(plgpu.TilingTransform((8, columns)),
+    return plgpu.SMEM((slots, BLOCK, d), dtype, transforms=(plgpu.TilingTransform((8, columns)),
                                                             plgpu.SwizzleTransform(128)))
 
 
@@ -106,15 +123,15 @@ def _one_tile(dtype, d: int):
     return plgpu.SMEM((BLOCK, d), dtype, transforms=(plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(128)))
 
 
-def _produce(start, count, copies, consumed):
+def _produce(start, count, copies, consumed, slots: int):
     """The producer warpgroup: for steps ``0..count``, wait until the consumer has freed the step's slot (after the
-    first ``SLOTS`` steps), then issue ``copies(step)``: (global source, shared ring, ready barrier) triples."""
+    first ``slots`` steps), then issue ``copies(step)``: (global source, shared ring, ready barrier) triples."""
 
     @pl.loop(0, count)
     def _(step):
-        slot = lax.rem(step, SLOTS)
+        slot = lax.rem(step, slots)
 
-        @pl.when(step >= SLOTS)
+        @pl.when(step >= slots)
         def _wait_free():
             plgpu.barrier_wait(consumed.at[slot])
 
@@ -122,7 +139,7 @@ def _produce(start, count, copies, consumed):
             plgpu.copy_gmem_to_smem(src, ring.at[slot], ready.at[slot])
 
 
-def _produce_keys(ranges, seg, k_ref, v_ref, rings, ready, consumed, group: int):
+def _produce_keys(ranges, seg, k_ref, v_ref, rings, ready, consumed, group: int, slots: int):
     """The forward's and dQ's producer warpgroup: this query block's key, value and segment-id tiles, from its range's
     ``lo`` to ``hi``, into ``rings`` (k, v, ids) on ``ready`` (one barrier array each)."""
     i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
@@ -135,7 +152,7 @@ def _produce_keys(ranges, seg, k_ref, v_ref, rings, ready, consumed, group: int)
 
     @pl.when(lax.axis_index("wg") == 1)
     def _producer():
-        _produce(lo, hi - lo, key_tile, consumed)
+        _produce(lo, hi - lo, key_tile, consumed, slots)
 
 
 def _matmul(a, b, shape):
@@ -209,14 +226,14 @@ def xla_cpu_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _interpret(interpret: bool):
-    return plgpu.InterpretGPUParams() if interpret else None
+def _interpret(variant: Variant):
+    return plgpu.InterpretGPUParams() if variant.interpret else None
 
 
 # ---------------------------------------------------------------------------------------------- forward
 
 
-def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interpret: bool):
+def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, variant: Variant):
     """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T] the backward passes reuse."""
     b, t, h, d = q.shape
     group = h // k.shape[2]
@@ -226,7 +243,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
              q_smem, seg_q, k_ring, v_ring, seg_ring, lse_smem, p_smem, q_ready, k_ready, v_ready, s_ready, consumed):
         i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
         _produce_keys(ranges, seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready), consumed,
-                      group)
+                      group, variant.slots)
 
         @pl.when(lax.axis_index("wg") == 0)
         def _consumer():
@@ -239,7 +256,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
 
             def step(masked, j, n, carry):
                 acc, m, row_sum = carry
-                slot = lax.rem(n, SLOTS)
+                slot = lax.rem(n, variant.slots)
                 plgpu.barrier_wait(k_ready.at[slot])
                 s = _matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale
                 mask = None
@@ -271,23 +288,23 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
             _store(jnp.where(empty, 0.0, m + jnp.log2(safe)), lse_smem, lse_ref.at[r, hd, queries])
             plgpu.wait_smem_to_gmem(0)
 
+    n = variant.slots
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
         grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=THREADS, thread_name="wg",
-        scratch_types=[_one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32), _tile(k.dtype, d), _tile(v.dtype, d),
-                       plgpu.SMEM((SLOTS, BLOCK), jnp.int32), plgpu.SMEM((BLOCK,), jnp.float32),
-                       _one_tile(v.dtype, BLOCK), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=SLOTS),
-                       plgpu.Barrier(num_barriers=SLOTS), plgpu.Barrier(num_barriers=SLOTS),
-                       plgpu.Barrier(num_barriers=SLOTS)],
-        interpret=_interpret(interpret))
+        scratch_types=[_one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32), _tile(k.dtype, d, n),
+                       _tile(v.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32), plgpu.SMEM((BLOCK,), jnp.float32),
+                       _one_tile(v.dtype, BLOCK), plgpu.Barrier(num_barriers=2),
+                       *[plgpu.Barrier(num_barriers=n)] * 4],
+        interpret=_interpret(variant))
     return kernel(metadata.fwd_kv, window_operand(metadata), segment_ids, q, k, v)
 
 
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
+def _dq(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
     b, t, h, d = q.shape
     group = h // k.shape[2]
     qk_scale = scale * LOG2_E
@@ -297,7 +314,7 @@ def _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
              v_ready, s_ready, consumed):
         i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
         _produce_keys(ranges, seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready), consumed,
-                      group)
+                      group, variant.slots)
 
         @pl.when(lax.axis_index("wg") == 0)
         def _consumer():
@@ -313,7 +330,7 @@ def _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
             lse_rows, delta_rows = _broadcast(_rows(lse_smem, 1), 0), _broadcast(_rows(delta_smem, 1), 0)
 
             def step(masked, j, n, dq):
-                slot = lax.rem(n, SLOTS)
+                slot = lax.rem(n, variant.slots)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(s_ready.at[slot])
@@ -331,20 +348,20 @@ def _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
             _store(dq * scale, q_smem, dq_ref.at[r, queries, hd])
             plgpu.wait_smem_to_gmem(0)
 
+    n = variant.slots
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=THREADS, thread_name="wg",
         scratch_types=[_one_tile(q.dtype, d), _one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
                        plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32),
-                       _tile(k.dtype, d), _tile(v.dtype, d), plgpu.SMEM((SLOTS, BLOCK), jnp.int32),
-                       _one_tile(k.dtype, BLOCK), plgpu.Barrier(num_barriers=5), plgpu.Barrier(num_barriers=SLOTS),
-                       plgpu.Barrier(num_barriers=SLOTS), plgpu.Barrier(num_barriers=SLOTS),
-                       plgpu.Barrier(num_barriers=SLOTS)],
-        interpret=_interpret(interpret))
+                       _tile(k.dtype, d, n), _tile(v.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32),
+                       _one_tile(k.dtype, BLOCK), plgpu.Barrier(num_barriers=5),
+                       *[plgpu.Barrier(num_barriers=n)] * 4],
+        interpret=_interpret(variant))
     return kernel(metadata.dq_kv, window_operand(metadata), segment_ids, q, k, v, do, lse, delta)
 
 
-def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
+def _dkv(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
     (b, t, h, d), hkv = q.shape, k.shape[2]
     group, qk_scale = h // hkv, scale * LOG2_E
 
@@ -364,7 +381,7 @@ def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
 
         @pl.when(lax.axis_index("wg") == 1)
         def _producer():
-            _produce(lo, group * per_head, query_tile, consumed)
+            _produce(lo, group * per_head, query_tile, consumed, variant.slots)
 
         @pl.when(lax.axis_index("wg") == 0)
         def _consumer():
@@ -378,7 +395,7 @@ def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
 
             def step(masked, i, n, carry):
                 dk, dv = carry
-                slot = lax.rem(n, SLOTS)
+                slot = lax.rem(n, variant.slots)
                 for ready in (q_ready, do_ready, s_ready, l_ready, d_ready):
                     plgpu.barrier_wait(ready.at[slot])
                 # transposed tiles: rows are this block's keys, columns the streamed queries
@@ -403,24 +420,25 @@ def _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
             _store(dv, v_smem, dv_ref.at[r, keys, kvh])
             plgpu.wait_smem_to_gmem(0)
 
+    n = variant.slots
     kernel = plgpu.kernel(
         body, out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(t // BLOCK, hkv, b), grid_names=("blocks", "heads", "rows"), num_threads=THREADS, thread_name="wg",
         scratch_types=[_one_tile(k.dtype, d), _one_tile(v.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
-                       _tile(q.dtype, d), _tile(do.dtype, d), plgpu.SMEM((SLOTS, BLOCK), jnp.int32),
-                       plgpu.SMEM((SLOTS, BLOCK), jnp.float32), plgpu.SMEM((SLOTS, BLOCK), jnp.float32),
+                       _tile(q.dtype, d, n), _tile(do.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32),
+                       plgpu.SMEM((n, BLOCK), jnp.float32), plgpu.SMEM((n, BLOCK), jnp.float32),
                        _one_tile(q.dtype, BLOCK), plgpu.Barrier(num_barriers=3),
-                       *[plgpu.Barrier(num_barriers=SLOTS)] * 6],
-        interpret=_interpret(interpret))
+                       *[plgpu.Barrier(num_barriers=n)] * 6],
+        interpret=_interpret(variant))
     return kernel(metadata.dkv_q, window_operand(metadata), segment_ids, q, k, v, do, lse, delta)
 
 
 # ---------------------------------------------------------------------------------------------- custom VJP
 
 
-def _backward(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do):
-    dq = _dq(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do)
-    dk, dv = _dkv(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do)
+def _backward(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
+    dq = _dq(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do)
+    dk, dv = _dkv(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do)
     return dq, dk, dv
 
 
