@@ -47,7 +47,11 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=2, help="runs of each measurement (the median is reported)")
+    p.add_argument("--repo", type=Path, default=REPO,
+                   help="the checkout whose commands are timed (another commit's: a worktree), with this interpreter")
     args = p.parse_args()
+    global REPO
+    REPO = args.repo.resolve()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         corpus(tmp)
@@ -56,8 +60,10 @@ def main() -> None:
                   "tokenizer.vocab_size=300", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
                   "model.d_ff=64", "train.steps=3", "train.warmup_steps=1", "train.eval_every=0",
                   "train.checkpoint_every=3"]
-        base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-        result = {"python": sys.version.split()[0], "cores": os.cpu_count()}
+        base = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {"PYTHONPATH": str(REPO)}
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        result = {"python": sys.version.split()[0], "cores": os.cpu_count(), "commit": commit or None}
         result["import_s"] = {
             name: statistics.median(timed(["-c", f"import seqjax.main.{name}"], base) for _ in range(args.repeats))
             for name in ("train", "eval", "generate")}
