@@ -153,7 +153,7 @@ def test_every_file_seqjax_reads_that_is_not_utf8_is_one_line_naming_it(tmp_path
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("rope_scaling", "linear", "rope_scaling: got 'linear', expected a mapping with rope_type and its factors"),
+    ("rope_scaling", "linear", "rope_scaling: got 'linear', expected a mapping with rope_type (or type) and factor"),
     ("max_position_embeddings", None, "max_position_embeddings: got None, expected a positive integer"),
     ("num_hidden_layers", "2", "num_hidden_layers: got '2', expected a positive integer"),
 ])

@@ -103,7 +103,7 @@ def test_load_for_inference_from_a_run_dir_and_from_a_step_folder(reference, tin
     latest = jax.tree.leaves(nnx.state(model, nnx.Param))
     early = jax.tree.leaves(nnx.state(older, nnx.Param))
     assert any(not np.array_equal(a, b) for a, b in zip(latest, early))  # different steps, different weights
-    with pytest.raises(ConfigError, match="expected a run directory"):
+    with pytest.raises(ConfigError, match=r"is none of what it takes; expected a seqjax run folder \(checkpoints/\)"):
         load_for_inference(tmp_path)
 
 

@@ -264,8 +264,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
     return config
 
 
-# defaults that follow data.format, where the field's own default (lm) is not what such a run trains with:
-# an RL run's objective is TRL's default loss type
+# defaults that follow data.format, where the field's own default (lm) is not what such a run trains
+# with: an RL run's objective is TRL's default loss type
 FORMAT_DEFAULTS = {"prompt": {("train", "objective"): ["dapo"]}}
 
 
@@ -303,9 +303,9 @@ def _source_of_error(path: Path | None, from_file: dict[str, Any],
 def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yaml",
              final: str | os.PathLike | None = None) -> Path:
     """Save the resolved config beside the outputs it produced, and say where in one line (stderr): the file
-    holds every key, so the log does not repeat them (the command line's overrides are logged when it is read,
-    :func:`seqjax.main.cli.load`). ``final``: the folder the file will be in once ``out_dir`` (a staging folder)
-    is renamed into place, which the line names."""
+    holds every key, so the log does not repeat them (the command line's overrides are logged when
+    it is read, :func:`seqjax.main.cli.load`). ``final``: the folder the file will be in once
+    ``out_dir`` (a staging folder) is renamed into place, which the line names."""
     path = config.save(Path(out_dir) / name)
     file, overrides = _GIVEN
     shown = path if final is None else Path(final) / name
@@ -314,7 +314,8 @@ def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yam
     return path
 
 
-# What the last load_config call read (a command reads one config): the file and the overrides, for announce.
+# What the last load_config call read (a command reads one config): the file and the overrides, for
+# announce.
 _GIVEN: tuple[str | None, list[str]] = (None, [])
 
 

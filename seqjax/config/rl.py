@@ -1,13 +1,13 @@
 """``rl.*``: online reinforcement learning on rollouts the run generates (GRPO and its variants, as TRL 1.16's
-GRPOTrainer computes them; docs/rl.md): how prompts become groups of completions, how they are scored, and the
-settings the GRPO-family objectives read (one section of the config tree, :mod:`seqjax.config.tree`).
+GRPOTrainer computes them; docs/rl.md): how prompts become groups of completions, how they are
+scored, and the settings the GRPO-family objectives read (one section of the config tree,
+:mod:`seqjax.config.tree`).
 
 The keys take TRL's names and defaults (``GRPOConfig``), except where a name says what it counts:
 ``steps_per_generation`` counts optimizer steps here (TRL's counts micro-batches: TRL's
-``steps_per_generation`` is this times ``gradient_accumulation_steps``), and ``prompts_per_step`` replaces
-``per_device_train_batch_size`` (TRL's generation batch is ``prompts_per_step x num_generations x
-steps_per_generation`` completions).
-"""
+``steps_per_generation`` is this times ``gradient_accumulation_steps``), and ``prompts_per_step``
+replaces ``per_device_train_batch_size`` (TRL's generation batch is ``prompts_per_step x
+num_generations x steps_per_generation`` completions)."""
 
 from __future__ import annotations
 

@@ -163,8 +163,9 @@ def _alive(pid: int) -> bool:
 
 def read_utf8(path: str | os.PathLike, error: type[SeqjaxError] = UsageError, what: str = "") -> str:
     """A text file a user hands seqjax (a chat template, a JSON config, a prompts file) as strict UTF-8; an
-    unreadable file or a byte that is not UTF-8 is one ``error`` naming the file, the byte offset and what was
-    expected. ``what`` names the file's role in the message (``data.chat_template``)."""
+    unreadable file or a byte that is not UTF-8 is one ``error`` naming the file, the byte offset
+    and what was expected. ``what`` names the file's role in the message
+    (``data.chat_template``)."""
     path = Path(path)
     role = f"{what}: " if what else ""
     try:

@@ -31,8 +31,9 @@ PLAIN_EVERY_S = 30.0
 
 def progress_bar(*, enabled: bool = True, plain: bool = True, **kwargs: Any) -> tqdm:
     """A tqdm bar on stderr, drawn only when ``enabled`` and :func:`on_terminal`; elsewhere (``enabled``) a
-    plain log line every :data:`PLAIN_EVERY_S` seconds (``eval sliding: 120/400 batch, 61 s``), so no phase
-    over half a minute is silent in a log file (``plain=False``: the caller logs its own lines)."""
+    plain log line every :data:`PLAIN_EVERY_S` seconds (``eval sliding: 120/400 batch, 61 s``), so
+    no phase over half a minute is silent in a log file (``plain=False``: the caller logs its own
+    lines)."""
     if enabled and plain and not on_terminal():
         return _PlainLines(**kwargs)
     return tqdm(file=sys.stderr, disable=not (enabled and on_terminal()), **kwargs)

@@ -64,9 +64,10 @@ class OptionalField:
     argument; else the objectives that name it in their ``reads``). Its leading axis is the batch's
     rows, so micro-batches cut it like the five.
 
-    ``gives(config)``: whether a run of ``config`` has batches that carry it. The data gives most fields
-    (``contract_batch`` builds them); ``added_by`` names the part of the loop that adds a field to the data's
-    batches instead (a precomputed reference's table, the rollouts of an RL run)."""
+    ``gives(config)``: whether a run of ``config`` has batches that carry it. The data gives most
+    fields (``contract_batch`` builds them); ``added_by`` names the part of the loop that adds a
+    field to the data's batches instead (a precomputed reference's table, the rollouts of an RL
+    run)."""
 
     dtype: Any
     meaning: str
@@ -129,8 +130,9 @@ OPTIONAL_FIELDS: dict[str, OptionalField] = {
         "exactly 0; rollout_reference_logps holds the sampling policy's for later passes)"),
 }
 
-# Images (seqjax.data.image_rows, docs/vision.md): chats with images, read by a vision-language model's forward
-# pass. Each row carries its own images in a patch stream of P = data.patches_per_row patches.
+# Images (seqjax.data.image_rows, docs/vision.md): chats with images, read by a vision-language
+# model's forward pass. Each row carries its own images in a patch stream of P =
+# data.patches_per_row patches.
 OPTIONAL_FIELDS.update({
     name: OptionalField(dtype, meaning, "data.image_processor (chats with images)",
                         lambda c: getattr(c.data, "image_processor", None) is not None, model=True)

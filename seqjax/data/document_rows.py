@@ -81,13 +81,12 @@ def document_items(spans: tuple[np.ndarray, np.ndarray], order: np.ndarray, seq_
     """``(starts, lengths)`` of the sequences of documents ``order`` after the overlong policy;
     ``spans`` is every document's sequence (``store.doc_spans()``).
 
-    ``split`` cuts a long document into pieces of ``seq_len`` predictions, each
-    its own sequence (the piece reads the token before it as context);
-    ``keep`` leaves documents whole (the ``fill`` packer splits them itself).
-    ``has_target(starts, predictions)`` (instruction data: :func:`seqjax.data.scored.has_scored_target`)
-    says which cut items still hold a scored target: a truncated chat that lost every answer, or a
-    split piece with none, would train nothing and is left out (:func:`overlong_report` counts them).
-    """
+    ``split`` cuts a long document into pieces of ``seq_len`` predictions, each its own sequence
+    (the piece reads the token before it as context); ``keep`` leaves documents whole (the ``fill``
+    packer splits them itself). ``has_target(starts, predictions)`` (instruction data:
+    :func:`seqjax.data.scored.has_scored_target`) says which cut items still hold a scored target: a
+    truncated chat that lost every answer, or a split piece with none, would train nothing and is
+    left out (:func:`overlong_report` counts them)."""
     starts = np.asarray(spans[0], np.int64)[order]
     weights = np.asarray(spans[1], np.int64)[order] - 1
     starts, weights = starts[weights > 0], weights[weights > 0]  # (a one-token example has no target)

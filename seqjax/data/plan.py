@@ -362,7 +362,8 @@ class EpochPlanner:
             raise DataError(f"example {int(docs[over[0]])}: its images take {int(patches[over[0]])} patches, more "
                             f"than data.patches_per_row={d.patches_per_row}; expected a budget that holds the "
                             "largest example's")
-        # each row a bin; as many rows open as 64 batches have (scripts/bench_vision.py: fewer starve the fit)
+        # each row a bin; as many rows open as 64 batches have (scripts/bench_vision.py: fewer
+        # starve the fit)
         row, _ = image_rows.pack_two_budgets(lengths - 1, patches, 1, d.seq_len, d.patches_per_row,
                                              open_batches=64 * d.batch_size, max_segments=d.max_segments_per_row)
         plan = RowPlan.from_rows(*document_rows.rows_from_assignment(starts, lengths, row), d.batch_size, d.seq_len)

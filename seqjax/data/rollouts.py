@@ -1,28 +1,31 @@
 """Groups of sampled completions as contract batches (GRPO's rollouts, docs/rl.md): built by the one builder,
 :func:`seqjax.data.contract.contract_batch`, in one of three layouts (``rl.layout``).
 
-A group is a prompt of ``n`` ids and its ``G`` completions. ``prompt_once``, the default, packs the group whole
+A group is a prompt of ``n`` ids and its ``G`` completions. ``prompt_once``, the default, packs the
+group whole
 in one row with the prompt once::
 
     [ p0 .. p(n-2) ] [ p(n-1) a0 .. a(m1-1) ] [ p(n-1) b0 .. b(m2-1) ] ... (G completions)
 
-the prompt's first ``n - 1`` ids one segment, and each completion a segment that starts at the prompt's last id
-(which predicts the completion's first token), continues the prompt's positions and attends to the prompt's
-segment (its ``prefix_ids``) and to itself, never to another completion: the mask of preference pairs'
-shared prompt (contract 2's one extension), from 2 completions to G. Every completion token sees what it sees in
-its own sequence; the prompt is computed once instead of ``G`` times: ``n - 1 + sum(m)`` predictions where
-one sequence per completion takes ``G (n - 1) + sum(m)``. ``prompt_per_completion`` (Tunix's way) packs each
-completion with its own copy of the prompt, and ``padded`` (TRL's) puts one completion in a row.
+the prompt's first ``n - 1`` ids one segment, and each completion a segment that starts at the
+prompt's last id (which predicts the completion's first token), continues the prompt's positions and
+attends to the prompt's segment (its ``prefix_ids``) and to itself, never to another completion: the
+mask of preference pairs' shared prompt (contract 2's one extension), from 2 completions to G. Every
+completion token sees what it sees in its own sequence; the prompt is computed once instead of ``G``
+times: ``n - 1 + sum(m)`` predictions where one sequence per completion takes ``G (n - 1) +
+sum(m)``. ``prompt_per_completion`` (Tunix's way) packs each completion with its own copy of the
+prompt, and ``padded`` (TRL's) puts one completion in a row.
 
-The rows of a generation batch are dealt to its ``rl.steps_per_generation`` optimizer steps, and within a step
-to its data-parallel shards, longest first into the least loaded (LPT), so each shard's attention work is even.
-A step's batch has ``data.batch_size`` rows of ``data.seq_len``; empty rows pad it (weight 0).
+The rows of a generation batch are dealt to its ``rl.steps_per_generation`` optimizer steps, and
+within a step to its data-parallel shards, longest first into the least loaded (LPT), so each
+shard's attention work is even. A step's batch has ``data.batch_size`` rows of ``data.seq_len``;
+empty rows pad it (weight 0).
 
-Besides the contract's five, each batch carries ``prefix_ids`` (prompt_once), ``completion`` (1 + the
-completion's number in the generation batch, on its tokens; 0 elsewhere), ``advantages`` (its advantage, on
-its scored targets) and ``token_share`` ([rows, 1]: the generation batch's scored completion tokens over its
-steps and rows, so a step's rows sum to DAPO's normalizer as TRL computes it).
-"""
+Besides the contract's five, each batch carries ``prefix_ids`` (prompt_once), ``completion`` (1 +
+the completion's number in the generation batch, on its tokens; 0 elsewhere), ``advantages`` (its
+advantage, on its scored targets) and ``token_share`` ([rows, 1]: the generation batch's scored
+completion tokens over its steps and rows, so a step's rows sum to DAPO's normalizer as TRL computes
+it)."""
 
 from __future__ import annotations
 
@@ -39,8 +42,8 @@ from seqjax.data.ragged import exclusive_cumsum
 @dataclass
 class Group:
     """One prompt's rollouts: its ids, its completions' ids (without any token after the stop), each
-    completion's advantage and whether it was cut at the length limit; ``masked``: a completion the loss
-    leaves out (``rl.mask_truncated_completions``)."""
+    completion's advantage and whether it was cut at the length limit; ``masked``: a completion the
+    loss leaves out (``rl.mask_truncated_completions``)."""
 
     prompt: np.ndarray
     completions: list[np.ndarray]
@@ -61,12 +64,14 @@ def _units(groups: list[Group], layout: str):
         if shared:  # the prompt's first n - 1 predictions, once
             tokens.append(prompt)
             scores.append(np.zeros(n, np.float32))
-            starts.append(at), lengths.append(n), offsets.append(0), order.append(0), completion.append(0)
+            starts.append(at), lengths.append(n), offsets.append(0)
+            order.append(0), completion.append(0)
             unit_of.append(unit)
             at += n
         for k, ids in enumerate(group.completions):
             ids = np.asarray(ids, np.int64)
-            head = prompt[-1:] if shared else prompt  # (the prompt's last id predicts the completion's first)
+            # (the prompt's last id predicts the completion's first)
+            head = prompt[-1:] if shared else prompt
             piece = np.concatenate([head, ids])
             weight = np.zeros(len(piece), np.float32)
             weight[len(head):] = 0.0 if group.masked[k] else 1.0
@@ -90,8 +95,8 @@ def _units(groups: list[Group], layout: str):
 def rollout_batches(groups: list[Group], layout: str, seq_len: int, batch_size: int, steps: int,
                     shards: int = 1) -> list[dict[str, np.ndarray]]:
     """``steps`` contract batches of ``batch_size`` rows of ``seq_len`` holding every completion of
-    ``groups`` (a generation batch), as :mod:`this module <seqjax.data.rollouts>` lays them out; one line when
-    a unit cannot fit a row or the rows do not fit the steps."""
+    ``groups`` (a generation batch), as :mod:`this module <seqjax.data.rollouts>` lays them out; one
+    line when a unit cannot fit a row or the rows do not fit the steps."""
     stream, scores, pieces = _units(groups, layout)
     predictions = pieces["lengths"] - 1
     unit_cost = np.bincount(pieces["unit"], weights=predictions).astype(np.int64)
@@ -162,7 +167,8 @@ def _step_batch(stream, scores, placed, row_ptr, rows, slots, batch_size, seq_le
         fields["prefix_ids"] = prefix
     batch = contract_batch(stream, placed["starts"][index], placed["lengths"][index], row_of_piece, batch_size,
                            seq_len, scores=scores, offsets=placed["offsets"][index], piece_fields=fields)
-    advantages = np.concatenate([np.asarray(g.advantages, np.float32) for g in groups] or [np.zeros(0)])
+    advantages = np.concatenate([np.asarray(g.advantages, np.float32) for g in groups]
+                                or [np.zeros(0)])
     number = batch["completion"]
     batch["advantages"] = np.where((number > 0) & (batch["weights"] > 0),
                                    advantages[np.maximum(number - 1, 0)], 0.0).astype(np.float32)

@@ -88,8 +88,8 @@ def target_weights(store, normalization: str = "tokens") -> TargetWeights | None
 
 def has_scored_target(mask, starts: np.ndarray, predictions: np.ndarray) -> np.ndarray:
     """For each sequence starting at stream position ``starts[i]`` and predicting the next
-    ``predictions[i]`` tokens, whether any of those targets is scored (``mask`` > 0). Meant for the few
-    sequences an overlong policy cut: each is read on its own."""
+    ``predictions[i]`` tokens, whether any of those targets is scored (``mask`` > 0). Meant for the
+    few sequences an overlong policy cut: each is read on its own."""
     return np.asarray([bool(np.any(np.asarray(mask[s + 1 : s + 1 + n]))) for s, n in zip(starts.tolist(),
                                                                                     predictions.tolist())], bool)
 

@@ -101,8 +101,8 @@ def evaluate_objective(model: nnx.Module, reference: nnx.Module | np.ndarray | N
 
 def pair_rows(tables: dict[str, np.ndarray], reference: bool, beta: float) -> list[dict[str, Any]]:
     """One row per pair scored: its number in the store, its completions' scored tokens, the policy's and the
-    reference's log-probabilities (sums), and TRL's rewards: beta times the log-ratio to the reference, or
-    without one beta times the per-token mean (CPO's and ORPO's)."""
+    reference's log-probabilities (sums), and TRL's rewards: beta times the log-ratio to the
+    reference, or without one beta times the per-token mean (CPO's and ORPO's)."""
     rows = []
     for k in np.flatnonzero(tables["tokens"][:, 0] > 0):
         tokens, ours = tables["tokens"][k], tables["policy"][k]

@@ -386,8 +386,9 @@ def _write_weights(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: i
 def write_tokenizer(out: Path, tokenizer_json: Path, special: dict[str, str], max_length: int,
                     chat_template: str | None) -> list[str]:
     """The tokenizer's files as transformers' ``save_pretrained`` writes them (tokenizer.json with the opening
-    token, special_tokens_map.json, tokenizer_config.json with the chat template): an HF folder's, and beside an
-    exported adapter, as TRL saves them. ``special``: bos_token, eos_token (and pad_token)."""
+    token, special_tokens_map.json, tokenizer_config.json with the chat template): an HF folder's,
+    and beside an exported adapter, as TRL saves them. ``special``: bos_token, eos_token (and
+    pad_token)."""
     special = dict(special)
     write_text_atomic(out / TOKENIZER, _tokenizer_with_opening_token(tokenizer_json, special["bos_token"]))
     if HFTokenizer.from_file(str(tokenizer_json)).token_to_id("<unk>") is not None:

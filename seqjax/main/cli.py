@@ -87,8 +87,9 @@ def run(p: argparse.ArgumentParser, argv: Sequence[str] | None, work: Callable[[
         refuse(p, err)
     except KeyboardInterrupt:
         # What seqjax writes is staged and renamed into place: a stop leaves finished work and
-        # nothing half-written. A second Ctrl-C while the interpreter shuts down (its atexit callbacks:
-        # thread pools, orbax) would only print "Exception ignored in atexit callback": ignored from here.
+        # nothing half-written. A second Ctrl-C while the interpreter shuts down (its atexit
+        # callbacks: thread pools, orbax) would only print "Exception ignored in atexit callback":
+        # ignored from here.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         log.error(
             "%s: interrupted (Ctrl-C): stopped; what was finished is kept, nothing half-written is",
@@ -106,15 +107,15 @@ def load(args: argparse.Namespace) -> Config:
     return config
 
 
-# The persistent XLA cache every command keeps beside the token stores (data.cache_dir/xla), unless the
-# environment names one; programs that compiled faster than this are not worth a file.
+# The persistent XLA cache every command keeps beside the token stores (data.cache_dir/xla), unless
+# the environment names one; programs that compiled faster than this are not worth a file.
 CACHE_MIN_COMPILE_S = 0.1
 
 
 def compilation_cache(config: Config) -> Path | None:
     """Turn on JAX's persistent compilation cache in ``data.cache_dir/xla`` (one already set, as
-    ``JAX_COMPILATION_CACHE_DIR`` sets it, wins; ``SEQJAX_XLA_CACHE=0`` turns it off): a command run again reads
-    its programs back instead of compiling them (BENCHMARKS.md, "Start-up")."""
+    ``JAX_COMPILATION_CACHE_DIR`` sets it, wins; ``SEQJAX_XLA_CACHE=0`` turns it off): a command run
+    again reads its programs back instead of compiling them (BENCHMARKS.md, "Start-up")."""
     if os.environ.get("SEQJAX_XLA_CACHE") == "0":
         return None
     import jax  # (only once a config is loaded: --help and the refusals before any work do without JAX)

@@ -120,10 +120,13 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
 
 def describe_groups(args: argparse.Namespace, config) -> dict[str, Any]:
     """An RL run's first generation batch laid out as ``rl.layout`` packs it, with completions from
-    ``rl.rollouts_file``, else each at ``rl.max_completion_length`` tokens (the most a group can take: what the
-    rows must hold). Its statistics beside one sequence per completion; ``--plot`` draws it."""
+    ``rl.rollouts_file``, else each at ``rl.max_completion_length`` tokens (the most a group can
+    take: what the rows must hold). Its statistics beside one sequence per completion; ``--plot``
+    draws it."""
+    # (an RL run's pieces, and JAX with them: only for data.format=prompt, so the other formats
+    # start faster)
     from seqjax.data.rollouts import Group, rollout_batches
-    from seqjax.train.rollouts import load_prompts, read_rollouts
+    from seqjax.train.rollouts import load_prompts, read_rollouts  # (likewise)
 
     if args.dump:
         raise UsageError("--dump: data.format=prompt has no batches before the policy samples them; expected "

@@ -79,7 +79,8 @@ def chat_prompts(path_text: str, config, tokenizer) -> tuple[list[str], list[lis
     """(each conversation rendered with the generation prompt, its ids, the image fields of the
     batch of them or None, the ids a reply stops at). With ``data.image_processor`` each image part
     becomes one image token per merged patch group, as the store expands it."""
-    # the store's spec of the run's chats: the template, its tokens and the image settings it read them with
+    # the store's spec of the run's chats: the template, its tokens and the image settings it read
+    # them with
     chats = dataclasses.replace(config.data.resolved_sources()[0], format="chat")
     spec = example_spec(config, chats, Path(tokenizer.path), tokenizer.eot_token)
     texts, ids, examples = [], [], []

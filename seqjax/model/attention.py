@@ -254,8 +254,9 @@ def _device_layout(q: jax.Array, k: jax.Array, segment_ids: jax.Array):
 WINDOWED = ("xla", "cudnn", "pallas", "pallas_mosaic", "splash")  # not cudnn_packed
 
 
-# cuDNN's packed layout, refused as a run's backend until a GPU shows it works (scripts/bench_attention.py still
-# times it, impls cudnn_packed and cudnn_packed_t, for the next GPU to decide)
+# cuDNN's packed layout, refused as a run's backend until a GPU shows it works
+# (scripts/bench_attention.py still times it, impls cudnn_packed and cudnn_packed_t, for the next
+# GPU to decide)
 CUDNN_PACKED_REFUSED = (
     "model.attention: got 'cudnn_packed', refused until a GPU shows it works: on an H200 (2026-11-27) its backward "
     "asked for 1.02 TiB and its forward ran at a quarter of cuDNN's dense speed, given as many segments a row as "
@@ -387,7 +388,8 @@ def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, ma
     """cuDNN's fused attention on the packed layout: each segment causal on its own, padding rows
     zeroed after. ``offsets``: :func:`packed_offsets` of these ids, when the caller computed them
     once for several layers."""
-    # a GPU, half precision, no window (called directly: as a run's backend it is refused, CUDNN_PACKED_REFUSED)
+    # a GPU, half precision, no window (called directly: as a run's backend it is refused,
+    # CUDNN_PACKED_REFUSED)
     if window is not None:
         raise ConfigError("model.attention: got 'cudnn_packed', which does not compute sliding windows")
     _check_explicit("cudnn_packed", q.dtype)

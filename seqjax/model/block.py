@@ -275,8 +275,8 @@ class Block(nnx.Module):
 
 def unrolled_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
     """``n_layers`` blocks, one module each (``model.scan_layers: false``), each initialized from the key
-    :func:`stacked_blocks` gives its layer: the same seed gives the same starting weights in either layout,
-    so switching a compile option never changes a run's curve (tests/test_scan.py)."""
+    :func:`stacked_blocks` gives its layer: the same seed gives the same starting weights in either
+    layout, so switching a compile option never changes a run's curve (tests/test_scan.py)."""
     keys = jax.random.split(rngs.params(), cfg.n_layers)  # what nnx.split_rngs hands the stacked layers
     return nnx.List([Block(cfg, rngs=nnx.Rngs(params=key)) for key in keys])
 

@@ -220,8 +220,8 @@ def generate(
 def _sample_rollouts(graphdef, state, inputs, positions, segment_ids, key, max_new: int, copies: int, stops,
                      settings):
     """Prefill each prompt once, its cache and next-token logits copied to its ``copies`` rows, then a
-    ``lax.while_loop`` of decode steps on the device until every row stopped or ``max_new`` tokens: no host
-    round trip per token."""
+    ``lax.while_loop`` of decode steps on the device until every row stopped or ``max_new`` tokens:
+    no host round trip per token."""
     model = nnx.merge(graphdef, state)
     kv = KVCache.empty(model.cfg, inputs.shape[0], inputs.shape[1] + max_new)
     logits, kv = model.decode(inputs, positions=positions, segment_ids=segment_ids, cache=kv)
@@ -229,7 +229,8 @@ def _sample_rollouts(graphdef, state, inputs, positions, segment_ids, key, max_n
     take = lambda a: jnp.take_along_axis(a, last[:, None], axis=1)[:, 0]  # noqa: E731
     logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
     cache = DecodeCache(kv, take(positions) + 1, take(segment_ids))
-    # (rows prompt-major: a prompt's copies side by side, each sampling with its own row of the key's folds)
+    # (rows prompt-major: a prompt's copies side by side, each sampling with its own row of the
+    # key's folds)
     logits, cache = jax.tree.map(lambda a: jnp.repeat(a, copies, axis=0) if jnp.ndim(a) else a, (logits, cache))
     rows = logits.shape[0]
     tokens = jnp.zeros((rows, max_new), jnp.int32)
@@ -259,12 +260,12 @@ def sample_rollouts(model: nnx.Module, prompts: Sequence[Sequence[int]], *, stop
                     max_new_tokens: int, sampling: SamplingConfig, key: jax.Array, copies: int = 1,
                     state=None) -> list[Generation]:
     """``copies`` completions of every prompt of ``prompts`` at once (an RL run's generation batch: ``G`` of
-    each), in prompt order, by up to ``max_new_tokens`` sampled tokens; a row stops after the first of
-    ``stop_ids``, which it keeps (TRL keeps the EOS in a completion and trains on it). One jitted program: a
-    prefill of each prompt once (not ``G`` times), its cache copied to its rows, and a device-side loop of
-    cached decode steps, for the model's shardings as they are (``state``: the model's state placed on the
-    mesh, when given). Each row's randomness is the key's fold at each step: the same key gives the same
-    completions."""
+    each), in prompt order, by up to ``max_new_tokens`` sampled tokens; a row stops after the first
+    of ``stop_ids``, which it keeps (TRL keeps the EOS in a completion and trains on it). One jitted
+    program: a prefill of each prompt once (not ``G`` times), its cache copied to its rows, and a
+    device-side loop of cached decode steps, for the model's shardings as they are (``state``: the
+    model's state placed on the mesh, when given). Each row's randomness is the key's fold at each
+    step: the same key gives the same completions."""
     inputs, positions, segment_ids = prompt_batch(prompts)
     if inputs.shape[1] + max_new_tokens > model.cfg.max_seq_len:
         raise UsageError(

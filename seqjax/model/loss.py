@@ -192,8 +192,8 @@ def _stats(logits: jax.Array, target_logit: jax.Array, log_z: jax.Array) -> tupl
 def token_stats(logits: jax.Array, targets: jax.Array, scored: jax.Array) -> dict[str, jax.Array]:
     """TRL's per-token metrics from ``logits`` [B, T, V], each [B, T] float32 and 0 where ``scored`` is False:
     ``entropy`` (of the model's next-token distribution), ``mean_logit`` (over the vocabulary: TRL's
-    ``logits/*``), ``top1`` (1 where the target is the most likely token: ``mean_token_accuracy``). No
-    gradient flows through them."""
+    ``logits/*``), ``top1`` (1 where the target is the most likely token: ``mean_token_accuracy``).
+    No gradient flows through them."""
     logits = jax.lax.stop_gradient(logits).astype(jnp.float32)
     ids = jnp.where(scored, targets, 0)
     target = jnp.take_along_axis(logits, jnp.clip(ids, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]

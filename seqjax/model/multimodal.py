@@ -10,8 +10,8 @@ stream)::
     x = embed(inputs)                                   [B, T, D]
     tokens, deep = tower(patches) per row               [B, P / 4, D], [k, B, P / 4, D]
     x[b, t] = tokens[b, image_index[b, t]]              where image_index >= 0: the row's i-th image token
-    blocks 0 .. n-1, rotary positions per frequency from positions_3d [B, T, 3]; after block i < k, add
-    deep[i] at the image tokens
+    blocks 0 .. n-1, rotary positions per frequency from positions_3d [B, T, 3]; after block i < k,
+    add deep[i] at the image tokens
     logits = head(final_norm(x))                        [B, T, V]
 
 Every image field has the rows as its leading axis (the batch contract's rule, docs/design.md), so

@@ -347,8 +347,9 @@ def build_model(config: Config | ModelConfig, vocab_size: int | None = None, *,
 
 def use_matmul_precision(cfg: ModelConfig) -> None:
     """``model.matmul_precision`` for every matmul this process traces from now on (the model's, the loss
-    head's, their gradients', decoding's): JAX's default precision, set process-wide where a model is built.
-    ``default`` leaves JAX's own setting as it is (``JAX_DEFAULT_MATMUL_PRECISION``, if set, still wins)."""
+    head's, their gradients', decoding's): JAX's default precision, set process-wide where a model
+    is built. ``default`` leaves JAX's own setting as it is (``JAX_DEFAULT_MATMUL_PRECISION``, if
+    set, still wins)."""
     if cfg.matmul_precision != "default":
         jax.config.update("jax_default_matmul_precision", cfg.matmul_precision)
 

@@ -20,8 +20,9 @@ sapo, luspo,
 vespo
 ============  ==============================================================  ==========================
 
-The preference rows and their formulas: :mod:`seqjax.objectives.preference`. The papers' forms where TRL
-departs from them: SimPO is ``simpo`` with ``train.cpo_alpha=0``, ORPO's paper ``[sft, odds_ratio]``.
+The preference rows and their formulas: :mod:`seqjax.objectives.preference`. The papers' forms where
+TRL departs from them: SimPO is ``simpo`` with ``train.cpo_alpha=0``, ORPO's paper ``[sft,
+odds_ratio]``.
 
 Each is a row (:class:`~seqjax.objectives.base.Objective`): a function from the
 policy and a micro-batch to sums (:class:`~seqjax.objectives.base.Terms`),
@@ -142,12 +143,13 @@ def _weighted(rows: list[Objective], weights: list[float | str], name: str | Non
                  *(TRL_NAMES[row.name] for row in rows if row.name in TRL_NAMES)])))
 
 
-# SimPO as TRL 1.16's CPOTrainer computes it (loss_type=simpo): SimPO's loss plus cpo_alpha times the chosen
-# completions' NLL (TRL's default 1; the paper's SimPO is cpo_alpha=0)
+# SimPO as TRL 1.16's CPOTrainer computes it (loss_type=simpo): SimPO's loss plus cpo_alpha times
+# the chosen completions' NLL (TRL's default 1; the paper's SimPO is cpo_alpha=0)
 OBJECTIVES["simpo"] = _weighted([SIMPO, SFT], [1.0, "cpo_alpha"], name="simpo",
                                 doc="SimPO as TRL's CPO computes it: SimPO's loss + cpo_alpha * sft")
-# ORPO (Hong et al. 2024) as TRL 1.16's ORPOTrainer computes it: the chosen sequences' NLL, prompt included,
-# plus the odds-ratio term (the paper's NLL is the completion's: train.objective=[sft,odds_ratio])
+# ORPO (Hong et al. 2024) as TRL 1.16's ORPOTrainer computes it: the chosen sequences' NLL, prompt
+# included, plus the odds-ratio term (the paper's NLL is the completion's:
+# train.objective=[sft,odds_ratio])
 OBJECTIVES["orpo"] = _weighted([SFT_SEQUENCE, ODDS_RATIO], [1.0, 1.0], name="orpo",
                                doc="ORPO as TRL's ORPOTrainer computes it: sft_sequence + odds_ratio")
 

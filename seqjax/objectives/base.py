@@ -116,8 +116,8 @@ def model_outputs(model, micro: Batch, key: jax.Array | None):
 
 def target_logprobs(model, micro: Batch, key: jax.Array | None, scored: jax.Array, stats: bool = False):
     """log p(targets) [B, T] float32 under ``model``, 0 where ``scored`` is False; the chunked path
-    never builds the whole logits. ``stats``: ``(logp, token_stats)``, TRL's per-token metrics from the
-    same logits (:func:`seqjax.model.loss.token_stats`)."""
+    never builds the whole logits. ``stats``: ``(logp, token_stats)``, TRL's per-token metrics from
+    the same logits (:func:`seqjax.model.loss.token_stats`)."""
     outputs, head = model_outputs(model, micro, key)
     if head is None:
         logp = token_logprobs(outputs, micro["targets"], scored)

@@ -92,9 +92,10 @@ class Pairs:
     def report(self, chosen_reward: jax.Array, rejected_reward: jax.Array,
                per_token: bool = False) -> dict[str, tuple[jax.Array, jax.Array]]:
         """TRL's metrics, each a (sum, count): the rewards and log-probabilities over pairs (``per_token``: each
-        sequence's log-probability as a mean per token, as TRL's CPO and ORPO log it; else a sum, as its DPO
-        does), the rest over completion tokens, as TRL 1.16's DPOTrainer counts them: ``logits/*`` the mean
-        logit, ``entropy`` over both completions, ``mean_token_accuracy`` over the chosen one."""
+        sequence's log-probability as a mean per token, as TRL's CPO and ORPO log it; else a sum, as
+        its DPO does), the rest over completion tokens, as TRL 1.16's DPOTrainer counts them:
+        ``logits/*`` the mean logit, ``entropy`` over both completions, ``mean_token_accuracy`` over
+        the chosen one."""
         count = jnp.sum(self.valid).astype(jnp.float32)
         chosen_reward, rejected_reward = jax.lax.stop_gradient((chosen_reward, rejected_reward))
         c, r = jax.lax.stop_gradient(self.average if per_token else (self.c, self.r))

@@ -1,9 +1,10 @@
 """GRPO and its variants on an RL run's rollouts (docs/rl.md), as TRL 1.16's ``GRPOTrainer._compute_loss``
 computes them, each a row of the objectives table (``train.objective=dapo``).
 
-Per scored completion token, with ``A`` its completion's advantage, ``r = exp(logp - old)`` the ratio to the
-policy that sampled it (``rl.importance_sampling_level=sequence``, GSPO: one ratio per completion, the exp of the
-mean of its tokens' log-ratios), ``e``/``E`` = ``rl.epsilon``/``rl.epsilon_high``:
+Per scored completion token, with ``A`` its completion's advantage, ``r = exp(logp - old)`` the
+ratio to the policy that sampled it (``rl.importance_sampling_level=sequence``, GSPO: one ratio per
+completion, the exp of the mean of its tokens' log-ratios), ``e``/``E`` =
+``rl.epsilon``/``rl.epsilon_high``:
 
 =========================  =================================================================================
 ``grpo``, ``bnpo``,        ``-min(r A, clip(r, 1 - e, 1 + E) A)`` (``rl.delta``: ``r`` capped at delta first)
@@ -15,8 +16,9 @@ mean of its tokens' log-ratios), ``e``/``E`` = ``rl.epsilon``/``rl.epsilon_high`
                            ratio ``w`` (TRL's defaults: k, l = 2, 3 for A >= 0, 3, 2 below)
 =========================  =================================================================================
 
-plus ``rl.beta`` times the k3 KL to the reference, ``exp(ref - logp) - (ref - logp) - 1`` (times ``r`` under
-``rl.use_bias_correction_kl``, TRL's default). How each loss type reduces, with TRL's code beside:
+plus ``rl.beta`` times the k3 KL to the reference, ``exp(ref - logp) - (ref - logp) - 1`` (times
+``r`` under ``rl.use_bias_correction_kl``, TRL's default). How each loss type reduces, with TRL's
+code beside:
 
 =============  ====================================================  ===========================================
 loss type      the step's loss                                       TRL 1.16 (``_compute_loss``)
@@ -31,10 +33,10 @@ luspo          sum over completions of each one's token sum /         per micro-
                completions
 =============  ====================================================  ===========================================
 
-Every sum is over the global step (:class:`~seqjax.objectives.base.Terms`), so packing and micro-batches leave
-the numbers as one padded batch gives them. The reported metrics are TRL's: ``kl``, ``entropy`` and the clip
-ratios (``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``; ``cispo_clip_ratio``).
-"""
+Every sum is over the global step (:class:`~seqjax.objectives.base.Terms`), so packing and
+micro-batches leave the numbers as one padded batch gives them. The reported metrics are TRL's:
+``kl``, ``entropy`` and the clip ratios (``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``;
+``cispo_clip_ratio``)."""
 
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ SETTINGS = ("rl.epsilon", "rl.epsilon_upper", "rl.delta", "rl.importance_samplin
             "rl.use_bias_correction_kl", "rl.sapo_temperature_pos", "rl.sapo_temperature_neg",
             "rl.max_completion_length")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-# VESPO's gamma weighting, TRL 1.16's defaults (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+# VESPO's gamma weighting, TRL 1.16's defaults (vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+# vespo_lambda_neg)
 VESPO = (2.0, 3.0, 3.0, 2.0)
 
 
@@ -64,8 +67,8 @@ class Completions:
         self.segments = micro["segment_ids"]
         self.width = self.segments.shape[1]
         owned = ((micro["completion"] > 0) & (self.segments > 0)).astype(jnp.float32)
-        # a completion counts once, its tokens all masked (rl.mask_truncated_completions) or not, as TRL's
-        # per-row mean counts it
+        # a completion counts once, its tokens all masked (rl.mask_truncated_completions) or not, as
+        # TRL's per-row mean counts it
         self.count = jnp.sum(segment_sums(owned, self.segments, self.width) > 0).astype(jnp.float32)
 
     def per_sequence(self, values: jax.Array) -> jax.Array:
@@ -112,8 +115,9 @@ def _policy_terms(inputs: Inputs, micro: Batch, loss_type: str):
         loss = -jnp.minimum(capped * advantages, coef_2 * advantages)
     kl = None
     if s["rl.beta"]:
-        # (the reference's weights were the policy's when the batch was sampled: its log-probabilities are the
-        # policy's own on the batch's first pass, and the sampling policy's, kept as the reference's, after)
+        # (the reference's weights were the policy's when the batch was sampled: its
+        # log-probabilities are the policy's own on the batch's first pass, and the sampling
+        # policy's, kept as the reference's, after)
         same = (micro["reference_is_policy"] > 0) & fresh  # ([B, 1])
         ref = jnp.where(same, jax.lax.stop_gradient(logp), micro["rollout_reference_logps"])
         kl = jnp.exp(ref - logp) - (ref - logp) - 1
@@ -136,12 +140,14 @@ def _vespo_phi(seqs: Completions, log_ratio: jax.Array, advantages: jax.Array) -
 
 def _loss(loss_type: str):
     def loss(inputs: Inputs, micro: Batch) -> Terms:
-        per_token, seqs, coef_1, advantages, kl, entropy, phi = _policy_terms(inputs, micro, loss_type)
+        terms = _policy_terms(inputs, micro, loss_type)
+        per_token, seqs, coef_1, advantages, kl, entropy, phi = terms
         s = inputs.settings
         tokens = jnp.sum(seqs.mask)
         if loss_type in ("grpo", "sapo"):  # each completion's token mean
-            value = jnp.sum(seqs.per_sequence(per_token) / jnp.maximum(seqs.per_sequence(seqs.mask), 1.0))
-        elif loss_type == "dr_grpo":  # (over completions x the length limit: the limit divides here)
+            tokens_each = jnp.maximum(seqs.per_sequence(seqs.mask), 1.0)
+            value = jnp.sum(seqs.per_sequence(per_token) / tokens_each)
+        elif loss_type == "dr_grpo":  # (over completions x the length limit: it divides here)
             value = jnp.sum(per_token) / s["rl.max_completion_length"]
         else:  # bnpo, dapo, cispo, vespo, luspo: a sum of tokens
             value = jnp.sum(per_token)
@@ -170,19 +176,22 @@ def _reports(loss_type, seqs: Completions, coef_1, advantages, kl, entropy, phi,
     def masked(values):
         values = jax.lax.stop_gradient(values)
         if sequence:  # (one value per completion: its tokens' mean is that value)
-            return jnp.sum(seqs.mean(values * mask) * _first_tokens(seqs)), jnp.sum(_first_tokens(seqs))
+            first = _first_tokens(seqs)
+            return jnp.sum(seqs.mean(values * mask) * first), jnp.sum(first)
         return jnp.sum(values * mask), tokens
 
     out = {"entropy": (jnp.sum(jax.lax.stop_gradient(entropy) * mask), tokens)}
     # (with rl.beta 0 there is no KL term: it reports 0, where TRL logs nothing)
-    out["kl"] = (jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens) if kl is not None else (0.0 * tokens, tokens)
+    out["kl"] = ((jnp.sum(jax.lax.stop_gradient(kl) * mask), tokens) if kl is not None
+                 else (0.0 * tokens, tokens))
     if loss_type in CLIPPED:
         low = ((coef_1 < 1 - s["rl.epsilon"]) & (advantages < 0)).astype(jnp.float32)
         high = ((coef_1 > 1 + s["rl.epsilon_upper"]) & (advantages > 0)).astype(jnp.float32)
         out["clip_ratio/low_mean"], out["clip_ratio/high_mean"] = masked(low), masked(high)
         out["clip_ratio/region_mean"] = masked(jnp.maximum(low, high))
     elif loss_type == "cispo":
-        out["cispo_clip_ratio"] = masked(((coef_1 > s["rl.epsilon_upper"]) & (advantages > 0)).astype(jnp.float32))
+        capped = (coef_1 > s["rl.epsilon_upper"]) & (advantages > 0)
+        out["cispo_clip_ratio"] = masked(capped.astype(jnp.float32))
     elif loss_type == "vespo":  # (one weight per completion: its mean over completions)
         first = _first_tokens(seqs)
         out["vespo/phi_seq_mean"] = (jnp.sum(phi * first), jnp.sum(first))
@@ -193,7 +202,8 @@ def _first_tokens(seqs: Completions) -> jax.Array:
     """[B, T]: 1 on each completion's first scored token (a completion's scored tokens are contiguous)."""
     mask = seqs.mask
     before = jnp.concatenate([jnp.zeros_like(mask[:, :1]), mask[:, :-1]], axis=1)
-    same = jnp.concatenate([jnp.zeros_like(seqs.segments[:, :1]), seqs.segments[:, :-1]], axis=1) == seqs.segments
+    previous = jnp.concatenate([jnp.zeros_like(seqs.segments[:, :1]), seqs.segments[:, :-1]], axis=1)
+    same = previous == seqs.segments
     return mask * (1 - before * same)
 
 

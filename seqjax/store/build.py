@@ -5,9 +5,10 @@ Cache layout under ``data.cache_dir``::
     tokenizers/<recipe>/tokenizer.json     trained tokenizers, keyed by what they were trained from
     stores/<tokenizer hash>/<corpus>-<key>/
         train/ (or valid/, test/)          a sharded token store (see seqjax.store.reader); the key covers only
-                                           what makes that split (its files, field, format), so adding a
-                                           validation file never moves or rebuilds the train store
-                                           (WikiText-2's three splits share wikitext2-<variant>/)
+                                           what makes that split (its files, field, format), so
+                                           adding a validation file never moves or rebuilds the
+                                           train store (WikiText-2's three splits share
+                                           wikitext2-<variant>/)
         damaged/                           shards found damaged, set aside before they were rebuilt
         config.yaml                        the resolved config of the last prepare run
 
@@ -388,11 +389,13 @@ def _prepare(config: Config, splits: Sequence[str], *, process_index: int, proce
     train_files = None if config.tokenizer.path else {s.name: source_files(s, "train") for s in sources}
     percentage = config.data.validation_split_percentage
     per_split = {split: split_sources(sources, split, percentage) for split in splits}
-    # every split's files are found before any work: a missing one is refused before the tokenizer trains
+    # every split's files are found before any work: a missing one is refused before the tokenizer
+    # trains
     files = {(s.name, split): source_files(s, "train" if carved(s, split, percentage) else split)
              for split in splits for s in per_split[split]}
     run = ProcessGroup(process_index, process_count, barrier, verify, config.data.workers or available_cores())
-    # chat templates are read before any work: a missing one is one line, not a trained tokenizer and a refusal
+    # chat templates are read before any work: a missing one is one line, not a trained tokenizer
+    # and a refusal
     token_path = Path(config.tokenizer.path).expanduser() if config.tokenizer.path else None
     specs = {s.name: example_spec(config, s, token_path, special_tokens(config)[0]) for s in sources}
     tokenizer = obtain_tokenizer(config, sources, train_files, run)

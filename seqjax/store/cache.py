@@ -50,8 +50,8 @@ class ProcessGroup:
 
 def file_identity(path: Path, content: bool = False) -> dict[str, Any]:
     """What reuse compares for a source: path, size and modification time (a folder: over the files
-    inside); ``content`` (``data.cache_identity=content``): its name, size and an xxh3 of its bytes, the same
-    wherever the file was moved or copied."""
+    inside); ``content`` (``data.cache_identity=content``): its name, size and an xxh3 of its bytes,
+    the same wherever the file was moved or copied."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     stats = [p.stat() for p in files]
     if content:
@@ -86,7 +86,8 @@ def corpus_key(source: SourceConfig | Config, split: str = "train", files: list[
         source = source.data.resolved_sources()[0]
     if source.corpus == "wikitext2":
         return f"wikitext2-{source.variant}"
-    # (data.cache_identity=content passes the split's files: named by what they hold, not where they are)
+    # (data.cache_identity=content passes the split's files: named by what they hold, not where they
+    # are)
     settings = [getattr(source, f"{split}_files") if files is None else [file_identity(p, True) for p in files]]
     if source.text_field != "text":
         settings.append(source.text_field)

@@ -215,8 +215,9 @@ def _render(spec: ExampleSpec, messages: list[dict], where: str, generation_prom
 
 def _valid_message(m: Any) -> bool:
     """A ``{role, content}`` object with string values, or content as a list of ``{type, ...}`` parts (text and
-    images: :mod:`seqjax.store.image_chats`); an assistant turn that makes tool calls may have no content (null,
-    or no key), as OpenAI's and TRL's format writes it and transformers renders it."""
+    images: :mod:`seqjax.store.image_chats`); an assistant turn that makes tool calls may have no
+    content (null, or no key), as OpenAI's and TRL's format writes it and transformers renders
+    it."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         return False
     calls, content = m.get("tool_calls"), m.get("content")

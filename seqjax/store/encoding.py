@@ -55,11 +55,13 @@ class EncodedChunk:
     scored_tokens: int = 0
     scored_bytes: int = 0
     dropped_unscored: int = 0
-    # preference: pairs of equal completions, of an empty one, and those left out (data.degenerate_pairs)
+    # preference: pairs of equal completions, of an empty one, and those left out
+    # (data.degenerate_pairs)
     pairs_identical: int = 0
     pairs_empty: int = 0
     pairs_dropped: int = 0
-    # chats with images: every example's images in order (uint8 [H, W, 3]), and how many each example has
+    # chats with images: every example's images in order (uint8 [H, W, 3]), and how many each
+    # example has
     images: list[np.ndarray] | None = None
     doc_images: np.ndarray | None = None
     image_files: list[tuple[str, int, int]] | None = None  # the image files they read: (path, bytes, mtime_ns)

@@ -1,18 +1,20 @@
 """Images as a Qwen-VL vision encoder reads them: decoded with Pillow, resized, normalized and cut into
 patches as transformers' Qwen2-VL image processor (its PIL backend) does, in numpy.
 
-For an image of ``H x W`` pixels and an :class:`ImageSpec` (patch size p, merge size m, temporal patch size t):
+For an image of ``H x W`` pixels and an :class:`ImageSpec` (patch size p, merge size m, temporal
+patch size t):
 
 1. **Resize** to ``smart_resize(H, W)``: both sides multiples of ``p * m``, the aspect ratio kept as closely as
-   possible, the pixel count within ``[min_pixels, max_pixels]``; bicubic, on the 8-bit RGB image (Pillow).
+   possible, the pixel count within ``[min_pixels, max_pixels]``; bicubic, on the 8-bit RGB image
+   (Pillow).
 2. **Rescale** to [0, 1] (computed in float64, kept as float32) and **normalize** by ``image_mean`` and
    ``image_std`` per channel (float32).
 3. **Patchify**: ``grid = (1, h / p, w / p)``; the patches [grid_h * grid_w, 3 * t * p * p] in the order the
-   merger reads them (each ``m x m`` group of neighbouring patches consecutive), every patch repeated ``t`` times
-   along time (an image is one frame of a video of ``t``).
+   merger reads them (each ``m x m`` group of neighbouring patches consecutive), every patch
+   repeated ``t`` times along time (an image is one frame of a video of ``t``).
 
-For example a 100 x 60 image at p = 14, m = 2 resizes to 112 x 56: a grid of (1, 8, 4), 32 patches of
-3 * 2 * 14 * 14 = 1176 values, and 8 merged groups: 8 image tokens in the text.
+For example a 100 x 60 image at p = 14, m = 2 resizes to 112 x 56: a grid of (1, 8, 4), 32 patches
+of 3 * 2 * 14 * 14 = 1176 values, and 8 merged groups: 8 image tokens in the text.
 
 Qwen2.5-VL's processor uses CLIP's mean and std and p = 14; Qwen3-VL's 0.5 and 0.5 and p = 16
 (:data:`QWEN3_VL`). ``tests/test_images.py`` compares with transformers' own processor.
@@ -59,8 +61,9 @@ class ImageSpec:
 
 def image_spec_from_hf(config: dict, source: str = "preprocessor_config.json") -> ImageSpec:
     """A Qwen-VL ``preprocessor_config.json`` (a dict) as an :class:`ImageSpec`: the pixel bounds from
-    ``min_pixels``/``max_pixels`` or ``size`` (``shortest_edge``/``longest_edge``, transformers 5's names), every
-    setting that changes the computation read, or refused in one line when seqjax computes something else."""
+    ``min_pixels``/``max_pixels`` or ``size`` (``shortest_edge``/``longest_edge``, transformers 5's
+    names), every setting that changes the computation read, or refused in one line when seqjax
+    computes something else."""
     size = config.get("size") or {}
     values = {"patch_size": config.get("patch_size", 14), "merge_size": config.get("merge_size", 2),
               "temporal_patch_size": config.get("temporal_patch_size", 2),
@@ -159,11 +162,12 @@ def image_tokens(grid: tuple[int, int, int], spec: ImageSpec) -> int:
 
 def rope_index(image_token: np.ndarray, grids: list[tuple[int, int, int]], merge_size: int) -> np.ndarray:
     """The 3-D rotary positions [3, n] (time, height, width) of one example's ``n`` tokens, counted from 0:
-    ``image_token[i]`` is True on an image's tokens (its merged patch groups), ``grids`` are the example's images
-    in order (in patches). Text counts 0, 1, 2, ... on all three axes; an image's tokens take ``start + (0, row,
-    column)`` over its merged grid, and the text after it goes on from ``start + max(rows, columns)``: Qwen2.5-VL's
-    and Qwen3-VL's ``get_rope_index`` for images. A packed example's positions start at 0 because each example's
-    are computed alone, from its own tokens and grids (never from where positions restart in a row).
+    ``image_token[i]`` is True on an image's tokens (its merged patch groups), ``grids`` are the
+    example's images in order (in patches). Text counts 0, 1, 2, ... on all three axes; an image's
+    tokens take ``start + (0, row, column)`` over its merged grid, and the text after it goes on
+    from ``start + max(rows, columns)``: Qwen2.5-VL's and Qwen3-VL's ``get_rope_index`` for images.
+    A packed example's positions start at 0 because each example's are computed alone, from its own
+    tokens and grids (never from where positions restart in a row).
 
     >>> rope_index(np.array([0, 1, 1, 1, 1, 1, 1, 0], bool), [(1, 4, 6)], 2).tolist()
     [[0, 1, 1, 1, 1, 1, 1, 4], [0, 1, 1, 1, 2, 2, 2, 4], [0, 1, 2, 3, 1, 2, 3, 4]]
@@ -195,10 +199,10 @@ def rope_index(image_token: np.ndarray, grids: list[tuple[int, int, int]], merge
 def patch_inputs(grids: list[tuple[int, int, int]], merge_size: int,
                  budget: int | None = None) -> dict[str, np.ndarray]:
     """What a vision encoder reads besides the pixels, for images of ``grids`` packed in one patch stream (in
-    the processor's order: each ``m x m`` group of neighbouring patches consecutive), padded to ``budget``
-    patches: ``segment_ids`` (image 1, 2, ...; 0 on padding), each patch's ``rows`` and ``columns`` in its
-    image's grid, and that grid's ``heights`` and ``widths`` (which the tower's learned positions are resampled
-    to: :class:`seqjax.model.vision.VisionTower`).
+    the processor's order: each ``m x m`` group of neighbouring patches consecutive), padded to
+    ``budget`` patches: ``segment_ids`` (image 1, 2, ...; 0 on padding), each patch's ``rows`` and
+    ``columns`` in its image's grid, and that grid's ``heights`` and ``widths`` (which the tower's
+    learned positions are resampled to: :class:`seqjax.model.vision.VisionTower`).
 
     >>> patch_inputs([(1, 2, 4)], 2)["columns"].tolist()
     [0, 1, 0, 1, 2, 3, 2, 3]

@@ -14,7 +14,8 @@ FORMAT_VERSION = 2
 TOKENS, DOC_OFFSETS, LINE_OFFSETS = "tokens.bin", "doc_offsets.bin", "line_offsets.bin"
 WEIGHTS = "weights.bin"  # instruction data only: which targets are scored
 FILES = (TOKENS, DOC_OFFSETS, LINE_OFFSETS)
-# chats with images only (seqjax.store.stored_images): each image resized as the processor resizes it, 8-bit RGB
+# chats with images only (seqjax.store.stored_images): each image resized as the processor resizes
+# it, 8-bit RGB
 PIXELS, IMAGE_SHAPES, DOC_IMAGES = "pixels.bin", "image_shapes.bin", "doc_images.bin"
 IMAGE_FILES = (PIXELS, IMAGE_SHAPES, DOC_IMAGES)
 MASK_DTYPE = np.dtype(np.uint8)

@@ -18,10 +18,10 @@ and the completion is what follows the first ``n`` ids, TRL's rule when a templa
 prompt alone differently from the prompt followed by an answer. ``tokenize`` is the tokenizer with
 its own special tokens (a Llama tokenizer opens text with its BOS), as ``tokenizer(text)`` gives.
 
-A pair whose chosen and rejected are the same, or whose completion is empty, is kept as TRL keeps it,
-dropped or refused (``data.degenerate_pairs``); one that is not one of the two forms is one line naming the
-record. ``data.pair_eos=always`` puts an EOS after every completion, as TRL's CPO and ORPO trainers do.
-"""
+A pair whose chosen and rejected are the same, or whose completion is empty, is kept as TRL keeps
+it, dropped or refused (``data.degenerate_pairs``); one that is not one of the two forms is one line
+naming the record. ``data.pair_eos=always`` puts an EOS after every completion, as TRL's CPO and
+ORPO trainers do."""
 
 from __future__ import annotations
 
@@ -119,8 +119,9 @@ def encode_pair(spec: ExampleSpec, tokenizer, record: dict,
     ``prompt length`` ids; everything after them is the completion. None: a completion of no token
     at all, which nothing can score (``data.degenerate_pairs`` keep or drop; counted by the caller).
 
-    Under ``data.pair_eos=always`` each completion ends with the EOS, appended where its last token is
-    another (TRL's CPO and ORPO trainers: after a chat template's closing ``<|im_end|>\n`` too)."""
+    Under ``data.pair_eos=always`` each completion ends with the EOS, appended where its last token
+    is another (TRL's CPO and ORPO trainers: after a chat template's closing ``<|im_end|>\n``
+    too)."""
     prompt, with_chosen, with_rejected, chat = pair_texts(spec, record, where)
     # a rendered chat holds its special tokens itself; plain text gets the tokenizer's own (TRL's
     # _tokenize)

@@ -1,11 +1,11 @@
 """The prompts of an online RL run (``data.format=prompt``), read as TRL's GRPOTrainer reads them.
 
-A record holds ``prompt`` (``data.prompt_field``): standard text, tokenized with the tokenizer's own special
-tokens (a Llama tokenizer opens with its BOS), or conversational (a list of ``{role, content}`` messages),
-rendered by the run's chat template with the generation prompt, the record's ``tools`` and
-``chat_template_kwargs`` as transformers passes them. Every other column (an ``answer``, a ``solution``, test
-cases) is kept as it is and handed to the reward functions as keyword arguments, as TRL passes a dataset's
-extra columns.
+A record holds ``prompt`` (``data.prompt_field``): standard text, tokenized with the tokenizer's own
+special tokens (a Llama tokenizer opens with its BOS), or conversational (a list of ``{role,
+content}`` messages), rendered by the run's chat template with the generation prompt, the record's
+``tools`` and ``chat_template_kwargs`` as transformers passes them. Every other column (an
+``answer``, a ``solution``, test cases) is kept as it is and handed to the reward functions as
+keyword arguments, as TRL passes a dataset's extra columns.
 
 The prompts are few (thousands, not billions of tokens) and read whole: no token store.
 """

@@ -4,13 +4,15 @@ checked on open.
 Layout of a store folder (one per split)::
 
     manifest.json         dtype, eot_id, vocab_size, counts, max_id, the build key, and the shards in order,
-                          each with its files' sizes and xxh3 checksums; written last: the completion marker
+                          each with its files' sizes and xxh3 checksums; written last: the
+                          completion marker
     shard-00000-<key>/    tokens.bin        the shard's stream, uint16 when the vocabulary fits, else uint32
                           doc_offsets.bin   int64 [n_docs + 1], raw
                           line_offsets.bin  int64 [n_lines + 1], raw
                           weights.bin       one per token: the target's loss weight, uint8 0/1 (1: scored), or
                                             float32 where shard.json says "weights_dtype": "float32"
-                                            (instruction data only, data.format != text; see seqjax.store.examples)
+                                            (instruction data only, data.format != text; see
+                                            seqjax.store.examples)
                           shard.json        the shard's own record (the manifest's entry): its completion marker
     shard-00001-<key>/    ...
 
@@ -146,7 +148,8 @@ class TokenStore:
         self.sources: list[tuple[str, float, int, int]] = []
         self.source_stores: list[TokenStore] = []
         self.source_bases = np.zeros(0, np.int64)  # where each source's stream starts in this one
-        # chats with images: each document's images (seqjax.store.stored_images.StoredImages), or None
+        # chats with images: each document's images (seqjax.store.stored_images.StoredImages), or
+        # None
         self.images: StoredImages | None = None
         # built in memory: check it now (an opened store was checked when it was built)
         if manifest is None:

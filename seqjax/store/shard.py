@@ -24,13 +24,14 @@ from seqjax.store.writer import ShardWriter
 # Characters of text per encoding task: large enough to amortize the hand-off, small enough for
 # bounded memory.
 CHUNK_CHARS = 1 << 22
-# Chats with images: what one image adds to a chunk's size (its resized pixels, up to a few MB, cross the
-# process boundary).
+# Chats with images: what one image adds to a chunk's size (its resized pixels, up to a few MB,
+# cross the process boundary).
 IMAGE_CHARS = 1 << 17
 # A shard with less source than this is encoded in this process: starting worker processes would
 # cost more.
 POOL_MIN_BYTES = 1 << 23
-# preference stores: pairs of equal completions, of an empty one, and pairs left out (data.degenerate_pairs)
+# preference stores: pairs of equal completions, of an empty one, and pairs left out
+# (data.degenerate_pairs)
 PAIR_COUNTS = ("pairs_identical", "pairs_empty", "pairs_dropped")
 
 
@@ -82,7 +83,8 @@ def records(source: SourceConfig, files: list[Path], spec: ExampleSpec, counts: 
             if spec.image_spec is not None:  # where its image paths start (after the carve: not part of its hash)
                 record[IMAGE_BASE] = str(path.parent)
             chunk.append((where, record))
-            # an image counts as IMAGE_CHARS: a chunk holds a few dozen resized images, not thousands
+            # an image counts as IMAGE_CHARS: a chunk holds a few dozen resized images, not
+            # thousands
             size += len(str(record)) + IMAGE_CHARS * len(image_parts(record.get(spec.messages_field) or []))
             if size >= CHUNK_CHARS:
                 yield chunk

@@ -14,7 +14,8 @@ KWARGS_FIELD = "chat_template_kwargs"
 # (chat_template.json: where a VL model's processor keeps its template, as Qwen-VL's Hub folders do)
 TEMPLATE_FILES = (CHAT_TEMPLATE_FILE, "tokenizer_config.json", "chat_template.json")
 NOT_SCORED = -100  # HF's label for a token the loss skips
-# Chats with images: the folder a record's relative image paths start from (its data file's), added by the reader
+# Chats with images: the folder a record's relative image paths start from (its data file's), added
+# by the reader
 IMAGE_BASE = "__image_base__"
 
 
@@ -45,13 +46,14 @@ class ExampleSpec:
     twin: str | None = None
     # data.chat_template_kwargs as JSON text (sorted keys: hashable, and one store key per meaning)
     template_kwargs: str = "{}"
-    # chats with images (data.image_processor): the processor's settings (seqjax.store.images.ImageSpec), the
-    # images' column and the token the template puts for each
+    # chats with images (data.image_processor): the processor's settings
+    # (seqjax.store.images.ImageSpec), the images' column and the token the template puts for each
     image_spec: Any = None
     images_field: str = "images"
     image_token: str = "<|image_pad|>"
-    # preference: an EOS after each completion as TRL's DPOTrainer (template) or its CPO and ORPO trainers
-    # (always) put one; what a pair of equal or empty completions becomes (keep, drop, error)
+    # preference: an EOS after each completion as TRL's DPOTrainer (template) or its CPO and ORPO
+    # trainers (always) put one; what a pair of equal or empty completions becomes (keep, drop,
+    # error)
     pair_eos: str = "template"
     degenerate_pairs: str = "keep"
 

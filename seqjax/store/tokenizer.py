@@ -211,8 +211,8 @@ class Tokenizer:
 
     def decode_whole(self, ids: Iterable[int]) -> str:
         """Text of ``ids`` without a last character they hold only part of (byte-level tokens can end inside a
-        UTF-8 character, where generation stopped: decoded as a whole it reads U+FFFD), as a streamer holds it
-        back until its other bytes come."""
+        UTF-8 character, where generation stopped: decoded as a whole it reads U+FFFD), as a
+        streamer holds it back until its other bytes come."""
         ids = [int(i) for i in ids]
         text = self.decode(ids)
         for cut in range(1, min(4, len(ids)) + 1):  # (a character is at most four bytes)

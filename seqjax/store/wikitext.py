@@ -1,9 +1,9 @@
 """WikiText-2's split files cut into articles, byte for byte.
 
-An article starts at a `` = Title = `` line that stands between blank lines (section headings are
-`` = = Section = = ``); the article takes the blank line before its title with it, so joining the articles
-gives back the file byte for byte. The standard splits hold 600 / 60 / 60 articles (Merity et al., 2016).
-"""
+An article starts at a `` = Title = `` line that stands between blank lines (section headings are ``
+= = Section = = ``); the article takes the blank line before its title with it, so joining the
+articles gives back the file byte for byte. The standard splits hold 600 / 60 / 60 articles (Merity
+et al., 2016)."""
 
 from __future__ import annotations
 

@@ -173,8 +173,9 @@ def _validation(run: Setup, params, mesh, step: int, validate, log: MetricsLog) 
 
 def _reference(run: Setup, params, model):
     """The preference objective's reference model as the step runs it (:mod:`seqjax.weights.reference`): a
-    frozen copy or a named model, the state with the adapters off (on the run's base, or a named model's), the
-    policy itself when the objective has none; or the validation split's precomputed table."""
+    frozen copy or a named model, the state with the adapters off (on the run's base, or a named
+    model's), the policy itself when the objective has none; or the validation split's precomputed
+    table."""
     if run.reference_tables is not None:  # train.precompute_reference: the split's table
         return run.reference_tables[run.config.eval.split]
     base = run.frozen[0] if run.frozen else None

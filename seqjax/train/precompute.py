@@ -1,20 +1,21 @@
 """``train.reference=precompute``: a preference run's reference log-probabilities computed once, before the
-first step, and stored with the run; the step then reads them from the batch instead of running a reference.
+first step, and stored with the run; the step then reads them from the batch instead of running a
+reference.
 
-The table of a split is ``run.dir/reference/<split>.npz``: ``logps [pairs, 2]`` (each pair's chosen and
-rejected sequence: the sum of the reference's log-probabilities over its scored targets) and ``identity``: the
-store's (tokenizer, text, pair count) and the data keys that cut the sequences, and the reference model's
-(``train.init_from`` and an xxh3 over its weights, :func:`seqjax.weights.adapters.base_identity`). A table of
-another store or model is refused in one line; nothing is recomputed silently.
+The table of a split is ``run.dir/reference/<split>.npz``: ``logps [pairs, 2]`` (each pair's chosen
+and rejected sequence: the sum of the reference's log-probabilities over its scored targets) and
+``identity``: the store's (tokenizer, text, pair count) and the data keys that cut the sequences,
+and the reference model's (``train.init_from`` and an xxh3 over its weights,
+:func:`seqjax.weights.adapters.base_identity`). A table of another store or model is refused in one
+line; nothing is recomputed silently.
 
-Every pair is scored once, in store order, packed as training packs them (unshuffled). The work is saved every
-``SAVE_EVERY_S`` seconds to ``<split>.partial.npz`` (atomically), so a run killed while precomputing resumes
-the table where it stopped; the table is renamed into place when whole.
+Every pair is scored once, in store order, packed as training packs them (unshuffled). The work is
+saved every ``SAVE_EVERY_S`` seconds to ``<split>.partial.npz`` (atomically), so a run killed while
+precomputing resumes the table where it stopped; the table is renamed into place when whole.
 
-The batch field ``reference_logps`` (:func:`seqjax.data.pairs.with_reference`) puts each sequence's value on its
-last scored target (0 elsewhere): summed by pair as the objectives sum the policy's log-probabilities, it gives
-the reference's sums back, whatever the packing or the micro-batches.
-"""
+The batch field ``reference_logps`` (:func:`seqjax.data.pairs.with_reference`) puts each sequence's
+value on its last scored target (0 elsewhere): summed by pair as the objectives sum the policy's
+log-probabilities, it gives the reference's sums back, whatever the packing or the micro-batches."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def _check(meta: dict[str, Any], now: dict[str, Any], path: Path) -> None:
 def precompute(config: Config, store: TokenStore, split: str, reference_logprobs: Callable[[dict], Any],
                model: dict[str, Any], max_batches: int | None = None) -> np.ndarray:
     """The table ``[pairs, 2]`` of ``store`` (``split``), read from the run when it is there and was computed
-    from this store and ``model`` (its identity), else computed with ``reference_logprobs`` (a jitted batch
+    from this store and ``model`` (its identity), else computed with ``reference_logprobs`` (a
+    jitted batch
     -> per-target log-probabilities of the scored targets), going on from a partial table if one was saved.
     ``max_batches``: stop after that many new batches, the work saved (a test's stand-in for a kill)."""
     run_dir = Path(config.run.dir)

@@ -3,20 +3,21 @@ TRL's signature, combined with ``rl.reward_weights`` as TRL's GRPOTrainer combin
 
 ==============  ==================================================================================================
 ``accuracy``    1 when the completion's answer equals the record's ``rl.answer_field``, else 0: the answer is the
-                last ``\\boxed{...}``, else the last number, else the whole text; compared as numbers when both
-                read as one, else as text with case, spaces and a trailing period left out
+                last ``\\boxed{...}``, else the last number, else the whole text; compared as
+                numbers when both read as one, else as text with case, spaces and a trailing period
+                left out
 ``format``      1 when the completion matches ``rl.format_pattern`` (TRL's ``think_format_reward``'s by
                 default), else 0
 ``length``      DAPO's soft overlong punishment (TRL's ``get_soft_overlong_punishment``): 0 up to
                 ``rl.max_completion_length - buffer`` tokens, falling linearly to -1 at the limit
 ``module:func`` ``func(prompts=..., completions=..., completion_ids=..., **the record's other columns)`` -> one float
-                or None per completion, as TRL calls a reward function (``module`` importable, or a ``.py`` path)
+                or None per completion, as TRL calls a reward function (``module`` importable, or a
+                ``.py`` path)
 ==============  ==================================================================================================
 
-A completion is its text (a standard prompt) or ``[{"role": "assistant", "content": text}]`` (a conversational
-one), as TRL passes it. None is no score: a completion no function scores gets no advantage. A function that
-raises, or returns another number of rewards, is one line naming it.
-"""
+A completion is its text (a standard prompt) or ``[{"role": "assistant", "content": text}]`` (a
+conversational one), as TRL passes it. None is no score: a completion no function scores gets no
+advantage. A function that raises, or returns another number of rewards, is one line naming it."""
 
 from __future__ import annotations
 
@@ -88,7 +89,9 @@ def same_answer(given: str, expected: Any) -> bool:
 
 
 def _text(completion: Any) -> str:
-    return completion if isinstance(completion, str) else "".join(str(m.get("content", "")) for m in completion)
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(m.get("content", "")) for m in completion)
 
 
 @dataclass
@@ -127,7 +130,8 @@ def _length(config: Config) -> Callable[..., list]:
         out = []
         for ids in completion_ids:
             n = len(ids)
-            out.append(0.0 if n <= limit - buffer else ((limit - buffer) - n) / buffer if n <= limit else -1.0)
+            start = limit - buffer
+            out.append(0.0 if n <= start else (start - n) / buffer if n <= limit else -1.0)
         return out
 
     return length
@@ -195,8 +199,9 @@ def score(rewards: list[Reward], weights: list[float], prompts: list, completion
 
 def advantages(total: np.ndarray, group: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
     """(advantages [N], whether each group's std is zero [N]) from the weighted rewards ``total`` [N], grouped
-    ``group`` at a time, as TRL's ``sum_then_normalize``: the group's mean subtracted, divided by the group's
-    std (``group``) or the batch's (``batch``) plus 1e-4, or not (``none``); an unscored completion gets 0."""
+    ``group`` at a time, as TRL's ``sum_then_normalize``: the group's mean subtracted, divided by
+    the group's std (``group``) or the batch's (``batch``) plus 1e-4, or not (``none``); an unscored
+    completion gets 0."""
     grouped = total.reshape(-1, group)
     with np.errstate(all="ignore"):
         mean = np.repeat(np.nanmean(grouped, axis=1), group)

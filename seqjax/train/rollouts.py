@@ -2,19 +2,20 @@
 (:mod:`seqjax.train.source`).
 
 Every ``rl.steps_per_generation x rl.num_iterations`` steps it makes a generation batch: the next
-``rl.prompts_per_step x rl.steps_per_generation`` prompts (shuffled per epoch from ``run.seed``, in file order
-without ``data.shuffle``), ``rl.num_generations`` completions each, sampled with the current policy on the
-training mesh (:func:`seqjax.model.decode.sample_rollouts`, its key ``run.seed``'s folded with the generation's
-number: a resumed run samples the same) or replayed from ``rl.rollouts_file``; scored by the reward functions
-(:mod:`seqjax.train.rewards`), their advantages computed, the groups laid out in rows
-(:mod:`seqjax.data.rollouts`), and, when a later step or pass will train on them, their log-probabilities under
-the sampling policy computed once (TRL's ``old_per_token_logps``), as the reference's are when ``rl.beta > 0``.
-Each generation batch is written to ``run.dir/rollouts/`` before its first step, so a run resumed in the middle
-of one trains on the same batches.
-"""
+``rl.prompts_per_step x rl.steps_per_generation`` prompts (shuffled per epoch from ``run.seed``, in
+file order without ``data.shuffle``), ``rl.num_generations`` completions each, sampled with the
+current policy on the training mesh (:func:`seqjax.model.decode.sample_rollouts`, its key
+``run.seed``'s folded with the generation's number: a resumed run samples the same) or replayed from
+``rl.rollouts_file``; scored by the reward functions (:mod:`seqjax.train.rewards`), their advantages
+computed, the groups laid out in rows (:mod:`seqjax.data.rollouts`), and, when a later step or pass
+will train on them, their log-probabilities under the sampling policy computed once (TRL's
+``old_per_token_logps``), as the reference's are when ``rl.beta > 0``. Each generation batch is
+written to ``run.dir/rollouts/`` before its first step, so a run resumed in the middle of one trains
+on the same batches."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -32,10 +33,16 @@ from seqjax.core.files import json_text, write_bytes_atomic, write_text_atomic
 from seqjax.data.rollouts import Group, rollout_batches
 from seqjax.model.decode import sample_rollouts
 from seqjax.model.sampling import SamplingConfig
+from seqjax.model.sharding import BATCH_AXES
 from seqjax.objectives.base import target_logprobs
-from seqjax.store.prompts import Prompt
+from seqjax.store.chat import end_of_turn
+from seqjax.store.corpus import source_files
+from seqjax.store.examples import example_spec
+from seqjax.store.prompts import Prompt, read_prompts
 from seqjax.train.prefetch import IteratorPosition
-from seqjax.train.rewards import Reward, advantages, score
+from seqjax.train.rewards import Reward, advantages, load_rewards, score
+from seqjax.train.step import reference_states
+from seqjax.weights.reference import same_weights_rule
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +119,8 @@ class RolloutSource:
                 if given is None or len(given) < g:
                     raise DataError(
                         f"rl.rollouts_file: prompt {prompt.index} ({prompt.where}) has "
-                        f"{0 if given is None else len(given)} completions there; expected rl.num_generations={g}")
+                        f"{0 if given is None else len(given)} completions there; "
+                        f"expected rl.num_generations={g}")
                 for ids in given[:g]:
                     out.append((ids, bool(ids) and ids[-1] in self.stop_ids))
             return out
@@ -145,8 +153,10 @@ class RolloutSource:
         truncated = np.asarray([not stopped for _, stopped in made])
         masked = truncated & self.rl.mask_truncated_completions
         groups = [Group(p.ids, [np.asarray(made[k * g + j][0], np.int64) for j in range(g)],
-                        adv[k * g:(k + 1) * g], masked[k * g:(k + 1) * g]) for k, p in enumerate(prompts)]
-        batches = rollout_batches(groups, self.rl.layout, self.config.data.seq_len, self.config.data.batch_size,
+                        adv[k * g:(k + 1) * g], masked[k * g:(k + 1) * g])
+                  for k, p in enumerate(prompts)]
+        data = self.config.data
+        batches = rollout_batches(groups, self.rl.layout, data.seq_len, data.batch_size,
                                   self.rl.steps_per_generation, self.shards)
         self._logps(params, batches, step)
         self.metrics = generation_metrics(self.rewards, table, total, zero_std, made, truncated)
@@ -168,8 +178,8 @@ class RolloutSource:
             zeros = np.zeros_like(batch["weights"])
             batch["old_logps"] = (np.asarray(self._logprobs(parts["graphdef"], policy, device), np.float32)
                                   if self.every > 1 else zeros)
-            # (the reference is the sampling policy: its log-probabilities are the old ones, and on the first
-            # pass the step's own, bit for bit)
+            # (the reference is the sampling policy: its log-probabilities are the old ones, and on
+            # the first pass the step's own, bit for bit)
             batch["rollout_reference_logps"] = batch["old_logps"] if same else zeros
             batch["reference_is_policy"] = np.full((len(batch["inputs"]), 1), int(bool(same)), np.int32)
             if self.rl.beta and not same:
@@ -182,8 +192,6 @@ class RolloutSource:
         return self.folder / f"generation_{generation:06d}.npz"
 
     def _write(self, generation: int, pending: dict, prompts, texts, table, adv) -> None:
-        import io
-
         buffer = io.BytesIO()
         np.savez(buffer, **{f"{i}/{k}": v for i, b in enumerate(pending["batches"]) for k, v in b.items()},
                  metrics=np.asarray(json.dumps(self.metrics)))
@@ -194,8 +202,9 @@ class RolloutSource:
     def _read(self, generation: int) -> dict[str, Any]:
         path = self._path(generation)
         if not path.is_file():
-            raise DataError(f"{path}: the generation batch this run was in the middle of is missing; expected the "
-                            "rollouts the run wrote before training on them (resume from a step that ends one)")
+            raise DataError(f"{path}: the generation batch this run was in the middle of is missing; "
+                            "expected the rollouts the run wrote before training on them (resume from a "
+                            "step that ends one)")
         with np.load(path) as f:
             batches: dict[int, dict] = {}
             for name in f.files:
@@ -246,8 +255,10 @@ def generation_metrics(rewards: list[Reward], table: np.ndarray, total: np.ndarr
         ended = lengths[~truncated] if (~truncated).any() else np.zeros(1)
         out = {"reward": float(np.nanmean(total)), "reward_std": float(_std(total)),
                "frac_reward_zero_std": float(np.mean(zero_std)),
-               "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-               "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.mean()),
+               "completions/mean_length": float(lengths.mean()),
+               "completions/min_length": float(lengths.min()),
+               "completions/max_length": float(lengths.max()),
+               "completions/clipped_ratio": float(truncated.mean()),
                "completions/mean_terminated_length": float(ended.mean()),
                "completions/min_terminated_length": float(ended.min()),
                "completions/max_terminated_length": float(ended.max())}
@@ -289,11 +300,6 @@ def read_rollouts(path: str, tokenizer) -> dict[int, list[list[int]]]:
 def load_prompts(config: Config, tokenizer) -> tuple[list[Prompt], list[int]]:
     """The run's prompts (its training files) and the tokens that stop a completion: the tokenizer's end of
     text, and a chat template's end of turn for conversational prompts."""
-    from seqjax.store.chat import end_of_turn
-    from seqjax.store.corpus import source_files
-    from seqjax.store.examples import example_spec
-    from seqjax.store.prompts import read_prompts
-
     source = config.data.resolved_sources()[0]
     spec = example_spec(config, source, Path(tokenizer.path), tokenizer.eot_token)
     prompts = read_prompts(config, source_files(source, "train"), tokenizer, spec)
@@ -306,13 +312,10 @@ def load_prompts(config: Config, tokenizer) -> tuple[list[Prompt], list[int]]:
 
 def build_source(config: Config, prepared, placed, mesh, ref, reference: tuple, to_device) -> RolloutSource:
     """The rollouts source of a run set up by :func:`seqjax.train.setup.setup`: its prompts read, its reward
-    functions loaded, its stop tokens (the tokenizer's end of text, and a chat template's end of turn), and the
-    reference model of ``rl.beta`` (``ref``, :mod:`seqjax.weights.reference`) as ``reference`` gives its
-    weights (the step's extra arguments and the graph with the adapters off)."""
-    from seqjax.model.sharding import BATCH_AXES  # (the mesh's row axes: how many shards a step's rows feed)
-    from seqjax.train.rewards import load_rewards
-    from seqjax.train.step import reference_states
-    from seqjax.weights.reference import same_weights_rule
+    functions loaded, its stop tokens (the tokenizer's end of text, and a chat template's end of
+    turn), and the reference model of ``rl.beta`` (``ref``, :mod:`seqjax.weights.reference`) as
+    ``reference`` gives its weights (the step's extra arguments and the graph with the adapters
+    off)."""
 
     if jax.process_count() > 1:
         raise DataError(f"data.format=prompt: got {jax.process_count()} processes; an RL run samples in one "

@@ -4,8 +4,8 @@ runs.
 Two runs writing one folder destroy each other's checkpoints and metrics, so
 the second is refused before any work, with the holder's name::
 
-    run.dir runs/x is in use by another training run (host node7, PID 4123, started 2026-11-23 09:14:02 UTC,
-    job 5f0c...); wait for it to end or choose another run.dir
+    run.dir runs/x is in use by another training run (host node7, PID 4123, started 2026-11-23
+    09:14:02 UTC, job 5f0c...); wait for it to end or choose another run.dir
 
 The lock is ``fcntl.flock`` on the open file, so the kernel drops it when the
 process ends, however it ends: a crashed or killed run leaves no stale lock,

@@ -93,7 +93,8 @@ class Setup:
     frozen: tuple
     # model.lora: the base the adapters belong to (train.init_from and a hash)
     base: dict[str, Any] | None
-    # the preference objective's reference (weights.reference), and a named model's identity (path and hash)
+    # the preference objective's reference (weights.reference), and a named model's identity (path
+    # and hash)
     reference: Reference
     reference_identity: dict[str, Any] | None
     objective: Objective
@@ -292,11 +293,11 @@ def check_processor(config: Config) -> None:
 
 def reference_arguments(placed: Placed, config: Config, ref: Reference):
     """(the step's extra arguments, their shardings, the reference graph or None, a named reference's identity
-    or None): the frozen base under
-    adapters and the reference the step runs (:mod:`seqjax.weights.reference`): none (the batch has its
-    precomputed log-probabilities, or the objective has none); the same state with the adapters off; a frozen
-    copy of what trains; or a named model's weights, in the copy's place (a full fine-tune) or the base's (its
-    adapters off)."""
+    or None): the frozen base under adapters and the reference the step runs
+    (:mod:`seqjax.weights.reference`): none (the batch has its precomputed log-probabilities, or the
+    objective has none); the same state with the adapters off; a frozen copy of what trains; or a
+    named model's weights, in the copy's place (a full fine-tune) or the base's (its adapters
+    off)."""
     extras = () if placed.frozen is None else (placed.frozen, )
     shardings = () if placed.frozen is None else (placed.frozen_shardings, )
     if not ref.in_step:
@@ -325,8 +326,8 @@ def reference_arguments(placed: Placed, config: Config, ref: Reference):
 def precomputed_reference(config: Config, placed: Placed, base: dict[str, Any] | None, ref: Reference,
                           stores: dict[str, Any]) -> dict[str, np.ndarray] | None:
     """``train.precompute_reference``: each split's table of the reference's log-probabilities
-    (:mod:`seqjax.train.precompute`): of the base with the adapters off, the starting weights, or the model
-    ``train.reference`` names. None for a reference the step runs, or none."""
+    (:mod:`seqjax.train.precompute`): of the base with the adapters off, the starting weights, or
+    the model ``train.reference`` names. None for a reference the step runs, or none."""
     if ref.kind is None or not ref.precompute:
         return None
     frozen = () if placed.frozen is None else (placed.frozen, )
@@ -355,6 +356,13 @@ def _overlong(config: Config, store) -> dict[str, Any] | None:
     return overlong
 
 
+def _offline_source(config: Config, data, tables, to_device) -> OfflineSource:
+    """The store's batches (with each pair's precomputed reference log-probabilities, when there are any)."""
+    if tables is not None:
+        data = data.map(functools.partial(with_reference, logps=tables["train"]))
+    return OfflineSource(iter(data), to_device, depth=config.train.prefetch)
+
+
 def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     """Tokenizer and stores, the sharded model and optimizer state, the data iterator and the jitted
     step."""
@@ -369,7 +377,6 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     data = None if rl else build_pipeline(config, train_store, process_index=process_index,
                                           process_count=process_count)
     placed, base = starting_weights(config, mesh, source)
-    # (an RL run's reference scores its rollouts, in the source: the step runs none)
     ref = decide(config, objective.reference or (rl and config.rl.beta > 0))
     tables = None if rl else precomputed_reference(config, placed, base, ref,
                                                    {"train": train_store, config.eval.split: valid_store})
@@ -381,14 +388,10 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     settings = settings_of(config, objective)
     extras, extra_shardings, reference_graphdef, named = reference_arguments(placed, config, ref)
     to_device = functools.partial(sharding.global_batch, sharding=batch_sharding, process_count=process_count)
-    if rl:
-        batch_source = build_source(config, prepared, placed, mesh, ref, (extras, reference_graphdef), to_device)
-        extras, extra_shardings = extras[:1], extra_shardings[:1]  # (the step runs no reference)
-        reference_graphdef = None
-    else:
-        batch_source = OfflineSource(iter(data if tables is None else
-                                          data.map(functools.partial(with_reference, logps=tables["train"]))),
-                                     to_device, depth=tc.prefetch)
+    batch_source = (build_source(config, prepared, placed, mesh, ref, (extras, reference_graphdef), to_device)
+                    if rl else _offline_source(config, data, tables, to_device))
+    if rl:  # (an RL run's reference scores its rollouts in the source: the step runs none)
+        extras, extra_shardings, reference_graphdef = extras[:1], extra_shardings[:1], None
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum,
                            z_loss=tc.z_loss, objective=objective, settings=settings,
                            reference_graphdef=reference_graphdef, precomputed=tables is not None,
@@ -425,13 +428,9 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         objective=objective,
         reference_graphdef=reference_graphdef,
         overlong=overlong,
-        step_fn=jax.jit(
-            step,
-            in_shardings=(placed.param_shardings, opt_shardings, batch_sharding, replicated,
-                          replicated, *extra_shardings),
-            out_shardings=(placed.param_shardings, opt_shardings, replicated),
-            donate_argnums=(0, 1),
-        ),
+        step_fn=jax.jit(step, in_shardings=(placed.param_shardings, opt_shardings, batch_sharding, replicated,
+                                            replicated, *extra_shardings),
+                        out_shardings=(placed.param_shardings, opt_shardings, replicated), donate_argnums=(0, 1)),
         to_device=to_device,
     )
 
@@ -451,7 +450,8 @@ def restore(checkpoints: Checkpointer, run: Setup) -> Restored | None:
         if restored is not None and run.base is not None:
             adapters.check_base(restored.meta.get("lora_base"), run.base,
                                 checkpoints.directory / str(restored.step))
-        # a named reference model: the one the checkpoint was trained against (its folder may have changed)
+        # a named reference model: the one the checkpoint was trained against (its folder may have
+        # changed)
         saved_reference = None if restored is None else restored.meta.get("reference")
         if run.reference_identity is not None and saved_reference not in (None, run.reference_identity):
             raise CheckpointMismatchError(

@@ -4,15 +4,15 @@
 source          ``next(params, step)``
 ==============  =============================================================================================
 offline         the store's batches (:func:`seqjax.data.pipeline.build_pipeline`), built ahead on a thread and
-                put on the device (:class:`~seqjax.train.prefetch.DevicePrefetch`); blind to the parameters
+                put on the device (:class:`~seqjax.train.prefetch.DevicePrefetch`); blind to the
+                parameters
 rollouts        an RL run's (``data.format=prompt``): completions the policy samples, scored, laid out in rows
                 (:class:`seqjax.train.rollouts.RolloutSource`)
 ==============  =============================================================================================
 
-Each gives ``(batch on the device, position, host metrics)``: ``position`` is what a checkpoint keeps of where
-the source is (``get_state()``), and :meth:`set_state` puts a resumed source there; the host metrics (an RL
-generation's rewards and lengths) join the step's row in metrics.jsonl.
-"""
+Each gives ``(batch on the device, position, host metrics)``: ``position`` is what a checkpoint
+keeps of where the source is (``get_state()``), and :meth:`set_state` puts a resumed source there;
+the host metrics (an RL generation's rewards and lengths) join the step's row in metrics.jsonl."""
 
 from __future__ import annotations
 

@@ -65,10 +65,10 @@ def micro_batches(batch: Batch, k: int) -> Batch:
 def reference_model(objective: Objective, graphdef: nnx.GraphDef, reference_graphdef: nnx.GraphDef | None,
                     rest: Any, precomputed: bool = False) -> Callable:
     """``(params, frozen, reference) -> None or (micro-batch -> the reference model's per-target
-    log-probabilities)`` (:mod:`seqjax.weights.reference` decides which): a frozen copy of what trains
-    (``reference``, no ``reference_graphdef``); the same state under ``reference_graphdef`` (the adapters off)
-    on the run's base, or on another (``reference``: a named model's); ``precomputed``: the batch's
-    ``reference_logps``, no model run. No dropout, no gradient."""
+    log-probabilities)`` (:mod:`seqjax.weights.reference` decides which): a frozen copy of what
+    trains (``reference``, no ``reference_graphdef``); the same state under ``reference_graphdef``
+    (the adapters off) on the run's base, or on another (``reference``: a named model's);
+    ``precomputed``: the batch's ``reference_logps``, no model run. No dropout, no gradient."""
 
     def reference_logprobs(params, frozen, reference):
         if not objective.reference:
@@ -119,10 +119,10 @@ def make_train_step(
     (non-padding input tokens of the global batch), ``finite``, and ``reported``: the metrics the
     objective reports (TRL's rewards/*, ...), each already divided by its count.
 
-    A reference (DPO, ...): ``reference``, ``reference_graphdef``, ``precomputed`` (:func:`reference_model`);
-    ``same_weights(params, reference, step)``: a boolean scalar, true when the reference's weights are the
-    policy's, whose log-probabilities are then the reference's too (:meth:`Inputs.reference_logprobs`).
-    """
+    A reference (DPO, ...): ``reference``, ``reference_graphdef``, ``precomputed``
+    (:func:`reference_model`); ``same_weights(params, reference, step)``: a boolean scalar, true
+    when the reference's weights are the policy's, whose log-probabilities are then the reference's
+    too (:meth:`Inputs.reference_logprobs`)."""
     settings = {"z_loss": z_loss, **(settings or {})}
     reference_logprobs = reference_model(objective, graphdef, reference_graphdef, rest, precomputed)
 

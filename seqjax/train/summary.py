@@ -65,7 +65,8 @@ def write_summary(run, steps: StepLogger, restored: Restored | None, last_val: d
         "peak_memory_bytes": peak_memory_bytes(),
         "wall_seconds": time.perf_counter() - wall_start,
         "final_train_loss": last_row.get("loss"),
-        # what the objective reports (a preference objective's rewards/*, logps/*, entropy, ...): the last step's
+        # what the objective reports (a preference objective's rewards/*, logps/*, entropy, ...):
+        # the last step's
         **({"final_train_metrics": {k: last_row[k] for k in run.objective.reports if k in last_row}}
            if run.objective.reports else {}),
         **{

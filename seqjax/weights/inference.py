@@ -106,8 +106,8 @@ def base_weights(path: str, dtype: str, scan_layers: bool) -> dict[str, Any]:
 
 def load_folder(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Any]:
     """(config, model with the folder's weights) from a Hugging Face folder, as ``--hf`` reads it: its own
-    config.json decides the model; a model override on the command line that contradicts it is one line
-    (:func:`seqjax.weights.sources.adopt_model`)."""
+    config.json decides the model; a model override on the command line that contradicts it is one
+    line (:func:`seqjax.weights.sources.adopt_model`)."""
     place = sources.locate(path, "--hf", (sources.HF,))
     folder = hf.read_folder(place.path)
     config = hf.run_config(folder, overrides)

@@ -95,10 +95,9 @@ def read_source(path: str, key: str = "train.init_from") -> Source:
 def adopt(config: Config, source: Source, explicit: Collection[str] = ()) -> Config:
     """``config`` with the source's model (:func:`adopt_model`) and tokenizer, the shapes checked.
 
-    ``explicit``: the keys the command line set (``load_config`` records them); a model key among them that
-    contradicts the source is refused. A ``tokenizer.path`` set to another file is refused: the weights only
-    mean something under their own tokenizer.
-    """
+    ``explicit``: the keys the command line set (``load_config`` records them); a model key among
+    them that contradicts the source is refused. A ``tokenizer.path`` set to another file is
+    refused: the weights only mean something under their own tokenizer."""
     given = config.tokenizer.path
     if given and Path(given).expanduser().read_bytes() != Path(source.tokenizer["path"]).read_bytes():
         raise ConfigError(

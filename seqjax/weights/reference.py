@@ -15,8 +15,8 @@ a folder                    the model there (a Hugging Face folder, a seqjax run
 ``train.precompute_reference`` computes that model's log-probabilities once, before the first step
 (:mod:`seqjax.train.precompute`), and the step reads them from the batch.
 
-A reference with the policy's weights gives the policy's own log-probabilities (:func:`same_weights_rule`).
-"""
+A reference with the policy's weights gives the policy's own log-probabilities
+(:func:`same_weights_rule`)."""
 
 from __future__ import annotations
 
@@ -80,11 +80,10 @@ def same_weights_rule(reference: Reference, config: Config) -> Callable[[Any, An
     (the step then takes the policy's log-probabilities as the reference's, bit for bit:
     :meth:`seqjax.objectives.base.Inputs.reference_logprobs`); None where it never can.
 
-    The base with the adapters off is the policy while every LoRA B is 0 (DoRA rescales even then: never); a
-    frozen copy is the policy while every trained weight equals its copy; a precomputed copy of a full
-    fine-tune's starting weights only at step 1. A policy with dropout is never its reference (the reference
-    runs without it), nor is a model named by its folder.
-    """
+    The base with the adapters off is the policy while every LoRA B is 0 (DoRA rescales even then:
+    never); a frozen copy is the policy while every trained weight equals its copy; a precomputed
+    copy of a full fine-tune's starting weights only at step 1. A policy with dropout is never its
+    reference (the reference runs without it), nor is a model named by its folder."""
     model, lora = config.model, config.model.lora
     if reference.kind in (None, MODEL) or model.dropout or model.token_dropout or model.attention_dropout:
         return None
@@ -122,13 +121,13 @@ def named_weights(reference: Reference, config: Config) -> dict[str, Any]:
 def reference_for(config: Config, model: Any, *, own: bool = False, trained: bool = True) -> Any:
     """A model's reference as ``seqjax.eval`` scores pairs with it: its run's, as the run trained against it.
 
-    ``own``: the model never trained here (an HF folder, an imported run): unless ``train.reference`` names a
-    model, it is its own reference (TRL's default, the policy's starting weights). ``trained``: its run
-    trained an objective with a reference; when it did not, its starting weights are no reference (a random
-    initialization, or whatever it was fine-tuned from), and one must be named. The adapters' base, a
-    full fine-tune's starting weights (``train.init_from``, or ``run.seed``'s initialization again), or the
-    model the run's ``train.reference`` names; starting adapters that are not kept with the run are one line.
-    """
+    ``own``: the model never trained here (an HF folder, an imported run): unless
+    ``train.reference`` names a model, it is its own reference (TRL's default, the policy's starting
+    weights). ``trained``: its run trained an objective with a reference; when it did not, its
+    starting weights are no reference (a random initialization, or whatever it was fine-tuned from),
+    and one must be named. The adapters' base, a full fine-tune's starting weights
+    (``train.init_from``, or ``run.seed``'s initialization again), or the model the run's
+    ``train.reference`` names; starting adapters that are not kept with the run are one line."""
     from seqjax.weights.inference import base_weights  # (inference reads this module's decision)
 
     reference = decide(config, True)

@@ -33,7 +33,8 @@ from seqjax.weights.saved import CHECKPOINTS, CONFIG_FILE
 RUN, STEP, HF, ADAPTER = "run", "step", "hf", "adapter"
 # Fields that leave every shape alone but change what the model computes.
 FUNCTION_FIELDS = ("rope_theta", "rope_scaling", "norm_eps")
-# The model keys a run chooses for itself; every other one is its weights' own (config.json, a run's config.yaml).
+# The model keys a run chooses for itself; every other one is its weights' own (config.json, a run's
+# config.yaml).
 RUN_CHOICES = ("max_seq_len", "param_dtype", "compute_dtype", "matmul_precision", "attention", "remat", "remat_names",
                "scan_layers", "loss_chunk_tokens", "init_std", "dropout", "token_dropout", "attention_dropout", "lora")
 MODELS = (RUN, STEP, HF)  # the kinds that hold a whole model
@@ -97,14 +98,14 @@ def locate(path: str | Path, key: str, kinds: tuple[str, ...] = MODELS) -> Place
 
 def adopt_model(model: ModelConfig, theirs: ModelConfig, explicit: Collection[str], where: str) -> ModelConfig:
     """The model a run of ``model``'s settings builds on weights whose own config is ``theirs``: every key but
-    :data:`RUN_CHOICES` (and ``model.vision.attention``) is theirs, so a folder's path alone is a model.
+    :data:`RUN_CHOICES` (and ``model.vision.attention``) is theirs, so a folder's path alone is a
+    model.
 
-    A key the command line set (``explicit``) that contradicts them is one line, except the fields that change
-    the function but no shape (:data:`FUNCTION_FIELDS`: stretching a model's context is a fine-tune), kept
-    with a warning (a null on the command line is no setting: theirs). Keys a config file set are theirs, said
-    in one line: a shipped config's 8B shape does not stop its recipe from running on a smaller folder of the
-    family.
-    """
+    A key the command line set (``explicit``) that contradicts them is one line, except the fields
+    that change the function but no shape (:data:`FUNCTION_FIELDS`: stretching a model's context is
+    a fine-tune), kept with a warning (a null on the command line is no setting: theirs). Keys a
+    config file set are theirs, said in one line: a shipped config's 8B shape does not stop its
+    recipe from running on a smaller folder of the family."""
     adopted = dataclasses.replace(theirs, **{name: getattr(model, name) for name in RUN_CHOICES},
                                   vision=dataclasses.replace(theirs.vision, attention=model.vision.attention))
     replaced = []
@@ -136,10 +137,10 @@ def _short(value: Any) -> str:
 
 def adopt_processor(config: Config, folder: Path, explicit: Collection[str] = ()) -> Config:
     """A vision-language model's own image processor (``folder``'s ``preprocessor_config.json``: an HF folder's,
-    or the copy an imported run keeps) for a run that reads chats: the folder carries what it came with. As
-    with the model's keys, a ``data.image_processor`` the command line sets (``explicit``) wins; one a config
-    file sets yields to the folder's. ``data.patches_per_row``, when 0, four patches per token of
-    ``data.seq_len`` (room for a row of image tokens alone)."""
+    or the copy an imported run keeps) for a run that reads chats: the folder carries what it came
+    with. As with the model's keys, a ``data.image_processor`` the command line sets (``explicit``)
+    wins; one a config file sets yields to the folder's. ``data.patches_per_row``, when 0, four
+    patches per token of ``data.seq_len`` (room for a row of image tokens alone)."""
     data = config.data
     if not config.model.vision.depth or data.format != "chat":
         return config

@@ -1,4 +1,4 @@
 """Attention kernels behind ``model.attention``: Pallas flash attention (GPU; interpret mode elsewhere) and the
-TPU splash wrapper. Import the submodules directly (``seqjax.model.kernels.flash``, ``.splash``); the dispatch in
-``seqjax.model.attention`` does so lazily, so a platform without one still runs the others.
-"""
+TPU splash wrapper. Import the submodules directly (``seqjax.model.kernels.flash``, ``.splash``);
+the dispatch in ``seqjax.model.attention`` does so lazily, so a platform without one still runs the
+others."""

@@ -1,37 +1,40 @@
 """Flash attention on Pallas's Mosaic GPU backend for Hopper, skipping the tiles packing leaves empty
 (``model.attention: pallas_mosaic``).
 
-The same three passes and the same per-tile ranges as :mod:`seqjax.model.kernels.flash` (Triton), written for
-the H100's own machinery instead of through Triton:
+The same three passes and the same per-tile ranges as :mod:`seqjax.model.kernels.flash` (Triton),
+written for the H100's own machinery instead of through Triton:
 
 - each CTA runs two warpgroups: a producer that streams tiles from global memory into a ring of shared-memory
-  slots with TMA copies (``copy_gmem_to_smem``, one mbarrier per slot and operand), and a consumer that waits on
-  a slot's barrier, multiplies with ``wgmma`` (accumulators in registers), and hands the slot back through a
-  "consumed" barrier, so the next loads overlap this tile's math;
+  slots with TMA copies (``copy_gmem_to_smem``, one mbarrier per slot and operand), and a consumer
+  that waits on a slot's barrier, multiplies with ``wgmma`` (accumulators in registers), and hands
+  the slot back through a "consumed" barrier, so the next loads overlap this tile's math;
 - forward: one CTA per (query block, head, row), streaming key/value tiles through an online softmax in base 2;
 - dQ: the same grid, streaming key/value tiles again;
 - dK/dV: one CTA per (key block, kv head, row), streaming query, dO, log-sum-exp and delta tiles of every query
   head of its GQA group, so dK/dV are summed in registers with no atomics.
 
-Every loop runs over :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`'s ranges ``(lo, full_lo, full_hi,
-hi)`` (per-tile metadata read as loop bounds): tiles outside a document (or a sliding window's band) are never
-loaded; inside ``[full_lo, full_hi)`` no mask is built; edge tiles apply :func:`seqjax.model.mask.allowed`,
-contract 2's rule. Tiles are 64 x 64 (one warpgroup's wgmma M); D is 64 or 128.
+Every loop runs over :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`'s ranges ``(lo,
+full_lo, full_hi, hi)`` (per-tile metadata read as loop bounds): tiles outside a document (or a
+sliding window's band) are never loaded; inside ``[full_lo, full_hi)`` no mask is built; edge tiles
+apply :func:`seqjax.model.mask.allowed`, contract 2's rule. Tiles are 64 x 64 (one warpgroup's wgmma
+M); D is 64 or 128.
 
-Shortcuts, stated: one consumer warpgroup (the bundled kernel ping-pongs two, which a GPU run should weigh);
-the producer's ring has ``SLOTS`` = 2 stages by default, 3 or 4 as a variant (``slots=``: a deeper TMA pipeline
-for a GPU sweep to weigh; the interpreter checks each). Until a GPU measures it, ``auto`` does not pick this kernel.
+Shortcuts, stated: one consumer warpgroup (the bundled kernel ping-pongs two, which a GPU run should
+weigh); the producer's ring has ``SLOTS`` = 2 stages by default, 3 or 4 as a variant (``slots=``: a
+deeper TMA pipeline for a GPU sweep to weigh; the interpreter checks each). Until a GPU measures it,
+``auto`` does not pick this kernel.
 
-Interpret mode (``interpret=True``, or ``None`` off a GPU) runs the same kernels on a CPU through Pallas's Mosaic
-GPU interpreter, which is how CI checks their numbers; it also accepts float32 there, where a GPU's wgmma would
-round to TF32, so the tests can be tight. On a GPU the dtypes are bfloat16 and float16.
+Interpret mode (``interpret=True``, or ``None`` off a GPU) runs the same kernels on a CPU through
+Pallas's Mosaic GPU interpreter, which is how CI checks their numbers; it also accepts float32
+there, where a GPU's wgmma would round to TF32, so the tests can be tight. On a GPU the dtypes are
+bfloat16 and float16.
 
-The interpreter runs each warpgroup as a computation on XLA's CPU thread pool, inside a callback that holds a pool
-thread itself, and a warpgroup waiting at a barrier holds its thread too. So it needs ``1 + THREADS`` pool threads:
-with fewer, the producer can wait forever for a thread its blocked consumer holds (seen on 2-core machines, at
-random). XLA sizes the pool from ``PJRT_NPROC`` (else ``NPROC``, else the CPUs this process may use), read once
-when JAX starts; interpret mode refuses a smaller pool in one line instead of hanging (the tests set 4).
-"""
+The interpreter runs each warpgroup as a computation on XLA's CPU thread pool, inside a callback
+that holds a pool thread itself, and a warpgroup waiting at a barrier holds its thread too. So it
+needs ``1 + THREADS`` pool threads: with fewer, the producer can wait forever for a thread its
+blocked consumer holds (seen on 2-core machines, at random). XLA sizes the pool from ``PJRT_NPROC``
+(else ``NPROC``, else the CPUs this process may use), read once when JAX starts; interpret mode
+refuses a smaller pool in one line instead of hanging (the tests set 4)."""
 
 from __future__ import annotations
 
@@ -63,8 +66,9 @@ GPU_DTYPES = (jnp.bfloat16, jnp.float16)
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """How the kernel is built, a static argument of every pass: ``interpret`` (Pallas's Mosaic GPU interpreter)
-    and ``slots``, the stages of the producers' shared-memory rings (a deeper TMA pipeline keeps more tiles in
-    flight, at ``slots x`` the ring's shared memory: 2 stages of k, v at D = 128 in bfloat16 take 64 KiB)."""
+    and ``slots``, the stages of the producers' shared-memory rings (a deeper TMA pipeline keeps
+    more tiles in flight, at ``slots x`` the ring's shared memory: 2 stages of k, v at D = 128 in
+    bfloat16 take 64 KiB)."""
 
     interpret: bool
     slots: int = SLOTS
@@ -75,11 +79,10 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
                      window=None, slots: int = SLOTS) -> jax.Array:
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D], Hkv dividing H; D 64 or 128.
 
-    ``segment_ids`` [B, T]: contract 2 (0 = padding). T is padded to a multiple of 64 with segment 0 (no tile
-    visits padding) and sliced back. ``metadata``: :func:`block_metadata` for these ids with
-    :data:`BLOCK_SIZES` (and the layer's window), computed once per forward; computed here when omitted, from
-    ``window``.
-    """
+    ``segment_ids`` [B, T]: contract 2 (0 = padding). T is padded to a multiple of 64 with segment 0
+    (no tile visits padding) and sliced back. ``metadata``: :func:`block_metadata` for these ids
+    with :data:`BLOCK_SIZES` (and the layer's window), computed once per forward; computed here when
+    omitted, from ``window``."""
     check_attention_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
     if interpret is None:
@@ -170,10 +173,10 @@ def _accumulate(acc, a, staging, b):
     """``acc + a @ b`` with ``a`` a register tile (P, or dS): staged through the shared tile ``staging`` first.
 
     Shortcuts, stated: wgmma could take ``a`` from registers and accumulate into ``acc`` in place
-    (``run_state(..)(ACC.init(acc))``), as FlashAttention-3 does, but Pallas's Mosaic GPU interpreter runs neither
-    (a wgmma operand must be a shared-memory allocation; a ``run_state`` accumulator leaks its effect), and CI
-    checks this kernel only through that interpreter. The extra store and add per tile are what a GPU profile
-    should weigh first."""
+    (``run_state(..)(ACC.init(acc))``), as FlashAttention-3 does, but Pallas's Mosaic GPU
+    interpreter runs neither (a wgmma operand must be a shared-memory allocation; a ``run_state``
+    accumulator leaks its effect), and CI checks this kernel only through that interpreter. The
+    extra store and add per tile are what a GPU profile should weigh first."""
     staging[...] = a.astype(staging.dtype)
     plgpu.commit_smem()
     return acc + _matmul(staging, b, acc.shape)

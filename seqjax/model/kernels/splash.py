@@ -1,15 +1,16 @@
 """Segment-masked causal attention on TPU through Pallas splash attention.
 
-Splash takes segment ids natively (``SegmentIds(q, kv)``) and skips the tiles of its *static* mask (here the
-causal triangle); the segment part is checked per tile. Its segment rule is plain equality, so padding
-(segment 0) would attend to padding; contract 2 says padding attends to nothing, so padding rows are zeroed
-after the kernel. That also zeroes every gradient path through them: a real query never sees a padding key
-(different ids), so padding keys only feed padding queries, whose outputs are discarded.
+Splash takes segment ids natively (``SegmentIds(q, kv)``) and skips the tiles of its *static* mask
+(here the causal triangle); the segment part is checked per tile. Its segment rule is plain
+equality, so padding (segment 0) would attend to padding; contract 2 says padding attends to
+nothing, so padding rows are zeroed after the kernel. That also zeroes every gradient path through
+them: a real query never sees a padding key (different ids), so padding keys only feed padding
+queries, whose outputs are discarded.
 
-A sliding layer's window w (contract 2: ``i - j < w``) is splash's ``LocalMask`` with ``w - 1`` keys to the left
-and none to the right, which is the causal band; splash then skips the tiles outside the band as well. The mask is
-static, so the window must be a Python int: a scanned model whose layers mix windows chooses between two kernels
-with ``lax.cond`` (seqjax.model.block.Attention).
+A sliding layer's window w (contract 2: ``i - j < w``) is splash's ``LocalMask`` with ``w - 1`` keys
+to the left and none to the right, which is the causal band; splash then skips the tiles outside the
+band as well. The mask is static, so the window must be a Python int: a scanned model whose layers
+mix windows chooses between two kernels with ``lax.cond`` (seqjax.model.block.Attention).
 
 Splash has an interpreter mode, which is how this wrapper is tested on a CPU.
 """
@@ -38,9 +39,9 @@ def splash_attention(
 ) -> jax.Array:
     """q: [B, T, H, D]; k, v: [B, T, Hkv, D] (Hkv divides H); segment_ids [B, T] (0 = padding) -> [B, T, H, D].
 
-    T is padded internally (with segment 0) to a multiple of ``block_size``. ``interpret=None`` runs the
-    compiled kernel on a TPU and the interpreter elsewhere. ``window``: a sliding layer's window, a Python int.
-    """
+    T is padded internally (with segment 0) to a multiple of ``block_size``. ``interpret=None`` runs
+    the compiled kernel on a TPU and the interpreter elsewhere. ``window``: a sliding layer's
+    window, a Python int."""
     check_attention_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
     if block_size % 128:
@@ -70,9 +71,8 @@ def _kernel(heads: int, seq_len: int, block_size: int, interpret: bool, window: 
     """The splash kernel for a causal (or causal band) mask of this shape (mask preprocessing runs in NumPy: build it
     once).
 
-    Built under ``ensure_compile_time_eval`` so its mask tables are concrete arrays, safe to cache even when the
-    first call happens inside a ``jit`` trace.
-    """
+    Built under ``ensure_compile_time_eval`` so its mask tables are concrete arrays, safe to cache
+    even when the first call happens inside a ``jit`` trace."""
     shape = (seq_len, seq_len)
     one = (splash.CausalMask(shape) if window is None or window >= seq_len
            else splash.LocalMask(shape, window_size=(window - 1, 0), offset=0))
