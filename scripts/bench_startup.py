@@ -47,11 +47,11 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=2, help="runs of each measurement (the median is reported)")
-    p.add_argument("--repo", type=Path, default=REPO,
+    p.add_argument("--repo", type=Path, default=None,
                    help="the checkout whose commands are timed (another commit's: a worktree), with this interpreter")
     args = p.parse_args()
     global REPO
-    REPO = args.repo.resolve()
+    REPO = (args.repo or REPO).resolve()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         corpus(tmp)
