@@ -10,6 +10,8 @@ from seqjax.config.vision import VisionConfig
 from seqjax.core.errors import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "cudnn_packed", "pallas", "pallas_mosaic", "splash")
+# the backends that compute attention over a row split on mesh.context (seqjax.model.context)
+SPLIT_ROW_BACKENDS = ("xla", "auto")
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALING_TYPES = ("none", "linear", "llama3")
 # The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's
@@ -191,6 +193,10 @@ class ModelConfig:
         "highest computes them in true float32 on every device (slower on a GPU; docs/gpu.md)",
         choices=("default", "high", "highest"))
     attention: str = setting("auto", "attention backend", choices=ATTENTION_BACKENDS)
+    context_attention: str = setting(
+        "all_gather", "mesh.context > 1: how keys and values reach every query shard: all_gather (each device "
+        "gathers the row's K/V once a layer) or ring (passed device to device, overlapped with compute; "
+        "docs/scale.md)", choices=("all_gather", "ring"))
     remat: str = setting(
         "none",
         "rematerialization of each block in the backward pass: none (keep every activation), full (keep only each "

@@ -38,7 +38,7 @@ import yaml
 
 from seqjax.config.data import DataConfig, SourceConfig
 from seqjax.config.fields import DATA, DATA_DIR_ENV, RESUME_KINDS, setting
-from seqjax.config.model import LoraConfig, ModelConfig, RopeScalingConfig
+from seqjax.config.model import SPLIT_ROW_BACKENDS, LoraConfig, ModelConfig, RopeScalingConfig
 from seqjax.config.rl import RLConfig
 from seqjax.config.train import TrainConfig
 from seqjax.core.errors import ConfigError
@@ -117,10 +117,13 @@ class MeshConfig:
     data: int = setting(-1, "data-parallel axis size (-1: the remaining devices)", min=-1)
     fsdp: int = setting(1, "fully-sharded data-parallel axis size (-1: the remaining devices)",
                         min=-1)
+    context: int = setting(
+        1, "context-parallel axis size: each row's tokens split over it, attention exact (docs/scale.md; -1: the "
+        "remaining devices)", min=-1)
     tensor: int = setting(1, "tensor-parallel axis size (-1: the remaining devices)", min=-1)
 
     def check(self) -> None:
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
         for name, size in sizes.items():
             if size == 0:
                 raise ConfigError(f"mesh.{name}: got 0, expected a positive size or -1")
@@ -242,11 +245,28 @@ class Config:
             raise ConfigError(
                 f"eval.mode: got 'lm_eval' on data.corpus={got}, expected data.corpus=wikitext2 with "
                 "data.variant=raw (the harness's wikitext task scores wikitext-2-raw-v1)")
+        if self.mesh.context > 1:
+            self._check_context()
         if self.data.batch_size % self.train.grad_accum:
             raise ConfigError(
                 f"train.grad_accum: got {self.train.grad_accum}, "
                 f"expected a divisor of data.batch_size={self.data.batch_size}"
             )
+
+    def _check_context(self) -> None:
+        """A split row (mesh.context > 1): the rows cut into 2 x context chunks, and the backend
+        and dropout honour it (seqjax.model.context)."""
+        n = self.mesh.context
+        for key, width in (("data.seq_len", self.data.seq_len), ("eval.context", self.eval_context)):
+            if width % (2 * n):
+                raise ConfigError(f"{key}: got {width}, expected a multiple of 2 x mesh.context = {2 * n} (each "
+                                  "device holds two of the row's 2 x mesh.context equal chunks)")
+        if self.model.attention not in SPLIT_ROW_BACKENDS:
+            raise ConfigError(f"model.attention: got {self.model.attention!r}, which attends over one whole row and "
+                              f"cannot honour mesh.context={n}; expected one of {', '.join(SPLIT_ROW_BACKENDS)}")
+        if self.model.attention_dropout:
+            raise ConfigError(f"model.attention_dropout: got {self.model.attention_dropout}, which draws its random "
+                              f"bits per whole row and cannot honour mesh.context={n}; expected 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

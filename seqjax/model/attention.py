@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from seqjax.core.errors import ConfigError
 from seqjax.core.progress import log_once
+from seqjax.model.context import SplitRow, split_row_attention
 from seqjax.model.mask import check_attention_inputs, segment_mask
 from seqjax.model.sharding import BATCH_AXES, HEAD_AXIS
 
@@ -145,7 +146,8 @@ def attention(
     int (0 = padding). Returns [B, T, H, D] in q's dtype; padding queries give zeros. ``scale``
     defaults to D**-0.5. Shapes are checked at trace time; ``backend="auto"`` is resolved by
     :func:`resolve_backend`. ``metadata``: the pallas kernel's ``BlockMetadata`` for these segment
-    ids, computed once per forward by the caller (other backends ignore it). ``dropout_rate`` /
+    ids, computed once per forward by the caller (other backends ignore it), or a :class:`SplitRow`
+    (seqjax.model.context: a row over mesh.context). ``dropout_rate`` /
     ``dropout_key``: attention-probability dropout (training), which only the xla backend
     implements: ``auto`` then runs xla, and any other backend refuses it rather than silently not
     dropping. Without a key (evaluation), ``auto`` keeps its fastest kernel. ``window``: a sliding
@@ -157,6 +159,8 @@ def attention(
     other backend refuses it.
     """
     check_attention_inputs(q, k, v, segment_ids)
+    if isinstance(metadata, SplitRow):  # a row split over mesh.context (seqjax.model.context)
+        return split_row_attention(q, k, v, segment_ids, metadata, scale, window, prefix_ids, positions)
     if not causal:
         return _non_causal(q, k, v, segment_ids, backend, scale, metadata)
     if prefix_ids is not None:
@@ -181,7 +185,6 @@ def attention(
 
     def run(q, k, v, segment_ids, extra):
         return kernel(q, k, v, segment_ids, scale=scale, **static, **extra)
-
     layout = _device_layout(q, k, segment_ids)
     if layout is None:
         return run(q, k, v, segment_ids, extra)

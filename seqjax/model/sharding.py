@@ -6,16 +6,23 @@ reads :data:`BATCH_AXES` and :data:`HEAD_AXIS` to run its kernels once per
 device shard, and training and evaluation place parameters and batches with
 the rules here.
 
-The mesh has three named axes:
+The mesh has four named axes:
 
 - ``data``: plain data parallelism (parameters replicated);
 - ``fsdp``: data parallelism whose parameters and optimizer state are split
   across the axis (each parameter over its largest dimension divisible by the
   axis size);
+- ``context``: context parallelism: each row's tokens split over the axis
+  (seqjax.model.context; parameters replicated);
 - ``tensor``: Megatron-style tensor parallelism over attention heads and the
   MLP's hidden width ``d_ff``.
 
-Batches are split over ``data x fsdp`` on their row dimension. Everything is
+Parameters follow :func:`param_spec`; activations follow one rule table,
+:data:`ACTIVATION_RULES` (a logical dimension -> the mesh axes that split it),
+and :func:`activation_spec`. Batches are split over ``data x fsdp`` on their
+row dimension; their tokens stay whole on every context device (int32 ids are
+4 bytes a token against the activations' 2 x d_model), and the first block
+takes each device's share (seqjax.model.context). Everything is
 expressed as ``NamedSharding``s handed to ``jax.jit``; XLA's partitioner
 inserts the collectives, so every mesh computes the same function (the
 sharding tests check the losses agree to 1e-5 across meshes).
@@ -41,9 +48,17 @@ from seqjax.config.tree import MeshConfig
 from seqjax.core.errors import ConfigError
 from seqjax.data.contract import Batch
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")  # batch rows are split over these
+CONTEXT_AXIS = "context"  # a row's tokens are split over this one
 HEAD_AXIS = "tensor"  # attention heads (and d_ff) are split over this one
+
+# Activations: each logical dimension -> the mesh axes that split it (param_spec's counterpart for
+# the values between layers). A batch field is ("rows", None): its tokens whole (see above).
+ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
+    "rows": BATCH_AXES, "tokens": (CONTEXT_AXIS,), "heads": (HEAD_AXIS,), "kv_heads": (HEAD_AXIS,),
+    "embed": (), "head_dim": (), "vocab": (),
+}
 
 # Logical axis names (the ``axes`` metadata of the model's nnx.Params) split by the tensor axis.
 TENSOR_AXES = ("heads", "kv_heads", "ff")
@@ -51,9 +66,10 @@ TENSOR_AXES = ("heads", "kv_heads", "ff")
 WHOLE_AXES = ("layers", "head_dim", "lora_rank")
 
 
-def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) sizes, with a -1 axis filled by the devices the others leave."""
-    sizes = [mesh.data, mesh.fsdp, mesh.tensor]
+def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
+    """(data, fsdp, context, tensor) sizes, with a -1 axis filled by the devices the others
+    leave."""
+    sizes = [mesh.data, mesh.fsdp, mesh.context, mesh.tensor]
     fixed = math.prod(s for s in sizes if s != -1)
     described = ", ".join(f"mesh.{n}={s}" for n, s in zip(AXES, sizes))
     if -1 in sizes:
@@ -64,16 +80,25 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int]:
         sizes[sizes.index(-1)] = num_devices // fixed
     if math.prod(sizes) != num_devices:
         raise ConfigError(
-            f"{described}: data x fsdp x tensor = {math.prod(sizes)}, expected the {num_devices} available devices "
-            "(set one axis to -1 to fill the rest)")
+            f"{described}: data x fsdp x context x tensor = {math.prod(sizes)}, expected the {num_devices} "
+            "available devices (set one axis to -1 to fill the rest)")
     return tuple(sizes)
 
 
 def build_mesh(mesh: MeshConfig, devices: list | None = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh over all devices of all processes."""
+    """The (data, fsdp, context, tensor) mesh over all devices of all processes."""
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(mesh, len(devices))
-    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def activation_spec(dims: tuple[str | None, ...], mesh: Mesh) -> P:
+    """A PartitionSpec for an activation whose dimensions have these logical names
+    (:data:`ACTIVATION_RULES`; None: whole), keeping only the mesh axes over one device."""
+    def axes(name):
+        kept = tuple(a for a in ACTIVATION_RULES[name] if mesh.shape.get(a, 1) > 1) if name else ()
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*map(axes, dims))
 
 
 def param_spec(shape: tuple[int, ...], axes: tuple[str, ...] | None, mesh: Mesh) -> P:
@@ -123,8 +148,8 @@ def param_shardings(param_state: nnx.State, mesh: Mesh) -> dict:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows over data x fsdp, the sequence dimension whole."""
-    return NamedSharding(mesh, P(BATCH_AXES, None))
+    """Rows over data x fsdp, the sequence dimension whole (the module's docstring says why)."""
+    return NamedSharding(mesh, activation_spec(("rows", None), mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

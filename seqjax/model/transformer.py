@@ -27,6 +27,7 @@ from seqjax.config.tree import Config, ModelConfig
 from seqjax.model.attention import TILED, resolve_backend
 from seqjax.model.block import Block, RMSNorm, drop, normal_param, split_keys, stacked_blocks, unrolled_blocks
 from seqjax.model.cache import KVCache, LayerCache
+from seqjax.model.context import split_row
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata  # plain JAX
 from seqjax.model.mask import FULL
@@ -204,7 +205,17 @@ class TransformerLM(nnx.Module):
         activation memory. ``injections`` [k, B, T, D]: added to the output of the first k blocks
         (Qwen3-VL's DeepStack features, zero away from image tokens).
         """
-        metadata = self.attention_metadata(segment_ids)
+        split = split_row(x, self.cfg.context_attention)
+        if split is not None:  # a row over the context axis: one order change in, one out
+            x, positions, segment_ids, prefix_ids, injections = split.balance(x, positions, segment_ids,
+                                                                              prefix_ids, injections)
+            return split.restore(self._blocks(x, positions, segment_ids, [split] * self.cfg.n_layers,
+                                              dropout_key, prefix_ids, injections))
+        return self._blocks(x, positions, segment_ids, self.attention_metadata(segment_ids), dropout_key,
+                            prefix_ids, injections)
+
+    def _blocks(self, x, positions, segment_ids, metadata, dropout_key, prefix_ids, injections) -> jax.Array:
+        """Every block in turn, unrolled or scanned; ``metadata``: each layer's (see :meth:`hidden`)."""
         if self.cfg.scan_layers:
             return self._scanned(x, positions, segment_ids, metadata, dropout_key, prefix_ids, injections)
         run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))

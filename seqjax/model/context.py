@@ -1,0 +1,231 @@
+"""Context parallelism: one row's tokens split over the mesh's ``context`` axis, attention exact.
+
+A row of T tokens is cut into 2n chunks for n devices on the axis; device i holds chunks i and
+2n - 1 - i (head-tail balancing), so each holds as much of the causal triangle as any other. For
+T = 8 and n = 2 the chunks are [0 1] [2 3] [4 5] [6 7] and::
+
+    device 0: tokens 0 1 6 7        device 1: tokens 2 3 4 5
+
+(:func:`balanced_order` gives that order, :func:`inverse_order` undoes it.) Nothing but attention
+looks at a token's neighbours: embeddings, norms, MLPs, RoPE (positions are a batch field) and
+the loss are per token, so :meth:`SplitRow.balance` permutes a forward's activations into that
+order once at the first block, :meth:`SplitRow.restore` puts them back after the last, and only
+attention needs to know. Attention keeps contract 2 unchanged: :func:`segment_mask` takes the
+queries' and keys' own row indices (or, under a shared prompt, their positions), so a shard's
+place in the row is a parameter and every key shard is one more block of the same mask.
+
+Each device attends its queries to every key shard in turn and merges the partial results by
+their log-sum-exp (one float32 softmax, as :func:`seqjax.model.attention.masked_attention`).
+``mesh.context_attention`` picks how the keys and values travel:
+
+- ``all_gather``: each device gathers all of K and V once per layer (simple; best while K/V fit,
+  one collective the scheduler can start early);
+- ``ring``: K, V and their segment ids pass around the ring, one shard a step, the next shard's
+  transfer issued before this shard's compute so the two overlap; no device ever holds more than
+  two shards of K/V.
+
+Either way a (query shard, key shard) block with no allowed pair is skipped (``lax.cond`` on the
+block's mask): a document lying within one shard costs the others nothing.
+
+Only the dense XLA path runs per block here; the flash and Mosaic kernels, cuDNN and splash
+take one whole row and are refused with ``mesh.context > 1`` (the config's check:
+``SPLIT_ROW_BACKENDS``), as is attention dropout (its random bits are drawn per whole row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from seqjax.core.errors import ConfigError
+from seqjax.model.mask import segment_mask
+from seqjax.model.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS
+
+
+def balanced_order(t: int, n: int) -> np.ndarray:
+    """The row's token indices in split order: device i's T / n tokens are chunks i and 2n - 1 - i
+    of 2n. ``balanced_order(8, 2)`` is [0 1 6 7 2 3 4 5]."""
+    if t % (2 * n):
+        raise ConfigError(f"mesh.context={n}: a row of {t} tokens does not cut into {2 * n} equal chunks "
+                          f"(expected data.seq_len a multiple of 2 x mesh.context = {2 * n})")
+    chunks = np.arange(t).reshape(2 * n, t // (2 * n))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def inverse_order(order: np.ndarray) -> np.ndarray:
+    """The permutation that puts split-order tokens back in row order."""
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return inverse
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRow:
+    """How one forward's rows lie over the context axis: handed to every layer's attention in
+    place of a kernel's block metadata. Static (no arrays): a scan carries it as is."""
+
+    mesh: object  # the (abstract) mesh
+    n: int  # devices on the context axis
+    t: int  # tokens a row
+    rows: tuple | None  # the batch axes that split rows (None: rows whole)
+    heads: str | None  # the axis that splits heads (None: heads whole)
+    kv_path: str = "all_gather"  # model.context_attention: how K/V reach each query shard (KV_PATHS)
+
+    def __hash__(self):
+        return hash((self.n, self.t, self.rows, self.heads, self.kv_path))
+
+    def _spec(self, *rest) -> NamedSharding:
+        return NamedSharding(self.mesh, P(self.rows, CONTEXT_AXIS, *rest))
+
+    def balance(self, x, positions, segment_ids, prefix_ids=None, injections=None):
+        """Row order -> split order, each [B, T, ...] array laid out along the context axis."""
+        order = balanced_order(self.t, self.n)
+
+        def permute(a, extra=0):
+            if a is None:
+                return None
+            moved = jnp.take(a, order, axis=1 + extra)
+            spec = P(*([None] * extra), self.rows, CONTEXT_AXIS, *([None] * (a.ndim - 2 - extra)))
+            return jax.lax.with_sharding_constraint(moved, NamedSharding(self.mesh, spec))
+
+        return (permute(x), permute(positions), permute(segment_ids), permute(prefix_ids),
+                permute(injections, extra=1))
+
+    def restore(self, x):
+        """Split order -> row order (the last block's output, before the head)."""
+        moved = jnp.take(x, inverse_order(balanced_order(self.t, self.n)), axis=1)
+        return jax.lax.with_sharding_constraint(moved, self._spec(*([None] * (x.ndim - 2))))
+
+
+jax.tree_util.register_static(SplitRow)
+
+
+def split_row(x: jax.Array, kv_path: str = "all_gather") -> SplitRow | None:
+    """How the rows of activations x [B, T, ...] split over the mesh, or None when it has no context
+    axis over one device. The mesh is the one ``jax.set_mesh`` made current, else the one x's
+    sharding lives on (what ``jax.jit(..., in_shardings=...)`` gives)."""
+    batch_rows, t = x.shape[:2]
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        mesh = jax.typeof(x).sharding.mesh
+    if mesh.empty or mesh.shape.get(CONTEXT_AXIS, 1) <= 1 or CONTEXT_AXIS in mesh.manual_axes:
+        return None
+    sizes = dict(mesh.shape)
+    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1 and a not in mesh.manual_axes)
+    if rows and batch_rows % math.prod(sizes[a] for a in rows):
+        rows = ()
+    heads = HEAD_AXIS if sizes.get(HEAD_AXIS, 1) > 1 else None
+    return SplitRow(mesh, sizes[CONTEXT_AXIS], t, rows or None, heads, kv_path)
+
+
+def split_row_attention(q, k, v, segment_ids, split: SplitRow, scale=None, window=None, prefix_ids=None,
+                        positions=None) -> jax.Array:
+    """Attention of split-order q [B, T, H, D], k/v [B, T, Hkv, D] over the context axis:
+    contract 2 with each token's row index (its position under a shared prompt, as
+    :func:`seqjax.model.mask.allowed` says), merged over key shards by log-sum-exp."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    heads = split.heads
+    if heads is not None:
+        size = dict(split.mesh.shape)[heads]
+        heads = heads if q.shape[2] % size == 0 and k.shape[2] % size == 0 else None
+    index = (positions if prefix_ids is not None
+             else jnp.broadcast_to(jnp.asarray(balanced_order(split.t, split.n), jnp.int32), segment_ids.shape))
+    per_head, per_token = P(split.rows, CONTEXT_AXIS, heads, None), P(split.rows, CONTEXT_AXIS)
+    prefix = jnp.zeros_like(segment_ids) if prefix_ids is None else prefix_ids
+    window = None if window is None else jnp.asarray(window, jnp.int32)
+    fn = KV_PATHS[split.kv_path]
+
+    def local(q, k, v, seg, idx, prefix, window):
+        return fn(q, k, v, seg, idx, None if prefix_ids is None else prefix, window, split.n, scale)
+
+    window_spec = None if window is None else P()
+    return jax.shard_map(local, mesh=split.mesh, in_specs=(per_head, per_head, per_head, per_token, per_token,
+                                                           per_token, window_spec),
+                         out_specs=per_head, check_vma=False)(q, k, v, segment_ids, index, prefix, window)
+
+
+def _gathered(q, k, v, seg, idx, prefix, window, n, scale):
+    """Every key shard gathered once; the blocks attended in turn."""
+    keys = [jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True) for a in (k, v, seg, idx)]
+    tl = k.shape[1]
+    state = _empty(q)
+    for j in range(n):
+        state = _block(state, q, seg, idx, prefix, *(a[:, j * tl:(j + 1) * tl] for a in keys), window, scale)
+    return _finish(state, seg, q.dtype)
+
+
+def _ring(q, k, v, seg, idx, prefix, window, n, scale):
+    """K/V passed around the ring: step s attends to the shard of device (i - s) mod n, the next
+    shard already in flight."""
+    shift = [(i, (i + 1) % n) for i in range(n)]
+    kv = (k, v, seg, idx)
+    state = _empty(q)
+    for s in range(n):
+        incoming = jax.lax.ppermute(kv, CONTEXT_AXIS, shift) if s < n - 1 else None
+        state = _block(state, q, seg, idx, prefix, *kv, window, scale)
+        kv = incoming
+    return _finish(state, seg, q.dtype)
+
+
+def _empty(q):
+    b, t, h, d = q.shape
+    return (jnp.full((b, h, t), -jnp.inf, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
+            jnp.zeros((b, t, h, d), jnp.float32))
+
+
+def _block(state, q, q_seg, q_idx, q_prefix, k, v, kv_seg, kv_idx, window, scale):
+    """One key shard folded into (running max, running sum, unnormalized output); skipped when the
+    block holds no allowed pair."""
+    mask = segment_mask(q_seg, kv_seg, q_idx, kv_idx, window=window, q_prefix_ids=q_prefix)
+
+    def attend(state):
+        m, total, acc = state
+        b, t, h, d = q.shape
+        hkv = k.shape[2]
+        qg = q.reshape(b, t, hkv, h // hkv, d)
+        logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+        logits = jnp.where(mask[:, None, None], logits, -jnp.inf).reshape(b, h, t, -1)
+        new_max = jnp.maximum(m, jnp.max(logits, axis=-1))
+        safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        weights = jnp.exp(logits - safe[..., None])
+        rescale = jnp.exp(m - safe)
+        pv = jnp.einsum("bkgts,bskd->btkgd", weights.reshape(b, hkv, h // hkv, t, -1).astype(v.dtype), v,
+                        preferred_element_type=jnp.float32).reshape(b, t, h, d)
+        acc = acc * jnp.moveaxis(rescale, 1, 2)[..., None] + pv
+        return new_max, total * rescale + jnp.sum(weights, axis=-1), acc
+
+    return jax.lax.cond(jnp.any(mask), attend, lambda s: s, state)
+
+
+# model.context_attention -> how each device's queries meet every key shard
+KV_PATHS = {"all_gather": _gathered, "ring": _ring}
+
+
+def _finish(state, seg, dtype):
+    _, total, acc = state
+    out = acc / jnp.moveaxis(jnp.where(total == 0, 1.0, total), 1, 2)[..., None]
+    return jnp.where((seg != 0)[:, :, None, None], out, 0).astype(dtype)
+
+
+def work_per_shard(segment_ids: np.ndarray, n: int, tile: int = 128, window: int | None = None) -> np.ndarray:
+    """Attention work each device does on split-order rows: the (query tile, key tile) pairs with
+    at least one allowed pair, per device [n] (host numpy; what the balance test and
+    scripts/bench_context.py count)."""
+    b, t = segment_ids.shape
+    order = balanced_order(t, n)
+    seg = np.asarray(segment_ids)[:, order]
+    tl = t // n
+    work = np.zeros(n, np.int64)
+    for i in range(n):
+        qs = slice(i * tl, (i + 1) * tl)
+        allowed = np.asarray(segment_mask(jnp.asarray(seg[:, qs]), jnp.asarray(seg), jnp.asarray(order[qs])[None],
+                                          jnp.asarray(order)[None], window=window))
+        tiles = allowed.reshape(b, tl // tile, tile, t // tile, tile).any(axis=(2, 4))
+        work[i] = tiles.sum()
+    return work

@@ -1,0 +1,139 @@
+"""Run by tests/test_context.py in a subprocess with 8 forced host devices: attention over a row split
+on mesh.context = 2, 4 and 8 (all_gather and ring) against one device, outputs and dQ/dK/dV, under
+hypothesis-drawn packings. Prints one JSON line of what it checked; any mismatch raises."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from seqjax.config.tree import MeshConfig
+from seqjax.model import sharding
+from seqjax.model.attention import attention
+from seqjax.model.context import SplitRow, balanced_order, inverse_order
+from seqjax.model.mask import FULL
+
+B, T, H, HKV, D = 2, 64, 4, 2, 8
+TOLERANCE = 1e-6  # of each array's largest magnitude, float32
+checked: list[dict] = []
+
+
+def one_device(q, k, v, seg, window, prefix, positions):
+    return attention(q, k, v, seg, backend="xla", window=window, prefix_ids=prefix, positions=positions)
+
+
+def make_split(n: int, strategy: str):
+    mesh = sharding.build_mesh(MeshConfig(data=8 // n, fsdp=1, context=n, tensor=1))
+    rows = ("data",) if 8 // n > 1 and B % (8 // n) == 0 else None  # (rows whole where they do not split)
+    order, inverse = balanced_order(T, n), inverse_order(balanced_order(T, n))
+    split = SplitRow(mesh.abstract_mesh, n, T, rows, None, strategy)
+
+    def run(q, k, v, seg, window, prefix, positions):
+        moved = [None if a is None else a[:, order] for a in (q, k, v, seg, prefix, positions)]
+        out = attention(*moved[:4], window=window, metadata=split, prefix_ids=moved[4], positions=moved[5])
+        return out[:, inverse]
+
+    return mesh, run
+
+
+MESHES = {(n, s): make_split(n, s) for n in (2, 4, 8) for s in ("all_gather", "ring")}
+
+
+def value_and_grads(fn, args, cotangent):
+    q, k, v, *rest = args
+    out, pull = jax.vjp(lambda q, k, v: fn(q, k, v, *rest), q, k, v)
+    return (out, *pull(cotangent))
+
+
+COMPILED: dict = {}
+
+
+def compiled(key, fn):
+    """One jitted (output, dq, dk, dv) program per mesh and mask form, reused across draws."""
+    if key not in COMPILED:
+        COMPILED[key] = jax.jit(lambda args, cot: value_and_grads(fn, args, cot))
+    return COMPILED[key]
+
+
+@st.composite
+def rows(draw, shared: bool):
+    """B rows of T tokens: documents of drawn lengths (one over at least half the row, so in every
+    shard; a few; many short ones), padding after; or (``shared``) a prompt and completions that
+    continue its positions, as data.shared_prompt packs them."""
+    seg = np.zeros((B, T), np.int32)
+    positions = np.zeros((B, T), np.int32)
+    prefix = np.zeros((B, T), np.int32)
+    for b in range(B):
+        if shared:
+            prompt = draw(st.integers(1, 24))
+            completions = draw(st.lists(st.integers(1, 16), min_size=1, max_size=4))
+            assume(prompt + sum(completions) <= T)
+            seg[b, :prompt], positions[b, :prompt] = 1, np.arange(prompt)
+            at = prompt
+            for c, length in enumerate(completions):
+                seg[b, at:at + length] = 2 + c
+                positions[b, at:at + length] = prompt + np.arange(length)
+                prefix[b, at:at + length] = 1
+                at += length
+            continue
+        kind = draw(st.sampled_from(["one", "few", "many"]))
+        if kind == "one":
+            lengths = [draw(st.integers(T // 2, T))]
+        else:
+            lengths = draw(st.lists(st.integers(1, 24 if kind == "few" else 6), min_size=1, max_size=T))
+        at = 0
+        for s, length in enumerate(lengths, start=1):
+            length = min(length, T - at)
+            if length <= 0:
+                break
+            seg[b, at:at + length], positions[b, at:at + length] = s, np.arange(length)
+            at += length
+    window = draw(st.sampled_from([None, 1, 5, 17]))
+    return seg, positions, (prefix if shared else None), window
+
+
+def check(drawn, mesh_key, seed):
+    seg, positions, prefix, window = drawn
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, T, HKV, D)), jnp.float32) for _ in range(2))
+    cot = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+    # a window rides as a traced value (FULL: none), so one program serves every drawn window
+    w = jnp.int32(FULL if window is None else window)
+    args = (q, k, v, jnp.asarray(seg), w, None if prefix is None else jnp.asarray(prefix), jnp.asarray(positions))
+    shared = prefix is not None
+    want = compiled(("one", shared), one_device)(args, cot)
+    mesh, run = MESHES[mesh_key]
+    with jax.set_mesh(mesh):
+        got = compiled((mesh_key, shared), run)(args, cot)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), want, got):
+        scale = float(jnp.abs(a).max()) or 1.0
+        err = float(jnp.abs(a - b).max()) / scale
+        assert err <= TOLERANCE, (name, mesh_key, window, shared, err, seg.tolist())
+    # (a document from token 0 over half the row lies in every shard: chunks 0 .. n - 1)
+    checked.append({"mesh": list(mesh_key), "window": window, "shared": shared,
+                    "spans_all": bool(((seg == 1).sum(axis=1) >= T // 2).any())})
+
+
+def check_all(examples: int) -> None:
+    """Every mesh and strategy, plain packings and shared prompts, ``examples`` draws each."""
+    for mesh_key in sorted(MESHES):
+        for shared in (False, True):
+            run = settings(max_examples=examples, deadline=None, derandomize=True,
+                           suppress_health_check=list(HealthCheck))(
+                given(rows(shared), st.integers(0, 2**31 - 1))(lambda drawn, seed: check(drawn, mesh_key, seed)))
+            run()
+
+
+if __name__ == "__main__":
+    check_all(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
+    print(json.dumps({"examples": len(checked), "meshes": sorted({tuple(c["mesh"]) for c in checked}),
+                      "windows": sorted({str(c["window"]) for c in checked}),
+                      "shared": sum(c["shared"] for c in checked),
+                      "one_document_over_every_shard": sum(c["spans_all"] for c in checked)}))
