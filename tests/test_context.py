@@ -68,12 +68,13 @@ def test_documents_inside_one_shard_cost_the_other_shards_nothing():
 
 @pytest.mark.slow
 def test_attention_over_2_4_and_8_context_devices_equals_one_device_in_value_and_gradient():
-    proc = subprocess.run([sys.executable, "tests/context_cases.py", "4"], cwd=REPO, env=cli_env(devices=8),
+    proc = subprocess.run([sys.executable, "tests/context_cases.py", "3"], cwd=REPO, env=cli_env(devices=8),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["examples"] >= 6 * 2 * 3 and len(report["meshes"]) == 6
-    assert report["shared"] >= 6 * 3 and report["examples"] - report["shared"] >= 6 * 3 and report["one_document_over_every_shard"] > 0
+    assert report["shared"] >= 6 * 3 and report["examples"] - report["shared"] >= 6 * 3
+    assert report["one_document_over_every_shard"] > 0
     assert set(report["windows"]) == {"None", "1", "5", "17"}
 
 
