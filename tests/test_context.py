@@ -72,8 +72,8 @@ def test_attention_over_2_4_and_8_context_devices_equals_one_device_in_value_and
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["examples"] >= 6 * 2 * 3 and len(report["meshes"]) == 6
-    assert report["shared"] >= 6 * 3 and report["examples"] - report["shared"] >= 6 * 3
+    assert report["examples"] >= 6 * 2 * 3 * 4 and len(report["meshes"]) == 6
+    assert report["shared"] >= 6 * 3 * 4 and report["examples"] - report["shared"] >= 6 * 3 * 4
     assert report["one_document_over_every_shard"] > 0
     assert set(report["windows"]) == {"None", "1", "5", "17"}
 

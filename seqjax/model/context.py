@@ -174,33 +174,53 @@ def _ring(q, k, v, seg, idx, prefix, window, n, scale):
 
 
 def _empty(q):
+    """(running max, running sum) [b, t, h] and the unnormalized output [b, t, h, d], float32."""
     b, t, h, d = q.shape
-    return (jnp.full((b, h, t), -jnp.inf, jnp.float32), jnp.zeros((b, h, t), jnp.float32),
+    return (jnp.full((b, t, h), -jnp.inf, jnp.float32), jnp.zeros((b, t, h), jnp.float32),
             jnp.zeros((b, t, h, d), jnp.float32))
 
 
+# Queries a device attends at once: a block's scores are [rows, heads, this, keys a shard] float32,
+# and each chunk is rematerialized in the backward pass, so that is all a block ever holds.
+QUERY_CHUNK = 1024
+
+
 def _block(state, q, q_seg, q_idx, q_prefix, k, v, kv_seg, kv_idx, window, scale):
-    """One key shard folded into (running max, running sum, unnormalized output); skipped when the
-    block holds no allowed pair."""
-    mask = segment_mask(q_seg, kv_seg, q_idx, kv_idx, window=window, q_prefix_ids=q_prefix)
+    """One key shard folded into the running (max, sum, output), QUERY_CHUNK queries at a time; a
+    chunk with no allowed pair in the shard is skipped."""
+    t = q.shape[1]
+    c = math.gcd(t, QUERY_CHUNK)
 
-    def attend(state):
-        m, total, acc = state
-        b, t, h, d = q.shape
-        hkv = k.shape[2]
-        qg = q.reshape(b, t, hkv, h // hkv, d)
-        logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-        logits = jnp.where(mask[:, None, None], logits, -jnp.inf).reshape(b, h, t, -1)
-        new_max = jnp.maximum(m, jnp.max(logits, axis=-1))
-        safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-        weights = jnp.exp(logits - safe[..., None])
-        rescale = jnp.exp(m - safe)
-        pv = jnp.einsum("bkgts,bskd->btkgd", weights.reshape(b, hkv, h // hkv, t, -1).astype(v.dtype), v,
-                        preferred_element_type=jnp.float32).reshape(b, t, h, d)
-        acc = acc * jnp.moveaxis(rescale, 1, 2)[..., None] + pv
-        return new_max, total * rescale + jnp.sum(weights, axis=-1), acc
+    def attend_chunk(xs):
+        q, q_seg, q_idx, q_prefix, state = xs
+        mask = segment_mask(q_seg, kv_seg, q_idx, kv_idx, window=window, q_prefix_ids=q_prefix)
+        return jax.lax.cond(jnp.any(mask), lambda s: _fold(s, q, k, v, mask, scale), lambda s: s, state)
 
-    return jax.lax.cond(jnp.any(mask), attend, lambda s: s, state)
+    if c == t:
+        return attend_chunk((q, q_seg, q_idx, q_prefix, state))
+    # [b, t, ...] -> [t / c, b, c, ...]: one chunk a map step, recomputed in the backward pass
+    chunks = jax.tree.map(lambda a: jnp.moveaxis(a.reshape(a.shape[0], t // c, c, *a.shape[2:]), 1, 0),
+                          (q, q_seg, q_idx, q_prefix, state))
+    out = jax.lax.map(jax.checkpoint(attend_chunk), chunks)
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], t, *a.shape[3:]), out)
+
+
+def _fold(state, q, k, v, mask, scale):
+    """Queries q [b, c, h, d] against one shard's keys under ``mask`` [b, c, s], merged into
+    ``state`` by log-sum-exp (the softmax of masked_attention, kept in pieces)."""
+    m, total, acc = state
+    b, c, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, c, hkv, h // hkv, d)
+    logits = jnp.einsum("btkgd,bskd->btkgs", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, :, None, None], logits, -jnp.inf).reshape(b, c, h, -1)
+    new_max = jnp.maximum(m, jnp.max(logits, axis=-1))
+    safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    weights = jnp.exp(logits - safe[..., None])
+    rescale = jnp.exp(m - safe)
+    pv = jnp.einsum("btkgs,bskd->btkgd", weights.reshape(b, c, hkv, h // hkv, -1).astype(v.dtype), v,
+                    preferred_element_type=jnp.float32).reshape(b, c, h, d)
+    return new_max, total * rescale + jnp.sum(weights, axis=-1), acc * rescale[..., None] + pv
 
 
 # model.context_attention -> how each device's queries meet every key shard
@@ -209,7 +229,7 @@ KV_PATHS = {"all_gather": _gathered, "ring": _ring}
 
 def _finish(state, seg, dtype):
     _, total, acc = state
-    out = acc / jnp.moveaxis(jnp.where(total == 0, 1.0, total), 1, 2)[..., None]
+    out = acc / jnp.where(total == 0, 1.0, total)[..., None]
     return jnp.where((seg != 0)[:, :, None, None], out, 0).astype(dtype)
 
 
