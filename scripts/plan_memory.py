@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     from seqjax.data.contract import OPTIONAL_FIELDS, given_fields
     from seqjax.model import attention as attention_module
     from seqjax.model import build_model, quant, sharding, split_params
+    from seqjax.model import context
     from seqjax.model.lora import adapters_off
     from seqjax.objectives import resolve, settings_of
     from seqjax.train.optimizer import build_optimizer
@@ -116,8 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
         asked = None  # (the refusal comes below, with its message)
     # (attention dropout runs the dense path whatever the backend: auto picks xla for it, as it does for a shared
     # prompt's mask, which only the dense path computes)
+    # (a row split over mesh.context runs seqjax.model.context's own blocks, planned as they are)
     kernel_memory = (asked is not None and asked.model.attention != "xla" and not asked.model.attention_dropout
-                     and "prefix_ids" not in given_fields(asked))
+                     and "prefix_ids" not in given_fields(asked) and asked.mesh.context == 1)
     if kernel_memory:
         attention_module.reference_attention = flash_memory
     try:
@@ -216,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
         "param_dtype": config.model.param_dtype, "compute_dtype": config.model.compute_dtype,
         "trainable_parameters": trainable, "lora_rank": config.model.lora.rank, "base_storage": lora.quantize,
         "attention_memory": "a flash kernel's (output and log-sum-exp rows)" if kernel_memory else
-        "XLA's dense path ([T, T] scores)",
+        f"a split row's blocks ({context.QUERY_CHUNK} queries x a shard's keys, {config.model.context_attention})"
+        if config.mesh.context > 1 else "XLA's dense path ([T, T] scores)",
         "objective": config.train.objective, "reference": "none" if not objective.reference else
         "precomputed" if precomputed else "a frozen copy" if reference is not None else "the base, adapters off",
         "param_bytes_per_device": per_device(params) + per_device(frozen or {}) + (
