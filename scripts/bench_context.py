@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# (host devices for a CPU; on a GPU machine the GPUs are the devices and the flag is unused)
 if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
@@ -150,8 +151,11 @@ def work_record(seg: np.ndarray, n: int) -> dict:
 
 def train_step_record(args, n: int, kv_path: str, corpus: Path) -> dict:
     """bench_train.py's real step on n host devices with mesh.context=n."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "PYTHONPATH": str(REPO),
-           "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if jax.default_backend() == "cpu":
+        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+    else:  # the first n GPUs
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(n)))
     overrides = [f"run.dir={corpus / 'runs' / f'{n}_{kv_path}'}", "data.corpus=jsonl",
                  f"data.train_files=[{corpus / 'train.jsonl'}]", f"data.valid_files=[{corpus / 'valid.jsonl'}]",
                  f"data.cache_dir={corpus / 'cache'}", "tokenizer.vocab_size=512", f"data.seq_len={args.seq_len}",
@@ -182,7 +186,7 @@ def write_corpus(folder: Path) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    contexts = [int(n) for n in args.contexts.split(",")]
+    contexts = [int(n) for n in args.contexts.split(",") if int(n) <= len(jax.devices())]
     kv_paths = args.kv_paths.split(",")
     seg = packed_row(args.seq_len)
     env = {"bench": "context", "platform": jax.default_backend(), "devices": len(jax.devices()), "jax": jax.__version__,

@@ -73,7 +73,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_STAGES = ("setup", "env", "tests", "attention", "finetune", "lora8b", "dpo", "throughput")
 FIRST_CALL_S, RERUN_CALL_S = 540.0, 240.0  # a lent GPU's 15 minutes: one call of 9, one rerun of 4, start-up
 MIN_STAGE_S = 5.0  # a stage given less than this is skipped
-OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision", "grpo", "mosaic")
+OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision", "grpo", "mosaic",
+                   "context")
 PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
          "tokamax", "torch", "transformers")
 # A toy model and corpus for --dry-run: every stage's plumbing runs on a CPU in seconds.
@@ -565,6 +566,15 @@ def stage_vision(s: Suite) -> dict:
     return {"status": status(code), "result": last_json(stdout) if code == 0 else None}
 
 
+def stage_context(s: Suite) -> dict:
+    """Context parallelism on the machine's GPUs (a multi-GPU machine): the split row's attention and the real
+    train step at mesh.context 1, 2, 4, 8 up to the GPU count, both ways K/V travel (scripts/bench_context.py)."""
+    size = (["--seq-len", "512", "--contexts", "1,2", "--iters", "1", "--train-steps", "1"] if s.dry
+            else ["--seq-len", "32768", "--contexts", "1,2,4,8", "--iters", "3", "--train-steps", "3"])
+    code, stdout = s.call("context", s.python("scripts/bench_context.py", *size), 240)
+    return {"status": status(code), "records": json_lines(stdout)}
+
+
 # Each stage's budget in seconds, from what the stages took on the H200 on 2026-11-27 (BENCHMARKS.md, "GPU"):
 # setup 5.3 and env 9.3; the GPU tests 146 s with no limit; attention ran out at 70 s after the dense rows of five
 # kernels; finetune finished in 54.4; lora8b, dpo and throughput ran out at 80, 50 and 50 s before measuring.
@@ -577,7 +587,7 @@ STAGES = {stage.name: stage for stage in (
     Stage("levanter", 90, stage_levanter), Stage("sweep", 150, stage_sweep), Stage("ncu", 150, stage_ncu),
     Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
     Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study), Stage("vision", 90, stage_vision),
-    Stage("grpo", 150, stage_grpo), Stage("mosaic", 120, stage_mosaic),
+    Stage("grpo", 150, stage_grpo), Stage("mosaic", 120, stage_mosaic), Stage("context", 240, stage_context),
 )}
 
 

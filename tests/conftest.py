@@ -15,6 +15,15 @@ if os.cpu_count() is not None and os.cpu_count() < 4:
     os.environ.setdefault("PJRT_NPROC", "4")
 
 
+# XLA compiles without LLVM's optimizations in the tests (one place, for this process and every subprocess the tests
+# start: test_train_support.cli_env keeps it). The tests compile hundreds of tiny programs and run each a few steps,
+# so compile time is most of the suite; unoptimized code computes the same operations in the same order, and a test
+# compares two computations compiled alike. SEQJAX_TEST_XLA_OPT=1 compiles as a user's run does.
+TEST_XLA_FLAGS = "" if os.environ.get("SEQJAX_TEST_XLA_OPT") == "1" else "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
 def wikitext_dir() -> Path | None:
     """The folder holding wikitext-2/ and wikitext-2-raw/, or None when the data is not on this machine."""
     value = os.environ.get(DATA_DIR_ENV)

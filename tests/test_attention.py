@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from seqjax.core.errors import ConfigError
 from seqjax.model import attention as attn
 from seqjax.model.attention import attention, resolve_backend
+from test_train_support import with_devices
 
 T, H, HKV, D = 16, 4, 2, 16
 
@@ -281,7 +282,7 @@ def test_kernels_run_per_device_shard_on_a_mesh():
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(4), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", SHARDED_RUN], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads(out.stdout.strip().splitlines()[-1])

@@ -14,6 +14,7 @@ from seqjax.config.load import load_config
 from seqjax.eval.evaluate import evaluate, windows_for
 from seqjax.model import build_model
 from seqjax.store.reader import TokenStore
+from test_train_support import with_devices
 
 VOCAB = 40
 EOT = 0
@@ -205,7 +206,7 @@ def test_two_devices_give_the_one_device_result(tiny_model):
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(2), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", SHARDED_RUN], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     sharded = json.loads(out.stdout.strip().splitlines()[-1])

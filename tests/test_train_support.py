@@ -70,6 +70,12 @@ def write_corpus(root: Path) -> None:
         (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
 
 
+def with_devices(devices: int) -> str:
+    """XLA_FLAGS forcing this many host devices, keeping the tests' own (conftest.TEST_XLA_FLAGS)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_") or k == "SEQJAX_DATA_DIR"}
     env["JAX_PLATFORMS"] = "cpu"
@@ -79,7 +85,7 @@ def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = with_devices(devices)
     env.update(extra)
     return env
 

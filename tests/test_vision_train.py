@@ -20,6 +20,7 @@ from seqjax.config.model import LoraConfig
 from seqjax.model.lora import split_params
 from seqjax.model.stacking import blocks_layout
 from seqjax.train.step import make_train_step
+from test_train_support import with_devices
 from vision_support import QWEN2_5, batch, vl_model
 
 # (two minutes of compiling train steps; test_vision_language.py is the fast proof)
@@ -136,7 +137,7 @@ def test_on_a_mesh_rows_take_their_images_and_the_step_is_one_devices():
 
     from test_train_support import REPO
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(4), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", MESH_RUN], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
