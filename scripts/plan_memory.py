@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     from seqjax.core.errors import SeqjaxError
     from seqjax.data.contract import OPTIONAL_FIELDS, given_fields
     from seqjax.model import attention as attention_module
-    from seqjax.model import build_model, quant, sharding, split_params
-    from seqjax.model import context
+    from seqjax.model import build_model, context, quant, sharding, split_params
     from seqjax.model.lora import adapters_off
     from seqjax.objectives import resolve, settings_of
     from seqjax.train.optimizer import build_optimizer

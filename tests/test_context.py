@@ -134,3 +134,16 @@ def test_what_cannot_honour_a_split_row_is_refused_in_one_line(overrides, messag
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
     assert str(error.value) == message
+
+
+def test_the_data_plot_marks_which_device_holds_each_chunk(tiny_root, tmp_path, monkeypatch):
+    from seqjax.data import picture
+    from seqjax.main import data as data_cli
+
+    drawn = []
+    draw = picture.draw_batch
+    monkeypatch.setattr(picture, "draw_batch", lambda *a: drawn.append(a) or draw(*a))
+    overrides = [o for o in tiny_overrides(tiny_root, tmp_path / "run") if o.startswith(("data.", "tokenizer."))]
+    data_cli.main([*overrides, "mesh.context=4", "--plot", str(tmp_path / "layout.png")])
+    (_, path, _, owners), = drawn
+    assert owners == [0, 1, 2, 3, 3, 2, 1, 0] and path.stat().st_size > 0

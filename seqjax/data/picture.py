@@ -41,8 +41,10 @@ def layout_image(batch: Batch) -> np.ndarray:
     return rgb
 
 
-def draw_batch(batch: Batch, path: str | Path, title: str) -> None:
-    """Write the layout picture of ``batch`` to ``path`` (PNG)."""
+def draw_batch(batch: Batch, path: str | Path, title: str, owners: list[int] | None = None) -> None:
+    """Write the layout picture of ``batch`` to ``path`` (PNG). ``owners``: the device holding each
+    equal chunk of a row split over mesh.context (seqjax.model.context.chunk_owners), drawn as
+    dashed bounds labelled with the device."""
     # matplotlib takes half a second to import: only the --plot flag needs it
     import matplotlib
 
@@ -53,7 +55,11 @@ def draw_batch(batch: Batch, path: str | Path, title: str) -> None:
     rows, width = image.shape[:2]
     fig, ax = plt.subplots(figsize=(min(16, 4 + width / 64), min(10, 1.5 + rows * 0.3)))
     ax.imshow(image, aspect="auto", interpolation="nearest")
-    ax.set_xlabel("position in row (token)")
+    for j, device in enumerate(owners or ()):
+        ax.axvline(j * width / len(owners) - 0.5, color="black", linestyle="--", linewidth=0.6)
+        ax.text((j + 0.5) * width / len(owners) - 0.5, -0.55, f"d{device}", ha="center", fontsize=7)
+    ax.set_xlabel("position in row (token)" + ("; dashed: mesh.context's chunks, dN above: the device holding it"
+                                               if owners else ""))
     ax.set_ylabel("row")
     scored = float(np.asarray(batch["weights"]).astype(bool).mean())
     padding = float((np.asarray(batch["segment_ids"]) == 0).mean())
@@ -61,7 +67,7 @@ def draw_batch(batch: Batch, path: str | Path, title: str) -> None:
     if "patch_segment_ids" in batch:  # chats with images: the second budget
         patches = f"; patches: {float((np.asarray(batch['patch_segment_ids']) > 0).mean()):.1%} of the rows' budget"
     ax.set_title(f"{title}\none colour per example; pale: not scored (prompt); white: padding "
-                 f"({padding:.1%}); scored: {scored:.1%} of slots{patches}", fontsize=9)
+                 f"({padding:.1%}); scored: {scored:.1%} of slots{patches}", fontsize=9, pad=12 if owners else 6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -48,14 +48,20 @@ from seqjax.model.mask import segment_mask
 from seqjax.model.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS
 
 
+def chunk_owners(n: int) -> list[int]:
+    """The device holding each of a row's 2n chunks: chunks i and 2n - 1 - i on device i
+    (``chunk_owners(2)`` is [0, 1, 1, 0])."""
+    return [min(j, 2 * n - 1 - j) for j in range(2 * n)]
+
+
 def balanced_order(t: int, n: int) -> np.ndarray:
-    """The row's token indices in split order: device i's T / n tokens are chunks i and 2n - 1 - i
-    of 2n. ``balanced_order(8, 2)`` is [0 1 6 7 2 3 4 5]."""
+    """The row's token indices in split order: device i's T / n tokens are its two chunks
+    (:func:`chunk_owners`), in row order. ``balanced_order(8, 2)`` is [0 1 6 7 2 3 4 5]."""
     if t % (2 * n):
         raise ConfigError(f"mesh.context={n}: a row of {t} tokens does not cut into {2 * n} equal chunks "
                           f"(expected data.seq_len a multiple of 2 x mesh.context = {2 * n})")
-    chunks = np.arange(t).reshape(2 * n, t // (2 * n))
-    return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+    chunks, owners = np.arange(t).reshape(2 * n, t // (2 * n)), chunk_owners(n)
+    return np.concatenate([chunks[j] for device in range(n) for j in range(2 * n) if owners[j] == device])
 
 
 def inverse_order(order: np.ndarray) -> np.ndarray:
