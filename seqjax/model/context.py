@@ -58,10 +58,14 @@ def balanced_order(t: int, n: int) -> np.ndarray:
     """The row's token indices in split order: device i's T / n tokens are its two chunks
     (:func:`chunk_owners`), in row order. ``balanced_order(8, 2)`` is [0 1 6 7 2 3 4 5]."""
     if t % (2 * n):
-        raise ConfigError(f"mesh.context={n}: a row of {t} tokens does not cut into {2 * n} equal chunks "
-                          f"(expected data.seq_len a multiple of 2 x mesh.context = {2 * n})")
+        raise ConfigError(
+            f"mesh.context={n}: a row of {t} tokens does not cut into {2 * n} equal chunks "
+            f"(expected data.seq_len a multiple of 2 x mesh.context = {2 * n})"
+        )
     chunks, owners = np.arange(t).reshape(2 * n, t // (2 * n)), chunk_owners(n)
-    return np.concatenate([chunks[j] for device in range(n) for j in range(2 * n) if owners[j] == device])
+    return np.concatenate(
+        [chunks[j] for device in range(n) for j in range(2 * n) if owners[j] == device]
+    )
 
 
 def inverse_order(order: np.ndarray) -> np.ndarray:
@@ -81,7 +85,9 @@ class SplitRow:
     t: int  # tokens a row
     rows: tuple | None  # the batch axes that split rows (None: rows whole)
     heads: str | None  # the axis that splits heads (None: heads whole)
-    kv_path: str = "all_gather"  # model.context_attention: how K/V reach each query shard (KV_PATHS)
+    kv_path: str = (
+        "all_gather"  # model.context_attention: how K/V reach each query shard (KV_PATHS)
+    )
 
     def __hash__(self):
         return hash((self.n, self.t, self.rows, self.heads, self.kv_path))
@@ -100,8 +106,13 @@ class SplitRow:
             spec = P(*([None] * extra), self.rows, CONTEXT_AXIS, *([None] * (a.ndim - 2 - extra)))
             return jax.lax.with_sharding_constraint(moved, NamedSharding(self.mesh, spec))
 
-        return (permute(x), permute(positions), permute(segment_ids), permute(prefix_ids),
-                permute(injections, extra=1))
+        return (
+            permute(x),
+            permute(positions),
+            permute(segment_ids),
+            permute(prefix_ids),
+            permute(injections, extra=1),
+        )
 
     def restore(self, x):
         """Split order -> row order (the last block's output, before the head)."""
@@ -130,8 +141,9 @@ def split_row(x: jax.Array, kv_path: str = "all_gather") -> SplitRow | None:
     return SplitRow(mesh, sizes[CONTEXT_AXIS], t, rows or None, heads, kv_path)
 
 
-def split_row_attention(q, k, v, segment_ids, split: SplitRow, scale=None, window=None, prefix_ids=None,
-                        positions=None) -> jax.Array:
+def split_row_attention(
+    q, k, v, segment_ids, split: SplitRow, scale=None, window=None, prefix_ids=None, positions=None
+) -> jax.Array:
     """Attention of split-order q [B, T, H, D], k/v [B, T, Hkv, D] over the context axis:
     contract 2 with each token's row index (its position under a shared prompt, as
     :func:`seqjax.model.mask.allowed` says), merged over key shards by log-sum-exp."""
@@ -140,8 +152,13 @@ def split_row_attention(q, k, v, segment_ids, split: SplitRow, scale=None, windo
     if heads is not None:
         size = dict(split.mesh.shape)[heads]
         heads = heads if q.shape[2] % size == 0 and k.shape[2] % size == 0 else None
-    index = (positions if prefix_ids is not None
-             else jnp.broadcast_to(jnp.asarray(balanced_order(split.t, split.n), jnp.int32), segment_ids.shape))
+    index = (
+        positions
+        if prefix_ids is not None
+        else jnp.broadcast_to(
+            jnp.asarray(balanced_order(split.t, split.n), jnp.int32), segment_ids.shape
+        )
+    )
     per_head, per_token = P(split.rows, CONTEXT_AXIS, heads, None), P(split.rows, CONTEXT_AXIS)
     prefix = jnp.zeros_like(segment_ids) if prefix_ids is None else prefix_ids
     window = None if window is None else jnp.asarray(window, jnp.int32)
@@ -151,9 +168,13 @@ def split_row_attention(q, k, v, segment_ids, split: SplitRow, scale=None, windo
         return fn(q, k, v, seg, idx, None if prefix_ids is None else prefix, window, split.n, scale)
 
     window_spec = None if window is None else P()
-    return jax.shard_map(local, mesh=split.mesh, in_specs=(per_head, per_head, per_head, per_token, per_token,
-                                                           per_token, window_spec),
-                         out_specs=per_head, check_vma=False)(q, k, v, segment_ids, index, prefix, window)
+    return jax.shard_map(
+        local,
+        mesh=split.mesh,
+        in_specs=(per_head, per_head, per_head, per_token, per_token, per_token, window_spec),
+        out_specs=per_head,
+        check_vma=False,
+    )(q, k, v, segment_ids, index, prefix, window)
 
 
 def _gathered(q, k, v, seg, idx, prefix, window, n, scale):
@@ -162,7 +183,9 @@ def _gathered(q, k, v, seg, idx, prefix, window, n, scale):
     tl = k.shape[1]
     state = _empty(q)
     for j in range(n):
-        state = _block(state, q, seg, idx, prefix, *(a[:, j * tl:(j + 1) * tl] for a in keys), window, scale)
+        state = _block(
+            state, q, seg, idx, prefix, *(a[:, j * tl : (j + 1) * tl] for a in keys), window, scale
+        )
     return _finish(state, seg, q.dtype)
 
 
@@ -182,8 +205,11 @@ def _ring(q, k, v, seg, idx, prefix, window, n, scale):
 def _empty(q):
     """(running max, running sum) [b, t, h] and the unnormalized output [b, t, h, d], float32."""
     b, t, h, d = q.shape
-    return (jnp.full((b, t, h), -jnp.inf, jnp.float32), jnp.zeros((b, t, h), jnp.float32),
-            jnp.zeros((b, t, h, d), jnp.float32))
+    return (
+        jnp.full((b, t, h), -jnp.inf, jnp.float32),
+        jnp.zeros((b, t, h), jnp.float32),
+        jnp.zeros((b, t, h, d), jnp.float32),
+    )
 
 
 # Queries a device attends at once: a block's scores are [rows, heads, this, keys a shard] float32,
@@ -200,13 +226,17 @@ def _block(state, q, q_seg, q_idx, q_prefix, k, v, kv_seg, kv_idx, window, scale
     def attend_chunk(xs):
         q, q_seg, q_idx, q_prefix, state = xs
         mask = segment_mask(q_seg, kv_seg, q_idx, kv_idx, window=window, q_prefix_ids=q_prefix)
-        return jax.lax.cond(jnp.any(mask), lambda s: _fold(s, q, k, v, mask, scale), lambda s: s, state)
+        return jax.lax.cond(
+            jnp.any(mask), lambda s: _fold(s, q, k, v, mask, scale), lambda s: s, state
+        )
 
     if c == t:
         return attend_chunk((q, q_seg, q_idx, q_prefix, state))
     # [b, t, ...] -> [t / c, b, c, ...]: one chunk a map step, recomputed in the backward pass
-    chunks = jax.tree.map(lambda a: jnp.moveaxis(a.reshape(a.shape[0], t // c, c, *a.shape[2:]), 1, 0),
-                          (q, q_seg, q_idx, q_prefix, state))
+    chunks = jax.tree.map(
+        lambda a: jnp.moveaxis(a.reshape(a.shape[0], t // c, c, *a.shape[2:]), 1, 0),
+        (q, q_seg, q_idx, q_prefix, state),
+    )
     out = jax.lax.map(jax.checkpoint(attend_chunk), chunks)
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], t, *a.shape[3:]), out)
 
@@ -224,8 +254,12 @@ def _fold(state, q, k, v, mask, scale):
     safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
     weights = jnp.exp(logits - safe[..., None])
     rescale = jnp.exp(m - safe)
-    pv = jnp.einsum("btkgs,bskd->btkgd", weights.reshape(b, c, hkv, h // hkv, -1).astype(v.dtype), v,
-                    preferred_element_type=jnp.float32).reshape(b, c, h, d)
+    pv = jnp.einsum(
+        "btkgs,bskd->btkgd",
+        weights.reshape(b, c, hkv, h // hkv, -1).astype(v.dtype),
+        v,
+        preferred_element_type=jnp.float32,
+    ).reshape(b, c, h, d)
     return new_max, total * rescale + jnp.sum(weights, axis=-1), acc * rescale[..., None] + pv
 
 
@@ -239,7 +273,9 @@ def _finish(state, seg, dtype):
     return jnp.where((seg != 0)[:, :, None, None], out, 0).astype(dtype)
 
 
-def work_per_shard(segment_ids: np.ndarray, n: int, tile: int = 128, window: int | None = None) -> np.ndarray:
+def work_per_shard(
+    segment_ids: np.ndarray, n: int, tile: int = 128, window: int | None = None
+) -> np.ndarray:
     """Attention work each device does on split-order rows: the (query tile, key tile) pairs with
     at least one allowed pair, per device [n] (host numpy; what the balance test and
     scripts/bench_context.py count)."""
@@ -250,8 +286,15 @@ def work_per_shard(segment_ids: np.ndarray, n: int, tile: int = 128, window: int
     work = np.zeros(n, np.int64)
     for i in range(n):
         qs = slice(i * tl, (i + 1) * tl)
-        allowed = np.asarray(segment_mask(jnp.asarray(seg[:, qs]), jnp.asarray(seg), jnp.asarray(order[qs])[None],
-                                          jnp.asarray(order)[None], window=window))
+        allowed = np.asarray(
+            segment_mask(
+                jnp.asarray(seg[:, qs]),
+                jnp.asarray(seg),
+                jnp.asarray(order[qs])[None],
+                jnp.asarray(order)[None],
+                window=window,
+            )
+        )
         tiles = allowed.reshape(b, tl // tile, tile, t // tile, tile).any(axis=(2, 4))
         work[i] = tiles.sum()
     return work
