@@ -129,6 +129,9 @@ def test_training_over_the_context_axis_takes_one_devices_steps(reference, tiny_
     (["mesh.context=2", "model.attention=xla", "model.attention_dropout=0.1"],
      "model.attention_dropout: got 0.1, which draws its random bits per whole row and cannot honour mesh.context=2; "
      "expected 0"),
+    (["mesh.context=2", "data.corpus=jsonl", "data.format=prompt"],
+     "mesh.context: got 2 with data.format='prompt', which does not split rows over mesh.context yet; expected "
+     "mesh.context=1"),
 ])
 def test_what_cannot_honour_a_split_row_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as error:

@@ -267,6 +267,11 @@ class Config:
         if self.model.attention_dropout:
             raise ConfigError(f"model.attention_dropout: got {self.model.attention_dropout}, which draws its random "
                               f"bits per whole row and cannot honour mesh.context={n}; expected 0")
+        # (not yet shown equal to one device: an RL run's sampler and the vision tower take whole rows)
+        if self.data.format == "prompt" or self.data.image_processor is not None:
+            what = "data.format='prompt'" if self.data.format == "prompt" else "data.image_processor (images)"
+            raise ConfigError(f"mesh.context: got {n} with {what}, which does not split rows over mesh.context yet; "
+                              "expected mesh.context=1")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
