@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         "param_dtype": config.model.param_dtype, "compute_dtype": config.model.compute_dtype,
         "trainable_parameters": trainable, "lora_rank": config.model.lora.rank, "base_storage": lora.quantize,
         "attention_memory": "a flash kernel's (output and log-sum-exp rows)" if kernel_memory else
-        f"a split row's blocks ({context.QUERY_CHUNK} queries x a shard's keys, {config.model.context_attention})"
+        f"a split row's blocks (up to {context.QUERY_CHUNK} queries x a shard's keys, {config.model.context_attention})"
         if config.mesh.context > 1 else "XLA's dense path ([T, T] scores)",
         "objective": config.train.objective, "reference": "none" if not objective.reference else
         "precomputed" if precomputed else "a frozen copy" if reference is not None else "the base, adapters off",

@@ -215,13 +215,16 @@ def _empty(q):
 # Queries a device attends at once: a block's scores are [rows, heads, this, keys a shard] float32,
 # and each chunk is rematerialized in the backward pass, so that is all a block ever holds.
 QUERY_CHUNK = 1024
+MIN_QUERY_CHUNK, SCORES_PER_CHUNK = 128, 2**24
 
 
 def _block(state, q, q_seg, q_idx, q_prefix, k, v, kv_seg, kv_idx, window, scale):
     """One key shard folded into the running (max, sum, output), QUERY_CHUNK queries at a time; a
     chunk with no allowed pair in the shard is skipped."""
     t = q.shape[1]
-    c = math.gcd(t, QUERY_CHUNK)
+    # (a long shard's keys take fewer queries a chunk: at most SCORES_PER_CHUNK scores a head, so a
+    # block at 128k tokens on 2 devices holds 256 queries' scores, not 1,024's)
+    c = math.gcd(t, min(QUERY_CHUNK, max(MIN_QUERY_CHUNK, SCORES_PER_CHUNK // k.shape[1])))
 
     def attend_chunk(xs):
         q, q_seg, q_idx, q_prefix, state = xs
