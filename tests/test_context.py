@@ -92,7 +92,7 @@ for run_dir, overrides in runs:
 
 @pytest.mark.slow
 def test_training_over_the_context_axis_takes_one_devices_steps(reference, tiny_root, tmp_path):
-    """20 steps on 4 simulated devices against the one-device reference run, to 1e-6: mesh.context=4,
+    """20 steps on 4 simulated devices against the one-device reference run, to 2e-6: mesh.context=4,
     and a ring run on mesh.context=4 resumed at step 10 on data 2 x context 2; a LoRA run, scanned
     and rematerialized on mesh.context=4, against its twin with no context axis (mesh.data=4)."""
     steps = 20
@@ -111,15 +111,17 @@ def test_training_over_the_context_axis_takes_one_devices_steps(reference, tiny_
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "mesh {'data': 1, 'fsdp': 1, 'context': 4, 'tensor': 1}" in proc.stderr
     assert "'context': 2" in proc.stderr and "resum" in proc.stderr.lower()
+    # (float32 sums in another order: 1.0e-6 apart at worst under the tests' unoptimized compile, 2.2e-7 under a
+    # user's)
     for name in ("context4", "ring"):
         losses = train_losses(tmp_path / name)
         assert sorted(losses) == list(range(1, steps + 1)), name
         for step, loss in losses.items():
-            assert loss == pytest.approx(reference[step], rel=1e-6), (name, step)
+            assert loss == pytest.approx(reference[step], rel=2e-6), (name, step)
     twin, split = train_losses(tmp_path / "lora_one"), train_losses(tmp_path / "lora_context")
     assert sorted(split) == list(range(1, steps + 1)) and twin[steps] < twin[1]
     for step, loss in split.items():
-        assert loss == pytest.approx(twin[step], rel=1e-6), ("lora", step)
+        assert loss == pytest.approx(twin[step], rel=2e-6), ("lora", step)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -327,7 +327,8 @@ def test_a_full_dpo_run_resumes_exactly_against_its_frozen_copy(tmp_path):
 @pytest.mark.slow
 def test_qlora_dpo_with_a_shared_prompt_takes_the_one_device_steps_on_a_mesh(tmp_path):
     """QLoRA (nf4) DPO on packed pairs with the prompt once, scanned and rematerialized: two host devices as an
-    fsdp mesh give the one-device run's losses."""
+    fsdp mesh, and as a context axis splitting every row (pairs summed across its shards, the shared prompt's
+    mask over them), give the one-device run's losses."""
     from test_train_support import assert_ok, run_cli, train_losses
 
     config, _ = run_config("chat", tmp_path, "model.lora.quantize=nf4", "model.lora.quant_block=16",
@@ -339,8 +340,12 @@ def test_qlora_dpo_with_a_shared_prompt_takes_the_one_device_steps_on_a_mesh(tmp
     assert_ok(run_cli(["--config", str(tmp_path / "qlora_dpo.yaml"), f"run.dir={one}"]))
     assert_ok(run_cli(["--config", str(tmp_path / "qlora_dpo.yaml"), f"run.dir={two}", "mesh.data=1", "mesh.fsdp=2"],
                       devices=2))
-    a, b = train_losses(one), train_losses(two)
+    split = tmp_path / "context"
+    assert_ok(run_cli(["--config", str(tmp_path / "qlora_dpo.yaml"), f"run.dir={split}", "mesh.data=1",
+                       "mesh.context=2"], devices=2))
+    a, b, c = train_losses(one), train_losses(two), train_losses(split)
     assert sorted(a) == [1, 2, 3] and all(abs(a[k] - b[k]) < 2e-5 for k in a), (a, b)
+    assert sorted(c) == [1, 2, 3] and all(abs(a[k] - c[k]) < 2e-5 for k in a), (a, c)
 
 
 def test_precomputed_reference_log_probabilities_resume_after_a_stop_and_belong_to_one_model(tmp_path):

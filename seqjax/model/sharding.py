@@ -94,9 +94,9 @@ def build_mesh(mesh: MeshConfig, devices: list | None = None) -> Mesh:
 
 def activation_spec(dims: tuple[str | None, ...], mesh: Mesh) -> P:
     """A PartitionSpec for an activation whose dimensions have these logical names
-    (:data:`ACTIVATION_RULES`; None: whole), keeping only the mesh axes over one device."""
+    (:data:`ACTIVATION_RULES`; None: whole), over the rule's axes that the mesh has."""
     def axes(name):
-        kept = tuple(a for a in ACTIVATION_RULES[name] if mesh.shape.get(a, 1) > 1) if name else ()
+        kept = tuple(a for a in ACTIVATION_RULES[name] if a in mesh.shape) if name else ()
         return None if not kept else kept[0] if len(kept) == 1 else kept
     return P(*map(axes, dims))
 
