@@ -44,6 +44,7 @@ def rewards(run: Path) -> list[float]:
     return [row["rewards/margins"] for row in read_metrics(run) if "rewards/margins" in row]
 
 
+@pytest.mark.slow  # (CLI runs: the full suite and CI)
 def test_a_named_reference_that_is_the_base_gives_autos_numbers_in_the_step_and_precomputed(tmp_path):
     """train.reference=<the base's HF folder> under LoRA: the same steps, bit for bit, as the base with the adapters
     off (auto), whether the step runs it or its log-probabilities are precomputed."""

@@ -111,6 +111,7 @@ def test_the_property_compares_every_layout_the_config_offers():
     assert set(SHAPES) == set(LAYOUTS)
 
 
+@pytest.mark.slow  # (the full suite and CI run it; the fast loop has the layouts in test_grpo_trl)
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(groups_strategy(), st.sampled_from(["token", "sequence"]))
 def test_every_layout_gives_the_same_losses_and_gradients(model, drawn, level):
