@@ -113,6 +113,7 @@ def eval_args(**where) -> argparse.Namespace:
                               per_example=where.get("per_example"))
 
 
+@pytest.mark.slow  # (CLI runs: the full suite and CI)
 def test_eval_scores_pairs_against_a_models_own_weights_when_it_never_trained_and_refuses_a_random_start(tmp_path):
     """seqjax.eval on preference pairs: an imported folder (and --hf) is its own reference, so DPO's loss is ln 2
     exactly and no pair is counted accurate; a run that trained without a reference has none, which is one line,

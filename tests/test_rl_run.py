@@ -52,6 +52,7 @@ def rewards_of(run_dir: Path) -> list[float]:
     return [row["reward"] for row in read_metrics(run_dir) if "reward" in row]
 
 
+@pytest.mark.slow  # (an end-to-end run: the full suite and CI)
 def test_a_grpo_run_samples_its_own_completions_and_learns_a_verifiable_reward(tmp_path):
     """30 steps of DAPO (TRL's default loss type) on 8 completions of each of 4 prompts a step, sampled by the
     policy being trained: the share of even token ids it writes (the reward) climbs from chance to nearly all;
