@@ -68,13 +68,13 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
 
 def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     """The opt-in stages in one call, at toy size: a profile trace, the recipe's validation, the
-    quality run (resumed per call, then scored), the vision tower's two backends and GRPO's layouts and
-    sampler. (The study
+    quality run (resumed per call, then scored), the vision tower's two backends, GRPO's layouts and
+    sampler, and context parallelism's attention and step. (The study
     stage only calls scripts/study_strategies.py, whose --quick run tests/test_study.py covers.)"""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
     proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--only",
-                           "profile,recipe,quality,vision,grpo"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "profile,recipe,quality,vision,grpo,context"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
     stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
     assert proc.returncode == 0, {n: r.get("status") for n, r in stages.items()}
     assert stages["profile"]["traces"] and stages["profile"]["traces"][0]["bytes"] > 0
@@ -87,6 +87,11 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     grpo = stages["grpo"]["result"]
     assert grpo["prompt_once"]["positions_computed_per_step"] < grpo["trl_layout"]["positions_computed_per_step"]
     assert grpo["sampling"]["sample_rollouts"]["new_tokens_per_s"] > 0
+    # context parallelism: the real step on a context axis of 2, each way K/V travel, gives one device's losses
+    steps = {(r["context"], r["kv_path"]): r["train_step"] for r in stages["context"]["records"] if "context" in r}
+    assert set(steps) == {(1, None), (2, "all_gather"), (2, "ring")}
+    for split in ((2, "all_gather"), (2, "ring")):
+        assert steps[split]["loss_first_last"] == pytest.approx(steps[(1, None)]["loss_first_last"], rel=1e-5)
 
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:
