@@ -138,11 +138,7 @@ def work_record(seg: np.ndarray, n: int) -> dict:
     for name, ids in (("packed", seg), ("one_document", np.ones_like(seg))):
         work = work_per_shard(ids, n, tile=128)
         # a contiguous split: device i's queries are tokens i T / n ..
-        tiles = t // 128
-        mask = np.asarray(jax.jit(lambda s: (s[:, :, None] == s[:, None, :]) & (s[:, :, None] != 0)
-                                  & (jnp.arange(t)[None, None, :] <= jnp.arange(t)[None, :, None]))(ids))
-        per_tile = mask.reshape(tiles, 128, tiles, 128).any(axis=(1, 3))
-        contiguous = per_tile.reshape(n, tiles // n, tiles).sum(axis=(1, 2))
+        contiguous = work_per_shard(ids, n, tile=128, order=np.arange(t))
         record[name] = {"tiles_per_device": work.tolist(), "imbalance": round(float(work.max() / work.mean() - 1), 4),
                         "contiguous_tiles_per_device": contiguous.tolist(),
                         "contiguous_imbalance": round(float(contiguous.max() / contiguous.mean() - 1), 4)}

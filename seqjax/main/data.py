@@ -112,9 +112,11 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
         from seqjax.data.picture import draw_batch  # (matplotlib: only when asked)
 
         title = f"{strategies.label(config.data)}, seq_len {config.data.seq_len}"
-        from seqjax.model.context import chunk_owners  # (the model's modules load JAX: only for a split row)
+        owners = None
+        if config.mesh.context > 1:
+            from seqjax.model.context import chunk_owners  # (the model's modules load JAX: only for a split row)
 
-        owners = chunk_owners(config.mesh.context) if config.mesh.context > 1 else None
+            owners = chunk_owners(config.mesh.context)
         draw_batch(next(iter(pipeline)), Path(args.plot), title, owners)
         log.info("drew the first batch's layout in %s", args.plot)
     print(json.dumps(stats), flush=True)

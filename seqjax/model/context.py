@@ -160,21 +160,22 @@ def split_row_attention(
         )
     )
     per_head, per_token = P(split.rows, CONTEXT_AXIS, heads, None), P(split.rows, CONTEXT_AXIS)
-    prefix = jnp.zeros_like(segment_ids) if prefix_ids is None else prefix_ids
     window = None if window is None else jnp.asarray(window, jnp.int32)
     fn = KV_PATHS[split.kv_path]
 
     def local(q, k, v, seg, idx, prefix, window):
-        return fn(q, k, v, seg, idx, None if prefix_ids is None else prefix, window, split.n, scale)
+        return fn(q, k, v, seg, idx, prefix, window, split.n, scale)
 
+    # (an absent prefix or window is None: no leaves, no spec)
+    prefix_spec = None if prefix_ids is None else per_token
     window_spec = None if window is None else P()
     return jax.shard_map(
         local,
         mesh=split.mesh,
-        in_specs=(per_head, per_head, per_head, per_token, per_token, per_token, window_spec),
+        in_specs=(per_head, per_head, per_head, per_token, per_token, prefix_spec, window_spec),
         out_specs=per_head,
         check_vma=False,
-    )(q, k, v, segment_ids, index, prefix, window)
+    )(q, k, v, segment_ids, index, prefix_ids, window)
 
 
 def _gathered(q, k, v, seg, idx, prefix, window, n, scale):
@@ -277,13 +278,14 @@ def _finish(state, seg, dtype):
 
 
 def work_per_shard(
-    segment_ids: np.ndarray, n: int, tile: int = 128, window: int | None = None
+    segment_ids: np.ndarray, n: int, tile: int = 128, window: int | None = None, order=None
 ) -> np.ndarray:
     """Attention work each device does on split-order rows: the (query tile, key tile) pairs with
     at least one allowed pair, per device [n] (host numpy; what the balance test and
-    scripts/bench_context.py count)."""
+    scripts/bench_context.py count). ``order``: the row's tokens in device order (default
+    :func:`balanced_order`; ``np.arange(T)`` is a contiguous split)."""
     b, t = segment_ids.shape
-    order = balanced_order(t, n)
+    order = balanced_order(t, n) if order is None else np.asarray(order)
     seg = np.asarray(segment_ids)[:, order]
     tl = t // n
     work = np.zeros(n, np.int64)
