@@ -6,7 +6,8 @@
 For each mesh.context n (and each ``--kv-paths`` way K/V travel) it prints one record:
 
 - ``attention``: the split row's attention forward and backward (seqjax.model.context) on one row of
-  packed documents on n devices, timed, against one device's ``xla`` attention; the output bytes of
+  packed documents on n devices, timed, against one device's (``--attention``: the flash kernel's spans
+  on a GPU, the dense blocks elsewhere); the output bytes of
   each collective in the compiled program a device runs (all-gathers, collective permutes,
   reduce-scatters), and their sum over the row's K/V bytes;
 - ``work``: the (query tile, key tile) pairs of 128 tokens each device visits on that row (and on one
@@ -46,7 +47,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from seqjax.config.tree import MeshConfig  # noqa: E402
 from seqjax.model import sharding  # noqa: E402
-from seqjax.model.attention import attention  # noqa: E402
+from seqjax.model.attention import attention, resolve_backend  # noqa: E402
 from seqjax.model.context import SplitRow, balanced_order, work_per_shard  # noqa: E402
 from seqjax.model.sharding import CONTEXT_AXIS  # noqa: E402
 
@@ -60,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=4096, help="tokens a row")
     p.add_argument("--contexts", default="1,2,4,8", help="mesh.context sizes")
     p.add_argument("--kv-paths", default="all_gather,ring", help="model.context_attention values")
+    p.add_argument("--attention", default="auto", choices=("auto", "xla", "pallas"),
+                   help="model.attention on every device and on the one-device yardstick (auto: the flash "
+                        "kernel on a GPU, xla elsewhere; pallas off a GPU runs in Pallas's interpreter)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
@@ -113,7 +117,7 @@ def attention_record(args, n: int, kv_path: str, seg: np.ndarray, one_ms: float 
     q = jnp.asarray(rng.normal(size=(1, t, args.heads, args.head_dim)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(1, t, args.kv_heads, args.head_dim)), jnp.float32) for _ in range(2))
     mesh = sharding.build_mesh(MeshConfig(data=1, fsdp=1, context=n, tensor=1), jax.devices()[:n])
-    split = SplitRow(mesh.abstract_mesh, n, t, None, None, kv_path)
+    split = SplitRow(mesh.abstract_mesh, n, t, None, None, kv_path, args.attention)
     # the layer's view: q, k, v and ids already in split order, each device holding its share
     order = balanced_order(t, n)
     q, k, v, ids = (jax.device_put(a[:, order], NamedSharding(mesh, P(None, CONTEXT_AXIS)))
@@ -157,7 +161,8 @@ def train_step_record(args, n: int, kv_path: str, corpus: Path) -> dict:
                  f"data.cache_dir={corpus / 'cache'}", "tokenizer.vocab_size=512", f"data.seq_len={args.seq_len}",
                  "data.batch_size=1", "train.grad_accum=1", "model.d_model=256", "model.n_layers=4",
                  "model.n_heads=8", "model.n_kv_heads=2", "model.d_ff=768", "model.vocab_size=null",
-                 f"model.max_seq_len={args.seq_len}", "model.attention=xla", f"model.context_attention={kv_path}",
+                 f"model.max_seq_len={args.seq_len}", f"model.attention={args.attention}",
+                 f"model.context_attention={kv_path}",
                  "mesh.data=1", f"mesh.context={n}", f"eval.context={args.seq_len}", "train.warmup_steps=1"]
     proc = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", "configs/wikitext2_cpu.yaml",
                            "--loops", "async", "--steps", str(args.train_steps), "--warmup", "1", *overrides],
@@ -182,19 +187,21 @@ def write_corpus(folder: Path) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    args.attention = resolve_backend(args.attention, jnp.float32)
     contexts = [int(n) for n in args.contexts.split(",") if int(n) <= len(jax.devices())]
     kv_paths = args.kv_paths.split(",")
     seg = packed_row(args.seq_len)
     env = {"bench": "context", "platform": jax.default_backend(), "devices": len(jax.devices()), "jax": jax.__version__,
            "host": platform.node(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "seq_len": args.seq_len, "documents": int(seg.max()), "command": " ".join(["python", *sys.argv])}
+           "seq_len": args.seq_len, "documents": int(seg.max()), "attention_backend": args.attention,
+           "command": " ".join(["python", *sys.argv])}
     # one device's attention, the yardstick (ids, q, k, v as above)
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.normal(size=(1, args.seq_len, args.heads, args.head_dim)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(1, args.seq_len, args.kv_heads, args.head_dim)), jnp.float32)
             for _ in range(2))
-    one = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attention(q, k, v, jnp.asarray(seg)) ** 2),
-                                     argnums=(0, 1, 2)))
+    one = jax.jit(jax.value_and_grad(
+        lambda q, k, v: jnp.sum(attention(q, k, v, jnp.asarray(seg), backend=args.attention) ** 2), argnums=(0, 1, 2)))
     one_ms = round(timed(one, q, k, v, iters=args.iters), 2)
     records = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,8 @@
 
 - the head-tail order and its inverse round-trip, and balance a causal row's work exactly;
 - attention outputs and dQ/dK/dV on 2, 4 and 8 simulated devices, both strategies, windows and
-  shared prompts, equal one device to 1e-6 (tests/context_cases.py, in a subprocess);
+  shared prompts, equal one device to 1e-6 (tests/context_cases.py, in a subprocess); so does the
+  flash kernel's spans on 2 and 4, and a model with it on 2 equals xla on one device;
 - ``python -m seqjax.train`` over the context axis takes one device's steps, with data parallelism,
   a ring, LoRA under scan and remat, and a resume onto another mesh.context;
 - what cannot honour a split row is refused in one line.
@@ -78,6 +79,19 @@ def test_attention_over_2_4_and_8_context_devices_equals_one_device_in_value_and
     assert set(report["windows"]) == {"None", "1", "5", "17"}
 
 
+@pytest.mark.slow
+def test_the_flash_kernels_spans_over_2_and_4_context_devices_equal_it_on_one_row():
+    """model.attention=pallas on a split row (interpret mode): each device's chunks are spans of
+    queries against spans of keys, with block_metadata's ranges and the spans' offsets."""
+    proc = subprocess.run([sys.executable, "tests/context_cases.py", "3", "pallas"], cwd=REPO,
+                          env=cli_env(devices=8), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["kernel"] == "pallas" and report["examples"] >= 4 * 3 * 4 and len(report["meshes"]) == 4
+    assert set(report["windows"]) == {"None", "2", "5", "17"} and report["one_document_over_every_shard"] > 0
+    assert report["model_worst"] <= 1e-5
+
+
 SCRIPT = """
 import json, sys
 from seqjax.main.cli import configure_logging
@@ -125,9 +139,12 @@ def test_training_over_the_context_axis_takes_one_devices_steps(reference, tiny_
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["mesh.context=2", "model.attention=pallas"],
-     "model.attention: got 'pallas', which attends over one whole row and cannot honour mesh.context=2; expected one "
-     "of xla, auto"),
+    (["mesh.context=2", "model.attention=pallas_mosaic"],
+     "model.attention: got 'pallas_mosaic', which attends over one whole row and cannot honour mesh.context=2; "
+     "expected one of xla, pallas, auto"),
+    (["mesh.context=2", "model.attention=pallas", "data.seq_len=40"],
+     "data.seq_len: got 40 (eval.context 40) with model.attention=pallas, whose tiles are at least 16 tokens; "
+     "expected a multiple of 2 x mesh.context x 16 = 64"),
     (["mesh.context=2", "model.attention=xla", "model.attention_dropout=0.1"],
      "model.attention_dropout: got 0.1, which draws its random bits per whole row and cannot honour mesh.context=2; "
      "expected 0"),

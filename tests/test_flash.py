@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from seqjax.model.attention import masked_attention, reference_attention
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata, full_blocks, visited_blocks
-from seqjax.model.kernels.flash import flash_attention
+from seqjax.model.kernels.flash import flash_attention, flash_attention_span
 from seqjax.model.mask import segment_mask
 
 SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
@@ -160,13 +160,15 @@ BLOCK_METADATA = jax.jit(block_metadata, static_argnums=1, static_argnames="caus
 
 
 def tiles(segment_ids: np.ndarray, block_rows: int, block_cols: int, by_key: bool,
-          window=None, causal: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """([B, n_rows, n_cols] tiles with any allowed pair, tiles with every pair allowed), from segment_mask."""
+          window=None, causal: bool = True, queries=slice(None), keys=slice(None)) -> tuple[np.ndarray, np.ndarray]:
+    """([B, n_rows, n_cols] tiles with any allowed pair, tiles with every pair allowed), from segment_mask;
+    ``queries``/``keys``: the spans of the row's mask to tile."""
     mask = np.asarray(SEGMENT_MASK(jnp.asarray(segment_ids), window=window, causal=causal))  # [B, query, key]
+    mask = mask[:, queries, keys]
     if by_key:
         mask = mask.transpose(0, 2, 1)
-    b, t, _ = mask.shape
-    blocked = mask.reshape(b, t // block_rows, block_rows, t // block_cols, block_cols)
+    b, rows, cols = mask.shape
+    blocked = mask.reshape(b, rows // block_rows, block_rows, cols // block_cols, block_cols)
     return blocked.any(axis=(2, 4)), blocked.all(axis=(2, 4))
 
 
@@ -204,6 +206,46 @@ def test_visited_tiles_are_the_tightest_cover_and_unmasked_tiles_are_full(data, 
         assert not (needed & ~between(ranges, 0, 3, needed.shape[-1])).any(), "a tile with an allowed pair is skipped"
         np.testing.assert_array_equal(ranges[..., [0, 3]], tightest_cover(needed))
         assert not (between(ranges, 1, 2, needed.shape[-1]) & ~full).any(), "an unmasked tile has a masked pair"
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), window=st.one_of(st.none(), st.integers(1, 70)))
+def test_a_spans_ranges_are_the_tightest_cover_of_its_part_of_the_row(data, window):
+    """block_metadata's spans (a row split over mesh.context): a span of queries against a span of keys
+    visits exactly the tiles of that part of the row's mask with an allowed pair, counted from the spans'
+    first blocks, and runs unmasked only tiles with every pair allowed; the offsets travel with it."""
+    blocks = BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
+    t, span = 128, 32
+    segment_ids = data.draw(packed_batch(2, t))
+    q_at, k_at = (data.draw(st.sampled_from(range(0, t, span))) for _ in range(2))
+    q_len = data.draw(st.sampled_from([span, 2 * span]).filter(lambda n: q_at + n <= t))
+    metadata = block_metadata(jnp.asarray(segment_ids), blocks, window, queries=(jnp.int32(q_at), q_len),
+                              keys=(jnp.int32(k_at), span))
+    assert (metadata.seq_len, metadata.kv_len, np.asarray(metadata.offsets).tolist()) == (q_len, span, [q_at, k_at])
+    queries, keys = slice(q_at, q_at + q_len), slice(k_at, k_at + span)
+    for ranges, rows, cols, by_key in (
+        (metadata.fwd_kv, blocks.block_q, blocks.block_k, False),
+        (metadata.dq_kv, blocks.block_q_bwd, blocks.block_k_bwd, False),
+        (metadata.dkv_q, blocks.block_k_bwd, blocks.block_q_bwd, True),
+    ):
+        ranges = np.asarray(ranges)
+        needed, full = tiles(segment_ids, rows, cols, by_key, window, queries=queries, keys=keys)
+        assert (np.diff(ranges, axis=-1) >= 0).all(), "ranges must be ordered lo <= full_lo <= full_hi <= hi"
+        np.testing.assert_array_equal(ranges[..., [0, 3]], tightest_cover(needed))
+        assert not (between(ranges, 1, 2, needed.shape[-1]) & ~full).any(), "an unmasked tile has a masked pair"
+
+
+def test_a_span_of_the_wrong_length_and_span_metadata_for_a_whole_row_are_refused():
+    blocks = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+    ids = jnp.ones((1, 64), jnp.int32)
+    with pytest.raises(ValueError, match="queries span of length 24; expected a multiple of 16"):
+        block_metadata(ids, blocks, queries=(0, 24))
+    spans = block_metadata(ids, blocks, queries=(0, 32), keys=(32, 32))
+    q = jnp.ones((1, 32, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="metadata for spans of a row"):
+        flash_attention(q, q, q, ids[:, :32], metadata=spans, interpret=True)
+    with pytest.raises(ValueError, match="metadata for spans of 32 queries and 32 keys, but q has 32 and k 64"):
+        flash_attention_span(q, jnp.ones((1, 64, 2, 16)), jnp.ones((1, 64, 2, 16)), ids[:, :32], ids, spans)
 
 
 def test_packed_rows_visit_far_fewer_tiles_than_the_causal_triangle():
@@ -398,3 +440,27 @@ def test_non_causal_metadata_is_checked_and_takes_no_window():
         flash_attention(q, k, v, segment_ids, causal=False, metadata=block_metadata(segment_ids, SMALL))
     with pytest.raises(ValueError, match="a window with causal=False"):
         block_metadata(segment_ids, SMALL, window=8, causal=False)
+
+
+def test_a_span_lowers_to_triton_for_h100():
+    """A split row's span (256 queries against 512 keys, its offsets traced) passes the Triton lowering, its
+    log-sum-exp differentiated too: the three passes, as for a whole row."""
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Explicit,),
+        abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda"),
+    )
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    row = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+
+    def loss(q, k, v, row, at):
+        metadata = block_metadata(row, BlockSizes.for_head_dim(128), 300, queries=(at, 256), keys=(at - 512, 512))
+        out, lse = flash_attention_span(q, k, v, row[:, :256], row[:, :512], metadata, interpret=False)
+        return out.astype(jnp.float32).sum() + lse.sum()
+
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)
+        at = jax.ShapeDtypeStruct((), jnp.int32)
+        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, row, at)
+        lowered = traced.lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3

@@ -11,7 +11,7 @@ from seqjax.core.errors import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "cudnn_packed", "pallas", "pallas_mosaic", "splash")
 # the backends that compute attention over a row split on mesh.context (seqjax.model.context)
-SPLIT_ROW_BACKENDS = ("xla", "auto")
+SPLIT_ROW_BACKENDS = ("xla", "pallas", "auto")
 DTYPES = ("float32", "bfloat16")
 ROPE_SCALING_TYPES = ("none", "linear", "llama3")
 # The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's

@@ -264,6 +264,11 @@ class Config:
         if self.model.attention not in SPLIT_ROW_BACKENDS:
             raise ConfigError(f"model.attention: got {self.model.attention!r}, which attends over one whole row and "
                               f"cannot honour mesh.context={n}; expected one of {', '.join(SPLIT_ROW_BACKENDS)}")
+        if self.model.attention == "pallas" and any(width // (2 * n) % 16 for width in (self.data.seq_len,
+                                                                                    self.eval_context)):
+            raise ConfigError(f"data.seq_len: got {self.data.seq_len} (eval.context {self.eval_context}) with "
+                              f"model.attention=pallas, whose tiles are at least 16 tokens; expected a multiple of "
+                              f"2 x mesh.context x 16 = {32 * n}")
         if self.model.attention_dropout:
             raise ConfigError(f"model.attention_dropout: got {self.model.attention_dropout}, which draws its random "
                               f"bits per whole row and cannot honour mesh.context={n}; expected 0")

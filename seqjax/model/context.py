@@ -27,8 +27,12 @@ their log-sum-exp (one float32 softmax, as :func:`seqjax.model.attention.masked_
 Either way a (query shard, key shard) block with no allowed pair is skipped (``lax.cond`` on the
 block's mask): a document lying within one shard costs the others nothing.
 
-Only the dense XLA path runs per block here; the flash and Mosaic kernels, cuDNN and splash
-take one whole row and are refused with ``mesh.context > 1`` (the config's check:
+The dense XLA path runs per block as above. The flash kernel (``model.attention=pallas``) runs
+each of a device's two chunks as one span of queries
+(:func:`seqjax.model.kernels.flash.flash_attention_span`, with ``block_metadata``'s ranges for the
+span, which carry its offsets): against the whole gathered row (``all_gather``; no merge), or
+against each key chunk of the ring, merged by the log-sum-exp it returns. The Mosaic kernel, cuDNN
+and splash take one whole row and are refused with ``mesh.context > 1`` (the config's check:
 ``SPLIT_ROW_BACKENDS``), as is attention dropout (its random bits are drawn per whole row).
 """
 
@@ -44,6 +48,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from seqjax.core.errors import ConfigError
+from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata
 from seqjax.model.mask import segment_mask
 from seqjax.model.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS
 
@@ -88,9 +93,10 @@ class SplitRow:
     kv_path: str = (
         "all_gather"  # model.context_attention: how K/V reach each query shard (KV_PATHS)
     )
+    kernel: str = "xla"  # what attends each block: xla (dense, chunked) or pallas (flash spans)
 
     def __hash__(self):
-        return hash((self.n, self.t, self.rows, self.heads, self.kv_path))
+        return hash((self.n, self.t, self.rows, self.heads, self.kv_path, self.kernel))
 
     def _spec(self, *rest) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.rows, CONTEXT_AXIS, *rest))
@@ -123,22 +129,28 @@ class SplitRow:
 jax.tree_util.register_static(SplitRow)
 
 
-def split_row(x: jax.Array, kv_path: str = "all_gather") -> SplitRow | None:
+def split_row(x: jax.Array, kv_path: str = "all_gather", kernel: str = "xla") -> SplitRow | None:
     """How the rows of activations x [B, T, ...] split over the mesh, or None when it has no context
     axis over one device. The mesh is the one ``jax.set_mesh`` made current, else the one x's
-    sharding lives on (what ``jax.jit(..., in_shardings=...)`` gives)."""
+    sharding lives on (what ``jax.jit(..., in_shardings=...)`` gives). ``kernel``: the resolved
+    attention backend, one of :data:`SPLIT_ROW_KERNELS`."""
     batch_rows, t = x.shape[:2]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         mesh = jax.typeof(x).sharding.mesh
     if mesh.empty or mesh.shape.get(CONTEXT_AXIS, 1) <= 1 or CONTEXT_AXIS in mesh.manual_axes:
         return None
+    if kernel not in SPLIT_ROW_KERNELS:
+        raise ConfigError(
+            f"model.attention: got {kernel!r}, which attends over one whole row and cannot honour "
+            f"mesh.context > 1; expected one of {', '.join(SPLIT_ROW_KERNELS)} (or auto)"
+        )
     sizes = dict(mesh.shape)
     rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1 and a not in mesh.manual_axes)
     if rows and batch_rows % math.prod(sizes[a] for a in rows):
         rows = ()
     heads = HEAD_AXIS if sizes.get(HEAD_AXIS, 1) > 1 else None
-    return SplitRow(mesh, sizes[CONTEXT_AXIS], t, rows or None, heads, kv_path)
+    return SplitRow(mesh, sizes[CONTEXT_AXIS], t, rows or None, heads, kv_path, kernel)
 
 
 def split_row_attention(
@@ -161,10 +173,21 @@ def split_row_attention(
     )
     per_head, per_token = P(split.rows, CONTEXT_AXIS, heads, None), P(split.rows, CONTEXT_AXIS)
     window = None if window is None else jnp.asarray(window, jnp.int32)
-    fn = KV_PATHS[split.kv_path]
+    if split.kernel == "pallas":
+        if prefix_ids is not None:
+            raise ConfigError(
+                "model.attention: got 'pallas', which cannot honour a shared prompt's mask "
+                "(data.shared_prompt); expected xla or auto"
+            )
+        blocks = span_blocks(q.shape[-1], split.t // (2 * split.n))
 
-    def local(q, k, v, seg, idx, prefix, window):
-        return fn(q, k, v, seg, idx, prefix, window, split.n, scale)
+        def local(q, k, v, seg, idx, prefix, window):
+            return FLASH_KV_PATHS[split.kv_path](q, k, v, seg, window, split.n, scale, blocks)
+    else:
+        fn = KV_PATHS[split.kv_path]
+
+        def local(q, k, v, seg, idx, prefix, window):
+            return fn(q, k, v, seg, idx, prefix, window, split.n, scale)
 
     # (an absent prefix or window is None: no leaves, no spec)
     prefix_spec = None if prefix_ids is None else per_token
@@ -275,6 +298,111 @@ def _finish(state, seg, dtype):
     _, total, acc = state
     out = acc / jnp.where(total == 0, 1.0, total)[..., None]
     return jnp.where((seg != 0)[:, :, None, None], out, 0).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The flash kernel's spans (model.attention=pallas): each of a device's two chunks is one span of
+# queries, attended by seqjax.model.kernels.flash.flash_attention_span with block_metadata's ranges
+# for that span, so the kernel skips every tile with no allowed pair, across shards too.
+
+SPLIT_ROW_KERNELS = ("xla", "pallas")
+
+
+def span_blocks(head_dim: int, chunk: int) -> BlockSizes:
+    """The flash kernel's tiles for chunks of ``chunk`` tokens: its usual tiles for this head_dim
+    (``BlockSizes.for_head_dim``), each cut to the largest power of two dividing the chunk, so a
+    chunk is whole blocks."""
+    base = BlockSizes.for_head_dim(head_dim)
+    largest = chunk & -chunk
+    if largest < 16:
+        raise ConfigError(
+            f"model.attention=pallas with a split row: chunks of {chunk} tokens (data.seq_len / "
+            f"(2 x mesh.context)); expected a multiple of 16, the kernel's smallest tile"
+        )
+    names = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq")
+    return dataclasses.replace(base, **{f: min(getattr(base, f), largest) for f in names})
+
+
+def _flash_kernel():
+    # (loaded here, as the dispatch loads kernels: the model imports without Pallas's Triton backend)
+    from seqjax.model.kernels.flash import flash_attention_span
+
+    return flash_attention_span
+
+
+def _row_order(a, n):
+    """A device's gathered split-order shards [b, T, ...] back in row order."""
+    return jnp.take(a, jnp.asarray(inverse_order(balanced_order(a.shape[1], n))), axis=1)
+
+
+def _flash_gathered(q, k, v, seg, window, n, scale, blocks):
+    """Every key gathered once, in row order; each of the device's chunks one span of queries
+    against the whole row (no merge: the kernel's ranges stop at the chunk's last query)."""
+    keys = [
+        _row_order(jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True), n) for a in (k, v, seg)
+    ]
+    c, attend = q.shape[1] // 2, _flash_kernel()
+    outs = []
+    for slot, chunk in enumerate(_chunks(n)):
+        md = block_metadata(keys[2], blocks, window, queries=(chunk * c, c))
+        piece = slice(slot * c, (slot + 1) * c)
+        outs.append(
+            attend(q[:, piece], keys[0], keys[1], seg[:, piece], keys[2], md, scale=scale)[0]
+        )
+    return jnp.concatenate(outs, axis=1)
+
+
+def _flash_ring(q, k, v, seg, window, n, scale, blocks):
+    """K/V passed around the ring as on the XLA path; each (query chunk, key chunk) pair one span
+    call, merged by log-sum-exp. Only the segment ids of the whole row are gathered (4 bytes a
+    token): a span's ranges depend on where its documents start and end."""
+    row_seg = _row_order(jax.lax.all_gather(seg, CONTEXT_AXIS, axis=1, tiled=True), n)
+    shift = [(i, (i + 1) % n) for i in range(n)]
+    c, attend = q.shape[1] // 2, _flash_kernel()
+    halves = lambda a, slot: a[:, slot * c : (slot + 1) * c]  # noqa: E731
+    mine, kv, merged = _chunks(n), (k, v, seg), [None, None]
+    for s in range(n):
+        incoming = jax.lax.ppermute(kv, CONTEXT_AXIS, shift) if s < n - 1 else None
+        theirs = _chunks(n, (jax.lax.axis_index(CONTEXT_AXIS) - s) % n)
+        for qs in range(2):
+            for ks in range(2):
+                md = block_metadata(
+                    row_seg, blocks, window, queries=(mine[qs] * c, c), keys=(theirs[ks] * c, c)
+                )
+                out, lse = attend(
+                    halves(q, qs),
+                    *(halves(a, ks) for a in kv[:2]),
+                    halves(seg, qs),
+                    halves(kv[2], ks),
+                    md,
+                    scale=scale,
+                )
+                merged[qs] = _merge(merged[qs], out, lse)
+        kv = incoming
+    return jnp.concatenate([m[0] for m in merged], axis=1).astype(q.dtype)
+
+
+def _chunks(n, device=None):
+    """The row chunks a device holds, in its order: (i, 2n - 1 - i); this device's by default."""
+    i = jax.lax.axis_index(CONTEXT_AXIS) if device is None else device
+    return i, 2 * n - 1 - i
+
+
+def _merge(state, out, lse):
+    """Two partial attentions of the same queries over disjoint keys, as one: (output [b, c, h, d]
+    float32, log-sum-exp [b, c, h]); ``state`` None is the first."""
+    out, lse = out.astype(jnp.float32), jnp.moveaxis(lse, 1, 2)
+    if state is None:
+        return out, lse
+    prev, prev_lse = state
+    total = jnp.logaddexp(prev_lse, lse)
+    return prev * jnp.exp(prev_lse - total)[..., None] + out * jnp.exp(lse - total)[
+        ..., None
+    ], total
+
+
+# model.context_attention -> the flash kernel's path
+FLASH_KV_PATHS = {"all_gather": _flash_gathered, "ring": _flash_ring}
 
 
 def work_per_shard(

@@ -205,7 +205,7 @@ class TransformerLM(nnx.Module):
         activation memory. ``injections`` [k, B, T, D]: added to the output of the first k blocks
         (Qwen3-VL's DeepStack features, zero away from image tokens).
         """
-        split = split_row(x, self.cfg.context_attention)
+        split = split_row(x, self.cfg.context_attention, self.split_row_kernel(prefix_ids))
         if split is not None:  # a row over the context axis: one order change in, one out
             x, positions, segment_ids, prefix_ids, injections = split.balance(x, positions, segment_ids,
                                                                               prefix_ids, injections)
@@ -294,6 +294,13 @@ class TransformerLM(nnx.Module):
         """Final norm and LM head: the last block's output [B, T, D] -> float32 logits [B, T, V]."""
         x = self.final_norm(x)
         return head_logits(x, self.head().astype(x.dtype))
+
+    def split_row_kernel(self, prefix_ids=None) -> str:
+        """What attends a row split over mesh.context: the backend ``model.attention`` resolves to,
+        except that ``auto`` keeps to xla for a shared prompt (only the dense mask honours it)."""
+        if prefix_ids is not None and self.cfg.attention == "auto":
+            return "xla"
+        return resolve_backend(self.cfg.attention, self.cfg.compute_dtype, windows=self.cfg.has_windows)
 
     def attention_metadata(self, segment_ids) -> list | None:
         """The pallas kernel's block ranges for this batch, one per layer, or None for the other

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from seqjax.model.mask import FULL
+
+LN_2 = math.log(2.0)  # a base-2 log-sum-exp in natural units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,11 @@ class BlockMetadata:
     window they were computed for (FULL: none); the kernel's edge tiles mask with it. ``seq_len`` is
     the padded length they were computed for. ``causal=False``: the non-causal mask (a vision
     encoder's images, contract 2's ``causal=False``): a position sees its whole segment.
+
+    Spans (``block_metadata(..., queries=, keys=)``): ``offsets`` int32 [2] holds the row index of
+    the first query and of the first key, ``seq_len`` the queries' length and ``kv_len`` the keys';
+    the column blocks count from the first key. Whole rows leave ``offsets`` None (both spans start
+    at 0 and ``kv_len`` is ``seq_len``).
     """
 
     fwd_kv: jax.Array
@@ -127,6 +135,14 @@ class BlockMetadata:
     seq_len: int = dataclasses.field(metadata=dict(static=True))
     block_sizes: BlockSizes = dataclasses.field(metadata=dict(static=True))
     causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
+    offsets: jax.Array | None = None
+    kv_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def spans(self) -> bool:
+        """Whether these ranges are for a span of queries against a span of keys (a row split over
+        mesh.context) rather than one whole row against itself."""
+        return self.offsets is not None
 
 
 def segment_extents(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -183,8 +199,8 @@ def _ranges(real, lo, hi, full, full_lo, full_hi, block_rows: int, block_cols: i
     return jnp.stack([lo, first_full, end_full, hi], axis=-1).astype(jnp.int32)
 
 
-def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None, causal: bool = True
-                   ) -> BlockMetadata:
+def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None, causal: bool = True,
+                   queries: tuple | None = None, keys: tuple | None = None) -> BlockMetadata:
     """Visiting ranges for ``segment_ids`` [B, T] (T any length: padded here as the kernel pads it).
 
     Use the block sizes the kernel will use: ``BlockSizes.for_head_dim(head_dim)`` unless you pass
@@ -192,48 +208,108 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None,
     traced int32 scalar. ``causal=False``: every position of a segment sees all of it (no window
     then), so a block visits its segments' whole extents, and a block inside one run is full against
     that run's every block.
+
+    ``queries`` / ``keys``: ``(offset, length)`` spans of the row (default: all of it) when a kernel
+    call attends only those queries to only those keys, as one device of a row split over
+    mesh.context does (seqjax.model.context). ``segment_ids`` is still the whole row: a span's ranges
+    depend on where its documents start and end outside it. Each length is a multiple of
+    ``block_sizes.multiple`` and each offset (an int or a traced int32 scalar) a multiple of the
+    length's blocks. A tile that would reach outside the other span is cut off: the ranges are the
+    whole row's, shifted to count from the span's first block and clipped to its blocks. Example:
+    a row of 64 tokens in one document, blocks of 16, ``queries=(32, 16)``, ``keys=(0, 32)``: the
+    one query block visits key blocks [0, 2), both full (every pair allowed); with
+    ``keys=(32, 32)`` it visits only that span's block 0, masked (the diagonal).
     """
     if not causal and window is not None:
         raise ValueError("block_metadata: a window with causal=False; expected windows as segments")
     w = jnp.asarray(FULL if window is None else window, jnp.int32)
     t = segment_ids.shape[-1]
     padded = block_sizes.padded_length(t)
-    segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
-    first, last = segment_extents(segment_ids)
-    run_start, run_end = run_extents(segment_ids)
-    index = jnp.broadcast_to(jnp.arange(padded, dtype=jnp.int32), segment_ids.shape)
-    real = segment_ids != 0
+    row = _positions(jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t))))
+    spans = queries is not None or keys is not None
+    (q_at, q_len), (k_at, k_len) = (_span(queries, padded, block_sizes, "queries"),
+                                    _span(keys, padded, block_sizes, "keys"))
 
-    def by_queries(bq: int, bk: int) -> jax.Array:
-        # A query block in one run sees in full every key from the run's start (or its last query's
-        # window start) up to the block's first query.
-        q_start, q_end = index[:, ::bq], index[:, bq - 1 :: bq]
-        one_run = (run_start[:, bq - 1 :: bq] <= q_start) & real[:, ::bq]
-        if not causal:
-            return _ranges(real, first, last, one_run, run_start[:, ::bq], run_end[:, ::bq], bq, bk)
-        full_lo = jnp.maximum(run_start[:, ::bq], q_end - w + 1)
-        return _ranges(real, jnp.maximum(first, index - w + 1), index, one_run, full_lo, q_start, bq, bk)
+    def side(at, length):  # a span's queries or keys: the row's per-position arrays, sliced
+        return tuple(jax.lax.dynamic_slice_in_dim(a, at, length, axis=1) for a in row) if spans else row
 
-    def by_keys(bk: int, bq: int) -> jax.Array:
-        # A key block in one run is seen in full by every query from the block's last key to the
-        # run's end (or to the last query whose window still reaches the block's first key).
-        k_start, k_end = index[:, ::bk], index[:, bk - 1 :: bk]
-        one_run = (run_end[:, ::bk] >= k_end) & real[:, ::bk]
-        if not causal:
-            return _ranges(real, first, last, one_run, run_start[:, ::bk], run_end[:, ::bk], bk, bq)
-        full_hi = jnp.minimum(run_end[:, ::bk], k_start + w - 1)
-        return _ranges(real, index, jnp.minimum(last, index + w - 1), one_run, k_end, full_hi, bk, bq)
+    def within(ranges, at, block, length):
+        return _within(ranges, at // block, length // block) if spans else ranges
 
-    bs = block_sizes
+    bs, q_side, k_side = block_sizes, side(q_at, q_len), side(k_at, k_len)
     return BlockMetadata(
-        fwd_kv=by_queries(bs.block_q, bs.block_k),
-        dq_kv=by_queries(bs.block_q_dq, bs.block_k_dq),
-        dkv_q=by_keys(bs.block_k_bwd, bs.block_q_bwd),
+        fwd_kv=within(_by_queries(q_side, bs.block_q, bs.block_k, w, causal), k_at, bs.block_k, k_len),
+        dq_kv=within(_by_queries(q_side, bs.block_q_dq, bs.block_k_dq, w, causal), k_at, bs.block_k_dq,
+                     k_len),
+        dkv_q=within(_by_keys(k_side, bs.block_k_bwd, bs.block_q_bwd, w, causal), q_at, bs.block_q_bwd,
+                     q_len),
         window=w,
-        seq_len=padded,
+        seq_len=q_len,
         block_sizes=block_sizes,
         causal=causal,
+        offsets=jnp.stack([jnp.asarray(q_at, jnp.int32), jnp.asarray(k_at, jnp.int32)]) if spans else None,
+        kv_len=k_len if spans else None,
     )
+
+
+def _positions(segment_ids: jax.Array) -> tuple:
+    """Per position of the padded row [B, T]: (index, first, last, run_start, run_end, real)."""
+    first, last = segment_extents(segment_ids)
+    run_start, run_end = run_extents(segment_ids)
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[-1], dtype=jnp.int32), segment_ids.shape)
+    return index, first, last, run_start, run_end, segment_ids != 0
+
+
+def _by_queries(side: tuple, bq: int, bk: int, w, causal: bool) -> jax.Array:
+    """Each query block's key-block range (row coordinates) from the queries' per-position arrays.
+
+    A query block in one run sees in full every key from the run's start (or its last query's window
+    start) up to the block's first query."""
+    index, first, last, run_start, run_end, real = side
+    q_start, q_end = index[:, ::bq], index[:, bq - 1 :: bq]
+    one_run = (run_start[:, bq - 1 :: bq] <= q_start) & real[:, ::bq]
+    if not causal:
+        return _ranges(real, first, last, one_run, run_start[:, ::bq], run_end[:, ::bq], bq, bk)
+    full_lo = jnp.maximum(run_start[:, ::bq], q_end - w + 1)
+    return _ranges(
+        real, jnp.maximum(first, index - w + 1), index, one_run, full_lo, q_start, bq, bk
+    )
+
+
+def _by_keys(side: tuple, bk: int, bq: int, w, causal: bool) -> jax.Array:
+    """Each key block's query-block range (row coordinates) from the keys' per-position arrays.
+
+    A key block in one run is seen in full by every query from the block's last key to the run's end
+    (or to the last query whose window still reaches the block's first key)."""
+    index, first, last, run_start, run_end, real = side
+    k_start, k_end = index[:, ::bk], index[:, bk - 1 :: bk]
+    one_run = (run_end[:, ::bk] >= k_end) & real[:, ::bk]
+    if not causal:
+        return _ranges(real, first, last, one_run, run_start[:, ::bk], run_end[:, ::bk], bk, bq)
+    full_hi = jnp.minimum(run_end[:, ::bk], k_start + w - 1)
+    return _ranges(real, index, jnp.minimum(last, index + w - 1), one_run, k_end, full_hi, bk, bq)
+
+
+def _span(span: tuple | None, padded: int, block_sizes: BlockSizes, name: str) -> tuple:
+    """(offset, length) of a span of the padded row, its length checked (the offset may be
+    traced)."""
+    if span is None:
+        return 0, padded
+    offset, length = span
+    if length % block_sizes.multiple or not 0 < length <= padded:
+        raise ValueError(
+            f"block_metadata: {name} span of length {length}; expected a multiple of "
+            f"{block_sizes.multiple} (the largest block) within the row's {padded} tokens"
+        )
+    return offset, length
+
+
+def _within(ranges: jax.Array, first: jax.Array, n: int) -> jax.Array:
+    """Whole-row ranges [B, rows, 4] (column blocks from the row's start) as a span's: counted from
+    its ``first`` block and clipped to its ``n`` blocks; a range left empty is (0, 0, 0, 0), as a whole
+    row's empty ones are."""
+    ranges = jnp.clip(ranges - first, 0, n)
+    return jnp.where(ranges[..., 3:] > ranges[..., :1], ranges, 0).astype(jnp.int32)
 
 
 def kernel_metadata(kernel: str, segment_ids: jax.Array, metadata: BlockMetadata | None, window,
@@ -250,6 +326,9 @@ def kernel_metadata(kernel: str, segment_ids: jax.Array, metadata: BlockMetadata
         raise ValueError(f"{kernel}: pass the window to block_metadata, which the given metadata came from")
     elif block_sizes is not None and block_sizes != metadata.block_sizes:
         raise ValueError(f"{kernel}: metadata was computed for {metadata.block_sizes}, not block_sizes={block_sizes}")
+    if metadata.spans:
+        raise ValueError(f"{kernel}: metadata for spans of a row (block_metadata's queries/keys); this "
+                         "kernel takes whole rows (a split row's spans go to flash_attention_span)")
     b, t = segment_ids.shape
     padded = metadata.block_sizes.padded_length(t)
     if metadata.seq_len != padded or metadata.fwd_kv.shape[0] != b:
@@ -277,31 +356,41 @@ def full_blocks(ranges: jax.Array, n_cols: int) -> jax.Array:
     return (col >= ranges[..., 1:2]) & (col < ranges[..., 2:3])
 
 
-def tiled_vjp(forward: Callable, backward: Callable) -> Callable:
+def tiled_vjp(forward: Callable, backward: Callable, with_lse: bool = False) -> Callable:
     """The differentiable attention both tiled kernels (flash, mosaic) expose, from their passes:
 
     - ``forward(q, k, v, segment_ids, metadata, scale, interpret) -> (out [B, T, H, D], lse [B, H,
-      T])``;
+      T])``, the log-sum-exp in base 2 (of the logits times log2 e);
     - ``backward(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do) -> (dq, dk,
       dv)``.
 
     The forward saves its inputs, output and log-sum-exp; the backward computes the softmax row term
     once and hands it to the kernel's dQ and dK/dV passes. Segment ids and metadata get no
-    cotangent."""
+    cotangent.
+
+    ``with_lse``: the attention returns ``(out, lse)``, the log-sum-exp in natural units, and both
+    are differentiable: partial results over spans of keys merge by their log-sum-exp (a split
+    row's ring, seqjax.model.context). The log-sum-exp's cotangent enters as a correction to the
+    row term: d lse / d logit = p, so the logits' cotangent p (dp - delta) gains p dlse.
+    """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
     def attention(q, k, v, segment_ids, metadata, scale, interpret):
-        return forward(q, k, v, segment_ids, metadata, scale, interpret)[0]
+        return attention_fwd(q, k, v, segment_ids, metadata, scale, interpret)[0]
 
     def attention_fwd(q, k, v, segment_ids, metadata, scale, interpret):
         out, lse = forward(q, k, v, segment_ids, metadata, scale, interpret)
-        return out, (q, k, v, segment_ids, metadata, out, lse)
+        result = (out, lse * LN_2) if with_lse else out
+        return result, (q, k, v, segment_ids, metadata, out, lse)
 
-    def attention_bwd(scale, interpret, residuals, do):
+    def attention_bwd(scale, interpret, residuals, cotangent):
         q, k, v, segment_ids, metadata, out, lse = residuals
+        do, dlse = cotangent if with_lse else (cotangent, None)
         # delta_i = sum_d out_i * dout_i: the softmax-backward row term, one fused XLA reduction,
         # [B, H, T].
         delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+        if dlse is not None:
+            delta = delta - dlse.astype(jnp.float32)
         dq, dk, dv = backward(q, k, v, segment_ids, metadata, scale, interpret, lse, delta, do)
         return dq, dk, dv, None, None
 

@@ -83,8 +83,49 @@ def flash_attention(
     padded = metadata.seq_len
     pad = ((0, 0), (0, padded - t), (0, 0), (0, max(16, pl.next_power_of_2(d)) - d))
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
-    out = _flash(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale, bool(interpret))
+    out = _flash(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), (segment_ids, segment_ids), metadata,
+                 scale, bool(interpret))
     return out[:, :t, :, :d]
+
+
+def flash_attention_span(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_segment_ids: jax.Array,
+    kv_segment_ids: jax.Array,
+    metadata: BlockMetadata,
+    *,
+    scale: float | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """A span of a row's queries against a span of its keys: what one device computes of a row split
+    over mesh.context (seqjax.model.context).
+
+    q [B, Tq, H, D] with ``q_segment_ids`` [B, Tq]; k, v [B, Tk, Hkv, D] with ``kv_segment_ids``
+    [B, Tk]; ``metadata``: :func:`~seqjax.model.kernels.block_ranges.block_metadata` of the whole
+    row's ids with ``queries=(offset, Tq)`` and ``keys=(offset, Tk)``, which also carries the
+    spans' offsets, so contract 2 compares the tokens' row indices. Returns the output [B, Tq, H,
+    D] in q's dtype and the natural log-sum-exp [B, H, Tq] (float32; about -7e29 for a query with
+    no allowed key in the span, so it weighs nothing in a merge), both differentiable: outputs over
+    several key spans merge by their log-sum-exp.
+    """
+    b, tq, h, d = q.shape
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash_attention_span: dtype {q.dtype}, expected bfloat16, float16 or "
+                         "float32")
+    if not metadata.spans or (metadata.seq_len, metadata.kv_len) != (tq, k.shape[1]):
+        raise ValueError(f"flash_attention_span: metadata for spans of {metadata.seq_len} queries "
+                         f"and {metadata.kv_len} keys, but q has {tq} and k {k.shape[1]} (expected "
+                         "block_metadata with queries=(offset, Tq) and keys=(offset, Tk))")
+    scale = float(d**-0.5 if scale is None else scale)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    pad = ((0, 0), (0, 0), (0, 0), (0, max(16, pl.next_power_of_2(d)) - d))
+    segment_ids = (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
+    out, lse = _flash_with_lse(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids,
+                               metadata, scale, bool(interpret))
+    return out[..., :d], lse
 
 
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
@@ -142,6 +183,19 @@ def _visit_tiles(ranges_ref, row, step, carry):
     return jax.lax.fori_loop(full_hi, hi, step(True), carry)
 
 
+def _scalars_operand(metadata: BlockMetadata) -> jax.Array:
+    """The [3] int32 operand every pass reads: the window, and the row index of the first query and
+    of the first key (0 and 0 for a whole row; a span's offsets, block_metadata's queries/keys)."""
+    offsets = metadata.offsets
+    offsets = jnp.zeros((2,), jnp.int32) if offsets is None else offsets.astype(jnp.int32)
+    return jnp.concatenate([window_operand(metadata), offsets])
+
+
+def _scalars(scalars_ref):
+    """(window, first query's row index, first key's row index) inside a pass."""
+    return scalars_ref[0], scalars_ref[1], scalars_ref[2]
+
+
 # ----------------------------------------------------------------------------------------------
 # forward
 
@@ -159,18 +213,18 @@ def _reversed(n: int):
 
 
 
-def _forward_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, qk_scale,
-                    block_k, causal):
+def _forward_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                    qk_scale, block_k, causal):
     i = _query_block()
     block_q, d = q_ref.shape
-    q, seg_q, window = q_ref[...], seg_q_ref[...], window_ref[0]
+    q, seg_q, (window, q_offset, k_offset) = q_ref[...], seg_q_ref[...], _scalars(scalars_ref)
 
     def step(masked):
         def visit(j, carry):
             acc, m, row_sum = carry
             keys = pl.ds(j * block_k, block_k)
-            s, mask = _log2_logits(q, k_ref[keys, :], seg_q, seg_k_ref[keys], i * block_q, j * block_k, qk_scale,
-                                   masked, window, causal)
+            s, mask = _log2_logits(q, k_ref[keys, :], seg_q, seg_k_ref[keys], q_offset + i * block_q,
+                                   k_offset + j * block_k, qk_scale, masked, window, causal)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = _exp2(s - m_new[:, None], mask)
             correction = jnp.exp2(m - m_new)
@@ -183,16 +237,19 @@ def _forward_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, 
     rows = jnp.zeros((block_q,), jnp.float32)
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full_like(rows, MASKED), rows)
     acc, m, row_sum = _visit_tiles(ranges_ref, i, step, init)
-    # padding queries, and queries of tiles with no allowed key: zeros, not NaN
+    # padding queries, and queries with no allowed key: zeros, not NaN, and a log-sum-exp of MASKED
+    # (no weight when spans merge; the backward's masked tiles give them p = 0 all the same)
     empty = row_sum == 0.0
     o_ref[...] = (acc / jnp.where(empty, 1.0, row_sum)[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, 0.0, m + jnp.log2(jnp.where(empty, 1.0, row_sum)))
+    lse_ref[...] = jnp.where(empty, MASKED, m + jnp.log2(jnp.where(empty, 1.0, row_sum)))
 
 
 def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interpret: bool):
-    """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T] (float32) the backward pass
-    reuses."""
+    """Output [B, Tq, H, D] and the base-2 log-sum-exp [B, H, Tq] (float32) the backward pass
+    reuses. ``segment_ids``: the queries' and the keys' ([B, Tq], [B, Tk])."""
     b, t, h, d = q.shape
+    tk = k.shape[1]
+    seg_q, seg_k = segment_ids
     group = h // k.shape[2]
     bs = metadata.block_sizes
     n_q = t // bs.block_q
@@ -203,12 +260,12 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
         grid=(n_q, b, h),
         in_specs=[
             pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
-            pl.BlockSpec((1,), lambda i, r, hd: (0,)),
+            pl.BlockSpec((3,), lambda i, r, hd: (0,)),
             pl.BlockSpec((None, bs.block_q), lambda i, r, hd: (r, rev(i))),
-            pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
+            pl.BlockSpec((None, tk), lambda i, r, hd: (r, 0)),
             pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
-            pl.BlockSpec((None, t, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
-            pl.BlockSpec((None, t, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
+            pl.BlockSpec((None, tk, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
+            pl.BlockSpec((None, tk, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
@@ -218,26 +275,27 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="seqjax_flash_forward",
-    )(metadata.fwd_kv, window_operand(metadata), segment_ids, segment_ids, q, k, v)
+    )(metadata.fwd_kv, _scalars_operand(metadata), seg_q, seg_k, q, k, v)
 
 
 # ----------------------------------------------------------------------------------------------
 # backward
 
 
-def _dq_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               *, scale, block_k, causal):
+def _dq_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, *, scale, block_k, causal):
     i = _query_block()
     block_q, d = q_ref.shape
-    q, do, seg_q, window = q_ref[...], do_ref[...], seg_q_ref[...], window_ref[0]
+    q, do, seg_q = q_ref[...], do_ref[...], seg_q_ref[...]
+    window, q_offset, k_offset = _scalars(scalars_ref)
     lse, delta = lse_ref[...], delta_ref[...]
 
     def step(masked):
         def visit(j, dq):
             keys = pl.ds(j * block_k, block_k)
             k, v = k_ref[keys, :], v_ref[keys, :]
-            s, mask = _log2_logits(q, k, seg_q, seg_k_ref[keys], i * block_q, j * block_k, scale * LOG2_E, masked,
-                                   window, causal)
+            s, mask = _log2_logits(q, k, seg_q, seg_k_ref[keys], q_offset + i * block_q,
+                                   k_offset + j * block_k, scale * LOG2_E, masked, window, causal)
             p = _exp2(s - lse[:, None], mask)
             ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
             return dq + _dot(ds.astype(k.dtype), k)
@@ -248,12 +306,13 @@ def _dq_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, *, scale, block_q, causal):
+def _dkv_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, scale, block_q, causal):
     j = pl.program_id(0)
     block_k, d = k_ref.shape
     group = q_ref.shape[1]
-    k, v, seg_k, window = k_ref[...], v_ref[...], seg_k_ref[...], window_ref[0]
+    k, v, seg_k = k_ref[...], v_ref[...], seg_k_ref[...]
+    window, q_offset, k_offset = _scalars(scalars_ref)
 
     def visit_head(g, carry):
         def step(masked):
@@ -261,8 +320,8 @@ def _dkv_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_re
                 dk, dv = carry
                 queries = pl.ds(i * block_q, block_q)
                 q, do = q_ref[queries, g, :], do_ref[queries, g, :]
-                s, mask = _log2_logits(q, k, seg_q_ref[queries], seg_k, i * block_q, j * block_k, scale * LOG2_E,
-                                       masked, window, causal)
+                s, mask = _log2_logits(q, k, seg_q_ref[queries], seg_k, q_offset + i * block_q,
+                                       k_offset + j * block_k, scale * LOG2_E, masked, window, causal)
                 p = _exp2(s - lse_ref[g, queries][:, None], mask)
                 dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
                 ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, queries][:, None])
@@ -280,7 +339,9 @@ def _dkv_kernel(ranges_ref, window_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_re
 
 def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, lse, delta, do):
     b, t, h, d = q.shape
-    hkv = k.shape[2]
+    tk, hkv = k.shape[1], k.shape[2]
+    seg_q, seg_k = segment_ids
+    scalars = _scalars_operand(metadata)
     group = h // hkv
     bs = metadata.block_sizes
     bq, bk = bs.block_q_bwd, bs.block_k_bwd  # the dK/dV pass
@@ -295,12 +356,12 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
         grid=(n_q, b, h),
         in_specs=[
             pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
-            pl.BlockSpec((1,), lambda i, r, hd: (0,)),
+            pl.BlockSpec((3,), lambda i, r, hd: (0,)),
             pl.BlockSpec((None, bq_dq), lambda i, r, hd: (r, rev(i))),
-            pl.BlockSpec((None, t), lambda i, r, hd: (r, 0)),
+            pl.BlockSpec((None, tk), lambda i, r, hd: (r, 0)),
             pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
-            pl.BlockSpec((None, t, None, d), lambda i, r, hd: full_row(r, hd // group)),
-            pl.BlockSpec((None, t, None, d), lambda i, r, hd: full_row(r, hd // group)),
+            pl.BlockSpec((None, tk, None, d), lambda i, r, hd: full_row(r, hd // group)),
+            pl.BlockSpec((None, tk, None, d), lambda i, r, hd: full_row(r, hd // group)),
             pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
             pl.BlockSpec((None, None, bq_dq), lambda i, r, hd: (r, hd, rev(i))),
             pl.BlockSpec((None, None, bq_dq), lambda i, r, hd: (r, hd, rev(i))),
@@ -310,15 +371,15 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
         compiler_params=params,
         interpret=interpret,
         name="seqjax_flash_dq",
-    )(metadata.dq_kv, window_operand(metadata), segment_ids, segment_ids, q, k, v, do, lse, delta)
+    )(metadata.dq_kv, scalars, seg_q, seg_k, q, k, v, do, lse, delta)
 
-    n_k = t // bk
+    n_k = tk // bk
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, block_q=bq, causal=metadata.causal),
         grid=(n_k, b, hkv),
         in_specs=[
             pl.BlockSpec((None, n_k, 4), lambda j, r, hd: (r, 0, 0)),
-            pl.BlockSpec((1,), lambda j, r, hd: (0,)),
+            pl.BlockSpec((3,), lambda j, r, hd: (0,)),
             pl.BlockSpec((None, t), lambda j, r, hd: (r, 0)),
             pl.BlockSpec((None, bk), lambda j, r, hd: (r, j)),
             pl.BlockSpec((None, t, group, d), lambda j, r, hd: full_row(r, hd)),
@@ -336,7 +397,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
         compiler_params=params,
         interpret=interpret,
         name="seqjax_flash_dkv",
-    )(metadata.dkv_q, window_operand(metadata), segment_ids, segment_ids, q, k, v, do, lse, delta)
+    )(metadata.dkv_q, scalars, seg_q, seg_k, q, k, v, do, lse, delta)
     return dq, dk, dv
 
 
@@ -345,3 +406,4 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
 
 
 _flash = tiled_vjp(_forward, _backward)
+_flash_with_lse = tiled_vjp(_forward, _backward, with_lse=True)
