@@ -12,6 +12,9 @@ For each mesh.context n (and each ``--kv-paths`` way K/V travel) it prints one r
   reduce-scatters), and their sum over the row's K/V bytes;
 - ``work``: the (query tile, key tile) pairs of 128 tokens each device visits on that row (and on one
   document filling the row), their imbalance (largest / mean - 1), beside a contiguous split's;
+- ``chunked_loss``: the chunked loss on the row's hidden states over the n devices, its chunks within
+  each device's span (as the objectives run it) beside chunks over the whole row: time, one device's
+  FLOPs, the bytes gathered;
 - ``train_step``: scripts/bench_train.py's real step (a 4-layer model, one row of T tokens, a
   synthetic corpus) on n devices with mesh.context=n: step time and XLA's compiled bytes a device.
 
@@ -136,6 +139,37 @@ def attention_record(args, n: int, kv_path: str, seg: np.ndarray, one_ms: float 
             "kv_bytes_a_row": kv_bytes, "received_over_kv": round(sum(moved.values()) / kv_bytes, 3)}
 
 
+def loss_record(args, n: int) -> dict:
+    """The chunked loss (model.loss_chunk_tokens) on one row's hidden states split over n devices, forward
+    and backward: chunks within each device's span (what the objectives pass, spans = n) against chunks
+    over the whole row (spans = 1, what XLA is left to partition): milliseconds, one device's FLOPs, and
+    the bytes the compiled program gathers."""
+    from seqjax.model.loss import chunked_lm_loss
+
+    t, d, vocab = args.seq_len, 256, 32_000
+    rng = np.random.default_rng(2)
+    mesh = sharding.build_mesh(MeshConfig(data=1, fsdp=1, context=n, tensor=1), jax.devices()[:n])
+    on_tokens = NamedSharding(mesh, P(None, CONTEXT_AXIS))
+    hidden = jax.device_put(jnp.asarray(rng.normal(size=(1, t, d)), jnp.float32), on_tokens)
+    targets = jax.device_put(jnp.asarray(rng.integers(0, vocab, (1, t)), jnp.int32), on_tokens)
+    weights = jax.device_put(jnp.ones((1, t), jnp.float32), on_tokens)
+    head = jax.device_put(jnp.asarray(rng.normal(size=(d, vocab)) * 0.05, jnp.float32), NamedSharding(mesh, P()))
+    record = {}
+    for name, spans in (("within_spans", n), ("whole_row", 1)):
+        def loss(hidden, head, spans=spans):
+            return chunked_lm_loss(hidden, head, targets, weights, chunk_tokens=512, spans=spans)[0]
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        with jax.set_mesh(mesh):
+            compiled = step.lower(hidden, head).compile()
+            ms = timed(step, hidden, head, iters=args.iters)
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        record[name] = {"fwd_bwd_ms": round(ms, 2), "gflops_a_device": round(cost.get("flops", 0.0) / 1e9, 3),
+                        "collective_bytes": collective_bytes(compiled.as_text())}
+    return {"vocab": vocab, "d_model": d, "chunk_tokens": 512, **record}
+
+
 def work_record(seg: np.ndarray, n: int) -> dict:
     t = seg.shape[1]
     record = {}
@@ -214,6 +248,8 @@ def main(argv=None) -> None:
                 if n > 1:
                     record["attention"] = attention_record(args, n, kv_path, seg, one_ms)
                     record["work"] = work_record(seg, n)
+                    if kv_path == kv_paths[0]:
+                        record["chunked_loss"] = loss_record(args, n)
                 else:
                     record["attention"] = {"fwd_bwd_ms": one_ms}
                 if args.train_steps:

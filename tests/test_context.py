@@ -3,7 +3,8 @@
 - the head-tail order and its inverse round-trip, and balance a causal row's work exactly;
 - attention outputs and dQ/dK/dV on 2, 4 and 8 simulated devices, both strategies, windows and
   shared prompts, equal one device to 1e-6 (tests/context_cases.py, in a subprocess); so does the
-  flash kernel's spans on 2 and 4, and a model with it on 2 equals xla on one device;
+  flash kernel's spans on 2 and 4, and a model with it on 2 equals xla on one device; the chunked
+  loss keeps its chunks within each device's span (no gather along the tokens);
 - ``python -m seqjax.train`` over the context axis takes one device's steps, with data parallelism,
   a ring, LoRA under scan and remat, and a resume onto another mesh.context;
 - what cannot honour a split row is refused in one line.
@@ -77,6 +78,8 @@ def test_attention_over_2_4_and_8_context_devices_equals_one_device_in_value_and
     assert report["shared"] >= 6 * 3 * 4 and report["examples"] - report["shared"] >= 6 * 3 * 4
     assert report["one_document_over_every_shard"] > 0
     assert set(report["windows"]) == {"None", "1", "5", "17"}
+    # the chunked loss on context 4: chunks within each device's span, nothing gathered along the tokens
+    assert report["loss_spans"] == 4 and report["loss_gathers_along_tokens"] == 0 and report["loss_worst"] <= 1e-6
 
 
 @pytest.mark.slow
@@ -108,10 +111,11 @@ for run_dir, overrides in runs:
 def test_training_over_the_context_axis_takes_one_devices_steps(reference, tiny_root, tmp_path):
     """20 steps on 4 simulated devices against the one-device reference run, to 2e-6: mesh.context=4,
     and a ring run on mesh.context=4 resumed at step 10 on data 2 x context 2; a LoRA run, scanned
-    and rematerialized on mesh.context=4, against its twin with no context axis (mesh.data=4)."""
+    and rematerialized on mesh.context=4 with the chunked loss, against its twin with no context
+    axis (mesh.data=4)."""
     steps = 20
     base = [o for o in tiny_overrides(tiny_root, tmp_path, **{"train.steps": steps}) if not o.startswith("run.dir=")]
-    lora = ["model.lora.rank=4", "model.lora.alpha=8", "train.lr=1e-2"]
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "train.lr=1e-2", "model.loss_chunk_tokens=8"]
     runs = [
         (tmp_path / "context4", ["mesh.data=1", "mesh.context=4"]),
         (tmp_path / "ring", ["mesh.data=1", "mesh.context=4", "model.context_attention=ring", "train.steps=10"]),

@@ -65,13 +65,15 @@ def test_chunked_token_logprobs_and_their_gradients_equal_the_plain_path():
     def plain(h, w):
         return jnp.sum(cot * token_logprobs(jnp.einsum("btd,dv->btv", h, w), targets, scored))
 
-    def chunked(h, w):
-        return jnp.sum(cot * chunked_token_logprobs(h, w, targets, scored, chunk_tokens=3))
+    for spans in (1, 7):  # (7: each token its own span, as a row over mesh.context keeps chunks in one)
+        def chunked(h, w):
+            return jnp.sum(cot * chunked_token_logprobs(h, w, targets, scored, chunk_tokens=3, spans=spans))
 
-    np.testing.assert_allclose(chunked_token_logprobs(hidden, head, targets, scored, chunk_tokens=3),
-                               token_logprobs(jnp.einsum("btd,dv->btv", hidden, head), targets, scored), atol=1e-5)
-    for got, want in zip(jax.grad(chunked, (0, 1))(hidden, head), jax.grad(plain, (0, 1))(hidden, head)):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(chunked_token_logprobs(hidden, head, targets, scored, chunk_tokens=3, spans=spans),
+                                   token_logprobs(jnp.einsum("btd,dv->btv", hidden, head), targets, scored),
+                                   atol=1e-5)
+        for got, want in zip(jax.grad(chunked, (0, 1))(hidden, head), jax.grad(plain, (0, 1))(hidden, head)):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def per_segment_terms(inputs: Inputs, micro) -> Terms:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.ad_checkpoint import print_saved_residuals
 
@@ -94,8 +94,10 @@ def test_an_unknown_remat_name_is_refused_naming_it():
 @pytest.mark.slow  # fast loop: covered there by the cheaper tests beside it
 @settings(max_examples=8, deadline=None)  # each example compiles: a few, over the edge cases below
 @given(b=st.integers(1, 3), t=st.integers(1, 12), vocab=st.integers(2, 40), chunk=st.integers(1, 40),
-       z_loss=st.sampled_from([0.0, 1e-3]), seed=st.integers(0, 3))
-def test_chunked_cross_entropy_equals_the_whole_logits_loss_and_gradients(b, t, vocab, chunk, z_loss, seed):
+       z_loss=st.sampled_from([0.0, 1e-3]), seed=st.integers(0, 3), spans=st.sampled_from([1, 2, 3, 4]))
+def test_chunked_cross_entropy_equals_the_whole_logits_loss_and_gradients(b, t, vocab, chunk, z_loss, seed, spans):
+    """Whatever the chunk, and with rows cut into spans (a row over mesh.context: chunks stay in one)."""
+    assume(t % spans == 0)
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(size=(b, t, 8)), jnp.float32)
     head = jnp.asarray(rng.normal(size=(8, vocab)) * 0.5, jnp.float32)
@@ -107,7 +109,7 @@ def test_chunked_cross_entropy_equals_the_whole_logits_loss_and_gradients(b, t, 
         return loss, aux
 
     def chunked(x, head):
-        return chunked_lm_loss(x, head, targets, weights, chunk_tokens=chunk, z_loss=z_loss)
+        return chunked_lm_loss(x, head, targets, weights, chunk_tokens=chunk, z_loss=z_loss, spans=spans)
 
     (loss, aux), grads = jax.value_and_grad(whole, (0, 1), has_aux=True)(x, head)
     (loss_c, aux_c), grads_c = jax.jit(jax.value_and_grad(chunked, (0, 1), has_aux=True))(x, head)

@@ -153,6 +153,14 @@ def split_row(x: jax.Array, kv_path: str = "all_gather", kernel: str = "xla") ->
     return SplitRow(mesh, sizes[CONTEXT_AXIS], t, rows or None, heads, kv_path, kernel)
 
 
+def row_spans(x: jax.Array) -> int:
+    """How many devices hold a span each of the rows of x [B, T, ...]: mesh.context's size when
+    the rows split over it (:func:`split_row`), else 1. The chunked loss cuts its chunks within
+    these spans (seqjax.model.loss), so each device scores its own tokens."""
+    split = split_row(x)
+    return 1 if split is None else split.n
+
+
 def split_row_attention(
     q, k, v, segment_ids, split: SplitRow, scale=None, window=None, prefix_ids=None, positions=None
 ) -> jax.Array:

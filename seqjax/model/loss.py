@@ -79,6 +79,7 @@ def chunked_lm_loss(
     *,
     chunk_tokens: int,
     z_loss: float = 0.0,
+    spans: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """:func:`lm_loss` of ``hidden`` [B, T, D] @ ``head`` [D, V], without ever building the [B*T, V]
     logits.
@@ -90,19 +91,17 @@ def chunked_lm_loss(
     VJP), so peak memory holds one chunk's logits, not all of them: at
     gpt2_small's 32,768 tokens x 50,304 vocabulary, 6.6 GB of float32 logits
     become ``chunk_tokens`` x 50,304 x 4 bytes. Same contract (3), same sums,
-    same refusals as :func:`lm_loss`.
+    same refusals as :func:`lm_loss`. ``spans``: a row's tokens lie in this many equal spans on
+    separate devices (mesh.context, :func:`seqjax.model.context.row_spans`); chunks never cross a
+    span, so each device scores its own tokens (:func:`_to_chunks`).
     """
     b, t, d = hidden.shape
     if targets.shape != (b, t) or weights.shape != (b, t) or head.shape[0] != d:
         raise ValueError(
             f"chunked_lm_loss: hidden {hidden.shape}, head {head.shape}, targets {targets.shape}, "
             f"weights {weights.shape}; expected [B, T, D], [D, V], [B, T], [B, T]")
-    n = b * t
-    chunk = max(1, min(chunk_tokens, n))
-    pad = -n % chunk  # padded tokens carry weight 0: never read, never scored
-    x = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, chunk, d)
-    ids = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
-    w = jnp.pad(weights.astype(jnp.float32).reshape(n), (0, pad)).reshape(-1, chunk)
+    # (padded tokens carry weight 0: never read, never scored)
+    x, ids, w = (_to_chunks(a, spans, chunk_tokens) for a in (hidden, targets, weights.astype(jnp.float32)))
     nll_sum, z_loss_sum = _chunked_sums(x, head.astype(hidden.dtype), ids, w)
     weight_sum = jnp.sum(weights.astype(jnp.float32))
     denom = jnp.where(weight_sum > 0, weight_sum, 1.0)
@@ -110,23 +109,50 @@ def chunked_lm_loss(
     return loss, {"nll_sum": nll_sum, "weight_sum": weight_sum, "z_loss_sum": z_loss_sum}
 
 
+def _to_chunks(a: jax.Array, spans: int, chunk_tokens: int) -> jax.Array:
+    """[B, T, ...] -> [chunks, spans, C, ...]: the loss's scan runs over the first axis.
+
+    Each row is cut into ``spans`` equal spans of T / spans tokens (1: the whole row), the spans'
+    tokens of every row are put together and cut into chunks of C = min(chunk_tokens, tokens a
+    span) tokens, the last padded with zeros. A chunk never mixes spans: on a row split over
+    mesh.context the span axis is the devices', so each scan step scores C of every device's own
+    tokens, and nothing is gathered. Example: B = 1, T = 8, spans = 2, chunk_tokens = 2: tokens
+    [0 1 2 3 | 4 5 6 7] -> step 0 takes (0 1) and (4 5), step 1 (2 3) and (6 7).
+    """
+    b, t, rest = a.shape[0], a.shape[1], a.shape[2:]
+    if t % spans:
+        raise ValueError(f"chunked loss: a row of {t} tokens does not cut into {spans} equal spans")
+    per = b * t // spans
+    chunk = max(1, min(chunk_tokens, per))
+    a = jnp.moveaxis(a.reshape(b, spans, t // spans, *rest), 1, 0).reshape(spans, per, *rest)
+    a = jnp.pad(a, ((0, 0), (0, -per % chunk)) + ((0, 0),) * len(rest))
+    return jnp.moveaxis(a.reshape(spans, -1, chunk, *rest), 1, 0)
+
+
+def _from_chunks(v: jax.Array, b: int, t: int) -> jax.Array:
+    """Per-token values [chunks, spans, C] (:func:`_to_chunks`' layout) back to [B, T]."""
+    spans = v.shape[1]
+    v = jnp.moveaxis(v, 0, 1).reshape(spans, -1)[:, : b * t // spans]
+    return jnp.moveaxis(v.reshape(spans, b, t // spans), 0, 1).reshape(b, t)
+
+
 def _chunk_stats(x, head, ids, w, logits=None):
-    """One chunk: x [C, D] -> (log_z [C], target logit [C]), float32, as lm_loss computes them (from
-    ``logits`` when the caller made them)."""
+    """One chunk: x [..., D] -> (log_z [...], target logit [...]), float32, as lm_loss computes them
+    (from ``logits`` when the caller made them)."""
     if logits is None:
-        logits = jnp.einsum("cd,dv->cv", x, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
     scored = w != 0
     vocab = logits.shape[-1]
     safe = jnp.where(scored, ids, 0)
     # out of range -> NaN, as in lm_loss
     safe = jnp.where((safe >= 0) & (safe < vocab), safe, vocab)
-    target = jnp.take_along_axis(logits, safe[:, None], axis=-1, mode="fill", fill_value=jnp.nan)[:, 0]
+    target = jnp.take_along_axis(logits, safe[..., None], axis=-1, mode="fill", fill_value=jnp.nan)[..., 0]
     return jax.nn.logsumexp(logits, axis=-1), target
 
 
 @jax.custom_vjp
 def _chunked_sums(x, head, ids, w):
-    """(sum of w * nll, sum of w * log_z^2) over chunks x [N/C, C, D] of tokens."""
+    """(sum of w * nll, sum of w * log_z^2) over chunks x [chunks, spans, C, D] of tokens."""
     return _chunked_forward(x, head, ids, w)[0]
 
 
@@ -146,7 +172,7 @@ def _chunked_forward(x, head, ids, w):
 
 def _chunked_sums_fwd(x, head, ids, w):
     sums, log_z = _chunked_forward(x, head, ids, w)
-    # log_z [N/C, C] is kept: the backward pass need not redo the reduction
+    # log_z [chunks, spans, C] is kept: the backward pass need not redo the reduction
     return sums, (x, head, ids, w, log_z)
 
 
@@ -156,18 +182,18 @@ def _chunked_sums_bwd(residuals, cotangents):
 
     def body(dhead, chunk):
         xc, idc, wc, lzc = chunk
-        logits = jnp.einsum("cd,dv->cv", xc, head, preferred_element_type=jnp.float32)
-        probs = jnp.exp(logits - lzc[:, None])
-        scored = (wc != 0)[:, None]
+        logits = jnp.einsum("...d,dv->...v", xc, head, preferred_element_type=jnp.float32)
+        probs = jnp.exp(logits - lzc[..., None])
+        scored = (wc != 0)[..., None]
         onehot = jax.nn.one_hot(jnp.where(wc != 0, idc, -1), logits.shape[-1], dtype=jnp.float32)
         # d(w * (log_z - logit_t)) = w * (p - onehot); d(w * log_z^2) = w * 2 log_z * p
         dlogits = jnp.where(
-            scored, wc[:, None] * (g_nll * (probs - onehot) + g_z * 2.0 * lzc[:, None] * probs),
+            scored, wc[..., None] * (g_nll * (probs - onehot) + g_z * 2.0 * lzc[..., None] * probs),
             0.0)
         # the two products below run in the compute dtype, float32 accumulation
         dlogits = dlogits.astype(xc.dtype)
-        dx = jnp.einsum("cv,dv->cd", dlogits, head, preferred_element_type=jnp.float32).astype(xc.dtype)
-        dhead = dhead + jnp.einsum("cd,cv->dv", xc, dlogits, preferred_element_type=jnp.float32)
+        dx = jnp.einsum("...v,dv->...d", dlogits, head, preferred_element_type=jnp.float32).astype(xc.dtype)
+        dhead = dhead + jnp.einsum("...d,...v->dv", xc, dlogits, preferred_element_type=jnp.float32)
         return dhead, dx
 
     dhead, dx = jax.lax.scan(body, jnp.zeros(head.shape, jnp.float32), (x, ids, w, log_z))
@@ -211,26 +237,22 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, scored: jax.Array) -> 
 
 
 def chunked_token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, scored: jax.Array, *,
-                           chunk_tokens: int, stats: bool = False):
+                           chunk_tokens: int, stats: bool = False, spans: int = 1):
     """:func:`token_logprobs` of ``hidden`` [B, T, D] @ ``head`` [D, V], a chunk of tokens at a
     time: the [B*T, V] logits never exist whole, in the forward pass or (a custom VJP) the backward
-    one. ``stats``: also :func:`token_stats`, from the same chunks' logits: ``(logp, stats)``."""
+    one. ``stats``: also :func:`token_stats`, from the same chunks' logits: ``(logp, stats)``.
+    ``spans``: as :func:`chunked_lm_loss`'s (chunks never cross a device's span of the row)."""
     b, t, d = hidden.shape
     if targets.shape != (b, t) or scored.shape != (b, t) or head.shape[0] != d:
         raise ValueError(
             f"chunked_token_logprobs: hidden {hidden.shape}, head {head.shape}, targets "
             f"{targets.shape}, scored {scored.shape}; expected [B, T, D], [D, V], [B, T], [B, T]")
-    n = b * t
-    chunk = max(1, min(chunk_tokens, n))
-    pad = -n % chunk
-    x = jnp.pad(hidden.reshape(n, d), ((0, pad), (0, 0))).reshape(-1, chunk, d)
-    ids = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
-    w = jnp.pad(scored.astype(jnp.float32).reshape(n), (0, pad)).reshape(-1, chunk)
+    x, ids, w = (_to_chunks(a, spans, chunk_tokens) for a in (hidden, targets, scored.astype(jnp.float32)))
     out = _chunked_logprobs(x, head.astype(hidden.dtype), ids, w)
     logp, values = out[0], jax.lax.stop_gradient(out[1:])
 
     def unchunk(v):
-        return v.reshape(-1)[:n].reshape(b, t)
+        return _from_chunks(v, b, t)
 
     if not stats:
         return unchunk(logp)
@@ -239,15 +261,15 @@ def chunked_token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Arra
 
 @jax.custom_vjp
 def _chunked_logprobs(x, head, ids, w):
-    """(log p(ids), entropy, mean logit, top1), each [N/C, C], for chunks x [N/C, C, D] (0 where w is 0);
-    only the first has a gradient."""
+    """(log p(ids), entropy, mean logit, top1), each [chunks, spans, C], for chunks x [chunks, spans, C,
+    D] (0 where w is 0); only the first has a gradient."""
     return _chunked_logprobs_fwd(x, head, ids, w)[0]
 
 
 def _chunked_logprobs_fwd(x, head, ids, w):
     def body(_, chunk):
         xc, idc, wc = chunk
-        logits = jnp.einsum("cd,dv->cv", xc, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,dv->...v", xc, head, preferred_element_type=jnp.float32)
         log_z, target = _chunk_stats(xc, head, idc, wc, logits)
         scored = wc != 0
         values = (target - log_z, *_stats(logits, target, log_z))
@@ -263,13 +285,13 @@ def _chunked_logprobs_bwd(residuals, cotangents):
 
     def body(dhead, chunk):
         xc, idc, wc, lzc, gc = chunk
-        logits = jnp.einsum("cd,dv->cv", xc, head, preferred_element_type=jnp.float32)
-        probs = jnp.exp(logits - lzc[:, None])
+        logits = jnp.einsum("...d,dv->...v", xc, head, preferred_element_type=jnp.float32)
+        probs = jnp.exp(logits - lzc[..., None])
         onehot = jax.nn.one_hot(jnp.where(wc != 0, idc, -1), logits.shape[-1], dtype=jnp.float32)
         # d log p(t) / d logits = onehot - p, on scored tokens only
-        dlogits = jnp.where((wc != 0)[:, None], gc[:, None] * (onehot - probs), 0.0).astype(xc.dtype)
-        dx = jnp.einsum("cv,dv->cd", dlogits, head, preferred_element_type=jnp.float32).astype(xc.dtype)
-        dhead = dhead + jnp.einsum("cd,cv->dv", xc, dlogits, preferred_element_type=jnp.float32)
+        dlogits = jnp.where((wc != 0)[..., None], gc[..., None] * (onehot - probs), 0.0).astype(xc.dtype)
+        dx = jnp.einsum("...v,dv->...d", dlogits, head, preferred_element_type=jnp.float32).astype(xc.dtype)
+        dhead = dhead + jnp.einsum("...d,...v->dv", xc, dlogits, preferred_element_type=jnp.float32)
         return dhead, dx
 
     dhead, dx = jax.lax.scan(body, jnp.zeros(head.shape, jnp.float32), (x, ids, w, log_z, g))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from seqjax.data.contract import Batch, model_fields
+from seqjax.model.context import row_spans
 from seqjax.model.loss import chunked_token_logprobs, token_logprobs, token_stats
 
 
@@ -123,7 +124,8 @@ def target_logprobs(model, micro: Batch, key: jax.Array | None, scored: jax.Arra
         logp = token_logprobs(outputs, micro["targets"], scored)
         return (logp, token_stats(outputs, micro["targets"], scored)) if stats else logp
     return chunked_token_logprobs(outputs, head, micro["targets"], scored,
-                                  chunk_tokens=model.cfg.loss_chunk_tokens, stats=stats)
+                                  chunk_tokens=model.cfg.loss_chunk_tokens, stats=stats,
+                                  spans=row_spans(outputs))
 
 
 def safe_divide(total: jax.Array, count: jax.Array) -> jax.Array:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from seqjax.data.contract import Batch
+from seqjax.model.context import row_spans
 from seqjax.model.loss import chunked_lm_loss, lm_loss
 from seqjax.objectives.base import Inputs, Objective, Terms, model_outputs
 
@@ -24,7 +25,8 @@ def lm_terms(inputs: Inputs, micro: Batch) -> Terms:
         loss, aux = lm_loss(outputs, micro["targets"], micro["weights"], z_loss=z_loss)
     else:
         loss, aux = chunked_lm_loss(outputs, head, micro["targets"], micro["weights"],
-                                    chunk_tokens=model.cfg.loss_chunk_tokens, z_loss=z_loss)
+                                    chunk_tokens=model.cfg.loss_chunk_tokens, z_loss=z_loss,
+                                    spans=row_spans(outputs))
     # lm_loss is a mean over this micro-batch's weights; times their sum it is a sum again
     return Terms(loss * aux["weight_sum"], aux["weight_sum"], aux["nll_sum"])
 
