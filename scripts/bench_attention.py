@@ -73,7 +73,10 @@ from seqjax.model.kernels.flash import flash_attention
 from seqjax.model.kernels.mosaic import mosaic_attention
 
 FORMULA = "forward = sum over documents of 4*H*L^2*D/2 (causal); forward+backward = 3.5 x forward (backward = 2.5 x)"
-IMPLS = ("flash", "mosaic", "mosaic_s3", "mosaic_s4", "xla", "cudnn", "cudnn_mask", "cudnn_packed", "cudnn_packed_t",
+# the Mosaic kernel's variants: (slots, consumers) (seqjax.model.kernels.mosaic.Variant)
+MOSAIC_VARIANTS = {"mosaic": (2, 1), "mosaic_s3": (3, 1), "mosaic_s4": (4, 1), "mosaic_pp": (2, 2),
+                   "mosaic_pp_s3": (3, 2)}
+IMPLS = ("flash", *MOSAIC_VARIANTS, "xla", "cudnn", "cudnn_mask", "cudnn_packed", "cudnn_packed_t",
          "bundled", "kvax", "tokamax", "mgpu_fa3")
 INPUTS = ("dense", "packed", "varlen")
 BLOCK_FIELDS = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "num_warps", "num_stages", "block_q_dq",
@@ -196,11 +199,11 @@ def implementation(impl: str, scale: float, blocks: BlockSizes, interpret: bool,
     if impl == "flash":
         return (lambda s: (s, block_metadata(s, blocks)),
                 lambda q, k, v, a: flash_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret))
-    if impl in ("mosaic", "mosaic_s3", "mosaic_s4"):  # seqjax's Mosaic GPU kernel: 64 x 64 tiles, the same ranges;
-        slots = 2 if impl == "mosaic" else int(impl[-1])  # (_s3, _s4: the deeper TMA pipelines a GPU sweep weighs)
+    if impl in MOSAIC_VARIANTS:  # seqjax's Mosaic GPU kernel: 64 x 64 tiles, the same ranges; _s3, _s4: the
+        slots, consumers = MOSAIC_VARIANTS[impl]  # deeper TMA pipelines, _pp: two consumers in ping-pong
         return (lambda s: (s, block_metadata(s, MOSAIC_BLOCKS)),
                 lambda q, k, v, a: mosaic_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret,
-                                                    slots=slots))
+                                                    slots=slots, consumers=consumers))
     if impl in ("cudnn_packed", "cudnn_packed_t"):  # cuDNN's packed layout: offsets computed once per batch
         # M, the most segments a row may hold: the batch's own most (what data.max_segments_per_row gives a run),
         # or T (cudnn_packed_t: what model.attention=cudnn_packed passed on the H200, 2026-11-27, where the
@@ -405,16 +408,19 @@ def environment() -> dict[str, Any]:
     }
 
 
-def skip_reason(impl: str, kind: str, heads: int, kv_heads: int, head_dim: int = 64) -> str | None:
+def skip_reason(impl: str, kind: str, heads: int, kv_heads: int, head_dim: int = 64, seq_len: int = 8192
+                ) -> str | None:
     """Why a combination is not run (None: run it)."""
+    if impl in MOSAIC_VARIANTS and MOSAIC_VARIANTS[impl][1] == 2 and seq_len % 128:
+        return "two consumers take two 64-query blocks a CTA: T a multiple of 128"
     if impl == "cudnn" and kind != "dense":
         return "cuDNN without a mask takes no segment ids: it is the dense upper bound only"
     if impl == "bundled" and (kind == "varlen" or kv_heads != heads):
         return "the bundled kernel has no GQA; varlen is seqjax's ideal"
-    if impl == "mosaic" and head_dim not in (64, 128):
+    if impl in MOSAIC_VARIANTS and head_dim not in (64, 128):
         return "the Mosaic kernel's wgmma tiles take D = 64 or 128"
-    if impl in ("xla", "cudnn_mask", "cudnn_packed", "cudnn_packed_t", "mosaic", "mosaic_s3", "mosaic_s4", "kvax",
-                "tokamax", "mgpu_fa3") and \
+    if impl in ("xla", "cudnn_mask", "cudnn_packed", "cudnn_packed_t", *MOSAIC_VARIANTS, "kvax", "tokamax",
+                "mgpu_fa3") and \
             kind == "varlen":
         return "varlen is the ideal of seqjax's kernel on separate rows"
     if impl == "mgpu_fa3" and kind != "dense":
@@ -432,7 +438,7 @@ def main(argv=None) -> None:
         if not args.smoke:
             return
         args.seq_lens, args.tokens, args.head_dims, args.width, args.heads = [64], 128, [64], 128, None
-        args.impls = [i for i in args.impls if i in ("flash", "mosaic", "mosaic_s3", "mosaic_s4", "xla")] or ["flash"]
+        args.impls = [i for i in args.impls if i in ("flash", *MOSAIC_VARIANTS, "xla")] or ["flash"]
         args.inputs, args.warmup, args.iters, args.repeats = ["dense", "packed"], 1, 1, 1
         args.doc_len, args.block_q, args.block_k, args.block_q_bwd, args.block_k_bwd = 16, 16, 16, 16, 16
         if args.sweep:
@@ -448,7 +454,7 @@ def main(argv=None) -> None:
             for kind in args.inputs:
                 for blocks in configs:
                     for impl in impls:
-                        if skip_reason(impl, kind, heads, kv_heads, head_dim):
+                        if skip_reason(impl, kind, heads, kv_heads, head_dim, seq_len):
                             continue
                         record = {**env, **case_record(args, impl, kind, seq_len, head_dim, blocks, interpret)}
                         if args.sweep:

@@ -13,8 +13,8 @@ For each mesh.context n (and each ``--kv-paths`` way K/V travel) it prints one r
 - ``work``: the (query tile, key tile) pairs of 128 tokens each device visits on that row (and on one
   document filling the row), their imbalance (largest / mean - 1), beside a contiguous split's;
 - ``chunked_loss``: the chunked loss on the row's hidden states over the n devices, its chunks within
-  each device's span (as the objectives run it) beside chunks over the whole row: time, one device's
-  FLOPs, the bytes gathered;
+  each device's span (as the objectives run it) beside chunks over the whole row: time and the bytes
+  each collective moves;
 - ``train_step``: scripts/bench_train.py's real step (a 4-layer model, one row of T tokens, a
   synthetic corpus) on n devices with mesh.context=n: step time and XLA's compiled bytes a device.
 
@@ -142,8 +142,9 @@ def attention_record(args, n: int, kv_path: str, seg: np.ndarray, one_ms: float 
 def loss_record(args, n: int) -> dict:
     """The chunked loss (model.loss_chunk_tokens) on one row's hidden states split over n devices, forward
     and backward: chunks within each device's span (what the objectives pass, spans = n) against chunks
-    over the whole row (spans = 1, what XLA is left to partition): milliseconds, one device's FLOPs, and
-    the bytes the compiled program gathers."""
+    over the whole row (spans = 1, what XLA is left to partition): milliseconds and the bytes each
+    collective of the compiled program moves (an all-gather of the hidden states, or the head's
+    gradient summed over the devices)."""
     from seqjax.model.loss import chunked_lm_loss
 
     t, d, vocab = args.seq_len, 256, 32_000
@@ -163,10 +164,7 @@ def loss_record(args, n: int) -> dict:
         with jax.set_mesh(mesh):
             compiled = step.lower(hidden, head).compile()
             ms = timed(step, hidden, head, iters=args.iters)
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        record[name] = {"fwd_bwd_ms": round(ms, 2), "gflops_a_device": round(cost.get("flops", 0.0) / 1e9, 3),
-                        "collective_bytes": collective_bytes(compiled.as_text())}
+        record[name] = {"fwd_bwd_ms": round(ms, 2), "collective_bytes": collective_bytes(compiled.as_text())}
     return {"vocab": vocab, "d_model": d, "chunk_tokens": 512, **record}
 
 

@@ -100,6 +100,26 @@ def test_a_deeper_tma_pipeline_computes_the_same(slots):
         mosaic_attention(q, k, v, jnp.asarray(rows), slots=5)
 
 
+@pytest.mark.parametrize(("lengths", "window"), [([100, 3, 130, 23], None), ([64, 192], None), ([60, 150, 46], 40)])
+def test_two_consumers_in_ping_pong_compute_the_same(lengths, window):
+    """The forward's ping-pong variant a GPU sweep weighs: two query blocks a CTA, one consumer warpgroup each,
+    sharing the key tiles of the union of their ranges, and taking turns on the tensor cores; float32, exact in
+    the interpreter, forward and the three gradients. The packings: blocks whose documents differ, a pair whose
+    second block is all padding (an empty range), and a sliding window."""
+    q, k, v, cotangent = random_qkv((1, 256, 2, 64), kv_heads=1, dtype=jnp.float32, seed=7)
+    rows = jnp.asarray(np.repeat(np.arange(1, len(lengths) + 1) % len(lengths), lengths)[None].astype(np.int32))
+    attend = jax.jit(lambda q, k, v, s, ct: _vjp(
+        lambda q, k, v, s, w: mosaic_attention(q, k, v, s, window=window, consumers=2), q, k, v, s, None, ct))
+    out, grads = attend(q, k, v, rows, cotangent)
+    ref_out, ref_grads = REFERENCE(q, k, v, rows, jnp.int32(window or FULL), cotangent)
+    assert_close(out, ref_out, 2e-5, "output")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close(got, want, 2e-5, name)
+    with pytest.raises(ValueError, match=r"consumers 2 with T padded to 64; expected one of \(1, 2\), and T padded "
+                                         "to a multiple of 128"):
+        mosaic_attention(q[:, :60], k[:, :60], v[:, :60], rows[:, :60], consumers=2)
+
+
 def test_refuses_what_it_cannot_compute(monkeypatch):
     q, k, v, _ = F32
     ids = jnp.ones((2, 120), jnp.int32)
@@ -119,8 +139,10 @@ def test_refuses_what_it_cannot_compute(monkeypatch):
         mosaic_attention(q, k, v, ids, interpret=True)
 
 
-def test_lowers_through_mosaic_gpu_for_an_h100():
-    """Without a GPU: forward, dQ and dK/dV pass Mosaic GPU's lowering (layouts, TMA, wgmma) for an H100."""
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_lowers_through_mosaic_gpu_for_an_h100(consumers):
+    """Without a GPU: forward, dQ and dK/dV pass Mosaic GPU's lowering (layouts, TMA, wgmma) for an H100, with one
+    consumer warpgroup or two in ping-pong."""
     mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
                                      abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100",
                                                                                  num_cores=None, platform="cuda"))
@@ -129,7 +151,7 @@ def test_lowers_through_mosaic_gpu_for_an_h100():
     ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
 
     def loss(q, k, v, s):
-        return mosaic_attention(q, k, v, s, interpret=False).astype(jnp.float32).sum()
+        return mosaic_attention(q, k, v, s, interpret=False, consumers=consumers).astype(jnp.float32).sum()
 
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
         warnings.simplefilter("ignore", DeprecationWarning)

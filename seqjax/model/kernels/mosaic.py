@@ -19,10 +19,15 @@ sliding window's band) are never loaded; inside ``[full_lo, full_hi)`` no mask i
 apply :func:`seqjax.model.mask.allowed`, contract 2's rule. Tiles are 64 x 64 (one warpgroup's wgmma
 M); D is 64 or 128.
 
-Shortcuts, stated: one consumer warpgroup (the bundled kernel ping-pongs two, which a GPU run should
-weigh); the producer's ring has ``SLOTS`` = 2 stages by default, 3 or 4 as a variant (``slots=``: a
-deeper TMA pipeline for a GPU sweep to weigh; the interpreter checks each). Until a GPU measures it,
-``auto`` does not pick this kernel.
+Variants a GPU sweep weighs (:class:`Variant`; the interpreter checks each): the producer's ring has
+``SLOTS`` = 2 stages by default, 3 or 4 as a deeper TMA pipeline (``slots=``); and the forward may run
+two consumer warpgroups in ping-pong (``consumers=2``): a CTA takes two query blocks, the producer
+streams the union of their ranges once for both, and the consumers take turns on a shared barrier so
+that one's softmax overlaps the other's matmuls (FlashAttention-3's inter-warpgroup schedule). The
+backward passes keep one consumer. Not written: the softmax overlapped with the next tile's QK^T
+inside one warpgroup (FlashAttention-3's intra-warpgroup pipelining): the interpreter runs each wgmma
+to completion, so it could check the bookkeeping but not the overlap, and the ping-pong is measured
+first. Until a GPU measures it, ``auto`` does not pick this kernel.
 
 Interpret mode (``interpret=True``, or ``None`` off a GPU) runs the same kernels on a CPU through
 Pallas's Mosaic GPU interpreter, which is how CI checks their numbers; it also accepts float32
@@ -55,7 +60,8 @@ from seqjax.model.mask import allowed, check_attention_inputs
 BLOCK = MOSAIC_BLOCKS.block_q  # query and key tile rows, every pass: one warpgroup's wgmma M
 SLOTS = 2  # stages of the producer's shared-memory ring (the default; a variant takes more)
 SLOT_CHOICES = (2, 3, 4)  # the deeper TMA pipelines a GPU sweep chooses among
-THREADS = 2  # warpgroups per CTA: the TMA producer and the wgmma consumer
+THREADS = 2  # warpgroups per CTA: the TMA producer and the wgmma consumer (one more: the forward's ping-pong)
+CONSUMER_CHOICES = (1, 2)  # the forward's consumer warpgroups a CTA (Variant.consumers)
 LOG2_E = math.log2(math.e)
 MASKED = -1e30  # a finite -inf: masked logits and the running max start here (no exp2(-inf - -inf) = NaN)
 BLOCK_SIZES = MOSAIC_BLOCKS
@@ -65,32 +71,37 @@ GPU_DTYPES = (jnp.bfloat16, jnp.float16)
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """How the kernel is built, a static argument of every pass: ``interpret`` (Pallas's Mosaic GPU interpreter)
-    and ``slots``, the stages of the producers' shared-memory rings (a deeper TMA pipeline keeps
+    """How the kernel is built, a static argument of every pass: ``interpret`` (Pallas's Mosaic GPU interpreter),
+    ``slots``, the stages of the producers' shared-memory rings (a deeper TMA pipeline keeps
     more tiles in flight, at ``slots x`` the ring's shared memory: 2 stages of k, v at D = 128 in
-    bfloat16 take 64 KiB)."""
+    bfloat16 take 64 KiB), and ``consumers``, the forward's consumer warpgroups a CTA: 1, or 2 in
+    ping-pong (FlashAttention-3's schedule: two query blocks a CTA share each key tile the producer
+    loads, and one consumer's softmax runs while the other's matmuls do)."""
 
     interpret: bool
     slots: int = SLOTS
+    consumers: int = 1
 
 
 def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, scale: float | None = None,
                      interpret: bool | None = None, metadata: BlockMetadata | None = None,
-                     window=None, slots: int = SLOTS) -> jax.Array:
+                     window=None, slots: int = SLOTS, consumers: int = 1) -> jax.Array:
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D], Hkv dividing H; D 64 or 128.
 
     ``segment_ids`` [B, T]: contract 2 (0 = padding). T is padded to a multiple of 64 with segment 0
     (no tile visits padding) and sliced back. ``metadata``: :func:`block_metadata` for these ids
     with :data:`BLOCK_SIZES` (and the layer's window), computed once per forward; computed here when
-    omitted, from ``window``."""
+    omitted, from ``window``. ``slots`` and ``consumers``: the :class:`Variant` a GPU sweep picks among
+    (``consumers=2`` needs T padded to a multiple of 128, two query blocks a CTA)."""
     check_attention_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if interpret and (pool := xla_cpu_threads()) < 1 + THREADS:
+    threads = THREADS + consumers - 1
+    if interpret and (pool := xla_cpu_threads()) < 1 + threads:
         # a SeqjaxError: the commands say it in one line (docs/gpu.md), not a traceback
-        raise ConfigError(f"model.attention=pallas_mosaic: interpret mode (no GPU) needs {1 + THREADS} XLA CPU "
-                          f"threads and this process has {pool} (it would hang); set PJRT_NPROC={2 + THREADS} "
+        raise ConfigError(f"model.attention=pallas_mosaic: interpret mode (no GPU) needs {1 + threads} XLA CPU "
+                          f"threads and this process has {pool} (it would hang); set PJRT_NPROC={2 + threads} "
                           "before JAX starts")
     if d not in HEAD_DIMS:
         raise ValueError(f"mosaic_attention: head_dim {d}, expected one of {HEAD_DIMS} (wgmma tiles)")
@@ -105,8 +116,11 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     scale = float(d**-0.5 if scale is None else scale)
     if slots not in SLOT_CHOICES:
         raise ValueError(f"mosaic_attention: slots {slots}, expected one of {SLOT_CHOICES}")
+    if consumers not in CONSUMER_CHOICES or padded % (consumers * BLOCK):
+        raise ValueError(f"mosaic_attention: consumers {consumers} with T padded to {padded}; expected one of "
+                         f"{CONSUMER_CHOICES}, and T padded to a multiple of {consumers * BLOCK}")
     out = _attention(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale,
-                     Variant(bool(interpret), slots))
+                     Variant(bool(interpret), slots, consumers))
     return out[:, :t]
 
 
@@ -201,10 +215,15 @@ def _tile_mask(seg_rows, seg_cols, row_start, col_start, window, rows_are_querie
     return allowed(seg_c, seg_r, col, row, window)
 
 
-def _three_loops(ranges_ref, b, blk, step, carry, offset=0):
-    """``step(masked, i, n)`` over the block's ranges: masked edge, unmasked middle, masked edge; ``n`` counts
-    steps from the first (plus ``offset``), which is what picks the ring slot."""
-    lo, full_lo, full_hi, hi = (ranges_ref[b, blk, c] for c in range(4))
+def _bounds(ranges_ref, b, blk):
+    """Block ``blk`` of row ``b``'s range ``(lo, full_lo, full_hi, hi)``, read from the metadata."""
+    return tuple(ranges_ref[b, blk, c] for c in range(4))
+
+
+def _three_loops(bounds, step, carry, offset=0):
+    """``step(masked, i, n)`` over ``bounds`` ``(lo, full_lo, full_hi, hi)``: masked edge, unmasked middle, masked
+    edge; ``n`` counts steps from the first (plus ``offset``), which is what picks the ring slot."""
+    lo, full_lo, full_hi, hi = bounds
 
     def loop(start, stop, masked, carry):
         return lax.fori_loop(start, stop, lambda i, c: step(masked, i, offset + i - lo, c), carry)
@@ -237,71 +256,133 @@ def _interpret(variant: Variant):
 
 
 def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, variant: Variant):
-    """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T] the backward passes reuse."""
+    """Output [B, T, H, D] and the base-2 log-sum-exp [B, H, T] the backward passes reuse: one CTA per query
+    block (``consumers=1``), or per pair of query blocks, one consumer warpgroup each, in ping-pong
+    (``consumers=2``)."""
     b, t, h, d = q.shape
-    group = h // k.shape[2]
-    qk_scale = scale * LOG2_E
+    group, c = h // k.shape[2], variant.consumers
 
-    def body(ranges, window_ref, seg, q_ref, k_ref, v_ref, o_ref, lse_ref,
-             q_smem, seg_q, k_ring, v_ring, seg_ring, lse_smem, p_smem, q_ready, k_ready, v_ready, s_ready, consumed):
-        i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
-        _produce_keys(ranges, seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready), consumed,
-                      group, variant.slots)
+    def body(ranges, window_ref, seg, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, seg_q, k_ring, v_ring,
+             seg_ring, lse_smem, p_smem, q_ready, k_ready, v_ready, s_ready, consumed, *turn):
+        pair, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
+        lo, hi = _union(ranges, r, pair, c)
+        kv = lax.div(hd, jnp.int32(group))
 
-        @pl.when(lax.axis_index("wg") == 0)
-        def _consumer():
-            queries = pl.ds(i * BLOCK, BLOCK)
-            plgpu.copy_gmem_to_smem(q_ref.at[r, queries, hd], q_smem, q_ready.at[0])
-            plgpu.copy_gmem_to_smem(seg.at[r, queries], seg_q, q_ready.at[1])
-            plgpu.barrier_wait(q_ready.at[0])
-            plgpu.barrier_wait(q_ready.at[1])
-            seg_rows, window = _rows(seg_q, 1), window_ref[0]
+        def key_tile(start, step):
+            keys = pl.ds((start + step) * BLOCK, BLOCK)
+            rings = (k_ring, v_ring, seg_ring)
+            return tuple(zip((k_ref.at[r, keys, kv], v_ref.at[r, keys, kv], seg.at[r, keys]), rings,
+                             (k_ready, v_ready, s_ready)))
 
-            def step(masked, j, n, carry):
-                acc, m, row_sum = carry
-                slot = lax.rem(n, variant.slots)
-                plgpu.barrier_wait(k_ready.at[slot])
-                s = _matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale
-                mask = None
-                if masked:
-                    plgpu.barrier_wait(s_ready.at[slot])
-                    mask = _tile_mask(seg_rows, _rows(seg_ring.at[slot], 0), i * BLOCK, j * BLOCK, window, True)
-                    s = jnp.where(mask, s, MASKED)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                p = jnp.exp2(s - _broadcast(m_new, 0))
-                if mask is not None:
-                    p = jnp.where(mask, p, 0.0)
-                correction = jnp.exp2(m - m_new)
-                row_sum = row_sum * correction + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
-                plgpu.barrier_wait(v_ready.at[slot])
-                if not masked:
-                    plgpu.barrier_wait(s_ready.at[slot])  # every ready barrier is waited once per fill
-                acc = _accumulate(acc, p, p_smem, v_ring.at[slot])
-                plgpu.barrier_arrive(consumed.at[slot])
-                return acc, m_new, row_sum
+        @pl.when(lax.axis_index("wg") == c)
+        def _producer():
+            _produce(lo, hi - lo, key_tile, consumed, variant.slots)
 
-            rows = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            init = (plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA),
-                    rows + MASKED, rows)
-            acc, m, row_sum = _three_loops(ranges, r, i, step, init)
-            empty = row_sum == 0.0  # padding queries and queries with no key: zeros, never NaN
-            safe = jnp.where(empty, 1.0, row_sum)
-            _store(acc / lax.broadcast_in_dim(safe, acc.shape, (0,)), q_smem, o_ref.at[r, queries, hd])
-            _store(jnp.where(empty, 0.0, m + jnp.log2(safe)), lse_smem, lse_ref.at[r, hd, queries])
-            plgpu.wait_smem_to_gmem(0)
+        for w in range(c):  # (each consumer its own query block, tiles and barriers: w is static)
+            pl.when(lax.axis_index("wg") == w)(lambda w=w: _consume_keys(
+                (ranges, window_ref, seg, q_ref, o_ref, lse_ref), (r, hd, pair * c + w, lo, hi),
+                (q_smem.at[w], seg_q.at[w], lse_smem.at[w], p_smem.at[w], (q_ready.at[2 * w], q_ready.at[2 * w + 1])),
+                (k_ring, v_ring, seg_ring, k_ready, v_ready, s_ready, consumed), scale * LOG2_E, variant,
+                _turns(turn, w, c)))
 
     n = variant.slots
     kernel = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
-        grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=THREADS, thread_name="wg",
-        scratch_types=[_one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32), _tile(k.dtype, d, n),
-                       _tile(v.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32), plgpu.SMEM((BLOCK,), jnp.float32),
-                       _one_tile(v.dtype, BLOCK), plgpu.Barrier(num_barriers=2),
-                       *[plgpu.Barrier(num_barriers=n)] * 4],
+        grid=(t // (c * BLOCK), h, b), grid_names=("blocks", "heads", "rows"), num_threads=c + 1, thread_name="wg",
+        scratch_types=[_tile(q.dtype, d, c), plgpu.SMEM((c, BLOCK), jnp.int32), _tile(k.dtype, d, n),
+                       _tile(v.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32), plgpu.SMEM((c, BLOCK), jnp.float32),
+                       _tile(v.dtype, BLOCK, c), plgpu.Barrier(num_barriers=2 * c),
+                       *[plgpu.Barrier(num_barriers=n)] * 3, plgpu.Barrier(num_arrivals=c, num_barriers=n),
+                       *([plgpu.Barrier(num_arrivals=c)] if c > 1 else [])],
         interpret=_interpret(variant))
     return kernel(metadata.fwd_kv, window_operand(metadata), segment_ids, q, k, v)
+
+
+def _union(ranges, r, pair, c: int):
+    """The key tiles [lo, hi) the producer streams for a CTA's ``c`` query blocks: the union of their ranges (an
+    empty range, (0, 0, 0, 0), adds nothing)."""
+    if c == 1:
+        return ranges[r, pair, 0], ranges[r, pair, 3]
+    (lo0, hi0), (lo1, hi1) = ((ranges[r, pair * 2 + w, 0], ranges[r, pair * 2 + w, 3]) for w in range(2))
+    lo = jnp.where(hi0 == lo0, lo1, jnp.where(hi1 == lo1, lo0, jnp.minimum(lo0, lo1)))
+    return lo, jnp.maximum(hi0, hi1)
+
+
+def _turns(turn, w: int, c: int):
+    """Consumer ``w``'s ping-pong (``c`` = 2): ``(first, between, last)``, the syncs on the shared ``turn`` barrier
+    before its loop, between its steps' phases and after its loop; consumer 1 starts one sync behind, so its
+    softmax runs while consumer 0's matmuls do, and the other way round. None for one consumer."""
+    if c == 1:
+        return None
+
+    def sync():
+        plgpu.barrier_arrive(turn[0])
+        plgpu.barrier_wait(turn[0])
+
+    nothing = lambda: None  # noqa: E731
+    return (sync if w == 1 else nothing), sync, (sync if w == 0 else nothing)
+
+
+def _consume_keys(refs, where, own, rings, qk_scale, variant, turns):
+    """A consumer warpgroup of the forward: its query block against the key tiles [lo, hi) the producer streams,
+    through an online softmax; tiles outside the block's own range (another consumer's) are masked edge tiles,
+    and its own ``[full_lo, full_hi)`` runs without a mask."""
+    ranges, window_ref, seg, q_ref, o_ref, lse_ref = refs
+    r, hd, i, lo, hi = where
+    q_smem, seg_q, lse_smem, p_smem, q_ready = own
+    k_ring, v_ring, seg_ring, k_ready, v_ready, s_ready, consumed = rings
+    queries = pl.ds(i * BLOCK, BLOCK)
+    plgpu.copy_gmem_to_smem(q_ref.at[r, queries, hd], q_smem, q_ready[0])
+    plgpu.copy_gmem_to_smem(seg.at[r, queries], seg_q, q_ready[1])
+    plgpu.barrier_wait(q_ready[0])
+    plgpu.barrier_wait(q_ready[1])
+    seg_rows, window = _rows(seg_q, 1), window_ref[0]
+    first, between, last = turns or (None, None, None)
+
+    def step(masked, j, n, carry):
+        acc, m, row_sum = carry
+        slot = lax.rem(n, variant.slots)
+        plgpu.barrier_wait(k_ready.at[slot])
+        s = _matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale
+        if between:
+            between()  # the tensor cores go to the other consumer while this one takes its softmax
+        mask = None
+        if masked:
+            plgpu.barrier_wait(s_ready.at[slot])
+            mask = _tile_mask(seg_rows, _rows(seg_ring.at[slot], 0), i * BLOCK, j * BLOCK, window, True)
+            s = jnp.where(mask, s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.exp2(s - _broadcast(m_new, 0))
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        correction = jnp.exp2(m - m_new)
+        row_sum = row_sum * correction + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
+        plgpu.barrier_wait(v_ready.at[slot])
+        if not masked:
+            plgpu.barrier_wait(s_ready.at[slot])  # every ready barrier is waited once per fill
+        if between:
+            between()  # and back
+        acc = _accumulate(acc, p, p_smem, v_ring.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+        return acc, m_new, row_sum
+
+    rows = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    init = (plgpu.layout_cast(jnp.zeros((BLOCK, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
+            rows + MASKED, rows)
+    if first:
+        first()
+    # (the own full range clipped to the streamed tiles: an empty own range leaves every streamed tile masked)
+    full_lo = jnp.clip(ranges[r, i, 1], lo, hi)
+    acc, m, row_sum = _three_loops((lo, full_lo, jnp.clip(ranges[r, i, 2], full_lo, hi), hi), step, init)
+    if last:
+        last()
+    empty = row_sum == 0.0  # padding queries and queries with no key: zeros, never NaN
+    safe = jnp.where(empty, 1.0, row_sum)
+    _store(acc / lax.broadcast_in_dim(safe, acc.shape, (0,)), q_smem, o_ref.at[r, queries, hd])
+    _store(jnp.where(empty, 0.0, m + jnp.log2(safe)), lse_smem, lse_ref.at[r, hd, queries])
+    plgpu.wait_smem_to_gmem(0)
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -347,7 +428,7 @@ def _dq(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
                 return dq
 
             init = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
-            dq = _three_loops(ranges, r, i, step, init)
+            dq = _three_loops(_bounds(ranges, r, i), step, init)
             _store(dq * scale, q_smem, dq_ref.at[r, queries, hd])
             plgpu.wait_smem_to_gmem(0)
 
@@ -415,7 +496,7 @@ def _dkv(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
                 return dk, dv
 
             def head(g, carry):
-                return _three_loops(ranges, r, j, step, carry, offset=g * per_head)
+                return _three_loops(_bounds(ranges, r, j), step, carry, offset=g * per_head)
 
             zeros = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
             dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
