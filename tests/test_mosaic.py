@@ -100,7 +100,9 @@ def test_a_deeper_tma_pipeline_computes_the_same(slots):
         mosaic_attention(q, k, v, jnp.asarray(rows), slots=5)
 
 
-@pytest.mark.parametrize(("lengths", "window"), [([100, 3, 130, 23], None), ([64, 192], None), ([60, 150, 46], 40)])
+@pytest.mark.parametrize(("lengths", "window"), [pytest.param([100, 3, 130, 23], None, marks=pytest.mark.slow),
+                                                 ([64, 192], None),
+                                                 pytest.param([60, 150, 46], 40, marks=pytest.mark.slow)])
 def test_two_consumers_in_ping_pong_compute_the_same(lengths, window):
     """The forward's ping-pong variant a GPU sweep weighs: two query blocks a CTA, one consumer warpgroup each,
     sharing the key tiles of the union of their ranges, and taking turns on the tensor cores; float32, exact in
