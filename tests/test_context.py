@@ -110,7 +110,8 @@ for run_dir, overrides in runs:
 @pytest.mark.slow
 def test_training_over_the_context_axis_takes_one_devices_steps(reference, tiny_root, tmp_path):
     """20 steps on 4 simulated devices against the one-device reference run, to 2e-6: mesh.context=4,
-    and a ring run on mesh.context=4 resumed at step 10 on data 2 x context 2; a LoRA run, scanned
+    and a ring run on mesh.context=4 resumed at step 10 on fsdp 2 x context 2 (the parameters split
+    beside the rows' tokens); a LoRA run, scanned
     and rematerialized on mesh.context=4 with the chunked loss, against its twin with no context
     axis (mesh.data=4)."""
     steps = 20
@@ -119,7 +120,7 @@ def test_training_over_the_context_axis_takes_one_devices_steps(reference, tiny_
     runs = [
         (tmp_path / "context4", ["mesh.data=1", "mesh.context=4"]),
         (tmp_path / "ring", ["mesh.data=1", "mesh.context=4", "model.context_attention=ring", "train.steps=10"]),
-        (tmp_path / "ring", ["mesh.data=2", "mesh.context=2", "model.context_attention=ring"]),
+        (tmp_path / "ring", ["mesh.data=1", "mesh.fsdp=2", "mesh.context=2", "model.context_attention=ring"]),
         (tmp_path / "lora_one", [*lora, "train.init_from=" + str(tiny_root / "reference"), "mesh.data=4"]),
         (tmp_path / "lora_context", [*lora, "train.init_from=" + str(tiny_root / "reference"), "mesh.data=1",
                                      "mesh.context=4", "model.scan_layers=true", "model.remat=full"]),
