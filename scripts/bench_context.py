@@ -72,6 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--iters", type=int, default=3, help="timed calls (after one untimed)")
     p.add_argument("--train-steps", type=int, default=3, help="bench_train's timed steps (0: skip the train step)")
+    p.add_argument("--loss-vocab", type=int, default=32_000, help="the chunked loss record's vocabulary")
     return p.parse_args(argv)
 
 
@@ -147,7 +148,7 @@ def loss_record(args, n: int) -> dict:
     gradient summed over the devices)."""
     from seqjax.model.loss import chunked_lm_loss
 
-    t, d, vocab = args.seq_len, 256, 32_000
+    t, d, vocab = args.seq_len, 256, args.loss_vocab
     rng = np.random.default_rng(2)
     mesh = sharding.build_mesh(MeshConfig(data=1, fsdp=1, context=n, tensor=1), jax.devices()[:n])
     on_tokens = NamedSharding(mesh, P(None, CONTEXT_AXIS))

@@ -86,11 +86,11 @@ def test_attention_over_2_4_and_8_context_devices_equals_one_device_in_value_and
 def test_the_flash_kernels_spans_over_2_and_4_context_devices_equal_it_on_one_row():
     """model.attention=pallas on a split row (interpret mode): each device's chunks are spans of
     queries against spans of keys, with block_metadata's ranges and the spans' offsets."""
-    proc = subprocess.run([sys.executable, "tests/context_cases.py", "3", "pallas"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "tests/context_cases.py", "2", "pallas"], cwd=REPO,
                           env=cli_env(devices=8), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["kernel"] == "pallas" and report["examples"] >= 4 * 3 * 4 and len(report["meshes"]) == 4
+    assert report["kernel"] == "pallas" and report["examples"] >= 4 * 2 * 4 and len(report["meshes"]) == 4
     assert set(report["windows"]) == {"None", "2", "5", "17"} and report["one_document_over_every_shard"] > 0
     assert report["model_worst"] <= 1e-5
 

@@ -92,6 +92,9 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     assert set(steps) == {(1, None), (2, "all_gather"), (2, "ring")}
     for split in ((2, "all_gather"), (2, "ring")):
         assert steps[split]["loss_first_last"] == pytest.approx(steps[(1, None)]["loss_first_last"], rel=1e-5)
+    # and the chunked loss both ways (tests/context_cases.py checks what each compiles to)
+    loss, = [r["chunked_loss"] for r in stages["context"]["records"] if "chunked_loss" in r]
+    assert loss["within_spans"]["fwd_bwd_ms"] > 0 and loss["whole_row"]["fwd_bwd_ms"] > 0
 
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:

@@ -100,14 +100,13 @@ def test_a_deeper_tma_pipeline_computes_the_same(slots):
         mosaic_attention(q, k, v, jnp.asarray(rows), slots=5)
 
 
-@pytest.mark.parametrize(("lengths", "window"), [pytest.param([100, 3, 130, 23], None, marks=pytest.mark.slow),
-                                                 ([64, 192], None),
-                                                 pytest.param([60, 150, 46], 40, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("lengths", "window"), [([64, 192], None),
+                                                 pytest.param([100, 3, 130, 23], 40, marks=pytest.mark.slow)])
 def test_two_consumers_in_ping_pong_compute_the_same(lengths, window):
     """The forward's ping-pong variant a GPU sweep weighs: two query blocks a CTA, one consumer warpgroup each,
     sharing the key tiles of the union of their ranges, and taking turns on the tensor cores; float32, exact in
-    the interpreter, forward and the three gradients. The packings: blocks whose documents differ, a pair whose
-    second block is all padding (an empty range), and a sliding window."""
+    the interpreter, forward and the three gradients. The packings: a pair whose second block is all padding (an
+    empty range), and blocks whose documents differ under a sliding window."""
     q, k, v, cotangent = random_qkv((1, 256, 2, 64), kv_heads=1, dtype=jnp.float32, seed=7)
     rows = jnp.asarray(np.repeat(np.arange(1, len(lengths) + 1) % len(lengths), lengths)[None].astype(np.int32))
     attend = jax.jit(lambda q, k, v, s, ct: _vjp(

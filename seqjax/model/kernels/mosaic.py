@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +53,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from seqjax.core.errors import ConfigError
+from seqjax.model.kernels import mosaic_tiles as mt
 from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, kernel_metadata, tiled_vjp, window_operand
-from seqjax.model.mask import allowed, check_attention_inputs
+from seqjax.model.mask import check_attention_inputs
 
-BLOCK = MOSAIC_BLOCKS.block_q  # query and key tile rows, every pass: one warpgroup's wgmma M
+BLOCK = mt.BLOCK  # query and key tile rows, every pass: one warpgroup's wgmma M
 SLOTS = 2  # stages of the producer's shared-memory ring (the default; a variant takes more)
 SLOT_CHOICES = (2, 3, 4)  # the deeper TMA pipelines a GPU sweep chooses among
 THREADS = 2  # warpgroups per CTA: the TMA producer and the wgmma consumer (one more: the forward's ping-pong)
@@ -98,7 +98,7 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     threads = THREADS + consumers - 1
-    if interpret and (pool := xla_cpu_threads()) < 1 + threads:
+    if interpret and (pool := mt.xla_cpu_threads()) < 1 + threads:
         # a SeqjaxError: the commands say it in one line (docs/gpu.md), not a traceback
         raise ConfigError(f"model.attention=pallas_mosaic: interpret mode (no GPU) needs {1 + threads} XLA CPU "
                           f"threads and this process has {pool} (it would hang); set PJRT_NPROC={2 + threads} "
@@ -122,134 +122,6 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     out = _attention(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale,
                      Variant(bool(interpret), slots, consumers))
     return out[:, :t]
-
-
-# ---------------------------------------------------------------------------------------------- pieces
-
-
-def _tile(dtype, d: int, slots: int):
-    """A ring of ``slots`` [BLOCK, d] shared-memory tiles in wgmma's layout: 8-row tiles, swizzled 128 bytes
-    wide."""
-    columns = 128 // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM((slots, BLOCK, d), dtype, transforms=(plgpu.TilingTransform((8, columns)),
-                                                            plgpu.SwizzleTransform(128)))
-
-
-def _one_tile(dtype, d: int):
-    columns = 128 // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM((BLOCK, d), dtype, transforms=(plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(128)))
-
-
-def _produce(start, count, copies, consumed, slots: int):
-    """The producer warpgroup: for steps ``0..count``, wait until the consumer has freed the step's slot (after the
-    first ``slots`` steps), then issue ``copies(step)``: (global source, shared ring, ready barrier) triples."""
-
-    @pl.loop(0, count)
-    def _(step):
-        slot = lax.rem(step, slots)
-
-        @pl.when(step >= slots)
-        def _wait_free():
-            plgpu.barrier_wait(consumed.at[slot])
-
-        for src, ring, ready in copies(start, step):
-            plgpu.copy_gmem_to_smem(src, ring.at[slot], ready.at[slot])
-
-
-def _produce_keys(ranges, seg, k_ref, v_ref, rings, ready, consumed, group: int, slots: int):
-    """The forward's and dQ's producer warpgroup: this query block's key, value and segment-id tiles, from its range's
-    ``lo`` to ``hi``, into ``rings`` (k, v, ids) on ``ready`` (one barrier array each)."""
-    i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
-    lo, hi = ranges[r, i, 0], ranges[r, i, 3]
-    kv = lax.div(hd, jnp.int32(group))
-
-    def key_tile(start, step):
-        keys = pl.ds((start + step) * BLOCK, BLOCK)
-        return tuple(zip((k_ref.at[r, keys, kv], v_ref.at[r, keys, kv], seg.at[r, keys]), rings, ready))
-
-    @pl.when(lax.axis_index("wg") == 1)
-    def _producer():
-        _produce(lo, hi - lo, key_tile, consumed, slots)
-
-
-def _matmul(a, b, shape):
-    """``a @ b`` on the tensor cores into a float32 register accumulator of ``shape``."""
-
-    def run(acc):
-        plgpu.wgmma(acc, a, b)
-        plgpu.wgmma_wait(0)
-        return acc[...]
-
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
-def _accumulate(acc, a, staging, b):
-    """``acc + a @ b`` with ``a`` a register tile (P, or dS): staged through the shared tile ``staging`` first.
-
-    Shortcuts, stated: wgmma could take ``a`` from registers and accumulate into ``acc`` in place
-    (``run_state(..)(ACC.init(acc))``), as FlashAttention-3 does, but Pallas's Mosaic GPU
-    interpreter runs neither (a wgmma operand must be a shared-memory allocation; a ``run_state``
-    accumulator leaks its effect), and CI checks this kernel only through that interpreter. The
-    extra store and add per tile are what a GPU profile should weigh first."""
-    staging[...] = a.astype(staging.dtype)
-    plgpu.commit_smem()
-    return acc + _matmul(staging, b, acc.shape)
-
-
-def _rows(ref, layout_axis: int):
-    """A [BLOCK] vector from shared memory, laid out to broadcast along ``layout_axis`` of a wgmma tile."""
-    return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(layout_axis))
-
-
-def _broadcast(x, axis: int):
-    return lax.broadcast_in_dim(x, (BLOCK, BLOCK), (axis,))
-
-
-def _tile_mask(seg_rows, seg_cols, row_start, col_start, window, rows_are_queries: bool):
-    """Contract 2 on one [BLOCK, BLOCK] tile; rows are queries (forward, dQ) or keys (dK/dV)."""
-    row = row_start + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0, layout=plgpu.Layout.WGMMA)
-    col = col_start + plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1, layout=plgpu.Layout.WGMMA)
-    seg_r, seg_c = _broadcast(seg_rows, 0), _broadcast(seg_cols, 1)
-    if rows_are_queries:
-        return allowed(seg_r, seg_c, row, col, window)
-    return allowed(seg_c, seg_r, col, row, window)
-
-
-def _bounds(ranges_ref, b, blk):
-    """Block ``blk`` of row ``b``'s range ``(lo, full_lo, full_hi, hi)``, read from the metadata."""
-    return tuple(ranges_ref[b, blk, c] for c in range(4))
-
-
-def _three_loops(bounds, step, carry, offset=0):
-    """``step(masked, i, n)`` over ``bounds`` ``(lo, full_lo, full_hi, hi)``: masked edge, unmasked middle, masked
-    edge; ``n`` counts steps from the first (plus ``offset``), which is what picks the ring slot."""
-    lo, full_lo, full_hi, hi = bounds
-
-    def loop(start, stop, masked, carry):
-        return lax.fori_loop(start, stop, lambda i, c: step(masked, i, offset + i - lo, c), carry)
-
-    carry = loop(lo, full_lo, True, carry)
-    carry = loop(full_lo, full_hi, False, carry)
-    return loop(full_hi, hi, True, carry)
-
-
-def _store(value, smem, dst):
-    smem[...] = value.astype(smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem, dst)
-
-
-def xla_cpu_threads() -> int:
-    """The size of XLA's CPU thread pool, as its CPU client sizes it: PJRT_NPROC, else NPROC, else the CPUs this
-    process may run on."""
-    for name in ("PJRT_NPROC", "NPROC"):
-        if os.environ.get(name, "").strip().isdigit():
-            return int(os.environ[name])
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _interpret(variant: Variant):
-    return plgpu.InterpretGPUParams() if variant.interpret else None
 
 
 # ---------------------------------------------------------------------------------------------- forward
@@ -276,7 +148,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, varian
 
         @pl.when(lax.axis_index("wg") == c)
         def _producer():
-            _produce(lo, hi - lo, key_tile, consumed, variant.slots)
+            mt.produce(lo, hi - lo, key_tile, consumed, variant.slots)
 
         for w in range(c):  # (each consumer its own query block, tiles and barriers: w is static)
             pl.when(lax.axis_index("wg") == w)(lambda w=w: _consume_keys(
@@ -290,12 +162,12 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, varian
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
         grid=(t // (c * BLOCK), h, b), grid_names=("blocks", "heads", "rows"), num_threads=c + 1, thread_name="wg",
-        scratch_types=[_tile(q.dtype, d, c), plgpu.SMEM((c, BLOCK), jnp.int32), _tile(k.dtype, d, n),
-                       _tile(v.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32), plgpu.SMEM((c, BLOCK), jnp.float32),
-                       _tile(v.dtype, BLOCK, c), plgpu.Barrier(num_barriers=2 * c),
+        scratch_types=[mt.tile(q.dtype, d, c), plgpu.SMEM((c, BLOCK), jnp.int32), mt.tile(k.dtype, d, n),
+                       mt.tile(v.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32), plgpu.SMEM((c, BLOCK), jnp.float32),
+                       mt.tile(v.dtype, BLOCK, c), plgpu.Barrier(num_barriers=2 * c),
                        *[plgpu.Barrier(num_barriers=n)] * 3, plgpu.Barrier(num_arrivals=c, num_barriers=n),
                        *([plgpu.Barrier(num_arrivals=c)] if c > 1 else [])],
-        interpret=_interpret(variant))
+        interpret=mt.interpret_params(variant))
     return kernel(metadata.fwd_kv, window_operand(metadata), segment_ids, q, k, v)
 
 
@@ -337,23 +209,23 @@ def _consume_keys(refs, where, own, rings, qk_scale, variant, turns):
     plgpu.copy_gmem_to_smem(seg.at[r, queries], seg_q, q_ready[1])
     plgpu.barrier_wait(q_ready[0])
     plgpu.barrier_wait(q_ready[1])
-    seg_rows, window = _rows(seg_q, 1), window_ref[0]
+    seg_rows, window = mt.rows(seg_q, 1), window_ref[0]
     first, between, last = turns or (None, None, None)
 
     def step(masked, j, n, carry):
         acc, m, row_sum = carry
         slot = lax.rem(n, variant.slots)
         plgpu.barrier_wait(k_ready.at[slot])
-        s = _matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale
+        s = mt.matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale
         if between:
             between()  # the tensor cores go to the other consumer while this one takes its softmax
         mask = None
         if masked:
             plgpu.barrier_wait(s_ready.at[slot])
-            mask = _tile_mask(seg_rows, _rows(seg_ring.at[slot], 0), i * BLOCK, j * BLOCK, window, True)
+            mask = mt.tile_mask(seg_rows, mt.rows(seg_ring.at[slot], 0), i * BLOCK, j * BLOCK, window, True)
             s = jnp.where(mask, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.exp2(s - _broadcast(m_new, 0))
+        p = jnp.exp2(s - mt.broadcast(m_new, 0))
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         correction = jnp.exp2(m - m_new)
@@ -364,7 +236,7 @@ def _consume_keys(refs, where, own, rings, qk_scale, variant, turns):
             plgpu.barrier_wait(s_ready.at[slot])  # every ready barrier is waited once per fill
         if between:
             between()  # and back
-        acc = _accumulate(acc, p, p_smem, v_ring.at[slot])
+        acc = mt.accumulate(acc, p, p_smem, v_ring.at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
         return acc, m_new, row_sum
 
@@ -375,13 +247,13 @@ def _consume_keys(refs, where, own, rings, qk_scale, variant, turns):
         first()
     # (the own full range clipped to the streamed tiles: an empty own range leaves every streamed tile masked)
     full_lo = jnp.clip(ranges[r, i, 1], lo, hi)
-    acc, m, row_sum = _three_loops((lo, full_lo, jnp.clip(ranges[r, i, 2], full_lo, hi), hi), step, init)
+    acc, m, row_sum = mt.three_loops((lo, full_lo, jnp.clip(ranges[r, i, 2], full_lo, hi), hi), step, init)
     if last:
         last()
     empty = row_sum == 0.0  # padding queries and queries with no key: zeros, never NaN
     safe = jnp.where(empty, 1.0, row_sum)
-    _store(acc / lax.broadcast_in_dim(safe, acc.shape, (0,)), q_smem, o_ref.at[r, queries, hd])
-    _store(jnp.where(empty, 0.0, m + jnp.log2(safe)), lse_smem, lse_ref.at[r, hd, queries])
+    mt.store(acc / lax.broadcast_in_dim(safe, acc.shape, (0,)), q_smem, o_ref.at[r, queries, hd])
+    mt.store(jnp.where(empty, 0.0, m + jnp.log2(safe)), lse_smem, lse_ref.at[r, hd, queries])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -397,7 +269,7 @@ def _dq(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
              q_smem, do_smem, seg_q, lse_smem, delta_smem, k_ring, v_ring, seg_ring, ds_smem, q_ready, k_ready,
              v_ready, s_ready, consumed):
         i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
-        _produce_keys(ranges, seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready), consumed,
+        mt.produce_keys(ranges, seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready), consumed,
                       group, variant.slots)
 
         @pl.when(lax.axis_index("wg") == 0)
@@ -410,38 +282,38 @@ def _dq(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
                 plgpu.copy_gmem_to_smem(src, dst, q_ready.at[n])
             for n in range(len(loads)):
                 plgpu.barrier_wait(q_ready.at[n])
-            seg_rows, window = _rows(seg_q, 1), window_ref[0]
-            lse_rows, delta_rows = _broadcast(_rows(lse_smem, 1), 0), _broadcast(_rows(delta_smem, 1), 0)
+            seg_rows, window = mt.rows(seg_q, 1), window_ref[0]
+            lse_rows, delta_rows = mt.broadcast(mt.rows(lse_smem, 1), 0), mt.broadcast(mt.rows(delta_smem, 1), 0)
 
             def step(masked, j, n, dq):
                 slot = lax.rem(n, variant.slots)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(s_ready.at[slot])
-                p = jnp.exp2(_matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale - lse_rows)
+                p = jnp.exp2(mt.matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale - lse_rows)
                 if masked:
-                    mask = _tile_mask(seg_rows, _rows(seg_ring.at[slot], 0), i * BLOCK, j * BLOCK, window, True)
+                    mask = mt.tile_mask(seg_rows, mt.rows(seg_ring.at[slot], 0), i * BLOCK, j * BLOCK, window, True)
                     p = jnp.where(mask, p, 0.0)
-                ds = p * (_matmul(do_smem, v_ring.at[slot].T, (BLOCK, BLOCK)) - delta_rows)
-                dq = _accumulate(dq, ds, ds_smem, k_ring.at[slot])
+                ds = p * (mt.matmul(do_smem, v_ring.at[slot].T, (BLOCK, BLOCK)) - delta_rows)
+                dq = mt.accumulate(dq, ds, ds_smem, k_ring.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dq
 
             init = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
-            dq = _three_loops(_bounds(ranges, r, i), step, init)
-            _store(dq * scale, q_smem, dq_ref.at[r, queries, hd])
+            dq = mt.three_loops(mt.bounds(ranges, r, i), step, init)
+            mt.store(dq * scale, q_smem, dq_ref.at[r, queries, hd])
             plgpu.wait_smem_to_gmem(0)
 
     n = variant.slots
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(t // BLOCK, h, b), grid_names=("blocks", "heads", "rows"), num_threads=THREADS, thread_name="wg",
-        scratch_types=[_one_tile(q.dtype, d), _one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
+        scratch_types=[mt.one_tile(q.dtype, d), mt.one_tile(q.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
                        plgpu.SMEM((BLOCK,), jnp.float32), plgpu.SMEM((BLOCK,), jnp.float32),
-                       _tile(k.dtype, d, n), _tile(v.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32),
-                       _one_tile(k.dtype, BLOCK), plgpu.Barrier(num_barriers=5),
+                       mt.tile(k.dtype, d, n), mt.tile(v.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32),
+                       mt.one_tile(k.dtype, BLOCK), plgpu.Barrier(num_barriers=5),
                        *[plgpu.Barrier(num_barriers=n)] * 4],
-        interpret=_interpret(variant))
+        interpret=mt.interpret_params(variant))
     return kernel(metadata.dq_kv, window_operand(metadata), segment_ids, q, k, v, do, lse, delta)
 
 
@@ -465,7 +337,7 @@ def _dkv(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
 
         @pl.when(lax.axis_index("wg") == 1)
         def _producer():
-            _produce(lo, group * per_head, query_tile, consumed, variant.slots)
+            mt.produce(lo, group * per_head, query_tile, consumed, variant.slots)
 
         @pl.when(lax.axis_index("wg") == 0)
         def _consumer():
@@ -475,7 +347,7 @@ def _dkv(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
                 plgpu.copy_gmem_to_smem(src, dst, k_ready.at[n])
             for n in range(3):
                 plgpu.barrier_wait(k_ready.at[n])
-            seg_rows, window = _rows(seg_k, 1), window_ref[0]
+            seg_rows, window = mt.rows(seg_k, 1), window_ref[0]
 
             def step(masked, i, n, carry):
                 dk, dv = carry
@@ -483,37 +355,37 @@ def _dkv(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
                 for ready in (q_ready, do_ready, s_ready, l_ready, d_ready):
                     plgpu.barrier_wait(ready.at[slot])
                 # transposed tiles: rows are this block's keys, columns the streamed queries
-                lse_cols = _broadcast(_rows(lse_ring.at[slot], 0), 1)
-                p_t = jnp.exp2(_matmul(k_smem, q_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale - lse_cols)
+                lse_cols = mt.broadcast(mt.rows(lse_ring.at[slot], 0), 1)
+                p_t = jnp.exp2(mt.matmul(k_smem, q_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale - lse_cols)
                 if masked:
-                    mask = _tile_mask(seg_rows, _rows(seg_ring.at[slot], 0), j * BLOCK, i * BLOCK, window, False)
+                    mask = mt.tile_mask(seg_rows, mt.rows(seg_ring.at[slot], 0), j * BLOCK, i * BLOCK, window, False)
                     p_t = jnp.where(mask, p_t, 0.0)
-                dv = _accumulate(dv, p_t, t_smem, do_ring.at[slot])
-                delta_cols = _broadcast(_rows(delta_ring.at[slot], 0), 1)
-                ds_t = p_t * (_matmul(v_smem, do_ring.at[slot].T, (BLOCK, BLOCK)) - delta_cols)
-                dk = _accumulate(dk, ds_t, t_smem, q_ring.at[slot])  # t_smem free again: dV's wgmma waited
+                dv = mt.accumulate(dv, p_t, t_smem, do_ring.at[slot])
+                delta_cols = mt.broadcast(mt.rows(delta_ring.at[slot], 0), 1)
+                ds_t = p_t * (mt.matmul(v_smem, do_ring.at[slot].T, (BLOCK, BLOCK)) - delta_cols)
+                dk = mt.accumulate(dk, ds_t, t_smem, q_ring.at[slot])  # t_smem free again: dV's wgmma waited
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk, dv
 
             def head(g, carry):
-                return _three_loops(_bounds(ranges, r, j), step, carry, offset=g * per_head)
+                return mt.three_loops(mt.bounds(ranges, r, j), step, carry, offset=g * per_head)
 
             zeros = plgpu.layout_cast(jnp.zeros((BLOCK, d), jnp.float32), plgpu.Layout.WGMMA)
             dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-            _store(dk * scale, k_smem, dk_ref.at[r, keys, kvh])
-            _store(dv, v_smem, dv_ref.at[r, keys, kvh])
+            mt.store(dk * scale, k_smem, dk_ref.at[r, keys, kvh])
+            mt.store(dv, v_smem, dv_ref.at[r, keys, kvh])
             plgpu.wait_smem_to_gmem(0)
 
     n = variant.slots
     kernel = plgpu.kernel(
         body, out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(t // BLOCK, hkv, b), grid_names=("blocks", "heads", "rows"), num_threads=THREADS, thread_name="wg",
-        scratch_types=[_one_tile(k.dtype, d), _one_tile(v.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
-                       _tile(q.dtype, d, n), _tile(do.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32),
+        scratch_types=[mt.one_tile(k.dtype, d), mt.one_tile(v.dtype, d), plgpu.SMEM((BLOCK,), jnp.int32),
+                       mt.tile(q.dtype, d, n), mt.tile(do.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32),
                        plgpu.SMEM((n, BLOCK), jnp.float32), plgpu.SMEM((n, BLOCK), jnp.float32),
-                       _one_tile(q.dtype, BLOCK), plgpu.Barrier(num_barriers=3),
+                       mt.one_tile(q.dtype, BLOCK), plgpu.Barrier(num_barriers=3),
                        *[plgpu.Barrier(num_barriers=n)] * 6],
-        interpret=_interpret(variant))
+        interpret=mt.interpret_params(variant))
     return kernel(metadata.dkv_q, window_operand(metadata), segment_ids, q, k, v, do, lse, delta)
 
 
