@@ -138,17 +138,8 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, varian
              seg_ring, lse_smem, p_smem, q_ready, k_ready, v_ready, s_ready, consumed, *turn):
         pair, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
         lo, hi = _union(ranges, r, pair, c)
-        kv = lax.div(hd, jnp.int32(group))
-
-        def key_tile(start, step):
-            keys = pl.ds((start + step) * BLOCK, BLOCK)
-            rings = (k_ring, v_ring, seg_ring)
-            return tuple(zip((k_ref.at[r, keys, kv], v_ref.at[r, keys, kv], seg.at[r, keys]), rings,
-                             (k_ready, v_ready, s_ready)))
-
-        @pl.when(lax.axis_index("wg") == c)
-        def _producer():
-            mt.produce(lo, hi - lo, key_tile, consumed, variant.slots)
+        mt.produce_keys((lo, hi), seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready),
+                        consumed, group, variant.slots, producer=c)
 
         for w in range(c):  # (each consumer its own query block, tiles and barriers: w is static)
             pl.when(lax.axis_index("wg") == w)(lambda w=w: _consume_keys(
@@ -269,8 +260,8 @@ def _dq(q, k, v, segment_ids, metadata, scale, variant, lse, delta, do):
              q_smem, do_smem, seg_q, lse_smem, delta_smem, k_ring, v_ring, seg_ring, ds_smem, q_ready, k_ready,
              v_ready, s_ready, consumed):
         i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
-        mt.produce_keys(ranges, seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready), consumed,
-                      group, variant.slots)
+        mt.produce_keys(_union(ranges, r, i, 1), seg, k_ref, v_ref, (k_ring, v_ring, seg_ring),
+                        (k_ready, v_ready, s_ready), consumed, group, variant.slots)
 
         @pl.when(lax.axis_index("wg") == 0)
         def _consumer():

@@ -55,12 +55,13 @@ def produce(start, count, copies, consumed, slots: int):
             plgpu.copy_gmem_to_smem(src, ring.at[slot], ready.at[slot])
 
 
-def produce_keys(ranges, seg, k_ref, v_ref, rings, ready, consumed, group: int, slots: int):
-    """The forward's and dQ's producer warpgroup: this query block's key, value and segment-id
-    tiles, from its range's ``lo`` to ``hi``, into ``rings`` (k, v, ids) on ``ready`` (one
-    barrier array each)."""
-    i, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
-    lo, hi = ranges[r, i, 0], ranges[r, i, 3]
+def produce_keys(bounds, seg, k_ref, v_ref, rings, ready, consumed, group: int, slots: int,
+                 producer: int = 1):
+    """The forward's and dQ's producer warpgroup (warpgroup ``producer``): the key, value and
+    segment-id tiles ``bounds`` = (lo, hi) of this CTA's query blocks, into ``rings`` (k, v, ids)
+    on ``ready`` (one barrier array each)."""
+    hd, r = lax.axis_index("heads"), lax.axis_index("rows")
+    lo, hi = bounds
     kv = lax.div(hd, jnp.int32(group))
 
     def key_tile(start, step):
@@ -69,7 +70,7 @@ def produce_keys(ranges, seg, k_ref, v_ref, rings, ready, consumed, group: int, 
             zip((k_ref.at[r, keys, kv], v_ref.at[r, keys, kv], seg.at[r, keys]), rings, ready)
         )
 
-    @pl.when(lax.axis_index("wg") == 1)
+    @pl.when(lax.axis_index("wg") == producer)
     def _producer():
         produce(lo, hi - lo, key_tile, consumed, slots)
 
