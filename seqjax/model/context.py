@@ -47,8 +47,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from seqjax.config.model import SPLIT_ROW_BACKENDS
 from seqjax.core.errors import ConfigError
-from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata
+from seqjax.model.kernels.block_ranges import BlockSizes, span_metadata
 from seqjax.model.mask import segment_mask
 from seqjax.model.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS
 
@@ -313,7 +314,8 @@ def _finish(state, seg, dtype):
 # queries, attended by seqjax.model.kernels.flash.flash_attention_span with block_metadata's ranges
 # for that span, so the kernel skips every tile with no allowed pair, across shards too.
 
-SPLIT_ROW_KERNELS = ("xla", "pallas")
+# (the backends the config lets through with mesh.context > 1, auto resolved to one of them)
+SPLIT_ROW_KERNELS = tuple(b for b in SPLIT_ROW_BACKENDS if b != "auto")
 
 
 def span_blocks(head_dim: int, chunk: int) -> BlockSizes:
@@ -350,9 +352,9 @@ def _flash_gathered(q, k, v, seg, window, n, scale, blocks):
         _row_order(jax.lax.all_gather(a, CONTEXT_AXIS, axis=1, tiled=True), n) for a in (k, v, seg)
     ]
     c, attend = q.shape[1] // 2, _flash_kernel()
+    spans = span_metadata(keys[2], blocks, [((chunk * c, c), None) for chunk in _chunks(n)], window)
     outs = []
-    for slot, chunk in enumerate(_chunks(n)):
-        md = block_metadata(keys[2], blocks, window, queries=(chunk * c, c))
+    for slot, md in enumerate(spans):
         piece = slice(slot * c, (slot + 1) * c)
         outs.append(
             attend(q[:, piece], keys[0], keys[1], seg[:, piece], keys[2], md, scale=scale)[0]
@@ -369,14 +371,19 @@ def _flash_ring(q, k, v, seg, window, n, scale, blocks):
     c, attend = q.shape[1] // 2, _flash_kernel()
     halves = lambda a, slot: a[:, slot * c : (slot + 1) * c]  # noqa: E731
     mine, kv, merged = _chunks(n), (k, v, seg), [None, None]
+    # every (step, query chunk, key chunk) span's ranges, from one pass over the row's ids
+    pairs = [
+        ((mine[qs] * c, c), (theirs * c, c))
+        for s in range(n)
+        for qs in range(2)
+        for theirs in _chunks(n, (jax.lax.axis_index(CONTEXT_AXIS) - s) % n)
+    ]
+    spans = iter(span_metadata(row_seg, blocks, pairs, window))
     for s in range(n):
         incoming = jax.lax.ppermute(kv, CONTEXT_AXIS, shift) if s < n - 1 else None
-        theirs = _chunks(n, (jax.lax.axis_index(CONTEXT_AXIS) - s) % n)
         for qs in range(2):
             for ks in range(2):
-                md = block_metadata(
-                    row_seg, blocks, window, queries=(mine[qs] * c, c), keys=(theirs[ks] * c, c)
-                )
+                md = next(spans)
                 out, lse = attend(
                     halves(q, qs),
                     *(halves(a, ks) for a in kv[:2]),

@@ -220,15 +220,27 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None,
     one query block visits key blocks [0, 2), both full (every pair allowed); with
     ``keys=(32, 32)`` it visits only that span's block 0, masked (the diagonal).
     """
+    return span_metadata(segment_ids, block_sizes, [(queries, keys)], window, causal)[0]
+
+
+def span_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, spans: list, window=None,
+                  causal: bool = True) -> list[BlockMetadata]:
+    """:func:`block_metadata` for each ``(queries, keys)`` pair of ``spans`` over one row's ids,
+    the row's per-position extents (a sort) computed once for all of them: a split row's ring
+    attends 4 n (query chunk, key chunk) pairs a layer."""
     if not causal and window is not None:
         raise ValueError("block_metadata: a window with causal=False; expected windows as segments")
     w = jnp.asarray(FULL if window is None else window, jnp.int32)
     t = segment_ids.shape[-1]
     padded = block_sizes.padded_length(t)
     row = _positions(jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t))))
+    return [_span_ranges(row, padded, block_sizes, w, causal, queries, keys) for queries, keys in spans]
+
+
+def _span_ranges(row: tuple, padded: int, bs: BlockSizes, w, causal: bool, queries, keys) -> BlockMetadata:
+    """One span pair's metadata from the padded row's per-position arrays (:func:`_positions`)."""
     spans = queries is not None or keys is not None
-    (q_at, q_len), (k_at, k_len) = (_span(queries, padded, block_sizes, "queries"),
-                                    _span(keys, padded, block_sizes, "keys"))
+    (q_at, q_len), (k_at, k_len) = _span(queries, padded, bs, "queries"), _span(keys, padded, bs, "keys")
 
     def side(at, length):  # a span's queries or keys: the row's per-position arrays, sliced
         return tuple(jax.lax.dynamic_slice_in_dim(a, at, length, axis=1) for a in row) if spans else row
@@ -236,7 +248,7 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None,
     def within(ranges, at, block, length):
         return _within(ranges, at // block, length // block) if spans else ranges
 
-    bs, q_side, k_side = block_sizes, side(q_at, q_len), side(k_at, k_len)
+    q_side, k_side = side(q_at, q_len), side(k_at, k_len)
     return BlockMetadata(
         fwd_kv=within(_by_queries(q_side, bs.block_q, bs.block_k, w, causal), k_at, bs.block_k, k_len),
         dq_kv=within(_by_queries(q_side, bs.block_q_dq, bs.block_k_dq, w, causal), k_at, bs.block_k_dq,
@@ -245,7 +257,7 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None,
                      q_len),
         window=w,
         seq_len=q_len,
-        block_sizes=block_sizes,
+        block_sizes=bs,
         causal=causal,
         offsets=jnp.stack([jnp.asarray(q_at, jnp.int32), jnp.asarray(k_at, jnp.int32)]) if spans else None,
         kv_len=k_len if spans else None,
