@@ -81,7 +81,7 @@ def flash_attention(
     metadata = kernel_metadata("flash_attention", segment_ids, metadata, window, block_sizes,
                                BlockSizes.for_head_dim(d), causal)
     padded = metadata.seq_len
-    pad = ((0, 0), (0, padded - t), (0, 0), (0, max(16, pl.next_power_of_2(d)) - d))
+    pad = ((0, 0), (0, padded - t), (0, 0), (0, _head_pad(d)))
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
     out = _flash(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), (segment_ids, segment_ids), metadata,
                  scale, bool(interpret))
@@ -111,9 +111,7 @@ def flash_attention_span(
     several key spans merge by their log-sum-exp.
     """
     b, tq, h, d = q.shape
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"flash_attention_span: dtype {q.dtype}, expected bfloat16, float16 or "
-                         "float32")
+    _check_dtype("flash_attention_span", q.dtype)
     if not metadata.spans or (metadata.seq_len, metadata.kv_len) != (tq, k.shape[1]):
         raise ValueError(f"flash_attention_span: metadata for spans of {metadata.seq_len} queries "
                          f"and {metadata.kv_len} keys, but q has {tq} and k {k.shape[1]} (expected "
@@ -121,7 +119,7 @@ def flash_attention_span(
     scale = float(d**-0.5 if scale is None else scale)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    pad = ((0, 0), (0, 0), (0, 0), (0, max(16, pl.next_power_of_2(d)) - d))
+    pad = ((0, 0), (0, 0), (0, 0), (0, _head_pad(d)))
     segment_ids = (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
     out, lse = _flash_with_lse(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids,
                                metadata, scale, bool(interpret))
@@ -130,8 +128,17 @@ def flash_attention_span(
 
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
     check_attention_inputs(q, k, v, segment_ids)
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"flash_attention: dtype {q.dtype}, expected bfloat16, float16 or float32")
+    _check_dtype("flash_attention", q.dtype)
+
+
+def _check_dtype(name: str, dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: dtype {dtype}, expected bfloat16, float16 or float32")
+
+
+def _head_pad(d: int) -> int:
+    """Zero columns that make head_dim d a power of two >= 16 (Triton's tile rule)."""
+    return max(16, pl.next_power_of_2(d)) - d
 
 
 def _tile_mask(seg_q, seg_k, q_start, k_start, window, causal):
