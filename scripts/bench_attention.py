@@ -73,9 +73,10 @@ from seqjax.model.kernels.flash import flash_attention
 from seqjax.model.kernels.mosaic import mosaic_attention
 
 FORMULA = "forward = sum over documents of 4*H*L^2*D/2 (causal); forward+backward = 3.5 x forward (backward = 2.5 x)"
-# the Mosaic kernel's variants: (slots, consumers) (seqjax.model.kernels.mosaic.Variant)
-MOSAIC_VARIANTS = {"mosaic": (2, 1), "mosaic_s3": (3, 1), "mosaic_s4": (4, 1), "mosaic_pp": (2, 2),
-                   "mosaic_pp_s3": (3, 2)}
+# the Mosaic kernel's variants: (slots, consumers, overlap) (seqjax.model.kernels.mosaic.Variant)
+MOSAIC_VARIANTS = {"mosaic": (2, 1, False), "mosaic_s3": (3, 1, False), "mosaic_s4": (4, 1, False),
+                   "mosaic_pp": (2, 2, False), "mosaic_pp_s3": (3, 2, False), "mosaic_ov": (2, 1, True),
+                   "mosaic_pp_ov": (2, 2, True)}
 IMPLS = ("flash", *MOSAIC_VARIANTS, "xla", "cudnn", "cudnn_mask", "cudnn_packed", "cudnn_packed_t",
          "bundled", "kvax", "tokamax", "mgpu_fa3")
 INPUTS = ("dense", "packed", "varlen")
@@ -200,10 +201,10 @@ def implementation(impl: str, scale: float, blocks: BlockSizes, interpret: bool,
         return (lambda s: (s, block_metadata(s, blocks)),
                 lambda q, k, v, a: flash_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret))
     if impl in MOSAIC_VARIANTS:  # seqjax's Mosaic GPU kernel: 64 x 64 tiles, the same ranges; _s3, _s4: the
-        slots, consumers = MOSAIC_VARIANTS[impl]  # deeper TMA pipelines, _pp: two consumers in ping-pong
-        return (lambda s: (s, block_metadata(s, MOSAIC_BLOCKS)),
+        slots, consumers, overlap = MOSAIC_VARIANTS[impl]  # deeper TMA pipelines, _pp: two consumers in
+        return (lambda s: (s, block_metadata(s, MOSAIC_BLOCKS)),  # ping-pong, _ov: the softmax overlapped with
                 lambda q, k, v, a: mosaic_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret,
-                                                    slots=slots, consumers=consumers))
+                                                    slots=slots, consumers=consumers, overlap=overlap))  # next QK
     if impl in ("cudnn_packed", "cudnn_packed_t"):  # cuDNN's packed layout: offsets computed once per batch
         # M, the most segments a row may hold: the batch's own most (what data.max_segments_per_row gives a run),
         # or T (cudnn_packed_t: what model.attention=cudnn_packed passed on the H200, 2026-11-27, where the

@@ -24,10 +24,12 @@ Variants a GPU sweep weighs (:class:`Variant`; the interpreter checks each): the
 two consumer warpgroups in ping-pong (``consumers=2``): a CTA takes two query blocks, the producer
 streams the union of their ranges once for both, and the consumers take turns on a shared barrier so
 that one's softmax overlaps the other's matmuls (FlashAttention-3's inter-warpgroup schedule). The
-backward passes keep one consumer. Not written: the softmax overlapped with the next tile's QK^T
-inside one warpgroup (FlashAttention-3's intra-warpgroup pipelining): the interpreter runs each wgmma
-to completion, so it could check the bookkeeping but not the overlap, and the ping-pong is measured
-first. Until a GPU measures it, ``auto`` does not pick this kernel.
+backward passes keep one consumer. The forward may also overlap each tile's softmax with the next
+tile's QK^T inside one warpgroup (``overlap=True``, FlashAttention-3's intra-warpgroup pipelining):
+a step carries S, issues the next wgmma before the softmax and waits for it after; the last step
+re-issues its own tile (one QK^T of ``hi - lo`` a CTA is spent, so no wgmma sits under a branch).
+The interpreter runs each wgmma to completion, so it checks the bookkeeping but not the overlap.
+Until a GPU measures it, ``auto`` does not pick this kernel.
 
 Interpret mode (``interpret=True``, or ``None`` off a GPU) runs the same kernels on a CPU through
 Pallas's Mosaic GPU interpreter, which is how CI checks their numbers; it also accepts float32
@@ -76,22 +78,25 @@ class Variant:
     more tiles in flight, at ``slots x`` the ring's shared memory: 2 stages of k, v at D = 128 in
     bfloat16 take 64 KiB), and ``consumers``, the forward's consumer warpgroups a CTA: 1, or 2 in
     ping-pong (FlashAttention-3's schedule: two query blocks a CTA share each key tile the producer
-    loads, and one consumer's softmax runs while the other's matmuls do)."""
+    loads, and one consumer's softmax runs while the other's matmuls do), and ``overlap``: each consumer
+    issues the next key tile's QK^T before this tile's softmax and waits for it after (FlashAttention-3's
+    intra-warpgroup pipelining)."""
 
     interpret: bool
     slots: int = SLOTS
     consumers: int = 1
+    overlap: bool = False
 
 
 def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, scale: float | None = None,
                      interpret: bool | None = None, metadata: BlockMetadata | None = None,
-                     window=None, slots: int = SLOTS, consumers: int = 1) -> jax.Array:
+                     window=None, slots: int = SLOTS, consumers: int = 1, overlap: bool = False) -> jax.Array:
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D], Hkv dividing H; D 64 or 128.
 
     ``segment_ids`` [B, T]: contract 2 (0 = padding). T is padded to a multiple of 64 with segment 0
     (no tile visits padding) and sliced back. ``metadata``: :func:`block_metadata` for these ids
     with :data:`BLOCK_SIZES` (and the layer's window), computed once per forward; computed here when
-    omitted, from ``window``. ``slots`` and ``consumers``: the :class:`Variant` a GPU sweep picks among
+    omitted, from ``window``. ``slots``, ``consumers`` and ``overlap``: the :class:`Variant` a GPU sweep picks among
     (``consumers=2`` needs T padded to a multiple of 128, two query blocks a CTA)."""
     check_attention_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
@@ -120,7 +125,7 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         raise ValueError(f"mosaic_attention: consumers {consumers} with T padded to {padded}; expected one of "
                          f"{CONSUMER_CHOICES}, and T padded to a multiple of {consumers * BLOCK}")
     out = _attention(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale,
-                     Variant(bool(interpret), slots, consumers))
+                     Variant(bool(interpret), slots, consumers, bool(overlap)))
     return out[:, :t]
 
 
@@ -194,22 +199,47 @@ def _consume_keys(refs, where, own, rings, qk_scale, variant, turns):
     ranges, window_ref, seg, q_ref, o_ref, lse_ref = refs
     r, hd, i, lo, hi = where
     q_smem, seg_q, lse_smem, p_smem, q_ready = own
-    k_ring, v_ring, seg_ring, k_ready, v_ready, s_ready, consumed = rings
     queries = pl.ds(i * BLOCK, BLOCK)
     plgpu.copy_gmem_to_smem(q_ref.at[r, queries, hd], q_smem, q_ready[0])
     plgpu.copy_gmem_to_smem(seg.at[r, queries], seg_q, q_ready[1])
     plgpu.barrier_wait(q_ready[0])
     plgpu.barrier_wait(q_ready[1])
-    seg_rows, window = mt.rows(seg_q, 1), window_ref[0]
     first, between, last = turns or (None, None, None)
+    step, qk = _key_steps((q_smem, mt.rows(seg_q, 1), window_ref[0], p_smem), (i, hi), rings, qk_scale, variant,
+                          between or (lambda: None))
+    rows = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    init = (plgpu.layout_cast(jnp.zeros((BLOCK, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
+            rows + MASKED, rows)
+    if variant.overlap:  # tile lo's S before the loops (an empty [lo, hi) never reads it)
+        pl.when(hi > lo)(lambda: plgpu.barrier_wait(rings[3].at[0]))
+        init = (*init, qk(0))
+    if first:
+        first()
+    # (the own full range clipped to the streamed tiles: an empty own range leaves every streamed tile masked)
+    full_lo = jnp.clip(ranges[r, i, 1], lo, hi)
+    acc, m, row_sum, *_ = mt.three_loops((lo, full_lo, jnp.clip(ranges[r, i, 2], full_lo, hi), hi), step, init)
+    if last:
+        last()
+    empty = row_sum == 0.0  # padding queries and queries with no key: zeros, never NaN
+    safe = jnp.where(empty, 1.0, row_sum)
+    mt.store(acc / lax.broadcast_in_dim(safe, acc.shape, (0,)), q_smem, o_ref.at[r, queries, hd])
+    mt.store(jnp.where(empty, 0.0, m + jnp.log2(safe)), lse_smem, lse_ref.at[r, hd, queries])
+    plgpu.wait_smem_to_gmem(0)
 
-    def step(masked, j, n, carry):
+
+def _key_steps(own, where, rings, qk_scale, variant, between):
+    """A forward consumer's step over key tile j, and its QK^T of a ring slot. Plain: QK^T, softmax, P V. With
+    ``variant.overlap`` the step takes tile j's S from the step before (the carry's last entry), issues tile
+    j + 1's QK^T before tile j's softmax and waits for it only after, so the two overlap on a GPU."""
+    q_smem, seg_rows, window, p_smem = own
+    i, hi = where
+    k_ring, v_ring, seg_ring, k_ready, v_ready, s_ready, consumed = rings
+
+    def qk(slot):
+        return mt.matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale
+
+    def softmax(masked, j, slot, s, carry):  # tile j's online softmax: P, and the running (acc, max, sum)
         acc, m, row_sum = carry
-        slot = lax.rem(n, variant.slots)
-        plgpu.barrier_wait(k_ready.at[slot])
-        s = mt.matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale
-        if between:
-            between()  # the tensor cores go to the other consumer while this one takes its softmax
         mask = None
         if masked:
             plgpu.barrier_wait(s_ready.at[slot])
@@ -220,32 +250,46 @@ def _consume_keys(refs, where, own, rings, qk_scale, variant, turns):
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         correction = jnp.exp2(m - m_new)
-        row_sum = row_sum * correction + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
+        return p, (acc * lax.broadcast_in_dim(correction, acc.shape, (0,)), m_new,
+                   row_sum * correction + p.sum(axis=1))
+
+    def pv(masked, slot, p, carry):  # P V into the accumulator; the slot goes back to the producer
+        acc, m, row_sum = carry
         plgpu.barrier_wait(v_ready.at[slot])
         if not masked:
             plgpu.barrier_wait(s_ready.at[slot])  # every ready barrier is waited once per fill
-        if between:
-            between()  # and back
+        between()  # and back
         acc = mt.accumulate(acc, p, p_smem, v_ring.at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
-        return acc, m_new, row_sum
+        return acc, m, row_sum
 
-    rows = plgpu.layout_cast(jnp.zeros((BLOCK,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    init = (plgpu.layout_cast(jnp.zeros((BLOCK, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
-            rows + MASKED, rows)
-    if first:
-        first()
-    # (the own full range clipped to the streamed tiles: an empty own range leaves every streamed tile masked)
-    full_lo = jnp.clip(ranges[r, i, 1], lo, hi)
-    acc, m, row_sum = mt.three_loops((lo, full_lo, jnp.clip(ranges[r, i, 2], full_lo, hi), hi), step, init)
-    if last:
-        last()
-    empty = row_sum == 0.0  # padding queries and queries with no key: zeros, never NaN
-    safe = jnp.where(empty, 1.0, row_sum)
-    mt.store(acc / lax.broadcast_in_dim(safe, acc.shape, (0,)), q_smem, o_ref.at[r, queries, hd])
-    mt.store(jnp.where(empty, 0.0, m + jnp.log2(safe)), lse_smem, lse_ref.at[r, hd, queries])
-    plgpu.wait_smem_to_gmem(0)
+    def step(masked, j, n, carry):
+        slot = lax.rem(n, variant.slots)
+        plgpu.barrier_wait(k_ready.at[slot])
+        s = qk(slot)
+        between()  # the tensor cores go to the other consumer while this one takes its softmax
+        p, carry = softmax(masked, j, slot, s, carry)
+        return pv(masked, slot, p, carry)
+
+    def overlapped_step(masked, j, n, carry):
+        *carry, s = carry
+        slot, following = lax.rem(n, variant.slots), j + 1 < hi
+        after = jnp.where(following, lax.rem(n + 1, variant.slots), slot)  # (the last step: its own tile again)
+        # (in ping-pong, the turn before the wait: the producer's next fill may await the other consumer's
+        # last slot, which it frees only after this turn)
+        between()
+        pl.when(following)(lambda: plgpu.barrier_wait(k_ready.at[after]))
+
+        def issue(s_next):
+            plgpu.wgmma(s_next, q_smem, k_ring.at[after].T)  # asynchronous: it runs during the softmax below
+            out = softmax(masked, j, slot, s, tuple(carry))
+            plgpu.wgmma_wait(0)
+            return out, s_next[...] * qk_scale
+
+        (p, carry), s_next = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+        return (*pv(masked, slot, p, carry), s_next)
+
+    return (overlapped_step if variant.overlap else step), qk
 
 
 # ---------------------------------------------------------------------------------------------- backward
