@@ -68,15 +68,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from seqjax.model.attention import _cudnn_attention, _cudnn_packed_attention, packed_offsets, reference_attention
-from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata, full_blocks, visited_blocks
+from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata, full_blocks, visited_blocks
 from seqjax.model.kernels.flash import flash_attention
-from seqjax.model.kernels.mosaic import mosaic_attention
+from seqjax.model.kernels.mosaic import mosaic_attention, mosaic_blocks
 
 FORMULA = "forward = sum over documents of 4*H*L^2*D/2 (causal); forward+backward = 3.5 x forward (backward = 2.5 x)"
-# the Mosaic kernel's variants: (slots, consumers, overlap) (seqjax.model.kernels.mosaic.Variant)
-MOSAIC_VARIANTS = {"mosaic": (2, 1, False), "mosaic_s3": (3, 1, False), "mosaic_s4": (4, 1, False),
-                   "mosaic_pp": (2, 2, False), "mosaic_pp_s3": (3, 2, False), "mosaic_ov": (2, 1, True),
-                   "mosaic_pp_ov": (2, 2, True)}
+# the Mosaic kernel's variants: (slots, consumers, overlap, key_block) (seqjax.model.kernels.mosaic.Variant)
+MOSAIC_VARIANTS = {"mosaic": (2, 1, False, 64), "mosaic_s3": (3, 1, False, 64), "mosaic_s4": (4, 1, False, 64),
+                   "mosaic_pp": (2, 2, False, 64), "mosaic_pp_s3": (3, 2, False, 64), "mosaic_ov": (2, 1, True, 64),
+                   "mosaic_pp_ov": (2, 2, True, 64), "mosaic_k128": (2, 1, False, 128),
+                   "mosaic_pp_ov_k128": (2, 2, True, 128)}
 IMPLS = ("flash", *MOSAIC_VARIANTS, "xla", "cudnn", "cudnn_mask", "cudnn_packed", "cudnn_packed_t",
          "bundled", "kvax", "tokamax", "mgpu_fa3")
 INPUTS = ("dense", "packed", "varlen")
@@ -201,10 +202,13 @@ def implementation(impl: str, scale: float, blocks: BlockSizes, interpret: bool,
         return (lambda s: (s, block_metadata(s, blocks)),
                 lambda q, k, v, a: flash_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret))
     if impl in MOSAIC_VARIANTS:  # seqjax's Mosaic GPU kernel: 64 x 64 tiles, the same ranges; _s3, _s4: the
-        slots, consumers, overlap = MOSAIC_VARIANTS[impl]  # deeper TMA pipelines, _pp: two consumers in
-        return (lambda s: (s, block_metadata(s, MOSAIC_BLOCKS)),  # ping-pong, _ov: the softmax overlapped with
+        # deeper TMA pipelines, _pp: two consumers in ping-pong, _ov: the softmax overlapped with the next QK^T,
+        # _k128: 128-key forward tiles
+        slots, consumers, overlap, key_block = MOSAIC_VARIANTS[impl]
+        return (lambda s: (s, block_metadata(s, mosaic_blocks(key_block))),
                 lambda q, k, v, a: mosaic_attention(q, k, v, a[0], scale=scale, metadata=a[1], interpret=interpret,
-                                                    slots=slots, consumers=consumers, overlap=overlap))  # next QK
+                                                    slots=slots, consumers=consumers, overlap=overlap,
+                                                    key_block=key_block))
     if impl in ("cudnn_packed", "cudnn_packed_t"):  # cuDNN's packed layout: offsets computed once per batch
         # M, the most segments a row may hold: the batch's own most (what data.max_segments_per_row gives a run),
         # or T (cudnn_packed_t: what model.attention=cudnn_packed passed on the H200, 2026-11-27, where the

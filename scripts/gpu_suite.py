@@ -300,12 +300,13 @@ def stage_sweep(s: Suite) -> dict:
 
 def stage_mosaic(s: Suite) -> dict:
     """The Mosaic kernel's variants side by side (its producers' rings of 2, 3 and 4 stages; two consumers in
-    ping-pong, with rings of 2 and 3; the softmax overlapped with the next QK^T, alone and in ping-pong) beside
-    flash, at T = 8k, D = 128, dense and packed: which the kernel should default to."""
+    ping-pong, with rings of 2 and 3; the softmax overlapped with the next QK^T, alone and in ping-pong; 128-key
+    forward tiles, alone and with both) beside flash, at T = 8k, D = 128, dense and packed: which the kernel
+    should default to."""
     size = [] if s.dry else ["--seq-lens", "8192", "--head-dims", "128", "--inputs", "dense,packed"]
     return bench_attention(s, "mosaic", [*size, "--impls", "flash,mosaic,mosaic_s3,mosaic_s4,mosaic_pp,mosaic_pp_s3,"
-                                         "mosaic_ov,mosaic_pp_ov",
-                                         "--iters", "5", "--repeats", "3"], 200)
+                                         "mosaic_ov,mosaic_pp_ov,mosaic_k128,mosaic_pp_ov_k128",
+                                         "--iters", "5", "--repeats", "3"], 240)
 
 
 def stage_throughput(s: Suite) -> dict:
@@ -590,7 +591,7 @@ STAGES = {stage.name: stage for stage in (
     Stage("levanter", 90, stage_levanter), Stage("sweep", 150, stage_sweep), Stage("ncu", 150, stage_ncu),
     Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
     Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study), Stage("vision", 90, stage_vision),
-    Stage("grpo", 150, stage_grpo), Stage("mosaic", 200, stage_mosaic), Stage("context", 240, stage_context),
+    Stage("grpo", 150, stage_grpo), Stage("mosaic", 240, stage_mosaic), Stage("context", 240, stage_context),
 )}
 
 

@@ -163,16 +163,19 @@ def test_float32_is_float32_against_torchs_llama_with_the_highest_matmul_precisi
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize(("slots", "consumers", "overlap"), [(2, 1, False), (3, 1, False), (2, 2, False), (2, 2, True)],
-                         ids=["s2", "s3", "ping_pong", "ping_pong_overlap"])
+@pytest.mark.parametrize(("slots", "consumers", "overlap", "key_block"),
+                         [(2, 1, False, 64), (3, 1, False, 64), (2, 2, False, 64), (2, 2, True, 128)],
+                         ids=["s2", "s3", "ping_pong", "ping_pong_overlap_k128"])
 @settings(max_examples=4, deadline=None)
 @given(segment_ids=packed_batch(2, 500), window=st.one_of(st.just(FULL), st.integers(1, 600)))
 def test_the_mosaic_kernel_compiled_matches_the_reference_over_packings_and_windows(dtype, head_dim, slots, consumers,
-                                                                                    overlap, segment_ids, window):
+                                                                                    overlap, key_block, segment_ids,
+                                                                                    window):
     """pallas_mosaic compiled for the GPU (wgmma, TMA): forward and its three gradients against contract 2's
     reference over drawn packings and sliding windows, T = 500 (padded to 512: eight 64-token tiles a row), 4
     query heads on 2 kv heads, its default ring of 2 stages, the deeper variant of 3, and two consumers in
-    ping-pong, without and with the softmax overlapped with the next tile's QK^T."""
+    ping-pong, and FA3's whole forward schedule: the ping-pong with the softmax overlapped with the next QK^T, on
+    128-key tiles."""
     from seqjax.model.kernels.mosaic import mosaic_attention
     from test_mosaic import REFERENCE, _vjp
 
@@ -180,7 +183,7 @@ def test_the_mosaic_kernel_compiled_matches_the_reference_over_packings_and_wind
     ids, w = jnp.asarray(segment_ids), jnp.int32(window)
     attend = jax.jit(lambda q, k, v, s, w, ct: _vjp(
         lambda q, k, v, s, w: mosaic_attention(q, k, v, s, window=w, interpret=False, slots=slots,
-                                               consumers=consumers, overlap=overlap),
+                                               consumers=consumers, overlap=overlap, key_block=key_block),
         q, k, v, s, w, ct))
     out, grads = attend(q, k, v, ids, w, cotangent)
     ref_out, ref_grads = REFERENCE(q, k, v, ids, w, cotangent)

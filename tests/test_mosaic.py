@@ -121,22 +121,31 @@ def test_two_consumers_in_ping_pong_compute_the_same(lengths, window):
         mosaic_attention(q[:, :60], k[:, :60], v[:, :60], rows[:, :60], consumers=2)
 
 
-@pytest.mark.parametrize(("consumers", "slots"), [(1, 2), (2, 2), pytest.param(2, 3, marks=pytest.mark.slow)])
-def test_the_softmax_overlapped_with_the_next_tiles_qk_computes_the_same(consumers, slots):
+@pytest.mark.parametrize(("consumers", "slots", "overlap", "key_block"),
+                         [(1, 2, True, 64), (2, 2, True, 64), pytest.param(2, 3, True, 64, marks=pytest.mark.slow),
+                          (1, 2, False, 128), pytest.param(2, 2, True, 128, marks=pytest.mark.slow)])
+def test_the_overlapped_softmax_and_the_wider_key_tile_compute_the_same(consumers, slots, overlap, key_block):
     """The forward's intra-warpgroup variant a GPU sweep weighs (``overlap=True``): each step issues the next key
     tile's QK^T before this tile's softmax and waits for it after, alone and with the ping-pong's two consumers
-    (where the turn must come before the wait for the next tile, or the ring of 2 deadlocks); float32, exact in
-    the interpreter, forward and the three gradients, over blocks with different documents, a sliding window,
+    (where the turn must come before the wait for the next tile, or the ring of 2 deadlocks); and the 128-key
+    forward tile ([64, 128] S tiles, ranges in 128-key blocks), alone and with both. float32, exact in the
+    interpreter, forward and the three gradients, over blocks with different documents, a sliding window,
     masked and unmasked tiles and a padding tail."""
     q, k, v, cotangent = random_qkv((1, 256, 2, 64), kv_heads=1, dtype=jnp.float32, seed=9)
     rows = jnp.asarray(np.repeat([1, 2, 3, 0], [100, 3, 130, 23])[None].astype(np.int32))
     attend = jax.jit(lambda q, k, v, s, ct: _vjp(lambda q, k, v, s, w: mosaic_attention(
-        q, k, v, s, window=40, consumers=consumers, slots=slots, overlap=True), q, k, v, s, None, ct))
+        q, k, v, s, window=40, consumers=consumers, slots=slots, overlap=overlap, key_block=key_block),
+        q, k, v, s, None, ct))
     out, grads = attend(q, k, v, rows, cotangent)
     ref_out, ref_grads = REFERENCE(q, k, v, rows, jnp.int32(40), cotangent)
     assert_close(out, ref_out, 2e-5, "output")
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close(got, want, 2e-5, name)
+    if key_block != 64:  # metadata for other tiles is refused, and so is a tile the kernel has no form for
+        with pytest.raises(ValueError, match="metadata was computed for"):
+            mosaic_attention(q, k, v, rows, metadata=block_metadata(rows, BLOCK_SIZES), key_block=key_block)
+        with pytest.raises(ValueError, match=r"key_block 96, expected one of \(64, 128\)"):
+            mosaic_attention(q, k, v, rows, key_block=96)
 
 
 def test_refuses_what_it_cannot_compute(monkeypatch):
@@ -158,10 +167,12 @@ def test_refuses_what_it_cannot_compute(monkeypatch):
         mosaic_attention(q, k, v, ids, interpret=True)
 
 
-@pytest.mark.parametrize(("consumers", "overlap"), [(1, False), (2, False), (1, True), (2, True)])
-def test_lowers_through_mosaic_gpu_for_an_h100(consumers, overlap):
+@pytest.mark.parametrize(("consumers", "overlap", "key_block"), [(1, False, 64), (2, False, 64), (1, True, 64),
+                                                                (2, True, 64), (1, False, 128), (2, True, 128)])
+def test_lowers_through_mosaic_gpu_for_an_h100(consumers, overlap, key_block):
     """Without a GPU: forward, dQ and dK/dV pass Mosaic GPU's lowering (layouts, TMA, wgmma) for an H100, with one
-    consumer warpgroup or two in ping-pong, each with and without the softmax overlapped with the next QK^T."""
+    consumer warpgroup or two in ping-pong, each with and without the softmax overlapped with the next QK^T, and
+    on 128-key forward tiles."""
     mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
                                      abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100",
                                                                                  num_cores=None, platform="cuda"))
@@ -170,8 +181,8 @@ def test_lowers_through_mosaic_gpu_for_an_h100(consumers, overlap):
     ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
 
     def loss(q, k, v, s):
-        return mosaic_attention(q, k, v, s, interpret=False, consumers=consumers,
-                                overlap=overlap).astype(jnp.float32).sum()
+        return mosaic_attention(q, k, v, s, interpret=False, consumers=consumers, overlap=overlap,
+                                key_block=key_block).astype(jnp.float32).sum()
 
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
         warnings.simplefilter("ignore", DeprecationWarning)

@@ -16,8 +16,8 @@ written for the H100's own machinery instead of through Triton:
 Every loop runs over :class:`~seqjax.model.kernels.block_ranges.BlockMetadata`'s ranges ``(lo,
 full_lo, full_hi, hi)`` (per-tile metadata read as loop bounds): tiles outside a document (or a
 sliding window's band) are never loaded; inside ``[full_lo, full_hi)`` no mask is built; edge tiles
-apply :func:`seqjax.model.mask.allowed`, contract 2's rule. Tiles are 64 x 64 (one warpgroup's wgmma
-M); D is 64 or 128.
+apply :func:`seqjax.model.mask.allowed`, contract 2's rule. Tiles are 64 x 64 by default (one
+warpgroup's wgmma M); D is 64 or 128.
 
 Variants a GPU sweep weighs (:class:`Variant`; the interpreter checks each): the producer's ring has
 ``SLOTS`` = 2 stages by default, 3 or 4 as a deeper TMA pipeline (``slots=``); and the forward may run
@@ -29,6 +29,8 @@ tile's QK^T inside one warpgroup (``overlap=True``, FlashAttention-3's intra-war
 a step carries S, issues the next wgmma before the softmax and waits for it after; the last step
 re-issues its own tile (one QK^T of ``hi - lo`` a CTA is spent, so no wgmma sits under a branch).
 The interpreter runs each wgmma to completion, so it checks the bookkeeping but not the overlap.
+The tile shapes are a variant too: the forward's key tiles may be 128 rather than 64 (``key_block=``,
+metadata from :func:`mosaic_blocks`); a query tile stays 64, one warpgroup's wgmma M.
 Until a GPU measures it, ``auto`` does not pick this kernel.
 
 Interpret mode (``interpret=True``, or ``None`` off a GPU) runs the same kernels on a CPU through
@@ -56,7 +58,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from seqjax.core.errors import ConfigError
 from seqjax.model.kernels import mosaic_tiles as mt
-from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockMetadata, kernel_metadata, tiled_vjp, window_operand
+from seqjax.model.kernels.block_ranges import (
+    MOSAIC_BLOCKS,
+    BlockMetadata,
+    BlockSizes,
+    kernel_metadata,
+    tiled_vjp,
+    window_operand,
+)
 from seqjax.model.mask import check_attention_inputs
 
 BLOCK = mt.BLOCK  # query and key tile rows, every pass: one warpgroup's wgmma M
@@ -64,6 +73,7 @@ SLOTS = 2  # stages of the producer's shared-memory ring (the default; a variant
 SLOT_CHOICES = (2, 3, 4)  # the deeper TMA pipelines a GPU sweep chooses among
 THREADS = 2  # warpgroups per CTA: the TMA producer and the wgmma consumer (one more: the forward's ping-pong)
 CONSUMER_CHOICES = (1, 2)  # the forward's consumer warpgroups a CTA (Variant.consumers)
+KEY_BLOCK_CHOICES = (64, 128)  # the forward's key tile rows (Variant.key_block): S is [64, key_block]
 LOG2_E = math.log2(math.e)
 MASKED = -1e30  # a finite -inf: masked logits and the running max start here (no exp2(-inf - -inf) = NaN)
 BLOCK_SIZES = MOSAIC_BLOCKS
@@ -80,24 +90,28 @@ class Variant:
     ping-pong (FlashAttention-3's schedule: two query blocks a CTA share each key tile the producer
     loads, and one consumer's softmax runs while the other's matmuls do), and ``overlap``: each consumer
     issues the next key tile's QK^T before this tile's softmax and waits for it after (FlashAttention-3's
-    intra-warpgroup pipelining)."""
+    intra-warpgroup pipelining), and ``key_block``, the forward's key tile: 64, or 128 (a [64, 128] S tile,
+    half the steps and barrier round trips, twice the registers for S and P)."""
 
     interpret: bool
     slots: int = SLOTS
     consumers: int = 1
     overlap: bool = False
+    key_block: int = BLOCK
 
 
 def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, scale: float | None = None,
                      interpret: bool | None = None, metadata: BlockMetadata | None = None,
-                     window=None, slots: int = SLOTS, consumers: int = 1, overlap: bool = False) -> jax.Array:
+                     window=None, slots: int = SLOTS, consumers: int = 1, overlap: bool = False,
+                     key_block: int = BLOCK) -> jax.Array:
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D], Hkv dividing H; D 64 or 128.
 
     ``segment_ids`` [B, T]: contract 2 (0 = padding). T is padded to a multiple of 64 with segment 0
     (no tile visits padding) and sliced back. ``metadata``: :func:`block_metadata` for these ids
     with :data:`BLOCK_SIZES` (and the layer's window), computed once per forward; computed here when
-    omitted, from ``window``. ``slots``, ``consumers`` and ``overlap``: the :class:`Variant` a GPU sweep picks among
-    (``consumers=2`` needs T padded to a multiple of 128, two query blocks a CTA)."""
+    omitted, from ``window``. ``slots``, ``consumers``, ``overlap`` and ``key_block``: the :class:`Variant` a GPU
+    sweep picks among (``consumers=2`` needs T padded to a multiple of 128, two query blocks a CTA; ``key_block``
+    128 needs metadata from :func:`mosaic_blocks` (128))."""
     check_attention_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
     if interpret is None:
@@ -114,7 +128,10 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     if q.dtype not in map(jnp.dtype, allowed_dtypes):
         raise ValueError(f"mosaic_attention: dtype {q.dtype}, expected bfloat16 or float16"
                          + (" (float32 only in interpret mode)" if not interpret else " or float32"))
-    metadata = kernel_metadata("mosaic_attention", segment_ids, metadata, window, BLOCK_SIZES, BLOCK_SIZES)
+    if key_block not in KEY_BLOCK_CHOICES:
+        raise ValueError(f"mosaic_attention: key_block {key_block}, expected one of {KEY_BLOCK_CHOICES}")
+    sizes = mosaic_blocks(key_block)
+    metadata = kernel_metadata("mosaic_attention", segment_ids, metadata, window, sizes, sizes)
     padded = metadata.seq_len
     pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
@@ -125,8 +142,13 @@ def mosaic_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
         raise ValueError(f"mosaic_attention: consumers {consumers} with T padded to {padded}; expected one of "
                          f"{CONSUMER_CHOICES}, and T padded to a multiple of {consumers * BLOCK}")
     out = _attention(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids, metadata, scale,
-                     Variant(bool(interpret), slots, consumers, bool(overlap)))
+                     Variant(bool(interpret), slots, consumers, bool(overlap), key_block))
     return out[:, :t]
+
+
+def mosaic_blocks(key_block: int = BLOCK) -> BlockSizes:
+    """The tiles :func:`mosaic_attention`'s metadata is computed for: 64 x ``key_block`` forward, 64 x 64 backward."""
+    return dataclasses.replace(BLOCK_SIZES, block_k=key_block)
 
 
 # ---------------------------------------------------------------------------------------------- forward
@@ -137,14 +159,14 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, varian
     block (``consumers=1``), or per pair of query blocks, one consumer warpgroup each, in ping-pong
     (``consumers=2``)."""
     b, t, h, d = q.shape
-    group, c = h // k.shape[2], variant.consumers
+    group, c, kb = h // k.shape[2], variant.consumers, variant.key_block
 
     def body(ranges, window_ref, seg, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, seg_q, k_ring, v_ring,
              seg_ring, lse_smem, p_smem, q_ready, k_ready, v_ready, s_ready, consumed, *turn):
         pair, hd, r = lax.axis_index("blocks"), lax.axis_index("heads"), lax.axis_index("rows")
         lo, hi = _union(ranges, r, pair, c)
         mt.produce_keys((lo, hi), seg, k_ref, v_ref, (k_ring, v_ring, seg_ring), (k_ready, v_ready, s_ready),
-                        consumed, group, variant.slots, producer=c)
+                        consumed, group, variant.slots, producer=c, block=kb)
 
         for w in range(c):  # (each consumer its own query block, tiles and barriers: w is static)
             pl.when(lax.axis_index("wg") == w)(lambda w=w: _consume_keys(
@@ -158,9 +180,9 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, varian
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)),
         grid=(t // (c * BLOCK), h, b), grid_names=("blocks", "heads", "rows"), num_threads=c + 1, thread_name="wg",
-        scratch_types=[mt.tile(q.dtype, d, c), plgpu.SMEM((c, BLOCK), jnp.int32), mt.tile(k.dtype, d, n),
-                       mt.tile(v.dtype, d, n), plgpu.SMEM((n, BLOCK), jnp.int32), plgpu.SMEM((c, BLOCK), jnp.float32),
-                       mt.tile(v.dtype, BLOCK, c), plgpu.Barrier(num_barriers=2 * c),
+        scratch_types=[mt.tile(q.dtype, d, c), plgpu.SMEM((c, BLOCK), jnp.int32), mt.tile(k.dtype, d, n, kb),
+                       mt.tile(v.dtype, d, n, kb), plgpu.SMEM((n, kb), jnp.int32), plgpu.SMEM((c, BLOCK), jnp.float32),
+                       mt.tile(v.dtype, kb, c), plgpu.Barrier(num_barriers=2 * c),
                        *[plgpu.Barrier(num_barriers=n)] * 3, plgpu.Barrier(num_arrivals=c, num_barriers=n),
                        *([plgpu.Barrier(num_arrivals=c)] if c > 1 else [])],
         interpret=mt.interpret_params(variant))
@@ -235,18 +257,20 @@ def _key_steps(own, where, rings, qk_scale, variant, between):
     i, hi = where
     k_ring, v_ring, seg_ring, k_ready, v_ready, s_ready, consumed = rings
 
+    kb = variant.key_block
+
     def qk(slot):
-        return mt.matmul(q_smem, k_ring.at[slot].T, (BLOCK, BLOCK)) * qk_scale
+        return mt.matmul(q_smem, k_ring.at[slot].T, (BLOCK, kb)) * qk_scale
 
     def softmax(masked, j, slot, s, carry):  # tile j's online softmax: P, and the running (acc, max, sum)
         acc, m, row_sum = carry
         mask = None
         if masked:
             plgpu.barrier_wait(s_ready.at[slot])
-            mask = mt.tile_mask(seg_rows, mt.rows(seg_ring.at[slot], 0), i * BLOCK, j * BLOCK, window, True)
+            mask = mt.tile_mask(seg_rows, mt.rows(seg_ring.at[slot], 0), i * BLOCK, j * kb, window, True, kb)
             s = jnp.where(mask, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.exp2(s - mt.broadcast(m_new, 0))
+        p = jnp.exp2(s - mt.broadcast(m_new, 0, kb))
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         correction = jnp.exp2(m - m_new)
@@ -286,7 +310,7 @@ def _key_steps(own, where, rings, qk_scale, variant, between):
             plgpu.wgmma_wait(0)
             return out, s_next[...] * qk_scale
 
-        (p, carry), s_next = pl.run_scoped(issue, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+        (p, carry), s_next = pl.run_scoped(issue, plgpu.ACC((BLOCK, kb), jnp.float32))
         return (*pv(masked, slot, p, carry), s_next)
 
     return (overlapped_step if variant.overlap else step), qk

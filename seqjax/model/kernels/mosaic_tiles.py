@@ -18,12 +18,12 @@ from seqjax.model.mask import allowed
 BLOCK = MOSAIC_BLOCKS.block_q  # query and key tile rows, every pass: one warpgroup's wgmma M
 
 
-def tile(dtype, d: int, slots: int):
-    """A ring of ``slots`` [BLOCK, d] shared-memory tiles in wgmma's layout: 8-row tiles, swizzled
+def tile(dtype, d: int, slots: int, rows: int = BLOCK):
+    """A ring of ``slots`` [rows, d] shared-memory tiles in wgmma's layout: 8-row tiles, swizzled
     128 bytes wide."""
     columns = 128 // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(
-        (slots, BLOCK, d),
+        (slots, rows, d),
         dtype,
         transforms=(plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(128)),
     )
@@ -56,16 +56,16 @@ def produce(start, count, copies, consumed, slots: int):
 
 
 def produce_keys(bounds, seg, k_ref, v_ref, rings, ready, consumed, group: int, slots: int,
-                 producer: int = 1):
+                 producer: int = 1, block: int = BLOCK):
     """The forward's and dQ's producer warpgroup (warpgroup ``producer``): the key, value and
-    segment-id tiles ``bounds`` = (lo, hi) of this CTA's query blocks, into ``rings`` (k, v, ids)
-    on ``ready`` (one barrier array each)."""
+    segment-id tiles (``block`` keys each) ``bounds`` = (lo, hi) of this CTA's query blocks, into
+    ``rings`` (k, v, ids) on ``ready`` (one barrier array each)."""
     hd, r = lax.axis_index("heads"), lax.axis_index("rows")
     lo, hi = bounds
     kv = lax.div(hd, jnp.int32(group))
 
     def key_tile(start, step):
-        keys = pl.ds((start + step) * BLOCK, BLOCK)
+        keys = pl.ds((start + step) * block, block)
         return tuple(
             zip((k_ref.at[r, keys, kv], v_ref.at[r, keys, kv], seg.at[r, keys]), rings, ready)
         )
@@ -106,19 +106,17 @@ def rows(ref, layout_axis: int):
     return plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(layout_axis))
 
 
-def broadcast(x, axis: int):
-    return lax.broadcast_in_dim(x, (BLOCK, BLOCK), (axis,))
+def broadcast(x, axis: int, columns: int = BLOCK):
+    return lax.broadcast_in_dim(x, (BLOCK, columns), (axis,))
 
 
-def tile_mask(seg_rows, seg_cols, row_start, col_start, window, rows_are_queries: bool):
-    """Contract 2 on one [BLOCK, BLOCK] tile; rows are queries (forward, dQ) or keys (dK/dV)."""
-    row = row_start + plgpu.broadcasted_iota(
-        jnp.int32, (BLOCK, BLOCK), 0, layout=plgpu.Layout.WGMMA
-    )
-    col = col_start + plgpu.broadcasted_iota(
-        jnp.int32, (BLOCK, BLOCK), 1, layout=plgpu.Layout.WGMMA
-    )
-    seg_r, seg_c = broadcast(seg_rows, 0), broadcast(seg_cols, 1)
+def tile_mask(seg_rows, seg_cols, row_start, col_start, window, rows_are_queries: bool,
+              columns: int = BLOCK):
+    """Contract 2 on one [BLOCK, columns] tile; rows are queries (forward, dQ) or keys (dK/dV)."""
+    shape = (BLOCK, columns)
+    row = row_start + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    col = col_start + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    seg_r, seg_c = broadcast(seg_rows, 0, columns), broadcast(seg_cols, 1, columns)
     if rows_are_queries:
         return allowed(seg_r, seg_c, row, col, window)
     return allowed(seg_c, seg_r, col, row, window)
