@@ -147,3 +147,19 @@ def test_prepare_writes_one_folder_whose_stores_a_moved_copy_reuses(tmp_path, mo
     assert any(str(moved) in o for o in overrides)
     again = prepare(load_config(suite.REPO / "configs/llama3_1b_finetune.yaml", overrides), splits=("train",))
     assert again.summary["train"]["reused"] and str(moved / "cache") in str(again.tokenizer.path)
+
+
+def test_the_mosaic_sweep_weighs_every_variant_bench_attention_knows(monkeypatch):
+    """The opt-in ``mosaic`` stage (its dry run is one interpreter case per variant, so it is not run here): the
+    implementations it passes are exactly flash and every Mosaic variant bench_attention can build, so a variant
+    added to the kernel reaches the next GPU's sweep."""
+    from hf_support import script_module
+
+    suite, bench = script_module("gpu_suite"), script_module("bench_attention")
+    calls = []
+    monkeypatch.setattr(suite, "bench_attention", lambda s, name, args, budget: calls.append((name, args)) or {})
+    suite.stage_mosaic(type("Dry", (), {"dry": False})())
+    (name, args), = calls
+    impls = args[args.index("--impls") + 1].split(",")
+    assert name == "mosaic" and sorted(impls) == sorted(["flash", *bench.MOSAIC_VARIANTS])
+    assert len(bench.MOSAIC_VARIANTS) == len(set(bench.MOSAIC_VARIANTS.values()))  # no two names for one kernel
