@@ -233,7 +233,8 @@ def _consume_keys(refs, where, own, rings, qk_scale, variant, turns):
     init = (plgpu.layout_cast(jnp.zeros((BLOCK, q_smem.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
             rows + MASKED, rows)
     if variant.overlap:  # tile lo's S before the loops (an empty [lo, hi) never reads it)
-        pl.when(hi > lo)(lambda: plgpu.barrier_wait(rings[3].at[0]))
+        k_ready = rings[3]  # (k_ring, v_ring, seg_ring, k_ready, v_ready, s_ready, consumed)
+        pl.when(hi > lo)(lambda: plgpu.barrier_wait(k_ready.at[0]))
         init = (*init, qk(0))
     if first:
         first()
@@ -256,7 +257,6 @@ def _key_steps(own, where, rings, qk_scale, variant, between):
     q_smem, seg_rows, window, p_smem = own
     i, hi = where
     k_ring, v_ring, seg_ring, k_ready, v_ready, s_ready, consumed = rings
-
     kb = variant.key_block
 
     def qk(slot):
