@@ -102,7 +102,10 @@ def test_a_missing_kernel_is_a_clear_error(monkeypatch):
 @pytest.mark.parametrize("platform", ["cpu", "METAL"])
 def test_auto_picks_xla_where_no_kernel_runs_and_says_so(monkeypatch, caplog, platform):
     """Asserted on every machine: the platform is set here, not read from the one the tests run on."""
+    from seqjax.core import progress
+
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setattr(progress, "_SAID", set())  # (said once a process: an earlier test may have said it)
     with caplog.at_level(logging.INFO, logger="seqjax.model.attention"):
         assert resolve_backend("auto") == "xla"
     assert f"using xla on platform {platform}" in caplog.text

@@ -206,3 +206,25 @@ def test_the_mosaic_kernel_compiled_matches_the_reference_over_packings_and_wind
     for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
         assert_close(got, want, TOLERANCE[jnp.bfloat16], name)
     assert not np.asarray(out, np.float32)[np.asarray(segment_ids) == 0].any()  # padding: exact zeros
+
+
+@settings(max_examples=4, deadline=None)
+@given(rows=st.data())
+def test_the_compiled_shared_prompt_matches_the_dense_mask(rows):
+    """The flash kernel with a shared prompt (GRPO's prompt_once rows) compiled for the GPU at its real tiles, bf16,
+    D = 128: output and gradients against the dense mask on positions (tests/test_flash_prompt.py checks it
+    interpreted)."""
+    from test_flash_prompt import _dense, prompt_rows
+
+    ids, prefix, positions = (jnp.asarray(a) for a in rows.draw(prompt_rows(2, 500)))
+    q, k, v, cotangent = random_qkv((2, 500, 8, 128), kv_heads=2, dtype=jnp.bfloat16, seed=21)
+    out, grads = _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent)
+    ref_out, ref_grads = _dense(q, k, v, ids, prefix, positions, cotangent)
+    for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert_close(got, want, TOLERANCE[jnp.bfloat16], name)
+
+
+@jax.jit
+def _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent):
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, ids, prefix_ids=prefix, interpret=False), q, k, v)
+    return out, vjp(cotangent)

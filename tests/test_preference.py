@@ -313,6 +313,10 @@ def test_unsupported_combinations_are_one_line():
         objective_of(config("train.objective=dpo", "model.lora.rank=4", "model.lora.modules_to_save=[head]",
                             "model.tie_embeddings=false"))
     q = jnp.zeros((1, 4, 2, 8))
-    with pytest.raises(ConfigError, match="model.attention: got 'pallas', which cannot honour a shared prompt"):
+    with pytest.raises(ConfigError, match="model.attention: got 'pallas', which cannot honour a shared prompt's "
+                                          r"mask \(data.shared_prompt, rl.layout=prompt_once\) with a sliding window"):
         attention(q, q, q, jnp.ones((1, 4), jnp.int32), backend="pallas", prefix_ids=jnp.zeros((1, 4), jnp.int32),
+                  positions=jnp.arange(4)[None], window=2)
+    with pytest.raises(ConfigError, match="model.attention: got 'splash', which cannot honour a shared prompt"):
+        attention(q, q, q, jnp.ones((1, 4), jnp.int32), backend="splash", prefix_ids=jnp.zeros((1, 4), jnp.int32),
                   positions=jnp.arange(4)[None])

@@ -106,7 +106,8 @@ class DataConfig:
     shared_prompt: bool = setting(
         False,
         "preference: pack each pair's prompt once, both completions attending to it and not to "
-        "each other (the same numbers as the prompt twice, its compute saved; XLA attention)",
+        "each other (the same numbers as the prompt twice, its compute saved; the xla or pallas "
+        "attention, pallas without sliding windows)",
         resume=DATA)
     pair_eos: str = setting(
         "auto",

@@ -153,8 +153,10 @@ def attention(
     dropping. Without a key (evaluation), ``auto`` keeps its fastest kernel. ``window``: a sliding
     layer's window (contract 2); a backend without windows refuses it, never attending to the whole
     segment instead (:func:`resolve_backend`). ``prefix_ids`` (with the tokens' ``positions``): a
-    shared prompt that segments also attend to (:func:`seqjax.model.mask.allowed`), which only the
-    dense mask computes: xla (auto's choice then); every other backend refuses it. ``causal=False``:
+    shared prompt that segments also attend to (:func:`seqjax.model.mask.allowed`), which the dense
+    mask computes (xla), and the flash kernel without a sliding window or dropout (pallas, and auto
+    where it picks pallas; ``metadata`` then from ``block_metadata(..., prefix_ids=)``); every other
+    backend refuses it. ``causal=False``:
     contract 2's non-causal form (a vision encoder's images), which xla and pallas compute; every
     other backend refuses it.
     """
@@ -163,7 +165,7 @@ def attention(
         return split_row_attention(q, k, v, segment_ids, metadata, scale, window, prefix_ids, positions)
     if not causal:
         return _non_causal(q, k, v, segment_ids, backend, scale, metadata)
-    if prefix_ids is not None:
+    if prefix_ids is not None and not _flash_prompt(backend, q.dtype, window, dropout_rate, dropout_key):
         return _shared_prompt(q, k, v, segment_ids, backend, scale, dropout_rate, dropout_key, window,
                               prefix_ids, positions)
     if dropout_key is not None and dropout_rate:
@@ -175,13 +177,7 @@ def attention(
     if name not in _KERNELS:
         return _implementation(name)(q, k, v, segment_ids, scale=scale, window=window)
     kernel = _load_kernel(name)
-    static = {}  # settings the kernel needs as Python values (splash's static window mask)
-    if name in TILED and metadata is not None:
-        extra = {"metadata": metadata}  # computed for this layer's window (block_metadata's window)
-    elif isinstance(window, int):
-        extra, static = {}, {"window": window}
-    else:
-        extra = {} if window is None else {"window": window}
+    extra, static = _kernel_arguments(name, metadata, window, prefix_ids)
 
     def run(q, k, v, segment_ids, extra):
         return kernel(q, k, v, segment_ids, scale=scale, **static, **extra)
@@ -196,13 +192,41 @@ def attention(
                          out_specs=per_head, check_vma=False)(q, k, v, segment_ids, extra)
 
 
+def _kernel_arguments(name: str, metadata, window, prefix_ids) -> tuple[dict, dict]:
+    """(extra, static): the kernel's array arguments (split per device with the rows) and the
+    settings it needs as Python values (splash's static window mask)."""
+    static = {}
+    if name in TILED and metadata is not None:
+        extra = {"metadata": metadata}  # computed for this layer's window (block_metadata's window)
+    elif isinstance(window, int):
+        extra, static = {}, {"window": window}
+    else:
+        extra = {} if window is None else {"window": window}
+    if prefix_ids is not None:  # the flash kernel's shared prompt (_flash_prompt)
+        extra = {**extra, "prefix_ids": prefix_ids}
+    return extra, static
+
+
+def _flash_prompt(backend: str, dtype, window, dropout_rate, dropout_key) -> bool:
+    """Whether a shared prompt runs on the flash kernel (its second range per query block,
+    ``block_metadata(..., prefix_ids=)``): pallas, or auto where auto picks it, without a sliding
+    window or dropout; otherwise the dense mask computes it (:func:`_shared_prompt`)."""
+    dropout = dropout_key is not None and dropout_rate
+    if backend not in ("pallas", "auto") or window is not None or dropout:
+        return False
+    return resolve_backend(backend, dtype) == "pallas"
+
+
 def _shared_prompt(q, k, v, segment_ids, backend: str, scale, dropout_rate, dropout_key, window,
                    prefix_ids, positions) -> jax.Array:
-    """A shared prompt's mask (:func:`seqjax.model.mask.allowed`), which only the dense path
-    computes."""
+    """A shared prompt's mask (:func:`seqjax.model.mask.allowed`) on the dense path: xla, and auto
+    where the flash kernel cannot take it."""
     if backend not in ("xla", "auto"):
+        flash = backend == "pallas"
         raise ConfigError(f"model.attention: got {backend!r}, which cannot honour a shared prompt's mask "
-                          "(data.shared_prompt); expected xla or auto")
+                          "(data.shared_prompt, rl.layout=prompt_once)" + (" with a sliding window or dropout"
+                                                                           if flash else "")
+                          + "; expected xla or auto" + (", or pallas without those" if flash else ""))
     mask = segment_mask(segment_ids, q_index=positions, kv_index=positions, window=window,
                         q_prefix_ids=prefix_ids)
     return masked_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate,

@@ -186,7 +186,7 @@ def split_row_attention(
         if prefix_ids is not None:
             raise ConfigError(
                 "model.attention: got 'pallas', which cannot honour a shared prompt's mask "
-                "(data.shared_prompt); expected xla or auto"
+                "(data.shared_prompt) on a row split over mesh.context; expected xla or auto"
             )
         blocks = span_blocks(q.shape[-1], split.t // (2 * split.n))
 

@@ -211,8 +211,8 @@ class TransformerLM(nnx.Module):
                                                                               prefix_ids, injections)
             return split.restore(self._blocks(x, positions, segment_ids, [split] * self.cfg.n_layers,
                                               dropout_key, prefix_ids, injections))
-        return self._blocks(x, positions, segment_ids, self.attention_metadata(segment_ids), dropout_key,
-                            prefix_ids, injections)
+        return self._blocks(x, positions, segment_ids, self.attention_metadata(segment_ids, prefix_ids),
+                            dropout_key, prefix_ids, injections)
 
     def _blocks(self, x, positions, segment_ids, metadata, dropout_key, prefix_ids, injections) -> jax.Array:
         """Every block in turn, unrolled or scanned; ``metadata``: each layer's (see :meth:`hidden`)."""
@@ -302,17 +302,25 @@ class TransformerLM(nnx.Module):
             return "xla"
         return resolve_backend(self.cfg.attention, self.cfg.compute_dtype, windows=self.cfg.has_windows)
 
-    def attention_metadata(self, segment_ids) -> list | None:
+    def attention_metadata(self, segment_ids, prefix_ids=None) -> list | None:
         """The pallas kernel's block ranges for this batch, one per layer, or None for the other
         backends.
 
         They depend only on the segment ids and the layer's window, so they are computed once per
         forward for each distinct window (at most two: Gemma 3's sliding and global layers) and
         handed to every layer (explicitly, rather than trusting XLA to merge per-layer copies across
-        remat or scan boundaries).
+        remat or scan boundaries). Under a shared prompt (``prefix_ids``) only the flash kernel
+        without windows has ranges for it (a prompt's range beside each block's own); the other
+        cases run the dense mask (:func:`seqjax.model.attention.attention`).
         """
         backend = resolve_backend(self.cfg.attention, self.cfg.compute_dtype,
                                   windows=self.cfg.has_windows)
+        if prefix_ids is not None:
+            if backend != "pallas" or self.cfg.has_windows:
+                return None
+            shared = block_metadata(segment_ids, BlockSizes.for_head_dim(self.cfg.head_dim),
+                                    prefix_ids=prefix_ids)
+            return [shared] * self.cfg.n_layers
         if backend not in TILED:
             return None
         blocks = MOSAIC_BLOCKS if backend == "pallas_mosaic" else BlockSizes.for_head_dim(

@@ -126,6 +126,11 @@ class BlockMetadata:
     the first query and of the first key, ``seq_len`` the queries' length and ``kv_len`` the keys';
     the column blocks count from the first key. Whole rows leave ``offsets`` None (both spans start
     at 0 and ``kv_len`` is ``seq_len``).
+
+    A shared prompt (``block_metadata(..., prefix_ids=)``): ``fwd_prefix`` / ``dq_prefix`` hold each
+    query block's second range, the key blocks of the prompts its queries continue, cut off where
+    ``fwd_kv`` / ``dq_kv`` start (no tile is visited twice); ``dkv_q`` reaches, for a prompt's key
+    blocks, to the last query that continues the prompt. Without one they are None.
     """
 
     fwd_kv: jax.Array
@@ -137,6 +142,13 @@ class BlockMetadata:
     causal: bool = dataclasses.field(default=True, metadata=dict(static=True))
     offsets: jax.Array | None = None
     kv_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    fwd_prefix: jax.Array | None = None
+    dq_prefix: jax.Array | None = None
+
+    @property
+    def shared_prompt(self) -> bool:
+        """Whether these ranges honour a shared prompt (``block_metadata``'s ``prefix_ids``)."""
+        return self.fwd_prefix is not None
 
     @property
     def spans(self) -> bool:
@@ -200,7 +212,8 @@ def _ranges(real, lo, hi, full, full_lo, full_hi, block_rows: int, block_cols: i
 
 
 def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None, causal: bool = True,
-                   queries: tuple | None = None, keys: tuple | None = None) -> BlockMetadata:
+                   queries: tuple | None = None, keys: tuple | None = None,
+                   prefix_ids: jax.Array | None = None) -> BlockMetadata:
     """Visiting ranges for ``segment_ids`` [B, T] (T any length: padded here as the kernel pads it).
 
     Use the block sizes the kernel will use: ``BlockSizes.for_head_dim(head_dim)`` unless you pass
@@ -219,8 +232,83 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None,
     a row of 64 tokens in one document, blocks of 16, ``queries=(32, 16)``, ``keys=(0, 32)``: the
     one query block visits key blocks [0, 2), both full (every pair allowed); with
     ``keys=(32, 32)`` it visits only that span's block 0, masked (the diagonal).
+
+    ``prefix_ids`` [B, T]: a shared prompt (contract 2's extension,
+    :func:`seqjax.model.mask.allowed`): a query also sees the keys of segment ``prefix_ids[i]`` (0:
+    none). Each query block gets a second range over its prompts' key blocks (``fwd_prefix``,
+    ``dq_prefix``), so the completions between a prompt and a later completion of its group are
+    never visited. The prompt must precede the completions that continue it, each segment one run,
+    as ``data.shared_prompt`` and GRPO's ``prompt_once`` lay rows out: row order is then position
+    order for every allowed pair. No window, no spans, causal only. Example, blocks of 16: a prompt
+    of 16 tokens (segment 1), completions of 32 (segment 2) and 16 (segment 3), each with prefix 1:
+    the last query block visits the prompt's block [0, 1) (full) and its own [3, 4) (masked), never
+    segment 2's blocks 1 and 2.
     """
+    if prefix_ids is not None:
+        if window is not None or not causal or queries is not None or keys is not None:
+            raise ValueError("block_metadata: a shared prompt (prefix_ids) with a window, "
+                             "causal=False or spans; expected whole causal rows without a window")
+        t = segment_ids.shape[-1]
+        padded = block_sizes.padded_length(t)
+        pad = ((0, 0), (0, padded - t))
+        ids = jnp.pad(segment_ids.astype(jnp.int32), pad)
+        return _shared_prompt_ranges(ids, jnp.pad(prefix_ids.astype(jnp.int32), pad), block_sizes)
     return span_metadata(segment_ids, block_sizes, [(queries, keys)], window, causal)[0]
+
+
+def _shared_prompt_ranges(ids: jax.Array, prefix: jax.Array, bs: BlockSizes) -> BlockMetadata:
+    """:func:`block_metadata` of a padded row whose queries may also see a prompt segment."""
+    row = _positions(ids)
+    index, first, last, _, _, real = row
+    w = jnp.asarray(FULL, jnp.int32)
+    p_first, p_last, continues = _prompt_extents(ids, jnp.where(real, prefix, 0))
+
+    def group_end(p_first, index, continues):
+        """At each prompt's first index: the last query continuing it."""
+        return jnp.full_like(index, -1).at[p_first].max(jnp.where(continues, index, -1))
+
+    # a prompt's keys are seen up to the last query that continues it
+    ends = jax.vmap(group_end)(p_first, index, continues)
+    reach = jnp.maximum(last, jnp.take_along_axis(ends, first, -1))
+    fwd_kv = _by_queries(row, bs.block_q, bs.block_k, w, True)
+    dq_kv = _by_queries(row, bs.block_q_dq, bs.block_k_dq, w, True)
+    return BlockMetadata(
+        fwd_kv=fwd_kv, dq_kv=dq_kv,
+        dkv_q=_by_keys((index, first, reach, *row[3:]), bs.block_k_bwd, bs.block_q_bwd, w, True),
+        window=w, seq_len=ids.shape[-1], block_sizes=bs,
+        fwd_prefix=_prompt_blocks(fwd_kv, (p_first, p_last, continues), bs.block_q, bs.block_k),
+        dq_prefix=_prompt_blocks(dq_kv, (p_first, p_last, continues), bs.block_q_dq, bs.block_k_dq),
+    )
+
+
+def _prompt_extents(ids: jax.Array, prefix: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per position: the first and last index of the prompt segment it continues, and whether it
+    continues one (a real position whose prefix id names a segment of the row)."""
+    def one_row(ids, prefix):
+        order = jnp.argsort(ids, stable=True)
+        sorted_ids = ids[order]
+        at = jnp.clip(jnp.searchsorted(sorted_ids, prefix, side="left"), 0, ids.shape[-1] - 1)
+        end = jnp.clip(jnp.searchsorted(sorted_ids, prefix, side="right") - 1, 0, ids.shape[-1] - 1)
+        found = (prefix != 0) & (sorted_ids[at] == prefix)
+        return order[at], order[end], found
+
+    return jax.vmap(one_row)(ids, prefix)
+
+
+def _prompt_blocks(own: jax.Array, prompts: tuple, bq: int, bk: int) -> jax.Array:
+    """Each query block's range over the key blocks of the prompts its queries continue, cut off
+    where its own range ``own`` starts; a block whose queries all continue one prompt sees that
+    prompt's whole tiles in full."""
+    p_first, p_last, continues = prompts
+    b, t = continues.shape
+
+    def blocks(a):
+        return a.reshape(b, t // bq, bq)
+
+    one = (blocks(continues).all(-1) & (blocks(p_first).min(-1) == blocks(p_first).max(-1)))
+    ranges = _ranges(continues, p_first, p_last, one, p_first[:, ::bq], p_last[:, ::bq], bq, bk)
+    ranges = jnp.minimum(ranges, own[..., :1])
+    return jnp.where(ranges[..., 3:] > ranges[..., :1], ranges, 0).astype(jnp.int32)
 
 
 def span_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, spans: list, window=None,

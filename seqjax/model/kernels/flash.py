@@ -32,7 +32,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import fuser as _fuser  # noqa: F401  (see below)
 from jax.experimental.pallas import triton as plgpu
 
-from seqjax.model.kernels.block_ranges import BlockMetadata, BlockSizes, kernel_metadata, tiled_vjp, window_operand
+from seqjax.model.kernels.block_ranges import (
+    BlockMetadata,
+    BlockSizes,
+    block_metadata,
+    kernel_metadata,
+    tiled_vjp,
+    window_operand,
+)
 from seqjax.model.mask import check_attention_inputs, segment_mask
 
 # Why the fuser import above: jax registers the tracing-context flag
@@ -59,6 +66,7 @@ def flash_attention(
     metadata: BlockMetadata | None = None,
     window=None,
     causal: bool = True,
+    prefix_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D] with Hkv dividing H.
 
@@ -72,19 +80,33 @@ def flash_attention(
     (contract 2; an int or a traced int32 scalar); it lives in the metadata, so pass it here only
     when the metadata is computed here. ``causal=False``: contract 2's non-causal form (a vision
     encoder's images: a query sees its whole segment); the metadata must have been computed so.
+    ``prefix_ids`` [B, T]: a shared prompt (contract 2's extension): query i also sees the keys of
+    segment ``prefix_ids[i]`` (0: none), the prompt preceding the completions that continue it (as
+    ``data.shared_prompt`` and GRPO's ``prompt_once`` lay rows out); the metadata must come from
+    ``block_metadata(..., prefix_ids=)``, which visits each prompt's tiles once for a query block,
+    and never the other completions between them. No window then.
     """
     _check_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
     scale = float(d**-0.5 if scale is None else scale)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if metadata is None and prefix_ids is not None:
+        metadata = block_metadata(segment_ids, block_sizes or BlockSizes.for_head_dim(d), window,
+                                  prefix_ids=prefix_ids)
+        window = None  # (refused above if set)
     metadata = kernel_metadata("flash_attention", segment_ids, metadata, window, block_sizes,
                                BlockSizes.for_head_dim(d), causal)
+    if metadata.shared_prompt != (prefix_ids is not None):
+        raise ValueError("flash_attention: " + ("prefix_ids without metadata for them; expected "
+                                                "block_metadata(..., prefix_ids=)" if prefix_ids is not None else
+                                                "metadata for a shared prompt, but no prefix_ids"))
     padded = metadata.seq_len
     pad = ((0, 0), (0, padded - t), (0, 0), (0, _head_pad(d)))
-    segment_ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t)))
-    out = _flash(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), (segment_ids, segment_ids), metadata,
-                 scale, bool(interpret))
+    segment_ids, prefix_ids = (None if a is None else jnp.pad(a.astype(jnp.int32), ((0, 0), (0, padded - t)))
+                               for a in (segment_ids, prefix_ids))
+    out = _flash(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), (segment_ids, segment_ids, prefix_ids),
+                 metadata, scale, bool(interpret))
     return out[:, :t, :, :d]
 
 
@@ -121,7 +143,7 @@ def flash_attention_span(
         interpret = jax.default_backend() != "gpu"
     pad = ((0, 0), (0, 0), (0, 0), (0, _head_pad(d)))
     segment_ids = (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
-    out, lse = _flash_with_lse(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), segment_ids,
+    out, lse = _flash_with_lse(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), (*segment_ids, None),
                                metadata, scale, bool(interpret))
     return out[..., :d], lse
 
@@ -141,14 +163,15 @@ def _head_pad(d: int) -> int:
     return max(16, pl.next_power_of_2(d)) - d
 
 
-def _tile_mask(seg_q, seg_k, q_start, k_start, window, causal):
+def _tile_mask(seg_q, seg_k, q_start, k_start, window, causal, prefix_q=None):
     """Contract 2's mask for one tile: [block_q, block_k] bool, from the one definition in
-    mask.py."""
+    mask.py (``prefix_q``: the queries' shared prompt, when the row has one)."""
     q_index = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_q.shape[0]), 1)
     k_index = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, seg_k.shape[0]), 1)
     if not causal:
         return segment_mask(seg_q[None], seg_k[None], causal=False)[0]
-    return segment_mask(seg_q[None], seg_k[None], q_index=q_index, kv_index=k_index, window=window)[0]
+    return segment_mask(seg_q[None], seg_k[None], q_index=q_index, kv_index=k_index, window=window,
+                        q_prefix_ids=None if prefix_q is None else prefix_q[None])[0]
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
@@ -158,7 +181,8 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
-def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool, window, causal: bool):
+def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool, window, causal: bool,
+                 prefix_q=None):
     """Scaled logits of one tile in log2 units, and its mask (None on a full tile, where every pair
     is allowed).
 
@@ -168,7 +192,7 @@ def _log2_logits(q, k, seg_q, seg_k, q_start, k_start, qk_scale, masked: bool, w
     s = _dot(q, k, trans_b=True) * qk_scale
     if not masked:
         return s, None
-    mask = _tile_mask(seg_q, seg_k, q_start, k_start, window, causal)
+    mask = _tile_mask(seg_q, seg_k, q_start, k_start, window, causal, prefix_q)
     return jnp.where(mask, s, MASKED), mask
 
 
@@ -177,17 +201,20 @@ def _exp2(x, mask):
     return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _visit_tiles(ranges_ref, row, step, carry):
+def _visit_tiles(ranges_ref, row, step, carry, prompt_ref=None):
     """One block's loop over its ranges (lo, full_lo, full_hi, hi): masked edge, unmasked full
-    tiles, masked edge.
+    tiles, masked edge; first over its shared prompt's range ``prompt_ref`` when the row has one.
 
     ``step(masked)`` returns the fori_loop body; splitting the loop keeps the mask arithmetic off
     the bulk of a long document's tiles, as FlashAttention-2 does for the causal diagonal.
     """
-    lo, full_lo, full_hi, hi = (ranges_ref[row, c] for c in range(4))
-    carry = jax.lax.fori_loop(lo, full_lo, step(True), carry)
-    carry = jax.lax.fori_loop(full_lo, full_hi, step(False), carry)
-    return jax.lax.fori_loop(full_hi, hi, step(True), carry)
+    for ref in (prompt_ref, ranges_ref):
+        if ref is not None:
+            lo, full_lo, full_hi, hi = (ref[row, c] for c in range(4))
+            carry = jax.lax.fori_loop(lo, full_lo, step(True), carry)
+            carry = jax.lax.fori_loop(full_lo, full_hi, step(False), carry)
+            carry = jax.lax.fori_loop(full_hi, hi, step(True), carry)
+    return carry
 
 
 def _scalars_operand(metadata: BlockMetadata) -> jax.Array:
@@ -220,18 +247,20 @@ def _reversed(n: int):
 
 
 
-def _forward_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                    qk_scale, block_k, causal):
+def _forward_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, *refs,
+                    qk_scale, block_k, causal, prompt):
+    (prompt_ref, prefix_ref, o_ref, lse_ref) = refs if prompt else (None, None, *refs)
     i = _query_block()
     block_q, d = q_ref.shape
     q, seg_q, (window, q_offset, k_offset) = q_ref[...], seg_q_ref[...], _scalars(scalars_ref)
+    prefix = None if prefix_ref is None else prefix_ref[...]
 
     def step(masked):
         def visit(j, carry):
             acc, m, row_sum = carry
             keys = pl.ds(j * block_k, block_k)
             s, mask = _log2_logits(q, k_ref[keys, :], seg_q, seg_k_ref[keys], q_offset + i * block_q,
-                                   k_offset + j * block_k, qk_scale, masked, window, causal)
+                                   k_offset + j * block_k, qk_scale, masked, window, causal, prefix)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = _exp2(s - m_new[:, None], mask)
             correction = jnp.exp2(m - m_new)
@@ -243,7 +272,7 @@ def _forward_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref,
 
     rows = jnp.zeros((block_q,), jnp.float32)
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full_like(rows, MASKED), rows)
-    acc, m, row_sum = _visit_tiles(ranges_ref, i, step, init)
+    acc, m, row_sum = _visit_tiles(ranges_ref, i, step, init, prompt_ref)
     # padding queries, and queries with no allowed key: zeros, not NaN, and a log-sum-exp of MASKED
     # (no weight when spans merge; the backward's masked tiles give them p = 0 all the same)
     empty = row_sum == 0.0
@@ -253,15 +282,18 @@ def _forward_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref,
 
 def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interpret: bool):
     """Output [B, Tq, H, D] and the base-2 log-sum-exp [B, H, Tq] (float32) the backward pass
-    reuses. ``segment_ids``: the queries' and the keys' ([B, Tq], [B, Tk])."""
+    reuses. ``segment_ids``: the queries' and the keys' ([B, Tq], [B, Tk]), and the queries' shared
+    prompt ids (or None)."""
     b, t, h, d = q.shape
     tk = k.shape[1]
-    seg_q, seg_k = segment_ids
+    seg_q, seg_k, prefix = segment_ids
     group = h // k.shape[2]
     bs = metadata.block_sizes
     n_q = t // bs.block_q
     rev = _reversed(n_q)
-    kernel = functools.partial(_forward_kernel, qk_scale=scale * LOG2_E, block_k=bs.block_k, causal=metadata.causal)
+    prompt = _prompt_operands(metadata.fwd_prefix, prefix, n_q, bs.block_q, rev)
+    kernel = functools.partial(_forward_kernel, qk_scale=scale * LOG2_E, block_k=bs.block_k, causal=metadata.causal,
+                               prompt=bool(prompt))
     return pl.pallas_call(
         kernel,
         grid=(n_q, b, h),
@@ -273,6 +305,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
             pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
             pl.BlockSpec((None, tk, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
             pl.BlockSpec((None, tk, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
+            *prompt[1::2],
         ],
         out_specs=[
             pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
@@ -282,7 +315,16 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="seqjax_flash_forward",
-    )(metadata.fwd_kv, _scalars_operand(metadata), seg_q, seg_k, q, k, v)
+    )(metadata.fwd_kv, _scalars_operand(metadata), seg_q, seg_k, q, k, v, *prompt[::2])
+
+
+def _prompt_operands(ranges, prefix, n_q: int, block_q: int, rev) -> tuple:
+    """A query-block pass's extra operands under a shared prompt, (array, BlockSpec) alternating:
+    the blocks' prompt ranges and the queries' prefix ids; () without one."""
+    if ranges is None:
+        return ()
+    return (ranges, pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
+            prefix, pl.BlockSpec((None, block_q), lambda i, r, hd: (r, rev(i))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,10 +332,12 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
 
 
 def _dq_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, scale, block_k, causal):
+               *refs, scale, block_k, causal, prompt):
+    (prompt_ref, prefix_ref, dq_ref) = refs if prompt else (None, None, *refs)
     i = _query_block()
     block_q, d = q_ref.shape
     q, do, seg_q = q_ref[...], do_ref[...], seg_q_ref[...]
+    prefix = None if prefix_ref is None else prefix_ref[...]
     window, q_offset, k_offset = _scalars(scalars_ref)
     lse, delta = lse_ref[...], delta_ref[...]
 
@@ -302,19 +346,20 @@ def _dq_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_re
             keys = pl.ds(j * block_k, block_k)
             k, v = k_ref[keys, :], v_ref[keys, :]
             s, mask = _log2_logits(q, k, seg_q, seg_k_ref[keys], q_offset + i * block_q,
-                                   k_offset + j * block_k, scale * LOG2_E, masked, window, causal)
+                                   k_offset + j * block_k, scale * LOG2_E, masked, window, causal, prefix)
             p = _exp2(s - lse[:, None], mask)
             ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
             return dq + _dot(ds.astype(k.dtype), k)
 
         return visit
 
-    dq = _visit_tiles(ranges_ref, i, step, jnp.zeros((block_q, d), jnp.float32))
+    dq = _visit_tiles(ranges_ref, i, step, jnp.zeros((block_q, d), jnp.float32), prompt_ref)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, scale, block_q, causal):
+                *refs, scale, block_q, causal, prompt):
+    (prefix_ref, dk_ref, dv_ref) = refs if prompt else (None, *refs)
     j = pl.program_id(0)
     block_k, d = k_ref.shape
     group = q_ref.shape[1]
@@ -328,7 +373,8 @@ def _dkv_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_r
                 queries = pl.ds(i * block_q, block_q)
                 q, do = q_ref[queries, g, :], do_ref[queries, g, :]
                 s, mask = _log2_logits(q, k, seg_q_ref[queries], seg_k, q_offset + i * block_q,
-                                       k_offset + j * block_k, scale * LOG2_E, masked, window, causal)
+                                       k_offset + j * block_k, scale * LOG2_E, masked, window, causal,
+                                       None if prefix_ref is None else prefix_ref[queries])
                 p = _exp2(s - lse_ref[g, queries][:, None], mask)
                 dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
                 ds = p * (_dot(do, v, trans_b=True) - delta_ref[g, queries][:, None])
@@ -347,7 +393,7 @@ def _dkv_kernel(ranges_ref, scalars_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_r
 def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, lse, delta, do):
     b, t, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
-    seg_q, seg_k = segment_ids
+    seg_q, seg_k, prefix = segment_ids
     scalars = _scalars_operand(metadata)
     group = h // hkv
     bs = metadata.block_sizes
@@ -358,8 +404,9 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
 
     n_q = t // bq_dq
     rev = _reversed(n_q)
+    prompt = _prompt_operands(metadata.dq_prefix, prefix, n_q, bq_dq, rev)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, block_k=bk_dq, causal=metadata.causal),
+        functools.partial(_dq_kernel, scale=scale, block_k=bk_dq, causal=metadata.causal, prompt=bool(prompt)),
         grid=(n_q, b, h),
         in_specs=[
             pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
@@ -372,17 +419,19 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
             pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
             pl.BlockSpec((None, None, bq_dq), lambda i, r, hd: (r, hd, rev(i))),
             pl.BlockSpec((None, None, bq_dq), lambda i, r, hd: (r, hd, rev(i))),
+            *prompt[1::2],
         ],
         out_specs=pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="seqjax_flash_dq",
-    )(metadata.dq_kv, scalars, seg_q, seg_k, q, k, v, do, lse, delta)
+    )(metadata.dq_kv, scalars, seg_q, seg_k, q, k, v, do, lse, delta, *prompt[::2])
 
     n_k = tk // bk
+    prefixes = () if prefix is None else (prefix,)  # the queries' prompt ids, for edge tiles
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, block_q=bq, causal=metadata.causal),
+        functools.partial(_dkv_kernel, scale=scale, block_q=bq, causal=metadata.causal, prompt=bool(prefixes)),
         grid=(n_k, b, hkv),
         in_specs=[
             pl.BlockSpec((None, n_k, 4), lambda j, r, hd: (r, 0, 0)),
@@ -395,6 +444,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
             pl.BlockSpec((None, t, group, d), lambda j, r, hd: full_row(r, hd)),
             pl.BlockSpec((None, group, t), lambda j, r, hd: (r, hd, 0)),
             pl.BlockSpec((None, group, t), lambda j, r, hd: (r, hd, 0)),
+            *[pl.BlockSpec((None, t), lambda j, r, hd: (r, 0))] * len(prefixes),
         ],
         out_specs=[
             pl.BlockSpec((None, bk, None, d), lambda j, r, hd: (r, j, hd, 0)),
@@ -404,7 +454,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
         compiler_params=params,
         interpret=interpret,
         name="seqjax_flash_dkv",
-    )(metadata.dkv_q, scalars, seg_q, seg_k, q, k, v, do, lse, delta)
+    )(metadata.dkv_q, scalars, seg_q, seg_k, q, k, v, do, lse, delta, *prefixes)
     return dq, dk, dv
 
 
