@@ -17,7 +17,8 @@ run as:
 - ``trl``: TRL 1.16's GRPOTrainer itself (torch, peft) on the same completions through its ``rollout_func``,
   where ``--trl-python`` names an interpreter that has it.
 
-Each reports padding (``1 - real tokens / row slots``), the tokens the model computes, and, timed over
+Each reports padding (``1 - real tokens / row slots``), the tokens the model computes, the flash kernel's
+forward tiles a step (the attention's work where it runs: the GPU's ``auto``), and, timed over
 ``--steps`` steps after a warm-up, step time and completion tokens/s. Sampling (``--generations`` copies of each
 prompt, ``--max-completion`` new tokens each, no stop) is timed for seqjax's ``sample_rollouts`` (each prompt
 prefilled once, its cache copied to its rows, one device loop), seqjax's ``generate`` on the prompts written out
@@ -115,6 +116,30 @@ def with_rollout_fields(batch: dict) -> dict:
                   "reference_is_policy": jnp.zeros((rows, 1), jnp.int32)}
 
 
+def flash_tiles(batches: list, head_dim: int) -> dict:
+    """The flash kernel's forward tiles a step visits (its block sizes for ``head_dim``, from the batches' segment
+    and prompt ids): what its time scales with. Under a shared prompt also what one range a query block, from its
+    prompt to its diagonal, would visit instead of the prompt's range beside its own."""
+    import jax.numpy as jnp
+
+    from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata
+
+    sizes, tiles, one_range = BlockSizes.for_head_dim(head_dim), 0, 0
+    for batch in batches:
+        prefix = batch.get("prefix_ids")
+        metadata = block_metadata(jnp.asarray(batch["segment_ids"]), sizes, prefix_ids=prefix)
+        own = np.asarray(metadata.fwd_kv)
+        tiles += int((own[..., 3] - own[..., 0]).sum())
+        if prefix is not None:
+            prompt = np.asarray(metadata.fwd_prefix)
+            tiles += int((prompt[..., 3] - prompt[..., 0]).sum())
+            start = np.where(prompt[..., 3] > prompt[..., 0], np.minimum(prompt[..., 0], own[..., 0]), own[..., 0])
+            one_range += int((own[..., 3] - start).sum())
+    steps = len(batches)
+    return {"flash_tiles_per_step": round(tiles / steps, 1),
+            **({"flash_tiles_one_range_per_step": round(one_range / steps, 1)} if one_range else {})}
+
+
 def timed(run, batches: list, steps: int) -> dict:
     import jax
 
@@ -155,7 +180,8 @@ def seqjax_layout(layout: str, groups, args) -> dict:
         batches.append(with_rollout_fields(batch))
     config = config_for(args, layout, width)
     return {"padding": round(1 - real / slots, 4), "positions_computed_per_step": round(real / len(batches), 1),
-            "rows_per_step": rows, "row_width": width, **timed(step_runner(config), batches, args.steps)}
+            "rows_per_step": rows, "row_width": width, **flash_tiles(batches, SHAPES[args.shape]["head_dim"]),
+            **({} if args.tiles_only else timed(step_runner(config), batches, args.steps))}
 
 
 def trl_layout(groups, args) -> dict:
@@ -171,7 +197,8 @@ def trl_layout(groups, args) -> dict:
         slots, real = slots + batch["inputs"].size, real + int((batch["segment_ids"] > 0).sum())
         batches.append(with_rollout_fields(batch))
     return {"padding": round(1 - real / slots, 4), "positions_computed_per_step": round(real / len(batches), 1),
-            **timed(step_runner(config_for(args, "padded")), batches, args.steps)}
+            **flash_tiles(batches, SHAPES[args.shape]["head_dim"]),
+            **({} if args.tiles_only else timed(step_runner(config_for(args, "padded")), batches, args.steps))}
 
 
 def sampling(groups, args) -> dict:
@@ -317,9 +344,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shape", choices=tuple(SHAPES), default="small")
-    p.add_argument("--attention", default="auto", help="model.attention (the prompt-once mask runs on xla)")
+    p.add_argument("--attention", default="auto", help="model.attention (auto: xla on a CPU, the flash kernel on "
+                   "a GPU)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--no-sampling", action="store_true", help="time the steps only")
+    p.add_argument("--tiles-only", action="store_true", help="count each layout's positions and flash tiles only "
+                   "(no model, no timing, no sampling): the attention's work at shapes a CPU cannot run")
     p.add_argument("--trl-python", help="an interpreter with torch, transformers, peft and TRL: adds their runs")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -334,9 +364,9 @@ def main() -> None:
     for layout in LAYOUTS:
         result[layout] = seqjax_layout(layout, groups, args)
     result["trl_layout"] = trl_layout(groups, args)
-    if not args.no_sampling:
+    if not (args.no_sampling or args.tiles_only):
         result["sampling"] = sampling(groups, args)
-    if args.trl_python:
+    if args.trl_python and not args.tiles_only:
         with tempfile.TemporaryDirectory() as tmp:
             spec = {"folder": tmp, "vocab": args.vocab, "model": SHAPES[args.shape], "seq_len": args.seq_len,
                     "groups": groups, "generations": args.generations, "max_completion": args.max_completion,

@@ -221,3 +221,26 @@ def test_the_shared_prompt_lowers_to_triton_for_h100():
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids, ids).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+@pytest.mark.slow  # (a subprocess: the CLI's counts; the fast loop keeps the ranges' own tests)
+def test_bench_grpo_counts_each_layouts_flash_tiles():
+    """``scripts/bench_grpo.py --tiles-only``: each layout's positions and the flash kernel's forward tiles a step,
+    from the batches' own ids; prompt_once's second range visits fewer tiles than one range from the prompt."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "scripts/bench_grpo.py", "--tiles-only", "--shape", "toy", "--prompts", "3",
+                           "--generations", "4", "--prompt-median", "40", "--completion-median", "60",
+                           "--max-completion", "128", "--seq-len", "1024", "--batch", "1"],
+                          cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    once = result["prompt_once"]
+    assert 0 < once["flash_tiles_per_step"] < once["flash_tiles_one_range_per_step"]
+    assert once["positions_computed_per_step"] < result["trl_layout"]["positions_computed_per_step"]
+    assert all(result[layout]["flash_tiles_per_step"] > 0 for layout in ("prompt_per_completion", "padded"))
+    assert "step_s" not in once and "sampling" not in result  # nothing timed
