@@ -360,15 +360,22 @@ def test_sgd_on_an_attention_layer_matches_xla():
 # ------------------------------------------------------------------------------------------- GPU lowering
 
 
+def lowered_for_h100(loss, *args) -> str:
+    """The text of ``jit(grad(loss))`` over q, k, v (the first three of ``args``, ShapeDtypeStructs) lowered for an
+    abstract H100 (AOT, no GPU needed): what each kernel's lowering tests read."""
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Explicit,),
+        abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda"),
+    )
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton lowering is deprecated in jax 0.11
+        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize(("head_dim", "dtype", "window"), [(128, jnp.bfloat16, None), (256, jnp.float16, 100)])
 def test_lowers_to_triton_for_h100(head_dim, dtype, window):
     """Without a GPU, check that forward, dQ and dK/dV pass Pallas's Triton lowering (AOT, abstract H100)."""
-    mesh = jax.sharding.AbstractMesh(
-        (1,),
-        ("x",),
-        (jax.sharding.AxisType.Explicit,),
-        abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda"),
-    )
     q = jax.ShapeDtypeStruct((1, 200, 6, head_dim), dtype)  # T not a block multiple; 3 query heads per kv head
     kv = jax.ShapeDtypeStruct((1, 200, 2, head_dim), dtype)
     segment_ids = jax.ShapeDtypeStruct((1, 200), jnp.int32)
@@ -376,12 +383,7 @@ def test_lowers_to_triton_for_h100(head_dim, dtype, window):
     def loss(q, k, v, s):
         return flash_attention(q, k, v, s, interpret=False, window=window).astype(jnp.float32).sum()
 
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton lowering is deprecated in jax 0.11
-        lowered = (
-            jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, segment_ids).lower(lowering_platforms=("cuda",))
-        )
-    text = lowered.as_text()
+    text = lowered_for_h100(loss, q, kv, kv, segment_ids)
     assert text.count("__gpu$xla.gpu.triton") == 3
     for kernel in ("seqjax_flash_forward", "seqjax_flash_dq", "seqjax_flash_dkv"):
         assert kernel in text
@@ -445,10 +447,6 @@ def test_non_causal_metadata_is_checked_and_takes_no_window():
 def test_a_span_lowers_to_triton_for_h100():
     """A split row's span (256 queries against 512 keys, its offsets traced) passes the Triton lowering, its
     log-sum-exp differentiated too: the three passes, as for a whole row."""
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("x",), (jax.sharding.AxisType.Explicit,),
-        abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda"),
-    )
     q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     row = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
@@ -458,9 +456,5 @@ def test_a_span_lowers_to_triton_for_h100():
         out, lse = flash_attention_span(q, k, v, row[:, :256], row[:, :512], metadata, interpret=False)
         return out.astype(jnp.float32).sum() + lse.sum()
 
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)
-        at = jax.ShapeDtypeStruct((), jnp.int32)
-        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, row, at)
-        lowered = traced.lower(lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
+    text = lowered_for_h100(loss, q, kv, kv, row, jax.ShapeDtypeStruct((), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 3

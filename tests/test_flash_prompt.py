@@ -20,7 +20,7 @@ from seqjax.model.attention import masked_attention
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata
 from seqjax.model.kernels.flash import flash_attention
 from seqjax.model.mask import segment_mask
-from test_flash import assert_close, between, random_qkv
+from test_flash import assert_close, between, lowered_for_h100, random_qkv
 
 SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
 UNEVEN = BlockSizes(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)
@@ -204,11 +204,6 @@ def test_a_model_on_pallas_takes_the_shared_prompt_as_xla_does():
 def test_the_shared_prompt_lowers_to_triton_for_h100():
     """Without a GPU: forward, dQ and dK/dV with the prompt's ranges and ids pass Pallas's Triton lowering for an
     H100 (AOT, abstract device), in bfloat16 at D = 128."""
-    import warnings
-
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
-                                     abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100",
-                                                                                 num_cores=None, platform="cuda"))
     q = jax.ShapeDtypeStruct((1, 300, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 300, 2, 128), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((1, 300), jnp.int32)
@@ -216,10 +211,7 @@ def test_the_shared_prompt_lowers_to_triton_for_h100():
     def loss(q, k, v, s, prefix):
         return flash_attention(q, k, v, s, interpret=False, prefix_ids=prefix).astype(jnp.float32).sum()
 
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids, ids).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h100(loss, q, kv, kv, ids, ids)
     assert text.count("__gpu$xla.gpu.triton") == 3
 
 

@@ -8,8 +8,6 @@ Forward and all three gradients are checked under hypothesis-drawn packings and 
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +20,7 @@ from seqjax.model.attention import reference_attention
 from seqjax.model.kernels.block_ranges import block_metadata
 from seqjax.model.kernels.mosaic import BLOCK_SIZES, mosaic_attention
 from seqjax.model.mask import FULL
-from test_flash import assert_close, packed_batch, random_qkv
+from test_flash import assert_close, lowered_for_h100, packed_batch, random_qkv
 
 
 def _vjp(attend, q, k, v, segment_ids, window, cotangent):
@@ -173,9 +171,6 @@ def test_lowers_through_mosaic_gpu_for_an_h100(consumers, overlap, key_block):
     """Without a GPU: forward, dQ and dK/dV pass Mosaic GPU's lowering (layouts, TMA, wgmma) for an H100, with one
     consumer warpgroup or two in ping-pong, each with and without the softmax overlapped with the next QK^T, and
     on 128-key forward tiles."""
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
-                                     abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100",
-                                                                                 num_cores=None, platform="cuda"))
     q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
@@ -184,10 +179,7 @@ def test_lowers_through_mosaic_gpu_for_an_h100(consumers, overlap, key_block):
         return mosaic_attention(q, k, v, s, interpret=False, consumers=consumers, overlap=overlap,
                                 key_block=key_block).astype(jnp.float32).sum()
 
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = lowered_for_h100(loss, q, kv, kv, ids)
     assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == 3  # forward, dQ, dK/dV
 
 
