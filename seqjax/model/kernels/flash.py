@@ -291,7 +291,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
     bs = metadata.block_sizes
     n_q = t // bs.block_q
     rev = _reversed(n_q)
-    prompt = _prompt_operands(metadata.fwd_prefix, prefix, n_q, bs.block_q, rev)
+    prompt, prompt_specs = _prompt_operands(metadata.fwd_prefix, prefix, n_q, bs.block_q, rev)
     kernel = functools.partial(_forward_kernel, qk_scale=scale * LOG2_E, block_k=bs.block_k, causal=metadata.causal,
                                prompt=bool(prompt))
     return pl.pallas_call(
@@ -305,7 +305,7 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
             pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
             pl.BlockSpec((None, tk, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
             pl.BlockSpec((None, tk, None, d), lambda i, r, hd: (r, 0, hd // group, 0)),
-            *prompt[1::2],
+            *prompt_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, bs.block_q, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
@@ -315,16 +315,16 @@ def _forward(q, k, v, segment_ids, metadata: BlockMetadata, scale: float, interp
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="seqjax_flash_forward",
-    )(metadata.fwd_kv, _scalars_operand(metadata), seg_q, seg_k, q, k, v, *prompt[::2])
+    )(metadata.fwd_kv, _scalars_operand(metadata), seg_q, seg_k, q, k, v, *prompt)
 
 
-def _prompt_operands(ranges, prefix, n_q: int, block_q: int, rev) -> tuple:
-    """A query-block pass's extra operands under a shared prompt, (array, BlockSpec) alternating:
-    the blocks' prompt ranges and the queries' prefix ids; () without one."""
+def _prompt_operands(ranges, prefix, n_q: int, block_q: int, rev) -> tuple[tuple, tuple]:
+    """A query-block pass's extra operands under a shared prompt and their BlockSpecs: the blocks'
+    prompt ranges and the queries' prefix ids; ((), ()) without one."""
     if ranges is None:
-        return ()
-    return (ranges, pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
-            prefix, pl.BlockSpec((None, block_q), lambda i, r, hd: (r, rev(i))))
+        return (), ()
+    return (ranges, prefix), (pl.BlockSpec((None, n_q, 4), lambda i, r, hd: (r, 0, 0)),
+                              pl.BlockSpec((None, block_q), lambda i, r, hd: (r, rev(i))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,7 +404,7 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
 
     n_q = t // bq_dq
     rev = _reversed(n_q)
-    prompt = _prompt_operands(metadata.dq_prefix, prefix, n_q, bq_dq, rev)
+    prompt, prompt_specs = _prompt_operands(metadata.dq_prefix, prefix, n_q, bq_dq, rev)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, block_k=bk_dq, causal=metadata.causal, prompt=bool(prompt)),
         grid=(n_q, b, h),
@@ -419,14 +419,14 @@ def _backward(q, k, v, segment_ids, metadata: BlockMetadata, scale, interpret, l
             pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
             pl.BlockSpec((None, None, bq_dq), lambda i, r, hd: (r, hd, rev(i))),
             pl.BlockSpec((None, None, bq_dq), lambda i, r, hd: (r, hd, rev(i))),
-            *prompt[1::2],
+            *prompt_specs,
         ],
         out_specs=pl.BlockSpec((None, bq_dq, None, d), lambda i, r, hd: (r, rev(i), hd, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="seqjax_flash_dq",
-    )(metadata.dq_kv, scalars, seg_q, seg_k, q, k, v, do, lse, delta, *prompt[::2])
+    )(metadata.dq_kv, scalars, seg_q, seg_k, q, k, v, do, lse, delta, *prompt)
 
     n_k = tk // bk
     prefixes = () if prefix is None else (prefix,)  # the queries' prompt ids, for edge tiles
