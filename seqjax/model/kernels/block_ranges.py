@@ -248,11 +248,8 @@ def block_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, window=None,
         if window is not None or not causal or queries is not None or keys is not None:
             raise ValueError("block_metadata: a shared prompt (prefix_ids) with a window, "
                              "causal=False or spans; expected whole causal rows without a window")
-        t = segment_ids.shape[-1]
-        padded = block_sizes.padded_length(t)
-        pad = ((0, 0), (0, padded - t))
-        ids = jnp.pad(segment_ids.astype(jnp.int32), pad)
-        return _shared_prompt_ranges(ids, jnp.pad(prefix_ids.astype(jnp.int32), pad), block_sizes)
+        return _shared_prompt_ranges(_padded(segment_ids, block_sizes), _padded(prefix_ids, block_sizes),
+                                     block_sizes)
     return span_metadata(segment_ids, block_sizes, [(queries, keys)], window, causal)[0]
 
 
@@ -319,10 +316,15 @@ def span_metadata(segment_ids: jax.Array, block_sizes: BlockSizes, spans: list, 
     if not causal and window is not None:
         raise ValueError("block_metadata: a window with causal=False; expected windows as segments")
     w = jnp.asarray(FULL if window is None else window, jnp.int32)
-    t = segment_ids.shape[-1]
-    padded = block_sizes.padded_length(t)
-    row = _positions(jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, padded - t))))
+    ids = _padded(segment_ids, block_sizes)
+    row, padded = _positions(ids), ids.shape[-1]
     return [_span_ranges(row, padded, block_sizes, w, causal, queries, keys) for queries, keys in spans]
+
+
+def _padded(ids: jax.Array, block_sizes: BlockSizes) -> jax.Array:
+    """[B, T] ids as int32, padded with 0 to the length the kernels pad T to."""
+    t = ids.shape[-1]
+    return jnp.pad(ids.astype(jnp.int32), ((0, 0), (0, block_sizes.padded_length(t) - t)))
 
 
 def _span_ranges(row: tuple, padded: int, bs: BlockSizes, w, causal: bool, queries, keys) -> BlockMetadata:
