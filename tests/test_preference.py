@@ -234,6 +234,65 @@ def test_a_reference_with_the_policys_weights_gives_rewards_of_exactly_zero_in_t
     assert float(later["rewards/margins"]) != 0.0 and float(later["rewards/accuracies"]) > 0.0
 
 
+SEGMENT_SUMS = jax.jit(lambda values, ids: __import__("seqjax.model.loss").model.loss.segment_sums(values, ids, 4))
+
+
+@settings(max_examples=25, deadline=None)
+@given(values=st.lists(st.floats(-30.0, 0.0, width=32), min_size=1, max_size=24), before=st.integers(0, 40),
+       between=st.integers(0, 40))
+def test_the_same_values_sum_to_the_same_float32_bits_wherever_they_sit_in_a_row(values, before, between):
+    """segment_sums adds a run's entries in an order set by their places in the run alone: a sequence's values
+    at any offset of a row, after any other segment, give the same bits."""
+    n, t = len(values), 132  # (one shape: one compilation)
+    row, ids = np.zeros(t, np.float32), np.zeros(t, np.int32)
+    noise = np.random.default_rng(n).normal(size=t).astype(np.float32) * 30
+    row[:before], ids[:before] = noise[:before], 1
+    row[before:before + n], ids[before:before + n] = values, 2
+    at = before + n + between
+    row[before + n:at], ids[before + n:at] = noise[before + n:at], 3
+    row[at:at + n], ids[at:at + n] = values, 4
+    sums = np.asarray(SEGMENT_SUMS(jnp.asarray(row[None]), jnp.asarray(ids[None])))[0]
+    assert sums[1].tobytes() == sums[3].tobytes()
+    np.testing.assert_allclose(sums[1], np.sum(np.asarray(values, np.float64)), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_equal_pair_ties_exactly_as_trls_rows_of_their_own_do(shared):
+    """A pair whose chosen and rejected sequences are the same (data.degenerate_pairs=keep trains it, as TRL does)
+    has equal sums bit for bit in a packed row, whatever attention's reductions round apart at the two offsets:
+    a margin of exactly 0, not counted as won, no gradient from it. An ulp between two different sequences'
+    sums is kept."""
+    rng = np.random.default_rng(0)  # (with the shared prompt, this model rounds the two apart on some tokens)
+    pairs = [(list(rng.integers(1, VOCAB, 7)), list(rng.integers(1, VOCAB, 5)), list(rng.integers(1, VOCAB, 6)))
+             for _ in range(3)]
+    pairs[1] = (pairs[1][0], pairs[1][1], list(pairs[1][1]))
+    cfg = config(*(["data.shared_prompt=true"] if shared else []), "data.batch_size=1", "data.seq_len=128")
+    batch = batch_of(cfg, store_of(pairs))
+    for seed in range(4):
+        model = build_model(cfg, rngs=nnx.Rngs(seed))
+        c, r = (np.asarray(x)[0] for x in pair_sums(target_logprobs(model, batch, None, batch["weights"] > 0),
+                                                    batch))
+        assert c[1].tobytes() == r[1].tobytes() and c[0] != r[0] and c[2] != r[2]
+    # the rule, alone: an ulp put on the equal pair's rejected tokens is taken back; on another pair, kept
+    chosen = (np.asarray(batch["pair_ids"]) == 3) & (np.asarray(batch["weights"]) > 0)
+    rejected = (np.asarray(batch["pair_ids"]) == 4) & (np.asarray(batch["weights"]) > 0)
+    other = (np.asarray(batch["pair_ids"]) == 2) & (np.asarray(batch["weights"]) > 0)
+    values = np.where(chosen | rejected | other, -1.5, 0.0).astype(np.float32)
+    values[rejected | other] = np.nextafter(np.float32(-1.5), np.float32(0))
+    c, r = (np.asarray(x)[0] for x in pair_sums(jnp.asarray(values), batch))
+    assert c[1] == r[1] and r[0] != -1.5 * other.sum()
+    # in the objective: the equal pair is not won, the others as their sums say
+    model = build_model(cfg, rngs=nnx.Rngs(0))
+    objective = resolve(["dpo"])
+    inputs = Inputs(model, None, {"beta": 0.1, "label_smoothing": 0.0}, objective.totals(batch),
+                    lambda micro: jnp.zeros(micro["weights"].shape))
+    c, r = (np.asarray(x)[0] for x in pair_sums(target_logprobs(model, batch, None, batch["weights"] > 0), batch))
+    won, count = (float(x) for x in objective.loss(inputs, batch).reported["rewards/accuracies"])
+    margins = float(objective.loss(inputs, batch).reported["rewards/margins"][0])
+    assert count == 3 and won == float(c[0] > r[0]) + float(c[2] > r[2])
+    assert margins == pytest.approx(0.1 * float((c[0] - r[0]) + (c[2] - r[2])), rel=1e-5)
+
+
 def test_bad_pairs_are_one_line_naming_the_record(tmp_path):
     from seqjax.store.build import prepare
 

@@ -24,6 +24,12 @@ from test_preference_trl import run_config
 from test_train_support import train_losses
 
 
+def reference(kind: str) -> dict:
+    from test_preference_trl import reference as trl_reference
+
+    return trl_reference(kind)
+
+
 def reference_pairs() -> list[dict]:
     """TRL's per-pair log-probabilities of the text pairs (the policy's, and the base's as ref_*)."""
     from test_preference_trl import reference
@@ -143,8 +149,22 @@ def test_eval_scores_pairs_against_a_models_own_weights_when_it_never_trained_an
                                [p["ref_chosen"] for p in theirs], rtol=2e-6, atol=2e-4)
     np.testing.assert_allclose([row["ref_logp_rejected"] for row in rows][:len(theirs)],
                                [p["ref_rejected"] for p in theirs], rtol=2e-6, atol=2e-4)
+    # simpo has no reference: an imported folder is scored alone, each pair's reward beta times its per-token mean
+    # (TRL's CPO and SimPO rewards), from the log-probabilities TRL computed for the base
+    simpo = [*data[:-3], "train.objective=simpo", "train.beta=2.0", *data[-2:]]
+    scored = eval_cli.score(eval_args(overrides=simpo, hf=str(base), per_example=str(tmp_path / "s.jsonl")))
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    lengths = [(len(p["chosen_ids"]), len(p["rejected_ids"])) for p in reference("text")["tokenized"]]
+    assert "ref_logp_chosen" not in rows[0] and scored["rewards/margins"] != 0.0
+    np.testing.assert_allclose([row["reward_chosen"] for row in rows][:len(theirs)],
+                               [2.0 * p["ref_chosen"] / n for p, (n, _) in zip(theirs, lengths)], rtol=2e-6, atol=2e-5)
+    margins = [2.0 * (p["ref_chosen"] / n - p["ref_rejected"] / m) for p, (n, m) in zip(theirs, lengths)]
+    np.testing.assert_allclose([row["margin"] for row in rows][:len(theirs)], margins, rtol=2e-6, atol=2e-5)
     train(config)  # (sft: no reference model)
     with pytest.raises(ConfigError, match="train.reference: the run was trained without a reference model"):
         eval_cli.score(eval_args(run=str(tmp_path / "sft"), overrides=data))
     named = eval_cli.score(eval_args(run=str(tmp_path / "sft"), overrides=[*data, f"train.reference={base}"]))
     assert named["rewards/margins"] != 0.0 and json.dumps(named)
+    # ... but a reference-free objective scores the same run's pairs without one
+    alone = eval_cli.score(eval_args(run=str(tmp_path / "sft"), overrides=simpo))
+    assert alone["pairs"] == 16 and alone["rewards/margins"] != 0.0

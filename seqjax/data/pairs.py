@@ -154,6 +154,20 @@ def add_to_table(logps: np.ndarray, batch: dict[str, np.ndarray], values: np.nda
     np.add.at(logps, (pair, 1 - ids % 2), values[scored])
 
 
+def slot_pairs(batch: dict[str, np.ndarray]) -> np.ndarray:
+    """[B, T // 2]: the store's number of the pair in each row's pair slot (the preference objectives' per-pair
+    columns, :func:`seqjax.objectives.preference.pair_sums`), -1 where a slot holds none.
+
+    >>> slot_pairs({"pair_ids": np.array([[1, 1, 2, 2, 3, 4]]), "pair_index": np.array([[5, 5, 5, 5, 2, 2]])})
+    array([[ 4,  1, -1]])
+    """
+    pair_ids, index = np.asarray(batch["pair_ids"]), np.asarray(batch["pair_index"])
+    out = np.full((pair_ids.shape[0], pair_ids.shape[1] // 2), -1, np.int64)
+    row, t = np.nonzero((pair_ids > 0) & (index > 0))
+    out[row, (pair_ids[row, t] - 1) // 2] = index[row, t] - 1
+    return out
+
+
 def with_reference(batch: dict[str, np.ndarray], logps: np.ndarray) -> dict[str, np.ndarray]:
     """``batch`` and its ``reference_logps`` field: each sequence's value on its last scored target.
 

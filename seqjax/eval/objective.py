@@ -17,15 +17,16 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from seqjax.config.tree import Config
 from seqjax.core.progress import progress_bar
 from seqjax.data.epochs import epoch_in_order
-from seqjax.data.pairs import add_to_table, with_reference
+from seqjax.data.pairs import slot_pairs, with_reference
 from seqjax.objectives import Inputs, resolve, settings_of
-from seqjax.objectives.base import target_logprobs
+from seqjax.objectives.base import pair_sums, target_logprobs
 from seqjax.store.reader import TokenStore
 
 
@@ -51,52 +52,55 @@ def evaluate_objective(model: nnx.Module, reference: nnx.Module | np.ndarray | N
         return target_logprobs(nnx.merge(reference_graphdef, reference_state), micro, None, micro["weights"] > 0)
 
     @jax.jit
-    def terms(state, reference_state, batch):
+    def terms(sums, state, reference_state, batch):
         inputs = Inputs(nnx.merge(graphdef, state), None, settings, objective.totals(batch),
                         lambda micro: reference_logprobs(reference_state, micro))
-        out = objective.loss(inputs, batch)
-        return out.loss, out.denominator, out.reported
+        return objective.combine(sums, objective.loss(inputs, batch))
 
     @jax.jit
-    def logprobs(state, reference_state, batch):  # (per pair: the policy's and the reference's sums)
+    def pair_figures(state, reference_state, batch):  # (per pair slot: the policy's, the reference's, tokens)
         scored = batch["weights"] > 0
-        ours = target_logprobs(nnx.merge(graphdef, state), batch, None, scored)
-        theirs = None if reference is None else reference_logprobs(reference_state, batch)
-        return ours, theirs
+        ours = pair_sums(target_logprobs(nnx.merge(graphdef, state), batch, None, scored), batch)
+        theirs = None if reference is None else pair_sums(reference_logprobs(reference_state, batch), batch)
+        return {"policy": ours, "reference": theirs, "tokens": pair_sums(jnp.ones(scored.shape, jnp.float32), batch)}
 
-    pairs = store.num_docs // 2
-    tables = {name: np.zeros((pairs, 2)) for name in ("policy", "reference", "tokens")} if per_example else None
-    start, loss, count, reported, batches = time.perf_counter(), 0.0, 0.0, {}, 0
+    tables = {name: np.zeros((store.num_docs // 2, 2)) for name in ("policy", "reference", "tokens")} \
+        if per_example else None
+    start, sums, batches = time.perf_counter(), objective.zero_terms(), 0
     total, in_order = epoch_in_order(config, store)
     bar = progress_bar(total=total if max_batches is None else min(total, max_batches), unit="batch",
-                       desc=f"{objective.name} on {split or store.manifest.get('split') or config.eval.split}",
+                       desc=f"{objective.name} on "
+                            f"{split or store.manifest.get('split') or config.eval.split}",
                        enabled=progress)
     for batch in in_order:
         if max_batches is not None and batches >= max_batches:
             break
         bar.update()
         batch = batch if table is None else with_reference(batch, table)
-        if tables is not None:
-            ours, theirs = logprobs(state, reference_state, batch)
-            add_to_table(tables["policy"], batch, np.asarray(ours, np.float64))
-            add_to_table(tables["tokens"], batch, np.ones(batch["weights"].shape))
-            if theirs is not None:
-                add_to_table(tables["reference"], batch, np.asarray(theirs, np.float64))
-        value, denominator, metrics = terms(state, reference_state, batch)
-        loss, count, batches = loss + float(value), count + float(denominator), batches + 1
-        for name, (s, n) in metrics.items():
-            a, b = reported.get(name, (0.0, 0.0))
-            reported[name] = (a + float(s), b + float(n))
+        if tables is not None:  # the sums the objective takes, each pair's row of the tables
+            _fill(tables, pair_figures(state, reference_state, batch), slot_pairs(batch))
+        sums, batches = terms(sums, state, reference_state, batch), batches + 1
     bar.close()
+    count = float(sums.denominator)
     return {
         "split": split or store.manifest.get("split") or config.eval.split,
         "objective": "+".join(tc.objective), "complete": batches >= total, "batches": batches,
-        "loss": loss / count if count else None, "weight": count,
-        **{name: (s / n if n else None) for name, (s, n) in sorted(reported.items())},
-        **({"pairs": int(np.round(reported["rewards/accuracies"][1]))} if "rewards/accuracies" in reported else {}),
+        "loss": float(sums.loss) / count if count else None, "weight": count,
+        **{name: (float(value) if float(sums.reported[name][1]) else None)
+           for name, value in sorted(objective.reported_values(sums.reported).items())},
+        **({"pairs": int(np.round(float(sums.reported["rewards/accuracies"][1])))}
+           if "rewards/accuracies" in sums.reported else {}),
         "seconds": round(time.perf_counter() - start, 3),
         **({"per_example": pair_rows(tables, reference is not None, tc.beta)} if tables is not None else {}),
     }
+
+
+def _fill(tables: dict[str, np.ndarray], figures: dict[str, Any], slots: np.ndarray) -> None:
+    """Each pair slot's (chosen, rejected) figures into its pair's row of the tables."""
+    row, slot = np.nonzero(slots >= 0)
+    for name, pair in figures.items():
+        if pair is not None:
+            tables[name][slots[row, slot]] = np.stack([np.asarray(side)[row, slot] for side in pair], axis=1)
 
 
 def pair_rows(tables: dict[str, np.ndarray], reference: bool, beta: float) -> list[dict[str, Any]]:

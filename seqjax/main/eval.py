@@ -102,8 +102,11 @@ def _write_rows(path: str, rows: list[dict[str, Any]], what: str) -> None:
 
 
 def _reference(args: argparse.Namespace, config, model):
-    """The reference the pairs are scored against: a model that never trained here (``--hf``, an imported
-    run) is its own; a run's is the one it trained against."""
+    """The reference the pairs are scored against: none for an objective without one (simpo, orpo, sft: their
+    rewards are beta times the per-token mean); a model that never trained here (``--hf``, an imported run) is
+    its own; a run's is the one it trained against."""
+    if not resolve(config.train.objective, config.train.objective_weights).reference:
+        return None
     own = bool(getattr(args, "hf", None)) or getattr(model, "params_only", False)
     trained = True
     if not own:

@@ -306,11 +306,30 @@ def segment_sums(values: jax.Array, segment_ids: jax.Array, num_segments: int) -
     (1..S) of each row; segment 0 (padding) and ids above S are dropped. The one reduction every
     sequence-level objective shares: a packed row's sums equal each sequence's sum computed alone.
 
+    The order of the additions depends on nothing but each entry's place in its run of equal ids (a
+    pairwise tree over the run: entries 0+1, 2+3, ..., then (0+1)+(2+3), ...), never on where the run
+    sits in the row or on the backend's scatter order: the same values give the same float32 sum bit
+    for bit at any offset, on every device (a preference pair's identical chosen and rejected sequences tie
+    exactly, as TRL's, which runs them in rows of their own).
+
     >>> segment_sums(jnp.array([[1., 2., 3., 0.]]), jnp.array([[1, 1, 2, 0]]), 2)
     Array([[3., 3.]], dtype=float32)
     """
-    b = values.shape[0]
-    ids = jnp.where((segment_ids > 0) & (segment_ids <= num_segments), segment_ids - 1, num_segments)
+    b, t = values.shape
+    index = jnp.arange(t)
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    run_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    place = index - run_start  # each entry's place in its run
+    acc, shift = values, 1
+    while shift < t:  # level k: an entry at a multiple of 2^(k+1) adds the partial sum 2^k after it
+        later = jnp.pad(acc[:, shift:], ((0, 0), (0, shift)))
+        same_run = jnp.pad(run_start[:, shift:] == run_start[:, :-shift], ((0, 0), (0, shift)))
+        acc = jnp.where(same_run & (place % (2 * shift) == 0), acc + later, acc)
+        shift *= 2
+    # each run's first entry holds its sum: the one entry its segment's column receives (a segment
+    # cut into several runs adds them)
+    keep = starts & (segment_ids > 0) & (segment_ids <= num_segments)
+    ids = jnp.where(keep, segment_ids - 1, num_segments)
     flat = (jnp.arange(b)[:, None] * (num_segments + 1) + ids).reshape(-1)
-    sums = jax.ops.segment_sum(values.reshape(-1), flat, num_segments=b * (num_segments + 1))
+    sums = jax.ops.segment_sum(jnp.where(keep, acc, 0.0).reshape(-1), flat, num_segments=b * (num_segments + 1))
     return sums.reshape(b, num_segments + 1)[:, :num_segments]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from seqjax.data.contract import Batch, model_fields
 from seqjax.model.context import row_spans
-from seqjax.model.loss import chunked_token_logprobs, token_logprobs, token_stats
+from seqjax.model.loss import chunked_token_logprobs, segment_sums, token_logprobs, token_stats
 
 
 class Terms(NamedTuple):
@@ -58,7 +58,8 @@ class Inputs:
     policy_is_reference: jax.Array | bool = False
 
     def reference_logprobs(self, micro: Batch, policy: jax.Array) -> jax.Array:
-        """The reference's per-token log-probabilities of ``micro``, given the policy's (``policy``).
+        """The reference's per-token log-probabilities of ``micro``, given the policy's
+        (``policy``).
 
         When the reference's weights are the policy's (LoRA's base with every B still 0, a frozen
         copy not yet moved from), they are the policy's own, bit for bit. Computed apart they would
@@ -91,12 +92,38 @@ class Objective:
     doc: str = ""
     reports: tuple[str, ...] = ()  # the names of Terms.reported, every micro-batch the same
     parts: tuple["Objective", ...] = ()  # a weighted sum's objectives
+    # reported names that are a smallest or largest value ("min" or "max"), not a sum: (value,
+    # count)
+    extremes: tuple[tuple[str, str], ...] = ()
+    # an RL loss type's needs of its rollouts (seqjax.objectives.rl.LossType: its advantages, where
+    # its KL goes), None for the others
+    rl: Any = None
 
     def zero_terms(self) -> Terms:
         """Terms of zeros, shaped as this objective's: where the step's sums over micro-batches
-        start."""
+        start (an extreme starts at the infinity any value replaces)."""
         zero = jnp.zeros((), jnp.float32)
-        return Terms(zero, zero, zero, {name: (zero, zero) for name in self.reports})
+        start = {name: jnp.asarray(jnp.inf if kind == "min" else -jnp.inf, jnp.float32)
+                 for name, kind in self.extremes}
+        return Terms(zero, zero, zero, {name: (start.get(name, zero), zero) for name in self.reports})
+
+    def combine(self, a: Terms, b: Terms) -> Terms:
+        """Two micro-batches' terms as one: sums added, extremes kept (their counts added)."""
+        kinds = dict(self.extremes)
+        reported = {}
+        for name, (value, count) in a.reported.items():
+            other, more = b.reported[name]
+            kind = kinds.get(name)
+            joined = value + other if kind is None else (jnp.minimum if kind == "min" else jnp.maximum)(value, other)
+            reported[name] = (joined, count + more)
+        return Terms(a.value + b.value, a.denominator + b.denominator, a.loss + b.loss, reported)
+
+    def reported_values(self, reported: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
+        """Each reported metric's value: a sum over its count (0 for none), an extreme as it is
+        (NaN for none, as TRL's nanmin of nothing)."""
+        kinds = dict(self.extremes)
+        return {name: (safe_divide(total, count) if name not in kinds
+                       else jnp.where(count > 0, total, jnp.nan)) for name, (total, count) in reported.items()}
 
     def totals(self, batch: Batch) -> dict[str, jax.Array]:
         """This objective's denominator over the global batch, and each part's:
@@ -131,3 +158,54 @@ def target_logprobs(model, micro: Batch, key: jax.Array | None, scored: jax.Arra
 def safe_divide(total: jax.Array, count: jax.Array) -> jax.Array:
     """total / count, 0 where count is 0 (an empty batch reports 0, not NaN)."""
     return jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), 0.0)
+
+
+def pair_sums(values: jax.Array, micro: Batch) -> tuple[jax.Array, jax.Array]:
+    """Per-pair sums of ``values`` [B, T] over the scored targets: (chosen [B, P], rejected [B, P])
+    with P = T // 2 pair slots per row (a pair takes at least two tokens).
+
+    A pair whose two sequences score the same targets at the same positions (an equal pair, which
+    TRL trains as it is) ties exactly: its rejected sum is its chosen one. Its two sequences sit
+    at different places of a row, where attention's float32 reductions may round a token's
+    log-probability apart by an ulp (a shared prompt's key gap, a kernel's tiles), and the
+    margin's sign would then decide whether the pair counts as won; TRL, which runs each in a row
+    of its own, gives them equal sums, a margin of 0 and no gradient."""
+    slots = micro["pair_ids"].shape[1] // 2
+    scored = micro["weights"] > 0
+    sums = segment_sums(values * scored, micro["pair_ids"], 2 * slots)
+    sums = sums.reshape(sums.shape[0], slots, 2)
+    chosen, rejected = sums[..., 0], sums[..., 1]
+    return chosen, jnp.where(equal_pairs(micro), chosen, rejected)
+
+
+def equal_pairs(micro: Batch) -> jax.Array:
+    """[B, P]: the pair slots whose chosen and rejected sequences score the same targets at the
+    same positions, told apart by two 32-bit fingerprints of (target, position) over each
+    sequence's scored targets, added with integer wrap-around (exact, in any order) and their
+    counts."""
+    slots = micro["pair_ids"].shape[1] // 2
+    scored = micro["weights"] > 0
+    target = micro["targets"].astype(jnp.uint32)
+    position = micro["positions"].astype(jnp.uint32)
+    ids = jnp.where(scored & (micro["pair_ids"] > 0), micro["pair_ids"], 0)
+    rows = micro["pair_ids"].shape[0]
+    flat = (jnp.arange(rows)[:, None] * (2 * slots + 1) + jnp.where(ids > 0, ids - 1, 2 * slots)).reshape(-1)
+
+    def sums(values):
+        out = jax.ops.segment_sum(jnp.where(ids > 0, values, 0).reshape(-1), flat, num_segments=rows * (2 * slots + 1))
+        out = out.reshape(rows, 2 * slots + 1)[:, :2 * slots].reshape(rows, slots, 2)
+        return out[..., 0] == out[..., 1]
+
+    same = sums(scored.astype(jnp.uint32))
+    for salt in (jnp.uint32(0x9E3779B9), jnp.uint32(0x85EBCA6B)):
+        same &= sums(_mix(target * salt + _mix(position ^ salt)))
+    return same
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """A 32-bit integer hash (murmur3's finalizer), wrapping."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)

@@ -40,20 +40,10 @@ import jax
 import jax.numpy as jnp
 
 from seqjax.data.contract import Batch
-from seqjax.model.loss import segment_sums
-from seqjax.objectives.base import Inputs, Objective, Terms, target_logprobs
+from seqjax.objectives.base import Inputs, Objective, Terms, pair_sums, target_logprobs
 
 REPORTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
-
-
-def pair_sums(values: jax.Array, micro: Batch) -> tuple[jax.Array, jax.Array]:
-    """Per-pair sums of ``values`` [B, T] over the scored targets: (chosen [B, P], rejected [B, P])
-    with P = T // 2 pair slots per row (a pair takes at least two tokens)."""
-    slots = micro["pair_ids"].shape[1] // 2
-    sums = segment_sums(values * (micro["weights"] > 0), micro["pair_ids"], 2 * slots)
-    sums = sums.reshape(sums.shape[0], slots, 2)
-    return sums[..., 0], sums[..., 1]
 
 
 def pair_count(batch: Batch) -> jax.Array:
