@@ -13,3 +13,12 @@ def even_tokens(prompts, completions, completion_ids, **kwargs):
 def near_target(prompts, completions, completion_ids, target=None, **kwargs):
     """How close a completion's text length comes to the record's ``target`` column; None where it has none."""
     return [None if t is None else -abs(len(c) - int(t)) / 10 for c, t in zip(completions, target)]
+
+
+def staged(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **kwargs):
+    """even_tokens, shaped by the run's progress as a TRL reward may shape it (trainer_state), with a column of
+    the completions table (log_extra) and a metric (log_metric) of its own."""
+    shares = even_tokens(prompts, completions, completion_ids)
+    log_extra("length", [len(ids) for ids in completion_ids])
+    log_metric("staged/step", float(trainer_state.global_step))
+    return [share * (1 + trainer_state.global_step / max(trainer_state.max_steps, 1)) for share in shares]

@@ -149,12 +149,17 @@ def test_help_config_lists_every_key(capsys):
 def test_resolved_config_is_saved_named_with_its_overrides_and_loads_back(tmp_path, caplog, capsys):
     """The file holds every key; the log names it and the overrides (stdout is for results alone)."""
     config = load_config(CPU_CONFIG, ["data.seq_len=64", "train.lr=3e-4", "data.corpus=text",
-                                      "data.train_files=[a.txt]"])
+                                      "data.train_files=[a.txt]"], record=True)
     with caplog.at_level("INFO", logger="seqjax.config"):
         saved = announce(config, tmp_path / "out")
     assert saved == tmp_path / "out" / "config.yaml" and capsys.readouterr().out == ""
     assert f"resolved config: {saved} (from {CPU_CONFIG}; overrides: data.seq_len=64 train.lr=3e-4" in caplog.text
     assert load_config(saved) == config
+    # a config read on the way (the run train.init_from names) is not the command's: the line still names its own
+    caplog.clear()
+    with caplog.at_level("INFO", logger="seqjax.config"):
+        announce(config, tmp_path / "again")
+    assert f"(from {CPU_CONFIG}; overrides: data.seq_len=64 train.lr=3e-4" in caplog.text
 
 
 def test_a_quick_run_needs_only_train_steps_and_its_warmup_shrinks_with_one_warning(caplog):

@@ -92,7 +92,7 @@ def test_bad_rl_input_is_one_line(tmp_path):
     cases = {
         f"data.train_files=[{tmp_path / 'no_prompt.jsonl'}]": "no_prompt.jsonl:1",
         "rl.reward_funcs=[no_such_module:reward]": "rl.reward_funcs[0]: 'no_such_module:reward' could not be loaded",
-        f"rl.rollouts_file={tmp_path / 'rollouts.jsonl'}": "rollouts.jsonl:2:",
+        f"rl.rollouts_file={tmp_path / 'rollouts.jsonl'}": "rollouts.jsonl:1: prompt 0 has 2 completions",
         "rl.max_completion_length=60": "rl.layout=prompt_once: a group with its prompt takes",
     }
     for override, message in cases.items():
@@ -132,16 +132,20 @@ def test_a_reward_function_is_called_as_trl_calls_it_and_its_failures_are_one_li
 
     table, total = score([Reward("spy", spy), Reward("one", lambda **_: [1.0, 1.0, None])], [1.0, 2.0],
                          ["p"] * 3, ["ab", "skip", "c"], [[1], [2], [3]], {"answer": ["1", "2", "3"]})
-    assert seen == {"answer": ["1", "2", "3"], "n": 3}
+    # (TRL 1.16's keywords beside the columns: the run's state, and two loggers)
+    assert set(seen) == {"answer", "n", "trainer_state", "log_extra", "log_metric"}
+    assert seen["answer"] == ["1", "2", "3"] and seen["n"] == 3 and seen["trainer_state"].global_step == 0
     np.testing.assert_array_equal(total, [4.0, 2.0, 1.0])  # (None is no score: the others still add up)
     assert np.isnan(table[1, 0])
     adv, zero = advantages(np.asarray([1.0, 3.0, 2.0, 2.0]), 2, "group")
     np.testing.assert_allclose(adv, [-1 / (np.sqrt(2) + 1e-4), 1 / (np.sqrt(2) + 1e-4), 0, 0], rtol=1e-6)
     assert zero.tolist() == [False, False, True, True]
-    for fn, message in ((lambda **_: 1 / 0, "reward bad: raised ZeroDivisionError: division by zero"),
+    raised = "reward bad: raised ZeroDivisionError at .*test_rl_run.py:LINE: division by zero"
+    for fn, message in ((lambda **_: 1 / 0, raised),
                         (lambda **_: [1.0], "reward bad: returned 1 rewards for 3 completions"),
                         (lambda **_: ["x", 1, 2], "reward bad: returned ['x', 1, 2]...; expected floats or None")):
-        with pytest.raises(RewardError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        pattern = message.replace("[", r"\[").replace("(", r"\(").replace("LINE", r"\d+")
+        with pytest.raises(RewardError, match=pattern):
             score([Reward("bad", fn)], [], ["p"] * 3, ["a", "b", "c"], [[1]] * 3, {})
     with pytest.raises(ConfigError, match="rl.reward_funcs\\[0\\]: got 'nope', expected one of accuracy"):
         load_rewards(load_config(None, ["data.corpus=jsonl", "data.format=prompt", "rl.reward_funcs=[nope]"]))

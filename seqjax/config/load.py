@@ -210,11 +210,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequence[str] = (),
-                base: dict[str, Any] | None = None) -> Config:
+                base: dict[str, Any] | None = None, *, record: bool = False) -> Config:
     """Read a YAML config (or start from ``base``, a tree of section mappings, or the defaults),
-    apply dotted overrides, validate everything."""
+    apply dotted overrides, validate everything. ``record``: this is the command's own config
+    (its file and overrides are what :func:`announce` names; a config read on the way, a run's
+    that ``train.init_from`` names, is not)."""
     global _GIVEN
-    _GIVEN = (None if path is None else str(path), [str(o) for o in overrides])
+    if record:
+        _GIVEN = (None if path is None else str(path), [str(o) for o in overrides])
     tree: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         path = Path(path)
@@ -224,15 +227,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
                 "configs/wikitext2_cpu.yaml)")
         if not path.is_file():
             raise ConfigError(
-                f"config file {str(path)!r} not found (expected a YAML file such as configs/wikitext2_cpu.yaml)"
+                f"config file {str(path)!r} not found (expected a YAML file such as "
+                "configs/wikitext2_cpu.yaml)"
             )
         raw = path.read_bytes()
         try:
             text = raw.decode("utf-8-sig")  # (a UTF-8 byte-order mark is fine)
         except UnicodeDecodeError as err:
             raise ConfigError(
-                f"config file {str(path)!r}: byte {err.start} (0x{raw[err.start]:02x}) is not UTF-8; "
-                "expected a UTF-8 YAML file (re-save it as UTF-8)") from None
+                f"config file {str(path)!r}: byte {err.start} (0x{raw[err.start]:02x}) is not "
+                "UTF-8; expected a UTF-8 YAML file (re-save it as UTF-8)") from None
         try:
             loaded = yaml.load(text, Loader=_UniqueKeyLoader)
         except _DuplicateKey as err:
@@ -242,7 +246,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {one_line}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(
-                f"config file {str(path)!r}: expected a mapping of sections, got {type(loaded).__name__}"
+                f"config file {str(path)!r}: expected a mapping of sections, got "
+                f"{type(loaded).__name__}"
             )
         tree = loaded or {}
     from_file = copy.deepcopy(tree)
@@ -252,7 +257,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
             _set_dotted(tree, key, value)
         except ConfigError as err:
             raise ConfigError(f"{err} (from the command line: {item})") from None
-    _format_defaults(tree)
+    _format_defaults(tree, {parse_override(item)[0] for item in overrides})
     try:
         config = _build(Config, tree, "")
     except ConfigError as err:
@@ -265,16 +270,24 @@ def load_config(path: str | os.PathLike | None = None, overrides: typing.Sequenc
 
 
 # defaults that follow data.format, where the field's own default (lm) is not what such a run trains
-# with: an RL run's objective is TRL's default loss type
-FORMAT_DEFAULTS = {"prompt": {("train", "objective"): ["dapo"]}}
+# with: an RL run's objective is TRL's default loss type. A value of a file that can never serve the
+# format (a saved config.yaml's objective [lm], under data.format=prompt on the command line) yields
+# to it too; the same value given on the command line stays, and is refused as the data's batches
+# are.
+FORMAT_DEFAULTS = {"prompt": {("train", "objective"): (["dapo"], (["lm"], "lm"))}}
 
 
-def _format_defaults(tree: dict[str, Any]) -> None:
+def _format_defaults(tree: dict[str, Any], given: set[str]) -> None:
     data = tree.get("data")
     fmt = data.get("format") if isinstance(data, dict) else None
-    for (section, key), value in FORMAT_DEFAULTS.get(fmt, {}).items():
+    for (section, key), (value, never) in FORMAT_DEFAULTS.get(fmt, {}).items():
         part = tree.setdefault(section, {})
-        if isinstance(part, dict) and key not in part:
+        if not isinstance(part, dict) or f"{section}.{key}" in given:
+            continue
+        if key not in part or part[key] in never:
+            if key in part:
+                logging.getLogger("seqjax.config").info(
+                    "%s.%s: %s (the file's %s cannot train data.format=%s)", section, key, value, part[key], fmt)
             part[key] = value
 
 
@@ -301,15 +314,17 @@ def _source_of_error(path: Path | None, from_file: dict[str, Any],
 
 
 def announce(config: Config, out_dir: str | os.PathLike, name: str = "config.yaml",
-             final: str | os.PathLike | None = None) -> Path:
-    """Save the resolved config beside the outputs it produced, and say where in one line (stderr): the file
-    holds every key, so the log does not repeat them (the command line's overrides are logged when
-    it is read, :func:`seqjax.main.cli.load`). ``final``: the folder the file will be in once
-    ``out_dir`` (a staging folder) is renamed into place, which the line names."""
+             final: str | os.PathLike | None = None, given: tuple[str | None, list[str]] | None = None) -> Path:
+    """Save the resolved config beside the outputs it produced, and say where in one line
+    (stderr): the file holds every key, so the log does not repeat them (the command line's
+    overrides are logged when it is read, :func:`seqjax.main.cli.load`). ``final``: the folder
+    the file will be in once ``out_dir`` (a staging folder) is renamed into place, which the line
+    names; ``given``: (the file, the overrides) it came from, when not the command's own load's."""
     path = config.save(Path(out_dir) / name)
-    file, overrides = _GIVEN
+    file, overrides = given or _GIVEN
     shown = path if final is None else Path(final) / name
-    logging.getLogger("seqjax.config").info("resolved config: %s (from %s%s)", shown, file or "the defaults",
+    logging.getLogger("seqjax.config").info("resolved config: %s (from %s%s)", shown, file or "the "
+                                                                                              "defaults",
                                             f"; overrides: {' '.join(overrides)}" if overrides else "")
     return path
 
@@ -336,14 +351,15 @@ def describe_keys() -> str:
                 continue
             if _item_dataclass(tp) is not None:
                 lines.append(
-                    f"{prefix + f.name:32s} {'list of mappings':18s} default=[]  {f.metadata.get('help', '')}"
+                    f"{prefix + f.name:32s} {'list of mappings':18s} default=[]  "
+                    f"{f.metadata.get('help', '')}"
                 )
                 walk(_item_dataclass(tp), _item_dataclass(tp)(), f"{prefix}{f.name}[].")
                 continue
             allowed = f" one of {list(f.metadata['choices'])}" if "choices" in f.metadata else ""
             lines.append(
-                f"{prefix + f.name:32s} {_type_name(tp):18s} default={getattr(obj, f.name)!r}{allowed}  "
-                f"{f.metadata.get('help', '')}")
+                f"{prefix + f.name:32s} {_type_name(tp):18s} "
+                f"default={getattr(obj, f.name)!r}{allowed}  {f.metadata.get('help', '')}")
 
     walk(Config, defaults, "")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""Groups of sampled completions as contract batches (GRPO's rollouts, docs/rl.md): built by the one builder,
-:func:`seqjax.data.contract.contract_batch`, in one of three layouts (``rl.layout``).
+"""Groups of sampled completions as contract batches (GRPO's rollouts, docs/rl.md): built by the one
+builder, :func:`seqjax.data.contract.contract_batch`, in one of three layouts (``rl.layout``).
 
 A group is a prompt of ``n`` ids and its ``G`` completions. ``prompt_once``, the default, packs the
 group whole
@@ -52,8 +52,8 @@ class Group:
 
 
 def _units(groups: list[Group], layout: str):
-    """The stream (tokens, each target's weight), and the packing units: each unit's pieces (starts, lengths,
-    position offsets, prefix order, completion number), in stream order."""
+    """The stream (tokens, each target's weight), and the packing units: each unit's pieces
+    (starts, lengths, position offsets, prefix order, completion number), in stream order."""
     tokens, scores = [], []
     starts, lengths, offsets, order, completion, unit_of = [], [], [], [], [], []
     at, number, unit = 0, 0, 0
@@ -92,6 +92,46 @@ def _units(groups: list[Group], layout: str):
     return stream, np.concatenate(scores) if scores else np.zeros(0, np.float32), pieces
 
 
+def _rows(unit_cost: np.ndarray, layout: str, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each packing unit's (row, rank in its row): best fit, longest first (one unit a row when
+    padded); a unit longer than a row is one line."""
+    too_long = np.flatnonzero(unit_cost > seq_len)
+    if len(too_long):
+        what = "a group with its prompt" if layout == "prompt_once" else "a completion with its prompt"
+        raise DataError(
+            f"rl.layout={layout}: {what} takes {int(unit_cost[too_long[0]])} predictions, more "
+            f"than data.seq_len={seq_len}; expected data.seq_len to hold the prompt and "
+            f"{'rl.num_generations x ' if layout == 'prompt_once' else ''}rl.max_completion_length "
+            "tokens")
+    return fit(unit_cost, seq_len, 1 if layout == "padded" else None, open_rows=max(1, len(unit_cost)),
+               best=True, decreasing=True)
+
+
+def rows_needed(prompt_lengths: np.ndarray, group: int, max_completion: int, layout: str, seq_len: int) -> int:
+    """The rows a generation batch of prompts of these lengths takes at worst (every one of its
+    ``group`` completions ``max_completion`` tokens long), laid out as :func:`rollout_batches` lays
+    them out.
+
+    >>> rows_needed(np.array([10, 6]), 4, 8, "prompt_once", 64), rows_needed(np.array([10, 6]),
+    4, 8, "padded", 64) (2, 8)"""
+    groups = [Group(np.zeros(n, np.int64), [np.zeros(max_completion, np.int64)] * group, np.zeros(group),
+                    np.zeros(group, bool)) for n in prompt_lengths]
+    _, _, pieces = _units(groups, layout)
+    unit_cost = np.bincount(pieces["unit"], weights=pieces["lengths"] - 1).astype(np.int64)
+    row, _ = _rows(unit_cost, layout, seq_len)
+    return int(row.max()) + 1 if len(row) else 0
+
+
+def with_advantages(batch: dict[str, np.ndarray], advantages: np.ndarray) -> dict[str, np.ndarray]:
+    """``batch``'s ``advantages`` field, in place: each completion's advantage (``advantages``
+    [N], by the completion's number in its generation batch) on its scored targets, 0 elsewhere."""
+    number = batch["completion"]
+    values = np.asarray(advantages, np.float32)
+    batch["advantages"] = np.where((number > 0) & (batch["weights"] > 0), values[np.maximum(number - 1, 0)],
+                                   0.0).astype(np.float32) if len(values) else np.zeros_like(batch["weights"])
+    return batch
+
+
 def rollout_batches(groups: list[Group], layout: str, seq_len: int, batch_size: int, steps: int,
                     shards: int = 1) -> list[dict[str, np.ndarray]]:
     """``steps`` contract batches of ``batch_size`` rows of ``seq_len`` holding every completion of
@@ -100,21 +140,14 @@ def rollout_batches(groups: list[Group], layout: str, seq_len: int, batch_size: 
     stream, scores, pieces = _units(groups, layout)
     predictions = pieces["lengths"] - 1
     unit_cost = np.bincount(pieces["unit"], weights=predictions).astype(np.int64)
-    too_long = np.flatnonzero(unit_cost > seq_len)
-    if len(too_long):
-        what = "a group with its prompt" if layout == "prompt_once" else "a completion with its prompt"
-        raise DataError(
-            f"rl.layout={layout}: {what} takes {int(unit_cost[too_long[0]])} predictions, more than data.seq_len="
-            f"{seq_len}; expected data.seq_len to hold the prompt and "
-            f"{'rl.num_generations x ' if layout == 'prompt_once' else ''}rl.max_completion_length tokens")
-    row, rank = fit(unit_cost, seq_len, 1 if layout == "padded" else None, open_rows=max(1, len(unit_cost)),
-                    best=True, decreasing=True)
+    row, rank = _rows(unit_cost, layout, seq_len)
     rows = int(row.max()) + 1 if len(row) else 0
     if rows > steps * batch_size:
         raise DataError(
-            f"rl: a generation batch of {len(groups)} groups ({layout}) takes {rows} rows of data.seq_len="
-            f"{seq_len}, more than data.batch_size={batch_size} x rl.steps_per_generation={steps}; expected more "
-            "rows a step (data.batch_size), longer rows, or fewer prompts a step (rl.prompts_per_step)")
+            f"rl: a generation batch of {len(groups)} groups ({layout}) takes {rows} rows of "
+            f"data.seq_len={seq_len}, more than data.batch_size={batch_size} x "
+            f"rl.steps_per_generation={steps}; expected more rows a step (data.batch_size), longer "
+            "rows, or fewer prompts a step (rl.prompts_per_step)")
     # each piece in its unit's row, the unit's pieces in order
     piece_row = row[pieces["unit"]]
     piece_rank = rank[pieces["unit"]] * (len(predictions) + 1) + np.arange(len(predictions))
@@ -134,8 +167,8 @@ def rollout_batches(groups: list[Group], layout: str, seq_len: int, batch_size: 
 
 
 def _deal(cost: np.ndarray, steps: int, batch_size: int, shards: int) -> np.ndarray:
-    """Each row's (step, slot): rows longest first into the least loaded (step, shard) with room (LPT), a
-    shard's rows contiguous in its step (``slot``: the row's place in the step's batch)."""
+    """Each row's (step, slot): rows longest first into the least loaded (step, shard) with room
+    (LPT), a shard's rows contiguous in its step (``slot``: the row's place in the step's batch)."""
     per_shard = batch_size // shards
     load = np.zeros((steps, shards))
     used = np.zeros((steps, shards), np.int64)
@@ -151,7 +184,8 @@ def _deal(cost: np.ndarray, steps: int, batch_size: int, shards: int) -> np.ndar
 
 def _step_batch(stream, scores, placed, row_ptr, rows, slots, batch_size, seq_len, groups, layout,
                 tokens_per_step) -> dict[str, np.ndarray]:
-    """One step's batch: the pieces of ``rows`` at ``slots`` of a ``batch_size``-row batch, the rest empty."""
+    """One step's batch: the pieces of ``rows`` at ``slots`` of a ``batch_size``-row batch, the
+    rest empty."""
     take = [np.arange(row_ptr[r], row_ptr[r + 1]) for r in rows]
     index = np.concatenate(take) if take else np.zeros(0, np.int64)
     row_of_piece = np.repeat(np.asarray(slots, np.int64), [len(t) for t in take])
@@ -167,10 +201,6 @@ def _step_batch(stream, scores, placed, row_ptr, rows, slots, batch_size, seq_le
         fields["prefix_ids"] = prefix
     batch = contract_batch(stream, placed["starts"][index], placed["lengths"][index], row_of_piece, batch_size,
                            seq_len, scores=scores, offsets=placed["offsets"][index], piece_fields=fields)
-    advantages = np.concatenate([np.asarray(g.advantages, np.float32) for g in groups]
-                                or [np.zeros(0)])
-    number = batch["completion"]
-    batch["advantages"] = np.where((number > 0) & (batch["weights"] > 0),
-                                   advantages[np.maximum(number - 1, 0)], 0.0).astype(np.float32)
+    with_advantages(batch, np.concatenate([np.asarray(g.advantages, np.float32) for g in groups] or [np.zeros(0)]))
     batch["token_share"] = np.full((batch_size, 1), tokens_per_step / batch_size, np.float32)
     return batch

@@ -128,8 +128,13 @@ def tensor_files(path: Path) -> dict[str, Path]:
             raise CheckpointError(
                 f"{index}: expected a non-empty weight_map of tensor name -> shard file")
         files = {}
+        inside = path.resolve()
         for name, file in weight_map.items():
             shard = path / str(file)
+            # (a shard is a file of the folder: a path that leaves it, by .. or a link, is never read)
+            if not shard.resolve().is_relative_to(inside) or Path(str(file)).is_absolute():
+                raise CheckpointError(
+                    f"{index}: weight_map puts {name} in {file}, outside {path}; expected a shard file of the folder")
             if not shard.is_file():
                 raise CheckpointError(
                     f"{index}: weight_map puts {name} in {file}, which is missing from {path}")

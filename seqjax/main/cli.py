@@ -101,7 +101,7 @@ def load(args: argparse.Namespace) -> Config:
     """The validated config from ``--config`` and the overrides, with the strategy tables' rules
     checked too (:func:`seqjax.data.strategies.check_config`); a ConfigError inside :func:`run`
     exits 2."""
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides, record=True)
     check_config(config)
     compilation_cache(config)
     return config

@@ -131,15 +131,17 @@ def describe_groups(args: argparse.Namespace, config) -> dict[str, Any]:
     # (an RL run's pieces, and JAX with them: only for data.format=prompt, so the other formats
     # start faster)
     from seqjax.data.rollouts import Group, rollout_batches
-    from seqjax.train.rollouts import load_prompts, read_rollouts  # (likewise)
+    from seqjax.store.replay import read_rollouts  # (likewise)
+    from seqjax.train.rollouts import load_prompts, sized_rows  # (likewise)
 
     if args.dump:
         raise UsageError("--dump: data.format=prompt has no batches before the policy samples them; expected "
                          "--plot or the statistics alone")
     tokenizer = prepare(config, splits=()).tokenizer
     prompts, stop_ids = load_prompts(config, tokenizer)
+    config = sized_rows(config, prompts, shards=1)  # (the rows a run would take)
     rl = config.rl
-    given = read_rollouts(rl.rollouts_file, tokenizer) if rl.rollouts_file else {}
+    given = read_rollouts(config, tokenizer, prompts, stop_ids).completions if rl.rollouts_file else {}
     groups = []
     for prompt in prompts[:rl.generation_prompts]:
         made = given.get(prompt.index) or [[stop_ids[0]] * rl.max_completion_length] * rl.num_generations

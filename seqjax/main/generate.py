@@ -86,7 +86,9 @@ def chat_prompts(path_text: str, config, tokenizer) -> tuple[list[str], list[lis
     texts, ids, examples = [], [], []
     for k, record in enumerate(read_chats(path_text)):
         where = f"--chat {path_text}:conversation {k + 1}"
-        record = {**record, "messages": without_nulls(record.get("messages"))}
+        # (an RL run's prompts file holds its conversations under data.prompt_field, TRL's "prompt")
+        messages = record.get("messages", record.get(config.data.prompt_field))
+        record = {**record, "messages": without_nulls(messages)}
         texts.append(chat_prompt(spec, record["messages"], where, record.get("tools"), record.get(KWARGS_FIELD)))
         ids.append(tokenizer.encode_text(texts[-1]))
         # (the record's images: its parts' paths, or its images column)

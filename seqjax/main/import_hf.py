@@ -81,7 +81,8 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
         name = folder.config_json.get("_name_or_path")
         save_params(staging, 0, params, {"tokens_seen": 0, "imported_from": str(folder.path.resolve()),
                                          "name_or_path": name if isinstance(name, str) and name else None})
-        announce(config, staging, final=out)  # (named where it will be: the staging folder is renamed)
+        # (named where it will be: the staging folder is renamed)
+        announce(config, staging, final=out, given=(str(folder.path / "config.json"), overrides))
     result = {
         "out": str(out),
         "source": str(folder.path),

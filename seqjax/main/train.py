@@ -19,6 +19,7 @@ from seqjax.main import cli
 from seqjax.train.checkpoint import CheckpointWriteError
 from seqjax.train.loop import train
 from seqjax.train.metrics import MetricsWriteError, NonFiniteLoss
+from seqjax.train.rollouts import RolloutWriteError
 from seqjax.train.signals import Interrupted
 
 log = logging.getLogger("seqjax.train")  # the command's name, as its log lines show it
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_training(args: argparse.Namespace) -> int:
     try:
         summary = train(cli.load(args))
-    except (NonFiniteLoss, CheckpointWriteError, MetricsWriteError) as err:
+    except (NonFiniteLoss, CheckpointWriteError, MetricsWriteError, RolloutWriteError) as err:
         log.error("%s", err)
         return 1
     except Interrupted as err:

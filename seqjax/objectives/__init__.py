@@ -136,7 +136,7 @@ def _weighted(rows: list[Objective], weights: list[float | str], name: str | Non
         settings=tuple(dict.fromkeys([*(s for row in rows for s in row.settings),
                                       *(w for w in weights if isinstance(w, str))])),
         reference=any(row.reference for row in rows), doc=doc or " + ".join(row.doc for row in rows),
-        parts=tuple(rows), reports=tuple(
+        parts=tuple(rows), extremes=tuple(dict.fromkeys(e for row in rows for e in row.extremes)), reports=tuple(
             dict.fromkeys(
                 [*(n for row in rows for n in row.reports),
                  *(f"{row.name}/loss" for row in rows),

@@ -72,8 +72,8 @@ def chat_template(path: str | None, tokenizer_path: Path | None,
         file = Path(path).expanduser()
         if not file.is_file():
             raise CorpusError(
-                f"data.chat_template: {file} not found; expected a Jinja chat template file or one of "
-                f"{', '.join(SHIPPED_TEMPLATES)}")
+                f"data.chat_template: {file} not found; expected a Jinja chat template file or one "
+                f"of {', '.join(SHIPPED_TEMPLATES)}")
         return read_utf8(file, CorpusError, "data.chat_template"), str(file)
     folder = tokenizer_path.parent if tokenizer_path is not None else None
     if folder is not None and (folder / TEMPLATE_FILES[0]).is_file():
@@ -87,8 +87,9 @@ def chat_template(path: str | None, tokenizer_path: Path | None,
         return None, ""
     where = f" beside {tokenizer_path}" if tokenizer_path is not None else ""
     raise CorpusError(
-        f"data.format=chat: no chat template: data.chat_template is null and there is no "
-        f"{' or '.join(TEMPLATE_FILES)} with a chat_template{where}; set data.chat_template to a file"
+        "data.format=chat: no chat template: data.chat_template is null and there is no "
+        f"{' or '.join(TEMPLATE_FILES)} with a chat_template{where}; set data.chat_template to a "
+        "file"
     )
 
 
@@ -176,9 +177,16 @@ def twin_template(template: str, bos_token: str | None, eos_token: str) -> str |
         try:
             if all(render_chat(mine, p)[0] == render_chat(twin, p)[0] for p in _PROBES):
                 return name
-        except jinja2.exceptions.TemplateError:
+        except TEMPLATE_FAILURES:
             continue
     return None
+
+
+# What rendering a template may raise: jinja2's own errors (the sandbox's SecurityError among them), and what
+# the sandbox and the template's Python raise at run time (a range over its limit is an OverflowError, a bad
+# index a LookupError, ...): each is one line naming the template, never a traceback.
+TEMPLATE_FAILURES = (jinja2.exceptions.TemplateError, OverflowError, ArithmeticError, TypeError, ValueError,
+                     LookupError, AttributeError, RecursionError)
 
 
 def render_chat(spec: ExampleSpec, messages: list[dict], add_generation_prompt: bool = False,
@@ -207,10 +215,11 @@ def _render(spec: ExampleSpec, messages: list[dict], where: str, generation_prom
             tools: list[dict] | None = None, kwargs: dict | None = None):
     try:
         return render_chat(spec, messages, generation_prompt, tools, kwargs)
-    except jinja2.exceptions.TemplateError as err:
+    except TEMPLATE_FAILURES as err:
         raise CorpusError(
-            f"{where}: the chat template {spec.template_name} failed on {len(messages)} message(s): "
-            f"{err}") from None
+            f"{where}: the chat template {spec.template_name} failed on {len(messages)} "
+            "message(s): "
+            f"{'' if isinstance(err, jinja2.exceptions.TemplateError) else type(err).__name__ + ': '}{err}") from None
 
 
 def _valid_message(m: Any) -> bool:
@@ -232,7 +241,8 @@ def _check_messages(messages: Any, where: str, field: str) -> None:
                           "have no content)")
     if any(OPEN_MARK in (m.get("content") or "") or CLOSE_MARK in (m.get("content") or "")
            for m in messages):
-        raise CorpusError(f"{where}: a message holds U+E000 or U+E001, which mark generation blocks")
+        raise CorpusError(f"{where}: a message holds U+E000 or U+E001, which mark generation "
+                          "blocks")
 
 
 def chat_tools(spec: ExampleSpec, tools: Any, where: str) -> list[dict] | None:
@@ -243,12 +253,12 @@ def chat_tools(spec: ExampleSpec, tools: Any, where: str) -> list[dict] | None:
             tools = json.loads(tools)
         except ValueError as err:
             raise CorpusError(
-                f"{where}: field {spec.tools_field!r} is text but not JSON ({err}); expected a list of "
-                "tool definitions (JSON schemas)") from None
+                f"{where}: field {spec.tools_field!r} is text but not JSON ({err}); expected a "
+                "list of tool definitions (JSON schemas)") from None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise CorpusError(
-            f"{where}: field {spec.tools_field!r} is {type(tools).__name__}; expected a list of tool "
-            "definitions (JSON schemas) or JSON text of one")
+            f"{where}: field {spec.tools_field!r} is {type(tools).__name__}; expected a list of "
+            "tool definitions (JSON schemas) or JSON text of one")
     return tools or None
 
 
@@ -316,7 +326,8 @@ def chat_spans(spec: ExampleSpec, messages: Any, where: str, tools: Any = None,
         if len(spans) != len(turns):
             raise CorpusError(
                 f"{where}: the chat template {spec.template_name} marks {len(spans)} generation "
-                f"block(s) for {len(turns)} assistant message(s); expected one per assistant message"
+                f"block(s) for {len(turns)} assistant message(s); expected one per assistant "
+                "message"
             )
     else:
         spans = _twin_spans(spec, messages, tools, kwargs, text, len(turns)) if spec.twin else None
@@ -332,7 +343,7 @@ def _twin_spans(spec: ExampleSpec, messages: list[dict], tools: list[dict] | Non
     try:
         twin = dataclasses.replace(spec, chat_template=shipped_template(spec.twin))
         twin_text, spans = render_chat(twin, messages, tools=tools, kwargs=kwargs)
-    except jinja2.exceptions.TemplateError:
+    except TEMPLATE_FAILURES:
         return None
     return spans if twin_text == text and len(spans) == n_turns else None
 

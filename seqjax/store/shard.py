@@ -5,6 +5,7 @@ reports)."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,8 @@ IMAGE_CHARS = 1 << 17
 POOL_MIN_BYTES = 1 << 23
 # preference stores: pairs of equal completions, of an empty one, and pairs left out
 # (data.degenerate_pairs)
+log = logging.getLogger(__name__)
+
 PAIR_COUNTS = ("pairs_identical", "pairs_empty", "pairs_dropped")
 
 
@@ -138,6 +141,12 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
                         *PAIR_COUNTS):
                 setattr(counts, key, getattr(counts, key) + getattr(chunk, key))
             bar.update(chunk.bytes)
+        if counts.documents == 0 and getattr(counts, "pairs_dropped", 0):  # (data.degenerate_pairs=drop took all)
+            raise CorpusError(
+                f"{', '.join(map(str, files))}: every pair was dropped by "
+                f"data.degenerate_pairs=drop ({counts.pairs_identical} with equal completions, "
+                f"{counts.pairs_empty} with an empty one); expected pairs whose completions "
+                "differ, or data.degenerate_pairs=keep (TRL trains them)")
         if counts.documents == 0:
             what = (f"{counts.dropped_unscored} examples with no scored token" if spec is not None
                     else f"{counts.skipped_empty} empty or whitespace-only")
@@ -150,6 +159,9 @@ def build_shard(path: Path, name: str, source: SourceConfig, files: list[Path], 
             keys += ("scored_tokens", "scored_bytes", "dropped_unscored")
         if spec is not None and spec.format == "preference":
             keys += PAIR_COUNTS
+            if counts.pairs_dropped:
+                log.warning("%s: data.degenerate_pairs=drop left out %d pair(s) (%d with equal completions, %d with "
+                            "an empty one)", name, counts.pairs_dropped, counts.pairs_identical, counts.pairs_empty)
         if carve is not None:  # documents that went to the other split of the carve
             keys += ("carved_out",)
         stats = {k: getattr(counts, k) for k in keys}

@@ -39,7 +39,6 @@ from seqjax.data.strategies import check_config
 from seqjax.eval.evaluate import evaluate
 from seqjax.eval.objective import evaluate_objective
 from seqjax.model import sharding
-from seqjax.model.assembly import assemble
 from seqjax.model.attention import resolve_backend
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.distributed import initialize_distributed
@@ -150,7 +149,7 @@ def _validation(run: Setup, params, mesh, step: int, validate, log: MetricsLog) 
     the whole split at the end; a mixture's also scores each source's split alone (as Levanter
     reports each dataset's loss): ``val_sources`` holds each one's loss and perplexity.
     """
-    model = assemble(run.graphdef, params, run.frozen[0] if run.frozen else None, run.rest)
+    model = run.policy.model(params, run.frozen)
     config = run.config
     if validate is not None:
         row = {"step": step, **validate(model, step)}
@@ -172,20 +171,15 @@ def _validation(run: Setup, params, mesh, step: int, validate, log: MetricsLog) 
 
 
 def _reference(run: Setup, params, model):
-    """The preference objective's reference model as the step runs it (:mod:`seqjax.weights.reference`): a
-    frozen copy or a named model, the state with the adapters off (on the run's base, or a named
-    model's), the policy itself when the objective has none; or the validation split's precomputed
-    table."""
+    """The preference objective's reference model as the step runs it (the policy record's,
+    :mod:`seqjax.train.policy`): a frozen copy or a named model, the state with the adapters off (on the
+    run's base, or a named model's); the validation split's precomputed table; None when the objective has
+    none."""
+    if run.reference.kind is None:  # (an objective without one: simpo, orpo, sft)
+        return None
     if run.reference_tables is not None:  # train.precompute_reference: the split's table
         return run.reference_tables[run.config.eval.split]
-    base = run.frozen[0] if run.frozen else None
-    if len(run.frozen) == 2 and run.reference_graphdef is not None:  # a named model as the adapters' base
-        return assemble(run.reference_graphdef, params, run.frozen[1], run.rest)
-    if len(run.frozen) == 2:
-        return assemble(run.graphdef, run.frozen[1], base, run.rest)
-    if run.reference_graphdef is not None:
-        return assemble(run.reference_graphdef, params, base, run.rest)
-    return model
+    return run.policy.reference_model(params, run.frozen)
 
 
 def run_reports(config: Config) -> tuple[str, ...]:
@@ -303,8 +297,9 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
             for step in range(start + 1, tc.steps + 1):
                 # the store's batches (built ahead), or an RL run's rollouts of the current policy
                 batch, position, extra = source.next(params, step)
-                # rng, step: dropout's key; run.frozen: the base under adapters, if any
-                params, opt_state, m = run.step_fn(params, opt_state, batch, rng, step, *run.frozen)
+                # rng, step: dropout's key; run.frozen: the base under adapters, a reference's weights
+                params, opt_state, m = run.step_fn(params, opt_state, batch, rng, step, run.frozen.base,
+                                                   run.frozen.reference)
                 # No host sync here: the metrics stay on the device until a hook flushes them, so
                 # the host runs ahead and dispatches the next step while this one computes.
                 steps.add(step, {**m, "reported": {**m["reported"], **extra}}, batch["inputs"].shape)

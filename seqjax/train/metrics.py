@@ -179,7 +179,8 @@ class MetricsLog:
                 aside = path.with_name(f"metrics.{time.strftime('%Y%m%dT%H%M%S')}.jsonl")
                 path.rename(aside)
                 log.warning(
-                    "%s holds %d rows but no checkpoint to resume: it was moved to %s and a new log started",
+                    "%s holds %d rows but no checkpoint to resume: it was moved to %s and a new "
+                    "log started",
                     path, len(rows), aside.name)
             kept = []
         else:
@@ -191,7 +192,8 @@ class MetricsLog:
                 at = sum(1 for r in kept if r.get("step", 0) < resume_step)
                 kept.insert(at, checkpoint_row)
                 log.warning(
-                    "%s had no row for step %d, the checkpoint's own; it was restored from the checkpoint",
+                    "%s had no row for step %d, the checkpoint's own; it was restored from the "
+                    "checkpoint",
                     path, resume_step)
         # Cut back to the resumed step atomically: a kill here must not lose the run's history.
         path = write_text_atomic(path, "".join(json_text(row) + "\n" for row in kept))
@@ -222,9 +224,9 @@ class MetricsLog:
         except OSError as err:
             self._drop_file()
             raise MetricsWriteError(
-                f"{self.run_dir / METRICS_FILE} could not be written at step {row.get('step')}: [Errno {err.errno}] "
-                f"{err.strerror}. The run stops here; once there is room, run the same command again: it resumes "
-                "from the newest checkpoint") from None
+                f"{self.run_dir / METRICS_FILE} could not be written at step {row.get('step')}: "
+                f"[Errno {err.errno}] {err.strerror}. The run stops here; once there is room, run "
+                "the same command again: it resumes from the newest checkpoint") from None
 
     def _drop_file(self) -> None:
         """Close the log, dropping what its buffer still holds (the disk refused it; close must not
@@ -245,7 +247,8 @@ class MetricsLog:
 
 
 def plot_losses(run_dir: str | Path) -> Path:
-    """loss.png: training loss per step and validation loss at each evaluation."""
+    """loss.png: training loss per step and validation loss at each evaluation; an RL run's (rows
+    with a ``reward``) also its reward per generation, the std around it, in a second panel."""
     # matplotlib takes over half a second to import and is needed once, at the end of a run
     import matplotlib
 
@@ -256,15 +259,28 @@ def plot_losses(run_dir: str | Path) -> Path:
     train = [(r["step"], r["loss"]) for r in rows
              if "loss" in r and r["loss"] is not None and math.isfinite(r["loss"])]
     valid = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    rewards = [(r["step"], r["reward"], r.get("reward_std") or 0.0) for r in rows
+               if r.get("reward") is not None and "event" not in r]
+    fig, axes = plt.subplots(2 if rewards else 1, 1, figsize=(7, 6 if rewards else 4), sharex=True, squeeze=False)
+    ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1)
     if valid:
         ax.plot(*zip(*valid), "o-", label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per token)")
+    # (an RL loss is a surrogate's, not a cross-entropy)
+    ax.set_ylabel("loss" if rewards else "loss (nats per token)")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    if rewards:
+        steps, mean, std = (np.asarray(v, np.float64) for v in zip(*rewards))
+        ax = axes[1, 0]
+        ax.plot(steps, mean, label="reward (mean over the generation)", linewidth=1, color="tab:green")
+        ax.fill_between(steps, mean - std, mean + std, alpha=0.2, color="tab:green", label="± its "
+                                                                                           "std")
+        ax.set_ylabel("reward")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     path = Path(run_dir) / PLOT_FILE
     fig.savefig(path, dpi=100)
@@ -374,6 +390,7 @@ class StepLogger:
         self.peak, self.z_loss, self.nonfinite, self.last_good = peak, z_loss, nonfinite, last_good
         self.window = StepWindow()
         self.last_row: dict[str, Any] = {}
+        self.last_reward: tuple[float, float] | None = None  # an RL run's newest generation's (mean, std)
         self.skipped_in_a_row = 0
         self.plain = primary and not on_terminal()
         self.bar = progress_bar(total=steps, initial=start_step, desc="train", unit="step",
@@ -408,15 +425,20 @@ class StepLogger:
         self.bar.update(step - self.bar.n)
         row = self.last_row
         rewards = row and "rewards/accuracies" in row and "rewards/margins" in row
+        # (an RL run's reward: its newest generation's mean and std, as TRL's console shows them)
+        reward = self.last_reward
         if row:
             self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:,.0f}",
                                  **({"acc": f"{row['rewards/accuracies']:.2f}"} if rewards else {}),
+                                 **({"reward": f"{reward[0]:.3f}±{reward[1]:.3f}"} if reward else {}),
                                  refresh=False)
         if self.plain and row and (step % self.log_every == 0 or step == self.steps):
             # (a preference objective's reward accuracy and margin, as TRL's console shows them)
-            log.info("step %d/%d: loss %.4f, %s%.0f tokens/s", step, self.steps, row["loss"],
-                     f"reward accuracy {row['rewards/accuracies']:.3f}, margin {row['rewards/margins']:.4f}, "
-                     if rewards else "", row["tokens_per_s"])
+            log.info("step %d/%d: loss %.4f, %s%s%.0f tokens/s", step, self.steps, row["loss"],
+                     f"reward accuracy {row['rewards/accuracies']:.3f}, margin "
+                     f"{row['rewards/margins']:.4f}, "
+                     if rewards else "",
+                     f"reward {reward[0]:.3f} (std {reward[1]:.3f}), " if reward else "", row["tokens_per_s"])
 
     def _row(self, step: int, length: int, rows: int, m: dict[str, Any],
              seconds: float) -> dict[str, Any]:
@@ -446,6 +468,8 @@ class StepLogger:
             row["skipped"] = True
         self.log.write(row)
         self.last_row = row
+        if row.get("reward") is not None and math.isfinite(row["reward"]):
+            self.last_reward = (row["reward"], row.get("reward_std", 0.0))
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if row.get("skipped") else 0
         if self.skipped_in_a_row >= max(self.log_every, 2):
             # skip is for the odd spike; a whole log window of them means nothing is being learned

@@ -1,48 +1,55 @@
-"""The rollouts source: the batch source of an RL run (``data.format=prompt``; docs/rl.md), beside the offline one
-(:mod:`seqjax.train.source`).
+"""The rollouts source: the batch source of an RL run (``data.format=prompt``; docs/rl.md), a row of
+:data:`seqjax.train.source.SOURCES` beside the offline one.
 
-Every ``rl.steps_per_generation x rl.num_iterations`` steps it makes a generation batch: the next
-``rl.prompts_per_step x rl.steps_per_generation`` prompts (shuffled per epoch from ``run.seed``, in
-file order without ``data.shuffle``), ``rl.num_generations`` completions each, sampled with the
-current policy on the training mesh (:func:`seqjax.model.decode.sample_rollouts`, its key
-``run.seed``'s folded with the generation's number: a resumed run samples the same) or replayed from
-``rl.rollouts_file``; scored by the reward functions (:mod:`seqjax.train.rewards`), their advantages
-computed, the groups laid out in rows (:mod:`seqjax.data.rollouts`), and, when a later step or pass
-will train on them, their log-probabilities under the sampling policy computed once (TRL's
-``old_per_token_logps``), as the reference's are when ``rl.beta > 0``. Each generation batch is
-written to ``run.dir/rollouts/`` before its first step, so a run resumed in the middle of one trains
-on the same batches."""
+Every ``rl.steps_per_generation x rl.num_iterations`` steps it makes a generation batch:
+
+1. the next ``rl.prompts_per_step x rl.steps_per_generation`` prompts (shuffled per epoch from
+   ``run.seed``, in file order without ``data.shuffle``);
+2. ``rl.num_generations`` completions each, sampled with the current policy on the training mesh
+   (:func:`seqjax.model.decode.sample_rollouts`, its key ``run.seed``'s folded with the generation's
+   number: a resumed run samples the same), or replayed from ``rl.rollouts_file`` (:class:`Replay`);
+3. scored by the reward functions (:mod:`seqjax.train.rewards`);
+4. laid out in rows (:mod:`seqjax.data.rollouts`), and, when a later step or pass will train on them
+   or the loss type puts its KL in the reward, their log-probabilities under the sampling policy
+   computed once (TRL's ``old_per_token_logps``), as the reference's are when ``rl.beta > 0``;
+5. their advantages, by the estimator the loss type names (:data:`seqjax.train.rewards.ADVANTAGES`),
+   written into the rows.
+
+Each generation batch is written to ``run.dir/rollouts/`` before its first step, so a run resumed
+in the middle of one trains on the same batches; a damaged one is set aside and made again, in
+one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
 import math
+import time
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from seqjax.config.tree import Config
-from seqjax.core.errors import DataError
+from seqjax.core.errors import DataError, SeqjaxError
 from seqjax.core.files import json_text, write_bytes_atomic, write_text_atomic
-from seqjax.data.rollouts import Group, rollout_batches
+from seqjax.data.rollouts import Group, rollout_batches, rows_needed, with_advantages
 from seqjax.model.decode import sample_rollouts
 from seqjax.model.sampling import SamplingConfig
 from seqjax.model.sharding import BATCH_AXES
-from seqjax.objectives.base import target_logprobs
+from seqjax.objectives import resolve
 from seqjax.store.chat import end_of_turn
 from seqjax.store.corpus import source_files
 from seqjax.store.examples import example_spec
 from seqjax.store.prompts import Prompt, read_prompts
+from seqjax.store.replay import Replay, read_rollouts
 from seqjax.train.prefetch import IteratorPosition
-from seqjax.train.rewards import Reward, advantages, load_rewards, score
-from seqjax.train.step import reference_states
-from seqjax.weights.reference import same_weights_rule
+from seqjax.train.rewards import Reward, RewardLogs, TrainerState, advantages, load_rewards, quiet, score
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +58,42 @@ FOLDER = "rollouts"
 KEEP = 2  # generation batches kept on disk (the one in progress, and the one before)
 
 
-class RolloutSource:
-    """``next(params, step) -> (device batch, position, host metrics)``, and its state for checkpoints
-    (``position``: which prompts were taken and which step of which generation batch this is)."""
+class RolloutWriteError(RuntimeError):
+    """A generation batch could not be written to ``run.dir/rollouts/`` (a full disk, a read-only
+    folder): the run stops before training on it, in one line; nothing already written is lost."""
 
-    def __init__(self, config: Config, prompts: list[Prompt], rewards: list[Reward], tokenizer, stop_ids: list[int],
-                 model_parts: dict[str, Any], to_device: Callable[[dict], dict], run_dir: Path,
-                 rollouts: dict[int, list] | None = None, shards: int = 1):
-        self.config, self.rl, self.prompts, self.rewards = config, config.rl, prompts, rewards
-        self.tokenizer, self.stop_ids, self.parts, self.to_device = tokenizer, stop_ids, model_parts, to_device
-        self.folder, self.rollouts, self.shards = Path(run_dir) / FOLDER, rollouts, shards
-        self.taken, self.pending, self.metrics = 0, None, {}
+
+@dataclasses.dataclass
+class Plan:
+    """What an RL run reads before any weight: its prompts, stop tokens, reward functions and
+    replayed completions, and the loss type whose rollouts it makes."""
+
+    prompts: list[Prompt]
+    stop_ids: list[int]
+    rewards: list[Reward]
+    replay: Replay | None
+    loss_type: Any  # seqjax.objectives.rl.LossType
+
+
+class RolloutSource:
+    """``next(params, step) -> (device batch, position, host metrics)``, and its state for
+    checkpoints (``position``: which prompts were taken, how many tokens were generated, which
+    step of which generation batch this is)."""
+
+    def __init__(self, config: Config, plan: Plan, tokenizer, policy, frozen, to_device: Callable[[dict], dict],
+                 run_dir: Path, shards: int = 1):
+        self.config, self.rl, self.plan, self.tokenizer = config, config.rl, plan, tokenizer
+        self.prompts, self.rewards, self.stop_ids = plan.prompts, plan.rewards, plan.stop_ids
+        self.policy, self.frozen, self.to_device = policy, frozen, to_device
+        self.folder, self.shards = Path(run_dir) / FOLDER, shards
+        self.taken, self.num_tokens, self.pending, self.metrics = 0, 0, None, {}
+        self.generation_tokens = 0  # (of the generation batch in progress: taken back if it is made again)
+        self.fresh_at = None  # a step whose batch was made again at its start (its ratio is 1 there)
         self.every = self.rl.steps_per_generation * self.rl.num_iterations
         self.key = jax.random.fold_in(jax.random.key(config.run.seed), ROLLOUT_STREAM)
-        self._logprobs = jax.jit(lambda graphdef, states, batch: target_logprobs(
-            nnx.merge(graphdef, *states), batch, None, batch["weights"] > 0), static_argnums=0)
+        self._logprobs = jax.jit(lambda params, frozen, batch, reference: policy.logprobs(
+            policy.reference_model(params, frozen) if reference else policy.model(params, frozen), batch),
+            static_argnums=3)
 
     def __enter__(self) -> RolloutSource:
         return self
@@ -76,27 +104,34 @@ class RolloutSource:
     # -- state
 
     def get_state(self) -> dict[str, Any]:
-        return {"taken": self.taken}
+        return {"taken": self.taken, "num_tokens": self.num_tokens, "generation_tokens": self.generation_tokens}
 
     def set_state(self, state: dict[str, Any], step: int) -> None:
-        """Go on after ``step``: its prompts taken, and the generation batch it was in read back when later
-        steps still train on it."""
-        self.taken = int(state["taken"])
+        """Go on after ``step``: its prompts taken, and the generation batch it was in read back
+        when later steps still train on it (a damaged one is set aside, and made again at the
+        next step)."""
+        self.taken, self.num_tokens = int(state["taken"]), int(state.get("num_tokens", 0))
+        self.generation_tokens = int(state.get("generation_tokens", 0))
         if step % self.every:
             self.pending = self._read(step // self.every)
 
     # -- the batches
 
     def next(self, params, step: int) -> tuple[dict, IteratorPosition, dict[str, float]]:
-        """Step ``step``'s batch (1-based), making a generation batch first when one starts here."""
+        """Step ``step``'s batch (1-based), making a generation batch first when one starts here
+        (or when the one this step is in was damaged on disk)."""
         generation, within = divmod(step - 1, self.every)
         metrics = {}
-        if within == 0:
+        if within == 0 or self.pending is None:
+            if within:  # (made again: its prompts were taken, its tokens counted already)
+                self.taken -= self.rl.generation_prompts
+                self.num_tokens -= self.generation_tokens
+                self.fresh_at = step
             self.pending = self._generate(params, generation, step)
             metrics = self.metrics
         batches = self.pending["batches"]
         batch = dict(batches[within % self.rl.steps_per_generation])
-        batch["fresh"] = np.full((len(batch["inputs"]), 1), int(within == 0), np.int32)
+        batch["fresh"] = np.full((len(batch["inputs"]), 1), int(within == 0 or step == self.fresh_at), np.int32)
         return self.to_device(batch), IteratorPosition(self.get_state()), metrics
 
     def _next_prompts(self) -> list[Prompt]:
@@ -110,132 +145,182 @@ class RolloutSource:
         return out
 
     def _completions(self, params, prompts: list[Prompt], generation: int) -> list[tuple[list[int], bool]]:
-        """(ids, stopped) of each prompt's G completions, in order: sampled, or replayed from the file."""
+        """(ids, stopped) of each prompt's G completions, in order: sampled, or replayed from the
+        file."""
         g = self.rl.num_generations
-        if self.rollouts is not None:
-            out = []
-            for prompt in prompts:
-                given = self.rollouts.get(prompt.index)
-                if given is None or len(given) < g:
-                    raise DataError(
-                        f"rl.rollouts_file: prompt {prompt.index} ({prompt.where}) has "
-                        f"{0 if given is None else len(given)} completions there; "
-                        f"expected rl.num_generations={g}")
-                for ids in given[:g]:
-                    out.append((ids, bool(ids) and ids[-1] in self.stop_ids))
-            return out
-        parts = self.parts
-        model = nnx.merge(parts["graphdef"], params, *parts["frozen"], parts["rest"])
+        if self.plan.replay is not None:
+            return [(ids, bool(ids) and ids[-1] in self.stop_ids)
+                    for prompt in prompts for ids in self.plan.replay.completions[prompt.index][:g]]
         sampling = SamplingConfig(self.rl.temperature, self.rl.top_k, self.rl.top_p)
-        made = sample_rollouts(model, [p.ids.tolist() for p in prompts], stop_ids=self.stop_ids,
-                               max_new_tokens=self.rl.max_completion_length, sampling=sampling,
-                               key=jax.random.fold_in(self.key, generation), copies=g)
+        made = sample_rollouts(self.policy.model(params, self.frozen), [p.ids.tolist() for p in prompts],
+                               stop_ids=self.stop_ids, max_new_tokens=self.rl.max_completion_length,
+                               sampling=sampling, key=jax.random.fold_in(self.key, generation), copies=g)
         return [(m.tokens, m.stopped) for m in made]
 
     def _generate(self, params, generation: int, step: int) -> dict[str, Any]:
-        """One generation batch: prompts, completions, rewards, advantages, the steps' batches."""
+        """One generation batch: prompts, completions, rewards, the steps' batches, advantages."""
         prompts = self._next_prompts()
         g = self.rl.num_generations
         made = self._completions(params, prompts, generation)
+        repeated = [p for p in prompts for _ in range(g)]
+        self.generation_tokens = sum(len(p.ids) + len(ids) for p, (ids, _) in zip(repeated, made))
+        self.num_tokens += self.generation_tokens
         conversational = isinstance(prompts[0].prompt, list)
         texts = [self.tokenizer.decode_text(ids) for ids, _ in made]
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        repeated = [p for p in prompts for _ in range(g)]
         columns: dict[str, list] = {}
         for p in repeated:
             for key in p.columns:
                 columns.setdefault(key, [])
         for key in columns:
             columns[key] = [p.columns.get(key) for p in repeated]
+        state = TrainerState(global_step=step - 1, max_steps=self.config.train.steps,
+                             epoch=self.taken / len(self.prompts), num_input_tokens_seen=self.num_tokens)
+        logs = RewardLogs()
         table, total = score(self.rewards, self.rl.reward_weights, [p.prompt for p in repeated], completions,
-                             [ids for ids, _ in made], columns)
-        adv, zero_std = advantages(total, g, self.rl.scale_rewards)
+                             [ids for ids, _ in made], columns, state, logs)
+        if self.rl.reward_clip_range:
+            total = np.clip(total, *self.rl.reward_clip_range)
         truncated = np.asarray([not stopped for _, stopped in made])
         masked = truncated & self.rl.mask_truncated_completions
-        groups = [Group(p.ids, [np.asarray(made[k * g + j][0], np.int64) for j in range(g)],
-                        adv[k * g:(k + 1) * g], masked[k * g:(k + 1) * g])
-                  for k, p in enumerate(prompts)]
+        groups = [Group(p.ids, [np.asarray(made[k * g + j][0], np.int64) for j in range(g)], np.zeros(g),
+                        masked[k * g:(k + 1) * g]) for k, p in enumerate(prompts)]
         data = self.config.data
         batches = rollout_batches(groups, self.rl.layout, data.seq_len, data.batch_size,
                                   self.rl.steps_per_generation, self.shards)
-        self._logps(params, batches, step)
-        self.metrics = generation_metrics(self.rewards, table, total, zero_std, made, truncated)
+        kl = self._logps(params, batches, step, len(made))
+        if kl is not None:  # (a loss type that takes its KL from the reward: RLOO's, per completion)
+            total = total - self.rl.beta * kl["per_completion"]
+        estimator = self.plan.loss_type.advantage or self.rl.scale_rewards
+        adv, zero_std = advantages(total, g, estimator, self.rl.normalize_advantages)
+        for batch in batches:
+            with_advantages(batch, adv)
+        self.metrics = generation_metrics(self.rewards, table, total if kl is None else total + self.rl.beta *
+                                          kl["per_completion"], zero_std, made, truncated)
+        self.metrics["num_tokens"] = float(self.num_tokens)
+        if kl is not None:
+            self.metrics["kl"] = kl["per_token"]
+        self.metrics |= logs.means()
         pending = {"batches": batches, "generation": generation}
-        self._write(generation, pending, prompts, texts, table, adv)
-        self._log_table(step, prompts, texts, table, adv)
+        self._write(generation, pending, step)
+        self._log_table(step, prompts, texts, table, adv, logs.columns)
         return pending
 
-    def _logps(self, params, batches: list[dict[str, np.ndarray]], step: int) -> None:
-        """Each batch's old log-probabilities (when a later step or pass trains on it) and the reference's
-        (``rl.beta > 0``), computed once here."""
-        parts = self.parts
-        policy = (params, *parts["frozen"], parts["rest"])
+    def _logps(self, params, batches: list[dict[str, np.ndarray]], step: int, completions: int) -> dict | None:
+        """Each batch's old log-probabilities (when a later step or pass trains on it, or the KL
+        goes in the reward) and the reference's (``rl.beta > 0``), computed once here; the
+        reward's KL per completion (the sum of old - ref over its tokens) and per token, when the
+        loss type takes it there."""
+        policy, frozen = self.policy, self.frozen
+        in_reward = self.plan.loss_type.kl == "reward" and bool(self.rl.beta)
         same = None
-        if self.rl.beta and parts.get("same_weights") is not None:
-            same = bool(parts["same_weights"](params, parts.get("reference_weights"), step))
+        if self.rl.beta and policy.same_weights is not None:
+            same = bool(policy.same_weights(params, frozen.reference, step))
+        per_completion, tokens, kl_sum = np.zeros(completions), 0.0, 0.0
         for batch in batches:
             device = {k: jnp.asarray(v) for k, v in batch.items()}
             zeros = np.zeros_like(batch["weights"])
-            batch["old_logps"] = (np.asarray(self._logprobs(parts["graphdef"], policy, device), np.float32)
-                                  if self.every > 1 else zeros)
+            batch["old_logps"] = (np.asarray(self._logprobs(params, frozen, device, False), np.float32)
+                                  if self.every > 1 or in_reward else zeros)
             # (the reference is the sampling policy: its log-probabilities are the old ones, and on
             # the first pass the step's own, bit for bit)
             batch["rollout_reference_logps"] = batch["old_logps"] if same else zeros
             batch["reference_is_policy"] = np.full((len(batch["inputs"]), 1), int(bool(same)), np.int32)
             if self.rl.beta and not same:
-                graphdef, states = parts["reference"](params)
-                batch["rollout_reference_logps"] = np.asarray(self._logprobs(graphdef, states, device), np.float32)
+                batch["rollout_reference_logps"] = np.asarray(self._logprobs(params, frozen, device, True),
+                                                              np.float32)
+            if in_reward:
+                scored = (batch["weights"] > 0) & (batch["completion"] > 0)
+                gap = np.where(scored, batch["old_logps"] - batch["rollout_reference_logps"], 0.0)
+                per_completion += np.bincount(batch["completion"][scored] - 1, weights=gap[scored],
+                                              minlength=completions)[:completions]
+                tokens, kl_sum = tokens + scored.sum(), kl_sum + float(gap.sum())
+        if not in_reward:
+            return None
+        return {"per_completion": per_completion, "per_token": kl_sum / max(tokens, 1.0)}
 
     # -- files
 
     def _path(self, generation: int) -> Path:
         return self.folder / f"generation_{generation:06d}.npz"
 
-    def _write(self, generation: int, pending: dict, prompts, texts, table, adv) -> None:
+    def _write(self, generation: int, pending: dict, step: int) -> None:
         buffer = io.BytesIO()
         np.savez(buffer, **{f"{i}/{k}": v for i, b in enumerate(pending["batches"]) for k, v in b.items()},
                  metrics=np.asarray(json.dumps(self.metrics)))
-        write_bytes_atomic(self._path(generation), buffer.getvalue())
-        for old in sorted(self.folder.glob("generation_*.npz"))[:-KEEP]:
-            old.unlink(missing_ok=True)
+        path = self._path(generation)
+        try:
+            write_bytes_atomic(path, buffer.getvalue())
+            for old in sorted(self.folder.glob("generation_*.npz"))[:-KEEP]:
+                old.unlink(missing_ok=True)
+        except OSError as err:
+            raise RolloutWriteError(
+                f"{path} could not be written at step {step}: [Errno {err.errno}] {err.strerror}. "
+                "The run stops before training on it (nothing already written is lost); once "
+                "there is room, run the same command again: it resumes from the newest "
+                "checkpoint") from None
 
-    def _read(self, generation: int) -> dict[str, Any]:
+    def _read(self, generation: int) -> dict[str, Any] | None:
+        """The generation batch the run was in, as written; None when it is damaged (set aside:
+        the next step makes it again)."""
         path = self._path(generation)
         if not path.is_file():
-            raise DataError(f"{path}: the generation batch this run was in the middle of is missing; "
-                            "expected the rollouts the run wrote before training on them (resume from a "
-                            "step that ends one)")
-        with np.load(path) as f:
-            batches: dict[int, dict] = {}
-            for name in f.files:
-                if name == "metrics":
-                    continue
-                index, key = name.split("/", 1)
-                batches.setdefault(int(index), {})[key] = f[name]
-            self.metrics = json.loads(str(f["metrics"]))
+            raise DataError(f"{path}: the generation batch this run was in the middle of is "
+                            "missing; expected the rollouts the run wrote before training on them "
+                            "(resume from a step that ends one)")
+        try:
+            with np.load(path) as f:
+                batches: dict[int, dict] = {}
+                for name in f.files:
+                    if name == "metrics":
+                        continue
+                    index, key = name.split("/", 1)
+                    batches.setdefault(int(index), {})[key] = f[name]
+                metrics = json.loads(str(f["metrics"]))
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+            aside = path.with_name(f"{path.stem}.damaged-{time.strftime('%Y%m%dT%H%M%S')}.npz")
+            path.rename(aside)
+            log.warning("%s is damaged (%s: %s): set aside as %s; the generation batch is made "
+                        "again with the weights as resumed, so the steps after it differ from an "
+                        "uninterrupted run's", path,
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "", aside.name)
+            return None
+        self.metrics = metrics
         return {"batches": [batches[i] for i in sorted(batches)], "generation": generation}
 
-    def _log_table(self, step: int, prompts: list[Prompt], texts: list[str], table, adv) -> None:
+    def _log_table(self, step: int, prompts: list[Prompt], texts: list[str], table, adv,
+                   extra: dict[str, list]) -> None:
+        """The completions table at every ``rl.log_completions_every``-th step (N, 2N, ...: the
+        generation batch that step trains on), with the columns the reward functions added
+        (``log_extra``)."""
         every = self.rl.log_completions_every
-        if not every or step % every not in (0, 1 % every):
+        if not every or step % every:
             return
         g = self.rl.num_generations
         names = [r.name for r in self.rewards]
+        extra = {k: v for k, v in extra.items() if len(v) == len(texts)}
         rows = []
         lines = [f"# Completions at step {step}", "",
-                 "| prompt | completion | " + " | ".join(names) + " | advantage |",
-                 "|---|---|" + "---|" * len(names) + "---|"]
+                 "| prompt | completion | " + " | ".join([*names, *extra]) + " | advantage |",
+                 "|---|---|" + "---|" * (len(names) + len(extra)) + "---|"]
         for i, text in enumerate(texts):
             prompt = prompts[i // g]
             rows.append({"step": step, "prompt": prompt.text, "completion": text,
                          "rewards": {n: _finite(table[i, j]) for j, n in enumerate(names)},
+                         **({"extra": {k: v[i] for k, v in extra.items()}} if extra else {}),
                          "advantage": float(adv[i])})
             cells = [_cell(prompt.text if i % g == 0 else ""), _cell(text),
-                     *(f"{table[i, j]:.3g}" for j in range(len(names))), f"{adv[i]:.3f}"]
+                     *(f"{table[i, j]:.3g}" for j in range(len(names))), *(_cell(str(v[i])) for v in extra.values()),
+                     f"{adv[i]:.3f}"]
             lines.append("| " + " | ".join(cells) + " |")
         folder = self.folder.parent / "completions"
-        write_text_atomic(folder / f"step_{step:06d}.md", "\n".join(lines) + "\n")
-        write_text_atomic(folder / f"step_{step:06d}.jsonl", "".join(json_text(r) + "\n" for r in rows))
+        try:
+            write_text_atomic(folder / f"step_{step:06d}.md", "\n".join(lines) + "\n")
+            write_text_atomic(folder / f"step_{step:06d}.jsonl", "".join(json_text(r) + "\n" for r in rows))
+        except OSError as err:  # (a table is a view: the run goes on without it)
+            log.warning("the completions table of step %d could not be written to %s: [Errno %s] "
+                        "%s", step, folder,
+                        err.errno, err.strerror)
 
 
 def _finite(value: float) -> float | None:
@@ -248,9 +333,10 @@ def _cell(text: str) -> str:
 
 def generation_metrics(rewards: list[Reward], table: np.ndarray, total: np.ndarray, zero_std: np.ndarray,
                        made: list[tuple[list[int], bool]], truncated: np.ndarray) -> dict[str, float]:
-    """TRL's metrics of a generation batch: rewards per function and in total, completion lengths (and of
-    those that stopped), the share cut at the limit, the groups whose rewards are all equal."""
-    with np.errstate(all="ignore"):
+    """TRL's metrics of a generation batch: rewards per function and in total, completion lengths
+    (and of those that stopped), the share cut at the limit, the groups whose rewards are all
+    equal."""
+    with quiet():
         lengths = np.asarray([len(ids) for ids, _ in made], np.float64)
         ended = lengths[~truncated] if (~truncated).any() else np.zeros(1)
         out = {"reward": float(np.nanmean(total)), "reward_std": float(_std(total)),
@@ -273,33 +359,9 @@ def _std(values: np.ndarray) -> float:
     return float(np.std(kept, ddof=1)) if len(kept) > 1 else float("nan")
 
 
-def read_rollouts(path: str, tokenizer) -> dict[int, list[list[int]]]:
-    """``rl.rollouts_file``: each prompt's completions (token ids, or text tokenized as a continuation), by the
-    prompt's number; a bad line is one line naming the file and line."""
-    out: dict[int, list[list[int]]] = {}
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise DataError(f"rl.rollouts_file: {path!r} not found; expected a JSONL file of "
-                        "{\"index\": ..., \"completions\": [...]} lines")
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            index, completions = int(record["index"]), record["completions"]
-            ids = [c if isinstance(c, list) else tokenizer.encode_text(c) for c in completions]
-            if not all(isinstance(i, int) for c in ids for i in c):
-                raise ValueError("a completion's ids are not integers")
-        except (ValueError, KeyError, TypeError) as err:
-            raise DataError(f"{file}:{number}: {err}; expected {{\"index\": the prompt's line number from 0, "
-                            "\"completions\": [text or token ids, ...]}") from None
-        out[index] = ids
-    return out
-
-
 def load_prompts(config: Config, tokenizer) -> tuple[list[Prompt], list[int]]:
-    """The run's prompts (its training files) and the tokens that stop a completion: the tokenizer's end of
-    text, and a chat template's end of turn for conversational prompts."""
+    """The run's prompts (its training files) and the tokens that stop a completion: the
+    tokenizer's end of text, and a chat template's end of turn for conversational prompts."""
     source = config.data.resolved_sources()[0]
     spec = example_spec(config, source, Path(tokenizer.path), tokenizer.eot_token)
     prompts = read_prompts(config, source_files(source, "train"), tokenizer, spec)
@@ -310,30 +372,64 @@ def load_prompts(config: Config, tokenizer) -> tuple[list[Prompt], list[int]]:
     return prompts, stop_ids
 
 
-def build_source(config: Config, prepared, placed, mesh, ref, reference: tuple, to_device) -> RolloutSource:
-    """The rollouts source of a run set up by :func:`seqjax.train.setup.setup`: its prompts read, its reward
-    functions loaded, its stop tokens (the tokenizer's end of text, and a chat template's end of
-    turn), and the reference model of ``rl.beta`` (``ref``, :mod:`seqjax.weights.reference`) as
-    ``reference`` gives its weights (the step's extra arguments and the graph with the adapters
-    off)."""
+def sized_rows(config: Config, prompts: list[Prompt], shards: int) -> Config:
+    """``data.batch_size`` as a step's groups need it: the rows of a generation batch's worst
+    case (its longest prompts, every completion at ``rl.max_completion_length``), over its steps,
+    rounded up to ``shards`` (data x fsdp) times ``train.grad_accum``. A larger one given on the
+    command line stays, said in one line (its rows beyond are padding); one from a file (a saved
+    config.yaml of another format) yields."""
+    rl, data = config.rl, config.data
+    lengths = np.sort([len(p.ids) for p in prompts])[::-1][:rl.generation_prompts]
+    lengths = np.resize(lengths, rl.generation_prompts)  # (fewer prompts than a generation: drawn again)
+    rows = rows_needed(lengths, rl.num_generations, rl.max_completion_length, rl.layout, data.seq_len)
+    ways = shards * config.train.grad_accum
+    need = max(ways, -(-math.ceil(rows / rl.steps_per_generation) // ways) * ways)
+    if data.batch_size <= need:
+        return config
+    padding = 1 - need / data.batch_size
+    if "data.batch_size" in getattr(config, "explicit", ()):
+        log.warning("data.batch_size=%d: a step's %d group(s) take at most %d rows of "
+                    "data.seq_len=%d (rl.layout=%s, every completion at "
+                    "rl.max_completion_length): at least %.0f%% of each step's rows will be "
+                    "padding (leave data.batch_size out to size it so)", data.batch_size,
+                    rl.prompts_per_step, need, data.seq_len, rl.layout, 100 * padding)
+        return config
+    log.info("data.batch_size: %d rows a step, what its %d group(s) take at most (rl.layout=%s, data.seq_len=%d); "
+             "the file's %d would be at least %.0f%% padding", need, rl.prompts_per_step, rl.layout, data.seq_len,
+             data.batch_size, 100 * padding)
+    sized = dataclasses.replace(config, data=dataclasses.replace(data, batch_size=need))
+    sized.explicit = getattr(config, "explicit", frozenset())
+    return sized
 
+
+def plan(config: Config, prepared, mesh) -> tuple[Config, Plan]:
+    """An RL run's checks before any weight is read: its prompts, reward functions and replayed
+    completions, and its rows sized to its groups (:func:`sized_rows`)."""
     if jax.process_count() > 1:
-        raise DataError(f"data.format=prompt: got {jax.process_count()} processes; an RL run samples in one "
-                        "process (docs/rl.md, not built)")
+        raise DataError(f"data.format=prompt: got {jax.process_count()} processes; an RL run "
+                        "samples in one process (docs/rl.md, not built)")
     tokenizer = prepared.tokenizer
     prompts, stop_ids = load_prompts(config, tokenizer)
-    extras, reference_graphdef = reference
-    frozen = [] if placed.frozen is None else [placed.frozen]
-    parts = {"graphdef": placed.graphdef, "rest": placed.rest, "frozen": frozen}
-    if ref.kind is not None:
-        copy = extras[1] if len(extras) == 2 else None
-        parts["reference"] = lambda params: (lambda g, *s: (g, s))(*reference_states(
-            placed.graphdef, reference_graphdef, placed.rest, params, placed.frozen, copy))
-        parts["same_weights"], parts["reference_weights"] = same_weights_rule(ref, config), copy
-    rollouts = read_rollouts(config.rl.rollouts_file, tokenizer) if config.rl.rollouts_file else None
-    log.info("%d prompts; %d completions a prompt, %d prompts a step, a generation every %d step(s)%s",
+    objective = resolve(config.train.objective, config.train.objective_weights)
+    loss_type = next((row.rl for row in (objective, *objective.parts) if row.rl is not None), None)
+    if loss_type is None:
+        raise SeqjaxError(f"train.objective={','.join(config.train.objective)}: no RL loss type; "
+                          "expected one of docs/rl.md's (dapo, grpo, rloo, ...) for "
+                          "data.format=prompt")
+    replay = read_rollouts(config, tokenizer, prompts, stop_ids) if config.rl.rollouts_file else None
+    config = sized_rows(config, prompts, math.prod(mesh.shape[a] for a in BATCH_AXES))
+    log.info("%d prompts; %d completions a prompt, %d prompts a step, a generation every %d "
+             "step(s)%s",
              len(prompts), config.rl.num_generations, config.rl.prompts_per_step,
              config.rl.steps_per_generation * config.rl.num_iterations,
-             f"; completions replayed from {config.rl.rollouts_file}" if rollouts is not None else "")
-    return RolloutSource(config, prompts, load_rewards(config), tokenizer, stop_ids, parts, to_device,
-                         Path(config.run.dir), rollouts, shards=math.prod(mesh.shape[a] for a in BATCH_AXES))
+             f"; completions replayed from {config.rl.rollouts_file}" if replay is not None else "")
+    return config, Plan(prompts, stop_ids, load_rewards(config), replay, loss_type)
+
+
+def open_source(opening) -> RolloutSource:
+    """The rollouts source of a run set up by :func:`seqjax.train.setup.setup` (a
+    :class:`seqjax.train.source.Opening`)."""
+    config = opening.config
+    return RolloutSource(config, opening.plan, opening.prepared.tokenizer, opening.policy, opening.frozen,
+                         opening.to_device, Path(config.run.dir),
+                         shards=math.prod(opening.mesh.shape[a] for a in BATCH_AXES))

@@ -40,9 +40,6 @@ from seqjax.config.tree import DATA_DIR_ENV, Config, ConfigError
 from seqjax.core.errors import CheckpointMismatchError
 from seqjax.core.files import write_text_atomic
 from seqjax.data.contract import check_reads
-from seqjax.data.pairs import with_reference
-from seqjax.data.pipeline import build_pipeline
-from seqjax.data.stats import overlong_counts, overlong_line
 from seqjax.model import build_model, quant, sharding, split_params
 from seqjax.model.assembly import dora_magnitudes, stored_base
 from seqjax.model.lora import adapters_off, frozen_part, saved_part
@@ -51,17 +48,16 @@ from seqjax.store.build import prepare
 from seqjax.store.chat import find_chat_template
 from seqjax.store.image_chats import read_image_spec
 from seqjax.store.spec import CHAT_TEMPLATE_FILE
-from seqjax.store.splits import has_split
 from seqjax.train import precompute
 from seqjax.train.checkpoint import Checkpointer
 from seqjax.train.metrics import unigram_perplexity
 from seqjax.train.optimizer import build_optimizer
-from seqjax.train.rollouts import build_source
-from seqjax.train.source import OfflineSource
+from seqjax.train.policy import Frozen, Policy, reference_states
+from seqjax.train.source import Opening, SourceRow, source_row
 from seqjax.train.step import make_train_step
 from seqjax.weights import adapters, init_from
 from seqjax.weights.reference import BASE, MODEL, Reference, decide, named_weights, same_weights_rule
-from seqjax.weights.saved import TOKENIZER_FILE, Restored
+from seqjax.weights.saved import CHECKPOINTS, TOKENIZER_FILE, Restored
 
 log = logging.getLogger(__name__)
 
@@ -85,21 +81,19 @@ class Setup:
     num_params: int  # what trains
     model_params: int  # the whole model's (the frozen base included)
     learning_rates: np.ndarray
-    data_iterator: Any  # (the offline source's; None for an RL run)
-    source: Any  # where the batches come from (seqjax.train.source): offline, or an RL run's rollouts
+    source: Any  # where the batches come from (seqjax.train.source's row): the store's, or an RL run's rollouts
     identity: dict[str, Any]
-    # the step's last arguments: () ; (the frozen base under model.lora,) ; and, for a preference
-    # objective's frozen reference copy, (base or None, the copy)
-    frozen: tuple
+    # what the step reads but never trains: the frozen base under model.lora, a reference's own
+    # weights
+    frozen: Frozen
     # model.lora: the base the adapters belong to (train.init_from and a hash)
     base: dict[str, Any] | None
-    # the preference objective's reference (weights.reference), and a named model's identity (path
-    # and hash)
+    # the reference decision (weights.reference), and a named model's identity (path and hash)
     reference: Reference
     reference_identity: dict[str, Any] | None
     objective: Objective
-    # model.lora's graph with the adapters off (a preference reference), or None
-    reference_graphdef: Any
+    # the policy and its reference, as one record (seqjax.train.policy)
+    policy: Policy
     # train.reference=precompute: each split's reference log-probabilities [pairs, 2], else None
     reference_tables: dict[str, np.ndarray] | None
     overlong: dict[
@@ -135,8 +129,8 @@ def with_vocab(config: Config, vocab_size: int) -> Config:
                                                                      vocab_size=vocab_size))
     if config.model.vocab_size < vocab_size:
         raise ConfigError(
-            f"model.vocab_size: got {config.model.vocab_size}, expected at least the tokenizer's {vocab_size} "
-            "(or null to take it from the tokenizer)")
+            f"model.vocab_size: got {config.model.vocab_size}, expected at least the tokenizer's "
+            f"{vocab_size} (or null to take it from the tokenizer)")
     return config
 
 
@@ -200,8 +194,12 @@ def starting_weights(config: Config, mesh,
                                            placed.param_shardings)
         else:
             placed.params = sharding.place(loaded, placed.param_shardings)
-        log.info("%s from %s (optimizer, step and data position start fresh)",
-                 "base parameters" if lora.rank else "parameters", source.path)
+        # (a run resuming its own checkpoints reads its base here, and the rest from the checkpoint:
+        # say which)
+        saved = Path(config.run.dir) / CHECKPOINTS
+        resuming = saved.is_dir() and any(p.name.isdigit() for p in saved.iterdir())
+        log.info("%s from %s%s", "base parameters" if lora.rank else "parameters", source.path,
+                 "" if resuming else " (optimizer, step and data position start fresh)")
     # What the adapters belong to: the base as read, before QLoRA stores it quantized.
     base = None if placed.frozen is None else adapters.base_identity(placed.frozen,
                                                                      config.train.init_from)
@@ -232,9 +230,9 @@ def sharded_optimizer_state(tx: optax.GradientTransformation, params: dict, para
     return jax.jit(tx.init, out_shardings=opt_shardings)(params), opt_shardings
 
 
-def resolved(config: Config) -> tuple[Config, Any]:
+def resolved(config: Config, row: SourceRow) -> tuple[Config, Any]:
     """The config with the tokenizer's vocabulary, $SEQJAX_DATA_DIR and the trained length filled
-    in; the stores."""
+    in; the stores its batch source reads (``row.splits``)."""
     # The tokenizer first: a model vocabulary too small for it is refused before any store is built.
     config = with_data_dir(with_vocab(config, prepare(config, splits=()).tokenizer.vocab_size))
     # The longest sequence it trains on becomes the saved model's limit: eval and generate then
@@ -242,17 +240,7 @@ def resolved(config: Config) -> tuple[Config, Any]:
     # purpose).
     config = dataclasses.replace(
         config, model=dataclasses.replace(config.model, max_seq_len=config.max_seq_len))
-    if config.data.format == "prompt":  # an RL run reads its prompts whole (seqjax.store.prompts): no store
-        log.info("an RL run: no validation split (the rewards of its rollouts are its measure)")
-        prepared = prepare(config, splits=())
-        tokenizer = dataclasses.replace(config.tokenizer, path=str(Path(config.run.dir) / TOKENIZER_FILE))
-        return dataclasses.replace(config, tokenizer=tokenizer), prepared
-    validation = has_split(config, config.eval.split)
-    if not validation:
-        log.warning(
-            "no %s split (no %s_files, and data.validation_split_percentage is 0): training without "
-            "validation", config.eval.split, config.eval.split)
-    prepared = prepare(config, splits=("train", config.eval.split) if validation else ("train",))
+    prepared = prepare(config, splits=row.splits(config))
     # The run keeps its own copy of the tokenizer (written once the resume is accepted, with
     # config.yaml).
     tokenizer = dataclasses.replace(config.tokenizer, path=str(Path(config.run.dir) / TOKENIZER_FILE))
@@ -266,15 +254,16 @@ def objective_of(config: Config) -> Objective:
     tc = config.train
     if config.data.image_processor is not None and not config.model.vision.depth:
         raise ConfigError(
-            f"data.image_processor: got {config.data.image_processor!r} for a model without a vision tower "
-            "(model.vision.depth 0); expected model.vision and model.mrope_section set as the checkpoint's "
-            "(configs/qwen3_vl_lora.yaml)")
+            f"data.image_processor: got {config.data.image_processor!r} for a model without a "
+            "vision tower (model.vision.depth 0); expected model.vision and model.mrope_section "
+            "set as the checkpoint's (configs/qwen3_vl_lora.yaml)")
     if config.data.image_processor is not None:
         check_processor(config)
     objective = resolve(tc.objective, tc.objective_weights)
     who = f"train.objective={','.join(tc.objective)}"
     check_reads(objective.reads, config, who)
-    decide(config, objective.reference)  # (a reference that cannot be: one line before any work)
+    # (a reference that cannot be: one line before any work)
+    decide(config, source_row(config).wants_reference(config, objective))
     return objective
 
 
@@ -287,119 +276,99 @@ def check_processor(config: Config) -> None:
              "merge_size": vision.spatial_merge_size}
     for key, ours in tower.items():
         if getattr(spec, key) != ours:
-            raise ConfigError(f"data.image_processor: {processor} has {key} {getattr(spec, key)}, but "
-                              f"model.vision's tower takes {ours}; expected the processor of its tower")
+            raise ConfigError(f"data.image_processor: {processor} has {key} {getattr(spec, key)}, "
+                              f"but model.vision's tower takes {ours}; expected the processor of "
+                              "its tower")
 
 
 def reference_arguments(placed: Placed, config: Config, ref: Reference):
-    """(the step's extra arguments, their shardings, the reference graph or None, a named reference's identity
-    or None): the frozen base under adapters and the reference the step runs
-    (:mod:`seqjax.weights.reference`): none (the batch has its precomputed log-probabilities, or the
-    objective has none); the same state with the adapters off; a frozen copy of what trains; or a
-    named model's weights, in the copy's place (a full fine-tune) or the base's (its adapters
-    off)."""
-    extras = () if placed.frozen is None else (placed.frozen, )
-    shardings = () if placed.frozen is None else (placed.frozen_shardings, )
-    if not ref.in_step:
-        return extras, shardings, None, None
+    """(:class:`Frozen`, its shardings, the adapters-off graph or None, a named reference's
+    identity or None): the frozen base under adapters and the reference's own weights
+    (:mod:`seqjax.weights.reference`): none (no reference, or the base with the adapters off); a
+    frozen copy of what trains; or a named model's weights, in the copy's place (a full
+    fine-tune) or the base's (its adapters off). A reference whose log-probabilities are
+    precomputed gets its weights only to compute them (a copy is then the starting weights
+    themselves: nothing has trained yet)."""
+    frozen, shardings = Frozen(base=placed.frozen), Frozen(base=placed.frozen_shardings)
+    if ref.kind is None:
+        return frozen, shardings, None, None
     off = None if placed.frozen is None else adapters_off(placed.graphdef, placed.params, placed.frozen,
                                                           placed.rest)
     if ref.kind == BASE:
-        return extras, shardings, off, None
+        return frozen, shardings, off, None
     if ref.kind == MODEL:
         named = named_weights(ref, config)
         identity = adapters.base_identity(named, ref.path)
         log.info("the reference model: %s", ref.path)
         if placed.frozen is None:
-            return (None, sharding.place(named, placed.param_shardings)), (None, placed.param_shardings), None, \
-                identity
+            return (frozen._replace(reference=sharding.place(named, placed.param_shardings)),
+                    shardings._replace(reference=placed.param_shardings), None, identity)
         stored = stored_base(frozen_part(named, config.model.lora), config.model)
-        return ((placed.frozen, sharding.place(stored, placed.frozen_shardings)),
-                (placed.frozen_shardings, placed.frozen_shardings), off, identity)
+        return (frozen._replace(reference=sharding.place(stored, placed.frozen_shardings)),
+                shardings._replace(reference=placed.frozen_shardings), off, identity)
     # a copy of the starting weights (the step donates what trains, so the copy is its own buffers)
-    copy = sharding.place(jax.tree.map(jnp.copy, placed.params), placed.param_shardings)
-    log.info("the reference model: a frozen copy of the starting %s",
-             "adapters" if placed.frozen else "weights")
-    return (placed.frozen, copy), (placed.frozen_shardings, placed.param_shardings), None, None
+    copy = placed.params if ref.precompute else sharding.place(jax.tree.map(jnp.copy, placed.params),
+                                                               placed.param_shardings)
+    log.info("the reference model: a frozen copy of the starting %s", "adapters" if placed.frozen else "weights")
+    return frozen._replace(reference=copy), shardings._replace(reference=placed.param_shardings), None, None
 
 
-def precomputed_reference(config: Config, placed: Placed, base: dict[str, Any] | None, ref: Reference,
-                          stores: dict[str, Any]) -> dict[str, np.ndarray] | None:
+def precomputed_reference(config: Config, policy: Policy, placed: Placed, frozen: Frozen, base: dict[str, Any] | None,
+                          named: dict[str, Any] | None, stores: dict[str, Any]) -> dict[str, np.ndarray] | None:
     """``train.precompute_reference``: each split's table of the reference's log-probabilities
-    (:mod:`seqjax.train.precompute`): of the base with the adapters off, the starting weights, or
-    the model ``train.reference`` names. None for a reference the step runs, or none."""
+    (:mod:`seqjax.train.precompute`) of the policy's reference model (the base with the adapters
+    off, the starting weights, or the model ``train.reference`` names), with its identity. None
+    for a reference the step runs, or none."""
+    ref = policy.reference
     if ref.kind is None or not ref.precompute:
         return None
-    frozen = () if placed.frozen is None else (placed.frozen, )
-    graphdef = placed.graphdef if placed.frozen is None else adapters_off(placed.graphdef, placed.params,
-                                                                          *frozen, placed.rest)
-    states = (placed.params, *frozen, placed.rest)
     if ref.kind == MODEL:
-        named = named_weights(ref, config)
-        base = adapters.base_identity(named, ref.path)
-        states = (named, placed.rest) if placed.frozen is None else (
-            placed.params, stored_base(frozen_part(named, config.model.lora), config.model), placed.rest)
+        base = named
     elif placed.frozen is None:
         base = adapters.base_identity(placed.params, config.train.init_from)
-    return precompute.reference_tables(config, graphdef, states, base,
+    graphdef, *states = reference_states(policy.graphdef, policy.reference_graphdef, policy.rest, placed.params,
+                                         frozen.base, frozen.reference)
+    return precompute.reference_tables(config, graphdef, tuple(states), base,
                                        {k: v for k, v in stores.items() if v is not None})
 
 
-def _overlong(config: Config, store) -> dict[str, Any] | None:
-    """What data.overlong did to the train split, said in one line (instruction data: a warning; long text
-    documents are usual)."""
-    overlong = overlong_counts(config, store)
-    examples = store.mask is not None
-    line = overlong and overlong_line(overlong, "examples" if examples else "documents")
-    if line and jax.process_index() == 0:
-        log.log(logging.WARNING if examples else logging.INFO, "%s", line)
-    return overlong
-
-
-def _offline_source(config: Config, data, tables, to_device) -> OfflineSource:
-    """The store's batches (with each pair's precomputed reference log-probabilities, when there are any)."""
-    if tables is not None:
-        data = data.map(functools.partial(with_reference, logps=tables["train"]))
-    return OfflineSource(iter(data), to_device, depth=config.train.prefetch)
-
-
 def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
-    """Tokenizer and stores, the sharded model and optimizer state, the data iterator and the jitted
-    step."""
-    config, prepared = resolved(config)
-    tc = config.train
+    """Tokenizer and stores, the sharded model and optimizer state, the batch source and the
+    jitted step. What differs between kinds of data is the batch source's row
+    (:func:`source_row`), asked once."""
+    row = source_row(config)
+    config, prepared = resolved(config, row)
     train_store, valid_store = prepared.stores.get("train"), prepared.stores.get(config.eval.split)
     objective = objective_of(config)
-    rl = config.data.format == "prompt"
-    overlong = None if rl else _overlong(config, train_store)
-    process_index, process_count = jax.process_index(), jax.process_count()
-    # the data's plan before any weight is read: a batch larger than an epoch is one line at once
-    data = None if rl else build_pipeline(config, train_store, process_index=process_index,
-                                          process_count=process_count)
+    overlong = row.overlong(config, prepared)
+    config, plan = row.plan(config, prepared, mesh)  # (before any weight is read: bad data is one line at once)
+    tc = config.train
     placed, base = starting_weights(config, mesh, source)
-    ref = decide(config, objective.reference or (rl and config.rl.beta > 0))
-    tables = None if rl else precomputed_reference(config, placed, base, ref,
-                                                   {"train": train_store, config.eval.split: valid_store})
+    ref = decide(config, row.wants_reference(config, objective))
+    if ref.kind is None and config.train.reference not in ("auto", "copy"):
+        log.warning("train.reference=%s is not used: this run compares with no reference model (train.objective=%s "
+                    "has none, or an RL run's rl.beta is 0)", config.train.reference, ",".join(config.train.objective))
+    frozen, frozen_shardings, reference_graphdef, named = reference_arguments(placed, config, ref)
+    policy = Policy(placed.graphdef, placed.rest, ref, reference_graphdef, same_weights_rule(ref, config))
+    tables = precomputed_reference(config, policy, placed, frozen, base, named,
+                                   {"train": train_store, config.eval.split: valid_store}) if row.precomputes else None
+    if ref.precompute:  # (the step reads the tables: it keeps no reference weights)
+        frozen, frozen_shardings = frozen._replace(reference=None), frozen_shardings._replace(reference=None)
     tx, schedule = build_optimizer(tc)
     replicated = sharding.replicated(mesh)
     opt_state, opt_shardings = sharded_optimizer_state(tx, placed.params, placed.param_shardings,
                                                        replicated)
     batch_sharding = sharding.batch_sharding(mesh)
-    settings = settings_of(config, objective)
-    extras, extra_shardings, reference_graphdef, named = reference_arguments(placed, config, ref)
-    to_device = functools.partial(sharding.global_batch, sharding=batch_sharding, process_count=process_count)
-    batch_source = (build_source(config, prepared, placed, mesh, ref, (extras, reference_graphdef), to_device)
-                    if rl else _offline_source(config, data, tables, to_device))
-    if rl:  # (an RL run's reference scores its rollouts in the source: the step runs none)
-        extras, extra_shardings, reference_graphdef = extras[:1], extra_shardings[:1], None
+    to_device = functools.partial(sharding.global_batch, sharding=batch_sharding, process_count=jax.process_count())
+    batch_source = row.open(Opening(config, prepared, plan, policy, placed.params, frozen, mesh, to_device, tables))
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum,
-                           z_loss=tc.z_loss, objective=objective, settings=settings,
+                           z_loss=tc.z_loss, objective=objective, settings=settings_of(config, objective),
                            reference_graphdef=reference_graphdef, precomputed=tables is not None,
-                           same_weights=None if rl else same_weights_rule(ref, config))
+                           same_weights=policy.same_weights)
     return Setup(
         config=config,
         run_dir=Path(config.run.dir),
-        primary=process_index == 0,
+        primary=jax.process_index() == 0,
         tokenizer_source=Path(prepared.tokenizer.path),
         valid_store=valid_store,
         unigram=None if valid_store is None or train_store is None else unigram_perplexity(
@@ -408,14 +377,13 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         rest=placed.rest,
         params=placed.params,
         opt_state=opt_state,
-        frozen=extras,
+        frozen=frozen,
         rng=sharding.place(jax.random.key_data(jax.random.key(config.run.seed)), replicated),
         num_params=count(placed.params),
         model_params=placed.model_params,
         # Every step's learning rate up front: one small computation instead of eager ops in the
         # loop.
         learning_rates=np.asarray(jax.jit(jax.vmap(schedule))(np.arange(tc.steps + 1))),
-        data_iterator=getattr(batch_source, "iterator", None),
         source=batch_source,
         reference_tables=tables,
         # What the batches are cut from; a checkpoint records it, so a resume on other text or
@@ -426,10 +394,10 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
         reference=ref,
         reference_identity=named,
         objective=objective,
-        reference_graphdef=reference_graphdef,
+        policy=policy,
         overlong=overlong,
         step_fn=jax.jit(step, in_shardings=(placed.param_shardings, opt_shardings, batch_sharding, replicated,
-                                            replicated, *extra_shardings),
+                                            replicated, frozen_shardings.base, frozen_shardings.reference),
                         out_shardings=(placed.param_shardings, opt_shardings, replicated), donate_argnums=(0, 1)),
         to_device=to_device,
     )
@@ -443,8 +411,9 @@ def restore(checkpoints: Checkpointer, run: Setup) -> Restored | None:
         restored = checkpoints.restore_latest(run.params, run.opt_state, run.rng, config, run.identity)
         if restored is not None and restored.step > config.train.steps:
             raise ConfigError(
-                f"train.steps: got {config.train.steps}, expected at least {restored.step}, the step "
-                f"of the newest checkpoint in {checkpoints.directory} (raise it to continue the run)"
+                f"train.steps: got {config.train.steps}, expected at least {restored.step}, the "
+                f"step of the newest checkpoint in {checkpoints.directory} (raise it to continue "
+                "the run)"
             )
         # adapters belong to one base: another is refused
         if restored is not None and run.base is not None:
@@ -455,9 +424,10 @@ def restore(checkpoints: Checkpointer, run: Setup) -> Restored | None:
         saved_reference = None if restored is None else restored.meta.get("reference")
         if run.reference_identity is not None and saved_reference not in (None, run.reference_identity):
             raise CheckpointMismatchError(
-                f"train.reference: {run.reference.path} has xxh3 {run.reference_identity['xxh3']}, but checkpoint "
-                f"{checkpoints.directory / str(restored.step)} was trained against {saved_reference.get('init_from')} "
-                f"(xxh3 {saved_reference.get('xxh3')}); expected that reference model")
+                f"train.reference: {run.reference.path} has xxh3 {run.reference_identity['xxh3']}, "
+                f"but checkpoint {checkpoints.directory / str(restored.step)} was trained against "
+                f"{saved_reference.get('init_from')} (xxh3 {saved_reference.get('xxh3')}); "
+                "expected that reference model")
     except BaseException:
         checkpoints.close()
         raise
@@ -478,7 +448,8 @@ def restore(checkpoints: Checkpointer, run: Setup) -> Restored | None:
     was = (restored.meta.get("processes"), restored.meta.get("devices"))
     if None not in was and was != (jax.process_count(), jax.device_count()):
         log.info(
-            "elastic resume: checkpoint %d was written by %d process(es) on %d device(s), now %d on %d",
+            "elastic resume: checkpoint %d was written by %d process(es) on %d device(s), now %d "
+            "on %d",
             step, *was, jax.process_count(), jax.device_count())
     return restored
 

@@ -33,7 +33,8 @@ from flax import nnx
 
 from seqjax.data.contract import Batch
 from seqjax.objectives import DEFAULT, Inputs, Objective
-from seqjax.objectives.base import safe_divide, target_logprobs
+from seqjax.objectives.base import target_logprobs
+from seqjax.train.policy import reference_states
 
 # The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...;
 # dropout keys come from a copy folded with this tag first, so no mask ever reuses an initializer's
@@ -79,17 +80,6 @@ def reference_model(objective: Objective, graphdef: nnx.GraphDef, reference_grap
         return lambda micro: jax.lax.stop_gradient(target_logprobs(model, micro, None, micro["weights"] > 0))
 
     return reference_logprobs
-
-
-def reference_states(graphdef, reference_graphdef, rest, params, frozen, reference) -> tuple:
-    """``(graph, *states)`` of the reference model (:func:`reference_model` says which): what ``nnx.merge``
-    makes it from."""
-    base = [] if frozen is None else [frozen]
-    if reference_graphdef is None:
-        return (graphdef, reference, *base, rest)
-    if reference is None:
-        return (reference_graphdef, params, *base, rest)
-    return (reference_graphdef, params, reference, rest)
 
 
 def make_train_step(
@@ -144,7 +134,7 @@ def make_train_step(
             grads, sums = carry
             key = None if rng is None else dropout_key(rng, step, index)
             (_, terms), g = value_and_grad(params, micro, key, frozen, totals, reference, same)
-            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, terms)), None
+            return (jax.tree.map(jnp.add, grads, g), objective.combine(sums, terms)), None
 
         init = (jax.tree.map(jnp.zeros_like, params), objective.zero_terms())
         xs = (micro_batches(batch, grad_accum), jnp.arange(grad_accum))
@@ -154,12 +144,12 @@ def make_train_step(
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, _metrics(sums, denom, grad_norm, batch)
+        return params, opt_state, _metrics(objective, sums, denom, grad_norm, batch)
 
     return step
 
 
-def _metrics(sums, denom: jax.Array, grad_norm: jax.Array, batch: Batch) -> dict[str, Any]:
+def _metrics(objective: Objective, sums, denom: jax.Array, grad_norm: jax.Array, batch: Batch) -> dict[str, Any]:
     """The step's metrics (:func:`make_train_step`) from the summed terms."""
     loss = sums.loss / denom
     return {
@@ -169,5 +159,5 @@ def _metrics(sums, denom: jax.Array, grad_norm: jax.Array, batch: Batch) -> dict
         "weight_sum": sums.denominator,
         "tokens": jnp.sum(batch["segment_ids"] != 0),
         "finite": jnp.isfinite(loss) & jnp.isfinite(grad_norm),
-        "reported": {name: safe_divide(*pair) for name, pair in sums.reported.items()},
+        "reported": objective.reported_values(sums.reported),
     }

@@ -18,7 +18,7 @@ import jax
 
 from seqjax.core.files import json_text, write_text_atomic
 from seqjax.eval.windows import resolve_stride
-from seqjax.train.metrics import StepLogger, peak_memory_bytes, plot_losses
+from seqjax.train.metrics import StepLogger, peak_memory_bytes, plot_losses, read_metrics
 from seqjax.weights.saved import Restored
 
 SUMMARY_FILE = "summary.json"
@@ -88,8 +88,20 @@ def write_summary(run, steps: StepLogger, restored: Restored | None, last_val: d
             run.valid_store is None and last_val is None),
         "validation": run.valid_store is not None,
         "overlong": run.overlong,
+        **({"reward": reward} if (reward := rewards_seen(run.run_dir)) else {}),
     }
     if run.primary:
         plot_losses(run.run_dir)
         write_text_atomic(run.run_dir / SUMMARY_FILE, json_text(summary, indent=2))
     return summary
+
+
+def rewards_seen(run_dir: Path) -> dict[str, Any] | None:
+    """An RL run's rewards over its metrics.jsonl (every generation, the resumed ones included): the last
+    generation's mean and std, and the best mean with its step; None for a run without rewards."""
+    rows = [r for r in read_metrics(run_dir) if r.get("reward") is not None and "event" not in r]
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: r["reward"])
+    return {"last": rows[-1]["reward"], "last_std": rows[-1].get("reward_std"), "last_step": rows[-1]["step"],
+            "best": best["reward"], "best_step": best["step"], "generations": len(rows)}

@@ -131,9 +131,16 @@ def check_shapes(config: Config, source: Source, key: str = "train.init_from") -
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):
             raise ConfigError(
-                f"{key}: {source.path} has {name} of shape {theirs.get(name, 'none (tied embeddings)')}, "
-                f"but the run's model gives {ours.get(name, 'none (tied embeddings)')}; expected a model of the "
-                "run's shape")
+                f"{key}: {source.path} has {_shape(theirs, name)}, but the run's model has {_shape(ours, name)}; "
+                "expected a model of the run's family and shape")
+
+
+def _shape(shapes: dict, name: str) -> str:
+    """``name`` of its shape, or what its absence means (a head tied to the embedding, a family without it)."""
+    if name in shapes:
+        return f"{name} of shape {shapes[name]}"
+    why = "tied embeddings" if name.split(".")[0] in ("lm_head", "head") else "not in its family"
+    return f"no {name} ({why})"
 
 
 def load_params(source: Source, dtype: str, scan_layers: bool = False) -> dict[str, Any]:
