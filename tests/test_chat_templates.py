@@ -320,3 +320,20 @@ def test_a_qwen3_model_fine_tunes_packed_on_chats_under_its_official_template(tm
     assert official_run.model.has_windows and summary["finished"] and np.isfinite(summary["val_loss"])
     assert summary["tokens_seen"] < 2 * 4 * 64 and ids.size > 0  # whole chats: rows end in padding
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("template, what", [
+    ("{% for i in range(100000000) %}x{% endfor %}", "OverflowError: Range too big"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+])
+def test_a_template_the_sandbox_stops_is_one_line_naming_it(template, what):
+    """Every refusal of jinja2's sandbox (a range over its limit) and every runtime error of a template is one
+    CorpusError line naming the record and the template, never a traceback."""
+    from seqjax.core.errors import CorpusError
+    from seqjax.store.chat import _render
+    from seqjax.store.spec import ExampleSpec
+
+    spec = ExampleSpec(format="chat", loss_on="assistant", chat_template=template, template_name="loop")
+    with pytest.raises(CorpusError, match=r"chats\.jsonl:3: the chat template loop failed on 1 message\(s\)") as err:
+        _render(spec, [{"role": "user", "content": "hi"}], "chats.jsonl:3")
+    assert what in str(err.value) and "\n" not in str(err.value)

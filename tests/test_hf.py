@@ -244,6 +244,13 @@ def test_missing_shard_missing_tensor_extra_tensor_and_bad_shape_are_refused(tmp
     with pytest.raises(CheckpointError, match=r"index\.json: weight_map puts .* in model-00002-of-00002"
                                               r"\.safetensors, which is missing"):
         hf.read_folder(folder)
+    # a shard path that leaves the folder is never read, though the file is there (transformers reads it)
+    save_file({n: tensors[n] for n in names[10:]}, str(tmp_path / "outside.safetensors"))
+    outside = {n: "model-00001-of-00002.safetensors" for n in names[:10]} | {
+        n: "../outside.safetensors" for n in names[10:]}
+    (folder / hf.INDEX).write_text(json.dumps({"weight_map": outside}))
+    with pytest.raises(CheckpointError, match=r"weight_map puts .* in \.\./outside\.safetensors, outside "):
+        hf.read_folder(folder)
 
     save_file({n: tensors[n] for n in names[10:] if n != "model.norm.weight"},
               str(folder / "model-00002-of-00002.safetensors"))
