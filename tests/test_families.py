@@ -164,8 +164,8 @@ def test_every_field_that_changes_the_model_is_read_or_refused():
     qwen3 = reference("qwen3")[0]["config"]
     with pytest.raises(CheckpointError, match="attention_bias: got True, expected false"):
         families.model_config_from_hf({**qwen3, "attention_bias": True}, "config.json")
-    bad_rope = {**qwen3, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}
-    with pytest.raises(CheckpointError, match="rope_parameters.rope_type: got 'yarn'"):
+    bad_rope = {**qwen3, "rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6}}
+    with pytest.raises(CheckpointError, match="rope_parameters.rope_type: got 'longrope'"):
         families.model_config_from_hf(bad_rope, "config.json")
     # transformers 4's spelling of Gemma 3's RoPE (rope_theta, rope_local_base_freq, rope_scaling) reads the same
     old = {k: v for k, v in base.items() if k != "rope_parameters"} | {

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqjax.model.attention import masked_attention, reference_attention
+from seqjax.model.attention import attention, masked_attention, reference_attention
 from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata, full_blocks, visited_blocks
 from seqjax.model.kernels.flash import flash_attention, flash_attention_span
 from seqjax.model.mask import segment_mask
@@ -458,3 +458,50 @@ def test_a_span_lowers_to_triton_for_h100():
 
     text = lowered_for_h100(loss, q, kv, kv, row, jax.ShapeDtypeStruct((), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+SINKS = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+
+
+def sink_grads(attend):
+    """jit(q, k, v, segment_ids, cotangent, sinks) -> (out, (dq, dk, dv, dsinks)) for attention with sinks."""
+
+    def run(q, k, v, segment_ids, cotangent, sinks):
+        out, vjp = jax.vjp(lambda q, k, v, s: attend(q, k, v, segment_ids, s), q, k, v, sinks)
+        return out, vjp(cotangent)
+
+    return jax.jit(run)
+
+
+SINK_REFERENCE = sink_grads(lambda q, k, v, seg, s: reference_attention(q, k, v, seg, sinks=s))
+SINK_FLASH = sink_grads(lambda q, k, v, seg, s: attention(q, k, v, seg, backend="pallas", sinks=s))
+
+
+@settings(max_examples=6, deadline=None)
+@given(segment_ids=packed_batch(2, 72))
+def test_attention_sinks_on_the_flash_kernel_equal_the_dense_softmax_with_them(segment_ids):
+    """gpt-oss's sinks (a logit per head in every query's softmax) on the flash kernel, its output rescaled by
+    the sink's share of each query's log-sum-exp: the dense softmax with the sink column, output and the
+    gradients of q, k, v and the sinks, over any packing; padding stays exactly zero."""
+    q, k, v, cotangent = F32_QKV
+    segment_ids = jnp.asarray(segment_ids)
+    with jax.default_matmul_precision("highest"):
+        out, grads = SINK_FLASH(q, k, v, segment_ids, cotangent, SINKS)
+        ref_out, ref_grads = SINK_REFERENCE(q, k, v, segment_ids, cotangent, SINKS)
+    assert_close(out, ref_out, 2e-5, "output")
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        assert_close(got, want, 2e-5, name)
+    assert not np.asarray(out)[np.asarray(segment_ids) == 0].any()
+
+
+def test_sinks_take_weight_off_the_keys_and_other_backends_refuse_them():
+    """A sink's weight leaves the keys (a row of one document differs with sinks and without); a backend that
+    cannot honour them refuses in one line, never computing attention without them."""
+    from seqjax.core.errors import ConfigError
+
+    q, k, v, _ = F32_QKV
+    ones = jnp.ones(q.shape[:2], jnp.int32)
+    assert float(jnp.abs(reference_attention(q, k, v, ones) - reference_attention(q, k, v, ones, sinks=SINKS)).max()
+                 ) > 1e-2
+    with pytest.raises(ConfigError, match="model.attention: got 'splash', which cannot take attention sinks"):
+        attention(q, k, v, ones, backend="splash", sinks=SINKS)

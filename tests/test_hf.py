@@ -212,7 +212,8 @@ def refused(folder, match):
     ({"mlp_bias": True}, r"config\.json: mlp_bias: got True, expected false"),
     ({"hidden_act": "gelu"}, r"config\.json: hidden_act: got 'gelu', expected 'silu'"),
     ({"sliding_window": 4096}, r"config\.json: sliding_window: got 4096"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"config\.json: rope_scaling\.rope_type: got 'yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+     r"config\.json: rope_scaling\.rope_type: got 'longrope'"),
     ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, r"config\.json: rope_scaling\.rope_type: got 'longrope'"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, r"rope_parameters\.rope_type: got 'dynamic'"),
     # (a string, which transformers refuses: never read as no scaling, beside transformers 5's rope_parameters too)
@@ -336,8 +337,9 @@ def test_the_new_model_fields_have_defaults_of_todays_model_and_rules_that_name_
     with pytest.raises(ConfigError, match="model.n_heads: got 3, expected a divisor of model.d_model=32 "
                                           r"\(or set model.head_dim\)"):
         load_config(None, TINY + ["model.n_heads=3", "model.n_kv_heads=1"])
-    with pytest.raises(ConfigError, match="model.rope_scaling.type: got 'yarn', expected one of none, linear, llama3"):
-        load_config(None, TINY + ["model.rope_scaling.type=yarn"])
+    with pytest.raises(ConfigError, match="model.rope_scaling.type: got 'longrope', expected one of none, linear, "
+                                          "llama3, yarn"):
+        load_config(None, TINY + ["model.rope_scaling.type=longrope"])
     with pytest.raises(ConfigError, match="model.rope_scaling.high_freq_factor: got 1.0, expected more than "
                                           "model.rope_scaling.low_freq_factor=2.0"):
         load_config(None, TINY + ["model.rope_scaling.type=llama3", "model.rope_scaling.low_freq_factor=2.0",

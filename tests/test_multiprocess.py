@@ -92,7 +92,7 @@ def test_two_processes_share_the_lock_stop_together_on_sigterm_and_resume_as_one
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, errors[1][-3000:]
-    assert "mesh {'data': 4, 'fsdp': 2, 'context': 1, 'tensor': 1}; 2 process(es)" in errors[0]
+    assert "mesh {'data': 4, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 1}; 2 process(es)" in errors[0]
     (stopped,) = checkpoint_steps(run_dir)  # one checkpoint, written by both at the same step
     assert all(f"stopped by SIGTERM after step {stopped}" in err for err in errors)
     assert max(train_losses(run_dir)) == stopped < 30

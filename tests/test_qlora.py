@@ -165,6 +165,6 @@ def test_a_qlora_run_on_an_fsdp_and_tensor_mesh_takes_the_one_device_steps(refer
     proc = run_cli([*tiny_overrides(tiny_root, meshed, **qlora), "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"],
                    devices=4)
     assert_ok(proc)
-    assert "mesh {'data': 1, 'fsdp': 2, 'context': 1, 'tensor': 2}" in proc.stderr
+    assert "mesh {'data': 1, 'fsdp': 2, 'expert': 1, 'context': 1, 'tensor': 2}" in proc.stderr
     for step, loss in train_losses(one).items():
         assert train_losses(meshed)[step] == pytest.approx(loss, rel=1e-5), step

@@ -26,12 +26,12 @@ def test_minus_one_fills_the_remaining_devices_and_bad_sizes_are_refused():
         return mesh_shape(load_config(None, [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}",
                                              f"mesh.context={context}"]).mesh, devices)
 
-    assert shape(-1, 1, 1, 8) == (8, 1, 1, 1)
-    assert shape(2, -1, 2, 8) == (2, 2, 1, 2)
-    assert shape(2, 4, 1, 8) == (2, 4, 1, 1)
-    assert shape(2, 1, 1, 8, context=-1) == (2, 1, 4, 1)
-    with pytest.raises(ConfigError, match=r"mesh.data=2, mesh.fsdp=2, mesh.context=1, mesh.tensor=1: data x fsdp x "
-                                          r"context x tensor = 4, expected the 8"):
+    assert shape(-1, 1, 1, 8) == (8, 1, 1, 1, 1)  # (data, fsdp, expert, context, tensor)
+    assert shape(2, -1, 2, 8) == (2, 2, 1, 1, 2)
+    assert shape(2, 4, 1, 8) == (2, 4, 1, 1, 1)
+    assert shape(2, 1, 1, 8, context=-1) == (2, 1, 1, 4, 1)
+    with pytest.raises(ConfigError, match=r"mesh.data=2, mesh.fsdp=2, mesh.expert=1, mesh.context=1, mesh.tensor=1: "
+                                          r"data x fsdp x expert x context x tensor = 4, expected the 8"):
         shape(2, 2, 1, 8)
     with pytest.raises(ConfigError, match="do not divide the 8 devices"):
         shape(-1, 3, 1, 8)
@@ -101,7 +101,7 @@ def test_meshes_on_8_devices_match_one_device_and_resume_on_4(reference, tiny_ro
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for data, fsdp, tensor in MESHES:
-        assert f"mesh {{'data': {data}, 'fsdp': {fsdp}, 'context': 1, 'tensor': {tensor}}}" in proc.stderr
+        assert f"mesh {{'data': {data}, 'fsdp': {fsdp}, 'expert': 1, 'context': 1, 'tensor': {tensor}}}" in proc.stderr
         losses = train_losses(tmp_path / f"mesh_{data}_{fsdp}_{tensor}")
         assert sorted(losses) == list(range(1, steps + 1))
         for step, loss in losses.items():
@@ -112,7 +112,7 @@ def test_meshes_on_8_devices_match_one_device_and_resume_on_4(reference, tiny_ro
     assert_ok(resumed)
     elastic = f"elastic resume: checkpoint {steps} was written by 1 process(es) on 8 device(s), now 1 on 4"
     assert elastic in resumed.stderr
-    assert "mesh {'data': 4, 'fsdp': 1, 'context': 1, 'tensor': 1}" in resumed.stderr
+    assert "mesh {'data': 4, 'fsdp': 1, 'expert': 1, 'context': 1, 'tensor': 1}" in resumed.stderr
     losses = train_losses(run_dir)
     assert sorted(losses) == list(range(1, 31))
     for step, loss in losses.items():
@@ -126,8 +126,8 @@ def test_a_mesh_that_does_not_fit_the_devices_stops_the_cli_before_any_data_work
         main([f"run.dir={tmp_path / 'run'}", "data.dir=/nonexistent", "mesh.data=3"])
     assert exit_info.value.code == 2
     assert (
-        "mesh.data=3, mesh.fsdp=1, mesh.context=1, mesh.tensor=1: data x fsdp x context x tensor = 3, expected the 1 "
-        "available devices"
+        "mesh.data=3, mesh.fsdp=1, mesh.expert=1, mesh.context=1, mesh.tensor=1: data x fsdp x expert x context x "
+        "tensor = 3, expected the 1 available devices"
         in capsys.readouterr().err
     )
     assert not (tmp_path / "run").exists()

@@ -13,10 +13,10 @@ ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "cudnn_packed", "pallas", "pallas_
 # the backends that compute attention over a row split on mesh.context (seqjax.model.context)
 SPLIT_ROW_BACKENDS = ("xla", "pallas", "auto")
 DTYPES = ("float32", "bfloat16")
-ROPE_SCALING_TYPES = ("none", "linear", "llama3")
+ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
 # The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's
 # tables).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
 REMAT_POLICIES = ("none", "full", "dots", "names")
@@ -41,7 +41,7 @@ class RopeScalingConfig:
     type: str = setting(
         "none",
         "none: plain RoPE; linear: every frequency divided by factor (positions interpolated, "
-        "Gemma 3's global layers); llama3: Llama 3.1's frequency scaling",
+        "Gemma 3's global layers); llama3: Llama 3.1's frequency scaling; yarn: YaRN's (gpt-oss)",
         choices=ROPE_SCALING_TYPES, resume=MODEL)
     factor: float = setting(8.0, "linear, llama3: how much the (low) frequencies are slowed",
                             min=1.0, resume=MODEL)
@@ -52,8 +52,16 @@ class RopeScalingConfig:
         4.0, "llama3: wavelengths below original / high_freq_factor are kept", min=0.0,
         resume=MODEL)
     original_max_position_embeddings: int = setting(8192,
-                                                    "llama3: the context length of pretraining",
+                                                    "llama3, yarn: the context length of pretraining",
                                                     min=1, resume=MODEL)
+    beta_fast: float = setting(32.0, "yarn: rotations within the context above which a frequency is kept",
+                               min=0.0, resume=MODEL)
+    beta_slow: float = setting(1.0, "yarn: rotations below which a frequency is divided by factor", min=0.0,
+                               resume=MODEL)
+    truncate: bool = setting(True, "yarn: the ramp's ends rounded to whole frequencies (transformers' truncate)",
+                             resume=MODEL)
+    attention_factor: float | None = setting(
+        None, "yarn: cos and sin scaled by this (null: 0.1 ln(factor) + 1, YaRN's)", min=0.0, resume=MODEL)
 
     def check(self) -> None:
         # (linear: factor only)
@@ -61,6 +69,66 @@ class RopeScalingConfig:
             raise ConfigError(
                 f"model.rope_scaling.high_freq_factor: got {self.high_freq_factor}, expected more than "
                 f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (and both above 0)")
+
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+DISPATCHES = ("auto", "ragged_dot", "dense")
+
+
+@dataclass(frozen=True)  # hashable: the model keeps it as static graph data
+class ExpertsConfig:
+    """``model.experts``: a mixture of experts in place of the gated MLP (``count`` > 0; docs/model.md, "Mixture
+    of experts"). Each token goes to the ``top_k`` experts its router picks, none dropped; the router's
+    auxiliary loss and z-loss are side terms of the forward, over real tokens only."""
+
+    count: int = setting(0, "experts a layer holds (0: the gated MLP, a dense model)", min=0, resume=MODEL)
+    top_k: int = setting(2, "experts each token goes to (num_experts_per_tok)", min=1, resume=MODEL)
+    d_ff: int | None = setting(None, "each expert's hidden width (moe_intermediate_size; null: model.d_ff)",
+                               min=1, resume=MODEL)
+    router: str = setting(
+        "softmax_topk", "softmax_topk: a float32 softmax over every expert, then the top k (Qwen3-MoE, Mixtral); "
+        "topk_softmax: the top k of the logits, then a softmax over those (gpt-oss)", choices=ROUTERS,
+        resume=MODEL)
+    norm_topk_prob: bool = setting(
+        True, "softmax_topk: the k chosen probabilities renormalized to sum to 1 (Mixtral always; Qwen3-MoE's "
+        "norm_topk_prob)", resume=MODEL)
+    bias: bool = setting(False, "biases on the router and the experts' projections (gpt-oss)", resume=MODEL)
+    activation: str = setting(
+        "swiglu", "the experts' gated activation: swiglu, silu(gate) * up; clamped_swiglu (gpt-oss): (up + 1) * "
+        "gate * sigmoid(alpha * gate), the gate clamped from above and up to +-limit",
+        choices=EXPERT_ACTIVATIONS, resume=MODEL)
+    swiglu_limit: float = setting(7.0, "clamped_swiglu: the clamp (gpt-oss's swiglu_limit)", min=0.0, resume=MODEL)
+    swiglu_alpha: float = setting(1.702, "clamped_swiglu: the sigmoid's slope (gpt-oss's swiglu_alpha)", min=0.0,
+                                  resume=MODEL)
+    dense_layers: list[int] = setting(
+        [], "layers with the gated MLP instead of experts (Qwen3-MoE's mlp_only_layers)", resume=MODEL)
+    aux_loss_coef: float = setting(
+        0.0, "the router's load-balancing loss (transformers' load_balancing_loss_func, pooled over the layers "
+        "and real tokens of each micro-batch) times this joins the loss (router_aux_loss_coef when the "
+        "folder's output_router_logits is set; 0: logged, not trained)", min=0.0)
+    z_loss_coef: float = setting(
+        0.0, "the router's z-loss (mean over real tokens and layers of logsumexp(router logits)^2) times this "
+        "joins the loss (0: logged, not trained)", min=0.0)
+    dispatch: str = setting(
+        "auto", "how tokens reach their experts: ragged_dot (sorted by expert, one grouped matmul: "
+        "jax.lax.ragged_dot), dense (every expert on every token, weighted: the reference); auto: ragged_dot",
+        choices=DISPATCHES)
+
+    @property
+    def enabled(self) -> bool:
+        return self.count > 0
+
+    def check(self, n_layers: int) -> None:
+        if not self.enabled:
+            return
+        if self.top_k > self.count:
+            raise ConfigError(f"model.experts.top_k: got {self.top_k}, expected at most model.experts.count="
+                              f"{self.count}")
+        bad = [i for i in self.dense_layers if not 0 <= i < n_layers]
+        if bad:
+            raise ConfigError(f"model.experts.dense_layers: got layer {bad[0]}, expected layers 0 to "
+                              f"{n_layers - 1}")
 
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -289,9 +357,21 @@ class ModelConfig:
         [], "multimodal RoPE (Qwen3-VL): how many of each head's rotary frequencies turn with the time, row "
         "and column positions (three sizes summing to head_dim / 2); empty: one position per token",
         resume=MODEL)
+    experts: ExpertsConfig = field(
+        default_factory=ExpertsConfig, metadata={
+            "help": "a mixture of experts in place of the gated MLP (model.experts.count > 0; docs/model.md)"
+        })
+    attention_sinks: bool = setting(
+        False, "a learned logit per head taken into every query's softmax, attending to nothing (gpt-oss)",
+        resume=MODEL)
+    attn_out_bias: bool = setting(False, "a bias on the attention's output projection (gpt-oss)", resume=MODEL)
     mrope_interleaved: bool = setting(
         True, "with mrope_section: the three axes' frequencies interleaved (Qwen3-VL), else in three runs "
         "(Qwen2-VL)", resume=MODEL)
+
+    def mlp_of(self, layer: int) -> str:
+        """Layer ``layer``'s MLP: a row of :data:`seqjax.model.mlp.MLPS` (experts, or the gated MLP)."""
+        return "experts" if self.experts.enabled and layer not in self.experts.dense_layers else "gated"
 
     def window_of(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None where it attends to its whole segment."""
@@ -373,6 +453,11 @@ class ModelConfig:
                     f"projection's input width larger than it ({', '.join(f'{k}={v}' for k, v in widths.items())}); "
                     f"{', '.join(bad)} is not a multiple of it")
         self.check_vision()
+        self.experts.check(self.n_layers)
+        if self.scan_layers and len({self.mlp_of(i) for i in range(self.n_layers)}) > 1:
+            raise ConfigError(
+                f"model.scan_layers: got true with model.experts.dense_layers {self.experts.dense_layers}: a "
+                "scanned stack holds one kind of block; expected scan_layers false (layers unrolled)")
         unknown = [name for name in self.remat_names if name not in REMAT_NAMES]
         if unknown:
             raise ConfigError(

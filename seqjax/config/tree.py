@@ -117,13 +117,17 @@ class MeshConfig:
     data: int = setting(-1, "data-parallel axis size (-1: the remaining devices)", min=-1)
     fsdp: int = setting(1, "fully-sharded data-parallel axis size (-1: the remaining devices)",
                         min=-1)
+    expert: int = setting(
+        1, "expert-parallel axis size: a mixture of experts' experts split over it, the batch's rows too between "
+        "its layers (docs/model.md; -1: the remaining devices)", min=-1)
     context: int = setting(
         1, "context-parallel axis size: each row's tokens split over it, attention exact (docs/scale.md; -1: the "
         "remaining devices)", min=-1)
     tensor: int = setting(1, "tensor-parallel axis size (-1: the remaining devices)", min=-1)
 
     def check(self) -> None:
-        sizes = {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "context": self.context,
+                 "tensor": self.tensor}
         for name, size in sizes.items():
             if size == 0:
                 raise ConfigError(f"mesh.{name}: got 0, expected a positive size or -1")

@@ -19,6 +19,12 @@ qwen3       Qwen3ForCausalLM        RMSNorm on each head's q and k before RoPE; 
 gemma3      Gemma3ForCausalLM       norms scale by (1 + w), four a block; q/k norms; GeGLU (tanh GELU);
             (model_type             embeddings x sqrt(hidden); query_pre_attn_scalar; sliding layers
             gemma3_text)            interleaved by layer_types, with their own RoPE base; tied head
+qwen3_moe   Qwen3MoeForCausalLM     Qwen3's attention; experts (a softmax router, top k, renormalized under
+                                    norm_topk_prob); mlp_only_layers and decoder_sparse_step keep the gated MLP
+mixtral     MixtralForCausalLM      Mistral's attention; experts (a softmax router, top k renormalized)
+gpt_oss     GptOssForCausalLM       biases on q, k, v and o; attention sinks; sliding and full layers by
+                                    layer_types; YaRN RoPE; experts with biases, a top-k-then-softmax router
+                                    and the clamped, interleaved SwiGLU; MXFP4 experts dequantized on import
 ==========  ======================  ========================================================================
 
 The tensor names and layouts are :mod:`seqjax.hf.tensors`.
@@ -40,10 +46,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from seqjax.config.model import ModelConfig, RopeScalingConfig
+from seqjax.config.model import ExpertsConfig, ModelConfig, RopeScalingConfig
 from seqjax.core.errors import CheckpointError, ConfigError
 
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3"}
+ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 # Old checkpoints saved RoPE's frequency table as a buffer; seqjax recomputes it.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 # Fields whose value changes what any family computes, and the one value seqjax computes.
@@ -85,6 +91,17 @@ def _scaling(params: dict[str, Any] | None, field: str,
     if kind == "linear":
         return theta, RopeScalingConfig(type="linear", factor=float(params["factor"]))
     defaults = RopeScalingConfig()
+    if kind == "yarn":
+        for key in ("mscale", "mscale_all_dim"):  # (DeepSeek's variant of the attention factor)
+            if params.get(key):
+                raise _refuse(source, f"{field}.{key}", params[key], "null (YaRN's own attention factor)")
+        factor = params.get("attention_factor")
+        return theta, RopeScalingConfig(
+            type="yarn", factor=float(params["factor"]),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings",
+                                                            defaults.original_max_position_embeddings)),
+            beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)), attention_factor=None if factor is None else float(factor))
     return theta, RopeScalingConfig(
         type="llama3",
         factor=float(params["factor"]),
@@ -196,6 +213,63 @@ def activation(field: str, value: str, ours: str, *fallbacks:
     return read
 
 
+# Fields of MoE checkpoints seqjax does not compute: shared experts, DeepSeek's latent attention (MLA) and
+# group-limited routing, a router other than a softmax, router noise.
+_MOE_MUST_BE = {
+    "shared_expert_intermediate_size": ((None, 0), "null or 0 (no shared expert)"),
+    "n_shared_experts": ((None, 0), "null or 0 (no shared experts)"),
+    "kv_lora_rank": ((None,), "null (no multi-head latent attention)"),
+    "q_lora_rank": ((None,), "null (no multi-head latent attention)"),
+    "n_group": ((None, 1), "null or 1 (no group-limited routing)"),
+    "topk_group": ((None, 1), "null or 1 (no group-limited routing)"),
+    "scoring_func": ((None, "softmax"), "softmax"),
+    "router_jitter_noise": ((None, 0, 0.0), "0 (no router noise)"),
+}
+
+
+def _aux_coef(hf: dict[str, Any]) -> float:
+    """transformers adds router_aux_loss_coef times the load-balancing loss only under output_router_logits."""
+    return float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
+
+
+def qwen3_moe_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """Qwen3-MoE: experts on every layer but mlp_only_layers and those off decoder_sparse_step; the gated MLP's
+    intermediate_size there."""
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = sorted({int(i) for i in hf.get("mlp_only_layers") or []} |
+                   {i for i in range(n_layers) if (i + 1) % step})
+    return {"experts": ExpertsConfig(
+        count=_integer(hf, "num_experts" if "num_experts" in hf else "num_local_experts", source),
+        top_k=_integer(hf, "num_experts_per_tok", source), d_ff=_integer(hf, "moe_intermediate_size", source),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        dense_layers=dense, aux_loss_coef=_aux_coef(hf))}
+
+
+def mixtral_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """Mixtral: experts on every layer, intermediate_size wide, the top k always renormalized."""
+    return {"experts": ExpertsConfig(
+        count=_integer(hf, "num_local_experts", source), top_k=_integer(hf, "num_experts_per_tok", source),
+        d_ff=_integer(hf, "intermediate_size", source), norm_topk_prob=True, aux_loss_coef=_aux_coef(hf))}
+
+
+def gpt_oss_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """gpt-oss: experts with biases, the top k of the logits then a softmax over them, the clamped SwiGLU."""
+    return {"experts": ExpertsConfig(
+        count=_integer(hf, "num_local_experts", source), top_k=_integer(hf, "num_experts_per_tok", source),
+        d_ff=_integer(hf, "intermediate_size", source), router="topk_softmax", norm_topk_prob=False, bias=True,
+        activation="clamped_swiglu", swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), aux_loss_coef=_aux_coef(hf))}
+
+
+def no_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    return {}
+
+
+def _gpt_oss_reads(hf: dict[str, Any]) -> dict[str, Any]:
+    bias = bool(hf.get("attention_bias", True))
+    return {"qkv_bias": bias, "attn_out_bias": bias}
+
+
 # ---------------------------------------------------------------------------
 # Writers a row names: model.* settings -> config.json extras
 
@@ -219,6 +293,26 @@ def _gemma_export(cfg: ModelConfig) -> dict[str, Any]:
             "attn_logit_softcapping": None}
 
 
+def _experts_export(cfg: ModelConfig, count: str, d_ff: str) -> dict[str, Any]:
+    ex = cfg.experts
+    return {count: ex.count, "num_experts_per_tok": ex.top_k, d_ff: ex.d_ff or cfg.d_ff,
+            "output_router_logits": bool(ex.aux_loss_coef), "router_aux_loss_coef": ex.aux_loss_coef or 0.001}
+
+
+def _qwen3_moe_export(cfg: ModelConfig) -> dict[str, Any]:
+    return {**_qwen_export(cfg), "attention_bias": False,
+            **_experts_export(cfg, "num_experts", "moe_intermediate_size"),
+            "norm_topk_prob": cfg.experts.norm_topk_prob, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(cfg.experts.dense_layers)}
+
+
+def _gpt_oss_export(cfg: ModelConfig) -> dict[str, Any]:
+    ex = cfg.experts
+    return {**_window_fields(cfg), "attention_bias": cfg.qkv_bias,
+            **_experts_export(cfg, "num_local_experts", "intermediate_size"), "swiglu_limit": ex.swiglu_limit,
+            "swiglu_alpha": ex.swiglu_alpha}
+
+
 def _llama_can_export(cfg: ModelConfig) -> None:
     if cfg.has_windows:
         raise CheckpointError(
@@ -235,6 +329,19 @@ def _mistral_can_export(cfg: ModelConfig) -> None:
 
 # ---------------------------------------------------------------------------
 # The table
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """How a family names its expert tensors in a checkpoint (seqjax.hf.tensors.expert_groups): the router's
+    module, and either one tensor per expert (``gate``, ``up``, ``down``: patterns of the expert's number) or
+    ``fused``, the module holding [E, D, 2F] gate_up_proj (gate and up interleaved) and [E, F, D] down_proj."""
+
+    router: str
+    gate: str = ""
+    up: str = ""
+    down: str = ""
+    fused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -262,6 +369,9 @@ class Family:
     reads: Callable[[dict[str, Any]], dict[str, Any]] = lambda hf: {}
     export: Callable[[ModelConfig], dict[str, Any]] = lambda cfg: {}
     can_export: Callable[[ModelConfig], None] = lambda cfg: None
+    experts_of: Callable[[dict[str, Any], int, str], dict[str, Any]] = no_experts
+    experts: ExpertTensors | None = None
+    quantizations: tuple[str, ...] = ()  # quantization_config.quant_method values dequantized on import
 
 
 FAMILIES: dict[str, Family] = {row.name: row for row in (
@@ -284,6 +394,21 @@ FAMILIES: dict[str, Family] = {row.name: row for row in (
            tied_default=True, rope=rope_per_layer_type, windows=gemma_windows,
            reads=lambda hf: {"query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256))},
            export=_gemma_export),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", settings={"qk_norm": True},
+           must_be={**_NO_ATTENTION_BIAS, **_MOE_MUST_BE}, windows=qwen_windows, export=_qwen3_moe_export,
+           experts_of=qwen3_moe_experts,
+           experts=ExpertTensors("mlp.gate", "mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj",
+                                 "mlp.experts.{}.down_proj")),
+    Family("mixtral", "MixtralForCausalLM", "mixtral", must_be=_MOE_MUST_BE, windows=every_layer_slides,
+           export=lambda cfg: {"sliding_window": cfg.sliding_window,
+                               **_experts_export(cfg, "num_local_experts", "intermediate_size")},
+           can_export=_mistral_can_export, experts_of=mixtral_experts,
+           experts=ExpertTensors("block_sparse_moe.gate", "block_sparse_moe.experts.{}.w1",
+                                 "block_sparse_moe.experts.{}.w3", "block_sparse_moe.experts.{}.w2")),
+    Family("gpt_oss", "GptOssForCausalLM", "gpt_oss", settings={"attention_sinks": True},
+           must_be=_MOE_MUST_BE, windows=every_layer_slides, reads=_gpt_oss_reads, export=_gpt_oss_export,
+           experts_of=gpt_oss_experts, experts=ExpertTensors("mlp.router", fused="mlp.experts"),
+           quantizations=("mxfp4",)),
 )}
 # (what a config.json without "architectures" is taken to be)
 ARCHITECTURE = FAMILIES["llama"].architecture
@@ -323,8 +448,12 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
     """
     row = family_of(hf, source)
     for field_name, (allowed, expected) in {**_MUST_BE_ALL, **row.must_be}.items():
-        if hf.get(field_name) not in allowed:
-            raise _refuse(source, field_name, hf.get(field_name), expected)
+        value = hf.get(field_name)
+        if field_name == "quantization_config" and isinstance(value, dict) and \
+                value.get("quant_method") in row.quantizations:
+            continue  # (weights dequantized on import: seqjax.hf.mxfp4)
+        if value not in allowed:
+            raise _refuse(source, field_name, value, expected)
     if float(hf.get("attention_dropout") or 0.0) != 0.0:
         raise _refuse(source, "attention_dropout", hf["attention_dropout"],
                       "0.0 (seqjax has no attention dropout)")
@@ -348,6 +477,7 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         **row.reads(hf),
         **row.rope(hf, source),
         **row.windows(hf, n_layers, source),
+        **row.experts_of(hf, n_layers, source),
     )
     try:
         cfg.check()
@@ -371,6 +501,13 @@ def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: 
             "low_freq_factor": scaling.low_freq_factor,
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_position_embeddings
+        }
+    elif scaling.type == "yarn":
+        rope_scaling = {
+            "rope_type": "yarn", "factor": scaling.factor, "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow, "truncate": scaling.truncate,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            **({} if scaling.attention_factor is None else {"attention_factor": scaling.attention_factor})
         }
     return {
         "architectures": [row.architecture],

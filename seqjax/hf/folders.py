@@ -49,6 +49,7 @@ from seqjax.config.tree import Config, ModelConfig
 from seqjax.core.errors import CheckpointError
 from seqjax.core.files import read_utf8, write_text_atomic
 from seqjax.core.progress import progress_bar
+from seqjax.hf import mxfp4
 from seqjax.hf.families import hf_config, model_config_from_hf
 from seqjax.hf.tensors import from_hf as params_from_hf
 from seqjax.hf.tensors import to_hf
@@ -281,10 +282,13 @@ def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
         return out
 
     source = str(hf.path / (WEIGHTS if (hf.path / WEIGHTS).is_file() else INDEX))
+    names = hf.weight_map
+    if (hf.config_json.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        read, names = mxfp4.dequantizing(read, names)  # (gpt-oss's experts, dequantized as transformers does)
     with bar:
         if hf.model.vision.depth:
-            return vision_language_params(read, hf.weight_map, hf.model, source, DTYPES[dtype])
-        return params_from_hf(read, hf.weight_map, hf.model, source, DTYPES[dtype])
+            return vision_language_params(read, names, hf.model, source, DTYPES[dtype])
+        return params_from_hf(read, names, hf.model, source, DTYPES[dtype])
 
 
 def run_config(hf: HFFolder, overrides: Sequence[str] = (), tokenizer_path: Path | None = None,

@@ -45,9 +45,9 @@ def _layer(i: int) -> str:
 Converter = Callable[[np.ndarray], np.ndarray]
 
 
-def block_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Converter, Converter]]:
-    """(HF name suffix, seqjax path in the block, seqjax -> HF, HF -> seqjax) for one block's
-    tensors."""
+def block_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[str, ...], Converter, Converter]]:
+    """(HF name suffix, seqjax path in the block, seqjax -> HF, HF -> seqjax) for block ``layer``'s tensors
+    that map one to one (a layer with experts adds :func:`expert_groups`)."""
     d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
     same = (lambda w: w), (lambda t: t)
     linear = (lambda w: w.T), (lambda t: t.T)
@@ -70,10 +70,15 @@ def block_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Converte
         # post-norm
         ("post_attention_layernorm.weight",
          ("post_attn_norm", "scale") if gemma_norms else ("mlp_norm", "scale"), *same),
-        ("mlp.gate_proj.weight", ("mlp", "w_gate"), *linear),
-        ("mlp.up_proj.weight", ("mlp", "w_up"), *linear),
-        ("mlp.down_proj.weight", ("mlp", "w_down"), *linear),
     ]
+    if cfg.mlp_of(layer) == "gated":
+        table += [("mlp.gate_proj.weight", ("mlp", "w_gate"), *linear),
+                  ("mlp.up_proj.weight", ("mlp", "w_up"), *linear),
+                  ("mlp.down_proj.weight", ("mlp", "w_down"), *linear)]
+    if cfg.attention_sinks:
+        table += [("self_attn.sinks", ("attn", "sinks"), *same)]
+    if cfg.attn_out_bias:
+        table += [("self_attn.o_proj.bias", ("attn", "bo"), *same)]
     if cfg.qkv_bias:
         table += [("self_attn.q_proj.bias", ("attn", "bq"), *heads_bias(h)),
                   ("self_attn.k_proj.bias", ("attn", "bk"), *heads_bias(k)),
@@ -87,14 +92,58 @@ def block_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], Converte
     return table
 
 
-def _block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+# A group row: (HF tensors of the block and their shapes, the seqjax paths they make, seqjax values -> HF
+# tensors, HF tensors -> seqjax values), both in the order listed: E per-expert tensors stacked into one
+# array, or one fused tensor split into two.
+Group = tuple[dict[str, tuple[int, ...]], tuple[tuple[str, ...], ...], Callable, Callable]
+
+
+def expert_groups(cfg: ModelConfig, layer: int) -> list[Group]:
+    """Block ``layer``'s expert tensors (none for a gated layer), as its family's row names them
+    (:class:`seqjax.hf.families.ExpertTensors`): per-expert [F, D] projections stacked into [E, D, F] (Qwen3-MoE,
+    Mixtral), or gpt-oss's fused [E, D, 2F] gate_up_proj, its gate and up columns interleaved, split in two."""
+    if cfg.mlp_of(layer) != "experts":
+        return []
+    names = FAMILIES[cfg.family].experts
+    e, d, f = cfg.experts.count, cfg.d_model, cfg.experts.d_ff or cfg.d_ff
+    path = ("mlp", "experts")
+    groups: list[Group] = [({f"{names.router}.weight": (e, d)}, (path + ("router",),),
+                            lambda router: (router.T,), lambda t: (t.T,))]
+    if names.fused is None:
+        for param, pattern, shape in (("w_gate", names.gate, (f, d)), ("w_up", names.up, (f, d)),
+                                      ("w_down", names.down, (d, f))):
+            groups.append(({pattern.format(i) + ".weight": shape for i in range(e)}, (path + (param,),),
+                           lambda w: tuple(np.swapaxes(w, 1, 2)), lambda *t: (np.swapaxes(np.stack(t), 1, 2),)))
+        return groups
+    fused = names.fused
+    groups += [({f"{fused}.gate_up_proj": (e, d, 2 * f)}, (path + ("w_gate",), path + ("w_up",)),
+                lambda g, u: (np.stack([g, u], axis=-1).reshape(e, d, 2 * f),),
+                lambda t: (t[..., ::2], t[..., 1::2])),
+               ({f"{fused}.down_proj": (e, f, d)}, (path + ("w_down",),), lambda w: (w,), lambda t: (t,))]
+    if cfg.experts.bias:
+        groups += [({f"{names.router}.bias": (e,)}, (path + ("router_bias",),), lambda b: (b,), lambda t: (t,)),
+                   ({f"{fused}.gate_up_proj_bias": (e, 2 * f)}, (path + ("b_gate",), path + ("b_up",)),
+                    lambda g, u: (np.stack([g, u], axis=-1).reshape(e, 2 * f),),
+                    lambda t: (t[..., ::2], t[..., 1::2])),
+                   ({f"{fused}.down_proj_bias": (e, d)}, (path + ("b_down",),), lambda b: (b,), lambda t: (t,))]
+    return groups
+
+
+def _block_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
     d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
     shapes = {
         "input_layernorm.weight": (d, ), "self_attn.q_proj.weight": (h * dh, d),
         "self_attn.k_proj.weight": (k * dh, d), "self_attn.v_proj.weight": (k * dh, d),
         "self_attn.o_proj.weight": (d, h * dh), "post_attention_layernorm.weight": (d, ),
-        "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)
     }
+    if cfg.mlp_of(layer) == "gated":
+        shapes |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    for hf, *_ in expert_groups(cfg, layer):
+        shapes |= hf
+    if cfg.attention_sinks:
+        shapes["self_attn.sinks"] = (h,)
+    if cfg.attn_out_bias:
+        shapes["self_attn.o_proj.bias"] = (d,)
     if cfg.qkv_bias:
         shapes |= {"self_attn.q_proj.bias": (h * dh,), "self_attn.k_proj.bias": (k * dh,),
                    "self_attn.v_proj.bias": (k * dh,)}
@@ -112,7 +161,7 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "model.norm.weight": (cfg.d_model, )
     }
     for i in range(cfg.n_layers):
-        shapes.update({_layer(i) + name: shape for name, shape in _block_shapes(cfg).items()})
+        shapes.update({_layer(i) + name: shape for name, shape in _block_shapes(cfg, i).items()})
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
     return shapes
@@ -140,9 +189,12 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
     out = {"model.embed_tokens.weight": np.asarray(params["embed"]["embedding"]),
            "model.norm.weight": np.asarray(params["final_norm"]["scale"])}
     for i in range(cfg.n_layers):
-        for name, path, to_hf_layout, _ in block_tensors(cfg):
+        for name, path, to_hf_layout, _ in block_tensors(cfg, i):
             out[_layer(i) + name] = np.ascontiguousarray(
                 to_hf_layout(np.asarray(tree_get(params["blocks"][i], path))))
+        for hf, paths, to_hf_layout, _ in expert_groups(cfg, i):
+            tensors = to_hf_layout(*(np.asarray(tree_get(params["blocks"][i], p)) for p in paths))
+            out.update({_layer(i) + name: np.ascontiguousarray(t) for name, t in zip(hf, tensors)})
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
     return out
@@ -187,8 +239,12 @@ def from_hf(read: Callable[[str], np.ndarray], names: Iterable[str], cfg: ModelC
     }
     for i in range(cfg.n_layers):
         block: dict[str, Any] = {}
-        for name, path, _, from_hf_layout in block_tensors(cfg):
+        for name, path, _, from_hf_layout in block_tensors(cfg, i):
             tree_put(block, path, np.ascontiguousarray(from_hf_layout(get(_layer(i) + name))))
+        for hf, paths, _, from_hf_layout in expert_groups(cfg, i):
+            values = from_hf_layout(*(get(_layer(i) + name) for name in hf))
+            for path, value in zip(paths, values):
+                tree_put(block, path, np.ascontiguousarray(value))
         params["blocks"][i] = block
     if not cfg.tie_embeddings:
         params["lm_head"] = np.ascontiguousarray(get("lm_head.weight").T)

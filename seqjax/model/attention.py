@@ -48,7 +48,7 @@ from seqjax.core.errors import ConfigError
 from seqjax.core.progress import log_once
 from seqjax.model.context import SplitRow, split_row_attention
 from seqjax.model.mask import check_attention_inputs, segment_mask
-from seqjax.model.sharding import BATCH_AXES, HEAD_AXIS
+from seqjax.model.sharding import BATCH_AXES, shard_axes
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ def reference_attention(
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
     window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Plain XLA attention, softmax in float32. q: [B, T, H, D]; k, v: [B, T, Hkv, D]; Hkv divides
     H.
@@ -71,7 +72,7 @@ def reference_attention(
     probabilities are dropped at ``dropout_rate`` (training only; see :func:`masked_attention`).
     """
     return masked_attention(q, k, v, segment_mask(segment_ids, window=window), scale=scale,
-                            dropout_rate=dropout_rate, dropout_key=dropout_key)
+                            dropout_rate=dropout_rate, dropout_key=dropout_key, sinks=sinks)
 
 
 def masked_attention(
@@ -83,9 +84,12 @@ def masked_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_key: jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention under an explicit boolean mask [B, Tq, Tk] (from :func:`segment_mask`), softmax in
-    float32.
+    float32. ``sinks`` [H] (gpt-oss): one learned logit per head taken into every query's softmax,
+    after scaling and masking, and attending to nothing (its probability is dropped): a query whose
+    keys score low puts most of its weight there.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D]. The reference path and the KV-cache
     decode (queries against a longer cache) share this one softmax, so a fully
@@ -103,9 +107,14 @@ def masked_attention(
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(mask[:, None, None, :, :], logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(1, hkv, group, 1, 1)
+    if sink is not None:  # (a fully masked query still attends to nothing: its sink is not a key)
+        row_max = jnp.where(jnp.isfinite(row_max), jnp.maximum(row_max, sink), row_max)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.exp(logits - row_max)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = jnp.where(denom > 0, denom + jnp.exp(sink - row_max), denom)
     probs = weights / jnp.where(denom == 0, 1.0, denom)
     if dropout_key is not None and dropout_rate:
         keep = jax.random.bernoulli(dropout_key, 1.0 - dropout_rate, probs.shape)
@@ -139,6 +148,7 @@ def attention(
     prefix_ids: jax.Array | None = None,
     positions: jax.Array | None = None,
     causal: bool = True,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Segment-masked causal self-attention (contract 2) on the chosen backend.
 
@@ -158,38 +168,70 @@ def attention(
     where it picks pallas; ``metadata`` then from ``block_metadata(..., prefix_ids=)``); every other
     backend refuses it. ``causal=False``:
     contract 2's non-causal form (a vision encoder's images), which xla and pallas compute; every
-    other backend refuses it.
+    other backend refuses it. ``sinks`` [H]: gpt-oss's attention sinks (:func:`masked_attention`),
+    on the dense path (xla, and auto where it picks xla) and the flash kernel (pallas: its output
+    rescaled by the sink's share of each query's log-sum-exp, both differentiable); every other
+    backend, and a row split over mesh.context, refuses them.
     """
     check_attention_inputs(q, k, v, segment_ids)
+    if sinks is not None and (isinstance(metadata, SplitRow) or not causal):
+        raise ConfigError("model.attention_sinks: a row split over mesh.context or non-causal attention cannot "
+                          "take attention sinks; expected mesh.context=1")
     if isinstance(metadata, SplitRow):  # a row split over mesh.context (seqjax.model.context)
         return split_row_attention(q, k, v, segment_ids, metadata, scale, window, prefix_ids, positions)
     if not causal:
         return _non_causal(q, k, v, segment_ids, backend, scale, metadata)
     if prefix_ids is not None and not _flash_prompt(backend, q.dtype, window, dropout_rate, dropout_key):
         return _shared_prompt(q, k, v, segment_ids, backend, scale, dropout_rate, dropout_key, window,
-                              prefix_ids, positions)
+                              prefix_ids, positions, sinks)
     if dropout_key is not None and dropout_rate:
         if backend not in ("xla", "auto"):
             raise ValueError(f"attention dropout needs model.attention=xla (or auto), got {backend!r}")
         return reference_attention(q, k, v, segment_ids, scale=scale, dropout_rate=dropout_rate,
-                                   dropout_key=dropout_key, window=window)
+                                   dropout_key=dropout_key, window=window, sinks=sinks)
     name = resolve_backend(backend, q.dtype, windows=window is not None)
+    if sinks is not None and name not in SINKS:
+        if backend != "auto":
+            raise ConfigError(f"model.attention: got {backend!r}, which cannot take attention sinks "
+                              f"(model.attention_sinks); expected one of {', '.join(SINKS)} or auto")
+        name = "xla"
     if name not in _KERNELS:
+        if sinks is not None:
+            return reference_attention(q, k, v, segment_ids, scale=scale, window=window, sinks=sinks)
         return _implementation(name)(q, k, v, segment_ids, scale=scale, window=window)
     kernel = _load_kernel(name)
     extra, static = _kernel_arguments(name, metadata, window, prefix_ids)
+    if sinks is not None:
+        extra, static = {**extra, "sinks": sinks}, {**static, "with_lse": True}
 
     def run(q, k, v, segment_ids, extra):
-        return kernel(q, k, v, segment_ids, scale=scale, **static, **extra)
+        extra = dict(extra)
+        sink = extra.pop("sinks", None)
+        out = kernel(q, k, v, segment_ids, scale=scale, **static, **extra)
+        return out if sink is None else with_sinks(*out, sink)
     layout = _device_layout(q, k, segment_ids)
     if layout is None:
         return run(q, k, v, segment_ids, extra)
     mesh, rows, heads = layout
     per_head, per_row = P(rows, None, heads, None), P(rows)
-    # a traced window: everywhere
-    extra_specs = jax.tree.map(lambda a: P() if jnp.ndim(a) == 0 else per_row, extra)
+    # a traced window: everywhere; the sinks with their heads
+    extra_specs = {name: P(heads) if name == "sinks" else jax.tree.map(
+        lambda b: P() if jnp.ndim(b) == 0 else per_row, a) for name, a in extra.items()}
     return jax.shard_map(run, mesh=mesh, in_specs=(per_head, per_head, per_head, per_row, extra_specs),
                          out_specs=per_head, check_vma=False)(q, k, v, segment_ids, extra)
+
+
+# The backends that take attention sinks (gpt-oss): the dense softmax, and the flash kernel through its
+# log-sum-exp.
+SINKS = ("xla", "pallas")
+
+
+def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array:
+    """Attention ``out`` [B, T, H, D] over the keys alone, given its natural log-sum-exp ``lse`` [B, H, T],
+    rescaled to a softmax that also holds each head's sink logit: exp(lse) / (exp(lse) + exp(sink)) =
+    sigmoid(lse - sink) of the weight stays on the keys. A query with no key (lse near -inf) stays 0."""
+    share = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32)[None, :, None])
+    return (out.astype(jnp.float32) * jnp.transpose(share, (0, 2, 1))[..., None]).astype(out.dtype)
 
 
 def _kernel_arguments(name: str, metadata, window, prefix_ids) -> tuple[dict, dict]:
@@ -218,7 +260,7 @@ def _flash_prompt(backend: str, dtype, window, dropout_rate, dropout_key) -> boo
 
 
 def _shared_prompt(q, k, v, segment_ids, backend: str, scale, dropout_rate, dropout_key, window,
-                   prefix_ids, positions) -> jax.Array:
+                   prefix_ids, positions, sinks=None) -> jax.Array:
     """A shared prompt's mask (:func:`seqjax.model.mask.allowed`) on the dense path: xla, and auto
     where the flash kernel cannot take it."""
     if backend not in ("xla", "auto"):
@@ -230,7 +272,7 @@ def _shared_prompt(q, k, v, segment_ids, backend: str, scale, dropout_rate, drop
     mask = segment_mask(segment_ids, q_index=positions, kv_index=positions, window=window,
                         q_prefix_ids=prefix_ids)
     return masked_attention(q, k, v, mask, scale=scale, dropout_rate=dropout_rate,
-                            dropout_key=dropout_key if dropout_rate else None)
+                            dropout_key=dropout_key if dropout_rate else None, sinks=sinks)
 
 
 NON_CAUSAL = ("xla", "pallas")  # the backends that compute the non-causal form
@@ -260,16 +302,12 @@ def _device_layout(q: jax.Array, k: jax.Array, segment_ids: jax.Array):
         mesh = jax.typeof(segment_ids).sharding.mesh
     if mesh.empty:
         return None
-    sizes = dict(mesh.shape)
-    usable = [a for a in sizes if a not in mesh.manual_axes and sizes[a] > 1]
-    rows = tuple(a for a in BATCH_AXES if a in usable)
-    ways = math.prod(sizes[a] for a in rows)
-    if q.shape[0] % ways:
+    rows, heads = shard_axes(mesh, q.shape[0], (q.shape[2], k.shape[2]))
+    wanted = tuple(a for a in BATCH_AXES if a in mesh.shape and mesh.shape[a] > 1 and a not in mesh.manual_axes)
+    if wanted and not rows:
         log.warning("attention: batch of %d rows does not split over mesh axes %s (%d ways); "
-                    "the kernel runs unsplit and XLA may gather its inputs", q.shape[0], rows, ways)
-        rows, ways = (), 1
-    t = sizes.get(HEAD_AXIS, 1)
-    heads = HEAD_AXIS if HEAD_AXIS in usable and q.shape[2] % t == 0 and k.shape[2] % t == 0 else None
+                    "the kernel runs unsplit and XLA may gather its inputs", q.shape[0], wanted,
+                    math.prod(mesh.shape[a] for a in wanted))
     if not rows and heads is None:
         return None
     return mesh, rows or None, heads

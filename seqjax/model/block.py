@@ -51,24 +51,15 @@ from seqjax.model.attention import attention, masked_attention, resolve_backend
 from seqjax.model.cache import LayerCache
 from seqjax.model.lora import Adapters
 from seqjax.model.mask import FULL, segment_mask
+from seqjax.model.mlp import MLPS, drop, normal_param
 from seqjax.model.quant import weight
-from seqjax.model.rope import rope
-
-
-def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype,
-                 axes: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+from seqjax.model.rope import rope, rope_attention_factor
 
 
 def split_keys(key: jax.Array | None, n: int) -> tuple[jax.Array | None, ...]:
     """``n`` independent dropout keys from ``key``, or ``n`` Nones when there is none (no
     dropout)."""
     return (None,) * n if key is None else tuple(jax.random.split(key, n))
-
-
-def drop(layer: nnx.Dropout, x: jax.Array, key: jax.Array | None) -> jax.Array:
-    """``x`` through a dropout layer: masked with ``key`` (training), unchanged without one."""
-    return layer(x, deterministic=key is None, rngs=key)
 
 
 class RMSNorm(nnx.Module):
@@ -112,7 +103,13 @@ class Attention(nnx.Module):
                                   axis="head_dim")
             self.k_norm = RMSNorm(dh, dtype=pdt, eps=cfg.norm_eps, plus_one=cfg.norm_plus_one,
                                   axis="head_dim")
+        if cfg.attention_sinks:  # gpt-oss: a logit per head in every query's softmax, attending to nothing
+            self.sinks = nnx.Param(jnp.zeros((h,), pdt), axes=("heads",))
+        if cfg.attn_out_bias:  # gpt-oss
+            self.bo = nnx.Param(jnp.zeros((d,), pdt), axes=("embed",))
         self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+        self.has_sinks, self.out_bias = cfg.attention_sinks, cfg.attn_out_bias
+        self.rope_scale = rope_attention_factor(cfg.rope_scaling)  # (YaRN's; 1 otherwise)
         self.lora = Adapters(
             cfg, {"q": (self.wq, 1), "k": (self.wk, 1), "v": (self.wv, 1), "o": (self.wo, 2)},
             rngs=rngs)
@@ -140,7 +137,8 @@ class Attention(nnx.Module):
         def attend(window):
             return attention(q, k, v, segment_ids, backend=self.backend, scale=self.scale,
                              metadata=metadata, dropout_rate=self.attention_dropout,
-                             dropout_key=probs_key, window=window, prefix_ids=prefix_ids, positions=positions)
+                             dropout_key=probs_key, window=window, prefix_ids=prefix_ids, positions=positions,
+                             sinks=self._sinks())
 
         if (isinstance(window, jax.core.Tracer) and self.sliding_window
                 and resolve_backend(self.backend, q.dtype, windows=True) == "splash"):
@@ -168,8 +166,12 @@ class Attention(nnx.Module):
         q_index = cache.start + jnp.arange(x.shape[1])[None, :]
         kv_index = jnp.arange(keys.shape[1])[None, :]
         mask = segment_mask(segment_ids, cache.segment_ids, q_index, kv_index, window=window)
-        o = masked_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask, scale=self.scale)
+        o = masked_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask, scale=self.scale,
+                             sinks=self._sinks())
         return self._out(o), dataclasses.replace(cache, keys=keys, values=values)
+
+    def _sinks(self) -> jax.Array | None:
+        return self.sinks[...] if self.has_sinks else None
 
     def _qkv(self, x: jax.Array, positions: jax.Array, rope_freq: jax.Array,
              lora_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -184,13 +186,14 @@ class Attention(nnx.Module):
                 ...].astype(dt)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, rope_freq), rope(k, positions, rope_freq)
+        q, k = rope(q, positions, rope_freq, self.rope_scale), rope(k, positions, rope_freq, self.rope_scale)
         # Named for model.remat=names: the backward pass may keep these instead of recomputing them.
         return checkpoint_name(q, "q"), checkpoint_name(k, "k"), checkpoint_name(v, "v")
 
     def _out(self, o: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
         w = weight(self.wo, o.dtype)
-        return self.lora.apply("o", o.reshape(*o.shape[:2], -1), jnp.einsum("bthk,hkd->btd", o, w), w, lora_key)
+        out = self.lora.apply("o", o.reshape(*o.shape[:2], -1), jnp.einsum("bthk,hkd->btd", o, w), w, lora_key)
+        return out + self.bo[...].astype(out.dtype) if self.out_bias else out
 
     def _adapted(self, name: str, x: jax.Array, w: jax.Array, key: jax.Array | None) -> jax.Array:
         """x [B, T, D] through a head projection w [D, n, Dh] -> [B, T, n, Dh], with its adapter (on
@@ -202,36 +205,6 @@ class Attention(nnx.Module):
         return flat.reshape(projected.shape)
 
 
-class SwiGLU(nnx.Module):
-    """w_down(act(x w_gate) * (x w_up)): SwiGLU with silu, GeGLU with gelu_tanh
-    (``model.mlp_activation``)."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, f, pdt = cfg.d_model, cfg.d_ff, jnp.dtype(cfg.param_dtype)
-        self.w_gate = normal_param(rngs, (d, f), cfg.init_std, pdt, ("embed", "ff"))
-        self.w_up = normal_param(rngs, (d, f), cfg.init_std, pdt, ("embed", "ff"))
-        self.w_down = normal_param(rngs, (f, d), cfg.init_std / math.sqrt(2 * cfg.n_layers), pdt,
-                                   ("ff", "embed"))
-        self.dropout = nnx.Dropout(cfg.dropout)
-        self.gelu = cfg.mlp_activation == "gelu_tanh"
-        self.lora = Adapters(
-            cfg, {"gate": (self.w_gate, 1), "up": (self.w_up, 1), "down": (self.w_down, 1)},
-            rngs=rngs)
-
-    def __call__(self, x, dropout_key: jax.Array | None = None):
-        dt = x.dtype
-        x = checkpoint_name(x, "mlp_in")
-        key = self.lora.key(dropout_key)
-        gate = self._linear("gate", x, weight(self.w_gate, dt), key)
-        gate = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        out = self._linear("down", gate * self._linear("up", x, weight(self.w_up, dt), key),
-                           weight(self.w_down, dt), key)
-        return drop(self.dropout, checkpoint_name(out, "mlp_out"), dropout_key)
-
-    def _linear(self, name: str, x: jax.Array, w: jax.Array, key: jax.Array | None) -> jax.Array:
-        return self.lora.apply(name, x, x @ w, w, key)
-
-
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); each branch ends in its
     dropout.
@@ -240,25 +213,27 @@ class Block(nnx.Module):
     norms.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mlp: str = "gated"):
         norm = functools.partial(RMSNorm, cfg.d_model, dtype=jnp.dtype(cfg.param_dtype),
                                  eps=cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.attn_norm = norm()
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = norm()
-        self.mlp = SwiGLU(cfg, rngs=rngs)
+        self.mlp = MLPS[mlp](cfg, rngs=rngs)  # (the layer's row: model.mlp_of)
         if cfg.post_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(), norm()
         self.post_norms = cfg.post_norms
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq: jax.Array,
                  window=None, metadata=None, dropout_key: jax.Array | None = None,
-                 prefix_ids: jax.Array | None = None) -> jax.Array:
+                 prefix_ids: jax.Array | None = None):
+        """(x after the block, the MLP's side terms: its router's, or None for the gated MLP)."""
         attn_key, mlp_key = split_keys(dropout_key, 2)
         x = x + self._post(
             self.attn(self.attn_norm(x), positions, segment_ids, rope_freq, window, metadata,
                       dropout_key=attn_key, prefix_ids=prefix_ids), "attn")
-        return x + self._post(self.mlp(self.mlp_norm(x), dropout_key=mlp_key), "mlp")
+        out, terms = self.mlp(self.mlp_norm(x), segment_ids, dropout_key=mlp_key)
+        return x + self._post(out, "mlp"), terms
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,
                rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerCache]:
@@ -267,7 +242,7 @@ class Block(nnx.Module):
         attended, cache = self.attn.decode(self.attn_norm(x), positions, segment_ids, cache,
                                            rope_freq, window)
         x = x + self._post(attended, "attn")
-        return x + self._post(self.mlp(self.mlp_norm(x)), "mlp"), cache
+        return x + self._post(self.mlp(self.mlp_norm(x), segment_ids)[0], "mlp"), cache
 
     def _post(self, branch: jax.Array, which: str) -> jax.Array:
         return getattr(self, f"post_{which}_norm")(branch) if self.post_norms else branch
@@ -278,7 +253,7 @@ def unrolled_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
     :func:`stacked_blocks` gives its layer: the same seed gives the same starting weights in either
     layout, so switching a compile option never changes a run's curve (tests/test_scan.py)."""
     keys = jax.random.split(rngs.params(), cfg.n_layers)  # what nnx.split_rngs hands the stacked layers
-    return nnx.List([Block(cfg, rngs=nnx.Rngs(params=key)) for key in keys])
+    return nnx.List([Block(cfg, rngs=nnx.Rngs(params=key), mlp=cfg.mlp_of(i)) for i, key in enumerate(keys)])
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -293,7 +268,7 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=rngs)
+        return Block(cfg, rngs=rngs, mlp=cfg.mlp_of(0))  # (a stack holds one kind: ModelConfig.check)
 
     blocks = make(rngs)  # (split_rngs: layer i draws from split(fold_in(key, count), n_layers)[i])
     for _, variable in nnx.iter_graph(blocks):

@@ -51,7 +51,7 @@ from seqjax.config.model import SPLIT_ROW_BACKENDS
 from seqjax.core.errors import ConfigError
 from seqjax.model.kernels.block_ranges import BlockSizes, span_metadata
 from seqjax.model.mask import segment_mask
-from seqjax.model.sharding import BATCH_AXES, CONTEXT_AXIS, HEAD_AXIS
+from seqjax.model.sharding import CONTEXT_AXIS, HEAD_AXIS, shard_axes
 
 
 def chunk_owners(n: int) -> list[int]:
@@ -147,9 +147,7 @@ def split_row(x: jax.Array, kv_path: str = "all_gather", kernel: str = "xla") ->
             f"mesh.context > 1; expected one of {', '.join(SPLIT_ROW_KERNELS)} (or auto)"
         )
     sizes = dict(mesh.shape)
-    rows = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1 and a not in mesh.manual_axes)
-    if rows and batch_rows % math.prod(sizes[a] for a in rows):
-        rows = ()
+    rows, _ = shard_axes(mesh, batch_rows)
     heads = HEAD_AXIS if sizes.get(HEAD_AXIS, 1) > 1 else None
     return SplitRow(mesh, sizes[CONTEXT_AXIS], t, rows or None, heads, kv_path, kernel)
 

@@ -31,6 +31,8 @@ def rope_frequencies(head_dim: int, theta: float,
         return inv_freq
     if scaling.type == "linear":  # positions interpolated: every frequency slowed alike
         return inv_freq / scaling.factor
+    if scaling.type == "yarn":
+        return _yarn(inv_freq, head_dim, theta, scaling)
     wavelength = 2 * math.pi / inv_freq
     context = scaling.original_max_position_embeddings
     slowed = inv_freq / scaling.factor
@@ -41,7 +43,36 @@ def rope_frequencies(head_dim: int, theta: float,
     return jnp.where(wavelength < context / scaling.high_freq_factor, inv_freq, scaled)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def _yarn(inv_freq: jax.Array, head_dim: int, theta: float, scaling: RopeScalingConfig) -> jax.Array:
+    """YaRN's frequencies, as transformers computes them: the fast ones kept, the slow ones divided by
+    ``factor``, and a linear ramp between the frequency indices where a wave turns ``beta_fast`` and
+    ``beta_slow`` times within the pretraining context (rounded out to whole indices under ``truncate``)."""
+    context = scaling.original_max_position_embeddings
+
+    def index(rotations):  # the frequency index at which a wave turns this many times in the context
+        return head_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index(scaling.beta_fast), index(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    kept = 1.0 - ramp
+    return (inv_freq / scaling.factor) * (1.0 - kept) + inv_freq * kept
+
+
+def rope_attention_factor(scaling: RopeScalingConfig | None) -> float:
+    """The factor YaRN scales cos and sin by (its ``attention_factor``, else 0.1 ln(factor) + 1); 1 for the
+    other scalings."""
+    if scaling is None or scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
     """Rotary embedding of x [B, T, H, Dh] at ``positions`` [B, T] ("rotate half" layout), in
     float32.
 
@@ -53,7 +84,7 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """
     per_frequency = positions if positions.ndim == 3 else positions[:, :, None]
     angles = per_frequency.astype(jnp.float32)[:, :, None, :] * inv_freq  # [B, T, 1, half]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale  # (scale: YaRN's attention factor)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

@@ -6,20 +6,26 @@ reads :data:`BATCH_AXES` and :data:`HEAD_AXIS` to run its kernels once per
 device shard, and training and evaluation place parameters and batches with
 the rules here.
 
-The mesh has four named axes:
+The mesh has five named axes:
 
 - ``data``: plain data parallelism (parameters replicated);
 - ``fsdp``: data parallelism whose parameters and optimizer state are split
   across the axis (each parameter over its largest dimension divisible by the
   axis size);
+- ``expert``: expert parallelism: a mixture of experts' experts split over the
+  axis, and, between its layers, the batch's rows as ``data`` splits them
+  (seqjax.model.experts gathers each expert group's tokens and gives each its
+  outputs back);
 - ``context``: context parallelism: each row's tokens split over the axis
   (seqjax.model.context; parameters replicated);
 - ``tensor``: Megatron-style tensor parallelism over attention heads and the
   MLP's hidden width ``d_ff``.
 
-Parameters follow :func:`param_spec`; activations follow one rule table,
+Parameters follow one rule table, :data:`PARAM_RULES` (a logical dimension -> the
+mesh axis that splits it), and :func:`param_spec`; activations follow another,
 :data:`ACTIVATION_RULES` (a logical dimension -> the mesh axes that split it),
-and :func:`activation_spec`. Batches are split over ``data x fsdp`` on their
+and :func:`activation_spec`; a kernel run per device shard asks
+:func:`shard_axes` which axes split its rows and heads. Batches are split over ``data x fsdp`` on their
 row dimension; their tokens stay whole on every context device (int32 ids are
 4 bytes a token against the activations' 2 x d_model), and the first block
 takes each device's share (seqjax.model.context). Everything is
@@ -48,10 +54,16 @@ from seqjax.config.tree import MeshConfig
 from seqjax.core.errors import ConfigError
 from seqjax.data.contract import Batch
 
-AXES = ("data", "fsdp", "context", "tensor")
-BATCH_AXES = ("data", "fsdp")  # batch rows are split over these
+AXES = ("data", "fsdp", "expert", "context", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # batch rows are split over these
+EXPERT_AXIS = "expert"  # a mixture of experts' experts are split over this one
 CONTEXT_AXIS = "context"  # a row's tokens are split over this one
 HEAD_AXIS = "tensor"  # attention heads (and d_ff) are split over this one
+
+# Parameters: each logical dimension (the ``axes`` metadata of the model's nnx.Params) -> the mesh axis that
+# splits it, when the axis has more than one device and divides the dimension; the first such dimension of a
+# parameter takes an axis (fsdp then takes the largest free one: param_spec).
+PARAM_RULES: dict[str, str] = {"experts": EXPERT_AXIS, "heads": HEAD_AXIS, "kv_heads": HEAD_AXIS, "ff": HEAD_AXIS}
 
 # Activations: each logical dimension -> the mesh axes that split it (param_spec's counterpart for
 # the values between layers). A batch field is ("rows", None): its tokens whole (see above).
@@ -60,16 +72,14 @@ ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     "embed": (), "head_dim": (), "vocab": (),
 }
 
-# Logical axis names (the ``axes`` metadata of the model's nnx.Params) split by the tensor axis.
-TENSOR_AXES = ("heads", "kv_heads", "ff")
-# ... and those fsdp never splits (param_spec says why).
+# The logical axes fsdp never splits (param_spec says why).
 WHOLE_AXES = ("layers", "head_dim", "lora_rank")
 
 
-def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
-    """(data, fsdp, context, tensor) sizes, with a -1 axis filled by the devices the others
+def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int, int, int]:
+    """(data, fsdp, expert, context, tensor) sizes, with a -1 axis filled by the devices the others
     leave."""
-    sizes = [mesh.data, mesh.fsdp, mesh.context, mesh.tensor]
+    sizes = [mesh.data, mesh.fsdp, mesh.expert, mesh.context, mesh.tensor]
     fixed = math.prod(s for s in sizes if s != -1)
     described = ", ".join(f"mesh.{n}={s}" for n, s in zip(AXES, sizes))
     if -1 in sizes:
@@ -80,13 +90,14 @@ def mesh_shape(mesh: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
         sizes[sizes.index(-1)] = num_devices // fixed
     if math.prod(sizes) != num_devices:
         raise ConfigError(
-            f"{described}: data x fsdp x context x tensor = {math.prod(sizes)}, expected the {num_devices} "
+            f"{described}: data x fsdp x expert x context x tensor = {math.prod(sizes)}, expected the "
+            f"{num_devices} "
             "available devices (set one axis to -1 to fill the rest)")
     return tuple(sizes)
 
 
 def build_mesh(mesh: MeshConfig, devices: list | None = None) -> Mesh:
-    """The (data, fsdp, context, tensor) mesh over all devices of all processes."""
+    """The (data, fsdp, expert, context, tensor) mesh over all devices of all processes."""
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(mesh, len(devices))
     return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices)
@@ -104,11 +115,12 @@ def activation_spec(dims: tuple[str | None, ...], mesh: Mesh) -> P:
 def param_spec(shape: tuple[int, ...], axes: tuple[str, ...] | None, mesh: Mesh) -> P:
     """One parameter's PartitionSpec from its shape and logical axis names.
 
-    ``tensor`` takes the first dimension named heads, kv_heads or ff (when the
-    axis size divides it: a GQA model with fewer kv heads than tensor devices
-    keeps wk/wv whole on that axis); ``fsdp`` takes the largest remaining
-    dimension it divides, never a scanned model's ``layers``, a ``head_dim`` or
-    a LoRA adapter's ``lora_rank``. Anything left is replicated.
+    Each dimension, first to last, takes the mesh axis :data:`PARAM_RULES` gives its name, when that
+    axis has more than one device, divides it and no earlier dimension took it: ``expert`` an
+    expert layer's ``experts``, ``tensor`` the first of ``heads``, ``kv_heads`` or ``ff`` (a GQA model
+    with fewer kv heads than tensor devices keeps wk/wv whole on that axis). ``fsdp`` then takes the
+    largest remaining dimension it divides, never a scanned model's ``layers``, a ``head_dim`` or a
+    LoRA adapter's ``lora_rank``. Anything left is replicated.
 
     Why not ``head_dim``: the activations never split a head's dimensions, and a
     parameter that does makes XLA's partitioner lay the queries and keys out to
@@ -119,21 +131,42 @@ def param_spec(shape: tuple[int, ...], axes: tuple[str, ...] | None, mesh: Mesh)
     an adapter's A and B, which the activations never split either.
     """
     spec: list[Any] = [None] * len(shape)
-    tensor, fsdp = mesh.shape[HEAD_AXIS], mesh.shape["fsdp"]
-    if tensor > 1:
-        for dim, name in enumerate(axes or ()):
-            if name in TENSOR_AXES and shape[dim] % tensor == 0:
-                spec[dim] = HEAD_AXIS
-                break
+    names = (*(axes or ()), *[None] * len(shape))[:len(shape)]
+    for dim, name in enumerate(names):
+        axis = PARAM_RULES.get(name)
+        size = mesh.shape.get(axis, 1) if axis else 1
+        if size > 1 and axis not in spec and shape[dim] % size == 0:
+            spec[dim] = axis
+    fsdp = mesh.shape.get("fsdp", 1)
     if fsdp > 1:
         # (a scanned model's leading "layers" axis is never sharded: each layer's slice shards as a
         # block does)
-        names = (*(axes or ()), *[None] * len(shape))
         free = [d for d in range(len(shape))
                 if spec[d] is None and shape[d] % fsdp == 0 and names[d] not in WHOLE_AXES]
         if free:
             spec[max(free, key=lambda d: shape[d])] = "fsdp"
     return P(*spec)
+
+
+def shard_axes(mesh, rows: int, heads: tuple[int, ...] = ()) -> tuple[tuple[str, ...], str | None]:
+    """(the batch axes that split ``rows`` rows, the head axis when it splits every one of ``heads``) of
+    ``mesh``: the axes with more than one device that are not already manual (inside an outer shard_map).
+    Rows split over the batch axes only when their product divides ``rows``; none then."""
+    sizes = dict(mesh.shape)
+    usable = [a for a in sizes if a not in mesh.manual_axes and sizes[a] > 1]
+    row_axes = tuple(a for a in BATCH_AXES if a in usable)
+    if rows % math.prod(sizes[a] for a in row_axes):
+        row_axes = ()
+    head = HEAD_AXIS if HEAD_AXIS in usable and all(h % sizes[HEAD_AXIS] == 0 for h in heads) else None
+    return row_axes, head
+
+
+def check_experts(count: int, mesh: Mesh) -> None:
+    """mesh.expert splits a mixture of experts' experts: it must divide their number (and needs experts)."""
+    ways = mesh.shape.get(EXPERT_AXIS, 1)
+    if ways > 1 and (not count or count % ways):
+        raise ConfigError(f"mesh.expert: got {ways}, expected a divisor of model.experts.count={count}"
+                          + (" (a model with experts)" if not count else ""))
 
 
 def param_shardings(param_state: nnx.State, mesh: Mesh) -> dict:

@@ -28,6 +28,7 @@ from seqjax.model.attention import TILED, resolve_backend
 from seqjax.model.block import Block, RMSNorm, drop, normal_param, split_keys, stacked_blocks, unrolled_blocks
 from seqjax.model.cache import KVCache, LayerCache
 from seqjax.model.context import split_row
+from seqjax.model.experts import RouterTerms
 from seqjax.model.head import head_logits
 from seqjax.model.kernels.block_ranges import MOSAIC_BLOCKS, BlockSizes, block_metadata  # plain JAX
 from seqjax.model.mask import FULL
@@ -103,12 +104,18 @@ class TransformerLM(nnx.Module):
         return head_logits(*self.features_and_head(inputs, positions=positions, segment_ids=segment_ids,
                                                    dropout_key=dropout_key, prefix_ids=prefix_ids, **images))
 
-    def features_and_head(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
-                          dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None,
-                          positions_3d: jax.Array | None = None,
-                          **images: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The forward pass up to the LM head: (final-normed features [B, T, D], head [D, V]), both
-        compute dtype.
+    def features_and_head(self, inputs: jax.Array, **kwargs) -> tuple[jax.Array, jax.Array]:
+        """:meth:`forward` without its side terms: (features [B, T, D], head [D, V])."""
+        features, head, _ = self.forward(inputs, **kwargs)
+        return features, head
+
+    def forward(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
+                dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None,
+                positions_3d: jax.Array | None = None, **images: jax.Array):
+        """The forward pass up to the LM head: (final-normed features [B, T, D], head [D, V], both
+        compute dtype; the side terms: the routers' statistics per layer, a
+        :class:`~seqjax.model.experts.RouterTerms` of [n_layers, ...] arrays for a model with experts, else
+        None). The objectives take the side terms from this one forward (the router's losses).
 
         ``model.loss_chunk_tokens`` takes the loss from here (seqjax.model.loss.chunked_lm_loss), so
         the whole logits are never built. With a vision tower, ``positions_3d`` [B, T, 3] rotate the
@@ -121,9 +128,10 @@ class TransformerLM(nnx.Module):
         x = drop(self.embed_dropout, drop(self.token_dropout, self.embed_tokens(inputs), token_key),
                  embed_key)
         x, rotary, injections = self.with_images(x, positions, positions_3d, images, prefix_ids)
-        x = self.final_norm(self.hidden(x, positions=rotary, segment_ids=segment_ids, dropout_key=blocks_key,
-                                        prefix_ids=prefix_ids, injections=injections))
-        return x, self.head().astype(x.dtype)
+        x, terms = self.hidden(x, positions=rotary, segment_ids=segment_ids, dropout_key=blocks_key,
+                               prefix_ids=prefix_ids, injections=injections, terms=True)
+        x = self.final_norm(x)
+        return x, self.head().astype(x.dtype), terms
 
     def with_images(self, x: jax.Array, positions: jax.Array, positions_3d: jax.Array | None,
                     images: dict[str, jax.Array], prefix_ids: jax.Array | None = None):
@@ -196,23 +204,27 @@ class TransformerLM(nnx.Module):
 
     def hidden(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None,
-               injections: jax.Array | None = None) -> jax.Array:
+               injections: jax.Array | None = None, terms: bool = False):
         """The blocks on embeddings x [B, T, D]: the last block's output [B, T, D], before the final
         norm.
 
         Under ``model.remat`` each block is one rematerialized unit: its backward pass recomputes
         what the policy does not keep (:func:`seqjax.model.remat.remat_policy`), trading compute for
         activation memory. ``injections`` [k, B, T, D]: added to the output of the first k blocks
-        (Qwen3-VL's DeepStack features, zero away from image tokens).
+        (Qwen3-VL's DeepStack features, zero away from image tokens). ``terms``: (x, the side terms
+        :meth:`forward` returns).
         """
         split = split_row(x, self.cfg.context_attention, self.split_row_kernel(prefix_ids))
         if split is not None:  # a row over the context axis: one order change in, one out
             x, positions, segment_ids, prefix_ids, injections = split.balance(x, positions, segment_ids,
                                                                               prefix_ids, injections)
-            return split.restore(self._blocks(x, positions, segment_ids, [split] * self.cfg.n_layers,
-                                              dropout_key, prefix_ids, injections))
-        return self._blocks(x, positions, segment_ids, self.attention_metadata(segment_ids, prefix_ids),
-                            dropout_key, prefix_ids, injections)
+            x, side = self._blocks(x, positions, segment_ids, [split] * self.cfg.n_layers, dropout_key, prefix_ids,
+                                   injections)
+            x = split.restore(x)
+        else:
+            x, side = self._blocks(x, positions, segment_ids, self.attention_metadata(segment_ids, prefix_ids),
+                                   dropout_key, prefix_ids, injections)
+        return (x, side) if terms else x
 
     def _blocks(self, x, positions, segment_ids, metadata, dropout_key, prefix_ids, injections) -> jax.Array:
         """Every block in turn, unrolled or scanned; ``metadata``: each layer's (see :meth:`hidden`)."""
@@ -220,13 +232,22 @@ class TransformerLM(nnx.Module):
             return self._scanned(x, positions, segment_ids, metadata, dropout_key, prefix_ids, injections)
         run = remat_block(self.cfg.remat, tuple(self.cfg.remat_names))
         freqs = self.rope_freqs()
+        sides = []
         for i, (block, key) in enumerate(zip(self.blocks, split_keys(dropout_key, len(self.blocks)))):
             layer_metadata = metadata and metadata[i]
-            x = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), layer_metadata, key,
-                    prefix_ids)
+            x, side = run(block, x, positions, segment_ids, freqs[i], self.cfg.window_of(i), layer_metadata, key,
+                          prefix_ids)
+            sides.append(side)
             if injections is not None and i < len(injections):
                 x = x + injections[i].astype(x.dtype)
-        return x
+        return x, self._stacked_terms(sides)
+
+    def _stacked_terms(self, sides: list) -> RouterTerms | None:
+        """The layers' router terms stacked [n_layers, ...] (a gated layer's zero), or None without experts."""
+        if not self.cfg.experts.enabled:
+            return None
+        zero = RouterTerms.zeros(self.cfg.experts.count)
+        return jax.tree.map(lambda *layers: jnp.stack(layers), *[zero if s is None else s for s in sides])
 
     def rope_freqs(self) -> jax.Array:
         """Each layer's RoPE frequencies [n_layers, head_dim / 2] (Gemma 3's sliding layers have
@@ -258,9 +279,9 @@ class TransformerLM(nnx.Module):
         def layer(carry, xs):
             layer_state, key, rope_freq, window, metadata, extra = xs
             block = nnx.merge(graphdef, layer_state)
-            out = block(carry, positions, segment_ids, rope_freq, window, metadata=metadata, dropout_key=key,
-                        prefix_ids=prefix_ids)
-            return (out if extra is None else out + extra.astype(out.dtype)), None
+            out, side = block(carry, positions, segment_ids, rope_freq, window, metadata=metadata, dropout_key=key,
+                              prefix_ids=prefix_ids)
+            return (out if extra is None else out + extra.astype(out.dtype)), side
 
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=remat_policy(self.cfg.remat,
@@ -272,11 +293,16 @@ class TransformerLM(nnx.Module):
                                                              metadata)
         xs = (state, keys, self.rope_freqs(), self.windows(), stacked)
         k = 0 if injections is None else len(injections)
+        sides = []
         if k:
-            x, _ = jax.lax.scan(layer, x, (*jax.tree.map(lambda a: a[:k], xs), injections))
+            x, side = jax.lax.scan(layer, x, (*jax.tree.map(lambda a: a[:k], xs), injections))
+            sides.append(side)
         if k < self.cfg.n_layers:
-            x, _ = jax.lax.scan(layer, x, (*jax.tree.map(lambda a: a[k:], xs), None))
-        return x
+            x, side = jax.lax.scan(layer, x, (*jax.tree.map(lambda a: a[k:], xs), None))
+            sides.append(side)
+        if any(side is None for side in sides):
+            return x, None
+        return x, jax.tree.map(lambda *parts: jnp.concatenate(parts), *sides)
 
     def layer(self, i: int) -> "Block":
         """Block ``i`` as a module, in either layout (a slice of the stacked parameters when

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from seqjax.data.contract import Batch, model_fields
 from seqjax.model.context import row_spans
+from seqjax.model.experts import load_balancing_loss, router_z_loss
+from seqjax.model.head import head_logits
 from seqjax.model.loss import chunked_token_logprobs, segment_sums, token_logprobs, token_stats
 
 
@@ -56,6 +58,25 @@ class Inputs:
     totals: Mapping[str, jax.Array]
     reference: Callable[[Batch], jax.Array] | None = None
     policy_is_reference: jax.Array | bool = False
+    micro_batches: int = 1  # (how many the step cuts its batch into: a per-micro-batch side term's share)
+    _forward: tuple | None = dataclasses.field(default=None, repr=False)
+
+    def forward(self, micro: Batch):
+        """The policy's one forward pass of ``micro`` (:func:`model_outputs`: outputs, head, side terms), run
+        once however many parts of a weighted objective read it."""
+        if self._forward is None or self._forward[0] is not micro:
+            self._forward = (micro, model_outputs(self.model, micro, self.key))
+        return self._forward[1]
+
+    def logprobs(self, micro: Batch, scored: jax.Array, stats: bool = False):
+        """The policy's log p(targets) [B, T] of ``micro`` from its one forward (:func:`target_logprobs`)."""
+        outputs, head, _ = self.forward(micro)
+        return logprobs_of(self.model, outputs, head, micro, scored, stats)
+
+    @property
+    def side_terms(self) -> Any:
+        """The side terms of the forward the objective ran (the routers' statistics), or None."""
+        return None if self._forward is None else self._forward[1][2]
 
     def reference_logprobs(self, micro: Batch, policy: jax.Array) -> jax.Array:
         """The reference's per-token log-probabilities of ``micro``, given the policy's
@@ -132,27 +153,34 @@ class Objective:
 
 
 def model_outputs(model, micro: Batch, key: jax.Array | None):
-    """The forward pass an objective starts from: ``(features [B, T, D], head [D, V])`` when the
-    model takes its loss a chunk at a time (``model.loss_chunk_tokens``), else ``(logits [B, T, V],
-    None)``."""
+    """The forward pass an objective starts from: ``(features [B, T, D], head [D, V], side terms)`` when the
+    model takes its loss a chunk at a time (``model.loss_chunk_tokens``), else ``(logits [B, T, V], None,
+    side terms)``; the side terms are :meth:`seqjax.model.transformer.TransformerLM.forward`'s."""
     args = {"positions": micro["positions"], "segment_ids": micro["segment_ids"], "dropout_key": key,
             **model_fields(micro)}
+    features, head, terms = model.forward(micro["inputs"], **args)
     if model.cfg.loss_chunk_tokens:
-        return model.features_and_head(micro["inputs"], **args)
-    return model(micro["inputs"], **args), None
+        return features, head, terms
+    return head_logits(features, head), None, terms
 
 
-def target_logprobs(model, micro: Batch, key: jax.Array | None, scored: jax.Array, stats: bool = False):
-    """log p(targets) [B, T] float32 under ``model``, 0 where ``scored`` is False; the chunked path
-    never builds the whole logits. ``stats``: ``(logp, token_stats)``, TRL's per-token metrics from
-    the same logits (:func:`seqjax.model.loss.token_stats`)."""
-    outputs, head = model_outputs(model, micro, key)
+def logprobs_of(model, outputs: jax.Array, head: jax.Array | None, micro: Batch, scored: jax.Array,
+                stats: bool = False):
+    """log p(targets) [B, T] from :func:`model_outputs`' outputs and head (see :func:`target_logprobs`)."""
     if head is None:
         logp = token_logprobs(outputs, micro["targets"], scored)
         return (logp, token_stats(outputs, micro["targets"], scored)) if stats else logp
     return chunked_token_logprobs(outputs, head, micro["targets"], scored,
                                   chunk_tokens=model.cfg.loss_chunk_tokens, stats=stats,
                                   spans=row_spans(outputs))
+
+
+def target_logprobs(model, micro: Batch, key: jax.Array | None, scored: jax.Array, stats: bool = False):
+    """log p(targets) [B, T] float32 under ``model``, 0 where ``scored`` is False; the chunked path
+    never builds the whole logits. ``stats``: ``(logp, token_stats)``, TRL's per-token metrics from
+    the same logits (:func:`seqjax.model.loss.token_stats`)."""
+    outputs, head, _ = model_outputs(model, micro, key)
+    return logprobs_of(model, outputs, head, micro, scored, stats)
 
 
 def safe_divide(total: jax.Array, count: jax.Array) -> jax.Array:
@@ -209,3 +237,33 @@ def _mix(x: jax.Array) -> jax.Array:
     x = x ^ (x >> 13)
     x = x * jnp.uint32(0xC2B2AE35)
     return x ^ (x >> 16)
+
+
+def with_router(objective: Objective, cfg) -> Objective:
+    """``objective`` with the router's side terms of its one forward (a model with experts, ``cfg`` its
+    ModelConfig): ``model.experts.aux_loss_coef`` times the load-balancing loss and ``z_loss_coef`` times the
+    router z-loss join the loss, each pooled over one micro-batch's layers and real tokens (transformers' one
+    forward) and averaged over the step's micro-batches; both are logged (``aux_loss``, ``router_z_loss``),
+    and each layer's busiest expert's share of its routes (``router/max_share/<layer>``). A dense model's
+    objective is returned as it is."""
+    experts = cfg.experts
+    if not experts.enabled:
+        return objective
+    stats = tuple(f"router/max_share/{i}" for i in range(cfg.n_layers) if cfg.mlp_of(i) == "experts")
+
+    def loss(inputs: Inputs, micro: Batch) -> Terms:
+        terms = objective.loss(inputs, micro)
+        router = inputs.side_terms
+        aux, z = load_balancing_loss(router, experts.top_k), router_z_loss(router)
+        share = inputs.totals[objective.name] / inputs.micro_batches
+        extra = (experts.aux_loss_coef * aux + experts.z_loss_coef * z) * share
+        one = jnp.ones((), jnp.float32)
+        counts = jax.lax.stop_gradient(router.counts)
+        busiest = safe_divide(jnp.max(counts, axis=-1), jnp.sum(counts, axis=-1))
+        reported = {**terms.reported, "aux_loss": (jax.lax.stop_gradient(aux), one),
+                    "router_z_loss": (jax.lax.stop_gradient(z), one),
+                    **{name: (busiest[int(name.rsplit("/", 1)[1])], one) for name in stats}}
+        return Terms(terms.value + extra, terms.denominator, terms.loss, reported)
+
+    return dataclasses.replace(objective, loss=loss,
+                               reports=(*objective.reports, "aux_loss", "router_z_loss", *stats))

@@ -13,14 +13,14 @@ import jax.numpy as jnp
 from seqjax.data.contract import Batch
 from seqjax.model.context import row_spans
 from seqjax.model.loss import chunked_lm_loss, lm_loss
-from seqjax.objectives.base import Inputs, Objective, Terms, model_outputs
+from seqjax.objectives.base import Inputs, Objective, Terms
 
 
 def lm_terms(inputs: Inputs, micro: Batch) -> Terms:
     """Contract 3's sums for one micro-batch; with ``model.loss_chunk_tokens`` the logits are never
     built whole."""
     model, z_loss = inputs.model, inputs.settings.get("z_loss", 0.0)
-    outputs, head = model_outputs(model, micro, inputs.key)
+    outputs, head, _ = inputs.forward(micro)
     if head is None:
         loss, aux = lm_loss(outputs, micro["targets"], micro["weights"], z_loss=z_loss)
     else:

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from seqjax.data.contract import Batch
-from seqjax.objectives.base import Inputs, Objective, Terms, pair_sums, target_logprobs
+from seqjax.objectives.base import Inputs, Objective, Terms, pair_sums
 
 REPORTS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
@@ -65,7 +65,7 @@ class Pairs:
 
     def __init__(self, inputs: Inputs, micro: Batch, reference: bool):
         scored = micro["weights"] > 0
-        self.logp, self.stats = target_logprobs(inputs.model, micro, inputs.key, scored, stats=True)
+        self.logp, self.stats = inputs.logprobs(micro, scored, stats=True)
         self.c, self.r = pair_sums(self.logp, micro)
         self.nc, self.nr = pair_sums(jnp.ones_like(self.logp), micro)
         self.valid = self.nc > 0
@@ -186,7 +186,7 @@ def _odds_ratio(inputs: Inputs, micro: Batch) -> Terms:
 
 
 def _sft(inputs: Inputs, micro: Batch) -> Terms:
-    logp = target_logprobs(inputs.model, micro, inputs.key, micro["weights"] > 0)
+    logp = inputs.logprobs(micro, micro["weights"] > 0)
     chosen, _ = pair_sums(logp, micro)
     return Terms(-jnp.sum(chosen), chosen_tokens(micro), -jnp.sum(chosen))
 
@@ -205,7 +205,7 @@ def chosen_sequence_tokens(batch: Batch) -> jax.Array:
 
 def _sft_sequence(inputs: Inputs, micro: Batch) -> Terms:
     mask = chosen_sequence(micro)
-    nll = -jnp.sum(target_logprobs(inputs.model, micro, inputs.key, mask))
+    nll = -jnp.sum(inputs.logprobs(micro, mask))
     return Terms(nll, chosen_sequence_tokens(micro), nll)
 
 

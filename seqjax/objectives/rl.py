@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from seqjax.data.contract import Batch
 from seqjax.model.loss import segment_sums
-from seqjax.objectives.base import Inputs, Objective, Terms, target_logprobs
+from seqjax.objectives.base import Inputs, Objective, Terms
 
 READS = ("completion", "advantages", "token_share", "old_logps", "fresh", "rollout_reference_logps",
          "reference_is_policy")
@@ -296,7 +296,7 @@ class _Reduce:
 def _policy(inputs: Inputs, micro: Batch, loss_type: LossType) -> tuple[Policy, dict]:
     s = inputs.settings
     scored = micro["weights"] > 0
-    logp, stats = target_logprobs(inputs.model, micro, inputs.key, scored, stats=True)
+    logp, stats = inputs.logprobs(micro, scored, stats=True)
     seqs = Completions(micro)
     fresh = micro["fresh"] > 0  # ([B, 1])
     old = jnp.where(fresh, jax.lax.stop_gradient(logp), micro["old_logps"])

@@ -93,6 +93,7 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     resolve_backend(config.model.attention, config.model.compute_dtype,
                     windows=config.model.has_windows)
     sharding.check_batch_fits(config.data.batch_size, mesh, config.train.grad_accum)
+    sharding.check_experts(config.model.experts.count, mesh)
     with RunLock(config.run.dir, jax.process_index(), jax.process_count()):
         finished = finished_summary(Path(config.run.dir), config.train.steps)
         if finished is not None:

@@ -364,7 +364,7 @@ def setup(config: Config, mesh, source: init_from.Source | None) -> Setup:
     step = make_train_step(placed.graphdef, placed.rest, tx, grad_accum=tc.grad_accum,
                            z_loss=tc.z_loss, objective=objective, settings=settings_of(config, objective),
                            reference_graphdef=reference_graphdef, precomputed=tables is not None,
-                           same_weights=policy.same_weights)
+                           same_weights=policy.same_weights, model_config=config.model)
     return Setup(
         config=config,
         run_dir=Path(config.run.dir),

@@ -33,7 +33,7 @@ from flax import nnx
 
 from seqjax.data.contract import Batch
 from seqjax.objectives import DEFAULT, Inputs, Objective
-from seqjax.objectives.base import target_logprobs
+from seqjax.objectives.base import target_logprobs, with_router
 from seqjax.train.policy import reference_states
 
 # The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...;
@@ -94,6 +94,7 @@ def make_train_step(
     reference_graphdef: nnx.GraphDef | None = None,
     precomputed: bool = False,
     same_weights: Callable[[Any, Any, Any], jax.Array] | None = None,
+    model_config: Any = None,
 ) -> Callable[..., tuple[Any, Any, dict[str, jax.Array]]]:
     """``step(params, opt_state, batch, rng=None, step=0, frozen=None, reference=None) -> (params,
     opt_state, metrics)``, pure and jittable.
@@ -114,11 +115,14 @@ def make_train_step(
     when the reference's weights are the policy's, whose log-probabilities are then the reference's
     too (:meth:`Inputs.reference_logprobs`)."""
     settings = {"z_loss": z_loss, **(settings or {})}
+    # a model with experts: the router's losses from the objective's own forward (model_config: the ModelConfig)
+    objective = objective if model_config is None else with_router(objective, model_config)
     reference_logprobs = reference_model(objective, graphdef, reference_graphdef, rest, precomputed)
 
     def summed_objective(params, micro: Batch, key, frozen, totals, reference, same):
         model = nnx.merge(graphdef, params, *([] if frozen is None else [frozen]), rest)
-        inputs = Inputs(model, key, settings, totals, reference_logprobs(params, frozen, reference), same)
+        inputs = Inputs(model, key, settings, totals, reference_logprobs(params, frozen, reference), same,
+                        micro_batches=grad_accum)
         terms = objective.loss(inputs, micro)
         return terms.value, terms
 

@@ -67,6 +67,7 @@ def flash_attention(
     window=None,
     causal: bool = True,
     prefix_ids: jax.Array | None = None,
+    with_lse: bool = False,
 ) -> jax.Array:
     """Segment-masked causal attention. q: [B, T, H, D]; k, v: [B, T, Hkv, D] with Hkv dividing H.
 
@@ -84,7 +85,8 @@ def flash_attention(
     segment ``prefix_ids[i]`` (0: none), the prompt preceding the completions that continue it (as
     ``data.shared_prompt`` and GRPO's ``prompt_once`` lay rows out); the metadata must come from
     ``block_metadata(..., prefix_ids=)``, which visits each prompt's tiles once for a query block,
-    and never the other completions between them. No window then.
+    and never the other completions between them. No window then. ``with_lse``: ``(out, the natural
+    log-sum-exp [B, H, T])``, both differentiable (attention sinks rescale by it).
     """
     _check_inputs(q, k, v, segment_ids)
     b, t, h, d = q.shape
@@ -105,8 +107,11 @@ def flash_attention(
     pad = ((0, 0), (0, padded - t), (0, 0), (0, _head_pad(d)))
     segment_ids, prefix_ids = (None if a is None else jnp.pad(a.astype(jnp.int32), ((0, 0), (0, padded - t)))
                                for a in (segment_ids, prefix_ids))
-    out = _flash(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), (segment_ids, segment_ids, prefix_ids),
-                 metadata, scale, bool(interpret))
+    run = _flash_with_lse if with_lse else _flash
+    out = run(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad), (segment_ids, segment_ids, prefix_ids), metadata,
+              scale, bool(interpret))
+    if with_lse:
+        return out[0][:, :t, :, :d], out[1][:, :, :t]
     return out[:, :t, :, :d]
 
 

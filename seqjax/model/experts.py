@@ -1,0 +1,251 @@
+"""The mixture-of-experts layer (``model.experts``): a router picks ``top_k`` experts for each token, every token
+reaches them (no capacity, nothing dropped), and each expert is a gated MLP of its own.
+
+Parameters (E experts, D d_model, F the experts' d_ff), each with its logical axes:
+
+====================  ============  =========================  ================================================
+path                  shape         axes                       what
+====================  ============  =========================  ================================================
+mlp.router            [D, E]        (embed, experts)           the router's logits x @ router (+ router_bias [E])
+mlp.w_gate, w_up      [E, D, F]     (experts, embed, ff)       each expert's gate and up projections
+mlp.w_down            [E, F, D]     (experts, ff, embed)       each expert's down projection
+mlp.b_gate, b_up      [E, F]        (experts, ff)              with ``model.experts.bias`` (gpt-oss)
+mlp.b_down            [E, D]        (experts, embed)
+====================  ============  =========================  ================================================
+
+Three tables make a family's layer: :data:`ROUTERS` (the top k and its weights), :data:`ACTIVATIONS` (an
+expert's gated activation) and :data:`DISPATCH` (how tokens reach their experts: sorted by expert and run as
+one grouped matmul, ``jax.lax.ragged_dot``, or every expert on every token, the reference).
+
+Packing: a token's route, its experts' outputs and its share of the router's losses depend on that token
+alone, so a packed row routes each document as it would be alone. The side terms (:class:`RouterTerms`) count
+real tokens only (segment id > 0): padding never enters the load-balancing loss or the router's statistics.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from seqjax.config.model import ModelConfig
+from seqjax.model.quant import weight
+from seqjax.model.sharding import EXPERT_AXIS
+
+
+class RouterTerms(NamedTuple):
+    """One layer's router statistics over a batch's real tokens, as sums: ``counts`` [E] the tokens routed to
+    each expert (a token counts once for each of its k experts), ``probs`` [E] the router's full softmax summed,
+    ``tokens`` the real tokens, ``z`` the sum of logsumexp(logits)^2. The load-balancing loss pools them over
+    layers (:func:`load_balancing_loss`)."""
+
+    counts: jax.Array
+    probs: jax.Array
+    tokens: jax.Array
+    z: jax.Array
+
+    @staticmethod
+    def zeros(experts: int) -> "RouterTerms":
+        zero = jnp.zeros((), jnp.float32)
+        return RouterTerms(jnp.zeros((experts,), jnp.float32), jnp.zeros((experts,), jnp.float32), zero, zero)
+
+
+def load_balancing_loss(terms: RouterTerms, top_k: int) -> jax.Array:
+    """transformers' ``load_balancing_loss_func`` with its attention mask, from per-layer sums [L, E]: the share
+    of (token, choice) pairs each expert got times its mean router probability, pooled over every layer and real
+    token before the product, times the expert count: ``E * sum_e (counts_e / (k N)) * (probs_e / N)`` summed
+    over its k choices, N = layers x real tokens."""
+    experts = terms.counts.shape[-1]
+    tokens = jnp.maximum(jnp.sum(terms.tokens), 1.0)
+    counts, probs = jnp.sum(terms.counts.reshape(-1, experts), 0), jnp.sum(terms.probs.reshape(-1, experts), 0)
+    return experts * jnp.sum((counts / tokens) * (probs / tokens))
+
+
+def router_z_loss(terms: RouterTerms) -> jax.Array:
+    """The mean over layers and real tokens of logsumexp(router logits)^2 (ST-MoE's router z-loss)."""
+    return jnp.sum(terms.z) / jnp.maximum(jnp.sum(terms.tokens), 1.0)
+
+
+# -- routers: (logits float32 [N, E], k, cfg) -> (weights [N, k] float32, experts [N, k] int32)
+
+
+def _softmax_topk(logits: jax.Array, k: int, cfg) -> tuple[jax.Array, jax.Array]:
+    weights, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, chosen
+
+
+def _topk_softmax(logits: jax.Array, k: int, cfg) -> tuple[jax.Array, jax.Array]:
+    values, chosen = jax.lax.top_k(logits, k)
+    return jax.nn.softmax(values, axis=-1), chosen
+
+
+ROUTERS: dict[str, Callable] = {"softmax_topk": _softmax_topk, "topk_softmax": _topk_softmax}
+
+
+# -- the experts' gated activations: (gate, up) -> hidden
+
+
+def _swiglu(gate: jax.Array, up: jax.Array, cfg=None) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def _clamped_swiglu(gate: jax.Array, up: jax.Array, cfg=None) -> jax.Array:
+    gate = jnp.minimum(gate, cfg.swiglu_limit)
+    up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+    return (up + 1) * gate * jax.nn.sigmoid(cfg.swiglu_alpha * gate)
+
+
+ACTIVATIONS: dict[str, Callable] = {"swiglu": _swiglu, "clamped_swiglu": _clamped_swiglu}
+
+
+# -- dispatch: (x [N, D], chosen [N, k], expert weights, activation) -> each (token, choice)'s output [N, k, D]
+
+
+def _ragged(x: jax.Array, chosen: jax.Array, w: dict, act: Callable) -> jax.Array:
+    """Every (token, choice) pair sorted by expert, the experts run as grouped matmuls over the sorted rows
+    (``jax.lax.ragged_dot``), and the rows put back in place."""
+    n, k = chosen.shape
+    experts = w["w_gate"].shape[0]
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+    rows = x[order // k]
+    expert = flat[order]
+
+    def project(h, name):
+        out = jax.lax.ragged_dot(h, w[name], sizes, preferred_element_type=jnp.float32)
+        bias = w.get(name.replace("w_", "b_"))
+        return (out if bias is None else out + bias[expert].astype(jnp.float32)).astype(x.dtype)
+
+    hidden = act(project(rows, "w_gate"), project(rows, "w_up"))
+    out = project(hidden, "w_down")
+    return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+
+
+def _dense(x: jax.Array, chosen: jax.Array, w: dict, act: Callable) -> jax.Array:
+    """Every expert on every token, each (token, choice) taking its expert's output: the reference form."""
+    def run(e):
+        def project(h, name):
+            out = jnp.matmul(h, w[name][e], preferred_element_type=jnp.float32)
+            bias = w.get(name.replace("w_", "b_"))
+            return (out if bias is None else out + bias[e].astype(jnp.float32)).astype(x.dtype)
+
+        return project(act(project(x, "w_gate"), project(x, "w_up")), "w_down")
+
+    everyone = jax.vmap(run)(jnp.arange(w["w_gate"].shape[0]))  # [E, N, D]
+    return jnp.take_along_axis(everyone.transpose(1, 0, 2), chosen[..., None], axis=1)
+
+
+DISPATCH: dict[str, Callable] = {"ragged_dot": _ragged, "dense": _dense}
+
+
+def expert_parallel(mesh, x: jax.Array, chosen: jax.Array, weights: jax.Array, params: dict, act: Callable,
+                    dispatch: Callable) -> jax.Array:
+    """The experts' weighted sum of x [N, D] with the experts split over ``mesh.expert`` (n devices, E / n
+    experts each) and the tokens too: each device gathers its expert group's tokens (an all-gather over the
+    axis), runs its own experts on the (token, choice) pairs routed to them, and the partial sums go back to
+    the devices that hold the tokens (a reduce-scatter). Exact: a pair's output is its expert's wherever that
+    expert lives, and each token's k contributions add up once."""
+    def local(x, chosen, weights, w):
+        gather = functools.partial(jax.lax.all_gather, axis_name=EXPERT_AXIS, axis=0, tiled=True)
+        x, chosen, weights = gather(x), gather(chosen), gather(weights)
+        own = w["w_gate"].shape[0]
+        first = jax.lax.axis_index(EXPERT_AXIS) * own
+        mine = (chosen >= first) & (chosen < first + own)
+        outputs = dispatch(x, jnp.where(mine, chosen - first, own - 1), w, act)
+        partial = jnp.einsum("nk,nkd->nd", jnp.where(mine, weights, 0.0), outputs.astype(jnp.float32))
+        return jax.lax.psum_scatter(partial, EXPERT_AXIS, scatter_dimension=0, tiled=True).astype(x.dtype)
+
+    spec = P(EXPERT_AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, jax.tree.map(lambda _: spec, params)),
+                         out_specs=spec, axis_names={EXPERT_AXIS}, check_vma=False)(x, chosen, weights, params)
+
+
+def _param(rngs: nnx.Rngs, shape, std: float, dtype, axes) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
+
+
+class Settings(NamedTuple):
+    """What a layer's routing and experts compute (``model.experts``' keys of those names)."""
+
+    count: int
+    top_k: int
+    router: str
+    norm_topk_prob: bool
+    bias: bool
+    activation: str
+    swiglu_limit: float
+    swiglu_alpha: float
+
+
+class Experts(nnx.Module):
+    """``model.experts``: the router and its E gated experts (the module's docstring has the parameters)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        ex = cfg.experts
+        e, d, f = ex.count, cfg.d_model, ex.d_ff or cfg.d_ff
+        pdt = jnp.dtype(cfg.param_dtype)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.router = _param(rngs, (d, e), cfg.init_std, pdt, ("embed", "experts"))
+        self.w_gate = _param(rngs, (e, d, f), cfg.init_std, pdt, ("experts", "embed", "ff"))
+        self.w_up = _param(rngs, (e, d, f), cfg.init_std, pdt, ("experts", "embed", "ff"))
+        self.w_down = _param(rngs, (e, f, d), out_std, pdt, ("experts", "ff", "embed"))
+        if ex.bias:
+            self.router_bias = nnx.Param(jnp.zeros((e,), pdt), axes=("experts",))
+            self.b_gate = nnx.Param(jnp.zeros((e, f), pdt), axes=("experts", "ff"))
+            self.b_up = nnx.Param(jnp.zeros((e, f), pdt), axes=("experts", "ff"))
+            self.b_down = nnx.Param(jnp.zeros((e, d), pdt), axes=("experts", "embed"))
+        # (static graph data: hashable, so the model's graph definition keys jit's caches)
+        self.cfg = Settings(ex.count, ex.top_k, ex.router, ex.norm_topk_prob, ex.bias, ex.activation,
+                            ex.swiglu_limit, ex.swiglu_alpha)
+        self.dispatch = "ragged_dot" if ex.dispatch == "auto" else ex.dispatch
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(router logits [N, E] float32, each token's expert weights [N, k], its experts [N, k]) of x [N, D]."""
+        logits = jnp.matmul(x, weight(self.router, x.dtype), preferred_element_type=jnp.float32)
+        if self.cfg.bias:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
+        weights, chosen = ROUTERS[self.cfg.router](logits, self.cfg.top_k, self.cfg)
+        return logits, weights, chosen
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 dropout_key: jax.Array | None = None) -> tuple[jax.Array, RouterTerms]:
+        """x [B, T, D] -> (the experts' weighted sum [B, T, D], this layer's :class:`RouterTerms` over the real
+        tokens, segment id > 0; every token real without ``segment_ids``)."""
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        logits, weights, chosen = self.route(flat)
+        dt = x.dtype
+        params = {name: weight(getattr(self, name), dt) for name in ("w_gate", "w_up", "w_down")}
+        if self.cfg.bias:
+            params |= {name: getattr(self, name)[...] for name in ("b_gate", "b_up", "b_down")}
+        act = functools.partial(ACTIVATIONS[self.cfg.activation], cfg=self.cfg)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty and segment_ids is not None:  # (a jit given shardings, no mesh context: the batch's mesh)
+            mesh = jax.typeof(segment_ids).sharding.mesh
+        if not mesh.empty and mesh.shape.get(EXPERT_AXIS, 1) > 1 and EXPERT_AXIS not in mesh.manual_axes:
+            y = expert_parallel(mesh, flat, chosen, weights, params, act, DISPATCH[self.dispatch])
+        else:
+            outputs = DISPATCH[self.dispatch](flat, chosen, params, act)
+            y = jnp.einsum("nk,nkd->nd", weights, outputs.astype(jnp.float32)).astype(dt)
+        real = jnp.ones((b * t,), jnp.float32) if segment_ids is None else (segment_ids.reshape(-1) > 0).astype(
+            jnp.float32)
+        return y.reshape(b, t, d), self.terms(logits, real)
+
+    def terms(self, logits: jax.Array, real: jax.Array) -> RouterTerms:
+        """This layer's router sums over the real tokens (``real`` [N] 1 or 0): transformers' load-balancing
+        loss takes the top k of the full softmax whatever the family routes by (the same experts: a softmax
+        keeps the logits' order)."""
+        probs = jax.nn.softmax(logits, axis=-1)
+        _, chosen = jax.lax.top_k(probs, self.cfg.top_k)
+        hits = jnp.sum(jax.nn.one_hot(chosen, self.cfg.count, dtype=jnp.float32), axis=1)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return RouterTerms(jax.lax.stop_gradient(jnp.sum(hits * real[:, None], axis=0)),
+                           jnp.sum(probs * real[:, None], axis=0), jnp.sum(real), jnp.sum(lse * lse * real))

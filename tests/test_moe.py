@@ -1,0 +1,177 @@
+"""The mixture-of-experts layer (seqjax.model.experts) as a seam of the block: a packed row routes each document
+as it is routed alone, padding never reaches the router's losses, the dispatches agree, the train step adds the
+router's losses from the objective's one forward and logs them, the expert axis of the mesh gives one device's
+numbers, and bad settings are one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqjax.config.load import load_config
+from seqjax.config.tree import ConfigError
+from seqjax.model import build_model, split_params
+from seqjax.model.experts import load_balancing_loss
+from seqjax.objectives import resolve
+from seqjax.train.step import make_train_step
+from test_train_support import REPO, with_devices
+
+BASE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=48",
+        "model.vocab_size=64", "model.max_seq_len=64", "data.seq_len=64", "model.attention=xla",
+        "model.experts.count=4", "model.experts.top_k=2", "model.experts.d_ff=16"]
+T = 64
+
+
+def config(*extra: str):
+    return load_config(None, [*BASE, *extra])
+
+
+MODELS: dict = {}
+
+
+def compiled(*extra: str):
+    """One jitted (logits, router terms) per setting: shapes are fixed, so every draw reuses it."""
+    if extra not in MODELS:
+        model = build_model(config(*extra), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+
+        def run(state, inputs, positions, segment_ids):
+            features, head, terms = nnx.merge(graphdef, state).forward(inputs, positions=positions,
+                                                                       segment_ids=segment_ids)
+            return features @ head, terms
+
+        MODELS[extra] = (state, jax.jit(run))
+    return MODELS[extra]
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), family=st.sampled_from([(), ("model.experts.router=topk_softmax",
+                                                    "model.experts.activation=clamped_swiglu",
+                                                    "model.experts.bias=true")]))
+def test_a_packed_row_routes_and_computes_each_document_as_it_is_alone(data, family):
+    """Any packing of documents into one row (padding after them): each document's logits are its own alone,
+    and the router's sums over the row are the sums of the documents' alone (padding never counts)."""
+    lengths = data.draw(st.lists(st.integers(1, 20), min_size=1, max_size=4))
+    docs = [data.draw(st.lists(st.integers(1, 63), min_size=n, max_size=n)) for n in lengths]
+    state, run = compiled(*family)
+    ids, seg, pos = np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32)
+    at, alone, counts = 0, [], np.zeros((2, 4))
+    for s, doc in enumerate(docs, 1):
+        ids[at:at + len(doc)], seg[at:at + len(doc)], pos[at:at + len(doc)] = doc, s, np.arange(len(doc))
+        single = np.zeros(T, np.int32)
+        single[:len(doc)] = doc
+        logits, terms = run(state, single[None], np.arange(T)[None], (np.arange(T) < len(doc)).astype(np.int32)[None])
+        alone.append(np.asarray(logits)[0, :len(doc)])
+        counts += np.asarray(terms.counts)
+        at += len(doc)
+    logits, terms = run(state, ids[None], pos[None], seg[None])
+    at = 0
+    for doc, own in zip(docs, alone):
+        np.testing.assert_allclose(np.asarray(logits)[0, at:at + len(doc)], own, rtol=1e-5, atol=1e-5)
+        at += len(doc)
+    np.testing.assert_array_equal(np.asarray(terms.counts), counts)
+    assert float(jnp.sum(terms.tokens)) == 2 * sum(lengths)  # (two layers of real tokens)
+
+
+def test_the_grouped_matmul_equals_every_expert_on_every_token():
+    """dispatch=ragged_dot (tokens sorted by expert, one grouped matmul) and dispatch=dense (the reference) give
+    the same outputs and gradients."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 64, (2, T)).astype(np.int32)
+    pos, seg = np.tile(np.arange(T), (2, 1)), np.ones((2, T), np.int32)
+    outs = []
+    for dispatch in ("ragged_dot", "dense"):
+        model = build_model(config(f"model.experts.dispatch={dispatch}"), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+
+        def loss(state):
+            features, head, terms = nnx.merge(graphdef, state).forward(ids, positions=pos, segment_ids=seg)
+            return jnp.mean((features @ head) ** 2) + load_balancing_loss(terms, 2)
+
+        outs.append(jax.value_and_grad(loss)(state))
+    (a, ga), (b, gb) = outs
+    assert float(a) == pytest.approx(float(b), rel=1e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
+def test_the_step_adds_the_routers_losses_per_micro_batch_and_logs_them():
+    """model.experts.aux_loss_coef and z_loss_coef add each micro-batch's pooled router losses, averaged over
+    the step's micro-batches, to the objective: the loss as logged is the objective's alone, aux_loss and
+    router_z_loss are logged beside it (two micro-batches: the mean of their pooled losses, as docs/model.md
+    says), and the step's objective is the loss plus each coefficient times its term."""
+    cfg = config("model.experts.aux_loss_coef=0.5", "model.experts.z_loss_coef=0.25")
+    rng = np.random.default_rng(1)
+    batch = {"inputs": rng.integers(1, 64, (4, T)).astype(np.int32),
+             "targets": rng.integers(1, 64, (4, T)).astype(np.int32),
+             "positions": np.tile(np.arange(T), (4, 1)).astype(np.int32),
+             "segment_ids": np.ones((4, T), np.int32), "weights": np.ones((4, T), np.float32)}
+    batch["segment_ids"][:, 50:] = 0
+    batch["weights"][:, 50:] = 0
+    graphdef, params, _, rest = split_params(build_model(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    metrics = {}
+    for coef in ("with", "without"):
+        model_cfg = cfg.model if coef == "with" else load_config(None, BASE).model
+        step = jax.jit(make_train_step(graphdef, rest, optax.sgd(0.0), grad_accum=2, objective=resolve(["lm"]),
+                                       model_config=model_cfg))
+        metrics[coef] = step(params, optax.sgd(0.0).init(params), batch)[2]
+    assert float(metrics["with"]["loss"]) == pytest.approx(float(metrics["without"]["loss"]), rel=1e-6)
+    aux, z = float(metrics["with"]["reported"]["aux_loss"]), float(metrics["with"]["reported"]["router_z_loss"])
+    micro = [{k: v[j::2] for k, v in batch.items()} for j in range(2)]
+    expected = [_pooled(graphdef, rest, params, m) for m in micro]
+    assert aux == pytest.approx(np.mean([e[0] for e in expected]), rel=1e-5)
+    assert z == pytest.approx(np.mean([e[1] for e in expected]), rel=1e-5)
+    assert float(metrics["with"]["objective"]) == pytest.approx(float(metrics["without"]["objective"]) + 0.5 * aux
+                                                               + 0.25 * z, rel=1e-5)
+    assert {"router/max_share/0", "router/max_share/1"} <= set(metrics["with"]["reported"])
+
+
+def _pooled(graphdef, rest, params, micro):
+    from seqjax.model.experts import router_z_loss
+
+    *_, terms = nnx.merge(graphdef, params, rest).forward(micro["inputs"], positions=micro["positions"],
+                                                          segment_ids=micro["segment_ids"])
+    return float(load_balancing_loss(terms, 2)), float(router_z_loss(terms))
+
+
+
+
+def test_an_expert_axis_gives_one_devices_loss_router_terms_and_gradients():
+    """mesh.expert = 2, 4 and 8 (beside data, fsdp and context, on 8 simulated devices): the experts split over
+    the axis, each device's tokens gathered to their experts and given back, and the loss, the router's sums
+    and every gradient are one device's (tests/moe_cases.py)."""
+    env = {"XLA_FLAGS": with_devices(8), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "moe_cases.py")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checked = json.loads(proc.stdout.strip().splitlines()[-1])["checked"]
+    assert {json.dumps(c["mesh"], sort_keys=True) for c in checked} >= {'{"data": 4, "expert": 2}', '{"expert": 8}',
+                                                                        '{"expert": 4, "fsdp": 2}'}
+
+
+def test_bad_expert_settings_are_one_line():
+    from seqjax.config.tree import MeshConfig
+    from seqjax.model import sharding
+
+    with pytest.raises(ConfigError, match="model.experts.top_k: got 5, expected at most model.experts.count=4"):
+        config("model.experts.top_k=5")
+    with pytest.raises(ConfigError, match=r"model.scan_layers: got true with model.experts.dense_layers \[1\]"):
+        config("model.experts.dense_layers=[1]", "model.scan_layers=true")
+    mesh = sharding.build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
+    sharding.check_experts(4, mesh)
+    fake = type("Mesh", (), {"shape": {"expert": 3}})()
+    with pytest.raises(ConfigError, match="mesh.expert: got 3, expected a divisor of model.experts.count=4"):
+        sharding.check_experts(4, fake)
