@@ -85,13 +85,13 @@ def test_a_packed_row_routes_and_computes_each_document_as_it_is_alone(data, fam
 
 
 def test_the_grouped_matmul_equals_every_expert_on_every_token():
-    """dispatch=ragged_dot (tokens sorted by expert, one grouped matmul) and dispatch=dense (the reference) give
-    the same outputs and gradients."""
+    """dispatch=ragged_dot (tokens sorted by expert, one grouped matmul), blocked (sorted, padded to 64-row
+    blocks) and dense (the reference) give the same outputs and gradients."""
     rng = np.random.default_rng(0)
     ids = rng.integers(1, 64, (2, T)).astype(np.int32)
     pos, seg = np.tile(np.arange(T), (2, 1)), np.ones((2, T), np.int32)
     outs = []
-    for dispatch in ("ragged_dot", "dense"):
+    for dispatch in ("ragged_dot", "blocked", "dense"):
         model = build_model(config(f"model.experts.dispatch={dispatch}"), rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
 
@@ -100,10 +100,30 @@ def test_the_grouped_matmul_equals_every_expert_on_every_token():
             return jnp.mean((features @ head) ** 2) + load_balancing_loss(terms, 2)
 
         outs.append(jax.value_and_grad(loss)(state))
-    (a, ga), (b, gb) = outs
-    assert float(a) == pytest.approx(float(b), rel=1e-5)
-    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+    (a, ga), *others = outs
+    for b, gb in others:
+        assert float(a) == pytest.approx(float(b), rel=1e-5)
+        for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("routing", ["spread", "one expert", "whole blocks", "some idle"])
+def test_the_blocked_dispatch_puts_every_pair_back_in_place(routing):
+    """The blocked dispatch's block edges: every pair on one expert, groups of exactly whole blocks, experts
+    with no tokens; each (token, choice) gets its own expert's output, as the dense reference gives it."""
+    from seqjax.model.experts import ACTIVATIONS, BLOCK, DISPATCH
+
+    rng = np.random.default_rng(1)
+    e, n, k, d, f = 4, 2 * BLOCK, 2, 8, 16
+    chosen = {"spread": rng.integers(0, e, (n, k)), "one expert": np.zeros((n, k)),
+              "whole blocks": np.repeat(np.arange(e), n * k // e).reshape(n, k),
+              "some idle": rng.integers(2, e, (n, k))}[routing].astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    w = {name: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+         for name, shape in (("w_gate", (e, d, f)), ("w_up", (e, d, f)), ("w_down", (e, f, d)))}
+    act = ACTIVATIONS["swiglu"]
+    np.testing.assert_allclose(np.asarray(DISPATCH["blocked"](x, jnp.asarray(chosen), w, act)),
+                               np.asarray(DISPATCH["dense"](x, jnp.asarray(chosen), w, act)), rtol=1e-5, atol=1e-5)
 
 
 def test_the_step_adds_the_routers_losses_per_micro_batch_and_logs_them():
@@ -175,3 +195,39 @@ def test_bad_expert_settings_are_one_line():
     fake = type("Mesh", (), {"shape": {"expert": 3}})()
     with pytest.raises(ConfigError, match="mesh.expert: got 3, expected a divisor of model.experts.count=4"):
         sharding.check_experts(4, fake)
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_lora_on_the_experts_trains_the_adapters_alone_and_folds_into_the_base(quantize):
+    """model.lora on the attention and the experts (experts_gate_up, experts_down), the base stored as QLoRA stores
+    it: only the adapters get gradients, the experts' adapters among them; folded into the base (a merged
+    export), the plain model computes what the adapted one does."""
+    from seqjax.model.assembly import full_weights, stored_base
+    from seqjax.model.lora import adapters_off
+
+    cfg = config("model.lora.rank=2", "model.lora.alpha=4", f"model.lora.quantize={quantize}",
+                 "model.lora.targets=[q,experts_gate_up,experts_down]", "model.lora.quant_block=16")
+    graphdef, trained, frozen, rest = split_params(build_model(cfg, rngs=nnx.Rngs(0)))
+    trained = jax.tree.map(lambda a: a + 0.05, nnx.to_pure_dict(trained))  # (B != 0: the adapters matter)
+    frozen = stored_base(nnx.to_pure_dict(frozen), cfg.model)
+    ids = np.random.default_rng(2).integers(1, 64, (2, T)).astype(np.int32)
+    pos, seg = np.tile(np.arange(T), (2, 1)), np.ones((2, T), np.int32)
+
+    def loss(trained):
+        features, head, _ = nnx.merge(graphdef, trained, frozen, rest).forward(ids, positions=pos, segment_ids=seg)
+        return jnp.mean((features @ head) ** 2)
+
+    grads = jax.grad(loss)(trained)
+    experts = grads["blocks"][0]["mlp"]["experts"]["lora"]
+    assert set(experts) == {"experts_gate_up_a", "experts_gate_up_b", "experts_down_a", "experts_down_b"}
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(experts))
+    adapted = nnx.merge(graphdef, trained, frozen, rest)
+    off = nnx.merge(adapters_off(graphdef, trained, frozen, rest), trained, frozen, rest)
+    plain_cfg = config()
+    plain = build_model(plain_cfg, rngs=nnx.Rngs(0))
+    nnx.update(plain, full_weights(adapted))
+    logits = {name: m.forward(ids, positions=pos, segment_ids=seg) for name, m in
+              (("adapted", adapted), ("off", off), ("folded", plain))}
+    as_logits = {k: np.asarray(f @ h) for k, (f, h, _) in logits.items()}
+    np.testing.assert_allclose(as_logits["folded"], as_logits["adapted"], rtol=1e-4, atol=1e-4)
+    assert float(np.abs(as_logits["adapted"] - as_logits["off"]).max()) > 1e-3

@@ -198,3 +198,37 @@ def test_transformers_loads_seqjax_export_with_equal_logits(family, tmp_path):
     with torch.no_grad():
         ours = model(torch.tensor([ref["seq0.ids"].tolist()])).logits[0].numpy()
     assert_close(ours, ref["seq0.logits"])
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def test_peft_adapters_on_the_experts_compute_and_export_as_peft_does(family, tmp_path):
+    """A PEFT adapter folder with LoRA on q_proj, v_proj and, by target_parameters, on every expert layer's fused
+    gate_up_proj and down_proj (peft 0.21's ParamWrapper; gpt-oss's gate and up interleaved), read onto its
+    base: peft's own logits. Exported again, every tensor is the one read, under peft's names (the first
+    targeted parameter nested as base_layer), with the same target_parameters."""
+    from seqjax.hf import peft as hf_peft
+    from seqjax.weights.inference import with_adapter
+
+    record = json.loads((REFERENCES / f"{family}-lora.json").read_text())
+    theirs = load_file(str(REFERENCES / f"{family}-lora.safetensors"))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(record["adapter_config"]))
+    drawn = SCRIPT.reference_weights(record["tensors"])
+    save_file(drawn, str(adapter / "adapter_model.safetensors"), metadata={"format": "pt"})
+    folder = hf.read_folder(hf_folder(family, tmp_path / family))
+    config = hf.run_config(folder, ["model.attention=xla"])
+    base = hf.model_with_params(config, hf.read_params(folder))
+    config, model = with_adapter(config, base, str(adapter))
+    assert {"experts_gate_up", "experts_down"} <= set(config.model.lora.targets)
+    ours, _ = forward(model, theirs["seq0.ids"])
+    assert_close(ours, theirs["seq0.logits"])
+    from flax import nnx
+
+    trained = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
+    exported = hf_peft.to_peft(trained, config.model)
+    assert set(exported) == set(drawn)
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, drawn[name], err_msg=name)
+    written = hf_peft.adapter_config(config.model, None)
+    assert sorted(written["target_parameters"]) == sorted(record["adapter_config"]["target_parameters"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from seqjax.config.experts import ExpertsConfig
 from seqjax.config.fields import MODEL, setting
 from seqjax.config.vision import VisionConfig
 from seqjax.core.errors import ConfigError
@@ -52,89 +53,40 @@ class RopeScalingConfig:
         4.0, "llama3: wavelengths below original / high_freq_factor are kept", min=0.0,
         resume=MODEL)
     original_max_position_embeddings: int = setting(8192,
-                                                    "llama3, yarn: the context length of pretraining",
+                                                    "llama3, yarn: the context length of "
+                                                    "pretraining",
                                                     min=1, resume=MODEL)
-    beta_fast: float = setting(32.0, "yarn: rotations within the context above which a frequency is kept",
+    beta_fast: float = setting(32.0, "yarn: rotations within the context above which a frequency "
+                                     "is kept",
                                min=0.0, resume=MODEL)
-    beta_slow: float = setting(1.0, "yarn: rotations below which a frequency is divided by factor", min=0.0,
+    beta_slow: float = setting(1.0, "yarn: rotations below which a frequency is divided "
+                                    "by factor", min=0.0,
                                resume=MODEL)
-    truncate: bool = setting(True, "yarn: the ramp's ends rounded to whole frequencies (transformers' truncate)",
+    truncate: bool = setting(True, "yarn: the ramp's ends rounded to whole frequencies "
+                                   "(transformers' truncate)",
                              resume=MODEL)
     attention_factor: float | None = setting(
-        None, "yarn: cos and sin scaled by this (null: 0.1 ln(factor) + 1, YaRN's)", min=0.0, resume=MODEL)
+        None, "yarn: cos and sin scaled by this (null: 0.1 ln(factor) + "
+              "1, YaRN's)", min=0.0, resume=MODEL)
 
     def check(self) -> None:
         # (linear: factor only)
         if self.type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ConfigError(
-                f"model.rope_scaling.high_freq_factor: got {self.high_freq_factor}, expected more than "
-                f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (and both above 0)")
+                f"model.rope_scaling.high_freq_factor: got {self.high_freq_factor}, expected more "
+                f"than model.rope_scaling.low_freq_factor={self.low_freq_factor} (and both above "
+                "0)")
 
 
-ROUTERS = ("softmax_topk", "topk_softmax")
-EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
-DISPATCHES = ("auto", "ragged_dot", "dense")
-
-
-@dataclass(frozen=True)  # hashable: the model keeps it as static graph data
-class ExpertsConfig:
-    """``model.experts``: a mixture of experts in place of the gated MLP (``count`` > 0; docs/model.md, "Mixture
-    of experts"). Each token goes to the ``top_k`` experts its router picks, none dropped; the router's
-    auxiliary loss and z-loss are side terms of the forward, over real tokens only."""
-
-    count: int = setting(0, "experts a layer holds (0: the gated MLP, a dense model)", min=0, resume=MODEL)
-    top_k: int = setting(2, "experts each token goes to (num_experts_per_tok)", min=1, resume=MODEL)
-    d_ff: int | None = setting(None, "each expert's hidden width (moe_intermediate_size; null: model.d_ff)",
-                               min=1, resume=MODEL)
-    router: str = setting(
-        "softmax_topk", "softmax_topk: a float32 softmax over every expert, then the top k (Qwen3-MoE, Mixtral); "
-        "topk_softmax: the top k of the logits, then a softmax over those (gpt-oss)", choices=ROUTERS,
-        resume=MODEL)
-    norm_topk_prob: bool = setting(
-        True, "softmax_topk: the k chosen probabilities renormalized to sum to 1 (Mixtral always; Qwen3-MoE's "
-        "norm_topk_prob)", resume=MODEL)
-    bias: bool = setting(False, "biases on the router and the experts' projections (gpt-oss)", resume=MODEL)
-    activation: str = setting(
-        "swiglu", "the experts' gated activation: swiglu, silu(gate) * up; clamped_swiglu (gpt-oss): (up + 1) * "
-        "gate * sigmoid(alpha * gate), the gate clamped from above and up to +-limit",
-        choices=EXPERT_ACTIVATIONS, resume=MODEL)
-    swiglu_limit: float = setting(7.0, "clamped_swiglu: the clamp (gpt-oss's swiglu_limit)", min=0.0, resume=MODEL)
-    swiglu_alpha: float = setting(1.702, "clamped_swiglu: the sigmoid's slope (gpt-oss's swiglu_alpha)", min=0.0,
-                                  resume=MODEL)
-    dense_layers: list[int] = setting(
-        [], "layers with the gated MLP instead of experts (Qwen3-MoE's mlp_only_layers)", resume=MODEL)
-    aux_loss_coef: float = setting(
-        0.0, "the router's load-balancing loss (transformers' load_balancing_loss_func, pooled over the layers "
-        "and real tokens of each micro-batch) times this joins the loss (router_aux_loss_coef when the "
-        "folder's output_router_logits is set; 0: logged, not trained)", min=0.0)
-    z_loss_coef: float = setting(
-        0.0, "the router's z-loss (mean over real tokens and layers of logsumexp(router logits)^2) times this "
-        "joins the loss (0: logged, not trained)", min=0.0)
-    dispatch: str = setting(
-        "auto", "how tokens reach their experts: ragged_dot (sorted by expert, one grouped matmul: "
-        "jax.lax.ragged_dot), dense (every expert on every token, weighted: the reference); auto: ragged_dot",
-        choices=DISPATCHES)
-
-    @property
-    def enabled(self) -> bool:
-        return self.count > 0
-
-    def check(self, n_layers: int) -> None:
-        if not self.enabled:
-            return
-        if self.top_k > self.count:
-            raise ConfigError(f"model.experts.top_k: got {self.top_k}, expected at most model.experts.count="
-                              f"{self.count}")
-        bad = [i for i in self.dense_layers if not 0 <= i < n_layers]
-        if bad:
-            raise ConfigError(f"model.experts.dense_layers: got layer {bad[0]}, expected layers 0 to "
-                              f"{n_layers - 1}")
-
-
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-# PEFT's names of the same projections (its target_modules), accepted beside seqjax's.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts_gate_up", "experts_down")
+# the targets model.lora.targets holds unless named: the seven projections (a model with experts
+# adapts them only where PEFT's target_parameters name them: experts_gate_up, experts_down)
+DEFAULT_TARGETS = LORA_TARGETS[:7]
+# PEFT's names of the same projections (its target_modules, and target_parameters for the experts),
+# accepted beside seqjax's.
 PEFT_TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
-                "up_proj": "up", "down_proj": "down"}
+                "up_proj": "up", "down_proj": "down", "mlp.experts.gate_up_proj": "experts_gate_up",
+                "mlp.experts.down_proj": "experts_down"}
 # model.lora.modules_to_save: the whole modules that train beside the adapters (PEFT's names too).
 SAVED_MODULES = ("embed", "head")
 PEFT_SAVED = {"embed_tokens": "embed", "lm_head": "head"}
@@ -160,8 +112,9 @@ class LoraConfig:
     dropout: float = setting(
         0.0, "training only: dropout on each adapter's input (PEFT's lora_dropout)", min=0.0)
     targets: list[str] = setting(
-        list(LORA_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down "
-        "(or PEFT's target_modules names q_proj, ..., down_proj)", resume=MODEL)
+        list(DEFAULT_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down, and a mixture "
+        "of experts' experts_gate_up, experts_down (or PEFT's names q_proj, ..., down_proj, "
+        "mlp.experts.gate_up_proj, mlp.experts.down_proj)", resume=MODEL)
     rslora: bool = setting(
         False, "rank-stabilized LoRA: scale by alpha / sqrt(rank) instead of alpha / rank (PEFT's "
         "use_rslora)", resume=MODEL)
@@ -181,8 +134,8 @@ class LoraConfig:
         choices=("none", "int8", "nf4"), resume=MODEL)
     quant_block: int = setting(
         64,
-        "nf4: inputs per scale block of each output channel (bitsandbytes' 64); it must divide each "
-        "input width larger than it, and a narrower one is one block", min=2, resume=MODEL)
+        "nf4: inputs per scale block of each output channel (bitsandbytes' 64); it must divide "
+        "each input width larger than it, and a narrower one is one block", min=2, resume=MODEL)
 
     def check(self) -> None:
         """The rules of model.lora; PEFT's names in targets and modules_to_save become seqjax's."""
@@ -200,10 +153,17 @@ class LoraConfig:
                 f"{list(SAVED_MODULES)} or {list(PEFT_SAVED)}")
         if self.rank and not self.targets:
             raise ConfigError(
-                "model.lora.targets: got [], expected at least one projection with model.lora.rank > 0"
+                "model.lora.targets: got [], expected at least one projection with "
+                "model.lora.rank > 0"
             )
         if not self.dropout < 1.0:
             raise ConfigError(f"model.lora.dropout: got {self.dropout}, expected a rate in [0, 1)")
+        experts = [t for t in self.targets if t.startswith("experts_")]
+        for key, value in (("dropout", self.dropout), ("dora", self.dora)):
+            if experts and value:
+                raise ConfigError(f"model.lora.{key}: got {value} with the experts adapted "
+                                  f"({experts}); expected {0.0 if key == 'dropout' else False} "
+                                  "(PEFT's target_parameters refuse it too)")
         for key in ("quantize", "modules_to_save", "dora", "rslora"):
             if getattr(self, key) not in ("none", [], False) and not self.rank:
                 raise ConfigError(
@@ -232,21 +192,24 @@ class ModelConfig:
         None, "key/value heads for grouped-query attention (default: n_heads)", min=1, resume=MODEL)
     head_dim: int | None = setting(
         None,
-        "width of each attention head (null: d_model // n_heads, filled in when the config is checked)",
+        "width of each attention head (null: d_model // n_heads, filled in when the config is "
+        "checked)",
         min=2,
         resume=MODEL,
     )
     d_ff: int = setting(768, "SwiGLU hidden width", min=1, resume=MODEL)
     max_seq_len: int | None = setting(
         None,
-        "longest sequence the model accepts (null: follows data.seq_len, or eval.context when longer)",
+        "longest sequence the model accepts (null: follows data.seq_len, or eval.context when "
+        "longer)",
         min=1,
     )
     rope_theta: float = setting(10000.0, "RoPE base frequency", min=1.0, resume=MODEL)
     rope_scaling: RopeScalingConfig = field(
         default_factory=RopeScalingConfig,
         metadata={
-            "help": "RoPE frequency scaling for long contexts: model.rope_scaling.type and its factors"
+            "help": "RoPE frequency scaling for long contexts: model.rope_scaling.type and its "
+                    "factors"
         },
     )
     norm_eps: float = setting(1e-6, "RMSNorm epsilon (Llama checkpoints use 1e-5)", min=0.0,
@@ -267,9 +230,9 @@ class ModelConfig:
         "docs/scale.md)", choices=("all_gather", "ring"))
     remat: str = setting(
         "none",
-        "rematerialization of each block in the backward pass: none (keep every activation), full (keep only each "
-        "block's input, recompute the rest), dots (keep the matmul outputs, recompute the rest), names (keep the "
-        "activations model.remat_names lists)",
+        "rematerialization of each block in the backward pass: none (keep every activation), full "
+        "(keep only each block's input, recompute the rest), dots (keep the matmul outputs, "
+        "recompute the rest), names (keep the activations model.remat_names lists)",
         choices=REMAT_POLICIES,
     )
     remat_names: list[str] = setting(
@@ -278,32 +241,34 @@ class ModelConfig:
     )
     scan_layers: bool = setting(
         False,
-        "stack the blocks' parameters [n_layers, ...] and run them under jax.lax.scan: compile time flat in "
-        "depth (checkpoints keep their layout; eval, export and init_from convert)", resume=MODEL)
+        "stack the blocks' parameters [n_layers, ...] and run them under jax.lax.scan: compile "
+        "time flat in depth (checkpoints keep their layout; eval, export and "
+        "init_from convert)", resume=MODEL)
     loss_chunk_tokens: int = setting(
         0,
-        "the LM head and the cross-entropy a chunk of this many tokens at a time, inside one custom VJP, so the "
-        "[tokens, vocab] float32 logits never exist whole (0: off, the plain path)",
+        "the LM head and the cross-entropy a chunk of this many tokens at a time, inside one "
+        "custom VJP, so the [tokens, vocab] float32 logits never exist whole (0: off, the plain "
+        "path)",
         min=0,
     )
     init_std: float = setting(
         0.02, "std of the normal init (residual projections scaled by 1/sqrt(2*n_layers))", min=0.0)
     dropout: float = setting(
         0.0,
-        "training only: dropout rate on the token embeddings and on each residual branch (after attention, after "
-        "the MLP); evaluation and generation never drop",
+        "training only: dropout rate on the token embeddings and on each residual branch (after "
+        "attention, after the MLP); evaluation and generation never drop",
         min=0.0,
     )
     token_dropout: float = setting(
         0.0,
-        "training only: the chance that a token's whole input embedding is zeroed (the rest scaled up), a data "
-        "augmentation that small corpora such as WikiText-2 need",
+        "training only: the chance that a token's whole input embedding is zeroed (the rest "
+        "scaled up), a data augmentation that small corpora such as WikiText-2 need",
         min=0.0,
     )
     attention_dropout: float = setting(
         0.0,
-        "training only: dropout rate on the attention probabilities; only the xla backend has it (auto then picks "
-        "xla), so pallas, cudnn and splash refuse it",
+        "training only: dropout rate on the attention probabilities; only the xla backend has it "
+        "(auto then picks xla), so pallas, cudnn and splash refuse it",
         min=0.0,
     )
 
@@ -333,25 +298,27 @@ class ModelConfig:
         min=1.0, resume=MODEL)
     sliding_window: int | None = setting(
         None,
-        "sliding layers: a query attends to the keys of its own segment at most this many positions back, "
-        "itself included (Mistral; Gemma 3's local layers)", min=1, resume=MODEL)
+        "sliding layers: a query attends to the keys of its own segment at most this many "
+        "positions back, itself included (Mistral; Gemma 3's local layers)", min=1, resume=MODEL)
     layer_types: list[str] = setting(
         [],
-        "each layer's attention, full or sliding (Gemma 3 interleaves them); empty: every layer sliding when "
-        "model.sliding_window is set, else full", resume=MODEL)
+        "each layer's attention, full or sliding (Gemma 3 interleaves them); empty: every layer "
+        "sliding when model.sliding_window is set, else full", resume=MODEL)
     lora: LoraConfig = field(
         default_factory=LoraConfig, metadata={
-            "help": "low-rank adapters on the projections (model.lora.rank > 0): the base frozen, only adapters train"
+            "help": "low-rank adapters on the projections (model.lora.rank > 0): the base frozen, "
+                    "only adapters train"
         })
     rope_local_theta: float | None = setting(
         None,
-        "RoPE base of the sliding layers, which take no rope_scaling (Gemma 3's rope_local_base_freq; null: "
-        "rope_theta and rope_scaling for every layer)", min=1.0, resume=MODEL)
+        "RoPE base of the sliding layers, which take no rope_scaling (Gemma 3's "
+        "rope_local_base_freq; null: rope_theta and rope_scaling for "
+        "every layer)", min=1.0, resume=MODEL)
 
     vision: VisionConfig = field(
         default_factory=VisionConfig, metadata={
-            "help": "a vision tower (Qwen3-VL's) whose image tokens replace the text's image-pad tokens "
-                    "(model.vision.depth > 0; docs/vision.md)"
+            "help": "a vision tower (Qwen3-VL's) whose image tokens replace the text's image-pad "
+                    "tokens (model.vision.depth > 0; docs/vision.md)"
         })
     mrope_section: list[int] = setting(
         [], "multimodal RoPE (Qwen3-VL): how many of each head's rotary frequencies turn with the time, row "
@@ -359,18 +326,22 @@ class ModelConfig:
         resume=MODEL)
     experts: ExpertsConfig = field(
         default_factory=ExpertsConfig, metadata={
-            "help": "a mixture of experts in place of the gated MLP (model.experts.count > 0; docs/model.md)"
+            "help": "a mixture of experts in place of the gated MLP (model.experts.count > 0; "
+                    "docs/model.md)"
         })
     attention_sinks: bool = setting(
-        False, "a learned logit per head taken into every query's softmax, attending to nothing (gpt-oss)",
+        False, "a learned logit per head taken into every query's softmax, attending to nothing "
+               "(gpt-oss)",
         resume=MODEL)
-    attn_out_bias: bool = setting(False, "a bias on the attention's output projection (gpt-oss)", resume=MODEL)
+    attn_out_bias: bool = setting(False, "a bias on the attention's output "
+                                         "projection (gpt-oss)", resume=MODEL)
     mrope_interleaved: bool = setting(
         True, "with mrope_section: the three axes' frequencies interleaved (Qwen3-VL), else in three runs "
         "(Qwen2-VL)", resume=MODEL)
 
     def mlp_of(self, layer: int) -> str:
-        """Layer ``layer``'s MLP: a row of :data:`seqjax.model.mlp.MLPS` (experts, or the gated MLP)."""
+        """Layer ``layer``'s MLP: a row of :data:`seqjax.model.mlp.MLPS` (experts, or the gated
+        MLP)."""
         return "experts" if self.experts.enabled and layer not in self.experts.dense_layers else "gated"
 
     def window_of(self, layer: int) -> int | None:
@@ -401,67 +372,70 @@ class ModelConfig:
         if bad:
             raise ConfigError(f"model.layer_types: got {bad[0]!r}, expected full or sliding")
         if "sliding" in self.layer_types and self.sliding_window is None:
-            raise ConfigError(
-                "model.layer_types: got sliding layers but model.sliding_window is null; expected a "
-                "window size")
+            raise ConfigError("model.layer_types: got sliding layers but model.sliding_window is "
+                              "null; expected a window size")
         for name in ("dropout", "token_dropout", "attention_dropout"):
             rate = getattr(self, name)
             if not rate < 1.0:
-                raise ConfigError(
-                    f"model.{name}: got {rate}, expected a rate in [0, 1) (1 would drop everything)"
-                )
+                raise ConfigError(f"model.{name}: got {rate}, expected a rate in [0, 1) (1 would "
+                                  "drop everything)")
         if self.attention_dropout and self.attention not in ("xla", "auto"):
             raise ConfigError(
                 f"model.attention_dropout: got {self.attention_dropout}, expected 0 with "
-                f"model.attention={self.attention!r}: only the xla backend drops attention probabilities "
-                "(set model.attention=xla, or model.attention_dropout=0 and use model.dropout)")
+                f"model.attention={self.attention!r}: only the xla backend drops attention "
+                "probabilities (set model.attention=xla, or model.attention_dropout=0 and use "
+                "model.dropout)")
         kv = self.kv_heads
         if self.head_dim is None:
             if self.d_model % self.n_heads:
                 raise ConfigError(
-                    f"model.n_heads: got {self.n_heads}, expected a divisor of model.d_model={self.d_model} "
-                    "(or set model.head_dim)")
+                    f"model.n_heads: got {self.n_heads}, expected a divisor of "
+                    f"model.d_model={self.d_model} (or set model.head_dim)")
             self.head_dim = self.d_model // self.n_heads
         if self.head_dim % 2:
-            raise ConfigError(
-                f"model.head_dim: got {self.head_dim}, expected an even number (RoPE rotates pairs)"
-            )
+            raise ConfigError(f"model.head_dim: got {self.head_dim}, expected an even number (RoPE "
+                              "rotates pairs)")
         if self.n_heads % kv:
-            raise ConfigError(
-                f"model.n_kv_heads: got {kv}, expected a divisor of model.n_heads={self.n_heads}")
+            raise ConfigError(f"model.n_kv_heads: got {kv}, expected a divisor of "
+                              f"model.n_heads={self.n_heads}")
         self.rope_scaling.check()
         self.lora.check()
         if self.tie_embeddings and "head" in self.lora.modules_to_save:
             raise ConfigError(
-                "model.lora.modules_to_save: got 'head' with model.tie_embeddings true, where the head is "
-                "the embedding table; expected 'embed' (it trains both, as PEFT's ensure_weight_tying)"
-            )
-        if self.lora.quantize == "nf4":
-            # nf4 scales every quant_block inputs along each projection's last input axis: d_model
-            # (q, k, v, gate, up), head_dim (o), d_ff (down); a block that does not divide one would
-            # be no block at all
-            widths = {"d_model": self.d_model, "head_dim": self.head_dim, "d_ff": self.d_ff}
-            # (a width no larger than the block is one block: the whole axis shares its scale)
-            bad = {
-                k: v
-                for k, v in widths.items()
-                if v % self.lora.quant_block and v > self.lora.quant_block
-            }
-            if bad:
-                raise ConfigError(
-                    f"model.lora.quant_block: got {self.lora.quant_block}, expected a divisor of every quantized "
-                    f"projection's input width larger than it ({', '.join(f'{k}={v}' for k, v in widths.items())}); "
-                    f"{', '.join(bad)} is not a multiple of it")
+                "model.lora.modules_to_save: got 'head' with model.tie_embeddings true, where the "
+                "head is the embedding table; expected 'embed' (it trains both, as PEFT's "
+                "ensure_weight_tying)")
+        self.check_quant_block()
         self.check_vision()
         self.experts.check(self.n_layers)
         if self.scan_layers and len({self.mlp_of(i) for i in range(self.n_layers)}) > 1:
             raise ConfigError(
-                f"model.scan_layers: got true with model.experts.dense_layers {self.experts.dense_layers}: a "
-                "scanned stack holds one kind of block; expected scan_layers false (layers unrolled)")
+                "model.scan_layers: got true with model.experts.dense_layers "
+                f"{self.experts.dense_layers}: a scanned stack holds one kind of block; expected "
+                "scan_layers false (layers unrolled)")
         unknown = [name for name in self.remat_names if name not in REMAT_NAMES]
         if unknown:
+            raise ConfigError(f"model.remat_names: got {unknown[0]!r}, expected names from "
+                              f"{list(REMAT_NAMES)}")
+
+    def check_quant_block(self) -> None:
+        """nf4 scales every quant_block inputs along each projection's last input axis: d_model
+        (q, k, v, gate, up), head_dim (o), d_ff (down); a block that does not divide one larger
+        than it would be no block at all (a width no larger than the block is one block: the
+        whole axis shares its scale)."""
+        if self.lora.quantize != "nf4":
+            return
+        block = self.lora.quant_block
+        widths = {"d_model": self.d_model, "head_dim": self.head_dim, "d_ff": self.d_ff}
+        if self.experts.enabled:  # (each expert's down projection: along its own width)
+            widths["experts.d_ff"] = self.experts.d_ff or self.d_ff
+        bad = [name for name, width in widths.items() if width % block and width > block]
+        if bad:
             raise ConfigError(
-                f"model.remat_names: got {unknown[0]!r}, expected names from {list(REMAT_NAMES)}")
+                f"model.lora.quant_block: got {block}, expected a divisor of every quantized "
+                "projection's input width larger than it "
+                f"({', '.join(f'{k}={v}' for k, v in widths.items())}); {', '.join(bad)} is not a "
+                "multiple of it")
 
     @property
     def kv_heads(self) -> int:
@@ -473,22 +447,24 @@ class ModelConfig:
         self.vision.check()
         if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2):
             raise ConfigError(
-                f"model.mrope_section: got {self.mrope_section}, expected three sizes (time, row, column) summing "
-                f"to head_dim / 2 = {self.head_dim // 2}")
+                f"model.mrope_section: got {self.mrope_section}, expected three sizes (time, row, "
+                f"column) summing to head_dim / 2 = {self.head_dim // 2}")
         if not self.vision.depth:
             return
         if self.vision.out_hidden_size != self.d_model:
             raise ConfigError(
-                f"model.vision.out_hidden_size: got {self.vision.out_hidden_size}, expected model.d_model="
-                f"{self.d_model} (the tower's tokens enter the residual stream)")
+                f"model.vision.out_hidden_size: got {self.vision.out_hidden_size}, expected "
+                f"model.d_model={self.d_model} (the tower's tokens enter the residual stream)")
         if not self.mrope_section:
             raise ConfigError("model.mrope_section: got [] with a vision tower (model.vision.depth="
                               f"{self.vision.depth}); expected three sizes (time, row, column)")
         for name in ("dropout", "token_dropout"):
             if getattr(self, name):
-                raise ConfigError(f"model.{name}: got {getattr(self, name)} with a vision tower; expected 0 "
-                                  "(a vision-language model trains without dropout here)")
+                raise ConfigError(f"model.{name}: got {getattr(self, name)} with a vision tower; "
+                                  "expected 0 (a vision-language model trains without dropout "
+                                  "here)")
         if len(self.vision.deepstack_visual_indexes) > self.n_layers:
             raise ConfigError(
-                f"model.vision.deepstack_visual_indexes: got {len(self.vision.deepstack_visual_indexes)}, "
-                f"expected at most model.n_layers={self.n_layers} (one decoder layer each)")
+                "model.vision.deepstack_visual_indexes: got "
+                f"{len(self.vision.deepstack_visual_indexes)}, expected at most "
+                f"model.n_layers={self.n_layers} (one decoder layer each)")

@@ -27,7 +27,8 @@ gpt_oss     GptOssForCausalLM       biases on q, k, v and o; attention sinks; sl
                                     and the clamped, interleaved SwiGLU; MXFP4 experts dequantized on import
 ==========  ======================  ========================================================================
 
-The tensor names and layouts are :mod:`seqjax.hf.tensors`.
+The tensor names and layouts are :mod:`seqjax.hf.tensors`; the RoPE sections' readers
+:mod:`seqjax.hf.rope`.
 
 Every ``config.json`` field that changes what the model computes is read, or
 refused naming the field and its value: another architecture, another
@@ -46,10 +47,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from seqjax.config.model import ExpertsConfig, ModelConfig, RopeScalingConfig
+from seqjax.config.experts import ExpertsConfig
+from seqjax.config.model import ModelConfig
 from seqjax.core.errors import CheckpointError, ConfigError
+from seqjax.hf.rope import one_rope, refuse, rope_per_layer_type
 
-ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 # Old checkpoints saved RoPE's frequency table as a buffer; seqjax recomputes it.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 # Fields whose value changes what any family computes, and the one value seqjax computes.
@@ -63,97 +65,8 @@ _NO_ATTENTION_BIAS = {"attention_bias": ((False, None), "false")}
 _KINDS = {"sliding_attention": "sliding", "full_attention": "full"}
 
 
-def _refuse(source: str, field: str, value: Any, expected: str) -> CheckpointError:
-    return CheckpointError(
-        f"{source}: {field}: got {value!r}, expected {expected}; seqjax cannot compute it")
-
-
 # ---------------------------------------------------------------------------
 # Readers a row names: config.json -> model.* settings
-
-
-def _scaling(params: dict[str, Any] | None, field: str,
-             source: str) -> tuple[float | None, RopeScalingConfig]:
-    """(rope_theta if the section names one, scaling) of one RoPE section (rope_scaling /
-    rope_parameters[...])."""
-    if params and not isinstance(params, dict):
-        raise _refuse(source, field, params, "a mapping with rope_type and its factors")
-    theta = (params or {}).get("rope_theta")
-    if not params:
-        return theta, RopeScalingConfig()
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise _refuse(source, f"{field}.rope_type", kind, f"one of {', '.join(ROPE_TYPES)}")
-    if ROPE_TYPES[kind] == "none":
-        return theta, RopeScalingConfig()
-    if "factor" not in params:
-        raise CheckpointError(f"{source}: {field}: {kind} scaling without a factor")
-    if kind == "linear":
-        return theta, RopeScalingConfig(type="linear", factor=float(params["factor"]))
-    defaults = RopeScalingConfig()
-    if kind == "yarn":
-        for key in ("mscale", "mscale_all_dim"):  # (DeepSeek's variant of the attention factor)
-            if params.get(key):
-                raise _refuse(source, f"{field}.{key}", params[key], "null (YaRN's own attention factor)")
-        factor = params.get("attention_factor")
-        return theta, RopeScalingConfig(
-            type="yarn", factor=float(params["factor"]),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings",
-                                                            defaults.original_max_position_embeddings)),
-            beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-            truncate=bool(params.get("truncate", True)), attention_factor=None if factor is None else float(factor))
-    return theta, RopeScalingConfig(
-        type="llama3",
-        factor=float(params["factor"]),
-        low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
-        high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", defaults.original_max_position_embeddings)),
-    )
-
-
-def _legacy_scaling(hf: dict[str, Any], source: str) -> None:
-    """A ``rope_scaling`` beside transformers 5's ``rope_parameters`` is read by neither: a string (``"linear"``)
-    or one that says other than the parameters is one line, never a model computed without it."""
-    legacy, params = hf.get("rope_scaling"), hf.get("rope_parameters")
-    if legacy is None:
-        return
-    if not isinstance(legacy, dict):
-        raise _refuse(source, "rope_scaling", legacy, "a mapping with rope_type (or type) and factor, or null")
-    if params is not None and legacy.get("rope_type", legacy.get("type", "default")) != "default" and \
-            _scaling(legacy, "rope_scaling", source)[1] != _scaling(params, "rope_parameters", source)[1]:
-        raise _refuse(source, "rope_scaling", legacy, "null, or the scaling rope_parameters gives")
-
-
-def one_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """rope_theta and rope_scaling, from transformers 4's rope_theta + rope_scaling or 5's
-    rope_parameters."""
-    _legacy_scaling(hf, source)
-    params = hf.get("rope_parameters")
-    field = "rope_parameters" if params is not None else "rope_scaling"
-    theta, scaling = _scaling(params if params is not None else hf.get("rope_scaling"), field, source)
-    return {"rope_theta": float(theta or hf.get("rope_theta") or 10000.0), "rope_scaling": scaling}
-
-
-def rope_per_layer_type(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """Gemma 3: the full layers' rope_theta and rope_scaling, and the sliding layers' own base
-    (rope_local_theta), from 4's rope_scaling + rope_local_base_freq or 5's rope_parameters per
-    layer type."""
-    if not isinstance(hf.get("rope_scaling") or {}, dict):
-        raise _refuse(source, "rope_scaling", hf["rope_scaling"], "a mapping with rope_type and factor, or null")
-    params = hf.get("rope_parameters")
-    if params and "full_attention" in params:
-        full_theta, scaling = _scaling(params.get("full_attention"),
-                                       "rope_parameters.full_attention", source)
-        local_theta, local = _scaling(params.get("sliding_attention"),
-                                      "rope_parameters.sliding_attention", source)
-    else:
-        full_theta, scaling = _scaling(hf.get("rope_scaling"), "rope_scaling", source)
-        local_theta, local = hf.get("rope_local_base_freq"), RopeScalingConfig()
-    if local.type != "none":
-        raise _refuse(source, "rope_parameters.sliding_attention.rope_type", local.type, "default")
-    return {"rope_theta": float(full_theta or hf.get("rope_theta") or 1e6), "rope_scaling": scaling,
-            "rope_local_theta": float(local_theta or 1e4)}
 
 
 def no_windows(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
@@ -194,7 +107,7 @@ def gemma_windows(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, A
 def _typed_windows(hf: dict[str, Any], types: list, source: str) -> dict[str, Any]:
     unknown = [t for t in types if t not in _KINDS]
     if unknown:
-        raise _refuse(source, "layer_types", unknown[0], "sliding_attention or full_attention")
+        raise refuse(source, "layer_types", unknown[0], "sliding_attention or full_attention")
     return {"sliding_window": int(hf["sliding_window"]), "layer_types": [_KINDS[t] for t in types]}
 
 
@@ -206,15 +119,15 @@ def activation(field: str, value: str, ours: str, *fallbacks:
     def read(hf: dict[str, Any], source: str) -> str:
         name = next((f for f in (field, *fallbacks) if f in hf), field)
         if hf.get(name, value) != value:
-            raise _refuse(source, name, hf[name], repr(value))
+            raise refuse(source, name, hf[name], repr(value))
         return ours
 
     read.field, read.value = field, value
     return read
 
 
-# Fields of MoE checkpoints seqjax does not compute: shared experts, DeepSeek's latent attention (MLA) and
-# group-limited routing, a router other than a softmax, router noise.
+# Fields of MoE checkpoints seqjax does not compute: shared experts, DeepSeek's latent attention
+# (MLA) and group-limited routing, a router other than a softmax, router noise.
 _MOE_MUST_BE = {
     "shared_expert_intermediate_size": ((None, 0), "null or 0 (no shared expert)"),
     "n_shared_experts": ((None, 0), "null or 0 (no shared experts)"),
@@ -228,13 +141,14 @@ _MOE_MUST_BE = {
 
 
 def _aux_coef(hf: dict[str, Any]) -> float:
-    """transformers adds router_aux_loss_coef times the load-balancing loss only under output_router_logits."""
+    """transformers adds router_aux_loss_coef times the load-balancing loss only under
+    output_router_logits."""
     return float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
 
 
 def qwen3_moe_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
-    """Qwen3-MoE: experts on every layer but mlp_only_layers and those off decoder_sparse_step; the gated MLP's
-    intermediate_size there."""
+    """Qwen3-MoE: experts on every layer but mlp_only_layers and those off decoder_sparse_step;
+    the gated MLP's intermediate_size there."""
     step = int(hf.get("decoder_sparse_step", 1) or 1)
     dense = sorted({int(i) for i in hf.get("mlp_only_layers") or []} |
                    {i for i in range(n_layers) if (i + 1) % step})
@@ -253,7 +167,8 @@ def mixtral_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str,
 
 
 def gpt_oss_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
-    """gpt-oss: experts with biases, the top k of the logits then a softmax over them, the clamped SwiGLU."""
+    """gpt-oss: experts with biases, the top k of the logits then a softmax over them, the
+    clamped SwiGLU."""
     return {"experts": ExpertsConfig(
         count=_integer(hf, "num_local_experts", source), top_k=_integer(hf, "num_experts_per_tok", source),
         d_ff=_integer(hf, "intermediate_size", source), router="topk_softmax", norm_topk_prob=False, bias=True,
@@ -333,9 +248,10 @@ def _mistral_can_export(cfg: ModelConfig) -> None:
 
 @dataclass(frozen=True)
 class ExpertTensors:
-    """How a family names its expert tensors in a checkpoint (seqjax.hf.tensors.expert_groups): the router's
-    module, and either one tensor per expert (``gate``, ``up``, ``down``: patterns of the expert's number) or
-    ``fused``, the module holding [E, D, 2F] gate_up_proj (gate and up interleaved) and [E, F, D] down_proj."""
+    """How a family names its expert tensors in a checkpoint (seqjax.hf.tensors.expert_groups):
+    the router's module, and either one tensor per expert (``gate``, ``up``, ``down``: patterns
+    of the expert's number) or ``fused``, the module holding [E, D, 2F] gate_up_proj (gate and up
+    interleaved) and [E, F, D] down_proj."""
 
     router: str
     gate: str = ""
@@ -422,11 +338,11 @@ def family_of(hf: dict[str, Any], source: str) -> Family:
     architectures = hf.get("architectures") or [by_type.get(hf.get("model_type"), ARCHITECTURE)]
     if not isinstance(architectures,
                       list) or len(architectures) != 1 or architectures[0] not in FAMILY_OF:
-        raise _refuse(source, "architectures", architectures,
+        raise refuse(source, "architectures", architectures,
                       f"one of {', '.join(map(repr, FAMILY_OF))}")
     row = FAMILIES[FAMILY_OF[architectures[0]]]
     if hf.get("model_type", row.model_type) != row.model_type:
-        raise _refuse(source, "model_type", hf.get("model_type"), repr(row.model_type))
+        raise refuse(source, "model_type", hf.get("model_type"), repr(row.model_type))
     return row
 
 
@@ -453,9 +369,9 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
                 value.get("quant_method") in row.quantizations:
             continue  # (weights dequantized on import: seqjax.hf.mxfp4)
         if value not in allowed:
-            raise _refuse(source, field_name, value, expected)
+            raise refuse(source, field_name, value, expected)
     if float(hf.get("attention_dropout") or 0.0) != 0.0:
-        raise _refuse(source, "attention_dropout", hf["attention_dropout"],
+        raise refuse(source, "attention_dropout", hf["attention_dropout"],
                       "0.0 (seqjax has no attention dropout)")
     n_layers = _integer(hf, "num_hidden_layers", source)
     n_heads = _integer(hf, "num_attention_heads", source)

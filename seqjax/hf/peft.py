@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from seqjax.config.model import LORA_TARGETS, PEFT_SAVED, LoraConfig, ModelConfig
+from seqjax.config.model import PEFT_SAVED, LoraConfig, ModelConfig
 from seqjax.core.errors import CheckpointError
 from seqjax.hf.vision import PREFIX, tower_tensors
-from seqjax.model.assembly import ADAPTED
+from seqjax.model.assembly import ADAPTED, layer_targets
 from seqjax.model.stacking import blocks_layout
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -54,6 +54,10 @@ HF_MODULES = {
     "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"
 }
 MODULES = {target: (HF_MODULES[target], *ADAPTED[target]) for target in HF_MODULES}
+# a mixture of experts' experts: seqjax target -> PEFT's target_parameters entry (a fused [E, ...]
+# tensor of the layer's mlp.experts module)
+EXPERT_PARAMETERS = {"experts_gate_up": "mlp.experts.gate_up_proj", "experts_down": "mlp.experts.down_proj"}
+DENSE_TARGETS = tuple(HF_MODULES)
 TARGET_OF = {hf.rsplit(".", 1)[1]: target for target, (hf, _, _) in MODULES.items()}
 # adapter_config.json fields that say nothing about what the adapter computes.
 BOOKKEEPING = ("task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
@@ -64,7 +68,7 @@ _MUST_BE = {"peft_type": "LORA", "bias": "none", "fan_in_fan_out": False}
 # init_lora_weights values that start from the base as saved (the others rewrite the base weights).
 _PLAIN_INITS = (True, False, "gaussian")
 _READ = ("r", "lora_alpha", "target_modules", "exclude_modules", "use_rslora", "use_dora",
-         "modules_to_save", "ensure_weight_tying", "init_lora_weights")
+         "modules_to_save", "ensure_weight_tying", "init_lora_weights", "target_parameters")
 
 
 def text_root(cfg: ModelConfig) -> str:
@@ -75,6 +79,13 @@ def text_root(cfg: ModelConfig) -> str:
 
 def _name(layer: int, target: str, which: str, cfg: ModelConfig) -> str:
     suffix = "lora_magnitude_vector" if which == "m" else f"lora_{which}.weight"
+    if target in EXPERT_PARAMETERS:
+        # PEFT wraps each targeted parameter of one module around the last, in the module's own
+        # order (its gate_up_proj, then its down_proj): the first is innermost
+        order = [t for t in EXPERT_PARAMETERS if t in cfg.lora.targets]
+        module = EXPERT_PARAMETERS[target].rsplit(".", 1)[0]
+        return (f"base_model.model.{text_root(cfg)}.layers.{layer}.{module}."
+                f"{'base_layer.' * (len(order) - 1 - order.index(target))}{suffix}")
     return f"base_model.model.{text_root(cfg)}.layers.{layer}.{MODULES[target][0]}.{suffix}"
 
 
@@ -89,7 +100,7 @@ def target_modules(cfg: ModelConfig) -> str | list[str]:
     """``target_modules`` for ``cfg.lora``'s targets: their module names, or on a VL base a regular
     expression of the language model's layers (Qwen2.5-VL's tower has gate_proj, up_proj and
     down_proj too, which the names would select; LLaMA-Factory writes such a pattern too)."""
-    names = sorted(MODULES[t][0].rsplit(".", 1)[1] for t in cfg.lora.targets)
+    names = sorted(MODULES[t][0].rsplit(".", 1)[1] for t in cfg.lora.targets if t in MODULES)
     if not cfg.vision.depth:
         return names
     return rf"{re.escape(text_root(cfg))}\.layers\.\d+\.(self_attn|mlp)\.({'|'.join(names)})"
@@ -103,6 +114,7 @@ def adapter_config(cfg: ModelConfig, base: str | None) -> dict[str, Any]:
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
         "target_modules": target_modules(cfg),
+        "target_parameters": [EXPERT_PARAMETERS[t] for t in EXPERT_PARAMETERS if t in lora.targets] or None,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": lora.rslora, "use_dora": lora.dora,
         "modules_to_save": saved or None, "ensure_weight_tying": bool(tied and saved),
         "init_lora_weights": "gaussian" if lora.init == "gaussian" else True,
@@ -145,11 +157,13 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
         raise CheckpointError(
             f"{source}: target_modules: got null, expected the modules that hold adapters")
     root = text_root(cfg)
-    linear = [f"{root}.layers.{i}.{HF_MODULES[t]}" for i in range(cfg.n_layers) for t in LORA_TARGETS]
+    linear = [f"{root}.layers.{i}.{HF_MODULES[t]}" for i in range(cfg.n_layers) for t in DENSE_TARGETS
+              if HF_MODULES[t].startswith("self_attn") or cfg.mlp_of(i) == "gated"]
     others = ["lm_head", f"{root}.embed_tokens", *tower_modules(cfg)]
     if targets == "all-linear" and cfg.vision.depth:
-        raise CheckpointError(f"{source}: target_modules: got all-linear on a vision-language base, which selects the "
-                              "vision tower's layers too; seqjax adapts the language model's projections only")
+        raise CheckpointError(f"{source}: target_modules: got all-linear on a vision-language "
+                              "base, which selects the vision tower's layers too; seqjax adapts "
+                              "the language model's projections only")
     if targets == "all-linear":  # PEFT: every linear layer but the output layer
         chosen = list(linear)
     else:
@@ -157,21 +171,46 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
     chosen = [m for m in chosen if not _matches(excluded, m)]
     other = [m for m in chosen if m in others]
     if other:
-        raise CheckpointError(f"{source}: target_modules: selects {other[0]}; seqjax puts adapters on the "
-                              "language model's seven projections (q, k, v, o, gate, up, down) only")
-    if not chosen:
+        raise CheckpointError(f"{source}: target_modules: selects {other[0]}; seqjax puts adapters "
+                              "on the language model's seven projections (q, k, v, o, gate, up, "
+                              "down) only")
+    parameters = _expert_targets(config, cfg, source)
+    if not chosen and not parameters:
         raise CheckpointError(f"{source}: target_modules: got {targets!r}, which selects none of "
                               f"the projections {sorted(TARGET_OF)} of a {cfg.n_layers}-layer base")
     found = []
-    for target in LORA_TARGETS:
-        layers = [i for i in range(cfg.n_layers) if f"{root}.layers.{i}.{HF_MODULES[target]}" in chosen]
-        if layers and len(layers) < cfg.n_layers:
+    for target in DENSE_TARGETS:
+        holders = [i for i in range(cfg.n_layers)
+                   if HF_MODULES[target].startswith("self_attn") or cfg.mlp_of(i) == "gated"]
+        layers = [i for i in holders if f"{root}.layers.{i}.{HF_MODULES[target]}" in chosen]
+        if layers and len(layers) < len(holders):
             raise CheckpointError(
                 f"{source}: target_modules: selects {HF_MODULES[target]} in layers {layers} of "
                 f"{cfg.n_layers}; seqjax puts an adapter on a projection in every layer or in none")
         if layers:
             found.append(target)
-    return found
+    return found + parameters
+
+
+def _expert_targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]:
+    """PEFT's target_parameters as seqjax's expert targets; a parameter other than an expert
+    layer's gate_up_proj or down_proj is one line."""
+    listed = config.get("target_parameters") or []
+    if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+        raise CheckpointError(f"{source}: target_parameters: got {listed!r}, expected a list of "
+                              "parameter names")
+    out = []
+    for name in listed:
+        target = next((t for t, p in EXPERT_PARAMETERS.items() if name == p or name.endswith("." + p)), None)
+        if target is None or not cfg.experts.enabled:
+            raise CheckpointError(f"{source}: target_parameters: got {name!r}; seqjax adapts a "
+                                  f"mixture of experts' {' and '.join(EXPERT_PARAMETERS.values())} "
+                                  "and no other parameter")
+        out.append(target)
+    # (in the experts modules' own order, gate_up_proj registered before down_proj: peft wraps the
+    # parameters of one module in that order, the first innermost, whatever order its config lists
+    # them in)
+    return [t for t in EXPERT_PARAMETERS if t in out]
 
 
 def tower_modules(cfg: ModelConfig) -> list[str]:
@@ -201,8 +240,8 @@ def _saved(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]:
         if not config.get("ensure_weight_tying"):
             raise CheckpointError(
                 f"{source}: modules_to_save: got {names!r} on a base with tied embeddings and "
-                "ensure_weight_tying false, where PEFT trains one of the two alone; seqjax keeps them "
-                "tied (ensure_weight_tying: true)")
+                "ensure_weight_tying false, where PEFT trains one of the two alone; seqjax keeps "
+                "them tied (ensure_weight_tying: true)")
         saved = ["embed"]
     return saved
 
@@ -211,12 +250,13 @@ def lora_from_adapter_config(config: Any, source: str, cfg: ModelConfig) -> Lora
     """``model.lora`` of a PEFT ``adapter_config.json`` for a base of ``cfg``'s shape, or a
     CheckpointError naming the field it cannot compute."""
     if not isinstance(config, dict):
-        raise CheckpointError(f"{source}: got a JSON {type(config).__name__}, expected an object of "
-                              "PEFT's LoraConfig fields")
+        raise CheckpointError(f"{source}: got a JSON {type(config).__name__}, expected an object "
+                              "of PEFT's LoraConfig fields")
     for field, value in _MUST_BE.items():
         if field in config and config[field] != value:
             raise CheckpointError(
-                f"{source}: {field}: got {config[field]!r}, expected {value!r}; seqjax cannot compute it"
+                f"{source}: {field}: got {config[field]!r}, expected {value!r}; seqjax cannot "
+                "compute it"
             )
     if config.get("peft_type") is None:
         raise CheckpointError(f"{source}: peft_type: missing, expected 'LORA'")
@@ -229,18 +269,21 @@ def lora_from_adapter_config(config: Any, source: str, cfg: ModelConfig) -> Lora
     init = config.get("init_lora_weights", True)
     if init not in _PLAIN_INITS:
         raise CheckpointError(
-            f"{source}: init_lora_weights: got {init!r}, an initialisation that rewrites the base's "
-            "weights; seqjax reads adapters on the base as saved (expected true, false or 'gaussian')")
+            f"{source}: init_lora_weights: got {init!r}, an initialisation that rewrites the "
+            "base's weights; seqjax reads adapters on the base as saved (expected true, false or "
+            "'gaussian')")
     rank, alpha = config.get("r"), config.get("lora_alpha", 8)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise CheckpointError(f"{source}: r: got {rank!r}, expected a positive integer rank")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
-        raise CheckpointError(f"{source}: lora_alpha: got {alpha!r}, expected a non-negative number")
+        raise CheckpointError(f"{source}: lora_alpha: got {alpha!r}, expected a non-negative "
+                              "number")
     flags = {}
     for field in ("use_rslora", "use_dora", "ensure_weight_tying"):
         flags[field] = config.get(field) or False
         if not isinstance(flags[field], bool):
-            raise CheckpointError(f"{source}: {field}: got {config[field]!r}, expected true or false")
+            raise CheckpointError(f"{source}: {field}: got {config[field]!r}, expected true or "
+                                  "false")
     dropout = config.get("lora_dropout") or 0.0
     if not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise CheckpointError(f"{source}: lora_dropout: got {dropout!r}, expected a rate in [0, 1)")
@@ -257,7 +300,13 @@ def to_peft(trained: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
     blocks = trained["blocks"]
     out = {}
     for i in range(cfg.n_layers):
-        for target in cfg.lora.targets:
+        for target in layer_targets(cfg, i):
+            if target in EXPERT_PARAMETERS:
+                adapter = blocks[i]["mlp"]["experts"]["lora"]
+                a, b = _expert_to_peft(np.asarray(adapter[f"{target}_a"]), np.asarray(adapter[f"{target}_b"]),
+                                       target, cfg)
+                out[_name(i, target, "A", cfg)], out[_name(i, target, "B", cfg)] = a, b
+                continue
             module = blocks[i][MODULES[target][1]]["lora"][target]
             out[_name(i, target, "A", cfg)] = np.ascontiguousarray(np.asarray(module["lora_a"]).T)
             out[_name(i, target, "B", cfg)] = np.ascontiguousarray(np.asarray(module["lora_b"]).T)
@@ -272,6 +321,36 @@ def to_peft(trained: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
+def _interleaved(cfg: ModelConfig, target: str) -> bool:
+    """gpt-oss keeps gate and up interleaved in its fused gate_up_proj (column 2j gate j, 2j + 1
+    up j)."""
+    return target == "experts_gate_up" and cfg.experts.activation == "clamped_swiglu"
+
+
+def _expert_to_peft(a: np.ndarray, b: np.ndarray, target: str, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """seqjax's stacked factors (a [E, in, r], b [E, r, out], gate's columns then up's) -> PEFT's
+    lora_A [E r, in] (rows expert by expert) and lora_B [out, r E] (column i E + e: expert e's
+    rank i), as its ParamWrapper reshapes them."""
+    e, _, r = a.shape
+    if _interleaved(cfg, target):
+        f = b.shape[-1] // 2
+        b = np.stack([b[..., :f], b[..., f:]], axis=-1).reshape(e, r, 2 * f)
+    lora_a = np.transpose(a, (0, 2, 1)).reshape(e * r, -1)
+    lora_b = np.transpose(b, (2, 1, 0)).reshape(b.shape[-1], r * e)
+    return np.ascontiguousarray(lora_a), np.ascontiguousarray(lora_b)
+
+
+def _expert_from_peft(lora_a: np.ndarray, lora_b: np.ndarray, target: str, cfg: ModelConfig):
+    """PEFT's lora_A, lora_B of a fused expert tensor -> seqjax's stacked (a, b)
+    (:func:`_expert_to_peft`)."""
+    e, r = cfg.experts.count, cfg.lora.rank
+    a = np.transpose(lora_a.reshape(e, r, -1), (0, 2, 1))
+    b = np.transpose(lora_b.reshape(lora_b.shape[0], r, e), (2, 1, 0))
+    if _interleaved(cfg, target):
+        b = np.concatenate([b[..., 0::2], b[..., 1::2]], axis=-1)
+    return a.astype(np.float32), b.astype(np.float32)
+
+
 def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each tensor an adapter of ``cfg.lora`` on a base of ``cfg`` holds, and its shape."""
     lora, shapes = cfg.lora, {}
@@ -282,9 +361,15 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "o": (cfg.n_heads * cfg.head_dim, cfg.d_model), "gate": (cfg.d_model, cfg.d_ff),
         "up": (cfg.d_model, cfg.d_ff), "down": (cfg.d_ff, cfg.d_model)
     }
+    f = cfg.experts.d_ff or cfg.d_ff
+    widths |= {"experts_gate_up": (cfg.d_model, 2 * f), "experts_down": (f, cfg.d_model)}
     for i in range(cfg.n_layers):
-        for target in lora.targets:
+        for target in layer_targets(cfg, i):
             n_in, n_out = widths[target]
+            if target in EXPERT_PARAMETERS:
+                n = lora.rank * cfg.experts.count
+                shapes[_name(i, target, "A", cfg)], shapes[_name(i, target, "B", cfg)] = (n, n_in), (n_out, n)
+                continue
             shapes[_name(i, target, "A", cfg)] = (lora.rank, n_in)
             shapes[_name(i, target, "B", cfg)] = (n_out, lora.rank)
             if lora.dora:
@@ -303,17 +388,25 @@ def from_peft(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> 
     extra, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
     if extra or missing:
         what = f"tensor {missing[0]} is missing" if missing else f"holds {extra[0]}, which this model has no place for"
-        raise CheckpointError(f"{source}: {what} (rank {cfg.lora.rank}, targets {cfg.lora.targets}, "
-                              f"dora {cfg.lora.dora}, modules_to_save {cfg.lora.modules_to_save})")
+        raise CheckpointError(f"{source}: {what} (rank {cfg.lora.rank}, targets "
+                              f"{cfg.lora.targets}, dora {cfg.lora.dora}, modules_to_save "
+                              f"{cfg.lora.modules_to_save})")
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise CheckpointError(
-                f"{source}: {name} has shape {list(tensors[name].shape)}, expected {list(shape)} for a base "
-                f"of d_model {cfg.d_model}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size} at rank {cfg.lora.rank}: "
-                "an adapter of another base or rank")
+                f"{source}: {name} has shape {list(tensors[name].shape)}, expected {list(shape)} "
+                f"for a base of d_model {cfg.d_model}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size} at "
+                f"rank {cfg.lora.rank}: an adapter of another base or rank")
     blocks: dict[int, Any] = {}
     for i in range(cfg.n_layers):
-        for target in cfg.lora.targets:
+        for target in layer_targets(cfg, i):
+            if target in EXPERT_PARAMETERS:
+                adapter = blocks.setdefault(i, {}).setdefault("mlp", {}).setdefault("experts", {}).setdefault(
+                    "lora", {})
+                adapter[f"{target}_a"], adapter[f"{target}_b"] = _expert_from_peft(
+                    np.asarray(tensors[_name(i, target, "A", cfg)], np.float32),
+                    np.asarray(tensors[_name(i, target, "B", cfg)], np.float32), target, cfg)
+                continue
             module = blocks.setdefault(i, {}).setdefault(MODULES[target][1], {}).setdefault("lora", {})
             module[target] = {"lora_a": np.asarray(tensors[_name(i, target, "A", cfg)], np.float32).T,
                               "lora_b": np.asarray(tensors[_name(i, target, "B", cfg)], np.float32).T}

@@ -46,8 +46,8 @@ Converter = Callable[[np.ndarray], np.ndarray]
 
 
 def block_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[str, ...], Converter, Converter]]:
-    """(HF name suffix, seqjax path in the block, seqjax -> HF, HF -> seqjax) for block ``layer``'s tensors
-    that map one to one (a layer with experts adds :func:`expert_groups`)."""
+    """(HF name suffix, seqjax path in the block, seqjax -> HF, HF -> seqjax) for block
+    ``layer``'s tensors that map one to one (a layer with experts adds :func:`expert_groups`)."""
     d, h, k, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
     same = (lambda w: w), (lambda t: t)
     linear = (lambda w: w.T), (lambda t: t.T)
@@ -92,16 +92,17 @@ def block_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[str
     return table
 
 
-# A group row: (HF tensors of the block and their shapes, the seqjax paths they make, seqjax values -> HF
-# tensors, HF tensors -> seqjax values), both in the order listed: E per-expert tensors stacked into one
-# array, or one fused tensor split into two.
+# A group row: (HF tensors of the block and their shapes, the seqjax paths they make, seqjax values
+# -> HF tensors, HF tensors -> seqjax values), both in the order listed: E per-expert tensors
+# stacked into one array, or one fused tensor split into two.
 Group = tuple[dict[str, tuple[int, ...]], tuple[tuple[str, ...], ...], Callable, Callable]
 
 
 def expert_groups(cfg: ModelConfig, layer: int) -> list[Group]:
     """Block ``layer``'s expert tensors (none for a gated layer), as its family's row names them
-    (:class:`seqjax.hf.families.ExpertTensors`): per-expert [F, D] projections stacked into [E, D, F] (Qwen3-MoE,
-    Mixtral), or gpt-oss's fused [E, D, 2F] gate_up_proj, its gate and up columns interleaved, split in two."""
+    (:class:`seqjax.hf.families.ExpertTensors`): per-expert [F, D] projections stacked into [E,
+    D, F] (Qwen3-MoE, Mixtral), or gpt-oss's fused [E, D, 2F] gate_up_proj, its gate and up
+    columns interleaved, split in two."""
     if cfg.mlp_of(layer) != "experts":
         return []
     names = FAMILIES[cfg.family].experts
@@ -217,8 +218,8 @@ def from_hf(read: Callable[[str], np.ndarray], names: Iterable[str], cfg: ModelC
     unexpected = sorted(names - set(expected) - ignored)
     if unexpected:
         raise CheckpointError(
-            f"{source}: holds tensors a {FAMILIES[cfg.family].architecture} with this config.json has no place for: "
-            f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+            f"{source}: holds tensors a {FAMILIES[cfg.family].architecture} with this config.json "
+            f"has no place for: {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
     missing = sorted(set(expected) - names)
     if missing:
         raise CheckpointError(
@@ -228,7 +229,8 @@ def from_hf(read: Callable[[str], np.ndarray], names: Iterable[str], cfg: ModelC
         tensor = read(name)
         if tuple(tensor.shape) != expected[name]:
             raise CheckpointError(
-                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected {expected[name]} from config.json"
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected "
+                f"{expected[name]} from config.json"
             )
         return np.asarray(tensor).astype(dtype)
 

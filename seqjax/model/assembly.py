@@ -35,6 +35,38 @@ ADAPTED = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": (
            "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down")}
 
 
+def module_of(target: str) -> str:
+    return "mlp" if target.startswith("experts_") else ADAPTED[target][0]
+
+
+def layer_targets(cfg: ModelConfig, layer: int) -> list[str]:
+    """The model.lora targets layer ``layer`` holds: the attention's always, the gated MLP's
+    where the layer has it, the experts' where it has experts."""
+    kind = cfg.mlp_of(layer)
+    return [t for t in cfg.lora.targets if (t.startswith("experts_") and kind == "experts") or (
+        not t.startswith("experts_") and (ADAPTED[t][0] == "attn" or kind == "gated"))]
+
+
+def fold_experts(experts: dict[str, Any], adapters: dict[str, Any], scale: float) -> dict[str, Any]:
+    """A layer's experts (w_gate, w_up [E, D, F], w_down [E, F, D]) with their adapters folded
+    in, in float64, stored in each weight's dtype (seqjax.model.lora.ExpertAdapters: gate_up's B
+    holds gate's F columns, then up's)."""
+    out = dict(experts)
+
+    def delta(target):
+        a, b = (np.asarray(adapters[f"{target}_{s}"], np.float64) for s in ("a", "b"))
+        return scale * np.einsum("eir,ero->eio", a, b)
+
+    if "experts_gate_up_a" in adapters:
+        d, f = delta("experts_gate_up"), np.shape(experts["w_gate"])[-1]
+        for name, part in (("w_gate", d[..., :f]), ("w_up", d[..., f:])):
+            out[name] = (np.asarray(experts[name], np.float64) + part).astype(np.asarray(experts[name]).dtype)
+    if "experts_down_a" in adapters:
+        w = np.asarray(experts["w_down"])
+        out["w_down"] = (w.astype(np.float64) + delta("experts_down")).astype(w.dtype)
+    return out
+
+
 def stored_base(base: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     """The frozen base as a run keeps it: as given, or with its projections quantized (QLoRA), in
     the blocks' layout of ``model.scan_layers``."""
@@ -57,7 +89,13 @@ def fold(base: dict[str, Any], adapters: dict[str, Any], cfg: ModelConfig) -> di
     out = {**base, **{k: v for k, v in adapters.items() if k != "blocks"}, "blocks": {}}
     for i in range(cfg.n_layers):
         block = {k: dict(v) if isinstance(v, dict) else v for k, v in base["blocks"][i].items()}
-        for target in cfg.lora.targets:
+        if cfg.mlp_of(i) == "experts" and "lora" in blocks[i]["mlp"]["experts"]:
+            block["mlp"] = {**block["mlp"], "experts": fold_experts(block["mlp"]["experts"],
+                                                                    blocks[i]["mlp"]["experts"]["lora"],
+                                                                    cfg.lora.scale)}
+        for target in layer_targets(cfg, i):
+            if target.startswith("experts_"):
+                continue
             module, weight = ADAPTED[target]
             lora = blocks[i][module]["lora"][target]
             w = np.asarray(block[module][weight])
@@ -85,6 +123,8 @@ def dora_magnitudes(trained: dict[str, Any], frozen: dict[str, Any],
     def set_block(block: dict, base_block: dict, fn) -> dict:
         block = jax.tree.map(lambda x: x, block)  # a new tree: the caller's stays as it was
         for target in cfg.lora.targets:
+            if module_of(target) not in block or "lora" not in block[module_of(target)]:
+                continue  # (a layer with experts in place of the gated MLP)
             module, weight = ADAPTED[target]
             lora = block[module]["lora"][target]
             m = fn(base_block[module][weight], lora["lora_a"], lora["lora_b"])

@@ -175,8 +175,8 @@ def attention(
     """
     check_attention_inputs(q, k, v, segment_ids)
     if sinks is not None and (isinstance(metadata, SplitRow) or not causal):
-        raise ConfigError("model.attention_sinks: a row split over mesh.context or non-causal attention cannot "
-                          "take attention sinks; expected mesh.context=1")
+        raise ConfigError("model.attention_sinks: a row split over mesh.context or non-causal "
+                          "attention cannot take attention sinks; expected mesh.context=1")
     if isinstance(metadata, SplitRow):  # a row split over mesh.context (seqjax.model.context)
         return split_row_attention(q, k, v, segment_ids, metadata, scale, window, prefix_ids, positions)
     if not causal:
@@ -186,19 +186,27 @@ def attention(
                               prefix_ids, positions, sinks)
     if dropout_key is not None and dropout_rate:
         if backend not in ("xla", "auto"):
-            raise ValueError(f"attention dropout needs model.attention=xla (or auto), got {backend!r}")
+            raise ValueError("attention dropout needs model.attention=xla (or auto), got "
+                             f"{backend!r}")
         return reference_attention(q, k, v, segment_ids, scale=scale, dropout_rate=dropout_rate,
                                    dropout_key=dropout_key, window=window, sinks=sinks)
     name = resolve_backend(backend, q.dtype, windows=window is not None)
     if sinks is not None and name not in SINKS:
         if backend != "auto":
-            raise ConfigError(f"model.attention: got {backend!r}, which cannot take attention sinks "
-                              f"(model.attention_sinks); expected one of {', '.join(SINKS)} or auto")
+            raise ConfigError(f"model.attention: got {backend!r}, which cannot take attention "
+                              f"sinks (model.attention_sinks); expected one of {', '.join(SINKS)} "
+                              "or auto")
         name = "xla"
     if name not in _KERNELS:
         if sinks is not None:
             return reference_attention(q, k, v, segment_ids, scale=scale, window=window, sinks=sinks)
         return _implementation(name)(q, k, v, segment_ids, scale=scale, window=window)
+    return _run_kernel(name, q, k, v, segment_ids, scale, metadata, window, prefix_ids, sinks)
+
+
+def _run_kernel(name, q, k, v, segment_ids, scale, metadata, window, prefix_ids, sinks) -> jax.Array:
+    """A Pallas kernel's attention, its sinks applied through its log-sum-exp, under the devices'
+    row and head split where the arrays have one (shard_map)."""
     kernel = _load_kernel(name)
     extra, static = _kernel_arguments(name, metadata, window, prefix_ids)
     if sinks is not None:
@@ -221,15 +229,16 @@ def attention(
                          out_specs=per_head, check_vma=False)(q, k, v, segment_ids, extra)
 
 
-# The backends that take attention sinks (gpt-oss): the dense softmax, and the flash kernel through its
-# log-sum-exp.
+# The backends that take attention sinks (gpt-oss): the dense softmax, and the flash kernel through
+# its log-sum-exp.
 SINKS = ("xla", "pallas")
 
 
 def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array:
-    """Attention ``out`` [B, T, H, D] over the keys alone, given its natural log-sum-exp ``lse`` [B, H, T],
-    rescaled to a softmax that also holds each head's sink logit: exp(lse) / (exp(lse) + exp(sink)) =
-    sigmoid(lse - sink) of the weight stays on the keys. A query with no key (lse near -inf) stays 0."""
+    """Attention ``out`` [B, T, H, D] over the keys alone, given its natural log-sum-exp ``lse``
+    [B, H, T], rescaled to a softmax that also holds each head's sink logit: exp(lse) / (exp(lse)
+    + exp(sink)) = sigmoid(lse - sink) of the weight stays on the keys. A query with no key (lse
+    near -inf) stays 0."""
     share = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32)[None, :, None])
     return (out.astype(jnp.float32) * jnp.transpose(share, (0, 2, 1))[..., None]).astype(out.dtype)
 
@@ -266,7 +275,8 @@ def _shared_prompt(q, k, v, segment_ids, backend: str, scale, dropout_rate, drop
     if backend not in ("xla", "auto"):
         flash = backend == "pallas"
         raise ConfigError(f"model.attention: got {backend!r}, which cannot honour a shared prompt's mask "
-                          "(data.shared_prompt, rl.layout=prompt_once)" + (" with a sliding window or dropout"
+                          "(data.shared_prompt, rl.layout=prompt_once)" + (" with a sliding "
+                                                                           "window or dropout"
                                                                            if flash else "")
                           + "; expected xla or auto" + (", or pallas without those" if flash else ""))
     mask = segment_mask(segment_ids, q_index=positions, kv_index=positions, window=window,
@@ -282,8 +292,9 @@ def _non_causal(q, k, v, segment_ids, backend: str, scale, metadata) -> jax.Arra
     """Each query attends to its whole segment (no window, no dropout): the dense mask, or the flash
     kernel's non-causal form (one call: a tower runs per row)."""
     if backend not in NON_CAUSAL:
-        raise ConfigError(f"model.attention: got {backend!r}, which cannot honour the non-causal mask of a "
-                          f"vision encoder's images; expected one of {', '.join(NON_CAUSAL)}")
+        raise ConfigError(f"model.attention: got {backend!r}, which cannot honour the non-causal "
+                          "mask of a vision encoder's images; expected one of "
+                          f"{', '.join(NON_CAUSAL)}")
     if backend == "xla":
         return masked_attention(q, k, v, segment_mask(segment_ids, causal=False), scale=scale)
     return _load_kernel("pallas")(q, k, v, segment_ids, scale=scale, metadata=metadata, causal=False)
@@ -323,15 +334,17 @@ WINDOWED = ("xla", "cudnn", "pallas", "pallas_mosaic", "splash")  # not cudnn_pa
 # (scripts/bench_attention.py still times it, impls cudnn_packed and cudnn_packed_t, for the next
 # GPU to decide)
 CUDNN_PACKED_REFUSED = (
-    "model.attention: got 'cudnn_packed', refused until a GPU shows it works: on an H200 (2026-11-27) its backward "
-    "asked for 1.02 TiB and its forward ran at a quarter of cuDNN's dense speed, given as many segments a row as "
-    "tokens (8,192); expected pallas, cudnn, xla or auto")
+    "model.attention: got 'cudnn_packed', refused until a GPU shows it works: on an H200 "
+    "(2026-11-27) its backward asked for 1.02 TiB and its forward ran at a quarter of cuDNN's "
+    "dense speed, given as many segments a row as tokens (8,192); expected pallas, cudnn, xla or "
+    "auto")
 
 
 def _check_explicit(backend: str, dtype) -> None:
     """A named backend this platform and dtype can run, or one line saying what is missing."""
     if backend not in BACKENDS:
-        raise ValueError(f"model.attention: got {backend!r}, expected one of auto, {', '.join(BACKENDS)}")
+        raise ValueError(f"model.attention: got {backend!r}, expected one of auto, "
+                         f"{', '.join(BACKENDS)}")
     if backend in ("cudnn", "cudnn_packed") and jax.default_backend() != "gpu":
         raise ConfigError(
             f"model.attention: got {backend!r}, which needs an NVIDIA GPU; this machine's JAX "
@@ -353,8 +366,9 @@ def resolve_backend(backend: str, dtype=jnp.float32, windows: bool = False) -> s
     compute; ``auto`` then picks among them, and another name is refused.
     """
     if windows and backend not in ("auto", *WINDOWED) and backend in BACKENDS:
-        raise ConfigError(f"model.attention: got {backend!r}, which does not compute sliding windows "
-                          f"(model.sliding_window); expected one of auto, {', '.join(WINDOWED)}")
+        raise ConfigError(f"model.attention: got {backend!r}, which does not compute sliding "
+                          "windows (model.sliding_window); expected one of auto, "
+                          f"{', '.join(WINDOWED)}")
     if backend != "auto":
         _check_explicit(backend, dtype)
         if backend == "cudnn_packed":
@@ -456,7 +470,8 @@ def _cudnn_packed_attention(q, k, v, segment_ids, *, scale=None, window=None, ma
     # a GPU, half precision, no window (called directly: as a run's backend it is refused,
     # CUDNN_PACKED_REFUSED)
     if window is not None:
-        raise ConfigError("model.attention: got 'cudnn_packed', which does not compute sliding windows")
+        raise ConfigError("model.attention: got 'cudnn_packed', which does not compute sliding "
+                          "windows")
     _check_explicit("cudnn_packed", q.dtype)
     try:
         # private, and only where this backend runs

@@ -82,7 +82,7 @@ def adapters_off(graphdef: nnx.GraphDef, *states) -> nnx.GraphDef:
     ``model.lora``, with no second copy of any weight."""
     model = nnx.merge(graphdef, *states)
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, Adapters):
+        if isinstance(module, (Adapters, ExpertAdapters)):
             module.active = False
     return nnx.graphdef(model)
 
@@ -164,3 +164,40 @@ class Adapters(nnx.Module):
         if key is None:
             return g * (out + low_rank)
         return out + (g - 1) * (x @ w.reshape(x.shape[-1], -1)) + g * low_rank
+
+
+# model.lora.targets of a mixture of experts' experts (PEFT's target_parameters
+# mlp.experts.gate_up_proj and mlp.experts.down_proj), and the projections each adapts
+EXPERT_TARGETS = ("experts_gate_up", "experts_down")
+
+
+class ExpertAdapters(nnx.Module):
+    """``model.lora``'s adapters of a layer's experts, one low-rank pair per expert as PEFT's
+    ``target_parameters`` adapts a fused expert tensor: ``experts_gate_up`` adds ``s A_e B_e`` to
+    expert e's gate and up projections together (A_e [D, r], B_e [r, 2F]: gate's F columns, then
+    up's), ``experts_down`` to its down projection (A_e [F, r], B_e [r, D]). Stored stacked over
+    the experts (``{target}_a`` [E, in, r], ``{target}_b`` [E, r, out], ``nnx.LoRAParam``: they
+    train, the experts stay frozen). B starts at 0: a new adapter adds nothing. PEFT refuses
+    dropout and DoRA on such tensors, and so does seqjax (model.lora's check)."""
+
+    def __init__(self, cfg: ModelConfig, experts: int, d: int, f: int, *, rngs: nnx.Rngs):
+        lora = cfg.lora
+        self.names = tuple(t for t in EXPERT_TARGETS if lora.rank and t in lora.targets)
+        self.scale, self.active = lora.scale, True
+        pdt = jnp.dtype(cfg.param_dtype)
+        shapes = {"experts_gate_up": (d, 2 * f, "embed", "ff"), "experts_down": (f, d, "ff", "embed")}
+        init = A_INITS[lora.init](lora.rank)
+        for name in self.names:
+            fan_in, fan_out, axis_in, axis_out = shapes[name]
+            a = jax.vmap(lambda key: init(key, (fan_in, lora.rank), pdt))(jax.random.split(rngs.params(), experts))
+            setattr(self, f"{name}_a", nnx.LoRAParam(a, axes=("experts", axis_in, "lora_rank")))
+            setattr(self, f"{name}_b", nnx.LoRAParam(jnp.zeros((experts, lora.rank, fan_out), pdt),
+                                                     axes=("experts", "lora_rank", axis_out)))
+
+    def factors(self) -> dict[str, jax.Array]:
+        """The active adapters' stacked factors (``{target}_a``, ``{target}_b``) and their scale
+        (``scale``), as the dispatch reads them; empty with the adapters off."""
+        if not self.active or not self.names:
+            return {}
+        out = {f"{n}_{s}": getattr(self, f"{n}_{s}")[...] for n in self.names for s in ("a", "b")}
+        return {**out, "scale": self.scale}

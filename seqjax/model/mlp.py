@@ -1,7 +1,8 @@
-"""The MLP a block takes, as a table (:data:`MLPS`): the gated MLP (SwiGLU with silu, GeGLU with gelu_tanh:
-``model.mlp_activation``) or a mixture of experts (``model.experts``, :mod:`seqjax.model.experts`). A layer's row
-is ``ModelConfig.mlp_of(layer)``; every row is called ``mlp(x, segment_ids, dropout_key) -> (y, router terms or
-None)``, the terms being the forward's side terms (the router's statistics, for its losses)."""
+"""The MLP a block takes, as a table (:data:`MLPS`): the gated MLP (SwiGLU with silu, GeGLU with
+gelu_tanh: ``model.mlp_activation``) or a mixture of experts (``model.experts``,
+:mod:`seqjax.model.experts`). A layer's row is ``ModelConfig.mlp_of(layer)``; every row is called
+``mlp(x, segment_ids, dropout_key) -> (y, router terms or None)``, the terms being the forward's
+side terms (the router's statistics, for its losses)."""
 
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ class SwiGLU(nnx.Module):
 
 
 class ExpertsMLP(nnx.Module):
-    """:class:`~seqjax.model.experts.Experts` as a block's MLP: its input and output tagged for remat, and the
-    branch's dropout."""
+    """:class:`~seqjax.model.experts.Experts` as a block's MLP: its input and output tagged for
+    remat, and the branch's dropout."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.experts = Experts(cfg, rngs=rngs)

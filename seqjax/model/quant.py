@@ -1,5 +1,5 @@
-"""QLoRA's frozen base (``model.lora.quantize``): the seven projections stored in int8 or nf4,
-dequantized per layer in the forward pass.
+"""QLoRA's frozen base (``model.lora.quantize``): the seven projections (and a mixture of experts'
+experts) stored in int8 or nf4, dequantized per layer in the forward pass.
 
 The arrays are qwix's quantized arrays (``qwix.quantize`` / ``qwix.dequantize``, Tunix's
 quantization library): flax, whose ``nnx.LoRA`` holds the adapters, has no 4-bit storage. Only the
@@ -33,7 +33,9 @@ from jax.sharding import NamedSharding
 # Each frozen projection: (its module in the block, its parameter, the input axes it contracts) in
 # the unstacked layout; the other axes are output channels, each with its own scales.
 PROJECTIONS = (("attn", "wq", (0,)), ("attn", "wk", (0,)), ("attn", "wv", (0,)), ("attn", "wo", (0, 1)),
-               ("mlp", "w_gate", (0,)), ("mlp", "w_up", (0,)), ("mlp", "w_down", (0,)))
+               ("mlp", "w_gate", (0,)), ("mlp", "w_up", (0,)), ("mlp", "w_down", (0,)),
+               # a layer's experts ([E, in, out]): scales per expert and output channel
+               ("mlp/experts", "w_gate", (1,)), ("mlp/experts", "w_up", (1,)), ("mlp/experts", "w_down", (1,)))
 
 
 def weight(param, dtype) -> jax.Array:
@@ -71,9 +73,11 @@ def quantize_base(params: dict, qtype: str, block: int, stacked: bool) -> dict:
 
     def convert(block_params: dict) -> None:
         for module, name, inputs in PROJECTIONS:
-            if name in block_params.get(module, {}):
-                block_params[module][name] = quantize(block_params[module][name], qtype, inputs,
-                                                      block, stacked)
+            holder = block_params
+            for key in module.split("/"):
+                holder = holder.get(key, {}) if isinstance(holder, dict) else {}
+            if name in holder:
+                holder[name] = quantize(holder[name], qtype, inputs, block, stacked)
 
     blocks = out["blocks"]
     if stacked:

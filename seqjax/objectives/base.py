@@ -62,14 +62,15 @@ class Inputs:
     _forward: tuple | None = dataclasses.field(default=None, repr=False)
 
     def forward(self, micro: Batch):
-        """The policy's one forward pass of ``micro`` (:func:`model_outputs`: outputs, head, side terms), run
-        once however many parts of a weighted objective read it."""
+        """The policy's one forward pass of ``micro`` (:func:`model_outputs`: outputs, head, side
+        terms), run once however many parts of a weighted objective read it."""
         if self._forward is None or self._forward[0] is not micro:
             self._forward = (micro, model_outputs(self.model, micro, self.key))
         return self._forward[1]
 
     def logprobs(self, micro: Batch, scored: jax.Array, stats: bool = False):
-        """The policy's log p(targets) [B, T] of ``micro`` from its one forward (:func:`target_logprobs`)."""
+        """The policy's log p(targets) [B, T] of ``micro`` from its one forward
+        (:func:`target_logprobs`)."""
         outputs, head, _ = self.forward(micro)
         return logprobs_of(self.model, outputs, head, micro, scored, stats)
 
@@ -153,9 +154,10 @@ class Objective:
 
 
 def model_outputs(model, micro: Batch, key: jax.Array | None):
-    """The forward pass an objective starts from: ``(features [B, T, D], head [D, V], side terms)`` when the
-    model takes its loss a chunk at a time (``model.loss_chunk_tokens``), else ``(logits [B, T, V], None,
-    side terms)``; the side terms are :meth:`seqjax.model.transformer.TransformerLM.forward`'s."""
+    """The forward pass an objective starts from: ``(features [B, T, D], head [D, V], side
+    terms)`` when the model takes its loss a chunk at a time (``model.loss_chunk_tokens``), else
+    ``(logits [B, T, V], None, side terms)``; the side terms are
+    :meth:`seqjax.model.transformer.TransformerLM.forward`'s."""
     args = {"positions": micro["positions"], "segment_ids": micro["segment_ids"], "dropout_key": key,
             **model_fields(micro)}
     features, head, terms = model.forward(micro["inputs"], **args)
@@ -166,7 +168,8 @@ def model_outputs(model, micro: Batch, key: jax.Array | None):
 
 def logprobs_of(model, outputs: jax.Array, head: jax.Array | None, micro: Batch, scored: jax.Array,
                 stats: bool = False):
-    """log p(targets) [B, T] from :func:`model_outputs`' outputs and head (see :func:`target_logprobs`)."""
+    """log p(targets) [B, T] from :func:`model_outputs`' outputs and head (see
+    :func:`target_logprobs`)."""
     if head is None:
         logp = token_logprobs(outputs, micro["targets"], scored)
         return (logp, token_stats(outputs, micro["targets"], scored)) if stats else logp
@@ -240,12 +243,13 @@ def _mix(x: jax.Array) -> jax.Array:
 
 
 def with_router(objective: Objective, cfg) -> Objective:
-    """``objective`` with the router's side terms of its one forward (a model with experts, ``cfg`` its
-    ModelConfig): ``model.experts.aux_loss_coef`` times the load-balancing loss and ``z_loss_coef`` times the
-    router z-loss join the loss, each pooled over one micro-batch's layers and real tokens (transformers' one
-    forward) and averaged over the step's micro-batches; both are logged (``aux_loss``, ``router_z_loss``),
-    and each layer's busiest expert's share of its routes (``router/max_share/<layer>``). A dense model's
-    objective is returned as it is."""
+    """``objective`` with the router's side terms of its one forward (a model with experts,
+    ``cfg`` its ModelConfig): ``model.experts.aux_loss_coef`` times the load-balancing loss and
+    ``z_loss_coef`` times the router z-loss join the loss, each pooled over one micro-batch's
+    layers and real tokens (transformers' one forward) and averaged over the step's
+    micro-batches; both are logged (``aux_loss``, ``router_z_loss``), and each layer's busiest
+    expert's share of its routes (``router/max_share/<layer>``). A dense model's objective is
+    returned as it is."""
     experts = cfg.experts
     if not experts.enabled:
         return objective
