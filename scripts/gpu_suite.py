@@ -45,6 +45,8 @@ Opt-in stages:
   quality     (opt-in) configs/wikitext2_quality.yaml in --quality-dir, which outlives OUT: each call resumes
               the last (exact resume) until the run ends, then scores the test split (word perplexity against
               AWD-LSTM's 65.8)
+  moe         (opt-in) scripts/bench_moe.py at Qwen3-30B-A3B's layer: the experts' dispatches side by side, and
+              ragged_dot under XLA's cuDNN ragged-dot fusion (which model.experts.dispatch=auto picks on a GPU)
   study       (opt-in) scripts/study_strategies.py --gpu for --study-strategies x --study-seeds, in OUT/study
               (rerun to continue)
 
@@ -74,7 +76,7 @@ DEFAULT_STAGES = ("setup", "env", "tests", "attention", "finetune", "lora8b", "d
 FIRST_CALL_S, RERUN_CALL_S = 540.0, 240.0  # a lent GPU's 15 minutes: one call of 9, one rerun of 4, start-up
 MIN_STAGE_S = 5.0  # a stage given less than this is skipped
 OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision", "grpo", "mosaic",
-                   "context")
+                   "context", "moe")
 PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
          "tokamax", "torch", "transformers")
 # A toy model and corpus for --dry-run: every stage's plumbing runs on a CPU in seconds.
@@ -528,6 +530,31 @@ def stage_grpo(s: Suite) -> dict:
     return {"status": status(code), "result": last_json(stdout) if code == 0 else None}
 
 
+# XLA's GPU flag for cuDNN's ragged-dot fusion in place of its default rewrite of ragged_dot to a padded dense dot
+# (openxla/xla#40189); an XLA that lacks the flag refuses to start, which the stage records as that run's failure.
+RAGGED_DOT_CUDNN = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
+
+
+def stage_moe(s: Suite) -> dict:
+    """One mixture-of-experts layer at Qwen3-30B-A3B's shape (8,192 tokens, 128 experts of 768, top 8, bf16):
+    the dispatches side by side (scripts/bench_moe.py: ragged_dot, blocked, dense, one-hot, jax's Mosaic GPU
+    ragged dot), then ragged_dot again under XLA's cuDNN ragged-dot fusion: which model.experts.dispatch=auto
+    should pick on a GPU."""
+    size = (["--shape", "cpu", "--tokens", "256", "--repeats", "1", "--impls", "ragged_dot,blocked,dense,onehot"]
+            if s.dry else ["--shape", "qwen3_30b", "--impls", "ragged_dot,blocked,onehot,ragged_dot_mgpu"])
+    code, stdout = s.call("moe", s.python("scripts/bench_moe.py", *size), 150)
+    result: dict[str, Any] = {"status": status(code), "default": last_json(stdout) if code == 0 else None}
+    if not s.dry:
+        env = dict(s.env)
+        s.env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} {RAGGED_DOT_CUDNN}".strip()}
+        try:
+            code, stdout = s.call("moe", s.python("scripts/bench_moe.py", *size[:2], "--impls", "ragged_dot"), 90)
+        finally:
+            s.env = env
+        result["cudnn_ragged_dot"] = last_json(stdout) if code == 0 else {"status": status(code)}
+    return result
+
+
 def stage_quality(s: Suite) -> dict:
     """The quality run, resumed from --quality-dir on every call until it ends; then the test split's perplexity."""
     run_dir = s.args.quality_dir
@@ -592,6 +619,7 @@ STAGES = {stage.name: stage for stage in (
     Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
     Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study), Stage("vision", 90, stage_vision),
     Stage("grpo", 150, stage_grpo), Stage("mosaic", 240, stage_mosaic), Stage("context", 240, stage_context),
+    Stage("moe", 240, stage_moe),
 )}
 
 

@@ -55,10 +55,11 @@ def with_vocab(config):
     return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
 
 
-def flash_memory(q, k, v, segment_ids, *, scale=None, dropout_rate=0.0, dropout_key=None, window=None):
+def flash_memory(q, k, v, segment_ids, *, scale=None, dropout_rate=0.0, dropout_key=None, window=None, sinks=None):
     """An attention stand-in for planning with a flash kernel's device memory: it keeps q, k, v, its output
     and the log-sum-exp rows [B, T, H] for the backward pass, and makes dq, dk, dv; no [T, T] array exists.
-    Its numbers mean nothing: only the shapes and lifetimes of what it allocates are the kernel's."""
+    Its numbers mean nothing: only the shapes and lifetimes of what it allocates are the kernel's (attention
+    sinks rescale its output by the log-sum-exp rows it already keeps: no memory of their own)."""
     import jax
     import jax.numpy as jnp
 
@@ -82,6 +83,33 @@ def flash_memory(q, k, v, segment_ids, *, scale=None, dropout_rate=0.0, dropout_
 
     kernel.defvjp(forward, backward)
     return kernel(q, k, v)
+
+
+def grouped_memory(lhs, rhs, group_sizes, preferred_element_type=None, **_):
+    """A stand-in for ``jax.lax.ragged_dot`` with a grouped-matmul kernel's device memory: lhs [M, K] sorted by
+    group, rhs [G, K, N] -> [M, N]; its backward keeps lhs and makes d lhs [M, K] and d rhs [G, K, N]. XLA's
+    CPU (and default GPU) lowering of ragged_dot instead pads every group to M rows, G times the memory; a GPU
+    run picks a grouped kernel (docs/model.md, "Mixture of experts"). Its numbers mean nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    out_dtype = preferred_element_type or lhs.dtype
+
+    @jax.custom_vjp
+    def kernel(lhs, rhs):
+        return forward(lhs, rhs)[0]
+
+    def forward(lhs, rhs):
+        return jnp.matmul(lhs, rhs[0], preferred_element_type=out_dtype), (lhs, rhs)
+
+    def backward(residuals, g):
+        lhs, rhs = residuals
+        d_lhs = jnp.matmul(g.astype(lhs.dtype), jnp.swapaxes(rhs[0], 0, 1))
+        d_rhs = jnp.broadcast_to(jnp.matmul(lhs.T, g.astype(lhs.dtype))[None], rhs.shape).astype(rhs.dtype)
+        return d_lhs, d_rhs
+
+    kernel.defvjp(forward, backward)
+    return kernel(lhs, rhs)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -121,8 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
                      and "prefix_ids" not in given_fields(asked) and asked.mesh.context == 1)
     if kernel_memory:
         attention_module.reference_attention = flash_memory
+    # experts: dispatched as a GPU run's auto dispatches them (ragged_dot), with a grouped kernel's memory
+    jax.lax.ragged_dot = grouped_memory
     try:
-        config = with_vocab(load_config(args.config, [*args.overrides, "model.attention=xla", "train.init_from=null"]))
+        config = with_vocab(load_config(args.config, [*args.overrides, "model.attention=xla", "train.init_from=null",
+                                                      "model.experts.dispatch=ragged_dot"]))
     except SeqjaxError as err:
         print(f"plan_memory.py: config error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -193,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = settings_of(config, objective)
     step = jax.jit(make_train_step(graphdef, rest, tx, grad_accum=config.train.grad_accum, z_loss=config.train.z_loss,
                                    objective=objective, settings=settings, reference_graphdef=reference_graphdef,
-                                   precomputed=precomputed),
+                                   precomputed=precomputed, model_config=config.model),
                    in_shardings=(param_shardings, opt_shardings, batch_sharding, replicated, replicated,
                                  *extra_shardings),
                    out_shardings=(param_shardings, opt_shardings, replicated), donate_argnums=(0, 1))
@@ -216,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
         "remat": config.model.remat, "loss_chunk_tokens": config.model.loss_chunk_tokens,
         "param_dtype": config.model.param_dtype, "compute_dtype": config.model.compute_dtype,
         "trainable_parameters": trainable, "lora_rank": config.model.lora.rank, "base_storage": lora.quantize,
+        "experts": config.model.experts.count, "expert_memory": "a grouped matmul's (jax.lax.ragged_dot)"
+        if config.model.experts.enabled else None,
         "attention_memory": "a flash kernel's (output and log-sum-exp rows)" if kernel_memory else
         f"a split row's blocks (up to {context.QUERY_CHUNK} queries x a shard's keys, {config.model.context_attention})"
         if config.mesh.context > 1 else "XLA's dense path ([T, T] scores)",

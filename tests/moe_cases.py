@@ -1,6 +1,7 @@
 """Run by tests/test_moe.py in a subprocess with 8 forced host devices: a tiny mixture-of-experts model's loss,
 router terms and gradients on meshes with an expert axis (mesh.expert = 2, 4 and 8, beside data, fsdp and
-context) against one device. Prints one JSON line of what it checked; any mismatch raises."""
+context; and bfloat16 matmuls over 8) against one device. Prints one JSON line of what it checked; any
+mismatch raises."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ TOLERANCE = 2e-5  # of each array's largest magnitude, float32
 MESHES = [dict(data=4, expert=2), dict(fsdp=2, expert=4), dict(expert=8), dict(data=2, expert=2, context=2),
           dict(fsdp=2, expert=2, context=2)]
 
-config = load_config(None, ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-                            "model.d_ff=48", "model.vocab_size=64", "model.max_seq_len=32", "data.seq_len=32",
-                            "model.attention=xla", "model.experts.count=8", "model.experts.top_k=2",
-                            "model.experts.d_ff=16"])
+config_args = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=48",
+               "model.vocab_size=64", "model.max_seq_len=32", "data.seq_len=32", "model.attention=xla",
+               "model.experts.count=8", "model.experts.top_k=2", "model.experts.d_ff=16"]
+config = load_config(None, config_args)
 model = build_model(config, rngs=nnx.Rngs(0))
 graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 rng = np.random.default_rng(0)
@@ -66,4 +67,19 @@ for axes in MESHES:
     spec = shardings["blocks"][0]["mlp"]["experts"]["w_gate"].spec
     assert spec[0] == "expert", (axes, spec)  # (the experts are split over the expert axis)
     checked.append({"mesh": axes, "loss": float(out[0])})
+
+# bfloat16 matmuls over the expert axis (tokens gathered in bfloat16, their gradients added in float32): one
+# device's loss and gradients to bfloat16's rounding
+half = load_config(None, [*config_args, "model.compute_dtype=bfloat16"])
+graphdef, params, rest = nnx.split(build_model(half, rngs=nnx.Rngs(0)), nnx.Param, ...)
+pure = nnx.to_pure_dict(params)
+one = jax.jit(run)(pure, inputs, positions, segment_ids)
+mesh = sharding.build_mesh(MeshConfig(data=1, fsdp=1, expert=8, context=1, tensor=1))
+batch = [sharding.place(a, sharding.batch_sharding(mesh)) for a in (inputs, positions, segment_ids)]
+out = jax.jit(run)(sharding.place(pure, sharding.param_shardings(params, mesh)), *batch)
+assert abs(float(out[0]) - float(one[0])) <= 2e-2 * abs(float(one[0])), (float(out[0]), float(one[0]))
+for got, want in zip(jax.tree.leaves(out[2]), jax.tree.leaves(one[2])):
+    scale = max(1e-3, float(jnp.max(jnp.abs(want))))
+    assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))) <= 5e-2 * scale, "bf16 grad"
+checked.append({"mesh": {"expert": 8}, "compute_dtype": "bfloat16", "loss": float(out[0])})
 print(json.dumps({"checked": checked}))

@@ -69,11 +69,11 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
 def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     """The opt-in stages in one call, at toy size: a profile trace, the recipe's validation, the
     quality run (resumed per call, then scored), the vision tower's two backends, GRPO's layouts and
-    sampler, and context parallelism's attention and step. (The study
+    sampler, context parallelism's attention and step, and the experts' dispatches. (The study
     stage only calls scripts/study_strategies.py, whose --quick run tests/test_study.py covers.)"""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
     proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--only",
-                           "profile,recipe,quality,vision,grpo,context"], cwd=REPO, env=env, capture_output=True,
+                           "profile,recipe,quality,vision,grpo,context,moe"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
     assert proc.returncode == 0, {n: r.get("status") for n, r in stages.items()}
@@ -95,6 +95,10 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     # and the chunked loss both ways (tests/context_cases.py checks what each compiles to)
     loss, = [r["chunked_loss"] for r in stages["context"]["records"] if "chunked_loss" in r]
     assert loss["within_spans"]["fwd_bwd_ms"] > 0 and loss["whole_row"]["fwd_bwd_ms"] > 0
+    # the experts' dispatches: each computes the same loss
+    moe = {r["impl"]: r for r in stages["moe"]["default"]["results"]}
+    assert set(moe) == {"ragged_dot", "blocked", "dense", "onehot"} and moe["blocked"]["fwd_bwd_ms"] > 0
+    assert all(r["loss_rel_diff"] < 1e-5 for r in moe.values()), moe
 
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:

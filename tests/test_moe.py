@@ -107,31 +107,32 @@ def test_the_grouped_matmul_equals_every_expert_on_every_token():
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("routing", ["spread", "one expert", "whole blocks", "some idle"])
+@pytest.mark.parametrize("routing", ["spread", "one expert", "whole blocks", "some idle", "some in no group"])
 def test_the_blocked_dispatch_puts_every_pair_back_in_place(routing):
     """The blocked dispatch's block edges: every pair on one expert, groups of exactly whole blocks, experts
-    with no tokens; each (token, choice) gets its own expert's output, as the dense reference gives it."""
+    with no tokens; each (token, choice) gets its own expert's output, as the dense reference gives it. Pairs
+    of no group (expert E: another device's under mesh.expert) come back 0 from blocked and ragged_dot."""
     from seqjax.model.experts import ACTIVATIONS, BLOCK, DISPATCH
 
     rng = np.random.default_rng(1)
     e, n, k, d, f = 4, 2 * BLOCK, 2, 8, 16
     chosen = {"spread": rng.integers(0, e, (n, k)), "one expert": np.zeros((n, k)),
               "whole blocks": np.repeat(np.arange(e), n * k // e).reshape(n, k),
-              "some idle": rng.integers(2, e, (n, k))}[routing].astype(np.int32)
+              "some idle": rng.integers(2, e, (n, k)),
+              "some in no group": rng.integers(0, e + 1, (n, k))}[routing].astype(np.int32)
     x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
     w = {name: jnp.asarray(rng.standard_normal(shape), jnp.float32)
          for name, shape in (("w_gate", (e, d, f)), ("w_up", (e, d, f)), ("w_down", (e, f, d)))}
     act = ACTIVATIONS["swiglu"]
-    np.testing.assert_allclose(np.asarray(DISPATCH["blocked"](x, jnp.asarray(chosen), w, act)),
-                               np.asarray(DISPATCH["dense"](x, jnp.asarray(chosen), w, act)), rtol=1e-5, atol=1e-5)
+    grouped = chosen < e
+    expected = np.where(grouped[..., None], np.asarray(DISPATCH["dense"](x, jnp.asarray(np.minimum(chosen, e - 1)),
+                                                                          w, act)), 0.0)
+    for dispatch in ("blocked", "ragged_dot"):
+        got = np.asarray(DISPATCH[dispatch](x, jnp.asarray(chosen), w, act))
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=dispatch)
 
 
-def test_the_step_adds_the_routers_losses_per_micro_batch_and_logs_them():
-    """model.experts.aux_loss_coef and z_loss_coef add each micro-batch's pooled router losses, averaged over
-    the step's micro-batches, to the objective: the loss as logged is the objective's alone, aux_loss and
-    router_z_loss are logged beside it (two micro-batches: the mean of their pooled losses, as docs/model.md
-    says), and the step's objective is the loss plus each coefficient times its term."""
-    cfg = config("model.experts.aux_loss_coef=0.5", "model.experts.z_loss_coef=0.25")
+def _router_batch():
     rng = np.random.default_rng(1)
     batch = {"inputs": rng.integers(1, 64, (4, T)).astype(np.int32),
              "targets": rng.integers(1, 64, (4, T)).astype(np.int32),
@@ -139,23 +140,60 @@ def test_the_step_adds_the_routers_losses_per_micro_batch_and_logs_them():
              "segment_ids": np.ones((4, T), np.int32), "weights": np.ones((4, T), np.float32)}
     batch["segment_ids"][:, 50:] = 0
     batch["weights"][:, 50:] = 0
+    batch["segment_ids"][1, 20:] = 0  # (micro-batches of unequal real tokens: their means differ from the pool's)
+    batch["weights"][1, 20:] = 0
+    return batch
+
+
+def _router_step(extra: tuple, grad_accum: int, lr: float = 0.0, batch=None):
+    """(params after one sgd step, metrics) of the lm objective under ``extra`` settings."""
+    cfg = config(*extra)
     graphdef, params, _, rest = split_params(build_model(cfg, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(params)
-    metrics = {}
-    for coef in ("with", "without"):
-        model_cfg = cfg.model if coef == "with" else load_config(None, BASE).model
-        step = jax.jit(make_train_step(graphdef, rest, optax.sgd(0.0), grad_accum=2, objective=resolve(["lm"]),
-                                       model_config=model_cfg))
-        metrics[coef] = step(params, optax.sgd(0.0).init(params), batch)[2]
-    assert float(metrics["with"]["loss"]) == pytest.approx(float(metrics["without"]["loss"]), rel=1e-6)
-    aux, z = float(metrics["with"]["reported"]["aux_loss"]), float(metrics["with"]["reported"]["router_z_loss"])
-    micro = [{k: v[j::2] for k, v in batch.items()} for j in range(2)]
-    expected = [_pooled(graphdef, rest, params, m) for m in micro]
+    step = jax.jit(make_train_step(graphdef, rest, optax.sgd(lr), grad_accum=grad_accum, objective=resolve(["lm"]),
+                                   model_config=cfg.model))
+    new, _, metrics = step(params, optax.sgd(lr).init(params), _router_batch() if batch is None else batch)
+    return (graphdef, rest, params), new, metrics
+
+
+COEFS = ("model.experts.aux_loss_coef=0.5", "model.experts.z_loss_coef=0.25")
+
+
+@pytest.mark.parametrize("scope", ["step", "micro_batch"])
+def test_the_step_adds_the_routers_losses_and_logs_them(scope):
+    """model.experts.aux_loss_coef and z_loss_coef add the router's pooled losses to the objective: the loss as
+    logged is the objective's alone, aux_loss and router_z_loss are logged beside it, and the step's objective
+    is the loss plus each coefficient times its term. Under aux_loss_scope=step (two micro-batches) they are
+    the losses of the whole batch's routes pooled, as one forward gives them; under micro_batch, the mean of
+    each micro-batch's own (docs/model.md)."""
+    (graphdef, rest, params), _, with_ = _router_step((*COEFS, f"model.experts.aux_loss_scope={scope}"), 2)
+    without = _router_step((), 2)[2]
+    assert float(with_["loss"]) == pytest.approx(float(without["loss"]), rel=1e-6)
+    aux, z = float(with_["reported"]["aux_loss"]), float(with_["reported"]["router_z_loss"])
+    batch = _router_batch()
+    if scope == "step":
+        expected = [_pooled(graphdef, rest, params, batch)]
+    else:
+        expected = [_pooled(graphdef, rest, params, {k: v[j::2] for k, v in batch.items()}) for j in range(2)]
     assert aux == pytest.approx(np.mean([e[0] for e in expected]), rel=1e-5)
     assert z == pytest.approx(np.mean([e[1] for e in expected]), rel=1e-5)
-    assert float(metrics["with"]["objective"]) == pytest.approx(float(metrics["without"]["objective"]) + 0.5 * aux
-                                                               + 0.25 * z, rel=1e-5)
-    assert {"router/max_share/0", "router/max_share/1"} <= set(metrics["with"]["reported"])
+    assert float(with_["objective"]) == pytest.approx(float(without["objective"]) + 0.5 * aux + 0.25 * z, rel=1e-5)
+    assert {"router/max_share/0", "router/max_share/1"} <= set(with_["reported"])
+
+
+def test_the_routers_losses_pooled_over_the_step_do_not_change_with_the_micro_batch_split():
+    """aux_loss_scope=step (the default): one sgd step's new weights under train.grad_accum 2 and 4 are those
+    of the batch in one micro-batch, the router's losses included; micro_batch (each its own, averaged) moves
+    them, which shows the check can tell."""
+    one = _router_step(COEFS, 1, lr=1.0)[1]
+    for grad_accum in (2, 4):
+        split = _router_step(COEFS, grad_accum, lr=1.0)[1]
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(split)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
+    apart = _router_step((*COEFS, "model.experts.aux_loss_scope=micro_batch"), 2, lr=1.0)[1]
+    gaps = [float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+            zip(jax.tree.leaves(one), jax.tree.leaves(apart))]
+    assert max(gaps) > 1e-4
 
 
 def _pooled(graphdef, rest, params, micro):

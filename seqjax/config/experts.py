@@ -1,6 +1,6 @@
-"""``model.experts``: a mixture of experts in place of each block's gated MLP, its routing and dispatch
-(seqjax.model.experts computes it; docs/model.md, "Mixture of experts"). A Hugging Face folder's
-config.json fills it (seqjax.hf.families: Qwen3-MoE, Mixtral, gpt-oss)."""
+"""``model.experts``: a mixture of experts in place of each block's gated MLP, its routing and
+dispatch (seqjax.model.experts computes it; docs/model.md, "Mixture of experts"). A Hugging Face
+folder's config.json fills it (seqjax.hf.families: Qwen3-MoE, Mixtral, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from seqjax.core.errors import ConfigError
 ROUTERS = ("softmax_topk", "topk_softmax")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 DISPATCHES = ("auto", "ragged_dot", "blocked", "dense")
+AUX_LOSS_SCOPES = ("step", "micro_batch")
 
 
 @dataclass(frozen=True)  # hashable: the model keeps it as static graph data
@@ -42,18 +43,23 @@ class ExpertsConfig:
         choices=EXPERT_ACTIVATIONS, resume=MODEL)
     swiglu_limit: float = setting(7.0, "clamped_swiglu: the clamp (gpt-oss's swiglu_limit)", min=0.0, resume=MODEL)
     swiglu_alpha: float = setting(1.702, "clamped_swiglu: the sigmoid's slope (gpt-oss's "
-                                         "swiglu_alpha)", min=0.0,
-                                  resume=MODEL)
+                                         "swiglu_alpha)",
+                                  min=0.0, resume=MODEL)
     dense_layers: list[int] = setting(
         [], "layers with the gated MLP instead of experts (Qwen3-MoE's "
             "mlp_only_layers)", resume=MODEL)
     aux_loss_coef: float = setting(
-        0.0, "the router's load-balancing loss (transformers' load_balancing_loss_func, pooled over the layers "
-        "and real tokens of each micro-batch) times this joins the loss (router_aux_loss_coef when the "
+        0.0, "the router's load-balancing loss (transformers' load_balancing_loss_func, pooled over the "
+        "layers and real tokens of aux_loss_scope) times this joins the loss (router_aux_loss_coef when the "
         "folder's output_router_logits is set; 0: logged, not trained)", min=0.0)
     z_loss_coef: float = setting(
-        0.0, "the router's z-loss (mean over real tokens and layers of logsumexp(router logits)^2) times this "
-        "joins the loss (0: logged, not trained)", min=0.0)
+        0.0, "the router's z-loss (mean over the real tokens and layers of aux_loss_scope of "
+        "logsumexp(router logits)^2) times this joins the loss (0: logged, not trained)", min=0.0)
+    aux_loss_scope: str = setting(
+        "step", "the tokens the router's losses pool: step, every micro-batch of the step (one forward "
+        "pass more, routing only, when train.grad_accum > 1 and a coefficient is above 0: the gradient does "
+        "not change with the micro-batch split); micro_batch, each micro-batch's own, averaged over the "
+        "step's (Megatron's; no extra pass)", choices=AUX_LOSS_SCOPES)
     dispatch: str = setting(
         "auto", "how tokens reach their experts: ragged_dot (sorted by expert, one grouped matmul: "
         "jax.lax.ragged_dot), blocked (sorted by expert, padded to 64-row blocks, one batched matmul over "

@@ -63,22 +63,28 @@ class RouterTerms(NamedTuple):
         return RouterTerms(jnp.zeros((experts,), jnp.float32), jnp.zeros((experts,), jnp.float32), zero, zero)
 
 
-def load_balancing_loss(terms: RouterTerms, top_k: int) -> jax.Array:
-    """transformers' ``load_balancing_loss_func`` with its attention mask, from per-layer sums
-    [L, E]: the share of (token, choice) pairs each expert got times its mean router probability,
-    pooled over every layer and real token before the product, times the expert count: ``E *
-    sum_e (counts_e / (k N)) * (probs_e / N)`` summed over its k choices, N = layers x real
-    tokens."""
+def load_balancing_loss(terms: RouterTerms, top_k: int, pooled: RouterTerms | None = None) -> jax.Array:
+    """transformers' ``load_balancing_loss_func`` with its attention mask, from per-layer sums [L,
+    E]: the share of (token, choice) pairs each expert got times its mean router probability, pooled
+    over every layer and real token before the product, times the expert count: ``E * sum_e
+    (counts_e / N) * (probs_e / N)``, N = layers x real tokens (each token's k choices all count).
+
+    ``pooled``: the routes of a larger batch ``terms`` is part of (a step's micro-batches,
+    summed): the counts and N are its, the probabilities ``terms``' own, so the parts' losses add
+    up to the whole's, value and gradient (the counts carry none)."""
+    pooled = terms if pooled is None else pooled
     experts = terms.counts.shape[-1]
-    tokens = jnp.maximum(jnp.sum(terms.tokens), 1.0)
-    counts, probs = jnp.sum(terms.counts.reshape(-1, experts), 0), jnp.sum(terms.probs.reshape(-1, experts), 0)
+    tokens = jnp.maximum(jnp.sum(pooled.tokens), 1.0)
+    counts = jnp.sum(pooled.counts.reshape(-1, experts), 0)
+    probs = jnp.sum(terms.probs.reshape(-1, experts), 0)
     return experts * jnp.sum((counts / tokens) * (probs / tokens))
 
 
-def router_z_loss(terms: RouterTerms) -> jax.Array:
-    """The mean over layers and real tokens of logsumexp(router logits)^2 (ST-MoE's router
-    z-loss)."""
-    return jnp.sum(terms.z) / jnp.maximum(jnp.sum(terms.tokens), 1.0)
+def router_z_loss(terms: RouterTerms, pooled: RouterTerms | None = None) -> jax.Array:
+    """The mean over layers and real tokens of logsumexp(router logits)^2 (ST-MoE's router z-loss);
+    ``pooled`` as :func:`load_balancing_loss`'s (its token count the denominator)."""
+    pooled = terms if pooled is None else pooled
+    return jnp.sum(terms.z) / jnp.maximum(jnp.sum(pooled.tokens), 1.0)
 
 
 # -- routers: (logits float32 [N, E], k, cfg) -> (weights [N, k] float32, experts [N, k] int32)
@@ -118,7 +124,9 @@ ACTIVATIONS: dict[str, Callable] = {"swiglu": _swiglu, "clamped_swiglu": _clampe
 # -- dispatch: (x [N, D], chosen [N, k], expert weights, activation, the adapters' scale) -> each
 # (token, choice)'s output [N, k, D]. ``w`` holds w_gate, w_up, w_down (and b_* with biases), and an
 # adapted layer's stacked factors experts_gate_up_a/_b, experts_down_a/_b
-# (seqjax.model.lora.ExpertAdapters).
+# (seqjax.model.lora.ExpertAdapters). A pair whose ``chosen`` is E (one past the last expert:
+# another device's, under mesh.expert) is in no group: ragged_dot's grouped kernel never computes
+# it, and the caller masks its output.
 
 
 def _expert_mlp(rows: jax.Array, w: dict, act: Callable, scale: float, matmul: Callable, bias: Callable):
@@ -157,7 +165,7 @@ def _ragged(x: jax.Array, chosen: jax.Array, w: dict, act: Callable, scale: floa
     out = _expert_mlp(
         x[order // k], w, act, scale,
         lambda h, weight: jax.lax.ragged_dot(h, weight.astype(h.dtype), sizes, preferred_element_type=jnp.float32),
-        lambda name: None if name not in w else w[name][expert])
+        lambda name: None if name not in w else w[name][jnp.minimum(expert, experts - 1)])
     return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
 
 
@@ -182,19 +190,20 @@ def _blocked(x: jax.Array, chosen: jax.Array, w: dict, act: Callable, scale: flo
     """The (token, choice) pairs sorted by expert, each expert's group padded to whole blocks of
     :data:`BLOCK` rows, and every block run through its one expert as a batched matmul over
     blocks (each block's weights gathered): the sorted grouped matmul's work (plus at most a
-    block of padding an expert) without a ragged kernel."""
+    block of padding an expert) without a ragged kernel. A pair of no group is left out (zeros)."""
     n, k = chosen.shape
     experts = w["w_gate"].shape[0]
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    expert = flat[order]
+    expert = jnp.minimum(flat[order], experts - 1)
     sizes = jnp.bincount(flat, length=experts)
     padded = (sizes + BLOCK - 1) // BLOCK * BLOCK
     ends = jnp.cumsum(padded)
-    place = ends[expert] - padded[expert] + jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[expert]
     blocks = -(-n * k // BLOCK) + experts  # (a static bound: each expert pads less than a block)
+    place = ends[expert] - padded[expert] + jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[expert]
+    place = jnp.where(flat[order] < experts, place, blocks * BLOCK)  # (no group: past the last row, dropped)
     owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * BLOCK, side="right"), experts - 1)
-    rows = jnp.zeros((blocks * BLOCK, x.shape[1]), x.dtype).at[place].set(x[order // k])
+    rows = jnp.zeros((blocks * BLOCK, x.shape[1]), x.dtype).at[place].set(x[order // k], mode="drop")
     per_row = jnp.repeat(owner, BLOCK)
 
     def matmul(h, weight):
@@ -203,10 +212,31 @@ def _blocked(x: jax.Array, chosen: jax.Array, w: dict, act: Callable, scale: flo
         return out.reshape(blocks * BLOCK, -1)
 
     out = _expert_mlp(rows, w, act, scale, matmul, lambda name: None if name not in w else w[name][per_row])
-    return out[place][jnp.argsort(order)].reshape(n, k, -1)
+    back = jnp.take(out, place, axis=0, mode="fill", fill_value=0)
+    return back[jnp.argsort(order)].reshape(n, k, -1)
 
 
 DISPATCH: dict[str, Callable] = {"ragged_dot": _ragged, "blocked": _blocked, "dense": _dense}
+
+
+@jax.custom_vjp
+def _gather_tokens(x: jax.Array) -> jax.Array:
+    """x's rows from every device of the expert axis (an all-gather in x's dtype), whose backward adds the
+    devices' cotangents in float32 (a reduce-scatter): a bfloat16 sum over the axis would round n partial
+    gradients, and XLA's CPU compiler fails on a bfloat16 reduce-scatter inside this program."""
+    return jax.lax.all_gather(x, EXPERT_AXIS, axis=0, tiled=True)
+
+
+def _gather_forward(x):
+    return _gather_tokens(x), None
+
+
+def _gather_backward(_, g):
+    total = jax.lax.psum_scatter(g.astype(jnp.float32), EXPERT_AXIS, scatter_dimension=0, tiled=True)
+    return (total.astype(g.dtype),)
+
+
+_gather_tokens.defvjp(_gather_forward, _gather_backward)
 
 
 def expert_parallel(mesh, x: jax.Array, chosen: jax.Array, weights: jax.Array, params: dict, act: Callable,
@@ -214,17 +244,19 @@ def expert_parallel(mesh, x: jax.Array, chosen: jax.Array, weights: jax.Array, p
     """The experts' weighted sum of x [N, D] with the experts split over ``mesh.expert`` (n
     devices, E / n experts each) and the tokens too: each device gathers its expert group's
     tokens (an all-gather over the axis), runs its own experts on the (token, choice) pairs
-    routed to them, and the partial sums go back to the devices that hold the tokens (a
-    reduce-scatter). Exact: a pair's output is its expert's wherever that expert lives, and each
-    token's k contributions add up once."""
+    routed to them (the others are in no group of its dispatch: a grouped kernel skips them), and
+    the partial sums go back to the devices that hold the tokens (a reduce-scatter). Exact: a
+    pair's output is its expert's wherever that expert lives, and each token's k contributions
+    add up once."""
     def local(x, chosen, weights, w):
         gather = functools.partial(jax.lax.all_gather, axis_name=EXPERT_AXIS, axis=0, tiled=True)
-        x, chosen, weights = gather(x), gather(chosen), gather(weights)
+        x, chosen, weights = _gather_tokens(x), gather(chosen), _gather_tokens(weights)
         own = w["w_gate"].shape[0]
         first = jax.lax.axis_index(EXPERT_AXIS) * own
         mine = (chosen >= first) & (chosen < first + own)
-        outputs = dispatch(x, jnp.where(mine, chosen - first, own - 1), w, act, scale)
-        partial = jnp.einsum("nk,nkd->nd", jnp.where(mine, weights, 0.0), outputs.astype(jnp.float32))
+        outputs = dispatch(x, jnp.where(mine, chosen - first, own), w, act, scale)
+        outputs = jnp.where(mine[..., None], outputs.astype(jnp.float32), 0.0)
+        partial = jnp.einsum("nk,nkd->nd", jnp.where(mine, weights, 0.0), outputs)
         return jax.lax.psum_scatter(partial, EXPERT_AXIS, scatter_dimension=0, tiled=True).astype(x.dtype)
 
     spec = P(EXPERT_AXIS)

@@ -120,6 +120,10 @@ class Objective:
     # an RL loss type's needs of its rollouts (seqjax.objectives.rl.LossType: its advantages, where
     # its KL goes), None for the others
     rl: Any = None
+    # (model, micro-batch, dropout key) -> statistics of the policy's forward that the step sums
+    # over its micro-batches before any of them trains (forward only, no gradient), given to the
+    # loss as totals[STEP_FORWARD] when the step cuts its batch in more than one; None: none needed
+    step_forward: Callable[[Any, Batch, Any], Any] | None = None
 
     def zero_terms(self) -> Terms:
         """Terms of zeros, shaped as this objective's: where the step's sums over micro-batches
@@ -153,14 +157,22 @@ class Objective:
         return {row.name: row.denominator(batch) for row in (self, *self.parts)}
 
 
+STEP_FORWARD = "step_forward"  # (the key of Inputs.totals holding Objective.step_forward's sums)
+
+
+def forward(model, micro: Batch, key: jax.Array | None):
+    """The policy's forward of ``micro``: :meth:`seqjax.model.transformer.TransformerLM.forward`'s
+    (features, head, side terms), under dropout ``key``."""
+    args = {"positions": micro["positions"], "segment_ids": micro["segment_ids"], "dropout_key": key,
+            **model_fields(micro)}
+    return model.forward(micro["inputs"], **args)
+
+
 def model_outputs(model, micro: Batch, key: jax.Array | None):
     """The forward pass an objective starts from: ``(features [B, T, D], head [D, V], side
     terms)`` when the model takes its loss a chunk at a time (``model.loss_chunk_tokens``), else
-    ``(logits [B, T, V], None, side terms)``; the side terms are
-    :meth:`seqjax.model.transformer.TransformerLM.forward`'s."""
-    args = {"positions": micro["positions"], "segment_ids": micro["segment_ids"], "dropout_key": key,
-            **model_fields(micro)}
-    features, head, terms = model.forward(micro["inputs"], **args)
+    ``(logits [B, T, V], None, side terms)``; the side terms are :func:`forward`'s."""
+    features, head, terms = forward(model, micro, key)
     if model.cfg.loss_chunk_tokens:
         return features, head, terms
     return head_logits(features, head), None, terms
@@ -243,31 +255,46 @@ def _mix(x: jax.Array) -> jax.Array:
 
 
 def with_router(objective: Objective, cfg) -> Objective:
-    """``objective`` with the router's side terms of its one forward (a model with experts,
-    ``cfg`` its ModelConfig): ``model.experts.aux_loss_coef`` times the load-balancing loss and
-    ``z_loss_coef`` times the router z-loss join the loss, each pooled over one micro-batch's
-    layers and real tokens (transformers' one forward) and averaged over the step's
-    micro-batches; both are logged (``aux_loss``, ``router_z_loss``), and each layer's busiest
-    expert's share of its routes (``router/max_share/<layer>``). A dense model's objective is
-    returned as it is."""
+    """``objective`` with the router's side terms of its one forward (a model with experts, ``cfg``
+    its ModelConfig): ``model.experts.aux_loss_coef`` times the load-balancing loss and
+    ``z_loss_coef`` times the router z-loss join the loss, both logged (``aux_loss``,
+    ``router_z_loss``) with each layer's busiest expert's share of its routes
+    (``router/max_share/<layer>``). A dense model's objective is returned as it is.
+
+    ``aux_loss_scope: step`` with a coefficient above 0 pools the step's every micro-batch: the
+    step sums their routes first (``step_forward``: a forward pass, routing only), and each
+    micro-batch adds its probabilities' part of the step's loss, so the parts add up to the loss
+    of the whole batch in one forward, value and gradient, however ``train.grad_accum`` cuts it.
+    Otherwise each micro-batch pools its own layers and real tokens (transformers' one forward,
+    Megatron's micro-batch) and the step averages them (one micro-batch: the two are one)."""
     experts = cfg.experts
     if not experts.enabled:
         return objective
     stats = tuple(f"router/max_share/{i}" for i in range(cfg.n_layers) if cfg.mlp_of(i) == "experts")
+    trained = experts.aux_loss_coef > 0 or experts.z_loss_coef > 0
+    pools_step = experts.aux_loss_scope == "step" and trained
 
     def loss(inputs: Inputs, micro: Batch) -> Terms:
         terms = objective.loss(inputs, micro)
-        router = inputs.side_terms
-        aux, z = load_balancing_loss(router, experts.top_k), router_z_loss(router)
-        share = inputs.totals[objective.name] / inputs.micro_batches
-        extra = (experts.aux_loss_coef * aux + experts.z_loss_coef * z) * share
-        one = jnp.ones((), jnp.float32)
-        counts = jax.lax.stop_gradient(router.counts)
-        busiest = safe_divide(jnp.max(counts, axis=-1), jnp.sum(counts, axis=-1))
-        reported = {**terms.reported, "aux_loss": (jax.lax.stop_gradient(aux), one),
-                    "router_z_loss": (jax.lax.stop_gradient(z), one),
-                    **{name: (busiest[int(name.rsplit("/", 1)[1])], one) for name in stats}}
+        router, pooled = inputs.side_terms, inputs.totals.get(STEP_FORWARD)
+        aux, z = load_balancing_loss(router, experts.top_k, pooled), router_z_loss(router, pooled)
+        # a part of the step's loss is added whole; a micro-batch's own loss is its share of their
+        # mean
+        parts = 1.0 if pooled is not None else inputs.micro_batches
+        extra = (experts.aux_loss_coef * aux + experts.z_loss_coef * z) * inputs.totals[objective.name] / parts
+        count = jnp.asarray(1.0 if pooled is None else 1.0 / inputs.micro_batches, jnp.float32)
+        counts = jax.lax.stop_gradient((router if pooled is None else pooled).counts)
+        busiest = safe_divide(jnp.max(counts, axis=-1), jnp.sum(counts, axis=-1)) * count
+        reported = {**terms.reported, "aux_loss": (jax.lax.stop_gradient(aux), count),
+                    "router_z_loss": (jax.lax.stop_gradient(z), count),
+                    **{name: (busiest[int(name.rsplit("/", 1)[1])], count) for name in stats}}
         return Terms(terms.value + extra, terms.denominator, terms.loss, reported)
 
-    return dataclasses.replace(objective, loss=loss,
+    return dataclasses.replace(objective, loss=loss, step_forward=route_sums if pools_step else None,
                                reports=(*objective.reports, "aux_loss", "router_z_loss", *stats))
+
+
+def route_sums(model, micro: Batch, key) -> Any:
+    """A micro-batch's router sums (:class:`seqjax.model.experts.RouterTerms`), from a forward pass
+    that stops before the head."""
+    return forward(model, micro, key)[2]

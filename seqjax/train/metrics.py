@@ -1,5 +1,5 @@
-"""Where a run's numbers go: metrics.jsonl (one line per step, plus validation lines), the trackers,
-a PNG.
+"""Where a run's numbers go: metrics.jsonl (one line per step, plus validation lines), the trackers
+(the plots drawn from it: seqjax.train.plots).
 
 ``run.trackers`` chooses the trackers: ``jsonl`` (always on), ``tensorboard``
 (needs ``seqjax[tensorboard]``) and ``wandb`` (needs ``seqjax[wandb]``). One
@@ -36,7 +36,6 @@ from seqjax.core.files import json_text, write_text_atomic
 from seqjax.train.flops import mfu
 
 METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "loss.png"
 
 log = logging.getLogger(__name__)
 
@@ -244,48 +243,6 @@ class MetricsLog:
             self.file.close()
         for tracker in self.trackers:
             tracker.close()
-
-
-def plot_losses(run_dir: str | Path) -> Path:
-    """loss.png: training loss per step and validation loss at each evaluation; an RL run's (rows
-    with a ``reward``) also its reward per generation, the std around it, in a second panel."""
-    # matplotlib takes over half a second to import and is needed once, at the end of a run
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
-
-    rows = read_metrics(run_dir)
-    train = [(r["step"], r["loss"]) for r in rows
-             if "loss" in r and r["loss"] is not None and math.isfinite(r["loss"])]
-    valid = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    rewards = [(r["step"], r["reward"], r.get("reward_std") or 0.0) for r in rows
-               if r.get("reward") is not None and "event" not in r]
-    fig, axes = plt.subplots(2 if rewards else 1, 1, figsize=(7, 6 if rewards else 4), sharex=True, squeeze=False)
-    ax = axes[0, 0]
-    if train:
-        ax.plot(*zip(*train), label="train loss", linewidth=1)
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation loss")
-    # (an RL loss is a surrogate's, not a cross-entropy)
-    ax.set_ylabel("loss" if rewards else "loss (nats per token)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    if rewards:
-        steps, mean, std = (np.asarray(v, np.float64) for v in zip(*rewards))
-        ax = axes[1, 0]
-        ax.plot(steps, mean, label="reward (mean over the generation)", linewidth=1, color="tab:green")
-        ax.fill_between(steps, mean - std, mean + std, alpha=0.2, color="tab:green", label="± its "
-                                                                                           "std")
-        ax.set_ylabel("reward")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    axes[-1, 0].set_xlabel("step")
-    fig.tight_layout()
-    path = Path(run_dir) / PLOT_FILE
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 class StepWindow:

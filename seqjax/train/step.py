@@ -24,6 +24,7 @@ or process index enters, and a resumed run draws the steps' keys again.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -33,7 +34,7 @@ from flax import nnx
 
 from seqjax.data.contract import Batch
 from seqjax.objectives import DEFAULT, Inputs, Objective
-from seqjax.objectives.base import target_logprobs, with_router
+from seqjax.objectives.base import STEP_FORWARD, target_logprobs, with_router
 from seqjax.train.policy import reference_states
 
 # The run key (from run.seed) also seeds parameter initialization, which folds in 0, 1, 2, ...;
@@ -115,34 +116,35 @@ def make_train_step(
     when the reference's weights are the policy's, whose log-probabilities are then the reference's
     too (:meth:`Inputs.reference_logprobs`)."""
     settings = {"z_loss": z_loss, **(settings or {})}
-    # a model with experts: the router's losses from the objective's own forward (model_config: the ModelConfig)
+    # a model with experts (model_config): the router's losses from the objective's own forward
     objective = objective if model_config is None else with_router(objective, model_config)
     reference_logprobs = reference_model(objective, graphdef, reference_graphdef, rest, precomputed)
 
+    def merged(params, frozen):
+        return nnx.merge(graphdef, params, *([] if frozen is None else [frozen]), rest)
+
     def summed_objective(params, micro: Batch, key, frozen, totals, reference, same):
-        model = nnx.merge(graphdef, params, *([] if frozen is None else [frozen]), rest)
-        inputs = Inputs(model, key, settings, totals, reference_logprobs(params, frozen, reference), same,
-                        micro_batches=grad_accum)
+        inputs = Inputs(merged(params, frozen), key, settings, totals,
+                        reference_logprobs(params, frozen, reference), same, micro_batches=grad_accum)
         terms = objective.loss(inputs, micro)
         return terms.value, terms
 
     value_and_grad = jax.value_and_grad(summed_objective, has_aux=True)
 
     def step(params, opt_state, batch: Batch, rng=None, step=0, frozen=None, reference=None):
-        totals = objective.totals(batch)  # data only: every denominator over the global batch, once
+        micros, keys, totals = step_inputs(objective, batch, grad_accum, rng, step,
+                                           functools.partial(merged, params, frozen))
         # once a step, before any micro-batch: is the reference the policy itself?
         same = False if same_weights is None or not objective.reference else same_weights(params, reference, step)
 
         def accumulate(carry, xs):
-            micro, index = xs
+            micro, key = xs
             grads, sums = carry
-            key = None if rng is None else dropout_key(rng, step, index)
             (_, terms), g = value_and_grad(params, micro, key, frozen, totals, reference, same)
             return (jax.tree.map(jnp.add, grads, g), objective.combine(sums, terms)), None
 
         init = (jax.tree.map(jnp.zeros_like, params), objective.zero_terms())
-        xs = (micro_batches(batch, grad_accum), jnp.arange(grad_accum))
-        (grads, sums), _ = jax.lax.scan(accumulate, init, xs)
+        (grads, sums), _ = jax.lax.scan(accumulate, init, (micros, keys))
         denom = jnp.where(sums.denominator > 0, sums.denominator, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         grad_norm = optax.tree.norm(grads)
@@ -151,6 +153,32 @@ def make_train_step(
         return params, opt_state, _metrics(objective, sums, denom, grad_norm, batch)
 
     return step
+
+
+def step_inputs(objective: Objective, batch: Batch, grad_accum: int, rng, step, model: Callable[[], Any]):
+    """(the micro-batches [G, ...], their dropout keys [G] or None, the totals the losses read):
+    every denominator over the global batch (data only), and the statistics of the policy's forward
+    its objective sums over the step first (``step_forward``), once, before any micro-batch."""
+    totals = objective.totals(batch)
+    micros = micro_batches(batch, grad_accum)
+    keys = None if rng is None else jax.vmap(lambda i: dropout_key(rng, step, i))(jnp.arange(grad_accum))
+    if objective.step_forward is not None and grad_accum > 1:
+        totals = {**totals, STEP_FORWARD: forward_sums(objective, model, micros, keys)}
+    return micros, keys, totals
+
+
+def forward_sums(objective: Objective, model: Callable[[], Any], micros: Batch, keys) -> Any:
+    """``objective.step_forward``'s statistics of the policy (``model()`` merges it) summed over the
+    step's micro-batches ``micros`` [G, ...] under their dropout ``keys``: forward passes only, and no
+    gradient flows through them."""
+    def add(total, xs):
+        part = objective.step_forward(model(), *xs)
+        return (part if total is None else jax.tree.map(jnp.add, total, part)), None
+
+    first = jax.tree.map(lambda a: a[0], (micros, keys))
+    later = jax.tree.map(lambda a: a[1:], (micros, keys))
+    total, _ = jax.lax.scan(add, add(None, first)[0], later)
+    return jax.lax.stop_gradient(total)
 
 
 def _metrics(objective: Objective, sums, denom: jax.Array, grad_norm: jax.Array, batch: Batch) -> dict[str, Any]:

@@ -18,7 +18,8 @@ import jax
 
 from seqjax.core.files import json_text, write_text_atomic
 from seqjax.eval.windows import resolve_stride
-from seqjax.train.metrics import StepLogger, peak_memory_bytes, plot_losses, read_metrics
+from seqjax.train.metrics import StepLogger, peak_memory_bytes, read_metrics
+from seqjax.train.plots import plot_losses, plot_router
 from seqjax.weights.saved import Restored
 
 SUMMARY_FILE = "summary.json"
@@ -92,13 +93,16 @@ def write_summary(run, steps: StepLogger, restored: Restored | None, last_val: d
     }
     if run.primary:
         plot_losses(run.run_dir)
+        if config.model.experts.enabled:
+            plot_router(run.run_dir, config.model.experts.count, config.model.experts.top_k)
         write_text_atomic(run.run_dir / SUMMARY_FILE, json_text(summary, indent=2))
     return summary
 
 
 def rewards_seen(run_dir: Path) -> dict[str, Any] | None:
-    """An RL run's rewards over its metrics.jsonl (every generation, the resumed ones included): the last
-    generation's mean and std, and the best mean with its step; None for a run without rewards."""
+    """An RL run's rewards over its metrics.jsonl (every generation, the resumed ones included):
+    the last generation's mean and std, and the best mean with its step; None for a run without
+    rewards."""
     rows = [r for r in read_metrics(run_dir) if r.get("reward") is not None and "event" not in r]
     if not rows:
         return None
