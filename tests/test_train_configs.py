@@ -29,6 +29,15 @@ def test_gpt2_small_has_about_124m_parameters_at_seq_len_1024():
     assert 120e6 < params < 128e6
 
 
+@pytest.mark.parametrize("name, published", [("qwen3_30b_a3b_lora", 30.5e9), ("gpt_oss_20b_lora", 20.9e9)])
+def test_the_moe_configs_have_their_models_published_sizes(name, published):
+    """Qwen3-30B-A3B's 30.5 B parameters and gpt-oss-20b's 20.9 B (their model cards), adapters left out."""
+    config = load_config(CONFIGS[0].parent / f"{name}.yaml", ["model.lora.rank=0"])
+    shapes = nnx.eval_shape(lambda: build_model(config, rngs=nnx.Rngs(0)))
+    params = sum(x.size for x in jax.tree.leaves(nnx.state(shapes, nnx.Param)))
+    assert abs(params - published) < 0.01 * published, params
+
+
 @pytest.mark.slow  # (fast loop: a few seconds of compiling; the full suite runs it)
 def test_the_quality_recipe_starts_scaled_down_with_its_regularization_and_strategy(tiny_root, tmp_path):
     """Two steps of configs/wikitext2_quality.yaml on the tiny corpus: only the model and rows shrink."""

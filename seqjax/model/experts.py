@@ -266,7 +266,7 @@ def expert_parallel(mesh, x: jax.Array, chosen: jax.Array, weights: jax.Array, p
 
 def resolve_dispatch(dispatch: str) -> str:
     """``model.experts.dispatch``: ``auto`` is ``blocked`` on the CPU, where XLA's ragged_dot is
-    a dense fallback and the blocked form measured 4-14x faster (BENCHMARKS.md, "Mixture of
+    a dense fallback and the blocked form measured 6-16x faster (BENCHMARKS.md, "Mixture of
     experts"), and the grouped matmul (``jax.lax.ragged_dot``) on a GPU or TPU, where XLA lowers
     it to a grouped kernel (on a GPU not yet measured against blocked: the GPU suite's ``moe``
     stage does). Said once, as the attention's auto says its pick."""
