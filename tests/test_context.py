@@ -128,7 +128,7 @@ def test_training_over_the_context_axis_takes_one_devices_steps(reference, tiny_
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(base), json.dumps([(str(d), o) for d, o in runs])],
                           cwd=REPO, env=cli_env(devices=4), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "mesh {'data': 1, 'fsdp': 1, 'context': 4, 'tensor': 1}" in proc.stderr
+    assert "mesh {'data': 1, 'fsdp': 1, 'expert': 1, 'context': 4, 'tensor': 1}" in proc.stderr
     assert "'context': 2" in proc.stderr and "resum" in proc.stderr.lower()
     # (float32 sums in another order: 1.0e-6 apart at worst under the tests' unoptimized compile, 2.2e-7 under a
     # user's)

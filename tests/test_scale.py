@@ -221,7 +221,7 @@ def test_plan_memory_shards_the_parameters_over_fsdp(mesh, fsdp, tmp_path):
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     total = row["parameters"] * 4  # float32
     tensor = 4 // fsdp
-    assert row["mesh"] == {"data": 1, "fsdp": fsdp, "context": 1, "tensor": tensor}
+    assert row["mesh"] == {"data": 1, "fsdp": fsdp, "expert": 1, "context": 1, "tensor": tensor}
     assert total / (fsdp * tensor) <= row["param_bytes_per_device"] <= total / fsdp * 1.05
     assert row["optimizer_bytes_per_device"] >= 2 * row["param_bytes_per_device"]  # AdamW's two moments
     assert row["temp_bytes_per_device"] > 0
