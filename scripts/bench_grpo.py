@@ -206,8 +206,8 @@ def sampling(groups, args) -> dict:
     import jax
     from flax import nnx
 
+    from seqjax.engine import generate, sample_rollouts
     from seqjax.model import build_model
-    from seqjax.model.decode import generate, sample_rollouts
     from seqjax.model.sampling import SamplingConfig
 
     model = build_model(config_for(args, "prompt_once"), rngs=nnx.Rngs(0))

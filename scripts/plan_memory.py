@@ -273,34 +273,44 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def sampling_memory(config, model, mesh, resident: int) -> dict:
-    """An RL run's sampling program (seqjax.model.decode.sample_rollouts) compiled for its generation batch: each
-    prompt at the longest a row holds beside its completions (data.seq_len less rl.num_generations x
-    rl.max_completion_length in the prompt-once layout, less one completion otherwise), prefilled once, its KV
-    cache copied to its G rows and grown by rl.max_completion_length. ``resident``: the weights and optimizer
-    state that stay on the device meanwhile."""
+    """An RL run's sampling programs (seqjax.engine: the packed prefill and the decode loop) compiled for its
+    generation batch: each prompt at the longest a row holds beside its completions (data.seq_len less
+    rl.num_generations x rl.max_completion_length in the prompt-once layout, less one completion otherwise),
+    stored once in the paged KV cache, its G completions decoded through engine.slots slots. ``resident``: the
+    weights and optimizer state that stay on the device meanwhile; the cache's pages count beside them."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
+    from seqjax.engine import loop
+    from seqjax.engine.engine import Engine, _generate, _prompt_tables
     from seqjax.model import sharding
-    from seqjax.model.decode import _sample_rollouts
     from seqjax.model.sampling import SamplingConfig
 
     rl = config.rl
-    prompt = config.data.seq_len - rl.max_completion_length * (rl.num_generations if rl.layout == "prompt_once" else 1)
+    prompt = max(1, config.data.seq_len - rl.max_completion_length * (
+        rl.num_generations if rl.layout == "prompt_once" else 1))
     graphdef, state = nnx.split(model)
     shardings = sharding.param_shardings(state, mesh)
     pure = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), nnx.to_pure_dict(state),
                         shardings)
     nnx.replace_by_pure_dict(state, pure)
-    prompts = jax.ShapeDtypeStruct((rl.generation_prompts, max(prompt, 1)), np.int32)
+    lengths = [prompt] * rl.generation_prompts
+    engine = Engine(model, config.engine, state=state)
+    plan = engine.plan(lengths, rl.num_generations, rl.max_completion_length, memory=False)
+    rows, _ = engine.rows([[1] * prompt for _ in lengths], _prompt_tables(lengths, plan), plan, None)
+    abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
+    pool = loop.Pool(jax.ShapeDtypeStruct((plan.pages,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+                     jax.ShapeDtypeStruct((), jnp.int32))
     key = jax.eval_shape(lambda: jax.random.key(0))
     start = time.perf_counter()
-    compiled = _sample_rollouts.lower(graphdef, state, prompts, prompts, prompts, key, rl.max_completion_length,
-                                      rl.num_generations, np.zeros(1, np.int32),
-                                      SamplingConfig(rl.temperature, rl.top_k, rl.top_p).arrays()).compile()
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    compiled = _generate.lower(graphdef, state, jax.tree.map(abstract, rows), pool, plan, rl.num_generations,
+                               rl.max_completion_length, jax.ShapeDtypeStruct((1,), jnp.int32),
+                               SamplingConfig(rl.temperature, rl.top_k, rl.top_p).arrays(), key).compile()
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)  # (the paged cache is made inside: counted here)
     return {"sampling_rows": rl.generation_prompts * rl.num_generations, "sampling_prompt_tokens": prompt,
+            "sampling_slots": plan.slots, "sampling_kv_bytes_per_device": plan.kv_bytes,
             "sampling_temp_bytes_per_device": temp, "sampling_total_bytes_per_device": resident + temp,
             "sampling_compile_seconds": round(time.perf_counter() - start, 2)}
 

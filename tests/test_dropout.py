@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 from seqjax.config.load import load_config
 from seqjax.config.tree import ConfigError
+from seqjax.engine import generate
 from seqjax.eval.evaluate import evaluate
 from seqjax.model import build_model
 from seqjax.model.attention import attention
-from seqjax.model.decode import generate
 from seqjax.store.reader import TokenStore
 from seqjax.train.optimizer import build_optimizer
 from seqjax.train.step import make_train_step

@@ -24,9 +24,9 @@ from safetensors.numpy import load_file, save_file
 
 from hf_support import script_module, tiny_tokenizer
 from seqjax.core.errors import CheckpointError
+from seqjax.engine import generate
 from seqjax.hf import families
 from seqjax.hf import folders as hf
-from seqjax.model.decode import generate
 
 REFERENCES = Path(__file__).parent / "data" / "families"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]

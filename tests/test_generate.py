@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from seqjax.config.load import load_config
+from seqjax.engine import generate
 from seqjax.main.generate import read_prompts
-from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
 
 VOCAB = 48
@@ -114,10 +114,10 @@ def test_generate_cli_prints_json_last(wikitext_prepared, wikitext_config, tmp_p
 def test_a_prompt_too_long_is_blamed_on_the_prompt_and_too_many_new_tokens_on_that_flag(model):
     from seqjax.core.errors import UsageError
 
-    with pytest.raises(UsageError, match=r"^--prompt: the longest prompt is 32 tokens .* expected at most 31"):
+    with pytest.raises(UsageError, match=r"^prompt 0: 32 tokens .* model.max_seq_len=32 .* expected at most 31"):
         generate(model, [[START] * 32], eot_id=None, max_new_tokens=1)
-    with pytest.raises(UsageError, match=r"^--max-new-tokens: got 30, expected at most 24: the longest prompt "
-                                         r"takes 8 of model.max_seq_len=32"):
+    with pytest.raises(UsageError, match=r"^--max-new-tokens: got 30, expected at most 24: prompt \d takes 8 of "
+                                         r"model.max_seq_len=32"):
         generate(model, PROMPTS, eot_id=None, max_new_tokens=30)
 
 

@@ -42,6 +42,7 @@ STAGES = [
     ("store", ("seqjax.store",)),
     ("data", ("seqjax.data",)),
     ("model", ("seqjax.model",)),
+    ("engine", ("seqjax.engine",)),
     ("objectives", ("seqjax.objectives",)),
     ("hf", ("seqjax.hf",)),
     ("weights", ("seqjax.weights",)),

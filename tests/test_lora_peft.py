@@ -301,8 +301,8 @@ def test_a_peft_folder_given_as_init_from_points_at_init_adapter(tmp_path):
 def test_generate_runs_on_a_base_plus_a_peft_adapter_folder_with_no_training_step(tmp_path, capsys):
     """generate --hf BASE --adapter PEFT_DIR: the adapter's own settings (here DoRA on all-linear) on the base,
     read as --adapter's reader reads it; without --adapter the base alone answers otherwise."""
+    from seqjax.engine import generate
     from seqjax.main.generate import main
-    from seqjax.model.decode import generate
 
     folder = hf_folder("qwen2", tmp_path / "qwen2")
     adapter = peft_folder("qwen2-dora", tmp_path / "adapter")

@@ -21,8 +21,8 @@ from safetensors.numpy import load_file, save_file
 
 from hf_support import script_module, tiny_tokenizer
 from seqjax.core.errors import CheckpointError
+from seqjax.engine import generate
 from seqjax.hf import folders as hf
-from seqjax.model.decode import generate
 from seqjax.model.experts import load_balancing_loss
 
 REFERENCES = Path(__file__).parent / "data" / "moe"

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from seqjax.config.load import load_config
+from seqjax.engine import generate
 from seqjax.model import build_model
-from seqjax.model.decode import generate
 from seqjax.model.loss import lm_loss
 from seqjax.model.stacking import blocks_layout, is_stacked
 from test_scale import TINY, assert_trees_close, batch

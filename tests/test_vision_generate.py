@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from seqjax.data.image_rows import ImageExample, prompt_image_fields
-from seqjax.model.decode import decode_step, generate, prefill
-from seqjax.model.decode import prompt_batch as text_batch
+from seqjax.engine import Engine, generate
+from seqjax.model.sampling import SamplingConfig
 from vision_support import DATA, REFERENCES
 
 FAMILIES = sorted(REFERENCES)
@@ -51,18 +52,20 @@ def test_greedy_tokens_after_a_prompt_with_images_equal_transformers(family, nam
 
 # (the fast loop: Qwen3-VL's; the two models share the decode path)
 @pytest.mark.parametrize("family", ["qwen3_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.slow)])
-def test_each_new_tokens_logits_equal_transformers_through_the_cache(family):
-    """The logits of every generation step, the prefill's and the cached steps', are transformers'
-    to 1e-5 of scale (a new token at the wrong position would change them)."""
+def test_each_new_tokens_log_probability_equals_transformers_through_the_cache(family):
+    """Every generation step's pick and its log-probability, the prefill's and the cached steps', are
+    transformers' (its logits' log-softmax at its greedy token, to 1e-5 of the logits' scale): a new token
+    at the wrong position would change them."""
     names = ["two_images", "one_image"]
     prompts, images = prompt_batch(family, names)
-    model = REFERENCES[family].model()
     tokens, step_logits = greedy(family)
-    inputs, positions, segment_ids = text_batch([p.ids.tolist() for p in prompts])
-    logits, cache = prefill(model, inputs, positions, segment_ids, max_len=inputs.shape[1] + 8, images=images)
-    for step in range(8):
-        for row, name in enumerate(names):
-            theirs = step_logits[name][step]
-            np.testing.assert_allclose(np.asarray(logits[row]), theirs, rtol=0, atol=1e-5 * np.abs(theirs).max(),
-                                       err_msg=f"{name}, step {step}")
-        logits, cache = decode_step(model, np.asarray([tokens[name][step] for name in names]), cache)
+    done = Engine(REFERENCES[family].model()).run(
+        [p.ids.tolist() for p in prompts], max_new_tokens=8, stop_ids=[], sampling=SamplingConfig(temperature=0.0),
+        key=jax.random.key(0), images=images)
+    for row, name in enumerate(names):
+        assert done[row].tokens == tokens[name]
+        for step in range(8):
+            theirs = np.asarray(step_logits[name][step], np.float64)
+            logp = theirs - np.log(np.sum(np.exp(theirs - theirs.max()))) - theirs.max()
+            assert abs(done[row].logprobs[step] - logp[tokens[name][step]]) <= 1e-5 * np.abs(theirs).max(), \
+                (name, step)

@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from seqjax.config.data import DataConfig, SourceConfig
+from seqjax.config.engine import EngineConfig
 from seqjax.config.fields import DATA, DATA_DIR_ENV, RESUME_KINDS, setting
 from seqjax.config.model import SPLIT_ROW_BACKENDS, LoraConfig, ModelConfig, RopeScalingConfig
 from seqjax.config.rl import RLConfig
@@ -47,7 +48,7 @@ from seqjax.core.files import write_text_atomic
 # The sections, importable from here as from their own modules; ConfigError and DATA_DIR_ENV with
 # them.
 __all__ = [
-    "Config", "ConfigError", "DATA_DIR_ENV", "DataConfig", "DistributedConfig", "EvalConfig",
+    "Config", "ConfigError", "DATA_DIR_ENV", "DataConfig", "DistributedConfig", "EngineConfig", "EvalConfig",
     "LoraConfig", "MeshConfig", "ModelConfig", "RESUME_KINDS", "RLConfig", "RopeScalingConfig", "RunConfig",
     "SourceConfig", "TokenizerConfig", "TrainConfig"
 ]
@@ -195,6 +196,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     dist: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -200,7 +200,7 @@ def image_example(ids: np.ndarray, images: list[np.ndarray], spec) -> ImageExamp
 
 def prompt_image_fields(examples: list[ImageExample], layout: ImageLayout) -> dict[str, np.ndarray]:
     """The image fields of prompts (:func:`image_example`), one a row, right-padded as
-    :func:`seqjax.model.decode.prompt_batch` pads their ids: what ``generate(images=...)`` takes."""
+    seqjax.engine pads their ids (one prompt a row): what ``generate(images=...)`` takes."""
     width = max(len(e.ids) - 1 for e in examples)
     # (a whole merged group at least)
     patches = max(layout.merge_size**2, max(len(e.pixels) for e in examples))

@@ -1,11 +1,9 @@
 """Text generation from a trained run: ``python -m seqjax.generate --run DIR --prompt "..."``.
 
-Decoding is :func:`seqjax.model.decode.generate`, with a KV cache: one prefill over
-all prompts, then one jitted step per new token (compiled once; the sampling
-settings are traced values, so they never recompile either). A batch of
-prompts of different lengths goes right-padded in one prefill; each row
-continues at its own next position and padding slots are masked by their
-segment id 0.
+Decoding is the generation engine's (:func:`seqjax.engine.generate`; docs/generation.md): every
+prompt prefilled once, packed, then continuous batching over a paged KV cache on the device, sized by
+``engine.*``. ``--num-return-sequences N`` samples N continuations of each prompt, sharing its
+prompt's pages. The sampling settings are traced values, so they never recompile.
 
 Every prompt is preceded by ``<|endoftext|>``, the token every training
 sequence and every evaluation unit starts with, so an article's opening is
@@ -40,8 +38,8 @@ import numpy as np
 from seqjax.core.errors import UsageError
 from seqjax.core.files import json_text, read_utf8
 from seqjax.data.image_rows import ImageLayout, image_example, prompt_image_fields
+from seqjax.engine import generate
 from seqjax.main import cli, trained
-from seqjax.model.decode import generate
 from seqjax.model.sampling import SamplingConfig
 from seqjax.store.chat import chat_prompt, end_of_turn
 from seqjax.store.examples import example_spec
@@ -145,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0,
                    help="most likely tokens to keep (0: off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: run.seed)")
+    p.add_argument("--num-return-sequences", dest="num_return_sequences", type=int, default=1,
+                   help="continuations of each prompt (transformers' num_return_sequences)")
     return p
 
 
@@ -155,6 +155,8 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--chat: got it with --prompt/--prompts, expected one of them")
     texts = None if args.chat is not None else read_prompts(args.prompt, args.prompts)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.num_return_sequences < 1:
+        raise UsageError(f"--num-return-sequences: got {args.num_return_sequences}, expected at least 1")
     config, model = trained.load_checkpoint(args)
     # the run's tokenizer, reused from the cache
     tokenizer = trained.trained_tokenizer(args, config)
@@ -178,10 +180,12 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=seed,
+        copies=args.num_return_sequences,
+        engine=config.engine,
     )
     seconds = time.perf_counter() - start
     samples = []
-    for text, out in zip(texts, outputs):
+    for text, out in zip([t for t in texts for _ in range(args.num_return_sequences)], outputs):
         completion = tokenizer.decode_whole(out.tokens)
         log.info("--- %r\n%s%s", text, text, completion)
         samples.append({"prompt": text, "completion": completion, "new_tokens": len(out.tokens),

@@ -37,7 +37,6 @@ depth; norm scales start at 1.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -47,10 +46,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from seqjax.config.model import ModelConfig
-from seqjax.model.attention import attention, masked_attention, resolve_backend
-from seqjax.model.cache import LayerCache
+from seqjax.model.attention import attention, resolve_backend
+from seqjax.model.cache import LayerView
 from seqjax.model.lora import Adapters
-from seqjax.model.mask import FULL, segment_mask
+from seqjax.model.mask import FULL
 from seqjax.model.mlp import MLPS, drop, normal_param
 from seqjax.model.quant import weight
 from seqjax.model.rope import rope, rope_attention_factor
@@ -149,26 +148,14 @@ class Attention(nnx.Module):
             o = attend(window)
         return drop(self.dropout, checkpoint_name(self._out(o, lora_key), "attn_out"), out_key)
 
-    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,
-               rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerCache]:
-        """Write this call's keys/values at slots ``cache.start..`` and attend over the whole cache;
-        (out, cache).
-
-        Always the XLA path (:func:`masked_attention`): a decode step has one query per row, where
-        the training kernels have nothing to skip. A sliding layer's window applies to the cache's
-        slots.
-        """
+    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerView,
+               rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerView]:
+        """x [B, T, D] through this layer's cache view (seqjax.model.cache): its keys and values
+        written, then attended over what the view holds; (out, the view after the write)."""
         q, k, v = self._qkv(x, positions, rope_freq)
-        keys = jax.lax.dynamic_update_slice_in_dim(cache.keys, k.astype(cache.keys.dtype),
-                                                   cache.start, axis=1)
-        values = jax.lax.dynamic_update_slice_in_dim(cache.values, v.astype(cache.values.dtype),
-                                                     cache.start, axis=1)
-        q_index = cache.start + jnp.arange(x.shape[1])[None, :]
-        kv_index = jnp.arange(keys.shape[1])[None, :]
-        mask = segment_mask(segment_ids, cache.segment_ids, q_index, kv_index, window=window)
-        o = masked_attention(q, keys.astype(x.dtype), values.astype(x.dtype), mask, scale=self.scale,
-                             sinks=self._sinks())
-        return self._out(o), dataclasses.replace(cache, keys=keys, values=values)
+        o, cache = cache.attend(q, k, v, segment_ids=segment_ids, window=window, scale=self.scale,
+                                sinks=self._sinks())
+        return self._out(o), cache
 
     def _sinks(self) -> jax.Array | None:
         return self.sinks[...] if self.has_sinks else None
@@ -235,10 +222,10 @@ class Block(nnx.Module):
         out, terms = self.mlp(self.mlp_norm(x), segment_ids, dropout_key=mlp_key)
         return x + self._post(out, "mlp"), terms
 
-    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerCache,
-               rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerCache]:
-        """The same block over the KV cache (see :meth:`Attention.decode`); returns (x, the layer's
-        updated cache)."""
+    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerView,
+               rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerView]:
+        """The same block over a cache view (see :meth:`Attention.decode`); returns (x, the layer's
+        view after the write)."""
         attended, cache = self.attn.decode(self.attn_norm(x), positions, segment_ids, cache,
                                            rope_freq, window)
         x = x + self._post(attended, "attn")

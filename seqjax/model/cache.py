@@ -1,52 +1,37 @@
-"""The KV cache of incremental decoding: typed, a pytree, with the segment ids of every slot
-(contract 2 masks the slots not written yet)."""
+"""The block's cache seam: what a layer does with its new keys and values when it decodes. The model
+never builds a cache; a caller's cache (seqjax.engine: the paged KV cache of decoding, the capture
+of a packed prefill) hands each layer a view, and the layer's attention asks it to **write, then
+attend**:
+
+    o, view = view.attend(q, k, v, segment_ids=..., window=..., scale=..., sinks=...)
+
+A cache is any pytree with ``views(segment_ids) -> one view per layer`` and ``advanced(views,
+segment_ids) -> the cache after the call``; :meth:`seqjax.model.transformer.TransformerLM.decode`
+runs the blocks over it. A recurrent layer's state (Qwen3.5's Gated DeltaNet) joins a cache the
+same way: a view with its own update rule."""
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any, Protocol, Sequence
 
 import jax
-import jax.numpy as jnp
-
-from seqjax.config.model import ModelConfig
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class LayerCache:
-    """One layer's view of the KV cache: what :meth:`Attention.decode` reads, and returns with its
-    new keys and values.
+class LayerView(Protocol):
+    """One layer's part of a cache."""
 
-    keys/values: [B, S, K, Dh]; segment_ids: [B, S] for every slot, the ones
-    this call writes included (0 on slots not written yet, which contract 2
-    then masks); start: int32 scalar, the slot the call's first token goes to.
-    """
-
-    keys: jax.Array
-    values: jax.Array
-    segment_ids: jax.Array
-    start: jax.Array
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array, window: Any,
+               scale: float | None, sinks: jax.Array | None) -> tuple[jax.Array, "LayerView"]:
+        """Write this call's keys and values (k, v [B, T, Hkv, D]; the tokens whose
+        ``segment_ids`` are 0 write nothing), then attend with q [B, T, H, D] over what the layer
+        holds; (out [B, T, H, D], the view after the write)."""
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-    """Keys and values of every layer for incremental decoding (see seqjax.model.decode).
+class Cache(Protocol):
+    """A decoding cache over every layer."""
 
-    keys/values: one [B, S, K, Dh] array per layer; segment_ids: [B, S], 0 on
-    slots not written yet (contract 2 then masks them); length: int32 scalar,
-    the slot the next call writes first. Queries at slot i attend to slots
-    j <= i with their own segment id, by :func:`segment_mask` with row indices.
-    """
+    def views(self, segment_ids: jax.Array) -> Sequence[LayerView]:
+        """One view per layer for a call whose tokens have ``segment_ids`` [B, T]."""
 
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
-    segment_ids: jax.Array
-    length: jax.Array
-
-    @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> "KVCache":
-        dtype = jnp.dtype(cfg.compute_dtype)
-        shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
-        return cls(zeros, zeros, jnp.zeros((batch, max_len), jnp.int32), jnp.zeros((), jnp.int32))
+    def advanced(self, views: Sequence[LayerView], segment_ids: jax.Array) -> "Cache":
+        """The cache after the call: its layers' views, and the tokens it wrote counted."""

@@ -82,6 +82,19 @@ def allowed(q_segment, kv_segment, q_index, kv_index, window=None, q_prefix=None
     return ok if window is None else ok & (q_index - kv_index < window)
 
 
+def page_mask(q_index: jax.Array, q_real: jax.Array, kv_length: jax.Array, capacity: int,
+              window: int | jax.Array | None = None) -> jax.Array:
+    """Contract 2 for a paged cache, whose row holds one sequence: [B, Tq, capacity], True where
+    query i (its place ``q_index`` [B, Tq] in its sequence, a real token where ``q_real``) may
+    attend to the key at place j of the sequence's pages: j written (below ``kv_length`` [B],
+    this call's tokens included), j <= i, and within the window. The same :func:`allowed` as
+    every backend's mask, the sequence as one segment and its places as the row indices
+    (seqjax.engine's decode)."""
+    kv_index = jnp.arange(capacity, dtype=jnp.int32)[None, None, :]
+    kv_real = (kv_index < kv_length[:, None, None]).astype(jnp.int32)
+    return allowed(q_real.astype(jnp.int32)[:, :, None], kv_real, q_index[:, :, None], kv_index, window)
+
+
 # A window no row reaches: how a layer attending to its whole segment is told apart from a sliding
 # one where the window is a traced per-layer value (under model.scan_layers).
 FULL = 2**30
@@ -92,15 +105,18 @@ FULL = 2**30
 def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
     """Raise ValueError naming the argument and the expected shape/dtype, before any work."""
     if q.ndim != 4:
-        raise ValueError(f"attention: q has shape {q.shape}, expected [batch, seq, heads, head_dim]")
+        raise ValueError(f"attention: q has shape {q.shape}, expected [batch, seq, heads, "
+                         "head_dim]")
     b, t, h, d = q.shape
     if k.shape != v.shape:
         raise ValueError(
-            f"attention: k has shape {k.shape} but v has {v.shape}; expected the same [B, T, Hkv, D]"
+            f"attention: k has shape {k.shape} but v has {v.shape}; expected the same [B, T, Hkv, "
+            "D]"
         )
     if k.ndim != 4 or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
         raise ValueError(
-            f"attention: k/v have shape {k.shape}, expected [{b}, {t}, kv_heads, {d}] to match q {q.shape}"
+            f"attention: k/v have shape {k.shape}, expected [{b}, {t}, kv_heads, {d}] to match q "
+            f"{q.shape}"
         )
     if h % k.shape[2]:
         raise ValueError(
@@ -109,7 +125,8 @@ def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
         raise ValueError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if segment_ids.shape != (b, t):
         raise ValueError(
-            f"attention: segment_ids has shape {segment_ids.shape}, expected [{b}, {t}] to match q {q.shape}"
+            f"attention: segment_ids has shape {segment_ids.shape}, expected [{b}, {t}] to match q "
+            f"{q.shape}"
         )
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(

@@ -31,7 +31,8 @@ class SamplingConfig:
         # samples garbage).
         if not (0 <= self.temperature < math.inf):
             raise UsageError(
-                f"--temperature: got {self.temperature}, expected a finite number, 0 (greedy) or more"
+                f"--temperature: got {self.temperature}, expected a finite number, 0 (greedy) or "
+                "more"
             )
         if self.top_k < 0:
             raise UsageError(f"--top-k: got {self.top_k}, expected 0 (off) or a positive count")
@@ -75,3 +76,15 @@ def sample(
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
     drawn = jax.random.categorical(key, filter_logits(scaled, top_k, top_p), axis=-1)
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+    """Next token ids [B] from logits [B, V], row i drawn with its own key ``keys[i]``: a row's
+    token depends on its logits and its key alone, never on the other rows of the batch
+    (seqjax.engine draws each sequence's token at place n with a key of (seed, prompt,
+    completion, n))."""
+    def one(row, key):
+        return sample(row[None], key, temperature, top_k, top_p)[0]
+
+    return jax.vmap(one)(logits, keys)

@@ -26,7 +26,7 @@ from seqjax.config.fields import hashable
 from seqjax.config.tree import Config, ModelConfig
 from seqjax.model.attention import TILED, resolve_backend
 from seqjax.model.block import Block, RMSNorm, drop, normal_param, split_keys, stacked_blocks, unrolled_blocks
-from seqjax.model.cache import KVCache, LayerCache
+from seqjax.model.cache import Cache
 from seqjax.model.context import split_row
 from seqjax.model.experts import RouterTerms
 from seqjax.model.head import head_logits
@@ -153,34 +153,27 @@ class TransformerLM(nnx.Module):
         x, injections = with_images(self.vision, x, **images)
         return x, mrope_positions(positions_3d, self.mrope_axes), injections
 
-    def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
-               cache: KVCache, positions_3d: jax.Array | None = None,
-               **images: jax.Array) -> tuple[jax.Array, KVCache]:
-        """Logits [B, T, V] float32 for ``inputs`` written into ``cache`` at slots
-        ``cache.length..``; (logits, cache).
+    def decode(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array, cache: Cache,
+               positions_3d: jax.Array | None = None, **images: jax.Array) -> tuple[jax.Array, Cache]:
+        """The last block's output [B, T, D] (before the final norm: :meth:`logits` maps the rows a
+        caller needs) for ``inputs`` run through ``cache``, and the cache after them
+        (seqjax.model.cache: each layer's keys and values written, then attended over).
 
-        A prefill passes the prompts (T tokens), a decode step one token per row (T = 1);
-        seqjax.model.decode wraps both. A prompt with images passes ``positions_3d`` and the image
-        fields as :meth:`features_and_head` takes them; the tokens after it rotate by one position
-        on every axis, as Qwen3-VL's text does.
+        A packed prefill passes the prompts, a decode step one token per row (T = 1); seqjax.engine
+        drives both. A prompt with images passes ``positions_3d`` and the image fields as
+        :meth:`features_and_head` takes them; the tokens after it rotate by one position on every
+        axis, as Qwen3-VL's text does.
         """
         self.check_batch(inputs, positions, segment_ids)
         x, rotary, injections = self.with_images(self.embed_tokens(inputs), positions, positions_3d, images)
-        start = cache.length
-        seg = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids, segment_ids.astype(jnp.int32),
-                                                  start, axis=1)
-        layers = []
+        views, done = cache.views(segment_ids), []
         freqs = self.rope_freqs()
-        for i, (keys, values) in enumerate(zip(cache.keys, cache.values)):
-            x, layer = self.layer(i).decode(x, rotary, segment_ids,
-                                            LayerCache(keys, values, seg, start), freqs[i],
-                                            self.cfg.window_of(i))
+        for i, view in enumerate(views):
+            x, view = self.layer(i).decode(x, rotary, segment_ids, view, freqs[i], self.cfg.window_of(i))
             if injections is not None and i < len(injections):
                 x = x + injections[i].astype(x.dtype)
-            layers.append(layer)
-        cache = KVCache(tuple(c.keys for c in layers), tuple(c.values for c in layers), seg,
-                        start + inputs.shape[1])
-        return self.logits(x), cache
+            done.append(view)
+        return x, cache.advanced(tuple(done), segment_ids)
 
     def embed_tokens(self, inputs) -> jax.Array:
         """Token ids [B, T] -> embeddings [B, T, D] in the compute dtype; out-of-range ids give NaN

@@ -6,7 +6,7 @@ Every ``rl.steps_per_generation x rl.num_iterations`` steps it makes a generatio
 1. the next ``rl.prompts_per_step x rl.steps_per_generation`` prompts (shuffled per epoch from
    ``run.seed``, in file order without ``data.shuffle``);
 2. ``rl.num_generations`` completions each, sampled with the current policy on the training mesh
-   (:func:`seqjax.model.decode.sample_rollouts`, its key ``run.seed``'s folded with the generation's
+   (:func:`seqjax.engine.sample_rollouts`, its key ``run.seed``'s folded with the generation's
    number: a resumed run samples the same), or replayed from ``rl.rollouts_file`` (:class:`Replay`);
 3. scored by the reward functions (:mod:`seqjax.train.rewards`);
 4. laid out in rows (:mod:`seqjax.data.rollouts`), and, when a later step or pass will train on them
@@ -39,7 +39,7 @@ from seqjax.config.tree import Config
 from seqjax.core.errors import DataError, SeqjaxError
 from seqjax.core.files import json_text, write_bytes_atomic, write_text_atomic
 from seqjax.data.rollouts import Group, rollout_batches, rows_needed, with_advantages
-from seqjax.model.decode import sample_rollouts
+from seqjax.engine.rollout import EngineRollout, Rollout
 from seqjax.model.sampling import SamplingConfig
 from seqjax.model.sharding import BATCH_AXES
 from seqjax.objectives import resolve
@@ -91,6 +91,10 @@ class RolloutSource:
         self.fresh_at = None  # a step whose batch was made again at its start (its ratio is 1 there)
         self.every = self.rl.steps_per_generation * self.rl.num_iterations
         self.key = jax.random.fold_in(jax.random.key(config.run.seed), ROLLOUT_STREAM)
+        sampling = SamplingConfig(self.rl.temperature, self.rl.top_k, self.rl.top_p)
+        self.rollout: Rollout = (
+            ReplayRollout(plan.replay, self.stop_ids) if plan.replay is not None
+            else EngineRollout(self.key, self.stop_ids, self.rl.max_completion_length, sampling, config.engine))
         self._logprobs = jax.jit(lambda params, frozen, batch, reference: policy.logprobs(
             policy.reference_model(params, frozen) if reference else policy.model(params, frozen), batch),
             static_argnums=3)
@@ -145,17 +149,10 @@ class RolloutSource:
         return out
 
     def _completions(self, params, prompts: list[Prompt], generation: int) -> list[tuple[list[int], bool]]:
-        """(ids, stopped) of each prompt's G completions, in order: sampled, or replayed from the
-        file."""
-        g = self.rl.num_generations
-        if self.plan.replay is not None:
-            return [(ids, bool(ids) and ids[-1] in self.stop_ids)
-                    for prompt in prompts for ids in self.plan.replay.completions[prompt.index][:g]]
-        sampling = SamplingConfig(self.rl.temperature, self.rl.top_k, self.rl.top_p)
-        made = sample_rollouts(self.policy.model(params, self.frozen), [p.ids.tolist() for p in prompts],
-                               stop_ids=self.stop_ids, max_new_tokens=self.rl.max_completion_length,
-                               sampling=sampling, key=jax.random.fold_in(self.key, generation), copies=g)
-        return [(m.tokens, m.stopped) for m in made]
+        """(ids, stopped) of each prompt's G completions, in order, from the run's rollout (the
+        engine's samples, or the file's replay: seqjax.engine.rollout)."""
+        self.rollout.update_params(self.policy.model(params, self.frozen))
+        return self.rollout.generate(prompts, copies=self.rl.num_generations, generation=generation)
 
     def _generate(self, params, generation: int, step: int) -> dict[str, Any]:
         """One generation batch: prompts, completions, rewards, the steps' batches, advantages."""
@@ -433,3 +430,19 @@ def open_source(opening) -> RolloutSource:
     return RolloutSource(config, opening.plan, opening.prepared.tokenizer, opening.policy, opening.frozen,
                          opening.to_device, Path(config.run.dir),
                          shards=math.prod(opening.mesh.shape[a] for a in BATCH_AXES))
+
+
+class ReplayRollout:
+    """``rl.rollouts_file``'s completions as a rollout: each prompt's first G, as the file gives
+    them (a completion ending at a stop id counts as stopped); the policy's weights are not
+    needed."""
+
+    def __init__(self, replay, stop_ids):
+        self.replay, self.stop_ids = replay, set(stop_ids)
+
+    def update_params(self, model) -> None:
+        return None
+
+    def generate(self, prompts, *, copies: int, generation: int) -> list[tuple[list[int], bool]]:
+        return [(ids, bool(ids) and ids[-1] in self.stop_ids)
+                for prompt in prompts for ids in self.replay.completions[prompt.index][:copies]]

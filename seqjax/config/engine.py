@@ -1,0 +1,31 @@
+"""``engine.*``: the generation engine's sizes (seqjax.engine; docs/generation.md): how many
+sequences decode at once, the KV cache's pages, and the attention over them. None of them changes
+a sampled token: sampling is a function of (seed, prompt, completion, position) only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqjax.config.fields import setting
+from seqjax.core.errors import ConfigError
+
+PAGED_ATTENTION = ("auto", "xla")
+
+
+@dataclass
+class EngineConfig:
+    slots: int = setting(
+        0, "sequences decoded at once; a slot whose sequence stops takes the next waiting one at once "
+        "(0: every sequence of the request, up to 64)", min=0)
+    page_size: int = setting(16, "tokens a KV page holds", min=1)
+    kv_pages: int = setting(
+        0, "the KV cache's size in pages, every layer (0: the prompts once, plus every slot's longest "
+        "possible completion: no sequence ever waits for a page)", min=0)
+    attention: str = setting(
+        "auto", "decode attention over the pages: xla (each slot's pages gathered, the paged mask), "
+        "auto's pick on every backend for now (a Pallas paged kernel is not wired yet: "
+        "docs/generation.md)", choices=PAGED_ATTENTION)
+
+    def check(self) -> None:
+        if self.page_size & (self.page_size - 1):
+            raise ConfigError(f"engine.page_size: got {self.page_size}, expected a power of two")

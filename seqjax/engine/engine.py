@@ -1,0 +1,228 @@
+"""The engine: prompts in, completions out, through a packed prefill and continuous batching over a
+paged KV cache (docs/generation.md).
+
+    engine = Engine(model, EngineConfig(slots=32))
+    done = engine.run(prompts, copies=8, max_new_tokens=256, stop_ids=[eos],
+                      sampling=SamplingConfig(), key=jax.random.key(0))
+    # prompt-major: prompt p's completion c is done[p * 8 + c]
+    engine.stats  # slot use, pages, KV bytes of the last run
+
+One compiled program a run: the prefill (every prompt once, packed), then the decode loop (one
+``lax.while_loop``) over the cache it filled. Its shapes are bucketed to powers of two, so a run of another size usually
+reuses them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from seqjax.config.engine import EngineConfig
+from seqjax.core.errors import UsageError
+from seqjax.engine import loop
+from seqjax.engine.paged import PagedKV
+from seqjax.engine.prefill import _bucket, pack, prefill
+from seqjax.model.sampling import SamplingConfig
+
+DEFAULT_SLOTS = 64
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sequence's new tokens (with the stop id that ended it, if one did), whether a stop id
+    ended it, and each token's log-probability under the model's logits (temperature 1: what the
+    training step computes for the same tokens)."""
+
+    tokens: list[int]
+    stopped: bool
+    logprobs: list[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run's sizes: decode slots, page size, pages in the pool (the prompts' first), page-table
+    width, and the KV cache's bytes."""
+
+    slots: int
+    page_size: int
+    pages: int
+    prompt_pages: int
+    table: int
+    kv_bytes: int
+
+
+class Engine:
+    """Generation for one model (its state placed as it is, or ``state``: the same graph's state
+    placed on a mesh) under ``config`` (``engine.*``)."""
+
+    def __init__(self, model, config: EngineConfig | None = None, *, state=None):
+        self.model, self.config = model, config or EngineConfig()
+        self.config.check()
+        self.graphdef, own = nnx.split(model)
+        self.state = own if state is None else state
+        self.stats: dict = {}
+
+    def plan(self, lengths: Sequence[int], copies: int, max_new: int, memory: bool = True) -> Plan:
+        """The sizes for prompts of ``lengths``, ``copies`` completions each, refused in one line
+        when a prompt can never fit or (``memory``) the cache cannot fit in the memory free here."""
+        cfg, size = self.model.cfg, self.config.page_size
+        limit, longest = cfg.max_seq_len, int(np.argmax(lengths))
+        for i, n in enumerate(lengths):  # (a prompt alone too long: the prompt is what must change)
+            if n >= limit:
+                raise UsageError(f"prompt {i}: {n} tokens (with its opening token), but "
+                                 f"model.max_seq_len={limit} leaves no room for a new token; "
+                                 f"expected at most {limit - 1}: shorten it")
+        if lengths[longest] + max_new > limit:
+            raise UsageError(f"--max-new-tokens: got {max_new}, expected at most "
+                             f"{limit - lengths[longest]}: prompt {longest} takes "
+                             f"{lengths[longest]} of model.max_seq_len={limit} tokens")
+        sequences = len(lengths) * copies
+        slots = min(sequences, self.config.slots or DEFAULT_SLOTS)
+        prompt_pages = sum(-(-n // size) for n in lengths)
+        need = max(int(n % size + max_new + size - 1) // size for n in lengths)
+        least = prompt_pages + need
+        pages = self.config.kv_pages or _round(prompt_pages + slots * need)
+        if pages < least:
+            raise UsageError(
+                f"engine.kv_pages: got {pages}, expected at least {least}: the prompts' "
+                f"{prompt_pages} pages and one sequence's {need} (engine.page_size={size})")
+        table = _bucket(-(-(max(lengths) + max_new) // size), 1)
+        per_page = 2 * cfg.n_layers * size * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+        plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page)
+        free = _free_bytes() if memory else None
+        if free is not None and plan.kv_bytes > free:
+            raise UsageError(
+                f"engine.kv_pages: {pages} pages of {size} tokens ({plan.kv_bytes / 1e9:.2f} GB of "
+                f"keys and values over {cfg.n_layers} layers) exceed the {free / 1e9:.2f} GB free "
+                f"on {jax.devices()[0].platform}; expected fewer engine.slots or engine.kv_pages")
+        return plan
+
+    def run(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
+            sampling: SamplingConfig, key: jax.Array, copies: int = 1, images: dict | None = None
+            ) -> list[Completion]:
+        """``copies`` completions of every prompt, prompt-major, each up to ``max_new_tokens`` and
+        ending at the first of ``stop_ids`` (kept). ``images``: the prompts' image fields, one row
+        each as :func:`seqjax.data.image_rows.image_batch` lays them out."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise UsageError("the engine: expected at least one prompt, each with at least one "
+                             "token")
+        if max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens: got {max_new_tokens}, expected at least 1")
+        lengths = [len(p) for p in prompts]
+        plan = self.plan(lengths, copies, max_new_tokens)
+        rows, prefill_rows = self.rows(prompts, _prompt_tables(lengths, plan), plan, images)
+        free = np.arange(plan.pages - 1, plan.prompt_pages - 1, -1, dtype=np.int32)
+        pool = loop.Pool(jnp.asarray(np.pad(free, (0, plan.pages - len(free)))), jnp.int32(len(free)), jnp.int32(0))
+        out = _generate(self.graphdef, self.state, rows, pool, plan, copies, max_new_tokens,
+                        jnp.asarray(list(stop_ids) or [-1], jnp.int32), sampling.arrays(), key)
+        tokens, logprobs, lengths_out, stopped = (np.asarray(a) for a in out[:4])
+        slot_steps, token_steps = int(out.slot_steps), int(out.token_steps)
+        self.stats = {"sequences": len(tokens), "slots": plan.slots, "page_size": plan.page_size,
+                      "pages": plan.pages, "prompt_pages": plan.prompt_pages, "kv_bytes": plan.kv_bytes,
+                      "prefill_rows": prefill_rows, "slot_steps": slot_steps, "token_steps": token_steps,
+                      "slot_use": token_steps / max(slot_steps, 1), "new_tokens": int(lengths_out.sum())}
+        return [Completion(tokens[i, :lengths_out[i]].tolist(), bool(stopped[i]),
+                           logprobs[i, :lengths_out[i]].tolist()) for i in range(len(tokens))]
+
+    @staticmethod
+    def rows(prompts, tables: np.ndarray, plan: Plan, images: dict | None) -> tuple["Rows", int]:
+        """The prefill's rows (packed, or one prompt a row with images) and how many hold
+        prompts."""
+        if images:
+            inputs, positions, segment_ids, slots, last = _image_rows(prompts, tables, plan)
+            fields = {k: jnp.asarray(v) for k, v in images.items()}
+            next_position = np.asarray(images["positions_3d"])[..., 0][last[:, 0], last[:, 1]] + 1
+        else:
+            packed = pack(prompts, tables, plan.page_size, plan.pages)
+            inputs, positions, segment_ids, slots = packed.inputs, packed.positions, packed.segment_ids, packed.slots
+            last = packed.starts + np.asarray([[0, len(p) - 1] for p in prompts])
+            fields, next_position = {}, np.asarray([len(p) for p in prompts])
+        rows = Rows(*(jnp.asarray(a) for a in (inputs, positions, segment_ids, slots, last, tables)),
+                    jnp.asarray([len(p) for p in prompts], jnp.int32), jnp.asarray(next_position, jnp.int32), fields)
+        return rows, int((segment_ids.max(axis=1) > 0).sum())
+
+
+class Rows(NamedTuple):
+    """The prefill's rows [R, T] (inputs, positions, segment ids, each token's page place), each
+    prompt's last token (row, column), page table, length and first new position, and image
+    fields."""
+
+    inputs: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    slots: jax.Array
+    last: jax.Array
+    tables: jax.Array
+    lengths: jax.Array
+    next_position: jax.Array
+    images: dict
+
+
+def _round(n: int) -> int:
+    """n rounded up to an eighth of its power of two (at least 64): at most 12.5% more pages than
+    asked, and few distinct sizes to compile for."""
+    step = max(64, _bucket(n, 1) // 8)
+    return -(-n // step) * step
+
+
+def _prompt_tables(lengths: Sequence[int], plan: Plan) -> np.ndarray:
+    """Each prompt's pages, the pool's first ones in order: [prompts, width] (no page:
+    ``plan.pages``)."""
+    size = plan.page_size
+    width = _bucket(max(-(-n // size) for n in lengths), 1)
+    tables = np.full((len(lengths), width), plan.pages, np.int32)
+    first = 0
+    for i, n in enumerate(lengths):
+        count = -(-n // size)
+        tables[i, :count] = np.arange(first, first + count)
+        first += count
+    return tables
+
+
+def _image_rows(prompts, tables: np.ndarray, plan: Plan):
+    """Prompts with images: one to a row, right-padded, as their image fields were laid out."""
+    size, width = plan.page_size, max(len(p) for p in prompts)
+    inputs = np.zeros((len(prompts), width), np.int32)
+    positions, segment_ids = np.zeros_like(inputs), np.zeros_like(inputs)
+    slots = np.full(inputs.shape, plan.pages * size, np.int64)
+    for i, prompt in enumerate(prompts):
+        place = np.arange(len(prompt))
+        inputs[i, :len(prompt)], positions[i, :len(prompt)], segment_ids[i, :len(prompt)] = prompt, place, 1
+        slots[i, :len(prompt)] = tables[i, place // size] * size + place % size
+    last = np.asarray([[i, len(p) - 1] for i, p in enumerate(prompts)])
+    return inputs, positions, segment_ids, slots, last
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
+def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_new: int, stops, settings, key):
+    """One program: the cache made, the prompts prefilled into it, the decode loop over it (the
+    cache lives inside, never an argument copied into the loop)."""
+    model = nnx.merge(graphdef, state)
+    cache = PagedKV.empty(model.cfg, plan.pages, plan.page_size, plan.slots, plan.table)
+    images = dict(rows.images)
+    if images:
+        images = {"positions_3d": images.pop("positions_3d"), **images}
+    logits, cache = prefill(model, cache, rows.inputs, rows.positions, rows.segment_ids, rows.slots, rows.last,
+                            images)
+    requests = loop.Requests(rows.tables, rows.lengths, rows.next_position, logits)
+    return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
+                       settings=settings, key=key, slots=plan.slots)
+
+
+def _free_bytes() -> int | None:
+    """Memory free for the cache: the device's (its allocator's limit less what is in use), or on
+    the CPU the machine's available memory; None when unknown."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

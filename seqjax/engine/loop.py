@@ -1,0 +1,190 @@
+"""Continuous batching on the device: a fixed number of decode slots, each holding one sequence;
+when a sequence stops (a stop id, its own limit) its pages go back to the pool and its slot takes
+the next waiting sequence in the same step, so no slot decodes after its sequence has ended. One
+``lax.while_loop``: no host round trip per token.
+
+Sequences are numbered prompt-major (prompt p's completion c is ``p * copies + c``) and start in
+that order. A sequence's token at place n is drawn with the key ``fold(fold(fold(key, p), c), n)``:
+the tokens are a function of (seed, prompt, completion, position) alone, whatever the number of
+slots, the page size or the order in which sequences end.
+
+Pages: the prompts' pages are the pool's first, filled by the prefill and never freed. A new
+sequence's page table starts as its prompt's; the prompt's last, part-filled page is copied into
+a page of the sequence's own before its first token is written (copy on write). A sequence starts
+only when the pool can give it every page its longest completion could need beyond what running
+sequences may still take, so no sequence ever waits for a page mid-way."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from seqjax.engine.paged import PagedKV
+from seqjax.model.sampling import sample_rows
+
+
+class Requests(NamedTuple):
+    """What the loop decodes: per prompt its page table [prompts, P] (no page: the pool's size),
+    length [prompts], the RoPE position of its first new token [prompts] and its next-token
+    logits [prompts, V]; ``copies`` sequences each."""
+
+    prompt_pages: jax.Array
+    prompt_lengths: jax.Array
+    prompt_next: jax.Array
+    prompt_logits: jax.Array
+
+
+class Slots(NamedTuple):
+    """The decode slots' state: each slot's sequence (-1: free), the next token's RoPE position,
+    the tokens it has drawn, its next-token logits, the first page-table column it owns, and the
+    pages it may still take."""
+
+    sequence: jax.Array
+    position: jax.Array
+    drawn: jax.Array
+    logits: jax.Array
+    owned_from: jax.Array
+    budget: jax.Array
+
+
+class Pool(NamedTuple):
+    """The free pages as a stack (``free[:top]``) and the next sequence to start."""
+
+    free: jax.Array
+    top: jax.Array
+    next_sequence: jax.Array
+
+
+class Outputs(NamedTuple):
+    tokens: jax.Array  # [N, max_new]
+    logprobs: jax.Array  # [N, max_new] float32: log p(token) under the model's logits (temperature 1)
+    lengths: jax.Array  # [N]
+    stopped: jax.Array  # [N] bool: ended at a stop id
+    slot_steps: jax.Array  # decode slot-steps run
+    token_steps: jax.Array  # slot-steps that drew a real token
+
+
+def worst_pages(lengths: jax.Array, max_new: int, page_size: int) -> jax.Array:
+    """The pages a sequence of each prompt may take of its own: its prompt's part-filled last page
+    (copied) and its completion's."""
+    return (lengths % page_size + max_new + page_size - 1) // page_size
+
+
+def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int, max_new: int, stops: jax.Array,
+           settings: dict, key: jax.Array, slots: int) -> Outputs:
+    """Every prompt's ``copies`` completions of up to ``max_new`` tokens, through ``slots``
+    decode slots (the module's docstring)."""
+    n = requests.prompt_pages.shape[0] * copies
+    vocab = requests.prompt_logits.shape[-1]
+    table = cache.page_table.shape[1]
+    size, pages = cache.page_size, cache.pages
+    need = worst_pages(requests.prompt_lengths, max_new, size)
+    state = Slots(jnp.full((slots,), -1, jnp.int32), jnp.zeros((slots,), jnp.int32),
+                  jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, vocab), jnp.float32),
+                  jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32))
+    out = Outputs(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
+                  jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool), jnp.int32(0), jnp.int32(0))
+    cache, state, pool = _admit(cache, state, pool, requests, need, copies, n, size, pages)
+
+    def more(carry):
+        _, state, pool, _ = carry
+        return jnp.any(state.sequence >= 0) | (pool.next_sequence < n)
+
+    def step(carry):
+        cache, state, pool, out = carry
+        active = state.sequence >= 0
+        seq = jnp.maximum(state.sequence, 0)
+        keys = jax.vmap(lambda s, d: jax.random.fold_in(jax.random.fold_in(
+            jax.random.fold_in(key, s // copies), s % copies), d))(seq, state.drawn)
+        token = sample_rows(state.logits, keys, **settings)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(state.logits, axis=-1), token[:, None], axis=1)[:, 0]
+        row = jnp.where(active, seq, n)  # (a free slot writes nowhere)
+        out = out._replace(tokens=out.tokens.at[row, state.drawn].set(token, mode="drop"),
+                           logprobs=out.logprobs.at[row, state.drawn].set(logp, mode="drop"),
+                           slot_steps=out.slot_steps + slots,
+                           token_steps=out.token_steps + jnp.sum(active))
+        hit = jnp.isin(token, stops)
+        stop = active & (hit | (state.drawn + 1 >= max_new))
+        going = active & ~stop
+        cache, state, pool = _grow(cache, state, pool, going, size, pages, table)
+        hidden, cache = model.decode(token[:, None], positions=state.position[:, None],
+                                     segment_ids=going.astype(jnp.int32)[:, None], cache=cache)
+        logits = model.logits(hidden)[:, 0].astype(jnp.float32)
+        state = state._replace(position=state.position + going, drawn=state.drawn + active,
+                               logits=jnp.where(going[:, None], logits, state.logits))
+        out = out._replace(lengths=out.lengths.at[jnp.where(stop, seq, n)].set(state.drawn, mode="drop"),
+                           stopped=out.stopped.at[jnp.where(stop, seq, n)].set(hit, mode="drop"))
+        cache, state, pool = _release(cache, state, pool, stop, pages)
+        cache, state, pool = _admit(cache, state, pool, requests, need, copies, n, size, pages)
+        return cache, state, pool, out
+
+    return jax.lax.while_loop(more, step, (cache, state, pool, out))[3]
+
+
+def _grow(cache: PagedKV, state: Slots, pool: Pool, going, size: int, pages: int, table: int):
+    """A page from the pool for each going slot whose next place starts a page."""
+    wants = going & (cache.lengths % size == 0)
+    rank = jnp.cumsum(wants) - 1
+    page = jnp.where(wants, jnp.take(pool.free, jnp.maximum(pool.top - 1 - rank, 0)), pages)
+    column = jnp.where(wants, cache.lengths // size, table)
+    page_table = cache.page_table.at[jnp.arange(going.shape[0]), column].set(page, mode="drop")
+    pool = pool._replace(top=pool.top - jnp.sum(wants))
+    state = state._replace(budget=state.budget - wants)
+    return _with_table(cache, page_table), state, pool
+
+
+def _with_table(cache: PagedKV, page_table=None, lengths=None) -> PagedKV:
+    changes = {k: v for k, v in (("page_table", page_table), ("lengths", lengths)) if v is not None}
+    return dataclasses.replace(cache, **changes)
+
+
+def _release(cache: PagedKV, state: Slots, pool: Pool, stop, pages: int):
+    """The stopped slots' own pages back on the stack; the slots free."""
+    table = cache.page_table.shape[1]
+    own = stop[:, None] & (jnp.arange(table)[None, :] >= state.owned_from[:, None]) & (cache.page_table < pages)
+    flat, owned = cache.page_table.reshape(-1), own.reshape(-1)
+    place = jnp.where(owned, pool.top + jnp.cumsum(owned) - 1, pool.free.shape[0])
+    free = pool.free.at[place].set(flat, mode="drop")
+    page_table = jnp.where(stop[:, None], pages, cache.page_table)
+    lengths = jnp.where(stop, 0, cache.lengths)
+    state = state._replace(sequence=jnp.where(stop, -1, state.sequence), budget=jnp.where(stop, 0, state.budget))
+    return _with_table(cache, page_table, lengths), state, pool._replace(free=free, top=pool.top + jnp.sum(owned))
+
+
+def _admit(cache: PagedKV, state: Slots, pool: Pool, requests: Requests, need, copies: int, n: int, size: int,
+           pages: int):
+    """The free slots take the next sequences, in order, while the pool can promise each its
+    pages."""
+    slots = state.sequence.shape[0]
+    empty = state.sequence < 0
+    rank = jnp.cumsum(empty) - 1
+    candidate = pool.next_sequence + rank
+    prompt = jnp.minimum(candidate, n - 1) // copies
+    cost = jnp.where(empty & (candidate < n), need[prompt], 0)
+    spare = pool.top - jnp.sum(jnp.where(empty, 0, state.budget))
+    admitted = empty & (candidate < n) & (jnp.cumsum(cost) <= spare)
+    length = requests.prompt_lengths[prompt]
+    partial = admitted & (length % size != 0)
+    # the part-filled last prompt page, copied into a page of the sequence's own
+    prank = jnp.cumsum(partial) - 1
+    own_page = jnp.where(partial, jnp.take(pool.free, jnp.maximum(pool.top - 1 - prank, 0)), pages)
+    last_column = length // size
+    prompt_rows = requests.prompt_pages[prompt]
+    source = jnp.take_along_axis(prompt_rows, jnp.minimum(last_column, prompt_rows.shape[1] - 1)[:, None], axis=1)
+    cache = cache.copy_pages(source[:, 0], own_page)
+    width = cache.page_table.shape[1]
+    rows = jnp.pad(prompt_rows, ((0, 0), (0, width - prompt_rows.shape[1])), constant_values=pages)
+    rows = rows.at[jnp.arange(slots), jnp.where(partial, last_column, width)].set(own_page, mode="drop")
+    page_table = jnp.where(admitted[:, None], rows, cache.page_table)
+    lengths = jnp.where(admitted, length, cache.lengths)
+    state = Slots(jnp.where(admitted, candidate, state.sequence),
+                  jnp.where(admitted, requests.prompt_next[prompt], state.position),
+                  jnp.where(admitted, 0, state.drawn),
+                  jnp.where(admitted[:, None], requests.prompt_logits[prompt], state.logits),
+                  jnp.where(admitted, last_column, state.owned_from),
+                  jnp.where(admitted, need[prompt] - partial, state.budget))
+    pool = pool._replace(top=pool.top - jnp.sum(partial), next_sequence=pool.next_sequence + jnp.sum(admitted))
+    return _with_table(cache, page_table, lengths), state, pool

@@ -1,0 +1,114 @@
+"""The paged KV cache: every layer's keys and values in fixed-size pages, and each decode row's page
+table. A row (a decode slot) holds one sequence: its place j in the sequence lives at page
+``page_table[row, j // page_size]``, offset ``j % page_size``. A GRPO group's completions point at
+the same prompt pages (a prompt is stored once); a completion writes only its own pages.
+
+    pages:       [P0 P1 P2] [P3]      a prompt of 2.5 pages, prefilled once
+    slot 0:      P0 P1 P4 P7 ...      completion 0: P4 is P2 copied on first write, then its own
+    slot 1:      P0 P1 P5 P8 ...      completion 1 of the same prompt
+    slot 2:      P3 P6 ...            another prompt's completion
+
+:class:`PagedKV` is a cache in seqjax.model.cache's sense: the model's decode writes each layer's
+new keys and values through :class:`PagedLayer` and attends over the row's pages under
+:func:`seqjax.model.mask.page_mask`. Attention gathers each row's pages and runs the dense masked
+softmax (the XLA path, every backend; ``engine.attention`` has no other choice yet)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from seqjax.config.model import ModelConfig
+from seqjax.model.attention import masked_attention
+from seqjax.model.mask import page_mask
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedLayer:
+    """One layer's view of :class:`PagedKV` for one call: its pages [pages, page_size, Hkv, D],
+    the rows' page tables [B, P] and lengths [B] (places written before the call), the call's
+    tokens' segment ids (0: the row writes nothing)."""
+
+    keys: jax.Array
+    values: jax.Array
+    page_table: jax.Array
+    lengths: jax.Array
+    segment_ids: jax.Array
+
+    def attend(self, q, k, v, *, segment_ids, window, scale, sinks):
+        """Write the call's keys and values at places ``lengths..`` of each row, then attend over
+        the row's pages (the XLA path: pages gathered, :func:`page_mask`, a float32 softmax)."""
+        pages, size = self.keys.shape[:2]
+        b, t = segment_ids.shape
+        real = segment_ids > 0
+        place = self.lengths[:, None] + jnp.cumsum(real, axis=1) - 1  # (a row's real tokens, in order)
+        column = jnp.clip(place // size, 0, self.page_table.shape[1] - 1)
+        page = jnp.take_along_axis(self.page_table, column, axis=1)
+        slot = jnp.where(real & (page < pages), page * size + place % size, pages * size)  # (else dropped)
+        keys = _write(self.keys, slot, k)
+        values = _write(self.values, slot, v)
+        capacity = self.page_table.shape[1] * size
+        gathered_k = _gather(keys, self.page_table).reshape(b, capacity, *keys.shape[2:])
+        gathered_v = _gather(values, self.page_table).reshape(b, capacity, *values.shape[2:])
+        mask = page_mask(place, real, self.lengths + jnp.sum(real, axis=1), capacity, window)
+        out = masked_attention(q, gathered_k.astype(q.dtype), gathered_v.astype(q.dtype), mask, scale=scale,
+                               sinks=sinks)
+        return out, dataclasses.replace(self, keys=keys, values=values)
+
+
+def _write(pages: jax.Array, slot: jax.Array, new: jax.Array) -> jax.Array:
+    flat = pages.reshape(-1, *pages.shape[2:])
+    flat = flat.at[slot.reshape(-1)].set(new.reshape(-1, *new.shape[2:]).astype(pages.dtype), mode="drop")
+    return flat.reshape(pages.shape)
+
+
+def _gather(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """[B, P, page_size, Hkv, D]: each row's pages in order (a table's unused entries read page
+    0: masked)."""
+    return jnp.take(pages, page_table, axis=0, mode="clip")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKV:
+    """Every layer's pages (keys, values: one [pages, page_size, Hkv, D] array each), the decode
+    rows' page tables [B, P] (an entry of ``pages`` or more: no page) and lengths [B] (places
+    written)."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    page_table: jax.Array
+    lengths: jax.Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, pages: int, page_size: int, rows: int, table: int) -> "PagedKV":
+        shape = (pages, page_size, cfg.kv_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, jnp.dtype(cfg.compute_dtype)) for _ in range(cfg.n_layers))
+        return cls(zeros, zeros, jnp.full((rows, table), pages, jnp.int32), jnp.zeros((rows,), jnp.int32))
+
+    @property
+    def pages(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.keys[0].shape[1]
+
+    def views(self, segment_ids: jax.Array) -> tuple[PagedLayer, ...]:
+        return tuple(PagedLayer(k, v, self.page_table, self.lengths, segment_ids)
+                     for k, v in zip(self.keys, self.values))
+
+    def advanced(self, views, segment_ids: jax.Array) -> "PagedKV":
+        return PagedKV(tuple(v.keys for v in views), tuple(v.values for v in views), self.page_table,
+                       self.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32))
+
+    def copy_pages(self, source: jax.Array, target: jax.Array) -> "PagedKV":
+        """Page ``source[i]`` copied to ``target[i]`` in every layer (a target of ``pages``:
+        none)."""
+        def copy(layer):
+            return layer.at[target].set(jnp.take(layer, source, axis=0, mode="clip"), mode="drop")
+
+        return dataclasses.replace(self, keys=tuple(map(copy, self.keys)), values=tuple(map(copy, self.values)))

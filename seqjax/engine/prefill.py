@@ -1,0 +1,119 @@
+"""Packed prefill: the prompts packed into rows with segment ids (no padding to the longest), run
+through the training attention (the model's own backend: the flash kernel on a GPU) while each
+layer's keys and values are captured, then written into the prompts' pages; each prompt's next-token
+logits come from its last token.
+
+    row 0: [p0 p0 p0 p0 p0 | p3 p3 p3 | .  .]      segment ids 1 1 1 1 1 2 2 2 0 0
+    row 1: [p1 p1 p1 p1 | p2 p2 p2 p2 p2 p2 ]      positions restart at 0 in each prompt
+
+A prompt with images is prefilled one to a row, as its image fields lay it out (the tower's patches
+belong to their row)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from seqjax.engine.paged import PagedKV
+from seqjax.model.attention import attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CaptureLayer:
+    """One layer's view for a prefill: attention as training computes it over the packed rows (the
+    segment mask, the model's backend), the keys and values kept for the pages."""
+
+    keys: jax.Array | None
+    values: jax.Array | None
+    backend: str = dataclasses.field(metadata=dict(static=True))
+
+    def attend(self, q, k, v, *, segment_ids, window, scale, sinks):
+        out = attention(q, k, v, segment_ids, backend=self.backend, scale=scale, window=window, sinks=sinks)
+        return out, dataclasses.replace(self, keys=k, values=v)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Capture:
+    """A cache that holds nothing before the call and every layer's keys and values after it."""
+
+    layers: tuple[CaptureLayer, ...]
+
+    @classmethod
+    def of(cls, n_layers: int, backend: str) -> "Capture":
+        return cls(tuple(CaptureLayer(None, None, backend) for _ in range(n_layers)))
+
+    def views(self, segment_ids):
+        return self.layers
+
+    def advanced(self, views, segment_ids):
+        return Capture(tuple(views))
+
+
+class Packing(NamedTuple):
+    """Where each prompt's tokens sit: rows [R, T] of inputs, positions and segment ids; each
+    prompt's (row, first column); and for every token of the rows its destination in the pages
+    (flat place ``page * page_size + offset``, or ``pages * page_size``: none)."""
+
+    inputs: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    starts: np.ndarray  # [prompts, 2]
+    slots: np.ndarray  # [R, T]
+
+
+def _bucket(n: int, floor: int) -> int:
+    """n rounded up to a power of two (at least ``floor``): fewer distinct shapes, fewer
+    compiles."""
+    return max(floor, 1 << max(0, int(n - 1).bit_length()))
+
+
+def pack(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: int, pages: int) -> Packing:
+    """First-fit decreasing of the prompts into rows as long as the longest (a power of two), each
+    token's page place from its prompt's page table [prompts, P]."""
+    width = _bucket(max(len(p) for p in prompts), 16)
+    fill: list[int] = []
+    where = [(0, 0)] * len(prompts)
+    for i in sorted(range(len(prompts)), key=lambda i: -len(prompts[i])):
+        row = next((r for r, used in enumerate(fill) if used + len(prompts[i]) <= width), len(fill))
+        if row == len(fill):
+            fill.append(0)
+        where[i] = (row, fill[row])
+        fill[row] += len(prompts[i])
+    rows = _bucket(len(fill), 1)
+    inputs = np.zeros((rows, width), np.int32)
+    positions, segment_ids = np.zeros_like(inputs), np.zeros_like(inputs)
+    slots = np.full((rows, width), pages * page_size, np.int64)
+    for i, (row, start) in enumerate(where):
+        n = len(prompts[i])
+        place = np.arange(n)
+        inputs[row, start:start + n] = prompts[i]
+        positions[row, start:start + n] = place
+        segment_ids[row, start:start + n] = 1 + int(segment_ids[row].max())
+        slots[row, start:start + n] = page_tables[i, place // page_size] * page_size + place % page_size
+    return Packing(inputs, positions, segment_ids, np.asarray(where, np.int64), slots)
+
+
+def prefill(model, cache: PagedKV, inputs, positions, segment_ids, slots, last, images: dict | None = None):
+    """Run the packed rows through ``model`` capturing every layer's keys and values, write them
+    into ``cache``'s pages at ``slots`` [R, T], and return (next-token logits [prompts, V]
+    float32 from the rows' places ``last`` [prompts, 2], the cache)."""
+    images = images or {}
+    x, capture = model.decode(inputs, positions=positions, segment_ids=segment_ids,
+                              cache=Capture.of(model.cfg.n_layers, model.cfg.attention), **images)
+    flat = slots.reshape(-1)
+
+    def write(pages, new):
+        merged = pages.reshape(-1, *pages.shape[2:]).at[flat].set(
+            new.reshape(-1, *new.shape[2:]).astype(pages.dtype), mode="drop")
+        return merged.reshape(pages.shape)
+
+    keys = tuple(write(p, layer.keys) for p, layer in zip(cache.keys, capture.layers))
+    values = tuple(write(p, layer.values) for p, layer in zip(cache.values, capture.layers))
+    hidden = x[last[:, 0], last[:, 1]]  # [prompts, D]: each prompt's last token
+    logits = model.logits(hidden[:, None])[:, 0]
+    return logits, dataclasses.replace(cache, keys=keys, values=values)

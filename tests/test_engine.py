@@ -1,0 +1,189 @@
+"""The generation engine (seqjax.engine): its paged KV cache computes what a full forward pass computes
+(each drawn token's log-probability equals the training forward's on the finished sequence, whatever
+the packing, pages, slots, layout, adapters or experts), sampling is a function of (seed, prompt,
+completion, position) alone, a prompt is stored once per group, slots are reused as sequences end,
+and bad sizes are one line."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from seqjax.config.engine import EngineConfig
+from seqjax.config.load import load_config
+from seqjax.core.errors import UsageError
+from seqjax.engine import Engine, generate, sample_rollouts
+from seqjax.model import build_model
+from seqjax.model.sampling import SamplingConfig
+
+VOCAB = 64
+BASE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
+        "model.max_seq_len=64", "model.attention=xla", "data.seq_len=64", "model.init_std=0.3"]
+MODELS: dict = {}
+
+
+def model_of(*extra: str):
+    if extra not in MODELS:
+        MODELS[extra] = build_model(load_config(None, [*BASE, *extra]), VOCAB, rngs=nnx.Rngs(3))
+    return MODELS[extra]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, inputs, positions, segment_ids):
+    return jax.nn.log_softmax(nnx.merge(graphdef, state)(inputs, positions=positions, segment_ids=segment_ids), -1)
+
+
+def teacher_forced(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """log p(token) of each token after the prompt from one full forward pass (the training path), padded to
+    max_seq_len so it compiles once."""
+    seq, t = prompt + tokens, model.cfg.max_seq_len
+    pad = np.zeros((1, t), np.int32)
+    inputs, positions, segment_ids = pad.copy(), pad.copy(), pad.copy()
+    inputs[0, :len(seq)], positions[0, :len(seq)], segment_ids[0, :len(seq)] = seq, np.arange(len(seq)), 1
+    logp = np.asarray(_forward(*nnx.split(model), inputs, positions, segment_ids))[0]
+    return np.asarray([logp[len(prompt) - 1 + i, tok] for i, tok in enumerate(tokens)])
+
+
+def prompts_of(lengths, seed=0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, VOCAB, n).tolist() for n in lengths]
+
+
+def assert_logprobs_are_the_forwards(model, prompts, done, copies):
+    for i, completion in enumerate(done):
+        want = teacher_forced(model, prompts[i // copies], completion.tokens)
+        np.testing.assert_allclose(completion.logprobs, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("extra", [(), ("model.scan_layers=true",),
+                                   ("model.sliding_window=4", "model.layer_types=[sliding,full]",
+                                    "model.attention_sinks=true", "model.qkv_bias=true", "model.attn_out_bias=true"),
+                                   ("model.experts.count=4", "model.experts.top_k=2", "model.experts.d_ff=16")],
+                         ids=["dense", "scanned", "windows_sinks", "experts"])
+def test_every_drawn_tokens_log_probability_is_the_training_forwards(extra):
+    """Prompts packed into one prefill row, pages of 4 (prompts ending mid-page: the copy on write), 3 slots
+    for 6 sequences (slots refilled): each token's log-probability under the engine's cache equals the full
+    forward's on the finished sequence; with a sliding window, attention sinks and biases, and experts."""
+    model = model_of(*extra)
+    prompts = prompts_of([5, 9, 3])
+    engine = Engine(model, EngineConfig(slots=3, page_size=4))
+    done = engine.run(prompts, max_new_tokens=9, stop_ids=[], sampling=SamplingConfig(temperature=1.0),
+                      key=jax.random.key(1), copies=2)
+    assert [len(c.tokens) for c in done] == [9] * 6
+    assert_logprobs_are_the_forwards(model, prompts, done, 2)
+    assert engine.stats["prefill_rows"] == 2 and engine.stats["prompt_pages"] == 2 + 3 + 1  # (rows of 16)
+
+
+def test_greedy_tokens_are_the_argmax_of_full_forward_passes():
+    model = model_of()
+    prompts = prompts_of([5, 2, 11], seed=2)
+    done = generate(model, prompts, eot_id=None, max_new_tokens=8, engine=EngineConfig(slots=2, page_size=2))
+    for prompt, g in zip(prompts, done):
+        seq = list(prompt)
+        for _ in range(8):
+            real = np.arange(64)[None] < len(seq)
+            inputs = np.asarray([seq + [0] * (64 - len(seq))], np.int32)
+            positions = np.where(real, np.arange(64)[None], 0).astype(np.int32)
+            logp = np.asarray(_forward(*nnx.split(model), inputs, positions, real.astype(np.int32)))[0]
+            seq.append(int(np.argmax(logp[len(seq) - 1])))
+        assert g.tokens == seq[len(prompt):]
+    assert len({tuple(g.tokens) for g in done}) > 1
+
+
+@settings(max_examples=6, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), slots=st.integers(1, 7),
+       page_size=st.sampled_from([1, 2, 4, 8, 16]), spare=st.integers(0, 3), seed=st.integers(0, 3))
+def test_sampling_is_a_function_of_seed_prompt_completion_and_position_only(lengths, slots, page_size, spare, seed):
+    """The same completions (tokens and log-probabilities) whatever the slots, the page size, a pool only just
+    large enough (sequences then wait for pages), the order in which sequences end (a stop id)."""
+    model = model_of()
+    prompts = prompts_of(lengths, seed)
+    run = functools.partial(sample_rollouts, model, prompts, stop_ids=[7, 11], max_new_tokens=10,
+                            sampling=SamplingConfig(temperature=1.0), key=jax.random.key(seed), copies=3)
+    reference = run(engine=EngineConfig(slots=16, page_size=16))
+    assume(len({len(c.tokens) for c in reference}) > 1)  # (sequences that end at different steps)
+    need = max((n % page_size + 10 + page_size - 1) // page_size for n in lengths)
+    pages = sum(-(-n // page_size) for n in lengths) + need + spare
+    other = run(engine=EngineConfig(slots=slots, page_size=page_size, kv_pages=pages))
+    assert [c.tokens for c in other] == [c.tokens for c in reference]
+    np.testing.assert_allclose([x for c in other for x in c.logprobs], [x for c in reference for x in c.logprobs],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_stores_its_prompt_once_and_slots_take_the_next_sequence_as_one_ends():
+    """8 completions of each of 4 prompts of 30 tokens: the prompts take their own pages once (not 8 times);
+    with 4 slots and completions ending at different steps, nearly every slot-step draws a real token."""
+    model = model_of()
+    prompts = prompts_of([30, 30, 30, 30], seed=5)
+    engine = Engine(model, EngineConfig(slots=4, page_size=8))
+    done = engine.run(prompts, max_new_tokens=20, stop_ids=[3, 5, 9], sampling=SamplingConfig(temperature=1.0),
+                      key=jax.random.key(0), copies=8)
+    assert engine.stats["prompt_pages"] == 4 * 4  # (ceil(30 / 8) a prompt, whatever the copies)
+    lengths = [len(c.tokens) for c in done]
+    assert min(lengths) < 20 and engine.stats["token_steps"] == sum(lengths)
+    assert engine.stats["slot_use"] > 0.9, engine.stats
+    assert all(c.stopped == (c.tokens[-1] in (3, 5, 9)) for c in done)
+
+
+def test_generate_leaves_the_stop_id_out_and_rollouts_keep_it():
+    model = model_of()
+    prompts = prompts_of([4, 6], seed=1)
+    free = generate(model, prompts, eot_id=None, max_new_tokens=6)
+    stop = free[0].tokens[2]
+    ended = generate(model, prompts, eot_id=stop, max_new_tokens=6)
+    kept = sample_rollouts(model, prompts, stop_ids=[stop], max_new_tokens=6, sampling=SamplingConfig(0.0),
+                           key=jax.random.key(0))
+    assert ended[0].stopped and ended[0].tokens == free[0].tokens[:free[0].tokens.index(stop)]
+    assert kept[0].tokens == ended[0].tokens + [stop]
+
+
+def test_under_lora_the_engine_reads_the_adapters_as_they_are():
+    """Adapters with B moved off 0 (no merge, no copy of the base): the engine's log-probabilities are the
+    adapted training forward's."""
+    model = model_of("model.lora.rank=4", "model.lora.alpha=8")
+    graphdef, state = nnx.split(model)
+    moved = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + 0.2 if "lora_b" in jax.tree_util.keystr(path) else a, state)
+    adapted = nnx.merge(graphdef, moved)
+    prompts = prompts_of([6, 3], seed=3)
+    done = Engine(adapted, EngineConfig(slots=2, page_size=4)).run(
+        prompts, max_new_tokens=6, stop_ids=[], sampling=SamplingConfig(1.0), key=jax.random.key(2))
+    assert_logprobs_are_the_forwards(adapted, prompts, done, 1)
+    base = Engine(model, EngineConfig(slots=2, page_size=4)).run(
+        prompts, max_new_tokens=6, stop_ids=[], sampling=SamplingConfig(1.0), key=jax.random.key(2))
+    assert [c.logprobs for c in base] != [c.logprobs for c in done]
+
+
+def test_bad_sizes_are_one_line():
+    model = model_of()
+    with pytest.raises(UsageError, match=r"--max-new-tokens: got 10, expected at most 4: prompt 1 takes 60 of "
+                                         r"model.max_seq_len=64"):
+        generate(model, [[1, 2], [3] * 60], eot_id=None, max_new_tokens=10)
+    with pytest.raises(UsageError, match=r"prompt 1: 64 tokens .* expected at most 63"):
+        generate(model, [[1, 2], [3] * 64], eot_id=None, max_new_tokens=1)
+    with pytest.raises(UsageError, match=r"engine.kv_pages: got 2, expected at least 4"):
+        generate(model, [[1] * 5], eot_id=None, max_new_tokens=6, engine=EngineConfig(page_size=4, kv_pages=2))
+    with pytest.raises(UsageError, match=r"engine.kv_pages: 1099511627776 pages of 16 tokens .* GB free on cpu"):
+        generate(model, [[1] * 5], eot_id=None, max_new_tokens=6, engine=EngineConfig(kv_pages=2**40))
+    with pytest.raises(UsageError, match="at least one token"):
+        generate(model, [[1], []], eot_id=None, max_new_tokens=2)
+    with pytest.raises(Exception, match="engine.page_size: got 3, expected a power of two"):
+        load_config(None, ["engine.page_size=3"])
+
+
+def test_decoding_never_writes_outside_a_sequences_own_pages():
+    """Two prompts' groups decoded together: every sequence's log-probabilities stay its own forward's even
+    as the others write beside it (a write into a shared or another's page would move them)."""
+    model = model_of()
+    prompts = prompts_of([7, 7], seed=9)
+    done = Engine(model, EngineConfig(slots=6, page_size=2)).run(
+        prompts, max_new_tokens=12, stop_ids=[], sampling=SamplingConfig(1.0), key=jax.random.key(3), copies=3)
+    assert_logprobs_are_the_forwards(model, prompts, done, 3)
+    assert jnp.asarray([len(c.tokens) for c in done]).sum() == 6 * 12
