@@ -95,6 +95,30 @@ def page_mask(q_index: jax.Array, q_real: jax.Array, kv_length: jax.Array, capac
     return allowed(q_real.astype(jnp.int32)[:, :, None], kv_real, q_index[:, :, None], kv_index, window)
 
 
+def state_carries(segment_ids: jax.Array, before: jax.Array | None = None) -> jax.Array:
+    """Contract 2 for a layer with a recurrent state (Qwen3.5's Gated DeltaNet): [B, T], True
+    where token t reads the state its row carried past token t - 1, which is :func:`allowed`
+    between the two, so the same rule as attention's: the state resets to zero at every segment
+    start, and padding (segment 0) neither reads nor writes it. ``before`` [B]: the segment of the
+    token before the row (a decode step's sequence; default 0: none)."""
+    b = segment_ids.shape[0]
+    before = jnp.zeros((b,), segment_ids.dtype) if before is None else before.astype(segment_ids.dtype)
+    previous = jnp.concatenate([before[:, None], segment_ids[:, :-1]], axis=1)
+    return allowed(segment_ids, previous, 1, 0)
+
+
+def conv_taps(segment_ids: jax.Array, width: int) -> jax.Array:
+    """[B, T, width]: True where a causal convolution of ``width`` taps may read, at token t,
+    the token ``j`` places back (tap j; j = 0 is t itself): :func:`allowed` with the convolution's
+    width as a window, so a document's first tokens see zeros, as when alone."""
+    t = segment_ids.shape[1]
+    taps = []
+    for j in range(width):
+        back = jnp.pad(segment_ids, ((0, 0), (j, 0)))[:, :t]
+        taps.append(allowed(segment_ids, back, j, 0, window=width))
+    return jnp.stack(taps, axis=-1)
+
+
 # A window no row reaches: how a layer attending to its whole segment is told apart from a sliding
 # one where the window is a traced per-layer value (under model.scan_layers).
 FULL = 2**30

@@ -1,0 +1,177 @@
+"""Gated DeltaNet over packed rows: Qwen3.5's linear-attention layer, its state reset at every
+segment start (:func:`seqjax.model.mask.state_carries`) and its convolution kept inside each
+segment (:func:`seqjax.model.mask.conv_taps`), so a packed row gives every document what it
+gets alone.
+
+The layer, as transformers 5.24 computes it (``Qwen3_5GatedDeltaNet``):
+
+    qkv = silu(causal_conv1d(x W_qkv))          depthwise, width 4, the last tap the token itself
+    q, k, v = split(qkv);  z = x W_z
+    beta = sigmoid(x W_b);  g = -exp(A_log) * softplus(x W_a + dt_bias)
+    o = gated_delta_rule(l2norm(q) / sqrt(d_k), l2norm(k), v, g, beta)
+    out = (rmsnorm(o) * w * silu(z)) W_out       the output norm's weight plain, not (1 + w)
+
+The rule, per head, with a state S [d_k, d_v] carried along the row:
+
+    S = exp(g_t) S;   S = S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+
+Two forms, one reset rule:
+
+- :func:`chunked_rule` (training, prefill): chunks of C tokens; within a chunk the UT transform
+  (one triangular solve) and the chunk's own attention, both under the segment mask; across
+  chunks a scan carrying S. A segment start inside a chunk is exact: a token reads the carried
+  state only if its segment continues from before the chunk, and only the chunk's last segment
+  writes the state it passes on.
+- :func:`recurrent_rule` (decode): token by token, the state zeroed where it does not carry.
+
+Both compute in float32, as transformers does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from seqjax.model.mask import allowed, conv_taps, state_carries
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def causal_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """silu(depthwise causal convolution) of x [B, T, C] with ``weight`` [C, K] (tap K - 1 the
+    token itself, as torch's ``conv1d`` weight [C, 1, K] holds it), no tap reaching across a
+    segment start; in float32, returned in x's dtype."""
+    width = weight.shape[-1]
+    taps = conv_taps(segment_ids, width)
+    w = weight.astype(jnp.float32)
+    out = jnp.zeros(x.shape, jnp.float32)
+    for j in range(width):
+        back = jnp.pad(x, ((0, 0), (j, 0), (0, 0)))[:, :x.shape[1]].astype(jnp.float32)
+        out = out + jnp.where(taps[..., j, None], back, 0.0) * w[:, width - 1 - j]
+    return jax.nn.silu(out).astype(x.dtype)
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x over the root of its squared sum plus ``eps`` (FLA's and transformers' form)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """Float32; q and k repeated to v's heads (each key head serves consecutive value heads),
+    L2-normed, q scaled by 1 / sqrt(d_k)."""
+    group = v.shape[2] // k.shape[2]
+    q, k = (jnp.repeat(a, group, axis=2) if group > 1 else a for a in (q, k))
+    q, k, v, g, beta = (a.astype(jnp.float32) for a in (q, k, v, g, beta))
+    q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def recurrent_rule(q, k, v, g, beta, segment_ids, *, state=None, before=None):
+    """The gated delta rule token by token: q, k [B, T, Hk, Dk], v [B, T, H, Dv], g and beta
+    [B, T, H], ``state`` [B, H, Dk, Dv] carried in from the token before the row, whose segment
+    is ``before`` [B] (default: none). (out [B, T, H, Dv] in v's dtype, the state after the
+    row's last token)."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, _, h, dk = k.shape
+    carries = state_carries(segment_ids, before).astype(jnp.float32)
+    real = (segment_ids != 0).astype(jnp.float32)
+    state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, beta_t, carry_t, real_t = xs
+        s = s * (jnp.exp(g_t) * carry_t[:, None])[..., None, None]
+        seen = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
+        delta = (v_t - seen) * (beta_t * real_t[:, None])[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST) * real_t[:, None, None]
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta, carries, real))
+    state, out = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(out, 0, 1).astype(dtype), state
+
+
+def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, before=None):
+    """The gated delta rule in chunks of ``chunk`` tokens (shapes as :func:`recurrent_rule`; the
+    row zero-padded to a multiple of it, the padding continuing the row's last segment with no
+    decay and no write, so the state returned is the one after the row's last token)."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, t, h, dk = k.shape
+    pad = -t % chunk
+    n = (t + pad) // chunk
+    seg = jnp.concatenate([segment_ids, jnp.repeat(segment_ids[:, -1:], pad, axis=1)], axis=1)
+    before = jnp.zeros((b,), seg.dtype) if before is None else before.astype(seg.dtype)
+    before = jnp.concatenate([before[:, None], seg[:, chunk - 1:-1:chunk]], axis=1)  # [B, N]
+
+    def chunks(a):  # [B, T, H, ...] -> [N, B, H, C, ...]
+        a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+        a = a.reshape(b, n, chunk, *a.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 2, 3)
+
+    q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
+    seg, before = jnp.moveaxis(seg.reshape(b, n, chunk), 1, 0), before.T  # [N, B, C], [N, B]
+    place = jnp.arange(chunk)
+    same = allowed(seg[..., :, None], seg[..., None, :], place[:, None], place[None, :])[:, :, None]
+    carries = allowed(seg, before[..., None], 1, 0)[:, :, None, :, None]  # [N, B, 1, C, 1]
+    ends = allowed(seg[..., -1:], seg, chunk - 1, place)[:, :, None, :, None]
+    cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
+    decay = jnp.where(same, jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = jnp.einsum("...id,...jd->...ij", k_beta, k, precision=HIGHEST) * decay
+
+    def solve(rhs):  # (I + strictly-lower(system))^-1 rhs
+        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+    grown = jnp.exp(cum)[..., None]
+    values = solve(v_beta)
+    k_read = solve(jnp.where(carries, k_beta * grown, 0.0))
+    q_read = jnp.where(carries, q * grown, 0.0)
+    inner = jnp.einsum("...id,...jd->...ij", q, k, precision=HIGHEST) * decay
+    to_end = jnp.exp(jnp.where(ends, cum[..., -1:, None] - cum[..., None], 0.0))
+    k_write = jnp.where(ends, k * to_end, 0.0)
+    keep = jnp.where(carries[..., -1, 0], jnp.exp(cum[..., -1]), 0.0)[..., None, None]  # [N, B, H, 1, 1]
+    state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
+
+    def step(s, xs):
+        values_i, k_read_i, q_read_i, inner_i, k_write_i, keep_i = xs
+        new = values_i - jnp.einsum("bhcd,bhde->bhce", k_read_i, s, precision=HIGHEST)
+        out = (jnp.einsum("bhcd,bhde->bhce", q_read_i, s, precision=HIGHEST)
+               + jnp.einsum("bhij,bhje->bhie", inner_i, new, precision=HIGHEST))
+        s = s * keep_i + jnp.einsum("bhcd,bhce->bhde", k_write_i, new, precision=HIGHEST)
+        return s, out
+
+    state, out = jax.lax.scan(step, state, (values, k_read, q_read, inner, k_write, keep))
+    out = jnp.moveaxis(jnp.moveaxis(out, 3, 2), 0, 1).reshape(b, n * chunk, h, -1)[:, :t]
+    return out.astype(dtype), state
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3.5's gated output norm: rmsnorm(x) (float32) times a plain ``weight``, in x's dtype,
+    times silu(gate) in float32."""
+    f = x.astype(jnp.float32)
+    normed = (f * jax.lax.rsqrt(jnp.mean(f * f, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return (weight * normed).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+
+
+def gated_deltanet(params: dict, x: jax.Array, segment_ids: jax.Array, *, key_heads: int, value_heads: int,
+                   eps: float, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """The whole layer on x [B, T, D] (``params``: transformers' tensors by name, each linear
+    as [in, out], ``conv1d`` [C, K], ``A_log``, ``dt_bias``, ``norm``): (out [B, T, D], the state
+    after the row)."""
+    b, t, _ = x.shape
+    dtype = x.dtype
+    x = jnp.where((segment_ids != 0)[..., None], x, 0).astype(dtype)  # (padding contributes nothing)
+    dv = params["norm"].shape[0]
+    dk = (params["in_proj_qkv"].shape[1] - value_heads * dv) // (2 * key_heads)
+    qkv = causal_conv(x @ params["in_proj_qkv"].astype(dtype), params["conv1d"], segment_ids)
+    q, k, v = jnp.split(qkv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
+    q, k = q.reshape(b, t, key_heads, dk), k.reshape(b, t, key_heads, dk)
+    v = v.reshape(b, t, value_heads, dv)
+    beta = jax.nn.sigmoid(x @ params["in_proj_b"].astype(dtype))
+    a = (x @ params["in_proj_a"].astype(dtype)).astype(jnp.float32)
+    g = -jnp.exp(params["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + params["dt_bias"].astype(jnp.float32))
+    o, state = chunked_rule(q, k, v, g, beta, segment_ids, chunk=chunk)
+    z = (x @ params["in_proj_z"].astype(dtype)).reshape(b, t, value_heads, dv)
+    o = gated_rms_norm(o, z, params["norm"].astype(dtype), eps).astype(dtype)
+    return o.reshape(b, t, value_heads * dv) @ params["out_proj"].astype(dtype), state

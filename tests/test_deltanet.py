@@ -1,0 +1,193 @@
+"""Gated DeltaNet (seqjax.model.deltanet) over packed rows: equal to transformers 5.24's own torch path
+(scripts/make_deltanet_references.py made tests/data/deltanet), and no state or convolution tap crossing
+a segment: a packed row's outputs, final states and gradients are each document's alone, for any
+packing, chunk size and document length (shorter than the convolution, starts on and off chunk
+boundaries)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load_file
+
+from seqjax.model.deltanet import chunked_rule, gated_deltanet, recurrent_rule
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data" / "deltanet"
+sys.path.insert(0, str(REPO / "scripts"))
+from make_deltanet_references import weights  # noqa: E402  (the script's weights, drawn from their names)
+
+META = json.loads((DATA / "deltanet.json").read_text())
+REF = load_file(str(DATA / "deltanet.safetensors"))
+ROW, KEY_HEADS, VALUE_HEADS, DIM = 48, 1, 2, 4
+
+
+def close(actual, expected, tolerance=1e-5, whole=None):
+    """Equal within ``tolerance`` of the largest magnitude of the expected array (or of ``whole``,
+    the array it is a slice of) (float32 rounding)."""
+    expected = np.asarray(expected)
+    scale = max(float(np.abs(expected if whole is None else whole).max()), 1e-6)
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=0, atol=tolerance * scale)
+
+
+def seqjax_params() -> dict:
+    """The script's tensors in seqjax's layout: linears [in, out], the conv [C, K]."""
+    out = {}
+    for name, value in weights().items():
+        key = name.removesuffix(".weight")
+        out[key] = value.T if name.startswith(("in_proj", "out_proj")) else value
+    out["conv1d"] = out["conv1d"][:, 0]
+    return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("form", ["chunk64", "chunk16", "chunk5", "recurrent"])
+def test_the_rule_is_transformers_chunked_rule_in_output_and_final_state(form):
+    """torch_chunk_gated_delta_rule (q/k L2-normed in the rule) on each document alone: a chunk
+    crossing, a document shorter than the convolution; every chunk size and the recurrent form."""
+    for doc, n in META["docs"].items():
+        args = [jnp.asarray(REF[f"rule.{doc}.{k}"]) for k in ("q", "k", "v", "g", "beta")]
+        seg = jnp.ones((1, n), jnp.int32)
+        if form == "recurrent":
+            out, state = recurrent_rule(*args, seg)
+        else:
+            out, state = chunked_rule(*args, seg, chunk=int(form.removeprefix("chunk")))
+        close(out, REF[f"rule.{doc}.out"])
+        close(state, REF[f"rule.{doc}.state"])
+
+
+@pytest.mark.parametrize("chunk", [64, 16, 3])
+def test_the_layer_is_transformers_alone_and_a_packed_row_is_each_document_alone(chunk):
+    """The whole layer (projections, the causal conv, the rule, the gated norm): each document alone
+    equals transformers', and the three packed into one row give the same, where transformers'
+    own packed forward (no segment ids) carries state and conv taps across and moves outputs by
+    more than 1."""
+    params, docs = seqjax_params(), META["docs"]
+    kwargs = dict(key_heads=META["key_heads"], value_heads=META["value_heads"], eps=META["eps"], chunk=chunk)
+    alone = np.concatenate([REF[f"layer.{doc}"] for doc in docs], axis=1)
+    for doc, n in docs.items():
+        out, _ = gated_deltanet(params, jnp.asarray(REF[f"x.{doc}"]), jnp.ones((1, n), jnp.int32), **kwargs)
+        close(out, REF[f"layer.{doc}"])
+    x = jnp.concatenate([REF[f"x.{doc}"] for doc in docs], axis=1)
+    seg = jnp.concatenate([jnp.full((1, n), i + 1, jnp.int32) for i, n in enumerate(docs.values())], axis=1)
+    packed, _ = gated_deltanet(params, x, seg, **kwargs)
+    close(packed, alone)
+    assert np.abs(REF["layer.packed"] - alone).max() > 1.0  # transformers' packed row leaks
+
+
+def oracle(q, k, v, g, beta):
+    """The rule as its definition reads, token by token in float64, for one document alone [T, ...]."""
+    q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
+    group = v.shape[1] // k.shape[1]
+    q, k = np.repeat(q, group, axis=1), np.repeat(k, group, axis=1)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6) / np.sqrt(q.shape[-1])
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6)
+    state = np.zeros((v.shape[1], k.shape[-1], v.shape[-1]))
+    out = np.zeros(v.shape)
+    for t in range(len(v)):
+        state = state * np.exp(g[t])[:, None, None]
+        seen = np.einsum("hkv,hk->hv", state, k[t])
+        state = state + k[t][:, :, None] * ((v[t] - seen) * beta[t][:, None])[:, None, :]
+        out[t] = np.einsum("hkv,hk->hv", state, q[t])
+    return out, state
+
+
+def draw_inputs(seed: int):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((1, ROW, KEY_HEADS, DIM)).astype(np.float32)
+    k = rng.standard_normal((1, ROW, KEY_HEADS, DIM)).astype(np.float32)
+    v = rng.standard_normal((1, ROW, VALUE_HEADS, DIM)).astype(np.float32)
+    g = -np.log1p(np.exp(rng.standard_normal((1, ROW, VALUE_HEADS)))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((1, ROW, VALUE_HEADS))))).astype(np.float32)
+    return [q, k, v, g, beta], rng.standard_normal((1, ROW, VALUE_HEADS, DIM)).astype(np.float32)
+
+
+def row_of(lengths, gaps):
+    """Segment ids [1, ROW]: documents 1..n with ``gaps`` padding tokens before each, the row's
+    tail padding; and each document's (start, end)."""
+    seg, spans, place = np.zeros((1, ROW), np.int32), [], 0
+    for i, (n, gap) in enumerate(zip(lengths, gaps)):
+        place += gap
+        seg[0, place:place + n] = i + 1
+        spans.append((place, place + n))
+        place += n
+    return seg, spans
+
+
+@jax.jit(static_argnames=("chunk", "recurrent"))
+def outputs_and_grads(args, seg, cotangent, *, chunk, recurrent=False):
+    def run(*a):
+        if recurrent:
+            return recurrent_rule(*a, seg)
+        return chunked_rule(*a, seg, chunk=chunk)
+
+    (out, state), pull = jax.vjp(run, *args)
+    return out, state, pull((cotangent, jnp.zeros_like(state)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 11), min_size=1, max_size=4),
+       gaps=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+       chunk=st.sampled_from([1, 3, 4, 8, 16, 64]), seed=st.integers(0, 2**16))
+@example(lengths=[8, 8, 3, 1], gaps=[0, 0, 0, 0], chunk=8, seed=0)  # starts on chunk boundaries
+@example(lengths=[2, 3, 11, 11], gaps=[1, 0, 2, 0], chunk=4, seed=1)  # shorter than the conv, and off them
+def test_a_packed_row_gives_each_document_its_own_outputs_state_and_gradients(lengths, gaps, chunk, seed):
+    """Any packing: each document's outputs equal the rule run on it alone (the float64 oracle), the
+    chunked form equals the recurrent one, and each document's gradients equal those of the same
+    document alone in a row; the state a document leaves is its own final state alone."""
+    args, cotangent = draw_inputs(seed)
+    seg, spans = row_of(lengths, gaps)
+    out, state, grads = outputs_and_grads(args, seg, cotangent, chunk=chunk)
+    rec_out, rec_state, rec_grads = outputs_and_grads(args, seg, cotangent, chunk=chunk, recurrent=True)
+    close(out, rec_out)
+    close(state, rec_state)
+    for a, b in zip(grads, rec_grads):
+        close(a, b)
+    assert not np.asarray(out)[0][seg[0] == 0].any()  # padding reads nothing
+    for i, (start, end) in enumerate(spans):
+        expected, final = oracle(*(a[0, start:end] for a in args))
+        close(np.asarray(out)[0, start:end], expected, whole=out)
+        alone = np.where(seg == i + 1, i + 1, 0).astype(np.int32)
+        _, _, alone_grads = outputs_and_grads(args, alone, cotangent, chunk=chunk)
+        for a, b in zip(grads, alone_grads):
+            close(np.asarray(a)[0, start:end], np.asarray(b)[0, start:end], whole=b)
+        # the state a document leaves: the row's, ended at its last token
+        ended = np.where(np.arange(ROW) < end, seg, seg[0, start]).astype(np.int32)
+        ended_args = [np.where((np.arange(ROW) < end).reshape((1, ROW) + (1,) * (a.ndim - 2)), a, 0) for a in args]
+        _, left, _ = outputs_and_grads(ended_args, ended, cotangent, chunk=chunk)
+        close(np.asarray(left)[0], final)
+
+
+@settings(max_examples=10, deadline=None)
+@given(lengths=st.lists(st.integers(1, 11), min_size=2, max_size=4), chunk=st.sampled_from([3, 8, 64]),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_changing_one_documents_tokens_changes_no_other_documents_outputs_or_gradients(lengths, chunk, seed,
+                                                                                      data):
+    """A document's inputs redrawn: its outputs change; every other document's outputs and
+    gradients do not."""
+    args, cotangent = draw_inputs(seed)
+    seg, spans = row_of(lengths, [0] * len(lengths))
+    changed = data.draw(st.integers(0, len(lengths) - 1))
+    start, end = spans[changed]
+    other = [np.array(a) for a in draw_inputs(seed + 1)[0]]
+    moved = []
+    for a, b in zip(args, other):
+        c = np.array(a)
+        c[0, start:end] = b[0, start:end]
+        moved.append(c)
+    out, _, grads = outputs_and_grads(args, seg, cotangent, chunk=chunk)
+    out2, _, grads2 = outputs_and_grads(moved, seg, cotangent, chunk=chunk)
+    keep = seg[0] != changed + 1
+    assert not np.array_equal(np.asarray(out)[0, start:end], np.asarray(out2)[0, start:end])
+    # the other documents' outputs and gradients: the same to float32 rounding (a leak moves them by
+    # the inputs' own size; the backward's triangular solves may round a last bit differently)
+    close(np.asarray(out2)[0][keep], np.asarray(out)[0][keep], 1e-6, whole=out)
+    for a, b in zip(grads, grads2):
+        close(np.asarray(b)[0][keep], np.asarray(a)[0][keep], 1e-6, whole=a)
