@@ -4,8 +4,10 @@ one run (JSON).
     python scripts/bench_engine.py                                           # the engine, and seqjax before it
     python scripts/bench_engine.py --torch-python /path/to/torch/env/bin/python   # and transformers' generate
 
-Two workloads on bench_grpo's small Qwen3 shape (d_model 256, 4 layers, float32, random weights), prompts of a
-lognormal length (median ``--prompt-median``), ``--generations`` completions each:
+Two workloads on a Qwen3 shape with random weights (``--shape``: ``small``, bench_grpo's d_model 256 and 4
+layers in float32, the CPU's; ``1b`` and ``8b``, Llama-3.2-1B's and Llama-3.1-8B's, the GPU suite's engine
+stage with ``--dtype bfloat16 --samplers engine --hbm-gb-s``), prompts of a lognormal length (median
+``--prompt-median``), ``--generations`` completions each:
 
 - ``fixed``: every completion ``--max-new`` tokens (no stop): bench_grpo's sampling row;
 - ``grpo``: completions that stop at any of ``--stop-ids`` ids (the first ones of the vocabulary), so their
@@ -22,9 +24,10 @@ Samplers:
 - ``transformers``: ``generate(num_return_sequences=G, do_sample=True)`` on the same shape, where
   ``--torch-python`` names an interpreter with torch and transformers.
 
-Each reports new tokens/s (after a warm-up run), the share of decode slot-steps that drew a real token (the
-static batch's is its real tokens over rows x the longest row's steps), and the KV bytes a group holds. The last
-stdout line is one JSON object.
+With ``--hbm-gb-s`` the engine's rows add the decode's bandwidth bound (each step reading the weights and
+every slot's keys and values once) and the share of it measured. Each reports new tokens/s (after a warm-up
+run), the share of decode slot-steps that drew a real token (the static batch's is its real tokens over rows x
+the longest row's steps), and the KV bytes a group holds. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -42,7 +45,11 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-SHAPE = {"d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "d_ff": 1024}
+SHAPES = {  # small: bench_grpo's CPU shape; 1b and 8b: Llama-3.2-1B's and Llama-3.1-8B's (the GPU suite's)
+    "small": {"d_model": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "d_ff": 1024},
+    "1b": {"d_model": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "head_dim": 64, "d_ff": 8192},
+    "8b": {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "d_ff": 14336},
+}
 BEFORE = "c2af91e"  # (main before the engine: seqjax.model.decode's samplers)
 
 
@@ -54,8 +61,44 @@ def prompts_of(args) -> list[list[int]]:
 
 def config_overrides(args) -> list[str]:
     seq = 2 * args.prompt_median + args.max_new + 64
-    return [*(f"model.{k}={v}" for k, v in SHAPE.items()), f"model.vocab_size={args.vocab}", f"model.max_seq_len={seq}",
-            f"data.seq_len={seq}", "model.attention=xla", "model.qk_norm=true"]
+    dtype = [f"model.param_dtype={args.dtype}", f"model.compute_dtype={args.dtype}"] if args.dtype else []
+    return [*(f"model.{k}={v}" for k, v in SHAPES[args.shape].items()), f"model.vocab_size={args.vocab}",
+            f"model.max_seq_len={seq}", f"data.seq_len={seq}", "model.attention=xla", "model.qk_norm=true", *dtype]
+
+
+HBM_GB_S = {"H100": 3350.0, "H200": 4800.0}  # the SXM parts' memory bandwidth, GB/s (NVIDIA's data sheets)
+
+
+def hbm_gb_s(value: str) -> float:
+    """``--hbm-gb-s``: a number, or ``auto``: the first device's by its kind (0 when unknown)."""
+    if value != "auto":
+        return float(value)
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    return next((gb for name, gb in HBM_GB_S.items() if name in kind), 0.0)
+
+
+def bandwidth_bound(spec: dict, model, row: dict, bandwidth: float) -> dict:
+    """The decode's bound where every step reads the weights and each slot's keys and values once from
+    memory of ``--hbm-gb-s``: new tokens/s at the run's mean context (prompt + half the mean
+    completion), and the share of it measured. (A bound on decode alone: the figure measured includes
+    the prefill.)"""
+    from seqjax.model.transformer import param_count
+
+    cfg = model.cfg
+    itemsize = jnp_itemsize(cfg.param_dtype)
+    weights = param_count(model)["total"] * itemsize
+    sequences = len(spec["prompts"]) * spec["generations"]
+    context = np.mean([len(p) for p in spec["prompts"]]) + row["new_tokens"] / sequences / 2
+    kv = 2 * cfg.n_layers * cfg.kv_heads * cfg.head_dim * jnp_itemsize(cfg.compute_dtype) * context
+    bound = row["slots"] * bandwidth * 1e9 / (weights + row["slots"] * kv)
+    return {"hbm_gb_s": bandwidth, "bandwidth_bound_new_tokens_per_s": round(float(bound), 1),
+            "share_of_bound": round(row["new_tokens_per_s"] / float(bound), 4), "weight_bytes": int(weights)}
+
+
+def jnp_itemsize(dtype: str) -> int:
+    return np.dtype("float16" if dtype == "bfloat16" else dtype).itemsize
 
 
 def timed(call) -> tuple[float, object]:
@@ -79,7 +122,8 @@ def seqjax_samplers(spec: dict) -> dict:
     prompts, g, new = spec["prompts"], spec["generations"], spec["max_new"]
     stops = list(range(1, spec["stops"] + 1))
     sampling = SamplingConfig(temperature=1.0)
-    kv_token = 2 * config.model.n_layers * config.model.kv_heads * config.model.head_dim * 4
+    kv_token = (2 * config.model.n_layers * config.model.kv_heads * config.model.head_dim
+                * jnp_itemsize(config.model.compute_dtype))
     out = {}
     if spec["engine"]:
         from seqjax.config.engine import EngineConfig
@@ -98,6 +142,9 @@ def seqjax_samplers(spec: dict) -> dict:
                                     "new_tokens_per_s": round(tokens / seconds, 1),
                                     "slot_use": round(engine.stats["slot_use"], 4), "slots": engine.stats["slots"],
                                     "kv_bytes_per_group": int(group_pages * size * kv_token)}}
+            bandwidth = hbm_gb_s(spec["hbm_gb_s"])
+            if bandwidth:
+                out[name]["engine"] |= bandwidth_bound(spec, model, out[name]["engine"], bandwidth)
         return out
     from seqjax.model.decode import generate, sample_rollouts
 
@@ -126,10 +173,11 @@ def transformers_worker(spec: dict) -> dict:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=spec["vocab"], hidden_size=SHAPE["d_model"],
-                                      num_hidden_layers=SHAPE["n_layers"], num_attention_heads=SHAPE["n_heads"],
-                                      num_key_value_heads=SHAPE["n_kv_heads"], head_dim=SHAPE["head_dim"],
-                                      intermediate_size=SHAPE["d_ff"], max_position_embeddings=4096)
+    shape = SHAPES[spec["shape"]]
+    config = transformers.Qwen3Config(vocab_size=spec["vocab"], hidden_size=shape["d_model"],
+                                      num_hidden_layers=shape["n_layers"], num_attention_heads=shape["n_heads"],
+                                      num_key_value_heads=shape["n_kv_heads"], head_dim=shape["head_dim"],
+                                      intermediate_size=shape["d_ff"], max_position_embeddings=4096)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     prompts, g, new = spec["prompts"], spec["generations"], spec["max_new"]
     width = max(len(p) for p in prompts)
@@ -188,6 +236,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--before", default=BEFORE, help="the commit whose static samplers run beside the engine")
     p.add_argument("--torch-python", help="an interpreter with torch and transformers: adds their generate")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="(default: the config's)")
+    p.add_argument("--samplers", default="engine,static,transformers",
+                   help="which to run: engine, static (--before's), transformers (--torch-python)")
+    p.add_argument("--hbm-gb-s", default="0",
+                   help="the device's memory bandwidth in GB/s (auto: by its kind, an H100's or H200's): adds "
+                   "the engine's share of the decode's bandwidth bound")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -197,9 +252,27 @@ def main() -> None:
     prompts = prompts_of(args)
     spec = {"overrides": config_overrides(args), "prompts": prompts, "generations": args.generations,
             "max_new": args.max_new, "stops": args.stops, "slots": args.slots, "page_size": args.page_size,
-            "vocab": args.vocab, "engine": True}
+            "vocab": args.vocab, "engine": True, "shape": args.shape, "hbm_gb_s": args.hbm_gb_s}
     result: dict = {}
-    merge(result, in_subprocess(sys.executable, spec, str(REPO)))
+    samplers = args.samplers.split(",")
+    if "engine" in samplers:
+        merge(result, in_subprocess(sys.executable, spec, str(REPO)))
+    if "static" in samplers:
+        merge(result, static_samplers(args, spec))
+    if args.torch_python and "transformers" in samplers:
+        merge(result, in_subprocess(args.torch_python, {**spec, "torch": True}))
+    summary = {"bench": "engine", "shape": {"name": args.shape, **SHAPES[args.shape]}, "dtype": args.dtype,
+               "prompts": args.prompts, "generations": args.generations,
+               "prompt_tokens_mean": round(float(np.mean([len(q) for q in prompts])), 1), "max_new": args.max_new,
+               "vocab": args.vocab, "stop_ids": args.stops, "slots": args.slots, "page_size": args.page_size,
+               "before": args.before, "host": platform.node(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **result}
+    print(json.dumps(summary))
+
+
+def static_samplers(args, spec: dict) -> dict:
+    """seqjax's samplers before the engine, from a git worktree of ``--before``."""
+    result: dict = {}
     with tempfile.TemporaryDirectory() as tree:
         added = subprocess.run(["git", "worktree", "add", "--detach", tree, args.before], cwd=REPO,
                                capture_output=True, text=True)
@@ -210,14 +283,7 @@ def main() -> None:
                 subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
         else:
             result["static_error"] = added.stderr.strip()[:300]
-    if args.torch_python:
-        merge(result, in_subprocess(args.torch_python, {**spec, "torch": True}))
-    summary = {"bench": "engine", "shape": SHAPE, "prompts": args.prompts, "generations": args.generations,
-               "prompt_tokens_mean": round(float(np.mean([len(q) for q in prompts])), 1), "max_new": args.max_new,
-               "vocab": args.vocab, "stop_ids": args.stops, "slots": args.slots, "page_size": args.page_size,
-               "before": args.before, "host": platform.node(),
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **result}
-    print(json.dumps(summary))
+    return result
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ Opt-in stages:
               AWD-LSTM's 65.8)
   moe         (opt-in) scripts/bench_moe.py at Qwen3-30B-A3B's layer: the experts' dispatches side by side, and
               ragged_dot under XLA's cuDNN ragged-dot fusion (which model.experts.dispatch=auto picks on a GPU)
+  engine      (opt-in) scripts/bench_engine.py at the 1B and 8B shapes in bfloat16: the generation engine's new
+              tokens/s over 64 slots against the decode's bandwidth bound
   study       (opt-in) scripts/study_strategies.py --gpu for --study-strategies x --study-seeds, in OUT/study
               (rerun to continue)
 
@@ -76,7 +78,7 @@ DEFAULT_STAGES = ("setup", "env", "tests", "attention", "finetune", "lora8b", "d
 FIRST_CALL_S, RERUN_CALL_S = 540.0, 240.0  # a lent GPU's 15 minutes: one call of 9, one rerun of 4, start-up
 MIN_STAGE_S = 5.0  # a stage given less than this is skipped
 OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision", "grpo", "mosaic",
-                   "context", "moe")
+                   "context", "moe", "engine")
 PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
          "tokamax", "torch", "transformers")
 # A toy model and corpus for --dry-run: every stage's plumbing runs on a CPU in seconds.
@@ -530,6 +532,25 @@ def stage_grpo(s: Suite) -> dict:
     return {"status": status(code), "result": last_json(stdout) if code == 0 else None}
 
 
+def stage_engine(s: Suite) -> dict:
+    """The generation engine (scripts/bench_engine.py) at the 1B and 8B shapes in bfloat16: 64 slots decoding
+    GRPO-like completions (16 prompts x 4, up to 256 new tokens); new tokens/s against the decode's bandwidth
+    bound (each step reading the weights and every slot's keys and values once), the issue's goal half of it."""
+    if s.dry:
+        sizes = {"small": ["--shape", "small", "--prompts", "2", "--generations", "2", "--prompt-median", "8",
+                           "--max-new", "8", "--slots", "4", "--vocab", "256", "--hbm-gb-s", "100"]}
+    else:
+        common = ["--dtype", "bfloat16", "--prompts", "16", "--generations", "4", "--slots", "64",
+                  "--max-new", "256", "--vocab", "128256", "--hbm-gb-s", "auto"]
+        sizes = {"1b": ["--shape", "1b", *common], "8b": ["--shape", "8b", *common]}
+    result: dict[str, Any] = {}
+    for name, size in sizes.items():
+        code, stdout = s.call("engine", s.python("scripts/bench_engine.py", *size, "--samplers", "engine"), 150)
+        result[name] = last_json(stdout) if code == 0 else {"status": status(code)}
+    result["status"] = "ok" if all("status" not in r for r in result.values()) else "failed"
+    return result
+
+
 # XLA's GPU flag for cuDNN's ragged-dot fusion in place of its default rewrite of ragged_dot to a padded dense dot
 # (openxla/xla#40189); an XLA that lacks the flag refuses to start, which the stage records as that run's failure.
 RAGGED_DOT_CUDNN = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
@@ -619,7 +640,7 @@ STAGES = {stage.name: stage for stage in (
     Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
     Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study), Stage("vision", 90, stage_vision),
     Stage("grpo", 150, stage_grpo), Stage("mosaic", 240, stage_mosaic), Stage("context", 240, stage_context),
-    Stage("moe", 240, stage_moe),
+    Stage("moe", 240, stage_moe), Stage("engine", 300, stage_engine),
 )}
 
 

@@ -69,12 +69,13 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
 def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     """The opt-in stages in one call, at toy size: a profile trace, the recipe's validation, the
     quality run (resumed per call, then scored), the vision tower's two backends, GRPO's layouts and
-    sampler, context parallelism's attention and step, and the experts' dispatches. (The study
-    stage only calls scripts/study_strategies.py, whose --quick run tests/test_study.py covers.)"""
+    sampler, context parallelism's attention and step, the experts' dispatches, and the generation
+    engine. (The study stage only calls scripts/study_strategies.py, whose --quick run
+    tests/test_study.py covers.)"""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
+    stages = "profile,recipe,quality,vision,grpo,context,moe,engine"
     proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--only",
-                           "profile,recipe,quality,vision,grpo,context,moe"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+                           stages], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
     assert proc.returncode == 0, {n: r.get("status") for n, r in stages.items()}
     assert stages["profile"]["traces"] and stages["profile"]["traces"][0]["bytes"] > 0
@@ -101,6 +102,9 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     assert all(moe[n]["loss_rel_diff"] < 1e-5 for n in ("ragged_dot", "blocked", "dense")), moe
     # one-hot caps each expert's tokens: it differs exactly when it dropped some
     assert (moe["onehot"]["loss_rel_diff"] < 1e-5) == (moe["onehot"]["dropped_pairs"] == 0), moe["onehot"]
+    # the generation engine: its tokens/s and their share of the decode's bandwidth bound
+    engine = stages["engine"]["small"]["fixed"]["engine"]
+    assert engine["new_tokens_per_s"] > 0 and 0 < engine["share_of_bound"] and engine["slot_use"] == 1.0
 
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:

@@ -174,7 +174,8 @@ def _admit(cache: PagedKV, state: Slots, pool: Pool, requests: Requests, need, c
     last_column = length // size
     prompt_rows = requests.prompt_pages[prompt]
     source = jnp.take_along_axis(prompt_rows, jnp.minimum(last_column, prompt_rows.shape[1] - 1)[:, None], axis=1)
-    cache = cache.copy_pages(source[:, 0], own_page)
+    # (most steps admit nothing: skip the copy's pass over every layer's pages then)
+    cache = jax.lax.cond(jnp.any(partial), lambda c: c.copy_pages(source[:, 0], own_page), lambda c: c, cache)
     width = cache.page_table.shape[1]
     rows = jnp.pad(prompt_rows, ((0, 0), (0, width - prompt_rows.shape[1])), constant_values=pages)
     rows = rows.at[jnp.arange(slots), jnp.where(partial, last_column, width)].set(own_page, mode="drop")
