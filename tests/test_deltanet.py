@@ -63,6 +63,7 @@ def test_the_rule_is_transformers_chunked_rule_in_output_and_final_state(form):
         close(state, REF[f"rule.{doc}.state"])
 
 
+@pytest.mark.slow  # (the full suite; the fast loop keeps the rule against transformers)
 @pytest.mark.parametrize("chunk", [64, 16, 3])
 def test_the_layer_is_transformers_alone_and_a_packed_row_is_each_document_alone(chunk):
     """The whole layer (projections, the causal conv, the rule, the gated norm): each document alone
@@ -132,6 +133,7 @@ def outputs_and_grads(args, seg, cotangent, *, chunk, recurrent=False):
     return out, state, pull((cotangent, jnp.zeros_like(state)))
 
 
+@pytest.mark.slow  # (the full suite; the fast loop keeps the rule against transformers)
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.integers(1, 11), min_size=1, max_size=4),
        gaps=st.lists(st.integers(0, 2), min_size=4, max_size=4),
@@ -165,6 +167,7 @@ def test_a_packed_row_gives_each_document_its_own_outputs_state_and_gradients(le
         close(np.asarray(left)[0], final)
 
 
+@pytest.mark.slow  # (the full suite; the fast loop keeps the rule against transformers)
 @settings(max_examples=10, deadline=None)
 @given(lengths=st.lists(st.integers(1, 11), min_size=2, max_size=4), chunk=st.sampled_from([3, 8, 64]),
        seed=st.integers(0, 2**16), data=st.data())

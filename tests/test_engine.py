@@ -62,6 +62,7 @@ def assert_logprobs_are_the_forwards(model, prompts, done, copies):
         np.testing.assert_allclose(completion.logprobs, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 @pytest.mark.parametrize("extra", [(), ("model.scan_layers=true",),
                                    ("model.sliding_window=4", "model.layer_types=[sliding,full]",
                                     "model.attention_sinks=true", "model.qkv_bias=true", "model.attn_out_bias=true"),
@@ -97,6 +98,7 @@ def test_greedy_tokens_are_the_argmax_of_full_forward_passes():
     assert len({tuple(g.tokens) for g in done}) > 1
 
 
+@pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 @settings(max_examples=6, deadline=None)
 @given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), slots=st.integers(1, 7),
        page_size=st.sampled_from([1, 2, 4, 8, 16]), spare=st.integers(0, 3), seed=st.integers(0, 3))
@@ -144,6 +146,7 @@ def test_generate_leaves_the_stop_id_out_and_rollouts_keep_it():
     assert kept[0].tokens == ended[0].tokens + [stop]
 
 
+@pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 def test_under_lora_the_engine_reads_the_adapters_as_they_are():
     """Adapters with B moved off 0 (no merge, no copy of the base): the engine's log-probabilities are the
     adapted training forward's."""
