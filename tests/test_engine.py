@@ -190,3 +190,22 @@ def test_decoding_never_writes_outside_a_sequences_own_pages():
         prompts, max_new_tokens=12, stop_ids=[], sampling=SamplingConfig(1.0), key=jax.random.key(3), copies=3)
     assert_logprobs_are_the_forwards(model, prompts, done, 3)
     assert jnp.asarray([len(c.tokens) for c in done]).sum() == 6 * 12
+
+
+@pytest.mark.parametrize("lengths, page_size, new", [([17], 4, 2), ([17, 3], 4, 1), ([40, 9, 33], 8, 3)])
+def test_prompt_tables_fit_the_caches_table_whatever_the_sizes(lengths, page_size, new):
+    """A prompt whose pages round up past the cache's page table (17 tokens in pages of 4: five pages, a
+    table of five for two new tokens): it decodes, and each completion is the full forward's greedy one
+    (a chat prompt with 8 new tokens failed so once)."""
+    model = model_of()
+    prompts = prompts_of(lengths, seed=2)
+    done = generate(model, prompts, eot_id=None, max_new_tokens=new, engine=EngineConfig(page_size=page_size))
+    for prompt, g in zip(prompts, done):
+        assert len(g.tokens) == new
+        seq, t = prompt + g.tokens, model.cfg.max_seq_len
+        inputs = np.zeros((1, t), np.int32)
+        inputs[0, :len(seq)] = seq
+        real = (np.arange(t) < len(seq))[None]
+        logp = np.asarray(_forward(*nnx.split(model), inputs, np.where(real, np.arange(t), 0).astype(np.int32),
+                                   real.astype(np.int32)))[0]
+        assert [int(np.argmax(logp[len(prompt) - 1 + i])) for i in range(new)] == g.tokens

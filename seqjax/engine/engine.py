@@ -64,6 +64,9 @@ class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, state=None):
         self.model, self.config = model, config or EngineConfig()
         self.config.check()
+        if "linear" in model.cfg.layer_types:
+            raise UsageError("the engine: a model with linear layers (model.layer_types) has a Gated DeltaNet "
+                             "state the engine does not hold yet; expected a model of attention layers only")
         self.graphdef, own = nnx.split(model)
         self.state = own if state is None else state
         self.stats: dict = {}
@@ -182,7 +185,7 @@ def _prompt_tables(lengths: Sequence[int], plan: Plan) -> np.ndarray:
     """Each prompt's pages, the pool's first ones in order: [prompts, width] (no page:
     ``plan.pages``)."""
     size = plan.page_size
-    width = _bucket(max(-(-n // size) for n in lengths), 1)
+    width = min(_eighths(max(-(-n // size) for n in lengths)), plan.table)  # (within the cache's table)
     tables = np.full((len(lengths), width), plan.pages, np.int32)
     first = 0
     for i, n in enumerate(lengths):
