@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from seqjax.config.deltanet import DeltaNetConfig
 from seqjax.config.experts import ExpertsConfig
 from seqjax.config.fields import MODEL, setting
 from seqjax.config.vision import VisionConfig
@@ -19,7 +20,7 @@ ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
 # tables).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
-LAYER_TYPES = ("full", "sliding")
+LAYER_TYPES = ("full", "sliding", "linear")
 REMAT_POLICIES = ("none", "full", "dots", "names")
 # The activations a block tags with jax.ad_checkpoint.checkpoint_name (model.remat=names keeps those
 # listed).
@@ -302,8 +303,9 @@ class ModelConfig:
         "positions back, itself included (Mistral; Gemma 3's local layers)", min=1, resume=MODEL)
     layer_types: list[str] = setting(
         [],
-        "each layer's attention, full or sliding (Gemma 3 interleaves them); empty: every layer "
-        "sliding when model.sliding_window is set, else full", resume=MODEL)
+        "each layer's attention, full or sliding (Gemma 3 interleaves them), or linear (a Gated "
+        "DeltaNet: model.deltanet); empty: every layer sliding when model.sliding_window is set, else "
+        "full", resume=MODEL)
     lora: LoraConfig = field(
         default_factory=LoraConfig, metadata={
             "help": "low-rank adapters on the projections (model.lora.rank > 0): the base frozen, "
@@ -329,6 +331,10 @@ class ModelConfig:
             "help": "a mixture of experts in place of the gated MLP (model.experts.count > 0; "
                     "docs/model.md)"
         })
+    deltanet: DeltaNetConfig = field(
+        default_factory=DeltaNetConfig, metadata={
+            "help": "the Gated DeltaNet layers model.layer_types places with linear (Qwen3.5's linear "
+                    "attention; docs/model.md)"})
     attention_sinks: bool = setting(
         False, "a learned logit per head taken into every query's softmax, attending to nothing "
                "(gpt-oss)",
@@ -343,6 +349,10 @@ class ModelConfig:
         """Layer ``layer``'s MLP: a row of :data:`seqjax.model.mlp.MLPS` (experts, or the gated
         MLP)."""
         return "experts" if self.experts.enabled and layer not in self.experts.dense_layers else "gated"
+
+    def mixer_of(self, layer: int) -> str:
+        """Layer ``layer``'s token mixer: a row of :data:`seqjax.model.block.MIXERS`."""
+        return "deltanet" if self.layer_types and self.layer_types[layer] == "linear" else "attention"
 
     def window_of(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window, or None where it attends to its whole segment."""
@@ -370,7 +380,7 @@ class ModelConfig:
                 f"(model.n_layers={self.n_layers}) or none")
         bad = [kind for kind in self.layer_types if kind not in LAYER_TYPES]
         if bad:
-            raise ConfigError(f"model.layer_types: got {bad[0]!r}, expected full or sliding")
+            raise ConfigError(f"model.layer_types: got {bad[0]!r}, expected full, sliding or linear")
         if "sliding" in self.layer_types and self.sliding_window is None:
             raise ConfigError("model.layer_types: got sliding layers but model.sliding_window is "
                               "null; expected a window size")
@@ -408,11 +418,13 @@ class ModelConfig:
         self.check_quant_block()
         self.check_vision()
         self.experts.check(self.n_layers)
-        if self.scan_layers and len({self.mlp_of(i) for i in range(self.n_layers)}) > 1:
+        self.deltanet.check(self.layer_types)
+        kinds = {(self.mlp_of(i), self.mixer_of(i)) for i in range(self.n_layers)}
+        if self.scan_layers and len(kinds) > 1:
             raise ConfigError(
-                "model.scan_layers: got true with model.experts.dense_layers "
-                f"{self.experts.dense_layers}: a scanned stack holds one kind of block; expected "
-                "scan_layers false (layers unrolled)")
+                f"model.scan_layers: got true with layers of {len(kinds)} kinds (model.experts.dense_layers "
+                f"{self.experts.dense_layers}, model.layer_types {self.layer_types}): a scanned stack holds "
+                "one kind of block; expected scan_layers false (layers unrolled)")
         unknown = [name for name in self.remat_names if name not in REMAT_NAMES]
         if unknown:
             raise ConfigError(f"model.remat_names: got {unknown[0]!r}, expected names from "

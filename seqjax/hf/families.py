@@ -406,6 +406,9 @@ def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: 
     """The ``config.json`` of a ModelConfig, in its family's fields (transformers 4's spelling; 5
     reads it too)."""
     row = FAMILIES[cfg.family]
+    if "linear" in cfg.layer_types:  # (no family row holds a Gated DeltaNet yet: Qwen3.5's is to come)
+        raise CheckpointError(f"model.layer_types: got {cfg.layer_types}, but {row.architecture} has no linear "
+                              "(Gated DeltaNet) layers; expected full or sliding layers to export")
     row.can_export(cfg)
     scaling = cfg.rope_scaling
     rope_scaling = None

@@ -48,6 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 from seqjax.config.model import ModelConfig
 from seqjax.model.attention import attention, resolve_backend
 from seqjax.model.cache import LayerView
+from seqjax.model.deltanet import DeltaNet
 from seqjax.model.lora import Adapters
 from seqjax.model.mask import FULL
 from seqjax.model.mlp import MLPS, drop, normal_param
@@ -192,6 +193,10 @@ class Attention(nnx.Module):
         return flat.reshape(projected.shape)
 
 
+# model.mixer_of(layer) -> the module a block builds to mix its tokens (the attention, or a Gated DeltaNet)
+MIXERS: dict[str, type] = {"attention": Attention, "deltanet": DeltaNet}
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)); each branch ends in its
     dropout.
@@ -200,11 +205,11 @@ class Block(nnx.Module):
     norms.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mlp: str = "gated"):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mlp: str = "gated", mixer: str = "attention"):
         norm = functools.partial(RMSNorm, cfg.d_model, dtype=jnp.dtype(cfg.param_dtype),
                                  eps=cfg.norm_eps, plus_one=cfg.norm_plus_one)
         self.attn_norm = norm()
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = MIXERS[mixer](cfg, rngs=rngs)  # (the layer's row: model.mixer_of)
         self.mlp_norm = norm()
         self.mlp = MLPS[mlp](cfg, rngs=rngs)  # (the layer's row: model.mlp_of)
         if cfg.post_norms:
@@ -240,7 +245,8 @@ def unrolled_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.List:
     :func:`stacked_blocks` gives its layer: the same seed gives the same starting weights in either
     layout, so switching a compile option never changes a run's curve (tests/test_scan.py)."""
     keys = jax.random.split(rngs.params(), cfg.n_layers)  # what nnx.split_rngs hands the stacked layers
-    return nnx.List([Block(cfg, rngs=nnx.Rngs(params=key), mlp=cfg.mlp_of(i)) for i, key in enumerate(keys)])
+    return nnx.List([Block(cfg, rngs=nnx.Rngs(params=key), mlp=cfg.mlp_of(i), mixer=cfg.mixer_of(i))
+                     for i, key in enumerate(keys)])
 
 
 def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -255,7 +261,7 @@ def stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=rngs, mlp=cfg.mlp_of(0))  # (a stack holds one kind: ModelConfig.check)
+        return Block(cfg, rngs=rngs, mlp=cfg.mlp_of(0), mixer=cfg.mixer_of(0))  # (one kind: ModelConfig.check)
 
     blocks = make(rngs)  # (split_rngs: layer i draws from split(fold_in(key, count), n_layers)[i])
     for _, variable in nnx.iter_graph(blocks):

@@ -29,10 +29,16 @@ Both compute in float32, as transformers does.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from seqjax.config.model import ModelConfig
+from seqjax.core.errors import UsageError
 from seqjax.model.mask import allowed, conv_taps, state_carries
+from seqjax.model.quant import weight
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -175,3 +181,58 @@ def gated_deltanet(params: dict, x: jax.Array, segment_ids: jax.Array, *, key_he
     z = (x @ params["in_proj_z"].astype(dtype)).reshape(b, t, value_heads, dv)
     o = gated_rms_norm(o, z, params["norm"].astype(dtype), eps).astype(dtype)
     return o.reshape(b, t, value_heads * dv) @ params["out_proj"].astype(dtype), state
+
+
+class DeltaNet(nnx.Module):
+    """A Gated DeltaNet layer as a block's token mixer (``model.layer_types`` ``linear``; the
+    block's attention otherwise), its parameters named as transformers names them:
+
+    ================  =====================  ==============================
+    in_proj_qkv       [D, 2 Hk Dk + H Dv]    the query, key and value heads
+    in_proj_z         [D, H Dv]              the output gate
+    in_proj_b, _a     [D, H]                 beta's and the decay's inputs
+    conv1d            [2 Hk Dk + H Dv, K]    the depthwise causal convolution
+    A_log, dt_bias    [H]                    the decay's rate and bias
+    norm              [Dv]                   the gated output norm's plain weight
+    out_proj          [H Dv, D]
+    ================  =====================  ==============================
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        net, d, pdt = cfg.deltanet, cfg.d_model, jnp.dtype(cfg.param_dtype)
+        qkv = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim
+        value = net.value_heads * net.value_dim
+
+        def normal(shape, axes, std=cfg.init_std):
+            return nnx.Param(std * jax.random.normal(rngs.params(), shape, pdt), axes=axes)
+
+        self.in_proj_qkv = normal((d, qkv), ("embed", "linear_qkv"))
+        self.in_proj_z = normal((d, value), ("embed", "linear_value"))
+        self.in_proj_b = normal((d, net.value_heads), ("embed", "linear_heads"))
+        self.in_proj_a = normal((d, net.value_heads), ("embed", "linear_heads"))
+        self.conv1d = normal((qkv, net.conv_width), ("linear_qkv", "conv"), 1 / math.sqrt(net.conv_width))
+        rates = jnp.linspace(1.0, 16.0, net.value_heads)  # (transformers draws them from U(0.01, 16))
+        self.A_log = nnx.Param(jnp.log(rates).astype(pdt), axes=("linear_heads",))
+        self.dt_bias = nnx.Param(jnp.ones((net.value_heads,), pdt), axes=("linear_heads",))
+        self.norm = nnx.Param(jnp.ones((net.value_dim,), pdt), axes=("head_dim",))
+        self.out_proj = normal((value, d), ("linear_value", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        self.net, self.eps = net, cfg.norm_eps
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq=None, window=None,
+                 metadata=None, dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None):
+        """x [B, T, D] -> [B, T, D], the state reset at every segment start (the attention's
+        arguments it has no use for are taken and left: positions, RoPE, windows)."""
+        if prefix_ids is not None:
+            raise UsageError("a shared prompt (data.shared_prompt, rl.layout=prompt_once) with linear layers: "
+                             "a Gated DeltaNet's state cannot continue a prompt packed elsewhere in the row; "
+                             "expected a layout that repeats the prompt (rl.layout=prompt_per_completion)")
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+        params = {name: weight(getattr(self, name), x.dtype) for name in names}
+        params |= {name: getattr(self, name)[...] for name in ("conv1d", "A_log", "dt_bias", "norm")}
+        out, _ = gated_deltanet(params, x, segment_ids, key_heads=self.net.key_heads,
+                                value_heads=self.net.value_heads, eps=self.eps, chunk=self.net.chunk)
+        return out
+
+    def decode(self, *args, **kwargs):
+        raise UsageError("decoding a model with linear layers (model.layer_types): the generation engine has no "
+                         "Gated DeltaNet state row yet; expected a model of attention layers only")
