@@ -226,7 +226,7 @@ def test_bad_expert_settings_are_one_line():
 
     with pytest.raises(ConfigError, match="model.experts.top_k: got 5, expected at most model.experts.count=4"):
         config("model.experts.top_k=5")
-    with pytest.raises(ConfigError, match=r"model.scan_layers: got true with model.experts.dense_layers \[1\]"):
+    with pytest.raises(ConfigError, match=r"layers of 2 kinds \(model.experts.dense_layers \[1\]"):
         config("model.experts.dense_layers=[1]", "model.scan_layers=true")
     mesh = sharding.build_mesh(MeshConfig(data=1, expert=1), jax.devices()[:1])
     sharding.check_experts(4, mesh)
