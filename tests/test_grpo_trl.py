@@ -90,6 +90,7 @@ def assert_trls(ours: dict, theirs: dict, case: str) -> None:
         assert ours[name] == pytest.approx(value, rel=1e-5, abs=2e-6), (case, name, ours[name], value)
 
 
+@pytest.mark.slow  # (the full suite: the fast loop was 8 min with it)
 def test_advantages_and_per_token_log_probabilities_are_trls_and_the_default_loss_type_is_dapo(tmp_path):
     """From the generation batch the run wrote (run.dir/rollouts/): each completion's advantage and the policy's
     log-probability of each of its tokens, the EOS that closed it included, as TRL computed them; and TRL's

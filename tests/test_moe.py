@@ -84,6 +84,7 @@ def test_a_packed_row_routes_and_computes_each_document_as_it_is_alone(data, fam
     assert float(jnp.sum(terms.tokens)) == 2 * sum(lengths)  # (two layers of real tokens)
 
 
+@pytest.mark.slow  # (the full suite: the fast loop was 8 min with it)
 def test_the_grouped_matmul_equals_every_expert_on_every_token():
     """dispatch=ragged_dot (tokens sorted by expert, one grouped matmul), blocked (sorted, padded to 64-row
     blocks) and dense (the reference) give the same outputs and gradients."""
@@ -181,6 +182,7 @@ def test_the_step_adds_the_routers_losses_and_logs_them(scope):
     assert {"router/max_share/0", "router/max_share/1"} <= set(with_["reported"])
 
 
+@pytest.mark.slow  # (the full suite: the fast loop was 8 min with it)
 def test_the_routers_losses_pooled_over_the_step_do_not_change_with_the_micro_batch_split():
     """aux_loss_scope=step (the default): one sgd step's new weights under train.grad_accum 2 and 4 are those
     of the batch in one micro-batch, the router's losses included; micro_batch (each its own, averaged) moves
@@ -206,6 +208,7 @@ def _pooled(graphdef, rest, params, micro):
 
 
 
+@pytest.mark.slow  # (the full suite: the fast loop was 8 min with it)
 def test_an_expert_axis_gives_one_devices_loss_router_terms_and_gradients():
     """mesh.expert = 2, 4 and 8 (beside data, fsdp and context, on 8 simulated devices): the experts split over
     the axis, each device's tokens gathered to their experts and given back, and the loss, the router's sums

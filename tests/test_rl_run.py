@@ -177,6 +177,7 @@ def data_args(tmp_path: Path, overrides: list[str], plot: str | None = None):
                               batches=1, plot=plot, steps=1)
 
 
+@pytest.mark.slow  # (the full suite: the fast loop was 8 min with it)
 def test_lora_grpo_with_a_kl_term_starts_at_exactly_zero(tmp_path):
     """LoRA adapters start with B = 0, so at step 1 the reference (the base, adapters off) is the policy: the KL is
     exactly 0, then grows as the adapters move."""
