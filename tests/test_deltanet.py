@@ -192,11 +192,12 @@ def test_changing_one_documents_tokens_changes_no_other_documents_outputs_or_gra
     out2, _, grads2 = outputs_and_grads(moved, seg, cotangent, chunk=chunk)
     keep = seg[0] != changed + 1
     assert not np.array_equal(np.asarray(out)[0, start:end], np.asarray(out2)[0, start:end])
-    # the other documents' outputs and gradients: the same to float32 rounding (a leak moves them by
-    # the inputs' own size; the backward's triangular solves may round a last bit differently)
-    close(np.asarray(out2)[0][keep], np.asarray(out)[0][keep], 1e-6, whole=out)
+    # the other documents' outputs and gradients: the same to float32 rounding, 1e-5 of scale as above
+    # (a leak moves them by the inputs' own size; the backward's triangular solves round a few last
+    # bits differently: up to 1.1e-6 of scale was seen)
+    close(np.asarray(out2)[0][keep], np.asarray(out)[0][keep], whole=out)
     for a, b in zip(grads, grads2):
-        close(np.asarray(b)[0][keep], np.asarray(a)[0][keep], 1e-6, whole=a)
+        close(np.asarray(b)[0][keep], np.asarray(a)[0][keep], whole=a)
 
 
 LINEAR_MODEL = ["model.d_model=32", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
