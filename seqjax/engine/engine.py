@@ -90,7 +90,7 @@ class Engine:
         prompt_pages = sum(-(-n // size) for n in lengths)
         need = max(int(n % size + max_new + size - 1) // size for n in lengths)
         least = prompt_pages + need
-        pages = self.config.kv_pages or _round(prompt_pages + slots * need)
+        pages = self.config.kv_pages or _eighths(prompt_pages + slots * need, least=64)
         if pages < least:
             raise UsageError(
                 f"engine.kv_pages: got {pages}, expected at least {least}: the prompts' "
@@ -167,17 +167,11 @@ class Rows(NamedTuple):
     images: dict
 
 
-def _eighths(n: int) -> int:
-    """n rounded up to an eighth of its power of two: a page table at most 12.5% wider than the
-    longest sequence needs (decode attends over its whole width), and few widths to compile."""
-    step = max(1, _bucket(n, 1) // 8)
-    return -(-n // step) * step
-
-
-def _round(n: int) -> int:
-    """n rounded up to an eighth of its power of two (at least 64): at most 12.5% more pages than
-    asked, and few distinct sizes to compile for."""
-    step = max(64, _bucket(n, 1) // 8)
+def _eighths(n: int, least: int = 1) -> int:
+    """n rounded up to a multiple of an eighth of its power of two (a step of at least ``least``):
+    at most 12.5% more than asked (a page table's width, which decode attends over whole; the
+    pool's pages, 64 at least a step), and few sizes to compile for."""
+    step = max(least, _bucket(n, 1) // 8)
     return -(-n // step) * step
 
 
