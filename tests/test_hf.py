@@ -332,7 +332,8 @@ def test_the_new_model_fields_have_defaults_of_todays_model_and_rules_that_name_
     config = load_config(None, TINY)
     assert (config.model.head_dim, config.model.norm_eps, config.model.rope_scaling.type) == (8, 1e-6, "none")
     assert load_config(None, TINY + ["model.head_dim=12"]).model.head_dim == 12  # any even width, 32 / 4 or not
-    with pytest.raises(ConfigError, match="model.head_dim: got 7, expected an even number"):
+    with pytest.raises(ConfigError, match=r"model.head_dim: got 7 \(model.rope_fraction 1.0: RoPE turns 7\), "
+                                          "expected an even number"):
         load_config(None, TINY + ["model.head_dim=7"])
     with pytest.raises(ConfigError, match="model.n_heads: got 3, expected a divisor of model.d_model=32 "
                                           r"\(or set model.head_dim\)"):

@@ -18,7 +18,7 @@ DTYPES = ("float32", "bfloat16")
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
 # The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's
 # tables).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding", "linear")
 REMAT_POLICIES = ("none", "full", "dots", "names")
@@ -341,6 +341,10 @@ class ModelConfig:
         resume=MODEL)
     attn_out_bias: bool = setting(False, "a bias on the attention's output "
                                          "projection (gpt-oss)", resume=MODEL)
+    attention_gate: bool = setting(False, "each head's query projection doubled to [query | gate], the "
+                                   "attention's output times sigmoid(gate) (Qwen3.5)", resume=MODEL)
+    rope_fraction: float = setting(1.0, "the share of each head's dims RoPE turns, the first ones "
+                                   "(partial_rotary_factor; Qwen3.5: 0.25)", min=0.0, resume=MODEL)
     mrope_interleaved: bool = setting(
         True, "with mrope_section: the three axes' frequencies interleaved (Qwen3-VL), else in three runs "
         "(Qwen2-VL)", resume=MODEL)
@@ -402,9 +406,9 @@ class ModelConfig:
                     f"model.n_heads: got {self.n_heads}, expected a divisor of "
                     f"model.d_model={self.d_model} (or set model.head_dim)")
             self.head_dim = self.d_model // self.n_heads
-        if self.head_dim % 2:
-            raise ConfigError(f"model.head_dim: got {self.head_dim}, expected an even number (RoPE "
-                              "rotates pairs)")
+        if self.head_dim % 2 or self.rotary_dim % 2 or self.rotary_dim < 2 or self.rope_fraction > 1:
+            raise ConfigError(f"model.head_dim: got {self.head_dim} (model.rope_fraction {self.rope_fraction}: "
+                              f"RoPE turns {self.rotary_dim}), expected an even number of turned dims, at least 2")
         if self.n_heads % kv:
             raise ConfigError(f"model.n_kv_heads: got {kv}, expected a divisor of "
                               f"model.n_heads={self.n_heads}")
@@ -450,6 +454,11 @@ class ModelConfig:
                 "multiple of it")
 
     @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE turns: head_dim * rope_fraction (transformers' int())."""
+        return int(self.head_dim * self.rope_fraction)
+
+    @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
@@ -457,10 +466,11 @@ class ModelConfig:
         """model.vision's and model.mrope_section's rules: the tower's width is the residual's, and
         its image tokens are placed by 3-D positions."""
         self.vision.check()
-        if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2):
+        half = self.rotary_dim // 2
+        if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != half):
             raise ConfigError(
                 f"model.mrope_section: got {self.mrope_section}, expected three sizes (time, row, "
-                f"column) summing to head_dim / 2 = {self.head_dim // 2}")
+                f"column) summing to the rotary dims / 2 = {half}")
         if not self.vision.depth:
             return
         if self.vision.out_hidden_size != self.d_model:

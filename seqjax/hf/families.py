@@ -25,6 +25,9 @@ mixtral     MixtralForCausalLM      Mistral's attention; experts (a softmax rout
 gpt_oss     GptOssForCausalLM       biases on q, k, v and o; attention sinks; sliding and full layers by
                                     layer_types; YaRN RoPE; experts with biases, a top-k-then-softmax router
                                     and the clamped, interleaved SwiGLU; MXFP4 experts dequantized on import
+qwen3_5     Qwen3_5ForCausalLM      Gated DeltaNet layers (linear_attention) beside full ones by layer_types;
+            (qwen3_5_text)          gated attention (q_proj [query | gate] per head); partial RoPE; (1 + w)
+                                    norms; q/k norms
 ==========  ======================  ========================================================================
 
 The tensor names and layouts are :mod:`seqjax.hf.tensors`; the RoPE sections' readers
@@ -47,10 +50,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from seqjax.config.deltanet import DeltaNetConfig
 from seqjax.config.experts import ExpertsConfig
 from seqjax.config.model import ModelConfig
 from seqjax.core.errors import CheckpointError, ConfigError
-from seqjax.hf.rope import one_rope, refuse, rope_per_layer_type
+from seqjax.hf.rope import one_rope, partial_rope, refuse, rope_per_layer_type
 
 # Old checkpoints saved RoPE's frequency table as a buffer; seqjax recomputes it.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -109,6 +113,24 @@ def _typed_windows(hf: dict[str, Any], types: list, source: str) -> dict[str, An
     if unknown:
         raise refuse(source, "layer_types", unknown[0], "sliding_attention or full_attention")
     return {"sliding_window": int(hf["sliding_window"]), "layer_types": [_KINDS[t] for t in types]}
+
+
+_LINEAR_KINDS = {"linear_attention": "linear", "full_attention": "full"}
+
+
+def qwen3_5_layers(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """Qwen3.5: layer_types of linear_attention (a Gated DeltaNet) and full_attention (absent: every
+    full_attention_interval-th layer full, 4 by default), the DeltaNet's sizes from the linear_* fields."""
+    every = hf.get("full_attention_interval", 4)
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or any(kind not in _LINEAR_KINDS for kind in types):
+        raise refuse(source, "layer_types", types, "a list of linear_attention and full_attention")
+    net = DeltaNetConfig(**{ours: _integer(hf, theirs, source, default) for ours, theirs, default in (
+        ("key_heads", "linear_num_key_heads", 16), ("value_heads", "linear_num_value_heads", 32),
+        ("key_dim", "linear_key_head_dim", 128), ("value_dim", "linear_value_head_dim", 128),
+        ("conv_width", "linear_conv_kernel_dim", 4))})
+    return {"layer_types": [_LINEAR_KINDS[kind] for kind in types], "deltanet": net}
 
 
 def activation(field: str, value: str, ours: str, *fallbacks:
@@ -228,6 +250,16 @@ def _gpt_oss_export(cfg: ModelConfig) -> dict[str, Any]:
             "swiglu_alpha": ex.swiglu_alpha}
 
 
+def _qwen3_5_export(cfg: ModelConfig) -> dict[str, Any]:
+    net = cfg.deltanet
+    return {"attention_bias": False, "layer_types": [
+        "linear_attention" if kind == "linear" else "full_attention" for kind in cfg.layer_types],
+        "linear_num_key_heads": net.key_heads, "linear_num_value_heads": net.value_heads,
+        "linear_key_head_dim": net.key_dim, "linear_value_head_dim": net.value_dim,
+        "linear_conv_kernel_dim": net.conv_width, "rope_parameters": {
+            "rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rope_fraction}}
+
+
 def _llama_can_export(cfg: ModelConfig) -> None:
     if cfg.has_windows:
         raise CheckpointError(
@@ -288,6 +320,7 @@ class Family:
     experts_of: Callable[[dict[str, Any], int, str], dict[str, Any]] = no_experts
     experts: ExpertTensors | None = None
     quantizations: tuple[str, ...] = ()  # quantization_config.quant_method values dequantized on import
+    linear_layers: bool = False  # Gated DeltaNet layers (model.layer_types linear) in its checkpoints
 
 
 FAMILIES: dict[str, Family] = {row.name: row for row in (
@@ -325,6 +358,10 @@ FAMILIES: dict[str, Family] = {row.name: row for row in (
            must_be=_MOE_MUST_BE, windows=every_layer_slides, reads=_gpt_oss_reads, export=_gpt_oss_export,
            experts_of=gpt_oss_experts, experts=ExpertTensors("mlp.router", fused="mlp.experts"),
            quantizations=("mxfp4",)),
+    Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen3_5_text",
+           settings={"qk_norm": True, "norm_plus_one": True, "attention_gate": True},
+           must_be={**_NO_ATTENTION_BIAS, "attn_output_gate": ((True, None), "true (gated attention)")},
+           rope=partial_rope, windows=qwen3_5_layers, export=_qwen3_5_export, linear_layers=True),
 )}
 # (what a config.json without "architectures" is taken to be)
 ARCHITECTURE = FAMILIES["llama"].architecture
@@ -406,7 +443,7 @@ def hf_config(cfg: ModelConfig, *, bos_token_id: int, eos_token_id: int, dtype: 
     """The ``config.json`` of a ModelConfig, in its family's fields (transformers 4's spelling; 5
     reads it too)."""
     row = FAMILIES[cfg.family]
-    if "linear" in cfg.layer_types:  # (no family row holds a Gated DeltaNet yet: Qwen3.5's is to come)
+    if "linear" in cfg.layer_types and not row.linear_layers:
         raise CheckpointError(f"model.layer_types: got {cfg.layer_types}, but {row.architecture} has no linear "
                               "(Gated DeltaNet) layers; expected full or sliding layers to export")
     row.can_export(cfg)

@@ -86,6 +86,17 @@ def one_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
     return {"rope_theta": float(theta or hf.get("rope_theta") or 10000.0), "rope_scaling": scaling}
 
 
+def partial_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """Qwen3.5: :func:`one_rope` and the share of each head's dims it turns (partial_rotary_factor, in
+    rope_parameters or beside it; transformers' default for the family, 0.25, when absent). The multimodal
+    sections (mrope_section) turn a text position alike on every axis, so a text model reads none of them."""
+    params = hf.get("rope_parameters") or {}
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise refuse(source, "rope_parameters.partial_rotary_factor", fraction, "a share in (0, 1]")
+    return {**one_rope(hf, source), "rope_fraction": float(fraction)}
+
+
 def rope_per_layer_type(hf: dict[str, Any], source: str) -> dict[str, Any]:
     """Gemma 3: the full layers' rope_theta and rope_scaling, and the sliding layers' own base
     (rope_local_theta), from 4's rope_scaling + rope_local_base_freq or 5's rope_parameters per

@@ -21,6 +21,10 @@ mlp.gate_proj, up_proj .weight             [F, D]           mlp.w_gate, w_up [D,
 mlp.down_proj.weight                       [D, F]           mlp.w_down [F, D]
 =========================================  ===============  =============================
 
+A Gated DeltaNet layer (Qwen3.5's ``linear_attn.*``) holds :func:`deltanet_tensors` in place of
+``self_attn.*``; Qwen3.5's gated q_proj is [H*2Dh, D], each head's query then its gate (attn.wq
+[D, H, 2Dh]).
+
 plus model.embed_tokens.weight [V, D] (embed.embedding), model.norm.weight [D]
 (final_norm.scale) and, untied, lm_head.weight [V, D] (lm_head [D, V]). No
 RoPE permutation is needed: HF's checkpoints are in the rotate-half layout.
@@ -52,8 +56,8 @@ def block_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[str
     same = (lambda w: w), (lambda t: t)
     linear = (lambda w: w.T), (lambda t: t.T)
 
-    def heads_in(n):  # [D, n, Dh] <-> [n*Dh, D]
-        return (lambda w: w.reshape(d, n * dh).T), (lambda t: t.T.reshape(d, n, dh))
+    def heads_in(n, width=dh):  # [D, n, Dh] <-> [n*Dh, D] (Qwen3.5's gated queries: 2 Dh wide)
+        return (lambda w: w.reshape(d, n * width).T), (lambda t: t.T.reshape(d, n, width))
 
     def heads_bias(n):  # [n, Dh] <-> [n*Dh]
         return (lambda w: w.reshape(n * dh)), (lambda t: t.reshape(n, dh))
@@ -61,35 +65,51 @@ def block_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[str
     gemma_norms = cfg.post_norms
     table = [
         ("input_layernorm.weight", ("attn_norm", "scale"), *same),
-        ("self_attn.q_proj.weight", ("attn", "wq"), *heads_in(h)),
-        ("self_attn.k_proj.weight", ("attn", "wk"), *heads_in(k)),
-        ("self_attn.v_proj.weight", ("attn", "wv"), *heads_in(k)),
-        ("self_attn.o_proj.weight", ("attn", "wo"), lambda w: w.reshape(h * dh, d).T,
-         lambda t: t.T.reshape(h, dh, d)),
         # Llama's post_attention_layernorm is its pre-MLP norm; Gemma's is the attention branch's
         # post-norm
         ("post_attention_layernorm.weight",
          ("post_attn_norm", "scale") if gemma_norms else ("mlp_norm", "scale"), *same),
     ]
+    if cfg.mixer_of(layer) == "deltanet":
+        table += deltanet_tensors()
+    else:
+        table += [
+            ("self_attn.q_proj.weight", ("attn", "wq"), *heads_in(h, dh * (1 + cfg.attention_gate))),
+            ("self_attn.k_proj.weight", ("attn", "wk"), *heads_in(k)),
+            ("self_attn.v_proj.weight", ("attn", "wv"), *heads_in(k)),
+            ("self_attn.o_proj.weight", ("attn", "wo"), lambda w: w.reshape(h * dh, d).T,
+             lambda t: t.T.reshape(h, dh, d))]
     if cfg.mlp_of(layer) == "gated":
         table += [("mlp.gate_proj.weight", ("mlp", "w_gate"), *linear),
                   ("mlp.up_proj.weight", ("mlp", "w_up"), *linear),
                   ("mlp.down_proj.weight", ("mlp", "w_down"), *linear)]
-    if cfg.attention_sinks:
+    attention = cfg.mixer_of(layer) == "attention"
+    if cfg.attention_sinks and attention:
         table += [("self_attn.sinks", ("attn", "sinks"), *same)]
-    if cfg.attn_out_bias:
+    if cfg.attn_out_bias and attention:
         table += [("self_attn.o_proj.bias", ("attn", "bo"), *same)]
-    if cfg.qkv_bias:
+    if cfg.qkv_bias and attention:
         table += [("self_attn.q_proj.bias", ("attn", "bq"), *heads_bias(h)),
                   ("self_attn.k_proj.bias", ("attn", "bk"), *heads_bias(k)),
                   ("self_attn.v_proj.bias", ("attn", "bv"), *heads_bias(k))]
-    if cfg.qk_norm:
+    if cfg.qk_norm and attention:
         table += [("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), *same),
                   ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), *same)]
     if gemma_norms:
         table += [("pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), *same),
                   ("post_feedforward_layernorm.weight", ("post_mlp_norm", "scale"), *same)]
     return table
+
+
+def deltanet_tensors() -> list[tuple[str, tuple[str, ...], Converter, Converter]]:
+    """A Gated DeltaNet layer's tensors (Qwen3.5's ``linear_attn``; seqjax.model.deltanet.DeltaNet keeps
+    transformers' names): the linears [out, in] <-> [in, out], the depthwise conv [C, 1, K] <-> [C, K]."""
+    same, linear = ((lambda w: w), (lambda t: t)), ((lambda w: w.T), (lambda t: t.T))
+    rows = [(f"linear_attn.{name}.weight", ("attn", name), *linear)
+            for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
+    rows += [("linear_attn.conv1d.weight", ("attn", "conv1d"), lambda w: w[:, None, :], lambda t: t[:, 0, :])]
+    return rows + [(f"linear_attn.{name}", ("attn", name), *same) for name in ("A_log", "dt_bias")] + [
+        ("linear_attn.norm.weight", ("attn", "norm"), *same)]
 
 
 # A group row: (HF tensors of the block and their shapes, the seqjax paths they make, seqjax values
@@ -132,23 +152,33 @@ def expert_groups(cfg: ModelConfig, layer: int) -> list[Group]:
 
 def _block_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
     d, h, k, dh, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
-    shapes = {
-        "input_layernorm.weight": (d, ), "self_attn.q_proj.weight": (h * dh, d),
-        "self_attn.k_proj.weight": (k * dh, d), "self_attn.v_proj.weight": (k * dh, d),
-        "self_attn.o_proj.weight": (d, h * dh), "post_attention_layernorm.weight": (d, ),
-    }
+    shapes = {"input_layernorm.weight": (d, ), "post_attention_layernorm.weight": (d, )}
+    if cfg.mixer_of(layer) == "deltanet":
+        net = cfg.deltanet
+        qkv, value = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim, net.value_heads * net.value_dim
+        shapes |= {"linear_attn.in_proj_qkv.weight": (qkv, d), "linear_attn.in_proj_z.weight": (value, d),
+                   "linear_attn.in_proj_b.weight": (net.value_heads, d),
+                   "linear_attn.in_proj_a.weight": (net.value_heads, d),
+                   "linear_attn.conv1d.weight": (qkv, 1, net.conv_width), "linear_attn.A_log": (net.value_heads,),
+                   "linear_attn.dt_bias": (net.value_heads,), "linear_attn.norm.weight": (net.value_dim,),
+                   "linear_attn.out_proj.weight": (d, value)}
+    else:
+        shapes |= {"self_attn.q_proj.weight": (h * dh * (1 + cfg.attention_gate), d),
+                   "self_attn.k_proj.weight": (k * dh, d), "self_attn.v_proj.weight": (k * dh, d),
+                   "self_attn.o_proj.weight": (d, h * dh)}
+    attention = cfg.mixer_of(layer) == "attention"
     if cfg.mlp_of(layer) == "gated":
         shapes |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
     for hf, *_ in expert_groups(cfg, layer):
         shapes |= hf
-    if cfg.attention_sinks:
+    if cfg.attention_sinks and attention:
         shapes["self_attn.sinks"] = (h,)
-    if cfg.attn_out_bias:
+    if cfg.attn_out_bias and attention:
         shapes["self_attn.o_proj.bias"] = (d,)
-    if cfg.qkv_bias:
+    if cfg.qkv_bias and attention:
         shapes |= {"self_attn.q_proj.bias": (h * dh,), "self_attn.k_proj.bias": (k * dh,),
                    "self_attn.v_proj.bias": (k * dh,)}
-    if cfg.qk_norm:
+    if cfg.qk_norm and attention:
         shapes |= {"self_attn.q_norm.weight": (dh,), "self_attn.k_norm.weight": (dh,)}
     if cfg.post_norms:
         shapes |= {"pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,)}

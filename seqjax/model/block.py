@@ -90,7 +90,9 @@ class Attention(nnx.Module):
         d, h, kv, dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
         pdt = jnp.dtype(cfg.param_dtype)
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.wq = normal_param(rngs, (d, h, dh), cfg.init_std, pdt, ("embed", "heads", "head_dim"))
+        # Qwen3.5's output gate: each head's query projection is [query | gate], 2 Dh wide
+        self.wq = normal_param(rngs, (d, h, dh * (1 + cfg.attention_gate)), cfg.init_std, pdt,
+                               ("embed", "heads", "head_dim"))
         self.wk = normal_param(rngs, (d, kv, dh), cfg.init_std, pdt, ("embed", "kv_heads", "head_dim"))
         self.wv = normal_param(rngs, (d, kv, dh), cfg.init_std, pdt, ("embed", "kv_heads", "head_dim"))
         self.wo = normal_param(rngs, (h, dh, d), out_std, pdt, ("heads", "head_dim", "embed"))
@@ -107,7 +109,7 @@ class Attention(nnx.Module):
             self.sinks = nnx.Param(jnp.zeros((h,), pdt), axes=("heads",))
         if cfg.attn_out_bias:  # gpt-oss
             self.bo = nnx.Param(jnp.zeros((d,), pdt), axes=("embed",))
-        self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+        self.qkv_bias, self.qk_norm, self.gated = cfg.qkv_bias, cfg.qk_norm, cfg.attention_gate
         self.has_sinks, self.out_bias = cfg.attention_sinks, cfg.attn_out_bias
         self.rope_scale = rope_attention_factor(cfg.rope_scaling)  # (YaRN's; 1 otherwise)
         self.lora = Adapters(
@@ -132,7 +134,7 @@ class Attention(nnx.Module):
         """
         probs_key, out_key = split_keys(dropout_key, 2)
         lora_key = self.lora.key(dropout_key)
-        q, k, v = self._qkv(x, positions, rope_freq, lora_key)
+        q, k, v, gate = self._qkv(x, positions, rope_freq, lora_key)
 
         def attend(window):
             return attention(q, k, v, segment_ids, backend=self.backend, scale=self.scale,
@@ -147,26 +149,27 @@ class Attention(nnx.Module):
             o = jax.lax.cond(window >= FULL, lambda: attend(None), lambda: attend(self.sliding_window))
         else:
             o = attend(window)
-        return drop(self.dropout, checkpoint_name(self._out(o, lora_key), "attn_out"), out_key)
+        return drop(self.dropout, checkpoint_name(self._out(o, gate, lora_key), "attn_out"), out_key)
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: LayerView,
                rope_freq: jax.Array, window=None) -> tuple[jax.Array, LayerView]:
         """x [B, T, D] through this layer's cache view (seqjax.model.cache): its keys and values
         written, then attended over what the view holds; (out, the view after the write)."""
-        q, k, v = self._qkv(x, positions, rope_freq)
+        q, k, v, gate = self._qkv(x, positions, rope_freq)
         o, cache = cache.attend(q, k, v, segment_ids=segment_ids, window=window, scale=self.scale,
                                 sinks=self._sinks())
-        return self._out(o), cache
+        return self._out(o, gate), cache
 
     def _sinks(self) -> jax.Array | None:
         return self.sinks[...] if self.has_sinks else None
 
     def _qkv(self, x: jax.Array, positions: jax.Array, rope_freq: jax.Array,
-             lora_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+             lora_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
         """Queries [B, T, H, Dh] and keys [B, T, K, Dh] rotated to ``positions``, values [B, T, K,
-        Dh]."""
+        Dh], and the output gate's logits [B, T, H, Dh] (None without ``model.attention_gate``)."""
         dt = x.dtype
         q = self._adapted("q", x, weight(self.wq, dt), lora_key)
+        q, gate = jnp.split(q, 2, axis=-1) if self.gated else (q, None)
         k = self._adapted("k", x, weight(self.wk, dt), lora_key)
         v = self._adapted("v", x, weight(self.wv, dt), lora_key)
         if self.qkv_bias:
@@ -176,9 +179,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, positions, rope_freq, self.rope_scale), rope(k, positions, rope_freq, self.rope_scale)
         # Named for model.remat=names: the backward pass may keep these instead of recomputing them.
-        return checkpoint_name(q, "q"), checkpoint_name(k, "k"), checkpoint_name(v, "v")
+        return checkpoint_name(q, "q"), checkpoint_name(k, "k"), checkpoint_name(v, "v"), gate
 
-    def _out(self, o: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
+    def _out(self, o: jax.Array, gate: jax.Array | None, lora_key: jax.Array | None = None) -> jax.Array:
+        if gate is not None:  # (Qwen3.5: in the compute dtype, as transformers gates)
+            o = o * jax.nn.sigmoid(gate).astype(o.dtype)
         w = weight(self.wo, o.dtype)
         out = self.lora.apply("o", o.reshape(*o.shape[:2], -1), jnp.einsum("bthk,hkd->btd", o, w), w, lora_key)
         return out + self.bo[...].astype(out.dtype) if self.out_bias else out

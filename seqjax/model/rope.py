@@ -78,15 +78,18 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float =
 
     Driven by the batch's positions rather than the row index, so each packed
     segment is rotated as if it started the row. ``inv_freq`` [Dh / 2]: the layer's
-    frequencies (:func:`rope_frequencies`). ``positions`` may also be [B, T, Dh / 2], a position
+    frequencies (:func:`rope_frequencies`; fewer than Dh / 2: only the first 2 x that many dims
+    turn, Qwen3.5's partial RoPE). ``positions`` may also be [B, T, Dh / 2], a position
     per frequency: multimodal RoPE (:func:`mrope_positions`), where each frequency follows one of
     an image token's time, row and column.
     """
     per_frequency = positions if positions.ndim == 3 else positions[:, :, None]
     angles = per_frequency.astype(jnp.float32)[:, :, None, :] * inv_freq  # [B, T, 1, half]
     cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale  # (scale: YaRN's attention factor)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    turned = 2 * inv_freq.shape[-1]  # (partial RoPE, model.rope_fraction: the first dims turn, the rest pass)
+    x1, x2 = jnp.split(x[..., :turned].astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return out if turned == x.shape[-1] else jnp.concatenate([out, x[..., turned:]], axis=-1)
 
 
 def mrope_axes(half: int, section: tuple[int, ...], interleaved: bool) -> np.ndarray:

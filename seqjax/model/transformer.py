@@ -87,7 +87,7 @@ class TransformerLM(nnx.Module):
         # Qwen3-VL: the tower (float32 parameters whatever param_dtype) and which rotary frequencies
         # turn with the time, row and column positions
         self.vision = VisionTower(cfg.vision, rngs) if cfg.vision.depth else None
-        self.mrope_axes = tuple(int(a) for a in mrope_axes(cfg.head_dim // 2, tuple(cfg.mrope_section),
+        self.mrope_axes = tuple(int(a) for a in mrope_axes(cfg.rotary_dim // 2, tuple(cfg.mrope_section),
                                                            cfg.mrope_interleaved)) if cfg.mrope_section else None
 
     def __call__(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
@@ -243,10 +243,10 @@ class TransformerLM(nnx.Module):
         return jax.tree.map(lambda *layers: jnp.stack(layers), *[zero if s is None else s for s in sides])
 
     def rope_freqs(self) -> jax.Array:
-        """Each layer's RoPE frequencies [n_layers, head_dim / 2] (Gemma 3's sliding layers have
+        """Each layer's RoPE frequencies [n_layers, rotary_dim / 2] (Gemma 3's sliding layers have
         their own base)."""
         return jnp.stack([
-            rope_frequencies(self.cfg.head_dim, *self.cfg.rope_of(i))
+            rope_frequencies(self.cfg.rotary_dim, *self.cfg.rope_of(i))
             for i in range(self.cfg.n_layers)
         ])
 

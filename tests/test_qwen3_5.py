@@ -1,0 +1,171 @@
+"""Qwen3.5's text model computes what transformers 5's own ``Qwen3_5ForCausalLM`` computes, and packs where
+transformers leaks.
+
+The reference (tests/data/qwen3_5/qwen3_5.{json,safetensors}) was made by transformers itself, through its torch
+path, from the committed script scripts/make_qwen3_5_references.py: a tiny random folder of three Gated DeltaNet
+layers and one gated full-attention layer with partial RoPE and (1 + w) norms. The weights are rebuilt here from
+each tensor's name; only transformers' outputs are stored. Checked: logits alone; the three documents packed
+in one row give each its logits alone (where transformers' own packed row, stored too, does not); greedy tokens
+by full forwards; an export that reads back the same tensors and that transformers loads to the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from seqjax.core.errors import CheckpointError, UsageError
+from seqjax.hf import folders as hf
+from test_moe_families import SCRIPT, assert_close
+
+REFERENCES = Path(__file__).parent / "data" / "qwen3_5"
+
+
+def reference() -> tuple[dict, dict[str, np.ndarray]]:
+    return (json.loads((REFERENCES / "qwen3_5.json").read_text()),
+            load_file(str(REFERENCES / "qwen3_5.safetensors")))
+
+
+def hf_folder(folder: Path, config: dict | None = None) -> Path:
+    from safetensors.numpy import save_file
+
+    from hf_support import tiny_tokenizer
+
+    record, _ = reference()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config or record["config"]))
+    save_file(SCRIPT.reference_weights(record["tensors"]), str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    tiny_tokenizer(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    folder = hf.read_folder(hf_folder(tmp_path_factory.mktemp("qwen3_5") / "hf"))
+    config = hf.run_config(folder, ["model.attention=xla"])
+    return hf.model_with_params(config, hf.read_params(folder)), folder
+
+
+def jitted(model, ids: np.ndarray, segment_ids: np.ndarray | None = None, positions: np.ndarray | None = None):
+    """One row's logits [T, V] (float32), compiled once per shape."""
+    graphdef, state = nnx.split(model)
+    seg = np.ones(len(ids), int) if segment_ids is None else segment_ids
+    pos = np.arange(len(ids)) if positions is None else positions
+    return np.asarray(_logits(graphdef, state, *(jnp.asarray(a)[None] for a in (ids, seg, pos))))[0]
+
+
+@jax.jit
+def _logits(graphdef, state, ids, seg, pos):
+    features, head, _ = nnx.merge(graphdef, state).forward(ids, positions=pos, segment_ids=seg)
+    return features @ head
+
+
+def test_the_folder_reads_as_qwen3_5s_settings(imported):
+    model, _ = imported
+    cfg = model.cfg
+    assert (cfg.family, cfg.attention_gate, cfg.norm_plus_one, cfg.qk_norm) == ("qwen3_5", True, True, True)
+    assert cfg.layer_types == ["linear", "full", "linear", "linear"] and cfg.rotary_dim == 4
+    assert (cfg.deltanet.key_heads, cfg.deltanet.value_heads, cfg.deltanet.key_dim, cfg.deltanet.conv_width) == (
+        2, 4, 8, 4)
+
+
+def test_logits_equal_transformers_alone_and_each_packed_document_its_own(imported):
+    """Each sequence alone: transformers' logits. All three in one row (the last shorter than the convolution):
+    each document's logits alone, where transformers' own packed row carries its state across them."""
+    model, _ = imported
+    _, ref = reference()
+    names = ("seq0", "seq1", "seq2")
+    for name in names:
+        assert_close(jitted(model, ref[f"{name}.ids"]), ref[f"{name}.logits"])
+    docs = [ref[f"{name}.ids"] for name in names]
+    seg = np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)])
+    pos = np.concatenate([np.arange(len(d)) for d in docs])
+    packed = jitted(model, np.concatenate(docs), seg, pos)
+    start = 0
+    leaked = []
+    for name, doc in zip(names, docs):
+        assert_close(packed[start:start + len(doc)], ref[f"{name}.logits"])
+        leaked.append(float(np.abs(ref["leaky.logits"][start:start + len(doc)] - ref[f"{name}.logits"]).max()))
+        start += len(doc)
+    assert leaked[0] == pytest.approx(0, abs=1e-4) and min(leaked[1:]) > 1e-2, leaked  # (transformers' leak)
+
+
+def test_greedy_tokens_by_full_forwards_equal_transformers_generate(imported):
+    """The engine has no Gated DeltaNet state row yet (it refuses, one line), so greedy decoding here runs the
+    whole sequence again for each token; transformers' generate carries its conv and recurrent states."""
+    from seqjax.engine import generate
+
+    model, _ = imported
+    _, ref = reference()
+    ids = ref["prompt.ids"].tolist()
+    width = len(ids) + len(ref["greedy.ids"])
+    for _ in range(len(ref["greedy.ids"])):  # (one width, padding after: one compile)
+        seg = np.r_[np.ones(len(ids), int), np.zeros(width - len(ids), int)]
+        logits = jitted(model, np.r_[ids, np.zeros(width - len(ids), int)], seg, np.arange(width))
+        ids.append(int(np.argmax(logits[len(ids) - 1])))
+    assert ids[len(ref["prompt.ids"]):] == ref["greedy.ids"].tolist()
+    with pytest.raises(UsageError, match="has a Gated DeltaNet state the engine does not hold yet"):
+        generate(model, [ref["prompt.ids"].tolist()], eot_id=None, max_new_tokens=2)
+
+
+def test_an_export_holds_transformers_tensors_and_reads_back_the_same(imported, tmp_path):
+    from seqjax.hf.tensors import hf_shapes, to_hf
+
+    model, folder = imported
+    record, _ = reference()
+    tensors = to_hf(hf.read_params(folder), folder.model)
+    assert set(tensors) == set(record["tensors"]) == set(hf_shapes(folder.model))
+    rebuilt = SCRIPT.reference_weights(record["tensors"])
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(value, rebuilt[name], err_msg=name)
+    hf.write_folder(tmp_path / "export", folder.model, hf.read_params(folder), tokenizer_json=folder.tokenizer,
+                    eos_token="<|endoftext|>", bos_token=None)
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    for key in ("layer_types", "linear_num_value_heads", "linear_key_head_dim", "linear_conv_kernel_dim"):
+        assert written[key] == record["config"][key], key
+    assert written["rope_parameters"]["partial_rotary_factor"] == 0.25
+    again = hf.read_folder(tmp_path / "export")
+    assert again.model == folder.model
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]},
+     "layer_types: got .*, expected a list of linear_attention and full_attention"),
+    ({"attention_bias": True}, "attention_bias: got True, expected false"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.5}},
+     r"partial_rotary_factor: got 1.5, expected a share in \(0, 1\]"),
+    ({"linear_num_value_heads": 3}, "model.deltanet.value_heads: got 3, expected a multiple of"),
+])
+def test_what_seqjax_cannot_compute_is_one_line(change, message, tmp_path):
+    record, _ = reference()
+    folder = hf_folder(tmp_path / "q", {**record["config"], **change})
+    with pytest.raises(CheckpointError, match=message):
+        hf.read_folder(folder)
+
+
+def test_transformers_loads_seqjax_export_with_equal_logits(imported, tmp_path):
+    """Live, where torch and transformers >= 5.24 import: seqjax's export, loaded by transformers, gives the
+    reference's logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 24):
+        pytest.skip("transformers >= 5.24 computes Qwen3.5 as the reference was made")
+    _, folder = imported
+    hf.write_folder(tmp_path / "export", folder.model, hf.read_params(folder), tokenizer_json=folder.tokenizer,
+                    eos_token="<|endoftext|>", bos_token=None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    _, ref = reference()
+    with torch.no_grad():
+        ours = model(torch.tensor([ref["seq0.ids"].tolist()])).logits[0].numpy()
+    assert_close(ours, ref["seq0.logits"])
+    assert jnp.asarray(ours).shape == ref["seq0.logits"].shape
