@@ -66,12 +66,15 @@ def assert_logprobs_are_the_forwards(model, prompts, done, copies):
 @pytest.mark.parametrize("extra", [(), ("model.scan_layers=true",),
                                    ("model.sliding_window=4", "model.layer_types=[sliding,full]",
                                     "model.attention_sinks=true", "model.qkv_bias=true", "model.attn_out_bias=true"),
-                                   ("model.experts.count=4", "model.experts.top_k=2", "model.experts.d_ff=16")],
-                         ids=["dense", "scanned", "windows_sinks", "experts"])
+                                   ("model.experts.count=4", "model.experts.top_k=2", "model.experts.d_ff=16"),
+                                   ("model.attention_gate=true", "model.rope_fraction=0.5", "model.qk_norm=true",
+                                    "model.norm_plus_one=true")],
+                         ids=["dense", "scanned", "windows_sinks", "experts", "gated_partial_rope"])
 def test_every_drawn_tokens_log_probability_is_the_training_forwards(extra):
     """Prompts packed into one prefill row, pages of 4 (prompts ending mid-page: the copy on write), 3 slots
     for 6 sequences (slots refilled): each token's log-probability under the engine's cache equals the full
-    forward's on the finished sequence; with a sliding window, attention sinks and biases, and experts."""
+    forward's on the finished sequence; with a sliding window, attention sinks and biases, experts, and
+    Qwen3.5's gated attention with partial RoPE."""
     model = model_of(*extra)
     prompts = prompts_of([5, 9, 3])
     engine = Engine(model, EngineConfig(slots=3, page_size=4))
