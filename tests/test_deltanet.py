@@ -211,8 +211,9 @@ LINEAR_MODEL = ["model.d_model=32", "model.n_layers=3", "model.n_heads=4", "mode
 def test_a_model_with_linear_layers_gives_each_packed_document_its_own_logits_and_gradients():
     """model.layer_types places a Gated DeltaNet where it says linear (the block's mixer row): a packed
     row of three documents (one shorter than the convolution, one across chunks) and padding gives
-    each document's logits and input-embedding gradients alone; the engine and the HF export refuse
-    the model in one line until they hold the layer (its state; a family row)."""
+    each document's logits and input-embedding gradients alone. The engine refuses a model with no
+    attention layer to page, and a family whose checkpoints hold no such layer (Llama's) refuses to
+    export it, each in one line."""
     from flax import nnx
 
     from seqjax.config.load import load_config
@@ -255,8 +256,10 @@ def test_a_model_with_linear_layers_gives_each_packed_document_its_own_logits_an
         close(packed[0, place:place + n], alone[0])
         close(packed_grad[0, place:place + n], alone_grad[0])
         place += n
-    with pytest.raises(UsageError, match="linear layers"):
-        Engine(model)
+    only_linear = build_model(load_config(None, [*LINEAR_MODEL, "model.layer_types=[linear,linear,linear]"]),
+                              rngs=nnx.Rngs(0))
+    with pytest.raises(UsageError, match="every layer is linear .* expected at least one full or sliding layer"):
+        Engine(only_linear)
     from seqjax.core.errors import CheckpointError
     from seqjax.hf.families import hf_config
 

@@ -27,6 +27,10 @@ VOCAB = 64
 BASE = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
         "model.max_seq_len=64", "model.attention=xla", "data.seq_len=64", "model.init_std=0.3"]
 MODELS: dict = {}
+# Qwen3.5's mix: a Gated DeltaNet layer (its state and convolution window a row of the engine's cache) beside
+# attention
+HYBRID = ("model.layer_types=[linear,full]", "model.deltanet.key_heads=2", "model.deltanet.value_heads=4",
+          "model.deltanet.key_dim=8", "model.deltanet.value_dim=8")
 
 
 def model_of(*extra: str):
@@ -68,13 +72,14 @@ def assert_logprobs_are_the_forwards(model, prompts, done, copies):
                                     "model.attention_sinks=true", "model.qkv_bias=true", "model.attn_out_bias=true"),
                                    ("model.experts.count=4", "model.experts.top_k=2", "model.experts.d_ff=16"),
                                    ("model.attention_gate=true", "model.rope_fraction=0.5", "model.qk_norm=true",
-                                    "model.norm_plus_one=true")],
-                         ids=["dense", "scanned", "windows_sinks", "experts", "gated_partial_rope"])
+                                    "model.norm_plus_one=true"), HYBRID],
+                         ids=["dense", "scanned", "windows_sinks", "experts", "gated_partial_rope", "deltanet"])
 def test_every_drawn_tokens_log_probability_is_the_training_forwards(extra):
     """Prompts packed into one prefill row, pages of 4 (prompts ending mid-page: the copy on write), 3 slots
     for 6 sequences (slots refilled): each token's log-probability under the engine's cache equals the full
-    forward's on the finished sequence; with a sliding window, attention sinks and biases, experts, and
-    Qwen3.5's gated attention with partial RoPE."""
+    forward's on the finished sequence; with a sliding window, attention sinks and biases, experts,
+    Qwen3.5's gated attention with partial RoPE, and a Gated DeltaNet layer (each slot's state copied from
+    its prompt's, continued token by token)."""
     model = model_of(*extra)
     prompts = prompts_of([5, 9, 3])
     engine = Engine(model, EngineConfig(slots=3, page_size=4))
@@ -82,7 +87,9 @@ def test_every_drawn_tokens_log_probability_is_the_training_forwards(extra):
                       key=jax.random.key(1), copies=2)
     assert [len(c.tokens) for c in done] == [9] * 6
     assert_logprobs_are_the_forwards(model, prompts, done, 2)
-    assert engine.stats["prefill_rows"] == 2 and engine.stats["prompt_pages"] == 2 + 3 + 1  # (rows of 16)
+    # (rows of 16; a Gated DeltaNet's prompts one a row, each ending it: its state is the row's last)
+    assert engine.stats["prefill_rows"] == (3 if extra == HYBRID else 2)
+    assert engine.stats["prompt_pages"] == 2 + 3 + 1
 
 
 def test_greedy_tokens_are_the_argmax_of_full_forward_passes():

@@ -18,7 +18,8 @@ DTYPES = ("float32", "bfloat16")
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
 # The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's
 # tables).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss",
+            "qwen3_5")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding", "linear")
 REMAT_POLICIES = ("none", "full", "dots", "names")
@@ -341,10 +342,12 @@ class ModelConfig:
         resume=MODEL)
     attn_out_bias: bool = setting(False, "a bias on the attention's output "
                                          "projection (gpt-oss)", resume=MODEL)
-    attention_gate: bool = setting(False, "each head's query projection doubled to [query | gate], the "
-                                   "attention's output times sigmoid(gate) (Qwen3.5)", resume=MODEL)
-    rope_fraction: float = setting(1.0, "the share of each head's dims RoPE turns, the first ones "
-                                   "(partial_rotary_factor; Qwen3.5: 0.25)", min=0.0, resume=MODEL)
+    attention_gate: bool = setting(
+        False, "each head's query projection doubled to [query | gate], the attention's output "
+        "times sigmoid(gate) (Qwen3.5)", resume=MODEL)
+    rope_fraction: float = setting(
+        1.0, "the share of each head's dims RoPE turns, the first ones (partial_rotary_factor; "
+        "Qwen3.5: 0.25)", min=0.0, resume=MODEL)
     mrope_interleaved: bool = setting(
         True, "with mrope_section: the three axes' frequencies interleaved (Qwen3-VL), else in three runs "
         "(Qwen2-VL)", resume=MODEL)
@@ -406,9 +409,11 @@ class ModelConfig:
                     f"model.n_heads: got {self.n_heads}, expected a divisor of "
                     f"model.d_model={self.d_model} (or set model.head_dim)")
             self.head_dim = self.d_model // self.n_heads
-        if self.head_dim % 2 or self.rotary_dim % 2 or self.rotary_dim < 2 or self.rope_fraction > 1:
-            raise ConfigError(f"model.head_dim: got {self.head_dim} (model.rope_fraction {self.rope_fraction}: "
-                              f"RoPE turns {self.rotary_dim}), expected an even number of turned dims, at least 2")
+        turned = self.rotary_dim
+        if self.head_dim % 2 or turned % 2 or turned < 2 or self.rope_fraction > 1:
+            raise ConfigError(
+                f"model.head_dim: got {self.head_dim} (model.rope_fraction {self.rope_fraction}: "
+                f"RoPE turns {turned}), expected an even number of turned dims, at least 2")
         if self.n_heads % kv:
             raise ConfigError(f"model.n_kv_heads: got {kv}, expected a divisor of "
                               f"model.n_heads={self.n_heads}")

@@ -27,7 +27,7 @@ from seqjax.config.engine import EngineConfig
 from seqjax.core.errors import UsageError
 from seqjax.engine import loop
 from seqjax.engine.paged import PagedKV
-from seqjax.engine.prefill import _bucket, pack, prefill
+from seqjax.engine.prefill import _bucket, pack, prefill, right_aligned
 from seqjax.model.sampling import SamplingConfig
 
 DEFAULT_SLOTS = 64
@@ -64,9 +64,10 @@ class Engine:
     def __init__(self, model, config: EngineConfig | None = None, *, state=None):
         self.model, self.config = model, config or EngineConfig()
         self.config.check()
-        if "linear" in model.cfg.layer_types:
-            raise UsageError("the engine: a model with linear layers (model.layer_types) has a Gated DeltaNet "
-                             "state the engine does not hold yet; expected a model of attention layers only")
+        if model.cfg.layer_types and set(model.cfg.layer_types) == {"linear"}:
+            raise UsageError("the engine: a model whose every layer is linear (model.layer_types) "
+                             "has no attention layer to page; expected at least one full or sliding "
+                             "layer")
         self.graphdef, own = nnx.split(model)
         self.state = own if state is None else state
         self.stats: dict = {}
@@ -96,8 +97,11 @@ class Engine:
                 f"engine.kv_pages: got {pages}, expected at least {least}: the prompts' "
                 f"{prompt_pages} pages and one sequence's {need} (engine.page_size={size})")
         table = _eighths(-(-(max(lengths) + max_new) // size))
-        per_page = 2 * cfg.n_layers * size * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
-        plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page)
+        attention = sum(cfg.mixer_of(i) == "attention" for i in range(cfg.n_layers))
+        itemsize = jnp.dtype(cfg.compute_dtype).itemsize
+        per_page = 2 * attention * size * cfg.kv_heads * cfg.head_dim * itemsize
+        states = (slots + len(lengths)) * _state_bytes(cfg)  # (each slot's, and each prompt's kept)
+        plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states)
         free = _free_bytes() if memory else None
         if free is not None and plan.kv_bytes > free:
             raise UsageError(
@@ -133,16 +137,20 @@ class Engine:
         return [Completion(tokens[i, :lengths_out[i]].tolist(), bool(stopped[i]),
                            logprobs[i, :lengths_out[i]].tolist()) for i in range(len(tokens))]
 
-    @staticmethod
-    def rows(prompts, tables: np.ndarray, plan: Plan, images: dict | None) -> tuple["Rows", int]:
-        """The prefill's rows (packed, or one prompt a row with images) and how many hold
-        prompts."""
+    def rows(self, prompts, tables: np.ndarray, plan: Plan, images: dict | None) -> tuple["Rows", int]:
+        """The prefill's rows (packed; one prompt a row with images, or ending its row with Gated
+        DeltaNet layers) and how many hold prompts."""
+        linear = "linear" in self.model.cfg.layer_types
+        if images and linear:
+            raise UsageError("the engine: images with linear layers (model.layer_types); expected "
+                             "a model of attention layers for image prompts")
         if images:
             inputs, positions, segment_ids, slots, last = _image_rows(prompts, tables, plan)
             fields = {k: jnp.asarray(v) for k, v in images.items()}
             next_position = np.asarray(images["positions_3d"])[..., 0][last[:, 0], last[:, 1]] + 1
         else:
-            packed = pack(prompts, tables, plan.page_size, plan.pages)
+            packing = right_aligned if linear else pack
+            packed = packing(prompts, tables, plan.page_size, plan.pages)
             inputs, positions, segment_ids, slots = packed.inputs, packed.positions, packed.segment_ids, packed.slots
             last = packed.starts + np.asarray([[0, len(p) - 1] for p in prompts])
             fields, next_position = {}, np.asarray([len(p) for p in prompts])
@@ -212,11 +220,22 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_ne
     images = dict(rows.images)
     if images:
         images = {"positions_3d": images.pop("positions_3d"), **images}
-    logits, cache = prefill(model, cache, rows.inputs, rows.positions, rows.segment_ids, rows.slots, rows.last,
-                            images)
-    requests = loop.Requests(rows.tables, rows.lengths, rows.next_position, logits)
+    logits, cache, states = prefill(model, cache, rows.inputs, rows.positions, rows.segment_ids,
+                                    rows.slots, rows.last, images)
+    requests = loop.Requests(rows.tables, rows.lengths, rows.next_position, logits,
+                             states if any(s is not None for s in states) else ())
     return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
                        settings=settings, key=key, slots=plan.slots)
+
+
+def _state_bytes(cfg) -> int:
+    """One sequence's Gated DeltaNet state over every linear layer: its convolution window (compute
+    dtype) and its float32 recurrent state."""
+    net = cfg.deltanet
+    layers = sum(cfg.mixer_of(i) == "deltanet" for i in range(cfg.n_layers))
+    channels = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim
+    conv = (net.conv_width - 1) * channels * jnp.dtype(cfg.compute_dtype).itemsize
+    return layers * (conv + net.value_heads * net.key_dim * net.value_dim * 4)
 
 
 def _free_bytes() -> int | None:

@@ -29,12 +29,15 @@ from seqjax.model.sampling import sample_rows
 class Requests(NamedTuple):
     """What the loop decodes: per prompt its page table [prompts, P] (no page: the pool's size),
     length [prompts], the RoPE position of its first new token [prompts] and its next-token
-    logits [prompts, V]; ``copies`` sequences each."""
+    logits [prompts, V], and each Gated DeltaNet layer's state after it; ``copies`` sequences
+    each."""
 
     prompt_pages: jax.Array
     prompt_lengths: jax.Array
     prompt_next: jax.Array
     prompt_logits: jax.Array
+    # per layer: a Gated DeltaNet's state after each prompt [prompts, ...], or None
+    prompt_states: tuple = ()
 
 
 class Slots(NamedTuple):
@@ -181,6 +184,8 @@ def _admit(cache: PagedKV, state: Slots, pool: Pool, requests: Requests, need, c
     rows = rows.at[jnp.arange(slots), jnp.where(partial, last_column, width)].set(own_page, mode="drop")
     page_table = jnp.where(admitted[:, None], rows, cache.page_table)
     lengths = jnp.where(admitted, length, cache.lengths)
+    if requests.prompt_states:  # (a Gated DeltaNet: the sequence starts from its prompt's state)
+        cache = cache.with_states(admitted, requests.prompt_states, prompt)
     state = Slots(jnp.where(admitted, candidate, state.sequence),
                   jnp.where(admitted, requests.prompt_next[prompt], state.position),
                   jnp.where(admitted, 0, state.drawn),

@@ -11,7 +11,9 @@ the same prompt pages (a prompt is stored once); a completion writes only its ow
 :class:`PagedKV` is a cache in seqjax.model.cache's sense: the model's decode writes each layer's
 new keys and values through :class:`PagedLayer` and attends over the row's pages under
 :func:`seqjax.model.mask.page_mask`. Attention gathers each row's pages and runs the dense masked
-softmax (the XLA path, every backend; ``engine.attention`` has no other choice yet)."""
+softmax (the XLA path, every backend; ``engine.attention`` has no other choice yet). A Gated
+DeltaNet layer holds no pages: its row of the cache is each decode slot's convolution window and
+recurrent state, which a sequence copies from its prompt's when it starts (``with_states``)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 
 from seqjax.config.model import ModelConfig
 from seqjax.model.attention import masked_attention
+from seqjax.model.cache import RecurrentView
 from seqjax.model.mask import page_mask
 
 
@@ -74,41 +77,81 @@ def _gather(pages: jax.Array, page_table: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedKV:
-    """Every layer's pages (keys, values: one [pages, page_size, Hkv, D] array each), the decode
-    rows' page tables [B, P] (an entry of ``pages`` or more: no page) and lengths [B] (places
-    written)."""
+    """Every attention layer's pages (keys, values: one [pages, page_size, Hkv, D] array each), the
+    decode rows' page tables [B, P] (an entry of ``pages`` or more: no page) and lengths [B] (places
+    written); and every Gated DeltaNet layer's state row (``recurrent``: each decode row's
+    convolution window and state, seqjax.model.cache.RecurrentView). A layer holds one or the other
+    (None in the other tuple)."""
 
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
+    keys: tuple[jax.Array | None, ...]
+    values: tuple[jax.Array | None, ...]
     page_table: jax.Array
     lengths: jax.Array
+    recurrent: tuple[RecurrentView | None, ...]
 
     @classmethod
     def empty(cls, cfg: ModelConfig, pages: int, page_size: int, rows: int, table: int) -> "PagedKV":
         shape = (pages, page_size, cfg.kv_heads, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, jnp.dtype(cfg.compute_dtype)) for _ in range(cfg.n_layers))
-        return cls(zeros, zeros, jnp.full((rows, table), pages, jnp.int32), jnp.zeros((rows,), jnp.int32))
+        dtype = jnp.dtype(cfg.compute_dtype)
+        linear = [cfg.mixer_of(i) == "deltanet" for i in range(cfg.n_layers)]
+        zeros = tuple(None if lin else jnp.zeros(shape, dtype) for lin in linear)
+        states = tuple(recurrent_rows(cfg, rows) if lin else None for lin in linear)
+        tables = jnp.full((rows, table), pages, jnp.int32)
+        return cls(zeros, zeros, tables, jnp.zeros((rows,), jnp.int32), states)
 
     @property
     def pages(self) -> int:
-        return self.keys[0].shape[0]
+        return next(k for k in self.keys if k is not None).shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.keys[0].shape[1]
+        return next(k for k in self.keys if k is not None).shape[1]
 
-    def views(self, segment_ids: jax.Array) -> tuple[PagedLayer, ...]:
-        return tuple(PagedLayer(k, v, self.page_table, self.lengths, segment_ids)
-                     for k, v in zip(self.keys, self.values))
+    def views(self, segment_ids: jax.Array) -> tuple:
+        """Per layer: a :class:`PagedLayer`, or its state row continuing each row's sequence."""
+        # (a decode token continues its sequence)
+        carry = jnp.ones(segment_ids.shape[:1], segment_ids.dtype)
+        return tuple(dataclasses.replace(r, carry=carry) if r is not None else
+                     PagedLayer(k, v, self.page_table, self.lengths, segment_ids)
+                     for k, v, r in zip(self.keys, self.values, self.recurrent))
 
     def advanced(self, views, segment_ids: jax.Array) -> "PagedKV":
-        return PagedKV(tuple(v.keys for v in views), tuple(v.values for v in views), self.page_table,
-                       self.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32))
+        paged = [v if isinstance(v, PagedLayer) else None for v in views]
+        states = tuple(dataclasses.replace(v, carry=None) if p is None else None
+                       for v, p in zip(views, paged))
+        lengths = self.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32)
+        return PagedKV(tuple(p and p.keys for p in paged), tuple(p and p.values for p in paged),
+                       self.page_table, lengths, states)
 
     def copy_pages(self, source: jax.Array, target: jax.Array) -> "PagedKV":
         """Page ``source[i]`` copied to ``target[i]`` in every layer (a target of ``pages``:
         none)."""
         def copy(layer):
+            if layer is None:
+                return None
             return layer.at[target].set(jnp.take(layer, source, axis=0, mode="clip"), mode="drop")
 
         return dataclasses.replace(self, keys=tuple(map(copy, self.keys)), values=tuple(map(copy, self.values)))
+
+    def with_states(self, rows: jax.Array, states: tuple, which: jax.Array) -> "PagedKV":
+        """Each decode row in ``rows`` [B] (bool) starts from ``states`` (per layer, a view of
+        [prompts, ...] or None) at prompt ``which`` [B]: a prompt's state is kept once, and each of
+        its sequences takes a copy when it starts."""
+        def take(mine: RecurrentView | None, theirs: RecurrentView | None):
+            if mine is None:
+                return None
+            pick = [jnp.where(rows.reshape(-1, *[1] * (a.ndim - 1)), jnp.take(b, which, axis=0), a)
+                    for a, b in ((mine.conv, theirs.conv), (mine.state, theirs.state))]
+            return RecurrentView(*pick, None)
+
+        return dataclasses.replace(self, recurrent=tuple(map(take, self.recurrent, states)))
+
+
+def recurrent_rows(cfg: ModelConfig, rows: int) -> RecurrentView:
+    """A Gated DeltaNet layer's state row for ``rows`` sequences, zeros: the convolution window
+    [rows, K - 1, C] (compute dtype) and the state [rows, H, Dk, Dv] (float32)."""
+    net = cfg.deltanet
+    channels = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim
+    conv = jnp.zeros((rows, net.conv_width - 1, channels), jnp.dtype(cfg.compute_dtype))
+    state = jnp.zeros((rows, net.value_heads, net.key_dim, net.value_dim), jnp.float32)
+    return RecurrentView(conv, state, None)

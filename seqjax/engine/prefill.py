@@ -7,7 +7,8 @@ logits come from its last token.
     row 1: [p1 p1 p1 p1 | p2 p2 p2 p2 p2 p2 ]      positions restart at 0 in each prompt
 
 A prompt with images is prefilled one to a row, as its image fields lay it out (the tower's patches
-belong to their row)."""
+belong to their row); so is every prompt of a model with Gated DeltaNet layers, each ending its row
+(:func:`right_aligned`)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from typing import NamedTuple, Sequence
 import jax
 import numpy as np
 
+from seqjax.config.model import ModelConfig
 from seqjax.engine.paged import PagedKV
 from seqjax.model.attention import attention
+from seqjax.model.cache import RecurrentView
 
 
 @jax.tree_util.register_dataclass
@@ -41,11 +44,13 @@ class CaptureLayer:
 class Capture:
     """A cache that holds nothing before the call and every layer's keys and values after it."""
 
-    layers: tuple[CaptureLayer, ...]
+    layers: tuple[CaptureLayer | RecurrentView, ...]
 
     @classmethod
-    def of(cls, n_layers: int, backend: str) -> "Capture":
-        return cls(tuple(CaptureLayer(None, None, backend) for _ in range(n_layers)))
+    def of(cls, cfg: ModelConfig) -> "Capture":
+        """A view per layer: the attention's capture, or a Gated DeltaNet's fresh state row."""
+        return cls(tuple(RecurrentView() if cfg.mixer_of(i) == "deltanet"
+                         else CaptureLayer(None, None, cfg.attention) for i in range(cfg.n_layers)))
 
     def views(self, segment_ids):
         return self.layers
@@ -101,19 +106,45 @@ def pack(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: i
 def prefill(model, cache: PagedKV, inputs, positions, segment_ids, slots, last, images: dict | None = None):
     """Run the packed rows through ``model`` capturing every layer's keys and values, write them
     into ``cache``'s pages at ``slots`` [R, T], and return (next-token logits [prompts, V]
-    float32 from the rows' places ``last`` [prompts, 2], the cache)."""
+    float32 from the rows' places ``last`` [prompts, 2], the cache, and each Gated DeltaNet
+    layer's state after each prompt: a RecurrentView of [prompts, ...], None for attention layers).
+    A model with such layers gets one prompt a row, ending at the row's end (:func:`right_aligned`),
+    so a row's final state is its prompt's."""
     images = images or {}
     x, capture = model.decode(inputs, positions=positions, segment_ids=segment_ids,
-                              cache=Capture.of(model.cfg.n_layers, model.cfg.attention), **images)
+                              cache=Capture.of(model.cfg), **images)
     flat = slots.reshape(-1)
 
     def write(pages, new):
+        if pages is None:
+            return None
         merged = pages.reshape(-1, *pages.shape[2:]).at[flat].set(
             new.reshape(-1, *new.shape[2:]).astype(pages.dtype), mode="drop")
         return merged.reshape(pages.shape)
 
-    keys = tuple(write(p, layer.keys) for p, layer in zip(cache.keys, capture.layers))
-    values = tuple(write(p, layer.values) for p, layer in zip(cache.values, capture.layers))
+    layers = capture.layers
+    keys = tuple(write(p, getattr(layer, "keys", None)) for p, layer in zip(cache.keys, layers))
+    values = tuple(write(p, getattr(layer, "values", None)) for p, layer in zip(cache.values, layers))
+    states = tuple(RecurrentView(layer.conv[last[:, 0]], layer.state[last[:, 0]], None)
+                   if isinstance(layer, RecurrentView) else None for layer in capture.layers)
     hidden = x[last[:, 0], last[:, 1]]  # [prompts, D]: each prompt's last token
     logits = model.logits(hidden[:, None])[:, 0]
-    return logits, dataclasses.replace(cache, keys=keys, values=values)
+    return logits, dataclasses.replace(cache, keys=keys, values=values), states
+
+
+def right_aligned(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: int,
+                  pages: int) -> Packing:
+    """One prompt a row, padded before it, so its last token ends the row (a model with Gated
+    DeltaNet layers: the chunked form hands on the state after the row's last token)."""
+    width = _bucket(max(len(p) for p in prompts), 16)
+    rows = _bucket(len(prompts), 1)
+    inputs = np.zeros((rows, width), np.int32)
+    positions, segment_ids = np.zeros_like(inputs), np.zeros_like(inputs)
+    slots = np.full((rows, width), pages * page_size, np.int64)
+    for i, prompt in enumerate(prompts):
+        n, place = len(prompt), np.arange(len(prompt))
+        inputs[i, width - n:], positions[i, width - n:] = prompt, place
+        segment_ids[i, width - n:] = 1
+        slots[i, width - n:] = page_tables[i, place // page_size] * page_size + place % page_size
+    starts = np.asarray([[i, width - len(p)] for i, p in enumerate(prompts)], np.int64)
+    return Packing(inputs, positions, segment_ids, starts, slots)

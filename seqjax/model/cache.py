@@ -8,10 +8,11 @@ attend**:
 A cache is any pytree with ``views(segment_ids) -> one view per layer`` and ``advanced(views,
 segment_ids) -> the cache after the call``; :meth:`seqjax.model.transformer.TransformerLM.decode`
 runs the blocks over it. A recurrent layer's state (Qwen3.5's Gated DeltaNet) joins a cache the
-same way: a view with its own update rule."""
+same way: a :class:`RecurrentView`, which the layer reads and hands back advanced."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol, Sequence
 
 import jax
@@ -35,3 +36,16 @@ class Cache(Protocol):
 
     def advanced(self, views: Sequence[LayerView], segment_ids: jax.Array) -> "Cache":
         """The cache after the call: its layers' views, and the tokens it wrote counted."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RecurrentView:
+    """A Gated DeltaNet layer's part of a cache (seqjax.model.deltanet.DeltaNet.decode): each row's
+    convolution window, the last K - 1 inputs of its convolution [B, K - 1, C], its recurrent state
+    [B, H, Dk, Dv] (float32), and ``carry`` [B], the segment id of the token before the call (0: the
+    row starts fresh, as a prefill does). All None: a fresh start for every row."""
+
+    conv: jax.Array | None = None
+    state: jax.Array | None = None
+    carry: jax.Array | None = None

@@ -29,6 +29,8 @@ Both compute in float32, as transformers does.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -37,6 +39,7 @@ from flax import nnx
 
 from seqjax.config.model import ModelConfig
 from seqjax.core.errors import UsageError
+from seqjax.model.cache import RecurrentView
 from seqjax.model.mask import allowed, conv_taps, state_carries
 from seqjax.model.quant import weight
 
@@ -161,26 +164,51 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
 
 
 def gated_deltanet(params: dict, x: jax.Array, segment_ids: jax.Array, *, key_heads: int, value_heads: int,
-                   eps: float, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+                   eps: float, chunk: int = 64, carried: RecurrentView | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
     """The whole layer on x [B, T, D] (``params``: transformers' tensors by name, each linear
     as [in, out], ``conv1d`` [C, K], ``A_log``, ``dt_bias``, ``norm``): (out [B, T, D], the state
-    after the row)."""
+    after the row). ``carried``: the rows continue from a cache's view (:func:`continued`)."""
+    out, view = continued(params, x, segment_ids, RecurrentView() if carried is None else carried,
+                          key_heads=key_heads, value_heads=value_heads, eps=eps, chunk=chunk)
+    return out, view.state
+
+
+def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: RecurrentView, *, key_heads: int,
+              value_heads: int, eps: float, chunk: int = 64, recurrent: bool = False
+              ) -> tuple[jax.Array, RecurrentView]:
+    """:func:`gated_deltanet` continuing each row from ``view`` (its convolution window and state, read
+    where the row's first token continues the segment ``view.carry`` names; all None: fresh), in the
+    chunked form or (``recurrent``: decoding) token by token; (out, the view after the row's last
+    token: its last K - 1 convolution inputs, its state)."""
     b, t, _ = x.shape
     dtype = x.dtype
     x = jnp.where((segment_ids != 0)[..., None], x, 0).astype(dtype)  # (padding contributes nothing)
     dv = params["norm"].shape[0]
     dk = (params["in_proj_qkv"].shape[1] - value_heads * dv) // (2 * key_heads)
-    qkv = causal_conv(x @ params["in_proj_qkv"].astype(dtype), params["conv1d"], segment_ids)
+    width = params["conv1d"].shape[-1]
+    ids_dtype = segment_ids.dtype
+    before = jnp.zeros((b,), ids_dtype) if view.carry is None else view.carry.astype(ids_dtype)
+    inputs = x @ params["in_proj_qkv"].astype(dtype)
+    history = (jnp.zeros((b, width - 1, inputs.shape[-1]), dtype) if view.conv is None
+               else view.conv.astype(dtype))
+    # (the window's tokens belong to segment ``before``)
+    extended = jnp.concatenate([history, inputs], axis=1)
+    ids = jnp.concatenate([jnp.repeat(before[:, None], width - 1, axis=1), segment_ids], axis=1)
+    qkv = causal_conv(extended, params["conv1d"], ids)[:, width - 1:]
     q, k, v = jnp.split(qkv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
     q, k = q.reshape(b, t, key_heads, dk), k.reshape(b, t, key_heads, dk)
     v = v.reshape(b, t, value_heads, dv)
     beta = jax.nn.sigmoid(x @ params["in_proj_b"].astype(dtype))
     a = (x @ params["in_proj_a"].astype(dtype)).astype(jnp.float32)
     g = -jnp.exp(params["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + params["dt_bias"].astype(jnp.float32))
-    o, state = chunked_rule(q, k, v, g, beta, segment_ids, chunk=chunk)
+    rule = recurrent_rule if recurrent else functools.partial(chunked_rule, chunk=chunk)
+    o, state = rule(q, k, v, g, beta, segment_ids, state=view.state, before=before)
     z = (x @ params["in_proj_z"].astype(dtype)).reshape(b, t, value_heads, dv)
     o = gated_rms_norm(o, z, params["norm"].astype(dtype), eps).astype(dtype)
-    return o.reshape(b, t, value_heads * dv) @ params["out_proj"].astype(dtype), state
+    out = o.reshape(b, t, value_heads * dv) @ params["out_proj"].astype(dtype)
+    window = extended[:, -(width - 1):] if width > 1 else history
+    return out, RecurrentView(window, state, None)
 
 
 class DeltaNet(nnx.Module):
@@ -226,13 +254,23 @@ class DeltaNet(nnx.Module):
             raise UsageError("a shared prompt (data.shared_prompt, rl.layout=prompt_once) with linear layers: "
                              "a Gated DeltaNet's state cannot continue a prompt packed elsewhere in the row; "
                              "expected a layout that repeats the prompt (rl.layout=prompt_per_completion)")
-        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-        params = {name: weight(getattr(self, name), x.dtype) for name in names}
-        params |= {name: getattr(self, name)[...] for name in ("conv1d", "A_log", "dt_bias", "norm")}
-        out, _ = gated_deltanet(params, x, segment_ids, key_heads=self.net.key_heads,
-                                value_heads=self.net.value_heads, eps=self.eps, chunk=self.net.chunk)
+        net = self.net
+        out, _ = gated_deltanet(self._params(x.dtype), x, segment_ids, key_heads=net.key_heads,
+                                value_heads=net.value_heads, eps=self.eps, chunk=net.chunk)
         return out
 
-    def decode(self, *args, **kwargs):
-        raise UsageError("decoding a model with linear layers (model.layer_types): the generation engine has no "
-                         "Gated DeltaNet state row yet; expected a model of attention layers only")
+    def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: RecurrentView,
+               rope_freq=None, window=None) -> tuple[jax.Array, RecurrentView]:
+        """x [B, T, D] continuing each row from its cache view (seqjax.model.cache.RecurrentView:
+        a prefill's fresh rows in the chunked form, a decode step's single tokens in the recurrent
+        one); (out, the view after the call, its ``carry`` kept)."""
+        net = self.net
+        out, view = continued(self._params(x.dtype), x, segment_ids, cache, key_heads=net.key_heads,
+                              value_heads=net.value_heads, eps=self.eps, chunk=net.chunk,
+                              recurrent=x.shape[1] == 1)
+        return out, dataclasses.replace(view, carry=cache.carry)
+
+    def _params(self, dtype) -> dict:
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+        params = {name: weight(getattr(self, name), dtype) for name in names}
+        return params | {name: getattr(self, name)[...] for name in ("conv1d", "A_log", "dt_bias", "norm")}
