@@ -1,5 +1,6 @@
-"""Reference outputs of transformers' own Qwen3.5 text model (JSON + safetensors): one tiny random
-``qwen3_5_text`` folder, made by transformers 5 itself through its torch path (no FLA kernels).
+"""Reference outputs of transformers' own Qwen3.5 text models (JSON + safetensors): tiny random
+``qwen3_5_text`` and ``qwen3_5_moe_text`` folders, made by transformers 5 itself through its torch path (no FLA
+kernels).
 
     python scripts/make_qwen3_5_references.py --out tests/data/qwen3_5    # needs torch and transformers >= 5.24
 
@@ -8,11 +9,15 @@ RoPE over a quarter of each head, (1 + w) norms). Its weights are drawn from eac
 (make_moe_references.reference_weights, so the tests rebuild the folder without torch); it is saved as
 transformers saves it and loaded back with ``from_pretrained``, and:
 
-- ``qwen3_5.json``: the ``config.json`` transformers writes, the tensors' names and shapes, the versions;
-- ``qwen3_5.safetensors``: for three sequences run alone (``seq0``, ``seq1``, and ``seq2`` shorter than the
+The same for Qwen3.5-MoE's text model (``qwen3_5_moe``: experts on every layer and a shared expert with its
+sigmoid gate), each in two files:
+
+- ``<name>.json``: the ``config.json`` transformers writes, the tensors' names and shapes, the versions;
+- ``<name>.safetensors``: for three sequences run alone (``seq0``, ``seq1``, and ``seq2`` shorter than the
   convolution), their ids and float32 logits; the three concatenated into one row *as transformers runs it*
   (``leaky.logits``: its state and convolution run on across the documents, the leak seqjax's segment ids
-  close); and a greedy continuation of a prompt (``generate``, ``do_sample=False``).
+  close); a greedy continuation of a prompt (``generate``, ``do_sample=False``); for the MoE variant, the
+  router's load-balancing loss of ``seq0`` and ``seq1`` padded into one batch with their attention mask.
 """
 
 from __future__ import annotations
@@ -41,11 +46,20 @@ CONFIG = {"vocab_size": 320, "hidden_size": 32, "intermediate_size": 48, "num_hi
           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
 
 
-def make(out: Path) -> None:
+# Qwen3.5-MoE's text model: the same layers, experts on every one (top 2 of 4, renormalized) beside a shared
+# expert with its sigmoid gate
+MOE_CONFIG = {**{k: v for k, v in CONFIG.items() if k != "intermediate_size"}, "num_experts": 4,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24,
+              "output_router_logits": True, "router_aux_loss_coef": 0.01}
+VARIANTS = {"qwen3_5": ("Qwen3_5TextConfig", CONFIG), "qwen3_5_moe": ("Qwen3_5MoeTextConfig", MOE_CONFIG)}
+
+
+def make(out: Path, name: str) -> None:
     import torch
     import transformers
 
-    config = transformers.Qwen3_5TextConfig(**CONFIG)
+    class_name, settings = VARIANTS[name]
+    config = getattr(transformers, class_name)(**settings)
     shapes, config_json = _saved_shapes(transformers.AutoModelForCausalLM.from_config(config))
     weights = reference_weights(shapes)
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,20 +70,30 @@ def make(out: Path) -> None:
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
     tensors = {}
     with torch.no_grad():
-        for name, ids in SEQUENCES.items():
-            tensors[f"{name}.ids"] = np.asarray(ids, np.int32)
-            tensors[f"{name}.logits"] = model(torch.tensor([ids])).logits[0].float().numpy()
+        for seq, ids in SEQUENCES.items():
+            tensors[f"{seq}.ids"] = np.asarray(ids, np.int32)
+            tensors[f"{seq}.logits"] = model(torch.tensor([ids])).logits[0].float().numpy()
         row = [t for ids in SEQUENCES.values() for t in ids]
         positions = torch.tensor([[p for ids in SEQUENCES.values() for p in range(len(ids))]])
         tensors["leaky.logits"] = model(torch.tensor([row]), position_ids=positions).logits[0].float().numpy()
+        if name == "qwen3_5_moe":  # the router's load-balancing loss of two sequences padded into one batch
+            width = max(len(SEQUENCES["seq0"]), len(SEQUENCES["seq1"]))
+            pairs = [SEQUENCES["seq0"], SEQUENCES["seq1"]]
+            batch = torch.tensor([ids + [0] * (width - len(ids)) for ids in pairs])
+            mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in pairs])
+            routed = model(batch, attention_mask=mask, output_router_logits=True)
+            module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])
+            aux = module.load_balancing_loss_func(routed.router_logits, settings["num_experts"],
+                                                  settings["num_experts_per_tok"], mask)
+            tensors["padded.aux_loss"] = np.asarray(float(aux), np.float32)
         generated = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                    pad_token_id=CONFIG["pad_token_id"], eos_token_id=None)
     tensors["prompt.ids"] = np.asarray(PROMPT, np.int32)
     tensors["greedy.ids"] = generated[0, len(PROMPT):].numpy().astype(np.int32)
-    record = {"family": "qwen3_5", "config": config_json, "tensors": shapes,
+    record = {"family": name, "config": config_json, "tensors": shapes,
               "made_by": {"transformers": transformers.__version__, "torch": torch.__version__,
                           "script": "scripts/make_qwen3_5_references.py"}}
-    _write(out, "qwen3_5", record, tensors)
+    _write(out, name, record, tensors)
 
 
 def main() -> None:
@@ -77,7 +101,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("tests/data/qwen3_5"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    make(args.out)
+    for name in VARIANTS:
+        make(args.out, name)
 
 
 if __name__ == "__main__":

@@ -29,17 +29,20 @@ from test_moe_families import SCRIPT, assert_close
 REFERENCES = Path(__file__).parent / "data" / "qwen3_5"
 
 
-def reference() -> tuple[dict, dict[str, np.ndarray]]:
-    return (json.loads((REFERENCES / "qwen3_5.json").read_text()),
-            load_file(str(REFERENCES / "qwen3_5.safetensors")))
+VARIANTS = ["qwen3_5", "qwen3_5_moe"]
 
 
-def hf_folder(folder: Path, config: dict | None = None) -> Path:
+def reference(name: str = "qwen3_5") -> tuple[dict, dict[str, np.ndarray]]:
+    return (json.loads((REFERENCES / f"{name}.json").read_text()),
+            load_file(str(REFERENCES / f"{name}.safetensors")))
+
+
+def hf_folder(folder: Path, config: dict | None = None, name: str = "qwen3_5") -> Path:
     from safetensors.numpy import save_file
 
     from hf_support import tiny_tokenizer
 
-    record, _ = reference()
+    record, _ = reference(name)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config or record["config"]))
     save_file(SCRIPT.reference_weights(record["tensors"]), str(folder / "model.safetensors"),
@@ -49,9 +52,9 @@ def hf_folder(folder: Path, config: dict | None = None) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    folder = hf.read_folder(hf_folder(tmp_path_factory.mktemp("qwen3_5") / "hf"))
+@pytest.fixture(scope="module", params=VARIANTS)
+def imported(request, tmp_path_factory):
+    folder = hf.read_folder(hf_folder(tmp_path_factory.mktemp(request.param) / "hf", name=request.param))
     config = hf.run_config(folder, ["model.attention=xla"])
     return hf.model_with_params(config, hf.read_params(folder)), folder
 
@@ -70,10 +73,22 @@ def _logits(graphdef, state, ids, seg, pos):
     return features @ head
 
 
+@jax.jit
+def _terms(graphdef, state, ids, seg, pos):
+    *_, terms = nnx.merge(graphdef, state).forward(ids, positions=pos, segment_ids=seg)
+    return terms
+
+
 def test_the_folder_reads_as_qwen3_5s_settings(imported):
-    model, _ = imported
+    model, folder = imported
     cfg = model.cfg
-    assert (cfg.family, cfg.attention_gate, cfg.norm_plus_one, cfg.qk_norm) == ("qwen3_5", True, True, True)
+    record, _ = reference(cfg.family)
+    assert (cfg.attention_gate, cfg.norm_plus_one, cfg.qk_norm) == (True, True, True)
+    if cfg.family == "qwen3_5_moe":
+        ex = cfg.experts
+        assert (ex.count, ex.top_k, ex.d_ff, ex.shared_d_ff, ex.norm_topk_prob, ex.aux_loss_coef) == (
+            4, 2, 16, 24, True, 0.01)
+        assert all(cfg.mlp_of(i) == "experts" for i in range(cfg.n_layers))
     assert cfg.layer_types == ["linear", "full", "linear", "linear"] and cfg.rotary_dim == 4
     assert (cfg.deltanet.key_heads, cfg.deltanet.value_heads, cfg.deltanet.key_dim, cfg.deltanet.conv_width) == (
         2, 4, 8, 4)
@@ -83,7 +98,7 @@ def test_logits_equal_transformers_alone_and_each_packed_document_its_own(import
     """Each sequence alone: transformers' logits. All three in one row (the last shorter than the convolution):
     each document's logits alone, where transformers' own packed row carries its state across them."""
     model, _ = imported
-    _, ref = reference()
+    _, ref = reference(model.cfg.family)
     names = ("seq0", "seq1", "seq2")
     for name in names:
         assert_close(jitted(model, ref[f"{name}.ids"]), ref[f"{name}.logits"])
@@ -106,7 +121,7 @@ def test_greedy_tokens_through_the_engine_equal_transformers_generate(imported):
     from seqjax.engine import generate
 
     model, _ = imported
-    _, ref = reference()
+    _, ref = reference(model.cfg.family)
     (out,) = generate(model, [ref["prompt.ids"].tolist()], eot_id=None, max_new_tokens=len(ref["greedy.ids"]))
     assert out.tokens == ref["greedy.ids"].tolist()
 
@@ -115,7 +130,7 @@ def test_an_export_holds_transformers_tensors_and_reads_back_the_same(imported, 
     from seqjax.hf.tensors import hf_shapes, to_hf
 
     model, folder = imported
-    record, _ = reference()
+    record, _ = reference(model.cfg.family)
     tensors = to_hf(hf.read_params(folder), folder.model)
     assert set(tensors) == set(record["tensors"]) == set(hf_shapes(folder.model))
     rebuilt = SCRIPT.reference_weights(record["tensors"])
@@ -124,7 +139,11 @@ def test_an_export_holds_transformers_tensors_and_reads_back_the_same(imported, 
     hf.write_folder(tmp_path / "export", folder.model, hf.read_params(folder), tokenizer_json=folder.tokenizer,
                     eos_token="<|endoftext|>", bos_token=None)
     written = json.loads((tmp_path / "export" / "config.json").read_text())
-    for key in ("layer_types", "linear_num_value_heads", "linear_key_head_dim", "linear_conv_kernel_dim"):
+    assert written["architectures"] == record["config"]["architectures"]
+    keys = ["layer_types", "linear_num_value_heads", "linear_key_head_dim", "linear_conv_kernel_dim"]
+    if model.cfg.family == "qwen3_5_moe":
+        keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"]
+    for key in keys:
         assert written[key] == record["config"][key], key
     assert written["rope_parameters"]["partial_rotary_factor"] == 0.25
     again = hf.read_folder(tmp_path / "export")
@@ -158,8 +177,22 @@ def test_transformers_loads_seqjax_export_with_equal_logits(imported, tmp_path):
                     eos_token="<|endoftext|>", bos_token=None)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager",
                                                               dtype=torch.float32).eval()
-    _, ref = reference()
+    _, ref = reference(folder.model.family)
     with torch.no_grad():
         ours = model(torch.tensor([ref["seq0.ids"].tolist()])).logits[0].numpy()
     assert_close(ours, ref["seq0.logits"])
-    assert jnp.asarray(ours).shape == ref["seq0.logits"].shape
+
+def test_the_routers_load_balancing_loss_is_transformers_padded_batchs(tmp_path):
+    """Qwen3.5-MoE: transformers' load_balancing_loss_func over two sequences padded into one batch with their
+    attention mask; seqjax's over the same two packed in one row with padding after them."""
+    from seqjax.model.experts import load_balancing_loss
+
+    folder = hf.read_folder(hf_folder(tmp_path / "moe", name="qwen3_5_moe"))
+    model = hf.model_with_params(hf.run_config(folder, ["model.attention=xla"]), hf.read_params(folder))
+    _, ref = reference("qwen3_5_moe")
+    a, b = ref["seq0.ids"], ref["seq1.ids"]
+    ids = np.concatenate([a, b, np.zeros(5, np.int32)])
+    seg = np.r_[np.ones(len(a), int), np.full(len(b), 2), np.zeros(5, int)]
+    pos = np.r_[np.arange(len(a)), np.arange(len(b)), np.zeros(5, int)]
+    terms = _terms(*nnx.split(model), *(jnp.asarray(a)[None] for a in (ids, seg, pos)))
+    assert float(load_balancing_loss(terms, 2)) == pytest.approx(float(ref["padded.aux_loss"]), rel=1e-5)

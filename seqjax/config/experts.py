@@ -45,6 +45,9 @@ class ExpertsConfig:
     swiglu_alpha: float = setting(1.702, "clamped_swiglu: the sigmoid's slope (gpt-oss's "
                                          "swiglu_alpha)",
                                   min=0.0, resume=MODEL)
+    shared_d_ff: int = setting(
+        0, "a shared expert every token goes through beside its routed ones, this wide, its output times "
+        "sigmoid(x w_shared_gate) (Qwen3.5-MoE's shared_expert_intermediate_size; 0: none)", min=0, resume=MODEL)
     dense_layers: list[int] = setting(
         [], "layers with the gated MLP instead of experts (Qwen3-MoE's "
             "mlp_only_layers)", resume=MODEL)

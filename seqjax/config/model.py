@@ -19,7 +19,7 @@ ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
 # The Hugging Face architectures seqjax reads and writes (seqjax.hf.families holds each one's
 # tables).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss",
-            "qwen3_5")
+            "qwen3_5", "qwen3_5_moe")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding", "linear")
 REMAT_POLICIES = ("none", "full", "dots", "names")

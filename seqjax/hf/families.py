@@ -28,6 +28,8 @@ gpt_oss     GptOssForCausalLM       biases on q, k, v and o; attention sinks; sl
 qwen3_5     Qwen3_5ForCausalLM      Gated DeltaNet layers (linear_attention) beside full ones by layer_types;
             (qwen3_5_text)          gated attention (q_proj [query | gate] per head); partial RoPE; (1 + w)
                                     norms; q/k norms
+qwen3_5_moe Qwen3_5MoeForCausalLM   Qwen3.5's layers; experts on every layer (a softmax router, top k
+                                    renormalized) and a shared expert times sigmoid(x w_shared_gate)
 ==========  ======================  ========================================================================
 
 The tensor names and layouts are :mod:`seqjax.hf.tensors`; the RoPE sections' readers
@@ -50,10 +52,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from seqjax.config.deltanet import DeltaNetConfig
 from seqjax.config.experts import ExpertsConfig
 from seqjax.config.model import ModelConfig
 from seqjax.core.errors import CheckpointError, ConfigError
+from seqjax.hf.qwen3_5 import qwen3_5_export, qwen3_5_layers
 from seqjax.hf.rope import one_rope, partial_rope, refuse, rope_per_layer_type
 
 # Old checkpoints saved RoPE's frequency table as a buffer; seqjax recomputes it.
@@ -113,24 +115,6 @@ def _typed_windows(hf: dict[str, Any], types: list, source: str) -> dict[str, An
     if unknown:
         raise refuse(source, "layer_types", unknown[0], "sliding_attention or full_attention")
     return {"sliding_window": int(hf["sliding_window"]), "layer_types": [_KINDS[t] for t in types]}
-
-
-_LINEAR_KINDS = {"linear_attention": "linear", "full_attention": "full"}
-
-
-def qwen3_5_layers(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
-    """Qwen3.5: layer_types of linear_attention (a Gated DeltaNet) and full_attention (absent: every
-    full_attention_interval-th layer full, 4 by default), the DeltaNet's sizes from the linear_* fields."""
-    every = hf.get("full_attention_interval", 4)
-    types = hf.get("layer_types") or [
-        "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
-    if not isinstance(types, list) or any(kind not in _LINEAR_KINDS for kind in types):
-        raise refuse(source, "layer_types", types, "a list of linear_attention and full_attention")
-    net = DeltaNetConfig(**{ours: _integer(hf, theirs, source, default) for ours, theirs, default in (
-        ("key_heads", "linear_num_key_heads", 16), ("value_heads", "linear_num_value_heads", 32),
-        ("key_dim", "linear_key_head_dim", 128), ("value_dim", "linear_value_head_dim", 128),
-        ("conv_width", "linear_conv_kernel_dim", 4))})
-    return {"layer_types": [_LINEAR_KINDS[kind] for kind in types], "deltanet": net}
 
 
 def activation(field: str, value: str, ours: str, *fallbacks:
@@ -198,6 +182,15 @@ def gpt_oss_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str,
         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), aux_loss_coef=_aux_coef(hf))}
 
 
+def qwen3_5_moe_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """Qwen3.5-MoE: experts on every layer, the top k always renormalized, and a shared expert
+    (shared_expert_intermediate_size wide) with its sigmoid gate."""
+    return {"experts": ExpertsConfig(
+        count=_integer(hf, "num_experts", source), top_k=_integer(hf, "num_experts_per_tok", source),
+        d_ff=_integer(hf, "moe_intermediate_size", source), norm_topk_prob=True,
+        shared_d_ff=_integer(hf, "shared_expert_intermediate_size", source), aux_loss_coef=_aux_coef(hf))}
+
+
 def no_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
     return {}
 
@@ -250,14 +243,9 @@ def _gpt_oss_export(cfg: ModelConfig) -> dict[str, Any]:
             "swiglu_alpha": ex.swiglu_alpha}
 
 
-def _qwen3_5_export(cfg: ModelConfig) -> dict[str, Any]:
-    net = cfg.deltanet
-    return {"attention_bias": False, "layer_types": [
-        "linear_attention" if kind == "linear" else "full_attention" for kind in cfg.layer_types],
-        "linear_num_key_heads": net.key_heads, "linear_num_value_heads": net.value_heads,
-        "linear_key_head_dim": net.key_dim, "linear_value_head_dim": net.value_dim,
-        "linear_conv_kernel_dim": net.conv_width, "rope_parameters": {
-            "rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rope_fraction}}
+def _qwen3_5_moe_export(cfg: ModelConfig) -> dict[str, Any]:
+    return {**qwen3_5_export(cfg), **_experts_export(cfg, "num_experts", "moe_intermediate_size"),
+            "shared_expert_intermediate_size": cfg.experts.shared_d_ff}
 
 
 def _llama_can_export(cfg: ModelConfig) -> None:
@@ -361,7 +349,15 @@ FAMILIES: dict[str, Family] = {row.name: row for row in (
     Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen3_5_text",
            settings={"qk_norm": True, "norm_plus_one": True, "attention_gate": True},
            must_be={**_NO_ATTENTION_BIAS, "attn_output_gate": ((True, None), "true (gated attention)")},
-           rope=partial_rope, windows=qwen3_5_layers, export=_qwen3_5_export, linear_layers=True),
+           rope=partial_rope, windows=qwen3_5_layers, export=qwen3_5_export, linear_layers=True),
+    Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text",
+           settings={"qk_norm": True, "norm_plus_one": True, "attention_gate": True},
+           must_be={**_NO_ATTENTION_BIAS, **{field: rule for field, rule in _MOE_MUST_BE.items()
+                                             if field != "shared_expert_intermediate_size"}},
+           rope=partial_rope, windows=qwen3_5_layers, export=_qwen3_5_moe_export, linear_layers=True,
+           experts_of=qwen3_5_moe_experts,
+           experts=ExpertTensors("mlp.gate", "mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj",
+                                 "mlp.experts.{}.down_proj")),
 )}
 # (what a config.json without "architectures" is taken to be)
 ARCHITECTURE = FAMILIES["llama"].architecture
@@ -421,7 +417,7 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         n_kv_heads=_integer(hf, "num_key_value_heads", source, n_heads)
         if hf.get("num_key_value_heads") else n_heads,
         head_dim=_integer(hf, "head_dim", source) if hf.get("head_dim") is not None else None,
-        d_ff=_integer(hf, "intermediate_size", source),
+        d_ff=_integer(hf, "intermediate_size", source, hf.get("moe_intermediate_size")),  # (Qwen3.5-MoE: none)
         max_seq_len=_integer(hf, "max_position_embeddings", source, 2048),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", row.tied_default)),

@@ -84,6 +84,10 @@ def block_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[str
                   ("mlp.up_proj.weight", ("mlp", "w_up"), *linear),
                   ("mlp.down_proj.weight", ("mlp", "w_down"), *linear)]
     attention = cfg.mixer_of(layer) == "attention"
+    if cfg.mlp_of(layer) == "experts" and cfg.experts.shared_d_ff:  # Qwen3.5-MoE's shared expert
+        table += [(f"mlp.shared_expert.{name}_proj.weight", ("mlp", "shared", f"w_{name}"), *linear)
+                  for name in ("gate", "up", "down")] + [
+            ("mlp.shared_expert_gate.weight", ("mlp", "shared_gate"), *linear)]
     if cfg.attention_sinks and attention:
         table += [("self_attn.sinks", ("attn", "sinks"), *same)]
     if cfg.attn_out_bias and attention:
@@ -171,6 +175,9 @@ def _block_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]
         shapes |= {"mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
     for hf, *_ in expert_groups(cfg, layer):
         shapes |= hf
+    if cfg.mlp_of(layer) == "experts" and (shared := cfg.experts.shared_d_ff):
+        shapes |= {"mlp.shared_expert.gate_proj.weight": (shared, d), "mlp.shared_expert.up_proj.weight": (shared, d),
+                   "mlp.shared_expert.down_proj.weight": (d, shared), "mlp.shared_expert_gate.weight": (1, d)}
     if cfg.attention_sinks and attention:
         shapes["self_attn.sinks"] = (h,)
     if cfg.attn_out_bias and attention:

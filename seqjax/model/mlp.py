@@ -6,6 +6,7 @@ side terms (the router's statistics, for its losses)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from seqjax.config.model import ModelConfig
+from seqjax.config.model import LoraConfig, ModelConfig
 from seqjax.model.experts import Experts
 from seqjax.model.lora import Adapters
 from seqjax.model.quant import weight
@@ -63,14 +64,27 @@ class SwiGLU(nnx.Module):
 
 class ExpertsMLP(nnx.Module):
     """:class:`~seqjax.model.experts.Experts` as a block's MLP: its input and output tagged for
-    remat, and the branch's dropout."""
+    remat, and the branch's dropout. With ``model.experts.shared_d_ff`` (Qwen3.5-MoE) a shared
+    expert (a gated MLP that wide, without adapters) joins every token's output, times
+    sigmoid(x w_shared_gate)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.experts = Experts(cfg, rngs=rngs)
         self.dropout = nnx.Dropout(cfg.dropout)
+        width = cfg.experts.shared_d_ff
+        if width:
+            plain = dataclasses.replace(cfg, d_ff=width, dropout=0.0, lora=LoraConfig())
+            self.shared = SwiGLU(plain, rngs=rngs)
+            self.shared_gate = normal_param(rngs, (cfg.d_model, 1), cfg.init_std, jnp.dtype(cfg.param_dtype),
+                                            ("embed", None))
+        self.has_shared = bool(width)
 
     def __call__(self, x, segment_ids: jax.Array | None = None, dropout_key: jax.Array | None = None):
-        out, terms = self.experts(checkpoint_name(x, "mlp_in"), segment_ids)
+        x = checkpoint_name(x, "mlp_in")
+        out, terms = self.experts(x, segment_ids)
+        if self.has_shared:
+            gate = jax.nn.sigmoid(x @ weight(self.shared_gate, x.dtype))
+            out = out + gate * self.shared(x)[0]
         return drop(self.dropout, checkpoint_name(out, "mlp_out"), dropout_key), terms
 
 
