@@ -2,7 +2,7 @@
 ``qwen3_5_text`` and ``qwen3_5_moe_text`` folders, made by transformers 5 itself through its torch path (no FLA
 kernels).
 
-    python scripts/make_qwen3_5_references.py --out tests/data/qwen3_5    # needs torch and transformers >= 5.24
+    python scripts/make_qwen3_5_references.py --out tests/data/qwen3_5    # needs torch, transformers >= 5.24, peft
 
 The config mixes both kinds of layer (three Gated DeltaNet layers and one gated full-attention layer, partial
 RoPE over a quarter of each head, (1 + w) norms). Its weights are drawn from each tensor's on-disk name
@@ -96,6 +96,49 @@ def make(out: Path, name: str) -> None:
     _write(out, name, record, tensors)
 
 
+# peft's LoRA on the dense model: the gated attention's projections, every Gated DeltaNet projection and the MLP's
+LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+                "gate_proj", "down_proj"]
+
+
+def make_lora(out: Path) -> None:
+    """``qwen3_5-lora.{json,safetensors}``: peft's ``LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS)``
+    by ``get_peft_model`` on the dense base, every adapter tensor drawn from its name (so each B is nonzero),
+    written as an adapter folder and loaded back by ``PeftModel.from_pretrained``; peft's float32 logits of
+    ``seq0``."""
+    import peft
+    import torch
+    import transformers
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    record = json.loads((out / "qwen3_5.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        base_dir, adapter_dir = Path(tmp) / "base", Path(tmp) / "adapter"
+        base_dir.mkdir()
+        (base_dir / "config.json").write_text(json.dumps(record["config"]))
+        save_file(reference_weights(record["tensors"]), str(base_dir / "model.safetensors"), metadata={"format": "pt"})
+
+        def base():
+            return transformers.AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="eager",
+                                                                     dtype=torch.float32)
+
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS)
+        peft.get_peft_model(base(), config).save_pretrained(adapter_dir)
+        with safe_open(str(adapter_dir / "adapter_model.safetensors"), "pt") as f:
+            shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+        save_file(reference_weights(shapes), str(adapter_dir / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        model = peft.PeftModel.from_pretrained(base(), adapter_dir).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([SEQUENCES["seq0"]])).logits[0].float().numpy()
+    record = {"family": "qwen3_5", "adapter_config": adapter_config, "tensors": shapes,
+              "made_by": {"peft": peft.__version__, "transformers": transformers.__version__,
+                          "torch": torch.__version__, "script": "scripts/make_qwen3_5_references.py"}}
+    _write(out, "qwen3_5-lora", record, {"seq0.logits": logits, "seq0.ids": np.asarray(SEQUENCES["seq0"], np.int32)})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("tests/data/qwen3_5"))
@@ -103,6 +146,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for name in VARIANTS:
         make(args.out, name)
+    make_lora(args.out)
 
 
 if __name__ == "__main__":

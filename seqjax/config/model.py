@@ -80,9 +80,11 @@ class RopeScalingConfig:
                 "0)")
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts_gate_up", "experts_down")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts_gate_up", "experts_down", "in_proj_qkv",
+                "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # the targets model.lora.targets holds unless named: the seven projections (a model with experts
-# adapts them only where PEFT's target_parameters name them: experts_gate_up, experts_down)
+# adapts them only where PEFT's target_parameters name them: experts_gate_up, experts_down; a Gated
+# DeltaNet's five, transformers' and PEFT's names, only where named)
 DEFAULT_TARGETS = LORA_TARGETS[:7]
 # PEFT's names of the same projections (its target_modules, and target_parameters for the experts),
 # accepted beside seqjax's.
@@ -114,9 +116,10 @@ class LoraConfig:
     dropout: float = setting(
         0.0, "training only: dropout on each adapter's input (PEFT's lora_dropout)", min=0.0)
     targets: list[str] = setting(
-        list(DEFAULT_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down, and a mixture "
-        "of experts' experts_gate_up, experts_down (or PEFT's names q_proj, ..., down_proj, "
-        "mlp.experts.gate_up_proj, mlp.experts.down_proj)", resume=MODEL)
+        list(DEFAULT_TARGETS), "the projections that get adapters, of q, k, v, o, gate, up, down, a mixture "
+        "of experts' experts_gate_up, experts_down, and a Gated DeltaNet's in_proj_qkv, in_proj_z, in_proj_b, "
+        "in_proj_a, out_proj (or PEFT's names q_proj, ..., down_proj, mlp.experts.gate_up_proj, "
+        "mlp.experts.down_proj)", resume=MODEL)
     rslora: bool = setting(
         False, "rank-stabilized LoRA: scale by alpha / sqrt(rank) instead of alpha / rank (PEFT's "
         "use_rslora)", resume=MODEL)

@@ -44,14 +44,16 @@ import numpy as np
 from seqjax.config.model import PEFT_SAVED, LoraConfig, ModelConfig
 from seqjax.core.errors import CheckpointError
 from seqjax.hf.vision import PREFIX, tower_tensors
-from seqjax.model.assembly import ADAPTED, layer_targets
+from seqjax.model.assembly import ADAPTED, holds, layer_targets
+from seqjax.model.deltanet import DELTANET_TARGETS
 from seqjax.model.stacking import blocks_layout
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # seqjax target -> (HF module, seqjax module holding the adapter, the base weight it adapts)
 HF_MODULES = {
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"
+    "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+    **{name: f"linear_attn.{name}" for name in DELTANET_TARGETS}  # (Qwen3.5's Gated DeltaNet layers)
 }
 MODULES = {target: (HF_MODULES[target], *ADAPTED[target]) for target in HF_MODULES}
 # a mixture of experts' experts: seqjax target -> PEFT's target_parameters entry (a fused [E, ...]
@@ -158,7 +160,7 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
             f"{source}: target_modules: got null, expected the modules that hold adapters")
     root = text_root(cfg)
     linear = [f"{root}.layers.{i}.{HF_MODULES[t]}" for i in range(cfg.n_layers) for t in DENSE_TARGETS
-              if HF_MODULES[t].startswith("self_attn") or cfg.mlp_of(i) == "gated"]
+              if holds(cfg, i, t)]
     others = ["lm_head", f"{root}.embed_tokens", *tower_modules(cfg)]
     if targets == "all-linear" and cfg.vision.depth:
         raise CheckpointError(f"{source}: target_modules: got all-linear on a vision-language "
@@ -172,16 +174,15 @@ def _targets(config: dict[str, Any], cfg: ModelConfig, source: str) -> list[str]
     other = [m for m in chosen if m in others]
     if other:
         raise CheckpointError(f"{source}: target_modules: selects {other[0]}; seqjax puts adapters "
-                              "on the language model's seven projections (q, k, v, o, gate, up, "
-                              "down) only")
+                              "on the language model's projections (q, k, v, o, gate, up, down, "
+                              "and a Gated DeltaNet's five) only")
     parameters = _expert_targets(config, cfg, source)
     if not chosen and not parameters:
         raise CheckpointError(f"{source}: target_modules: got {targets!r}, which selects none of "
                               f"the projections {sorted(TARGET_OF)} of a {cfg.n_layers}-layer base")
     found = []
     for target in DENSE_TARGETS:
-        holders = [i for i in range(cfg.n_layers)
-                   if HF_MODULES[target].startswith("self_attn") or cfg.mlp_of(i) == "gated"]
+        holders = [i for i in range(cfg.n_layers) if holds(cfg, i, target)]
         layers = [i for i in holders if f"{root}.layers.{i}.{HF_MODULES[target]}" in chosen]
         if layers and len(layers) < len(holders):
             raise CheckpointError(
@@ -354,8 +355,13 @@ def _expert_from_peft(lora_a: np.ndarray, lora_b: np.ndarray, target: str, cfg: 
 def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each tensor an adapter of ``cfg.lora`` on a base of ``cfg`` holds, and its shape."""
     lora, shapes = cfg.lora, {}
+    net = cfg.deltanet
+    qkv, value = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim, net.value_heads * net.value_dim
     widths = {
-        "q": (cfg.d_model, cfg.n_heads * cfg.head_dim),
+        "q": (cfg.d_model, cfg.n_heads * cfg.head_dim * (1 + cfg.attention_gate)),  # (Qwen3.5: [query | gate])
+        "in_proj_qkv": (cfg.d_model, qkv), "in_proj_z": (cfg.d_model, value),
+        "in_proj_b": (cfg.d_model, net.value_heads), "in_proj_a": (cfg.d_model, net.value_heads),
+        "out_proj": (value, cfg.d_model),
         "k": (cfg.d_model, cfg.kv_heads * cfg.head_dim),
         "v": (cfg.d_model, cfg.kv_heads * cfg.head_dim),
         "o": (cfg.n_heads * cfg.head_dim, cfg.d_model), "gate": (cfg.d_model, cfg.d_ff),

@@ -27,24 +27,35 @@ from flax import nnx
 
 from seqjax.config.model import ModelConfig
 from seqjax.model import quant
+from seqjax.model.deltanet import DELTANET_TARGETS
 from seqjax.model.lora import BASE_PARAMS, column_norms
 from seqjax.model.stacking import blocks_layout
 
 # Each model.lora target: (the block's module holding it, the base weight it adapts).
 ADAPTED = {"q": ("attn", "wq"), "k": ("attn", "wk"), "v": ("attn", "wv"), "o": ("attn", "wo"),
-           "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down")}
+           "gate": ("mlp", "w_gate"), "up": ("mlp", "w_up"), "down": ("mlp", "w_down"),
+           **{name: ("attn", name) for name in DELTANET_TARGETS}}
 
 
 def module_of(target: str) -> str:
     return "mlp" if target.startswith("experts_") else ADAPTED[target][0]
 
 
+def holds(cfg: ModelConfig, layer: int, target: str) -> bool:
+    """Whether layer ``layer`` has the projection ``target`` adapts: the attention's where it attends,
+    a Gated DeltaNet's where it is one, the gated MLP's or the experts' where it has them."""
+    if target.startswith("experts_"):
+        return cfg.mlp_of(layer) == "experts"
+    if target in DELTANET_TARGETS:
+        return cfg.mixer_of(layer) == "deltanet"
+    if ADAPTED[target][0] == "attn":
+        return cfg.mixer_of(layer) == "attention"
+    return cfg.mlp_of(layer) == "gated"
+
+
 def layer_targets(cfg: ModelConfig, layer: int) -> list[str]:
-    """The model.lora targets layer ``layer`` holds: the attention's always, the gated MLP's
-    where the layer has it, the experts' where it has experts."""
-    kind = cfg.mlp_of(layer)
-    return [t for t in cfg.lora.targets if (t.startswith("experts_") and kind == "experts") or (
-        not t.startswith("experts_") and (ADAPTED[t][0] == "attn" or kind == "gated"))]
+    """The model.lora targets layer ``layer`` holds (:func:`holds`)."""
+    return [t for t in cfg.lora.targets if holds(cfg, layer, t)]
 
 
 def fold_experts(experts: dict[str, Any], adapters: dict[str, Any], scale: float) -> dict[str, Any]:
@@ -123,8 +134,8 @@ def dora_magnitudes(trained: dict[str, Any], frozen: dict[str, Any],
     def set_block(block: dict, base_block: dict, fn) -> dict:
         block = jax.tree.map(lambda x: x, block)  # a new tree: the caller's stays as it was
         for target in cfg.lora.targets:
-            if module_of(target) not in block or "lora" not in block[module_of(target)]:
-                continue  # (a layer with experts in place of the gated MLP)
+            if target not in block.get(module_of(target), {}).get("lora", {}):
+                continue  # (a layer without it: experts in place of the gated MLP, a Gated DeltaNet)
             module, weight = ADAPTED[target]
             lora = block[module]["lora"][target]
             m = fn(base_block[module][weight], lora["lora_a"], lora["lora_b"])

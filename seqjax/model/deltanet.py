@@ -40,10 +40,13 @@ from flax import nnx
 from seqjax.config.model import ModelConfig
 from seqjax.core.errors import UsageError
 from seqjax.model.cache import RecurrentView
+from seqjax.model.lora import Adapters
 from seqjax.model.mask import allowed, conv_taps, state_carries
 from seqjax.model.quant import weight
 
 HIGHEST = jax.lax.Precision.HIGHEST
+# the layer's projections, by transformers' (and PEFT's) names: model.lora.targets may adapt each
+DELTANET_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 def causal_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -175,21 +178,26 @@ def gated_deltanet(params: dict, x: jax.Array, segment_ids: jax.Array, *, key_he
 
 
 def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: RecurrentView, *, key_heads: int,
-              value_heads: int, eps: float, chunk: int = 64, recurrent: bool = False
-              ) -> tuple[jax.Array, RecurrentView]:
+              value_heads: int, eps: float, chunk: int = 64, recurrent: bool = False,
+              project=None) -> tuple[jax.Array, RecurrentView]:
     """:func:`gated_deltanet` continuing each row from ``view`` (its convolution window and state, read
     where the row's first token continues the segment ``view.carry`` names; all None: fresh), in the
     chunked form or (``recurrent``: decoding) token by token; (out, the view after the row's last
-    token: its last K - 1 convolution inputs, its state)."""
+    token: its last K - 1 convolution inputs, its state). ``project(name, h)``: h through the
+    projection ``name`` of :data:`DELTANET_TARGETS` (default: h @ params[name]; the layer's adds its
+    adapters)."""
     b, t, _ = x.shape
     dtype = x.dtype
+    if project is None:
+        def project(name, h):
+            return h @ params[name].astype(dtype)
     x = jnp.where((segment_ids != 0)[..., None], x, 0).astype(dtype)  # (padding contributes nothing)
     dv = params["norm"].shape[0]
     dk = (params["in_proj_qkv"].shape[1] - value_heads * dv) // (2 * key_heads)
     width = params["conv1d"].shape[-1]
     ids_dtype = segment_ids.dtype
     before = jnp.zeros((b,), ids_dtype) if view.carry is None else view.carry.astype(ids_dtype)
-    inputs = x @ params["in_proj_qkv"].astype(dtype)
+    inputs = project("in_proj_qkv", x)
     history = (jnp.zeros((b, width - 1, inputs.shape[-1]), dtype) if view.conv is None
                else view.conv.astype(dtype))
     # (the window's tokens belong to segment ``before``)
@@ -199,14 +207,14 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
     q, k, v = jnp.split(qkv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
     q, k = q.reshape(b, t, key_heads, dk), k.reshape(b, t, key_heads, dk)
     v = v.reshape(b, t, value_heads, dv)
-    beta = jax.nn.sigmoid(x @ params["in_proj_b"].astype(dtype))
-    a = (x @ params["in_proj_a"].astype(dtype)).astype(jnp.float32)
+    beta = jax.nn.sigmoid(project("in_proj_b", x))
+    a = project("in_proj_a", x).astype(jnp.float32)
     g = -jnp.exp(params["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + params["dt_bias"].astype(jnp.float32))
     rule = recurrent_rule if recurrent else functools.partial(chunked_rule, chunk=chunk)
     o, state = rule(q, k, v, g, beta, segment_ids, state=view.state, before=before)
-    z = (x @ params["in_proj_z"].astype(dtype)).reshape(b, t, value_heads, dv)
+    z = project("in_proj_z", x).reshape(b, t, value_heads, dv)
     o = gated_rms_norm(o, z, params["norm"].astype(dtype), eps).astype(dtype)
-    out = o.reshape(b, t, value_heads * dv) @ params["out_proj"].astype(dtype)
+    out = project("out_proj", o.reshape(b, t, value_heads * dv))
     window = extended[:, -(width - 1):] if width > 1 else history
     return out, RecurrentView(window, state, None)
 
@@ -245,6 +253,7 @@ class DeltaNet(nnx.Module):
         self.norm = nnx.Param(jnp.ones((net.value_dim,), pdt), axes=("head_dim",))
         self.out_proj = normal((value, d), ("linear_value", "embed"), cfg.init_std / math.sqrt(2 * cfg.n_layers))
         self.net, self.eps = net, cfg.norm_eps
+        self.lora = Adapters(cfg, {name: (getattr(self, name), 1) for name in DELTANET_TARGETS}, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq=None, window=None,
                  metadata=None, dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None):
@@ -255,8 +264,9 @@ class DeltaNet(nnx.Module):
                              "a Gated DeltaNet's state cannot continue a prompt packed elsewhere in the row; "
                              "expected a layout that repeats the prompt (rl.layout=prompt_per_completion)")
         net = self.net
-        out, _ = gated_deltanet(self._params(x.dtype), x, segment_ids, key_heads=net.key_heads,
-                                value_heads=net.value_heads, eps=self.eps, chunk=net.chunk)
+        out, _ = continued(self._params(x.dtype), x, segment_ids, RecurrentView(), key_heads=net.key_heads,
+                           value_heads=net.value_heads, eps=self.eps, chunk=net.chunk,
+                           project=self._projector(x.dtype, self.lora.key(dropout_key)))
         return out
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: RecurrentView,
@@ -267,10 +277,18 @@ class DeltaNet(nnx.Module):
         net = self.net
         out, view = continued(self._params(x.dtype), x, segment_ids, cache, key_heads=net.key_heads,
                               value_heads=net.value_heads, eps=self.eps, chunk=net.chunk,
-                              recurrent=x.shape[1] == 1)
+                              recurrent=x.shape[1] == 1, project=self._projector(x.dtype))
         return out, dataclasses.replace(view, carry=cache.carry)
 
     def _params(self, dtype) -> dict:
-        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-        params = {name: weight(getattr(self, name), dtype) for name in names}
+        params = {name: weight(getattr(self, name), dtype) for name in DELTANET_TARGETS}
         return params | {name: getattr(self, name)[...] for name in ("conv1d", "A_log", "dt_bias", "norm")}
+
+    def _projector(self, dtype, key: jax.Array | None = None):
+        """``project(name, h)`` for :func:`continued`: h through the projection with its adapter
+        (``model.lora.targets`` naming it)."""
+        def project(name: str, h: jax.Array) -> jax.Array:
+            w = weight(getattr(self, name), dtype)
+            return self.lora.apply(name, h, h @ w, w, key)
+
+        return project
