@@ -6,6 +6,7 @@ boundaries)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -265,3 +266,73 @@ def test_a_model_with_linear_layers_gives_each_packed_document_its_own_logits_an
 
     with pytest.raises(CheckpointError, match="model.layer_types: got .*linear"):
         hf_config(model.cfg, bos_token_id=1, eos_token_id=0, dtype="float32")
+
+
+SHARED_WIDTH, ALONE_WIDTH = 48, 24
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_model():
+    from flax import nnx
+
+    from seqjax.config.load import load_config
+    from seqjax.model import build_model
+
+    return build_model(load_config(None, LINEAR_MODEL), rngs=nnx.Rngs(1))
+
+
+@jax.jit
+def _completion_outputs_and_grads(graphdef, state, ids, positions, segment_ids, prefix_ids, scored):
+    """(the blocks' outputs [B, T, D], d sum(outputs^2 over ``scored``) / d embeddings)."""
+    from flax import nnx
+
+    model = nnx.merge(graphdef, state)
+
+    def total(embeddings):
+        out = model.hidden(embeddings, positions=positions, segment_ids=segment_ids, prefix_ids=prefix_ids)
+        return jnp.sum(jnp.where(scored[..., None], out, 0.0) ** 2), out
+
+    (_, out), grad = jax.value_and_grad(total, has_aux=True)(model.embed_tokens(ids))
+    return out, grad
+
+
+@pytest.mark.slow  # (hypothesis over a model's forward and backward: the full suite)
+@settings(max_examples=6, deadline=None)
+@given(prompt=st.lists(st.integers(1, 63), min_size=2, max_size=9),
+       completions=st.lists(st.lists(st.integers(1, 63), min_size=1, max_size=8), min_size=1, max_size=3))
+def test_a_shared_prompt_continues_into_each_completion_as_one_sequence_per_completion(prompt, completions):
+    """The shared-prompt layout (data.shared_prompt, rl.layout=prompt_once): the prompt's first n - 1 ids once,
+    then each completion as a segment starting at the prompt's last id, continuing its positions. Through
+    Gated DeltaNet layers (and attention) each completion's outputs and input gradients equal those of its own
+    sequence (prompt + completion) alone, and the prompt's gradient is the sum of theirs: each completion
+    starts from the prompt's final state and convolution tail, never from another completion's. Prompts and
+    completions shorter than the convolution are drawn too."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(_shared_model())
+    n = len(prompt)
+    ids, pos, seg, prefix = (np.zeros((1, SHARED_WIDTH), np.int32) for _ in range(4))
+    ids[0, :n - 1], pos[0, :n - 1], seg[0, :n - 1] = prompt[:-1], np.arange(n - 1), 1
+    place, spans = n - 1, []
+    for i, completion in enumerate(completions):
+        piece = [prompt[-1], *completion]
+        end = place + len(piece)
+        ids[0, place:end], pos[0, place:end] = piece, np.arange(n - 1, n - 1 + len(piece))
+        seg[0, place:end], prefix[0, place:end] = i + 2, 1
+        spans.append((place, end))
+        place = end
+    out, grad = (np.asarray(a)[0] for a in _completion_outputs_and_grads(
+        graphdef, state, *map(jnp.asarray, (ids, pos, seg, prefix, prefix > 0))))
+    prompt_grad = np.zeros_like(grad[:n - 1])
+    for (start, end), completion in zip(spans, completions):
+        sequence = [*prompt, *completion]
+        alone = [np.zeros((1, ALONE_WIDTH), np.int32) for _ in range(3)]
+        alone[0][0, :len(sequence)], alone[1][0, :len(sequence)] = sequence, np.arange(len(sequence))
+        alone[2][0, :len(sequence)] = 1
+        scored = (np.arange(ALONE_WIDTH) >= n - 1) & (np.arange(ALONE_WIDTH) < len(sequence))
+        a_out, a_grad = (np.asarray(a)[0] for a in _completion_outputs_and_grads(
+            graphdef, state, *map(jnp.asarray, (*alone, np.zeros_like(alone[0]))), jnp.asarray(scored[None])))
+        close(out[start:end], a_out[n - 1:len(sequence)])
+        close(grad[start:end], a_grad[n - 1:len(sequence)])
+        prompt_grad += a_grad[:n - 1]
+    close(grad[:n - 1], prompt_grad)

@@ -236,3 +236,17 @@ def test_peft_adapters_on_the_deltanet_and_gated_attention_compute_and_export_as
     # the DeltaNet's recurrence carries on; a mis-laid fold would move the logits by the adapters' size, ~1)
     ours, scale = jitted(plain, theirs["seq0.ids"]), float(np.abs(theirs["seq0.logits"]).max())
     assert float(np.abs(ours - theirs["seq0.logits"]).max()) <= 1e-4 * scale
+
+
+def test_a_row_split_over_the_context_axis_is_refused_with_linear_layers(tmp_path):
+    """A Gated DeltaNet's state runs along the whole row: mesh.context > 1 would cut it between shards, so the
+    run refuses in one line (seqjax hands no state from shard to shard), as the peers refuse."""
+    from seqjax.config.load import load_config
+    from seqjax.core.errors import ConfigError
+
+    folder = hf.read_folder(hf_folder(tmp_path / "q"))
+    with pytest.raises(ConfigError, match=r"mesh.context: got 2 with linear layers .* expected mesh.context=1"):
+        hf.run_config(folder, ["model.attention=xla", "mesh.context=2", "data.seq_len=64"])
+    with pytest.raises(ConfigError, match="mesh.context: got 2 with linear layers"):
+        load_config(None, ["model.layer_types=[linear,full]", "model.n_layers=2", "model.deltanet.key_heads=2",
+                           "model.deltanet.value_heads=2", "mesh.context=2", "data.seq_len=64"])

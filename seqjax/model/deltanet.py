@@ -38,7 +38,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from seqjax.config.model import ModelConfig
-from seqjax.core.errors import UsageError
 from seqjax.model.cache import RecurrentView
 from seqjax.model.lora import Adapters
 from seqjax.model.mask import allowed, conv_taps, state_carries
@@ -158,6 +157,73 @@ def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, 
     return out.astype(dtype), state
 
 
+def prompt_taps(segment_ids: jax.Array, prefix_ids: jax.Array, positions: jax.Array,
+                width: int) -> tuple[jax.Array, jax.Array]:
+    """A row with a shared prompt (``prefix_ids``: the prompt segment a completion continues): for each
+    token and tap j of a ``width``-tap convolution, the row index of the input it reads [B, T, width]
+    and whether it may [B, T, width]. A tap inside the token's own segment reads the token j places
+    back; one reaching before a completion's start reads its prompt's token at position
+    ``positions - j`` (the prompt's positions start at 0 where its segment starts, and a group's
+    completions follow its prompt: the latest prompt start before a completion is its prompt's), so
+    each completion's first tokens see its prompt's last ones, as in its own sequence."""
+    b, t = segment_ids.shape
+    index = jnp.arange(t)[None, :]
+    previous = jnp.concatenate([jnp.zeros((b, 1), segment_ids.dtype), segment_ids[:, :-1]], axis=1)
+    starts = segment_ids != previous
+    start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    prompt = starts & (prefix_ids == 0) & (segment_ids != 0)
+    prompt_start = jax.lax.cummax(jnp.where(prompt, index, -1), axis=1)
+    its_prompt = jnp.take_along_axis(segment_ids, jnp.maximum(prompt_start, 0), axis=1) == prefix_ids
+    j = jnp.arange(width)[None, None, :]
+    own = j <= (index - start)[..., None]
+    back = positions[..., None] - j
+    from_prompt = ~own & (prefix_ids != 0)[..., None] & its_prompt[..., None] & (back >= 0)
+    source = jnp.where(own, index[..., None] - j, prompt_start[..., None] + back)
+    return jnp.clip(source, 0, t - 1), (own | from_prompt) & (segment_ids != 0)[..., None]
+
+
+def gathered_conv(x: jax.Array, weight: jax.Array, source: jax.Array, valid: jax.Array) -> jax.Array:
+    """:func:`causal_conv` with each tap's input read at ``source`` where ``valid`` (:func:`prompt_taps`)."""
+    width = weight.shape[-1]
+    w = weight.astype(jnp.float32)
+    rows = jnp.arange(x.shape[0])[:, None]
+    out = jnp.zeros(x.shape, jnp.float32)
+    for j in range(width):
+        back = x[rows, source[..., j]].astype(jnp.float32)
+        out = out + jnp.where(valid[..., j, None], back, 0.0) * w[:, width - 1 - j]
+    return jax.nn.silu(out).astype(x.dtype)
+
+
+def prompt_rule(q, k, v, g, beta, segment_ids, prefix_ids):
+    """:func:`recurrent_rule` over a row with a shared prompt: a completion's segment starts from the
+    state its prompt ended with (kept in a register the prompt's tokens write, the completions never),
+    so each completion continues its prompt as in its own sequence; any other segment starts at
+    zero. (out [B, T, H, Dv] in v's dtype, the state after the row.)"""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    b, _, h, dk = k.shape
+    previous = jnp.concatenate([jnp.zeros((b, 1), segment_ids.dtype), segment_ids[:, :-1]], axis=1)
+    from_prompt = (segment_ids != previous) & (prefix_ids != 0)
+    carries = state_carries(segment_ids).astype(jnp.float32)
+    prompt = (prefix_ids == 0) & (segment_ids != 0)
+    real = (segment_ids != 0).astype(jnp.float32)
+    zero = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
+
+    def step(carry, xs):
+        s, register = carry
+        q_t, k_t, v_t, g_t, beta_t, carry_t, from_prompt_t, prompt_t, real_t = xs
+        s = jnp.where(from_prompt_t[:, None, None, None], register, s * carry_t[:, None, None, None])
+        s = s * jnp.exp(g_t)[..., None, None]
+        seen = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
+        s = s + k_t[..., :, None] * ((v_t - seen) * (beta_t * real_t[:, None])[..., None])[..., None, :]
+        register = jnp.where(prompt_t[:, None, None, None], s, register)
+        return (s, register), jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST) * real_t[:, None, None]
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta, carries, from_prompt, prompt, real))
+    (state, _), out = jax.lax.scan(step, (zero, zero), xs)
+    return jnp.moveaxis(out, 0, 1).astype(dtype), state
+
+
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Qwen3.5's gated output norm: rmsnorm(x) (float32) times a plain ``weight``, in x's dtype,
     times silu(gate) in float32."""
@@ -179,13 +245,14 @@ def gated_deltanet(params: dict, x: jax.Array, segment_ids: jax.Array, *, key_he
 
 def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: RecurrentView, *, key_heads: int,
               value_heads: int, eps: float, chunk: int = 64, recurrent: bool = False,
-              project=None) -> tuple[jax.Array, RecurrentView]:
+              project=None, shared: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, RecurrentView]:
     """:func:`gated_deltanet` continuing each row from ``view`` (its convolution window and state, read
     where the row's first token continues the segment ``view.carry`` names; all None: fresh), in the
     chunked form or (``recurrent``: decoding) token by token; (out, the view after the row's last
     token: its last K - 1 convolution inputs, its state). ``project(name, h)``: h through the
     projection ``name`` of :data:`DELTANET_TARGETS` (default: h @ params[name]; the layer's adds its
-    adapters)."""
+    adapters). ``shared``: (prefix_ids, positions) of a row with a shared prompt, each completion
+    continuing its prompt's convolution inputs and state (:func:`prompt_taps`, :func:`prompt_rule`)."""
     b, t, _ = x.shape
     dtype = x.dtype
     if project is None:
@@ -203,15 +270,21 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
     # (the window's tokens belong to segment ``before``)
     extended = jnp.concatenate([history, inputs], axis=1)
     ids = jnp.concatenate([jnp.repeat(before[:, None], width - 1, axis=1), segment_ids], axis=1)
-    qkv = causal_conv(extended, params["conv1d"], ids)[:, width - 1:]
+    if shared is None:
+        qkv = causal_conv(extended, params["conv1d"], ids)[:, width - 1:]
+    else:
+        qkv = gathered_conv(inputs, params["conv1d"], *prompt_taps(segment_ids, *shared, width))
     q, k, v = jnp.split(qkv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
     q, k = q.reshape(b, t, key_heads, dk), k.reshape(b, t, key_heads, dk)
     v = v.reshape(b, t, value_heads, dv)
     beta = jax.nn.sigmoid(project("in_proj_b", x))
     a = project("in_proj_a", x).astype(jnp.float32)
     g = -jnp.exp(params["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + params["dt_bias"].astype(jnp.float32))
-    rule = recurrent_rule if recurrent else functools.partial(chunked_rule, chunk=chunk)
-    o, state = rule(q, k, v, g, beta, segment_ids, state=view.state, before=before)
+    if shared is not None:
+        o, state = prompt_rule(q, k, v, g, beta, segment_ids, shared[0])
+    else:
+        rule = recurrent_rule if recurrent else functools.partial(chunked_rule, chunk=chunk)
+        o, state = rule(q, k, v, g, beta, segment_ids, state=view.state, before=before)
     z = project("in_proj_z", x).reshape(b, t, value_heads, dv)
     o = gated_rms_norm(o, z, params["norm"].astype(dtype), eps).astype(dtype)
     out = project("out_proj", o.reshape(b, t, value_heads * dv))
@@ -258,15 +331,14 @@ class DeltaNet(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, rope_freq=None, window=None,
                  metadata=None, dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None):
         """x [B, T, D] -> [B, T, D], the state reset at every segment start (the attention's
-        arguments it has no use for are taken and left: positions, RoPE, windows)."""
-        if prefix_ids is not None:
-            raise UsageError("a shared prompt (data.shared_prompt, rl.layout=prompt_once) with linear layers: "
-                             "a Gated DeltaNet's state cannot continue a prompt packed elsewhere in the row; "
-                             "expected a layout that repeats the prompt (rl.layout=prompt_per_completion)")
+        arguments it has no use for are taken and left: RoPE, windows). With ``prefix_ids`` (a shared
+        prompt) each completion starts from its prompt's state and convolution inputs, found by
+        ``positions``."""
         net = self.net
+        shared = None if prefix_ids is None else (prefix_ids, positions)
         out, _ = continued(self._params(x.dtype), x, segment_ids, RecurrentView(), key_heads=net.key_heads,
                            value_heads=net.value_heads, eps=self.eps, chunk=net.chunk,
-                           project=self._projector(x.dtype, self.lora.key(dropout_key)))
+                           project=self._projector(x.dtype, self.lora.key(dropout_key)), shared=shared)
         return out
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: RecurrentView,
