@@ -78,7 +78,7 @@ DEFAULT_STAGES = ("setup", "env", "tests", "attention", "finetune", "lora8b", "d
 FIRST_CALL_S, RERUN_CALL_S = 540.0, 240.0  # a lent GPU's 15 minutes: one call of 9, one rerun of 4, start-up
 MIN_STAGE_S = 5.0  # a stage given less than this is skipped
 OPTIONAL_STAGES = ("levanter", "profile", "recipe", "sweep", "ncu", "quality", "study", "vision", "grpo", "mosaic",
-                   "context", "moe", "engine")
+                   "context", "moe", "engine", "gdn")
 PEERS = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "tokenizers", "triton", "jax-triton", "kvax",
          "tokamax", "torch", "transformers")
 # A toy model and corpus for --dry-run: every stage's plumbing runs on a CPU in seconds.
@@ -551,6 +551,18 @@ def stage_engine(s: Suite) -> dict:
     return result
 
 
+def stage_gdn(s: Suite) -> dict:
+    """Qwen3.5's Gated DeltaNet (scripts/bench_gdn.py) at Qwen3.5-9B's linear-layer shape in bfloat16: the
+    chunked form against the recurrent one and against the flash kernel's attention over the same packed
+    rows, at 4,096 and 16,384 tokens."""
+    flags = (["--seq-lens", "64", "--heads", "4", "--key-heads", "2", "--attn-kv-heads", "2", "--attn-head-dim",
+              "64", "--doc-len", "20", "--iters", "1", "--repeats", "1"] if s.dry else
+             ["--seq-lens", "4096,16384", "--dtype", "bfloat16", "--attention", "pallas", "--doc-len", "3000"])
+    jsonl = s.out / "gdn.jsonl"
+    code, stdout = s.call("gdn", s.python("scripts/bench_gdn.py", *flags, f"--out={jsonl}"), 200)
+    return {"status": status(code), "records": [r for r in json_lines(stdout) if "impl" in r]}
+
+
 # XLA's GPU flag for cuDNN's ragged-dot fusion in place of its default rewrite of ragged_dot to a padded dense dot
 # (openxla/xla#40189); an XLA that lacks the flag refuses to start, which the stage records as that run's failure.
 RAGGED_DOT_CUDNN = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
@@ -640,7 +652,7 @@ STAGES = {stage.name: stage for stage in (
     Stage("profile", 150, stage_profile), Stage("recipe", 10_000, stage_recipe),
     Stage("quality", 10_000, stage_quality), Stage("study", 10_000, stage_study), Stage("vision", 90, stage_vision),
     Stage("grpo", 150, stage_grpo), Stage("mosaic", 240, stage_mosaic), Stage("context", 240, stage_context),
-    Stage("moe", 240, stage_moe), Stage("engine", 300, stage_engine),
+    Stage("moe", 240, stage_moe), Stage("engine", 300, stage_engine), Stage("gdn", 200, stage_gdn),
 )}
 
 

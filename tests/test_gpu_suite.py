@@ -69,11 +69,11 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
 def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     """The opt-in stages in one call, at toy size: a profile trace, the recipe's validation, the
     quality run (resumed per call, then scored), the vision tower's two backends, GRPO's layouts and
-    sampler, context parallelism's attention and step, the experts' dispatches, and the generation
-    engine. (The study stage only calls scripts/study_strategies.py, whose --quick run
-    tests/test_study.py covers.)"""
+    sampler, context parallelism's attention and step, the experts' dispatches, the generation
+    engine, and Qwen3.5's DeltaNet against attention. (The study stage only calls
+    scripts/study_strategies.py, whose --quick run tests/test_study.py covers.)"""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
-    stages = "profile,recipe,quality,vision,grpo,context,moe,engine"
+    stages = "profile,recipe,quality,vision,grpo,context,moe,engine,gdn"
     proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--only",
                            stages], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
@@ -105,6 +105,10 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     # the generation engine: its tokens/s and their share of the decode's bandwidth bound
     engine = stages["engine"]["small"]["fixed"]["engine"]
     assert engine["new_tokens_per_s"] > 0 and 0 < engine["share_of_bound"] and engine["slot_use"] == 1.0
+    # Qwen3.5's DeltaNet: both forms and attention timed, the chunked form the recurrent one's numbers
+    gdn = {r["impl"]: r for r in stages["gdn"]["records"]}
+    assert set(gdn) == {"gdn_chunked", "gdn_recurrent", "attention_xla"} and gdn["gdn_chunked"]["fwd_ms"] > 0
+    assert gdn["gdn_chunked"]["max_abs_diff_vs_recurrent"] < 1e-4
 
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:
