@@ -250,3 +250,35 @@ def test_a_row_split_over_the_context_axis_is_refused_with_linear_layers(tmp_pat
     with pytest.raises(ConfigError, match="mesh.context: got 2 with linear layers"):
         load_config(None, ["model.layer_types=[linear,full]", "model.n_layers=2", "model.deltanet.key_heads=2",
                            "model.deltanet.value_heads=2", "mesh.context=2", "data.seq_len=64"])
+
+
+def test_a_folder_with_the_vision_tower_trains_its_text_model_and_says_so(tmp_path, caplog):
+    """The Hub ships Qwen3.5 as Qwen3_5ForConditionalGeneration: the text model under model.language_model.*,
+    its config in text_config, beside a vision tower (model.visual.*) and multi-token-prediction layers
+    (mtp.*). seqjax reads the text model (the reference's logits), leaves the rest out, says so in one line,
+    and refuses images (the model has no tower)."""
+    import logging
+
+    from safetensors.numpy import save_file
+
+    record, ref = reference("qwen3_5")
+    text = {k: v for k, v in record["config"].items() if k not in ("architectures", "model_type")}
+    folder = hf_folder(tmp_path / "vl", {"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                         "model_type": "qwen3_5", "text_config": text,
+                                         "vision_config": {"depth": 2, "hidden_size": 16}, "image_token_id": 5})
+    weights = SCRIPT.reference_weights(record["tensors"])
+    renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): w
+               for n, w in weights.items()}
+    extra = {"model.visual.blocks.0.attn.qkv.weight": np.ones((48, 16), np.float32),
+             "mtp.layers.0.mlp.gate_proj.weight": np.ones((48, 32), np.float32)}
+    save_file({**renamed, **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="seqjax.hf.folders"):
+        read = hf.read_folder(folder)
+    assert "a Qwen3.5 folder with a vision tower: seqjax reads its text model" in caplog.text
+    assert read.model.family == "qwen3_5" and read.model.vision.depth == 0
+    model = hf.model_with_params(hf.run_config(read, ["model.attention=xla"]), hf.read_params(read))
+    assert_close(jitted(model, ref["seq0.ids"]), ref["seq0.logits"])
+    with pytest.raises(ValueError, match="the batch has image fields .* but the model has no vision tower"):
+        model.forward(jnp.ones((1, 4), jnp.int32), positions=jnp.zeros((1, 4), jnp.int32),
+                      segment_ids=jnp.ones((1, 4), jnp.int32), positions_3d=jnp.zeros((1, 4, 3), jnp.int32),
+                      pixel_values=jnp.zeros((4, 8)))

@@ -51,6 +51,7 @@ from seqjax.core.files import read_utf8, write_text_atomic
 from seqjax.core.progress import progress_bar
 from seqjax.hf import mxfp4
 from seqjax.hf.families import hf_config, model_config_from_hf
+from seqjax.hf.qwen3_5 import conditional_text, text_tensors
 from seqjax.hf.tensors import from_hf as params_from_hf
 from seqjax.hf.tensors import to_hf
 from seqjax.hf.vision import (
@@ -204,6 +205,11 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     # Qwen3-VL or Qwen2.5-VL: a Qwen3 or Qwen2 with model.vision set
     if is_vision_language(config_json):
         model = vision_language_config(config_json, str(path / CONFIG_JSON)).text
+    elif (text := conditional_text(config_json)) is not None:  # (Qwen3.5 with its tower: the text model)
+        model = model_config_from_hf(text, f"{path / CONFIG_JSON} text_config")
+        log.info("%s: a Qwen3.5 folder with a vision tower: seqjax reads its text model (%s*); the tower "
+                 "(model.visual.*) and the multi-token-prediction layers (mtp.*) are left out, and images "
+                 "are refused", path, TEXT_PREFIX)
     else:
         model = model_config_from_hf(config_json, str(path / CONFIG_JSON))
     weight_map = tensor_files(path)
@@ -285,6 +291,8 @@ def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
     names = hf.weight_map
     if (hf.config_json.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         read, names = mxfp4.dequantizing(read, names)  # (gpt-oss's experts, dequantized as transformers does)
+    if conditional_text(hf.config_json) is not None:
+        read, names = text_tensors(read, names)
     with bar:
         if hf.model.vision.depth:
             return vision_language_params(read, names, hf.model, source, DTYPES[dtype])

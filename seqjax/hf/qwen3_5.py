@@ -1,9 +1,10 @@
 """Qwen3.5's readers and writer for its family rows (seqjax.hf.families): which layers are Gated
-DeltaNets (``layer_types``) and their sizes (the ``linear_*`` fields), both ways."""
+DeltaNets (``layer_types``) and their sizes (the ``linear_*`` fields), both ways; and the text model
+of a folder the Hub ships with its vision tower (``Qwen3_5ForConditionalGeneration``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from seqjax.config.deltanet import DeltaNetConfig
 from seqjax.config.model import ModelConfig
@@ -43,3 +44,31 @@ def qwen3_5_export(cfg: ModelConfig) -> dict[str, Any]:
         "linear_key_head_dim": net.key_dim, "linear_value_head_dim": net.value_dim,
         "linear_conv_kernel_dim": net.conv_width, "rope_parameters": {
             "rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rope_fraction}}
+
+
+# The Hub's Qwen3.5 folders: the text model beside a vision tower and multi-token-prediction layers
+CONDITIONAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+               "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")}
+CONDITIONAL_TYPES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+TEXT_PREFIX, LEFT_OUT = "model.language_model.", ("model.visual.", "mtp.")
+
+
+def conditional_text(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The text model's config.json (its text_config, as a ``qwen3_5_text`` or ``qwen3_5_moe_text``
+    folder holds it) of a Qwen3.5 folder with a vision tower, or None for any other folder."""
+    architectures = config.get("architectures") or [CONDITIONAL_TYPES.get(config.get("model_type"))]
+    if len(architectures) != 1 or architectures[0] not in CONDITIONAL:
+        return None
+    architecture, model_type = CONDITIONAL[architectures[0]]
+    text = dict(config.get("text_config") or {})
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "architectures": [architecture], "model_type": model_type, "tie_word_embeddings": tied}
+
+
+def text_tensors(read: Callable[[str], Any], names: Iterable[str]) -> tuple[Callable[[str], Any], list[str]]:
+    """(read, names) of such a folder's text model: ``model.language_model.X`` read as ``model.X``,
+    the head as it is, the tower (``model.visual.*``) and the multi-token-prediction layers (``mtp.*``)
+    left out."""
+    names = [n for n in names if not n.startswith(LEFT_OUT)]
+    renamed = {("model." + n[len(TEXT_PREFIX):] if n.startswith(TEXT_PREFIX) else n): n for n in names}
+    return (lambda name: read(renamed[name])), list(renamed)
