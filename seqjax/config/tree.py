@@ -279,9 +279,10 @@ class Config:
             raise ConfigError(f"model.attention_dropout: got {self.model.attention_dropout}, which draws its random "
                               f"bits per whole row and cannot honour mesh.context={n}; expected 0")
         if "linear" in self.model.layer_types:  # (its state would have to pass from shard to shard)
-            raise ConfigError(f"mesh.context: got {n} with linear layers (model.layer_types {self.model.layer_types}): "
-                              "a Gated DeltaNet's state runs along the whole row, and seqjax does not hand it from "
-                              "one shard to the next; expected mesh.context=1")
+            raise ConfigError(f"mesh.context: got {n} with linear layers (model.layer_types "
+                              f"{self.model.layer_types}): a Gated DeltaNet's state runs along the "
+                              "whole row, and seqjax does not hand it from one shard to the next; "
+                              "expected mesh.context=1")
         # (not yet shown equal to one device: an RL run's sampler and the vision tower take whole rows)
         if self.data.format == "prompt" or self.data.image_processor is not None:
             what = "data.format='prompt'" if self.data.format == "prompt" else "data.image_processor (images)"

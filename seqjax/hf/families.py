@@ -186,9 +186,11 @@ def qwen3_5_moe_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[
     """Qwen3.5-MoE: experts on every layer, the top k always renormalized, and a shared expert
     (shared_expert_intermediate_size wide) with its sigmoid gate."""
     return {"experts": ExpertsConfig(
-        count=_integer(hf, "num_experts", source), top_k=_integer(hf, "num_experts_per_tok", source),
+        count=_integer(hf, "num_experts", source),
+        top_k=_integer(hf, "num_experts_per_tok", source),
         d_ff=_integer(hf, "moe_intermediate_size", source), norm_topk_prob=True,
-        shared_d_ff=_integer(hf, "shared_expert_intermediate_size", source), aux_loss_coef=_aux_coef(hf))}
+        shared_d_ff=_integer(hf, "shared_expert_intermediate_size", source),
+        aux_loss_coef=_aux_coef(hf))}
 
 
 def no_experts(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
@@ -308,7 +310,8 @@ class Family:
     experts_of: Callable[[dict[str, Any], int, str], dict[str, Any]] = no_experts
     experts: ExpertTensors | None = None
     quantizations: tuple[str, ...] = ()  # quantization_config.quant_method values dequantized on import
-    linear_layers: bool = False  # Gated DeltaNet layers (model.layer_types linear) in its checkpoints
+    # Gated DeltaNet layers (model.layer_types linear) in its checkpoints
+    linear_layers: bool = False
 
 
 FAMILIES: dict[str, Family] = {row.name: row for row in (
@@ -348,13 +351,15 @@ FAMILIES: dict[str, Family] = {row.name: row for row in (
            quantizations=("mxfp4",)),
     Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen3_5_text",
            settings={"qk_norm": True, "norm_plus_one": True, "attention_gate": True},
-           must_be={**_NO_ATTENTION_BIAS, "attn_output_gate": ((True, None), "true (gated attention)")},
+           must_be={**_NO_ATTENTION_BIAS,
+                    "attn_output_gate": ((True, None), "true (gated attention)")},
            rope=partial_rope, windows=qwen3_5_layers, export=qwen3_5_export, linear_layers=True),
     Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text",
            settings={"qk_norm": True, "norm_plus_one": True, "attention_gate": True},
            must_be={**_NO_ATTENTION_BIAS, **{field: rule for field, rule in _MOE_MUST_BE.items()
                                              if field != "shared_expert_intermediate_size"}},
-           rope=partial_rope, windows=qwen3_5_layers, export=_qwen3_5_moe_export, linear_layers=True,
+           rope=partial_rope, windows=qwen3_5_layers, export=_qwen3_5_moe_export,
+           linear_layers=True,
            experts_of=qwen3_5_moe_experts,
            experts=ExpertTensors("mlp.gate", "mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj",
                                  "mlp.experts.{}.down_proj")),
@@ -417,7 +422,8 @@ def model_config_from_hf(hf: dict[str, Any], source: str) -> ModelConfig:
         n_kv_heads=_integer(hf, "num_key_value_heads", source, n_heads)
         if hf.get("num_key_value_heads") else n_heads,
         head_dim=_integer(hf, "head_dim", source) if hf.get("head_dim") is not None else None,
-        d_ff=_integer(hf, "intermediate_size", source, hf.get("moe_intermediate_size")),  # (Qwen3.5-MoE: none)
+        # (Qwen3.5-MoE has no intermediate_size)
+        d_ff=_integer(hf, "intermediate_size", source, hf.get("moe_intermediate_size")),
         max_seq_len=_integer(hf, "max_position_embeddings", source, 2048),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", row.tied_default)),

@@ -205,11 +205,11 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     # Qwen3-VL or Qwen2.5-VL: a Qwen3 or Qwen2 with model.vision set
     if is_vision_language(config_json):
         model = vision_language_config(config_json, str(path / CONFIG_JSON)).text
-    elif (text := conditional_text(config_json)) is not None:  # (Qwen3.5 with its tower: the text model)
+    elif (text := conditional_text(config_json)) is not None:  # (Qwen3.5 with its tower)
         model = model_config_from_hf(text, f"{path / CONFIG_JSON} text_config")
-        log.info("%s: a Qwen3.5 folder with a vision tower: seqjax reads its text model (%s*); the tower "
-                 "(model.visual.*) and the multi-token-prediction layers (mtp.*) are left out, and images "
-                 "are refused", path, TEXT_PREFIX)
+        log.info("%s: a Qwen3.5 folder with a vision tower: seqjax reads its text model (%s*); "
+                 "the tower (model.visual.*) and the multi-token-prediction layers (mtp.*) are "
+                 "left out, and images are refused", path, TEXT_PREFIX)
     else:
         model = model_config_from_hf(config_json, str(path / CONFIG_JSON))
     weight_map = tensor_files(path)

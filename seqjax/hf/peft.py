@@ -53,7 +53,8 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 HF_MODULES = {
     "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
     "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
-    **{name: f"linear_attn.{name}" for name in DELTANET_TARGETS}  # (Qwen3.5's Gated DeltaNet layers)
+    # Qwen3.5's Gated DeltaNet layers
+    **{name: f"linear_attn.{name}" for name in DELTANET_TARGETS}
 }
 MODULES = {target: (HF_MODULES[target], *ADAPTED[target]) for target in HF_MODULES}
 # a mixture of experts' experts: seqjax target -> PEFT's target_parameters entry (a fused [E, ...]
@@ -356,9 +357,11 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each tensor an adapter of ``cfg.lora`` on a base of ``cfg`` holds, and its shape."""
     lora, shapes = cfg.lora, {}
     net = cfg.deltanet
-    qkv, value = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim, net.value_heads * net.value_dim
+    value = net.value_heads * net.value_dim
+    qkv = 2 * net.key_heads * net.key_dim + value
     widths = {
-        "q": (cfg.d_model, cfg.n_heads * cfg.head_dim * (1 + cfg.attention_gate)),  # (Qwen3.5: [query | gate])
+        # (Qwen3.5's q: [query | gate])
+        "q": (cfg.d_model, cfg.n_heads * cfg.head_dim * (1 + cfg.attention_gate)),
         "in_proj_qkv": (cfg.d_model, qkv), "in_proj_z": (cfg.d_model, value),
         "in_proj_b": (cfg.d_model, net.value_heads), "in_proj_a": (cfg.d_model, net.value_heads),
         "out_proj": (value, cfg.d_model),

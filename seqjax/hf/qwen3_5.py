@@ -22,17 +22,19 @@ _LINEAR_KINDS = {"linear_attention": "linear", "full_attention": "full"}
 
 
 def qwen3_5_layers(hf: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
-    """Qwen3.5: layer_types of linear_attention (a Gated DeltaNet) and full_attention (absent: every
-    full_attention_interval-th layer full, 4 by default), the DeltaNet's sizes from the linear_* fields."""
+    """Qwen3.5: layer_types of linear_attention (a Gated DeltaNet) and full_attention (absent:
+    every full_attention_interval-th layer full, 4 by default), the DeltaNet's sizes from the
+    linear_* fields."""
     every = hf.get("full_attention_interval", 4)
     types = hf.get("layer_types") or [
         "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
     if not isinstance(types, list) or any(kind not in _LINEAR_KINDS for kind in types):
         raise refuse(source, "layer_types", types, "a list of linear_attention and full_attention")
-    net = DeltaNetConfig(**{ours: _positive(hf, theirs, source, default) for ours, theirs, default in (
-        ("key_heads", "linear_num_key_heads", 16), ("value_heads", "linear_num_value_heads", 32),
-        ("key_dim", "linear_key_head_dim", 128), ("value_dim", "linear_value_head_dim", 128),
-        ("conv_width", "linear_conv_kernel_dim", 4))})
+    fields = (("key_heads", "linear_num_key_heads", 16), ("value_heads", "linear_num_value_heads", 32),
+              ("key_dim", "linear_key_head_dim", 128), ("value_dim", "linear_value_head_dim", 128),
+              ("conv_width", "linear_conv_kernel_dim", 4))
+    net = DeltaNetConfig(**{ours: _positive(hf, theirs, source, default)
+                            for ours, theirs, default in fields})
     return {"layer_types": [_LINEAR_KINDS[kind] for kind in types], "deltanet": net}
 
 
@@ -43,13 +45,15 @@ def qwen3_5_export(cfg: ModelConfig) -> dict[str, Any]:
         "linear_num_key_heads": net.key_heads, "linear_num_value_heads": net.value_heads,
         "linear_key_head_dim": net.key_dim, "linear_value_head_dim": net.value_dim,
         "linear_conv_kernel_dim": net.conv_width, "rope_parameters": {
-            "rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rope_fraction}}
+            "rope_type": "default", "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.rope_fraction}}
 
 
 # The Hub's Qwen3.5 folders: the text model beside a vision tower and multi-token-prediction layers
 CONDITIONAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
                "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")}
-CONDITIONAL_TYPES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+CONDITIONAL_TYPES = {"qwen3_5": "Qwen3_5ForConditionalGeneration",
+                     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 TEXT_PREFIX, LEFT_OUT = "model.language_model.", ("model.visual.", "mtp.")
 
 
@@ -62,13 +66,16 @@ def conditional_text(config: dict[str, Any]) -> dict[str, Any] | None:
     architecture, model_type = CONDITIONAL[architectures[0]]
     text = dict(config.get("text_config") or {})
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    return {**text, "architectures": [architecture], "model_type": model_type, "tie_word_embeddings": tied}
+    return {**text, "architectures": [architecture], "model_type": model_type,
+            "tie_word_embeddings": tied}
 
 
-def text_tensors(read: Callable[[str], Any], names: Iterable[str]) -> tuple[Callable[[str], Any], list[str]]:
-    """(read, names) of such a folder's text model: ``model.language_model.X`` read as ``model.X``,
-    the head as it is, the tower (``model.visual.*``) and the multi-token-prediction layers (``mtp.*``)
-    left out."""
+def text_tensors(read: Callable[[str], Any],
+                 names: Iterable[str]) -> tuple[Callable[[str], Any], list[str]]:
+    """(read, names) of such a folder's text model: ``model.language_model.X`` read as
+    ``model.X``, the head as it is, the tower (``model.visual.*``) and the multi-token-prediction
+    layers (``mtp.*``) left out."""
     names = [n for n in names if not n.startswith(LEFT_OUT)]
-    renamed = {("model." + n[len(TEXT_PREFIX):] if n.startswith(TEXT_PREFIX) else n): n for n in names}
+    renamed = {("model." + n[len(TEXT_PREFIX):] if n.startswith(TEXT_PREFIX) else n): n
+               for n in names}
     return (lambda name: read(renamed[name])), list(renamed)

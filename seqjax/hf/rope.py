@@ -87,9 +87,10 @@ def one_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def partial_rope(hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """Qwen3.5: :func:`one_rope` and the share of each head's dims it turns (partial_rotary_factor, in
-    rope_parameters or beside it; transformers' default for the family, 0.25, when absent). The multimodal
-    sections (mrope_section) turn a text position alike on every axis, so a text model reads none of them."""
+    """Qwen3.5: :func:`one_rope` and the share of each head's dims it turns
+    (partial_rotary_factor, in rope_parameters or beside it; transformers' default for the family,
+    0.25, when absent). The multimodal sections (mrope_section) turn a text position alike on
+    every axis, so a text model reads none of them."""
     params = hf.get("rope_parameters") or {}
     fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
     if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:

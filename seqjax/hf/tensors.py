@@ -74,7 +74,8 @@ def block_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[str
         table += deltanet_tensors()
     else:
         table += [
-            ("self_attn.q_proj.weight", ("attn", "wq"), *heads_in(h, dh * (1 + cfg.attention_gate))),
+            ("self_attn.q_proj.weight", ("attn", "wq"),
+             *heads_in(h, dh * (1 + cfg.attention_gate))),
             ("self_attn.k_proj.weight", ("attn", "wk"), *heads_in(k)),
             ("self_attn.v_proj.weight", ("attn", "wv"), *heads_in(k)),
             ("self_attn.o_proj.weight", ("attn", "wo"), lambda w: w.reshape(h * dh, d).T,
@@ -106,13 +107,16 @@ def block_tensors(cfg: ModelConfig, layer: int = 0) -> list[tuple[str, tuple[str
 
 
 def deltanet_tensors() -> list[tuple[str, tuple[str, ...], Converter, Converter]]:
-    """A Gated DeltaNet layer's tensors (Qwen3.5's ``linear_attn``; seqjax.model.deltanet.DeltaNet keeps
-    transformers' names): the linears [out, in] <-> [in, out], the depthwise conv [C, 1, K] <-> [C, K]."""
+    """A Gated DeltaNet layer's tensors (Qwen3.5's ``linear_attn``; seqjax.model.deltanet.DeltaNet
+    keeps transformers' names): the linears [out, in] <-> [in, out], the depthwise conv [C, 1, K]
+    <-> [C, K]."""
     same, linear = ((lambda w: w), (lambda t: t)), ((lambda w: w.T), (lambda t: t.T))
     rows = [(f"linear_attn.{name}.weight", ("attn", name), *linear)
             for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
-    rows += [("linear_attn.conv1d.weight", ("attn", "conv1d"), lambda w: w[:, None, :], lambda t: t[:, 0, :])]
-    return rows + [(f"linear_attn.{name}", ("attn", name), *same) for name in ("A_log", "dt_bias")] + [
+    rows += [("linear_attn.conv1d.weight", ("attn", "conv1d"), lambda w: w[:, None, :],
+              lambda t: t[:, 0, :])]
+    rows += [(f"linear_attn.{name}", ("attn", name), *same) for name in ("A_log", "dt_bias")]
+    return rows + [
         ("linear_attn.norm.weight", ("attn", "norm"), *same)]
 
 
@@ -159,12 +163,15 @@ def _block_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]
     shapes = {"input_layernorm.weight": (d, ), "post_attention_layernorm.weight": (d, )}
     if cfg.mixer_of(layer) == "deltanet":
         net = cfg.deltanet
-        qkv, value = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim, net.value_heads * net.value_dim
-        shapes |= {"linear_attn.in_proj_qkv.weight": (qkv, d), "linear_attn.in_proj_z.weight": (value, d),
+        value = net.value_heads * net.value_dim
+        qkv = 2 * net.key_heads * net.key_dim + value
+        shapes |= {"linear_attn.in_proj_qkv.weight": (qkv, d),
+                   "linear_attn.in_proj_z.weight": (value, d),
                    "linear_attn.in_proj_b.weight": (net.value_heads, d),
                    "linear_attn.in_proj_a.weight": (net.value_heads, d),
-                   "linear_attn.conv1d.weight": (qkv, 1, net.conv_width), "linear_attn.A_log": (net.value_heads,),
-                   "linear_attn.dt_bias": (net.value_heads,), "linear_attn.norm.weight": (net.value_dim,),
+                   "linear_attn.conv1d.weight": (qkv, 1, net.conv_width),
+                   "linear_attn.A_log": (net.value_heads,), "linear_attn.dt_bias": (net.value_heads,),
+                   "linear_attn.norm.weight": (net.value_dim,),
                    "linear_attn.out_proj.weight": (d, value)}
     else:
         shapes |= {"self_attn.q_proj.weight": (h * dh * (1 + cfg.attention_gate), d),
@@ -176,8 +183,10 @@ def _block_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]
     for hf, *_ in expert_groups(cfg, layer):
         shapes |= hf
     if cfg.mlp_of(layer) == "experts" and (shared := cfg.experts.shared_d_ff):
-        shapes |= {"mlp.shared_expert.gate_proj.weight": (shared, d), "mlp.shared_expert.up_proj.weight": (shared, d),
-                   "mlp.shared_expert.down_proj.weight": (d, shared), "mlp.shared_expert_gate.weight": (1, d)}
+        shapes |= {"mlp.shared_expert.gate_proj.weight": (shared, d),
+                   "mlp.shared_expert.up_proj.weight": (shared, d),
+                   "mlp.shared_expert.down_proj.weight": (d, shared),
+                   "mlp.shared_expert_gate.weight": (1, d)}
     if cfg.attention_sinks and attention:
         shapes["self_attn.sinks"] = (h,)
     if cfg.attn_out_bias and attention:

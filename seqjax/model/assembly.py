@@ -42,8 +42,9 @@ def module_of(target: str) -> str:
 
 
 def holds(cfg: ModelConfig, layer: int, target: str) -> bool:
-    """Whether layer ``layer`` has the projection ``target`` adapts: the attention's where it attends,
-    a Gated DeltaNet's where it is one, the gated MLP's or the experts' where it has them."""
+    """Whether layer ``layer`` has the projection ``target`` adapts: the attention's where it
+    attends, a Gated DeltaNet's where it is one, the gated MLP's or the experts' where it has
+    them."""
     if target.startswith("experts_"):
         return cfg.mlp_of(layer) == "experts"
     if target in DELTANET_TARGETS:
@@ -135,7 +136,7 @@ def dora_magnitudes(trained: dict[str, Any], frozen: dict[str, Any],
         block = jax.tree.map(lambda x: x, block)  # a new tree: the caller's stays as it was
         for target in cfg.lora.targets:
             if target not in block.get(module_of(target), {}).get("lora", {}):
-                continue  # (a layer without it: experts in place of the gated MLP, a Gated DeltaNet)
+                continue  # (a layer without it: experts for the gated MLP, a Gated DeltaNet)
             module, weight = ADAPTED[target]
             lora = block[module]["lora"][target]
             m = fn(base_block[module][weight], lora["lora_a"], lora["lora_b"])

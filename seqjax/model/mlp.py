@@ -75,8 +75,8 @@ class ExpertsMLP(nnx.Module):
         if width:
             plain = dataclasses.replace(cfg, d_ff=width, dropout=0.0, lora=LoraConfig())
             self.shared = SwiGLU(plain, rngs=rngs)
-            self.shared_gate = normal_param(rngs, (cfg.d_model, 1), cfg.init_std, jnp.dtype(cfg.param_dtype),
-                                            ("embed", None))
+            pdt = jnp.dtype(cfg.param_dtype)
+            self.shared_gate = normal_param(rngs, (cfg.d_model, 1), cfg.init_std, pdt, ("embed", None))
         self.has_shared = bool(width)
 
     def __call__(self, x, segment_ids: jax.Array | None = None, dropout_key: jax.Array | None = None):

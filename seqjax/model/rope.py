@@ -86,7 +86,8 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float =
     per_frequency = positions if positions.ndim == 3 else positions[:, :, None]
     angles = per_frequency.astype(jnp.float32)[:, :, None, :] * inv_freq  # [B, T, 1, half]
     cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale  # (scale: YaRN's attention factor)
-    turned = 2 * inv_freq.shape[-1]  # (partial RoPE, model.rope_fraction: the first dims turn, the rest pass)
+    # (partial RoPE, model.rope_fraction: the first dims turn, the rest pass)
+    turned = 2 * inv_freq.shape[-1]
     x1, x2 = jnp.split(x[..., :turned].astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     return out if turned == x.shape[-1] else jnp.concatenate([out, x[..., turned:]], axis=-1)

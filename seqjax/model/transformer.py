@@ -87,8 +87,8 @@ class TransformerLM(nnx.Module):
         # Qwen3-VL: the tower (float32 parameters whatever param_dtype) and which rotary frequencies
         # turn with the time, row and column positions
         self.vision = VisionTower(cfg.vision, rngs) if cfg.vision.depth else None
-        self.mrope_axes = tuple(int(a) for a in mrope_axes(cfg.rotary_dim // 2, tuple(cfg.mrope_section),
-                                                           cfg.mrope_interleaved)) if cfg.mrope_section else None
+        self.mrope_axes = tuple(int(a) for a in mrope_axes(
+            cfg.rotary_dim // 2, tuple(cfg.mrope_section), cfg.mrope_interleaved)) if cfg.mrope_section else None
 
     def __call__(self, inputs: jax.Array, *, positions: jax.Array, segment_ids: jax.Array,
                  dropout_key: jax.Array | None = None, prefix_ids: jax.Array | None = None,
