@@ -52,7 +52,7 @@ def hf_folder(folder: Path, config: dict | None = None, name: str = "qwen3_5") -
     return folder
 
 
-@pytest.fixture(scope="module", params=VARIANTS)
+@pytest.fixture(scope="module", params=["qwen3_5", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
 def imported(request, tmp_path_factory):
     folder = hf.read_folder(hf_folder(tmp_path_factory.mktemp(request.param) / "hf", name=request.param))
     config = hf.run_config(folder, ["model.attention=xla"])

@@ -69,6 +69,7 @@ def test_a_named_reference_that_is_the_base_gives_autos_numbers_in_the_step_and_
                                rtol=1e-6)
 
 
+@pytest.mark.slow  # (the fast loop keeps the LoRA and precomputed references)
 def test_a_full_fine_tune_against_another_model_computes_dpo_on_its_log_probabilities(tmp_path):
     """A full fine-tune with a reference that is not its starting point: the step-1 loss is DPO's formula on the
     policy's and that model's per-pair log-probabilities, each computed alone; a resume against that folder's
