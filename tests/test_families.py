@@ -59,10 +59,16 @@ def load(family: str, tmp_path: Path, *overrides: str):
 
 
 def logits(model, ids: np.ndarray, segment_ids: np.ndarray | None = None, positions: np.ndarray | None = None):
+    """One row's float32 logits [T, V], the forward compiled (one program a shape, not an op at a time)."""
     ids = jnp.asarray(ids)[None]
     seg = jnp.ones_like(ids) if segment_ids is None else jnp.asarray(segment_ids)[None]
     pos = jnp.arange(ids.shape[1])[None] if positions is None else jnp.asarray(positions)[None]
-    return np.asarray(model(ids, positions=pos, segment_ids=seg))[0]
+    return np.asarray(_logits(*nnx.split(model), ids, pos, seg))[0]
+
+
+@jax.jit
+def _logits(graphdef, state, ids, positions, segment_ids):
+    return nnx.merge(graphdef, state)(ids, positions=positions, segment_ids=segment_ids)
 
 
 def assert_close(ours: np.ndarray, theirs: np.ndarray) -> None:

@@ -64,6 +64,7 @@ def blocked(mask, rows: int, cols: int):
     return tiles.any(axis=(2, 4)), tiles.all(axis=(2, 4))
 
 
+@pytest.mark.slow  # (40 draws of the kernel's tile walk: the full suite)
 @settings(max_examples=40, deadline=None)
 @given(rows=prompt_rows(2, 96), blocks=st.sampled_from([SMALL, UNEVEN]))
 def test_each_allowed_pair_is_visited_once_and_unmasked_tiles_are_full(rows, blocks):

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from hf_support import script_module, tiny_tokenizer
@@ -53,12 +54,18 @@ def load(name: str, tmp_path: Path, *overrides: str):
 
 
 def forward(model, ids: np.ndarray, segment_ids: np.ndarray | None = None, positions: np.ndarray | None = None):
-    """(logits [T, V], the router terms) of one row."""
+    """(logits [T, V], the router terms) of one row, the forward compiled (one program a shape)."""
     ids = jnp.asarray(ids)[None]
     seg = jnp.ones_like(ids) if segment_ids is None else jnp.asarray(segment_ids)[None]
     pos = jnp.arange(ids.shape[1])[None] if positions is None else jnp.asarray(positions)[None]
-    features, head, terms = model.forward(ids, positions=pos, segment_ids=seg)
-    return np.asarray(features @ head)[0], terms
+    logits, terms = _forward(*nnx.split(model), ids, pos, seg)
+    return np.asarray(logits)[0], terms
+
+
+@jax.jit
+def _forward(graphdef, state, ids, positions, segment_ids):
+    features, head, terms = nnx.merge(graphdef, state).forward(ids, positions=positions, segment_ids=segment_ids)
+    return features @ head, terms
 
 
 def assert_close(ours: np.ndarray, theirs: np.ndarray) -> None:
@@ -69,7 +76,13 @@ def assert_close(ours: np.ndarray, theirs: np.ndarray) -> None:
 
 def routes(model, ids: np.ndarray) -> list[np.ndarray]:
     """Each expert layer's top-k experts of each token, as transformers orders them (the router's logits)."""
-    x = model.embed_tokens(jnp.asarray(ids)[None])
+    return [np.asarray(r) for r in _routes(*nnx.split(model), jnp.asarray(ids))]
+
+
+@jax.jit
+def _routes(graphdef, state, ids) -> list[jax.Array]:
+    model = nnx.merge(graphdef, state)
+    x = model.embed_tokens(ids[None])
     pos, seg = jnp.arange(len(ids))[None], jnp.ones((1, len(ids)), jnp.int32)
     out, freqs = [], model.rope_freqs()
     for i in range(model.cfg.n_layers):
@@ -77,7 +90,7 @@ def routes(model, ids: np.ndarray) -> list[np.ndarray]:
         attended = x + block.attn(block.attn_norm(x), pos, seg, freqs[i], model.cfg.window_of(i))
         if model.cfg.mlp_of(i) == "experts":
             logits, _, _ = block.mlp.experts.route(block.mlp_norm(attended)[0])
-            out.append(np.asarray(jax.lax.top_k(logits, model.cfg.experts.top_k)[1]))
+            out.append(jax.lax.top_k(logits, model.cfg.experts.top_k)[1])
         x, _ = block(x, pos, seg, freqs[i], model.cfg.window_of(i))
     return out
 
@@ -122,8 +135,8 @@ def test_a_packed_rows_load_balancing_loss_is_the_padded_batchs_with_its_mask(fa
     width = max(len(a), len(b))
     batch = np.stack([np.pad(s, (0, width - len(s))) for s in (a, b)])
     mask = np.stack([np.pad(np.ones(len(s), int), (0, width - len(s))) for s in (a, b)])
-    *_, padded = model.forward(jnp.asarray(batch), positions=jnp.tile(jnp.arange(width), (2, 1)),
-                               segment_ids=jnp.asarray(mask))
+    _, padded = _forward(*nnx.split(model), jnp.asarray(batch), jnp.tile(jnp.arange(width), (2, 1)),
+                         jnp.asarray(mask))
     assert float(load_balancing_loss(padded, k)) == pytest.approx(expected, rel=1e-5)
     jax.clear_caches()
 

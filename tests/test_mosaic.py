@@ -80,7 +80,8 @@ def test_matches_the_reference_in_half_precision_at_head_dim_128(lengths, dtype)
     check(q, k, v, jnp.asarray(rows), jnp.int32(FULL), cotangent, tol=3e-2)
 
 
-@pytest.mark.parametrize("slots", [pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.slow  # (the interpreter's heaviest: the full suite)
+@pytest.mark.parametrize("slots", [3, 4])
 def test_a_deeper_tma_pipeline_computes_the_same(slots):
     """The variant a GPU sweep weighs: the producers' rings of 3 or 4 stages instead of 2 (more tiles in flight);
     a packed row with a padding tail and more tiles a pass streams than there are slots, so every slot is
@@ -120,8 +121,8 @@ def test_two_consumers_in_ping_pong_compute_the_same(lengths, window):
 
 
 @pytest.mark.parametrize(("consumers", "slots", "overlap", "key_block"),
-                         [(1, 2, True, 64), (2, 2, True, 64), pytest.param(2, 3, True, 64, marks=pytest.mark.slow),
-                          (1, 2, False, 128), pytest.param(2, 2, True, 128, marks=pytest.mark.slow)])
+                         [(2, 2, True, 64), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+                             (1, 2, True, 64), (2, 3, True, 64), (1, 2, False, 128), (2, 2, True, 128)))])
 def test_the_overlapped_softmax_and_the_wider_key_tile_compute_the_same(consumers, slots, overlap, key_block):
     """The forward's intra-warpgroup variant a GPU sweep weighs (``overlap=True``): each step issues the next key
     tile's QK^T before this tile's softmax and waits for it after, alone and with the ping-pong's two consumers

@@ -191,7 +191,8 @@ def noisy_pairs_batch(*extra: str):
     return cfg, batch_of(cfg, store)
 
 
-@pytest.mark.parametrize("reference", ["copy", "lora", "precompute"])
+@pytest.mark.parametrize("reference", ["copy", *(pytest.param(r, marks=pytest.mark.slow)
+                                                 for r in ("lora", "precompute"))])
 def test_a_reference_with_the_policys_weights_gives_rewards_of_exactly_zero_in_the_step(reference):
     """TRL logs rewards/accuracies 0 at step 1, where the reference is the policy (LoRA's B = 0, a copy not yet
     moved from): in the train step too, every reward is exactly 0, however XLA fuses the two forward passes. A

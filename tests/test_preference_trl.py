@@ -175,7 +175,8 @@ TRAINERS = {"cpo": ("simpo", ["simpo_gamma", "cpo_alpha"]), "cpo_alpha0": ("simp
             "orpo": ("orpo", [])}
 
 
-@pytest.mark.parametrize("kind", [pytest.param("chat", marks=pytest.mark.slow), "text"])
+@pytest.mark.slow  # (the fast loop keeps the per-pair log-probabilities against TRL's)
+@pytest.mark.parametrize("kind", ["chat", "text"])
 def test_simpo_and_orpo_are_trls_own_cpo_and_orpo_trainers(kind, tmp_path):
     """TRL 1.16's CPOTrainer (loss_type=simpo, at its default cpo_alpha 1 and the SimPO paper's 0) and ORPOTrainer,
     run on the same model and pairs: the ids they train on (an EOS after every completion, after a template's

@@ -198,6 +198,7 @@ def test_the_routers_load_balancing_loss_is_transformers_padded_batchs(tmp_path)
     assert float(load_balancing_loss(terms, 2)) == pytest.approx(float(ref["padded.aux_loss"]), rel=1e-5)
 
 
+@pytest.mark.slow  # (the fast loop keeps the logits against transformers)
 def test_peft_adapters_on_the_deltanet_and_gated_attention_compute_and_export_as_peft_does(tmp_path):
     """A PEFT adapter folder with LoRA on the gated attention's q, v and o, every Gated DeltaNet projection
     (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj) and the MLP's gate and down (peft 0.21 on

@@ -85,6 +85,7 @@ def test_a_run_cut_in_the_middle_of_a_generation_batch_resumes_exactly(tmp_path)
     assert train_losses(cut) == train_losses(whole) and len(train_losses(whole)) == 6
 
 
+@pytest.mark.slow  # (a dozen CLI refusals: the full suite)
 def test_bad_rl_input_is_one_line(tmp_path):
     (tmp_path / "no_prompt.jsonl").write_text(json.dumps({"question": "1+1="}) + "\n")
     (tmp_path / "rollouts.jsonl").write_text('{"index": 0, "completions": [[1, 2], "x"]}\n{"index": 1}\n')
