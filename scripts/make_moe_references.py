@@ -92,19 +92,41 @@ def _router_choices(model, ids) -> list[np.ndarray]:
     return [torch.topk(logits.float(), k, dim=-1).indices.numpy().astype(np.int32) for logits in out.router_logits]
 
 
-def make(family: str, out: Path) -> None:
-    import torch
+def loaded(config):
+    """(transformers' model of ``config`` with every tensor drawn from its name, saved and read back by
+    ``from_pretrained``, the tensors' names and shapes, the config.json it writes)."""
     import transformers
     from safetensors.numpy import save_file
 
-    class_name, settings = FAMILIES[family]
-    config = getattr(transformers, class_name)(**{**COMMON, **settings})
     shapes, config_json = _saved_shapes(transformers.AutoModelForCausalLM.from_config(config))
-    weights = reference_weights(shapes)
     with tempfile.TemporaryDirectory() as tmp:
         Path(f"{tmp}/config.json").write_text(json.dumps(config_json))
-        save_file(weights, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        save_file(reference_weights(shapes), f"{tmp}/model.safetensors", metadata={"format": "pt"})
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+    return model, shapes, config_json
+
+
+def padded_aux_loss(model, sequences: list[list[int]]) -> np.ndarray:
+    """transformers' load_balancing_loss_func over ``sequences`` padded into one batch with their attention
+    mask (the aux loss over the real tokens)."""
+    import torch
+
+    width = max(map(len, sequences))
+    batch = torch.tensor([ids + [0] * (width - len(ids)) for ids in sequences])
+    mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in sequences])
+    routed = model(batch, attention_mask=mask, output_router_logits=True)
+    module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])
+    experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
+    aux = module.load_balancing_loss_func(routed.router_logits, experts, model.config.num_experts_per_tok, mask)
+    return np.asarray(float(aux), np.float32)
+
+
+def make(family: str, out: Path) -> None:
+    import torch
+    import transformers
+
+    class_name, settings = FAMILIES[family]
+    model, shapes, config_json = loaded(getattr(transformers, class_name)(**{**COMMON, **settings}))
     tensors = {}
     with torch.no_grad():
         for name, ids in SEQUENCES.items():
@@ -112,15 +134,7 @@ def make(family: str, out: Path) -> None:
             tensors[f"{name}.logits"] = model(torch.tensor([ids])).logits[0].float().numpy()
             for layer, chosen in enumerate(_router_choices(model, ids)):
                 tensors[f"{name}.router.{layer}"] = chosen
-        # the two sequences padded into one batch: the aux loss over the real tokens (the attention mask)
-        width = max(map(len, SEQUENCES.values()))
-        batch = torch.tensor([ids + [0] * (width - len(ids)) for ids in SEQUENCES.values()])
-        mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in SEQUENCES.values()])
-        routed = model(batch, attention_mask=mask, output_router_logits=True)
-        module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])
-        aux = module.load_balancing_loss_func(routed.router_logits, model.config.num_local_experts if hasattr(
-            model.config, "num_local_experts") else model.config.num_experts, model.config.num_experts_per_tok, mask)
-        tensors["padded.aux_loss"] = np.asarray(float(aux), np.float32)
+        tensors["padded.aux_loss"] = padded_aux_loss(model, list(SEQUENCES.values()))
         generated = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                    pad_token_id=COMMON["pad_token_id"], eos_token_id=None)
     tensors["prompt.ids"] = np.asarray(PROMPT, np.int32)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_moe_references import _saved_shapes, _write, reference_weights  # noqa: E402
+from make_moe_references import _write, loaded, padded_aux_loss, reference_weights  # noqa: E402
 
 SEQUENCES = {"seq0": [5, 17, 203, 9, 88, 41, 150, 7, 300, 12, 64, 99, 31, 8], "seq1": [5, 250, 33, 19, 181, 2, 77],
              "seq2": [11, 290, 4]}
@@ -59,15 +59,7 @@ def make(out: Path, name: str) -> None:
     import transformers
 
     class_name, settings = VARIANTS[name]
-    config = getattr(transformers, class_name)(**settings)
-    shapes, config_json = _saved_shapes(transformers.AutoModelForCausalLM.from_config(config))
-    weights = reference_weights(shapes)
-    with tempfile.TemporaryDirectory() as tmp:
-        Path(f"{tmp}/config.json").write_text(json.dumps(config_json))
-        from safetensors.numpy import save_file
-
-        save_file(weights, f"{tmp}/model.safetensors", metadata={"format": "pt"})
-        model = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+    model, shapes, config_json = loaded(getattr(transformers, class_name)(**settings))
     tensors = {}
     with torch.no_grad():
         for seq, ids in SEQUENCES.items():
@@ -77,15 +69,7 @@ def make(out: Path, name: str) -> None:
         positions = torch.tensor([[p for ids in SEQUENCES.values() for p in range(len(ids))]])
         tensors["leaky.logits"] = model(torch.tensor([row]), position_ids=positions).logits[0].float().numpy()
         if name == "qwen3_5_moe":  # the router's load-balancing loss of two sequences padded into one batch
-            width = max(len(SEQUENCES["seq0"]), len(SEQUENCES["seq1"]))
-            pairs = [SEQUENCES["seq0"], SEQUENCES["seq1"]]
-            batch = torch.tensor([ids + [0] * (width - len(ids)) for ids in pairs])
-            mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in pairs])
-            routed = model(batch, attention_mask=mask, output_router_logits=True)
-            module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])
-            aux = module.load_balancing_loss_func(routed.router_logits, settings["num_experts"],
-                                                  settings["num_experts_per_tok"], mask)
-            tensors["padded.aux_loss"] = np.asarray(float(aux), np.float32)
+            tensors["padded.aux_loss"] = padded_aux_loss(model, [SEQUENCES["seq0"], SEQUENCES["seq1"]])
         generated = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                    pad_token_id=CONFIG["pad_token_id"], eos_token_id=None)
     tensors["prompt.ids"] = np.asarray(PROMPT, np.int32)
