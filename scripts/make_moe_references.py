@@ -121,6 +121,24 @@ def padded_aux_loss(model, sequences: list[list[int]]) -> np.ndarray:
     return np.asarray(float(aux), np.float32)
 
 
+def greedy(model, prompt: list[int], new_tokens: int, pad: int) -> dict[str, np.ndarray]:
+    """``prompt.ids`` and transformers' greedy continuation of it, ``greedy.ids`` (``generate``, no sampling)."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                             eos_token_id=None)
+    return {"prompt.ids": np.asarray(prompt, np.int32), "greedy.ids": out[0, len(prompt):].numpy().astype(np.int32)}
+
+
+def record_of(name: str, config_json: dict, shapes: dict, script: str) -> dict:
+    import torch
+    import transformers
+
+    return {"family": name, "config": config_json, "tensors": shapes,
+            "made_by": {"transformers": transformers.__version__, "torch": torch.__version__, "script": script}}
+
+
 def make(family: str, out: Path) -> None:
     import torch
     import transformers
@@ -135,14 +153,8 @@ def make(family: str, out: Path) -> None:
             for layer, chosen in enumerate(_router_choices(model, ids)):
                 tensors[f"{name}.router.{layer}"] = chosen
         tensors["padded.aux_loss"] = padded_aux_loss(model, list(SEQUENCES.values()))
-        generated = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                   pad_token_id=COMMON["pad_token_id"], eos_token_id=None)
-    tensors["prompt.ids"] = np.asarray(PROMPT, np.int32)
-    tensors["greedy.ids"] = generated[0, len(PROMPT):].numpy().astype(np.int32)
-    record = {"family": family, "config": config_json, "tensors": shapes,
-              "made_by": {"transformers": transformers.__version__, "torch": torch.__version__,
-                          "script": "scripts/make_moe_references.py"}}
-    _write(out, family, record, tensors)
+    tensors |= greedy(model, PROMPT, NEW_TOKENS, COMMON["pad_token_id"])
+    _write(out, family, record_of(family, config_json, shapes, "scripts/make_moe_references.py"), tensors)
     if family == "gpt_oss":
         make_mxfp4(config_json, shapes, out)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_moe_references import _write, loaded, padded_aux_loss, reference_weights  # noqa: E402
+from make_moe_references import _write, greedy, loaded, padded_aux_loss, record_of, reference_weights  # noqa: E402
 
 SEQUENCES = {"seq0": [5, 17, 203, 9, 88, 41, 150, 7, 300, 12, 64, 99, 31, 8], "seq1": [5, 250, 33, 19, 181, 2, 77],
              "seq2": [11, 290, 4]}
@@ -70,14 +70,8 @@ def make(out: Path, name: str) -> None:
         tensors["leaky.logits"] = model(torch.tensor([row]), position_ids=positions).logits[0].float().numpy()
         if name == "qwen3_5_moe":  # the router's load-balancing loss of two sequences padded into one batch
             tensors["padded.aux_loss"] = padded_aux_loss(model, [SEQUENCES["seq0"], SEQUENCES["seq1"]])
-        generated = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                   pad_token_id=CONFIG["pad_token_id"], eos_token_id=None)
-    tensors["prompt.ids"] = np.asarray(PROMPT, np.int32)
-    tensors["greedy.ids"] = generated[0, len(PROMPT):].numpy().astype(np.int32)
-    record = {"family": name, "config": config_json, "tensors": shapes,
-              "made_by": {"transformers": transformers.__version__, "torch": torch.__version__,
-                          "script": "scripts/make_qwen3_5_references.py"}}
-    _write(out, name, record, tensors)
+    tensors |= greedy(model, PROMPT, NEW_TOKENS, CONFIG["pad_token_id"])
+    _write(out, name, record_of(name, config_json, shapes, "scripts/make_qwen3_5_references.py"), tensors)
 
 
 # peft's LoRA on the dense model: the gated attention's projections, every Gated DeltaNet projection and the MLP's
