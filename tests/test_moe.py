@@ -160,7 +160,8 @@ def _router_step(extra: tuple, grad_accum: int, lr: float = 0.0, batch=None):
 COEFS = ("model.experts.aux_loss_coef=0.5", "model.experts.z_loss_coef=0.25")
 
 
-@pytest.mark.parametrize("scope", ["step", pytest.param("micro_batch", marks=pytest.mark.slow)])  # (fast: the default)
+@pytest.mark.slow  # (whole train steps: the full suite; the fast loop keeps a packed row's routing)
+@pytest.mark.parametrize("scope", ["step", "micro_batch"])
 def test_the_step_adds_the_routers_losses_and_logs_them(scope):
     """model.experts.aux_loss_coef and z_loss_coef add the router's pooled losses to the objective: the loss as
     logged is the objective's alone, aux_loss and router_z_loss are logged beside it, and the step's objective
@@ -238,7 +239,8 @@ def test_bad_expert_settings_are_one_line():
         sharding.check_experts(4, fake)
 
 
-@pytest.mark.parametrize("quantize", [pytest.param("none", marks=pytest.mark.slow), "nf4"])  # (fast: nf4's)
+@pytest.mark.slow  # (the fast loop keeps LoRA on the experts against peft: tests/test_moe_families.py)
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
 def test_lora_on_the_experts_trains_the_adapters_alone_and_folds_into_the_base(quantize):
     """model.lora on the attention and the experts (experts_gate_up, experts_down), the base stored as QLoRA stores
     it: only the adapters get gradients, the experts' adapters among them; folded into the base (a merged

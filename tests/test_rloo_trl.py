@@ -49,6 +49,7 @@ def assert_all_metrics(ours: dict, theirs: dict, case: str) -> None:
         assert ours[name] == pytest.approx(value, rel=1e-5, abs=2e-6), (case, name, ours[name], value)
 
 
+@pytest.mark.slow  # (RLOO against TRL: the full suite; the fast loop keeps GRPO's first step against TRL's)
 @pytest.mark.parametrize("case", [pytest.param("beta=0", marks=pytest.mark.slow),
                                   pytest.param("normalize", marks=pytest.mark.slow),
                                   pytest.param("epsilon_high=0.28", marks=pytest.mark.slow), "beta=0.05"])
@@ -75,6 +76,7 @@ def test_rloo_follows_trls_rlootrainer(case, tmp_path):
     jax.clear_caches()
 
 
+@pytest.mark.slow  # (the full suite)
 def test_grpo_logs_the_metrics_trl_logs_that_its_tests_leave_out(tmp_path):
     """TRL's cumulative num_tokens and the clipped share's min and max over completions (clip_ratio/low_min,
     /high_max), on a GRPO curve whose second pass clips: TRL's numbers."""
