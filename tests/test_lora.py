@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from seqjax.config.load import load_config
 from seqjax.hf import peft
 from seqjax.model import BASE_PARAMS, build_model, split_params
-from seqjax.model.assembly import fold
+from seqjax.model.assembly import fold, layer_targets
 from seqjax.model.loss import lm_loss
 from seqjax.model.sharding import param_spec
 from seqjax.train.optimizer import build_optimizer
@@ -106,8 +106,10 @@ def test_adapter_gradients_are_the_chain_rule_through_the_merged_weight():
         return lm_loss(logits(nnx.merge(pgraph, w, prest), data), data["targets"], data["weights"])[0]
 
     g_w = jax.grad(loss_of_weights)(merged)
+    assert len(layer_targets(config.model, 0)) == 7  # (a dense model's seven projections, each checked)
     for i in range(config.model.n_layers):
-        for target, (_, module, weight) in peft.MODULES.items():
+        for target in layer_targets(config.model, i):
+            _, module, weight = peft.MODULES[target]
             a = np.asarray(adapters["blocks"][i][module]["lora"][target]["lora_a"], np.float64)
             b = np.asarray(adapters["blocks"][i][module]["lora"][target]["lora_b"], np.float64)
             g = np.asarray(g_w["blocks"][i][module][weight], np.float64).reshape(a.shape[0], b.shape[1])

@@ -44,12 +44,19 @@ def _raised_in_orbax(tb: Any) -> bool:
     return False
 
 
+def _tensorstore_read(exc: BaseException | None) -> bool:
+    """An error TensorStore raised reading a checkpoint's array (its message carries the read's
+    ``tensorstore_spec``): the awaited future is TensorStore's own, so no orbax frame is in its
+    traceback."""
+    return exc is not None and "tensorstore_spec=" in str(exc)
+
+
 class _OrphanedReads(logging.Filter):
     """asyncio's "Task exception was never retrieved" for orbax reads of a step already reported
-    damaged."""
+    damaged (raised in orbax, or by the TensorStore future one of its reads awaited)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and _raised_in_orbax(record.exc_info[2]):
+        if record.exc_info and (_raised_in_orbax(record.exc_info[2]) or _tensorstore_read(record.exc_info[1])):
             log.debug("an orphaned read of a damaged checkpoint: %s",
                       (record.getMessage().splitlines() or [""])[0])
             return False
