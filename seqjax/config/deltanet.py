@@ -29,6 +29,16 @@ class DeltaNetConfig:
     def enabled(self) -> bool:
         return self.key_heads > 0
 
+    @property
+    def value_width(self) -> int:
+        """The value heads' width together (in_proj_z's and out_proj's)."""
+        return self.value_heads * self.value_dim
+
+    @property
+    def qkv_width(self) -> int:
+        """The query, key and value heads' width together (in_proj_qkv's, the convolution's channels)."""
+        return 2 * self.key_heads * self.key_dim + self.value_width
+
     def check(self, layer_types: list[str]) -> None:
         if "linear" in layer_types and not self.enabled:
             raise ConfigError("model.layer_types: got linear layers with model.deltanet.key_heads=0; "

@@ -233,8 +233,7 @@ def _state_bytes(cfg) -> int:
     dtype) and its float32 recurrent state."""
     net = cfg.deltanet
     layers = sum(cfg.mixer_of(i) == "deltanet" for i in range(cfg.n_layers))
-    channels = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim
-    conv = (net.conv_width - 1) * channels * jnp.dtype(cfg.compute_dtype).itemsize
+    conv = (net.conv_width - 1) * net.qkv_width * jnp.dtype(cfg.compute_dtype).itemsize
     return layers * (conv + net.value_heads * net.key_dim * net.value_dim * 4)
 
 

@@ -151,7 +151,6 @@ def recurrent_rows(cfg: ModelConfig, rows: int) -> RecurrentView:
     """A Gated DeltaNet layer's state row for ``rows`` sequences, zeros: the convolution window
     [rows, K - 1, C] (compute dtype) and the state [rows, H, Dk, Dv] (float32)."""
     net = cfg.deltanet
-    channels = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim
-    conv = jnp.zeros((rows, net.conv_width - 1, channels), jnp.dtype(cfg.compute_dtype))
+    conv = jnp.zeros((rows, net.conv_width - 1, net.qkv_width), jnp.dtype(cfg.compute_dtype))
     state = jnp.zeros((rows, net.value_heads, net.key_dim, net.value_dim), jnp.float32)
     return RecurrentView(conv, state, None)

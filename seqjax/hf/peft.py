@@ -357,8 +357,7 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Each tensor an adapter of ``cfg.lora`` on a base of ``cfg`` holds, and its shape."""
     lora, shapes = cfg.lora, {}
     net = cfg.deltanet
-    value = net.value_heads * net.value_dim
-    qkv = 2 * net.key_heads * net.key_dim + value
+    qkv, value = net.qkv_width, net.value_width
     widths = {
         # (Qwen3.5's q: [query | gate])
         "q": (cfg.d_model, cfg.n_heads * cfg.head_dim * (1 + cfg.attention_gate)),

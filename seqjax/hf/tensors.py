@@ -163,8 +163,7 @@ def _block_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]
     shapes = {"input_layernorm.weight": (d, ), "post_attention_layernorm.weight": (d, )}
     if cfg.mixer_of(layer) == "deltanet":
         net = cfg.deltanet
-        value = net.value_heads * net.value_dim
-        qkv = 2 * net.key_heads * net.key_dim + value
+        qkv, value = net.qkv_width, net.value_width
         shapes |= {"linear_attn.in_proj_qkv.weight": (qkv, d),
                    "linear_attn.in_proj_z.weight": (value, d),
                    "linear_attn.in_proj_b.weight": (net.value_heads, d),

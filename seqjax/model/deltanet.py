@@ -309,8 +309,7 @@ class DeltaNet(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         net, d, pdt = cfg.deltanet, cfg.d_model, jnp.dtype(cfg.param_dtype)
-        qkv = 2 * net.key_heads * net.key_dim + net.value_heads * net.value_dim
-        value = net.value_heads * net.value_dim
+        qkv, value = net.qkv_width, net.value_width
 
         def normal(shape, axes, std=cfg.init_std):
             return nnx.Param(std * jax.random.normal(rngs.params(), shape, pdt), axes=axes)
