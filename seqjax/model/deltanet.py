@@ -260,11 +260,11 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
             return h @ params[name].astype(dtype)
     x = jnp.where((segment_ids != 0)[..., None], x, 0).astype(dtype)  # (padding contributes nothing)
     dv = params["norm"].shape[0]
-    dk = (params["in_proj_qkv"].shape[1] - value_heads * dv) // (2 * key_heads)
     width = params["conv1d"].shape[-1]
     ids_dtype = segment_ids.dtype
     before = jnp.zeros((b,), ids_dtype) if view.carry is None else view.carry.astype(ids_dtype)
     inputs = project("in_proj_qkv", x)
+    dk = (inputs.shape[-1] - value_heads * dv) // (2 * key_heads)
     history = (jnp.zeros((b, width - 1, inputs.shape[-1]), dtype) if view.conv is None
                else view.conv.astype(dtype))
     # (the window's tokens belong to segment ``before``)
@@ -335,7 +335,7 @@ class DeltaNet(nnx.Module):
         ``positions``."""
         net = self.net
         shared = None if prefix_ids is None else (prefix_ids, positions)
-        out, _ = continued(self._params(x.dtype), x, segment_ids, RecurrentView(), key_heads=net.key_heads,
+        out, _ = continued(self._params(), x, segment_ids, RecurrentView(), key_heads=net.key_heads,
                            value_heads=net.value_heads, eps=self.eps, chunk=net.chunk,
                            project=self._projector(x.dtype, self.lora.key(dropout_key)), shared=shared)
         return out
@@ -346,14 +346,15 @@ class DeltaNet(nnx.Module):
         a prefill's fresh rows in the chunked form, a decode step's single tokens in the recurrent
         one); (out, the view after the call, its ``carry`` kept)."""
         net = self.net
-        out, view = continued(self._params(x.dtype), x, segment_ids, cache, key_heads=net.key_heads,
+        out, view = continued(self._params(), x, segment_ids, cache, key_heads=net.key_heads,
                               value_heads=net.value_heads, eps=self.eps, chunk=net.chunk,
                               recurrent=x.shape[1] == 1, project=self._projector(x.dtype))
         return out, dataclasses.replace(view, carry=cache.carry)
 
-    def _params(self, dtype) -> dict:
-        params = {name: weight(getattr(self, name), dtype) for name in DELTANET_TARGETS}
-        return params | {name: getattr(self, name)[...] for name in ("conv1d", "A_log", "dt_bias", "norm")}
+    def _params(self) -> dict:
+        """The layer's arrays but its projections (those go through :meth:`_projector`, each
+        dequantized once under QLoRA)."""
+        return {name: getattr(self, name)[...] for name in ("conv1d", "A_log", "dt_bias", "norm")}
 
     def _projector(self, dtype, key: jax.Array | None = None):
         """``project(name, h)`` for :func:`continued`: h through the projection with its adapter
