@@ -165,6 +165,15 @@ def test_what_seqjax_cannot_compute_is_one_line(change, message, tmp_path):
         hf.read_folder(folder)
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_an_ungated_attention_is_one_line_in_either_row(name, tmp_path):
+    """Both rows compute the gated attention only: a folder saying attn_output_gate false is refused."""
+    record, _ = reference(name)
+    folder = hf_folder(tmp_path / "q", {**record["config"], "attn_output_gate": False}, name=name)
+    with pytest.raises(CheckpointError, match=r"attn_output_gate: got False, expected true \(gated attention\)"):
+        hf.read_folder(folder)
+
+
 def test_transformers_loads_seqjax_export_with_equal_logits(imported, tmp_path):
     """Live, where torch and transformers >= 5.24 import: seqjax's export, loaded by transformers, gives the
     reference's logits."""

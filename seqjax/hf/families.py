@@ -146,6 +146,11 @@ _MOE_MUST_BE = {
 }
 
 
+# Qwen3.5's dense and MoE rows: the same attention (gated, q/k-normed, (1 + w) norms), the same refusals
+_QWEN3_5 = {"qk_norm": True, "norm_plus_one": True, "attention_gate": True}
+_QWEN3_5_MUST_BE = {**_NO_ATTENTION_BIAS, "attn_output_gate": ((True, None), "true (gated attention)")}
+
+
 def _aux_coef(hf: dict[str, Any]) -> float:
     """transformers adds router_aux_loss_coef times the load-balancing loss only under
     output_router_logits."""
@@ -349,15 +354,11 @@ FAMILIES: dict[str, Family] = {row.name: row for row in (
            must_be=_MOE_MUST_BE, windows=every_layer_slides, reads=_gpt_oss_reads, export=_gpt_oss_export,
            experts_of=gpt_oss_experts, experts=ExpertTensors("mlp.router", fused="mlp.experts"),
            quantizations=("mxfp4",)),
-    Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen3_5_text",
-           settings={"qk_norm": True, "norm_plus_one": True, "attention_gate": True},
-           must_be={**_NO_ATTENTION_BIAS,
-                    "attn_output_gate": ((True, None), "true (gated attention)")},
+    Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen3_5_text", settings=_QWEN3_5, must_be=_QWEN3_5_MUST_BE,
            rope=partial_rope, windows=qwen3_5_layers, export=qwen3_5_export, linear_layers=True),
-    Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text",
-           settings={"qk_norm": True, "norm_plus_one": True, "attention_gate": True},
-           must_be={**_NO_ATTENTION_BIAS, **{field: rule for field, rule in _MOE_MUST_BE.items()
-                                             if field != "shared_expert_intermediate_size"}},
+    Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", settings=_QWEN3_5,
+           must_be={**_QWEN3_5_MUST_BE, **{field: rule for field, rule in _MOE_MUST_BE.items()
+                                           if field != "shared_expert_intermediate_size"}},
            rope=partial_rope, windows=qwen3_5_layers, export=_qwen3_5_moe_export,
            linear_layers=True,
            experts_of=qwen3_5_moe_experts,
