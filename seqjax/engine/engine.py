@@ -27,7 +27,7 @@ from seqjax.config.engine import EngineConfig
 from seqjax.core.errors import UsageError
 from seqjax.engine import loop
 from seqjax.engine.paged import PagedKV
-from seqjax.engine.prefill import _bucket, pack, prefill, right_aligned
+from seqjax.engine.prefill import _bucket, one_a_row, pack, prefill, right_aligned
 from seqjax.model.sampling import SamplingConfig
 
 DEFAULT_SLOTS = 64
@@ -199,16 +199,10 @@ def _prompt_tables(lengths: Sequence[int], plan: Plan) -> np.ndarray:
 
 def _image_rows(prompts, tables: np.ndarray, plan: Plan):
     """Prompts with images: one to a row, right-padded, as their image fields were laid out."""
-    size, width = plan.page_size, max(len(p) for p in prompts)
-    inputs = np.zeros((len(prompts), width), np.int32)
-    positions, segment_ids = np.zeros_like(inputs), np.zeros_like(inputs)
-    slots = np.full(inputs.shape, plan.pages * size, np.int64)
-    for i, prompt in enumerate(prompts):
-        place = np.arange(len(prompt))
-        inputs[i, :len(prompt)], positions[i, :len(prompt)], segment_ids[i, :len(prompt)] = prompt, place, 1
-        slots[i, :len(prompt)] = tables[i, place // size] * size + place % size
+    rows = one_a_row(prompts, tables, plan.page_size, plan.pages, width=max(len(p) for p in prompts),
+                     rows=len(prompts))
     last = np.asarray([[i, len(p) - 1] for i, p in enumerate(prompts)])
-    return inputs, positions, segment_ids, slots, last
+    return rows.inputs, rows.positions, rows.segment_ids, rows.slots, last
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))

@@ -126,25 +126,30 @@ def prefill(model, cache: PagedKV, inputs, positions, segment_ids, slots, last, 
     keys = tuple(write(p, getattr(layer, "keys", None)) for p, layer in zip(cache.keys, layers))
     values = tuple(write(p, getattr(layer, "values", None)) for p, layer in zip(cache.values, layers))
     states = tuple(RecurrentView(layer.conv[last[:, 0]], layer.state[last[:, 0]], None)
-                   if isinstance(layer, RecurrentView) else None for layer in capture.layers)
+                   if isinstance(layer, RecurrentView) else None for layer in layers)
     hidden = x[last[:, 0], last[:, 1]]  # [prompts, D]: each prompt's last token
     logits = model.logits(hidden[:, None])[:, 0]
     return logits, dataclasses.replace(cache, keys=keys, values=values), states
 
 
-def right_aligned(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: int,
-                  pages: int) -> Packing:
-    """One prompt a row, padded before it, so its last token ends the row (a model with Gated
-    DeltaNet layers: the chunked form hands on the state after the row's last token)."""
-    width = _bucket(max(len(p) for p in prompts), 16)
-    rows = _bucket(len(prompts), 1)
+def one_a_row(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: int, pages: int, *,
+              width: int, rows: int, ending: bool = False) -> Packing:
+    """One prompt a row of ``width`` (``rows`` rows), from the row's start (prompts with images, as
+    their image fields lay them out) or ``ending`` it, padded before it (a model with Gated DeltaNet
+    layers: the chunked form hands on the state after the row's last token)."""
     inputs = np.zeros((rows, width), np.int32)
     positions, segment_ids = np.zeros_like(inputs), np.zeros_like(inputs)
     slots = np.full((rows, width), pages * page_size, np.int64)
-    for i, prompt in enumerate(prompts):
-        n, place = len(prompt), np.arange(len(prompt))
-        inputs[i, width - n:], positions[i, width - n:] = prompt, place
-        segment_ids[i, width - n:] = 1
-        slots[i, width - n:] = page_tables[i, place // page_size] * page_size + place % page_size
-    starts = np.asarray([[i, width - len(p)] for i, p in enumerate(prompts)], np.int64)
+    starts = np.asarray([[i, width - len(p) if ending else 0] for i, p in enumerate(prompts)], np.int64)
+    for (i, start), prompt in zip(starts, prompts):
+        at, place = slice(start, start + len(prompt)), np.arange(len(prompt))
+        inputs[i, at], positions[i, at], segment_ids[i, at] = prompt, place, 1
+        slots[i, at] = page_tables[i, place // page_size] * page_size + place % page_size
     return Packing(inputs, positions, segment_ids, starts, slots)
+
+
+def right_aligned(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: int,
+                  pages: int) -> Packing:
+    """:func:`one_a_row`, each prompt ending its row; rows and width bucketed as :func:`pack`'s."""
+    return one_a_row(prompts, page_tables, page_size, pages, width=_bucket(max(len(p) for p in prompts), 16),
+                     rows=_bucket(len(prompts), 1), ending=True)
