@@ -262,29 +262,44 @@ def test_a_row_split_over_the_context_axis_is_refused_with_linear_layers(tmp_pat
                            "model.deltanet.value_heads=2", "mesh.context=2", "data.seq_len=64"])
 
 
-def test_a_folder_with_the_vision_tower_trains_its_text_model_and_says_so(tmp_path, caplog):
-    """The Hub ships Qwen3.5 as Qwen3_5ForConditionalGeneration: the text model under model.language_model.*,
-    its config in text_config, beside a vision tower (model.visual.*) and multi-token-prediction layers
-    (mtp.*). seqjax reads the text model (the reference's logits), leaves the rest out, says so in one line,
-    and refuses images (the model has no tower)."""
-    import logging
+MTP = {"mtp.fc.weight": (32, 64), "mtp.layers.0.mlp.gate_proj.weight": (48, 32), "mtp.norm.weight": (32,)}
 
+
+def mtp_tensors() -> dict[str, np.ndarray]:
+    """Multi-token-prediction layers as the Hub stores them (bfloat16), drawn at random."""
+    rng = np.random.default_rng(7)
+    return {name: rng.normal(size=shape).astype(jnp.bfloat16) for name, shape in MTP.items()}
+
+
+def hub_folder(folder: Path) -> Path:
+    """The tiny reference model as the Hub ships Qwen3.5: Qwen3_5ForConditionalGeneration, the text model under
+    model.language_model.* with its config in text_config, beside a vision tower (model.visual.*) and
+    multi-token-prediction layers (mtp.*, with their config field)."""
     from safetensors.numpy import save_file
 
-    record, ref = reference("qwen3_5")
+    record, _ = reference("qwen3_5")
     text = {k: v for k, v in record["config"].items() if k not in ("architectures", "model_type")}
-    folder = hf_folder(tmp_path / "vl", {"architectures": ["Qwen3_5ForConditionalGeneration"],
-                                         "model_type": "qwen3_5", "text_config": text,
-                                         "vision_config": {"depth": 2, "hidden_size": 16}, "image_token_id": 5})
+    folder = hf_folder(folder, {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                                "text_config": {**text, "mtp_num_hidden_layers": 1},
+                                "vision_config": {"depth": 2, "hidden_size": 16}, "image_token_id": 5})
     weights = SCRIPT.reference_weights(record["tensors"])
     renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): w
                for n, w in weights.items()}
-    extra = {"model.visual.blocks.0.attn.qkv.weight": np.ones((48, 16), np.float32),
-             "mtp.layers.0.mlp.gate_proj.weight": np.ones((48, 32), np.float32)}
-    save_file({**renamed, **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tower = {"model.visual.blocks.0.attn.qkv.weight": np.ones((48, 16), np.float32)}
+    save_file({**renamed, **tower, **mtp_tensors()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_folder_with_the_vision_tower_trains_its_text_model_and_says_so(tmp_path, caplog):
+    """seqjax reads a Hub folder's text model (the reference's logits), leaves the tower out, says so in one line,
+    and refuses images (the model has no tower)."""
+    import logging
+
+    _, ref = reference("qwen3_5")
     with caplog.at_level(logging.INFO, logger="seqjax.hf.folders"):
-        read = hf.read_folder(folder)
+        read = hf.read_folder(hub_folder(tmp_path / "vl"))
     assert "a Qwen3.5 folder with a vision tower: seqjax reads its text model" in caplog.text
+    assert "3 tensors seqjax keeps as they are but does not compute or train (mtp.*)" in caplog.text
     assert read.model.family == "qwen3_5" and read.model.vision.depth == 0
     model = hf.model_with_params(hf.run_config(read, ["model.attention=xla"]), hf.read_params(read))
     assert_close(jitted(model, ref["seq0.ids"]), ref["seq0.logits"])
@@ -292,3 +307,39 @@ def test_a_folder_with_the_vision_tower_trains_its_text_model_and_says_so(tmp_pa
         model.forward(jnp.ones((1, 4), jnp.int32), positions=jnp.zeros((1, 4), jnp.int32),
                       segment_ids=jnp.ones((1, 4), jnp.int32), positions_3d=jnp.zeros((1, 4, 3), jnp.int32),
                       pixel_values=jnp.zeros((4, 8)))
+
+
+def exported(folder: Path) -> tuple[dict[str, np.ndarray], dict]:
+    from seqjax.hf.folders import tensor_files, tensor_reader
+
+    read = tensor_reader(tensor_files(folder))
+    return {n: read(n) for n in tensor_files(folder)}, json.loads((folder / "config.json").read_text())
+
+
+def test_mtp_layers_are_kept_through_import_and_export_untrained(tmp_path):
+    """Qwen3.5's multi-token-prediction layers (mtp.*) are no part of the model seqjax computes: an import keeps
+    them in the run folder as stored, and an export writes them back under their names with their config field,
+    beside the text model (where transformers' Qwen3_5ForCausalLM ignores them and vLLM reads them). A
+    Qwen3_5ForCausalLM folder holding them, refused before as having tensors with no place, reads too."""
+    from seqjax.hf.carried import CARRIED_FILE, read_carried
+    from seqjax.main import export, import_hf
+
+    record, _ = reference("qwen3_5")
+    hub = hub_folder(tmp_path / "hub")
+    import_hf.main([str(hub), "--out", str(tmp_path / "run")])
+    kept, fields = read_carried(tmp_path / "run")
+    assert (tmp_path / "run" / CARRIED_FILE).is_file() and fields == {"mtp_num_hidden_layers": 1}
+    for name, value in mtp_tensors().items():
+        assert kept[name].dtype == value.dtype and np.array_equal(kept[name], value), name
+    for source, flag in ((tmp_path / "run", "--run"), (hub, "--hf")):
+        out = tmp_path / f"export{flag}"
+        export.main([flag, str(source), "--out", str(out)])
+        tensors, config = exported(out)
+        assert set(tensors) == set(record["tensors"]) | set(MTP) and config["mtp_num_hidden_layers"] == 1
+        assert config["architectures"] == ["Qwen3_5ForCausalLM"]
+        for name, value in mtp_tensors().items():
+            np.testing.assert_array_equal(tensors[name], value.astype(np.float32), err_msg=name)
+    # the export, a text folder with mtp.*, reads again, keeping them
+    again = hf.read_folder(tmp_path / "export--run")
+    assert again.carried == tuple(sorted(MTP)) and again.model == hf.read_folder(hub).model
+    hf.read_params(again)

@@ -317,6 +317,7 @@ class Family:
     quantizations: tuple[str, ...] = ()  # quantization_config.quant_method values dequantized on import
     # Gated DeltaNet layers (model.layer_types linear) in its checkpoints
     linear_layers: bool = False
+    carried: str | None = None  # tensors <carried>.* and fields <carried>_* kept, not computed (seqjax.hf.carried)
 
 
 FAMILIES: dict[str, Family] = {row.name: row for row in (
@@ -355,12 +356,12 @@ FAMILIES: dict[str, Family] = {row.name: row for row in (
            experts_of=gpt_oss_experts, experts=ExpertTensors("mlp.router", fused="mlp.experts"),
            quantizations=("mxfp4",)),
     Family("qwen3_5", "Qwen3_5ForCausalLM", "qwen3_5_text", settings=_QWEN3_5, must_be=_QWEN3_5_MUST_BE,
-           rope=partial_rope, windows=qwen3_5_layers, export=qwen3_5_export, linear_layers=True),
+           rope=partial_rope, windows=qwen3_5_layers, export=qwen3_5_export, linear_layers=True, carried="mtp"),
     Family("qwen3_5_moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", settings=_QWEN3_5,
            must_be={**_QWEN3_5_MUST_BE, **{field: rule for field, rule in _MOE_MUST_BE.items()
                                            if field != "shared_expert_intermediate_size"}},
            rope=partial_rope, windows=qwen3_5_layers, export=_qwen3_5_moe_export,
-           linear_layers=True,
+           linear_layers=True, carried="mtp",
            experts_of=qwen3_5_moe_experts,
            experts=ExpertTensors("mlp.gate", "mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj",
                                  "mlp.experts.{}.down_proj")),

@@ -50,6 +50,7 @@ from seqjax.core.errors import CheckpointError
 from seqjax.core.files import read_utf8, write_text_atomic
 from seqjax.core.progress import progress_bar
 from seqjax.hf import mxfp4
+from seqjax.hf.carried import carried_names
 from seqjax.hf.families import hf_config, model_config_from_hf
 from seqjax.hf.qwen3_5 import conditional_text, text_tensors
 from seqjax.hf.tensors import from_hf as params_from_hf
@@ -93,6 +94,7 @@ class HFFolder:
     eos_token: str
     bos_token: str | None
     pad_token: str | None = None
+    carried: tuple[str, ...] = ()  # tensors kept as they are, not computed (seqjax.hf.carried)
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -208,8 +210,7 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     elif (text := conditional_text(config_json)) is not None:  # (Qwen3.5 with its tower)
         model = model_config_from_hf(text, f"{path / CONFIG_JSON} text_config")
         log.info("%s: a Qwen3.5 folder with a vision tower: seqjax reads its text model (%s*); "
-                 "the tower (model.visual.*) and the multi-token-prediction layers (mtp.*) are "
-                 "left out, and images are refused", path, TEXT_PREFIX)
+                 "the tower (model.visual.*) is left out, and images are refused", path, TEXT_PREFIX)
     else:
         model = model_config_from_hf(config_json, str(path / CONFIG_JSON))
     weight_map = tensor_files(path)
@@ -225,12 +226,16 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
         raise CheckpointError(f"{tokenizer}: not a valid tokenizer.json ({err})") from None
     eos, bos, pad = _special_tokens(path, config_json, hf_tokenizer)
     model = _own_head(path, model, weight_map)
+    carried = tuple(carried_names(model.family, weight_map))
+    if carried:
+        log.info("%s: %d tensors seqjax keeps as they are but does not compute or train (%s), written back on "
+                 "export", path, len(carried), ", ".join(sorted({n.split(".")[0] + ".*" for n in carried})))
     vocab = hf_tokenizer.get_vocab_size(with_added_tokens=True)
     if vocab > model.vocab_size:
         raise CheckpointError(
             f"{tokenizer}: {vocab} tokens, but {CONFIG_JSON} vocab_size is {model.vocab_size} (too few embedding rows)"
         )
-    return HFFolder(path, config_json, model, weight_map, tokenizer, eos, bos, pad)
+    return HFFolder(path, config_json, model, weight_map, tokenizer, eos, bos, pad, carried)
 
 
 def _own_head(path: Path, model: ModelConfig, weight_map: dict[str, Path]) -> ModelConfig:
@@ -293,6 +298,7 @@ def read_params(hf: HFFolder, dtype: str = "float32") -> dict[str, Any]:
         read, names = mxfp4.dequantizing(read, names)  # (gpt-oss's experts, dequantized as transformers does)
     if conditional_text(hf.config_json) is not None:
         read, names = text_tensors(read, names)
+    names = [n for n in names if n not in hf.carried]
     with bar:
         if hf.model.vision.depth:
             return vision_language_params(read, names, hf.model, source, DTYPES[dtype])
@@ -426,10 +432,12 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
                  pad_token: str | None = None, dtype: str = "float32",
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                  chat_template: str | None = None, image_token: str = "<|image_pad|>",
-                 image_processor: Path | None = None) -> dict[str, Any]:
+                 image_processor: Path | None = None,
+                 carried: tuple[dict[str, np.ndarray], dict[str, Any]] = ({}, {})) -> dict[str, Any]:
     """Write an HF folder for ``cfg`` and ``params`` (its family's, or Qwen3-VL's or Qwen2.5-VL's
     with a tower, and then ``image_processor``'s preprocessor_config.json); returns what was
-    written.
+    written. ``carried``: (tensors, config.json fields) the model kept untrained
+    (seqjax.hf.carried), written beside its own.
 
     Tensors are cast to ``dtype`` and written by ``safetensors`` with the
     ``{"format": "pt"}`` metadata transformers expects, in one file or in
@@ -456,6 +464,7 @@ def write_folder(out: str | os.PathLike, cfg: ModelConfig, params: dict[str, Any
         tensors, config_json = vision_language_folder(model_type, tensors, params["vision"], cfg,
                                                       config_json, hf_tok.token_to_id, image_token,
                                                       str(out))
+    tensors, config_json = {**tensors, **carried[0]}, {**config_json, **carried[1]}
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.astype(DTYPES[dtype]) for name, t in tensors.items()}
     files, shards = _write_weights(out, tensors, max_shard_bytes, dtype)

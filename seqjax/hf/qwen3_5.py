@@ -54,7 +54,7 @@ CONDITIONAL = {"Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_
                "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text")}
 CONDITIONAL_TYPES = {"qwen3_5": "Qwen3_5ForConditionalGeneration",
                      "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-TEXT_PREFIX, LEFT_OUT = "model.language_model.", ("model.visual.", "mtp.")
+TEXT_PREFIX, LEFT_OUT = "model.language_model.", "model.visual."
 
 
 def conditional_text(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -73,8 +73,8 @@ def conditional_text(config: dict[str, Any]) -> dict[str, Any] | None:
 def text_tensors(read: Callable[[str], Any],
                  names: Iterable[str]) -> tuple[Callable[[str], Any], list[str]]:
     """(read, names) of such a folder's text model: ``model.language_model.X`` read as
-    ``model.X``, the head as it is, the tower (``model.visual.*``) and the multi-token-prediction
-    layers (``mtp.*``) left out."""
+    ``model.X``, the head and the multi-token-prediction layers (``mtp.*``: seqjax.hf.carried keeps
+    them) as they are, the tower (``model.visual.*``) left out."""
     names = [n for n in names if not n.startswith(LEFT_OUT)]
     renamed = {("model." + n[len(TEXT_PREFIX):] if n.startswith(TEXT_PREFIX) else n): n
                for n in names}

@@ -29,12 +29,14 @@ from seqjax.core.errors import UsageError
 from seqjax.core.files import check_new_folder, staged_folder, write_text_atomic
 from seqjax.hf import folders as hf
 from seqjax.hf import peft
+from seqjax.hf.carried import folder_carried, read_carried
 from seqjax.hf.vision import encoder_of
 from seqjax.main import cli, trained
 from seqjax.model.assembly import full_weights
 from seqjax.model.lora import trained_filter
 from seqjax.store.chat import find_chat_template
 from seqjax.store.image_chats import image_processor_file
+from seqjax.weights import sources
 from seqjax.weights.inference import newest_meta
 
 log = logging.getLogger(__name__)
@@ -100,10 +102,20 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
             chat_template=find_chat_template(Path(tokenizer.path), config.data.chat_template),
             image_token=config.data.image_token,
             image_processor=processor,
+            carried=_carried(args),
         )
     result["out"] = str(args.out)
     print(json.dumps(result), flush=True)
     return result
+
+
+def _carried(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors, config fields) the model carries untrained (seqjax.hf.carried: Qwen3.5's mtp.*), from
+    the --hf folder or the run's carried.safetensors, to be written back beside it."""
+    if getattr(args, "hf", None):
+        return folder_carried(hf.read_folder(args.hf))
+    key = "--run" if args.run else "--checkpoint"
+    return read_carried(sources.locate(args.run or args.checkpoint, key).config_file.parent)
 
 
 def _processor_file(image_processor: str | None) -> Path | None:

@@ -27,6 +27,7 @@ from seqjax.config.load import announce
 from seqjax.core.errors import UsageError
 from seqjax.core.files import check_new_folder, staged_folder, write_text_atomic
 from seqjax.hf import folders as hf
+from seqjax.hf.carried import folder_carried, write_carried
 from seqjax.main import cli
 from seqjax.model.stacking import blocks_layout
 from seqjax.store.chat import find_chat_template
@@ -81,6 +82,7 @@ def import_folder(args: argparse.Namespace) -> dict[str, Any]:
         name = folder.config_json.get("_name_or_path")
         save_params(staging, 0, params, {"tokens_seen": 0, "imported_from": str(folder.path.resolve()),
                                          "name_or_path": name if isinstance(name, str) and name else None})
+        write_carried(staging, *folder_carried(folder), str(folder.path))  # (Qwen3.5's mtp.*, kept as they are)
         # (named where it will be: the staging folder is renamed)
         announce(config, staging, final=out, given=(str(folder.path / "config.json"), overrides))
     result = {

@@ -276,6 +276,7 @@ def _train(config: Config, mesh, wall_start: float, validate, source: init_from.
     # were
     if run.primary:
         keep_tokenizer(run.tokenizer_source, run.run_dir)
+        init_from.keep_carried(source, run.run_dir)
         announce(config, run.run_dir)
         logger.info("%s parameters; mesh %s; %d process(es); unigram %s perplexity %s",
                     f"{run.num_params:,}", dict(mesh.shape), jax.process_count(), config.eval.split,

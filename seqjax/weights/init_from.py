@@ -34,6 +34,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from seqjax.config.load import load_config
 from seqjax.config.tree import Config, ConfigError, ModelConfig
 from seqjax.hf import folders as hf
+from seqjax.hf.carried import CARRIED_FILE, folder_carried, read_carried, write_carried
 from seqjax.model import BASE_PARAMS, build_model
 from seqjax.model.stacking import blocks_layout
 from seqjax.store.build import prepare
@@ -150,3 +151,14 @@ def load_params(source: Source, dtype: str, scan_layers: bool = False) -> dict[s
     if source.folder is not None:
         return blocks_layout(hf.read_params(source.folder, dtype), stacked=scan_layers)
     return inference.base_weights(str(source.path), dtype, scan_layers)
+
+
+def keep_carried(source: Source | None, run_dir: Path) -> None:
+    """The tensors the source carries (seqjax.hf.carried: Qwen3.5's mtp.*), copied into ``run_dir``
+    once, untrained: an export of the run writes them back."""
+    if source is None or (Path(run_dir) / CARRIED_FILE).is_file():
+        return
+    if source.folder is not None:
+        write_carried(run_dir, *folder_carried(source.folder), str(source.path))
+    elif source.home is not None:
+        write_carried(run_dir, *read_carried(source.home), str(source.home / CARRIED_FILE))
