@@ -144,6 +144,26 @@ def test_a_group_stores_its_prompt_once_and_slots_take_the_next_sequence_as_one_
     assert all(c.stopped == (c.tokens[-1] in (3, 5, 9)) for c in done)
 
 
+def test_each_sequence_is_handed_over_as_it_ends_while_the_others_decode():
+    """``on_done`` streams: 32 sequences over 4 slots, ending at different steps, reach it in the order they end
+    (the step each ends at follows from the tokens: a sequence takes the first slot to free), each once, equal to
+    what the run returns; the CLI's --stream prints them so (tests/test_generate.py)."""
+    model = model_of()
+    prompts = prompts_of([30, 12, 25, 7], seed=5)
+    streamed = []
+    done = Engine(model, EngineConfig(slots=4, page_size=8)).run(
+        prompts, max_new_tokens=20, stop_ids=[3, 5, 9], sampling=SamplingConfig(temperature=1.0),
+        key=jax.random.key(0), copies=8, on_done=lambda i, c: streamed.append((i, c)))
+    free, ends = [0] * 4, {}
+    for i, completion in enumerate(done):  # (the loop's schedule: each sequence takes the first slot to free)
+        slot = min(range(4), key=lambda k: free[k])
+        ends[i] = free[slot] + len(completion.tokens) - 1
+        free[slot] = ends[i] + 1
+    order = [i for i, _ in streamed]
+    assert sorted(order) == list(range(32)) and all(c == done[i] for i, c in streamed)
+    assert [ends[i] for i in order] == sorted(ends[i] for i in order) and order != sorted(order)
+
+
 def test_generate_leaves_the_stop_id_out_and_rollouts_keep_it():
     model = model_of()
     prompts = prompts_of([4, 6], seed=1)

@@ -96,7 +96,8 @@ def test_bad_requests_are_refused_before_decoding(model, tmp_path):
 
 @pytest.mark.slow
 def test_generate_cli_prints_json_last(wikitext_prepared, wikitext_config, tmp_path, monkeypatch, capsys):
-    """The CLI wiring (checkpoint, the run's tokenizer, a batch from a file); the checkpoint loader is stood in for."""
+    """The CLI wiring (checkpoint, the run's tokenizer, a batch from a file); the checkpoint loader is stood in for.
+    --stream prints each continuation as one JSON line as it ends, before the summary."""
     from seqjax.main import generate as generate_cli
 
     vocab = wikitext_prepared.tokenizer.vocab_size
@@ -105,10 +106,14 @@ def test_generate_cli_prints_json_last(wikitext_prepared, wikitext_config, tmp_p
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The game\nIn 1998 ,\n")
     generate_cli.main(["--run", str(tmp_path), "--prompt", "", "--prompts", str(prompts), "--max-new-tokens", "5",
-                       "--temperature", "0"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert [s["prompt"] for s in result["samples"]] == ["", "The game", "In 1998 ,"]
+                       "--temperature", "0", "--num-return-sequences", "2", "--stream"])
+    *streamed, result = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [s["prompt"] for s in result["samples"]] == ["", "", "The game", "The game", "In 1998 ,", "In 1998 ,"]
     assert all(s["new_tokens"] == 5 or s["stopped_at_eot"] for s in result["samples"])
+    assert sorted(s["index"] for s in streamed) == list(range(6))
+    for line in streamed:
+        assert {k: line[k] for k in ("prompt", "completion", "new_tokens")} == {
+            k: result["samples"][line["index"]][k] for k in ("prompt", "completion", "new_tokens")}
 
 
 def test_a_prompt_too_long_is_blamed_on_the_prompt_and_too_many_new_tokens_on_that_flag(model):

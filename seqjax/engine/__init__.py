@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -44,20 +44,27 @@ class Generation:
 def generate(model, prompts: Sequence[Sequence[int]], *, eot_id: int | Sequence[int] | None,
              max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(temperature=0.0), seed: int = 0,
              images: dict[str, np.ndarray] | None = None, copies: int = 1,
-             engine: EngineConfig | None = None) -> list[Generation]:
+             engine: EngineConfig | None = None,
+             on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
     """Continue each prompt (token lists, each already starting with its context) by up to
     ``max_new_tokens``, stopping at the first ``eot_id`` (several: any; None: never), which is left
-    out. ``copies`` continuations of each, prompt-major. ``images``: the prompts' image fields."""
+    out. ``copies`` continuations of each, prompt-major. ``images``: the prompts' image fields.
+    ``on_done(index, generation)``: each continuation as it ends, while the others decode."""
     stops = [] if eot_id is None else [int(i) for i in np.atleast_1d(eot_id)]
     runner = Engine(model, engine)
     done = runner.run(prompts, max_new_tokens=max_new_tokens, stop_ids=stops, sampling=sampling,
-                      key=jax.random.key(seed), copies=copies, images=images)
+                      key=jax.random.key(seed), copies=copies, images=images,
+                      on_done=None if on_done is None else lambda i, c: on_done(i, _generation(c)))
     s = runner.stats
     log.info("engine: %d sequences on %d slots (%.0f%% of slot steps decoded a token), %d pages of "
              "%d tokens (%d hold the prompts once), %.1f MB of keys and values", s["sequences"],
              s["slots"], 100 * s["slot_use"], s["pages"], s["page_size"], s["prompt_pages"],
              s["kv_bytes"] / 1e6)
-    return [Generation(c.tokens[:-1] if c.stopped else c.tokens, c.stopped) for c in done]
+    return [_generation(c) for c in done]
+
+
+def _generation(c: Completion) -> Generation:
+    return Generation(c.tokens[:-1] if c.stopped else c.tokens, c.stopped)
 
 
 def sample_rollouts(model, prompts: Sequence[Sequence[int]], *, stop_ids: Sequence[int], max_new_tokens: int,

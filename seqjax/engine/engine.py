@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,11 +111,12 @@ class Engine:
         return plan
 
     def run(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
-            sampling: SamplingConfig, key: jax.Array, copies: int = 1, images: dict | None = None
-            ) -> list[Completion]:
+            sampling: SamplingConfig, key: jax.Array, copies: int = 1, images: dict | None = None,
+            on_done: Callable[[int, Completion], None] | None = None) -> list[Completion]:
         """``copies`` completions of every prompt, prompt-major, each up to ``max_new_tokens`` and
         ending at the first of ``stop_ids`` (kept). ``images``: the prompts' image fields, one row
-        each as :func:`seqjax.data.image_rows.image_batch` lays them out."""
+        each as :func:`seqjax.data.image_rows.image_batch` lays them out. ``on_done(index,
+        completion)``: called on the host as each sequence ends, while the others decode."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise UsageError("the engine: expected at least one prompt, each with at least one "
                              "token")
@@ -126,9 +127,14 @@ class Engine:
         rows, prefill_rows = self.rows(prompts, _prompt_tables(lengths, plan), plan, images)
         free = np.arange(plan.pages - 1, plan.prompt_pages - 1, -1, dtype=np.int32)
         pool = loop.Pool(jnp.asarray(np.pad(free, (0, plan.pages - len(free)))), jnp.int32(len(free)), jnp.int32(0))
-        out = _generate(self.graphdef, self.state, rows, pool, plan, copies, max_new_tokens,
-                        jnp.asarray(list(stop_ids) or [-1], jnp.int32), sampling.arrays(), key)
-        tokens, logprobs, lengths_out, stopped = (np.asarray(a) for a in out[:4])
+        _LISTENERS.append(on_done)
+        try:
+            out = _generate(self.graphdef, self.state, rows, pool, plan, copies, max_new_tokens,
+                            jnp.asarray(list(stop_ids) or [-1], jnp.int32), sampling.arrays(), key,
+                            on_done is not None)
+            tokens, logprobs, lengths_out, stopped = (np.asarray(a) for a in out[:4])
+        finally:
+            _LISTENERS.pop()
         slot_steps, token_steps = int(out.slot_steps), int(out.token_steps)
         self.stats = {"sequences": len(tokens), "slots": plan.slots, "page_size": plan.page_size,
                       "pages": plan.pages, "prompt_pages": plan.prompt_pages, "kv_bytes": plan.kv_bytes,
@@ -205,10 +211,24 @@ def _image_rows(prompts, tables: np.ndarray, plan: Plan):
     return rows.inputs, rows.positions, rows.segment_ids, rows.slots, last
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))
-def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_new: int, stops, settings, key):
+# The running stream's on_done (Engine.run's), which the decode loop's host callback calls.
+_LISTENERS: list = []
+
+
+def _stream(sequence, tokens, logprobs, lengths, stopped) -> None:
+    """loop.decode's ``emit``: each sequence that ended this step, as a Completion, to the listener."""
+    for i in np.flatnonzero(np.asarray(sequence) >= 0):
+        n = int(lengths[i])
+        _LISTENERS[-1](int(sequence[i]), Completion(np.asarray(tokens[i, :n]).tolist(), bool(stopped[i]),
+                                                    np.asarray(logprobs[i, :n]).tolist()))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 10))
+def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_new: int, stops, settings, key,
+              stream: bool = False):
     """One program: the cache made, the prompts prefilled into it, the decode loop over it (the
-    cache lives inside, never an argument copied into the loop)."""
+    cache lives inside, never an argument copied into the loop); ``stream``: each sequence handed to
+    the host as it ends."""
     model = nnx.merge(graphdef, state)
     cache = PagedKV.empty(model.cfg, plan.pages, plan.page_size, plan.slots, plan.table)
     images = dict(rows.images)
@@ -219,7 +239,7 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_ne
     requests = loop.Requests(rows.tables, rows.lengths, rows.next_position, logits,
                              states if any(s is not None for s in states) else ())
     return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
-                       settings=settings, key=key, slots=plan.slots)
+                       settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None)
 
 
 def _state_bytes(cfg) -> int:

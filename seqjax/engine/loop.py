@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import io_callback
 
 from seqjax.engine.paged import PagedKV
 from seqjax.model.sampling import sample_rows
@@ -77,9 +78,12 @@ def worst_pages(lengths: jax.Array, max_new: int, page_size: int) -> jax.Array:
 
 
 def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int, max_new: int, stops: jax.Array,
-           settings: dict, key: jax.Array, slots: int) -> Outputs:
+           settings: dict, key: jax.Array, slots: int, emit=None) -> Outputs:
     """Every prompt's ``copies`` completions of up to ``max_new`` tokens, through ``slots``
-    decode slots (the module's docstring)."""
+    decode slots (the module's docstring). ``emit(sequence, tokens, logprobs, lengths, stopped)``:
+    a host function called (``io_callback``) on each step some sequences end in, with each slot's
+    row (``sequence`` -1 where its slot's did not end), so a caller streams completions as they
+    finish."""
     n = requests.prompt_pages.shape[0] * copies
     vocab = requests.prompt_logits.shape[-1]
     table = cache.page_table.shape[1]
@@ -120,11 +124,22 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
                                logits=jnp.where(going[:, None], logits, state.logits))
         out = out._replace(lengths=out.lengths.at[jnp.where(stop, seq, n)].set(state.drawn, mode="drop"),
                            stopped=out.stopped.at[jnp.where(stop, seq, n)].set(hit, mode="drop"))
+        if emit is not None:
+            _emit_ended(emit, stop, seq, out)
         cache, state, pool = _release(cache, state, pool, stop, pages)
         cache, state, pool = _admit(cache, state, pool, requests, need, copies, n, size, pages)
         return cache, state, pool, out
 
     return jax.lax.while_loop(more, step, (cache, state, pool, out))[3]
+
+
+def _emit_ended(emit, stop, seq, out: Outputs) -> None:
+    """``emit`` on the host with the sequences that ended this step (only on steps some did)."""
+    def call(args):
+        io_callback(emit, None, *args, ordered=True)
+
+    rows = (jnp.where(stop, seq, -1), out.tokens[seq], out.logprobs[seq], out.lengths[seq], out.stopped[seq])
+    jax.lax.cond(jnp.any(stop), call, lambda args: None, rows)
 
 
 def _grow(cache: PagedKV, state: Slots, pool: Pool, going, size: int, pages: int, table: int):

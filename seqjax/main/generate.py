@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: run.seed)")
     p.add_argument("--num-return-sequences", dest="num_return_sequences", type=int, default=1,
                    help="continuations of each prompt (transformers' num_return_sequences)")
+    p.add_argument("--stream", action="store_true",
+                   help="print each continuation as one JSON line as soon as it ends (the others still "
+                   "decoding); the last line is still the summary")
     return p
 
 
@@ -169,6 +172,13 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
     else:  # a prompt as the store encodes text, after the opening token every document has
         ids = [tokenizer.opened(tokenizer.encode(text)) for text in texts]
     seed = config.run.seed if args.seed is None else args.seed
+    copies = args.num_return_sequences
+    prompts = [t for t in texts for _ in range(copies)]
+
+    def stream(index: int, out) -> None:  # (--stream: a line as each continuation ends)
+        print(json_text({"index": index, "prompt": prompts[index], "completion": tokenizer.decode_whole(out.tokens),
+                         "new_tokens": len(out.tokens), "stopped_at_eot": out.stopped}), flush=True)
+
     start = time.perf_counter()
     outputs = generate(
         model,
@@ -180,12 +190,13 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=seed,
-        copies=args.num_return_sequences,
+        copies=copies,
         engine=config.engine,
+        on_done=stream if args.stream else None,
     )
     seconds = time.perf_counter() - start
     samples = []
-    for text, out in zip([t for t in texts for _ in range(args.num_return_sequences)], outputs):
+    for text, out in zip(prompts, outputs):
         completion = tokenizer.decode_whole(out.tokens)
         log.info("--- %r\n%s%s", text, text, completion)
         samples.append({"prompt": text, "completion": completion, "new_tokens": len(out.tokens),
