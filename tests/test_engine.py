@@ -176,6 +176,38 @@ def test_generate_leaves_the_stop_id_out_and_rollouts_keep_it():
     assert kept[0].tokens == ended[0].tokens + [stop]
 
 
+def test_a_stop_sequence_ends_a_continuation_where_its_tokens_first_end_it():
+    """Stop sequences of several tokens (seqjax.generate --stop), right-aligned in one array whatever their
+    lengths: greedy tokens end where a pair taken from the free run first ends, the pair left out of generate's
+    output; a longer sequence that never occurs changes nothing."""
+    from seqjax.main.generate import stop_tokens
+
+    model = model_of()
+    prompts = prompts_of([5, 9], seed=2)
+    never = [VOCAB + 1, VOCAB + 2, VOCAB + 3]  # (no such token; the three runs' stop arrays of one shape compile once)
+    free = generate(model, prompts, eot_id=None, max_new_tokens=12, stop_sequences=[never, never])
+    pair = free[0].tokens[4:6]
+    end = next(j for j in range(2, 13) if free[0].tokens[j - 2:j] == pair)
+    ended = generate(model, prompts, eot_id=None, max_new_tokens=12, stop_sequences=[never, pair])
+    assert ended[0].stopped and ended[0].tokens == free[0].tokens[:end - 2]
+    assert all(ended[1].tokens[:j] == free[1].tokens[:j] for j in range(len(ended[1].tokens)))
+    kept = Engine(model).run(prompts, max_new_tokens=12, stop_ids=[], sampling=SamplingConfig(0.0),
+                             key=jax.random.key(0), stop_sequences=[never, pair])
+    assert kept[0].tokens == free[0].tokens[:end] and kept[0].stopped
+
+    class Lossy:  # (a tokenizer that cannot write the text back)
+        def encode_text(self, text):
+            return [1] if text else []
+
+        def decode(self, ids):
+            return "?" * len(ids)
+
+    for text in ("", "\u2603"):
+        with pytest.raises(UsageError, match=f"^--stop {text!r}: the tokenizer encodes it as .* expected a "
+                                             "non-empty text it encodes exactly"):
+            stop_tokens(text, Lossy())
+
+
 @pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 def test_under_lora_the_engine_reads_the_adapters_as_they_are():
     """Adapters with B moved off 0 (no merge, no copy of the base): the engine's log-probabilities are the

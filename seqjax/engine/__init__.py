@@ -45,26 +45,30 @@ def generate(model, prompts: Sequence[Sequence[int]], *, eot_id: int | Sequence[
              max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(temperature=0.0), seed: int = 0,
              images: dict[str, np.ndarray] | None = None, copies: int = 1,
              engine: EngineConfig | None = None,
-             on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
+             on_done: Callable[[int, Generation], None] | None = None,
+             stop_sequences: Sequence[Sequence[int]] = ()) -> list[Generation]:
     """Continue each prompt (token lists, each already starting with its context) by up to
-    ``max_new_tokens``, stopping at the first ``eot_id`` (several: any; None: never), which is left
-    out. ``copies`` continuations of each, prompt-major. ``images``: the prompts' image fields.
-    ``on_done(index, generation)``: each continuation as it ends, while the others decode."""
+    ``max_new_tokens``, stopping at the first ``eot_id`` (several: any; None: never) or once the
+    tokens end with one of ``stop_sequences``; either is left out. ``copies`` continuations of
+    each, prompt-major. ``images``: the prompts' image fields. ``on_done(index, generation)``: each
+    continuation as it ends, while the others decode."""
     stops = [] if eot_id is None else [int(i) for i in np.atleast_1d(eot_id)]
     runner = Engine(model, engine)
+
+    def generation(c: Completion) -> Generation:
+        cut = 1 if c.stopped and c.tokens[-1] in stops else next(
+            (len(s) for s in stop_sequences if c.stopped and len(s) and c.tokens[-len(s):] == list(s)), 0)
+        return Generation(c.tokens[:len(c.tokens) - cut], c.stopped)
+
     done = runner.run(prompts, max_new_tokens=max_new_tokens, stop_ids=stops, sampling=sampling,
-                      key=jax.random.key(seed), copies=copies, images=images,
-                      on_done=None if on_done is None else lambda i, c: on_done(i, _generation(c)))
+                      key=jax.random.key(seed), copies=copies, images=images, stop_sequences=stop_sequences,
+                      on_done=None if on_done is None else lambda i, c: on_done(i, generation(c)))
     s = runner.stats
     log.info("engine: %d sequences on %d slots (%.0f%% of slot steps decoded a token), %d pages of "
              "%d tokens (%d hold the prompts once), %.1f MB of keys and values", s["sequences"],
              s["slots"], 100 * s["slot_use"], s["pages"], s["page_size"], s["prompt_pages"],
              s["kv_bytes"] / 1e6)
-    return [_generation(c) for c in done]
-
-
-def _generation(c: Completion) -> Generation:
-    return Generation(c.tokens[:-1] if c.stopped else c.tokens, c.stopped)
+    return [generation(c) for c in done]
 
 
 def sample_rollouts(model, prompts: Sequence[Sequence[int]], *, stop_ids: Sequence[int], max_new_tokens: int,

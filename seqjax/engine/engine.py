@@ -112,11 +112,13 @@ class Engine:
 
     def run(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
             sampling: SamplingConfig, key: jax.Array, copies: int = 1, images: dict | None = None,
-            on_done: Callable[[int, Completion], None] | None = None) -> list[Completion]:
+            on_done: Callable[[int, Completion], None] | None = None,
+            stop_sequences: Sequence[Sequence[int]] = ()) -> list[Completion]:
         """``copies`` completions of every prompt, prompt-major, each up to ``max_new_tokens`` and
-        ending at the first of ``stop_ids`` (kept). ``images``: the prompts' image fields, one row
-        each as :func:`seqjax.data.image_rows.image_batch` lays them out. ``on_done(index,
-        completion)``: called on the host as each sequence ends, while the others decode."""
+        ending at the first of ``stop_ids`` or once it ends with one of ``stop_sequences`` (kept).
+        ``images``: the prompts' image fields, one row each as
+        :func:`seqjax.data.image_rows.image_batch` lays them out. ``on_done(index, completion)``:
+        called on the host as each sequence ends, while the others decode."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise UsageError("the engine: expected at least one prompt, each with at least one "
                              "token")
@@ -131,7 +133,7 @@ class Engine:
         try:
             out = _generate(self.graphdef, self.state, rows, pool, plan, copies, max_new_tokens,
                             jnp.asarray(list(stop_ids) or [-1], jnp.int32), sampling.arrays(), key,
-                            on_done is not None)
+                            on_done is not None, _right_aligned(stop_sequences))
             tokens, logprobs, lengths_out, stopped = (np.asarray(a) for a in out[:4])
         finally:
             _LISTENERS.pop()
@@ -223,9 +225,18 @@ def _stream(sequence, tokens, logprobs, lengths, stopped) -> None:
                                                     np.asarray(logprobs[i, :n]).tolist()))
 
 
+def _right_aligned(sequences: Sequence[Sequence[int]]) -> jax.Array | None:
+    """Stop sequences as one array [S, L], each right-aligned, -1 to its left (None: none)."""
+    sequences = [list(map(int, s)) for s in sequences if len(s)]
+    if not sequences:
+        return None
+    width = _bucket(max(map(len, sequences)), 1)  # (few shapes to compile for)
+    return jnp.asarray([[-1] * (width - len(s)) + s for s in sequences], jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 10))
 def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_new: int, stops, settings, key,
-              stream: bool = False):
+              stream: bool = False, stop_sequences=None):
     """One program: the cache made, the prompts prefilled into it, the decode loop over it (the
     cache lives inside, never an argument copied into the loop); ``stream``: each sequence handed to
     the host as it ends."""
@@ -239,7 +250,8 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_ne
     requests = loop.Requests(rows.tables, rows.lengths, rows.next_position, logits,
                              states if any(s is not None for s in states) else ())
     return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
-                       settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None)
+                       settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None,
+                       stop_sequences=stop_sequences)
 
 
 def _state_bytes(cfg) -> int:

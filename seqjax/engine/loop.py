@@ -78,12 +78,14 @@ def worst_pages(lengths: jax.Array, max_new: int, page_size: int) -> jax.Array:
 
 
 def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int, max_new: int, stops: jax.Array,
-           settings: dict, key: jax.Array, slots: int, emit=None) -> Outputs:
+           settings: dict, key: jax.Array, slots: int, emit=None, stop_sequences: jax.Array | None = None
+           ) -> Outputs:
     """Every prompt's ``copies`` completions of up to ``max_new`` tokens, through ``slots``
-    decode slots (the module's docstring). ``emit(sequence, tokens, logprobs, lengths, stopped)``:
-    a host function called (``io_callback``) on each step some sequences end in, with each slot's
-    row (``sequence`` -1 where its slot's did not end), so a caller streams completions as they
-    finish."""
+    decode slots (the module's docstring); a sequence ends at any of ``stops`` or once its tokens
+    end with a row of ``stop_sequences`` [S, L] (right-aligned, -1 to its left). ``emit(sequence,
+    tokens, logprobs, lengths, stopped)``: a host function called (``io_callback``) on each step
+    some sequences end in, with each slot's row (``sequence`` -1 where its slot's did not end), so a
+    caller streams completions as they finish."""
     n = requests.prompt_pages.shape[0] * copies
     vocab = requests.prompt_logits.shape[-1]
     table = cache.page_table.shape[1]
@@ -114,6 +116,8 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
                            slot_steps=out.slot_steps + slots,
                            token_steps=out.token_steps + jnp.sum(active))
         hit = jnp.isin(token, stops)
+        if stop_sequences is not None:
+            hit = hit | _ends_with(out.tokens[seq], state.drawn, stop_sequences)
         stop = active & (hit | (state.drawn + 1 >= max_new))
         going = active & ~stop
         cache, state, pool = _grow(cache, state, pool, going, size, pages, table)
@@ -131,6 +135,16 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
         return cache, state, pool, out
 
     return jax.lax.while_loop(more, step, (cache, state, pool, out))[3]
+
+
+def _ends_with(tokens: jax.Array, drawn: jax.Array, sequences: jax.Array) -> jax.Array:
+    """Whether each row of ``tokens`` [slots, max_new], drawn up to place ``drawn`` [slots], ends
+    with any row of ``sequences`` [S, L] (right-aligned; -1: no token there)."""
+    length = sequences.shape[1]
+    places = drawn[:, None] + jnp.arange(length)[None, :] - (length - 1)  # [slots, L]
+    tail = jnp.take_along_axis(tokens, jnp.maximum(places, 0), axis=1)
+    same = (sequences[None] == -1) | ((places >= 0)[:, None] & (tail[:, None] == sequences[None]))
+    return jnp.any(jnp.all(same, axis=-1), axis=-1)
 
 
 def _emit_ended(emit, stop, seq, out: Outputs) -> None:

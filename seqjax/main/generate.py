@@ -116,6 +116,16 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     return prompts
 
 
+def stop_tokens(text: str, tokenizer) -> list[int]:
+    """``--stop TEXT`` as the token ids a continuation must end with: TEXT encoded alone, refused in
+    one line unless they decode to TEXT again."""
+    ids = tokenizer.encode_text(text)
+    if not ids or tokenizer.decode(ids) != text:
+        raise UsageError(f"--stop {text!r}: the tokenizer encodes it as {ids}, which decodes to "
+                         f"{tokenizer.decode(ids)!r}; expected a non-empty text it encodes exactly")
+    return ids
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cli.run(build_parser(), argv, continue_prompts)
     return 0
@@ -145,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: run.seed)")
     p.add_argument("--num-return-sequences", dest="num_return_sequences", type=int, default=1,
                    help="continuations of each prompt (transformers' num_return_sequences)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a continuation once its tokens end with TEXT's tokens (left out of it; "
+                   "repeatable)")
     p.add_argument("--stream", action="store_true",
                    help="print each continuation as one JSON line as soon as it ends (the others still "
                    "decoding); the last line is still the summary")
@@ -171,6 +184,7 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
                          "--chat FILE.jsonl (its image parts read as training reads them)")
     else:  # a prompt as the store encodes text, after the opening token every document has
         ids = [tokenizer.opened(tokenizer.encode(text)) for text in texts]
+    stop_sequences = [stop_tokens(text, tokenizer) for text in args.stop]
     seed = config.run.seed if args.seed is None else args.seed
     copies = args.num_return_sequences
     prompts = [t for t in texts for _ in range(copies)]
@@ -193,6 +207,7 @@ def continue_prompts(args: argparse.Namespace) -> dict[str, Any]:
         copies=copies,
         engine=config.engine,
         on_done=stream if args.stream else None,
+        stop_sequences=stop_sequences,
     )
     seconds = time.perf_counter() - start
     samples = []
