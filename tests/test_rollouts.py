@@ -90,10 +90,12 @@ def every_loss(graphdef, level: str):
 
     def losses(params, fields):
         model = nnx.merge(graphdef, params)
+        objectives = [resolve([row.name]) for row in ROWS]
+        # (one Inputs: the policy's forward runs once for every loss type, as a weighted objective's parts share it)
+        inputs = Inputs(model, None, settings_, {k: v for o in objectives for k, v in o.totals(fields).items()})
         out = []
-        for row in ROWS:
-            objective = resolve([row.name])
-            terms = objective.loss(Inputs(model, None, settings_, objective.totals(fields)), fields)
+        for objective in objectives:
+            terms = objective.loss(inputs, fields)
             out.append(terms.value / jnp.where(terms.denominator > 0, terms.denominator, 1.0))
         values = jnp.stack(out)
         return values, values
