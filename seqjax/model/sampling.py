@@ -71,11 +71,17 @@ def sample(
 ) -> jax.Array:
     """Next token ids [B] from logits [B, V] (float32)."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1)
-    # Temperature first, then the filters on the tempered distribution (as HF generate orders them).
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    drawn = jax.random.categorical(key, filter_logits(scaled, top_k, top_p), axis=-1)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(logits):
+        # Temperature first, then the filters on the tempered distribution (as HF generate orders them);
+        # the filters' sort only when one is on (a decode step's largest cost on a CPU otherwise).
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+        scaled = jax.lax.cond((top_k > 0) | (top_p < 1.0), lambda s: filter_logits(s, top_k, top_p),
+                              lambda s: s, scaled)
+        return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(temperature > 0, draw, lambda logits: greedy, logits)
 
 
 def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
