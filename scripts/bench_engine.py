@@ -186,7 +186,8 @@ def transformers_worker(spec: dict) -> dict:
     out = {}
     for name, stops in (("fixed", None), ("grpo", list(range(1, spec["stops"] + 1)))):
         def run(stops=stops):
-            return model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=new,
+            # (top_k=0: the full distribution, as the engine's default samples; transformers' default filters to 50)
+            return model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=new,
                                   num_return_sequences=g, pad_token_id=0, eos_token_id=stops,
                                   **({"min_new_tokens": new} if stops is None else {}))
 

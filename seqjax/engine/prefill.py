@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from seqjax.config.model import ModelConfig
-from seqjax.engine.paged import PagedKV
+from seqjax.engine.paged import PagedKV, write_pages
 from seqjax.model.attention import attention
 from seqjax.model.cache import RecurrentView
 
@@ -113,14 +113,9 @@ def prefill(model, cache: PagedKV, inputs, positions, segment_ids, slots, last, 
     images = images or {}
     x, capture = model.decode(inputs, positions=positions, segment_ids=segment_ids,
                               cache=Capture.of(model.cfg), **images)
-    flat = slots.reshape(-1)
 
     def write(pages, new):
-        if pages is None:
-            return None
-        merged = pages.reshape(-1, *pages.shape[2:]).at[flat].set(
-            new.reshape(-1, *new.shape[2:]).astype(pages.dtype), mode="drop")
-        return merged.reshape(pages.shape)
+        return None if pages is None else write_pages(pages, slots, new)
 
     layers = capture.layers
     keys = tuple(write(p, getattr(layer, "keys", None)) for p, layer in zip(cache.keys, layers))
