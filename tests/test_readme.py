@@ -26,8 +26,10 @@ line is adapted, and only like this:
    (:func:`hf_support.write_llama_folder`, shaped like :data:`TINY_TRAIN`'s
    model, so the fine-tuning line's overrides match it), and a line that
    reads ``runs/llama`` (all but the import itself) gets a link to the
-   session's import of it. The lines that score raw WikiText-2 with it read
-   the real raw splits (``$SEQJAX_DATA_DIR``).
+   session's import of it. A line that sets ``SEQJAX_DATA_DIR`` gets the folder
+   it names (checked to hold WikiText-2) cut to each split's first three
+   articles (:func:`short_wikitext`): the lines that score raw WikiText-2 with
+   it read real raw text, a few articles of it.
 6. The other corpus kinds' examples read ``corpus/`` in the working folder,
    where the tiny corpus's training documents are written as parquet files,
    a folder of JSONL files keyed ``content``, and an HF ``save_to_disk``
@@ -160,6 +162,33 @@ for _command in COMMANDS:
 DISTINCT = list(_first.values())
 
 
+def first_articles(text: str, articles: int = 3) -> str:
+    """The opening ``articles`` articles of a WikiText-2 file (each starts at a `` = Title = `` line)."""
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if re.fullmatch(r" = [^=].* = \n", line)]
+    return "".join(lines[:starts[articles]] if len(starts) > articles else lines)
+
+
+@pytest.fixture(scope="module")
+def short_wikitext(tmp_path_factory):
+    """``short_wikitext(folder)``: a copy of the WikiText-2 data folder with every split cut to its first three
+    articles, made once."""
+    made: dict[Path, Path] = {}
+
+    def short(folder: Path) -> Path:
+        if folder not in made:
+            assert (folder / "wikitext-2").is_dir(), f"{folder} holds no wikitext-2/"
+            out = tmp_path_factory.mktemp("wikitext_short")
+            for file in [*folder.glob("wikitext-2*/wiki.*")]:
+                (out / file.parent.name).mkdir(exist_ok=True)
+                (out / file.parent.name / file.name).write_text(first_articles(file.read_text(encoding="utf-8")),
+                                                                encoding="utf-8")
+            made[folder] = out
+        return made[folder]
+
+    return short
+
+
 def test_the_readme_has_an_example_of_every_tool():
     for tool in ("seqjax.prepare", "seqjax.data", "seqjax.train", "seqjax.eval", "seqjax.generate", "eval_table.py",
                  "seqjax.export", "seqjax.import"):
@@ -210,7 +239,7 @@ def chat_demo(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", DISTINCT, ids=lambda c: c.split("python")[-1][:70])
-def test_readme_example_runs(command, tiny_root, reference, tiny_llama, chat_demo, tmp_path):
+def test_readme_example_runs(command, tiny_root, reference, tiny_llama, chat_demo, short_wikitext, tmp_path):
     work = tmp_path / "work"
     (work / "runs").mkdir(parents=True)
     for name in ("configs", "scripts", "docs"):
@@ -233,8 +262,8 @@ def test_readme_example_runs(command, tiny_root, reference, tiny_llama, chat_dem
     env = cli_env()
     env.pop(DATA_DIR_ENV, None)  # only what the line sets: a user who copies it has nothing else
     setting = re.search(rf"(?:^|\s){DATA_DIR_ENV}=(\S+)\s", command.split("&&")[-1])
-    if setting:  # written to run from the repository; the work folder is elsewhere
-        env[DATA_DIR_ENV] = str((REPO / setting.group(1)).resolve())
+    if setting:  # written to run from the repository (the work folder is elsewhere); its articles cut short
+        env[DATA_DIR_ENV] = str(short_wikitext((REPO / setting.group(1)).resolve()))
     proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{shlex.join(argv)}\nexit {proc.returncode}\nSTDERR:\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip(), "every tool prints its results on stdout"
