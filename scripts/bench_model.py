@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
     p.add_argument("--mean-doc-len", type=int, default=64, help="mean synthetic document length in a packed row")
     args, config = parse(p, argv)
     vocab = config.model.vocab_size or config.tokenizer.vocab_size
-    config.model = dataclasses.replace(config.model, vocab_size=vocab)
+    config.model = dataclasses.replace(config.model, vocab_size=vocab, max_seq_len=config.max_seq_len)
     backends = args.backends.split(",") if args.backends else available_backends(config.model.compute_dtype)
     for name in backends:
         resolve_backend(name)  # unknown names fail before any work
