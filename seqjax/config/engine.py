@@ -21,6 +21,10 @@ class EngineConfig:
     kv_pages: int = setting(
         0, "the KV cache's size in pages, every layer (0: the prompts once, plus every slot's longest "
         "possible completion: no sequence ever waits for a page)", min=0)
+    shrink_to: int = setting(
+        8, "once no sequence waits and at most half the slots decode, the step halves its rows (the "
+        "decoding slots moved up, their pages left in place), down to this many (0: never): the last "
+        "long completions do not carry idle slots; no sampled token changes", min=0)
     attention: str = setting(
         "auto", "decode attention over the pages: xla (each slot's pages gathered, the paged mask), "
         "auto's pick on every backend for now (a Pallas paged kernel is not wired yet: "

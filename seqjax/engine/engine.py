@@ -55,6 +55,7 @@ class Plan:
     prompt_pages: int
     table: int
     kv_bytes: int
+    shrink_to: int = 0
 
 
 class Engine:
@@ -101,7 +102,7 @@ class Engine:
         itemsize = jnp.dtype(cfg.compute_dtype).itemsize
         per_page = 2 * attention * size * cfg.kv_heads * cfg.head_dim * itemsize
         states = (slots + len(lengths)) * _state_bytes(cfg)  # (each slot's, and each prompt's kept)
-        plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states)
+        plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states, self.config.shrink_to)
         free = _free_bytes() if memory else None
         if free is not None and plan.kv_bytes > free:
             raise UsageError(
@@ -251,7 +252,7 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_ne
                              states if any(s is not None for s in states) else ())
     return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
                        settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None,
-                       stop_sequences=stop_sequences)
+                       stop_sequences=stop_sequences, shrink_to=plan.shrink_to)
 
 
 def _state_bytes(cfg) -> int:

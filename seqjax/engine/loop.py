@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 
 from seqjax.engine.paged import PagedKV
+from seqjax.model.cache import RecurrentView
 from seqjax.model.sampling import sample_rows
 
 
@@ -78,14 +79,17 @@ def worst_pages(lengths: jax.Array, max_new: int, page_size: int) -> jax.Array:
 
 
 def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int, max_new: int, stops: jax.Array,
-           settings: dict, key: jax.Array, slots: int, emit=None, stop_sequences: jax.Array | None = None
-           ) -> Outputs:
+           settings: dict, key: jax.Array, slots: int, emit=None, stop_sequences: jax.Array | None = None,
+           shrink_to: int = 0) -> Outputs:
     """Every prompt's ``copies`` completions of up to ``max_new`` tokens, through ``slots``
     decode slots (the module's docstring); a sequence ends at any of ``stops`` or once its tokens
     end with a row of ``stop_sequences`` [S, L] (right-aligned, -1 to its left). ``emit(sequence,
     tokens, logprobs, lengths, stopped)``: a host function called (``io_callback``) on each step
     some sequences end in, with each slot's row (``sequence`` -1 where its slot's did not end), so a
-    caller streams completions as they finish."""
+    caller streams completions as they finish. ``shrink_to``: once no sequence waits and at most
+    half the slots decode, the step halves its rows (the decoding slots moved to the front; their
+    pages stay where they are), down to this many (0: never), so the last long completions do not
+    carry idle slots."""
     n = requests.prompt_pages.shape[0] * copies
     vocab = requests.prompt_logits.shape[-1]
     table = cache.page_table.shape[1]
@@ -113,7 +117,7 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
         row = jnp.where(active, seq, n)  # (a free slot writes nowhere)
         out = out._replace(tokens=out.tokens.at[row, state.drawn].set(token, mode="drop"),
                            logprobs=out.logprobs.at[row, state.drawn].set(logp, mode="drop"),
-                           slot_steps=out.slot_steps + slots,
+                           slot_steps=out.slot_steps + state.sequence.shape[0],
                            token_steps=out.token_steps + jnp.sum(active))
         hit = jnp.isin(token, stops)
         if stop_sequences is not None:
@@ -134,7 +138,34 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
         cache, state, pool = _admit(cache, state, pool, requests, need, copies, n, size, pages)
         return cache, state, pool, out
 
-    return jax.lax.while_loop(more, step, (cache, state, pool, out))[3]
+    def wide(width: int):  # (a phase of ``width`` rows: until nothing waits and at most half of them decode)
+        def go_on(carry):
+            _, state, pool, _ = carry
+            return more(carry) & ((pool.next_sequence < n) | (jnp.sum(state.sequence >= 0) > width // 2))
+        return go_on
+
+    carry, width = (cache, state, pool, out), slots
+    while shrink_to and width // 2 >= shrink_to:
+        carry = jax.lax.while_loop(wide(width), step, carry)
+        width //= 2
+        carry = _shrunk(carry, width)
+    return jax.lax.while_loop(more, step, carry)[3]
+
+
+def _shrunk(carry, width: int):
+    """The first ``width`` rows after moving the decoding slots to the front: their state, page
+    tables, lengths and Gated DeltaNet rows (every other slot is free and owns no page)."""
+    cache, state, pool, out = carry
+    order = jnp.argsort(state.sequence < 0, stable=True)[:width]
+
+    def take(a):
+        return None if a is None else jnp.take(a, order, axis=0)
+
+    recurrent = tuple(None if r is None else RecurrentView(take(r.conv), take(r.state), take(r.carry))
+                      for r in cache.recurrent)
+    cache = dataclasses.replace(cache, page_table=take(cache.page_table), lengths=take(cache.lengths),
+                                recurrent=recurrent)
+    return cache, Slots(*map(take, state)), pool, out
 
 
 def _ends_with(tokens: jax.Array, drawn: jax.Array, sequences: jax.Array) -> jax.Array:
