@@ -73,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=3, help="timed calls (after one untimed)")
     p.add_argument("--train-steps", type=int, default=3, help="bench_train's timed steps (0: skip the train step)")
     p.add_argument("--loss-vocab", type=int, default=32_000, help="the chunked loss record's vocabulary")
+    p.add_argument("--train-model", default="256,4", metavar="D,LAYERS",
+                   help="the train step's model: d_model and layers (its 8 heads of 2 kv heads kept)")
     return p.parse_args(argv)
 
 
@@ -185,6 +187,7 @@ def work_record(seg: np.ndarray, n: int) -> dict:
 def train_step_record(args, n: int, kv_path: str, corpus: Path) -> dict:
     """bench_train.py's real step on n host devices with mesh.context=n."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    d_model, layers = (int(x) for x in args.train_model.split(","))
     if jax.default_backend() == "cpu":
         env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
     else:  # the first n GPUs
@@ -192,8 +195,8 @@ def train_step_record(args, n: int, kv_path: str, corpus: Path) -> dict:
     overrides = [f"run.dir={corpus / 'runs' / f'{n}_{kv_path}'}", "data.corpus=jsonl",
                  f"data.train_files=[{corpus / 'train.jsonl'}]", f"data.valid_files=[{corpus / 'valid.jsonl'}]",
                  f"data.cache_dir={corpus / 'cache'}", "tokenizer.vocab_size=512", f"data.seq_len={args.seq_len}",
-                 "data.batch_size=1", "train.grad_accum=1", "model.d_model=256", "model.n_layers=4",
-                 "model.n_heads=8", "model.n_kv_heads=2", "model.d_ff=768", "model.vocab_size=null",
+                 "data.batch_size=1", "train.grad_accum=1", f"model.d_model={d_model}", f"model.n_layers={layers}",
+                 "model.n_heads=8", "model.n_kv_heads=2", f"model.d_ff={3 * d_model}", "model.vocab_size=null",
                  f"model.max_seq_len={args.seq_len}", f"model.attention={args.attention}",
                  f"model.context_attention={kv_path}",
                  "mesh.data=1", f"mesh.context={n}", f"eval.context={args.seq_len}", "train.warmup_steps=1"]

@@ -253,7 +253,8 @@ def trl_worker(spec: dict) -> dict:
     out = {}
 
     def sample():
-        return model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=max_new,
+        # (top_k=0: the full distribution, as seqjax samples and TRL's GRPOConfig asks; transformers' default is 50)
+        return model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=max_new,
                               min_new_tokens=max_new, num_return_sequences=g, pad_token_id=0)
 
     with torch.no_grad():

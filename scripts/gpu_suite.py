@@ -632,7 +632,8 @@ def stage_vision(s: Suite) -> dict:
 def stage_context(s: Suite) -> dict:
     """Context parallelism on the machine's GPUs (a multi-GPU machine): the split row's attention and the real
     train step at mesh.context 1, 2, 4, 8 up to the GPU count, both ways K/V travel (scripts/bench_context.py)."""
-    size = (["--seq-len", "512", "--contexts", "1,2", "--iters", "1", "--train-steps", "1", "--loss-vocab", "512"]
+    size = (["--seq-len", "512", "--contexts", "1,2", "--iters", "1", "--train-steps", "1", "--loss-vocab", "512",
+             "--train-model", "64,2"]
             if s.dry
             else ["--seq-len", "32768", "--contexts", "1,2,4,8", "--iters", "3", "--train-steps", "3"])
     code, stdout = s.call("context", s.python("scripts/bench_context.py", *size), 240)
