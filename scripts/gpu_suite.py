@@ -105,8 +105,9 @@ class Suite:
         self.stretch = 10.0 if args.dry_run else 1.0
         self.deadline = time.monotonic() + args.budget_s * self.stretch
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
-        self.env.update(PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), SEQJAX_DATA_DIR=str(args.data),
-                        JAX_COMPILATION_CACHE_DIR=str(self.out / "jax_cache"))
+        self.env.update(PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), SEQJAX_DATA_DIR=str(args.data))
+        # (a cache the caller names is kept: the tests' session cache, shared with their other subprocesses)
+        self.env.setdefault("JAX_COMPILATION_CACHE_DIR", str(self.out / "jax_cache"))
         if self.dry:
             self.env["JAX_PLATFORMS"] = "cpu"
             self.env.setdefault("PJRT_NPROC", "4")  # the Mosaic interpreter's threads (seqjax/model/kernels/mosaic.py)

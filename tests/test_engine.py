@@ -147,20 +147,21 @@ def test_a_group_stores_its_prompt_once_and_slots_take_the_next_sequence_as_one_
 @pytest.mark.parametrize("extra", [(), pytest.param(HYBRID, marks=pytest.mark.slow)], ids=["attention", "deltanet"])
 def test_the_step_shrinks_its_rows_as_the_last_sequences_run_and_samples_the_same(extra):
     """engine.shrink_to: 16 slots halving down to 4 once nothing waits and at most half of them decode (their
-    page tables, lengths and DeltaNet state rows moved to the front): the same tokens and log-probabilities as
-    16 slots throughout, the same real tokens in fewer slot-steps."""
-    model = model_of(*extra)
+    page tables, lengths and DeltaNet state rows moved to the front; a request of 64 new tokens, where it
+    applies): the same tokens and log-probabilities as 16 slots throughout, the same real tokens in fewer
+    slot-steps."""
+    model = model_of(*extra, "model.max_seq_len=128", "data.seq_len=128")
     prompts = prompts_of([9, 14, 5, 11], seed=4)
 
     def run(shrink_to):
         engine = Engine(model, EngineConfig(slots=16, page_size=4, shrink_to=shrink_to))
-        done = engine.run(prompts, max_new_tokens=24, stop_ids=[3, 5, 9], sampling=SamplingConfig(1.0),
+        done = engine.run(prompts, max_new_tokens=64, stop_ids=[3, 5, 9], sampling=SamplingConfig(1.0),
                           key=jax.random.key(1), copies=8)
         return done, engine.stats
 
     (fixed, before), (shrunk, after) = run(0), run(4)
     lengths = [len(c.tokens) for c in fixed]
-    assert min(lengths) < 24 and max(lengths) == 24  # (sequences end at different steps; the last run long)
+    assert min(lengths) < max(lengths)  # (sequences end at different steps)
     assert [c.tokens for c in shrunk] == [c.tokens for c in fixed]
     np.testing.assert_allclose([x for c in shrunk for x in c.logprobs], [x for c in fixed for x in c.logprobs],
                                rtol=1e-5, atol=1e-5)

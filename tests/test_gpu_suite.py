@@ -4,7 +4,6 @@ one command that measures a GPU cannot rot between the runs that have one."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,8 +17,16 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
+def suite_env() -> dict[str, str]:
+    """The suite's environment: no SEQJAX_ settings, and the session's persistent XLA cache (cli_env's), which
+    every stage's subprocess then shares (a dry run's stages build the same toy shapes again and again)."""
+    from test_train_support import cli_env
+
+    return {k: v for k, v in cli_env().items() if not k.startswith("SEQJAX_") and k != "JAX_PLATFORMS"}
+
+
 def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
+    env = suite_env()
     proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -72,7 +79,7 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     sampler, context parallelism's attention and step, the experts' dispatches, the generation
     engine, and Qwen3.5's DeltaNet against attention. (The study stage only calls
     scripts/study_strategies.py, whose --quick run tests/test_study.py covers.)"""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
+    env = suite_env()
     stages = "profile,recipe,quality,vision,grpo,context,moe,engine,gdn"
     proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--only",
                            stages], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -112,7 +119,7 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
 
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQJAX_")}
+    env = suite_env()
     proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", *flags], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     return proc, json.loads(Path(flags[flags.index("--out") + 1], "summary.json").read_text())

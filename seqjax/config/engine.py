@@ -24,7 +24,8 @@ class EngineConfig:
     shrink_to: int = setting(
         8, "once no sequence waits and at most half the slots decode, the step halves its rows (the "
         "decoding slots moved up, their pages left in place), down to this many (0: never): the last "
-        "long completions do not carry idle slots; no sampled token changes", min=0)
+        "long completions do not carry idle slots; no sampled token changes (requests of 64 new tokens or "
+        "more: each halving compiles one more loop body)", min=0)
     attention: str = setting(
         "auto", "decode attention over the pages: xla (each slot's pages gathered, the paged mask), "
         "auto's pick on every backend for now (a Pallas paged kernel is not wired yet: "

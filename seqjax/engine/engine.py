@@ -31,6 +31,7 @@ from seqjax.engine.prefill import _bucket, one_a_row, pack, prefill, right_align
 from seqjax.model.sampling import SamplingConfig
 
 DEFAULT_SLOTS = 64
+SHRINK_FROM_NEW_TOKENS = 64  # (engine.shrink_to applies to requests of at least this many new tokens)
 
 
 @dataclasses.dataclass
@@ -102,7 +103,9 @@ class Engine:
         itemsize = jnp.dtype(cfg.compute_dtype).itemsize
         per_page = 2 * attention * size * cfg.kv_heads * cfg.head_dim * itemsize
         states = (slots + len(lengths)) * _state_bytes(cfg)  # (each slot's, and each prompt's kept)
-        plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states, self.config.shrink_to)
+        # (each halving is one more compiled loop body: worth it where the tail it saves can be long)
+        shrink_to = self.config.shrink_to if max_new >= SHRINK_FROM_NEW_TOKENS else 0
+        plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states, shrink_to)
         free = _free_bytes() if memory else None
         if free is not None and plan.kv_bytes > free:
             raise UsageError(
