@@ -138,18 +138,24 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
         cache, state, pool = _admit(cache, state, pool, requests, need, copies, n, size, pages)
         return cache, state, pool, out
 
-    def wide(width: int):  # (a phase of ``width`` rows: until nothing waits and at most half of them decode)
+    return _phases(more, step, (cache, state, pool, out), slots, shrink_to, n)[3]
+
+
+def _phases(more, step, carry, slots: int, shrink_to: int, n: int):
+    """The decode loop (``step`` while ``more``): at ``slots`` rows, then (``shrink_to``) half as many
+    each time nothing waits and at most half of them decode, down to ``shrink_to``."""
+    def wide(width: int):
         def go_on(carry):
             _, state, pool, _ = carry
             return more(carry) & ((pool.next_sequence < n) | (jnp.sum(state.sequence >= 0) > width // 2))
         return go_on
 
-    carry, width = (cache, state, pool, out), slots
+    width = slots
     while shrink_to and width // 2 >= shrink_to:
         carry = jax.lax.while_loop(wide(width), step, carry)
         width //= 2
         carry = _shrunk(carry, width)
-    return jax.lax.while_loop(more, step, carry)[3]
+    return jax.lax.while_loop(more, step, carry)
 
 
 def _shrunk(carry, width: int):
