@@ -144,7 +144,8 @@ def test_a_group_stores_its_prompt_once_and_slots_take_the_next_sequence_as_one_
     assert all(c.stopped == (c.tokens[-1] in (3, 5, 9)) for c in done)
 
 
-@pytest.mark.parametrize("extra", [(), pytest.param(HYBRID, marks=pytest.mark.slow)], ids=["attention", "deltanet"])
+@pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests, as for slots and page sizes)
+@pytest.mark.parametrize("extra", [(), HYBRID], ids=["attention", "deltanet"])
 def test_the_step_shrinks_its_rows_as_the_last_sequences_run_and_samples_the_same(extra):
     """engine.shrink_to: 16 slots halving down to 4 once nothing waits and at most half of them decode (their
     page tables, lengths and DeltaNet state rows moved to the front; a request of 64 new tokens, where it
