@@ -25,6 +25,7 @@ from safetensors.numpy import save
 from seqjax.core.errors import CheckpointError
 from seqjax.core.files import write_bytes_atomic
 from seqjax.hf.families import FAMILIES
+from seqjax.hf.qwen3_5 import conditional_text
 
 CARRIED_FILE = "carried.safetensors"
 
@@ -35,6 +36,11 @@ def carried_names(family: str, names) -> list[str]:
     """The tensors among ``names`` that ``family``'s row carries (none for most families)."""
     prefix = FAMILIES[family].carried
     return sorted(n for n in names if prefix and n.startswith(prefix + "."))
+
+
+def described(names) -> str:
+    """The carried tensors as their name prefixes (``mtp.*``), for a log line."""
+    return ", ".join(sorted({n.split(".")[0] + ".*" for n in names}))
 
 
 def carried_fields(family: str, config_json: dict[str, Any]) -> dict[str, Any]:
@@ -52,8 +58,7 @@ def folder_carried(folder) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
                 tensors.update({n: f.get_tensor(n) for n in folder.carried if folder.weight_map[n] == file})
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{file}: cannot read the carried tensors ({err})") from None
-    config = folder.config_json.get("text_config") if "text_config" in folder.config_json else folder.config_json
-    return tensors, carried_fields(folder.model.family, config or {})
+    return tensors, carried_fields(folder.model.family, conditional_text(folder.config_json) or folder.config_json)
 
 
 def write_carried(out: Path, tensors: dict[str, np.ndarray], fields: dict[str, Any], source: str) -> None:
@@ -63,7 +68,7 @@ def write_carried(out: Path, tensors: dict[str, np.ndarray], fields: dict[str, A
     path = write_bytes_atomic(Path(out) / CARRIED_FILE, save(tensors, metadata={
         "format": "pt", "config": json.dumps(fields), "source": source}))
     log.info("%s: %d tensors seqjax keeps but does not train (%s), from %s; an export writes them back",
-             path, len(tensors), ", ".join(sorted({n.split(".")[0] + ".*" for n in tensors})), source)
+             path, len(tensors), described(tensors), source)
 
 
 def read_carried(folder: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -50,7 +50,7 @@ from seqjax.core.errors import CheckpointError
 from seqjax.core.files import read_utf8, write_text_atomic
 from seqjax.core.progress import progress_bar
 from seqjax.hf import mxfp4
-from seqjax.hf.carried import carried_names
+from seqjax.hf.carried import carried_names, described
 from seqjax.hf.families import hf_config, model_config_from_hf
 from seqjax.hf.qwen3_5 import conditional_text, text_tensors
 from seqjax.hf.tensors import from_hf as params_from_hf
@@ -229,7 +229,7 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     carried = tuple(carried_names(model.family, weight_map))
     if carried:
         log.info("%s: %d tensors seqjax keeps as they are but does not compute or train (%s), written back on "
-                 "export", path, len(carried), ", ".join(sorted({n.split(".")[0] + ".*" for n in carried})))
+                 "export", path, len(carried), described(carried))
     vocab = hf_tokenizer.get_vocab_size(with_added_tokens=True)
     if vocab > model.vocab_size:
         raise CheckpointError(
