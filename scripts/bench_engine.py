@@ -128,8 +128,10 @@ def seqjax_samplers(spec: dict) -> dict:
     if spec["engine"]:
         from seqjax.config.engine import EngineConfig
         from seqjax.engine import Engine
+        from seqjax.engine.engine import decode_attention
 
-        engine = Engine(model, EngineConfig(slots=spec["slots"], page_size=spec["page_size"]))
+        engine = Engine(model, EngineConfig(slots=spec["slots"], page_size=spec["page_size"],
+                                            attention=spec.get("attention", "auto")))
         for name, stop in (("fixed", []), ("grpo", stops)):
             seconds, made = timed(lambda key, stop=stop: engine.run(
                 prompts, max_new_tokens=new, stop_ids=stop, sampling=sampling, key=jax.random.key(key), copies=g))
@@ -141,6 +143,7 @@ def seqjax_samplers(spec: dict) -> dict:
             out[name] = {"engine": {"seconds": round(seconds, 3), "new_tokens": tokens,
                                     "new_tokens_per_s": round(tokens / seconds, 1),
                                     "slot_use": round(engine.stats["slot_use"], 4), "slots": engine.stats["slots"],
+                                    "attention": decode_attention(engine.config.attention),
                                     "kv_bytes_per_group": int(group_pages * size * kv_token)}}
             bandwidth = hbm_gb_s(spec["hbm_gb_s"])
             if bandwidth:
@@ -234,6 +237,8 @@ def main() -> None:
     p.add_argument("--stops", type=int, default=24, help="the grpo workload's stop ids: 1 .. this")
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
+                   help="the engine's decode attention over the pages (engine.attention)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--before", default=BEFORE, help="the commit whose static samplers run beside the engine")
     p.add_argument("--torch-python", help="an interpreter with torch and transformers: adds their generate")
@@ -253,7 +258,8 @@ def main() -> None:
     prompts = prompts_of(args)
     spec = {"overrides": config_overrides(args), "prompts": prompts, "generations": args.generations,
             "max_new": args.max_new, "stops": args.stops, "slots": args.slots, "page_size": args.page_size,
-            "vocab": args.vocab, "engine": True, "shape": args.shape, "hbm_gb_s": args.hbm_gb_s}
+            "attention": args.attention, "vocab": args.vocab, "engine": True, "shape": args.shape,
+            "hbm_gb_s": args.hbm_gb_s}
     result: dict = {}
     samplers = args.samplers.split(",")
     if "engine" in samplers:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from seqjax.config.fields import setting
 from seqjax.core.errors import ConfigError
 
-PAGED_ATTENTION = ("auto", "xla")
+PAGED_ATTENTION = ("auto", "xla", "pallas")
 
 
 @dataclass
@@ -27,9 +27,10 @@ class EngineConfig:
         "long completions do not carry idle slots; no sampled token changes (requests of 64 new tokens or "
         "more: each halving compiles one more loop body)", min=0)
     attention: str = setting(
-        "auto", "decode attention over the pages: xla (each slot's pages gathered, the paged mask), "
-        "auto's pick on every backend for now (a Pallas paged kernel is not wired yet: "
-        "docs/generation.md)", choices=PAGED_ATTENTION)
+        "auto", "decode attention over the pages: xla (each slot's pages gathered, the paged mask; "
+        "every backend), pallas (the pages read in place by a Pallas kernel: compiled on a GPU, "
+        "interpreted elsewhere, slowly); auto: pallas on a GPU, xla elsewhere, and says which",
+        choices=PAGED_ATTENTION)
 
     def check(self) -> None:
         if self.page_size & (self.page_size - 1):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from typing import Callable, NamedTuple, Sequence
 
@@ -25,11 +26,13 @@ from flax import nnx
 
 from seqjax.config.engine import EngineConfig
 from seqjax.core.errors import UsageError
+from seqjax.core.progress import log_once
 from seqjax.engine import loop
 from seqjax.engine.paged import PagedKV
 from seqjax.engine.prefill import _bucket, one_a_row, pack, prefill, right_aligned
 from seqjax.model.sampling import SamplingConfig
 
+_LOG = logging.getLogger(__name__)
 DEFAULT_SLOTS = 64
 SHRINK_FROM_NEW_TOKENS = 64  # (engine.shrink_to applies to requests of at least this many new tokens)
 
@@ -57,6 +60,7 @@ class Plan:
     table: int
     kv_bytes: int
     shrink_to: int = 0
+    attention: str = "xla"
 
 
 class Engine:
@@ -105,7 +109,8 @@ class Engine:
         states = (slots + len(lengths)) * _state_bytes(cfg)  # (each slot's, and each prompt's kept)
         # (each halving is one more compiled loop body: worth it where the tail it saves can be long)
         shrink_to = self.config.shrink_to if max_new >= SHRINK_FROM_NEW_TOKENS else 0
-        plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states, shrink_to)
+        plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states, shrink_to,
+                    decode_attention(self.config.attention))
         free = _free_bytes() if memory else None
         if free is not None and plan.kv_bytes > free:
             raise UsageError(
@@ -245,7 +250,7 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_ne
     cache lives inside, never an argument copied into the loop); ``stream``: each sequence handed to
     the host as it ends."""
     model = nnx.merge(graphdef, state)
-    cache = PagedKV.empty(model.cfg, plan.pages, plan.page_size, plan.slots, plan.table)
+    cache = PagedKV.empty(model.cfg, plan.pages, plan.page_size, plan.slots, plan.table, plan.attention)
     images = dict(rows.images)
     if images:
         images = {"positions_3d": images.pop("positions_3d"), **images}
@@ -256,6 +261,17 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_ne
     return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
                        settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None,
                        stop_sequences=stop_sequences, shrink_to=plan.shrink_to)
+
+
+def decode_attention(name: str) -> str:
+    """``engine.attention`` resolved: auto is the Pallas kernel on a GPU (it reads each slot's pages
+    in place; XLA's path copies them out every step) and XLA elsewhere, logged once."""
+    if name != "auto":
+        return name
+    backend = jax.default_backend()
+    pick = "pallas" if backend == "gpu" else "xla"
+    log_once(_LOG, logging.INFO, "engine.attention=auto: %s on %s (decode attention over the pages)", pick, backend)
+    return pick
 
 
 def _state_bytes(cfg) -> int:

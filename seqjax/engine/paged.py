@@ -10,8 +10,10 @@ the same prompt pages (a prompt is stored once); a completion writes only its ow
 
 :class:`PagedKV` is a cache in seqjax.model.cache's sense: the model's decode writes each layer's
 new keys and values through :class:`PagedLayer` and attends over the row's pages under
-:func:`seqjax.model.mask.page_mask`. Attention gathers each row's pages and runs the dense masked
-softmax (the XLA path, every backend; ``engine.attention`` has no other choice yet). A Gated
+:func:`seqjax.model.mask.page_mask`. Attention runs one of two ways (``engine.attention``): the
+XLA path gathers each row's pages and runs the dense masked softmax (every backend); ``pallas``
+reads the pages in place, seqjax.model.kernels.paged's kernel (a decode step's one token a row;
+a call of more tokens takes the XLA path). A Gated
 DeltaNet layer holds no pages: its row of the cache is each decode slot's convolution window and
 recurrent state, which a sequence copies from its prompt's when it starts (``with_states``)."""
 
@@ -23,8 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from seqjax.config.model import ModelConfig
-from seqjax.model.attention import masked_attention
+from seqjax.model.attention import masked_attention, with_sinks
 from seqjax.model.cache import RecurrentView
+from seqjax.model.kernels.paged import paged_attention
 from seqjax.model.mask import page_mask
 
 
@@ -40,6 +43,7 @@ class PagedLayer:
     page_table: jax.Array
     lengths: jax.Array
     segment_ids: jax.Array
+    kernel: str = dataclasses.field(default="xla", metadata={"static": True})
 
     def attend(self, q, k, v, *, segment_ids, window, scale, sinks):
         """Write the call's keys and values at places ``lengths..`` of each row, then attend over
@@ -53,12 +57,24 @@ class PagedLayer:
         slot = jnp.where(real & (page < pages), page * size + place % size, pages * size)  # (else dropped)
         keys = write_pages(self.keys, slot, k)
         values = write_pages(self.values, slot, v)
+        if self.kernel == "pallas" and t == 1:
+            return self._kernel(q, keys, values, real, scale, window, sinks), dataclasses.replace(
+                self, keys=keys, values=values)
         capacity = self.page_table.shape[1] * size
         gathered_k, gathered_v = _gather(keys, self.page_table), _gather(values, self.page_table)
         mask = page_mask(place, real, self.lengths + jnp.sum(real, axis=1), capacity, window)
         out = masked_attention(q, gathered_k.astype(q.dtype), gathered_v.astype(q.dtype), mask, scale=scale,
                                sinks=sinks, heads_first=True)
         return out, dataclasses.replace(self, keys=keys, values=values)
+
+    def _kernel(self, q, keys, values, real, scale, window, sinks):
+        """One token a row through the Pallas kernel: the row's places up to its new one (an idle
+        row: none, zeros, as the XLA path gives), the sinks through the log-sum-exp."""
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        length = jnp.where(real[:, 0], self.lengths + 1, 0)
+        out, lse = paged_attention(q[:, 0], keys, values, self.page_table, length, scale=scale, window=window)
+        out = out[:, None]
+        return out if sinks is None else with_sinks(out, lse[:, :, None], sinks)
 
 
 def write_pages(pages: jax.Array, slot: jax.Array, new: jax.Array) -> jax.Array:
@@ -92,16 +108,18 @@ class PagedKV:
     page_table: jax.Array
     lengths: jax.Array
     recurrent: tuple[RecurrentView | None, ...]
+    attention: str = dataclasses.field(default="xla", metadata={"static": True})
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, pages: int, page_size: int, rows: int, table: int) -> "PagedKV":
+    def empty(cls, cfg: ModelConfig, pages: int, page_size: int, rows: int, table: int,
+              attention: str = "xla") -> "PagedKV":
         shape = (pages, cfg.kv_heads, page_size, cfg.head_dim)
         dtype = jnp.dtype(cfg.compute_dtype)
         linear = [cfg.mixer_of(i) == "deltanet" for i in range(cfg.n_layers)]
         zeros = tuple(None if lin else jnp.zeros(shape, dtype) for lin in linear)
         states = tuple(recurrent_rows(cfg, rows) if lin else None for lin in linear)
         tables = jnp.full((rows, table), pages, jnp.int32)
-        return cls(zeros, zeros, tables, jnp.zeros((rows,), jnp.int32), states)
+        return cls(zeros, zeros, tables, jnp.zeros((rows,), jnp.int32), states, attention)
 
     @property
     def pages(self) -> int:
@@ -116,7 +134,7 @@ class PagedKV:
         # (a decode token continues its sequence)
         carry = jnp.ones(segment_ids.shape[:1], segment_ids.dtype)
         return tuple(dataclasses.replace(r, carry=carry) if r is not None else
-                     PagedLayer(k, v, self.page_table, self.lengths, segment_ids)
+                     PagedLayer(k, v, self.page_table, self.lengths, segment_ids, self.attention)
                      for k, v, r in zip(self.keys, self.values, self.recurrent))
 
     def advanced(self, views, segment_ids: jax.Array) -> "PagedKV":
@@ -125,7 +143,7 @@ class PagedKV:
                        for v, p in zip(views, paged))
         lengths = self.lengths + jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32)
         return PagedKV(tuple(p and p.keys for p in paged), tuple(p and p.values for p in paged),
-                       self.page_table, lengths, states)
+                       self.page_table, lengths, states, self.attention)
 
     def copy_pages(self, source: jax.Array, target: jax.Array) -> "PagedKV":
         """Page ``source[i]`` copied to ``target[i]`` in every layer (a target of ``pages``:
