@@ -131,7 +131,8 @@ def seqjax_samplers(spec: dict) -> dict:
         from seqjax.engine.engine import decode_attention
 
         engine = Engine(model, EngineConfig(slots=spec["slots"], page_size=spec["page_size"],
-                                            attention=spec.get("attention", "auto")))
+                                            attention=spec.get("attention", "auto"),
+                                            shrink_to=spec.get("shrink_to", EngineConfig.shrink_to)))
         for name, stop in (("fixed", []), ("grpo", stops)):
             seconds, made = timed(lambda key, stop=stop: engine.run(
                 prompts, max_new_tokens=new, stop_ids=stop, sampling=sampling, key=jax.random.key(key), copies=g))
@@ -237,6 +238,7 @@ def main() -> None:
     p.add_argument("--stops", type=int, default=24, help="the grpo workload's stop ids: 1 .. this")
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--shrink-to", type=int, default=None, help="engine.shrink_to (default: the config's)")
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="the engine's decode attention over the pages (engine.attention)")
     p.add_argument("--seed", type=int, default=0)
@@ -258,7 +260,8 @@ def main() -> None:
     prompts = prompts_of(args)
     spec = {"overrides": config_overrides(args), "prompts": prompts, "generations": args.generations,
             "max_new": args.max_new, "stops": args.stops, "slots": args.slots, "page_size": args.page_size,
-            "attention": args.attention, "vocab": args.vocab, "engine": True, "shape": args.shape,
+            "attention": args.attention, **({} if args.shrink_to is None else {"shrink_to": args.shrink_to}),
+            "vocab": args.vocab, "engine": True, "shape": args.shape,
             "hbm_gb_s": args.hbm_gb_s}
     result: dict = {}
     samplers = args.samplers.split(",")

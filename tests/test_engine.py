@@ -147,7 +147,7 @@ def test_a_group_stores_its_prompt_once_and_slots_take_the_next_sequence_as_one_
 @pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests, as for slots and page sizes)
 @pytest.mark.parametrize("extra", [(), HYBRID], ids=["attention", "deltanet"])
 def test_the_step_shrinks_its_rows_as_the_last_sequences_run_and_samples_the_same(extra):
-    """engine.shrink_to: 16 slots halving down to 4 once nothing waits and at most half of them decode (their
+    """engine.shrink_to: 16 slots cut to 10, 6 and 4 once nothing waits and the decoding ones fit (their
     page tables, lengths and DeltaNet state rows moved to the front; a request of 64 new tokens, where it
     applies): the same tokens and log-probabilities as 16 slots throughout, the same real tokens in fewer
     slot-steps."""
@@ -168,6 +168,13 @@ def test_the_step_shrinks_its_rows_as_the_last_sequences_run_and_samples_the_sam
                                rtol=1e-5, atol=1e-5)
     assert after["token_steps"] == before["token_steps"] == sum(lengths)
     assert after["slot_steps"] < before["slot_steps"] and after["slot_use"] > before["slot_use"]
+
+
+def test_the_steps_rows_are_cut_to_two_thirds_down_to_shrink_to():
+    from seqjax.engine.loop import widths
+
+    assert widths(32, 4) == [32, 21, 14, 9, 6, 4] and widths(16, 4) == [16, 10, 6, 4]
+    assert widths(32, 0) == [32] and widths(3, 4) == [3] and widths(5, 4) == [5, 4]
 
 
 def test_each_sequence_is_handed_over_as_it_ends_while_the_others_decode():

@@ -22,10 +22,10 @@ class EngineConfig:
         0, "the KV cache's size in pages, every layer (0: the prompts once, plus every slot's longest "
         "possible completion: no sequence ever waits for a page)", min=0)
     shrink_to: int = setting(
-        8, "once no sequence waits and at most half the slots decode, the step halves its rows (the "
+        4, "once no sequence waits, the step cuts its rows to two thirds each time the decoding slots fit (the "
         "decoding slots moved up, their pages left in place), down to this many (0: never): the last "
         "long completions do not carry idle slots; no sampled token changes (requests of 64 new tokens or "
-        "more: each halving compiles one more loop body)", min=0)
+        "more: each cut compiles one more loop body; 32 slots: 32, 21, 14, 9, 6, 4)", min=0)
     attention: str = setting(
         "auto", "decode attention over the pages: xla (each slot's pages gathered, the paged mask; "
         "every backend), pallas (the pages read in place by a Pallas kernel: compiled on a GPU, "

@@ -107,7 +107,7 @@ class Engine:
         itemsize = jnp.dtype(cfg.compute_dtype).itemsize
         per_page = 2 * attention * size * cfg.kv_heads * cfg.head_dim * itemsize
         states = (slots + len(lengths)) * _state_bytes(cfg)  # (each slot's, and each prompt's kept)
-        # (each halving is one more compiled loop body: worth it where the tail it saves can be long)
+        # (each cut is one more compiled loop body: worth it where the tail it saves can be long)
         shrink_to = self.config.shrink_to if max_new >= SHRINK_FROM_NEW_TOKENS else 0
         plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states, shrink_to,
                     decode_attention(self.config.attention))
