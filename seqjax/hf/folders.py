@@ -48,7 +48,7 @@ from seqjax.config.load import load_config
 from seqjax.config.tree import Config, ModelConfig
 from seqjax.core.errors import CheckpointError
 from seqjax.core.files import read_utf8, write_text_atomic
-from seqjax.core.progress import progress_bar
+from seqjax.core.progress import log_once, progress_bar
 from seqjax.hf import mxfp4
 from seqjax.hf.carried import carried_names, described
 from seqjax.hf.families import hf_config, model_config_from_hf
@@ -228,8 +228,9 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     model = _own_head(path, model, weight_map)
     carried = tuple(carried_names(model.family, weight_map))
     if carried:
-        log.info("%s: %d tensors seqjax keeps as they are but does not compute or train (%s), written back on "
-                 "export", path, len(carried), described(carried))
+        # (once a process: an export with --hf reads the folder twice, for the model and for these)
+        log_once(log, logging.INFO, "%s: %d tensors seqjax keeps as they are but does not compute or train (%s), "
+                 "written back on export", path, len(carried), described(carried))
     vocab = hf_tokenizer.get_vocab_size(with_added_tokens=True)
     if vocab > model.vocab_size:
         raise CheckpointError(
