@@ -26,6 +26,7 @@ records the plan beside what GPUs measured. The last line printed is one JSON ob
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -298,7 +299,10 @@ def sampling_memory(config, model, mesh, resident: int) -> dict:
     nnx.replace_by_pure_dict(state, pure)
     lengths = [prompt] * rl.generation_prompts
     engine = Engine(model, config.engine, state=state)
-    plan = engine.plan(lengths, rl.num_generations, rl.max_completion_length, memory=False)
+    # (the loop at its full width: engine.shrink_to's narrower loop bodies run after it on fewer rows, hold less,
+    # and each would compile the whole decode step again)
+    plan = dataclasses.replace(engine.plan(lengths, rl.num_generations, rl.max_completion_length, memory=False),
+                               shrink_to=0)
     rows, _ = engine.rows([[1] * prompt for _ in lengths], _prompt_tables(lengths, plan), plan, None)
     abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
     pool = loop.Pool(jax.ShapeDtypeStruct((plan.pages,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
