@@ -120,14 +120,16 @@ def flash_tiles(batches: list, head_dim: int) -> dict:
     """The flash kernel's forward tiles a step visits (its block sizes for ``head_dim``, from the batches' segment
     and prompt ids): what its time scales with. Under a shared prompt also what one range a query block, from its
     prompt to its diagonal, would visit instead of the prompt's range beside its own."""
+    import jax
     import jax.numpy as jnp
 
     from seqjax.model.kernels.block_ranges import BlockSizes, block_metadata
 
     sizes, tiles, one_range = BlockSizes.for_head_dim(head_dim), 0, 0
+    metadata_of = jax.jit(block_metadata, static_argnums=1)  # (one program a shape, not dozens of eager ops)
     for batch in batches:
         prefix = batch.get("prefix_ids")
-        metadata = block_metadata(jnp.asarray(batch["segment_ids"]), sizes, prefix_ids=prefix)
+        metadata = metadata_of(jnp.asarray(batch["segment_ids"]), sizes, prefix_ids=prefix)
         own = np.asarray(metadata.fwd_kv)
         tiles += int((own[..., 3] - own[..., 0]).sum())
         if prefix is not None:
