@@ -363,14 +363,18 @@ def test_sgd_on_an_attention_layer_matches_xla():
 def lowered_for_h100(loss, *args) -> str:
     """The text of ``jit(grad(loss))`` over q, k, v (the first three of ``args``, ShapeDtypeStructs) lowered for an
     abstract H100 (AOT, no GPU needed): what each kernel's lowering tests read."""
+    return h100_lowering(jax.grad(loss, argnums=(0, 1, 2)), *args)
+
+
+def h100_lowering(fn, *args) -> str:
+    """The text of ``jit(fn)`` over ``args`` (ShapeDtypeStructs) lowered for an abstract H100."""
     mesh = jax.sharding.AbstractMesh(
         (1,), ("x",), (jax.sharding.AxisType.Explicit,),
         abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda"),
     )
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
         warnings.simplefilter("ignore", DeprecationWarning)  # the Triton lowering is deprecated in jax 0.11
-        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
-        return traced.lower(lowering_platforms=("cuda",)).as_text()
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize(("head_dim", "dtype", "window"), [(128, jnp.bfloat16, None), (256, jnp.float16, 100)])

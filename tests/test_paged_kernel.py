@@ -7,7 +7,6 @@ and it passes the Triton lowering for an H100 without a GPU."""
 from __future__ import annotations
 
 import logging
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ from seqjax.engine.paged import _gather
 from seqjax.model.attention import masked_attention, with_sinks
 from seqjax.model.kernels.paged import paged_attention
 from seqjax.model.mask import page_mask
+from test_flash import h100_lowering
 
 
 def xla_path(q, keys, values, table, lengths, window, sinks=None):
@@ -107,9 +107,6 @@ def test_auto_is_the_kernel_on_a_gpu_and_the_xla_path_elsewhere_and_says_so(capl
 def test_the_kernel_lowers_to_triton_for_an_h100():
     """Without a GPU: a bfloat16 decode step of 64 rows, 4 query heads a kv head, head_dim 128, pages of 16 and
     a traced window passes Pallas's Triton lowering (AOT, an abstract H100) as one kernel."""
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("x",), (jax.sharding.AxisType.Explicit,),
-        abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda"))
     pool = jax.ShapeDtypeStruct((1000, 8, 16, 128), jnp.bfloat16)
     args = (jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), pool, pool, jax.ShapeDtypeStruct((64, 40), jnp.int32),
             jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
@@ -117,9 +114,7 @@ def test_the_kernel_lowers_to_triton_for_an_h100():
     def step(q, keys, values, table, lengths, window):
         return paged_attention(q, keys, values, table, lengths, scale=128**-0.5, window=window, interpret=False)
 
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
-        warnings.simplefilter("ignore", DeprecationWarning)  # (the Triton lowering is deprecated in jax 0.11)
-        text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = h100_lowering(step, *args)
     assert text.count("__gpu$xla.gpu.triton") == 1 and "seqjax_paged_decode" in text
 
 

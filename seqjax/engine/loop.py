@@ -147,8 +147,8 @@ def widths(slots: int, shrink_to: int) -> list[int]:
     while a sequence waits or more than the next width decode, so its slots are at least two thirds
     busy (halving kept them half busy: 93% of slot-steps on bench_engine's GRPO-like workload)."""
     out = [slots]
-    while shrink_to and max(shrink_to, out[-1] * 2 // 3) < out[-1]:
-        out.append(max(shrink_to, out[-1] * 2 // 3))
+    while shrink_to and (narrower := max(shrink_to, out[-1] * 2 // 3)) < out[-1]:
+        out.append(narrower)
     return out
 
 
@@ -161,8 +161,7 @@ def _phases(more, step, carry, slots: int, shrink_to: int, n: int):
             return more(carry) & ((pool.next_sequence < n) | (jnp.sum(state.sequence >= 0) > width))
         return go_on
 
-    steps = widths(slots, shrink_to)
-    for narrower in steps[1:]:
+    for narrower in widths(slots, shrink_to)[1:]:
         carry = jax.lax.while_loop(fits(narrower), step, carry)
         carry = _shrunk(carry, narrower)
     return jax.lax.while_loop(more, step, carry)

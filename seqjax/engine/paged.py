@@ -43,7 +43,7 @@ class PagedLayer:
     page_table: jax.Array
     lengths: jax.Array
     segment_ids: jax.Array
-    kernel: str = dataclasses.field(default="xla", metadata={"static": True})
+    attention: str = dataclasses.field(default="xla", metadata={"static": True})  # (engine.attention)
 
     def attend(self, q, k, v, *, segment_ids, window, scale, sinks):
         """Write the call's keys and values at places ``lengths..`` of each row, then attend over
@@ -57,7 +57,7 @@ class PagedLayer:
         slot = jnp.where(real & (page < pages), page * size + place % size, pages * size)  # (else dropped)
         keys = write_pages(self.keys, slot, k)
         values = write_pages(self.values, slot, v)
-        if self.kernel == "pallas" and t == 1:
+        if self.attention == "pallas" and t == 1:
             return self._kernel(q, keys, values, real, scale, window, sinks), dataclasses.replace(
                 self, keys=keys, values=values)
         capacity = self.page_table.shape[1] * size
