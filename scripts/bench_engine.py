@@ -63,7 +63,8 @@ def config_overrides(args) -> list[str]:
     seq = 2 * args.prompt_median + args.max_new + 64
     dtype = [f"model.param_dtype={args.dtype}", f"model.compute_dtype={args.dtype}"] if args.dtype else []
     return [*(f"model.{k}={v}" for k, v in SHAPES[args.shape].items()), f"model.vocab_size={args.vocab}",
-            f"model.max_seq_len={seq}", f"data.seq_len={seq}", "model.attention=xla", "model.qk_norm=true", *dtype]
+            f"model.max_seq_len={seq}", f"data.seq_len={seq}", "model.attention=xla", "model.qk_norm=true", *dtype,
+            f"model.scan_layers={str(args.scan_layers).lower()}"]
 
 
 HBM_GB_S = {"H100": 3350.0, "H200": 4800.0}  # the SXM parts' memory bandwidth, GB/s (NVIDIA's data sheets)
@@ -245,6 +246,8 @@ def main() -> None:
     p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
                    help="the engine's decode attention over the pages (engine.attention)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scan-layers", action="store_true",
+                   help="model.scan_layers=true: the blocks stacked, the engine's decode step scanned over them")
     p.add_argument("--before", default=BEFORE, help="the commit whose static samplers run beside the engine")
     p.add_argument("--torch-python", help="an interpreter with torch and transformers: adds their generate")
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
@@ -278,7 +281,7 @@ def main() -> None:
                "prompts": args.prompts, "generations": args.generations,
                "prompt_tokens_mean": round(float(np.mean([len(q) for q in prompts])), 1), "max_new": args.max_new,
                "vocab": args.vocab, "stop_ids": args.stops, "slots": args.slots, "page_size": args.page_size,
-               "before": args.before, "host": platform.node(),
+               "scan_layers": args.scan_layers, "before": args.before, "host": platform.node(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **result}
     print(json.dumps(summary))
 

@@ -537,13 +537,14 @@ def stage_engine(s: Suite) -> dict:
     """The generation engine (scripts/bench_engine.py) at the 1B and 8B shapes in bfloat16: 64 slots decoding
     GRPO-like completions (16 prompts x 4, up to 256 new tokens); new tokens/s against the decode's bandwidth
     bound (each step reading the weights and every slot's keys and values once), the issue's goal half of it;
-    the Pallas paged kernel (auto's pick) and, at 1B, the XLA gather path beside it."""
+    the Pallas paged kernel (auto's pick) and, at 1B, the XLA gather path beside it. The layers are stacked
+    (--scan-layers, as the 1B and 8B recipes train them), so the decode step is one scan over them."""
     if s.dry:
         sizes = {"small": ["--shape", "small", "--prompts", "2", "--generations", "2", "--prompt-median", "8",
-                           "--max-new", "8", "--slots", "4", "--vocab", "256", "--hbm-gb-s", "100"]}
+                           "--max-new", "8", "--slots", "4", "--vocab", "256", "--hbm-gb-s", "100", "--scan-layers"]}
     else:
         common = ["--dtype", "bfloat16", "--prompts", "16", "--generations", "4", "--slots", "64",
-                  "--max-new", "256", "--vocab", "128256", "--hbm-gb-s", "auto"]
+                  "--max-new", "256", "--vocab", "128256", "--hbm-gb-s", "auto", "--scan-layers"]
         # (auto: the Pallas paged kernel on a GPU; the 1B shape again on the XLA gather path beside it)
         sizes = {"1b": ["--shape", "1b", *common], "1b_xla": ["--shape", "1b", *common, "--attention", "xla"],
                  "8b": ["--shape", "8b", *common]}

@@ -135,6 +135,12 @@ def outputs_and_grads(args, seg, cotangent, *, chunk, recurrent=False):
     return out, state, pull((cotangent, jnp.zeros_like(state)))
 
 
+@jax.jit(static_argnames=("chunk",))
+def states_at(args, seg, ends, *, chunk):
+    """The chunked rule's state after each (row, place) of ``ends``: a packed prefill's documents'."""
+    return chunked_rule(*args, seg, chunk=chunk, ends=ends)[1]
+
+
 @pytest.mark.slow  # (the full suite; the fast loop keeps the rule against transformers)
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.integers(1, 11), min_size=1, max_size=4),
@@ -145,10 +151,12 @@ def outputs_and_grads(args, seg, cotangent, *, chunk, recurrent=False):
 def test_a_packed_row_gives_each_document_its_own_outputs_state_and_gradients(lengths, gaps, chunk, seed):
     """Any packing: each document's outputs equal the rule run on it alone (the float64 oracle), the
     chunked form equals the recurrent one, and each document's gradients equal those of the same
-    document alone in a row; the state a document leaves is its own final state alone."""
+    document alone in a row; the state a document leaves is its own final state alone, and so is the
+    state the chunked rule keeps at each document's last token (``ends``: the engine's packed prefill)."""
     args, cotangent = draw_inputs(seed)
     seg, spans = row_of(lengths, gaps)
     out, state, grads = outputs_and_grads(args, seg, cotangent, chunk=chunk)
+    kept = np.asarray(states_at(args, seg, jnp.asarray([[0, end - 1] for _, end in spans], jnp.int32), chunk=chunk))
     rec_out, rec_state, rec_grads = outputs_and_grads(args, seg, cotangent, chunk=chunk, recurrent=True)
     close(out, rec_out)
     close(state, rec_state)
@@ -169,6 +177,7 @@ def test_a_packed_row_gives_each_document_its_own_outputs_state_and_gradients(le
         ended_args = [np.where((np.arange(ROW) < end).reshape((1, ROW) + (1,) * (a.ndim - 2)), a, 0) for a in args]
         _, left, _ = outputs_and_grads(ended_args, ended, cotangent, chunk=chunk)
         close(np.asarray(left)[0], final)
+        close(kept[i], final)
 
 
 @pytest.mark.slow  # (the full suite; the fast loop keeps the rule against transformers)

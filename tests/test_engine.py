@@ -15,11 +15,13 @@ import pytest
 from flax import nnx
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from jax.extend import core as jax_core
 
 from seqjax.config.engine import EngineConfig
 from seqjax.config.load import load_config
 from seqjax.core.errors import UsageError
 from seqjax.engine import Engine, generate, sample_rollouts
+from seqjax.engine.paged import PagedKV
 from seqjax.model import build_model
 from seqjax.model.sampling import SamplingConfig
 
@@ -87,8 +89,8 @@ def test_every_drawn_tokens_log_probability_is_the_training_forwards(extra):
                       key=jax.random.key(1), copies=2)
     assert [len(c.tokens) for c in done] == [9] * 6
     assert_logprobs_are_the_forwards(model, prompts, done, 2)
-    # (rows of 16; a Gated DeltaNet's prompts one a row, each ending it: its state is the row's last)
-    assert engine.stats["prefill_rows"] == (3 if extra == HYBRID else 2)
+    # (rows of 16, packed: a Gated DeltaNet's too, each prompt's state the one after its own last token)
+    assert engine.stats["prefill_rows"] == 2
     assert engine.stats["prompt_pages"] == 2 + 3 + 1
 
 
@@ -106,6 +108,35 @@ def test_greedy_tokens_are_the_argmax_of_full_forward_passes():
             seq.append(int(np.argmax(logp[len(seq) - 1])))
         assert g.tokens == seq[len(prompt):]
     assert len({tuple(g.tokens) for g in done}) > 1
+
+
+def decode_step_products(*extra: str) -> int:
+    """The matrix products (dot_general) one decode step's program traces (a token a row into a paged cache),
+    sub-programs included: a scan's body counts once, however many layers it runs."""
+    model = build_model(load_config(None, [*BASE, *extra]), VOCAB, rngs=nnx.Rngs(0))
+    cache = PagedKV.empty(model.cfg, pages=8, page_size=4, rows=2, table=4)
+    graphdef, state = nnx.split(model)
+
+    def step(state, cache):
+        ones = jnp.ones((2, 1), jnp.int32)
+        return nnx.merge(graphdef, state).decode(ones, positions=ones, segment_ids=ones, cache=cache)
+
+    def products(jaxpr) -> int:
+        return sum((eqn.primitive.name == "dot_general") + sum(products(sub) for sub in jax_core.jaxprs_in_params(
+            eqn.params)) for eqn in jaxpr.eqns)
+
+    return products(jax.make_jaxpr(step)(state, cache).jaxpr)
+
+
+def test_a_scanned_models_decode_step_traces_one_block_whatever_its_depth():
+    """model.scan_layers: the decode step is one lax.scan over the stacked blocks with every layer's pages (one
+    array) in its carry, so its program, and what the loop's bodies compile, does not grow with the depth;
+    unrolled, it does. (Its numbers: the scanned case of the log-probability test above.)"""
+    scanned = [decode_step_products(f"model.n_layers={n}", "model.scan_layers=true", "model.sliding_window=4",
+                                     "model.layer_types=[sliding,full]" if n == 2 else
+                                     "model.layer_types=[sliding,full,sliding,full,sliding,full]") for n in (2, 6)]
+    unrolled = [decode_step_products(f"model.n_layers={n}") for n in (2, 6)]
+    assert 0 < scanned[0] == scanned[1] == unrolled[0] // 2 and unrolled[1] == 3 * unrolled[0], (scanned, unrolled)
 
 
 @pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)

@@ -117,12 +117,15 @@ def test_logits_equal_transformers_alone_and_each_packed_document_its_own(import
 
 def test_greedy_tokens_through_the_engine_equal_transformers_generate(imported):
     """The engine keeps each Gated DeltaNet layer's convolution window and state per decode slot (copied
-    from its prompt's after the prefill), as transformers' generate carries them; the tokens are its."""
+    from its prompt's after the prefill), as transformers' generate carries them; the tokens are its. The
+    prompt is prefilled packed between two others in one row (6 + 5 + 3 tokens in a row of 16): the state and
+    window it hands on are its own."""
     from seqjax.engine import generate
 
     model, _ = imported
     _, ref = reference(model.cfg.family)
-    (out,) = generate(model, [ref["prompt.ids"].tolist()], eot_id=None, max_new_tokens=len(ref["greedy.ids"]))
+    prompts = [[7, 3, 2, 11, 4, 9], ref["prompt.ids"].tolist(), [13, 8, 21]]
+    out = generate(model, prompts, eot_id=None, max_new_tokens=len(ref["greedy.ids"]))[1]
     assert out.tokens == ref["greedy.ids"].tolist()
 
 

@@ -29,7 +29,7 @@ from seqjax.core.errors import UsageError
 from seqjax.core.progress import log_once
 from seqjax.engine import loop
 from seqjax.engine.paged import PagedKV
-from seqjax.engine.prefill import _bucket, one_a_row, pack, prefill, right_aligned
+from seqjax.engine.prefill import _bucket, one_a_row, pack, prefill
 from seqjax.model.sampling import SamplingConfig
 
 _LOG = logging.getLogger(__name__)
@@ -155,10 +155,8 @@ class Engine:
                            logprobs[i, :lengths_out[i]].tolist()) for i in range(len(tokens))]
 
     def rows(self, prompts, tables: np.ndarray, plan: Plan, images: dict | None) -> tuple["Rows", int]:
-        """The prefill's rows (packed; one prompt a row with images, or ending its row with Gated
-        DeltaNet layers) and how many hold prompts."""
-        linear = "linear" in self.model.cfg.layer_types
-        if images and linear:
+        """The prefill's rows (packed; one prompt a row with images) and how many hold prompts."""
+        if images and "linear" in self.model.cfg.layer_types:
             raise UsageError("the engine: images with linear layers (model.layer_types); expected "
                              "a model of attention layers for image prompts")
         if images:
@@ -166,8 +164,7 @@ class Engine:
             fields = {k: jnp.asarray(v) for k, v in images.items()}
             next_position = np.asarray(images["positions_3d"])[..., 0][last[:, 0], last[:, 1]] + 1
         else:
-            packing = right_aligned if linear else pack
-            packed = packing(prompts, tables, plan.page_size, plan.pages)
+            packed = pack(prompts, tables, plan.page_size, plan.pages)
             inputs, positions, segment_ids, slots = packed.inputs, packed.positions, packed.segment_ids, packed.slots
             last = packed.starts + np.asarray([[0, len(p) - 1] for p in prompts])
             fields, next_position = {}, np.asarray([len(p) for p in prompts])

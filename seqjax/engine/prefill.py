@@ -7,8 +7,10 @@ logits come from its last token.
     row 1: [p1 p1 p1 p1 | p2 p2 p2 p2 p2 p2 ]      positions restart at 0 in each prompt
 
 A prompt with images is prefilled one to a row, as its image fields lay it out (the tower's patches
-belong to their row); so is every prompt of a model with Gated DeltaNet layers, each ending its row
-(:func:`right_aligned`)."""
+belong to their row). A model with Gated DeltaNet layers packs its prompts like any other: each
+layer keeps the state and convolution window after each prompt's own last token
+(seqjax.model.deltanet's chunked rule at those places), the segment reset keeping the prompts
+apart."""
 
 from __future__ import annotations
 
@@ -47,16 +49,22 @@ class Capture:
     layers: tuple[CaptureLayer | RecurrentView, ...]
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> "Capture":
-        """A view per layer: the attention's capture, or a Gated DeltaNet's fresh state row."""
-        return cls(tuple(RecurrentView() if cfg.mixer_of(i) == "deltanet"
+    def of(cls, cfg: ModelConfig, ends) -> "Capture":
+        """A view per layer: the attention's capture, or a Gated DeltaNet's fresh state row that
+        keeps the state after each prompt's last token ``ends`` [prompts, 2] (row, place)."""
+        return cls(tuple(RecurrentView(ends=ends) if cfg.mixer_of(i) == "deltanet"
                          else CaptureLayer(None, None, cfg.attention) for i in range(cfg.n_layers)))
 
-    def views(self, segment_ids):
-        return self.layers
+    scannable = False  # (a prefill runs once: its layers unrolled, each capture its own)
 
-    def advanced(self, views, segment_ids):
-        return Capture(tuple(views))
+    def view(self, i: int, segment_ids):
+        return self.layers[i]
+
+    def put(self, i: int, view) -> "Capture":
+        return Capture(self.layers[:i] + (view,) + self.layers[i + 1:])
+
+    def advanced(self, segment_ids) -> "Capture":
+        return self
 
 
 class Packing(NamedTuple):
@@ -107,44 +115,36 @@ def prefill(model, cache: PagedKV, inputs, positions, segment_ids, slots, last, 
     """Run the packed rows through ``model`` capturing every layer's keys and values, write them
     into ``cache``'s pages at ``slots`` [R, T], and return (next-token logits [prompts, V]
     float32 from the rows' places ``last`` [prompts, 2], the cache, and each Gated DeltaNet
-    layer's state after each prompt: a RecurrentView of [prompts, ...], None for attention layers).
-    A model with such layers gets one prompt a row, ending at the row's end (:func:`right_aligned`),
-    so a row's final state is its prompt's."""
+    layer's state after each prompt: a RecurrentView of [prompts, ...], None for attention layers;
+    packed like the rest, each prompt's state is the one after its own last token, its segment's
+    alone)."""
     images = images or {}
     x, capture = model.decode(inputs, positions=positions, segment_ids=segment_ids,
-                              cache=Capture.of(model.cfg), **images)
+                              cache=Capture.of(model.cfg, last), **images)
 
-    def write(pages, new):
-        return None if pages is None else write_pages(pages, slots, new)
-
-    layers = capture.layers
-    keys = tuple(write(p, getattr(layer, "keys", None)) for p, layer in zip(cache.keys, layers))
-    values = tuple(write(p, getattr(layer, "values", None)) for p, layer in zip(cache.values, layers))
-    states = tuple(RecurrentView(layer.conv[last[:, 0]], layer.state[last[:, 0]], None)
-                   if isinstance(layer, RecurrentView) else None for layer in layers)
+    layers, keys, values = capture.layers, list(cache.keys), list(cache.values)
+    for where, layer in zip(cache.places, layers):
+        if where is not None:
+            stack, place = where
+            keys[stack] = write_pages(keys[stack], place, slots, layer.keys)
+            values[stack] = write_pages(values[stack], place, slots, layer.values)
+    states = tuple(RecurrentView(layer.conv, layer.state, None) if isinstance(layer, RecurrentView) else None
+                   for layer in layers)
     hidden = x[last[:, 0], last[:, 1]]  # [prompts, D]: each prompt's last token
     logits = model.logits(hidden[:, None])[:, 0]
-    return logits, dataclasses.replace(cache, keys=keys, values=values), states
+    return logits, dataclasses.replace(cache, keys=tuple(keys), values=tuple(values)), states
 
 
 def one_a_row(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: int, pages: int, *,
-              width: int, rows: int, ending: bool = False) -> Packing:
-    """One prompt a row of ``width`` (``rows`` rows), from the row's start (prompts with images, as
-    their image fields lay them out) or ``ending`` it, padded before it (a model with Gated DeltaNet
-    layers: the chunked form hands on the state after the row's last token)."""
+              width: int, rows: int) -> Packing:
+    """One prompt a row of ``width`` (``rows`` rows), from the row's start: prompts with images, as
+    their image fields lay them out."""
     inputs = np.zeros((rows, width), np.int32)
     positions, segment_ids = np.zeros_like(inputs), np.zeros_like(inputs)
     slots = np.full((rows, width), pages * page_size, np.int64)
-    starts = np.asarray([[i, width - len(p) if ending else 0] for i, p in enumerate(prompts)], np.int64)
+    starts = np.asarray([[i, 0] for i in range(len(prompts))], np.int64)
     for (i, start), prompt in zip(starts, prompts):
         at, place = slice(start, start + len(prompt)), np.arange(len(prompt))
         inputs[i, at], positions[i, at], segment_ids[i, at] = prompt, place, 1
         slots[i, at] = page_tables[i, place // page_size] * page_size + place % page_size
     return Packing(inputs, positions, segment_ids, starts, slots)
-
-
-def right_aligned(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: int,
-                  pages: int) -> Packing:
-    """:func:`one_a_row`, each prompt ending its row; rows and width bucketed as :func:`pack`'s."""
-    return one_a_row(prompts, page_tables, page_size, pages, width=_bucket(max(len(p) for p in prompts), 16),
-                     rows=_bucket(len(prompts), 1), ending=True)

@@ -102,10 +102,12 @@ def recurrent_rule(q, k, v, g, beta, segment_ids, *, state=None, before=None):
     return jnp.moveaxis(out, 0, 1).astype(dtype), state
 
 
-def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, before=None):
+def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, before=None, ends=None):
     """The gated delta rule in chunks of ``chunk`` tokens (shapes as :func:`recurrent_rule`; the
     row zero-padded to a multiple of it, the padding continuing the row's last segment with no
-    decay and no write, so the state returned is the one after the row's last token)."""
+    decay and no write, so the state returned is the one after the row's last token). ``ends``
+    [E, 2] (row, place) pairs: the state returned is instead the one after each of those tokens
+    [E, H, Dk, Dv] (:func:`_states_at`: a packed prefill's prompts, each ending mid-row)."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, t, h, dk = k.shape
@@ -125,7 +127,7 @@ def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, 
     place = jnp.arange(chunk)
     same = allowed(seg[..., :, None], seg[..., None, :], place[:, None], place[None, :])[:, :, None]
     carries = allowed(seg, before[..., None], 1, 0)[:, :, None, :, None]  # [N, B, 1, C, 1]
-    ends = allowed(seg[..., -1:], seg, chunk - 1, place)[:, :, None, :, None]
+    last = allowed(seg[..., -1:], seg, chunk - 1, place)[:, :, None, :, None]  # (the chunk's last segment)
     cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
     decay = jnp.where(same, jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
@@ -139,8 +141,8 @@ def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, 
     k_read = solve(jnp.where(carries, k_beta * grown, 0.0))
     q_read = jnp.where(carries, q * grown, 0.0)
     inner = jnp.einsum("...id,...jd->...ij", q, k, precision=HIGHEST) * decay
-    to_end = jnp.exp(jnp.where(ends, cum[..., -1:, None] - cum[..., None], 0.0))
-    k_write = jnp.where(ends, k * to_end, 0.0)
+    to_end = jnp.exp(jnp.where(last, cum[..., -1:, None] - cum[..., None], 0.0))
+    k_write = jnp.where(last, k * to_end, 0.0)
     keep = jnp.where(carries[..., -1, 0], jnp.exp(cum[..., -1]), 0.0)[..., None, None]  # [N, B, H, 1, 1]
     state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
 
@@ -149,12 +151,36 @@ def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, 
         new = values_i - jnp.einsum("bhcd,bhde->bhce", k_read_i, s, precision=HIGHEST)
         out = (jnp.einsum("bhcd,bhde->bhce", q_read_i, s, precision=HIGHEST)
                + jnp.einsum("bhij,bhje->bhie", inner_i, new, precision=HIGHEST))
-        s = s * keep_i + jnp.einsum("bhcd,bhce->bhde", k_write_i, new, precision=HIGHEST)
-        return s, out
+        s_next = s * keep_i + jnp.einsum("bhcd,bhce->bhde", k_write_i, new, precision=HIGHEST)
+        return s_next, (out, (s, new) if ends is not None else None)
 
-    state, out = jax.lax.scan(step, state, (values, k_read, q_read, inner, k_write, keep))
+    state, (out, kept) = jax.lax.scan(step, state, (values, k_read, q_read, inner, k_write, keep))
     out = jnp.moveaxis(jnp.moveaxis(out, 3, 2), 0, 1).reshape(b, n * chunk, h, -1)[:, :t]
+    if ends is not None:
+        state = _states_at(ends, *kept, k, cum, same, carries, chunk)
     return out.astype(dtype), state
+
+
+def _states_at(ends, entering, new, k, cum, same, carries, chunk: int):
+    """The state after each token ``ends`` [E, 2] (row, place) names, from :func:`chunked_rule`'s
+    chunks [N, B, ...]: the state ``entering`` its chunk, decayed to the token where its segment
+    continues from before the chunk, plus the writes ``new`` of the chunk's tokens up to it in its
+    segment, each decayed from its own place; what the chunk's end does for its last segment, at
+    any place. [E, H, Dk, Dv]."""
+    row, place = ends[:, 0], ends[:, 1]
+    c, i = place // chunk, place % chunk
+
+    def at(a):  # [N, B, ...] -> [E, ...]: the end's chunk and row
+        return a[c, row]
+
+    cum_e = at(cum)  # [E, H, C]
+    mine = jnp.take_along_axis(at(same)[:, 0], i[:, None, None], axis=1)[:, 0]  # [E, C]: its segment, up to it
+    here = jnp.take_along_axis(cum_e, i[:, None, None], axis=2)  # [E, H, 1]
+    weight = jnp.where(mine[:, None], jnp.exp(jnp.where(mine[:, None], here - cum_e, 0.0)), 0.0)  # [E, H, C]
+    written = jnp.einsum("ehc,ehcd,ehcv->ehdv", weight, at(k), at(new), precision=HIGHEST)
+    continues = jnp.take_along_axis(at(carries)[:, 0, :, 0], i[:, None], axis=1)[:, 0]  # [E]
+    keep = jnp.where(continues[:, None], jnp.exp(here[..., 0]), 0.0)  # [E, H]
+    return at(entering) * keep[..., None, None] + written
 
 
 def prompt_taps(segment_ids: jax.Array, prefix_ids: jax.Array, positions: jax.Array,
@@ -282,14 +308,30 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
     g = -jnp.exp(params["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + params["dt_bias"].astype(jnp.float32))
     if shared is not None:
         o, state = prompt_rule(q, k, v, g, beta, segment_ids, shared[0])
+    elif view.ends is not None:
+        o, state = chunked_rule(q, k, v, g, beta, segment_ids, chunk=chunk, state=view.state, before=before,
+                                ends=view.ends)
     else:
         rule = recurrent_rule if recurrent else functools.partial(chunked_rule, chunk=chunk)
         o, state = rule(q, k, v, g, beta, segment_ids, state=view.state, before=before)
     z = project("in_proj_z", x).reshape(b, t, value_heads, dv)
     o = gated_rms_norm(o, z, params["norm"].astype(dtype), eps).astype(dtype)
     out = project("out_proj", o.reshape(b, t, value_heads * dv))
+    if view.ends is not None:
+        return out, RecurrentView(_windows_at(view.ends, inputs, segment_ids, width), state, None)
     window = extended[:, -(width - 1):] if width > 1 else history
     return out, RecurrentView(window, state, None)
+
+
+def _windows_at(ends: jax.Array, inputs: jax.Array, segment_ids: jax.Array, width: int) -> jax.Array:
+    """The convolution window after each token ``ends`` [E, 2] (row, place) names: the last
+    ``width`` - 1 inputs [E, width - 1, C] up to it, oldest first, zeros before its segment's start
+    (a fresh row's window, as its document gets alone)."""
+    row, place = ends[:, 0], ends[:, 1]
+    back = place[:, None] - jnp.arange(width - 2, -1, -1)[None, :]  # [E, width - 1]
+    at = jnp.clip(back, 0, inputs.shape[1] - 1)
+    own = (back >= 0) & (segment_ids[row[:, None], at] == segment_ids[row, place][:, None])
+    return jnp.where(own[..., None], inputs[row[:, None], at], 0).astype(inputs.dtype)
 
 
 class DeltaNet(nnx.Module):

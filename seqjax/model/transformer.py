@@ -166,14 +166,34 @@ class TransformerLM(nnx.Module):
         """
         self.check_batch(inputs, positions, segment_ids)
         x, rotary, injections = self.with_images(self.embed_tokens(inputs), positions, positions_3d, images)
-        views, done = cache.views(segment_ids), []
-        freqs = self.rope_freqs()
-        for i, view in enumerate(views):
-            x, view = self.layer(i).decode(x, rotary, segment_ids, view, freqs[i], self.cfg.window_of(i))
-            if injections is not None and i < len(injections):
-                x = x + injections[i].astype(x.dtype)
-            done.append(view)
-        return x, cache.advanced(tuple(done), segment_ids)
+        if self.cfg.scan_layers and injections is None and cache.scannable:
+            x, cache = self._scanned_decode(x, rotary, segment_ids, cache)
+        else:
+            freqs = self.rope_freqs()
+            for i in range(self.cfg.n_layers):
+                x, view = self.layer(i).decode(x, rotary, segment_ids, cache.view(i, segment_ids), freqs[i],
+                                               self.cfg.window_of(i))
+                if injections is not None and i < len(injections):
+                    x = x + injections[i].astype(x.dtype)
+                cache = cache.put(i, view)
+        return x, cache.advanced(segment_ids)
+
+    def _scanned_decode(self, x, rotary, segment_ids, cache: Cache) -> tuple[jax.Array, Cache]:
+        """:meth:`decode`'s blocks as one ``lax.scan`` over the stacked blocks (``model.scan_layers``),
+        the cache in its carry: one block's body traced and compiled whatever the depth, each
+        layer's window and RoPE frequencies scanned inputs as in training (:meth:`_scanned`)."""
+        graphdef, state = nnx.split(self.blocks)
+
+        def layer(carry, xs):
+            x, cache = carry
+            layer_state, rope_freq, window, i = xs
+            block = nnx.merge(graphdef, layer_state)
+            x, view = block.decode(x, rotary, segment_ids, cache.view(i, segment_ids), rope_freq, window)
+            return (x, cache.put(i, view)), None
+
+        xs = (state, self.rope_freqs(), self.windows(), jnp.arange(self.cfg.n_layers, dtype=jnp.int32))
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), xs)
+        return x, cache
 
     def embed_tokens(self, inputs) -> jax.Array:
         """Token ids [B, T] -> embeddings [B, T, D] in the compute dtype; out-of-range ids give NaN

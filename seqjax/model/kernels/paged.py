@@ -38,14 +38,21 @@ DEFAULT_BLOCK_TOKENS = 64  # keys a loop step reads: pages_per_block x page_size
 
 
 def paged_attention(q: jax.Array, keys: jax.Array, values: jax.Array, page_table: jax.Array,
-                    lengths: jax.Array, *, scale: float, window=None, pages_per_block: int | None = None,
+                    lengths: jax.Array, *, scale: float, window=None, layer=None, pages_per_block: int | None = None,
                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """(out [B, H, D], lse [B, H] float32): each row's query ``q`` [B, H, D], the last of the
     ``lengths`` [B] places written to the row's pages (0: an idle row, zeros), attending to places
     0..lengths - 1 (within ``window``, an int or a traced scalar) of ``keys``/``values`` [pages, Hkv,
-    page_size, D] through ``page_table`` [B, W] (an entry of ``pages`` or more: no page)."""
+    page_size, D] through ``page_table`` [B, W] (an entry of ``pages`` or more: no page). With
+    ``layer`` (an int or a traced scalar), ``keys``/``values`` are every layer's pools stacked [A,
+    pages, Hkv, page_size, D] and the kernel reads layer ``layer``'s in place: the stack is one pool
+    of A x pages pages (a free reshape), the page table moved to the layer's."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if layer is not None:
+        pages = keys.shape[1]
+        keys, values = (a.reshape(-1, *a.shape[2:]) for a in (keys, values))
+        page_table = jnp.where(page_table < pages, page_table + layer * pages, keys.shape[0])
     b, h, d = q.shape
     pages, hkv, size, _ = keys.shape
     if h % hkv:
