@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from seqjax.core.errors import RunDirInUseError
@@ -107,3 +108,35 @@ def test_two_processes_share_the_lock_stop_together_on_sigterm_and_resume_as_one
     assert sorted(losses) == list(range(1, 31))
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step], rel=1e-5), step
+
+
+def test_an_rl_run_in_two_processes_takes_one_process_steps(tmp_path):
+    """GRPO in two processes (4 CPU devices each): every process samples and scores the same generation batch (the
+    engine's tokens a function of seed, prompt, completion and position), places only its own rows of it, and
+    gathers the old and reference log-probabilities back whole; the losses, rewards, KL and tokens each step equal
+    one process's on 8 devices (the global batch is the batch, not one copy a process), and process 0 alone
+    writes the rollouts and completions tables, the same ones."""
+    from seqjax.train.metrics import read_metrics
+    from test_rl_run import rewards_of, rl_overrides
+
+    extra = ("train.steps=4", "data.batch_size=8", "mesh.data=8", "rl.beta=0.1", "rl.steps_per_generation=2",
+             "rl.log_completions_every=1")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert_ok(run_cli(rl_overrides(tmp_path, one, *extra), devices=8))
+    run_two_processes(rl_overrides(tmp_path, two, *extra))
+    losses = train_losses(one)
+    assert sorted(losses) == [1, 2, 3, 4] and train_losses(two) == pytest.approx(losses, rel=1e-5)
+    assert rewards_of(two) == rewards_of(one)
+    steps = [[row for row in read_metrics(run) if "loss" in row] for run in (one, two)]
+    for mine, theirs in zip(*steps):
+        assert theirs["tokens_seen"] == mine["tokens_seen"] and theirs["kl"] == pytest.approx(mine["kl"], rel=1e-5)
+    for name in ("rollouts", "completions"):
+        files = sorted(p.name for p in (one / name).iterdir())
+        assert files and files == sorted(p.name for p in (two / name).iterdir())
+    for name in files:
+        assert (two / "completions" / name).read_bytes() == (one / "completions" / name).read_bytes()
+    for name in (p.name for p in (one / "rollouts").iterdir()):
+        mine, theirs = np.load(one / "rollouts" / name), np.load(two / "rollouts" / name)
+        for key in mine.files:
+            if key != "metrics":
+                np.testing.assert_allclose(theirs[key], mine[key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -116,7 +116,7 @@ class Engine:
             raise UsageError(
                 f"engine.kv_pages: {pages} pages of {size} tokens ({plan.kv_bytes / 1e9:.2f} GB of "
                 f"keys and values over {cfg.n_layers} layers) exceed the {free / 1e9:.2f} GB free "
-                f"on {jax.devices()[0].platform}; expected fewer engine.slots or engine.kv_pages")
+                f"on {jax.local_devices()[0].platform}; expected fewer engine.slots or engine.kv_pages")
         return plan
 
     def run(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
@@ -283,7 +283,7 @@ def _state_bytes(cfg) -> int:
 def _free_bytes() -> int | None:
     """Memory free for the cache: the device's (its allocator's limit less what is in use), or on
     the CPU the machine's available memory; None when unknown."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # (this process's: another's cannot be asked)
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))

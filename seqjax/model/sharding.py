@@ -212,6 +212,14 @@ def global_batch(local: Batch, sharding: NamedSharding, process_count: int) -> B
     return out
 
 
+def local_rows(batch: Batch, process_index: int, process_count: int) -> Batch:
+    """This process's rows of a batch every process holds whole (an RL generation batch, made
+    alike in each): the block :func:`global_batch` expects from it."""
+    rows = len(next(iter(batch.values())))
+    per = rows // process_count
+    return {name: value[process_index * per:(process_index + 1) * per] for name, value in batch.items()}
+
+
 def check_batch_fits(batch_size: int, mesh: Mesh, grad_accum: int) -> None:
     """Each micro-batch's rows must split evenly over data x fsdp."""
     ways = math.prod(mesh.shape[a] for a in BATCH_AXES)

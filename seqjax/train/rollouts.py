@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from seqjax.config.tree import Config
 from seqjax.core.errors import DataError, SeqjaxError
@@ -41,7 +41,7 @@ from seqjax.core.files import json_text, write_bytes_atomic, write_text_atomic
 from seqjax.data.rollouts import Group, rollout_batches, rows_needed, with_advantages
 from seqjax.engine.rollout import EngineRollout, Rollout
 from seqjax.model.sampling import SamplingConfig
-from seqjax.model.sharding import BATCH_AXES
+from seqjax.model.sharding import BATCH_AXES, local_rows
 from seqjax.objectives import resolve
 from seqjax.store.chat import end_of_turn
 from seqjax.store.corpus import source_files
@@ -136,7 +136,11 @@ class RolloutSource:
         batches = self.pending["batches"]
         batch = dict(batches[within % self.rl.steps_per_generation])
         batch["fresh"] = np.full((len(batch["inputs"]), 1), int(within == 0 or step == self.fresh_at), np.int32)
-        return self.to_device(batch), IteratorPosition(self.get_state()), metrics
+        return self._placed(batch), IteratorPosition(self.get_state()), metrics
+
+    def _placed(self, batch: dict[str, np.ndarray]) -> dict:
+        """A batch every process made whole, placed as a global batch from this process's rows."""
+        return self.to_device(local_rows(batch, jax.process_index(), jax.process_count()))
 
     def _next_prompts(self) -> list[Prompt]:
         n, out = len(self.prompts), []
@@ -215,17 +219,16 @@ class RolloutSource:
             same = bool(policy.same_weights(params, frozen.reference, step))
         per_completion, tokens, kl_sum = np.zeros(completions), 0.0, 0.0
         for batch in batches:
-            device = {k: jnp.asarray(v) for k, v in batch.items()}
+            device = self._placed(batch)
             zeros = np.zeros_like(batch["weights"])
-            batch["old_logps"] = (np.asarray(self._logprobs(params, frozen, device, False), np.float32)
+            batch["old_logps"] = (whole(self._logprobs(params, frozen, device, False))
                                   if self.every > 1 or in_reward else zeros)
             # (the reference is the sampling policy: its log-probabilities are the old ones, and on
             # the first pass the step's own, bit for bit)
             batch["rollout_reference_logps"] = batch["old_logps"] if same else zeros
             batch["reference_is_policy"] = np.full((len(batch["inputs"]), 1), int(bool(same)), np.int32)
             if self.rl.beta and not same:
-                batch["rollout_reference_logps"] = np.asarray(self._logprobs(params, frozen, device, True),
-                                                              np.float32)
+                batch["rollout_reference_logps"] = whole(self._logprobs(params, frozen, device, True))
             if in_reward:
                 scored = (batch["weights"] > 0) & (batch["completion"] > 0)
                 gap = np.where(scored, batch["old_logps"] - batch["rollout_reference_logps"], 0.0)
@@ -242,6 +245,8 @@ class RolloutSource:
         return self.folder / f"generation_{generation:06d}.npz"
 
     def _write(self, generation: int, pending: dict, step: int) -> None:
+        if jax.process_index():  # (every process made the same batch: process 0 keeps it)
+            return
         buffer = io.BytesIO()
         np.savez(buffer, **{f"{i}/{k}": v for i, b in enumerate(pending["batches"]) for k, v in b.items()},
                  metrics=np.asarray(json.dumps(self.metrics)))
@@ -291,7 +296,7 @@ class RolloutSource:
         generation batch that step trains on), with the columns the reward functions added
         (``log_extra``)."""
         every = self.rl.log_completions_every
-        if not every or step % every:
+        if not every or step % every or jax.process_index():
             return
         g = self.rl.num_generations
         names = [r.name for r in self.rewards]
@@ -369,6 +374,12 @@ def load_prompts(config: Config, tokenizer) -> tuple[list[Prompt], list[int]]:
     return prompts, stop_ids
 
 
+def whole(rows: jax.Array) -> np.ndarray:
+    """A global array's every row on this process's host, float32 (each process holds a block of
+    them)."""
+    return np.asarray(multihost_utils.process_allgather(rows, tiled=True), np.float32)
+
+
 def sized_rows(config: Config, prompts: list[Prompt], shards: int) -> Config:
     """``data.batch_size`` as a step's groups need it: the rows of a generation batch's worst
     case (its longest prompts, every completion at ``rl.max_completion_length``), over its steps,
@@ -402,9 +413,6 @@ def sized_rows(config: Config, prompts: list[Prompt], shards: int) -> Config:
 def plan(config: Config, prepared, mesh) -> tuple[Config, Plan]:
     """An RL run's checks before any weight is read: its prompts, reward functions and replayed
     completions, and its rows sized to its groups (:func:`sized_rows`)."""
-    if jax.process_count() > 1:
-        raise DataError(f"data.format=prompt: got {jax.process_count()} processes; an RL run "
-                        "samples in one process (docs/rl.md, not built)")
     tokenizer = prepared.tokenizer
     prompts, stop_ids = load_prompts(config, tokenizer)
     objective = resolve(config.train.objective, config.train.objective_weights)
