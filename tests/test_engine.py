@@ -142,10 +142,13 @@ def test_a_scanned_models_decode_step_traces_one_block_whatever_its_depth():
 @pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 @settings(max_examples=6, deadline=None)
 @given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), slots=st.integers(1, 7),
-       page_size=st.sampled_from([1, 2, 4, 8, 16]), spare=st.integers(0, 3), seed=st.integers(0, 3))
-def test_sampling_is_a_function_of_seed_prompt_completion_and_position_only(lengths, slots, page_size, spare, seed):
+       page_size=st.sampled_from([1, 2, 4, 8, 16]), spare=st.integers(0, 3), seed=st.integers(0, 3),
+       waves=st.sampled_from([0, 8, 20]))
+def test_sampling_is_a_function_of_seed_prompt_completion_and_position_only(lengths, slots, page_size, spare, seed,
+                                                                              waves):
     """The same completions (tokens and log-probabilities) whatever the slots, the page size, a pool only just
-    large enough (sequences then wait for pages), the order in which sequences end (a stop id)."""
+    large enough (sequences then wait for pages), the order in which sequences end (a stop id), the waves a
+    request is cut into (engine.prefill_tokens)."""
     model = model_of()
     prompts = prompts_of(lengths, seed)
     run = functools.partial(sample_rollouts, model, prompts, stop_ids=[7, 11], max_new_tokens=10,
@@ -154,10 +157,32 @@ def test_sampling_is_a_function_of_seed_prompt_completion_and_position_only(leng
     assume(len({len(c.tokens) for c in reference}) > 1)  # (sequences that end at different steps)
     need = max((n % page_size + 10 + page_size - 1) // page_size for n in lengths)
     pages = sum(-(-n // page_size) for n in lengths) + need + spare
-    other = run(engine=EngineConfig(slots=slots, page_size=page_size, kv_pages=pages))
+    other = run(engine=EngineConfig(slots=slots, page_size=page_size, kv_pages=pages, prefill_tokens=waves))
     assert [c.tokens for c in other] == [c.tokens for c in reference]
     np.testing.assert_allclose([x for c in other for x in c.logprobs], [x for c in reference for x in c.logprobs],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_a_request_of_more_prompt_tokens_than_engine_prefill_tokens_runs_in_waves_and_samples_the_same():
+    """engine.prefill_tokens=12: prompts of 9, 3, 14, 5 and 7 tokens run in three waves of whole prompts, in order
+    ([9, 3], [14] alone, longer than the budget, [5, 7]), each prefilled and decoded in turn: the same tokens and
+    log-probabilities as one wave, each sequence streamed under its index in the request."""
+    model = model_of()
+    prompts = prompts_of([9, 3, 14, 5, 7], seed=6)
+
+    def run(budget):
+        streamed = {}
+        engine = Engine(model, EngineConfig(slots=4, page_size=4, prefill_tokens=budget))
+        done = engine.run(prompts, max_new_tokens=8, stop_ids=[3, 5], sampling=SamplingConfig(temperature=1.0),
+                          key=jax.random.key(2), copies=2, on_done=lambda i, c: streamed.__setitem__(i, c))
+        return done, streamed, engine.stats
+
+    (whole, _, one), (waved, streamed, three) = run(0), run(12)
+    assert (one["waves"], three["waves"]) == (1, 3) and three["sequences"] == 10
+    assert [c.tokens for c in waved] == [c.tokens for c in whole] and len({len(c.tokens) for c in whole}) > 1
+    np.testing.assert_allclose([x for c in waved for x in c.logprobs], [x for c in whole for x in c.logprobs],
+                               rtol=1e-5, atol=1e-5)
+    assert streamed == dict(enumerate(waved)) and three["new_tokens"] == one["new_tokens"]
 
 
 def test_a_group_stores_its_prompt_once_and_slots_take_the_next_sequence_as_one_ends():

@@ -116,7 +116,8 @@ class Engine:
             raise UsageError(
                 f"engine.kv_pages: {pages} pages of {size} tokens ({plan.kv_bytes / 1e9:.2f} GB of "
                 f"keys and values over {cfg.n_layers} layers) exceed the {free / 1e9:.2f} GB free "
-                f"on {jax.local_devices()[0].platform}; expected fewer engine.slots or engine.kv_pages")
+                f"on {jax.local_devices()[0].platform}; expected fewer engine.slots or engine.kv_pages, or "
+                f"a smaller engine.prefill_tokens (prompts prefilled at once)")
         return plan
 
     def run(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
@@ -133,6 +134,20 @@ class Engine:
                              "token")
         if max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens: got {max_new_tokens}, expected at least 1")
+        waves = [(0, len(prompts))] if images else _waves([len(p) for p in prompts], self.config.prefill_tokens)
+        done, stats = [], []
+        for first, end in waves:
+            listener = None if on_done is None else functools.partial(_offset, on_done, first * copies)
+            done += self._wave(prompts[first:end], first, max_new_tokens, stop_ids, sampling, key, copies, images,
+                               listener, stop_sequences)
+            stats.append(self.stats)
+        self.stats = _merged(stats)
+        return done
+
+    def _wave(self, prompts, first: int, max_new_tokens: int, stop_ids, sampling: SamplingConfig, key, copies: int,
+              images, on_done, stop_sequences) -> list[Completion]:
+        """:meth:`run` on prompts ``first``.. of a request (their sampling keys the request's prompt
+        indices)."""
         lengths = [len(p) for p in prompts]
         plan = self.plan(lengths, copies, max_new_tokens)
         rows, prefill_rows = self.rows(prompts, _prompt_tables(lengths, plan), plan, images)
@@ -141,7 +156,7 @@ class Engine:
         _LISTENERS.append(on_done)
         try:
             out = _generate(self.graphdef, self.state, rows, pool, plan, copies, max_new_tokens,
-                            jnp.asarray(list(stop_ids) or [-1], jnp.int32), sampling.arrays(), key,
+                            jnp.asarray(list(stop_ids) or [-1], jnp.int32), sampling.arrays(), key, jnp.int32(first),
                             on_done is not None, _right_aligned(stop_sequences))
             tokens, logprobs, lengths_out, stopped = (np.asarray(a) for a in out[:4])
         finally:
@@ -150,7 +165,7 @@ class Engine:
         self.stats = {"sequences": len(tokens), "slots": plan.slots, "page_size": plan.page_size,
                       "pages": plan.pages, "prompt_pages": plan.prompt_pages, "kv_bytes": plan.kv_bytes,
                       "prefill_rows": prefill_rows, "slot_steps": slot_steps, "token_steps": token_steps,
-                      "slot_use": token_steps / max(slot_steps, 1), "new_tokens": int(lengths_out.sum())}
+                      "slot_use": token_steps / max(slot_steps, 1), "new_tokens": int(lengths_out.sum()), "waves": 1}
         return [Completion(tokens[i, :lengths_out[i]].tolist(), bool(stopped[i]),
                            logprobs[i, :lengths_out[i]].tolist()) for i in range(len(tokens))]
 
@@ -187,6 +202,31 @@ class Rows(NamedTuple):
     lengths: jax.Array
     next_position: jax.Array
     images: dict
+
+
+def _waves(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """The request's prompts cut, in order, into runs (first, end) of at most ``budget`` prompt
+    tokens each (a longer prompt alone; 0: one run of all)."""
+    waves, first, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if budget and i > first and total + n > budget:
+            waves.append((first, i))
+            first, total = i, 0
+        total += n
+    return waves + [(first, len(lengths))]
+
+
+def _offset(on_done, start: int, index: int, completion: Completion) -> None:
+    """A wave's ``on_done``: its sequence ``index`` is the request's ``start + index``."""
+    on_done(start + index, completion)
+
+
+def _merged(waves: list[dict]) -> dict:
+    """One request's stats over its waves: counts summed, sizes the largest wave's."""
+    out = {k: sum(w[k] for w in waves) for k in ("sequences", "prompt_pages", "prefill_rows", "slot_steps",
+                                                  "token_steps", "new_tokens", "waves")}
+    out |= {k: max(w[k] for w in waves) for k in ("slots", "page_size", "pages", "kv_bytes")}
+    return out | {"slot_use": out["token_steps"] / max(out["slot_steps"], 1)}
 
 
 def _eighths(n: int, least: int = 1) -> int:
@@ -240,9 +280,9 @@ def _right_aligned(sequences: Sequence[Sequence[int]]) -> jax.Array | None:
     return jnp.asarray([[-1] * (width - len(s)) + s for s in sequences], jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 10))
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 11))
 def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_new: int, stops, settings, key,
-              stream: bool = False, stop_sequences=None):
+              first, stream: bool = False, stop_sequences=None):
     """One program: the cache made, the prompts prefilled into it, the decode loop over it (the
     cache lives inside, never an argument copied into the loop); ``stream``: each sequence handed to
     the host as it ends."""
@@ -257,7 +297,7 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_ne
                              states if any(s is not None for s in states) else ())
     return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
                        settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None,
-                       stop_sequences=stop_sequences, shrink_to=plan.shrink_to)
+                       stop_sequences=stop_sequences, shrink_to=plan.shrink_to, first=first)
 
 
 def decode_attention(name: str) -> str:

@@ -80,7 +80,7 @@ def worst_pages(lengths: jax.Array, max_new: int, page_size: int) -> jax.Array:
 
 def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int, max_new: int, stops: jax.Array,
            settings: dict, key: jax.Array, slots: int, emit=None, stop_sequences: jax.Array | None = None,
-           shrink_to: int = 0) -> Outputs:
+           shrink_to: int = 0, first=0) -> Outputs:
     """Every prompt's ``copies`` completions of up to ``max_new`` tokens, through ``slots``
     decode slots (the module's docstring); a sequence ends at any of ``stops`` or once its tokens
     end with a row of ``stop_sequences`` [S, L] (right-aligned, -1 to its left). ``emit(sequence,
@@ -89,7 +89,8 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
     caller streams completions as they finish. ``shrink_to``: once no sequence waits, the step cuts its
     rows to two thirds each time the decoding slots fit (:func:`widths`; moved to the front, their
     pages stay where they are), down to this many (0: never), so the last long completions do not
-    carry idle slots."""
+    carry idle slots. ``first``: the request's index of the first prompt (a wave of a longer
+    request: the keys fold in the request's prompt indices)."""
     n = requests.prompt_pages.shape[0] * copies
     vocab = requests.prompt_logits.shape[-1]
     table = cache.page_table.shape[1]
@@ -111,7 +112,7 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
         active = state.sequence >= 0
         seq = jnp.maximum(state.sequence, 0)
         keys = jax.vmap(lambda s, d: jax.random.fold_in(jax.random.fold_in(
-            jax.random.fold_in(key, s // copies), s % copies), d))(seq, state.drawn)
+            jax.random.fold_in(key, first + s // copies), s % copies), d))(seq, state.drawn)
         token = sample_rows(state.logits, keys, **settings)
         logp = jnp.take_along_axis(jax.nn.log_softmax(state.logits, axis=-1), token[:, None], axis=1)[:, 0]
         row = jnp.where(active, seq, n)  # (a free slot writes nowhere)
