@@ -27,9 +27,10 @@ class EngineConfig:
         "long completions do not carry idle slots; no sampled token changes (requests of 64 new tokens or "
         "more: each cut compiles one more loop body; 32 slots: 32, 21, 14, 9, 6, 4)", min=0)
     prefill_tokens: int = setting(
-        65536, "prompt tokens a request prefills at once: a request with more runs in waves of whole prompts, in "
-        "order, each prefilled and then decoded to its end, so a prompts file of any length fits the KV cache "
-        "(0: every prompt at once); no sampled token changes", min=0)
+        65536, "prompt tokens a request prefills at once: a request with more runs in waves of "
+        "whole prompts, in order, each prefilled and then decoded to its end, so a prompts file "
+        "of any length fits the KV cache (0: every prompt at once); no sampled token changes",
+        min=0)
     attention: str = setting(
         "auto", "decode attention over the pages: xla (each slot's pages gathered, the paged mask; "
         "every backend), pallas (the pages read in place by a Pallas kernel: compiled on a GPU, "

@@ -116,8 +116,8 @@ class Engine:
             raise UsageError(
                 f"engine.kv_pages: {pages} pages of {size} tokens ({plan.kv_bytes / 1e9:.2f} GB of "
                 f"keys and values over {cfg.n_layers} layers) exceed the {free / 1e9:.2f} GB free "
-                f"on {jax.local_devices()[0].platform}; expected fewer engine.slots or engine.kv_pages, or "
-                f"a smaller engine.prefill_tokens (prompts prefilled at once)")
+                f"on {jax.local_devices()[0].platform}; expected fewer engine.slots or "
+                f"engine.kv_pages, or a smaller engine.prefill_tokens (prompts prefilled at once)")
         return plan
 
     def run(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, stop_ids: Sequence[int],
@@ -134,18 +134,19 @@ class Engine:
                              "token")
         if max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens: got {max_new_tokens}, expected at least 1")
-        waves = [(0, len(prompts))] if images else _waves([len(p) for p in prompts], self.config.prefill_tokens)
+        lengths = [len(p) for p in prompts]
+        waves = [(0, len(prompts))] if images else _waves(lengths, self.config.prefill_tokens)
         done, stats = [], []
         for first, end in waves:
-            listener = None if on_done is None else functools.partial(_offset, on_done, first * copies)
-            done += self._wave(prompts[first:end], first, max_new_tokens, stop_ids, sampling, key, copies, images,
-                               listener, stop_sequences)
+            listener = on_done and functools.partial(_offset, on_done, first * copies)
+            done += self._wave(prompts[first:end], first, max_new_tokens, stop_ids, sampling, key,
+                               copies, images, listener, stop_sequences)
             stats.append(self.stats)
         self.stats = _merged(stats)
         return done
 
-    def _wave(self, prompts, first: int, max_new_tokens: int, stop_ids, sampling: SamplingConfig, key, copies: int,
-              images, on_done, stop_sequences) -> list[Completion]:
+    def _wave(self, prompts, first: int, max_new_tokens: int, stop_ids, sampling: SamplingConfig,
+              key, copies: int, images, on_done, stop_sequences) -> list[Completion]:
         """:meth:`run` on prompts ``first``.. of a request (their sampling keys the request's prompt
         indices)."""
         lengths = [len(p) for p in prompts]
@@ -156,8 +157,8 @@ class Engine:
         _LISTENERS.append(on_done)
         try:
             out = _generate(self.graphdef, self.state, rows, pool, plan, copies, max_new_tokens,
-                            jnp.asarray(list(stop_ids) or [-1], jnp.int32), sampling.arrays(), key, jnp.int32(first),
-                            on_done is not None, _right_aligned(stop_sequences))
+                            jnp.asarray(list(stop_ids) or [-1], jnp.int32), sampling.arrays(), key,
+                            jnp.int32(first), on_done is not None, _right_aligned(stop_sequences))
             tokens, logprobs, lengths_out, stopped = (np.asarray(a) for a in out[:4])
         finally:
             _LISTENERS.pop()
@@ -165,7 +166,8 @@ class Engine:
         self.stats = {"sequences": len(tokens), "slots": plan.slots, "page_size": plan.page_size,
                       "pages": plan.pages, "prompt_pages": plan.prompt_pages, "kv_bytes": plan.kv_bytes,
                       "prefill_rows": prefill_rows, "slot_steps": slot_steps, "token_steps": token_steps,
-                      "slot_use": token_steps / max(slot_steps, 1), "new_tokens": int(lengths_out.sum()), "waves": 1}
+                      "slot_use": token_steps / max(slot_steps, 1), "new_tokens": int(lengths_out.sum()),
+                      "waves": 1}
         return [Completion(tokens[i, :lengths_out[i]].tolist(), bool(stopped[i]),
                            logprobs[i, :lengths_out[i]].tolist()) for i in range(len(tokens))]
 
@@ -223,8 +225,9 @@ def _offset(on_done, start: int, index: int, completion: Completion) -> None:
 
 def _merged(waves: list[dict]) -> dict:
     """One request's stats over its waves: counts summed, sizes the largest wave's."""
-    out = {k: sum(w[k] for w in waves) for k in ("sequences", "prompt_pages", "prefill_rows", "slot_steps",
-                                                  "token_steps", "new_tokens", "waves")}
+    summed = ("sequences", "prompt_pages", "prefill_rows", "slot_steps", "token_steps", "new_tokens",
+              "waves")
+    out = {k: sum(w[k] for w in waves) for k in summed}
     out |= {k: max(w[k] for w in waves) for k in ("slots", "page_size", "pages", "kv_bytes")}
     return out | {"slot_use": out["token_steps"] / max(out["slot_steps"], 1)}
 

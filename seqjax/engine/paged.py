@@ -79,8 +79,8 @@ class PagedLayer:
         row: none, zeros, as the XLA path gives), the sinks through the log-sum-exp."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         length = jnp.where(real[:, 0], self.lengths + 1, 0)
-        out, lse = paged_attention(q[:, 0], keys, values, self.page_table, length, scale=scale, window=window,
-                                   layer=self.layer)
+        out, lse = paged_attention(q[:, 0], keys, values, self.page_table, length, scale=scale,
+                                   window=window, layer=self.layer)
         out = out[:, None]
         return out if sinks is None else with_sinks(out, lse[:, :, None], sinks)
 
@@ -139,7 +139,8 @@ class PagedKV:
         count = 1 + max(p[0] for p in places if p is not None)
         depth = cfg.n_layers if cfg.scan_layers else 1
         dtype = jnp.dtype(cfg.compute_dtype)
-        zeros = tuple(jnp.zeros((depth, pages, cfg.kv_heads, page_size, cfg.head_dim), dtype) for _ in range(count))
+        shape = (depth, pages, cfg.kv_heads, page_size, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(count))
         states = tuple(recurrent_rows(cfg, rows) if lin else None for lin in linear)
         tables = jnp.full((rows, table), pages, jnp.int32)
         return cls(zeros, zeros, tables, jnp.zeros((rows,), jnp.int32), states, attention, places)
@@ -160,13 +161,14 @@ class PagedKV:
     def view(self, i, segment_ids: jax.Array):
         """Layer ``i``'s :class:`PagedLayer`, or its state row continuing each row's sequence."""
         if not isinstance(i, int):  # (a traced layer: scannable)
-            return PagedLayer(self.keys[0], self.values[0], i, self.page_table, self.lengths, segment_ids,
-                              self.attention)
-        if self.places[i] is None:  # (a decode token continues its sequence)
-            return dataclasses.replace(self.recurrent[i], carry=jnp.ones(segment_ids.shape[:1], segment_ids.dtype))
-        stack, place = self.places[i]
-        return PagedLayer(self.keys[stack], self.values[stack], place, self.page_table, self.lengths, segment_ids,
-                          self.attention)
+            stack, place = 0, i
+        elif self.places[i] is None:  # (a decode token continues its sequence)
+            carry = jnp.ones(segment_ids.shape[:1], segment_ids.dtype)
+            return dataclasses.replace(self.recurrent[i], carry=carry)
+        else:
+            stack, place = self.places[i]
+        return PagedLayer(self.keys[stack], self.values[stack], place, self.page_table, self.lengths,
+                          segment_ids, self.attention)
 
     def put(self, i, view) -> "PagedKV":
         if isinstance(view, PagedLayer):

@@ -128,8 +128,8 @@ def prefill(model, cache: PagedKV, inputs, positions, segment_ids, slots, last, 
             stack, place = where
             keys[stack] = write_pages(keys[stack], place, slots, layer.keys)
             values[stack] = write_pages(values[stack], place, slots, layer.values)
-    states = tuple(RecurrentView(layer.conv, layer.state, None) if isinstance(layer, RecurrentView) else None
-                   for layer in layers)
+    states = tuple(RecurrentView(layer.conv, layer.state, None)
+                   if isinstance(layer, RecurrentView) else None for layer in layers)
     hidden = x[last[:, 0], last[:, 1]]  # [prompts, D]: each prompt's last token
     logits = model.logits(hidden[:, None])[:, 0]
     return logits, dataclasses.replace(cache, keys=tuple(keys), values=tuple(values)), states

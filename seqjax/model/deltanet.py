@@ -102,7 +102,8 @@ def recurrent_rule(q, k, v, g, beta, segment_ids, *, state=None, before=None):
     return jnp.moveaxis(out, 0, 1).astype(dtype), state
 
 
-def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, before=None, ends=None):
+def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, before=None,
+                 ends=None):
     """The gated delta rule in chunks of ``chunk`` tokens (shapes as :func:`recurrent_rule`; the
     row zero-padded to a multiple of it, the padding continuing the row's last segment with no
     decay and no write, so the state returned is the one after the row's last token). ``ends``
@@ -127,7 +128,8 @@ def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, 
     place = jnp.arange(chunk)
     same = allowed(seg[..., :, None], seg[..., None, :], place[:, None], place[None, :])[:, :, None]
     carries = allowed(seg, before[..., None], 1, 0)[:, :, None, :, None]  # [N, B, 1, C, 1]
-    last = allowed(seg[..., -1:], seg, chunk - 1, place)[:, :, None, :, None]  # (the chunk's last segment)
+    # (the chunk's last segment)
+    last = allowed(seg[..., -1:], seg, chunk - 1, place)[:, :, None, :, None]
     cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
     decay = jnp.where(same, jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
@@ -174,9 +176,11 @@ def _states_at(ends, entering, new, k, cum, same, carries, chunk: int):
         return a[c, row]
 
     cum_e = at(cum)  # [E, H, C]
-    mine = jnp.take_along_axis(at(same)[:, 0], i[:, None, None], axis=1)[:, 0]  # [E, C]: its segment, up to it
+    # [E, C]: its segment's tokens up to it
+    mine = jnp.take_along_axis(at(same)[:, 0], i[:, None, None], axis=1)[:, 0]
     here = jnp.take_along_axis(cum_e, i[:, None, None], axis=2)  # [E, H, 1]
-    weight = jnp.where(mine[:, None], jnp.exp(jnp.where(mine[:, None], here - cum_e, 0.0)), 0.0)  # [E, H, C]
+    decayed = jnp.exp(jnp.where(mine[:, None], here - cum_e, 0.0))
+    weight = jnp.where(mine[:, None], decayed, 0.0)  # [E, H, C]
     written = jnp.einsum("ehc,ehcd,ehcv->ehdv", weight, at(k), at(new), precision=HIGHEST)
     continues = jnp.take_along_axis(at(carries)[:, 0, :, 0], i[:, None], axis=1)[:, 0]  # [E]
     keep = jnp.where(continues[:, None], jnp.exp(here[..., 0]), 0.0)  # [E, H]
@@ -309,8 +313,8 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
     if shared is not None:
         o, state = prompt_rule(q, k, v, g, beta, segment_ids, shared[0])
     elif view.ends is not None:
-        o, state = chunked_rule(q, k, v, g, beta, segment_ids, chunk=chunk, state=view.state, before=before,
-                                ends=view.ends)
+        o, state = chunked_rule(q, k, v, g, beta, segment_ids, chunk=chunk, state=view.state,
+                                before=before, ends=view.ends)
     else:
         rule = recurrent_rule if recurrent else functools.partial(chunked_rule, chunk=chunk)
         o, state = rule(q, k, v, g, beta, segment_ids, state=view.state, before=before)
@@ -323,7 +327,8 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
     return out, RecurrentView(window, state, None)
 
 
-def _windows_at(ends: jax.Array, inputs: jax.Array, segment_ids: jax.Array, width: int) -> jax.Array:
+def _windows_at(ends: jax.Array, inputs: jax.Array, segment_ids: jax.Array,
+                width: int) -> jax.Array:
     """The convolution window after each token ``ends`` [E, 2] (row, place) names: the last
     ``width`` - 1 inputs [E, width - 1, C] up to it, oldest first, zeros before its segment's start
     (a fresh row's window, as its document gets alone)."""

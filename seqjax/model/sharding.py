@@ -217,7 +217,8 @@ def local_rows(batch: Batch, process_index: int, process_count: int) -> Batch:
     alike in each): the block :func:`global_batch` expects from it."""
     rows = len(next(iter(batch.values())))
     per = rows // process_count
-    return {name: value[process_index * per:(process_index + 1) * per] for name, value in batch.items()}
+    mine = slice(process_index * per, (process_index + 1) * per)
+    return {name: value[mine] for name, value in batch.items()}
 
 
 def check_batch_fits(batch_size: int, mesh: Mesh, grad_accum: int) -> None:

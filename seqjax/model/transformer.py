@@ -171,7 +171,8 @@ class TransformerLM(nnx.Module):
         else:
             freqs = self.rope_freqs()
             for i in range(self.cfg.n_layers):
-                x, view = self.layer(i).decode(x, rotary, segment_ids, cache.view(i, segment_ids), freqs[i],
+                view = cache.view(i, segment_ids)
+                x, view = self.layer(i).decode(x, rotary, segment_ids, view, freqs[i],
                                                self.cfg.window_of(i))
                 if injections is not None and i < len(injections):
                     x = x + injections[i].astype(x.dtype)
@@ -179,8 +180,8 @@ class TransformerLM(nnx.Module):
         return x, cache.advanced(segment_ids)
 
     def _scanned_decode(self, x, rotary, segment_ids, cache: Cache) -> tuple[jax.Array, Cache]:
-        """:meth:`decode`'s blocks as one ``lax.scan`` over the stacked blocks (``model.scan_layers``),
-        the cache in its carry: one block's body traced and compiled whatever the depth, each
+        """:meth:`decode`'s blocks as one ``lax.scan`` over the stacked blocks
+        (``model.scan_layers``), the cache in its carry: one block's body traced and compiled whatever the depth, each
         layer's window and RoPE frequencies scanned inputs as in training (:meth:`_scanned`)."""
         graphdef, state = nnx.split(self.blocks)
 
@@ -188,10 +189,12 @@ class TransformerLM(nnx.Module):
             x, cache = carry
             layer_state, rope_freq, window, i = xs
             block = nnx.merge(graphdef, layer_state)
-            x, view = block.decode(x, rotary, segment_ids, cache.view(i, segment_ids), rope_freq, window)
+            view = cache.view(i, segment_ids)
+            x, view = block.decode(x, rotary, segment_ids, view, rope_freq, window)
             return (x, cache.put(i, view)), None
 
-        xs = (state, self.rope_freqs(), self.windows(), jnp.arange(self.cfg.n_layers, dtype=jnp.int32))
+        layers = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
+        xs = (state, self.rope_freqs(), self.windows(), layers)
         (x, cache), _ = jax.lax.scan(layer, (x, cache), xs)
         return x, cache
 

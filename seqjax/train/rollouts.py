@@ -228,7 +228,8 @@ class RolloutSource:
             batch["rollout_reference_logps"] = batch["old_logps"] if same else zeros
             batch["reference_is_policy"] = np.full((len(batch["inputs"]), 1), int(bool(same)), np.int32)
             if self.rl.beta and not same:
-                batch["rollout_reference_logps"] = whole(self._logprobs(params, frozen, device, True))
+                reference = self._logprobs(params, frozen, device, True)
+                batch["rollout_reference_logps"] = whole(reference)
             if in_reward:
                 scored = (batch["weights"] > 0) & (batch["completion"] > 0)
                 gap = np.where(scored, batch["old_logps"] - batch["rollout_reference_logps"], 0.0)

@@ -38,7 +38,8 @@ DEFAULT_BLOCK_TOKENS = 64  # keys a loop step reads: pages_per_block x page_size
 
 
 def paged_attention(q: jax.Array, keys: jax.Array, values: jax.Array, page_table: jax.Array,
-                    lengths: jax.Array, *, scale: float, window=None, layer=None, pages_per_block: int | None = None,
+                    lengths: jax.Array, *, scale: float, window=None, layer=None,
+                    pages_per_block: int | None = None,
                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """(out [B, H, D], lse [B, H] float32): each row's query ``q`` [B, H, D], the last of the
     ``lengths`` [B] places written to the row's pages (0: an idle row, zeros), attending to places
