@@ -223,6 +223,7 @@ LEAVES = [k for k in all_keys() if "." in k and "[]" not in k and k != "train.al
           and not isinstance(_get(Config().to_dict(), k), dict)]
 
 
+@pytest.mark.slow  # (the full suite: 40 draws of changed keys)
 @given(st.sets(st.sampled_from(LEAVES), max_size=12))
 @settings(max_examples=40, deadline=None)
 def test_resume_changes_lists_exactly_the_changed_keys_each_with_its_kind(changed):

@@ -50,7 +50,8 @@ def seqjax_params() -> dict:
     return {k: jnp.asarray(v) for k, v in out.items()}
 
 
-@pytest.mark.parametrize("form", ["chunk64", pytest.param("chunk16", marks=pytest.mark.slow), "chunk5", "recurrent"])
+@pytest.mark.parametrize("form", ["chunk64", *(pytest.param(f, marks=pytest.mark.slow) for f in ("chunk16", "chunk5")),
+                                  "recurrent"])
 def test_the_rule_is_transformers_chunked_rule_in_output_and_final_state(form):
     """torch_chunk_gated_delta_rule (q/k L2-normed in the rule) on each document alone: a chunk
     crossing, a document shorter than the convolution; every chunk size and the recurrent form."""

@@ -163,6 +163,7 @@ def test_sampling_is_a_function_of_seed_prompt_completion_and_position_only(leng
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 def test_a_request_of_more_prompt_tokens_than_engine_prefill_tokens_runs_in_waves_and_samples_the_same():
     """engine.prefill_tokens=12: prompts of 9, 3, 14, 5 and 7 tokens run in three waves of whole prompts, in order
     ([9, 3], [14] alone, longer than the budget, [5, 7]), each prefilled and decoded in turn: the same tokens and
@@ -343,7 +344,9 @@ def test_decoding_never_writes_outside_a_sequences_own_pages():
     assert jnp.asarray([len(c.tokens) for c in done]).sum() == 6 * 12
 
 
-@pytest.mark.parametrize("lengths, page_size, new", [([17], 4, 2), ([17, 3], 4, 1), ([40, 9, 33], 8, 3)])
+@pytest.mark.parametrize("lengths, page_size, new", [([17], 4, 2), *(pytest.param(*case, marks=pytest.mark.slow)
+                                                                     for case in (([17, 3], 4, 1),
+                                                                                  ([40, 9, 33], 8, 3)))])
 def test_prompt_tables_fit_the_caches_table_whatever_the_sizes(lengths, page_size, new):
     """A prompt whose pages round up past the cache's page table (17 tokens in pages of 4: five pages, a
     table of five for two new tokens): it decodes, and each completion is the full forward's greedy one

@@ -208,6 +208,7 @@ def test_visited_tiles_are_the_tightest_cover_and_unmasked_tiles_are_full(data, 
         assert not (between(ranges, 1, 2, needed.shape[-1]) & ~full).any(), "an unmasked tile has a masked pair"
 
 
+@pytest.mark.slow  # (the full suite: 30 draws of spans; the fast loop keeps the kernel's numbers)
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), window=st.one_of(st.none(), st.integers(1, 70)))
 def test_a_spans_ranges_are_the_tightest_cover_of_its_part_of_the_row(data, window):

@@ -53,6 +53,7 @@ def greedy_by_full_forward(model, prompt: list[int], eot_id: int | None, max_new
     return seq[len(prompt):]
 
 
+@pytest.mark.slow  # (the full suite; the fast loop keeps test_engine's greedy test)
 def test_kv_cache_greedy_equals_full_forward_passes_for_ragged_prompts(model):
     outputs = generate(model, PROMPTS, eot_id=None, max_new_tokens=8)
     for prompt, out in zip(PROMPTS, outputs):

@@ -141,7 +141,8 @@ def test_a_packed_rows_load_balancing_loss_is_the_padded_batchs_with_its_mask(fa
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("family", EACH)
+@pytest.mark.slow  # (the full suite; the fast loop keeps the logits and routes against transformers)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_equal_transformers_generate(family, tmp_path):
     model, _ = load(family, tmp_path)
     _, ref = reference(family)

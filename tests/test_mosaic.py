@@ -51,6 +51,7 @@ def check(q, k, v, segment_ids, window, cotangent, tol):
     assert not np.asarray(grads[0], np.float32)[padding].any()
 
 
+@pytest.mark.slow  # (the full suite; the fast loop keeps the overlapped-softmax case and the lowerings)
 def test_a_packed_row_under_a_sliding_window_in_float32():
     q, k, v, cotangent = (x[:1] for x in F32)
     rows = np.repeat([1, 2, 3, 0], [50, 3, 60, 7])[None].astype(np.int32)

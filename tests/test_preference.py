@@ -257,7 +257,7 @@ def test_the_same_values_sum_to_the_same_float32_bits_wherever_they_sit_in_a_row
     np.testing.assert_allclose(sums[1], np.sum(np.asarray(values, np.float64)), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("shared", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_an_equal_pair_ties_exactly_as_trls_rows_of_their_own_do(shared):
     """A pair whose chosen and rejected sequences are the same (data.degenerate_pairs=keep trains it, as TRL does)
     has equal sums bit for bit in a packed row, whatever attention's reductions round apart at the two offsets:

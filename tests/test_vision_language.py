@@ -55,7 +55,8 @@ def test_each_image_and_text_example_alone_equals_transformers(family, name):
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * np.abs(theirs).max())
 
 
-@pytest.mark.parametrize("family", sorted(REFERENCES))
+@pytest.mark.parametrize("family", [f if f == "qwen2_5_vl" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(REFERENCES)])
 def test_the_examples_packed_in_rows_equal_transformers_each_alone(family):
     """Three examples (two with images, one with two of different sizes) in one padded row, their four images in
     the row's padded patch stream, and a second row with one of them again: each example's logits are
