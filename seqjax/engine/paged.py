@@ -1,6 +1,6 @@
-"""The paged KV cache: every layer's keys and values in fixed-size pages (one array for all the
-attention layers, [layers, pages, Hkv, page_size, D]), and each decode row's page table. A row (a
-decode slot) holds one sequence: its place j in the sequence lives at page
+"""The paged KV cache: every layer's keys and values in fixed-size pages (stacked as the blocks
+are: [1, pages, Hkv, page_size, D] a layer unrolled, [layers, ...] for stacked blocks), and each
+decode row's page table. A row (a decode slot) holds one sequence: its place j in the sequence lives at page
 ``page_table[row, j // page_size]``, offset ``j % page_size``. A GRPO group's completions point at
 the same prompt pages (a prompt is stored once); a completion writes only its own pages.
 
@@ -38,10 +38,10 @@ from seqjax.model.mask import page_mask
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedLayer:
-    """One layer's view of :class:`PagedKV` for one call: every attention layer's pages [A, pages,
-    Hkv, page_size, D] and this layer's place ``layer`` among them (an int, or traced in a scanned
-    decode), the rows' page tables [B, P] and lengths [B] (places written before the call), the
-    call's tokens' segment ids (0: the row writes nothing)."""
+    """One layer's view of :class:`PagedKV` for one call: the stack of pages it is in [n, pages,
+    Hkv, page_size, D] (its own, or every layer's for stacked blocks) and its place ``layer`` in it
+    (an int, or traced in a scanned decode), the rows' page tables [B, P] and lengths [B] (places
+    written before the call), the call's tokens' segment ids (0: the row writes nothing)."""
 
     keys: jax.Array
     values: jax.Array
@@ -87,8 +87,8 @@ class PagedLayer:
 
 def write_pages(pages: jax.Array, layer, slot: jax.Array, new: jax.Array) -> jax.Array:
     """``new`` [..., Hkv, D] written at each place ``slot`` [...] (page x page_size + offset; the
-    pool's size or more: dropped) of layer ``layer``'s pages in ``pages`` [A, pages, Hkv,
-    page_size, D] (in place: one scatter into the stacked pool)."""
+    pool's size or more: dropped) of layer ``layer``'s pages in the stack ``pages`` [n, pages,
+    Hkv, page_size, D] (in place: one scatter into the stack)."""
     size, slot = pages.shape[3], slot.reshape(-1)
     return pages.at[layer, slot // size, :, slot % size].set(
         new.reshape(-1, *new.shape[-2:]).astype(pages.dtype), mode="drop")

@@ -142,9 +142,9 @@ def one_a_row(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_si
     inputs = np.zeros((rows, width), np.int32)
     positions, segment_ids = np.zeros_like(inputs), np.zeros_like(inputs)
     slots = np.full((rows, width), pages * page_size, np.int64)
-    starts = np.asarray([[i, 0] for i in range(len(prompts))], np.int64)
-    for (i, start), prompt in zip(starts, prompts):
-        at, place = slice(start, start + len(prompt)), np.arange(len(prompt))
+    for i, prompt in enumerate(prompts):
+        at, place = slice(0, len(prompt)), np.arange(len(prompt))
         inputs[i, at], positions[i, at], segment_ids[i, at] = prompt, place, 1
         slots[i, at] = page_tables[i, place // page_size] * page_size + place % page_size
+    starts = np.asarray([[i, 0] for i in range(len(prompts))], np.int64)
     return Packing(inputs, positions, segment_ids, starts, slots)

@@ -181,8 +181,9 @@ class TransformerLM(nnx.Module):
 
     def _scanned_decode(self, x, rotary, segment_ids, cache: Cache) -> tuple[jax.Array, Cache]:
         """:meth:`decode`'s blocks as one ``lax.scan`` over the stacked blocks
-        (``model.scan_layers``), the cache in its carry: one block's body traced and compiled whatever the depth, each
-        layer's window and RoPE frequencies scanned inputs as in training (:meth:`_scanned`)."""
+        (``model.scan_layers``), the cache in its carry: one block's body traced and compiled
+        whatever the depth, each layer's window and RoPE frequencies scanned inputs as in training
+        (:meth:`_scanned`)."""
         graphdef, state = nnx.split(self.blocks)
 
         def layer(carry, xs):
