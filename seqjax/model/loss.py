@@ -14,6 +14,8 @@ a packed row: a sequence's log-probability, however the row is packed.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -301,6 +303,7 @@ def _chunked_logprobs_bwd(residuals, cotangents):
 _chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
 
 
+@functools.partial(jax.jit, static_argnames="num_segments")
 def segment_sums(values: jax.Array, segment_ids: jax.Array, num_segments: int) -> jax.Array:
     """Per-segment sums [B, S] of ``values`` [B, T]: column s - 1 adds the entries of segment id s
     (1..S) of each row; segment 0 (padding) and ids above S are dropped. The one reduction every

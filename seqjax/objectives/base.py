@@ -226,12 +226,16 @@ def equal_pairs(micro: Batch) -> jax.Array:
     same positions, told apart by two 32-bit fingerprints of (target, position) over each
     sequence's scored targets, added with integer wrap-around (exact, in any order) and their
     counts."""
-    slots = micro["pair_ids"].shape[1] // 2
-    scored = micro["weights"] > 0
-    target = micro["targets"].astype(jnp.uint32)
-    position = micro["positions"].astype(jnp.uint32)
-    ids = jnp.where(scored & (micro["pair_ids"] > 0), micro["pair_ids"], 0)
-    rows = micro["pair_ids"].shape[0]
+    return _equal_pairs(micro["pair_ids"], micro["weights"], micro["targets"], micro["positions"])
+
+
+@jax.jit  # (traced once a shape: an objective asks for it in every loss and metric)
+def _equal_pairs(pair_ids: jax.Array, weights: jax.Array, targets: jax.Array,
+                 positions: jax.Array) -> jax.Array:
+    rows, slots = pair_ids.shape[0], pair_ids.shape[1] // 2
+    scored = weights > 0
+    target, position = targets.astype(jnp.uint32), positions.astype(jnp.uint32)
+    ids = jnp.where(scored & (pair_ids > 0), pair_ids, 0)
     flat = (jnp.arange(rows)[:, None] * (2 * slots + 1) + jnp.where(ids > 0, ids - 1, 2 * slots)).reshape(-1)
 
     def sums(values):
