@@ -3,6 +3,7 @@ the recurrent form (token by token, decoding's) and softmax attention over the s
 
     python scripts/bench_gdn.py --seq-lens 512,2048 --out gdn.jsonl                # the CPU, float32
     python scripts/bench_gdn.py --seq-lens 4096,16384 --dtype bfloat16 --heads 32   # a GPU (the GPU suite's gdn stage)
+    python scripts/bench_gdn.py --seq-lens 2048 --shared-prompt 128,8,96             # a GRPO row: the prompt once
 
 The shape is Qwen3.5's linear layer: ``--key-heads`` query/key heads and ``--heads`` value heads of 128, the
 rows packed with documents of ``--doc-len`` tokens (segment ids, so the resets are in the work). Attention runs
@@ -10,7 +11,10 @@ at the same token count with ``--heads`` heads of ``--attn-head-dim`` (256, Qwen
 ``--attn-kv-heads`` key/value heads, on seqjax's backend ``--attention`` (xla: the masked softmax; pallas:
 the flash kernel). Each row: forward and forward+backward milliseconds (median of ``--repeats`` runs of
 ``--iters`` calls each, after a compile), tokens a second, and for the chunked form its largest difference
-from the recurrent one (float32 rounding: the same numbers). The last line is a summary object.
+from the recurrent one (float32 rounding: the same numbers). ``--shared-prompt P,G,C`` lays the rows out as
+GRPO's prompt-once rows instead (groups of a P-token prompt and G completions of C tokens, each completion
+entering with its prompt's final state) and times the two forms of that rule (chunked_prompt_rule against
+the token-by-token prompt_rule), without attention. The last line is a summary object.
 """
 
 from __future__ import annotations
@@ -56,15 +60,39 @@ def inputs(args, t: int, seed: int = 0):
     return q, k, v, g, beta, segment_ids
 
 
+def shared_rows(t: int, spec: str):
+    """(segment ids, prefix ids) [1, T] of prompt-once rows: groups of a P-token prompt and G completions of C
+    tokens (``spec`` "P,G,C"), as many as fit, the rest padding."""
+    import numpy as np
+
+    prompt, group, completion = (int(n) for n in spec.split(","))
+    seg, prefix = np.zeros((1, t), np.int32), np.zeros((1, t), np.int32)
+    place, number = 0, 0
+    while place + prompt + group * completion <= t:
+        number += 1
+        first = number
+        seg[0, place:place + prompt] = first
+        place += prompt
+        for _ in range(group):
+            number += 1
+            seg[0, place:place + completion], prefix[0, place:place + completion] = number, first
+            place += completion
+    return seg, prefix
+
+
 def measure(args, t: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
     from seqjax.model.attention import attention
-    from seqjax.model.deltanet import chunked_rule, recurrent_rule
+    from seqjax.model.delta_rule import chunked_prompt_rule, chunked_rule, prompt_rule, recurrent_rule
 
     q, k, v, g, beta, seg = inputs(args, t)
     rules = {"chunked": lambda *a: chunked_rule(*a, chunk=args.chunk)[0], "recurrent": lambda *a: recurrent_rule(*a)[0]}
+    if args.shared_prompt:
+        seg, prefix = (jnp.asarray(a) for a in shared_rows(t, args.shared_prompt))
+        rules = {"chunked": lambda *a: chunked_prompt_rule(*a, prefix, chunk=args.chunk)[0],
+                 "recurrent": lambda *a: prompt_rule(*a, prefix)[0]}
     out, rows = {}, []
     for name, rule in rules.items():
         forward = jax.jit(rule)
@@ -74,10 +102,13 @@ def measure(args, t: int) -> list[dict]:
         out[name] = forward(*operands)
         fwd = _timed(forward, operands, args.iters, args.repeats)
         bwd = _timed(backward, operands, args.iters, args.repeats)
-        rows.append({"impl": f"gdn_{name}", "seq_len": t, "fwd_ms": round(fwd, 3), "fwd_bwd_ms": round(bwd, 3),
+        impl = f"gdn_prompt_{name}" if args.shared_prompt else f"gdn_{name}"
+        rows.append({"impl": impl, "seq_len": t, "fwd_ms": round(fwd, 3), "fwd_bwd_ms": round(bwd, 3),
                      "fwd_tokens_per_s": round(t / fwd * 1e3, 1), "fwd_bwd_tokens_per_s": round(t / bwd * 1e3, 1)})
     rows[0]["max_abs_diff_vs_recurrent"] = float(jnp.max(jnp.abs(out["chunked"].astype(jnp.float32)
                                                                  - out["recurrent"].astype(jnp.float32))))
+    if args.shared_prompt:
+        return rows
     keys = jax.random.split(jax.random.key(1), 3)
     dtype = jnp.dtype(args.dtype)
     aq = jax.random.normal(keys[0], (1, t, args.heads // 2, args.attn_head_dim), dtype)
@@ -111,6 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--attention", default="xla", help="seqjax's attention backend for the comparison")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--shared-prompt", default=None, metavar="P,G,C",
+                   help="prompt-once rows: groups of a P-token prompt and G completions of C tokens")
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines here")
     args = p.parse_args(argv)
     import jax
@@ -119,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     for t in (int(n) for n in args.seq_lens.split(",")):
         for row in measure(args, t):
             row |= {"dtype": args.dtype, "heads": args.heads, "key_heads": args.key_heads, "doc_len": args.doc_len,
-                    "chunk": args.chunk, "backend": jax.default_backend()}
+                    "chunk": args.chunk, "shared_prompt": args.shared_prompt, "backend": jax.default_backend()}
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.out:

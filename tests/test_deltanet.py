@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from seqjax.model.deltanet import chunked_rule, gated_deltanet, recurrent_rule
+from seqjax.model.delta_rule import chunked_prompt_rule, chunked_rule, prompt_rule, recurrent_rule
+from seqjax.model.deltanet import gated_deltanet
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "deltanet"
@@ -346,3 +347,70 @@ def test_a_shared_prompt_continues_into_each_completion_as_one_sequence_per_comp
         close(grad[start:end], a_grad[n - 1:len(sequence)])
         prompt_grad += a_grad[:n - 1]
     close(grad[:n - 1], prompt_grad)
+
+
+def shared_row(items, gaps):
+    """Segment and prefix ids [1, ROW] of a row with shared prompts: each item a group (prompt length,
+    [completion lengths]), its completions' prefix ids naming its prompt, or a plain document (length,
+    []), ``gaps`` padding tokens before each item; None if they do not fit."""
+    seg, prefix, place, number = np.zeros((1, ROW), np.int32), np.zeros((1, ROW), np.int32), 0, 0
+    for (n, completions), gap in zip(items, gaps):
+        place += gap
+        number += 1
+        prompt = number
+        for i, length in enumerate([n, *completions]):
+            if place + length > ROW:
+                return None
+            number += i > 0
+            seg[0, place:place + length] = number
+            prefix[0, place:place + length] = prompt if i > 0 else 0
+            place += length
+    return seg, prefix
+
+
+@jax.jit(static_argnames=("chunk",))
+def prompt_outputs_and_grads(args, seg, prefix, cotangents, *, chunk):
+    """(out, state, input gradients) of the token-by-token definition (chunk 0) or the chunked form."""
+    def run(*a):
+        return prompt_rule(*a, seg, prefix) if chunk == 0 else chunked_prompt_rule(*a, seg, prefix, chunk=chunk)
+
+    (out, state), pull = jax.vjp(run, *args)
+    return out, state, pull(cotangents)
+
+
+def check_prompt_rule(row, chunk, seed):
+    args, cotangent = draw_inputs(seed)
+    state_cotangent = np.random.default_rng(seed + 1).standard_normal((1, VALUE_HEADS, DIM, DIM)).astype(np.float32)
+    ours = prompt_outputs_and_grads(args, *row, (cotangent, state_cotangent), chunk=chunk)
+    theirs = prompt_outputs_and_grads(args, *row, (cotangent, state_cotangent), chunk=0)
+    close(ours[0], theirs[0])
+    close(ours[1], theirs[1])
+    for a, b in zip(ours[2], theirs[2]):
+        close(a, b)
+
+
+GROUP = st.tuples(st.integers(1, 7), st.lists(st.integers(1, 6), min_size=0, max_size=3))
+
+
+def test_the_chunked_shared_prompt_rule_is_the_token_by_token_one():
+    """Two groups whose prompts end inside one chunk of 4 (and a completion entering at a chunk's
+    first token), a plain document, padding: the chunked form's outputs, final state and gradients
+    are the register's, token by token."""
+    row = shared_row([(5, [3, 1, 4]), (1, [2, 2]), (3, []), (2, [6])], [0, 0, 1, 0])
+    assert row is not None
+    check_prompt_rule(row, 4, 0)
+
+
+@pytest.mark.slow  # (the full suite; the fast loop keeps the case above)
+@settings(max_examples=20, deadline=None)
+@given(items=st.lists(GROUP, min_size=1, max_size=4), gaps=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+       chunk=st.sampled_from([1, 2, 3, 5, 8, 64]), seed=st.integers(0, 2**16))
+def test_the_chunked_shared_prompt_rule_is_the_token_by_token_one_for_any_row(items, gaps, chunk, seed):
+    """Any row of groups (prompts and completions shorter or longer than a chunk, several prompts
+    ending in one chunk, completions entering on and off chunk boundaries), plain documents and
+    padding: :func:`chunked_prompt_rule` equals :func:`prompt_rule` in outputs, the row's final
+    state and every input's gradient (a completion starting from zero, or from the carried state,
+    fails it)."""
+    row = shared_row(items, gaps)
+    assume(row is not None)
+    check_prompt_rule(row, chunk, seed)

@@ -11,20 +11,8 @@ The layer, as transformers 5.24 computes it (``Qwen3_5GatedDeltaNet``):
     o = gated_delta_rule(l2norm(q) / sqrt(d_k), l2norm(k), v, g, beta)
     out = (rmsnorm(o) * w * silu(z)) W_out       the output norm's weight plain, not (1 + w)
 
-The rule, per head, with a state S [d_k, d_v] carried along the row:
-
-    S = exp(g_t) S;   S = S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
-
-Two forms, one reset rule:
-
-- :func:`chunked_rule` (training, prefill): chunks of C tokens; within a chunk the UT transform
-  (one triangular solve) and the chunk's own attention, both under the segment mask; across
-  chunks a scan carrying S. A segment start inside a chunk is exact: a token reads the carried
-  state only if its segment continues from before the chunk, and only the chunk's last segment
-  writes the state it passes on.
-- :func:`recurrent_rule` (decode): token by token, the state zeroed where it does not carry.
-
-Both compute in float32, as transformers does.
+The rule itself, its chunked and token-by-token forms and the shared prompt's entry state, is
+:mod:`seqjax.model.delta_rule`.
 """
 
 from __future__ import annotations
@@ -39,11 +27,11 @@ from flax import nnx
 
 from seqjax.config.model import ModelConfig
 from seqjax.model.cache import RecurrentView
+from seqjax.model.delta_rule import chunked_prompt_rule, chunked_rule, recurrent_rule
 from seqjax.model.lora import Adapters
-from seqjax.model.mask import allowed, conv_taps, state_carries
+from seqjax.model.mask import conv_taps
 from seqjax.model.quant import weight
 
-HIGHEST = jax.lax.Precision.HIGHEST
 # the layer's projections, by transformers' (and PEFT's) names: model.lora.targets may adapt each
 DELTANET_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
@@ -60,131 +48,6 @@ def causal_conv(x: jax.Array, weight: jax.Array, segment_ids: jax.Array) -> jax.
         back = jnp.pad(x, ((0, 0), (j, 0), (0, 0)))[:, :x.shape[1]].astype(jnp.float32)
         out = out + jnp.where(taps[..., j, None], back, 0.0) * w[:, width - 1 - j]
     return jax.nn.silu(out).astype(x.dtype)
-
-
-def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x over the root of its squared sum plus ``eps`` (FLA's and transformers' form)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def _prepare(q, k, v, g, beta):
-    """Float32; q and k repeated to v's heads (each key head serves consecutive value heads),
-    L2-normed, q scaled by 1 / sqrt(d_k)."""
-    group = v.shape[2] // k.shape[2]
-    q, k = (jnp.repeat(a, group, axis=2) if group > 1 else a for a in (q, k))
-    q, k, v, g, beta = (a.astype(jnp.float32) for a in (q, k, v, g, beta))
-    q, k = l2norm(q), l2norm(k)
-    return q * q.shape[-1] ** -0.5, k, v, g, beta
-
-
-def recurrent_rule(q, k, v, g, beta, segment_ids, *, state=None, before=None):
-    """The gated delta rule token by token: q, k [B, T, Hk, Dk], v [B, T, H, Dv], g and beta
-    [B, T, H], ``state`` [B, H, Dk, Dv] carried in from the token before the row, whose segment
-    is ``before`` [B] (default: none). (out [B, T, H, Dv] in v's dtype, the state after the
-    row's last token)."""
-    dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    b, _, h, dk = k.shape
-    carries = state_carries(segment_ids, before).astype(jnp.float32)
-    real = (segment_ids != 0).astype(jnp.float32)
-    state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
-
-    def step(s, xs):
-        q_t, k_t, v_t, g_t, beta_t, carry_t, real_t = xs
-        s = s * (jnp.exp(g_t) * carry_t[:, None])[..., None, None]
-        seen = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
-        delta = (v_t - seen) * (beta_t * real_t[:, None])[..., None]
-        s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST) * real_t[:, None, None]
-
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta, carries, real))
-    state, out = jax.lax.scan(step, state, xs)
-    return jnp.moveaxis(out, 0, 1).astype(dtype), state
-
-
-def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, before=None,
-                 ends=None):
-    """The gated delta rule in chunks of ``chunk`` tokens (shapes as :func:`recurrent_rule`; the
-    row zero-padded to a multiple of it, the padding continuing the row's last segment with no
-    decay and no write, so the state returned is the one after the row's last token). ``ends``
-    [E, 2] (row, place) pairs: the state returned is instead the one after each of those tokens
-    [E, H, Dk, Dv] (:func:`_states_at`: a packed prefill's prompts, each ending mid-row)."""
-    dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    b, t, h, dk = k.shape
-    pad = -t % chunk
-    n = (t + pad) // chunk
-    seg = jnp.concatenate([segment_ids, jnp.repeat(segment_ids[:, -1:], pad, axis=1)], axis=1)
-    before = jnp.zeros((b,), seg.dtype) if before is None else before.astype(seg.dtype)
-    before = jnp.concatenate([before[:, None], seg[:, chunk - 1:-1:chunk]], axis=1)  # [B, N]
-
-    def chunks(a):  # [B, T, H, ...] -> [N, B, H, C, ...]
-        a = jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
-        a = a.reshape(b, n, chunk, *a.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 2, 3)
-
-    q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
-    seg, before = jnp.moveaxis(seg.reshape(b, n, chunk), 1, 0), before.T  # [N, B, C], [N, B]
-    place = jnp.arange(chunk)
-    same = allowed(seg[..., :, None], seg[..., None, :], place[:, None], place[None, :])[:, :, None]
-    carries = allowed(seg, before[..., None], 1, 0)[:, :, None, :, None]  # [N, B, 1, C, 1]
-    # (the chunk's last segment)
-    last = allowed(seg[..., -1:], seg, chunk - 1, place)[:, :, None, :, None]
-    cum = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
-    decay = jnp.where(same, jnp.exp(jnp.where(same, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    system = jnp.einsum("...id,...jd->...ij", k_beta, k, precision=HIGHEST) * decay
-
-    def solve(rhs):  # (I + strictly-lower(system))^-1 rhs
-        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
-
-    grown = jnp.exp(cum)[..., None]
-    values = solve(v_beta)
-    k_read = solve(jnp.where(carries, k_beta * grown, 0.0))
-    q_read = jnp.where(carries, q * grown, 0.0)
-    inner = jnp.einsum("...id,...jd->...ij", q, k, precision=HIGHEST) * decay
-    to_end = jnp.exp(jnp.where(last, cum[..., -1:, None] - cum[..., None], 0.0))
-    k_write = jnp.where(last, k * to_end, 0.0)
-    keep = jnp.where(carries[..., -1, 0], jnp.exp(cum[..., -1]), 0.0)[..., None, None]  # [N, B, H, 1, 1]
-    state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
-
-    def step(s, xs):
-        values_i, k_read_i, q_read_i, inner_i, k_write_i, keep_i = xs
-        new = values_i - jnp.einsum("bhcd,bhde->bhce", k_read_i, s, precision=HIGHEST)
-        out = (jnp.einsum("bhcd,bhde->bhce", q_read_i, s, precision=HIGHEST)
-               + jnp.einsum("bhij,bhje->bhie", inner_i, new, precision=HIGHEST))
-        s_next = s * keep_i + jnp.einsum("bhcd,bhce->bhde", k_write_i, new, precision=HIGHEST)
-        return s_next, (out, (s, new) if ends is not None else None)
-
-    state, (out, kept) = jax.lax.scan(step, state, (values, k_read, q_read, inner, k_write, keep))
-    out = jnp.moveaxis(jnp.moveaxis(out, 3, 2), 0, 1).reshape(b, n * chunk, h, -1)[:, :t]
-    if ends is not None:
-        state = _states_at(ends, *kept, k, cum, same, carries, chunk)
-    return out.astype(dtype), state
-
-
-def _states_at(ends, entering, new, k, cum, same, carries, chunk: int):
-    """The state after each token ``ends`` [E, 2] (row, place) names, from :func:`chunked_rule`'s
-    chunks [N, B, ...]: the state ``entering`` its chunk, decayed to the token where its segment
-    continues from before the chunk, plus the writes ``new`` of the chunk's tokens up to it in its
-    segment, each decayed from its own place; what the chunk's end does for its last segment, at
-    any place. [E, H, Dk, Dv]."""
-    row, place = ends[:, 0], ends[:, 1]
-    c, i = place // chunk, place % chunk
-
-    def at(a):  # [N, B, ...] -> [E, ...]: the end's chunk and row
-        return a[c, row]
-
-    cum_e = at(cum)  # [E, H, C]
-    # [E, C]: its segment's tokens up to it
-    mine = jnp.take_along_axis(at(same)[:, 0], i[:, None, None], axis=1)[:, 0]
-    here = jnp.take_along_axis(cum_e, i[:, None, None], axis=2)  # [E, H, 1]
-    decayed = jnp.exp(jnp.where(mine[:, None], here - cum_e, 0.0))
-    weight = jnp.where(mine[:, None], decayed, 0.0)  # [E, H, C]
-    written = jnp.einsum("ehc,ehcd,ehcv->ehdv", weight, at(k), at(new), precision=HIGHEST)
-    continues = jnp.take_along_axis(at(carries)[:, 0, :, 0], i[:, None], axis=1)[:, 0]  # [E]
-    keep = jnp.where(continues[:, None], jnp.exp(here[..., 0]), 0.0)  # [E, H]
-    return at(entering) * keep[..., None, None] + written
 
 
 def prompt_taps(segment_ids: jax.Array, prefix_ids: jax.Array, positions: jax.Array,
@@ -224,36 +87,6 @@ def gathered_conv(x: jax.Array, weight: jax.Array, source: jax.Array, valid: jax
     return jax.nn.silu(out).astype(x.dtype)
 
 
-def prompt_rule(q, k, v, g, beta, segment_ids, prefix_ids):
-    """:func:`recurrent_rule` over a row with a shared prompt: a completion's segment starts from the
-    state its prompt ended with (kept in a register the prompt's tokens write, the completions never),
-    so each completion continues its prompt as in its own sequence; any other segment starts at
-    zero. (out [B, T, H, Dv] in v's dtype, the state after the row.)"""
-    dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
-    b, _, h, dk = k.shape
-    previous = jnp.concatenate([jnp.zeros((b, 1), segment_ids.dtype), segment_ids[:, :-1]], axis=1)
-    from_prompt = (segment_ids != previous) & (prefix_ids != 0)
-    carries = state_carries(segment_ids).astype(jnp.float32)
-    prompt = (prefix_ids == 0) & (segment_ids != 0)
-    real = (segment_ids != 0).astype(jnp.float32)
-    zero = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
-
-    def step(carry, xs):
-        s, register = carry
-        q_t, k_t, v_t, g_t, beta_t, carry_t, from_prompt_t, prompt_t, real_t = xs
-        s = jnp.where(from_prompt_t[:, None, None, None], register, s * carry_t[:, None, None, None])
-        s = s * jnp.exp(g_t)[..., None, None]
-        seen = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=HIGHEST)
-        s = s + k_t[..., :, None] * ((v_t - seen) * (beta_t * real_t[:, None])[..., None])[..., None, :]
-        register = jnp.where(prompt_t[:, None, None, None], s, register)
-        return (s, register), jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=HIGHEST) * real_t[:, None, None]
-
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta, carries, from_prompt, prompt, real))
-    (state, _), out = jax.lax.scan(step, (zero, zero), xs)
-    return jnp.moveaxis(out, 0, 1).astype(dtype), state
-
-
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Qwen3.5's gated output norm: rmsnorm(x) (float32) times a plain ``weight``, in x's dtype,
     times silu(gate) in float32."""
@@ -282,7 +115,7 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
     token: its last K - 1 convolution inputs, its state). ``project(name, h)``: h through the
     projection ``name`` of :data:`DELTANET_TARGETS` (default: h @ params[name]; the layer's adds its
     adapters). ``shared``: (prefix_ids, positions) of a row with a shared prompt, each completion
-    continuing its prompt's convolution inputs and state (:func:`prompt_taps`, :func:`prompt_rule`)."""
+    continuing its prompt's convolution inputs and state (:func:`prompt_taps`, :func:`chunked_prompt_rule`)."""
     b, t, _ = x.shape
     dtype = x.dtype
     if project is None:
@@ -311,7 +144,7 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
     a = project("in_proj_a", x).astype(jnp.float32)
     g = -jnp.exp(params["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + params["dt_bias"].astype(jnp.float32))
     if shared is not None:
-        o, state = prompt_rule(q, k, v, g, beta, segment_ids, shared[0])
+        o, state = chunked_prompt_rule(q, k, v, g, beta, segment_ids, shared[0], chunk=chunk)
     elif view.ends is not None:
         o, state = chunked_rule(q, k, v, g, beta, segment_ids, chunk=chunk, state=view.state,
                                 before=before, ends=view.ends)
