@@ -60,9 +60,10 @@ def test_the_rule_is_transformers_chunked_rule_in_output_and_final_state(form):
         args = [jnp.asarray(REF[f"rule.{doc}.{k}"]) for k in ("q", "k", "v", "g", "beta")]
         seg = jnp.ones((1, n), jnp.int32)
         if form == "recurrent":
-            out, state = recurrent_rule(*args, seg)
+            out, state = jax.jit(recurrent_rule)(*args, seg)
         else:
-            out, state = chunked_rule(*args, seg, chunk=int(form.removeprefix("chunk")))
+            rule = jax.jit(chunked_rule, static_argnames="chunk")
+            out, state = rule(*args, seg, chunk=int(form.removeprefix("chunk")))
         close(out, REF[f"rule.{doc}.out"])
         close(state, REF[f"rule.{doc}.state"])
 

@@ -4,6 +4,7 @@ base; eval, generate and export (a PEFT folder, or --merge) on the run directly.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from types import SimpleNamespace
@@ -39,7 +40,14 @@ def batch(seed: int = 0, b: int = 2, t: int = 16):
 
 
 def logits(model, data):
-    return model(data["inputs"], positions=data["positions"], segment_ids=data["segment_ids"])
+    """The model's logits on ``data``, in one compiled program (as a step computes them; not op by op)."""
+    graphdef, state = nnx.split(model)
+    return _logits(graphdef, state, data)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, state, data):
+    return nnx.merge(graphdef, state)(data["inputs"], positions=data["positions"], segment_ids=data["segment_ids"])
 
 
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])

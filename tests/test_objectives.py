@@ -66,13 +66,17 @@ def test_chunked_token_logprobs_and_their_gradients_equal_the_plain_path():
         return jnp.sum(cot * token_logprobs(jnp.einsum("btd,dv->btv", h, w), targets, scored))
 
     for spans in (1, 7):  # (7: each token its own span, as a row over mesh.context keeps chunks in one)
-        def chunked(h, w):
-            return jnp.sum(cot * chunked_token_logprobs(h, w, targets, scored, chunk_tokens=3, spans=spans))
+        def logprobs(h, w, spans=spans):
+            return chunked_token_logprobs(h, w, targets, scored, chunk_tokens=3, spans=spans)
 
-        np.testing.assert_allclose(chunked_token_logprobs(hidden, head, targets, scored, chunk_tokens=3, spans=spans),
+        def chunked(h, w, logprobs=logprobs):
+            return jnp.sum(cot * logprobs(h, w))
+
+        np.testing.assert_allclose(jax.jit(logprobs)(hidden, head),
                                    token_logprobs(jnp.einsum("btd,dv->btv", hidden, head), targets, scored),
                                    atol=1e-5)
-        for got, want in zip(jax.grad(chunked, (0, 1))(hidden, head), jax.grad(plain, (0, 1))(hidden, head)):
+        for got, want in zip(jax.jit(jax.grad(chunked, (0, 1)))(hidden, head),
+                             jax.jit(jax.grad(plain, (0, 1)))(hidden, head)):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 

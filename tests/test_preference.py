@@ -18,6 +18,7 @@ from flax import nnx
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from model_support import compiled_logprobs
 from seqjax.config.load import load_config
 from seqjax.config.tree import ConfigError
 from seqjax.core.errors import CorpusError
@@ -165,9 +166,9 @@ def test_a_lora_runs_reference_is_its_base_exactly():
     scored = batch["weights"] > 0
     off = nnx.merge(adapters_off(graphdef, adapters, frozen, rest), adapters, frozen, rest)
     policy = nnx.merge(graphdef, adapters, frozen, rest)
-    np.testing.assert_array_equal(np.asarray(target_logprobs(off, batch, None, scored)),
-                                  np.asarray(target_logprobs(base_model, batch, None, scored)))
-    assert np.abs(np.asarray(target_logprobs(policy, batch, None, scored) - target_logprobs(off, batch, None, scored))
+    np.testing.assert_array_equal(np.asarray(compiled_logprobs(off, batch, scored)),
+                                  np.asarray(compiled_logprobs(base_model, batch, scored)))
+    assert np.abs(np.asarray(compiled_logprobs(policy, batch, scored) - compiled_logprobs(off, batch, scored))
                   ).max() > 1e-3
 
 
@@ -271,8 +272,7 @@ def test_an_equal_pair_ties_exactly_as_trls_rows_of_their_own_do(shared):
     batch = batch_of(cfg, store_of(pairs))
     for seed in range(4):
         model = build_model(cfg, rngs=nnx.Rngs(seed))
-        c, r = (np.asarray(x)[0] for x in pair_sums(target_logprobs(model, batch, None, batch["weights"] > 0),
-                                                    batch))
+        c, r = (np.asarray(x)[0] for x in pair_sums(compiled_logprobs(model, batch, batch["weights"] > 0), batch))
         assert c[1].tobytes() == r[1].tobytes() and c[0] != r[0] and c[2] != r[2]
     # the rule, alone: an ulp put on the equal pair's rejected tokens is taken back; on another pair, kept
     chosen = (np.asarray(batch["pair_ids"]) == 3) & (np.asarray(batch["weights"]) > 0)
@@ -288,8 +288,9 @@ def test_an_equal_pair_ties_exactly_as_trls_rows_of_their_own_do(shared):
     inputs = Inputs(model, None, {"beta": 0.1, "label_smoothing": 0.0}, objective.totals(batch),
                     lambda micro: jnp.zeros(micro["weights"].shape))
     c, r = (np.asarray(x)[0] for x in pair_sums(target_logprobs(model, batch, None, batch["weights"] > 0), batch))
-    won, count = (float(x) for x in objective.loss(inputs, batch).reported["rewards/accuracies"])
-    margins = float(objective.loss(inputs, batch).reported["rewards/margins"][0])
+    reported = objective.loss(inputs, batch).reported
+    won, count = (float(x) for x in reported["rewards/accuracies"])
+    margins = float(reported["rewards/margins"][0])
     assert count == 3 and won == float(c[0] > r[0]) + float(c[2] > r[2])
     assert margins == pytest.approx(0.1 * float((c[0] - r[0]) + (c[2] - r[2])), rel=1e-5)
 

@@ -27,6 +27,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from hf_support import script_module
+from model_support import compiled_logprobs
 from seqjax.config.load import load_config
 from seqjax.data.pipeline import build_pipeline
 from seqjax.hf import folders as hf
@@ -120,7 +121,7 @@ def test_per_pair_log_probabilities_from_packed_rows_are_trls(kind, tmp_path):
     policy, reference_model = models(config)
     _, batch = first_batch(config)
     scored = batch["weights"] > 0
-    ours = [pair_sums(target_logprobs(m, batch, None, scored), batch) for m in (policy, reference_model)]
+    ours = [pair_sums(compiled_logprobs(m, batch, scored), batch) for m in (policy, reference_model)]
     (c, r), (c0, r0) = [(np.asarray(a)[:, 0], np.asarray(b)[:, 0]) for a, b in ours]
     theirs = ref["per_pair"]
     np.testing.assert_allclose(c, [p["chosen"] for p in theirs], rtol=2e-6, atol=2e-5)

@@ -144,9 +144,11 @@ def test_the_prompt_once_row_computes_the_prompt_once_and_each_completion_sees_o
     assert int((once["segment_ids"] > 0).sum()) == 4 + sum(len(c) for c in completions)
     assert int((padded["segment_ids"] > 0).sum()) == sum(4 + len(c) for c in completions)
     logps = {}
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda p, b, s: target_logprobs(nnx.merge(graphdef, p), b, None, s))
     for name, batch in (("once", once), ("padded", padded)):
         scored = jnp.asarray(batch["weights"] > 0)
-        values = np.asarray(target_logprobs(model, {k: jnp.asarray(v) for k, v in batch.items()}, None, scored))
+        values = np.asarray(forward(params, {k: jnp.asarray(v) for k, v in batch.items()}, scored))
         logps[name] = [values[(batch["completion"] == n) & (batch["weights"] > 0)] for n in (1, 2, 3)]
     for a, b, c in zip(logps["once"], logps["padded"], completions):
         assert len(a) == len(c)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import logging
 import math
 import os
@@ -25,6 +26,13 @@ import yaml
 
 from seqjax.config.tree import Config
 from seqjax.core.errors import ConfigError
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A config dataclass's field types, resolved once (typing evaluates its string annotations anew
+    on every call, the most of a config load's time)."""
+    return typing.get_type_hints(cls)
 
 
 def _type_name(tp: Any) -> str:
@@ -121,7 +129,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted leaf key of the tree, for help and typo suggestions (a list item's keys as
     ``data.sources[].x``)."""
     keys = []
-    for name, tp in typing.get_type_hints(cls).items():
+    for name, tp in _hints(cls).items():
         if dataclasses.is_dataclass(tp):
             keys += [prefix + name] + all_keys(tp, f"{prefix}{name}.")
         elif _item_dataclass(tp) is not None:
@@ -138,7 +146,7 @@ def _unknown_key(key: str) -> ConfigError:
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in values:
         if name not in fields:
@@ -340,7 +348,7 @@ def describe_keys() -> str:
     defaults = Config()
 
     def walk(cls, obj, prefix):
-        hints = typing.get_type_hints(cls)
+        hints = _hints(cls)
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             if dataclasses.is_dataclass(tp):
