@@ -6,6 +6,7 @@ and it passes the Triton lowering for an H100 without a GPU."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -65,16 +66,24 @@ def test_the_kernel_computes_the_xla_paths_attention_over_any_pages(page_size, g
     keys, values = (jnp.asarray(rng.normal(size=(LAYERS, PAGES, KV_HEADS, page_size, head_dim)), jnp.float32)
                     for _ in "kv")
     table, lengths = jnp.asarray(table), jnp.asarray(lengths)
-    out, lse = paged_attention(q, keys, values, table, lengths, scale=head_dim**-0.5, window=window,
-                               layer=jnp.int32(layer), pages_per_block=per_block, interpret=True)
-    want = xla_path(q, keys, values, table, lengths, window, layer=layer)
+    sinks = jnp.asarray(rng.normal(size=(KV_HEADS * group,)), jnp.float32)
+    window = None if window is None else jnp.int32(window)  # (traced, as a scanned model's decode step has it)
+    out, want, sunk, want_sunk = kernel_and_xla(q, keys, values, table, lengths, window, jnp.int32(layer), sinks,
+                                                per_block=per_block)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, rtol=2e-5)
     idle = np.asarray(lengths) == 0
     assert not np.asarray(out)[idle].any()  # (an idle slot: zeros, as the XLA path gives)
-    sinks = jnp.asarray(rng.normal(size=(KV_HEADS * group,)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(sunk), np.asarray(want_sunk), atol=2e-5, rtol=2e-5)
+
+
+@functools.partial(jax.jit, static_argnames="per_block")
+def kernel_and_xla(q, keys, values, table, lengths, window, layer, sinks, *, per_block):
+    """The interpreted kernel's attention and the XLA path's, without and with sinks (one program a shape)."""
+    out, lse = paged_attention(q, keys, values, table, lengths, scale=q.shape[-1] ** -0.5, window=window,
+                               layer=layer, pages_per_block=per_block, interpret=True)
     sunk = with_sinks(out[:, None], lse[:, :, None], sinks)[:, 0]
-    want = xla_path(q, keys, values, table, lengths, window, sinks, layer)
-    np.testing.assert_allclose(np.asarray(sunk), np.asarray(want), atol=2e-5, rtol=2e-5)
+    return (out, xla_path(q, keys, values, table, lengths, window, layer=layer), sunk,
+            xla_path(q, keys, values, table, lengths, window, sinks, layer))
 
 
 @pytest.mark.slow  # (the full suite: the interpreted kernel inside the decode loop)
