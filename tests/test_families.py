@@ -23,6 +23,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from hf_support import script_module, tiny_tokenizer
+from model_support import compiled_logits
 from seqjax.core.errors import CheckpointError
 from seqjax.engine import generate
 from seqjax.hf import families
@@ -63,12 +64,7 @@ def logits(model, ids: np.ndarray, segment_ids: np.ndarray | None = None, positi
     ids = jnp.asarray(ids)[None]
     seg = jnp.ones_like(ids) if segment_ids is None else jnp.asarray(segment_ids)[None]
     pos = jnp.arange(ids.shape[1])[None] if positions is None else jnp.asarray(positions)[None]
-    return np.asarray(_logits(*nnx.split(model), ids, pos, seg))[0]
-
-
-@jax.jit
-def _logits(graphdef, state, ids, positions, segment_ids):
-    return nnx.merge(graphdef, state)(ids, positions=positions, segment_ids=segment_ids)
+    return np.asarray(compiled_logits(model, ids, pos, seg))[0]
 
 
 def assert_close(ours: np.ndarray, theirs: np.ndarray) -> None:

@@ -4,7 +4,6 @@ base; eval, generate and export (a PEFT folder, or --merge) on the run directly.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from model_support import compiled_logits
 from seqjax.config.load import load_config
 from seqjax.hf import peft
 from seqjax.model import BASE_PARAMS, build_model, split_params
@@ -41,13 +41,7 @@ def batch(seed: int = 0, b: int = 2, t: int = 16):
 
 def logits(model, data):
     """The model's logits on ``data``, in one compiled program (as a step computes them; not op by op)."""
-    graphdef, state = nnx.split(model)
-    return _logits(graphdef, state, data)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _logits(graphdef, state, data):
-    return nnx.merge(graphdef, state)(data["inputs"], positions=data["positions"], segment_ids=data["segment_ids"])
+    return compiled_logits(model, data["inputs"], data["positions"], data["segment_ids"])
 
 
 @pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
