@@ -88,7 +88,7 @@ def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, 
     def step(s, xs):
         values_i, k_read_i, q_read_i, inner_i, k_write_i, keep_i = xs
         new = values_i - _dot(k_read_i, s)
-        out = _dot(q_read_i, s) + jnp.einsum("bhij,bhje->bhie", inner_i, new, precision=HIGHEST)
+        out = _dot(q_read_i, s) + _attend(inner_i, new)
         s_next = s * keep_i + jnp.einsum("bhcd,bhce->bhde", k_write_i, new, precision=HIGHEST)
         return s_next, (out, (s, new) if ends is not None else None)
 
@@ -101,6 +101,11 @@ def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, 
 def _dot(a: jax.Array, s: jax.Array) -> jax.Array:
     """[B, H, C, Dk] rows times the states [B, H, Dk, Dv]: [B, H, C, Dv]."""
     return jnp.einsum("bhcd,bhde->bhce", a, s, precision=HIGHEST)
+
+
+def _attend(m: jax.Array, x: jax.Array) -> jax.Array:
+    """A chunk's [B, H, C, C] weights over its tokens' [B, H, C, Dv] values."""
+    return jnp.einsum("bhij,bhje->bhie", m, x, precision=HIGHEST)
 
 
 class _Chunks:
@@ -226,15 +231,12 @@ def chunked_prompt_rule(q, k, v, g, beta, segment_ids, prefix_ids, *, chunk: int
     dtype, t = v.dtype, segment_ids.shape[1]
     c = _Chunks(q, k, v, g, beta, segment_ids, chunk)
 
-    def attend(m, x):
-        return jnp.einsum("bhij,bhje->bhie", m, x, precision=HIGHEST)
-
     def step(carry, xs):
         s, r = carry
         values, k_read, k_s, k_r, q_s, q_r, m_k, m_q, inner, k, k_write, keep, w_end, a_end, ends, enters = xs
         base = values - _dot(k_read, s)  # (a prompt's tokens' and every token's but a completion's entry)
-        new = base - _dot(k_s, s) - _dot(k_r, r) - attend(m_k, base)
-        out = _dot(q_s, s) + _dot(q_r, r) + attend(inner, new) + attend(m_q, base)
+        new = base - _dot(k_s, s) - _dot(k_r, r) - _attend(m_k, base)
+        out = _dot(q_s, s) + _dot(q_r, r) + _attend(inner, new) + _attend(m_q, base)
         at_end = s * a_end[..., None, None] + jnp.einsum("bhc,bhcd,bhce->bhde", w_end, k, new, precision=HIGHEST)
         r = jnp.where(ends[:, None, None, None], at_end, r)
         s = s * keep + jnp.einsum("bhcd,bhce->bhde", k_write, new, precision=HIGHEST) + enters[..., None, None] * r
@@ -269,6 +271,10 @@ def _prompt_terms(c: _Chunks, segment_ids: jax.Array, prefix_ids: jax.Array) -> 
     def take(a, i):  # a [N, B, H, C] at places i [N, B, C] (or [N, B, 1])
         return jnp.take_along_axis(a, jnp.broadcast_to(i[:, :, None], a.shape[:3] + i.shape[-1:]), axis=-1)
 
+    def decay_rows(i):  # the decay [N, B, H, C, C]'s rows at places i [N, B, C] (or [N, B, 1])
+        shape = c.decay.shape[:3] + (i.shape[-1], c.chunk)
+        return jnp.take_along_axis(c.decay, jnp.broadcast_to(i[:, :, None, :, None], shape), axis=-2)
+
     cum = c.cum
     from_start = jnp.exp(cum - jnp.where(since[:, :, None] > 0, take(cum, jnp.maximum(since - 1, 0)), 0.0))
     fresh4 = fresh[:, :, None, :, None]
@@ -276,15 +282,11 @@ def _prompt_terms(c: _Chunks, segment_ids: jax.Array, prefix_ids: jax.Array) -> 
     q_entry = jnp.where(fresh4, c.q * from_start[..., None], 0.0)
     carried = c.carries[..., 0].astype(jnp.float32)  # [N, B, 1, C]
     a_e = jnp.where(inside[:, :, None], jnp.exp(take(cum, e)) * take(carried, e), 0.0)[..., None]
-    rows = jnp.take_along_axis(c.decay, jnp.broadcast_to(e[:, :, None, :, None], c.decay.shape), axis=-2)
-    rows = jnp.where(inside[:, :, None, :, None], rows, 0.0)  # row t: the decay from each token to e(t)
+    rows = jnp.where(inside[:, :, None, :, None], decay_rows(e), 0.0)  # row t: the decay from each token to e(t)
     m_k, m_q = (jnp.einsum("...td,...jd->...tj", a, c.k, precision=HIGHEST) * rows for a in (k_entry, q_entry))
     outside = (fresh & ~inside)[:, :, None, :, None]
     at = jnp.maximum(end, 0)[..., None]  # [N, B, 1]
-    w_end = jnp.where((end >= 0)[:, :, None, None],
-                      jnp.take_along_axis(c.decay, jnp.broadcast_to(at[:, :, None, :, None],
-                                                                    c.decay.shape[:3] + (1, c.chunk)), axis=-2)[
-                          ..., 0, :], 0.0)
+    w_end = jnp.where((end >= 0)[:, :, None, None], decay_rows(at)[..., 0, :], 0.0)
     a_end = jnp.where((end >= 0)[:, :, None], (jnp.exp(take(cum, at)) * take(carried, at))[..., 0], 0.0)
     enters = jnp.where(fresh[:, :, None, -1], from_start[..., -1], 0.0)  # [N, B, H]
     return (c.values, c.k_read, k_entry * a_e, jnp.where(outside, k_entry, 0.0), c.q_read + q_entry * a_e,
