@@ -125,6 +125,10 @@ class MeshConfig:
         1, "context-parallel axis size: each row's tokens split over it, attention exact (docs/scale.md; -1: the "
         "remaining devices)", min=-1)
     tensor: int = setting(1, "tensor-parallel axis size (-1: the remaining devices)", min=-1)
+    sampler_devices: int = setting(
+        0, "devices set apart for an RL run's sampler (the last ones), which samples the next generation batches "
+        "while the rest train (needs rl.max_staleness >= 1; docs/rl.md); 0: the sampler runs on the training mesh",
+        min=0)
 
     def check(self) -> None:
         sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "context": self.context,
@@ -253,6 +257,8 @@ class Config:
                 "data.variant=raw (the harness's wikitext task scores wikitext-2-raw-v1)")
         if self.mesh.context > 1:
             self._check_context()
+        if self.mesh.sampler_devices:
+            self._check_sampler()
         if self.data.batch_size % self.train.grad_accum:
             raise ConfigError(
                 f"train.grad_accum: got {self.train.grad_accum}, "
@@ -288,6 +294,20 @@ class Config:
             what = "data.format='prompt'" if self.data.format == "prompt" else "data.image_processor (images)"
             raise ConfigError(f"mesh.context: got {n} with {what}, which does not split rows over mesh.context yet; "
                               "expected mesh.context=1")
+
+    def _check_sampler(self) -> None:
+        """Devices set apart for sampling (mesh.sampler_devices): an RL run that samples, ahead."""
+        n = self.mesh.sampler_devices
+        if self.data.format != "prompt":
+            raise ConfigError(f"mesh.sampler_devices: got {n} with data.format={self.data.format!r}, expected 0: "
+                              "only an RL run (data.format=prompt) samples")
+        if self.rl.rollouts_file:
+            raise ConfigError(f"mesh.sampler_devices: got {n} with rl.rollouts_file={self.rl.rollouts_file}, "
+                              "expected 0: replayed completions are not sampled")
+        if self.rl.max_staleness < 1:
+            raise ConfigError(f"mesh.sampler_devices: got {n} with rl.max_staleness=0, expected "
+                              "rl.max_staleness >= 1: the sampler can only run ahead of the trainer on batches "
+                              "it may make with older weights")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,7 +17,7 @@ Every ``rl.steps_per_generation x rl.num_iterations`` steps it makes a generatio
 
 Each generation batch is written to ``run.dir/rollouts/`` before its first step, so a run resumed
 in the middle of one trains on the same batches; a damaged one is set aside and made again, in
-one line."""
+one line. With ``rl.max_staleness`` the batches are launched ahead (:mod:`seqjax.train.ahead`)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ from seqjax.store.corpus import source_files
 from seqjax.store.examples import example_spec
 from seqjax.store.prompts import Prompt, read_prompts
 from seqjax.store.replay import Replay, read_rollouts
+from seqjax.train.ahead import Ahead, AheadPosition, Side, sampler_side
 from seqjax.train.prefetch import IteratorPosition
 from seqjax.train.rewards import Reward, RewardLogs, TrainerState, advantages, load_rewards, quiet, score
 
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 
 ROLLOUT_STREAM = 0x726F6C6C  # "roll": the sampling keys' stream of the run key
 FOLDER = "rollouts"
-KEEP = 2  # generation batches kept on disk (the one in progress, and the one before)
+KEEP = 2  # generation batches kept on disk (the one in progress, and the one before), and those launched ahead
 
 
 class RolloutWriteError(RuntimeError):
@@ -81,15 +82,17 @@ class RolloutSource:
     step of which generation batch this is)."""
 
     def __init__(self, config: Config, plan: Plan, tokenizer, policy, frozen, to_device: Callable[[dict], dict],
-                 run_dir: Path, shards: int = 1):
+                 run_dir: Path, shards: int = 1, side: Side | None = None):
         self.config, self.rl, self.plan, self.tokenizer = config, config.rl, plan, tokenizer
         self.prompts, self.rewards, self.stop_ids = plan.prompts, plan.rewards, plan.stop_ids
         self.policy, self.frozen, self.to_device = policy, frozen, to_device
         self.folder, self.shards = Path(run_dir) / FOLDER, shards
-        self.taken, self.num_tokens, self.pending, self.metrics = 0, 0, None, {}
-        self.generation_tokens = 0  # (of the generation batch in progress: taken back if it is made again)
+        self.pending = None
+        # generation -> (tokens sampled through it, its own): a batch made again counts from its predecessor's
+        self.tally: dict[int, tuple[int, int]] = {-1: (0, 0)}
         self.fresh_at = None  # a step whose batch was made again at its start (its ratio is 1 there)
         self.every = self.rl.steps_per_generation * self.rl.num_iterations
+        self.ahead = Ahead(self._generate, self.rl.max_staleness, side)
         self.key = jax.random.fold_in(jax.random.key(config.run.seed), ROLLOUT_STREAM)
         sampling = SamplingConfig(self.rl.temperature, self.rl.top_k, self.rl.top_p)
         self.rollout: Rollout = (
@@ -102,22 +105,35 @@ class RolloutSource:
     def __enter__(self) -> RolloutSource:
         return self
 
-    def __exit__(self, *exc) -> None:
-        return None
+    def __exit__(self, kind, *exc) -> None:
+        self.ahead.close(cancel=kind is not None)
 
     # -- state
 
-    def get_state(self) -> dict[str, Any]:
-        return {"taken": self.taken, "num_tokens": self.num_tokens, "generation_tokens": self.generation_tokens}
+    def get_state(self, launched: int | None = None) -> dict[str, Any]:
+        """The prompts taken and tokens sampled through the ``launched``-th generation (the
+        newest launched: a checkpoint waits until it is made)."""
+        launched = self.ahead.launched if launched is None else launched
+        self.ahead.wait()
+        through, own = self.tally[launched]
+        state = {"taken": (launched + 1) * self.rl.generation_prompts, "num_tokens": through,
+                 "generation_tokens": own}
+        return state | ({"launched": launched} if self.rl.max_staleness else {})
 
     def set_state(self, state: dict[str, Any], step: int) -> None:
-        """Go on after ``step``: its prompts taken, and the generation batch it was in read back
-        when later steps still train on it (a damaged one is set aside, and made again at the
-        next step)."""
-        self.taken, self.num_tokens = int(state["taken"]), int(state.get("num_tokens", 0))
-        self.generation_tokens = int(state.get("generation_tokens", 0))
-        if step % self.every:
-            self.pending = self._read(step // self.every)
+        """Go on after ``step``: the generation batch it was in read back when later steps still
+        train on it, and those launched ahead of it (a damaged one is set aside, and made again
+        when its step comes)."""
+        generation, within = divmod(step, self.every)
+        launched = int(state.get("launched", generation if within else generation - 1))
+        self.tally[launched] = (int(state.get("num_tokens", 0)), int(state.get("generation_tokens", 0)))
+        self.ahead.launched = launched
+        if within:
+            self.pending = self._read(generation)
+        for later in range(generation + bool(within), launched + 1):
+            made = self._read(later)
+            if made is not None:
+                self.ahead.queue[later] = made
 
     # -- the batches
 
@@ -127,45 +143,57 @@ class RolloutSource:
         generation, within = divmod(step - 1, self.every)
         metrics = {}
         if within == 0 or self.pending is None:
-            if within:  # (made again: its prompts were taken, its tokens counted already)
-                self.taken -= self.rl.generation_prompts
-                self.num_tokens -= self.generation_tokens
+            if within:  # (made again: with the weights as they are now)
                 self.fresh_at = step
-            self.pending = self._generate(params, generation, step)
-            metrics = self.metrics
+            self.pending = self.ahead.take(generation, params, step)
+            metrics = self.pending["metrics"]
+            if "table" in self.pending:
+                self._log_table(step, *self.pending.pop("table"))
         batches = self.pending["batches"]
         batch = dict(batches[within % self.rl.steps_per_generation])
-        batch["fresh"] = np.full((len(batch["inputs"]), 1), int(within == 0 or step == self.fresh_at), np.int32)
-        return self._placed(batch), IteratorPosition(self.get_state()), metrics
+        # (the ratio is 1 where the batch was sampled with this step's weights)
+        fresh = (within == 0 and not self.rl.max_staleness) or step == self.fresh_at
+        batch["fresh"] = np.full((len(batch["inputs"]), 1), int(fresh), np.int32)
+        if not self.rl.max_staleness:
+            return self._placed(batch), IteratorPosition(self.get_state()), metrics
+        launched = self.ahead.launched
+        return self._placed(batch), AheadPosition({}, lambda: self.get_state(launched)), metrics
 
-    def _placed(self, batch: dict[str, np.ndarray]) -> dict:
+    def _placed(self, batch: dict[str, np.ndarray], side: Side | None = None) -> dict:
         """A batch every process made whole, placed as a global batch from this process's rows."""
+        if side is not None:  # (the sampler's mesh: one process)
+            return side.to_device(batch)
         return self.to_device(local_rows(batch, jax.process_index(), jax.process_count()))
 
-    def _next_prompts(self) -> list[Prompt]:
+    def _prompts_of(self, generation: int) -> list[Prompt]:
+        """Generation ``generation``'s prompts: the next ``rl.generation_prompts`` in the order
+        ``run.seed`` shuffles each epoch to (file order without ``data.shuffle``)."""
         n, out = len(self.prompts), []
-        for _ in range(self.rl.generation_prompts):
-            epoch, at = divmod(self.taken, n)
+        for taken in range(generation * self.rl.generation_prompts, (generation + 1) * self.rl.generation_prompts):
+            epoch, at = divmod(taken, n)
             order = (np.random.default_rng([self.config.run.seed, epoch]).permutation(n)
                      if self.config.data.shuffle else np.arange(n))
             out.append(self.prompts[int(order[at])])
-            self.taken += 1
         return out
 
-    def _completions(self, params, prompts: list[Prompt], generation: int) -> list[tuple[list[int], bool]]:
+    def _completions(self, params, prompts: list[Prompt], generation: int, side: Side | None
+                     ) -> list[tuple[list[int], bool]]:
         """(ids, stopped) of each prompt's G completions, in order, from the run's rollout (the
         engine's samples, or the file's replay: seqjax.engine.rollout)."""
-        self.rollout.update_params(self.policy.model(params, self.frozen))
+        policy, frozen = (self.policy, self.frozen) if side is None else (side.policy, side.frozen)
+        self.rollout.update_params(policy.model(params, frozen))
         return self.rollout.generate(prompts, copies=self.rl.num_generations, generation=generation)
 
-    def _generate(self, params, generation: int, step: int) -> dict[str, Any]:
-        """One generation batch: prompts, completions, rewards, the steps' batches, advantages."""
-        prompts = self._next_prompts()
+    def _generate(self, params, generation: int, step: int, side: Side | None = None) -> dict[str, Any]:
+        """One generation batch: prompts, completions, rewards, the steps' batches, advantages;
+        made with ``params`` at ``step``'s start, where ``side`` says (None: the training mesh)."""
+        prompts = self._prompts_of(generation)
         g = self.rl.num_generations
-        made = self._completions(params, prompts, generation)
+        made = self._completions(params, prompts, generation, side)
         repeated = [p for p in prompts for _ in range(g)]
-        self.generation_tokens = sum(len(p.ids) + len(ids) for p, (ids, _) in zip(repeated, made))
-        self.num_tokens += self.generation_tokens
+        own = sum(len(p.ids) + len(ids) for p, (ids, _) in zip(repeated, made))
+        num_tokens = self._tokens_before(generation) + own
+        self.tally[generation] = (num_tokens, own)
         conversational = isinstance(prompts[0].prompt, list)
         texts = [self.tokenizer.decode_text(ids) for ids, _ in made]
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
@@ -175,8 +203,8 @@ class RolloutSource:
                 columns.setdefault(key, [])
         for key in columns:
             columns[key] = [p.columns.get(key) for p in repeated]
-        state = TrainerState(global_step=step - 1, max_steps=self.config.train.steps,
-                             epoch=self.taken / len(self.prompts), num_input_tokens_seen=self.num_tokens)
+        state = TrainerState(global_step=step - 1, max_steps=self.config.train.steps, num_input_tokens_seen=num_tokens,
+                             epoch=(generation + 1) * self.rl.generation_prompts / len(self.prompts))
         logs = RewardLogs()
         table, total = score(self.rewards, self.rl.reward_weights, [p.prompt for p in repeated], completions,
                              [ids for ids, _ in made], columns, state, logs)
@@ -189,40 +217,47 @@ class RolloutSource:
         data = self.config.data
         batches = rollout_batches(groups, self.rl.layout, data.seq_len, data.batch_size,
                                   self.rl.steps_per_generation, self.shards)
-        kl = self._logps(params, batches, step, len(made))
+        kl = self._logps(params, batches, step, len(made), side)
         if kl is not None:  # (a loss type that takes its KL from the reward: RLOO's, per completion)
             total = total - self.rl.beta * kl["per_completion"]
         estimator = self.plan.loss_type.advantage or self.rl.scale_rewards
         adv, zero_std = advantages(total, g, estimator, self.rl.normalize_advantages)
         for batch in batches:
             with_advantages(batch, adv)
-        self.metrics = generation_metrics(self.rewards, table, total if kl is None else total + self.rl.beta *
-                                          kl["per_completion"], zero_std, made, truncated)
-        self.metrics["num_tokens"] = float(self.num_tokens)
+        metrics = generation_metrics(self.rewards, table, total if kl is None else total + self.rl.beta *
+                                     kl["per_completion"], zero_std, made, truncated)
+        metrics["num_tokens"] = float(num_tokens)
         if kl is not None:
-            self.metrics["kl"] = kl["per_token"]
-        self.metrics |= logs.means()
-        pending = {"batches": batches, "generation": generation}
+            metrics["kl"] = kl["per_token"]
+        pending = {"batches": batches, "generation": generation, "metrics": metrics | logs.means()}
         self._write(generation, pending, step)
-        self._log_table(step, prompts, texts, table, adv, logs.columns)
-        return pending
+        return pending | {"table": (prompts, texts, table, adv, logs.columns)}
 
-    def _logps(self, params, batches: list[dict[str, np.ndarray]], step: int, completions: int) -> dict | None:
+    def _tokens_before(self, generation: int) -> int:
+        """Tokens sampled before generation ``generation``: through its predecessor, or, for one
+        made again after a resume, what the checkpoint counted less its own."""
+        if generation - 1 in self.tally:
+            return self.tally[generation - 1][0]
+        through, own = self.tally.get(generation, (self.tally[max(self.tally)][0], 0))
+        return through - own
+
+    def _logps(self, params, batches: list[dict[str, np.ndarray]], step: int, completions: int,
+               side: Side | None) -> dict | None:
         """Each batch's old log-probabilities (when a later step or pass trains on it, or the KL
         goes in the reward) and the reference's (``rl.beta > 0``), computed once here; the
         reward's KL per completion (the sum of old - ref over its tokens) and per token, when the
         loss type takes it there."""
-        policy, frozen = self.policy, self.frozen
+        policy, frozen = (self.policy, self.frozen) if side is None else (side.policy, side.frozen)
         in_reward = self.plan.loss_type.kl == "reward" and bool(self.rl.beta)
         same = None
         if self.rl.beta and policy.same_weights is not None:
             same = bool(policy.same_weights(params, frozen.reference, step))
         per_completion, tokens, kl_sum = np.zeros(completions), 0.0, 0.0
         for batch in batches:
-            device = self._placed(batch)
+            device = self._placed(batch, side)
             zeros = np.zeros_like(batch["weights"])
             batch["old_logps"] = (whole(self._logprobs(params, frozen, device, False))
-                                  if self.every > 1 or in_reward else zeros)
+                                  if self.every > 1 or in_reward or self.rl.max_staleness else zeros)
             # (the reference is the sampling policy: its log-probabilities are the old ones, and on
             # the first pass the step's own, bit for bit)
             batch["rollout_reference_logps"] = batch["old_logps"] if same else zeros
@@ -250,11 +285,11 @@ class RolloutSource:
             return
         buffer = io.BytesIO()
         np.savez(buffer, **{f"{i}/{k}": v for i, b in enumerate(pending["batches"]) for k, v in b.items()},
-                 metrics=np.asarray(json.dumps(self.metrics)))
+                 metrics=np.asarray(json.dumps(pending["metrics"])))
         path = self._path(generation)
         try:
             write_bytes_atomic(path, buffer.getvalue())
-            for old in sorted(self.folder.glob("generation_*.npz"))[:-KEEP]:
+            for old in sorted(self.folder.glob("generation_*.npz"))[:-KEEP - self.rl.max_staleness]:
                 old.unlink(missing_ok=True)
         except OSError as err:
             raise RolloutWriteError(
@@ -288,8 +323,7 @@ class RolloutSource:
                         "uninterrupted run's", path,
                         type(err).__name__, str(err).splitlines()[0] if str(err) else "", aside.name)
             return None
-        self.metrics = metrics
-        return {"batches": [batches[i] for i in sorted(batches)], "generation": generation}
+        return {"batches": [batches[i] for i in sorted(batches)], "generation": generation, "metrics": metrics}
 
     def _log_table(self, step: int, prompts: list[Prompt], texts: list[str], table, adv,
                    extra: dict[str, list]) -> None:
@@ -436,9 +470,15 @@ def open_source(opening) -> RolloutSource:
     """The rollouts source of a run set up by :func:`seqjax.train.setup.setup` (a
     :class:`seqjax.train.source.Opening`)."""
     config = opening.config
+    side = None
+    if config.mesh.sampler_devices:
+        side = sampler_side(config, opening.policy, opening.params, opening.frozen)
+        log.info("mesh.sampler_devices=%d: the sampler's mesh %s makes generation batches up to rl.max_staleness=%d "
+                 "ahead while the trainer's %s trains", config.mesh.sampler_devices, dict(side.mesh.shape),
+                 config.rl.max_staleness, dict(opening.mesh.shape))
     return RolloutSource(config, opening.plan, opening.prepared.tokenizer, opening.policy, opening.frozen,
                          opening.to_device, Path(config.run.dir),
-                         shards=math.prod(opening.mesh.shape[a] for a in BATCH_AXES))
+                         shards=math.prod(opening.mesh.shape[a] for a in BATCH_AXES), side=side)
 
 
 class ReplayRollout:
