@@ -228,3 +228,21 @@ def test_the_compiled_shared_prompt_matches_the_dense_mask(rows):
 def _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent):
     out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, ids, prefix_ids=prefix, interpret=False), q, k, v)
     return out, vjp(cotangent)
+
+
+def test_the_compiled_delta_rule_scan_is_the_xla_scan_at_qwen3_5s_head():
+    """The Gated DeltaNet's chunk scan (seqjax/model/kernels/delta_scan.py) compiled through Triton at Qwen3.5's
+    linear-layer head (Dk = Dv = 128, chunks of 64): outputs, kept states and every gradient against one lax.scan
+    (tests/test_delta_scan.py interprets it on the CPU)."""
+    from seqjax.model.kernels.delta_scan import delta_scan
+    from test_delta_scan import terms, weighted, xla_scan
+
+    args = terms(0, 2, 4, 5, 64, 128, 128)
+    with jax.default_matmul_precision("highest"):
+        for ours, theirs in zip(jax.jit(delta_scan)(*args), jax.jit(xla_scan)(*args)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+        argnums = tuple(range(7))
+        ours = jax.jit(jax.grad(weighted(delta_scan, 1), argnums))(*args)
+        theirs = jax.jit(jax.grad(weighted(xla_scan, 1), argnums))(*args)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)

@@ -24,6 +24,17 @@ class DeltaNetConfig:
     conv_width: int = setting(4, "the causal convolution's taps (linear_conv_kernel_dim)", min=1, resume=MODEL)
     chunk: int = setting(64, "tokens a chunk of the training form holds (any size computes the same, to "
                              "float32 rounding)", min=1)
+    kernel: str = setting(
+        "auto", "the chunked form's scan over chunks: xla (one lax.scan), pallas (one Pallas "
+        "kernel, the state in registers: Triton on a GPU, interpreted elsewhere), auto (xla "
+        "until a GPU measures the kernel faster)",
+        choices=("auto", "xla", "pallas"))
+
+    @property
+    def scan(self) -> str:
+        """``kernel`` resolved: auto is xla (the kernel is built and checked, not yet timed on a
+        GPU)."""
+        return "xla" if self.kernel == "auto" else self.kernel
 
     @property
     def enabled(self) -> bool:

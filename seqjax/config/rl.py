@@ -110,9 +110,10 @@ class RLConfig:
                                                 "advantages",
                                           min=0.0, resume=MODEL)
     max_staleness: int = setting(
-        0, "generation batches the sampler may run ahead of training (0: on-policy): generation g is sampled with "
-        "the weights at the start of generation g - max_staleness (TRL's AsyncGRPOTrainer's max_staleness; with "
-        "mesh.sampler_devices, while the trainer trains)", min=0, resume=DATA)
+        0, "generation batches the sampler may run ahead of training (0: on-policy): generation "
+        "g is sampled with the weights at the start of generation g - max_staleness (TRL's "
+        "AsyncGRPOTrainer's max_staleness; with mesh.sampler_devices, while the trainer trains)",
+        min=0, resume=DATA)
     log_completions_every: int = setting(
         0, "steps between tables of sampled completions written to run.dir/completions/ "
            "(0: never)", min=0)

@@ -126,9 +126,9 @@ class MeshConfig:
         "remaining devices)", min=-1)
     tensor: int = setting(1, "tensor-parallel axis size (-1: the remaining devices)", min=-1)
     sampler_devices: int = setting(
-        0, "devices set apart for an RL run's sampler (the last ones), which samples the next generation batches "
-        "while the rest train (needs rl.max_staleness >= 1; docs/rl.md); 0: the sampler runs on the training mesh",
-        min=0)
+        0, "devices set apart for an RL run's sampler (the last ones), which samples the next "
+        "generation batches while the rest train (needs rl.max_staleness >= 1; docs/rl.md); 0: "
+        "the sampler runs on the training mesh", min=0)
 
     def check(self) -> None:
         sizes = {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "context": self.context,
@@ -299,15 +299,17 @@ class Config:
         """Devices set apart for sampling (mesh.sampler_devices): an RL run that samples, ahead."""
         n = self.mesh.sampler_devices
         if self.data.format != "prompt":
-            raise ConfigError(f"mesh.sampler_devices: got {n} with data.format={self.data.format!r}, expected 0: "
-                              "only an RL run (data.format=prompt) samples")
+            raise ConfigError(f"mesh.sampler_devices: got {n} with data.format="
+                              f"{self.data.format!r}, expected 0: only an RL run "
+                              "(data.format=prompt) samples")
         if self.rl.rollouts_file:
-            raise ConfigError(f"mesh.sampler_devices: got {n} with rl.rollouts_file={self.rl.rollouts_file}, "
-                              "expected 0: replayed completions are not sampled")
+            raise ConfigError(f"mesh.sampler_devices: got {n} with rl.rollouts_file="
+                              f"{self.rl.rollouts_file}, expected 0: replayed completions are not "
+                              "sampled")
         if self.rl.max_staleness < 1:
             raise ConfigError(f"mesh.sampler_devices: got {n} with rl.max_staleness=0, expected "
-                              "rl.max_staleness >= 1: the sampler can only run ahead of the trainer on batches "
-                              "it may make with older weights")
+                              "rl.max_staleness >= 1: the sampler can only run ahead of the "
+                              "trainer on batches it may make with older weights")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -6,7 +6,7 @@ generation batch, then asks for the groups.
     groups = rollout.generate(prompts, copies=G, generation=k)   # prompt-major (ids, stopped) pairs
 
 :class:`EngineRollout` samples them with the engine; ``rl.rollouts_file`` replays them
-(seqjax.train.rollouts.ReplayRollout)."""
+(seqjax.store.replay.ReplayRollout)."""
 
 from __future__ import annotations
 

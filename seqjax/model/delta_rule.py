@@ -75,15 +75,18 @@ def recurrent_rule(q, k, v, g, beta, segment_ids, *, state=None, before=None):
 
 
 def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, before=None,
-                 ends=None):
+                 ends=None, kernel: str = "xla"):
     """The gated delta rule in chunks of ``chunk`` tokens (shapes as :func:`recurrent_rule`; the
     row zero-padded to a multiple of it, the padding continuing the row's last segment with no
     decay and no write, so the state returned is the one after the row's last token). ``ends``
     [E, 2] (row, place) pairs: the state returned is instead the one after each of those tokens
-    [E, H, Dk, Dv] (:func:`_states_at`: a packed prefill's prompts, each ending mid-row)."""
+    [E, H, Dk, Dv] (:func:`_states_at`: a packed prefill's prompts, each ending mid-row).
+    ``kernel``: the scan over chunks as one ``lax.scan`` (xla) or one Pallas kernel (pallas:
+    :mod:`seqjax.model.kernels.delta_scan`)."""
     dtype, t = v.dtype, segment_ids.shape[1]
     c = _Chunks(q, k, v, g, beta, segment_ids, chunk, before)
     state = c.zero if state is None else state.astype(jnp.float32)
+    terms = (c.values, c.k_read, c.q_read, c.inner, c.k_write, c.keep)
 
     def step(s, xs):
         values_i, k_read_i, q_read_i, inner_i, k_write_i, keep_i = xs
@@ -92,10 +95,33 @@ def chunked_rule(q, k, v, g, beta, segment_ids, *, chunk: int = 64, state=None, 
         s_next = s * keep_i + jnp.einsum("bhcd,bhce->bhde", k_write_i, new, precision=HIGHEST)
         return s_next, (out, (s, new) if ends is not None else None)
 
-    state, (out, kept) = jax.lax.scan(step, state, (c.values, c.k_read, c.q_read, c.inner, c.k_write, c.keep))
+    if kernel == "pallas":
+        out, kept, state = _kernel_scan(terms, state)
+    else:
+        state, (out, kept) = jax.lax.scan(step, state, terms)
     if ends is not None:
         state = _states_at(ends, *kept, c.k, c.cum, c.same, c.carries, chunk)
     return c.unchunk(out)[:, :t].astype(dtype), state
+
+
+def _kernel_scan(terms, state):
+    """:func:`chunked_rule`'s scan by the Pallas kernel: the terms [N, B, H, C, ...] laid out
+    [B, H, N * C, ...] for it, and its outputs back: (out, (entering states, new), last state)."""
+    from seqjax.model.kernels.delta_scan import delta_scan  # (Pallas's import only where it runs)
+
+    n, chunk = terms[0].shape[0], terms[0].shape[3]
+
+    def rows(a):
+        a = jnp.moveaxis(a, 0, 2)
+        return a.reshape(*a.shape[:2], -1, a.shape[-1])
+
+    def chunks(a, per):
+        a = a.reshape(*a.shape[:2], n, per, a.shape[-1])
+        return jnp.moveaxis(a, 2, 0)
+
+    keep = jnp.moveaxis(terms[-1][..., 0, 0], 0, 2)  # [N, B, H, 1, 1] -> [B, H, N]
+    out, states, new, last = delta_scan(*map(rows, terms[:-1]), keep, state)
+    return chunks(out, chunk), (chunks(states, state.shape[-2]), chunks(new, chunk)), last
 
 
 def _dot(a: jax.Array, s: jax.Array) -> jax.Array:

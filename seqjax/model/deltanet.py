@@ -108,14 +108,17 @@ def gated_deltanet(params: dict, x: jax.Array, segment_ids: jax.Array, *, key_he
 
 def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: RecurrentView, *, key_heads: int,
               value_heads: int, eps: float, chunk: int = 64, recurrent: bool = False,
-              project=None, shared: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, RecurrentView]:
+              project=None, shared: tuple[jax.Array, jax.Array] | None = None,
+              kernel: str = "xla") -> tuple[jax.Array, RecurrentView]:
     """:func:`gated_deltanet` continuing each row from ``view`` (its convolution window and state, read
     where the row's first token continues the segment ``view.carry`` names; all None: fresh), in the
     chunked form or (``recurrent``: decoding) token by token; (out, the view after the row's last
     token: its last K - 1 convolution inputs, its state). ``project(name, h)``: h through the
     projection ``name`` of :data:`DELTANET_TARGETS` (default: h @ params[name]; the layer's adds its
     adapters). ``shared``: (prefix_ids, positions) of a row with a shared prompt, each completion
-    continuing its prompt's convolution inputs and state (:func:`prompt_taps`, :func:`chunked_prompt_rule`)."""
+    continuing its prompt's convolution inputs and state (:func:`prompt_taps`,
+    :func:`chunked_prompt_rule`). ``kernel``: the chunked form's scan
+    (:func:`seqjax.model.delta_rule.chunked_rule`'s)."""
     b, t, _ = x.shape
     dtype = x.dtype
     if project is None:
@@ -147,9 +150,10 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
         o, state = chunked_prompt_rule(q, k, v, g, beta, segment_ids, shared[0], chunk=chunk)
     elif view.ends is not None:
         o, state = chunked_rule(q, k, v, g, beta, segment_ids, chunk=chunk, state=view.state,
-                                before=before, ends=view.ends)
+                                before=before, ends=view.ends, kernel=kernel)
     else:
-        rule = recurrent_rule if recurrent else functools.partial(chunked_rule, chunk=chunk)
+        chunked = functools.partial(chunked_rule, chunk=chunk, kernel=kernel)
+        rule = recurrent_rule if recurrent else chunked
         o, state = rule(q, k, v, g, beta, segment_ids, state=view.state, before=before)
     z = project("in_proj_z", x).reshape(b, t, value_heads, dv)
     o = gated_rms_norm(o, z, params["norm"].astype(dtype), eps).astype(dtype)
@@ -217,7 +221,8 @@ class DeltaNet(nnx.Module):
         shared = None if prefix_ids is None else (prefix_ids, positions)
         out, _ = continued(self._params(), x, segment_ids, RecurrentView(), key_heads=net.key_heads,
                            value_heads=net.value_heads, eps=self.eps, chunk=net.chunk,
-                           project=self._projector(x.dtype, self.lora.key(dropout_key)), shared=shared)
+                           project=self._projector(x.dtype, self.lora.key(dropout_key)),
+                           shared=shared, kernel=net.scan)
         return out
 
     def decode(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, cache: RecurrentView,
@@ -228,7 +233,8 @@ class DeltaNet(nnx.Module):
         net = self.net
         out, view = continued(self._params(), x, segment_ids, cache, key_heads=net.key_heads,
                               value_heads=net.value_heads, eps=self.eps, chunk=net.chunk,
-                              recurrent=x.shape[1] == 1, project=self._projector(x.dtype))
+                              recurrent=x.shape[1] == 1, project=self._projector(x.dtype),
+                              kernel=net.scan)
         return out, dataclasses.replace(view, carry=cache.carry)
 
     def _params(self) -> dict:

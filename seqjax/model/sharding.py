@@ -104,15 +104,18 @@ def build_mesh(mesh: MeshConfig, devices: list | None = None) -> Mesh:
 
 
 def split_devices(mesh: MeshConfig, devices: list | None = None) -> tuple[list, list]:
-    """(the trainer's devices, the sampler's): the last ``mesh.sampler_devices`` of all devices sample
+    """(the trainer's devices, the sampler's): the last ``mesh.sampler_devices`` of all devices
+    sample
     (an RL run's overlap; docs/rl.md), the others train."""
     devices = jax.devices() if devices is None else devices
     n = mesh.sampler_devices
     if n and n >= len(devices):
-        raise ConfigError(f"mesh.sampler_devices: got {n}, expected fewer than the {len(devices)} devices, "
+        raise ConfigError(f"mesh.sampler_devices: got {n}, expected fewer than the "
+                          f"{len(devices)} devices, "
                           "so that some are left to train")
     if n and jax.process_count() > 1:
-        raise ConfigError(f"mesh.sampler_devices: got {n} over {jax.process_count()} processes, expected 0: "
+        raise ConfigError(f"mesh.sampler_devices: got {n} over {jax.process_count()} processes, "
+                          "expected 0: "
                           "a sampler of its own devices runs within one process")
     return list(devices[:len(devices) - n]), list(devices[len(devices) - n:])
 

@@ -114,3 +114,19 @@ def _completion_ids(completion: Any, tokenizer, vocab: int | None, where: str) -
         raise DataError(f"{where}: token id {bad[0]} is outside the vocabulary; expected ids 0 to "
                         f"{vocab - 1}")
     return list(completion)
+
+
+class ReplayRollout:
+    """``rl.rollouts_file``'s completions as a rollout: each prompt's first G, as the file gives
+    them (a completion ending at a stop id counts as stopped); the policy's weights are not
+    needed."""
+
+    def __init__(self, replay, stop_ids):
+        self.replay, self.stop_ids = replay, set(stop_ids)
+
+    def update_params(self, model) -> None:
+        return None
+
+    def generate(self, prompts, *, copies: int, generation: int) -> list[tuple[list[int], bool]]:
+        return [(ids, bool(ids) and ids[-1] in self.stop_ids)
+                for prompt in prompts for ids in self.replay.completions[prompt.index][:copies]]

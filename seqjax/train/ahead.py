@@ -62,12 +62,22 @@ def sampler_side(config: Config, policy, params, frozen) -> Side:
     mesh = sharding.build_mesh(config.mesh, sharding.split_devices(config.mesh)[1])
     shards = math.prod(mesh.shape[a] for a in sharding.BATCH_AXES)
     if config.data.batch_size % shards:
-        raise ConfigError(f"mesh.sampler_devices: the sampler's mesh {dict(mesh.shape)} splits rows {shards} ways, "
-                          f"which do not divide data.batch_size={config.data.batch_size}; expected a batch size "
-                          f"that is a multiple of {shards}, or other mesh sizes")
-    placed = functools.partial(sharding.global_batch, sharding=sharding.batch_sharding(mesh), process_count=1)
-    return Side(dataclasses.replace(policy, rest=moved(policy.rest, mesh)), moved(frozen, mesh), placed,
-                jax.tree.map(lambda a: _like(a, mesh), params), mesh)
+        raise ConfigError(
+            f"mesh.sampler_devices: the sampler's mesh {dict(mesh.shape)} splits rows {shards} "
+            "ways, "
+            f"which do not divide data.batch_size={config.data.batch_size}; expected a batch size "
+            f"that is a multiple of {shards}, or other mesh sizes"
+        )
+    placed = functools.partial(
+        sharding.global_batch, sharding=sharding.batch_sharding(mesh), process_count=1
+    )
+    return Side(
+        dataclasses.replace(policy, rest=moved(policy.rest, mesh)),
+        moved(frozen, mesh),
+        placed,
+        jax.tree.map(lambda a: _like(a, mesh), params),
+        mesh,
+    )
 
 
 def moved(tree, mesh):
@@ -90,8 +100,11 @@ class Ahead:
         self.make, self.staleness, self.side = make, staleness, side
         self.launched = -1
         self.queue: dict[int, Any] = {}  # generation -> its batch, or the Future that makes it
-        self.pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seqjax-sampler")
-                     if side is not None else None)
+        self.pool = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seqjax-sampler")
+            if side is not None
+            else None
+        )
 
     def take(self, generation: int, params, step: int) -> dict:
         """Generation ``generation``'s batch, once those through ``generation + k`` are launched
@@ -107,7 +120,7 @@ class Ahead:
     def _launch(self, generation: int, params, step: int) -> None:
         if self.pool is None:
             self.queue[generation] = self.make(params, generation, step, None)
-        else:  # (a copy of its own on the sampler's devices: the trainer's are donated to the next step)
+        else:  # (a copy of its own on the sampler's devices: the trainer's are donated)
             copy = jax.block_until_ready(jax.device_put(params, self.side.shardings))
             self.queue[generation] = self.pool.submit(self.make, copy, generation, step, self.side)
         self.launched = max(self.launched, generation)

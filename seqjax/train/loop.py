@@ -88,7 +88,8 @@ def train(config: Config, *, validate: Callable[[nnx.Module, int], dict[str, Any
     # a tracker asked for but not installed: refused before any work
     check_trackers(config.run.trackers)
     initialize_distributed(config.dist)
-    # bad mesh sizes fail before any data work (the trainer's devices: mesh.sampler_devices sample apart)
+    # bad mesh sizes fail before any data work (over the trainer's devices: mesh.sampler_devices
+    # sample apart)
     mesh = sharding.build_mesh(config.mesh, sharding.split_devices(config.mesh)[0])
     # so does a backend this machine lacks
     resolve_backend(config.model.attention, config.model.compute_dtype,

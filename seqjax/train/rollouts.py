@@ -47,7 +47,7 @@ from seqjax.store.chat import end_of_turn
 from seqjax.store.corpus import source_files
 from seqjax.store.examples import example_spec
 from seqjax.store.prompts import Prompt, read_prompts
-from seqjax.store.replay import Replay, read_rollouts
+from seqjax.store.replay import Replay, ReplayRollout, read_rollouts
 from seqjax.train.ahead import Ahead, AheadPosition, Side, sampler_side
 from seqjax.train.prefetch import IteratorPosition
 from seqjax.train.rewards import Reward, RewardLogs, TrainerState, advantages, load_rewards, quiet, score
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 ROLLOUT_STREAM = 0x726F6C6C  # "roll": the sampling keys' stream of the run key
 FOLDER = "rollouts"
-KEEP = 2  # generation batches kept on disk (the one in progress, and the one before), and those launched ahead
+KEEP = 2  # generation batches kept on disk (the one in progress, the one before), and those ahead
 
 
 class RolloutWriteError(RuntimeError):
@@ -88,7 +88,7 @@ class RolloutSource:
         self.policy, self.frozen, self.to_device = policy, frozen, to_device
         self.folder, self.shards = Path(run_dir) / FOLDER, shards
         self.pending = None
-        # generation -> (tokens sampled through it, its own): a batch made again counts from its predecessor's
+        # generation -> (tokens sampled through it, its own)
         self.tally: dict[int, tuple[int, int]] = {-1: (0, 0)}
         self.fresh_at = None  # a step whose batch was made again at its start (its ratio is 1 there)
         self.every = self.rl.steps_per_generation * self.rl.num_iterations
@@ -126,7 +126,8 @@ class RolloutSource:
         when its step comes)."""
         generation, within = divmod(step, self.every)
         launched = int(state.get("launched", generation if within else generation - 1))
-        self.tally[launched] = (int(state.get("num_tokens", 0)), int(state.get("generation_tokens", 0)))
+        self.tally[launched] = (int(state.get("num_tokens", 0)),
+                                int(state.get("generation_tokens", 0)))
         self.ahead.launched = launched
         if within:
             self.pending = self._read(generation)
@@ -169,7 +170,8 @@ class RolloutSource:
         """Generation ``generation``'s prompts: the next ``rl.generation_prompts`` in the order
         ``run.seed`` shuffles each epoch to (file order without ``data.shuffle``)."""
         n, out = len(self.prompts), []
-        for taken in range(generation * self.rl.generation_prompts, (generation + 1) * self.rl.generation_prompts):
+        per = self.rl.generation_prompts
+        for taken in range(generation * per, (generation + 1) * per):
             epoch, at = divmod(taken, n)
             order = (np.random.default_rng([self.config.run.seed, epoch]).permutation(n)
                      if self.config.data.shuffle else np.arange(n))
@@ -184,7 +186,8 @@ class RolloutSource:
         self.rollout.update_params(policy.model(params, frozen))
         return self.rollout.generate(prompts, copies=self.rl.num_generations, generation=generation)
 
-    def _generate(self, params, generation: int, step: int, side: Side | None = None) -> dict[str, Any]:
+    def _generate(self, params, generation: int, step: int,
+                  side: Side | None = None) -> dict[str, Any]:
         """One generation batch: prompts, completions, rewards, the steps' batches, advantages;
         made with ``params`` at ``step``'s start, where ``side`` says (None: the training mesh)."""
         prompts = self._prompts_of(generation)
@@ -203,8 +206,9 @@ class RolloutSource:
                 columns.setdefault(key, [])
         for key in columns:
             columns[key] = [p.columns.get(key) for p in repeated]
-        state = TrainerState(global_step=step - 1, max_steps=self.config.train.steps, num_input_tokens_seen=num_tokens,
-                             epoch=(generation + 1) * self.rl.generation_prompts / len(self.prompts))
+        taken = (generation + 1) * self.rl.generation_prompts
+        state = TrainerState(global_step=step - 1, max_steps=self.config.train.steps,
+                             epoch=taken / len(self.prompts), num_input_tokens_seen=num_tokens)
         logs = RewardLogs()
         table, total = score(self.rewards, self.rl.reward_weights, [p.prompt for p in repeated], completions,
                              [ids for ids, _ in made], columns, state, logs)
@@ -224,8 +228,8 @@ class RolloutSource:
         adv, zero_std = advantages(total, g, estimator, self.rl.normalize_advantages)
         for batch in batches:
             with_advantages(batch, adv)
-        metrics = generation_metrics(self.rewards, table, total if kl is None else total + self.rl.beta *
-                                     kl["per_completion"], zero_std, made, truncated)
+        scored = total if kl is None else total + self.rl.beta * kl["per_completion"]
+        metrics = generation_metrics(self.rewards, table, scored, zero_std, made, truncated)
         metrics["num_tokens"] = float(num_tokens)
         if kl is not None:
             metrics["kl"] = kl["per_token"]
@@ -257,7 +261,8 @@ class RolloutSource:
             device = self._placed(batch, side)
             zeros = np.zeros_like(batch["weights"])
             batch["old_logps"] = (whole(self._logprobs(params, frozen, device, False))
-                                  if self.every > 1 or in_reward or self.rl.max_staleness else zeros)
+                                  if self.every > 1 or in_reward or self.rl.max_staleness
+                                  else zeros)
             # (the reference is the sampling policy: its log-probabilities are the old ones, and on
             # the first pass the step's own, bit for bit)
             batch["rollout_reference_logps"] = batch["old_logps"] if same else zeros
@@ -323,7 +328,8 @@ class RolloutSource:
                         "uninterrupted run's", path,
                         type(err).__name__, str(err).splitlines()[0] if str(err) else "", aside.name)
             return None
-        return {"batches": [batches[i] for i in sorted(batches)], "generation": generation, "metrics": metrics}
+        return {"batches": [batches[i] for i in sorted(batches)], "generation": generation,
+                "metrics": metrics}
 
     def _log_table(self, step: int, prompts: list[Prompt], texts: list[str], table, adv,
                    extra: dict[str, list]) -> None:
@@ -473,25 +479,11 @@ def open_source(opening) -> RolloutSource:
     side = None
     if config.mesh.sampler_devices:
         side = sampler_side(config, opening.policy, opening.params, opening.frozen)
-        log.info("mesh.sampler_devices=%d: the sampler's mesh %s makes generation batches up to rl.max_staleness=%d "
-                 "ahead while the trainer's %s trains", config.mesh.sampler_devices, dict(side.mesh.shape),
-                 config.rl.max_staleness, dict(opening.mesh.shape))
+        log.info("mesh.sampler_devices=%d: the sampler's mesh %s makes generation batches up to "
+                 "rl.max_staleness=%d ahead while the trainer's %s trains",
+                 config.mesh.sampler_devices, dict(side.mesh.shape), config.rl.max_staleness,
+                 dict(opening.mesh.shape))
     return RolloutSource(config, opening.plan, opening.prepared.tokenizer, opening.policy, opening.frozen,
                          opening.to_device, Path(config.run.dir),
                          shards=math.prod(opening.mesh.shape[a] for a in BATCH_AXES), side=side)
 
-
-class ReplayRollout:
-    """``rl.rollouts_file``'s completions as a rollout: each prompt's first G, as the file gives
-    them (a completion ending at a stop id counts as stopped); the policy's weights are not
-    needed."""
-
-    def __init__(self, replay, stop_ids):
-        self.replay, self.stop_ids = replay, set(stop_ids)
-
-    def update_params(self, model) -> None:
-        return None
-
-    def generate(self, prompts, *, copies: int, generation: int) -> list[tuple[list[int], bool]]:
-        return [(ids, bool(ids) and ids[-1] in self.stop_ids)
-                for prompt in prompts for ids in self.replay.completions[prompt.index][:copies]]
