@@ -2,7 +2,7 @@
 the recurrent form (token by token, decoding's) and softmax attention over the same packed rows.
 
     python scripts/bench_gdn.py --seq-lens 512,2048 --out gdn.jsonl                # the CPU, float32
-    python scripts/bench_gdn.py --seq-lens 4096,16384 --dtype bfloat16 --heads 32   # a GPU (the GPU suite's gdn stage)
+    python scripts/bench_gdn.py --seq-lens 4096,16384 --dtype bfloat16 --pallas     # a GPU (the GPU suite's gdn stage)
     python scripts/bench_gdn.py --seq-lens 2048 --shared-prompt 128,8,96             # a GRPO row: the prompt once
 
 The shape is Qwen3.5's linear layer: ``--key-heads`` query/key heads and ``--heads`` value heads of 128, the
@@ -14,7 +14,9 @@ the flash kernel). Each row: forward and forward+backward milliseconds (median o
 from the recurrent one (float32 rounding: the same numbers). ``--shared-prompt P,G,C`` lays the rows out as
 GRPO's prompt-once rows instead (groups of a P-token prompt and G completions of C tokens, each completion
 entering with its prompt's final state) and times the two forms of that rule (chunked_prompt_rule against
-the token-by-token prompt_rule), without attention. The last line is a summary object.
+the token-by-token prompt_rule), without attention. ``--pallas`` adds the chunked form with its scan over
+chunks in the Pallas kernel (``gdn_pallas``: model.deltanet.kernel=pallas; compiled on a GPU, interpreted
+elsewhere, which is slow). The last line is a summary object.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def measure(args, t: int) -> list[dict]:
 
     q, k, v, g, beta, seg = inputs(args, t)
     rules = {"chunked": lambda *a: chunked_rule(*a, chunk=args.chunk)[0], "recurrent": lambda *a: recurrent_rule(*a)[0]}
+    if args.pallas:
+        rules["pallas"] = lambda *a: chunked_rule(*a, chunk=args.chunk, kernel="pallas")[0]
     if args.shared_prompt:
         seg, prefix = (jnp.asarray(a) for a in shared_rows(t, args.shared_prompt))
         rules = {"chunked": lambda *a: chunked_prompt_rule(*a, prefix, chunk=args.chunk)[0],
@@ -105,8 +109,10 @@ def measure(args, t: int) -> list[dict]:
         impl = f"gdn_prompt_{name}" if args.shared_prompt else f"gdn_{name}"
         rows.append({"impl": impl, "seq_len": t, "fwd_ms": round(fwd, 3), "fwd_bwd_ms": round(bwd, 3),
                      "fwd_tokens_per_s": round(t / fwd * 1e3, 1), "fwd_bwd_tokens_per_s": round(t / bwd * 1e3, 1)})
-    rows[0]["max_abs_diff_vs_recurrent"] = float(jnp.max(jnp.abs(out["chunked"].astype(jnp.float32)
-                                                                 - out["recurrent"].astype(jnp.float32))))
+    for row, name in zip(rows, rules):
+        if name != "recurrent":
+            row["max_abs_diff_vs_recurrent"] = float(jnp.max(jnp.abs(out[name].astype(jnp.float32)
+                                                                     - out["recurrent"].astype(jnp.float32))))
     if args.shared_prompt:
         return rows
     keys = jax.random.split(jax.random.key(1), 3)
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--attention", default="xla", help="seqjax's attention backend for the comparison")
+    p.add_argument("--pallas", action="store_true", help="also the chunked form with the Pallas scan")
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--shared-prompt", default=None, metavar="P,G,C",

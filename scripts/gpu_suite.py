@@ -558,11 +558,13 @@ def stage_engine(s: Suite) -> dict:
 
 def stage_gdn(s: Suite) -> dict:
     """Qwen3.5's Gated DeltaNet (scripts/bench_gdn.py) at Qwen3.5-9B's linear-layer shape in bfloat16: the
-    chunked form against the recurrent one and against the flash kernel's attention over the same packed
-    rows, at 4,096 and 16,384 tokens."""
+    chunked form (its scan over chunks in XLA and in the Pallas kernel: which model.deltanet.kernel=auto should
+    pick) against the recurrent one and against the flash kernel's attention over the same packed rows, at
+    4,096 and 16,384 tokens."""
     flags = (["--seq-lens", "64", "--heads", "4", "--key-heads", "2", "--attn-kv-heads", "2", "--attn-head-dim",
-              "64", "--doc-len", "20", "--iters", "1", "--repeats", "1"] if s.dry else
-             ["--seq-lens", "4096,16384", "--dtype", "bfloat16", "--attention", "pallas", "--doc-len", "3000"])
+              "64", "--doc-len", "20", "--iters", "1", "--repeats", "1", "--pallas"] if s.dry else
+             ["--seq-lens", "4096,16384", "--dtype", "bfloat16", "--attention", "pallas", "--doc-len", "3000",
+              "--pallas"])
     jsonl = s.out / "gdn.jsonl"
     code, stdout = s.call("gdn", s.python("scripts/bench_gdn.py", *flags, f"--out={jsonl}"), 200)
     return {"status": status(code), "records": [r for r in json_lines(stdout) if "impl" in r]}

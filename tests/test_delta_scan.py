@@ -138,6 +138,7 @@ def test_a_shape_triton_cannot_tile_is_refused_in_one_line():
         delta_scan(*args, interpret=False)
 
 
+@pytest.mark.slow  # (the full suite: the fast loop holds the kernel to the scan through the chunked rule)
 def test_model_deltanet_kernel_pallas_runs_the_kernel_in_the_models_linear_layers():
     """A model with Gated DeltaNet layers (tests/test_deltanet.py's) under model.deltanet.kernel=pallas: its
     program holds the kernel, and its outputs and input gradients on a packed row are the xla scan's."""
