@@ -415,3 +415,20 @@ def test_the_chunked_shared_prompt_rule_is_the_token_by_token_one_for_any_row(it
     row = shared_row(items, gaps)
     assume(row is not None)
     check_prompt_rule(row, chunk, seed)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 12).flatmap(lambda width: st.lists(
+    st.lists(st.integers(0, 3), min_size=width, max_size=width), min_size=1, max_size=3)))
+def test_run_starts_is_each_tokens_runs_first_index(rows):
+    """The one place a run's start is found (seqjax/model/mask.py), which the segment sums, the shared prompt's
+    convolution taps and its chunked rule read: a loop over the row says the same."""
+    from seqjax.model.mask import run_starts
+
+    expected = []
+    for row in rows:
+        starts = [0]
+        for t in range(1, len(row)):
+            starts.append(t if row[t] != row[t - 1] else starts[-1])
+        expected.append(starts)
+    np.testing.assert_array_equal(run_starts(jnp.asarray(rows, jnp.int32)), expected)

@@ -29,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from seqjax.model.mask import allowed, state_carries
+from seqjax.model.mask import allowed, run_starts, state_carries
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -284,8 +284,7 @@ def _prompt_terms(c: _Chunks, segment_ids: jax.Array, prefix_ids: jax.Array) -> 
     b, width = seg.shape
     index = jnp.broadcast_to(jnp.arange(width), (b, width))
     first = index - index % c.chunk  # each token's chunk's first index
-    previous = jnp.concatenate([jnp.zeros((b, 1), seg.dtype), seg[:, :-1]], axis=1)
-    start = jax.lax.cummax(jnp.where(seg != previous, index, 0), axis=1)
+    start = run_starts(seg)
     prompt = (pre == 0) & (seg != 0)
     last_prompt = jax.lax.cummax(jnp.where(prompt, index, -1), axis=1)
     fresh = (pre != 0) & (seg != 0) & (start >= first) & (last_prompt >= 0)

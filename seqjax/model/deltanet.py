@@ -29,7 +29,7 @@ from seqjax.config.model import ModelConfig
 from seqjax.model.cache import RecurrentView
 from seqjax.model.delta_rule import chunked_prompt_rule, chunked_rule, recurrent_rule
 from seqjax.model.lora import Adapters
-from seqjax.model.mask import conv_taps
+from seqjax.model.mask import conv_taps, run_starts
 from seqjax.model.quant import weight
 
 # the layer's projections, by transformers' (and PEFT's) names: model.lora.targets may adapt each
@@ -61,10 +61,8 @@ def prompt_taps(segment_ids: jax.Array, prefix_ids: jax.Array, positions: jax.Ar
     each completion's first tokens see its prompt's last ones, as in its own sequence."""
     b, t = segment_ids.shape
     index = jnp.arange(t)[None, :]
-    previous = jnp.concatenate([jnp.zeros((b, 1), segment_ids.dtype), segment_ids[:, :-1]], axis=1)
-    starts = segment_ids != previous
-    start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-    prompt = starts & (prefix_ids == 0) & (segment_ids != 0)
+    start = run_starts(segment_ids)
+    prompt = (start == index) & (prefix_ids == 0) & (segment_ids != 0)
     prompt_start = jax.lax.cummax(jnp.where(prompt, index, -1), axis=1)
     its_prompt = jnp.take_along_axis(segment_ids, jnp.maximum(prompt_start, 0), axis=1) == prefix_ids
     j = jnp.arange(width)[None, None, :]

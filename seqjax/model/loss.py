@@ -19,6 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from seqjax.model.mask import run_starts
+
 
 def lm_loss(
     logits: jax.Array,
@@ -320,8 +322,8 @@ def segment_sums(values: jax.Array, segment_ids: jax.Array, num_segments: int) -
     """
     b, t = values.shape
     index = jnp.arange(t)
-    starts = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    run_start = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+    run_start = run_starts(segment_ids)
+    starts = run_start == index
     place = index - run_start  # each entry's place in its run
     acc, shift = values, 1
     while shift < t:  # level k: an entry at a multiple of 2^(k+1) adds the partial sum 2^k after it

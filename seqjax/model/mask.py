@@ -107,6 +107,19 @@ def state_carries(segment_ids: jax.Array, before: jax.Array | None = None) -> ja
     return allowed(segment_ids, previous, 1, 0)
 
 
+def run_starts(segment_ids: jax.Array) -> jax.Array:
+    """[B, T]: the index of the first token of each token's run of equal segment ids (padding's
+    runs too), where a recurrent state or a per-segment sum starts.
+
+    >>> run_starts(jnp.array([[1, 1, 2, 2, 2, 0]]))
+    Array([[0, 0, 2, 2, 2, 5]], dtype=int32)
+    """
+    t = segment_ids.shape[1]
+    index = jnp.arange(t, dtype=jnp.int32)[None, :]
+    previous = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    return jax.lax.cummax(jnp.where(segment_ids != previous, index, 0), axis=1)
+
+
 def conv_taps(segment_ids: jax.Array, width: int) -> jax.Array:
     """[B, T, width]: True where a causal convolution of ``width`` taps may read, at token t,
     the token ``j`` places back (tap j; j = 0 is t itself): :func:`allowed` with the convolution's

@@ -257,12 +257,12 @@ class RolloutSource:
         if self.rl.beta and policy.same_weights is not None:
             same = bool(policy.same_weights(params, frozen.reference, step))
         per_completion, tokens, kl_sum = np.zeros(completions), 0.0, 0.0
+        old = self.every > 1 or in_reward or self.rl.max_staleness
         for batch in batches:
-            device = self._placed(batch, side)
+            # (placed only for a log-probability: a step places its own batch)
+            device = self._placed(batch, side) if old or (self.rl.beta and not same) else None
             zeros = np.zeros_like(batch["weights"])
-            batch["old_logps"] = (whole(self._logprobs(params, frozen, device, False))
-                                  if self.every > 1 or in_reward or self.rl.max_staleness
-                                  else zeros)
+            batch["old_logps"] = whole(self._logprobs(params, frozen, device, False)) if old else zeros
             # (the reference is the sampling policy: its log-probabilities are the old ones, and on
             # the first pass the step's own, bit for bit)
             batch["rollout_reference_logps"] = batch["old_logps"] if same else zeros
