@@ -98,22 +98,24 @@ def rollouts(run_dir: Path) -> dict[str, dict[str, np.ndarray]]:
 
 @pytest.mark.slow  # (three CLI runs on simulated devices: the full suite)
 def test_a_sampler_of_its_own_devices_makes_the_sequential_runs_batches_resumed_or_not(tmp_path):
-    """One step off-policy (rl.max_staleness=1), the rows split over 2 devices: sampled on the training mesh
-    between steps, and on 2 devices of its own while the other 2 train, cut after step 2 and resumed. The same
-    generation batches (tokens, advantages, old log-probabilities) and the same losses, bit for bit."""
-    common = ["train.steps=4", "train.checkpoint_every=2", "rl.max_staleness=1", "rl.prompts_per_step=2",
-              "data.batch_size=2", "mesh.data=2"]
+    """One step off-policy (rl.max_staleness=1), two steps a generation batch, the rows split over 2 devices:
+    sampled on the training mesh between steps, and on 2 devices of its own while the other 2 train, cut after
+    step 3 (in the middle of a generation batch, the next one launched) and resumed. The same generation batches
+    (tokens, advantages, old log-probabilities) and the same losses, bit for bit."""
+    common = ["train.steps=6", "train.checkpoint_every=3", "rl.max_staleness=1", "rl.prompts_per_step=1",
+              "rl.steps_per_generation=2", "data.batch_size=2", "mesh.data=2"]
     sequential, split = tmp_path / "sequential", tmp_path / "split"
     assert_ok(run_cli(rl_overrides(tmp_path, sequential, *common), devices=2))
     apart = [*common, "mesh.sampler_devices=2"]
-    assert_ok(run_cli(rl_overrides(tmp_path, split, *apart, "train.steps=2"), devices=4))
+    assert_ok(run_cli(rl_overrides(tmp_path, split, *apart, "train.steps=3"), devices=4))
     resumed = run_cli(rl_overrides(tmp_path, split, *apart), devices=4)
     assert_ok(resumed)
-    assert json.loads(resumed.stdout.strip().splitlines()[-1])["resumed_from"] == 2
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["resumed_from"] == 3
     assert "the sampler's mesh {'data': 2" in resumed.stderr
-    assert train_losses(split) == train_losses(sequential) and len(train_losses(split)) == 4
+    assert train_losses(split) == train_losses(sequential) and len(train_losses(split)) == 6
     ours, theirs = rollouts(split), rollouts(sequential)
-    assert list(ours) == ["generation_000002.npz", "generation_000003.npz", "generation_000004.npz"]
+    # (generation 2 trains at steps 5-6; generation 3, launched at step 5, waits for a longer run)
+    assert list(ours) == ["generation_000001.npz", "generation_000002.npz", "generation_000003.npz"]
     assert list(ours) == list(theirs)
     for name in ours:
         assert ours[name].keys() == theirs[name].keys()
