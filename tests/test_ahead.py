@@ -88,6 +88,19 @@ def test_a_sampler_mesh_is_refused_in_one_line_where_it_cannot_work(tmp_path):
         split_devices(MeshConfig(sampler_devices=4), devices)
 
 
+def test_a_steps_rows_divide_between_the_trainers_and_the_samplers_shards(tmp_path):
+    """5 devices, 2 of them the sampler's: rows split 3 ways to train and 2 ways to sample, so a step's rows are
+    sized to a multiple of 6 (the sampler would refuse a batch it cannot split)."""
+    from seqjax.train.rollouts import row_shards
+
+    base = ["data.corpus=jsonl", "data.format=prompt", f"data.train_files=[{tmp_path / 'p.jsonl'}]",
+            "rl.max_staleness=1"]
+    trainer = {"data": 3, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
+    assert row_shards(load_config(None, [*base, "mesh.sampler_devices=2"]), trainer) == 6
+    assert row_shards(load_config(None, base), trainer) == 3
+    assert row_shards(load_config(None, [*base, "mesh.sampler_devices=3"]), trainer) == 3
+
+
 def rollouts(run_dir: Path) -> dict[str, dict[str, np.ndarray]]:
     out = {}
     for path in sorted((run_dir / "rollouts").glob("generation_*.npz")):

@@ -41,7 +41,7 @@ from seqjax.core.files import json_text, write_bytes_atomic, write_text_atomic
 from seqjax.data.rollouts import Group, rollout_batches, rows_needed, with_advantages
 from seqjax.engine.rollout import EngineRollout, Rollout
 from seqjax.model.sampling import SamplingConfig
-from seqjax.model.sharding import BATCH_AXES, local_rows
+from seqjax.model.sharding import AXES, BATCH_AXES, local_rows, mesh_shape
 from seqjax.objectives import resolve
 from seqjax.store.chat import end_of_turn
 from seqjax.store.corpus import source_files
@@ -421,6 +421,16 @@ def whole(rows: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(rows, tiled=True), np.float32)
 
 
+def row_shards(config: Config, trainer: dict[str, int]) -> int:
+    """The ways a step's rows are split: the trainer's mesh's (``trainer``: its axis sizes), and
+    the sampler's too where it has devices of its own (it places the same rows)."""
+    shards = math.prod(trainer[a] for a in BATCH_AXES)
+    if config.mesh.sampler_devices:
+        sampler = dict(zip(AXES, mesh_shape(config.mesh, config.mesh.sampler_devices)))
+        shards = math.lcm(shards, math.prod(sampler[a] for a in BATCH_AXES))
+    return shards
+
+
 def sized_rows(config: Config, prompts: list[Prompt], shards: int) -> Config:
     """``data.batch_size`` as a step's groups need it: the rows of a generation batch's worst
     case (its longest prompts, every completion at ``rl.max_completion_length``), over its steps,
@@ -463,7 +473,7 @@ def plan(config: Config, prepared, mesh) -> tuple[Config, Plan]:
                           "expected one of docs/rl.md's (dapo, grpo, rloo, ...) for "
                           "data.format=prompt")
     replay = read_rollouts(config, tokenizer, prompts, stop_ids) if config.rl.rollouts_file else None
-    config = sized_rows(config, prompts, math.prod(mesh.shape[a] for a in BATCH_AXES))
+    config = sized_rows(config, prompts, row_shards(config, dict(mesh.shape)))
     log.info("%d prompts; %d completions a prompt, %d prompts a step, a generation every %d "
              "step(s)%s",
              len(prompts), config.rl.num_generations, config.rl.prompts_per_step,
