@@ -59,7 +59,7 @@ def prompt_taps(segment_ids: jax.Array, prefix_ids: jax.Array, positions: jax.Ar
     ``positions - j`` (the prompt's positions start at 0 where its segment starts, and a group's
     completions follow its prompt: the latest prompt start before a completion is its prompt's), so
     each completion's first tokens see its prompt's last ones, as in its own sequence."""
-    b, t = segment_ids.shape
+    t = segment_ids.shape[1]
     index = jnp.arange(t)[None, :]
     start = run_starts(segment_ids)
     prompt = (start == index) & (prefix_ids == 0) & (segment_ids != 0)

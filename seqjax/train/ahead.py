@@ -64,9 +64,8 @@ def sampler_side(config: Config, policy, params, frozen) -> Side:
     if config.data.batch_size % shards:
         raise ConfigError(
             f"mesh.sampler_devices: the sampler's mesh {dict(mesh.shape)} splits rows {shards} "
-            "ways, "
-            f"which do not divide data.batch_size={config.data.batch_size}; expected a batch size "
-            f"that is a multiple of {shards}, or other mesh sizes"
+            f"ways, which do not divide data.batch_size={config.data.batch_size}; expected a "
+            f"batch size that is a multiple of {shards}, or other mesh sizes"
         )
     placed = functools.partial(
         sharding.global_batch, sharding=sharding.batch_sharding(mesh), process_count=1

@@ -126,6 +126,11 @@ def _spec(rows: int, width: int, split: bool):
     return pl.BlockSpec((None, None, rows, width), lambda b, h, v: (b, h, 0, 0))
 
 
+def _keep_spec(n: int):
+    """A (row, head)'s chunk decays [N], whole in every program."""
+    return pl.BlockSpec((None, None, n), lambda b, h, v: (b, h, 0))
+
+
 def _partial(rows: int, width: int):
     """One Dv block's partial [rows, width] of a cotangent summed over Dv."""
     return pl.BlockSpec((None, None, None, rows, width), lambda b, h, v: (b, h, v, 0, 0))
@@ -150,7 +155,6 @@ def _forward(terms, s0, block_v: int, interpret: bool):
     dk, chunk = k_read.shape[-1], inner.shape[-1]
     n = t // chunk
     kernel = functools.partial(_forward_kernel, chunk=chunk, n=n, dk=dk)
-    keep_spec = pl.BlockSpec((None, None, n), lambda b_, h_, v_: (b_, h_, 0))
     f32 = jnp.float32
     return _call(
         kernel,
@@ -161,7 +165,7 @@ def _forward(terms, s0, block_v: int, interpret: bool):
             _spec(t, dk, False),
             _spec(t, chunk, False),
             _spec(t, dk, False),
-            keep_spec,
+            _keep_spec(n),
             _spec(dk, block_v, True),
         ],
         [
@@ -189,7 +193,6 @@ def _backward(terms, saved, cotangents, block_v: int, interpret: bool):
     dk, chunk = k_read.shape[-1], inner.shape[-1]
     n, nv = t // chunk, dv // block_v
     kernel = functools.partial(_backward_kernel, chunk=chunk, n=n, dk=dk)
-    keep_spec = pl.BlockSpec((None, None, n), lambda b_, h_, v_: (b_, h_, 0))
     f32 = jnp.float32
 
     def part(rows, width):
@@ -203,7 +206,7 @@ def _backward(terms, saved, cotangents, block_v: int, interpret: bool):
             _spec(t, dk, False),
             _spec(t, chunk, False),
             _spec(t, dk, False),
-            keep_spec,
+            _keep_spec(n),
             _spec(n * dk, block_v, True),
             _spec(t, block_v, True),
             _spec(t, block_v, True),
