@@ -334,6 +334,12 @@ def trl_step(spec: dict, model, dtype, device: str) -> dict:
             "trl": trl.__version__, "torch": torch.__version__, "device": device}
 
 
+def progress(result: dict, name: str, started: float) -> None:
+    """A part's figures on stderr as it ends: a run cut at a time limit (the GPU suite's stages) keeps them."""
+    print(f"# {name} ({time.perf_counter() - started:.1f} s in): {json.dumps(result[name])}", file=sys.stderr,
+          flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=16)
@@ -359,6 +365,7 @@ def main() -> None:
     if args.trl_worker:
         print(json.dumps(trl_worker(json.loads(Path(args.trl_worker).read_text()))))
         return
+    started = time.perf_counter()
     groups = draw_groups(args)
     result = {"prompts": args.prompts, "generations": args.generations, "seq_len": args.seq_len,
               "model": SHAPES[args.shape], "lora_rank": RANK,
@@ -366,9 +373,11 @@ def main() -> None:
               "completion_tokens_mean": float(np.mean([len(c) for _, cs in groups for c in cs]))}
     for layout in LAYOUTS:
         result[layout] = seqjax_layout(layout, groups, args)
+        progress(result, layout, started)
     result["trl_layout"] = trl_layout(groups, args)
     if not (args.no_sampling or args.tiles_only):
         result["sampling"] = sampling(groups, args)
+        progress(result, "sampling", started)
     if args.trl_python and not args.tiles_only:
         with tempfile.TemporaryDirectory() as tmp:
             spec = {"folder": tmp, "vocab": args.vocab, "model": SHAPES[args.shape], "seq_len": args.seq_len,

@@ -233,6 +233,12 @@ def trl_worker(spec: dict) -> dict:
             "torch": torch.__version__}
 
 
+def progress(result: dict, name: str, started: float) -> None:
+    """A part's figures on stderr as it ends: a run cut at a time limit (the GPU suite's stages) keeps them."""
+    print(f"# {name} ({time.perf_counter() - started:.1f} s in): {json.dumps(result[name])}", file=sys.stderr,
+          flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=256)
@@ -254,12 +260,14 @@ def main() -> None:
     if args.trl_worker:
         print(json.dumps(trl_worker(json.loads(Path(args.trl_worker).read_text()))))
         return
+    started = time.perf_counter()
     pairs = pair_ids(args.pairs, args.prompt_median, args.completion_median, args.seq_len // 2, args.vocab, args.seed)
     result = {"pairs": args.pairs, "seq_len": args.seq_len, "model": SHAPES[args.shape], "lora_rank": RANK,
               "prompt_tokens_mean": float(np.mean([len(p) for p, _, _ in pairs])),
               "completion_tokens_mean": float(np.mean([len(c) + len(r) for _, c, r in pairs]) / 2)}
     for layout in ("packed", "shared_prompt", "pair_per_row"):
         result[layout] = seqjax_layout(layout, pairs, args)
+        progress(result, layout, started)
     result["trl_layout"] = trl_layout(pairs, args)
     if args.trl_python:
         with tempfile.TemporaryDirectory() as tmp:

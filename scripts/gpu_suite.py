@@ -131,14 +131,17 @@ class Suite:
         """Seconds left to the running stage's own deadline (:meth:`begin`)."""
         return getattr(self, "stage_end", self.deadline) - time.monotonic()
 
-    def call(self, name: str, argv: list[str], timeout: float, cwd: Path = REPO) -> tuple[int | None, str]:
-        """Run argv with the suite's environment; stdout+stderr go to OUT/<name>.log. (returncode or None, stdout)."""
+    def call(self, name: str, argv: list[str], timeout: float, cwd: Path = REPO,
+             env: dict[str, str] | None = None) -> tuple[int | None, str]:
+        """Run argv with the suite's environment (and ``env``); stdout+stderr go to OUT/<name>.log. (returncode or
+        None, stdout)."""
         log = self.out / f"{name}.log"
         timeout = max(1.0, min(timeout, self.remaining()))
         with log.open("a") as f:
             f.write(f"$ {' '.join(argv)}\n")
             f.flush()
-            proc = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=subprocess.PIPE, stderr=f, text=True)
+            proc = subprocess.Popen(argv, cwd=cwd, env={**self.env, **(env or {})}, stdout=subprocess.PIPE, stderr=f,
+                                    text=True)
             try:
                 stdout, _ = proc.communicate(timeout=timeout)
                 code: int | None = proc.returncode
@@ -254,7 +257,8 @@ def stage_tests(s: Suite) -> dict:
     # In this one process (`addopts=` drops pyproject's `-n auto`): one GPU, and the image has no pytest-xdist.
     argv = s.python("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-o", "addopts=",
                     f"--junitxml={junit}", "-rfEs", *files)
-    code, stdout = s.call("tests", argv, 240)
+    # Each failure's report reaches the log as it happens (tests/conftest.py), so a cut stage keeps it.
+    code, stdout = s.call("tests", argv, 240, env={"SEQJAX_FAILURES_NOW": "1"})
     result: dict[str, Any] = {"status": status(code), "files": files}
     if junit.exists():
         import xml.etree.ElementTree as ET

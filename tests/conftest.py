@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,14 @@ if os.cpu_count() is not None and os.cpu_count() < 4:
 TEST_XLA_FLAGS = "" if os.environ.get("SEQJAX_TEST_XLA_OPT") == "1" else "--xla_backend_optimization_level=0"
 if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def pytest_runtest_logreport(report):
+    """Under SEQJAX_FAILURES_NOW=1 (the GPU suite's tests stage) a failure's report goes to stderr as it happens:
+    a stage cut at its budget loses pytest's summary, and kept only a row of dots and an F (2026-11-29)."""
+    if report.failed and os.environ.get("SEQJAX_FAILURES_NOW") == "1":
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        sys.stderr.flush()
 
 
 def wikitext_dir() -> Path | None:

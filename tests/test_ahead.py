@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from seqjax.config.load import load_config
 from seqjax.config.tree import ConfigError, MeshConfig
 from seqjax.model.sharding import split_devices
-from seqjax.train.ahead import Ahead, Side
+from seqjax.train.ahead import Ahead, Side, Tally
 from test_rl_run import rl_overrides
 from test_train_support import assert_ok, run_cli, train_losses
 
@@ -134,3 +134,20 @@ def test_a_sampler_of_its_own_devices_makes_the_sequential_runs_batches_resumed_
         assert ours[name].keys() == theirs[name].keys()
         for key in ours[name]:
             np.testing.assert_array_equal(ours[name][key], theirs[name][key], err_msg=f"{name} {key}")
+
+
+@settings(max_examples=40, deadline=None)
+@given(owns=st.lists(st.integers(1, 500), min_size=1, max_size=12), staleness=st.integers(0, 3), data=st.data())
+def test_a_batch_made_again_after_a_resume_counts_its_tokens_from_its_predecessor(owns, staleness, data):
+    """TRL's num_tokens through each generation batch: a run cut with batches launched ahead, resumed, and any of
+    those (the one in training and the k beyond it) found damaged and made again, in order: each counts what the
+    uninterrupted run counted (the same completions), not from the newest launched batch's total."""
+    whole = Tally()
+    through = [whole.add(g, own) for g, own in enumerate(owns)]
+    assert through == list(np.cumsum(owns))
+    launched = data.draw(st.integers(0, len(owns) - 1))
+    cut = Tally()
+    cut.restore(json.loads(json.dumps(whole.state(launched, staleness))), launched)
+    damaged = data.draw(st.sets(st.integers(max(0, launched - staleness), launched)))
+    for g in sorted(damaged):
+        assert cut.add(g, owns[g]) == through[g], (g, launched)

@@ -159,8 +159,8 @@ def test_float32_is_float32_against_torchs_llama_with_the_highest_matmul_precisi
     finally:
         jax.config.update("jax_default_matmul_precision", None)
     got = [ours[:len(docs[0])], ours[len(docs[0]):]]
-    for a, b in zip(got, expected):
-        assert np.max(np.abs(a - b)) / np.max(np.abs(b)) < 1e-5
+    errors = [float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(got, expected)]
+    assert max(errors) < 1e-5, f"largest relative error per document {errors} (TF32 gave 8.6e-4 on the H200)"
 
 
 # The Mosaic kernel's variants (slots, consumers, overlap, key_block): the default over both dtypes and head dims,

@@ -185,3 +185,25 @@ def test_the_mosaic_sweep_weighs_every_variant_bench_attention_knows(monkeypatch
     impls = args[args.index("--impls") + 1].split(",")
     assert name == "mosaic" and sorted(impls) == sorted(["flash", *bench.MOSAIC_VARIANTS])
     assert len(bench.MOSAIC_VARIANTS) == len(set(bench.MOSAIC_VARIANTS.values()))  # no two names for one kernel
+
+
+def test_a_failure_reaches_stderr_as_it_happens_under_the_suites_setting(tmp_path):
+    """The tests stage's setting (SEQJAX_FAILURES_NOW=1): a failing test's report is on stderr when the test
+    ends, before the tests after it run, so a stage killed at its budget keeps the report in its log."""
+    (tmp_path / "test_two.py").write_text(
+        "import time\n\ndef test_fails():\n    assert 1 + 1 == 3, 'the size of the gap'\n\n"
+        "def test_after():\n    time.sleep(60)\n")
+    env = {**suite_env(), "SEQJAX_FAILURES_NOW": "1", "PYTHONPATH": str(REPO / "tests")}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", "-o",
+                             "addopts=", str(tmp_path / "test_two.py")], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:  # the report arrives while test_after still sleeps
+            lines.append(line)
+            if "the size of the gap" in line:
+                break
+    finally:
+        proc.kill()
+    assert any(line.startswith("FAILED ") and "test_fails" in line for line in lines), lines
+    assert "the size of the gap" in "".join(lines)

@@ -137,6 +137,43 @@ class Ahead:
             self.pool.shutdown(wait=True, cancel_futures=cancel)
 
 
+class Tally:
+    """Tokens sampled through each generation batch (a completion counts with its prompt: TRL's
+    ``num_tokens``): ``add(g, own)`` gives generation g's running total. A checkpoint keeps each
+    own count from the generation in training to the newest launched, so a batch found damaged
+    on resume and made again counts from its predecessor's total, not from the newest's."""
+
+    def __init__(self):
+        self.counts: dict[int, tuple[int, int]] = {-1: (0, 0)}  # generation -> (through it, its own)
+
+    def add(self, generation: int, own: int) -> int:
+        through = self.before(generation) + own
+        self.counts[generation] = (through, own)
+        return through
+
+    def before(self, generation: int) -> int:
+        """Tokens sampled before ``generation``: through its predecessor, else (one restored) its
+        own total less its own count."""
+        if generation - 1 in self.counts:
+            return self.counts[generation - 1][0]
+        through, own = self.counts[generation]
+        return through - own
+
+    def state(self, launched: int, staleness: int) -> dict[str, Any]:
+        through, own = self.counts[launched]
+        owns = [self.counts[g][1] for g in range(max(0, launched - staleness), launched + 1)]
+        return {"num_tokens": through, "generation_tokens": own, "launched_tokens": owns}
+
+    def restore(self, state: dict[str, Any], launched: int) -> None:
+        """The counts a checkpoint's ``state`` kept, ``launched`` the newest (a checkpoint older
+        than ``launched_tokens`` kept that one's alone)."""
+        through = int(state.get("num_tokens", 0))
+        owns = state.get("launched_tokens") or [state.get("generation_tokens", 0)]
+        for generation, own in zip(range(launched, -1, -1), reversed(owns)):
+            self.counts[generation] = (through, int(own))
+            through -= int(own)
+
+
 class AheadPosition(IteratorPosition):
     """A checkpoint's data position that is read only once the batches it names as launched are
     on disk (a resume reads them back)."""

@@ -48,7 +48,7 @@ from seqjax.store.corpus import source_files
 from seqjax.store.examples import example_spec
 from seqjax.store.prompts import Prompt, read_prompts
 from seqjax.store.replay import Replay, ReplayRollout, read_rollouts
-from seqjax.train.ahead import Ahead, AheadPosition, Side, sampler_side
+from seqjax.train.ahead import Ahead, AheadPosition, Side, Tally, sampler_side
 from seqjax.train.prefetch import IteratorPosition
 from seqjax.train.rewards import Reward, RewardLogs, TrainerState, advantages, load_rewards, quiet, score
 
@@ -88,8 +88,7 @@ class RolloutSource:
         self.policy, self.frozen, self.to_device = policy, frozen, to_device
         self.folder, self.shards = Path(run_dir) / FOLDER, shards
         self.pending = None
-        # generation -> (tokens sampled through it, its own)
-        self.tally: dict[int, tuple[int, int]] = {-1: (0, 0)}
+        self.tally = Tally()
         self.fresh_at = None  # a step whose batch was made again at its start (its ratio is 1 there)
         self.every = self.rl.steps_per_generation * self.rl.num_iterations
         self.ahead = Ahead(self._generate, self.rl.max_staleness, side)
@@ -115,9 +114,8 @@ class RolloutSource:
         newest launched: a checkpoint waits until it is made)."""
         launched = self.ahead.launched if launched is None else launched
         self.ahead.wait()
-        through, own = self.tally[launched]
-        state = {"taken": (launched + 1) * self.rl.generation_prompts, "num_tokens": through,
-                 "generation_tokens": own}
+        state = {"taken": (launched + 1) * self.rl.generation_prompts,
+                 **self.tally.state(launched, self.rl.max_staleness)}
         return state | ({"launched": launched} if self.rl.max_staleness else {})
 
     def set_state(self, state: dict[str, Any], step: int) -> None:
@@ -126,8 +124,7 @@ class RolloutSource:
         when its step comes)."""
         generation, within = divmod(step, self.every)
         launched = int(state.get("launched", generation if within else generation - 1))
-        self.tally[launched] = (int(state.get("num_tokens", 0)),
-                                int(state.get("generation_tokens", 0)))
+        self.tally.restore(state, launched)
         self.ahead.launched = launched
         if within:
             self.pending = self._read(generation)
@@ -195,8 +192,7 @@ class RolloutSource:
         made = self._completions(params, prompts, generation, side)
         repeated = [p for p in prompts for _ in range(g)]
         own = sum(len(p.ids) + len(ids) for p, (ids, _) in zip(repeated, made))
-        num_tokens = self._tokens_before(generation) + own
-        self.tally[generation] = (num_tokens, own)
+        num_tokens = self.tally.add(generation, own)
         conversational = isinstance(prompts[0].prompt, list)
         texts = [self.tokenizer.decode_text(ids) for ids, _ in made]
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
@@ -236,14 +232,6 @@ class RolloutSource:
         pending = {"batches": batches, "generation": generation, "metrics": metrics | logs.means()}
         self._write(generation, pending, step)
         return pending | {"table": (prompts, texts, table, adv, logs.columns)}
-
-    def _tokens_before(self, generation: int) -> int:
-        """Tokens sampled before generation ``generation``: through its predecessor, or, for one
-        made again after a resume, what the checkpoint counted less its own."""
-        if generation - 1 in self.tally:
-            return self.tally[generation - 1][0]
-        through, own = self.tally.get(generation, (self.tally[max(self.tally)][0], 0))
-        return through - own
 
     def _logps(self, params, batches: list[dict[str, np.ndarray]], step: int, completions: int,
                side: Side | None) -> dict | None:
