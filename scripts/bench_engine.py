@@ -136,7 +136,8 @@ def seqjax_samplers(spec: dict) -> dict:
 
         engine = Engine(model, EngineConfig(slots=spec["slots"], page_size=spec["page_size"],
                                             attention=spec.get("attention", "auto"),
-                                            shrink_to=spec.get("shrink_to", EngineConfig.shrink_to)))
+                                            shrink_to=spec.get("shrink_to", EngineConfig.shrink_to),
+                                            prefill_tokens=spec.get("prefill_tokens", EngineConfig.prefill_tokens)))
         for name, stop in (("fixed", []), ("grpo", stops)):
             seconds, made, first = timed(lambda key, stop=stop: engine.run(
                 prompts, max_new_tokens=new, stop_ids=stop, sampling=sampling, key=jax.random.key(key), copies=g))
@@ -148,6 +149,7 @@ def seqjax_samplers(spec: dict) -> dict:
             out[name] = {"engine": {"seconds": round(seconds, 3), "first_call_s": round(first, 2), "new_tokens": tokens,
                                     "new_tokens_per_s": round(tokens / seconds, 1),
                                     "slot_use": round(engine.stats["slot_use"], 4), "slots": engine.stats["slots"],
+                                    "waves": engine.stats["waves"],
                                     "attention": decode_attention(engine.config.attention),
                                     "kv_bytes_per_group": int(group_pages * size * kv_token)}}
             bandwidth = hbm_gb_s(spec["hbm_gb_s"])
@@ -257,6 +259,10 @@ def main() -> None:
     p.add_argument("--hbm-gb-s", default="0",
                    help="the device's memory bandwidth in GB/s (auto: by its kind, an H100's or H200's): adds "
                    "the engine's share of the decode's bandwidth bound")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="engine.prefill_tokens (default: the config's): fewer cut a request into waves")
+    p.add_argument("--engine-before", default=None,
+                   help="a commit whose engine runs beside this one on the same workload (its rows: engine_before)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -267,12 +273,17 @@ def main() -> None:
     spec = {"overrides": config_overrides(args), "prompts": prompts, "generations": args.generations,
             "max_new": args.max_new, "stops": args.stops, "slots": args.slots, "page_size": args.page_size,
             "attention": args.attention, **({} if args.shrink_to is None else {"shrink_to": args.shrink_to}),
+            **({} if args.prefill_tokens is None else {"prefill_tokens": args.prefill_tokens}),
             "vocab": args.vocab, "engine": True, "shape": args.shape,
             "hbm_gb_s": args.hbm_gb_s}
     result: dict = {}
     samplers = args.samplers.split(",")
     if "engine" in samplers:
         merge(result, in_subprocess(sys.executable, spec, str(REPO)))
+    if args.engine_before:
+        before = worktree_run(args.engine_before, spec)
+        result["engine_before_error"] = before.pop("error", None)
+        merge(result, {w: {"engine_before": rows["engine"]} for w, rows in before.items()})
     if "static" in samplers:
         merge(result, static_samplers(args, spec))
     if args.torch_python and "transformers" in samplers:
@@ -281,26 +292,34 @@ def main() -> None:
                "prompts": args.prompts, "generations": args.generations,
                "prompt_tokens_mean": round(float(np.mean([len(q) for q in prompts])), 1), "max_new": args.max_new,
                "vocab": args.vocab, "stop_ids": args.stops, "slots": args.slots, "page_size": args.page_size,
-               "scan_layers": args.scan_layers, "before": args.before, "host": platform.node(),
+               "scan_layers": args.scan_layers, "before": args.before, "prefill_tokens": args.prefill_tokens,
+               "engine_before": args.engine_before, "host": platform.node(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **result}
     print(json.dumps(summary))
 
 
 def static_samplers(args, spec: dict) -> dict:
     """seqjax's samplers before the engine, from a git worktree of ``--before``."""
+    result = worktree_run(args.before, {**spec, "engine": False})
+    if "error" in result:
+        result["static_error"] = result.pop("error")
+    return result
+
+
+def worktree_run(commit: str, spec: dict) -> dict:
+    """``spec``'s samplers run by the code of ``commit``, from a git worktree of it."""
     result: dict = {}
     with tempfile.TemporaryDirectory() as tree:
-        added = subprocess.run(["git", "worktree", "add", "--detach", tree, args.before], cwd=REPO,
+        added = subprocess.run(["git", "worktree", "add", "--detach", tree, commit], cwd=REPO,
                                capture_output=True, text=True)
         if added.returncode == 0:
             try:
-                merge(result, in_subprocess(sys.executable, {**spec, "engine": False}, tree))
+                merge(result, in_subprocess(sys.executable, spec, tree))
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
         else:
-            result["static_error"] = added.stderr.strip()[:300]
+            result["error"] = added.stderr.strip()[:300]
     return result
-
 
 if __name__ == "__main__":
     main()

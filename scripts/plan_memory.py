@@ -285,7 +285,7 @@ def sampling_memory(config, model, mesh, resident: int) -> dict:
     from flax import nnx
 
     from seqjax.engine import loop
-    from seqjax.engine.engine import Engine, _generate, _prompt_tables, _waves
+    from seqjax.engine.engine import Engine, _generate, _waves
     from seqjax.model import sharding
     from seqjax.model.sampling import SamplingConfig
 
@@ -297,23 +297,22 @@ def sampling_memory(config, model, mesh, resident: int) -> dict:
     pure = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), nnx.to_pure_dict(state),
                         shardings)
     nnx.replace_by_pure_dict(state, pure)
-    first, end = _waves([prompt] * rl.generation_prompts, config.engine.prefill_tokens)[0]  # (the largest wave)
-    lengths = [prompt] * (end - first)
+    lengths = [prompt] * rl.generation_prompts
+    waves = _waves(lengths, config.engine.prefill_tokens)
     engine = Engine(model, config.engine, state=state)
     # (the loop at its full width: engine.shrink_to's narrower loop bodies run after it on fewer rows, hold less,
     # and each would compile the whole decode step again)
-    plan = dataclasses.replace(engine.plan(lengths, rl.num_generations, rl.max_completion_length, memory=False),
-                               shrink_to=0)
-    rows, _ = engine.rows([[1] * prompt for _ in lengths], _prompt_tables(lengths, plan), plan, None)
+    plan = dataclasses.replace(engine.plan(lengths, rl.num_generations, rl.max_completion_length, memory=False,
+                                           waves=waves), shrink_to=0)
+    rows, _ = engine.rows([[1] * prompt for _ in lengths], waves, plan, None)
     abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
     pool = loop.Pool(jax.ShapeDtypeStruct((plan.pages,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
                      jax.ShapeDtypeStruct((), jnp.int32))
     key = jax.eval_shape(lambda: jax.random.key(0))
     start = time.perf_counter()
-    compiled = _generate.lower(graphdef, state, jax.tree.map(abstract, rows), pool, plan, rl.num_generations,
-                               rl.max_completion_length, jax.ShapeDtypeStruct((1,), jnp.int32),
-                               SamplingConfig(rl.temperature, rl.top_k, rl.top_p).arrays(), key,
-                               jax.ShapeDtypeStruct((), jnp.int32)).compile()
+    compiled = _generate.lower(graphdef, state, jax.tree.map(abstract, rows), pool, plan, len(lengths),
+                               rl.num_generations, rl.max_completion_length, jax.ShapeDtypeStruct((1,), jnp.int32),
+                               SamplingConfig(rl.temperature, rl.top_k, rl.top_p).arrays(), key).compile()
     temp = int(compiled.memory_analysis().temp_size_in_bytes)  # (the paged cache is made inside: counted here)
     return {"sampling_rows": rl.generation_prompts * rl.num_generations, "sampling_prompt_tokens": prompt,
             "sampling_slots": plan.slots, "sampling_kv_bytes_per_device": plan.kv_bytes,

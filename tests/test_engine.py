@@ -166,24 +166,30 @@ def test_sampling_is_a_function_of_seed_prompt_completion_and_position_only(leng
 @pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 def test_a_request_of_more_prompt_tokens_than_engine_prefill_tokens_runs_in_waves_and_samples_the_same():
     """engine.prefill_tokens=12: prompts of 9, 3, 14, 5 and 7 tokens run in three waves of whole prompts, in order
-    ([9, 3], [14] alone, longer than the budget, [5, 7]), each prefilled and decoded in turn: the same tokens and
-    log-probabilities as one wave, each sequence streamed under its index in the request."""
+    ([9, 3], [14] alone, longer than the budget, [5, 7]), each next one prefilled between decode steps while the
+    last one's sequences still decode: the same tokens and log-probabilities as one wave, each sequence streamed
+    under its index in the request. A pool of 7 pages (a wave's 4 prompt pages and one sequence's 3) runs it too,
+    where the prompts together take 12: each prompt's pages go back once its last completion ends."""
     model = model_of()
     prompts = prompts_of([9, 3, 14, 5, 7], seed=6)
 
-    def run(budget):
+    def run(budget, pages=0):
         streamed = {}
-        engine = Engine(model, EngineConfig(slots=4, page_size=4, prefill_tokens=budget))
+        engine = Engine(model, EngineConfig(slots=4, page_size=4, prefill_tokens=budget, kv_pages=pages))
         done = engine.run(prompts, max_new_tokens=8, stop_ids=[3, 5], sampling=SamplingConfig(temperature=1.0),
                           key=jax.random.key(2), copies=2, on_done=lambda i, c: streamed.__setitem__(i, c))
         return done, streamed, engine.stats
 
     (whole, _, one), (waved, streamed, three) = run(0), run(12)
     assert (one["waves"], three["waves"]) == (1, 3) and three["sequences"] == 10
+    assert three["waves_beside_decode"] == 2 and one["waves_beside_decode"] == 0
     assert [c.tokens for c in waved] == [c.tokens for c in whole] and len({len(c.tokens) for c in whole}) > 1
     np.testing.assert_allclose([x for c in waved for x in c.logprobs], [x for c in whole for x in c.logprobs],
                                rtol=1e-5, atol=1e-5)
     assert streamed == dict(enumerate(waved)) and three["new_tokens"] == one["new_tokens"]
+    tight, _, stats = run(12, pages=7)
+    assert stats["pages"] == 7 < stats["prompt_pages"] == 12
+    assert [c.tokens for c in tight] == [c.tokens for c in whole]
 
 
 def test_a_group_stores_its_prompt_once_and_slots_take_the_next_sequence_as_one_ends():

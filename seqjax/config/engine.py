@@ -28,8 +28,9 @@ class EngineConfig:
         "more: each cut compiles one more loop body; 32 slots: 32, 21, 14, 9, 6, 4)", min=0)
     prefill_tokens: int = setting(
         65536, "prompt tokens a request prefills at once: a request with more runs in waves of "
-        "whole prompts, in order, each prefilled and then decoded to its end, so a prompts file "
-        "of any length fits the KV cache (0: every prompt at once); no sampled token changes",
+        "whole prompts, in order, each next one prefilled between decode steps once the last one's "
+        "sequences have all started, so a prompts file of any length fits the KV cache (0: every "
+        "prompt at once); no sampled token changes",
         min=0)
     attention: str = setting(
         "auto", "decode attention over the pages: xla (each slot's pages gathered, the paged mask; "

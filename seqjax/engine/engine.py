@@ -7,9 +7,12 @@ paged KV cache (docs/generation.md).
     # prompt-major: prompt p's completion c is done[p * 8 + c]
     engine.stats  # slot use, pages, KV bytes of the last run
 
-One compiled program a run: the prefill (every prompt once, packed), then the decode loop (one
-``lax.while_loop``) over the cache it filled. Its shapes are bucketed to powers of two, so a run of another size usually
-reuses them."""
+One compiled program a run: the first wave's prefill (its prompts once, packed), then the decode loop
+(one ``lax.while_loop``) over the cache it filled; a request of more prompt tokens than
+``engine.prefill_tokens`` runs in waves, each next wave prefilled inside the loop, between decode
+steps, as soon as the last wave's sequences have all started and a slot is free, into pages the
+pool gives it (a prompt's pages go back once its last completion ends). Its shapes are bucketed to
+powers of two, so a run of another size usually reuses them."""
 
 from __future__ import annotations
 
@@ -78,9 +81,11 @@ class Engine:
         self.state = own if state is None else state
         self.stats: dict = {}
 
-    def plan(self, lengths: Sequence[int], copies: int, max_new: int, memory: bool = True) -> Plan:
-        """The sizes for prompts of ``lengths``, ``copies`` completions each, refused in one line
-        when a prompt can never fit or (``memory``) the cache cannot fit in the memory free here."""
+    def plan(self, lengths: Sequence[int], copies: int, max_new: int, memory: bool = True,
+             waves: Sequence[tuple[int, int]] = ()) -> Plan:
+        """The sizes for prompts of ``lengths``, ``copies`` completions each, prefilled in ``waves``
+        (first, end) (none: one), refused in one line when a prompt can never fit or
+        (``memory``) the cache cannot fit in the memory free here."""
         cfg, size = self.model.cfg, self.config.page_size
         limit, longest = cfg.max_seq_len, int(np.argmax(lengths))
         for i, n in enumerate(lengths):  # (a prompt alone too long: the prompt is what must change)
@@ -94,10 +99,13 @@ class Engine:
                              f"{lengths[longest]} of model.max_seq_len={limit} tokens")
         sequences = len(lengths) * copies
         slots = min(sequences, self.config.slots or DEFAULT_SLOTS)
-        prompt_pages = sum(-(-n // size) for n in lengths)
+        waves = list(waves) or [(0, len(lengths))]
+        # (the largest wave's prompts; with more waves, room for the next one's beside it)
+        prompt_pages = max(sum(-(-n // size) for n in lengths[a:b]) for a, b in waves)
         need = max(int(n % size + max_new + size - 1) // size for n in lengths)
         least = prompt_pages + need
-        pages = self.config.kv_pages or _eighths(prompt_pages + slots * need, least=64)
+        held = prompt_pages * min(2, len(waves))
+        pages = self.config.kv_pages or _eighths(held + slots * need, least=64)
         if pages < least:
             raise UsageError(
                 f"engine.kv_pages: got {pages}, expected at least {least}: the prompts' "
@@ -106,7 +114,8 @@ class Engine:
         attention = sum(cfg.mixer_of(i) == "attention" for i in range(cfg.n_layers))
         itemsize = jnp.dtype(cfg.compute_dtype).itemsize
         per_page = 2 * attention * size * cfg.kv_heads * cfg.head_dim * itemsize
-        states = (slots + len(lengths)) * _state_bytes(cfg)  # (each slot's, and each prompt's kept)
+        # (each slot's, and each prompt's of a wave kept)
+        states = (slots + max(b - a for a, b in waves)) * _state_bytes(cfg)
         # (each cut is one more compiled loop body: worth it where the tail it saves can be long)
         shrink_to = self.config.shrink_to if max_new >= SHRINK_FROM_NEW_TOKENS else 0
         plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states, shrink_to,
@@ -136,64 +145,81 @@ class Engine:
             raise UsageError(f"--max-new-tokens: got {max_new_tokens}, expected at least 1")
         lengths = [len(p) for p in prompts]
         waves = [(0, len(prompts))] if images else _waves(lengths, self.config.prefill_tokens)
-        done, stats = [], []
-        for first, end in waves:
-            listener = on_done and functools.partial(_offset, on_done, first * copies)
-            done += self._wave(prompts[first:end], first, max_new_tokens, stop_ids, sampling, key,
-                               copies, images, listener, stop_sequences)
-            stats.append(self.stats)
-        self.stats = _merged(stats)
-        return done
-
-    def _wave(self, prompts, first: int, max_new_tokens: int, stop_ids, sampling: SamplingConfig,
-              key, copies: int, images, on_done, stop_sequences) -> list[Completion]:
-        """:meth:`run` on prompts ``first``.. of a request (their sampling keys the request's prompt
-        indices)."""
-        lengths = [len(p) for p in prompts]
-        plan = self.plan(lengths, copies, max_new_tokens)
-        rows, prefill_rows = self.rows(prompts, _prompt_tables(lengths, plan), plan, images)
-        free = np.arange(plan.pages - 1, plan.prompt_pages - 1, -1, dtype=np.int32)
-        pool = loop.Pool(jnp.asarray(np.pad(free, (0, plan.pages - len(free)))), jnp.int32(len(free)), jnp.int32(0))
+        plan = self.plan(lengths, copies, max_new_tokens, waves=waves)
+        rows, filled = self.rows(prompts, waves, plan, images)
+        pool = loop.Pool(jnp.arange(plan.pages - 1, -1, -1, dtype=jnp.int32), jnp.int32(plan.pages), jnp.int32(0))
         _LISTENERS.append(on_done)
         try:
-            out = _generate(self.graphdef, self.state, rows, pool, plan, copies, max_new_tokens,
+            out = _generate(self.graphdef, self.state, rows, pool, plan, len(prompts), copies, max_new_tokens,
                             jnp.asarray(list(stop_ids) or [-1], jnp.int32), sampling.arrays(), key,
-                            jnp.int32(first), on_done is not None, _right_aligned(stop_sequences))
+                            on_done is not None, _right_aligned(stop_sequences))
             tokens, logprobs, lengths_out, stopped = (np.asarray(a) for a in out[:4])
         finally:
             _LISTENERS.pop()
         slot_steps, token_steps = int(out.slot_steps), int(out.token_steps)
         self.stats = {"sequences": len(tokens), "slots": plan.slots, "page_size": plan.page_size,
-                      "pages": plan.pages, "prompt_pages": plan.prompt_pages, "kv_bytes": plan.kv_bytes,
-                      "prefill_rows": prefill_rows, "slot_steps": slot_steps, "token_steps": token_steps,
+                      "pages": plan.pages, "prompt_pages": sum(-(-n // plan.page_size) for n in lengths),
+                      "kv_bytes": plan.kv_bytes, "prefill_rows": filled,
+                      "slot_steps": slot_steps, "token_steps": token_steps,
                       "slot_use": token_steps / max(slot_steps, 1), "new_tokens": int(lengths_out.sum()),
-                      "waves": 1}
+                      "waves": len(waves), "waves_beside_decode": int(out.waves_beside_decode)}
         return [Completion(tokens[i, :lengths_out[i]].tolist(), bool(stopped[i]),
                            logprobs[i, :lengths_out[i]].tolist()) for i in range(len(tokens))]
 
-    def rows(self, prompts, tables: np.ndarray, plan: Plan, images: dict | None) -> tuple["Rows", int]:
-        """The prefill's rows (packed; one prompt a row with images) and how many hold prompts."""
+    def rows(self, prompts, waves: Sequence[tuple[int, int]], plan: Plan,
+             images: dict | None) -> tuple["Rows", int]:
+        """Each wave's prefill rows (packed; one prompt a row with images), stacked and padded
+        to one shape, its prompts' page tables counting from 0 (the pages it is given replace them
+        on the device); and how many rows hold prompts, over the waves."""
         if images and "linear" in self.model.cfg.layer_types:
             raise UsageError("the engine: images with linear layers (model.layer_types); expected "
                              "a model of attention layers for image prompts")
+        lengths = [len(p) for p in prompts]
+        width = min(_eighths(max(-(-n // plan.page_size) for n in lengths)), plan.table)
+        parts = [self._wave_rows(prompts[a:b], _prompt_tables(lengths[a:b], plan, width), plan, images)
+                 for a, b in waves]
+        count = _bucket(len(waves), 1)  # (few shapes to compile for: waves past the last are empty)
+        r, t = (max(np.shape(part["inputs"])[i] for part in parts) for i in (0, 1))
+        m = max(len(part["lengths"]) for part in parts)
+
+        def stacked(name: str, fill, dims: tuple) -> jax.Array:
+            out = np.full((count, *dims), fill, np.asarray(parts[0][name]).dtype)
+            for w, part in enumerate(parts):
+                out[(w, *(slice(0, d) for d in np.shape(part[name])))] = part[name]
+            return jnp.asarray(out)
+
+        rows = Rows(stacked("inputs", 0, (r, t)), stacked("positions", 0, (r, t)),
+                    stacked("segment_ids", 0, (r, t)), stacked("slots", plan.pages * plan.page_size, (r, t)),
+                    stacked("last", 0, (m, 2)), stacked("tables", plan.pages, (m, width)),
+                    stacked("lengths", 0, (m,)), stacked("next_position", 0, (m,)),
+                    jnp.asarray(np.pad([a for a, _ in waves], (0, count - len(waves)), constant_values=len(prompts)),
+                                jnp.int32),
+                    jnp.asarray(np.pad([b - a for a, b in waves], (0, count - len(waves))), jnp.int32),
+                    jnp.asarray(np.pad([part["pages"] for part in parts], (0, count - len(waves))), jnp.int32),
+                    {k: jnp.asarray(v) for k, v in (images or {}).items()})
+        return rows, sum(part["filled"] for part in parts)
+
+    def _wave_rows(self, prompts, tables: np.ndarray, plan: Plan, images: dict | None) -> dict:
+        """One wave's rows, last places, tables, lengths and next positions (numpy)."""
         if images:
             inputs, positions, segment_ids, slots, last = _image_rows(prompts, tables, plan)
-            fields = {k: jnp.asarray(v) for k, v in images.items()}
             next_position = np.asarray(images["positions_3d"])[..., 0][last[:, 0], last[:, 1]] + 1
         else:
             packed = pack(prompts, tables, plan.page_size, plan.pages)
             inputs, positions, segment_ids, slots = packed.inputs, packed.positions, packed.segment_ids, packed.slots
             last = packed.starts + np.asarray([[0, len(p) - 1] for p in prompts])
-            fields, next_position = {}, np.asarray([len(p) for p in prompts])
-        rows = Rows(*(jnp.asarray(a) for a in (inputs, positions, segment_ids, slots, last, tables)),
-                    jnp.asarray([len(p) for p in prompts], jnp.int32), jnp.asarray(next_position, jnp.int32), fields)
-        return rows, int((segment_ids.max(axis=1) > 0).sum())
+            next_position = np.asarray([len(p) for p in prompts])
+        return {"inputs": inputs, "positions": positions, "segment_ids": segment_ids, "slots": slots,
+                "last": last, "tables": tables, "lengths": np.asarray([len(p) for p in prompts], np.int32),
+                "next_position": np.asarray(next_position, np.int32),
+                "pages": int((tables < plan.pages).sum()), "filled": int((segment_ids.max(axis=1) > 0).sum())}
 
 
 class Rows(NamedTuple):
-    """The prefill's rows [R, T] (inputs, positions, segment ids, each token's page place), each
-    prompt's last token (row, column), page table, length and first new position, and image
-    fields."""
+    """Every wave's prefill rows [W, R, T] (inputs, positions, segment ids, each token's place in
+    the wave's pages), each prompt's last token (row, column) [W, M, 2], page table (the wave's
+    pages counted from 0), length and first new position [W, M]; each wave's first prompt, prompt
+    count and page count [W]; and image fields (one wave)."""
 
     inputs: jax.Array
     positions: jax.Array
@@ -203,6 +229,9 @@ class Rows(NamedTuple):
     tables: jax.Array
     lengths: jax.Array
     next_position: jax.Array
+    first: jax.Array
+    count: jax.Array
+    pages: jax.Array
     images: dict
 
 
@@ -218,20 +247,6 @@ def _waves(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
     return waves + [(first, len(lengths))]
 
 
-def _offset(on_done, start: int, index: int, completion: Completion) -> None:
-    """A wave's ``on_done``: its sequence ``index`` is the request's ``start + index``."""
-    on_done(start + index, completion)
-
-
-def _merged(waves: list[dict]) -> dict:
-    """One request's stats over its waves: counts summed, sizes the largest wave's."""
-    summed = ("sequences", "prompt_pages", "prefill_rows", "slot_steps", "token_steps", "new_tokens",
-              "waves")
-    out = {k: sum(w[k] for w in waves) for k in summed}
-    out |= {k: max(w[k] for w in waves) for k in ("slots", "page_size", "pages", "kv_bytes")}
-    return out | {"slot_use": out["token_steps"] / max(out["slot_steps"], 1)}
-
-
 def _eighths(n: int, least: int = 1) -> int:
     """n rounded up to a multiple of an eighth of its power of two (a step of at least ``least``):
     at most 12.5% more than asked (a page table's width, which decode attends over whole; the
@@ -240,11 +255,9 @@ def _eighths(n: int, least: int = 1) -> int:
     return -(-n // step) * step
 
 
-def _prompt_tables(lengths: Sequence[int], plan: Plan) -> np.ndarray:
-    """Each prompt's pages, the pool's first ones in order: [prompts, width] (no page:
-    ``plan.pages``)."""
+def _prompt_tables(lengths: Sequence[int], plan: Plan, width: int) -> np.ndarray:
+    """Each prompt's pages, counted from 0 in order: [prompts, width] (no page: ``plan.pages``)."""
     size = plan.page_size
-    width = min(_eighths(max(-(-n // size) for n in lengths)), plan.table)  # (within the cache's table)
     tables = np.full((len(lengths), width), plan.pages, np.int32)
     first = 0
     for i, n in enumerate(lengths):
@@ -283,24 +296,51 @@ def _right_aligned(sequences: Sequence[Sequence[int]]) -> jax.Array | None:
     return jnp.asarray([[-1] * (width - len(s)) + s for s in sequences], jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 11))
-def _generate(graphdef, state, rows: Rows, pool, plan: Plan, copies: int, max_new: int, stops, settings, key,
-              first, stream: bool = False, stop_sequences=None):
-    """One program: the cache made, the prompts prefilled into it, the decode loop over it (the
-    cache lives inside, never an argument copied into the loop); ``stream``: each sequence handed to
-    the host as it ends."""
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7, 11))
+def _generate(graphdef, state, rows: Rows, pool, plan: Plan, prompts: int, copies: int, max_new: int, stops,
+              settings, key, stream: bool = False, stop_sequences=None):
+    """One program: the cache made, the first wave's prompts prefilled into it, the decode loop over
+    it, which prefills each next wave between its steps (the cache lives inside, never an argument
+    copied into the loop); ``stream``: each sequence handed to the host as it ends."""
     model = nnx.merge(graphdef, state)
     cache = PagedKV.empty(model.cfg, plan.pages, plan.page_size, plan.slots, plan.table, plan.attention)
+
+    def wave(cache: PagedKV, pool: loop.Pool, w) -> tuple[PagedKV, loop.Pool, loop.Requests]:
+        return _prefill_wave(model, cache, pool, rows, w, plan, copies)
+
+    cache, pool, requests = wave(cache, pool, 0)
+    return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
+                       settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None,
+                       stop_sequences=stop_sequences, shrink_to=plan.shrink_to, prompts=prompts,
+                       next_wave=wave if rows.first.shape[0] > 1 else None, wave_pages=rows.pages,
+                       waves=jnp.sum(rows.count > 0))
+
+
+def _prefill_wave(model, cache: PagedKV, pool: loop.Pool, rows: Rows, w, plan: Plan, copies: int):
+    """Wave ``w``'s prompts prefilled into pages taken from the top of the pool's stack: its
+    tables' and token places' page numbers (counted from 0) become those pages."""
+    def at(a):
+        return jax.lax.dynamic_index_in_dim(a, w, keepdims=False)
+
+    size, pages = plan.page_size, plan.pages
+    count = at(rows.pages)
+    order = jnp.arange(plan.prompt_pages)
+    given = jnp.where(order < count, jnp.take(pool.free, jnp.maximum(pool.top - 1 - order, 0)), pages)
+    tables = at(rows.tables)
+    tables = jnp.where(tables < pages, jnp.take(given, tables, mode="clip"), pages)
+    slots = at(rows.slots)
+    slots = jnp.where(slots < pages * size, jnp.take(given, slots // size, mode="clip") * size + slots % size,
+                      pages * size)
     images = dict(rows.images)
     if images:
         images = {"positions_3d": images.pop("positions_3d"), **images}
-    logits, cache, states = prefill(model, cache, rows.inputs, rows.positions, rows.segment_ids,
-                                    rows.slots, rows.last, images)
-    requests = loop.Requests(rows.tables, rows.lengths, rows.next_position, logits,
-                             states if any(s is not None for s in states) else ())
-    return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
-                       settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None,
-                       stop_sequences=stop_sequences, shrink_to=plan.shrink_to, first=first)
+    logits, cache, states = prefill(model, cache, at(rows.inputs), at(rows.positions), at(rows.segment_ids), slots,
+                                    at(rows.last), images)
+    first = at(rows.first)
+    requests = loop.Requests(tables, at(rows.lengths), at(rows.next_position), logits,
+                             states if any(s is not None for s in states) else (), first,
+                             (first + at(rows.count)) * copies)
+    return cache, pool._replace(top=pool.top - count), requests
 
 
 def decode_attention(name: str) -> str:

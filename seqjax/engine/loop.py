@@ -8,7 +8,9 @@ that order. A sequence's token at place n is drawn with the key ``fold(fold(fold
 the tokens are a function of (seed, prompt, completion, position) alone, whatever the number of
 slots, the page size or the order in which sequences end.
 
-Pages: the prompts' pages are the pool's first, filled by the prefill and never freed. A new
+Pages: a wave's prompts take theirs from the pool when it is prefilled (the first before the loop,
+each next one between decode steps once the last wave's sequences have all started, a slot is free
+and the pool can give its pages), and give them back once the prompt's last completion ends. A new
 sequence's page table starts as its prompt's; the prompt's last, part-filled page is copied into
 a page of the sequence's own before its first token is written (copy on write). A sequence starts
 only when the pool can give it every page its longest completion could need beyond what running
@@ -17,6 +19,7 @@ sequences may still take, so no sequence ever waits for a page mid-way."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -29,17 +32,30 @@ from seqjax.model.sampling import sample_rows
 
 
 class Requests(NamedTuple):
-    """What the loop decodes: per prompt its page table [prompts, P] (no page: the pool's size),
-    length [prompts], the RoPE position of its first new token [prompts] and its next-token
-    logits [prompts, V], and each Gated DeltaNet layer's state after it; ``copies`` sequences
-    each."""
+    """The wave the loop starts sequences from: per prompt its page table [prompts, P] (no page:
+    the pool's size), length [prompts], the RoPE position of its first new token [prompts] and
+    its next-token logits [prompts, V], each Gated DeltaNet layer's state after it; the request's
+    index of its first prompt, and the end of its sequences; ``copies`` sequences a prompt."""
 
     prompt_pages: jax.Array
     prompt_lengths: jax.Array
     prompt_next: jax.Array
     prompt_logits: jax.Array
-    # per layer: a Gated DeltaNet's state after each prompt [prompts, ...], or None
-    prompt_states: tuple = ()
+    # per layer: a Gated DeltaNet's state after each prompt [prompts, ...], or None (or () for none)
+    prompt_states: tuple
+    first: jax.Array
+    end: jax.Array
+
+
+class Waves(NamedTuple):
+    """The waves' bookkeeping: the wave being started from, each prompt's completions not yet
+    ended and its pages [prompts (+ a wave's padding), P], and the waves prefilled beside a
+    decoding slot."""
+
+    index: jax.Array
+    refs: jax.Array
+    tables: jax.Array
+    beside: jax.Array
 
 
 class Slots(NamedTuple):
@@ -70,6 +86,7 @@ class Outputs(NamedTuple):
     stopped: jax.Array  # [N] bool: ended at a stop id
     slot_steps: jax.Array  # decode slot-steps run
     token_steps: jax.Array  # slot-steps that drew a real token
+    waves_beside_decode: jax.Array  # waves prefilled while some slot was decoding
 
 
 def worst_pages(lengths: jax.Array, max_new: int, page_size: int) -> jax.Array:
@@ -79,40 +96,36 @@ def worst_pages(lengths: jax.Array, max_new: int, page_size: int) -> jax.Array:
 
 
 def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int, max_new: int, stops: jax.Array,
-           settings: dict, key: jax.Array, slots: int, emit=None, stop_sequences: jax.Array | None = None,
-           shrink_to: int = 0, first=0) -> Outputs:
-    """Every prompt's ``copies`` completions of up to ``max_new`` tokens, through ``slots``
-    decode slots (the module's docstring); a sequence ends at any of ``stops`` or once its tokens
-    end with a row of ``stop_sequences`` [S, L] (right-aligned, -1 to its left). ``emit(sequence,
-    tokens, logprobs, lengths, stopped)``: a host function called (``io_callback``) on each step
-    some sequences end in, with each slot's row (``sequence`` -1 where its slot's did not end), so a
-    caller streams completions as they finish. ``shrink_to``: once no sequence waits, the step cuts its
-    rows to two thirds each time the decoding slots fit (:func:`widths`; moved to the front, their
-    pages stay where they are), down to this many (0: never), so the last long completions do not
-    carry idle slots. ``first``: the request's index of the first prompt (a wave of a longer
-    request: the keys fold in the request's prompt indices)."""
-    n = requests.prompt_pages.shape[0] * copies
-    vocab = requests.prompt_logits.shape[-1]
+           settings: dict, key: jax.Array, slots: int, prompts: int, emit=None,
+           stop_sequences: jax.Array | None = None, shrink_to: int = 0, next_wave=None, wave_pages=None,
+           waves=1) -> Outputs:
+    """Every one of ``prompts`` prompts' ``copies`` completions of up to ``max_new`` tokens,
+    through ``slots`` decode slots (the module's docstring), from the first wave's ``requests``; a
+    sequence ends at any of ``stops`` or once its tokens end with a row of ``stop_sequences`` [S, L]
+    (right-aligned, -1 to its left). ``emit(sequence, tokens, logprobs, lengths, stopped)``: a
+    host function called (``io_callback``) on each step some sequences end in, with each slot's
+    row (``sequence`` -1 where its slot's did not end), so a caller streams completions as they
+    finish. ``shrink_to``: once no sequence waits, the step cuts its rows to two thirds each time
+    the decoding slots fit (:func:`widths`; moved to the front, their pages stay where they are),
+    down to this many (0: never), so the last long completions do not carry idle slots.
+    ``next_wave(cache, pool, w) -> (cache, pool, requests)``: wave ``w`` (of ``waves``, each
+    taking ``wave_pages[w]`` pages) prefilled (None: one wave)."""
+    n = prompts * copies
     table = cache.page_table.shape[1]
     size, pages = cache.page_size, cache.pages
-    need = worst_pages(requests.prompt_lengths, max_new, size)
-    state = Slots(jnp.full((slots,), -1, jnp.int32), jnp.zeros((slots,), jnp.int32),
-                  jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, vocab), jnp.float32),
-                  jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32))
-    out = Outputs(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
-                  jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool), jnp.int32(0), jnp.int32(0))
-    cache, state, pool = _admit(cache, state, pool, requests, need, copies, n, size, pages)
+    state, out, book = _empty(requests, slots, prompts, copies, max_new, pages)
+    cache, state, pool = _admit(cache, state, pool, requests, copies, max_new, size, pages)
 
     def more(carry):
-        _, state, pool, _ = carry
+        _, state, pool, *_ = carry
         return jnp.any(state.sequence >= 0) | (pool.next_sequence < n)
 
     def step(carry):
-        cache, state, pool, out = carry
+        cache, state, pool, out, requests, book = carry
         active = state.sequence >= 0
         seq = jnp.maximum(state.sequence, 0)
         keys = jax.vmap(lambda s, d: jax.random.fold_in(jax.random.fold_in(
-            jax.random.fold_in(key, first + s // copies), s % copies), d))(seq, state.drawn)
+            jax.random.fold_in(key, s // copies), s % copies), d))(seq, state.drawn)
         token = sample_rows(state.logits, keys, **settings)
         logp = jnp.take_along_axis(jax.nn.log_softmax(state.logits, axis=-1), token[:, None], axis=1)[:, 0]
         row = jnp.where(active, seq, n)  # (a free slot writes nowhere)
@@ -136,10 +149,76 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
         if emit is not None:
             _emit_ended(emit, stop, seq, out)
         cache, state, pool = _release(cache, state, pool, stop, pages)
-        cache, state, pool = _admit(cache, state, pool, requests, need, copies, n, size, pages)
-        return cache, state, pool, out
+        book, pool = _prompts_ended(book, pool, stop, seq // copies, pages)
+        cache, state, pool = _admit(cache, state, pool, requests, copies, max_new, size, pages)
+        return cache, state, pool, out, requests, book
 
-    return _phases(more, step, (cache, state, pool, out), slots, shrink_to, n)[3]
+    carry = (cache, state, pool, out, requests, book)
+    if next_wave is not None:  # (the steps between two waves' prefills: the step as it is, no branch in it)
+        def wave(carry):
+            carry = jax.lax.while_loop(lambda c: more(c) & ~_due(c, wave_pages, waves), step, carry)
+            begin = functools.partial(_next_wave, next_wave, copies, max_new)
+            return jax.lax.cond(_due(carry, wave_pages, waves), begin, lambda c: c, carry)
+
+        carry = jax.lax.while_loop(lambda c: more(c) & (c[5].index + 1 < waves), wave, carry)
+    carry = _phases(more, step, carry, slots, shrink_to, n)
+    return carry[3]._replace(waves_beside_decode=carry[5].beside)
+
+
+def _empty(requests: Requests, slots: int, prompts: int, copies: int, max_new: int, pages: int):
+    """Free slots, empty outputs, and the waves' bookkeeping with the first wave begun."""
+    n, vocab = prompts * copies, requests.prompt_logits.shape[-1]
+    state = Slots(jnp.full((slots,), -1, jnp.int32), jnp.zeros((slots,), jnp.int32),
+                  jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, vocab), jnp.float32),
+                  jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32))
+    out = Outputs(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
+                  jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool), jnp.int32(0), jnp.int32(0), jnp.int32(0))
+    wide = requests.prompt_pages.shape[0]  # (a wave's prompts: its padding may run past the last prompt)
+    book = Waves(jnp.int32(0), jnp.full((prompts + wide,), copies, jnp.int32),
+                 jnp.full((prompts + wide, requests.prompt_pages.shape[1]), pages, jnp.int32), jnp.int32(0))
+    return state, out, _began(book, requests)
+
+
+def _began(book: Waves, requests: Requests) -> Waves:
+    """The pages of the wave just prefilled, under its prompts' request indices."""
+    return book._replace(tables=jax.lax.dynamic_update_slice(book.tables, requests.prompt_pages,
+                                                             (requests.first, jnp.int32(0))))
+
+
+def _prompts_ended(book: Waves, pool: Pool, stop, prompt, pages: int) -> tuple[Waves, Pool]:
+    """One completion fewer for each stopped slot's prompt; the pages of a prompt whose last one
+    ended go back on the stack."""
+    refs = book.refs.at[jnp.where(stop, prompt, book.refs.shape[0])].add(-1, mode="drop")
+    ended = (refs == 0) & (book.refs > 0)
+
+    def give_back(pool: Pool) -> Pool:
+        owned = (ended[:, None] & (book.tables < pages)).reshape(-1)
+        place = jnp.where(owned, pool.top + jnp.cumsum(owned) - 1, pool.free.shape[0])
+        free = pool.free.at[place].set(book.tables.reshape(-1), mode="drop")
+        return pool._replace(free=free, top=pool.top + jnp.sum(owned))
+
+    pool = jax.lax.cond(jnp.any(ended), give_back, lambda pool: pool, pool)
+    return book._replace(refs=refs), pool
+
+
+def _due(carry, wave_pages, waves) -> jax.Array:
+    """Whether the next wave is prefilled now: every sequence of this one has started, a slot is
+    free, and the pool can give its prompts' pages beyond what the decoding slots may still take."""
+    _, state, pool, _, requests, book = carry
+    following = book.index + 1
+    spare = pool.top - jnp.sum(jnp.where(state.sequence >= 0, state.budget, 0))
+    return ((pool.next_sequence >= requests.end) & (following < waves) & jnp.any(state.sequence < 0)
+            & (spare >= jnp.take(wave_pages, jnp.minimum(following, wave_pages.shape[0] - 1))))
+
+
+def _next_wave(next_wave, copies: int, max_new: int, carry):
+    """The next wave prefilled and its first sequences started."""
+    cache, state, pool, out, _, book = carry
+    following = book.index + 1
+    cache, pool, requests = next_wave(cache, pool, following)
+    book = _began(book, requests)._replace(index=following, beside=book.beside + jnp.any(state.sequence >= 0))
+    cache, state, pool = _admit(cache, state, pool, requests, copies, max_new, cache.page_size, cache.pages)
+    return cache, state, pool, out, requests, book
 
 
 def widths(slots: int, shrink_to: int) -> list[int]:
@@ -158,7 +237,7 @@ def _phases(more, step, carry, slots: int, shrink_to: int, n: int):
     next once nothing waits and its decoding slots fit in it."""
     def fits(width: int):
         def go_on(carry):
-            _, state, pool, _ = carry
+            _, state, pool, *_ = carry
             return more(carry) & ((pool.next_sequence < n) | (jnp.sum(state.sequence >= 0) > width))
         return go_on
 
@@ -171,7 +250,7 @@ def _phases(more, step, carry, slots: int, shrink_to: int, n: int):
 def _shrunk(carry, width: int):
     """The first ``width`` rows after moving the decoding slots to the front: their state, page
     tables, lengths and Gated DeltaNet rows (every other slot is free and owns no page)."""
-    cache, state, pool, out = carry
+    cache, state, pool, *rest = carry
     order = jnp.argsort(state.sequence < 0, stable=True)[:width]
 
     def take(a):
@@ -181,7 +260,7 @@ def _shrunk(carry, width: int):
                       for r in cache.recurrent)
     cache = dataclasses.replace(cache, page_table=take(cache.page_table), lengths=take(cache.lengths),
                                 recurrent=recurrent)
-    return cache, Slots(*map(take, state)), pool, out
+    return cache, Slots(*map(take, state)), pool, *rest
 
 
 def _ends_with(tokens: jax.Array, drawn: jax.Array, sequences: jax.Array) -> jax.Array:
@@ -233,18 +312,20 @@ def _release(cache: PagedKV, state: Slots, pool: Pool, stop, pages: int):
     return _with_table(cache, page_table, lengths), state, pool._replace(free=free, top=pool.top + jnp.sum(owned))
 
 
-def _admit(cache: PagedKV, state: Slots, pool: Pool, requests: Requests, need, copies: int, n: int, size: int,
+def _admit(cache: PagedKV, state: Slots, pool: Pool, requests: Requests, copies: int, max_new: int, size: int,
            pages: int):
-    """The free slots take the next sequences, in order, while the pool can promise each its
-    pages."""
+    """The free slots take the wave's next sequences, in order, while the pool can promise each
+    its pages."""
     slots = state.sequence.shape[0]
+    need = worst_pages(requests.prompt_lengths, max_new, size)
     empty = state.sequence < 0
     rank = jnp.cumsum(empty) - 1
     candidate = pool.next_sequence + rank
-    prompt = jnp.minimum(candidate, n - 1) // copies
-    cost = jnp.where(empty & (candidate < n), need[prompt], 0)
+    within = empty & (candidate < requests.end)
+    prompt = jnp.clip(candidate // copies - requests.first, 0, requests.prompt_lengths.shape[0] - 1)
+    cost = jnp.where(within, need[prompt], 0)
     spare = pool.top - jnp.sum(jnp.where(empty, 0, state.budget))
-    admitted = empty & (candidate < n) & (jnp.cumsum(cost) <= spare)
+    admitted = within & (jnp.cumsum(cost) <= spare)
     length = requests.prompt_lengths[prompt]
     partial = admitted & (length % size != 0)
     # the part-filled last prompt page, copied into a page of the sequence's own
