@@ -163,6 +163,46 @@ def test_float32_is_float32_against_torchs_llama_with_the_highest_matmul_precisi
     assert max(errors) < 1e-5, f"largest relative error per document {errors} (TF32 gave 8.6e-4 on the H200)"
 
 
+@settings(max_examples=4, deadline=None)
+@given(rows=st.data())
+def test_the_compiled_shared_prompt_matches_the_dense_mask(rows):
+    """The flash kernel with a shared prompt (GRPO's prompt_once rows) compiled for the GPU at its real tiles, bf16,
+    D = 128: output and gradients against the dense mask on positions (tests/test_flash_prompt.py checks it
+    interpreted)."""
+    from test_flash_prompt import _dense, prompt_rows
+
+    ids, prefix, positions = (jnp.asarray(a) for a in rows.draw(prompt_rows(2, 500)))
+    q, k, v, cotangent = random_qkv((2, 500, 8, 128), kv_heads=2, dtype=jnp.bfloat16, seed=21)
+    out, grads = _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent)
+    ref_out, ref_grads = _dense(q, k, v, ids, prefix, positions, cotangent)
+    for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert_close(got, want, TOLERANCE[jnp.bfloat16], name)
+
+
+@jax.jit
+def _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent):
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, ids, prefix_ids=prefix, interpret=False), q, k, v)
+    return out, vjp(cotangent)
+
+
+def test_the_compiled_delta_rule_scan_is_the_xla_scan_at_qwen3_5s_head():
+    """The Gated DeltaNet's chunk scan (seqjax/model/kernels/delta_scan.py) compiled through Triton at Qwen3.5's
+    linear-layer head (Dk = Dv = 128, chunks of 64): outputs, kept states and every gradient against one lax.scan
+    (tests/test_delta_scan.py interprets it on the CPU)."""
+    from seqjax.model.kernels.delta_scan import delta_scan
+    from test_delta_scan import terms, weighted, xla_scan
+
+    args = terms(0, 2, 4, 5, 64, 128, 128)
+    with jax.default_matmul_precision("highest"):
+        for ours, theirs in zip(jax.jit(delta_scan)(*args), jax.jit(xla_scan)(*args)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+        argnums = tuple(range(7))
+        ours = jax.jit(jax.grad(weighted(delta_scan, 1), argnums))(*args)
+        theirs = jax.jit(jax.grad(weighted(xla_scan, 1), argnums))(*args)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
+
+
 # The Mosaic kernel's variants (slots, consumers, overlap, key_block): the default over both dtypes and head dims,
 # each other variant at two corners (bfloat16 at D = 128, float16 at D = 64): a variant changes the schedule, not
 # the dtype's or the head dim's layouts, and each case is one compile of three Mosaic kernels on the GPU's clock.
@@ -206,43 +246,3 @@ def test_the_mosaic_kernel_compiled_matches_the_reference_over_packings_and_wind
     for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
         assert_close(got, want, TOLERANCE[jnp.bfloat16], name)
     assert not np.asarray(out, np.float32)[np.asarray(segment_ids) == 0].any()  # padding: exact zeros
-
-
-@settings(max_examples=4, deadline=None)
-@given(rows=st.data())
-def test_the_compiled_shared_prompt_matches_the_dense_mask(rows):
-    """The flash kernel with a shared prompt (GRPO's prompt_once rows) compiled for the GPU at its real tiles, bf16,
-    D = 128: output and gradients against the dense mask on positions (tests/test_flash_prompt.py checks it
-    interpreted)."""
-    from test_flash_prompt import _dense, prompt_rows
-
-    ids, prefix, positions = (jnp.asarray(a) for a in rows.draw(prompt_rows(2, 500)))
-    q, k, v, cotangent = random_qkv((2, 500, 8, 128), kv_heads=2, dtype=jnp.bfloat16, seed=21)
-    out, grads = _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent)
-    ref_out, ref_grads = _dense(q, k, v, ids, prefix, positions, cotangent)
-    for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
-        assert_close(got, want, TOLERANCE[jnp.bfloat16], name)
-
-
-@jax.jit
-def _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent):
-    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, ids, prefix_ids=prefix, interpret=False), q, k, v)
-    return out, vjp(cotangent)
-
-
-def test_the_compiled_delta_rule_scan_is_the_xla_scan_at_qwen3_5s_head():
-    """The Gated DeltaNet's chunk scan (seqjax/model/kernels/delta_scan.py) compiled through Triton at Qwen3.5's
-    linear-layer head (Dk = Dv = 128, chunks of 64): outputs, kept states and every gradient against one lax.scan
-    (tests/test_delta_scan.py interprets it on the CPU)."""
-    from seqjax.model.kernels.delta_scan import delta_scan
-    from test_delta_scan import terms, weighted, xla_scan
-
-    args = terms(0, 2, 4, 5, 64, 128, 128)
-    with jax.default_matmul_precision("highest"):
-        for ours, theirs in zip(jax.jit(delta_scan)(*args), jax.jit(xla_scan)(*args)):
-            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
-        argnums = tuple(range(7))
-        ours = jax.jit(jax.grad(weighted(delta_scan, 1), argnums))(*args)
-        theirs = jax.jit(jax.grad(weighted(xla_scan, 1), argnums))(*args)
-    for a, b in zip(ours, theirs):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
