@@ -321,5 +321,6 @@ def worktree_run(commit: str, spec: dict) -> dict:
             result["error"] = added.stderr.strip()[:300]
     return result
 
+
 if __name__ == "__main__":
     main()

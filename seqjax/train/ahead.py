@@ -160,13 +160,12 @@ class Tally:
         return through - own
 
     def state(self, launched: int, staleness: int) -> dict[str, Any]:
-        through, own = self.counts[launched]
         owns = [self.counts[g][1] for g in range(max(0, launched - staleness), launched + 1)]
-        return {"num_tokens": through, "generation_tokens": own, "launched_tokens": owns}
+        return {"num_tokens": self.counts[launched][0], "launched_tokens": owns}
 
     def restore(self, state: dict[str, Any], launched: int) -> None:
         """The counts a checkpoint's ``state`` kept, ``launched`` the newest (a checkpoint older
-        than ``launched_tokens`` kept that one's alone)."""
+        than ``launched_tokens`` kept that one's alone, as ``generation_tokens``)."""
         through = int(state.get("num_tokens", 0))
         owns = state.get("launched_tokens") or [state.get("generation_tokens", 0)]
         for generation, own in zip(range(launched, -1, -1), reversed(owns)):
