@@ -142,3 +142,38 @@ def test_grad_clip_0_means_no_clipping_as_in_hf_not_a_zero_update():
         updates[clip], _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_array_equal(updates["0"]["w"], updates["null"]["w"])
     assert float(jnp.abs(updates["0"]["w"]).min()) > 0  # clipped to norm 0, AdamW's update was 0 everywhere
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "stop"])
+def test_a_bfloat16_models_step_keeps_its_state_types_and_traces_once(nonfinite):
+    """bfloat16 parameters (the LoRA and fine-tuning recipes): AdamW's moments are float32 from the
+    start, as the step leaves them, so the second step runs the first one's program (before, the
+    moments came out float32 from bfloat16, and every such run compiled its step twice, the second
+    time inside a benchmark's timed steps); the parameters stay bfloat16."""
+    from seqjax.train.setup import sharded_optimizer_state
+    from seqjax.train.step import make_train_step
+
+    config, model = tiny_model(**{"model.param_dtype": "bfloat16"})
+    graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(state)
+    assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    tx, _ = build_optimizer(load_config(None, ["train.warmup_steps=0", f"train.nonfinite={nonfinite}"]).train)
+    opt_state, _ = sharded_optimizer_state(tx, params, jax.tree.map(lambda _: None, params), None)
+    moments = [leaf for leaf in jax.tree.leaves(opt_state) if leaf.ndim > 0]
+    assert moments and {leaf.dtype for leaf in moments} == {jnp.dtype(jnp.float32)}
+    traces = []
+
+    def counted(*args):
+        traces.append(1)  # (Python runs only when jax traces)
+        return make_train_step(graphdef, rest, tx, grad_accum=2)(*args)
+
+    step = jax.jit(counted)
+    batch = uneven_batch(np.random.default_rng(0), rows=4, length=16, vocab=50)
+    kinds = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
+    for _ in range(3):
+        new_params, new_state, metrics = step(params, opt_state, batch)
+        assert kinds(new_params) == kinds(params) and kinds(new_state) == kinds(opt_state)
+        assert any(not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                   for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)))  # (it trains)
+        params, opt_state = new_params, new_state
+    assert len(traces) == 1 and bool(metrics["finite"])

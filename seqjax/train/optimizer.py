@@ -10,6 +10,11 @@ The decay ends at ``lr * min_lr_ratio`` at ``s == train.steps``.
 Weight decay applies to matrices only: norms' scales and biases (vectors) are
 never decayed, embeddings only when ``train.decay_embeddings`` is set (a
 parameter whose path mentions "embed").
+
+AdamW's moments are float32 whatever the parameters' dtype (:func:`moments_in_float32`): the
+step divides the summed gradient by its float32 denominator, so the moments of bfloat16
+parameters came out float32 after the first update anyway, and a state that changed dtype made
+the second step compile the whole program again.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from seqjax.config.tree import TrainConfig
@@ -79,4 +85,23 @@ def build_optimizer(train: TrainConfig) -> tuple[optax.GradientTransformation, C
     tx = optax.chain(*chain)
     if train.nonfinite == "skip":
         tx = optax.apply_if_finite(tx, max_consecutive_errors=train.steps)
-    return tx, schedule
+    return moments_in_float32(tx), schedule
+
+
+def moments_in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` whose state starts as it stays: created from the parameters cast to float32, so a
+    bfloat16 parameter's moments are float32 from step 0, as every update after the first leaves
+    them (the step's gradient is float32). The same numbers (the first moments are zeros either
+    way), one compiled step instead of two, and a memory plan that counts the moments' real bytes."""
+
+    def init(params):
+        return tx.init(jax.tree.map(_as_float32, params))
+
+    return optax.GradientTransformation(init, tx.update)
+
+
+def _as_float32(leaf):
+    dtype = getattr(leaf, "dtype", None)  # (optax.tree_map_params passes a placeholder: kept)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.float32:
+        return leaf
+    return leaf.astype(jnp.float32)

@@ -143,7 +143,9 @@ def make_train_step(
             (_, terms), g = value_and_grad(params, micro, key, frozen, totals, reference, same)
             return (jax.tree.map(jnp.add, grads, g), objective.combine(sums, terms)), None
 
-        init = (jax.tree.map(jnp.zeros_like, params), objective.zero_terms())
+        # (the gradients summed in float32 whatever the parameters' dtype: the moments' dtype)
+        init = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params),
+                objective.zero_terms())
         (grads, sums), _ = jax.lax.scan(accumulate, init, (micros, keys))
         denom = jnp.where(sums.denominator > 0, sums.denominator, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
