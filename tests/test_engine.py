@@ -22,6 +22,7 @@ from seqjax.config.load import load_config
 from seqjax.core.errors import UsageError
 from seqjax.engine import Engine, generate, sample_rollouts
 from seqjax.engine.paged import PagedKV
+from seqjax.engine.prefill import prefill
 from seqjax.model import build_model
 from seqjax.model.sampling import SamplingConfig
 
@@ -110,9 +111,10 @@ def test_greedy_tokens_are_the_argmax_of_full_forward_passes():
     assert len({tuple(g.tokens) for g in done}) > 1
 
 
-def decode_step_products(*extra: str) -> int:
+def decode_step_products(*extra: str, tokens: int = 1) -> int:
     """The matrix products (dot_general) one decode step's program traces (a token a row into a paged cache),
-    sub-programs included: a scan's body counts once, however many layers it runs."""
+    sub-programs included: a scan's body counts once, however many layers it runs. With ``tokens`` > 1: the
+    packed prefill's program (two prompts in a row of ``tokens``, written into their pages)."""
     model = build_model(load_config(None, [*BASE, *extra]), VOCAB, rngs=nnx.Rngs(0))
     cache = PagedKV.empty(model.cfg, pages=8, page_size=4, rows=2, table=4)
     graphdef, state = nnx.split(model)
@@ -121,11 +123,17 @@ def decode_step_products(*extra: str) -> int:
         ones = jnp.ones((2, 1), jnp.int32)
         return nnx.merge(graphdef, state).decode(ones, positions=ones, segment_ids=ones, cache=cache)
 
+    def prefilled(state, cache):
+        segments = jnp.asarray([[1] * (tokens // 2) + [2] * (tokens - tokens // 2)], jnp.int32)
+        places = jnp.arange(tokens, dtype=jnp.int32)[None]
+        last = jnp.asarray([[0, tokens // 2 - 1], [0, tokens - 1]], jnp.int32)
+        return prefill(nnx.merge(graphdef, state), cache, segments, places, segments, places, last)
+
     def products(jaxpr) -> int:
         return sum((eqn.primitive.name == "dot_general") + sum(products(sub) for sub in jax_core.jaxprs_in_params(
             eqn.params)) for eqn in jaxpr.eqns)
 
-    return products(jax.make_jaxpr(step)(state, cache).jaxpr)
+    return products(jax.make_jaxpr(step if tokens == 1 else prefilled)(state, cache).jaxpr)
 
 
 def test_a_scanned_models_decode_step_traces_one_block_whatever_its_depth():
@@ -137,6 +145,11 @@ def test_a_scanned_models_decode_step_traces_one_block_whatever_its_depth():
                                      "model.layer_types=[sliding,full,sliding,full,sliding,full]") for n in (2, 6)]
     unrolled = [decode_step_products(f"model.n_layers={n}") for n in (2, 6)]
     assert 0 < scanned[0] == scanned[1] == unrolled[0] // 2 and unrolled[1] == 3 * unrolled[0], (scanned, unrolled)
+    # the packed prefill too: one block whatever the depth (its keys and values written into the pages layer by
+    # layer), where unrolled its program grows with every layer
+    scanned = [decode_step_products(f"model.n_layers={n}", "model.scan_layers=true", tokens=8) for n in (2, 6)]
+    unrolled = [decode_step_products(f"model.n_layers={n}", tokens=8) for n in (2, 6)]
+    assert 0 < scanned[0] == scanned[1] < unrolled[0] and unrolled[1] > unrolled[0], (scanned, unrolled)
 
 
 @pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)

@@ -1,7 +1,7 @@
 """Packed prefill: the prompts packed into rows with segment ids (no padding to the longest), run
-through the training attention (the model's own backend: the flash kernel on a GPU) while each
-layer's keys and values are captured, then written into the prompts' pages; each prompt's next-token
-logits come from its last token.
+through the training attention (the model's own backend: the flash kernel on a GPU), each layer
+writing its keys and values straight into the prompts' pages (:class:`Prefill`, a cache in
+seqjax.model.cache's sense); each prompt's next-token logits come from its last token.
 
     row 0: [p0 p0 p0 p0 p0 | p3 p3 p3 | .  .]      segment ids 1 1 1 1 1 2 2 2 0 0
     row 1: [p1 p1 p1 p1 | p2 p2 p2 p2 p2 p2 ]      positions restart at 0 in each prompt
@@ -28,42 +28,67 @@ from seqjax.model.cache import RecurrentView
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class CaptureLayer:
-    """One layer's view for a prefill: attention as training computes it over the packed rows (the
-    segment mask, the model's backend), the keys and values kept for the pages."""
+class PrefillLayer:
+    """One attention layer's view for a prefill: attention as training computes it over the packed
+    rows (the segment mask, the model's backend), the call's keys and values written straight into
+    the layer's pages at the rows' ``slots`` [R, T] (seqjax.engine.paged.write_pages: ``keys`` and
+    ``values`` are the stack the layer is in, ``layer`` its place, an int or traced)."""
 
-    keys: jax.Array | None
-    values: jax.Array | None
+    keys: jax.Array
+    values: jax.Array
+    layer: jax.Array | int
+    slots: jax.Array
     backend: str = dataclasses.field(metadata=dict(static=True))
 
     def attend(self, q, k, v, *, segment_ids, window, scale, sinks):
         out = attention(q, k, v, segment_ids, backend=self.backend, scale=scale, window=window, sinks=sinks)
-        return out, dataclasses.replace(self, keys=k, values=v)
+        return out, dataclasses.replace(self, keys=write_pages(self.keys, self.layer, self.slots, k),
+                                        values=write_pages(self.values, self.layer, self.slots, v))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Capture:
-    """A cache that holds nothing before the call and every layer's keys and values after it."""
+class Prefill:
+    """The cache a prefill runs through: the paged cache ``kv`` whose pages it fills, and each Gated
+    DeltaNet layer's fresh state row (a RecurrentView that keeps the state after each prompt's last
+    token ``ends`` [prompts, 2] (row, place); None for an attention layer). Scannable as ``kv`` is
+    (stacked blocks, every layer attending: a traced layer index is its place in the one stack), so
+    a model with ``model.scan_layers`` prefills in one ``lax.scan`` over its layers, as it trains
+    and decodes: one block compiled whatever the depth (36 unrolled layers of Qwen3-8B took 16 s of
+    a CPU's compile, 2 layers 4 s; ``scripts/plan_memory.py``'s sampling program), and no layer's
+    keys and values held beyond its own."""
 
-    layers: tuple[CaptureLayer | RecurrentView, ...]
+    kv: PagedKV
+    slots: jax.Array
+    states: tuple[RecurrentView | None, ...]
+    backend: str = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
-    def of(cls, cfg: ModelConfig, ends) -> "Capture":
-        """A view per layer: the attention's capture, or a Gated DeltaNet's fresh state row that
-        keeps the state after each prompt's last token ``ends`` [prompts, 2] (row, place)."""
-        return cls(tuple(RecurrentView(ends=ends) if cfg.mixer_of(i) == "deltanet"
-                         else CaptureLayer(None, None, cfg.attention) for i in range(cfg.n_layers)))
+    def of(cls, cfg: ModelConfig, kv: PagedKV, slots, ends) -> "Prefill":
+        states = tuple(RecurrentView(ends=ends) if cfg.mixer_of(i) == "deltanet" else None
+                       for i in range(cfg.n_layers))
+        return cls(kv, slots, states, cfg.attention)
 
-    scannable = False  # (a prefill runs once: its layers unrolled, each capture its own)
+    @property
+    def scannable(self) -> bool:
+        return self.kv.scannable
 
-    def view(self, i: int, segment_ids):
-        return self.layers[i]
+    def view(self, i, segment_ids):
+        if isinstance(i, int) and self.kv.places[i] is None:
+            return self.states[i]
+        stack, place = (0, i) if not isinstance(i, int) else self.kv.places[i]
+        return PrefillLayer(self.kv.keys[stack], self.kv.values[stack], place, self.slots, self.backend)
 
-    def put(self, i: int, view) -> "Capture":
-        return Capture(self.layers[:i] + (view,) + self.layers[i + 1:])
+    def put(self, i, view) -> "Prefill":
+        if isinstance(view, PrefillLayer):
+            stack = 0 if not isinstance(i, int) else self.kv.places[i][0]
+            keys, values = list(self.kv.keys), list(self.kv.values)
+            keys[stack], values[stack] = view.keys, view.values
+            kv = dataclasses.replace(self.kv, keys=tuple(keys), values=tuple(values))
+            return dataclasses.replace(self, kv=kv)
+        return dataclasses.replace(self, states=self.states[:i] + (view,) + self.states[i + 1:])
 
-    def advanced(self, segment_ids) -> "Capture":
+    def advanced(self, segment_ids) -> "Prefill":
         return self
 
 
@@ -112,27 +137,18 @@ def pack(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: i
 
 
 def prefill(model, cache: PagedKV, inputs, positions, segment_ids, slots, last, images: dict | None = None):
-    """Run the packed rows through ``model`` capturing every layer's keys and values, write them
-    into ``cache``'s pages at ``slots`` [R, T], and return (next-token logits [prompts, V]
-    float32 from the rows' places ``last`` [prompts, 2], the cache, and each Gated DeltaNet
-    layer's state after each prompt: a RecurrentView of [prompts, ...], None for attention layers;
-    packed like the rest, each prompt's state is the one after its own last token, its segment's
-    alone)."""
+    """Run the packed rows through ``model``, every layer's keys and values written into
+    ``cache``'s pages at ``slots`` [R, T], and return (next-token logits [prompts, V] float32 from
+    the rows' places ``last`` [prompts, 2], the cache, and each Gated DeltaNet layer's state after
+    each prompt: a RecurrentView of [prompts, ...], None for attention layers; packed like the
+    rest, each prompt's state is the one after its own last token, its segment's alone)."""
     images = images or {}
-    x, capture = model.decode(inputs, positions=positions, segment_ids=segment_ids,
-                              cache=Capture.of(model.cfg, last), **images)
-
-    layers, keys, values = capture.layers, list(cache.keys), list(cache.values)
-    for where, layer in zip(cache.places, layers):
-        if where is not None:
-            stack, place = where
-            keys[stack] = write_pages(keys[stack], place, slots, layer.keys)
-            values[stack] = write_pages(values[stack], place, slots, layer.values)
-    states = tuple(RecurrentView(layer.conv, layer.state, None)
-                   if isinstance(layer, RecurrentView) else None for layer in layers)
+    x, filled = model.decode(inputs, positions=positions, segment_ids=segment_ids,
+                             cache=Prefill.of(model.cfg, cache, slots, last), **images)
+    states = tuple(None if view is None else RecurrentView(view.conv, view.state, None) for view in filled.states)
     hidden = x[last[:, 0], last[:, 1]]  # [prompts, D]: each prompt's last token
     logits = model.logits(hidden[:, None])[:, 0]
-    return logits, dataclasses.replace(cache, keys=tuple(keys), values=tuple(values)), states
+    return logits, filled.kv, states
 
 
 def one_a_row(prompts: Sequence[Sequence[int]], page_tables: np.ndarray, page_size: int, pages: int, *,

@@ -1,6 +1,6 @@
 """The block's cache seam: what a layer does with its new keys and values when it decodes. The model
-never builds a cache; a caller's cache (seqjax.engine: the paged KV cache of decoding, the capture
-of a packed prefill) hands each layer a view, and the layer's attention asks it to **write, then
+never builds a cache; a caller's cache (seqjax.engine: the paged KV cache of decoding, the
+prefill writing into it) hands each layer a view, and the layer's attention asks it to **write, then
 attend**:
 
     o, view = view.attend(q, k, v, segment_ids=..., window=..., scale=..., sinks=...)
