@@ -143,7 +143,7 @@ def make_train_step(
             (_, terms), g = value_and_grad(params, micro, key, frozen, totals, reference, same)
             return (jax.tree.map(jnp.add, grads, g), objective.combine(sums, terms)), None
 
-        init = (float32_zeros(params), objective.zero_terms())
+        init = (jax.tree.map(jnp.zeros_like, params), objective.zero_terms())
         (grads, sums), _ = jax.lax.scan(accumulate, init, (micros, keys))
         denom = jnp.where(sums.denominator > 0, sums.denominator, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
@@ -153,12 +153,6 @@ def make_train_step(
         return params, opt_state, _metrics(objective, sums, denom, grad_norm, batch)
 
     return step
-
-
-def float32_zeros(params):
-    """Zeros like ``params``, float32 whatever their dtype: the gradients sum in float32, the dtype
-    of the optimizer's moments (seqjax.train.optimizer.moments_in_float32)."""
-    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
 
 
 def step_inputs(objective: Objective, batch: Batch, grad_accum: int, rng, step, model: Callable[[], Any]):
