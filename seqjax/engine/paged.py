@@ -158,26 +158,31 @@ class PagedKV:
         """One stack of every layer, in order: a traced layer index is its place in it."""
         return self.places == tuple((0, i) for i in range(len(self.places)))
 
+    def where(self, i) -> tuple[int, jax.Array | int]:
+        """Attention layer ``i``'s (stack, place in it); a traced ``i`` (scannable) is its place in
+        the one stack."""
+        return (0, i) if not isinstance(i, int) else self.places[i]
+
+    def with_stack(self, i, keys: jax.Array, values: jax.Array) -> "PagedKV":
+        """The cache with attention layer ``i``'s stack replaced by ``keys`` and ``values``."""
+        stack = self.where(i)[0]
+
+        def replaced(stacks, new):
+            return stacks[:stack] + (new,) + stacks[stack + 1:]
+        return dataclasses.replace(self, keys=replaced(self.keys, keys), values=replaced(self.values, values))
+
     def view(self, i, segment_ids: jax.Array):
         """Layer ``i``'s :class:`PagedLayer`, or its state row continuing each row's sequence."""
-        if not isinstance(i, int):  # (a traced layer: scannable)
-            stack, place = 0, i
-        elif self.places[i] is None:  # (a decode token continues its sequence)
+        if isinstance(i, int) and self.places[i] is None:  # (a decode token continues its sequence)
             carry = jnp.ones(segment_ids.shape[:1], segment_ids.dtype)
             return dataclasses.replace(self.recurrent[i], carry=carry)
-        else:
-            stack, place = self.places[i]
+        stack, place = self.where(i)
         return PagedLayer(self.keys[stack], self.values[stack], place, self.page_table, self.lengths,
                           segment_ids, self.attention)
 
     def put(self, i, view) -> "PagedKV":
         if isinstance(view, PagedLayer):
-            stack = 0 if not isinstance(i, int) else self.places[i][0]
-
-            def replaced(stacks, new):
-                return stacks[:stack] + (new,) + stacks[stack + 1:]
-            return dataclasses.replace(self, keys=replaced(self.keys, view.keys),
-                                       values=replaced(self.values, view.values))
+            return self.with_stack(i, view.keys, view.values)
         states = list(self.recurrent)
         states[i] = dataclasses.replace(view, carry=None)
         return dataclasses.replace(self, recurrent=tuple(states))

@@ -76,16 +76,12 @@ class Prefill:
     def view(self, i, segment_ids):
         if isinstance(i, int) and self.kv.places[i] is None:
             return self.states[i]
-        stack, place = (0, i) if not isinstance(i, int) else self.kv.places[i]
+        stack, place = self.kv.where(i)
         return PrefillLayer(self.kv.keys[stack], self.kv.values[stack], place, self.slots, self.backend)
 
     def put(self, i, view) -> "Prefill":
         if isinstance(view, PrefillLayer):
-            stack = 0 if not isinstance(i, int) else self.kv.places[i][0]
-            keys, values = list(self.kv.keys), list(self.kv.values)
-            keys[stack], values[stack] = view.keys, view.values
-            kv = dataclasses.replace(self.kv, keys=tuple(keys), values=tuple(values))
-            return dataclasses.replace(self, kv=kv)
+            return dataclasses.replace(self, kv=self.kv.with_stack(i, view.keys, view.values))
         return dataclasses.replace(self, states=self.states[:i] + (view,) + self.states[i + 1:])
 
     def advanced(self, segment_ids) -> "Prefill":

@@ -91,8 +91,10 @@ def build_optimizer(train: TrainConfig) -> tuple[optax.GradientTransformation, C
 def moments_in_float32(tx: optax.GradientTransformation) -> optax.GradientTransformation:
     """``tx`` whose state starts as it stays: created from the parameters cast to float32, so a
     bfloat16 parameter's moments are float32 from step 0, as every update after the first leaves
-    them (the step's gradient is float32). The same numbers (the first moments are zeros either
-    way), one compiled step instead of two, and a memory plan that counts the moments' real bytes."""
+    them (the step's gradient is float32). The same updates up to float rounding (the first
+    moments are zeros either way; the program that computes them is another), one compiled step
+    instead of two, and a memory plan that counts the moments' real bytes. A float64 parameter
+    keeps float64 moments."""
 
     def init(params):
         return tx.init(jax.tree.map(_as_float32, params))
@@ -102,6 +104,7 @@ def moments_in_float32(tx: optax.GradientTransformation) -> optax.GradientTransf
 
 def _as_float32(leaf):
     dtype = getattr(leaf, "dtype", None)  # (optax.tree_map_params passes a placeholder: kept)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.float32:
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         return leaf
-    return leaf.astype(jnp.float32)
+    wide = jnp.promote_types(dtype, jnp.float32)
+    return leaf if wide == dtype else leaf.astype(wide)  # (float32 itself is not copied)
