@@ -54,7 +54,7 @@ class Prefill:
     token ``ends`` [prompts, 2] (row, place); None for an attention layer). Scannable as ``kv`` is
     (stacked blocks, every layer attending: a traced layer index is its place in the one stack), so
     a model with ``model.scan_layers`` prefills in one ``lax.scan`` over its layers, as it trains
-    and decodes: one block compiled whatever the depth (36 unrolled layers of Qwen3-8B took 16 s of
+    and decodes: one block compiled whatever the depth (36 unrolled layers of Qwen3-8B took 15.6 s of
     a CPU's compile, 2 layers 4 s; ``scripts/plan_memory.py``'s sampling program), and no layer's
     keys and values held beyond its own."""
 
