@@ -41,8 +41,10 @@ class PrefillLayer:
     backend: str = dataclasses.field(metadata=dict(static=True))
 
     def attend(self, q, k, v, *, segment_ids, window, scale, sinks):
-        out = attention(q, k, v, segment_ids, backend=self.backend, scale=scale, window=window, sinks=sinks)
-        return out, dataclasses.replace(self, keys=write_pages(self.keys, self.layer, self.slots, k),
+        out = attention(q, k, v, segment_ids, backend=self.backend, scale=scale, window=window,
+                        sinks=sinks)
+        keys = write_pages(self.keys, self.layer, self.slots, k)
+        return out, dataclasses.replace(self, keys=keys,
                                         values=write_pages(self.values, self.layer, self.slots, v))
 
 
@@ -54,8 +56,8 @@ class Prefill:
     token ``ends`` [prompts, 2] (row, place); None for an attention layer). Scannable as ``kv`` is
     (stacked blocks, every layer attending: a traced layer index is its place in the one stack), so
     a model with ``model.scan_layers`` prefills in one ``lax.scan`` over its layers, as it trains
-    and decodes: one block compiled whatever the depth (36 unrolled layers of Qwen3-8B took 15.6 s of
-    a CPU's compile, 2 layers 4 s; ``scripts/plan_memory.py``'s sampling program), and no layer's
+    and decodes: one block compiled whatever the depth (36 unrolled layers of Qwen3-8B took 15.6 s
+    of a CPU's compile, 2 layers 4 s; ``scripts/plan_memory.py``'s sampling program), and no layer's
     keys and values held beyond its own."""
 
     kv: PagedKV
@@ -141,7 +143,8 @@ def prefill(model, cache: PagedKV, inputs, positions, segment_ids, slots, last, 
     images = images or {}
     x, filled = model.decode(inputs, positions=positions, segment_ids=segment_ids,
                              cache=Prefill.of(model.cfg, cache, slots, last), **images)
-    states = tuple(None if view is None else RecurrentView(view.conv, view.state, None) for view in filled.states)
+    states = tuple(None if view is None else RecurrentView(view.conv, view.state, None)
+                   for view in filled.states)
     hidden = x[last[:, 0], last[:, 1]]  # [prompts, D]: each prompt's last token
     logits = model.logits(hidden[:, None])[:, 0]
     return logits, filled.kv, states
