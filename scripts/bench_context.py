@@ -189,7 +189,9 @@ def train_step_record(args, n: int, kv_path: str, corpus: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     d_model, layers = (int(x) for x in args.train_model.split(","))
     if jax.default_backend() == "cpu":
-        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+        # (the caller's own XLA flags kept: only the device count is this run's)
+        kept = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+        env.update(XLA_FLAGS=" ".join([*kept, f"--xla_force_host_platform_device_count={n}"]), JAX_PLATFORMS="cpu")
     else:  # the first n GPUs
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(n)))
     overrides = [f"run.dir={corpus / 'runs' / f'{n}_{kv_path}'}", "data.corpus=jsonl",

@@ -54,8 +54,9 @@ def overrides(args, folder: Path, run_dir: Path) -> list[str]:
 
 def run(args, folder: Path, name: str) -> dict:
     run_dir = folder / name
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),  # (the caller's XLA flags kept)
+           "XLA_FLAGS": " ".join([*kept, f"--xla_force_host_platform_device_count={args.devices}"])}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "seqjax.train", *overrides(args, folder, run_dir),
                            *SETTINGS[name]], cwd=REPO, env=env, capture_output=True, text=True)
