@@ -78,21 +78,25 @@ def assert_logprobs_are_the_forwards(model, prompts, done, copies):
                                     "model.norm_plus_one=true"), HYBRID],
                          ids=["dense", "scanned", "windows_sinks", "experts", "gated_partial_rope", "deltanet"])
 def test_every_drawn_tokens_log_probability_is_the_training_forwards(extra):
-    """Prompts packed into one prefill row, pages of 4 (prompts ending mid-page: the copy on write), 3 slots
-    for 6 sequences (slots refilled): each token's log-probability under the engine's cache equals the full
-    forward's on the finished sequence; with a sliding window, attention sinks and biases, experts,
-    Qwen3.5's gated attention with partial RoPE, and a Gated DeltaNet layer (each slot's state copied from
-    its prompt's, continued token by token)."""
+    """Two prompts packed into one prefill row, a third longer than engine.prefill_tokens=6 prefilled in two
+    pieces (6 tokens, then 1 continuing it over its pages, while the first two's sequences decode), pages of
+    4 (prompts and the pieces' cut ending mid-page: the copy on write), 3 slots for 6 sequences (slots
+    refilled): each token's log-probability under the engine's cache equals the full forward's on the
+    finished sequence; with a sliding window, attention sinks and biases, experts, Qwen3.5's gated
+    attention with partial RoPE, and a Gated DeltaNet layer (each slot's state copied from its prompt's,
+    continued token by token; the second piece's from the first's, its convolution window reaching back
+    into it)."""
     model = model_of(*extra)
-    prompts = prompts_of([5, 9, 3])
-    engine = Engine(model, EngineConfig(slots=3, page_size=4))
+    prompts = prompts_of([5, 1, 7])
+    engine = Engine(model, EngineConfig(slots=3, page_size=4, prefill_tokens=6))
     done = engine.run(prompts, max_new_tokens=9, stop_ids=[], sampling=SamplingConfig(temperature=1.0),
                       key=jax.random.key(1), copies=2)
     assert [len(c.tokens) for c in done] == [9] * 6
     assert_logprobs_are_the_forwards(model, prompts, done, 2)
-    # (rows of 16, packed: a Gated DeltaNet's too, each prompt's state the one after its own last token)
-    assert engine.stats["prefill_rows"] == 2
-    assert engine.stats["prompt_pages"] == 2 + 3 + 1
+    # (one row packed: a Gated DeltaNet's too, each prompt's state the one after its own last token; then
+    # the pieces, a row each, beside the decoding slots)
+    assert (engine.stats["prefill_rows"], engine.stats["pieces"], engine.stats["waves_beside_decode"]) == (3, 2, 2)
+    assert engine.stats["prompt_pages"] == 2 + 1 + 2
 
 
 def test_greedy_tokens_are_the_argmax_of_full_forward_passes():
@@ -154,14 +158,14 @@ def test_a_scanned_models_decode_step_traces_one_block_whatever_its_depth():
 
 @pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 @settings(max_examples=6, deadline=None)
-@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), slots=st.integers(1, 7),
+@given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4), slots=st.integers(1, 7),
        page_size=st.sampled_from([1, 2, 4, 8, 16]), spare=st.integers(0, 3), seed=st.integers(0, 3),
-       waves=st.sampled_from([0, 8, 20]))
+       waves=st.sampled_from([0, 5, 8, 20]))
 def test_sampling_is_a_function_of_seed_prompt_completion_and_position_only(lengths, slots, page_size, spare, seed,
                                                                               waves):
     """The same completions (tokens and log-probabilities) whatever the slots, the page size, a pool only just
     large enough (sequences then wait for pages), the order in which sequences end (a stop id), the waves a
-    request is cut into (engine.prefill_tokens)."""
+    request is cut into and the pieces a prompt longer than engine.prefill_tokens is prefilled in."""
     model = model_of()
     prompts = prompts_of(lengths, seed)
     run = functools.partial(sample_rollouts, model, prompts, stop_ids=[7, 11], max_new_tokens=10,
@@ -178,11 +182,12 @@ def test_sampling_is_a_function_of_seed_prompt_completion_and_position_only(leng
 
 @pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 def test_a_request_of_more_prompt_tokens_than_engine_prefill_tokens_runs_in_waves_and_samples_the_same():
-    """engine.prefill_tokens=12: prompts of 9, 3, 14, 5 and 7 tokens run in three waves of whole prompts, in order
-    ([9, 3], [14] alone, longer than the budget, [5, 7]), each next one prefilled between decode steps while the
-    last one's sequences still decode: the same tokens and log-probabilities as one wave, each sequence streamed
-    under its index in the request. A pool of 7 pages (a wave's 4 prompt pages and one sequence's 3) runs it too,
-    where the prompts together take 12: each prompt's pages go back once its last completion ends."""
+    """engine.prefill_tokens=12: prompts of 9, 3, 14, 5 and 7 tokens run in four waves, in order ([9, 3], then
+    14, longer than the budget, alone in two pieces of 12 and 2 tokens, then [5, 7]), each next one prefilled
+    between decode steps while the last one's sequences still decode: the same tokens and log-probabilities as
+    one wave, each sequence streamed under its index in the request. A pool of 7 pages (a wave's 4 prompt pages
+    and one sequence's 3) runs it too, where the prompts together take 12: each prompt's pages go back once its
+    last completion ends."""
     model = model_of()
     prompts = prompts_of([9, 3, 14, 5, 7], seed=6)
 
@@ -193,13 +198,13 @@ def test_a_request_of_more_prompt_tokens_than_engine_prefill_tokens_runs_in_wave
                           key=jax.random.key(2), copies=2, on_done=lambda i, c: streamed.__setitem__(i, c))
         return done, streamed, engine.stats
 
-    (whole, _, one), (waved, streamed, three) = run(0), run(12)
-    assert (one["waves"], three["waves"]) == (1, 3) and three["sequences"] == 10
-    assert three["waves_beside_decode"] == 2 and one["waves_beside_decode"] == 0
+    (whole, _, one), (waved, streamed, cut) = run(0), run(12)
+    assert (one["waves"], cut["waves"], cut["pieces"]) == (1, 4, 2) and cut["sequences"] == 10
+    assert cut["waves_beside_decode"] == 3 and one["waves_beside_decode"] == 0
     assert [c.tokens for c in waved] == [c.tokens for c in whole] and len({len(c.tokens) for c in whole}) > 1
     np.testing.assert_allclose([x for c in waved for x in c.logprobs], [x for c in whole for x in c.logprobs],
                                rtol=1e-5, atol=1e-5)
-    assert streamed == dict(enumerate(waved)) and three["new_tokens"] == one["new_tokens"]
+    assert streamed == dict(enumerate(waved)) and cut["new_tokens"] == one["new_tokens"]
     tight, _, stats = run(12, pages=7)
     assert stats["pages"] == 7 < stats["prompt_pages"] == 12
     assert [c.tokens for c in tight] == [c.tokens for c in whole]

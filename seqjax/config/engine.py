@@ -29,8 +29,9 @@ class EngineConfig:
     prefill_tokens: int = setting(
         65536, "prompt tokens a request prefills at once: a request with more runs in waves of "
         "whole prompts, in order, each next one prefilled between decode steps once the last one's "
-        "sequences have all started, so a prompts file of any length fits the KV cache (0: every "
-        "prompt at once); no sampled token changes",
+        "sequences have all started, so a prompts file of any length fits the KV cache; a longer "
+        "prompt is prefilled in pieces of this many tokens, a decode step between two (chunked "
+        "prefill) (0: every prompt at once); no sampled token changes",
         min=0)
     attention: str = setting(
         "auto", "decode attention over the pages: xla (each slot's pages gathered, the paged mask; "

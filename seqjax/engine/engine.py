@@ -11,7 +11,10 @@ One compiled program a run: the first wave's prefill (its prompts once, packed),
 (one ``lax.while_loop``) over the cache it filled; a request of more prompt tokens than
 ``engine.prefill_tokens`` runs in waves, each next wave prefilled inside the loop, between decode
 steps, as soon as the last wave's sequences have all started and a slot is free, into pages the
-pool gives it (a prompt's pages go back once its last completion ends). Its shapes are bucketed to
+pool gives it (a prompt's pages go back once its last completion ends). A prompt longer than
+``engine.prefill_tokens`` is prefilled in pieces of that many tokens, one wave each (chunked
+prefill): its first packed as any wave, taking all its pages; each next one continuing it over the
+pages written so far, through the decode step's paged attention. Its shapes are bucketed to
 powers of two, so a run of another size usually reuses them."""
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from seqjax.core.progress import log_once
 from seqjax.engine import loop
 from seqjax.engine.paged import PagedKV
 from seqjax.engine.prefill import _bucket, one_a_row, pack, prefill
+from seqjax.model.cache import RecurrentView
 from seqjax.model.sampling import SamplingConfig
 
 _LOG = logging.getLogger(__name__)
@@ -64,6 +68,7 @@ class Plan:
     kv_bytes: int
     shrink_to: int = 0
     attention: str = "xla"
+    pieces: bool = False  # (some prompt is prefilled in pieces: the wave's program takes both forms)
 
 
 class Engine:
@@ -82,7 +87,7 @@ class Engine:
         self.stats: dict = {}
 
     def plan(self, lengths: Sequence[int], copies: int, max_new: int, memory: bool = True,
-             waves: Sequence[tuple[int, int]] = ()) -> Plan:
+             waves: Sequence["Wave"] = ()) -> Plan:
         """The sizes for prompts of ``lengths``, ``copies`` completions each, prefilled in ``waves``
         (first, end) (none: one), refused in one line when a prompt can never fit or
         (``memory``) the cache cannot fit in the memory free here."""
@@ -99,9 +104,9 @@ class Engine:
                              f"{lengths[longest]} of model.max_seq_len={limit} tokens")
         sequences = len(lengths) * copies
         slots = min(sequences, self.config.slots or DEFAULT_SLOTS)
-        waves = list(waves) or [(0, len(lengths))]
+        waves = list(waves) or [Wave(0, len(lengths))]
         # (the largest wave's prompts; with more waves, room for the next one's beside it)
-        prompt_pages = max(sum(-(-n // size) for n in lengths[a:b]) for a, b in waves)
+        prompt_pages = max(sum(-(-n // size) for n in lengths[w.first:w.end]) for w in waves)
         need = max(int(n % size + max_new + size - 1) // size for n in lengths)
         least = prompt_pages + need
         held = prompt_pages * min(2, len(waves))
@@ -115,7 +120,7 @@ class Engine:
         itemsize = jnp.dtype(cfg.compute_dtype).itemsize
         per_page = 2 * attention * size * cfg.kv_heads * cfg.head_dim * itemsize
         # (each slot's, and each prompt's of a wave kept)
-        states = (slots + max(b - a for a, b in waves)) * _state_bytes(cfg)
+        states = (slots + max(w.end - w.first for w in waves)) * _state_bytes(cfg)
         # (each cut is one more compiled loop body: worth it where the tail it saves can be long)
         shrink_to = self.config.shrink_to if max_new >= SHRINK_FROM_NEW_TOKENS else 0
         plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states, shrink_to,
@@ -144,8 +149,9 @@ class Engine:
         if max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens: got {max_new_tokens}, expected at least 1")
         lengths = [len(p) for p in prompts]
-        waves = [(0, len(prompts))] if images else _waves(lengths, self.config.prefill_tokens)
+        waves = [Wave(0, len(prompts))] if images else _waves(lengths, self.config.prefill_tokens)
         plan = self.plan(lengths, copies, max_new_tokens, waves=waves)
+        plan = dataclasses.replace(plan, pieces=any(w.start for w in waves))
         rows, filled = self.rows(prompts, waves, plan, images)
         pool = loop.Pool(jnp.arange(plan.pages - 1, -1, -1, dtype=jnp.int32), jnp.int32(plan.pages), jnp.int32(0))
         _LISTENERS.append(on_done)
@@ -162,22 +168,22 @@ class Engine:
                       "kv_bytes": plan.kv_bytes, "prefill_rows": filled,
                       "slot_steps": slot_steps, "token_steps": token_steps,
                       "slot_use": token_steps / max(slot_steps, 1), "new_tokens": int(lengths_out.sum()),
-                      "waves": len(waves), "waves_beside_decode": int(out.waves_beside_decode)}
+                      "waves": len(waves), "waves_beside_decode": int(out.waves_beside_decode),
+                      "pieces": sum(w.stop is not None for w in waves)}
         return [Completion(tokens[i, :lengths_out[i]].tolist(), bool(stopped[i]),
                            logprobs[i, :lengths_out[i]].tolist()) for i in range(len(tokens))]
 
-    def rows(self, prompts, waves: Sequence[tuple[int, int]], plan: Plan,
-             images: dict | None) -> tuple["Rows", int]:
-        """Each wave's prefill rows (packed; one prompt a row with images), stacked and padded
-        to one shape, its prompts' page tables counting from 0 (the pages it is given replace them
-        on the device); and how many rows hold prompts, over the waves."""
+    def rows(self, prompts, waves: Sequence["Wave"], plan: Plan, images: dict | None) -> tuple["Rows", int]:
+        """Each wave's prefill rows (packed; one prompt a row with images; a piece's tokens in one
+        row), stacked and padded to one shape, its prompts' page tables counting from 0 (the pages
+        it is given replace them on the device); and how many rows hold prompts, over the waves."""
         if images and "linear" in self.model.cfg.layer_types:
             raise UsageError("the engine: images with linear layers (model.layer_types); expected "
                              "a model of attention layers for image prompts")
         lengths = [len(p) for p in prompts]
         width = min(_eighths(max(-(-n // plan.page_size) for n in lengths)), plan.table)
-        parts = [self._wave_rows(prompts[a:b], _prompt_tables(lengths[a:b], plan, width), plan, images)
-                 for a, b in waves]
+        parts = [self._wave_rows(prompts, w, _prompt_tables(lengths[w.first:w.end], plan, width), plan, images)
+                 for w in waves]
         count = _bucket(len(waves), 1)  # (few shapes to compile for: waves past the last are empty)
         r, t = (max(np.shape(part["inputs"])[i] for part in parts) for i in (0, 1))
         m = max(len(part["lengths"]) for part in parts)
@@ -188,19 +194,28 @@ class Engine:
                 out[(w, *(slice(0, d) for d in np.shape(part[name])))] = part[name]
             return jnp.asarray(out)
 
+        def per_wave(values, fill=0) -> jax.Array:
+            return jnp.asarray(np.pad(values, (0, count - len(waves)), constant_values=fill), jnp.int32)
+
         rows = Rows(stacked("inputs", 0, (r, t)), stacked("positions", 0, (r, t)),
                     stacked("segment_ids", 0, (r, t)), stacked("slots", plan.pages * plan.page_size, (r, t)),
                     stacked("last", 0, (m, 2)), stacked("tables", plan.pages, (m, width)),
                     stacked("lengths", 0, (m,)), stacked("next_position", 0, (m,)),
-                    jnp.asarray(np.pad([a for a, _ in waves], (0, count - len(waves)), constant_values=len(prompts)),
-                                jnp.int32),
-                    jnp.asarray(np.pad([b - a for a, b in waves], (0, count - len(waves))), jnp.int32),
-                    jnp.asarray(np.pad([part["pages"] for part in parts], (0, count - len(waves))), jnp.int32),
-                    {k: jnp.asarray(v) for k, v in (images or {}).items()})
+                    per_wave([w.first for w in waves], len(prompts)),
+                    per_wave([part["count"] for part in parts]), per_wave([part["pages"] for part in parts]),
+                    per_wave([w.start for w in waves]), {k: jnp.asarray(v) for k, v in (images or {}).items()})
         return rows, sum(part["filled"] for part in parts)
 
-    def _wave_rows(self, prompts, tables: np.ndarray, plan: Plan, images: dict | None) -> dict:
-        """One wave's rows, last places, tables, lengths and next positions (numpy)."""
+    def _wave_rows(self, prompts, wave: "Wave", tables: np.ndarray, plan: Plan, images: dict | None) -> dict:
+        """One wave's rows, last places, tables, lengths, next positions, the sequences it starts
+        and the pages it takes (numpy). A prompt's first piece is packed as a wave of its own and
+        takes every page of the prompt; its later pieces take none, and its last starts its
+        sequences."""
+        prompts = prompts[wave.first:wave.end]
+        if wave.start:
+            return _piece_rows(prompts[0], wave, tables.shape[1], plan)
+        if wave.stop is not None:  # (a first piece: its pages the whole prompt's, in ``tables``)
+            prompts = [prompts[0][:wave.stop]]
         if images:
             inputs, positions, segment_ids, slots, last = _image_rows(prompts, tables, plan)
             next_position = np.asarray(images["positions_3d"])[..., 0][last[:, 0], last[:, 1]] + 1
@@ -212,14 +227,16 @@ class Engine:
         return {"inputs": inputs, "positions": positions, "segment_ids": segment_ids, "slots": slots,
                 "last": last, "tables": tables, "lengths": np.asarray([len(p) for p in prompts], np.int32),
                 "next_position": np.asarray(next_position, np.int32),
+                "count": 0 if wave.stop is not None else len(prompts),
                 "pages": int((tables < plan.pages).sum()), "filled": int((segment_ids.max(axis=1) > 0).sum())}
 
 
 class Rows(NamedTuple):
     """Every wave's prefill rows [W, R, T] (inputs, positions, segment ids, each token's place in
     the wave's pages), each prompt's last token (row, column) [W, M, 2], page table (the wave's
-    pages counted from 0), length and first new position [W, M]; each wave's first prompt, prompt
-    count and page count [W]; and image fields (one wave)."""
+    pages counted from 0), length and first new position [W, M]; each wave's first prompt, count of
+    prompts whose sequences it starts, page count and first place in its prompt (0 but for a
+    prompt's later pieces) [W]; and image fields (one wave)."""
 
     inputs: jax.Array
     positions: jax.Array
@@ -232,19 +249,54 @@ class Rows(NamedTuple):
     first: jax.Array
     count: jax.Array
     pages: jax.Array
+    offset: jax.Array
     images: dict
 
 
-def _waves(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
-    """The request's prompts cut, in order, into runs (first, end) of at most ``budget`` prompt
-    tokens each (a longer prompt alone; 0: one run of all)."""
+class Wave(NamedTuple):
+    """One prefill: prompts [first, end) whole, or (``stop`` set) the piece [start, stop) of the one
+    prompt ``first``, longer than engine.prefill_tokens."""
+
+    first: int
+    end: int
+    start: int = 0
+    stop: int | None = None
+
+
+def _waves(lengths: Sequence[int], budget: int) -> list[Wave]:
+    """The request's prompts cut, in order, into waves of at most ``budget`` prompt tokens each (0:
+    one wave of all); a longer prompt alone, in pieces of ``budget`` tokens (chunked prefill).
+
+    >>> _waves([9, 3, 14, 5, 7], 12)  # doctest: +NORMALIZE_WHITESPACE
+    [Wave(first=0, end=2, start=0, stop=None), Wave(first=2, end=3, start=0, stop=12),
+     Wave(first=2, end=3, start=12, stop=14), Wave(first=3, end=5, start=0, stop=None)]
+    """
     waves, first, total = [], 0, 0
     for i, n in enumerate(lengths):
         if budget and i > first and total + n > budget:
-            waves.append((first, i))
+            waves.append(Wave(first, i))
             first, total = i, 0
+        if budget and n > budget:
+            waves += [Wave(i, i + 1, start, min(start + budget, n)) for start in range(0, n, budget)]
+            first = i + 1
+            continue
         total += n
-    return waves + [(first, len(lengths))]
+    return waves + [Wave(first, len(lengths))] * (first < len(lengths))
+
+
+def _piece_rows(prompt, wave: Wave, width: int, plan: Plan) -> dict:
+    """A later piece of a prompt as one row from its start: its tokens at their positions in the
+    prompt; no page of its own (it writes into the pages its first piece took, which the device
+    knows); the prompt's sequences started by its last piece."""
+    n, t = wave.stop - wave.start, _bucket(wave.stop - wave.start, 16)
+    inputs, positions, segment_ids = (np.zeros((1, t), np.int32) for _ in range(3))
+    inputs[0, :n], segment_ids[0, :n] = prompt[wave.start:wave.stop], 1
+    positions[0, :n] = np.arange(wave.start, wave.stop)
+    return {"inputs": inputs, "positions": positions, "segment_ids": segment_ids,
+            "slots": np.full((1, t), plan.pages * plan.page_size, np.int64), "last": np.asarray([[0, n - 1]]),
+            "tables": np.full((1, width), plan.pages, np.int32), "lengths": np.asarray([len(prompt)], np.int32),
+            "next_position": np.asarray([len(prompt)], np.int32), "count": int(wave.stop == len(prompt)),
+            "pages": 0, "filled": 1}
 
 
 def _eighths(n: int, least: int = 1) -> int:
@@ -305,18 +357,22 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, prompts: int, copie
     model = nnx.merge(graphdef, state)
     cache = PagedKV.empty(model.cfg, plan.pages, plan.page_size, plan.slots, plan.table, plan.attention)
 
-    def wave(cache: PagedKV, pool: loop.Pool, w) -> tuple[PagedKV, loop.Pool, loop.Requests]:
-        return _prefill_wave(model, cache, pool, rows, w, plan, copies)
+    def wave(cache: PagedKV, pool: loop.Pool, w, last=None) -> tuple[PagedKV, loop.Pool, loop.Requests]:
+        if not plan.pieces or last is None:  # (the first wave is never a later piece)
+            return _prefill_wave(model, cache, pool, rows=rows, w=w, plan=plan, copies=copies)
+        return jax.lax.cond(rows.offset[w] > 0, functools.partial(_continue_prompt, model, rows, w, copies),
+                            functools.partial(_prefill_wave, model, rows=rows, w=w, plan=plan, copies=copies),
+                            cache, pool, last)
 
     cache, pool, requests = wave(cache, pool, 0)
     return loop.decode(model, cache, requests, pool, copies=copies, max_new=max_new, stops=stops,
                        settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None,
                        stop_sequences=stop_sequences, shrink_to=plan.shrink_to, prompts=prompts,
                        next_wave=wave if rows.first.shape[0] > 1 else None, wave_pages=rows.pages,
-                       waves=jnp.sum(rows.count > 0))
+                       waves=jnp.sum(rows.first < prompts))
 
 
-def _prefill_wave(model, cache: PagedKV, pool: loop.Pool, rows: Rows, w, plan: Plan, copies: int):
+def _prefill_wave(model, cache: PagedKV, pool: loop.Pool, last=None, *, rows: Rows, w, plan: Plan, copies: int):
     """Wave ``w``'s prompts prefilled into pages taken from the top of the pool's stack: its
     tables' and token places' page numbers (counted from 0) become those pages."""
     def at(a):
@@ -341,6 +397,35 @@ def _prefill_wave(model, cache: PagedKV, pool: loop.Pool, rows: Rows, w, plan: P
                              states if any(s is not None for s in states) else (), first,
                              (first + at(rows.count)) * copies)
     return cache, pool._replace(top=pool.top - count), requests
+
+
+def _continue_prompt(model, rows: Rows, w, copies: int, cache: PagedKV, pool: loop.Pool, last: loop.Requests):
+    """Wave ``w``, a later piece of the prompt the last wave prefilled (the first of ``last``'s
+    prompts): its tokens continue the prompt over the pages written so far (the decode step's
+    paged attention, a row of many tokens), each Gated DeltaNet layer from the state and
+    convolution window the last piece left; its next-token logits and states replace the last
+    piece's."""
+    def at(a):
+        return jax.lax.dynamic_index_in_dim(a, w, keepdims=False)
+
+    inputs, segment_ids, place = at(rows.inputs)[:1], at(rows.segment_ids)[:1], at(rows.last)[:1]
+    states = tuple(None if s is None else RecurrentView(s.conv[:1], s.state[:1], None, place)
+                   for s in (last.prompt_states or (None,) * len(cache.recurrent)))
+    piece = dataclasses.replace(cache, page_table=last.prompt_pages[:1], lengths=at(rows.offset)[None],
+                                recurrent=states)
+    x, piece = model.decode(inputs, positions=at(rows.positions)[:1], segment_ids=segment_ids, cache=piece)
+    logits = model.logits(x[:, place[0, 1]][:, None])[:, 0].astype(jnp.float32)
+
+    def first_replaced(kept, new):
+        return kept.at[:1].set(new.astype(kept.dtype))
+
+    kept = tuple(None if s is None else RecurrentView(*map(first_replaced, (s.conv, s.state), (n.conv, n.state)))
+                 for s, n in zip(last.prompt_states, piece.recurrent))
+    first = at(rows.first)
+    requests = last._replace(prompt_lengths=at(rows.lengths), prompt_next=at(rows.next_position),
+                             prompt_logits=first_replaced(last.prompt_logits, logits), prompt_states=kept,
+                             first=first, end=(first + at(rows.count)) * copies)
+    return dataclasses.replace(cache, keys=piece.keys, values=piece.values), pool, requests
 
 
 def decode_attention(name: str) -> str:

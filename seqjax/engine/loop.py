@@ -49,13 +49,14 @@ class Requests(NamedTuple):
 
 class Waves(NamedTuple):
     """The waves' bookkeeping: the wave being started from, each prompt's completions not yet
-    ended and its pages [prompts (+ a wave's padding), P], and the waves prefilled beside a
-    decoding slot."""
+    ended and its pages [prompts (+ a wave's padding), P], the waves prefilled beside a
+    decoding slot, and whether a decode step ran since the last prefill."""
 
     index: jax.Array
     refs: jax.Array
     tables: jax.Array
     beside: jax.Array
+    stepped: jax.Array
 
 
 class Slots(NamedTuple):
@@ -108,8 +109,10 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
     finish. ``shrink_to``: once no sequence waits, the step cuts its rows to two thirds each time
     the decoding slots fit (:func:`widths`; moved to the front, their pages stay where they are),
     down to this many (0: never), so the last long completions do not carry idle slots.
-    ``next_wave(cache, pool, w) -> (cache, pool, requests)``: wave ``w`` (of ``waves``, each
-    taking ``wave_pages[w]`` pages) prefilled (None: one wave)."""
+    ``next_wave(cache, pool, w, last) -> (cache, pool, requests)``: wave ``w`` (of ``waves``, each
+    taking ``wave_pages[w]`` pages) prefilled, ``last`` the requests of the wave before it (None:
+    one wave); between two prefills the decoding slots take at least one step, so a long prompt's
+    pieces never hold them up for more than one piece at a time."""
     n = prompts * copies
     table = cache.page_table.shape[1]
     size, pages = cache.page_size, cache.pages
@@ -151,16 +154,12 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
         cache, state, pool = _release(cache, state, pool, stop, pages)
         book, pool = _prompts_ended(book, pool, stop, seq // copies, pages)
         cache, state, pool = _admit(cache, state, pool, requests, copies, max_new, size, pages)
-        return cache, state, pool, out, requests, book
+        return cache, state, pool, out, requests, book._replace(stepped=jnp.bool_(True))
 
     carry = (cache, state, pool, out, requests, book)
-    if next_wave is not None:  # (the steps between two waves' prefills: the step as it is, no branch in it)
-        def wave(carry):
-            carry = jax.lax.while_loop(lambda c: more(c) & ~_due(c, wave_pages, waves), step, carry)
-            begin = functools.partial(_next_wave, next_wave, copies, max_new)
-            return jax.lax.cond(_due(carry, wave_pages, waves), begin, lambda c: c, carry)
-
-        carry = jax.lax.while_loop(lambda c: more(c) & (c[5].index + 1 < waves), wave, carry)
+    if next_wave is not None:
+        carry = _in_waves(more, step, carry, functools.partial(_next_wave, next_wave, copies, max_new),
+                          wave_pages, waves)
     carry = _phases(more, step, carry, slots, shrink_to, n)
     return carry[3]._replace(waves_beside_decode=carry[5].beside)
 
@@ -175,7 +174,8 @@ def _empty(requests: Requests, slots: int, prompts: int, copies: int, max_new: i
                   jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool), jnp.int32(0), jnp.int32(0), jnp.int32(0))
     wide = requests.prompt_pages.shape[0]  # (a wave's prompts: its padding may run past the last prompt)
     book = Waves(jnp.int32(0), jnp.full((prompts + wide,), copies, jnp.int32),
-                 jnp.full((prompts + wide, requests.prompt_pages.shape[1]), pages, jnp.int32), jnp.int32(0))
+                 jnp.full((prompts + wide, requests.prompt_pages.shape[1]), pages, jnp.int32), jnp.int32(0),
+                 jnp.bool_(False))
     return state, out, _began(book, requests)
 
 
@@ -201,6 +201,20 @@ def _prompts_ended(book: Waves, pool: Pool, stop, prompt, pages: int) -> tuple[W
     return book._replace(refs=refs), pool
 
 
+def _in_waves(more, step, carry, begin, wave_pages, waves):
+    """The decode loop while waves remain: ``step`` until the next wave is due, and at least once
+    between two prefills while a slot decodes; then ``begin`` it. (The step as it is, no branch in
+    it: one compiled body.)"""
+    def steps(c):
+        return more(c) & (~_due(c, wave_pages, waves) | (~c[5].stepped & jnp.any(c[1].sequence >= 0)))
+
+    def wave(carry):
+        carry = jax.lax.while_loop(steps, step, carry)
+        return jax.lax.cond(_due(carry, wave_pages, waves), begin, lambda c: c, carry)
+
+    return jax.lax.while_loop(lambda c: more(c) & (c[5].index + 1 < waves), wave, carry)
+
+
 def _due(carry, wave_pages, waves) -> jax.Array:
     """Whether the next wave is prefilled now: every sequence of this one has started, a slot is
     free, and the pool can give its prompts' pages beyond what the decoding slots may still take."""
@@ -212,11 +226,13 @@ def _due(carry, wave_pages, waves) -> jax.Array:
 
 
 def _next_wave(next_wave, copies: int, max_new: int, carry):
-    """The next wave prefilled and its first sequences started."""
-    cache, state, pool, out, _, book = carry
+    """The next wave prefilled (from the last one's requests where it continues its prompt) and its
+    first sequences started."""
+    cache, state, pool, out, last, book = carry
     following = book.index + 1
-    cache, pool, requests = next_wave(cache, pool, following)
-    book = _began(book, requests)._replace(index=following, beside=book.beside + jnp.any(state.sequence >= 0))
+    cache, pool, requests = next_wave(cache, pool, following, last)
+    book = _began(book, requests)._replace(index=following, beside=book.beside + jnp.any(state.sequence >= 0),
+                                           stepped=jnp.bool_(False))
     cache, state, pool = _admit(cache, state, pool, requests, copies, max_new, cache.page_size, cache.pages)
     return cache, state, pool, out, requests, book
 

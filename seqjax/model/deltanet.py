@@ -157,7 +157,7 @@ def continued(params: dict, x: jax.Array, segment_ids: jax.Array, view: Recurren
     o = gated_rms_norm(o, z, params["norm"].astype(dtype), eps).astype(dtype)
     out = project("out_proj", o.reshape(b, t, value_heads * dv))
     if view.ends is not None:
-        return out, RecurrentView(_windows_at(view.ends, inputs, segment_ids, width), state, None)
+        return out, RecurrentView(_windows_at(view.ends, extended, ids, width), state, None)
     window = extended[:, -(width - 1):] if width > 1 else history
     return out, RecurrentView(window, state, None)
 
@@ -166,8 +166,10 @@ def _windows_at(ends: jax.Array, inputs: jax.Array, segment_ids: jax.Array,
                 width: int) -> jax.Array:
     """The convolution window after each token ``ends`` [E, 2] (row, place) names: the last
     ``width`` - 1 inputs [E, width - 1, C] up to it, oldest first, zeros before its segment's start
-    (a fresh row's window, as its document gets alone)."""
-    row, place = ends[:, 0], ends[:, 1]
+    (a fresh row's window, as its document gets alone). ``inputs`` and ``segment_ids`` lead with
+    the row's window before the call (``width`` - 1 places, the segment it continues: a later
+    piece of a prompt reaches into it; a fresh row's, segment 0, never)."""
+    row, place = ends[:, 0], ends[:, 1] + width - 1
     back = place[:, None] - jnp.arange(width - 2, -1, -1)[None, :]  # [E, width - 1]
     at = jnp.clip(back, 0, inputs.shape[1] - 1)
     own = (back >= 0) & (segment_ids[row[:, None], at] == segment_ids[row, place][:, None])
