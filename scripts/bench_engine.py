@@ -149,7 +149,7 @@ def seqjax_samplers(spec: dict) -> dict:
             out[name] = {"engine": {"seconds": round(seconds, 3), "first_call_s": round(first, 2), "new_tokens": tokens,
                                     "new_tokens_per_s": round(tokens / seconds, 1),
                                     "slot_use": round(engine.stats["slot_use"], 4), "slots": engine.stats["slots"],
-                                    "waves": engine.stats["waves"],
+                                    "waves": engine.stats["waves"], "pieces": engine.stats.get("pieces", 0),
                                     "attention": decode_attention(engine.config.attention),
                                     "kv_bytes_per_group": int(group_pages * size * kv_token)}}
             bandwidth = hbm_gb_s(spec["hbm_gb_s"])
@@ -314,7 +314,10 @@ def worktree_run(commit: str, spec: dict) -> dict:
                                capture_output=True, text=True)
         if added.returncode == 0:
             try:
-                merge(result, in_subprocess(sys.executable, spec, tree))
+                part = in_subprocess(sys.executable, spec, tree)
+                merge(result, part)
+                if "error" in part:  # (merge keeps the workloads' rows only)
+                    result["error"] = part["error"]
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
         else:

@@ -64,10 +64,11 @@ def generate(model, prompts: Sequence[Sequence[int]], *, eot_id: int | Sequence[
                       key=jax.random.key(seed), copies=copies, images=images, stop_sequences=stop_sequences,
                       on_done=None if on_done is None else lambda i, c: on_done(i, generation(c)))
     s = runner.stats
-    log.info("engine: %d sequences on %d slots in %d wave(s) (%.0f%% of slot steps decoded a "
+    log.info("engine: %d sequences on %d slots in %d wave(s)%s (%.0f%% of slot steps decoded a "
              "token), %d pages of %d tokens (%d hold the prompts once), %.1f MB of keys and values",
-             s["sequences"], s["slots"], s["waves"], 100 * s["slot_use"], s["pages"],
-             s["page_size"], s["prompt_pages"], s["kv_bytes"] / 1e6)
+             s["sequences"], s["slots"], s["waves"],
+             f", {s['pieces']} of them pieces of prompts longer than engine.prefill_tokens" if s["pieces"] else "",
+             100 * s["slot_use"], s["pages"], s["page_size"], s["prompt_pages"], s["kv_bytes"] / 1e6)
     return [generation(c) for c in done]
 
 
