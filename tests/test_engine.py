@@ -21,6 +21,7 @@ from seqjax.config.engine import EngineConfig
 from seqjax.config.load import load_config
 from seqjax.core.errors import UsageError
 from seqjax.engine import Engine, generate, sample_rollouts
+from seqjax.engine.engine import _waves
 from seqjax.engine.paged import PagedKV
 from seqjax.engine.prefill import prefill
 from seqjax.model import build_model
@@ -208,6 +209,17 @@ def test_a_request_of_more_prompt_tokens_than_engine_prefill_tokens_runs_in_wave
     tight, _, stats = run(12, pages=7)
     assert stats["pages"] == 7 < stats["prompt_pages"] == 12
     assert [c.tokens for c in tight] == [c.tokens for c in whole]
+
+
+def test_a_plan_knows_its_pieces_and_rows_refuse_a_plan_made_for_other_waves():
+    """The program compiled for a run takes later pieces only where its plan says so (Engine.plan, from the
+    waves); rows cut otherwise than the plan's waves are refused before anything compiles."""
+    engine = Engine(model_of(), EngineConfig(page_size=4))
+    cut, whole = _waves([9, 3], 4), _waves([9, 3], 0)
+    assert [(w.start, w.stop) for w in cut] == [(0, 4), (4, 8), (8, 9), (0, None)]
+    assert engine.plan([9, 3], 2, 4, waves=cut).pieces and not engine.plan([9, 3], 2, 4, waves=whole).pieces
+    with pytest.raises(ValueError, match="the plan was made for other waves"):
+        engine.rows(prompts_of([9, 3]), whole, engine.plan([9, 3], 2, 4, waves=cut), None)
 
 
 def test_a_group_stores_its_prompt_once_and_slots_take_the_next_sequence_as_one_ends():

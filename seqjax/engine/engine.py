@@ -124,7 +124,7 @@ class Engine:
         # (each cut is one more compiled loop body: worth it where the tail it saves can be long)
         shrink_to = self.config.shrink_to if max_new >= SHRINK_FROM_NEW_TOKENS else 0
         plan = Plan(slots, size, pages, prompt_pages, table, pages * per_page + states, shrink_to,
-                    decode_attention(self.config.attention))
+                    decode_attention(self.config.attention), pieces=any(w.start for w in waves))
         free = _free_bytes() if memory else None
         if free is not None and plan.kv_bytes > free:
             raise UsageError(
@@ -151,7 +151,6 @@ class Engine:
         lengths = [len(p) for p in prompts]
         waves = [Wave(0, len(prompts))] if images else _waves(lengths, self.config.prefill_tokens)
         plan = self.plan(lengths, copies, max_new_tokens, waves=waves)
-        plan = dataclasses.replace(plan, pieces=any(w.start for w in waves))
         rows, filled = self.rows(prompts, waves, plan, images)
         pool = loop.Pool(jnp.arange(plan.pages - 1, -1, -1, dtype=jnp.int32), jnp.int32(plan.pages), jnp.int32(0))
         _LISTENERS.append(on_done)
@@ -180,6 +179,9 @@ class Engine:
         if images and "linear" in self.model.cfg.layer_types:
             raise UsageError("the engine: images with linear layers (model.layer_types); expected "
                              "a model of attention layers for image prompts")
+        if plan.pieces != any(w.start for w in waves):
+            raise ValueError("Engine.rows: the plan was made for other waves (its pieces: "
+                             f"{plan.pieces}); expected Engine.plan(..., waves=) of these")
         lengths = [len(p) for p in prompts]
         width = min(_eighths(max(-(-n // plan.page_size) for n in lengths)), plan.table)
         parts = [self._wave_rows(prompts, w, _prompt_tables(lengths[w.first:w.end], plan, width), plan, images)
