@@ -211,6 +211,38 @@ def test_a_request_of_more_prompt_tokens_than_engine_prefill_tokens_runs_in_wave
     assert [c.tokens for c in tight] == [c.tokens for c in whole]
 
 
+@pytest.mark.parametrize("window,sinks", [(None, False), (5, True)], ids=["full", "window_sinks"])
+def test_a_pieces_blockwise_attention_is_the_gathered_paths_one_softmax(window, sinks):
+    """A prompt's later piece attends over its pages a block at a time with a running softmax; with blocks of 1
+    and 2 pages it equals the gathered path's one softmax over every page (the decode step's, under the same
+    page_mask): queries of many tokens a row, rows at different places, a page table with no page at its end,
+    a window and attention sinks; a padding query gets zeros."""
+    from seqjax.engine.paged import _gather, blockwise_attention
+    from seqjax.model.attention import masked_attention
+    from seqjax.model.mask import page_mask
+
+    rng = np.random.default_rng(0)
+    b, t, h, hkv, d, size, pages, width = 2, 6, 4, 2, 8, 4, 12, 5
+    keys, values = (jnp.asarray(rng.normal(size=(1, pages, hkv, size, d)), jnp.float32) for _ in range(2))
+    table = rng.permutation(pages)[:b * width].reshape(b, width)
+    table[0, -1] = pages  # (row 0 holds 4 pages: 16 places)
+    real = jnp.asarray([[1] * 6, [1] * 4 + [0] * 2]) > 0
+    before = jnp.asarray([7, 13])
+    place = before[:, None] + jnp.cumsum(real, axis=1) - 1
+    total = before + jnp.sum(real, axis=1)
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    sink = jnp.asarray(rng.normal(size=(h,)), jnp.float32) if sinks else None
+    table = jnp.asarray(table, jnp.int32)
+    mask = page_mask(place, real, total, width * size, window)
+    whole = masked_attention(q, _gather(keys, 0, table), _gather(values, 0, table), mask, sinks=sink,
+                             heads_first=True)
+    for per in (1, 2):
+        blocks = blockwise_attention(q, keys, values, 0, table, place, real, total, window=window, scale=None,
+                                     sinks=sink, block_pages=per)
+        np.testing.assert_allclose(blocks, whole, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(blocks)[1, 4:]).max() == 0 < np.abs(np.asarray(blocks)[1, :4]).min()
+
+
 def test_a_plan_knows_its_pieces_and_rows_refuse_a_plan_made_for_other_waves():
     """The program compiled for a run takes later pieces only where its plan says so (Engine.plan, from the
     waves); rows cut otherwise than the plan's waves are refused before anything compiles."""

@@ -66,10 +66,14 @@ class PagedLayer:
         written = dataclasses.replace(self, keys=keys, values=values)
         if self.attention == "pallas" and t == 1:
             return self._kernel(q, keys, values, real, scale, window, sinks), written
+        total = self.lengths + jnp.sum(real, axis=1)
+        if t > 1:  # (a prompt's later piece: its queries over the pages a block at a time)
+            return blockwise_attention(q, keys, values, self.layer, self.page_table, place, real, total,
+                                       window=window, scale=scale, sinks=sinks), written
         capacity = self.page_table.shape[1] * size
         gathered_k = _gather(keys, self.layer, self.page_table)
         gathered_v = _gather(values, self.layer, self.page_table)
-        mask = page_mask(place, real, self.lengths + jnp.sum(real, axis=1), capacity, window)
+        mask = page_mask(place, real, total, capacity, window)
         out = masked_attention(q, gathered_k.astype(q.dtype), gathered_v.astype(q.dtype), mask, scale=scale,
                                sinks=sinks, heads_first=True)
         return out, written
@@ -83,6 +87,50 @@ class PagedLayer:
                                    window=window, layer=self.layer)
         out = out[:, None]
         return out if sinks is None else with_sinks(out, lse[:, :, None], sinks)
+
+
+# Keys a block of blockwise_attention reads at once (a piece's scores are [heads, piece, this]).
+BLOCK_KEYS = 1024
+
+
+def blockwise_attention(q, keys, values, layer, page_table, place, real, total, *, window, scale, sinks,
+                        block_pages: int | None = None) -> jax.Array:
+    """Queries of many tokens a row (q [B, T, H, D], at places ``place`` [B, T], real where
+    ``real``) over the row's pages of layer ``layer`` (``total`` [B] places written), under
+    :func:`page_mask`, ``block_pages`` pages at a time with a running softmax (float32): the same
+    attention as the gathered path's, its scores [B, H, T, block] instead of [B, H, T, capacity],
+    so a prompt's later piece holds a block's scores whatever the prompt's length; ``sinks``
+    through the log-sum-exp."""
+    b, t, h, d = q.shape
+    size, hkv = keys.shape[3], keys.shape[2]
+    per = block_pages or max(1, BLOCK_KEYS // size)
+    blocks = -(-page_table.shape[1] // per)
+    table = jnp.pad(page_table, ((0, 0), (0, blocks * per - page_table.shape[1])), constant_values=keys.shape[1])
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, t, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+
+    def block(carry, j):
+        top, total_weight, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, j * per, per, axis=1)
+        k, v = (_gather(a, layer, pages).astype(q.dtype) for a in (keys, values))
+        mask = page_mask(place, real, total, per * size, window, kv_start=j * per * size)
+        logits = jnp.einsum("bkgtd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+        logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
+        shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+        weights = jnp.exp(logits - shift[..., None])
+        keep = jnp.exp(top - shift)
+        acc = acc * keep[..., None] + jnp.einsum("bkgts,bksd->bkgtd", weights, v.astype(jnp.float32))
+        return (new_top, total_weight * keep + jnp.sum(weights, axis=-1), acc), None
+
+    start = (jnp.full((b, hkv, h // hkv, t), -jnp.inf), jnp.zeros((b, hkv, h // hkv, t)),
+             jnp.zeros((b, hkv, h // hkv, t, d)))
+    (top, total_weight, acc), _ = jax.lax.scan(block, start, jnp.arange(blocks))
+    out = (acc / jnp.where(total_weight > 0, total_weight, 1.0)[..., None]).astype(q.dtype)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    if sinks is None:
+        return out
+    return with_sinks(out, (top + jnp.log(total_weight)).reshape(b, h, t), sinks)
 
 
 def write_pages(pages: jax.Array, layer, slot: jax.Array, new: jax.Array) -> jax.Array:

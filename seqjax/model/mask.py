@@ -83,14 +83,15 @@ def allowed(q_segment, kv_segment, q_index, kv_index, window=None, q_prefix=None
 
 
 def page_mask(q_index: jax.Array, q_real: jax.Array, kv_length: jax.Array, capacity: int,
-              window: int | jax.Array | None = None) -> jax.Array:
+              window: int | jax.Array | None = None, kv_start: int | jax.Array = 0) -> jax.Array:
     """Contract 2 for a paged cache, whose row holds one sequence: [B, Tq, capacity], True where
     query i (its place ``q_index`` [B, Tq] in its sequence, a real token where ``q_real``) may
     attend to the key at place j of the sequence's pages: j written (below ``kv_length`` [B],
     this call's tokens included), j <= i, and within the window. The same :func:`allowed` as
     every backend's mask, the sequence as one segment and its places as the row indices
-    (seqjax.engine's decode)."""
-    kv_index = jnp.arange(capacity, dtype=jnp.int32)[None, None, :]
+    (seqjax.engine's decode). ``kv_start``: the place of the first of the ``capacity`` keys (a
+    block of the pages)."""
+    kv_index = kv_start + jnp.arange(capacity, dtype=jnp.int32)[None, None, :]
     kv_real = (kv_index < kv_length[:, None, None]).astype(jnp.int32)
     return allowed(q_real.astype(jnp.int32)[:, :, None], kv_real, q_index[:, :, None], kv_index, window)
 
