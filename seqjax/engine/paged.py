@@ -13,12 +13,14 @@ the same prompt pages (a prompt is stored once); a completion writes only its ow
 new keys and values through :class:`PagedLayer` and attends over the row's pages under
 :func:`seqjax.model.mask.page_mask`. Attention runs one of two ways (``engine.attention``): the
 XLA path gathers each row's pages and runs the dense masked softmax (every backend); ``pallas``
-reads the pages in place, seqjax.model.kernels.paged's kernel (a decode step's one token a row;
-a call of more tokens takes the XLA path). A model with stacked blocks (``model.scan_layers``)
-decodes as one ``lax.scan`` over its layers, the cache in the scan's carry: a layer's pages are
-found by a traced index into the stacked pool and written in place. A Gated DeltaNet layer holds
-no pages: its row of the cache is each decode slot's convolution window and recurrent state,
-which a sequence copies from its prompt's when it starts (``with_states``)."""
+reads the pages in place, seqjax.model.kernels.paged's kernel (a decode step's one token a row).
+A call of more tokens a row (a prompt's later piece, seqjax.engine.engine) reads the pages a block
+at a time with a running softmax (:func:`blockwise_attention`), on every backend. A model with
+stacked blocks (``model.scan_layers``) decodes as one ``lax.scan`` over its layers, the cache in
+the scan's carry: a layer's pages are found by a traced index into the stacked pool and written in
+place. A Gated DeltaNet layer holds no pages: its row of the cache is each decode slot's
+convolution window and recurrent state, which a sequence copies from its prompt's when it starts
+(``with_states``)."""
 
 from __future__ import annotations
 
