@@ -37,10 +37,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from seqjax.core.devices import HOST_DEVICES_FLAG, with_host_devices
+
 REPO = Path(__file__).resolve().parents[1]
-# (host devices for a CPU; on a GPU machine the GPUs are the devices and the flag is unused)
-if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# (host devices for a CPU, 8 unless the caller set a count; on a GPU machine the GPUs are the devices and the flag
+# is unused)
+if "jax" not in sys.modules and HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = with_host_devices(os.environ.get("XLA_FLAGS", ""), 8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -190,8 +193,7 @@ def train_step_record(args, n: int, kv_path: str, corpus: Path) -> dict:
     d_model, layers = (int(x) for x in args.train_model.split(","))
     if jax.default_backend() == "cpu":
         # (the caller's own XLA flags kept: only the device count is this run's)
-        kept = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-        env.update(XLA_FLAGS=" ".join([*kept, f"--xla_force_host_platform_device_count={n}"]), JAX_PLATFORMS="cpu")
+        env.update(XLA_FLAGS=with_host_devices(env.get("XLA_FLAGS", ""), n), JAX_PLATFORMS="cpu")
     else:  # the first n GPUs
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(n)))
     overrides = [f"run.dir={corpus / 'runs' / f'{n}_{kv_path}'}", "data.corpus=jsonl",

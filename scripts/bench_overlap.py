@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from seqjax.core.devices import with_host_devices
+
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {"on_policy": ["rl.max_staleness=0"], "sequential": ["rl.max_staleness=1"],
             "overlap": ["rl.max_staleness=1", "mesh.sampler_devices=1"]}
@@ -54,9 +56,8 @@ def overrides(args, folder: Path, run_dir: Path) -> list[str]:
 
 def run(args, folder: Path, name: str) -> dict:
     run_dir = folder / name
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),  # (the caller's XLA flags kept)
-           "XLA_FLAGS": " ".join([*kept, f"--xla_force_host_platform_device_count={args.devices}"])}
+           "XLA_FLAGS": with_host_devices(os.environ.get("XLA_FLAGS", ""), args.devices)}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "seqjax.train", *overrides(args, folder, run_dir),
                            *SETTINGS[name]], cwd=REPO, env=env, capture_output=True, text=True)

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from seqjax.core.devices import with_host_devices
+
 
 def with_vocab(config):
     """``model.vocab_size: null`` as training resolves it: the tokenizer's size (the configured tokenizer.path's,
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
     # Before jax is imported: the number of host devices is fixed when the CPU backend starts.
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = with_host_devices(os.environ.get("XLA_FLAGS", ""), args.devices)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import numpy as np

@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from seqjax.core.devices import with_host_devices
+
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_STEPS = 60
 # The session's persistent XLA cache (conftest.compilation_cache) for its subprocesses: a restarted run reuses the
@@ -72,8 +74,7 @@ def write_corpus(root: Path) -> None:
 
 def with_devices(devices: int) -> str:
     """XLA_FLAGS forcing this many host devices, keeping the tests' own (conftest.TEST_XLA_FLAGS)."""
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+    return with_host_devices(os.environ.get("XLA_FLAGS", ""), devices)
 
 
 def cli_env(devices: int | None = None, **extra: str) -> dict[str, str]:
