@@ -44,8 +44,8 @@ class PrefillLayer:
         out = attention(q, k, v, segment_ids, backend=self.backend, scale=scale, window=window,
                         sinks=sinks)
         keys = write_pages(self.keys, self.layer, self.slots, k)
-        return out, dataclasses.replace(self, keys=keys,
-                                        values=write_pages(self.values, self.layer, self.slots, v))
+        values = write_pages(self.values, self.layer, self.slots, v)
+        return out, dataclasses.replace(self, keys=keys, values=values)
 
 
 @jax.tree_util.register_dataclass
