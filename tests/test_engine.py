@@ -97,6 +97,7 @@ def test_every_drawn_tokens_log_probability_is_the_training_forwards(extra):
     # (one row packed: a Gated DeltaNet's too, each prompt's state the one after its own last token; then
     # the pieces, a row each, beside the decoding slots)
     assert (engine.stats["prefill_rows"], engine.stats["pieces"], engine.stats["waves_beside_decode"]) == (3, 2, 2)
+    assert engine.stats["waves_without_a_step"] == 0  # (the decoding slots step between the two pieces)
     assert engine.stats["prompt_pages"] == 2 + 1 + 2
 
 
@@ -201,7 +202,7 @@ def test_a_request_of_more_prompt_tokens_than_engine_prefill_tokens_runs_in_wave
 
     (whole, _, one), (waved, streamed, cut) = run(0), run(12)
     assert (one["waves"], cut["waves"], cut["pieces"]) == (1, 4, 2) and cut["sequences"] == 10
-    assert cut["waves_beside_decode"] == 3 and one["waves_beside_decode"] == 0
+    assert cut["waves_beside_decode"] == 3 and one["waves_beside_decode"] == 0 and cut["waves_without_a_step"] == 0
     assert [c.tokens for c in waved] == [c.tokens for c in whole] and len({len(c.tokens) for c in whole}) > 1
     np.testing.assert_allclose([x for c in waved for x in c.logprobs], [x for c in whole for x in c.logprobs],
                                rtol=1e-5, atol=1e-5)

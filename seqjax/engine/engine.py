@@ -168,6 +168,7 @@ class Engine:
                       "slot_steps": slot_steps, "token_steps": token_steps,
                       "slot_use": token_steps / max(slot_steps, 1), "new_tokens": int(lengths_out.sum()),
                       "waves": len(waves), "waves_beside_decode": int(out.waves_beside_decode),
+                      "waves_without_a_step": int(out.waves_without_a_step),
                       "pieces": sum(w.stop is not None for w in waves)}
         return [Completion(tokens[i, :lengths_out[i]].tolist(), bool(stopped[i]),
                            logprobs[i, :lengths_out[i]].tolist()) for i in range(len(tokens))]

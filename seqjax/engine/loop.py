@@ -50,13 +50,15 @@ class Requests(NamedTuple):
 class Waves(NamedTuple):
     """The waves' bookkeeping: the wave being started from, each prompt's completions not yet
     ended and its pages [prompts (+ a wave's padding), P], the waves prefilled beside a
-    decoding slot, and whether a decode step ran since the last prefill."""
+    decoding slot, whether a decode step ran since the last prefill, and the waves prefilled
+    beside a decoding slot with no step since the last (the loop's rule: none)."""
 
     index: jax.Array
     refs: jax.Array
     tables: jax.Array
     beside: jax.Array
     stepped: jax.Array
+    unstepped: jax.Array
 
 
 class Slots(NamedTuple):
@@ -88,6 +90,7 @@ class Outputs(NamedTuple):
     slot_steps: jax.Array  # decode slot-steps run
     token_steps: jax.Array  # slot-steps that drew a real token
     waves_beside_decode: jax.Array  # waves prefilled while some slot was decoding
+    waves_without_a_step: jax.Array  # of those, prefilled with no decode step since the last prefill
 
 
 def worst_pages(lengths: jax.Array, max_new: int, page_size: int) -> jax.Array:
@@ -161,7 +164,7 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
         carry = _in_waves(more, step, carry, functools.partial(_next_wave, next_wave, copies, max_new),
                           wave_pages, waves)
     carry = _phases(more, step, carry, slots, shrink_to, n)
-    return carry[3]._replace(waves_beside_decode=carry[5].beside)
+    return carry[3]._replace(waves_beside_decode=carry[5].beside, waves_without_a_step=carry[5].unstepped)
 
 
 def _empty(requests: Requests, slots: int, prompts: int, copies: int, max_new: int, pages: int):
@@ -171,11 +174,12 @@ def _empty(requests: Requests, slots: int, prompts: int, copies: int, max_new: i
                   jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, vocab), jnp.float32),
                   jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32))
     out = Outputs(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
-                  jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool), jnp.int32(0), jnp.int32(0), jnp.int32(0))
+                  jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool), jnp.int32(0), jnp.int32(0), jnp.int32(0),
+                  jnp.int32(0))
     wide = requests.prompt_pages.shape[0]  # (a wave's prompts: its padding may run past the last prompt)
     book = Waves(jnp.int32(0), jnp.full((prompts + wide,), copies, jnp.int32),
                  jnp.full((prompts + wide, requests.prompt_pages.shape[1]), pages, jnp.int32), jnp.int32(0),
-                 jnp.bool_(False))
+                 jnp.bool_(False), jnp.int32(0))
     return state, out, _began(book, requests)
 
 
@@ -231,8 +235,9 @@ def _next_wave(next_wave, copies: int, max_new: int, carry):
     cache, state, pool, out, last, book = carry
     following = book.index + 1
     cache, pool, requests = next_wave(cache, pool, following, last)
-    book = _began(book, requests)._replace(index=following, beside=book.beside + jnp.any(state.sequence >= 0),
-                                           stepped=jnp.bool_(False))
+    decoding = jnp.any(state.sequence >= 0)
+    book = _began(book, requests)._replace(index=following, beside=book.beside + decoding, stepped=jnp.bool_(False),
+                                           unstepped=book.unstepped + (decoding & ~book.stepped))
     cache, state, pool = _admit(cache, state, pool, requests, copies, max_new, cache.page_size, cache.pages)
     return cache, state, pool, out, requests, book
 
