@@ -113,9 +113,10 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
     the decoding slots fit (:func:`widths`; moved to the front, their pages stay where they are),
     down to this many (0: never), so the last long completions do not carry idle slots.
     ``next_wave(cache, pool, w, last) -> (cache, pool, requests)``: wave ``w`` (of ``waves``, each
-    taking ``wave_pages[w]`` pages) prefilled, ``last`` the requests of the wave before it (None:
-    one wave); between two prefills the decoding slots take at least one step, so a long prompt's
-    pieces never hold them up for more than one piece at a time."""
+    taking ``wave_pages[w, 0]`` pages and starting sequences where ``wave_pages[w, 1]``) prefilled,
+    ``last`` the requests of the wave before it (None: one wave); between two prefills the decoding
+    slots take at least one step, so a long prompt's pieces never hold them up for more than one
+    piece at a time."""
     n = prompts * copies
     table = cache.page_table.shape[1]
     size, pages = cache.page_size, cache.pages
@@ -221,12 +222,15 @@ def _in_waves(more, step, carry, begin, wave_pages, waves):
 
 def _due(carry, wave_pages, waves) -> jax.Array:
     """Whether the next wave is prefilled now: every sequence of this one has started, a slot is
-    free, and the pool can give its prompts' pages beyond what the decoding slots may still take."""
+    free (unless the wave starts none: a long prompt's pieces before its last run ahead, beside
+    full slots), and the pool can give its prompts' pages beyond what the decoding slots may still
+    take. ``wave_pages`` [W, 2]: each wave's pages, and whether it starts sequences."""
     _, state, pool, _, requests, book = carry
     following = book.index + 1
+    pages, starts = jnp.take(wave_pages, jnp.minimum(following, wave_pages.shape[0] - 1), axis=0)
     spare = pool.top - jnp.sum(jnp.where(state.sequence >= 0, state.budget, 0))
-    return ((pool.next_sequence >= requests.end) & (following < waves) & jnp.any(state.sequence < 0)
-            & (spare >= jnp.take(wave_pages, jnp.minimum(following, wave_pages.shape[0] - 1))))
+    return ((pool.next_sequence >= requests.end) & (following < waves)
+            & (jnp.any(state.sequence < 0) | (starts == 0)) & (spare >= pages))
 
 
 def _next_wave(next_wave, copies: int, max_new: int, carry):
