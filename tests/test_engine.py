@@ -22,9 +22,11 @@ from seqjax.config.load import load_config
 from seqjax.core.errors import UsageError
 from seqjax.engine import Engine, generate, sample_rollouts
 from seqjax.engine.engine import _waves
-from seqjax.engine.paged import PagedKV
+from seqjax.engine.paged import PagedKV, _gather, blockwise_attention
 from seqjax.engine.prefill import prefill
 from seqjax.model import build_model
+from seqjax.model.attention import masked_attention
+from seqjax.model.mask import page_mask
 from seqjax.model.sampling import SamplingConfig
 
 VOCAB = 64
@@ -218,10 +220,6 @@ def test_a_pieces_blockwise_attention_is_the_gathered_paths_one_softmax(window, 
     and 2 pages it equals the gathered path's one softmax over every page (the decode step's, under the same
     page_mask): queries of many tokens a row, rows at different places, a page table with no page at its end,
     a window and attention sinks; a padding query gets zeros."""
-    from seqjax.engine.paged import _gather, blockwise_attention
-    from seqjax.model.attention import masked_attention
-    from seqjax.model.mask import page_mask
-
     rng = np.random.default_rng(0)
     b, t, h, hkv, d, size, pages, width = 2, 6, 4, 2, 8, 4, 12, 5
     keys, values = (jnp.asarray(rng.normal(size=(1, pages, hkv, size, d)), jnp.float32) for _ in range(2))

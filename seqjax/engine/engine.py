@@ -362,9 +362,9 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, prompts: int, copie
 
     def wave(cache: PagedKV, pool: loop.Pool, w, last=None) -> tuple[PagedKV, loop.Pool, loop.Requests]:
         if not plan.pieces or last is None:  # (the first wave is never a later piece)
-            return _prefill_wave(model, cache, pool, rows=rows, w=w, plan=plan, copies=copies)
+            return _prefill_wave(model, cache, pool, rows, w, plan, copies)
         return jax.lax.cond(rows.offset[w] > 0, functools.partial(_continue_prompt, model, rows, w, copies),
-                            functools.partial(_prefill_wave, model, rows=rows, w=w, plan=plan, copies=copies),
+                            lambda cache, pool, _: _prefill_wave(model, cache, pool, rows, w, plan, copies),
                             cache, pool, last)
 
     cache, pool, requests = wave(cache, pool, 0)
@@ -375,7 +375,7 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, prompts: int, copie
                        wave_pages=jnp.stack([rows.pages, rows.count], axis=1), waves=jnp.sum(rows.first < prompts))
 
 
-def _prefill_wave(model, cache: PagedKV, pool: loop.Pool, last=None, *, rows: Rows, w, plan: Plan, copies: int):
+def _prefill_wave(model, cache: PagedKV, pool: loop.Pool, rows: Rows, w, plan: Plan, copies: int):
     """Wave ``w``'s prompts prefilled into pages taken from the top of the pool's stack: its
     tables' and token places' page numbers (counted from 0) become those pages."""
     def at(a):
