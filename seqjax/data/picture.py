@@ -45,15 +45,14 @@ def draw_batch(batch: Batch, path: str | Path, title: str, owners: list[int] | N
     """Write the layout picture of ``batch`` to ``path`` (PNG). ``owners``: the device holding each
     equal chunk of a row split over mesh.context (seqjax.model.context.chunk_owners), drawn as
     dashed bounds labelled with the device."""
-    # matplotlib takes half a second to import: only the --plot flag needs it
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
+    # matplotlib takes half a second to import: only the --plot flag needs it (a Figure of its own, no pyplot: no
+    # global figure manager or backend for one PNG)
+    from matplotlib.figure import Figure
 
     image = layout_image(batch)
     rows, width = image.shape[:2]
-    fig, ax = plt.subplots(figsize=(min(16, 4 + width / 64), min(10, 1.5 + rows * 0.3)))
+    fig = Figure(figsize=(min(16, 4 + width / 64), min(10, 1.5 + rows * 0.3)))
+    ax = fig.subplots()
     ax.imshow(image, aspect="auto", interpolation="nearest")
     for j, device in enumerate(owners or ()):
         ax.axvline(j * width / len(owners) - 0.5, color="black", linestyle="--", linewidth=0.6)
@@ -70,4 +69,3 @@ def draw_batch(batch: Batch, path: str | Path, title: str, owners: list[int] | N
                  f"({padding:.1%}); scored: {scored:.1%} of slots{patches}", fontsize=9, pad=12 if owners else 6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
