@@ -372,7 +372,7 @@ def _generate(graphdef, state, rows: Rows, pool, plan: Plan, prompts: int, copie
                        settings=settings, key=key, slots=plan.slots, emit=_stream if stream else None,
                        stop_sequences=stop_sequences, shrink_to=plan.shrink_to, prompts=prompts,
                        next_wave=wave if rows.first.shape[0] > 1 else None,
-                       wave_pages=jnp.stack([rows.pages, rows.count], axis=1), waves=jnp.sum(rows.first < prompts))
+                       wave_pages=rows.pages, wave_starts=rows.count, waves=jnp.sum(rows.first < prompts))
 
 
 def _prefill_wave(model, cache: PagedKV, pool: loop.Pool, rows: Rows, w, plan: Plan, copies: int):

@@ -102,7 +102,7 @@ def worst_pages(lengths: jax.Array, max_new: int, page_size: int) -> jax.Array:
 def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int, max_new: int, stops: jax.Array,
            settings: dict, key: jax.Array, slots: int, prompts: int, emit=None,
            stop_sequences: jax.Array | None = None, shrink_to: int = 0, next_wave=None, wave_pages=None,
-           waves=1) -> Outputs:
+           wave_starts=None, waves=1) -> Outputs:
     """Every one of ``prompts`` prompts' ``copies`` completions of up to ``max_new`` tokens,
     through ``slots`` decode slots (the module's docstring), from the first wave's ``requests``; a
     sequence ends at any of ``stops`` or once its tokens end with a row of ``stop_sequences`` [S, L]
@@ -113,7 +113,7 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
     the decoding slots fit (:func:`widths`; moved to the front, their pages stay where they are),
     down to this many (0: never), so the last long completions do not carry idle slots.
     ``next_wave(cache, pool, w, last) -> (cache, pool, requests)``: wave ``w`` (of ``waves``, each
-    taking ``wave_pages[w, 0]`` pages and starting sequences where ``wave_pages[w, 1]``) prefilled,
+    taking ``wave_pages[w]`` pages and starting ``wave_starts[w]`` prompts' sequences) prefilled,
     ``last`` the requests of the wave before it (None: one wave); between two prefills the decoding
     slots take at least one step, so a long prompt's pieces never hold them up for more than one
     piece at a time."""
@@ -163,7 +163,7 @@ def decode(model, cache: PagedKV, requests: Requests, pool: Pool, *, copies: int
     carry = (cache, state, pool, out, requests, book)
     if next_wave is not None:
         carry = _in_waves(more, step, carry, functools.partial(_next_wave, next_wave, copies, max_new),
-                          wave_pages, waves)
+                          wave_pages, wave_starts, waves)
     carry = _phases(more, step, carry, slots, shrink_to, n)
     return carry[3]._replace(waves_beside_decode=carry[5].beside, waves_without_a_step=carry[5].unstepped)
 
@@ -206,28 +206,29 @@ def _prompts_ended(book: Waves, pool: Pool, stop, prompt, pages: int) -> tuple[W
     return book._replace(refs=refs), pool
 
 
-def _in_waves(more, step, carry, begin, wave_pages, waves):
+def _in_waves(more, step, carry, begin, wave_pages, wave_starts, waves):
     """The decode loop while waves remain: ``step`` until the next wave is due, and at least once
     between two prefills while a slot decodes; then ``begin`` it. (The step as it is, no branch in
     it: one compiled body.)"""
     def steps(c):
-        return more(c) & (~_due(c, wave_pages, waves) | (~c[5].stepped & jnp.any(c[1].sequence >= 0)))
+        return more(c) & (~_due(c, wave_pages, wave_starts, waves) | (~c[5].stepped & jnp.any(c[1].sequence >= 0)))
 
     def wave(carry):
         carry = jax.lax.while_loop(steps, step, carry)
-        return jax.lax.cond(_due(carry, wave_pages, waves), begin, lambda c: c, carry)
+        return jax.lax.cond(_due(carry, wave_pages, wave_starts, waves), begin, lambda c: c, carry)
 
     return jax.lax.while_loop(lambda c: more(c) & (c[5].index + 1 < waves), wave, carry)
 
 
-def _due(carry, wave_pages, waves) -> jax.Array:
+def _due(carry, wave_pages, wave_starts, waves) -> jax.Array:
     """Whether the next wave is prefilled now: every sequence of this one has started, a slot is
     free (unless the wave starts none: a long prompt's pieces before its last run ahead, beside
     full slots), and the pool can give its prompts' pages beyond what the decoding slots may still
-    take. ``wave_pages`` [W, 2]: each wave's pages, and whether it starts sequences."""
+    take. ``wave_pages``, ``wave_starts`` [W]: each wave's pages, and how many prompts' sequences it starts."""
     _, state, pool, _, requests, book = carry
     following = book.index + 1
-    pages, starts = jnp.take(wave_pages, jnp.minimum(following, wave_pages.shape[0] - 1), axis=0)
+    at = jnp.minimum(following, wave_pages.shape[0] - 1)
+    pages, starts = wave_pages[at], wave_starts[at]
     spare = pool.top - jnp.sum(jnp.where(state.sequence >= 0, state.budget, 0))
     return ((pool.next_sequence >= requests.end) & (following < waves)
             & (jnp.any(state.sequence < 0) | (starts == 0)) & (spare >= pages))
