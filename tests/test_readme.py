@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -248,8 +249,8 @@ def test_readme_example_runs(command, tiny_root, reference, tiny_llama, chat_dem
     (work / "hf" / "llama").symlink_to(tiny_llama[0])
     if re.search(r"runs/llama(?=[\s/]|$)", command) and "seqjax.import" not in command:
         (work / "runs" / "llama").symlink_to(tiny_llama[1])
-    if "--run" in command:  # only readers: a training line must never write into the shared run
-        (work / "runs" / "wikitext2_cpu").symlink_to(tiny_root / "reference")
+    if "--run" in command:  # a copy: eval keeps its results in the run (eval_results.json), never in the shared one
+        shutil.copytree(tiny_root / "reference", work / "runs" / "wikitext2_cpu")
     (work / "prompts.txt").write_text("the cat\na dog ran\n")
     makes = {"chat_demo": "make_chat_demo.py", "runs/chat_base": "seqjax.import", "runs/chat_ft": "seqjax.train",
              "runs/chat_lora": "seqjax.train"}
