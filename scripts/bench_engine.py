@@ -14,6 +14,8 @@ stage with ``--dtype bfloat16 --samplers engine --hbm-gb-s``), prompts of a logn
   lengths run from a token to ``--max-new``, as an RL batch's do (a random model draws each stop id with
   probability about 1 / vocab a token).
 
+``--workloads`` picks (both by default; the GPU suite's stage times ``fixed`` first, every slot decoding).
+
 Samplers:
 
 - ``engine``: seqjax.engine (packed prefill, paged KV cache with each prompt's pages shared by its group,
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -138,7 +141,7 @@ def seqjax_samplers(spec: dict) -> dict:
                                             attention=spec.get("attention", "auto"),
                                             shrink_to=spec.get("shrink_to", EngineConfig.shrink_to),
                                             prefill_tokens=spec.get("prefill_tokens", EngineConfig.prefill_tokens)))
-        for name, stop in (("fixed", []), ("grpo", stops)):
+        for name, stop in workloads(spec, [], stops):
             seconds, made, first = timed(lambda key, stop=stop: engine.run(
                 prompts, max_new_tokens=new, stop_ids=stop, sampling=sampling, key=jax.random.key(key), copies=g))
             tokens = sum(len(c.tokens) for c in made)
@@ -151,6 +154,7 @@ def seqjax_samplers(spec: dict) -> dict:
                                     "slot_use": round(engine.stats["slot_use"], 4), "slots": engine.stats["slots"],
                                     "waves": engine.stats["waves"], "pieces": engine.stats.get("pieces", 0),
                                     "attention": decode_attention(engine.config.attention),
+                                    "backend": jax.default_backend(), "devices": jax.device_count(),
                                     "kv_bytes_per_group": int(group_pages * size * kv_token)}}
             bandwidth = hbm_gb_s(spec["hbm_gb_s"])
             if bandwidth:
@@ -159,7 +163,7 @@ def seqjax_samplers(spec: dict) -> dict:
     from seqjax.model.decode import generate, sample_rollouts
 
     width = max(len(p) for p in prompts) + new
-    for name, stop in (("fixed", []), ("grpo", stops)):
+    for name, stop in workloads(spec, [], stops):
         runs = {"static_rollouts": lambda key, stop=stop: sample_rollouts(
                     model, prompts, stop_ids=stop, max_new_tokens=new, sampling=sampling, key=jax.random.key(key),
                     copies=g),
@@ -175,6 +179,15 @@ def seqjax_samplers(spec: dict) -> dict:
                                   "slot_use": round(sum(lengths) / (len(lengths) * max(lengths)), 4),
                                   "kv_bytes_per_group": g * width * kv_token}
     return out
+
+
+def workloads(spec: dict, no_stop, stops) -> list[tuple[str, object]]:
+    """The workloads ``--workloads`` names, each with its stop ids: ``fixed`` (``no_stop``), ``grpo``."""
+    return [(name, stop) for name, stop in (("fixed", no_stop), ("grpo", stops))
+            if name in spec.get("workloads", WORKLOADS)]
+
+
+WORKLOADS = ("fixed", "grpo")
 
 
 def transformers_worker(spec: dict) -> dict:
@@ -194,7 +207,7 @@ def transformers_worker(spec: dict) -> dict:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = {}
-    for name, stops in (("fixed", None), ("grpo", list(range(1, spec["stops"] + 1)))):
+    for name, stops in workloads(spec, None, list(range(1, spec["stops"] + 1))):
         def run(stops=stops):
             # (top_k=0: the full distribution, as the engine's default samples; transformers' default filters to 50)
             return model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, max_new_tokens=new,
@@ -218,9 +231,13 @@ def transformers_worker(spec: dict) -> dict:
 
 
 def in_subprocess(python: str, spec: dict, path: str | None = None) -> dict:
+    """``spec``'s samplers in a fresh ``python``, with the caller's environment (its platform and paths: on the
+    GPU suite's machine the GPU and the suite's installed wheels) and ``path`` first on its PYTHONPATH."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", **({"PYTHONPATH": path} if path else {})}
+    env = dict(os.environ)
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run([python, __file__, "--worker", f.name], capture_output=True, text=True, env=env,
                           cwd=path or REPO, timeout=3600)
     if proc.returncode:
@@ -254,6 +271,7 @@ def main() -> None:
     p.add_argument("--torch-python", help="an interpreter with torch and transformers: adds their generate")
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="(default: the config's)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="which to run: fixed, grpo (both by default)")
     p.add_argument("--samplers", default="engine,static,transformers",
                    help="which to run: engine, static (--before's), transformers (--torch-python)")
     p.add_argument("--hbm-gb-s", default="0",
@@ -265,6 +283,9 @@ def main() -> None:
                    help="a commit whose engine runs beside this one on the same workload (its rows: engine_before)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    unknown = sorted(set(args.workloads.split(",")) - set(WORKLOADS))
+    if unknown:
+        p.error(f"--workloads: got {', '.join(unknown)}, expected among {', '.join(WORKLOADS)}")
     if args.worker:
         spec = json.loads(Path(args.worker).read_text())
         print(json.dumps(transformers_worker(spec) if spec.get("torch") else seqjax_samplers(spec)))
@@ -274,7 +295,7 @@ def main() -> None:
             "max_new": args.max_new, "stops": args.stops, "slots": args.slots, "page_size": args.page_size,
             "attention": args.attention, **({} if args.shrink_to is None else {"shrink_to": args.shrink_to}),
             **({} if args.prefill_tokens is None else {"prefill_tokens": args.prefill_tokens}),
-            "vocab": args.vocab, "engine": True, "shape": args.shape,
+            "vocab": args.vocab, "engine": True, "shape": args.shape, "workloads": args.workloads.split(","),
             "hbm_gb_s": args.hbm_gb_s}
     result: dict = {}
     samplers = args.samplers.split(",")

@@ -34,6 +34,118 @@ CASES = {(dtype, d): random_qkv((2, 500, 8, d), kv_heads=2, dtype=dtype, seed=d)
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 
 
+# The order is the GPU suite's: its tests stage is cut at its budget, so the tests no GPU has run yet come first
+# (the paged decode kernel, the delta-rule scan, the shared prompt; then float32 against torch, which failed once
+# with its error unreported), then the flash kernel's and the bf16 steps' (passed on the H200s of 2026-11-27 to
+# -29), and last the Mosaic kernel's compiled variants, the longest.
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_the_compiled_paged_decode_kernel_is_the_xla_path(dtype, data):
+    """The paged decode kernel (engine.attention=pallas, auto's pick on a GPU) compiled through Triton at a model's
+    head (D = 128, 4 query heads a kv head, pages of 16): for drawn page tables, lengths (idle rows among them),
+    windows and layers of the stacked pools, its output and its output through attention sinks against the XLA
+    path's (the rows' pages gathered under the paged mask) on the same operands (tests/test_paged_kernel.py
+    interprets it on the CPU)."""
+    from test_paged_kernel import KV_HEADS, LAYERS, PAGES, ROWS, kernel_and_xla, tables
+
+    table, lengths, window, layer, seed = data.draw(tables(16))
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(ROWS, KV_HEADS * 4, 128)), dtype)
+    keys, values = (jnp.asarray(rng.normal(size=(LAYERS, PAGES, KV_HEADS, 16, 128)), dtype) for _ in "kv")
+    sinks = jnp.asarray(rng.normal(size=(KV_HEADS * 4,)), jnp.float32)
+    window = None if window is None else jnp.int32(window)
+    out, want, sunk, want_sunk = kernel_and_xla(q, keys, values, jnp.asarray(table), jnp.asarray(lengths), window,
+                                                jnp.int32(layer), sinks, per_block=None, interpret=False)
+    tol = TOLERANCE[dtype]
+    for got, expected in ((out, want), (sunk, want_sunk)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=tol, rtol=tol)
+    assert not np.asarray(out, np.float32)[np.asarray(lengths) == 0].any()  # (an idle slot: zeros)
+
+
+@pytest.mark.parametrize("layout", ["false", "true"], ids=["unrolled", "scanned"])
+def test_the_engine_samples_the_same_tokens_on_the_compiled_paged_kernel(layout):
+    """The engine on the compiled kernel against its XLA path (a sliding layer, attention sinks, GQA, 6
+    sequences through 3 slots on pages of 4, sampled at temperature 1): the same tokens and log-probabilities,
+    every float32 matmul true float32 (tests/test_paged_kernel.py runs the same test interpreted)."""
+    from test_paged_kernel import test_the_engine_samples_the_same_tokens_on_the_kernel as same_tokens
+
+    with jax.default_matmul_precision("highest"):
+        same_tokens(layout)
+
+
+def test_the_compiled_delta_rule_scan_is_the_xla_scan_at_qwen3_5s_head():
+    """The Gated DeltaNet's chunk scan (seqjax/model/kernels/delta_scan.py) compiled through Triton at Qwen3.5's
+    linear-layer head (Dk = Dv = 128, chunks of 64): outputs, kept states and every gradient against one lax.scan
+    (tests/test_delta_scan.py interprets it on the CPU)."""
+    from seqjax.model.kernels.delta_scan import delta_scan
+    from test_delta_scan import terms, weighted, xla_scan
+
+    args = terms(0, 2, 4, 5, 64, 128, 128)
+    with jax.default_matmul_precision("highest"):
+        for ours, theirs in zip(jax.jit(delta_scan)(*args), jax.jit(xla_scan)(*args)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+        argnums = tuple(range(7))
+        ours = jax.jit(jax.grad(weighted(delta_scan, 1), argnums))(*args)
+        theirs = jax.jit(jax.grad(weighted(xla_scan, 1), argnums))(*args)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
+
+
+@settings(max_examples=4, deadline=None)
+@given(rows=st.data())
+def test_the_compiled_shared_prompt_matches_the_dense_mask(rows):
+    """The flash kernel with a shared prompt (GRPO's prompt_once rows) compiled for the GPU at its real tiles, bf16,
+    D = 128: output and gradients against the dense mask on positions (tests/test_flash_prompt.py checks it
+    interpreted)."""
+    from test_flash_prompt import _dense, prompt_rows
+
+    ids, prefix, positions = (jnp.asarray(a) for a in rows.draw(prompt_rows(2, 500)))
+    q, k, v, cotangent = random_qkv((2, 500, 8, 128), kv_heads=2, dtype=jnp.bfloat16, seed=21)
+    out, grads = _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent)
+    ref_out, ref_grads = _dense(q, k, v, ids, prefix, positions, cotangent)
+    for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert_close(got, want, TOLERANCE[jnp.bfloat16], name)
+
+
+@jax.jit
+def _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent):
+    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, ids, prefix_ids=prefix, interpret=False), q, k, v)
+    return out, vjp(cotangent)
+
+
+def test_float32_is_float32_against_torchs_llama_with_the_highest_matmul_precision(tmp_path):
+    """A tiny random Llama built by transformers, saved and read by its path: seqjax's xla backend in float32
+    with model.matmul_precision=highest gives torch's float32 logits on a packed row of two documents (with
+    default, the GPU runs float32 matmuls as TF32: 8.6e-4 relative on the H200)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from seqjax.hf import folders as hf
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    theirs = transformers.LlamaForCausalLM(config).float().eval()
+    theirs.save_pretrained(tmp_path / "llama")
+    docs = [list(range(5, 45)), list(range(60, 84))]
+    with torch.no_grad():
+        expected = [theirs(torch.tensor([d])).logits[0].numpy() for d in docs]
+    try:
+        _, model = hf.load(tmp_path / "llama", ["model.attention=xla", "model.compute_dtype=float32",
+                                                "model.param_dtype=float32", "model.matmul_precision=highest"])
+        row = np.asarray([docs[0] + docs[1]], np.int32)
+        seg = np.asarray([[1] * len(docs[0]) + [2] * len(docs[1])], np.int32)
+        pos = np.asarray([list(range(len(docs[0]))) + list(range(len(docs[1])))], np.int32)
+        ours = np.asarray(model(jnp.asarray(row), positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg)))[0]
+    finally:
+        jax.config.update("jax_default_matmul_precision", None)
+    got = [ours[:len(docs[0])], ours[len(docs[0]):]]
+    errors = [float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(got, expected)]
+    assert max(errors) < 1e-5, f"largest relative error per document {errors} (TF32 gave 8.6e-4 on the H200)"
+
+
 @pytest.mark.parametrize("dtype, head_dim", list(CASES), ids=["float32-64", "bfloat16-64", "bfloat16-128"])
 @settings(max_examples=6, deadline=None)
 @given(segment_ids=packed_batch(2, 500))
@@ -131,76 +243,6 @@ def test_fifty_bf16_training_steps_with_pallas_track_xla():
     assert gap[0] <= 1e-2 * xla[0], (gap[0], xla[0])  # (one step: no drift yet, a wrong kernel shows here)
     envelope = np.maximum.accumulate(noise)
     assert np.all(gap <= 4 * envelope + 5e-3 * xla[0]), {"gap": gap.round(4).tolist(), "noise": noise.round(4).tolist()}
-
-
-def test_float32_is_float32_against_torchs_llama_with_the_highest_matmul_precision(tmp_path):
-    """A tiny random Llama built by transformers, saved and read by its path: seqjax's xla backend in float32
-    with model.matmul_precision=highest gives torch's float32 logits on a packed row of two documents (with
-    default, the GPU runs float32 matmuls as TF32: 8.6e-4 relative on the H200)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from seqjax.hf import folders as hf
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    theirs = transformers.LlamaForCausalLM(config).float().eval()
-    theirs.save_pretrained(tmp_path / "llama")
-    docs = [list(range(5, 45)), list(range(60, 84))]
-    with torch.no_grad():
-        expected = [theirs(torch.tensor([d])).logits[0].numpy() for d in docs]
-    try:
-        _, model = hf.load(tmp_path / "llama", ["model.attention=xla", "model.compute_dtype=float32",
-                                                "model.param_dtype=float32", "model.matmul_precision=highest"])
-        row = np.asarray([docs[0] + docs[1]], np.int32)
-        seg = np.asarray([[1] * len(docs[0]) + [2] * len(docs[1])], np.int32)
-        pos = np.asarray([list(range(len(docs[0]))) + list(range(len(docs[1])))], np.int32)
-        ours = np.asarray(model(jnp.asarray(row), positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg)))[0]
-    finally:
-        jax.config.update("jax_default_matmul_precision", None)
-    got = [ours[:len(docs[0])], ours[len(docs[0]):]]
-    errors = [float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(got, expected)]
-    assert max(errors) < 1e-5, f"largest relative error per document {errors} (TF32 gave 8.6e-4 on the H200)"
-
-
-@settings(max_examples=4, deadline=None)
-@given(rows=st.data())
-def test_the_compiled_shared_prompt_matches_the_dense_mask(rows):
-    """The flash kernel with a shared prompt (GRPO's prompt_once rows) compiled for the GPU at its real tiles, bf16,
-    D = 128: output and gradients against the dense mask on positions (tests/test_flash_prompt.py checks it
-    interpreted)."""
-    from test_flash_prompt import _dense, prompt_rows
-
-    ids, prefix, positions = (jnp.asarray(a) for a in rows.draw(prompt_rows(2, 500)))
-    q, k, v, cotangent = random_qkv((2, 500, 8, 128), kv_heads=2, dtype=jnp.bfloat16, seed=21)
-    out, grads = _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent)
-    ref_out, ref_grads = _dense(q, k, v, ids, prefix, positions, cotangent)
-    for name, got, want in zip(("output", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
-        assert_close(got, want, TOLERANCE[jnp.bfloat16], name)
-
-
-@jax.jit
-def _COMPILED_PROMPT(q, k, v, ids, prefix, cotangent):
-    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, ids, prefix_ids=prefix, interpret=False), q, k, v)
-    return out, vjp(cotangent)
-
-
-def test_the_compiled_delta_rule_scan_is_the_xla_scan_at_qwen3_5s_head():
-    """The Gated DeltaNet's chunk scan (seqjax/model/kernels/delta_scan.py) compiled through Triton at Qwen3.5's
-    linear-layer head (Dk = Dv = 128, chunks of 64): outputs, kept states and every gradient against one lax.scan
-    (tests/test_delta_scan.py interprets it on the CPU)."""
-    from seqjax.model.kernels.delta_scan import delta_scan
-    from test_delta_scan import terms, weighted, xla_scan
-
-    args = terms(0, 2, 4, 5, 64, 128, 128)
-    with jax.default_matmul_precision("highest"):
-        for ours, theirs in zip(jax.jit(delta_scan)(*args), jax.jit(xla_scan)(*args)):
-            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
-        argnums = tuple(range(7))
-        ours = jax.jit(jax.grad(weighted(delta_scan, 1), argnums))(*args)
-        theirs = jax.jit(jax.grad(weighted(xla_scan, 1), argnums))(*args)
-    for a, b in zip(ours, theirs):
-        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3)
 
 
 # The Mosaic kernel's variants (slots, consumers, overlap, key_block): the default over both dtypes and head dims,

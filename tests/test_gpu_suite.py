@@ -4,6 +4,7 @@ one command that measures a GPU cannot rot between the runs that have one."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -32,16 +33,17 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     stages = summary["stages"]
     assert proc.returncode == 0, (proc.stdout[-2000:], {n: r.get("status") for n, r in stages.items()})
-    # the default: the stages in the order of value, each with its own budget; the first call of 9 minutes holds
-    # them up to lora8b, and the second of 4 (--rerun) the rest
-    assert list(stages) == ["setup", "env", "tests", "attention", "finetune", "lora8b", "dpo", "throughput"]
+    # the default: the stages in the order of value (what no GPU has measured first), each with its own budget;
+    # the first call of 9 minutes holds them up to gdn, and the second of 4 (--rerun) attention and fine-tuning
+    assert list(stages) == ["setup", "env", "tests", "engine", "gdn", "attention", "finetune", "lora8b", "dpo",
+                            "throughput"]
     from hf_support import script_module
 
     suite = script_module("gpu_suite")
-    first = ["setup", "env", "tests", "attention", "finetune", "lora8b"]
+    first = ["setup", "env", "tests", "engine", "gdn"]
     assert sum(suite.STAGES[name].budget_s for name in first) <= suite.FIRST_CALL_S == suite.parse_args(
         ["--out", "x"]).budget_s
-    assert sum(suite.STAGES[name].budget_s for name in ("setup", "dpo", "throughput")) <= suite.RERUN_CALL_S
+    assert sum(suite.STAGES[name].budget_s for name in ("setup", "attention", "finetune")) <= suite.RERUN_CALL_S
     assert all(r["status"] == "ok" for r in stages.values())
     # Each stage really ran its tool: records, timings, a trace, a validation.
     # both kernels
@@ -71,16 +73,25 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
     assert [t["target"] for t in summary["targets"]][:2] == ["dense causal D=128 T=8k forward TFLOP/s",
                                                               "dense causal D=128 T=8k fwd+bwd TFLOP/s"]
     assert "stage" in proc.stdout and "throughput" in proc.stdout  # the closing table
+    # the generation engine: its tokens/s and their share of the decode's bandwidth bound, on this machine
+    for workload in ("fixed", "grpo"):
+        engine = stages["engine"]["small"][workload]["engine"]
+        assert engine["new_tokens_per_s"] > 0 and 0 < engine["share_of_bound"] and engine["backend"] == "cpu"
+    assert stages["engine"]["small"]["fixed"]["engine"]["slot_use"] == 1.0
+    # Qwen3.5's DeltaNet: both forms and attention timed, the chunked form the recurrent one's numbers
+    gdn = {r["impl"]: r for r in stages["gdn"]["records"]}
+    assert set(gdn) == {"gdn_chunked", "gdn_recurrent", "gdn_pallas", "attention_xla"} and gdn["gdn_chunked"][
+        "fwd_ms"] > 0
+    assert all(gdn[n]["max_abs_diff_vs_recurrent"] < 1e-4 for n in ("gdn_chunked", "gdn_pallas"))
 
 
 def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     """The opt-in stages in one call, at toy size: a profile trace, the recipe's validation, the
     quality run (resumed per call, then scored), the vision tower's two backends, GRPO's layouts and
-    sampler, context parallelism's attention and step, the experts' dispatches, the generation
-    engine, and Qwen3.5's DeltaNet against attention. (The study stage only calls
+    sampler, context parallelism's attention and step, and the experts' dispatches. (The study stage only calls
     scripts/study_strategies.py, whose --quick run tests/test_study.py covers.)"""
     env = suite_env()
-    stages = "profile,recipe,quality,vision,grpo,context,moe,engine,gdn"
+    stages = "profile,recipe,quality,vision,grpo,context,moe"
     proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--dry-run", "--out", str(tmp_path), "--only",
                            stages], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     stages = json.loads((tmp_path / "summary.json").read_text())["stages"]
@@ -109,15 +120,30 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     assert all(moe[n]["loss_rel_diff"] < 1e-5 for n in ("ragged_dot", "blocked", "dense")), moe
     # one-hot caps each expert's tokens: it differs exactly when it dropped some
     assert (moe["onehot"]["loss_rel_diff"] < 1e-5) == (moe["onehot"]["dropped_pairs"] == 0), moe["onehot"]
-    # the generation engine: its tokens/s and their share of the decode's bandwidth bound
-    engine = stages["engine"]["small"]["fixed"]["engine"]
-    assert engine["new_tokens_per_s"] > 0 and 0 < engine["share_of_bound"] and engine["slot_use"] == 1.0
-    # Qwen3.5's DeltaNet: both forms and attention timed, the chunked form the recurrent one's numbers
-    gdn = {r["impl"]: r for r in stages["gdn"]["records"]}
-    assert set(gdn) == {"gdn_chunked", "gdn_recurrent", "gdn_pallas", "attention_xla"} and gdn["gdn_chunked"][
-        "fwd_ms"] > 0
-    assert all(gdn[n]["max_abs_diff_vs_recurrent"] < 1e-4 for n in ("gdn_chunked", "gdn_pallas"))
 
+
+
+def test_the_engine_bench_measures_where_its_caller_runs(monkeypatch):
+    """bench_engine runs each sampler in a fresh interpreter: that one keeps the caller's environment (on the GPU
+    suite's machine its GPU and the suite's wheels), here seen as the three host devices the caller's XLA flags
+    ask for. (It once ran the worker on the CPU alone, whatever the
+    caller had: the GPU stage would have timed a 1B model's decode on the host.)"""
+    from hf_support import script_module
+
+    bench = script_module("bench_engine")
+    flags = os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_force_host_platform_device_count=3".strip())
+    tiny = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.head_dim=16",
+            "model.d_ff=64"]
+    overrides = bench.config_overrides(bench.argparse.Namespace(prompt_median=4, max_new=3, dtype=None,
+                                                                shape="small", vocab=64, scan_layers=False))
+    spec = {"overrides": overrides + tiny, "prompts": [[5, 6, 7], [8, 9]], "generations": 2, "max_new": 3,
+            "stops": 2, "slots": 2, "page_size": 4, "attention": "xla", "vocab": 64, "engine": True, "shape": "small",
+            "hbm_gb_s": "0"}
+    row = bench.in_subprocess(sys.executable, spec, str(REPO))
+    assert "error" not in row, row
+    engine = row["fixed"]["engine"]
+    assert engine["devices"] == 3 and engine["backend"] == "cpu" and engine["new_tokens"] == 12
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:
     env = suite_env()

@@ -76,12 +76,14 @@ def test_the_kernel_computes_the_xla_paths_attention_over_any_pages(page_size, g
     np.testing.assert_allclose(np.asarray(sunk), np.asarray(want_sunk), atol=2e-5, rtol=2e-5)
 
 
-@functools.partial(jax.jit, static_argnames="per_block")
-def kernel_and_xla(q, keys, values, table, lengths, window, layer, sinks, *, per_block):
-    """The interpreted kernel's attention and the XLA path's, without and with sinks (one program a shape)."""
+@functools.partial(jax.jit, static_argnames=("per_block", "interpret"))
+def kernel_and_xla(q, keys, values, table, lengths, window, layer, sinks, *, per_block, interpret=True):
+    """The kernel's attention (interpreted; compiled on a GPU with ``interpret=False``, tests/test_gpu.py) and the
+    XLA path's on the same operands in float32, without and with sinks (one program a shape)."""
     out, lse = paged_attention(q, keys, values, table, lengths, scale=q.shape[-1] ** -0.5, window=window,
-                               layer=layer, pages_per_block=per_block, interpret=True)
+                               layer=layer, pages_per_block=per_block, interpret=interpret)
     sunk = with_sinks(out[:, None], lse[:, :, None], sinks)[:, 0]
+    q, keys, values = (a.astype(jnp.float32) for a in (q, keys, values))
     return (out, xla_path(q, keys, values, table, lengths, window, layer=layer), sunk,
             xla_path(q, keys, values, table, lengths, window, sinks, layer))
 
