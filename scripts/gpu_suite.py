@@ -69,6 +69,7 @@ import glob
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -173,6 +174,25 @@ class Suite:
                 (root / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
         return ["data.corpus=jsonl", f"data.train_files=[{root / 'train.jsonl'}]",
                 f"data.valid_files=[{root / 'valid.jsonl'}]", f"data.cache_dir={self.out / 'cache'}", *TINY_MODEL]
+
+
+# A part's figures as bench_grpo.py and bench_preference.py print them to stderr (the stage's log) when it ends.
+PART = re.compile(r"^# (\S+) \([\d.]+ s in\): (\{.*\})$")
+
+
+def parts_in_log(log: Path) -> dict:
+    """The parts' figures a bench printed to ``log`` in its last run (after the last ``$`` line): what a stage cut
+    at its budget keeps."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    start = max((i for i, line in enumerate(lines) if line.startswith("$ ")), default=-1)
+    return {m.group(1): json.loads(m.group(2)) for m in map(PART.match, lines[start + 1:]) if m}
+
+
+def with_parts(s: Suite, name: str, code: int | None, stdout: str) -> dict:
+    """A bench's stage result: its summary when it ended, else the parts it finished (``parts``)."""
+    if code == 0:
+        return {"status": status(code), "result": last_json(stdout)}
+    return {"status": status(code), "result": None, "parts": parts_in_log(s.out / f"{name}.log")}
 
 
 def last_json(text: str) -> dict | None:
@@ -527,7 +547,7 @@ def stage_dpo(s: Suite) -> dict:
     size = toy if s.dry else ["--shape", "1b", "--pairs", "256", "--seq-len", "4096", "--steps", "5", "--batch", "2",
                               "--pairs-per-step", "8", "--dtype", "bfloat16"]
     code, stdout = s.call("dpo", s.python("scripts/bench_preference.py", *size), 120)
-    return {"status": status(code), "result": last_json(stdout) if code == 0 else None}
+    return with_parts(s, "dpo", code, stdout)
 
 
 def stage_grpo(s: Suite) -> dict:
@@ -539,7 +559,7 @@ def stage_grpo(s: Suite) -> dict:
     size = toy if s.dry else ["--shape", "1b", "--prompts", "16", "--batch", "4", "--steps", "4", "--dtype",
                               "bfloat16", "--max-completion", "256", "--seq-len", "2560"]
     code, stdout = s.call("grpo", s.python("scripts/bench_grpo.py", *size, "--trl-python", sys.executable), 150)
-    return {"status": status(code), "result": last_json(stdout) if code == 0 else None}
+    return with_parts(s, "grpo", code, stdout)
 
 
 def stage_engine(s: Suite) -> dict:

@@ -63,6 +63,10 @@ def test_the_dry_run_exercises_every_stage_and_writes_one_summary(tmp_path):
     assert {"packed", "shared_prompt", "pair_per_row", "trl_layout"} <= set(dpo)
     assert dpo["shared_prompt"]["rows_per_epoch"] <= dpo["packed"]["rows_per_epoch"] < dpo["pair_per_row"][
         "rows_per_epoch"]
+    # what a dpo or grpo stage cut at its budget keeps: each layout's figures, read back from the log where the
+    # bench printed them as the layout ended (on 2026-11-28 and -29 both stages were cut with nothing kept)
+    parts = suite.parts_in_log(tmp_path / "dpo.log")
+    assert {"packed", "shared_prompt", "pair_per_row"} <= set(parts) and all(parts[k] == dpo[k] for k in parts)
     # the 1B stage's plumbing: throughput beside the plan (--finetune-plain adds the same run under
     # other settings; that remat keeps fewer activations, tests/test_scale.py's
     # test_remat_keeps_less_... shows)
