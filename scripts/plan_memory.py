@@ -26,7 +26,6 @@ records the plan beside what GPUs measured. The last line printed is one JSON ob
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -282,12 +281,9 @@ def sampling_memory(config, model, mesh, resident: int) -> dict:
     stored once in the paged KV cache, its G completions decoded through engine.slots slots. ``resident``: the
     weights and optimizer state that stay on the device meanwhile; the cache's pages count beside them."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
-    from seqjax.engine import loop
-    from seqjax.engine.engine import Engine, _generate, _waves
+    from seqjax.engine.engine import Engine
     from seqjax.model import sharding
     from seqjax.model.sampling import SamplingConfig
 
@@ -299,22 +295,14 @@ def sampling_memory(config, model, mesh, resident: int) -> dict:
     pure = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), nnx.to_pure_dict(state),
                         shardings)
     nnx.replace_by_pure_dict(state, pure)
-    lengths = [prompt] * rl.generation_prompts
-    waves = _waves(lengths, config.engine.prefill_tokens)
     engine = Engine(model, config.engine, state=state)
+    start = time.perf_counter()
     # (the loop at its full width: engine.shrink_to's narrower loop bodies run after it on fewer rows, hold less,
     # and each would compile the whole decode step again)
-    plan = dataclasses.replace(engine.plan(lengths, rl.num_generations, rl.max_completion_length, memory=False,
-                                           waves=waves), shrink_to=0)
-    rows, _ = engine.rows([[1] * prompt for _ in lengths], waves, plan, None)
-    abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
-    pool = loop.Pool(jax.ShapeDtypeStruct((plan.pages,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
-                     jax.ShapeDtypeStruct((), jnp.int32))
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    start = time.perf_counter()
-    compiled = _generate.lower(graphdef, state, jax.tree.map(abstract, rows), pool, plan, len(lengths),
-                               rl.num_generations, rl.max_completion_length, jax.ShapeDtypeStruct((1,), jnp.int32),
-                               SamplingConfig(rl.temperature, rl.top_k, rl.top_p).arrays(), key).compile()
+    lowered, plan = engine.lower([prompt] * rl.generation_prompts, copies=rl.num_generations,
+                                 max_new_tokens=rl.max_completion_length,
+                                 sampling=SamplingConfig(rl.temperature, rl.top_k, rl.top_p))
+    compiled = lowered.compile()
     temp = int(compiled.memory_analysis().temp_size_in_bytes)  # (the paged cache is made inside: counted here)
     return {"sampling_rows": rl.generation_prompts * rl.num_generations, "sampling_prompt_tokens": prompt,
             "sampling_slots": plan.slots, "sampling_kv_bytes_per_device": plan.kv_bytes,

@@ -160,6 +160,30 @@ def test_a_scanned_models_decode_step_traces_one_block_whatever_its_depth():
     assert 0 < scanned[0] == scanned[1] < unrolled[0] and unrolled[1] > unrolled[0], (scanned, unrolled)
 
 
+@pytest.mark.parametrize("layout", ["false", "true"], ids=["unrolled", "scanned"])
+def test_every_step_writes_the_pages_in_place(layout):
+    """The compiled sampling program (prefill, the decode loop, the next waves and a prompt's later pieces)
+    copies the pools of pages, [layers, pages, Hkv, page_size, D] for keys and for values, where the empty pools
+    are made; a scanned model's steps never, an unrolled model's one layer's pair at most (XLA keeps one layer's
+    pools apart around the copy-on-write's branch: a step moves 1/L of the cache, where copying every layer's
+    would move all of it each token, on a GPU more bytes than the weights the step reads)."""
+    model = model_of(f"model.scan_layers={layout}")
+    engine = Engine(model, EngineConfig(slots=4, page_size=4, prefill_tokens=8))
+    lowered, plan = engine.lower([5, 9, 3], copies=2, max_new_tokens=6, sampling=SamplingConfig(temperature=1.0))
+    text = lowered.compile().as_text()
+    stack = model.cfg.n_layers if layout == "true" else 1
+    pool = f"f32[{stack},{plan.pages},{model.cfg.kv_heads},4,{model.cfg.head_dim}]"
+    copies, computation = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith("{"):
+            computation = "entry" if line.startswith("ENTRY") else line.split()[0]
+        if " copy(" in line and f"= {pool}" in line:
+            copies[computation] = copies.get(computation, 0) + 1
+    assert text.count(pool) > 10 and "while(" in text  # (the pools, threaded through the loop)
+    copies.pop("entry", None)  # (the empty pools made)
+    assert (max(copies.values(), default=0) <= 2) if layout == "false" else not copies, copies
+
+
 @pytest.mark.slow  # (the full suite; the fast loop keeps the greedy and paging tests)
 @settings(max_examples=6, deadline=None)
 @given(lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4), slots=st.integers(1, 7),

@@ -173,6 +173,23 @@ class Engine:
         return [Completion(tokens[i, :lengths_out[i]].tolist(), bool(stopped[i]),
                            logprobs[i, :lengths_out[i]].tolist()) for i in range(len(tokens))]
 
+    def lower(self, lengths: Sequence[int], *, copies: int, max_new_tokens: int,
+              sampling: SamplingConfig) -> tuple[jax.stages.Lowered, Plan]:
+        """The program :meth:`run` compiles for prompts of ``lengths`` (``copies`` completions each, a
+        stop id), lowered from shapes alone (nothing runs, no memory is checked), with its plan; the loop
+        at its full width (``engine.shrink_to``'s narrower bodies hold less, and each compiles the step
+        again). scripts/plan_memory.py reads its memory, the tests its compiled program."""
+        waves = _waves(lengths, self.config.prefill_tokens)
+        plan = dataclasses.replace(self.plan(lengths, copies, max_new_tokens, memory=False, waves=waves),
+                                   shrink_to=0)
+        rows, _ = self.rows([[1] * n for n in lengths], waves, plan, None)
+        shape = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
+        scalar = jax.ShapeDtypeStruct((), jnp.int32)
+        pool = loop.Pool(jax.ShapeDtypeStruct((plan.pages,), jnp.int32), scalar, scalar)
+        return _generate.lower(self.graphdef, self.state, jax.tree.map(shape, rows), pool, plan, len(lengths),
+                               copies, max_new_tokens, jax.ShapeDtypeStruct((1,), jnp.int32), sampling.arrays(),
+                               jax.eval_shape(lambda: jax.random.key(0))), plan
+
     def rows(self, prompts, waves: Sequence["Wave"], plan: Plan, images: dict | None) -> tuple["Rows", int]:
         """Each wave's prefill rows (packed; one prompt a row with images; a piece's tokens in one
         row), stacked and padded to one shape, its prompts' page tables counting from 0 (the pages
