@@ -143,11 +143,12 @@ def test_the_engine_bench_measures_where_its_caller_runs(monkeypatch):
                                                                 shape="small", vocab=64, scan_layers=False))
     spec = {"overrides": overrides + tiny, "prompts": [[5, 6, 7], [8, 9]], "generations": 2, "max_new": 3,
             "stops": 2, "slots": 2, "page_size": 4, "attention": "xla", "vocab": 64, "engine": True, "shape": "small",
-            "hbm_gb_s": "0"}
+            "hbm_gb_s": "0", "workloads": ["fixed"]}
     row = bench.in_subprocess(sys.executable, spec, str(REPO))
     assert "error" not in row, row
     engine = row["fixed"]["engine"]
     assert engine["devices"] == 3 and engine["backend"] == "cpu" and engine["new_tokens"] == 12
+    assert "grpo" not in row  # (--workloads: the fixed one alone)
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:
     env = suite_env()
