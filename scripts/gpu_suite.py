@@ -585,8 +585,9 @@ def stage_engine(s: Suite) -> dict:
     result: dict[str, Any] = {}
     for name, size in sizes.items():
         code, stdout = s.call("engine", s.python("scripts/bench_engine.py", *size, "--samplers", "engine"), 110)
-        result[name] = last_json(stdout) if code == 0 else {"status": status(code)}
-        backend = next((w["engine"].get("backend") for w in (result[name] or {}).values()
+        result[name] = (last_json(stdout) or {"status": "failed (no summary line)"} if code == 0
+                        else {"status": status(code)})
+        backend = next((w["engine"].get("backend") for w in result[name].values()
                         if isinstance(w, dict) and "engine" in w), None)
         if code == 0 and not s.dry and backend != "gpu":  # (a figure from another device is no GPU figure)
             result[name] = {"status": f"failed (the engine ran on {backend}, not the GPU)"}
