@@ -181,13 +181,13 @@ def seqjax_samplers(spec: dict) -> dict:
     return out
 
 
+WORKLOADS = ("fixed", "grpo")
+
+
 def workloads(spec: dict, no_stop, stops) -> list[tuple[str, object]]:
     """The workloads ``--workloads`` names, each with its stop ids: ``fixed`` (``no_stop``), ``grpo``."""
     return [(name, stop) for name, stop in (("fixed", no_stop), ("grpo", stops))
             if name in spec.get("workloads", WORKLOADS)]
-
-
-WORKLOADS = ("fixed", "grpo")
 
 
 def transformers_worker(spec: dict) -> dict:

@@ -177,8 +177,9 @@ def test_every_step_writes_the_pages_in_place(layout):
     for line in text.splitlines():
         if line and not line.startswith(" ") and line.endswith("{"):
             computation = "entry" if line.startswith("ENTRY") else line.split()[0]
-        made = computation == "entry" and "broadcast" in line.split(" copy(")[-1]  # (an empty pool made)
-        if " copy(" in line and f"= {pool}" in line and not made:
+        if " copy(" not in line or f"= {pool}" not in line:
+            continue
+        if computation != "entry" or "broadcast" not in line.split(" copy(")[-1]:  # (else an empty pool made)
             copies[computation] = copies.get(computation, 0) + 1
     assert text.count(pool) > 10 and "while(" in text  # (the pools, threaded through the loop)
     assert (max(copies.values(), default=0) <= 2) if layout == "false" else not copies, copies

@@ -126,12 +126,11 @@ def test_the_opt_in_profile_recipe_quality_and_vision_stages_run_dry(tmp_path):
     assert (moe["onehot"]["loss_rel_diff"] < 1e-5) == (moe["onehot"]["dropped_pairs"] == 0), moe["onehot"]
 
 
-
 def test_the_engine_bench_measures_where_its_caller_runs(monkeypatch):
     """bench_engine runs each sampler in a fresh interpreter: that one keeps the caller's environment (on the GPU
     suite's machine its GPU and the suite's wheels), here seen as the three host devices the caller's XLA flags
-    ask for. (It once ran the worker on the CPU alone, whatever the
-    caller had: the GPU stage would have timed a 1B model's decode on the host.)"""
+    ask for. (It once ran the worker on the CPU alone, whatever the caller had: the GPU stage would have timed a
+    1B model's decode on the host.)"""
     from hf_support import script_module
 
     bench = script_module("bench_engine")
@@ -149,6 +148,7 @@ def test_the_engine_bench_measures_where_its_caller_runs(monkeypatch):
     engine = row["fixed"]["engine"]
     assert engine["devices"] == 3 and engine["backend"] == "cpu" and engine["new_tokens"] == 12
     assert "grpo" not in row  # (--workloads: the fixed one alone)
+
 
 def run_suite(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict]:
     env = suite_env()
